@@ -1,0 +1,50 @@
+// AttnServer: the attnserve gRPC server as an object (Create/Start/Shutdown),
+// used by main.cc and by tests that start a real server on 127.0.0.1:0.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+
+namespace attnserve {
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 50051;  // 0: pick a free port; AttnServer::port() tells which
+  BackendOptions backend;
+  // Largest ForwardRequest accepted, in bytes (also the gRPC receive limit).
+  int64_t max_request_bytes = int64_t{1} << 30;
+  // Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted.
+  int64_t max_tokens = int64_t{1} << 22;
+  // Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED.
+  int max_queue_size = 256;
+};
+
+class AttnServer {
+ public:
+  // Builds the backend named by options.backend.
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Create(const ServerOptions& options);
+  // Runs on the given backend (tests inject one).
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Create(
+      const ServerOptions& options, std::unique_ptr<AttentionBackend> backend);
+
+  virtual ~AttnServer() = default;
+
+  // Binds and starts serving; health turns SERVING once this returns OK.
+  virtual absl::Status Start() = 0;
+  // The bound port (after Start).
+  virtual int port() const = 0;
+  // Health NOT_SERVING, new requests UNAVAILABLE, in-flight ones finished
+  // (up to `grace`), then the gRPC server stops. Safe to call twice.
+  virtual void Shutdown(absl::Duration grace) = 0;
+  // Blocks until Shutdown has completed.
+  virtual void Wait() = 0;
+};
+
+}  // namespace attnserve
