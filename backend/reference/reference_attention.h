@@ -1,0 +1,27 @@
+// Float64 materialised attention: the ground truth for tests and benchmarks.
+// It builds the full Sq×Sk score matrix per (batch, head) on purpose; it is
+// never linked into the server.
+#pragma once
+
+#include <vector>
+
+#include "backend/params.h"
+
+namespace attnserve {
+
+struct ReferenceOutput {
+  std::vector<double> o;    // [total_q, Hq, D], the layout of params.o
+  std::vector<double> lse;  // the layout of params.lse (always filled); -inf for rows that see no key
+};
+
+// Exact attention in float64 over the inputs in `p` (host pointers, read as
+// p.dtype and widened). p.o and p.lse are ignored.
+ReferenceOutput ReferenceAttention(const AttnParams& p);
+
+// The same function evaluated the way a framework does it in p.dtype: scores
+// and probabilities rounded to p.dtype, output rounded to p.dtype, float
+// accumulation. Its distance from ReferenceAttention sets the FP16/BF16
+// tolerance (DESIGN.md §4). For FP32 it equals ReferenceAttention rounded to float.
+ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p);
+
+}  // namespace attnserve
