@@ -1,0 +1,22 @@
+// CheckParams: the contract's invariants (DESIGN.md §2) on a filled AttnParams.
+// Every backend's CanImplement starts here, so a kernel never sees params that
+// break them; the server validates the wire request first and names wire
+// fields, this is the last line of defence and names AttnParams fields.
+#pragma once
+
+#include "absl/status/status.h"
+#include "backend/params.h"
+
+namespace attnserve {
+
+// OK, or INVALID_ARGUMENT naming the field, the expected and the actual value.
+// Checks: dtype known; batch >= 0; heads > 0 and Hq % Hkv == 0; head_dim a
+// multiple of 8 in [8, 256]; sequence lengths >= 0; softmax_scale finite and
+// positive; softcap finite and >= 0; windows >= -1 and window_right == 0 when
+// causal (FillParams normalises it so kernels test only the window bounds);
+// varlen cu_seqlens start at 0, never decrease, end at total, and no sequence
+// is longer than seqlen_q/k; dense total == B * S; data pointers non-null when
+// there is anything to read or write.
+absl::Status CheckParams(const AttnParams& p);
+
+}  // namespace attnserve
