@@ -1,1 +1,126 @@
-// Placeholder; filled in shortly.
+// Float64 materialised attention and its low-precision twin (see the header).
+// Deliberately the textbook algorithm: full score matrix, then softmax, then
+// P·V, so it shares no code path with the fused kernels it checks. Masking
+// comes only from params.h's VisibleKeys, the contract's one statement of it.
+#include "backend/reference/reference_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "backend/dtype.h"
+
+namespace attnserve {
+namespace {
+
+// Which arithmetic the materialised algorithm runs in.
+enum class Precision {
+  kExact,  // double everywhere
+  kLow,    // float accumulation, intermediates rounded to p.dtype
+};
+
+// Rounds x to the intermediate precision of the run.
+inline double Round(Precision prec, DType t, double x) {
+  return prec == Precision::kExact ? x : RoundTo(t, static_cast<float>(x));
+}
+
+ReferenceOutput Run(const AttnParams& p, Precision prec) {
+  const int hq = p.num_heads_q;
+  const int d = p.head_dim;
+  const int64_t total_q = p.total_q;
+  ReferenceOutput out;
+  out.o.assign(static_cast<size_t>(total_q * hq * d), 0.0);
+  out.lse.assign(static_cast<size_t>(total_q * hq), -std::numeric_limits<double>::infinity());
+  const double scale = p.softmax_scale;
+  const double cap = p.softcap;
+
+  std::vector<double> scores;  // [sq, sk]: materialised on purpose
+  std::vector<double> qrow(d);
+  std::vector<double> krows;   // [sk, d], widened once per (b, h)
+  std::vector<double> vrows;
+  for (int b = 0; b < p.batch; ++b) {
+    const int sq = SeqLenQ(p, b);
+    const int sk = SeqLenK(p, b);
+    const int64_t q0 = SeqStartQ(p, b);
+    const int64_t k0 = SeqStartK(p, b);
+    for (int h = 0; h < hq; ++h) {
+      const int hk = KVHead(p, h);
+      krows.assign(static_cast<size_t>(sk) * d, 0.0);
+      vrows.assign(static_cast<size_t>(sk) * d, 0.0);
+      for (int j = 0; j < sk; ++j) {
+        const int64_t off = KVOffset(p, k0 + j, hk);
+        for (int c = 0; c < d; ++c) {
+          krows[static_cast<size_t>(j) * d + c] = LoadAsFloat(p.k, p.dtype, off + c);
+          vrows[static_cast<size_t>(j) * d + c] = LoadAsFloat(p.v, p.dtype, off + c);
+        }
+      }
+      scores.assign(static_cast<size_t>(sq) * sk, 0.0);
+      for (int i = 0; i < sq; ++i) {
+        const int64_t qoff = QOffset(p, q0 + i, h);
+        for (int c = 0; c < d; ++c) qrow[c] = LoadAsFloat(p.q, p.dtype, qoff + c);
+        int lo, hi;
+        VisibleKeys(p, i, sq, sk, &lo, &hi);
+        double* srow = &scores[static_cast<size_t>(i) * sk];
+        // Softmax over the visible keys only; masked scores never enter it.
+        double m = -std::numeric_limits<double>::infinity();
+        for (int j = lo; j <= hi; ++j) {
+          const double* kr = &krows[static_cast<size_t>(j) * d];
+          double s;
+          if (prec == Precision::kExact) {
+            s = 0.0;
+            for (int c = 0; c < d; ++c) s += qrow[c] * kr[c];
+          } else {
+            float sf = 0.0f;
+            for (int c = 0; c < d; ++c) {
+              sf += static_cast<float>(qrow[c]) * static_cast<float>(kr[c]);
+            }
+            s = sf;
+          }
+          s = Round(prec, p.dtype, s * scale);
+          if (cap > 0.0) s = Round(prec, p.dtype, cap * std::tanh(s / cap));
+          srow[j] = s;
+          m = std::max(m, s);
+        }
+        if (lo > hi) continue;  // sees no key: O = 0, LSE = -inf (already so)
+        double sum = 0.0;
+        for (int j = lo; j <= hi; ++j) {
+          srow[j] = prec == Precision::kExact ? std::exp(srow[j] - m)
+                                              : std::exp(static_cast<float>(srow[j] - m));
+          sum += srow[j];
+        }
+        if (prec == Precision::kLow) sum = static_cast<float>(sum);
+        double* orow = &out.o[static_cast<size_t>(QOffset(p, q0 + i, h))];
+        for (int j = lo; j <= hi; ++j) {
+          const double pj = Round(prec, p.dtype, srow[j] / sum);
+          const double* vr = &vrows[static_cast<size_t>(j) * d];
+          for (int c = 0; c < d; ++c) orow[c] += pj * vr[c];
+          if (prec == Precision::kLow) {
+            for (int c = 0; c < d; ++c) orow[c] = static_cast<float>(orow[c]);
+          }
+        }
+        for (int c = 0; c < d; ++c) orow[c] = Round(prec, p.dtype, orow[c]);
+        const double lse = std::log(sum) + m;
+        out.lse[static_cast<size_t>(LseOffset(p, b, h, i))] =
+            prec == Precision::kExact ? lse : static_cast<float>(lse);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+ReferenceOutput ReferenceAttention(const AttnParams& p) { return Run(p, Precision::kExact); }
+
+ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p) {
+  if (p.dtype != DType::kFP32) return Run(p, Precision::kLow);
+  // FP32 inputs: the low-precision result is the exact one rounded to float,
+  // as the header promises (a float re-run would only add accumulation noise).
+  ReferenceOutput out = Run(p, Precision::kExact);
+  for (double& x : out.o) x = static_cast<float>(x);
+  for (double& x : out.lse) x = static_cast<float>(x);
+  return out;
+}
+
+}  // namespace attnserve
