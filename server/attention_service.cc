@@ -1,1 +1,243 @@
-// placeholder
+// Reactors for Forward, ForwardStream and GetServerInfo; see attention_service.h.
+#include "server/attention_service.h"
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/status_mapping.h"
+
+namespace attnserve {
+namespace {
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+// Unary Forward: the handler's completion finishes the RPC with the mapped status.
+class ForwardReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ForwardReactor(ForwardHandler* handler, const grpc::CallbackServerContext* context,
+                 const v1::ForwardRequest* request, v1::ForwardResponse* response)
+      : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    // Finish may run before this constructor returns (a refused request);
+    // the callback API holds it until the reactor is bound to the call.
+    handler->Start(request, response, DeadlineOf(context), cancelled_,
+                   [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
+  }
+
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  void OnDone() override { delete this; }
+
+ private:
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
+// ForwardStream: keeps reading while earlier requests run, writes responses as
+// they complete (so possibly out of order), one write in flight and the rest
+// queued. A failed request becomes a response with error_code/error_message.
+// The RPC finishes once the client has half-closed (or the call is gone) and
+// every admitted request has completed and been written (or can no longer be).
+//
+// Lifetime: gRPC calls OnDone only after Finish, and Finish is called only
+// when no request is pending in the executor, so no completion callback can
+// outlive the reactor. Decisions are made under mu_; StartWrite and Finish are
+// called after releasing it, and nothing touches `this` after Finish.
+class ForwardStreamReactor final
+    : public grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse> {
+ public:
+  ForwardStreamReactor(ForwardHandler* handler, const grpc::CallbackServerContext* context)
+      : handler_(handler),
+        deadline_(DeadlineOf(context)),
+        cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // Half-close, cancellation or a broken stream: no more requests.
+      bool finish;
+      {
+        absl::MutexLock lock(&mu_);
+        reads_done_ = true;
+        finish = ShouldFinishLocked();
+      }
+      if (finish) FinishStream();
+      return;
+    }
+    auto call = std::make_unique<Call>();
+    call->request.Swap(&incoming_);
+    Call* raw = call.get();
+    {
+      absl::MutexLock lock(&mu_);
+      ++pending_;
+      calls_.push_back(std::move(call));
+    }
+    // Read the next request while this one runs: pipelining is the point.
+    StartRead(&incoming_);
+    handler_->Start(&raw->request, &raw->response, deadline_, cancelled_,
+                    [this, raw](const absl::Status& status) { OnRequestDone(raw, status); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    v1::ForwardResponse* next = nullptr;
+    bool finish;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      RemoveCallLocked(ready_.front());
+      ready_.pop_front();
+      // A failed write means the stream is gone; what is left cannot be sent.
+      if (!ok) write_failed_ = true;
+      next = NextWriteLocked();
+      finish = next == nullptr && ShouldFinishLocked();
+    }
+    if (next != nullptr) {
+      StartWrite(next);
+    } else if (finish) {
+      FinishStream();
+    }
+  }
+
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  void OnDone() override { delete this; }
+
+ private:
+  struct Call {
+    v1::ForwardRequest request;
+    v1::ForwardResponse response;
+  };
+
+  // The handler's completion, on the executor's thread or inside OnReadDone.
+  void OnRequestDone(Call* call, const absl::Status& status) {
+    if (!status.ok()) {
+      call->response.set_error_code(ToRpcCode(status));
+      call->response.set_error_message(std::string(status.message()));
+    }
+    v1::ForwardResponse* next = nullptr;
+    bool finish;
+    {
+      absl::MutexLock lock(&mu_);
+      --pending_;
+      ready_.push_back(call);
+      next = NextWriteLocked();
+      finish = next == nullptr && ShouldFinishLocked();
+    }
+    if (next != nullptr) {
+      StartWrite(next);
+    } else if (finish) {
+      FinishStream();
+    }
+  }
+
+  // The response to write now, marking a write in flight, or null.
+  v1::ForwardResponse* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (write_failed_) {
+      for (Call* c : ready_) RemoveCallLocked(c);
+      ready_.clear();
+    }
+    if (writing_ || ready_.empty()) return nullptr;
+    writing_ = true;
+    return &ready_.front()->response;
+  }
+
+  bool ShouldFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) return false;
+    finished_ = true;
+    return true;
+  }
+
+  void RemoveCallLocked(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto it = calls_.begin(); it != calls_.end(); ++it) {
+      if (it->get() == call) {
+        calls_.erase(it);
+        return;
+      }
+    }
+  }
+
+  void FinishStream() {
+    // Per-request errors travel in responses; the stream itself succeeded
+    // unless the client went away.
+    Finish(cancelled_->load(std::memory_order_acquire)
+               ? grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled")
+               : grpc::Status::OK);
+  }
+
+  ForwardHandler* const handler_;
+  const absl::Time deadline_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+  v1::ForwardRequest incoming_;  // the buffer of the one read in flight
+
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<Call>> calls_ ABSL_GUARDED_BY(mu_);  // owns every live call
+  std::deque<Call*> ready_ ABSL_GUARDED_BY(mu_);  // completed, not yet written; front is in flight
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;          // handed to the handler, not completed
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+const std::vector<std::string>& ServerFeatures() {
+  static const auto* features = new std::vector<std::string>{
+      "causal", "sliding_window", "softcap",        "gqa",    "mqa",
+      "varlen", "return_lse",     "forward_stream", "health", "reflection"};
+  return *features;
+}
+
+AttentionService::AttentionService(ForwardHandler* handler, const AttentionBackend* backend,
+                                   const ServiceInfo& info)
+    : handler_(handler), backend_(backend), info_(info) {}
+
+grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
+                                                    const v1::ForwardRequest* request,
+                                                    v1::ForwardResponse* response) {
+  return new ForwardReactor(handler_, context, request, response);
+}
+
+grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>*
+AttentionService::ForwardStream(grpc::CallbackServerContext* context) {
+  return new ForwardStreamReactor(handler_, context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                          const v1::GetServerInfoRequest*,
+                                                          v1::GetServerInfoResponse* response) {
+  const BackendDescription& d = backend_->Describe();
+  response->set_version(ATTNSERVE_VERSION);
+  response->set_backend(d.name);
+  for (const DeviceDescription& device : d.devices) {
+    v1::DeviceInfo* out = response->add_devices();
+    out->set_index(device.index);
+    out->set_name(device.name);
+    out->set_compute_capability_major(device.compute_capability_major);
+    out->set_compute_capability_minor(device.compute_capability_minor);
+    out->set_total_memory_bytes(device.total_memory_bytes);
+  }
+  for (DType t : d.dtypes) response->add_dtypes(static_cast<v1::DType>(t));
+  response->set_min_head_dim(d.min_head_dim);
+  response->set_max_head_dim(d.max_head_dim);
+  response->set_head_dim_multiple(d.head_dim_multiple);
+  v1::ServerLimits* limits = response->mutable_limits();
+  limits->set_max_request_bytes(info_.max_request_bytes);
+  limits->set_max_tokens(info_.max_tokens);
+  limits->set_max_queue_size(info_.max_queue_size);
+  for (const std::string& f : ServerFeatures()) response->add_features(f);
+  response->set_cpu_threads(d.cpu_threads);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace attnserve

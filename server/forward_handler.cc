@@ -1,1 +1,128 @@
-// placeholder
+// One ForwardRequest from receipt to a filled ForwardResponse; see forward_handler.h.
+#include "server/forward_handler.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace {
+
+// Request ids are client-chosen; a log line stays one short line whatever they send.
+constexpr size_t kMaxLoggedIdChars = 128;
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ","), "]");
+}
+
+// Client errors are routine for a server; only its own failures are errors.
+spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kDataLoss:
+      return spdlog::level::err;
+    default:
+      return spdlog::level::info;
+  }
+}
+
+// Binds freshly allocated O (like Q) and LSE into `response` and `params`.
+// The response owns the buffers, so the backend writes straight into the
+// bytes that go on the wire.
+absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                         AttnParams* params) {
+  const v1::Tensor& q = request.q();
+  v1::Tensor* o = response->mutable_o();
+  o->set_dtype(q.dtype());
+  *o->mutable_shape() = q.shape();
+  o->mutable_data()->resize(q.data().size());
+  params->o = o->mutable_data()->data();
+  params->lse = nullptr;
+  if (request.options().return_lse()) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::FP32);
+    if (q.shape_size() == 4) {
+      lse->add_shape(params->batch);
+      lse->add_shape(params->num_heads_q);
+      lse->add_shape(params->seqlen_q);
+    } else {
+      lse->add_shape(params->num_heads_q);
+      lse->add_shape(params->total_q);
+    }
+    lse->mutable_data()->resize(static_cast<size_t>(LseElements(*params)) * sizeof(float));
+    params->lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ForwardHandler::ForwardHandler(Executor* executor, std::string backend_name,
+                               const RequestLimits& limits)
+    : executor_(executor), backend_name_(std::move(backend_name)), limits_(limits) {}
+
+void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
+                           absl::Time deadline,
+                           std::shared_ptr<const std::atomic<bool>> cancelled, Done done) {
+  const absl::Time received = absl::Now();
+  auto refuse = [&](const absl::Status& status) {
+    WorkTimings timings;
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - received);
+    Complete(*request, response, status, timings, done);
+  };
+
+  absl::StatusOr<AttnParams> params = ValidateAndFillParams(*request, limits_);
+  if (!params.ok()) return refuse(params.status());
+
+  WorkItem item;
+  item.params = *params;
+  item.received = received;
+  item.deadline = deadline;
+  item.cancelled = std::move(cancelled);
+  item.bind_outputs = [request, response](AttnParams* p) {
+    return BindOutputs(*request, response, p);
+  };
+  item.done = [this, request, response, done](const absl::Status& status,
+                                              const WorkTimings& timings) {
+    Complete(*request, response, status, timings, done);
+  };
+  absl::Status admitted = executor_->Submit(std::move(item));
+  if (!admitted.ok()) refuse(admitted);
+}
+
+void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                              const absl::Status& status, const WorkTimings& timings,
+                              const Done& done) const {
+  response->set_request_id(request.request_id());
+  response->set_backend(backend_name_);
+  if (!status.ok()) {
+    // Partial outputs are meaningless and may be large: never send them.
+    response->clear_o();
+    response->clear_lse();
+  }
+  v1::ServerTiming* t = response->mutable_timing();
+  t->set_queue_us(timings.queue_us);
+  t->set_host_to_device_us(timings.host_to_device_us);
+  t->set_compute_us(timings.compute_us);
+  t->set_device_to_host_us(timings.device_to_host_us);
+  t->set_total_us(timings.total_us);
+
+  // Shapes, dtype and outcome only: tensor bytes never reach the log.
+  spdlog::log(LogLevelFor(status),
+              "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
+              "queue_us={} compute_us={} total_us={}",
+              request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q()), ShapeString(request.k()),
+              ShapeString(request.v()), v1::DType_Name(request.q().dtype()),
+              request.cu_seqlens_q_size() > 0 ? "varlen" : "dense",
+              request.options().causal(), request.options().return_lse(),
+              absl::StatusCodeToString(status.code()), status.ok() ? "" : " error=",
+              status.ok() ? std::string() : std::string(status.message()), timings.queue_us,
+              timings.compute_us, timings.total_us);
+  done(status);
+}
+
+}  // namespace attnserve

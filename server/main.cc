@@ -1,1 +1,113 @@
-int main() { return 0; }
+// attnserve: the attention service binary. Parses flags, starts AttnServer and
+// drains it on SIGINT/SIGTERM (exit 0 once in-flight requests have finished).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on (0.0.0.0: all IPv4; [::]: all)");
+ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one (logged at startup)");
+ABSL_FLAG(std::string, backend, "auto",
+          "Compute backend: auto (CUDA if a GPU is usable, else CPU), cpu or cuda");
+ABSL_FLAG(int, threads, 0, "Worker threads of the CPU backend; 0 = one per hardware thread");
+ABSL_FLAG(int, cuda_device, 0, "GPU index for the CUDA backend");
+ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
+          "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
+ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
+          "Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted");
+ABSL_FLAG(int, max_queue_size, 256,
+          "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+          "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
+ABSL_FLAG(std::string, log_level, "info",
+          "Log level: trace, debug, info, warn, error, critical or off");
+
+namespace {
+
+// --help lists this binary's flags (declared here), not every library's.
+bool IsOurFlagFile(absl::string_view file) { return absl::StrContains(file, "server/main.cc"); }
+
+bool ParseLogLevel(const std::string& name, spdlog::level::level_enum* level) {
+  static const std::vector<std::pair<std::string, spdlog::level::level_enum>> kLevels = {
+      {"trace", spdlog::level::trace}, {"debug", spdlog::level::debug},
+      {"info", spdlog::level::info},   {"warn", spdlog::level::warn},
+      {"error", spdlog::level::err},   {"critical", spdlog::level::critical},
+      {"off", spdlog::level::off}};
+  for (const auto& [n, l] : kLevels) {
+    if (n == name) {
+      *level = l;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = IsOurFlagFile;
+  usage.contains_helpshort_flags = IsOurFlagFile;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "fused multi-head attention over gRPC (attnserve.v1.Attention, "
+      "grpc.health.v1, reflection).\nUsage: attnserve [--port=50051] [--backend=auto|cpu|cuda] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  spdlog::level::level_enum level;
+  if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "--log_level: expected trace, debug, info, warn, error, critical or off; "
+                         "got \"%s\"\n", absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
+  }
+  spdlog::set_level(level);
+
+  // Block the shutdown signals before any thread starts, so every thread
+  // inherits the mask and only sigwait below receives them: the drain then
+  // runs on an ordinary thread, not inside a signal handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  attnserve::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.backend.kind = absl::GetFlag(FLAGS_backend);
+  options.backend.cpu_threads = absl::GetFlag(FLAGS_threads);
+  options.backend.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+
+  auto server = attnserve::AttnServer::Create(options);
+  if (!server.ok()) {
+    spdlog::critical("cannot create server: {}", server.status().ToString());
+    return 1;
+  }
+  absl::Status started = (*server)->Start();
+  if (!started.ok()) {
+    spdlog::critical("cannot start server: {}", started.ToString());
+    return 1;
+  }
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  spdlog::info("received {}; shutting down", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
+  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace));
+  (*server)->Wait();
+  return 0;
+}

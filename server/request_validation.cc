@@ -1,1 +1,327 @@
-// placeholder
+// ForwardRequest validation and FillParams; see request_validation.h. The
+// checks run cheapest first and stop at the first failure, so one message
+// names one field.
+#include "server/request_validation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "backend/dtype.h"
+#include "backend/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+constexpr int64_t kSaturated = std::numeric_limits<int64_t>::max();
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+std::string WireDTypeName(int value) {
+  const std::string& name = v1::DType_Name(static_cast<v1::DType>(value));
+  return name.empty() ? absl::StrCat("unknown dtype ", value) : name;
+}
+
+bool IsKnownDType(int value) {
+  return value == v1::FP16 || value == v1::BF16 || value == v1::FP32;
+}
+
+// prod(shape), saturating at kSaturated: dims are already bounded by kMaxDim,
+// but four of them can still overflow int64.
+int64_t Elements(const v1::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d != 0 && n > kSaturated / d) return kSaturated;
+    n *= d;
+  }
+  return n;
+}
+
+absl::Status CheckDType(const char* name, const v1::Tensor& t, const v1::Tensor& q) {
+  if (!IsKnownDType(t.dtype())) {
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
+                                WireDTypeName(t.dtype())));
+  }
+  if (t.dtype() != q.dtype()) {
+    return Invalid(absl::StrCat(name, ".dtype: expected ", WireDTypeName(q.dtype()),
+                                " (Q, K and V share one dtype), got ", WireDTypeName(t.dtype())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDims(const char* name, const v1::Tensor& t) {
+  for (int i = 0; i < t.shape_size(); ++i) {
+    if (t.shape(i) < 0 || t.shape(i) > kMaxDim) {
+      return Invalid(absl::StrCat(name, ".shape[", i, "]: expected 0 <= size <= ", kMaxDim,
+                                  ", got ", t.shape(i), " (shape ", ShapeString(t), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
+  const int64_t elements = Elements(t);
+  const int64_t elem_size = DTypeSize(static_cast<DType>(t.dtype()));
+  const int64_t actual = static_cast<int64_t>(t.data().size());
+  if (elements > kSaturated / elem_size) {
+    return Invalid(absl::StrCat(name, ".data: shape ", ShapeString(t),
+                                " needs more than 2^63 bytes, got ", actual, " bytes"));
+  }
+  const int64_t expected = elements * elem_size;
+  if (actual != expected) {
+    return Invalid(absl::StrCat(name, ".data: expected ", expected, " bytes (",
+                                WireDTypeName(t.dtype()), " ", ShapeString(t), " = ", elements,
+                                " elements x ", elem_size, " bytes), got ", actual, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// One side's cu_seqlens: B+1 offsets from 0, non-decreasing, ending at `total`.
+absl::Status CheckCuSeqlens(const char* name, const google::protobuf::RepeatedField<int32_t>& cu,
+                            int64_t total, const char* total_name) {
+  if (cu.empty()) return Invalid(absl::StrCat(name, ": expected B+1 >= 1 offsets, got none"));
+  if (cu[0] != 0) return Invalid(absl::StrCat(name, "[0]: expected 0, got ", cu[0]));
+  for (int i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      return Invalid(absl::StrCat(name, "[", i, "]: expected >= ", name, "[", i - 1,
+                                  "] = ", cu[i - 1], " (offsets never decrease), got ", cu[i]));
+    }
+  }
+  const int last = cu.size() - 1;
+  if (cu[last] != total) {
+    return Invalid(absl::StrCat(name, "[", last, "]: expected ", total_name, " = ", total,
+                                " (the last offset is the total row count), got ", cu[last]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShapes(const v1::ForwardRequest& r) {
+  const v1::Tensor& q = r.q();
+  const v1::Tensor& k = r.k();
+  const v1::Tensor& v = r.v();
+  const int rank = q.shape_size();
+  if (rank != 4 && rank != 3) {
+    return Invalid(absl::StrCat(
+        "q.shape: expected rank 4 (dense [B, Sq, Hq, D]) or 3 (varlen [Tq, Hq, D]), got rank ",
+        rank, " ", ShapeString(q)));
+  }
+  const bool dense = rank == 4;
+  const char* kv_layout = dense ? "[B, Sk, Hkv, D]" : "[Tk, Hkv, D]";
+  if (k.shape_size() != rank) {
+    return Invalid(absl::StrCat("k.shape: expected rank ", rank, " like q (", kv_layout,
+                                "), got rank ", k.shape_size(), " ", ShapeString(k)));
+  }
+  if (v.shape_size() != rank) {
+    return Invalid(absl::StrCat("v.shape: expected rank ", rank, " like q (", kv_layout,
+                                "), got rank ", v.shape_size(), " ", ShapeString(v)));
+  }
+  RETURN_IF_ERROR(CheckDims("q", q));
+  RETURN_IF_ERROR(CheckDims("k", k));
+  RETURN_IF_ERROR(CheckDims("v", v));
+  RETURN_IF_ERROR(CheckByteLength("q", q));
+  RETURN_IF_ERROR(CheckByteLength("k", k));
+  RETURN_IF_ERROR(CheckByteLength("v", v));
+
+  for (int i = 0; i < rank; ++i) {
+    if (v.shape(i) != k.shape(i)) {
+      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k), " (the shape of k), got ",
+                                  ShapeString(v)));
+    }
+  }
+  const int h_axis = rank - 2;
+  const int d_axis = rank - 1;
+  if (dense && k.shape(0) != q.shape(0)) {
+    return Invalid(absl::StrCat("k.shape[0]: expected batch ", q.shape(0),
+                                " (q.shape[0]), got ", k.shape(0)));
+  }
+  if (q.shape(h_axis) < 1) {
+    return Invalid(absl::StrCat("q.shape[", h_axis, "]: expected Hq >= 1 heads, got ",
+                                q.shape(h_axis)));
+  }
+  if (k.shape(h_axis) < 1) {
+    return Invalid(absl::StrCat("k.shape[", h_axis, "]: expected Hkv >= 1 heads, got ",
+                                k.shape(h_axis)));
+  }
+  if (q.shape(h_axis) % k.shape(h_axis) != 0) {
+    return Invalid(absl::StrCat("k.shape[", h_axis, "]: expected Hkv dividing Hq = ",
+                                q.shape(h_axis), " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ",
+                                k.shape(h_axis)));
+  }
+  const int64_t d = q.shape(d_axis);
+  if (d < kMinHeadDim || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
+    return Invalid(absl::StrCat("q.shape[", d_axis, "]: expected head dim D a multiple of ",
+                                kHeadDimMultiple, " in [", kMinHeadDim, ", ", kMaxHeadDim,
+                                "], got ", d));
+  }
+  if (k.shape(d_axis) != d) {
+    return Invalid(absl::StrCat("k.shape[", d_axis, "]: expected head dim ", d, " (q.shape[",
+                                d_axis, "]; V has the same D as K), got ", k.shape(d_axis)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTokens(const v1::ForwardRequest& r, const RequestLimits& limits) {
+  const auto& qs = r.q().shape();
+  const auto& ks = r.k().shape();
+  // Dims are <= 2^31 here, so these products and the sum fit in int64.
+  const bool dense = qs.size() == 4;
+  const int64_t tokens = dense ? qs[0] * qs[1] + ks[0] * ks[1] : qs[0] + ks[0];
+  if (tokens > limits.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tokens: expected at most ", limits.max_tokens, " (--max_tokens) query + key rows (",
+        dense ? "B*Sq + B*Sk" : "Tq + Tk", "), got ", tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSeqlens(const v1::ForwardRequest& r) {
+  const bool has_q = !r.cu_seqlens_q().empty();
+  const bool has_k = !r.cu_seqlens_k().empty();
+  if (r.q().shape_size() == 4) {
+    if (has_q || has_k) {
+      const char* name = has_q ? "cu_seqlens_q" : "cu_seqlens_k";
+      const int n = has_q ? r.cu_seqlens_q_size() : r.cu_seqlens_k_size();
+      return Invalid(absl::StrCat(name, ": expected none for dense rank-4 tensors (varlen takes "
+                                  "rank-3 [T, H, D] tensors), got ", n, " offsets"));
+    }
+    return absl::OkStatus();
+  }
+  if (!has_q && !has_k) {
+    return Invalid(
+        "cu_seqlens_q: expected B+1 offsets with rank-3 (varlen [T, H, D]) tensors, got none "
+        "(cu_seqlens_q and cu_seqlens_k both empty)");
+  }
+  if (has_q != has_k) {
+    const char* missing = has_q ? "cu_seqlens_k" : "cu_seqlens_q";
+    const char* present = has_q ? "cu_seqlens_q" : "cu_seqlens_k";
+    return Invalid(absl::StrCat(missing, ": expected B+1 offsets like ", present,
+                                " (both or neither), got none"));
+  }
+  if (r.cu_seqlens_k_size() != r.cu_seqlens_q_size()) {
+    return Invalid(absl::StrCat("cu_seqlens_k: expected ", r.cu_seqlens_q_size(),
+                                " offsets (B+1, the length of cu_seqlens_q), got ",
+                                r.cu_seqlens_k_size()));
+  }
+  RETURN_IF_ERROR(CheckCuSeqlens("cu_seqlens_q", r.cu_seqlens_q(), r.q().shape(0), "Tq"));
+  RETURN_IF_ERROR(CheckCuSeqlens("cu_seqlens_k", r.cu_seqlens_k(), r.k().shape(0), "Tk"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckOptions(const v1::AttentionOptions& o) {
+  if (o.has_window_left() && o.window_left() < 0) {
+    return Invalid(absl::StrCat(
+        "options.window_left: expected >= 0 (leave unset for unlimited), got ", o.window_left()));
+  }
+  if (o.has_window_right() && o.window_right() < 0) {
+    return Invalid(absl::StrCat(
+        "options.window_right: expected >= 0 (leave unset for unlimited), got ", o.window_right()));
+  }
+  if (o.has_softmax_scale() && (!std::isfinite(o.softmax_scale()) || !(o.softmax_scale() > 0))) {
+    return Invalid(absl::StrCat(
+        "options.softmax_scale: expected finite and > 0 (leave unset for 1/sqrt(D)), got ",
+        o.softmax_scale()));
+  }
+  if (!std::isfinite(o.softcap()) || o.softcap() < 0) {
+    return Invalid(absl::StrCat("options.softcap: expected finite and >= 0 (0 = off), got ",
+                                o.softcap()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
+                                    const RequestLimits& limits) {
+  const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+  if (bytes > limits.max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("request: expected at most ",
+                                                     limits.max_request_bytes,
+                                                     " bytes (--max_request_bytes), got ", bytes));
+  }
+  RETURN_IF_ERROR(CheckDType("q", request.q(), request.q()));
+  RETURN_IF_ERROR(CheckDType("k", request.k(), request.q()));
+  RETURN_IF_ERROR(CheckDType("v", request.v(), request.q()));
+  RETURN_IF_ERROR(CheckShapes(request));
+  RETURN_IF_ERROR(CheckTokens(request, limits));
+  RETURN_IF_ERROR(CheckSeqlens(request));
+  RETURN_IF_ERROR(CheckOptions(request.options()));
+  return absl::OkStatus();
+}
+
+AttnParams FillParams(const v1::ForwardRequest& request) {
+  const v1::Tensor& q = request.q();
+  const v1::Tensor& k = request.k();
+  const bool dense = q.shape_size() == 4;
+  const int h_axis = q.shape_size() - 2;
+  const int d_axis = q.shape_size() - 1;
+
+  AttnParams p{};
+  p.dtype = static_cast<DType>(q.dtype());
+  p.q = q.data().data();
+  p.k = k.data().data();
+  p.v = request.v().data().data();
+  p.o = nullptr;
+  p.lse = nullptr;
+  p.num_heads_q = static_cast<int32_t>(q.shape(h_axis));
+  p.num_heads_kv = static_cast<int32_t>(k.shape(h_axis));
+  p.head_dim = static_cast<int32_t>(q.shape(d_axis));
+  if (dense) {
+    p.batch = static_cast<int32_t>(q.shape(0));
+    p.seqlen_q = static_cast<int32_t>(q.shape(1));
+    p.seqlen_k = static_cast<int32_t>(k.shape(1));
+    p.total_q = q.shape(0) * q.shape(1);
+    p.total_k = k.shape(0) * k.shape(1);
+    p.cu_seqlens_q = nullptr;
+    p.cu_seqlens_k = nullptr;
+  } else {
+    const auto& cu_q = request.cu_seqlens_q();
+    const auto& cu_k = request.cu_seqlens_k();
+    p.batch = cu_q.size() - 1;
+    p.total_q = q.shape(0);
+    p.total_k = k.shape(0);
+    p.cu_seqlens_q = cu_q.data();
+    p.cu_seqlens_k = cu_k.data();
+    // Varlen kernels size per-sequence work by the longest sequence.
+    p.seqlen_q = 0;
+    p.seqlen_k = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      p.seqlen_q = std::max(p.seqlen_q, cu_q[b + 1] - cu_q[b]);
+      p.seqlen_k = std::max(p.seqlen_k, cu_k[b + 1] - cu_k[b]);
+    }
+  }
+
+  const v1::AttentionOptions& o = request.options();
+  p.softmax_scale = o.has_softmax_scale() ? o.softmax_scale()
+                                          : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  // log2(e): kernels use exp2, so the scale carries the change of base.
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.softcap = o.softcap();
+  p.is_causal = o.causal();
+  p.window_left = o.has_window_left() ? o.window_left() : kNoWindow;
+  // Causal is the window's right bound at the diagonal (params.h), whatever
+  // window_right says: the contract makes the causal bound win.
+  p.window_right = o.causal() ? 0 : (o.has_window_right() ? o.window_right() : kNoWindow);
+  return p;
+}
+
+absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
+                                                 const RequestLimits& limits) {
+  RETURN_IF_ERROR(ValidateForwardRequest(request, limits));
+  return FillParams(request);
+}
+
+int64_t OutputElements(const AttnParams& p) {
+  return p.total_q * p.num_heads_q * p.head_dim;
+}
+
+int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
+
+}  // namespace attnserve

@@ -1,1 +1,251 @@
-// placeholder
+// AttnServer: wires backend, executor, front-end, health and reflection into a
+// grpc::Server, and drains it on Shutdown; see server.h.
+#include "server/server.h"
+
+#include <algorithm>
+#include <climits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "server/attention_service.h"
+#include "server/executor.h"
+#include "server/forward_handler.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace {
+
+// Headroom above max_request_bytes for the gRPC receive limit, so a request
+// just over the limit reaches validation and gets the message that names
+// --max_request_bytes instead of gRPC's generic one.
+constexpr int64_t kReceiveSlackBytes = 64 * 1024;
+
+// After draining, how long gRPC gets to flush the last responses and close
+// streams that clients keep open, when the grace period is already spent.
+constexpr absl::Duration kMinStopTime = absl::Milliseconds(200);
+
+const char kServiceName[] = "attnserve.v1.Attention";
+
+std::string ListenAddress(const std::string& host, int port) {
+  // An IPv6 literal needs brackets before ":port".
+  if (absl::StrContains(host, ':') && !absl::StartsWith(host, "[")) {
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+absl::Status CheckOptions(const ServerOptions& o) {
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port: expected 0..65535, got ", o.port));
+  }
+  if (o.max_request_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes: expected > 0, got ", o.max_request_bytes));
+  }
+  if (o.max_tokens <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: expected > 0, got ", o.max_tokens));
+  }
+  if (o.max_queue_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
+  }
+  return absl::OkStatus();
+}
+
+// Runs one tiny request through the executor, so health turns SERVING only
+// once the backend has computed something (a CUDA context exists, kernels load).
+absl::Status WarmUp(Executor* executor) {
+  constexpr int kRows = 4;
+  constexpr int kDim = 8;
+  std::vector<float> q(kRows * kDim, 0.5f), k(kRows * kDim, 0.25f), v(kRows * kDim, 1.0f);
+  std::vector<float> o(kRows * kDim), lse(kRows);
+  AttnParams p{};
+  p.dtype = DType::kFP32;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.o = o.data();
+  p.lse = lse.data();
+  p.batch = 1;
+  p.num_heads_q = 1;
+  p.num_heads_kv = 1;
+  p.head_dim = kDim;
+  p.seqlen_q = kRows;
+  p.seqlen_k = kRows;
+  p.total_q = kRows;
+  p.total_k = kRows;
+  p.softmax_scale = 0.125f;
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = kNoWindow;
+  p.window_right = kNoWindow;
+
+  absl::Notification done;
+  absl::Status result;
+  WorkItem item;
+  item.params = p;
+  item.done = [&](const absl::Status& status, const WorkTimings&) {
+    result = status;
+    done.Notify();
+  };
+  absl::Status admitted = executor->Submit(std::move(item));
+  if (!admitted.ok()) return admitted;
+  done.WaitForNotification();
+  if (!result.ok()) {
+    return absl::Status(result.code(), absl::StrCat("backend warm-up failed: ", result.message()));
+  }
+  return absl::OkStatus();
+}
+
+class AttnServerImpl final : public AttnServer {
+ public:
+  AttnServerImpl(const ServerOptions& options, std::unique_ptr<AttentionBackend> backend)
+      : options_(options),
+        backend_(std::move(backend)),
+        executor_(backend_.get(), ExecutorOptions{options.max_queue_size}),
+        handler_(&executor_, backend_->Describe().name,
+                 RequestLimits{options.max_request_bytes, options.max_tokens}),
+        service_(&handler_, backend_.get(),
+                 ServiceInfo{options.max_request_bytes, options.max_tokens,
+                             options.max_queue_size}) {}
+
+  ~AttnServerImpl() override {
+    Shutdown(absl::ZeroDuration());
+    Wait();
+  }
+
+  absl::Status Start() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ != State::kNew) return absl::FailedPreconditionError("Start: already called");
+      state_ = State::kStarting;
+    }
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+    grpc::ServerBuilder builder;
+    const std::string address = ListenAddress(options_.host, options_.port);
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(
+        std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
+    // Responses are as large as their requests' Q; the client sets its own limit.
+    builder.SetMaxSendMessageSize(-1);
+    builder.RegisterService(&service_);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (server == nullptr || port_ == 0) {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kStopped;
+      stopped_.Notify();
+      return absl::UnavailableError(absl::StrCat("could not listen on ", address,
+                                                 " (address in use or not available?)"));
+    }
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    health->SetServingStatus("", false);
+    health->SetServingStatus(kServiceName, false);
+    {
+      absl::MutexLock lock(&mu_);
+      server_ = std::move(server);
+    }
+
+    absl::Status warm = WarmUp(&executor_);
+    if (!warm.ok()) {
+      Shutdown(absl::ZeroDuration());
+      return warm;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      // Shutdown may have begun meanwhile; then health stays NOT_SERVING.
+      if (state_ != State::kStarting) return absl::OkStatus();
+      state_ = State::kServing;
+      health->SetServingStatus(true);
+    }
+    const BackendDescription& d = backend_->Describe();
+    spdlog::info("attnserve {} listening on {}:{} backend={} device={} cpu_threads={}",
+                 ATTNSERVE_VERSION, options_.host, port_, d.name,
+                 d.devices.empty() ? std::string("host CPU") : d.devices.front().name,
+                 d.cpu_threads);
+    return absl::OkStatus();
+  }
+
+  int port() const override { return port_; }
+
+  void Shutdown(absl::Duration grace) override {
+    grpc::Server* server;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kDraining || state_ == State::kStopped) return;
+      const bool never_started = state_ == State::kNew;
+      state_ = State::kDraining;
+      server = server_.get();
+      if (never_started) {
+        executor_.Shutdown();
+        state_ = State::kStopped;
+        stopped_.Notify();
+        return;
+      }
+    }
+    const absl::Time begin = absl::Now();
+    spdlog::info("draining: health NOT_SERVING, refusing new requests, grace {}",
+                 absl::FormatDuration(grace));
+    // Health first, so load balancers stop sending before requests are refused.
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
+    executor_.StopAdmitting();
+    const bool idle = executor_.WaitIdle(grace);
+    if (!idle) spdlog::warn("grace period over with requests still queued or running");
+    // Queued leftovers complete with UNAVAILABLE; a running one finishes.
+    executor_.Shutdown();
+    if (server != nullptr) {
+      const absl::Time deadline = std::max(begin + grace, absl::Now() + kMinStopTime);
+      server->Shutdown(absl::ToChronoTime(deadline));
+    }
+    spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
+    absl::MutexLock lock(&mu_);
+    state_ = State::kStopped;
+    stopped_.Notify();
+  }
+
+  void Wait() override { stopped_.WaitForNotification(); }
+
+ private:
+  enum class State { kNew, kStarting, kServing, kDraining, kStopped };
+
+  const ServerOptions options_;
+  const std::unique_ptr<AttentionBackend> backend_;
+  Executor executor_;
+  ForwardHandler handler_;
+  AttentionService service_;
+
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kNew;
+  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
+  int port_ = 0;
+  absl::Notification stopped_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
+  absl::StatusOr<std::unique_ptr<AttentionBackend>> backend = MakeBackend(options.backend);
+  if (!backend.ok()) return backend.status();
+  return Create(options, *std::move(backend));
+}
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
+    const ServerOptions& options, std::unique_ptr<AttentionBackend> backend) {
+  absl::Status valid = CheckOptions(options);
+  if (!valid.ok()) return valid;
+  if (backend == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
+  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backend)));
+}
+
+}  // namespace attnserve

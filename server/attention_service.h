@@ -1,0 +1,45 @@
+// The native API front-end: attnserve.v1.Attention on gRPC's callback API.
+// Reactors only hand work to the ForwardHandler (and so the executor) and
+// react to its completion; they never block a gRPC thread.
+#pragma once
+
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "backend/backend.h"
+#include "server/forward_handler.h"
+
+namespace attnserve {
+
+// What GetServerInfo reports besides the backend's own description.
+struct ServiceInfo {
+  int64_t max_request_bytes = 0;
+  int64_t max_tokens = 0;
+  int max_queue_size = 0;
+};
+
+class AttentionService final : public v1::Attention::CallbackService {
+ public:
+  // `handler` and `backend` must outlive the service.
+  AttentionService(ForwardHandler* handler, const AttentionBackend* backend,
+                   const ServiceInfo& info);
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+
+  grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
+      grpc::CallbackServerContext* context) override;
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+
+ private:
+  ForwardHandler* const handler_;
+  const AttentionBackend* const backend_;
+  const ServiceInfo info_;
+};
+
+// The capabilities GetServerInfo lists under `features`.
+const std::vector<std::string>& ServerFeatures();
+
+}  // namespace attnserve

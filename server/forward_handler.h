@@ -1,0 +1,49 @@
+// Runs one native-API (attnserve.v1) ForwardRequest: validation, admission to
+// the executor, output allocation, the ForwardResponse and the one log line per
+// request. Shared by the unary Forward and the ForwardStream reactors, which
+// only decide how the finished response travels.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.pb.h"
+#include "backend/backend.h"
+#include "server/executor.h"
+#include "server/request_validation.h"
+
+namespace attnserve {
+
+class ForwardHandler {
+ public:
+  // Called exactly once per request with its final status. On OK the response
+  // holds o (and lse), timing, backend and request_id; otherwise request_id,
+  // timing and backend only (the caller decides how to report the error).
+  using Done = std::function<void(const absl::Status& status)>;
+
+  // `executor` must outlive the handler.
+  ForwardHandler(Executor* executor, std::string backend_name, const RequestLimits& limits);
+
+  // Starts `request`. `request` and `response` must stay valid until `done`
+  // runs, which may happen before Start returns (a refused request) or later on
+  // the executor's thread. Never blocks.
+  void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
+             absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
+
+  const RequestLimits& limits() const { return limits_; }
+
+ private:
+  // Fills the parts of `response` every outcome has, logs the request line and
+  // calls `done`.
+  void Complete(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                const absl::Status& status, const WorkTimings& timings, const Done& done) const;
+
+  Executor* const executor_;
+  const std::string backend_name_;
+  const RequestLimits limits_;
+};
+
+}  // namespace attnserve
