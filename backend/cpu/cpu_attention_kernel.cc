@@ -1,0 +1,304 @@
+// The fused CPU attention kernel (see cpu_attention_kernel.h). Written as plain
+// loops over contiguous, fixed-size tiles so that g++ -O3 -march=x86-64-v3
+// turns them into AVX2/FMA code: the D loop of Q·Kᵀ is moved outward (K tile
+// stored transposed) so no loop needs a floating-point reduction reordered,
+// and row max/sum use 8 explicit partial lanes for the same reason.
+#include "backend/cpu/cpu_attention_kernel.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "backend/dtype.h"
+
+namespace attnserve {
+namespace cpu {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kLanes = 8;  // floats per AVX2 register
+
+// 2^x for x <= 0 (and -inf), vectorisable: x = n + f with n = round(x) and
+// f in [-0.5, 0.5]; 2^f from its degree-7 Taylor polynomial (truncation error
+// (0.5·ln2)^8/8! ≈ 5e-9, below float rounding) and 2^n built in the exponent
+// bits. Anything below 2^-125 relative to the running max is flushed to 0,
+// which is also how masked (-inf) scores become exactly 0.
+inline float Exp2NonPositive(float x) {
+  const float xc = x < -126.0f ? -126.0f : x;
+  const int n = static_cast<int>(xc - 0.5f);  // truncation of a value <= -0.5 ... 0: round(xc)
+  const float f = xc - static_cast<float>(n);
+  float poly = 1.5252733804059837e-05f;
+  poly = poly * f + 1.5403530393381606e-04f;
+  poly = poly * f + 1.3333558146428443e-03f;
+  poly = poly * f + 9.6181291076284772e-03f;
+  poly = poly * f + 5.5504108664821580e-02f;
+  poly = poly * f + 2.4022650695910071e-01f;
+  poly = poly * f + 6.9314718055994531e-01f;
+  poly = poly * f + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  const float r = poly * two_n;
+  return x < -125.0f ? 0.0f : r;
+}
+
+// dst[0, n) = row at `offset` of `base` (n elements of dtype t) as float.
+inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst) {
+  switch (t) {
+    case DType::kFP32:
+      std::memcpy(dst, static_cast<const float*>(base) + offset, sizeof(float) * n);
+      return;
+    case DType::kBF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) {
+        const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(dst + i, &u, sizeof(float));
+      }
+      return;
+    }
+    case DType::kFP16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+#if defined(__F16C__)
+      // n is a multiple of 8 (head_dim is): one vcvtph2ps per 8 values.
+      for (int i = 0; i < n; i += 8) {
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+      }
+#else
+      for (int i = 0; i < n; ++i) dst[i] = Fp16ToFloat(src[i]);
+#endif
+      return;
+    }
+  }
+}
+
+// Row at `offset` of `base` (dtype t) = src[0, n) rounded to nearest even.
+inline void StoreRow(const float* src, int n, DType t, void* base, int64_t offset) {
+  switch (t) {
+    case DType::kFP32:
+      std::memcpy(static_cast<float*>(base) + offset, src, sizeof(float) * n);
+      return;
+    case DType::kBF16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+      return;
+    }
+    case DType::kFP16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+#if defined(__F16C__)
+      for (int i = 0; i < n; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+      }
+#else
+      for (int i = 0; i < n; ++i) dst[i] = FloatToFp16(src[i]);
+#endif
+      return;
+    }
+  }
+}
+
+// s[r][j] = Σ_c q[r][c] · kt[c][j] for rows [0, rows_pad) and all kBlockN
+// columns, kRowTile × 16 outputs at a time held in registers.
+void ScoreTile(const float* __restrict q, const float* __restrict kt, int d, int rows_pad,
+               float* __restrict s) {
+  constexpr int kCols = 16;
+  for (int r = 0; r < rows_pad; r += kRowTile) {
+    for (int j0 = 0; j0 < kBlockN; j0 += kCols) {
+      float acc[kRowTile][kCols] = {};
+      for (int c = 0; c < d; ++c) {
+        const float* k_row = kt + c * kBlockN + j0;
+        for (int rr = 0; rr < kRowTile; ++rr) {
+          const float qv = q[(r + rr) * d + c];
+          for (int jj = 0; jj < kCols; ++jj) acc[rr][jj] += qv * k_row[jj];
+        }
+      }
+      for (int rr = 0; rr < kRowTile; ++rr) {
+        for (int jj = 0; jj < kCols; ++jj) s[(r + rr) * kBlockN + j0 + jj] = acc[rr][jj];
+      }
+    }
+  }
+}
+
+// o[r][c0, c0 + kCols) += Σ_{j < nc} p[r][j] · v[j][c0, c0 + kCols).
+template <int kCols>
+inline void PvChunk(const float* __restrict p, const float* __restrict v, int d, int r, int c0,
+                    int nc, float* __restrict o) {
+  float acc[kRowTile][kCols];
+  for (int rr = 0; rr < kRowTile; ++rr) {
+    for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] = o[(r + rr) * d + c0 + cc];
+  }
+  for (int j = 0; j < nc; ++j) {
+    const float* v_row = v + j * d + c0;
+    for (int rr = 0; rr < kRowTile; ++rr) {
+      const float pv = p[(r + rr) * kBlockN + j];
+      for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] += pv * v_row[cc];
+    }
+  }
+  for (int rr = 0; rr < kRowTile; ++rr) {
+    for (int cc = 0; cc < kCols; ++cc) o[(r + rr) * d + c0 + cc] = acc[rr][cc];
+  }
+}
+
+// o += p · v over the first nc keys of the tile; d is a multiple of 8.
+void PvTile(const float* p, const float* v, int d, int rows_pad, int nc, float* o) {
+  for (int r = 0; r < rows_pad; r += kRowTile) {
+    int c0 = 0;
+    for (; c0 + 16 <= d; c0 += 16) PvChunk<16>(p, v, d, r, c0, nc, o);
+    if (c0 < d) PvChunk<8>(p, v, d, r, c0, nc, o);
+  }
+}
+
+inline float RowMax(const float* s) {
+  float part[kLanes];
+  for (int l = 0; l < kLanes; ++l) part[l] = kNegInf;
+  for (int j = 0; j < kBlockN; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) part[l] = s[j + l] > part[l] ? s[j + l] : part[l];
+  }
+  float m = part[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, part[l]);
+  return m;
+}
+
+// s[j] = 2^(s[j] - m) in place; returns their sum.
+inline float ExpRowAndSum(float* s, float m) {
+  for (int j = 0; j < kBlockN; ++j) s[j] = Exp2NonPositive(s[j] - m);
+  float part[kLanes] = {};
+  for (int j = 0; j < kBlockN; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) part[l] += s[j + l];
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += part[l];
+  return sum;
+}
+
+}  // namespace
+
+int64_t Scratch::BytesFor(int head_dim) {
+  const int64_t d = head_dim;
+  return sizeof(float) * (kBlockM * d + d * kBlockN + kBlockN * d + kBlockM * kBlockN +
+                          kBlockM * d + 2 * kBlockM);
+}
+
+std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
+  const int64_t n = BytesFor(head_dim) / static_cast<int64_t>(sizeof(float));
+  // Value-initialised: K tile columns past a short last block are read (and
+  // then masked) before any write, and must not hold NaN garbage.
+  std::unique_ptr<float[]> buf(new (std::nothrow) float[n]());
+  if (!buf) return nullptr;
+  return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim));
+}
+
+void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+  const int d = p.head_dim;
+  const int sq = SeqLenQ(p, b);
+  const int sk = SeqLenK(p, b);
+  const int64_t q_start = SeqStartQ(p, b);
+  const int64_t k_start = SeqStartK(p, b);
+  const int hk = KVHead(p, h);
+  const int i0 = m_block * kBlockM;
+  const int rows = std::min(kBlockM, sq - i0);
+  const int rows_pad = (rows + kRowTile - 1) / kRowTile * kRowTile;
+  const bool capped = p.softcap > 0.0f;
+  // Scores come out of the GEMM in the units the next step wants: log2 units
+  // (scale·log2(e) folded into Q) without softcap; s/softcap with it, so tanh
+  // applies directly and softcap·log2(e) rescales afterwards.
+  const float q_scale = capped ? p.softmax_scale / p.softcap : p.softmax_scale_log2;
+  const float cap_log2 = p.softcap * kLog2e;
+
+  float* q = scratch->q();
+  float* kt = scratch->kt();
+  float* v = scratch->v();
+  float* s = scratch->s();
+  float* o = scratch->o();
+  float* m = scratch->m();
+  float* l = scratch->l();
+
+  // Each row's visible keys, and their union: the only K/V blocks scanned.
+  // Visible ranges move right by one per row, so the union is one interval.
+  int lo[kBlockM], hi[kBlockM];
+  int span_lo = INT_MAX, span_hi = -1;
+  for (int r = 0; r < rows; ++r) {
+    VisibleKeys(p, i0 + r, sq, sk, &lo[r], &hi[r]);
+    if (lo[r] <= hi[r]) {
+      span_lo = std::min(span_lo, lo[r]);
+      span_hi = std::max(span_hi, hi[r]);
+    }
+  }
+  std::fill(m, m + kBlockM, kNegInf);
+  std::fill(l, l + kBlockM, 0.0f);
+  std::fill(o, o + rows_pad * d, 0.0f);
+
+  if (span_lo <= span_hi) {
+    for (int r = 0; r < rows; ++r) {
+      float* q_row = q + r * d;
+      LoadRow(p.q, p.dtype, QOffset(p, q_start + i0 + r, h), d, q_row);
+      for (int c = 0; c < d; ++c) q_row[c] *= q_scale;
+    }
+    std::fill(q + rows * d, q + rows_pad * d, 0.0f);
+
+    for (int j0 = span_lo; j0 <= span_hi; j0 += kBlockN) {
+      const int nc = std::min(kBlockN, span_hi + 1 - j0);
+      // K rows land in the V tile first, then are transposed into kt.
+      for (int j = 0; j < nc; ++j) LoadRow(p.k, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+      for (int j = 0; j < nc; ++j) {
+        for (int c = 0; c < d; ++c) kt[c * kBlockN + j] = v[j * d + c];
+      }
+      for (int j = 0; j < nc; ++j) LoadRow(p.v, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+
+      ScoreTile(q, kt, d, rows_pad, s);
+
+      for (int r = 0; r < rows; ++r) {
+        float* s_row = s + r * kBlockN;
+        // Visible columns of this row in this tile: [a, e).
+        const int a = std::max(lo[r] - j0, 0);
+        const int e = std::min(hi[r] - j0 + 1, nc);
+        if (a >= e) {
+          std::fill(s_row, s_row + kBlockN, 0.0f);
+          continue;
+        }
+        if (capped) {
+          for (int j = a; j < e; ++j) s_row[j] = cap_log2 * std::tanh(s_row[j]);
+        }
+        // Mask after the cap, only where this row's range cuts the tile.
+        std::fill(s_row, s_row + a, kNegInf);
+        std::fill(s_row + e, s_row + kBlockN, kNegInf);
+        const float m_new = std::max(m[r], RowMax(s_row));
+        const float alpha = Exp2NonPositive(m[r] - m_new);  // 0 on the first visible tile
+        const float sum = ExpRowAndSum(s_row, m_new);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* o_row = o + r * d;
+          for (int c = 0; c < d; ++c) o_row[c] *= alpha;
+        }
+      }
+      std::fill(s + rows * kBlockN, s + rows_pad * kBlockN, 0.0f);
+
+      PvTile(s, v, d, rows_pad, nc, o);
+    }
+  }
+
+  // Normalise once; rows that saw no key keep O = 0 and get LSE = -inf.
+  for (int r = 0; r < rows; ++r) {
+    float* o_row = o + r * d;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int c = 0; c < d; ++c) o_row[c] *= inv;
+    StoreRow(o_row, d, p.dtype, p.o, QOffset(p, q_start + i0 + r, h));
+    if (p.lse != nullptr) {
+      p.lse[LseOffset(p, b, h, i0 + r)] = l[r] > 0.0f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace attnserve
