@@ -57,8 +57,8 @@ echo /usr/local/lib/attnserve >"$out/etc/ld.so.conf.d/attnserve.conf"
 
 echo "build-in-image: binaries:"
 ls -l "$out/usr/local/bin"
-echo "build-in-image: bundled shared libraries: $(ls "$out/usr/local/lib/attnserve" | wc -l)"
-ls "$out/usr/local/lib/attnserve"
+echo "build-in-image: bundled shared libraries (none when static):"
+find "$out/usr/local/lib/attnserve" -type f -printf '  %f\n'
 # A binary that links the CUDA driver library directly would not start without
 # a GPU; the CPU fallback of --backend=auto needs libcuda to be loaded lazily.
 if ldd "$out/usr/local/bin/attnserve" | grep -q 'libcuda\.so'; then

