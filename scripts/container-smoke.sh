@@ -1,0 +1,322 @@
+#!/usr/bin/env bash
+# One command that builds the CPU container image with podman and smoke-tests
+# it the way a `docker run` user would use it, on a machine with no registry
+# and no Docker engine (../shared/PLATFORM.md, "Containers"):
+#   1. installs podman, debootstrap, runc, uidmap, iptables when missing and
+#      points CONTAINERS_CONF at a containers.conf that uses runc;
+#   2. makes the base image localhost/debian:bookworm with debootstrap
+#      (scripts/make-base-image.sh; skipped when it exists);
+#   3. podman build -f deploy/Dockerfile.cpu --build-arg BASE=localhost/debian:bookworm;
+#   4. runs it with -p 127.0.0.1:PORT:50051, waits for grpc.health.v1 SERVING,
+#      runs the image's own HEALTHCHECK, checks the non-root user, runs
+#      `attnctl forward --verify` (FP16, BF16 causal GQA, FP32 windowed, varlen)
+#      and a short load through the published port, then sends SIGTERM while a
+#      request is in flight and checks that the request finished and the
+#      container exited 0 before any SIGKILL;
+#   5. with --gpu-build-stage, also builds the GPU image's build stage
+#      (deploy/Dockerfile --target build) on the Debian base with the CUDA
+#      toolkit copied in from /usr/local/cuda. It cannot run here (no GPU).
+# Prints PASS/FAIL per check and a timing table; exits non-zero on any FAIL.
+# Needs root (apt-get, debootstrap, rootful podman).
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: scripts/container-smoke.sh [options]
+
+  --port N            host port to publish 50051 on (default: a free one)
+  --requests N        forwards in the short load (default: 40)
+  --jobs N            compile jobs inside the image build (default: nproc)
+  --no-build          reuse the existing localhost/attnserve:cpu image
+  --gpu-build-stage   also build deploy/Dockerfile --target build on the local
+                      Debian + /usr/local/cuda base (slow: compiles CUDA kernels)
+  --gpu-only          only the GPU build stage (implies --gpu-build-stage)
+  --cuda-archs LIST   CUDA architectures for --gpu-build-stage (default: the
+                      Dockerfile's, "80;90a")
+  --keep              leave the test container behind (stopped) for inspection
+  -h, --help          this text
+
+Environment: CONTAINERS_CONF (default: a generated build-container/containers.conf),
+ATTNSERVE_CONTAINER_DIR (scratch folder, default build-container/).
+EOF
+}
+
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+port=""
+requests=40
+jobs=""
+build=1
+gpu_stage=0
+cpu_smoke=1
+cuda_archs=""
+keep=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --port) port=$2; shift 2 ;;
+    --port=*) port=${1#*=}; shift ;;
+    --requests) requests=$2; shift 2 ;;
+    --requests=*) requests=${1#*=}; shift ;;
+    --jobs) jobs=$2; shift 2 ;;
+    --jobs=*) jobs=${1#*=}; shift ;;
+    --no-build) build=0; shift ;;
+    --gpu-build-stage) gpu_stage=1; shift ;;
+    --gpu-only) gpu_stage=1; cpu_smoke=0; shift ;;
+    --cuda-archs) cuda_archs=$2; shift 2 ;;
+    --cuda-archs=*) cuda_archs=${1#*=}; shift ;;
+    --keep) keep=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "container-smoke: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+die() { echo "container-smoke: $*" >&2; exit 1; }
+log() { echo "container-smoke: $*"; }
+[ "$(id -u)" -eq 0 ] || die "needs root (apt-get, debootstrap and rootful podman)"
+
+base_image=localhost/debian:bookworm
+cpu_image=localhost/attnserve:cpu
+cuda_devel_image=localhost/attnserve-cuda-devel:13.0-bookworm
+gpu_build_image=localhost/attnserve:cuda-build
+work=${ATTNSERVE_CONTAINER_DIR:-$repo/build-container}
+mkdir -p "$work"
+
+# --- results and timings ------------------------------------------------------
+results=()
+timings=()
+failed=0
+pass() { results+=("PASS  $1"); log "PASS $1"; }
+fail() { results+=("FAIL  $1"); log "FAIL $1"; failed=1; }
+now() { date +%s.%N; }
+took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+timed() { timings+=("$(printf '%-44s %8s s' "$1" "$2")"); }
+summary() {
+  echo
+  echo "==== container-smoke summary ===="
+  printf '%s\n' "${results[@]}"
+  echo "---- timings ----"
+  printf '%s\n' "${timings[@]}"
+  if [ "$failed" -eq 0 ]; then echo "RESULT: PASS"; else echo "RESULT: FAIL"; fi
+}
+
+# --- 1. tools and configuration ----------------------------------------------
+t0=$(now)
+need=()
+for cmd_pkg in podman:podman debootstrap:debootstrap runc:runc newuidmap:uidmap iptables:iptables; do
+  command -v "${cmd_pkg%%:*}" >/dev/null || need+=("${cmd_pkg#*:}")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  # iptables: netavark sets up published ports with it and fails without it.
+  log "installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+if [ -z "${CONTAINERS_CONF:-}" ]; then
+  # crun fails on this machine's cgroups and podman's default ulimits are not
+  # permitted here; these settings are the ones seen to work (PLATFORM.md).
+  export CONTAINERS_CONF=$work/containers.conf
+  cat >"$CONTAINERS_CONF" <<'EOF'
+# Written by scripts/container-smoke.sh: podman settings that work on the
+# development machine (runc instead of crun; ulimits the host permits).
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+EOF
+fi
+driver=$(podman info --format '{{.Store.GraphDriverName}}')
+# vfs copies every layer in full: builds take many times longer.
+[ "$driver" = overlay ] || log "warning: podman storage driver is '$driver', not overlay: expect slow builds"
+timed "tools + containers.conf" "$(took "$t0")"
+
+# --- 2. base image ------------------------------------------------------------
+t0=$(now)
+scripts/make-base-image.sh --image "$base_image"
+timed "base image ($base_image)" "$(took "$t0")"
+
+image_size() { podman image inspect --format '{{.Size}}' "$1" | awk '{ printf "%.0f MB", $1 / 1e6 }'; }
+
+# --- 3..4. CPU image build and smoke test -----------------------------------
+if [ "$cpu_smoke" -eq 1 ]; then
+  if [ "$build" -eq 1 ]; then
+    t0=$(now)
+    # --format docker: the OCI format has no HEALTHCHECK, and the check below
+    # runs the image's own.
+    if podman build --format docker -f deploy/Dockerfile.cpu \
+         --build-arg BASE="$base_image" ${jobs:+--build-arg JOBS="$jobs"} \
+         -t "$cpu_image" . >"$work/build-cpu.log" 2>&1; then
+      pass "podman build deploy/Dockerfile.cpu ($(image_size "$cpu_image"))"
+    else
+      tail -n 40 "$work/build-cpu.log"
+      fail "podman build deploy/Dockerfile.cpu (log: $work/build-cpu.log)"
+      summary; exit 1
+    fi
+    timed "CPU image build" "$(took "$t0")"
+    grep -E '^build-in-image: (compiled|bundled)' "$work/build-cpu.log" || true
+  fi
+  podman image exists "$cpu_image" || die "$cpu_image does not exist (drop --no-build)"
+
+  if [ -z "$port" ]; then
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  fi
+  ctr=attnserve-smoke-$$
+  cleanup() {
+    if [ "$keep" -eq 0 ]; then podman rm -f "$ctr" >/dev/null 2>&1 || true; fi
+  }
+  trap cleanup EXIT
+
+  # attnctl from the image, on the host's network: every call goes through
+  # the published port, as an outside client's would.
+  ctl() { podman run --rm --network host "$cpu_image" attnctl --target="127.0.0.1:$port" "$@"; }
+
+  t0=$(now)
+  podman run -d --name "$ctr" -p "127.0.0.1:$port:50051" \
+    -e ATTNSERVE_LOG_LEVEL=info "$cpu_image" >/dev/null
+  serving=0
+  for _ in $(seq 1 120); do
+    if podman exec "$ctr" attnctl health --timeout=2s >/dev/null 2>&1; then serving=1; break; fi
+    [ "$(podman inspect --format '{{.State.Running}}' "$ctr")" = true ] || break
+    sleep 0.5
+  done
+  if [ "$serving" -eq 1 ]; then
+    pass "health SERVING inside the container"
+  else
+    podman logs "$ctr" | tail -n 20
+    fail "health SERVING inside the container (not within 60 s)"
+    summary; exit 1
+  fi
+  timed "start to SERVING" "$(took "$t0")"
+
+  if out=$(ctl health 2>&1) && [ "$out" = SERVING ]; then
+    pass "attnctl health through 127.0.0.1:$port: $out"
+  else
+    fail "attnctl health through 127.0.0.1:$port: $out"
+  fi
+  # The image's HEALTHCHECK command itself (what docker/compose will run).
+  if podman healthcheck run "$ctr" >/dev/null 2>&1; then
+    pass "image HEALTHCHECK (podman healthcheck run)"
+  else
+    fail "image HEALTHCHECK (podman healthcheck run): $(podman inspect --format '{{.Config.Healthcheck}}' "$ctr")"
+  fi
+  uid=$(podman exec "$ctr" id -u)
+  if [ "$uid" != 0 ]; then pass "runs as non-root (uid $uid)"; else fail "runs as root"; fi
+  if info=$(ctl info 2>&1); then
+    pass "attnctl info ($(echo "$info" | grep -i -m1 backend | tr -s ' ' | head -c 60))"
+  else
+    fail "attnctl info: $info"
+  fi
+
+  t0=$(now)
+  verify_cases=(
+    "--dtype=fp16 --batch=2 --seqlen_q=128 --heads_q=8 --head_dim=64"
+    "--dtype=bf16 --batch=2 --seqlen_q=97 --seqlen_k=211 --heads_q=8 --heads_kv=2 --head_dim=128 --causal"
+    "--dtype=fp32 --batch=1 --seqlen_q=64 --heads_q=4 --head_dim=32 --window_left=16 --window_right=0 --return_lse"
+    "--dtype=bf16 --varlen_q=5,0,17 --varlen_k=9,3,17 --heads_q=4 --heads_kv=1 --head_dim=64 --causal"
+  )
+  for args in "${verify_cases[@]}"; do
+    # shellcheck disable=SC2086  # args is a list of flags on purpose
+    if out=$(ctl forward --verify $args 2>&1); then
+      pass "forward --verify $args"
+    else
+      echo "$out" | tail -n 5
+      fail "forward --verify $args"
+    fi
+  done
+  timed "forward --verify x${#verify_cases[@]}" "$(took "$t0")"
+
+  # Short load: one attnctl process running a loop of forwards (a new
+  # container per call would measure podman, not the server). `attnctl load`
+  # replaces the loop once it exists.
+  t0=$(now)
+  # shellcheck disable=SC2016  # expanded by the container's shell, not here
+  load_script='fail=0; i=0
+    while [ $i -lt "$0" ]; do
+      attnctl --target="$1" forward --dtype=bf16 --batch=2 --seqlen_q=256 --heads_q=8 \
+        --heads_kv=2 --head_dim=64 --causal >/dev/null 2>&1 || fail=$((fail + 1))
+      i=$((i + 1))
+    done
+    echo "$fail"'
+  load_fail=$(podman run --rm --network host --entrypoint /bin/sh "$cpu_image" \
+                -c "$load_script" "$requests" "127.0.0.1:$port")
+  load_s=$(took "$t0")
+  if [ "$load_fail" = 0 ]; then
+    pass "load: $requests forwards, 0 failed, $load_s s"
+  else
+    fail "load: $requests forwards, $load_fail failed"
+  fi
+  timed "load ($requests sequential forwards)" "$load_s"
+
+  # SIGTERM with a request in flight: the request must finish (drain) and
+  # the server must exit 0 by itself, well before podman's SIGKILL at 30 s.
+  t0=$(now)
+  inflight_log=$work/inflight.log
+  ctl forward --dtype=fp32 --batch=4 --seqlen_q=2048 --heads_q=16 --head_dim=128 \
+    --request_id=smoke-inflight >"$inflight_log" 2>&1 &
+  inflight_pid=$!
+  # Wait until the server has the request (it logs nothing until done, so
+  # give the client time to connect and send), then stop the container.
+  sleep 1.5
+  podman stop -t 30 "$ctr" >/dev/null
+  stop_s=$(took "$t0")
+  if wait "$inflight_pid"; then
+    pass "in-flight request finished across SIGTERM"
+  else
+    tail -n 3 "$inflight_log"
+    fail "in-flight request finished across SIGTERM"
+  fi
+  exit_code=$(podman inspect --format '{{.State.ExitCode}}' "$ctr")
+  if [ "$exit_code" = 0 ] && awk -v s="$stop_s" 'BEGIN { exit !(s < 25) }'; then
+    pass "SIGTERM: exit code 0 after $stop_s s (no SIGKILL)"
+  else
+    podman logs "$ctr" 2>&1 | tail -n 10
+    fail "SIGTERM: exit code $exit_code after $stop_s s"
+  fi
+  timed "stop (SIGTERM with a request in flight)" "$stop_s"
+  podman logs "$ctr" >"$work/server.log" 2>&1 || true
+  if grep -q smoke-inflight "$work/server.log"; then
+    pass "server logged the in-flight request before exiting"
+  else
+    fail "server logged the in-flight request before exiting (log: $work/server.log)"
+  fi
+fi
+
+# --- 5. the GPU image's build stage ------------------------------------------
+if [ "$gpu_stage" -eq 1 ]; then
+  cuda=/usr/local/cuda
+  [ -x "$cuda/bin/nvcc" ] || die "--gpu-build-stage needs the CUDA toolkit at $cuda"
+  t0=$(now)
+  if ! podman image exists "$cuda_devel_image"; then
+    # Stands in for nvidia/cuda:*-devel: only what nvcc and CMake need to
+    # build (compiler, headers, the static runtime, the driver stub), about
+    # 220 MB instead of the whole toolkit.
+    tmp_ctr=attnserve-cuda-devel-$$
+    podman run --name "$tmp_ctr" -v "$cuda:/host-cuda:ro" "$base_image" sh -c '
+      set -e
+      mkdir -p /usr/local/cuda
+      cd /host-cuda
+      tar -c bin nvvm include targets lib64 lib/cmake lib/stubs \
+          lib/libcudart* lib/libcudadevrt.a lib/libculibos.a | tar -C /usr/local/cuda -x'
+    podman commit -q \
+      --change 'ENV PATH=/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+      --change 'ENV CUDA_HOME=/usr/local/cuda' \
+      "$tmp_ctr" "$cuda_devel_image" >/dev/null
+    podman rm "$tmp_ctr" >/dev/null
+  fi
+  timed "CUDA devel stand-in image" "$(took "$t0")"
+  t0=$(now)
+  if podman build --format docker -f deploy/Dockerfile --target build \
+       --build-arg BUILD_BASE="$cuda_devel_image" \
+       ${cuda_archs:+--build-arg CUDA_ARCHS="$cuda_archs"} \
+       ${jobs:+--build-arg JOBS="$jobs"} \
+       -t "$gpu_build_image" . >"$work/build-gpu-stage.log" 2>&1; then
+    pass "podman build deploy/Dockerfile --target build (CUDA on)"
+    grep -E '^build-in-image: (compiled|WARNING)|CUDA backend' "$work/build-gpu-stage.log" || true
+  else
+    tail -n 40 "$work/build-gpu-stage.log"
+    fail "podman build deploy/Dockerfile --target build (log: $work/build-gpu-stage.log)"
+  fi
+  timed "GPU build stage" "$(took "$t0")"
+fi
+
+summary
+[ "$failed" -eq 0 ]
