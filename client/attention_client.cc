@@ -1,0 +1,242 @@
+// AttentionClient: channel construction, per-call contexts, the gRPC-to-absl
+// status conversion and the typed Forward built on the raw one.
+#include "client/attention_client.h"
+
+#include <utility>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "backend/dtype.h"
+
+namespace attnserve {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+namespace {
+
+void SetTensor(const HostTensor& from, v1::Tensor* to) { from.CopyToProto(to); }
+void SetTensor(HostTensor&& from, v1::Tensor* to) { std::move(from).MoveToProto(to); }
+
+// Shared by both MakeForwardRequest overloads; `Inputs` is const& or &&.
+template <typename Inputs>
+v1::ForwardRequest BuildRequest(Inputs&& inputs) {
+  v1::ForwardRequest request;
+  request.set_request_id(inputs.request_id);
+  SetTensor(std::forward<Inputs>(inputs).q, request.mutable_q());
+  SetTensor(std::forward<Inputs>(inputs).k, request.mutable_k());
+  SetTensor(std::forward<Inputs>(inputs).v, request.mutable_v());
+  request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
+  request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
+  const AttentionOptions& from = inputs.options;
+  v1::AttentionOptions* to = request.mutable_options();
+  if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
+  to->set_causal(from.causal);
+  if (from.window_left) to->set_window_left(*from.window_left);
+  if (from.window_right) to->set_window_right(*from.window_right);
+  to->set_softcap(from.softcap);
+  to->set_return_lse(from.return_lse);
+  return request;
+}
+
+// What the contract says O and LSE must look like for `request`; a response
+// that disagrees is a server bug, reported as INTERNAL rather than read past.
+absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardResult& result) {
+  const auto& q_shape = request.q().shape();
+  const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  const DType want_dtype = *DTypeFromProto(request.q().dtype());
+  if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
+    return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
+                                            ", expected ", std::string(DTypeName(want_dtype)),
+                                            ShapeToString(want_o)));
+  }
+  if (!request.options().return_lse()) return absl::OkStatus();
+  if (!result.lse) return absl::InternalError("return_lse was set but the response has no lse");
+  std::vector<int64_t> want_lse;
+  if (request.cu_seqlens_q_size() > 0 && want_o.size() == 3) {
+    want_lse = {want_o[1], want_o[0]};  // [Hq, Tq]
+  } else if (want_o.size() == 4) {
+    want_lse = {want_o[0], want_o[2], want_o[1]};  // [B, Hq, Sq]
+  } else {
+    return absl::OkStatus();
+  }
+  if (result.lse->shape() != want_lse || result.lse->dtype() != DType::kFP32) {
+    return absl::InternalError(absl::StrCat("server returned lse ", result.lse->DebugString(),
+                                            ", expected FP32", ShapeToString(want_lse)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) { return BuildRequest(inputs); }
+v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs) {
+  return BuildRequest(std::move(inputs));
+}
+
+absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response) {
+  ForwardResult result;
+  result.request_id = response.request_id();
+  absl::StatusOr<HostTensor> o = HostTensor::FromProto(std::move(*response.mutable_o()));
+  if (!o.ok()) return absl::InternalError(absl::StrCat("response o: ", o.status().message()));
+  result.o = *std::move(o);
+  if (response.has_lse()) {
+    absl::StatusOr<HostTensor> lse = HostTensor::FromProto(std::move(*response.mutable_lse()));
+    if (!lse.ok()) {
+      return absl::InternalError(absl::StrCat("response lse: ", lse.status().message()));
+    }
+    result.lse = *std::move(lse);
+  }
+  const v1::ServerTiming& t = response.timing();
+  result.timing = {t.queue_us(), t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
+                   t.total_us()};
+  result.backend = response.backend();
+  return result;
+}
+
+const char* HealthStatusName(HealthStatus status) {
+  switch (status) {
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown: break;
+  }
+  return "UNKNOWN";
+}
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
+    const std::string& target, const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("target is empty: expected host:port");
+  if (options.num_channels < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_channels must be >= 1, got ", options.num_channels));
+  }
+  // gRPC accepts any name and fails every call later with an opaque service
+  // config error, so an unknown policy is caught here instead.
+  const std::string& lb = options.load_balancing_policy;
+  if (!lb.empty() && lb != "pick_first" && lb != "round_robin") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "load_balancing_policy must be pick_first or round_robin, got '", lb, "'"));
+  }
+  std::unique_ptr<AttentionClient> client(new AttentionClient(target, options));
+  for (int i = 0; i < options.num_channels; ++i) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+    args.SetMaxSendMessageSize(options.max_send_message_bytes);
+    if (!lb.empty()) args.SetLoadBalancingPolicyName(lb);
+    if (options.num_channels > 1) {
+      // Channels with equal arguments share subchannels (and so connections)
+      // through gRPC's global pool; a local pool gives each its own.
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    }
+    Channel c;
+    c.channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    if (c.channel == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", target, "'"));
+    }
+    c.attention = v1::Attention::NewStub(c.channel);
+    c.health = grpc::health::v1::Health::NewStub(c.channel);
+    client->channels_.push_back(std::move(c));
+  }
+  return client;
+}
+
+AttentionClient::AttentionClient(std::string target, ClientOptions options)
+    : target_(std::move(target)), options_(std::move(options)) {}
+
+void AttentionClient::Prepare(const CallOptions& call, grpc::ClientContext* context) const {
+  const absl::Duration timeout = call.timeout.value_or(options_.default_timeout);
+  if (timeout != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  context->set_wait_for_ready(call.wait_for_ready.value_or(options_.wait_for_ready));
+}
+
+AttentionClient::Channel& AttentionClient::Next() {
+  if (channels_.size() == 1) return channels_[0];
+  return channels_[next_.fetch_add(1, std::memory_order_relaxed) % channels_.size()];
+}
+
+absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,
+                                                             const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, &context);
+  v1::ForwardResponse response;
+  const grpc::Status status = Next().attention->Forward(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& inputs,
+                                                       const CallOptions& call) {
+  const v1::ForwardRequest request = MakeForwardRequest(inputs);
+  absl::StatusOr<v1::ForwardResponse> response = Forward(request, call);
+  if (!response.ok()) return response.status();
+  absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
+  if (!result.ok()) return result.status();
+  const absl::Status shapes = CheckResultShapes(request, *result);
+  if (!shapes.ok()) return shapes;
+  return result;
+}
+
+void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,
+                                   std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
+  // The callback API needs context, request and response alive until the
+  // reaction runs; they live together on the heap and die in it.
+  struct Pending {
+    grpc::ClientContext context;
+    v1::ForwardRequest request;
+    v1::ForwardResponse response;
+    std::function<void(absl::StatusOr<v1::ForwardResponse>)> done;
+  };
+  auto* pending = new Pending;
+  pending->request = request;
+  pending->done = std::move(done);
+  Prepare(call, &pending->context);
+  Next().attention->async()->Forward(
+      &pending->context, &pending->request, &pending->response, [pending](grpc::Status status) {
+        std::unique_ptr<Pending> owned(pending);
+        if (status.ok()) {
+          owned->done(std::move(owned->response));
+        } else {
+          owned->done(FromGrpcStatus(status));
+        }
+      });
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo(const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, &context);
+  v1::GetServerInfoResponse response;
+  const grpc::Status status =
+      Next().attention->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& service,
+                                                          const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, &context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = Next().health->Check(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  using Proto = grpc::health::v1::HealthCheckResponse;
+  switch (response.status()) {
+    case Proto::SERVING: return HealthStatus::kServing;
+    case Proto::NOT_SERVING: return HealthStatus::kNotServing;
+    case Proto::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
+    default: break;
+  }
+  return HealthStatus::kUnknown;
+}
+
+}  // namespace attnserve

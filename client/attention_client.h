@@ -1,0 +1,167 @@
+// AttentionClient: the C++ client of the attnserve.v1 Attention service and the
+// standard gRPC health service. Every call returns absl::Status(Or); gRPC
+// statuses become absl ones in exactly one place (FromGrpcStatus).
+//
+//   auto client = AttentionClient::Create("127.0.0.1:50051");
+//   AttentionInputs in;  // q, k, v as HostTensor, optional cu_seqlens, options
+//   absl::StatusOr<ForwardResult> out = (*client)->Forward(in);
+//
+// A client holds one or more channels (ClientOptions::num_channels) and is safe
+// to use from many threads at once; calls rotate over the channels.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "client/host_tensor.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace attnserve {
+
+// The one conversion from a gRPC status to an absl::Status on the client side.
+// The numeric codes are the same (both are google.rpc.Code); the message is
+// kept verbatim so server-side field names reach the caller intact.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+struct ClientOptions {
+  // Deadline of a call that does not set its own. absl::InfiniteDuration():
+  // none. Generous by default because a large CPU request can take seconds.
+  absl::Duration default_timeout = absl::Seconds(120);
+  // Message limits of the channel. gRPC's default receive limit (4 MiB) is far
+  // below a real attention output, so both are raised; -1 means unlimited.
+  int max_receive_message_bytes = 1 << 30;
+  int max_send_message_bytes = 1 << 30;
+  // gRPC load-balancing policy: "" keeps gRPC's default (pick_first);
+  // "round_robin" spreads calls over every address a dns:/// target resolves to.
+  std::string load_balancing_policy;
+  // Independent channels (each its own HTTP/2 connection set); calls rotate
+  // over them. More than one lets a load generator avoid a single connection's
+  // stream limit and head-of-line blocking.
+  int num_channels = 1;
+  // Wait for the channel to become ready instead of failing fast with
+  // UNAVAILABLE while the server is starting.
+  bool wait_for_ready = false;
+};
+
+// Per-call settings; unset fields fall back to ClientOptions.
+struct CallOptions {
+  std::optional<absl::Duration> timeout;
+  std::optional<bool> wait_for_ready;
+};
+
+// Mirrors attnserve.v1.AttentionOptions (DESIGN.md §2).
+struct AttentionOptions {
+  std::optional<float> softmax_scale;  // unset: 1/sqrt(D)
+  bool causal = false;                 // bottom-right aligned
+  std::optional<int32_t> window_left;  // unset: unlimited
+  std::optional<int32_t> window_right;
+  float softcap = 0.0f;  // 0: off
+  bool return_lse = false;
+};
+
+// One attention call. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and empty
+// cu_seqlens. Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and both cu_seqlens.
+struct AttentionInputs {
+  HostTensor q;
+  HostTensor k;
+  HostTensor v;
+  std::vector<int32_t> cu_seqlens_q;
+  std::vector<int32_t> cu_seqlens_k;
+  AttentionOptions options;
+  std::string request_id;  // optional; echoed by the server
+};
+
+// ServerTiming of the response, in microseconds.
+struct ServerTiming {
+  int64_t queue_us = 0;
+  int64_t host_to_device_us = 0;
+  int64_t compute_us = 0;
+  int64_t device_to_host_us = 0;
+  int64_t total_us = 0;
+};
+
+struct ForwardResult {
+  std::string request_id;
+  HostTensor o;                    // like q, in q's dtype
+  std::optional<HostTensor> lse;   // FP32; set only when return_lse was asked for
+  ServerTiming timing;
+  std::string backend;             // "cpu" or "cuda"
+};
+
+// The wire request for `inputs`. Copies the tensors' bytes; the && overload
+// moves them (for callers that build a request once and send it many times,
+// build it once and use the raw Forward).
+v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs);
+v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs);
+
+// Decodes a response, checking every tensor's dtype and byte length.
+absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response);
+
+enum class HealthStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
+const char* HealthStatusName(HealthStatus status);  // "SERVING", ...
+
+class AttentionClient {
+ public:
+  // Creates the channels; does not connect (gRPC connects lazily), so a bad
+  // host shows up as UNAVAILABLE on the first call. `target` is any gRPC
+  // target: "host:port", "dns:///host:port", "unix:///path", "ipv4:a:p,b:p".
+  static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(
+      const std::string& target, const ClientOptions& options = ClientOptions());
+
+  // The raw RPC.
+  absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request,
+                                              const CallOptions& call = CallOptions());
+  // The typed convenience call.
+  absl::StatusOr<ForwardResult> Forward(const AttentionInputs& inputs,
+                                        const CallOptions& call = CallOptions());
+
+  // Non-blocking Forward on gRPC's callback API: `done` runs once, on a gRPC
+  // thread, when the call ends. `request` is copied, so it may go away at once.
+  void ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,
+                    std::function<void(absl::StatusOr<v1::ForwardResponse>)> done);
+
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(const CallOptions& call = CallOptions());
+
+  // grpc.health.v1.Health/Check. "" asks about the server as a whole.
+  absl::StatusOr<HealthStatus> HealthCheck(const std::string& service = "",
+                                           const CallOptions& call = CallOptions());
+
+  const std::string& target() const { return target_; }
+  const ClientOptions& options() const { return options_; }
+  int num_channels() const { return static_cast<int>(channels_.size()); }
+  // For callers that need the channel itself (connectivity state, own stubs).
+  const std::shared_ptr<grpc::Channel>& channel(int i) const { return channels_[i].channel; }
+
+ private:
+  struct Channel {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Attention::Stub> attention;
+    std::unique_ptr<grpc::health::v1::Health::Stub> health;
+  };
+
+  AttentionClient(std::string target, ClientOptions options);
+  // Applies deadline and wait-for-ready to a fresh context.
+  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
+  // The next channel in rotation.
+  Channel& Next();
+
+  std::string target_;
+  ClientOptions options_;
+  std::vector<Channel> channels_;
+  std::atomic<uint64_t> next_{0};
+};
+
+}  // namespace attnserve

@@ -1,0 +1,214 @@
+// attnctl: the command-line client of attnserve. This file holds the command
+// table, the command-line parser and the help; each command lives in
+// client/cli/<name>.cc with its own flags.
+//
+// The parser is ours rather than absl::ParseCommandLine so that flags may come
+// before or after the command, flags of another command are rejected by name,
+// every usage error exits with code 2 (absl's exits with 1, which scripts
+// would read as "NOT_SERVING" or "FAIL"), and --help exits 0.
+#include <algorithm>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "client/cli/command.h"
+#include "client/cli/common.h"
+
+namespace attnserve {
+namespace cli {
+namespace {
+
+constexpr char kGlobalFlagsFile[] = "client/cli/common.cc";
+
+const Command kCommands[] = {
+    {"health", "Ask the gRPC health service whether the server is SERVING (exit 0 only then).",
+     "attnctl [--target=host:port] health [--service=NAME]\n\n"
+     "Prints SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN. Exit code 0 only for SERVING,\n"
+     "1 otherwise (also when the server cannot be reached).",
+     "client/cli/health.cc", RunHealth},
+    {"info", "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
+     "attnctl [--target=host:port] info [--json]",
+     "client/cli/info.cc", RunInfo},
+    {"forward", "Run one attention call on random or .npy inputs; --verify checks it locally.",
+     "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
+     "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
+     "        [--softcap=X] [--softmax_scale=X] [--return_lse] [--out=O.npy] [--out_lse=L.npy]\n"
+     "        [--verify]\n\n"
+     "Examples:\n"
+     "  attnctl forward --batch=2 --seqlen_q=256 --heads_q=16 --heads_kv=4 --head_dim=128 \\\n"
+     "      --dtype=bf16 --causal --verify\n"
+     "  attnctl forward --varlen_q=3,0,17 --varlen_k=5,4,17 --dtype=fp16 --return_lse --verify\n"
+     "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n\n"
+     "Prints the request, the backend, client latency and the server's timing breakdown.\n"
+     "With --verify: the float64 reference is computed locally and O (and LSE) are held to\n"
+     "DESIGN.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
+     "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * |ref| + 2e-6 per element.\n"
+     "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
+     "client/cli/forward.cc", RunForward},
+};
+
+const Command* FindCommand(absl::string_view name) {
+  for (const Command& c : kCommands) {
+    if (name == c.name) return &c;
+  }
+  return nullptr;
+}
+
+// The flags defined in the file `suffix`, sorted by name.
+std::vector<absl::CommandLineFlag*> FlagsOf(absl::string_view suffix) {
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), suffix)) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  return flags;
+}
+
+// `text` as lines of at most `width` columns, each indented by `indent`.
+std::string Wrap(const std::string& text, size_t indent, size_t width) {
+  std::string out, line;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!line.empty() && indent + line.size() + 1 + word.size() > width) {
+      absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
+      line.clear();
+    }
+    absl::StrAppend(&line, line.empty() ? "" : " ", word);
+  }
+  if (!line.empty()) absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
+  return out;
+}
+
+void PrintFlags(absl::string_view title, absl::string_view file) {
+  std::cout << "\n" << title << ":\n";
+  for (const absl::CommandLineFlag* f : FlagsOf(file)) {
+    std::cout << "  --" << f->Name();
+    const std::string def = f->DefaultValue();
+    if (!def.empty()) std::cout << " (default: " << def << ")";
+    std::cout << "\n" << Wrap(f->Help(), 6, 88);
+  }
+}
+
+void PrintHelp(const Command* command) {
+  if (command != nullptr) {
+    std::cout << command->summary << "\n\nUsage: " << command->usage << "\n";
+    PrintFlags(absl::StrCat(command->name, " flags"), command->flags_file);
+  } else {
+    std::cout << "attnctl: command-line client of the attnserve attention service.\n\n"
+                 "Usage: attnctl [global flags] <command> [command flags]\n\nCommands:\n";
+    for (const Command& c : kCommands) {
+      std::cout << "  " << c.name << std::string(10 - absl::string_view(c.name).size(), ' ')
+                << c.summary << "\n";
+    }
+    std::cout << "  help      Show this help, or a command's flags: attnctl help <command>.\n"
+                 "\nFlags take the forms --name=value, --name value, and for booleans --name or "
+                 "--noname.\nExit codes: 0 success, 1 failure (server error, NOT_SERVING, "
+                 "verify FAIL), 2 bad usage.\n";
+  }
+  PrintFlags("Global flags", kGlobalFlagsFile);
+}
+
+// Sets one flag from "--name[=value]" (value possibly in the next argument).
+// Returns an error message, or "" on success.
+std::string SetFlag(absl::string_view arg, const std::vector<std::string>& argv, size_t* i) {
+  absl::string_view body = arg;
+  if (!absl::ConsumePrefix(&body, "--")) absl::ConsumePrefix(&body, "-");
+  const size_t eq = body.find('=');
+  std::string name(body.substr(0, eq));
+  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  bool negated = false;
+  if (flag == nullptr && absl::StartsWith(name, "no")) {
+    absl::CommandLineFlag* positive = absl::FindCommandLineFlag(name.substr(2));
+    if (positive != nullptr && positive->IsOfType<bool>() && eq == absl::string_view::npos) {
+      flag = positive;
+      negated = true;
+      name = name.substr(2);
+    }
+  }
+  if (flag == nullptr || !absl::StrContains(flag->Filename(), "client/cli/")) {
+    return absl::StrCat("unknown flag --", name);
+  }
+  std::string value;
+  if (eq != absl::string_view::npos) {
+    value = std::string(body.substr(eq + 1));
+  } else if (flag->IsOfType<bool>()) {
+    value = negated ? "false" : "true";
+  } else if (*i + 1 < argv.size()) {
+    value = argv[++*i];
+  } else {
+    return absl::StrCat("flag --", name, " needs a value");
+  }
+  std::string error;
+  if (!flag->ParseFrom(value, &error)) {
+    return absl::StrCat("--", name, ": invalid value '", value, "': ", error);
+  }
+  MarkFlagSet(name);
+  return "";
+}
+
+int Main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> positional;
+  bool help = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") {
+      positional.insert(positional.end(), args.begin() + i + 1, args.end());
+      break;
+    }
+    if (a == "--help" || a == "-h" || a == "-help" || a == "--helpfull") {
+      help = true;
+      continue;
+    }
+    if (a.size() > 1 && a[0] == '-') {
+      const std::string error = SetFlag(a, args, &i);
+      if (!error.empty()) {
+        return UsageError(positional.empty() ? "" : positional[0], error);
+      }
+      continue;
+    }
+    positional.push_back(a);
+  }
+
+  if (positional.empty()) {
+    PrintHelp(nullptr);
+    return help ? kExitOk : kExitUsage;
+  }
+  std::string name = positional[0];
+  if (name == "help") {
+    help = true;
+    name = positional.size() > 1 ? positional[1] : "";
+  }
+  const Command* command = name.empty() ? nullptr : FindCommand(name);
+  if (!name.empty() && command == nullptr) {
+    return UsageError("", absl::StrCat("unknown command '", name,
+                                       "' (commands: health, info, forward, help)"));
+  }
+  if (help) {
+    PrintHelp(command);
+    return kExitOk;
+  }
+  // A flag of another command is almost always a typo or a misplaced option.
+  for (const std::string& set : FlagsSet()) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(set);
+    const std::string file = flag->Filename();
+    if (!absl::EndsWith(file, kGlobalFlagsFile) && !absl::EndsWith(file, command->flags_file)) {
+      return UsageError(command->name, absl::StrCat("flag --", set, " does not apply to '",
+                                                    command->name, "'"));
+    }
+  }
+  return command->run(std::vector<std::string>(positional.begin() + 1, positional.end()));
+}
+
+}  // namespace
+}  // namespace cli
+}  // namespace attnserve
+
+int main(int argc, char** argv) { return attnserve::cli::Main(argc, argv); }

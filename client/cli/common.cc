@@ -1,0 +1,98 @@
+// Global attnctl flags and the helpers every command uses (see common.h).
+#include "client/cli/common.h"
+
+#include <cstdlib>
+#include <iostream>
+#include <set>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "client/cli/command.h"
+
+namespace {
+
+// Containers and scripts set the target once in the environment.
+std::string DefaultTarget() {
+  const char* env = std::getenv("ATTNCTL_TARGET");
+  return env != nullptr && *env != '\0' ? env : "localhost:50051";
+}
+
+}  // namespace
+
+ABSL_FLAG(std::string, target, DefaultTarget(),
+          "Server address: host:port, dns:///host:port (every address the name resolves to, "
+          "with --lb_policy=round_robin), ipv4:a:port,b:port or unix:///path. Default: "
+          "$ATTNCTL_TARGET, else localhost:50051.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(120),
+          "Deadline of each RPC, e.g. 500ms, 30s, 2m; 'inf' for none.");
+ABSL_FLAG(std::string, lb_policy, "",
+          "gRPC load-balancing policy: pick_first (gRPC's default) or round_robin (spread calls "
+          "over every resolved address).");
+ABSL_FLAG(bool, wait_for_ready, false,
+          "Wait (up to --timeout) for the server to come up instead of failing at once with "
+          "UNAVAILABLE.");
+
+namespace attnserve {
+namespace cli {
+namespace {
+
+std::set<std::string>& SetFlags() {
+  static auto* flags = new std::set<std::string>;
+  return *flags;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags() {
+  ClientOptions options;
+  options.default_timeout = absl::GetFlag(FLAGS_timeout);
+  options.load_balancing_policy = absl::GetFlag(FLAGS_lb_policy);
+  options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  absl::StatusOr<std::unique_ptr<AttentionClient>> client =
+      AttentionClient::Create(absl::GetFlag(FLAGS_target), options);
+  if (!client.ok() && client.status().code() == absl::StatusCode::kInvalidArgument) {
+    // Both possible causes are flags; say which.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--target/--lb_policy: ", client.status().message()));
+  }
+  return client;
+}
+
+int PrintError(absl::string_view what, const absl::Status& status) {
+  std::cerr << "attnctl: " << what << ": " << absl::StatusCodeToString(status.code()) << ": "
+            << status.message() << "\n";
+  return kExitFailure;
+}
+
+int UsageError(absl::string_view command, absl::string_view message) {
+  std::cerr << "attnctl: " << message << "\n"
+            << "Run 'attnctl help" << (command.empty() ? "" : " ") << command
+            << "' for usage.\n";
+  return kExitUsage;
+}
+
+void MarkFlagSet(absl::string_view name) { SetFlags().insert(std::string(name)); }
+bool FlagWasSet(absl::string_view name) { return SetFlags().count(std::string(name)) > 0; }
+std::vector<std::string> FlagsSet() { return {SetFlags().begin(), SetFlags().end()}; }
+
+absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::string_view text) {
+  std::vector<int> out;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    int v = 0;
+    if (!absl::SimpleAtoi(item, &v) || v < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, ": '", item, "' is not a non-negative integer (expected a comma-separated "
+          "list of sequence lengths such as 3,0,17)"));
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace cli
+}  // namespace attnserve

@@ -1,0 +1,46 @@
+// What every attnctl command shares: the global flags (--target, --timeout,
+// --lb_policy, --wait_for_ready), building a client from them, the record of
+// which flags the user set, and how errors are printed.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+
+ABSL_DECLARE_FLAG(std::string, target);
+ABSL_DECLARE_FLAG(absl::Duration, timeout);
+ABSL_DECLARE_FLAG(std::string, lb_policy);
+ABSL_DECLARE_FLAG(bool, wait_for_ready);
+
+namespace attnserve {
+namespace cli {
+
+// A client for --target with the channel settings of the global flags.
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags();
+
+// Prints "attnctl: <what>: <CODE_NAME>: <message>" to stderr, keeping the
+// server's message verbatim, and returns kExitFailure.
+int PrintError(absl::string_view what, const absl::Status& status);
+// Prints "attnctl: <message>" and a pointer to the help to stderr and returns
+// kExitUsage.
+int UsageError(absl::string_view command, absl::string_view message);
+
+// The command-line parser records every flag it sets, so commands can tell
+// "left at the default" from "given explicitly" (for conflicts between flags).
+void MarkFlagSet(absl::string_view name);
+bool FlagWasSet(absl::string_view name);
+std::vector<std::string> FlagsSet();
+
+// "3,0,17" -> {3, 0, 17}. INVALID_ARGUMENT naming `flag` for an empty item,
+// a non-integer or a negative value.
+absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::string_view text);
+
+}  // namespace cli
+}  // namespace attnserve

@@ -1,0 +1,346 @@
+// `attnctl forward`: one Forward call with random inputs of a given shape (or
+// Q/K/V from .npy files), printing client latency, the server's timing
+// breakdown and backend, optionally writing O/LSE to .npy and checking the
+// result against the float64 reference (--verify).
+#include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <iostream>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/cli/command.h"
+#include "client/cli/common.h"
+#include "client/inputs.h"
+#include "client/npy.h"
+#include "client/verify.h"
+
+// Shape of random inputs.
+ABSL_FLAG(int, batch, 1, "Dense random inputs: number of sequences B.");
+ABSL_FLAG(int, seqlen_q, 128, "Dense random inputs: query length Sq.");
+ABSL_FLAG(std::optional<int>, seqlen_k, std::nullopt,
+          "Dense random inputs: key length Sk (default: --seqlen_q).");
+ABSL_FLAG(int, heads_q, 8, "Random inputs: query heads Hq.");
+ABSL_FLAG(std::optional<int>, heads_kv, std::nullopt,
+          "Random inputs: key/value heads Hkv; Hq must be a multiple (GQA/MQA). Default: --heads_q.");
+ABSL_FLAG(int, head_dim, 64, "Random inputs: head dimension D (the server accepts multiples of "
+                             "8 from 8 to 256).");
+ABSL_FLAG(std::string, varlen_q, "",
+          "Packed variable-length random inputs: comma-separated query lengths, one per sequence, "
+          "zeros allowed (e.g. 3,0,17). Replaces --batch/--seqlen_q/--seqlen_k.");
+ABSL_FLAG(std::string, varlen_k, "",
+          "Varlen key lengths, as many as --varlen_q (default: equal to --varlen_q). With --q/--k/--v "
+          "files, --varlen_q/--varlen_k give the sequence lengths of the packed rows.");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
+          "Seed of the random inputs (default: a fresh one, printed so a run can be repeated).");
+ABSL_FLAG(std::string, dtype, "fp16",
+          "Element type: fp16, bf16 or fp32. With --q/--k/--v files the default is the files' type "
+          "and an explicit --dtype converts them.");
+
+// Inputs and outputs as files.
+ABSL_FLAG(std::string, q, "", "Read Q from this .npy file ([B,Sq,Hq,D], or [Tq,Hq,D] with --varlen_q).");
+ABSL_FLAG(std::string, k, "", "Read K from this .npy file ([B,Sk,Hkv,D] or [Tk,Hkv,D]).");
+ABSL_FLAG(std::string, v, "", "Read V from this .npy file (shape of K).");
+ABSL_FLAG(std::string, out, "", "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16).");
+ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
+
+// Attention options (DESIGN.md §2).
+ABSL_FLAG(bool, causal, false, "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
+ABSL_FLAG(std::optional<int>, window_left, std::nullopt,
+          "Sliding window: keys at most this far left of the diagonal (default: unlimited).");
+ABSL_FLAG(std::optional<int>, window_right, std::nullopt,
+          "Sliding window: keys at most this far right of the diagonal (default: unlimited).");
+ABSL_FLAG(float, softcap, 0.0f, "Score soft cap: scores become softcap * tanh(scores / softcap); 0 = off.");
+ABSL_FLAG(std::optional<float>, softmax_scale, std::nullopt,
+          "Multiplies Q*K^T before the softmax (default: 1/sqrt(D)).");
+ABSL_FLAG(bool, return_lse, false, "Also return the log-sum-exp of each query row.");
+
+ABSL_FLAG(bool, verify, false,
+          "Compute the float64 reference locally and check O (and LSE) with DESIGN.md's tolerance; "
+          "exit 1 on FAIL.");
+ABSL_FLAG(std::string, request_id, "", "request_id to send (echoed by the server and in its log).");
+
+namespace attnserve {
+namespace cli {
+namespace {
+
+constexpr char kCmd[] = "forward";
+
+// The flags that only make sense for random inputs.
+constexpr const char* kShapeFlags[] = {"batch", "seqlen_q", "seqlen_k", "heads_q",
+                                       "heads_kv", "head_dim", "seed"};
+
+absl::Status UsageStatus(std::string message) { return absl::InvalidArgumentError(message); }
+
+absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed) {
+  AttentionShape s;
+  s.dtype = dtype;
+  s.batch = absl::GetFlag(FLAGS_batch);
+  s.seqlen_q = absl::GetFlag(FLAGS_seqlen_q);
+  s.seqlen_k = absl::GetFlag(FLAGS_seqlen_k).value_or(s.seqlen_q);
+  s.heads_q = absl::GetFlag(FLAGS_heads_q);
+  s.heads_kv = absl::GetFlag(FLAGS_heads_kv).value_or(s.heads_q);
+  s.head_dim = absl::GetFlag(FLAGS_head_dim);
+  const struct {
+    const char* flag;
+    int value;
+    int min;
+  } checks[] = {{"batch", s.batch, 0},       {"seqlen_q", s.seqlen_q, 0},
+                {"seqlen_k", s.seqlen_k, 0}, {"heads_q", s.heads_q, 1},
+                {"heads_kv", s.heads_kv, 1}, {"head_dim", s.head_dim, 1}};
+  for (const auto& c : checks) {
+    if (c.value < c.min) {
+      return UsageStatus(absl::StrCat("--", c.flag, " must be >= ", c.min, ", got ", c.value));
+    }
+  }
+  if (s.heads_q % s.heads_kv != 0) {
+    return UsageStatus(absl::StrCat("--heads_q (", s.heads_q, ") must be a multiple of --heads_kv (",
+                                    s.heads_kv, ")"));
+  }
+  const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
+  const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
+  if (!varlen_k.empty() && varlen_q.empty()) {
+    return UsageStatus("--varlen_k needs --varlen_q (the query lengths)");
+  }
+  if (!varlen_q.empty()) {
+    for (const char* flag : {"batch", "seqlen_q", "seqlen_k"}) {
+      if (FlagWasSet(flag)) {
+        return UsageStatus(absl::StrCat("--", flag,
+                                        " cannot be combined with --varlen_q (varlen inputs take "
+                                        "one length per sequence from --varlen_q/--varlen_k)"));
+      }
+    }
+    absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
+    if (!lq.ok()) return lq.status();
+    absl::StatusOr<std::vector<int>> lk =
+        ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
+    if (!lk.ok()) return lk.status();
+    if (lq->size() != lk->size()) {
+      return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
+                                      " sequences but --varlen_q lists ", lq->size()));
+    }
+    s.seqlens_q = *lq;
+    s.seqlens_k = *lk;
+  }
+  return MakeRandomInputs(s, seed);
+}
+
+absl::StatusOr<AttentionInputs> FileInputsFromFlags(std::optional<DType> dtype) {
+  for (const char* flag : kShapeFlags) {
+    if (FlagWasSet(flag)) {
+      return UsageStatus(absl::StrCat("--", flag,
+                                      " applies to random inputs; with --q/--k/--v the shapes "
+                                      "come from the files"));
+    }
+  }
+  AttentionInputs in;
+  const struct {
+    const char* flag;
+    std::string path;
+    HostTensor* into;
+  } files[] = {{"q", absl::GetFlag(FLAGS_q), &in.q},
+               {"k", absl::GetFlag(FLAGS_k), &in.k},
+               {"v", absl::GetFlag(FLAGS_v), &in.v}};
+  for (const auto& f : files) {
+    if (f.path.empty()) return UsageStatus("--q, --k and --v must be given together");
+  }
+  for (const auto& f : files) {
+    absl::StatusOr<HostTensor> t = ReadNpy(f.path);
+    if (!t.ok()) {
+      return absl::Status(t.status().code(), absl::StrCat("--", f.flag, ": ", t.status().message()));
+    }
+    *f.into = *std::move(t);
+  }
+  // Without --dtype the files decide; K and V follow Q.
+  const DType want = dtype.value_or(in.q.dtype());
+  in.q = in.q.ConvertTo(want);
+  in.k = in.k.ConvertTo(want);
+  in.v = in.v.ConvertTo(want);
+
+  const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
+  const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
+  if (!varlen_k.empty() && varlen_q.empty()) {
+    return UsageStatus("--varlen_k needs --varlen_q (the query lengths)");
+  }
+  if (varlen_q.empty()) {
+    if (in.q.rank() == 3) {
+      return UsageStatus(absl::StrCat("--q ", absl::GetFlag(FLAGS_q), " is ", in.q.DebugString(),
+                                      ": packed [T, H, D] inputs need --varlen_q (and --varlen_k) "
+                                      "with the sequence lengths"));
+    }
+    return in;
+  }
+  absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
+  if (!lq.ok()) return lq.status();
+  absl::StatusOr<std::vector<int>> lk =
+      ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
+  if (!lk.ok()) return lk.status();
+  if (lq->size() != lk->size()) {
+    return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
+                                    " sequences but --varlen_q lists ", lq->size()));
+  }
+  in.cu_seqlens_q = CuSeqlensFromLengths(*lq);
+  in.cu_seqlens_k = CuSeqlensFromLengths(*lk);
+  if (in.q.rank() != 3 || in.k.rank() != 3) {
+    return UsageStatus(absl::StrCat("--varlen_q needs packed [T, H, D] files, got q ",
+                                    in.q.DebugString(), " and k ", in.k.DebugString()));
+  }
+  if (in.cu_seqlens_q.back() != in.q.dim(0)) {
+    return UsageStatus(absl::StrCat("--varlen_q lengths sum to ", in.cu_seqlens_q.back(),
+                                    " but --q has ", in.q.dim(0), " rows"));
+  }
+  if (in.cu_seqlens_k.back() != in.k.dim(0)) {
+    return UsageStatus(absl::StrCat("--varlen_k lengths sum to ", in.cu_seqlens_k.back(),
+                                    " but --k has ", in.k.dim(0), " rows"));
+  }
+  return in;
+}
+
+absl::Status OptionsFromFlags(AttentionOptions* o) {
+  o->causal = absl::GetFlag(FLAGS_causal);
+  o->window_left = absl::GetFlag(FLAGS_window_left);
+  o->window_right = absl::GetFlag(FLAGS_window_right);
+  for (const auto& [flag, w] : {std::pair{"window_left", o->window_left},
+                                std::pair{"window_right", o->window_right}}) {
+    if (w && *w < 0) {
+      return UsageStatus(absl::StrCat("--", flag, " must be >= 0 (leave it unset for an "
+                                      "unlimited window), got ", *w));
+    }
+  }
+  o->softcap = absl::GetFlag(FLAGS_softcap);
+  if (!(o->softcap >= 0.0f) || !std::isfinite(o->softcap)) {
+    return UsageStatus(absl::StrCat("--softcap must be a finite value >= 0 (0 = off), got ",
+                                    o->softcap));
+  }
+  o->softmax_scale = absl::GetFlag(FLAGS_softmax_scale);
+  if (o->softmax_scale && !(std::isfinite(*o->softmax_scale) && *o->softmax_scale > 0.0f)) {
+    return UsageStatus(absl::StrCat("--softmax_scale must be finite and > 0, got ",
+                                    *o->softmax_scale));
+  }
+  o->return_lse = absl::GetFlag(FLAGS_return_lse) || !absl::GetFlag(FLAGS_out_lse).empty();
+  return absl::OkStatus();
+}
+
+std::string OptionsString(const AttentionOptions& o) {
+  std::vector<std::string> parts;
+  if (o.causal) parts.push_back("causal");
+  if (o.window_left) parts.push_back(absl::StrCat("window_left=", *o.window_left));
+  if (o.window_right) parts.push_back(absl::StrCat("window_right=", *o.window_right));
+  if (o.softcap != 0.0f) parts.push_back(absl::StrCat("softcap=", o.softcap));
+  if (o.softmax_scale) parts.push_back(absl::StrCat("softmax_scale=", *o.softmax_scale));
+  if (o.return_lse) parts.push_back("return_lse");
+  return parts.empty() ? "no mask" : absl::StrJoin(parts, " ");
+}
+
+std::string Ms(int64_t us) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3) << us / 1000.0;
+  return os.str();
+}
+
+std::string Sci(double x) {
+  std::ostringstream os;
+  os << std::scientific << std::setprecision(3) << x;
+  return os.str();
+}
+
+}  // namespace
+
+int RunForward(const std::vector<std::string>& args) {
+  if (!args.empty()) return UsageError(kCmd, "forward takes no arguments, got '" + args[0] + "'");
+  std::optional<DType> dtype;
+  if (FlagWasSet("dtype") || absl::GetFlag(FLAGS_q).empty()) {
+    absl::StatusOr<DType> d = ParseDType(absl::GetFlag(FLAGS_dtype));
+    if (!d.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", d.status().message()));
+    dtype = *d;
+  }
+  const bool from_files = !absl::GetFlag(FLAGS_q).empty() || !absl::GetFlag(FLAGS_k).empty() ||
+                          !absl::GetFlag(FLAGS_v).empty();
+  uint64_t seed = 0;
+  absl::StatusOr<AttentionInputs> inputs;
+  if (from_files) {
+    inputs = FileInputsFromFlags(dtype);
+  } else {
+    seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
+    inputs = RandomInputsFromFlags(*dtype, seed);
+  }
+  if (!inputs.ok()) {
+    if (inputs.status().code() == absl::StatusCode::kInvalidArgument) {
+      return UsageError(kCmd, inputs.status().message());
+    }
+    return PrintError("reading inputs", inputs.status());
+  }
+  absl::Status st = OptionsFromFlags(&inputs->options);
+  if (!st.ok()) return UsageError(kCmd, st.message());
+  inputs->request_id = absl::GetFlag(FLAGS_request_id);
+  absl::StatusOr<InputsSummary> summary = SummarizeInputs(*inputs);
+  if (!summary.ok()) return UsageError(kCmd, summary.status().message());
+
+  absl::StatusOr<std::unique_ptr<AttentionClient>> client = MakeClientFromFlags();
+  if (!client.ok()) return UsageError(kCmd, client.status().message());
+
+  std::cout << "request:  " << summary->ToString() << ", " << OptionsString(inputs->options);
+  if (!from_files) std::cout << ", seed " << seed;
+  std::cout << "\n";
+
+  // Client latency covers the RPC and decoding, not building the inputs.
+  const absl::Time start = absl::Now();
+  absl::StatusOr<ForwardResult> result = (*client)->Forward(*inputs);
+  const int64_t client_us = absl::ToInt64Microseconds(absl::Now() - start);
+  if (!result.ok()) return PrintError("Forward failed", result.status());
+
+  const ServerTiming& t = result->timing;
+  std::cout << "backend:  " << result->backend << "\n"
+            << "latency:  client " << Ms(client_us) << " ms; server total " << Ms(t.total_us)
+            << " ms = queue " << Ms(t.queue_us) << " + host_to_device " << Ms(t.host_to_device_us)
+            << " + compute " << Ms(t.compute_us) << " + device_to_host "
+            << Ms(t.device_to_host_us) << " ms (+ server overhead)\n";
+
+  if (const std::string path = absl::GetFlag(FLAGS_out); !path.empty()) {
+    st = WriteNpy(path, result->o);
+    if (!st.ok()) return PrintError("--out", st);
+    std::cout << "wrote:    o " << result->o.DebugString() << " to " << path << "\n";
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_out_lse); !path.empty()) {
+    st = WriteNpy(path, *result->lse);
+    if (!st.ok()) return PrintError("--out_lse", st);
+    std::cout << "wrote:    lse " << result->lse->DebugString() << " to " << path << "\n";
+  }
+
+  if (!absl::GetFlag(FLAGS_verify)) return kExitOk;
+  const absl::Time ref_start = absl::Now();
+  absl::StatusOr<VerifyReport> report = VerifyForward(*inputs, *result);
+  if (!report.ok()) return PrintError("verify", report.status());
+  std::cout << "verify:   o max abs err " << Sci(report->max_abs_err) << ", max rel err "
+            << Sci(report->max_rel_err) << " (max|ref| " << Sci(report->max_abs_ref) << ")";
+  if (summary->dtype != DType::kFP32) {
+    std::cout << ", tolerance " << Sci(report->tolerance) << " = " << report->tolerance_rule
+              << " (max|ref_lowp - ref| " << Sci(report->lowp_err) << ")";
+  } else {
+    std::cout << ", tolerance " << report->tolerance_rule;
+  }
+  std::cout << "\n";
+  if (report->lse_checked) {
+    std::cout << "verify:   lse max abs err " << Sci(report->lse_max_abs_err) << ", tolerance "
+              << Sci(report->lse_tolerance)
+              << (summary->dtype == DType::kFP32 ? " relative" : " absolute") << "\n";
+  }
+  std::cout << "verify:   reference took " << Ms(absl::ToInt64Microseconds(absl::Now() - ref_start))
+            << " ms\n";
+  if (!report->passed) {
+    std::cout << "FAIL: " << report->failure << "\n";
+    return kExitFailure;
+  }
+  std::cout << "PASS\n";
+  return kExitOk;
+}
+
+}  // namespace cli
+}  // namespace attnserve

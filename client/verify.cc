@@ -1,0 +1,176 @@
+// VerifyForward: rebuilds AttnParams from the client's inputs, runs both
+// references and applies the tolerance policy described in verify.h.
+#include "client/verify.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "backend/dtype.h"
+#include "backend/reference/reference_attention.h"
+#include "client/inputs.h"
+
+namespace attnserve {
+namespace {
+
+// Kept equal to tests/common/attn_test_util.cc (see verify.h).
+constexpr double kFp16Floor = 1e-3;
+constexpr double kBf16Floor = 8e-3;
+constexpr double kFp32Rtol = 1e-5;
+constexpr double kFp32Atol = 2e-6;
+constexpr double kFp32LseAtol = 1e-5;
+constexpr double kLowpLseFloor = 1e-4;
+
+AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
+  AttnParams p{};
+  p.dtype = s.dtype;
+  p.q = in.q.data();
+  p.k = in.k.data();
+  p.v = in.v.data();
+  p.o = nullptr;
+  p.lse = nullptr;
+  p.batch = static_cast<int32_t>(s.batch);
+  p.num_heads_q = static_cast<int32_t>(s.heads_q);
+  p.num_heads_kv = static_cast<int32_t>(s.heads_kv);
+  p.head_dim = static_cast<int32_t>(s.head_dim);
+  p.seqlen_q = static_cast<int32_t>(s.seqlen_q);
+  p.seqlen_k = static_cast<int32_t>(s.seqlen_k);
+  p.total_q = s.total_q;
+  p.total_k = s.total_k;
+  p.cu_seqlens_q = s.varlen ? in.cu_seqlens_q.data() : nullptr;
+  p.cu_seqlens_k = s.varlen ? in.cu_seqlens_k.data() : nullptr;
+  const AttentionOptions& o = in.options;
+  p.softmax_scale = o.softmax_scale ? *o.softmax_scale
+                                    : static_cast<float>(1.0 / std::sqrt(double(s.head_dim)));
+  p.softmax_scale_log2 = static_cast<float>(double{p.softmax_scale} * 1.4426950408889634);
+  p.softcap = o.softcap;
+  p.is_causal = o.causal;
+  p.window_left = o.window_left ? *o.window_left : kNoWindow;
+  // As the server's FillParams: causal is the right window bound 0.
+  p.window_right = o.causal ? 0 : (o.window_right ? *o.window_right : kNoWindow);
+  return p;
+}
+
+double OutputFloor(DType t) { return t == DType::kFP16 ? kFp16Floor : kBf16Floor; }
+
+// Index into ReferenceOutput::lse of the row that o element `idx` belongs to.
+int64_t LseIndexOfO(const AttnParams& p, int64_t idx) {
+  const int64_t row = idx / (int64_t{p.num_heads_q} * p.head_dim);
+  const int h = static_cast<int>((idx / p.head_dim) % p.num_heads_q);
+  if (IsVarlen(p)) return int64_t{h} * p.total_q + row;
+  const int b = static_cast<int>(row / p.seqlen_q);
+  return LseOffset(p, b, h, static_cast<int>(row % p.seqlen_q));
+}
+
+void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutput* lowp,
+            const std::vector<float>& out, VerifyReport* r) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i]) && r->failure.empty()) {
+      r->failure = absl::StrCat("o[flat ", i, "] = ", out[i], " is not finite (reference ",
+                                ref.o[i], ")");
+    }
+    if (out[i] != 0.0f && std::isinf(ref.lse[LseIndexOfO(p, i)]) && r->failure.empty()) {
+      r->failure = absl::StrCat("o[flat ", i, "] = ", out[i],
+                                ", expected exactly 0 (the row sees no key)");
+    }
+    const double err = std::fabs(out[i] - ref.o[i]);
+    r->max_abs_err = std::max(r->max_abs_err, err);
+    r->max_abs_ref = std::max(r->max_abs_ref, std::fabs(ref.o[i]));
+    if (lowp != nullptr) r->lowp_err = std::max(r->lowp_err, std::fabs(lowp->o[i] - ref.o[i]));
+  }
+  r->max_rel_err = r->max_abs_ref > 0 ? r->max_abs_err / r->max_abs_ref : r->max_abs_err;
+  if (lowp != nullptr) {
+    const double floor = OutputFloor(p.dtype);
+    r->tolerance = 2.0 * r->lowp_err + floor;
+    r->tolerance_rule = absl::StrCat("2 * max|ref_lowp - ref| + ", floor);
+    if (r->failure.empty() && r->max_abs_err > r->tolerance) {
+      r->failure = absl::StrCat("max|o - ref| = ", r->max_abs_err, " > tolerance ", r->tolerance);
+    }
+    return;
+  }
+  r->tolerance = kFp32Rtol;
+  r->tolerance_rule = absl::StrCat("per element |err| <= ", kFp32Rtol, " * |ref| + ", kFp32Atol);
+  for (size_t i = 0; i < out.size() && r->failure.empty(); ++i) {
+    const double err = std::fabs(out[i] - ref.o[i]);
+    const double allowed = kFp32Rtol * std::fabs(ref.o[i]) + kFp32Atol;
+    if (err > allowed) {
+      r->failure = absl::StrCat("o[flat ", i, "] = ", out[i], ", reference ", ref.o[i], ", |err| ",
+                                err, " > ", allowed);
+    }
+  }
+}
+
+void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
+              const std::vector<float>& lse, VerifyReport* r) {
+  r->lse_checked = true;
+  double lowp_err = 0.0;
+  for (size_t i = 0; i < lse.size(); ++i) {
+    const double want = ref.lse[i];
+    if (std::isinf(want)) {
+      if (!(std::isinf(lse[i]) && lse[i] < 0) && r->failure.empty()) {
+        r->failure = absl::StrCat("lse[flat ", i, "] = ", lse[i],
+                                  ", expected -inf (the row sees no key)");
+      }
+      continue;
+    }
+    if (!std::isfinite(lse[i])) {
+      if (r->failure.empty()) {
+        r->failure = absl::StrCat("lse[flat ", i, "] = ", lse[i], ", expected ", want);
+      }
+      continue;
+    }
+    r->lse_max_abs_err = std::max(r->lse_max_abs_err, std::fabs(lse[i] - want));
+    if (lowp != nullptr) lowp_err = std::max(lowp_err, std::fabs(lowp->lse[i] - want));
+  }
+  if (lowp != nullptr) {
+    r->lse_tolerance = 2.0 * lowp_err + kLowpLseFloor;
+    if (r->failure.empty() && r->lse_max_abs_err > r->lse_tolerance) {
+      r->failure = absl::StrCat("max|lse - ref| = ", r->lse_max_abs_err, " > tolerance ",
+                                r->lse_tolerance);
+    }
+    return;
+  }
+  r->lse_tolerance = kFp32Rtol;
+  for (size_t i = 0; i < lse.size() && r->failure.empty(); ++i) {
+    if (std::isinf(ref.lse[i])) continue;
+    const double err = std::fabs(lse[i] - ref.lse[i]);
+    const double allowed = kFp32Rtol * std::fabs(ref.lse[i]) + kFp32LseAtol;
+    if (err > allowed) {
+      r->failure = absl::StrCat("lse[flat ", i, "] = ", lse[i], ", reference ", ref.lse[i],
+                                ", |err| ", err, " > ", allowed);
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
+                                           const ForwardResult& result) {
+  absl::StatusOr<InputsSummary> s = SummarizeInputs(inputs);
+  if (!s.ok()) return s.status();
+  if (result.o.shape() != inputs.q.shape() || result.o.dtype() != inputs.q.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("o is ", result.o.DebugString(),
+                                                   ", expected ", inputs.q.DebugString()));
+  }
+  const AttnParams p = MakeParams(inputs, *s);
+  const ReferenceOutput ref = ReferenceAttention(p);
+  const bool low = p.dtype != DType::kFP32;
+  ReferenceOutput lowp;
+  if (low) lowp = ReferenceAttentionLowPrecision(p);
+
+  VerifyReport r;
+  CheckO(p, ref, low ? &lowp : nullptr, result.o.ToFloats(), &r);
+  if (result.lse) {
+    if (result.lse->num_elements() != static_cast<int64_t>(ref.lse.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("lse is ", result.lse->DebugString(),
+                                                     ", expected ", ref.lse.size(), " elements"));
+    }
+    CheckLse(ref, low ? &lowp : nullptr, result.lse->ToFloats(), &r);
+  }
+  r.passed = r.failure.empty();
+  return r;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,49 @@
+// Client-side verification of a Forward result against the float64 reference,
+// with DESIGN.md §4's tolerance policy. Used by `attnctl forward --verify` and
+// meant for the load tester's per-response correctness check.
+//
+// Policy (the same constants as tests/common/attn_test_util.cc, which this
+// library cannot link because that one depends on GoogleTest):
+//   O, FP16/BF16:  max|out - ref| <= 2 * max|ref_lowp - ref| + floor,
+//                  floor 1e-3 (FP16) / 8e-3 (BF16), about one ulp at 1.0.
+//   O, FP32:       every element |out - ref| <= 1e-5 * |ref| + 2e-6.
+//   LSE, FP16/BF16: max|lse - ref| <= 2 * max|lse_lowp - ref| + 1e-4.
+//   LSE, FP32:     every element |lse - ref| <= 1e-5 * |ref| + 1e-5.
+//   Rows that see no key: O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/attention_client.h"
+
+namespace attnserve {
+
+struct VerifyReport {
+  bool passed = false;
+  // O against the float64 reference.
+  double max_abs_err = 0.0;
+  // max|out - ref| / max|ref|: normwise, so rows whose output is near zero do
+  // not turn rounding noise into huge ratios.
+  double max_rel_err = 0.0;
+  double max_abs_ref = 0.0;
+  // max|ref_lowp - ref| (0 for FP32).
+  double lowp_err = 0.0;
+  // The bound max_abs_err is held to (low precision), or the relative bound
+  // (FP32, checked per element with its absolute floor).
+  double tolerance = 0.0;
+  std::string tolerance_rule;  // how `tolerance` was formed, for printing
+  // LSE, when the result carries it.
+  bool lse_checked = false;
+  double lse_max_abs_err = 0.0;
+  double lse_tolerance = 0.0;
+  // Empty when passed; otherwise the first reason, with coordinates.
+  std::string failure;
+};
+
+// INVALID_ARGUMENT if `inputs` are not a valid call or `result` does not match
+// them in shape and dtype; otherwise the comparison (which may have failed).
+absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
+                                           const ForwardResult& result);
+
+}  // namespace attnserve
