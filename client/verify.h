@@ -6,7 +6,9 @@
 // library cannot link because that one depends on GoogleTest):
 //   O, FP16/BF16:  max|out - ref| <= 2 * max|ref_lowp - ref| + floor,
 //                  floor 1e-3 (FP16) / 8e-3 (BF16), about one ulp at 1.0.
-//   O, FP32:       every element |out - ref| <= 1e-5 * |ref| + 2e-6.
+//   O, FP32:       every element |out - ref| <= 1e-5 * max|ref of its vector| + 1e-6,
+//                  a vector being one query row of one head (relative error
+//                  per vector: near-zero elements carry the error of their terms).
 //   LSE, FP16/BF16: max|lse - ref| <= 2 * max|lse_lowp - ref| + 1e-4.
 //   LSE, FP32:     every element |lse - ref| <= 1e-5 * |ref| + 1e-5.
 //   Rows that see no key: O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
@@ -23,8 +25,9 @@ struct VerifyReport {
   bool passed = false;
   // O against the float64 reference.
   double max_abs_err = 0.0;
-  // max|out - ref| / max|ref|: normwise, so rows whose output is near zero do
-  // not turn rounding noise into huge ratios.
+  // max over elements of |out - ref| / max|ref of its vector|: relative to
+  // each output vector's scale, so elements that are near-zero sums do not
+  // turn rounding noise into huge ratios.
   double max_rel_err = 0.0;
   double max_abs_ref = 0.0;
   // max|ref_lowp - ref| (0 for FP32).

@@ -319,7 +319,7 @@ int RunForward(const std::vector<std::string>& args) {
   absl::StatusOr<VerifyReport> report = VerifyForward(*inputs, *result);
   if (!report.ok()) return PrintError("verify", report.status());
   std::cout << "verify:   o max abs err " << Sci(report->max_abs_err) << ", max rel err "
-            << Sci(report->max_rel_err) << " (max|ref| " << Sci(report->max_abs_ref) << ")";
+            << Sci(report->max_rel_err) << " (of each row's max|ref|)";
   if (summary->dtype != DType::kFP32) {
     std::cout << ", tolerance " << Sci(report->tolerance) << " = " << report->tolerance_rule
               << " (max|ref_lowp - ref| " << Sci(report->lowp_err) << ")";

@@ -1,0 +1,236 @@
+// AttentionClient against a real AttnServer (CPU backend, 2 threads) started
+// in-process on 127.0.0.1:0: every RPC, every dtype and layout, deadlines,
+// error passthrough, several channels and load-balanced targets.
+#include "client/attention_client.h"
+
+#include <future>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/inputs.h"
+#include "client/verify.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+class AttentionClientTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.host = "127.0.0.1";
+    options.port = 0;
+    options.backend.kind = "cpu";
+    options.backend.cpu_threads = 2;
+    auto server = AttnServer::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+    ASSERT_TRUE(server_->Start().ok());
+    target_ = absl::StrCat("127.0.0.1:", server_->port());
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
+    delete server_;
+    server_ = nullptr;
+  }
+
+  std::unique_ptr<AttentionClient> Client(const ClientOptions& options = ClientOptions()) {
+    auto client = AttentionClient::Create(target_, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return *std::move(client);
+  }
+
+  // Runs `shape` with `options` and checks the result against the reference.
+  void RunAndVerify(const AttentionShape& shape, const AttentionOptions& options, uint64_t seed) {
+    auto inputs = MakeRandomInputs(shape, seed);
+    ASSERT_TRUE(inputs.ok()) << inputs.status();
+    inputs->options = options;
+    auto result = Client()->Forward(*inputs);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->backend, "cpu");
+    EXPECT_EQ(result->o.dtype(), shape.dtype);
+    EXPECT_EQ(result->o.shape(), inputs->q.shape());
+    EXPECT_EQ(result->lse.has_value(), options.return_lse);
+    auto report = VerifyForward(*inputs, *result);
+    ASSERT_TRUE(report.ok()) << report.status();
+    EXPECT_TRUE(report->passed) << report->failure;
+    EXPECT_EQ(report->lse_checked, options.return_lse);
+  }
+
+  static AttnServer* server_;
+  static std::string target_;
+};
+
+AttnServer* AttentionClientTest::server_ = nullptr;
+std::string AttentionClientTest::target_;
+
+AttentionShape Dense(DType dtype, int b, int sq, int sk, int hq, int hkv, int d) {
+  AttentionShape s;
+  s.dtype = dtype;
+  s.batch = b;
+  s.seqlen_q = sq;
+  s.seqlen_k = sk;
+  s.heads_q = hq;
+  s.heads_kv = hkv;
+  s.head_dim = d;
+  return s;
+}
+
+TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
+  uint64_t seed = 100;
+  for (DType dtype : {DType::kFP16, DType::kBF16, DType::kFP32}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(std::string(DTypeName(dtype)), causal ? " causal" : ""));
+      AttentionOptions o;
+      o.causal = causal;
+      RunAndVerify(Dense(dtype, 2, 17, 33, 4, 4, 64), o, ++seed);
+    }
+  }
+}
+
+TEST_F(AttentionClientTest, ForwardGqaWithLseWindowAndSoftcap) {
+  AttentionOptions o;
+  o.return_lse = true;
+  RunAndVerify(Dense(DType::kBF16, 1, 40, 40, 8, 2, 32), o, 1);  // GQA 4:1
+  RunAndVerify(Dense(DType::kFP16, 1, 9, 20, 4, 1, 16), o, 2);   // MQA
+  o.causal = true;
+  o.window_left = 5;
+  o.softcap = 30.0f;
+  o.softmax_scale = 0.2f;
+  RunAndVerify(Dense(DType::kFP32, 2, 24, 24, 4, 2, 8), o, 3);
+}
+
+TEST_F(AttentionClientTest, ForwardVarlenWithZeroLengthSequence) {
+  AttentionShape s;
+  s.dtype = DType::kFP16;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.head_dim = 32;
+  s.seqlens_q = {3, 0, 17, 5};
+  s.seqlens_k = {3, 6, 17, 0};  // the last sequence sees no key: O = 0, LSE = -inf
+  AttentionOptions o;
+  o.return_lse = true;
+  RunAndVerify(s, o, 4);
+  o.causal = true;
+  RunAndVerify(s, o, 5);
+}
+
+TEST_F(AttentionClientTest, RawForwardEchoesRequestIdAndReportsTiming) {
+  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 64, 64, 2, 2, 64), 6);
+  ASSERT_TRUE(inputs.ok());
+  inputs->request_id = "client-test-42";
+  auto response = Client()->Forward(MakeForwardRequest(*inputs));
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), "client-test-42");
+  EXPECT_EQ(response->backend(), "cpu");
+  EXPECT_GT(response->timing().total_us(), 0);
+  EXPECT_GE(response->timing().total_us(), response->timing().compute_us());
+}
+
+TEST_F(AttentionClientTest, ForwardAsync) {
+  auto inputs = MakeRandomInputs(Dense(DType::kBF16, 1, 16, 16, 2, 2, 64), 7);
+  ASSERT_TRUE(inputs.ok());
+  std::promise<absl::StatusOr<v1::ForwardResponse>> done;
+  Client()->ForwardAsync(MakeForwardRequest(*inputs), CallOptions(),
+                         [&done](absl::StatusOr<v1::ForwardResponse> r) {
+                           done.set_value(std::move(r));
+                         });
+  auto response = done.get_future().get();
+  ASSERT_TRUE(response.ok()) << response.status();
+  auto result = ForwardResultFromProto(*std::move(response));
+  ASSERT_TRUE(result.ok());
+  auto report = VerifyForward(*inputs, *result);
+  ASSERT_TRUE(report.ok());
+  EXPECT_TRUE(report->passed) << report->failure;
+}
+
+TEST_F(AttentionClientTest, GetServerInfo) {
+  auto info = Client()->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_FALSE(info->version().empty());
+  EXPECT_EQ(info->dtypes_size(), 3);
+  EXPECT_EQ(info->min_head_dim(), 8);
+  EXPECT_EQ(info->max_head_dim(), 256);
+  EXPECT_GT(info->limits().max_request_bytes(), 0);
+}
+
+TEST_F(AttentionClientTest, HealthCheck) {
+  auto status = Client()->HealthCheck();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(*status, HealthStatus::kServing);
+  EXPECT_STREQ(HealthStatusName(*status), "SERVING");
+}
+
+TEST_F(AttentionClientTest, DeadlineExceeded) {
+  auto inputs = MakeRandomInputs(Dense(DType::kFP32, 1, 256, 256, 8, 8, 64), 8);
+  ASSERT_TRUE(inputs.ok());
+  CallOptions call;
+  call.timeout = absl::Microseconds(1);
+  auto result = Client()->Forward(*inputs, call);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kDeadlineExceeded) << result.status();
+
+  // The same deadline as the client default, overridden per call.
+  ClientOptions tight;
+  tight.default_timeout = absl::Microseconds(1);
+  auto client = Client(tight);
+  EXPECT_EQ(client->HealthCheck().status().code(), absl::StatusCode::kDeadlineExceeded);
+  call.timeout = absl::Seconds(30);
+  EXPECT_TRUE(client->HealthCheck("", call).ok());
+}
+
+TEST_F(AttentionClientTest, InvalidArgumentMessageArrivesIntact) {
+  // D = 12 is not a multiple of 8: the server names the value.
+  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 12), 9);
+  ASSERT_TRUE(inputs.ok());
+  auto result = Client()->Forward(*inputs);
+  ASSERT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_THAT(result.status().message(), HasSubstr("12"));
+
+  // A byte length that disagrees with the shape: the message is the server's,
+  // not a client-side rewrite.
+  auto good = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 8), 10);
+  v1::ForwardRequest request = MakeForwardRequest(*good);
+  request.mutable_k()->mutable_data()->resize(10);
+  auto raw = Client()->Forward(request);
+  ASSERT_EQ(raw.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(raw.status().message(), HasSubstr("10"));
+  EXPECT_THAT(raw.status().message(), HasSubstr("k"));
+
+  // The server keeps serving.
+  EXPECT_EQ(*Client()->HealthCheck(), HealthStatus::kServing);
+}
+
+TEST_F(AttentionClientTest, UnavailableWhenNothingListens) {
+  // Port 1 on loopback: nothing listens there, the connection is refused.
+  auto client = AttentionClient::Create("127.0.0.1:1");
+  ASSERT_TRUE(client.ok());
+  CallOptions call;
+  call.timeout = absl::Seconds(10);
+  EXPECT_EQ((*client)->HealthCheck("", call).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(AttentionClientTest, SeveralChannelsAndRoundRobinTargets) {
+  ClientOptions options;
+  options.num_channels = 3;
+  options.load_balancing_policy = "round_robin";
+  for (const std::string& target :
+       {target_, absl::StrCat("ipv4:", target_), absl::StrCat("dns:///", target_)}) {
+    SCOPED_TRACE(target);
+    auto client = AttentionClient::Create(target, options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    for (int i = 0; i < 4; ++i) {
+      auto status = (*client)->HealthCheck();
+      ASSERT_TRUE(status.ok()) << status.status();
+      EXPECT_EQ(*status, HealthStatus::kServing);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,311 @@
+// The attnctl binary end to end: each case runs the built executable against
+// an AttnServer started in-process on 127.0.0.1:0 and checks its output and
+// exit code (0 success, 1 failure, 2 bad usage).
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/inputs.h"
+#include "client/npy.h"
+#include "client/verify.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+
+#ifndef ATTNCTL_BINARY
+#error "ATTNCTL_BINARY must name the attnctl executable"
+#endif
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs attnctl with `args`, stdout and stderr captured through files (no
+// shell, so arguments need no quoting).
+CliResult RunCli(const std::vector<std::string>& args) {
+  static int counter = 0;
+  const std::string base = absl::StrCat(::testing::TempDir(), "/attnctl_", getpid(), "_", ++counter);
+  const std::string out_path = base + ".out", err_path = base + ".err";
+  std::vector<std::string> all = {ATTNCTL_BINARY};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  CliResult r;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = ReadFile(out_path);
+  r.err = ReadFile(err_path);
+  std::remove(out_path.c_str());
+  std::remove(err_path.c_str());
+  return r;
+}
+
+std::string Describe(const CliResult& r) {
+  return absl::StrCat("exit ", r.exit_code, "\n--- stdout\n", r.out, "--- stderr\n", r.err);
+}
+
+class AttnctlTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.host = "127.0.0.1";
+    options.port = 0;
+    options.backend.kind = "cpu";
+    options.backend.cpu_threads = 2;
+    auto server = AttnServer::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+    ASSERT_TRUE(server_->Start().ok());
+    target_flag_ = absl::StrCat("--target=127.0.0.1:", server_->port());
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
+    delete server_;
+    server_ = nullptr;
+  }
+
+  // attnctl <args> --target=<the test server>.
+  static CliResult Run(std::vector<std::string> args) {
+    args.push_back(target_flag_);
+    return RunCli(args);
+  }
+
+  static AttnServer* server_;
+  static std::string target_flag_;
+};
+
+AttnServer* AttnctlTest::server_ = nullptr;
+std::string AttnctlTest::target_flag_;
+
+TEST_F(AttnctlTest, Help) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--help"}, {"help"}, {"-h"}}) {
+    const CliResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 0) << Describe(r);
+    EXPECT_THAT(r.out, HasSubstr("Usage: attnctl"));
+    EXPECT_THAT(r.out, HasSubstr("forward"));
+    EXPECT_THAT(r.out, HasSubstr("--target"));
+  }
+  const CliResult forward = RunCli({"help", "forward"});
+  EXPECT_EQ(forward.exit_code, 0) << Describe(forward);
+  EXPECT_THAT(forward.out, HasSubstr("--varlen_q"));
+  EXPECT_THAT(forward.out, HasSubstr("--verify"));
+  const CliResult forward_help = RunCli({"forward", "--help"});
+  EXPECT_EQ(forward_help.out, forward.out);
+  const CliResult none = RunCli({});
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_THAT(none.out, HasSubstr("Commands:"));
+}
+
+TEST_F(AttnctlTest, Health) {
+  const CliResult r = Run({"health"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.out, "SERVING\n");
+  // Global flags may also come first.
+  const CliResult before = RunCli({target_flag_, "health"});
+  EXPECT_EQ(before.exit_code, 0) << Describe(before);
+}
+
+TEST_F(AttnctlTest, HealthFailsWhenNothingListens) {
+  const CliResult r = RunCli({"health", "--target=127.0.0.1:1", "--timeout=10s"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+}
+
+TEST_F(AttnctlTest, Info) {
+  const CliResult r = Run({"info"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("backend:    cpu"));
+  EXPECT_THAT(r.out, HasSubstr("FP16, BF16, FP32"));
+  const CliResult json = Run({"info", "--json"});
+  EXPECT_EQ(json.exit_code, 0) << Describe(json);
+  EXPECT_THAT(json.out, HasSubstr("\"backend\": \"cpu\""));
+  EXPECT_THAT(json.out, HasSubstr("\"max_head_dim\": 256"));
+}
+
+// Every dtype, causal and not, dense GQA, plus windows and softcap.
+TEST_F(AttnctlTest, ForwardVerifyPasses) {
+  const std::vector<std::vector<std::string>> cases = {
+      {"--dtype=fp16", "--seqlen_q=33", "--heads_q=4"},
+      {"--dtype=fp16", "--seqlen_q=33", "--heads_q=4", "--causal"},
+      {"--dtype=bf16", "--batch=2", "--seqlen_q=17", "--seqlen_k=40", "--heads_q=2"},
+      {"--dtype=bf16", "--batch=2", "--seqlen_q=17", "--seqlen_k=40", "--heads_q=2", "--causal"},
+      {"--dtype=fp32", "--seqlen_q=20", "--head_dim=32", "--return_lse"},
+      {"--dtype=fp32", "--seqlen_q=20", "--head_dim=32", "--causal", "--return_lse"},
+      {"--dtype=bf16", "--seqlen_q=24", "--heads_q=8", "--heads_kv=2", "--causal", "--return_lse"},
+      {"--dtype=fp16", "--seqlen_q=24", "--heads_q=4", "--heads_kv=1", "--window_left=4",
+       "--window_right=2", "--softcap=20", "--softmax_scale=0.3"},
+  };
+  for (std::vector<std::string> args : cases) {
+    args.insert(args.begin(), "forward");
+    args.push_back("--verify");
+    args.push_back("--seed=11");
+    const CliResult r = Run(args);
+    SCOPED_TRACE(Describe(r));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.out, HasSubstr("PASS"));
+    EXPECT_THAT(r.out, HasSubstr("backend:  cpu"));
+    EXPECT_THAT(r.out, HasSubstr("latency:  client"));
+    EXPECT_THAT(r.out, HasSubstr("compute"));
+    EXPECT_THAT(r.out, HasSubstr("max abs err"));
+    EXPECT_THAT(r.out, HasSubstr("max rel err"));
+    EXPECT_THAT(r.out, HasSubstr("tolerance"));
+  }
+}
+
+TEST_F(AttnctlTest, ForwardVarlenWithZeroLengthSequence) {
+  const CliResult r = Run({"forward", "--varlen_q=3,0,17,4", "--varlen_k=5,4,17,0",
+                           "--heads_q=4", "--heads_kv=2", "--dtype=bf16", "--causal",
+                           "--return_lse", "--verify"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("varlen B=4 Tq=24 Tk=26"));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+}
+
+TEST_F(AttnctlTest, ForwardNpyInAndOut) {
+  AttentionShape s;
+  s.dtype = DType::kFP32;
+  s.seqlen_q = 9;
+  s.seqlen_k = 13;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.head_dim = 16;
+  auto inputs = MakeRandomInputs(s, 21);
+  ASSERT_TRUE(inputs.ok());
+  const std::string dir = ::testing::TempDir();
+  const std::string q = dir + "/attnctl_q.npy", k = dir + "/attnctl_k.npy",
+                    v = dir + "/attnctl_v.npy", o = dir + "/attnctl_o.npy",
+                    lse = dir + "/attnctl_lse.npy";
+  ASSERT_TRUE(WriteNpy(q, inputs->q).ok());
+  ASSERT_TRUE(WriteNpy(k, inputs->k).ok());
+  ASSERT_TRUE(WriteNpy(v, inputs->v).ok());
+
+  // FP32 files sent as FP16 (--dtype converts), outputs written back.
+  const CliResult r = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v, "--dtype=fp16",
+                           "--causal", "--out=" + o, "--out_lse=" + lse, "--verify"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("dense B=1 Sq=9 Sk=13 Hq=4 Hkv=2 D=16 FP16"));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+
+  // The written O and LSE are the reference's answer for the converted inputs.
+  AttentionInputs sent = *inputs;
+  sent.q = inputs->q.ConvertTo(DType::kFP16);
+  sent.k = inputs->k.ConvertTo(DType::kFP16);
+  sent.v = inputs->v.ConvertTo(DType::kFP16);
+  sent.options.causal = true;
+  sent.options.return_lse = true;
+  ForwardResult result;
+  auto o_back = ReadNpy(o);
+  ASSERT_TRUE(o_back.ok()) << o_back.status();
+  EXPECT_EQ(o_back->dtype(), DType::kFP16);
+  result.o = *o_back;
+  auto lse_back = ReadNpy(lse);
+  ASSERT_TRUE(lse_back.ok()) << lse_back.status();
+  EXPECT_EQ(lse_back->shape(), (std::vector<int64_t>{1, 4, 9}));
+  result.lse = *lse_back;
+  auto report = VerifyForward(sent, result);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->passed) << report->failure;
+
+  // Packed files need the lengths.
+  auto packed = MakeRandomInputs(
+      [] {
+        AttentionShape p;
+        p.dtype = DType::kBF16;
+        p.heads_q = p.heads_kv = 2;
+        p.head_dim = 8;
+        p.seqlens_q = {2, 0, 5};
+        p.seqlens_k = {2, 3, 5};
+        return p;
+      }(),
+      22);
+  ASSERT_TRUE(packed.ok());
+  ASSERT_TRUE(WriteNpy(q, packed->q).ok());
+  ASSERT_TRUE(WriteNpy(k, packed->k).ok());
+  ASSERT_TRUE(WriteNpy(v, packed->v).ok());
+  const CliResult missing = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v});
+  EXPECT_EQ(missing.exit_code, 2) << Describe(missing);
+  EXPECT_THAT(missing.err, HasSubstr("need --varlen_q"));
+  const CliResult varlen = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v,
+                                "--varlen_q=2,0,5", "--varlen_k=2,3,5", "--dtype=bf16",
+                                "--verify"});
+  EXPECT_EQ(varlen.exit_code, 0) << Describe(varlen);
+  EXPECT_THAT(varlen.out, HasSubstr("PASS"));
+}
+
+TEST_F(AttnctlTest, ServerErrorsAreNamedAndNonzero) {
+  // D = 12: the server's INVALID_ARGUMENT, code name and message.
+  const CliResult r = Run({"forward", "--head_dim=12", "--seqlen_q=4"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("Forward failed: INVALID_ARGUMENT: "));
+  EXPECT_THAT(r.err, HasSubstr("12"));
+}
+
+TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
+  const struct {
+    std::vector<std::string> args;
+    const char* expected;
+  } cases[] = {
+      {{"forward", "--dtype=fp8"}, "--dtype: unknown dtype 'fp8'"},
+      {{"forward", "--heads_q=6", "--heads_kv=4"}, "--heads_q (6) must be a multiple of --heads_kv (4)"},
+      {{"forward", "--seqlen_q=-3"}, "--seqlen_q must be >= 0"},
+      {{"forward", "--batch=abc"}, "--batch: invalid value 'abc'"},
+      {{"forward", "--varlen_q=3,x"}, "--varlen_q: 'x' is not a non-negative integer"},
+      {{"forward", "--varlen_q=3,4", "--varlen_k=1"}, "--varlen_k lists 1 sequences"},
+      {{"forward", "--varlen_q=3", "--seqlen_q=8"}, "--seqlen_q cannot be combined with --varlen_q"},
+      {{"forward", "--window_left=-2"}, "--window_left must be >= 0"},
+      {{"forward", "--softmax_scale=0"}, "--softmax_scale must be finite and > 0"},
+      {{"forward", "--q=/nonexistent/q.npy", "--k=x", "--v=y"}, "--q: cannot open /nonexistent/q.npy"},
+      {{"forward", "--q=a.npy"}, "--q, --k and --v must be given together"},
+      {{"forward", "--bogus=1"}, "unknown flag --bogus"},
+      {{"info", "--causal"}, "flag --causal does not apply to 'info'"},
+      {{"frobnicate"}, "unknown command 'frobnicate'"},
+      {{"forward", "--lb_policy=random"}, "--target/--lb_policy"},
+      {{"forward", "--timeout"}, "flag --timeout needs a value"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = Run(c.args);
+    SCOPED_TRACE(Describe(r));
+    EXPECT_EQ(r.exit_code, 2);
+    EXPECT_THAT(r.err, HasSubstr(c.expected));
+    EXPECT_THAT(r.out, Not(HasSubstr("PASS")));
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
