@@ -1,0 +1,243 @@
+// Host side of the CUDA forward path: picks the instantiation for a request,
+// plans split-KV and GQA packing, launches the fused kernel and, when split,
+// the exact combine kernel. Also the FP32 path (a SIMT kernel).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/attn_fwd.h"
+
+namespace attnserve {
+namespace cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Which head dims this build compiled (ATTNSERVE_CUDA_KERNELS, see
+// backend/cuda/CMakeLists.txt); all of them unless told otherwise.
+constexpr bool CompiledHeadDim(int d) {
+#if defined(ATTNSERVE_CUDA_DEV_KERNELS)
+  return d == 128;
+#else
+  return d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
+#endif
+}
+
+// Combine: one warp per (query row, head). LSE = log sum_s exp(lse_s);
+// O = sum_s exp(lse_s - LSE) * O_s. Exact up to fp32 rounding; a row with
+// every split empty gets O = 0, LSE = -inf.
+template <typename T>
+__global__ void __launch_bounds__(128) CombineSplitsKernel(const AttnParams p, int num_splits,
+                                                           const float* o_accum, const float* lse_accum) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = p.total_q * p.num_heads_q;
+  if (warp >= rows) return;
+  const int h = static_cast<int>(warp / p.total_q);
+  const int64_t row = warp % p.total_q;
+  const int64_t stride = int64_t{p.num_heads_q} * p.total_q;  // between splits
+  float mx = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_accum[s * stride + warp]);
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int s = lane; s < num_splits; s += 32) {
+    const float l = lse_accum[s * stride + warp];
+    if (l != -INFINITY) sum += expf(l - mx);
+  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+  T* out = static_cast<T*>(p.o) + QOffset(p, row, h);
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float acc = 0.f;
+    if (lse != -INFINITY) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float l = lse_accum[s * stride + warp];
+        if (l != -INFINITY) acc += expf(l - lse) * o_accum[(s * stride + warp) * p.head_dim + d];
+      }
+    }
+    out[d] = T(acc);
+  }
+  if (lane == 0 && p.lse != nullptr) {
+    // Varlen LSE is [Hq, Tq]: LseOffset(b = 0, i = global row) is that index,
+    // since cu_seqlens_q[0] = 0. Dense: split the row into (b, i).
+    const int b = IsVarlen(p) ? 0 : static_cast<int>(row / p.seqlen_q);
+    const int i = IsVarlen(p) ? static_cast<int>(row) : static_cast<int>(row % p.seqlen_q);
+    p.lse[LseOffset(p, b, h, i)] = lse;
+  }
+}
+
+// FP32: one warp per (query row, head); each lane holds D/32 elements of q and
+// of the unnormalised output; exact online softmax in fp32 with expf. Simple
+// and correct, not fast: every row re-reads its keys from L2.
+constexpr int kFp32MaxPerLane = 256 / 32;
+__global__ void __launch_bounds__(128) AttnFwdFp32Kernel(const AttnParams p) {
+  const int i = blockIdx.x * 4 + threadIdx.x / 32;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int lane = threadIdx.x % 32;
+  const int sq = SeqLenQ(p, b);
+  const int sk = SeqLenK(p, b);
+  if (i >= sq) return;
+  const int64_t q_row = SeqStartQ(p, b) + i;
+  const int kvh = KVHead(p, h);
+  const float* q = static_cast<const float*>(p.q) + QOffset(p, q_row, h);
+  const float* k = static_cast<const float*>(p.k) + KVOffset(p, SeqStartK(p, b), kvh);
+  const float* v = static_cast<const float*>(p.v) + KVOffset(p, SeqStartK(p, b), kvh);
+  const int64_t stride = int64_t{p.num_heads_kv} * p.head_dim;
+  float qr[kFp32MaxPerLane], o[kFp32MaxPerLane];
+#pragma unroll
+  for (int e = 0; e < kFp32MaxPerLane; ++e) {
+    const int d = lane + 32 * e;
+    qr[e] = d < p.head_dim ? q[d] : 0.f;
+    o[e] = 0.f;
+  }
+  int lo, hi;
+  VisibleKeys(p, i, sq, sk, &lo, &hi);
+  float mx = -INFINITY, sum = 0.f;
+  for (int j = lo; j <= hi; ++j) {
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < kFp32MaxPerLane; ++e) {
+      const int d = lane + 32 * e;
+      if (d < p.head_dim) dot = fmaf(qr[e], k[j * stride + d], dot);
+    }
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    float s = dot * p.softmax_scale;
+    if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
+    float w;
+    if (s > mx) {
+      const float corr = expf(mx - s);  // 0 on the first key
+      sum *= corr;
+#pragma unroll
+      for (int e = 0; e < kFp32MaxPerLane; ++e) o[e] *= corr;
+      mx = s;
+      w = 1.f;
+    } else {
+      w = expf(s - mx);
+    }
+    sum += w;
+#pragma unroll
+    for (int e = 0; e < kFp32MaxPerLane; ++e) {
+      const int d = lane + 32 * e;
+      if (d < p.head_dim) o[e] = fmaf(w, v[j * stride + d], o[e]);
+    }
+  }
+  float* out = static_cast<float*>(p.o) + QOffset(p, q_row, h);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int e = 0; e < kFp32MaxPerLane; ++e) {
+    const int d = lane + 32 * e;
+    if (d < p.head_dim) out[d] = o[e] * inv;
+  }
+  if (lane == 0 && p.lse != nullptr) p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+template <typename T, bool kIsCausal>
+cudaError_t RunForHeadDim(int d, const FwdLaunch& l, cudaStream_t s) {
+  switch (d) {
+#if !defined(ATTNSERVE_CUDA_DEV_KERNELS)
+    case 64: return RunAttnFwd<64, T, kIsCausal>(l, s);
+    case 96: return RunAttnFwd<96, T, kIsCausal>(l, s);
+    case 192: return RunAttnFwd<192, T, kIsCausal>(l, s);
+    case 256: return RunAttnFwd<256, T, kIsCausal>(l, s);
+#endif
+    case 128: return RunAttnFwd<128, T, kIsCausal>(l, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool HaveKernels(int kernel_head_dim) { return CompiledHeadDim(kernel_head_dim); }
+
+// Split-KV heuristic. A CTA per (m block, head, batch) is "base"; when base
+// covers less than 2 waves of the GPU, split the key range so there are about
+// 4 CTAs per SM, keeping at least 2 key tiles per split (a split's fixed cost,
+// Q load + epilogue + combine traffic, should stay small against its tiles)
+// and at most 128 splits.
+// Worked example, decode on an H100 (132 SMs), B=1, Hq=32, Hkv=8, Sq=1, Sk=8192,
+// D=128 (tile 128x64): packing the 4 query heads of a KV head into M gives 1
+// m block x 8 KV heads = 8 CTAs; 4*132/8 = 66 splits wanted; 8192/64 = 128 key
+// tiles / 2 = at most 64 splits -> 64 splits of 2 tiles (128 keys) each: 512
+// CTAs, ~4 per SM, each streaming 64 KB of K+V. B=16 gives 128 CTAs -> 5
+// splits of 26 tiles; B=64, Sk=4k gives 512 CTAs >= 2 waves -> no split.
+LaunchPlan PlanForward(const AttnParams& p, int num_sms) {
+  LaunchPlan plan;
+  for (const TileConfig& t : kTileTable) {
+    if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {
+      plan.kernel_head_dim = t.head_dim;
+      plan.tile = t;
+      break;
+    }
+  }
+  if (plan.kernel_head_dim == 0) return plan;
+  const int group = p.num_heads_q / std::max(p.num_heads_kv, 1);
+  // Pack GQA heads into M for short query runs (decode, speculative steps):
+  // otherwise each query head's CTA would stream the same K/V for 1..16 rows.
+  plan.pack_gqa = (group > 1 && p.seqlen_q <= 16) ? group : 1;
+  const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
+  const int64_t m_blocks = (rows + plan.tile.block_m - 1) / plan.tile.block_m;
+  const int64_t heads = plan.pack_gqa > 1 ? p.num_heads_kv : p.num_heads_q;
+  const int64_t base = m_blocks * heads * p.batch;
+  const int64_t n_blocks = (int64_t{p.seqlen_k} + plan.tile.block_n - 1) / plan.tile.block_n;
+  if (base > 0 && base < 2 * int64_t{num_sms} && n_blocks >= 4) {
+    int64_t splits = (4 * int64_t{num_sms} + base - 1) / base;
+    splits = std::min<int64_t>({splits, n_blocks / 2, 128});
+    // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
+    const int64_t per = (n_blocks + splits - 1) / splits;
+    splits = (n_blocks + per - 1) / per;
+    plan.num_splits = static_cast<int>(std::max<int64_t>(splits, 1));
+  }
+  if (plan.num_splits > 1) {
+    const int64_t partial_rows = int64_t{plan.num_splits} * p.num_heads_q * p.total_q;
+    plan.workspace_bytes = partial_rows * (int64_t{p.head_dim} + 1) * 4;
+  }
+  return plan;
+}
+
+cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* workspace, cudaStream_t stream) {
+  if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
+  FwdLaunch l;
+  l.p = dev;
+  l.num_splits = plan.num_splits;
+  l.pack_gqa = plan.pack_gqa;
+  l.num_m_blocks = static_cast<int>((int64_t{dev.seqlen_q} * plan.pack_gqa + plan.tile.block_m - 1) /
+                                    plan.tile.block_m);
+  const int64_t partial_rows = int64_t{plan.num_splits} * dev.num_heads_q * dev.total_q;
+  l.o_accum = static_cast<float*>(workspace);
+  l.lse_accum = plan.num_splits > 1 ? l.o_accum + partial_rows * dev.head_dim : nullptr;
+  l.scale_log2 = dev.softmax_scale * kLog2e;
+  l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
+  l.softcap_out = dev.softcap * kLog2e;
+  const bool banded = dev.window_left >= 0 || dev.window_right >= 0;
+  cudaError_t err;
+  if (dev.dtype == DType::kFP16) {
+    err = banded ? RunForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
+                 : RunForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
+  } else {
+    err = banded ? RunForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
+                 : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
+  }
+  if (err != cudaSuccess || plan.num_splits == 1) return err;
+  const int64_t warps = int64_t{dev.num_heads_q} * dev.total_q;
+  const unsigned blocks = static_cast<unsigned>((warps + 3) / 4);
+  if (dev.dtype == DType::kFP16) {
+    CombineSplitsKernel<__half><<<blocks, 128, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+  } else {
+    CombineSplitsKernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream) {
+  if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
+  if (dev.num_heads_q > 65535 || dev.batch > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid((dev.seqlen_q + 3) / 4, dev.num_heads_q, dev.batch);
+  AttnFwdFp32Kernel<<<grid, 128, 0, stream>>>(dev);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace attnserve

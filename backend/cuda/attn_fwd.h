@@ -1,0 +1,92 @@
+// Host-visible interface of the CUDA forward kernels: the launch struct the
+// kernels read, the tile table (host code plans splits from it), the plan
+// (which kernel, how many KV splits, GQA packing, workspace) and the launch
+// entry points. nvcc-safe and free of Abseil so .cu files include it; the
+// CUDA backend (.cc) maps the cudaError_t results to absl::Status.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/params.h"
+
+namespace attnserve {
+namespace cuda {
+
+// Tile table of the portable mma.sync kernel, one row per instantiated head
+// dim. Every warp owns kBlockM / kNWarps query rows (16 per m16n8k16 tile) and
+// the whole kBlockN-wide score tile for them; Q, K and V tiles live in shared
+// memory with rows padded by 16 bytes (conflict-free ldmatrix without swizzle).
+//  - 64:  128x64, 4 warps (32 rows each). O = 64 + S = 64 fp32 regs; a
+//         128-wide N tile (S = 128 regs) spilled at the 255-register limit.
+//  - 96:  128x64, 4 warps. O = 96 + S = 64 regs.
+//  - 128: 128x64, 4 warps. O = 128 + S = 64 regs: the FA2 sm80 choice; two
+//         m16 tiles per warp let every K/V fragment loaded from smem feed two
+//         MMAs, which keeps shared-memory bandwidth under the tensor-core rate.
+//         Smem 70 KB: 3 CTAs per H100 SM.
+//  - 192: 128x64, 8 warps (16 rows each). O = 96 regs; 2 m-tiles would need
+//         192 + 64 regs and spill. Smem 102 KB: 2 CTAs per SM on sm90/sm80.
+//  - 256: 128x64, 8 warps (16 rows each). O = 128 regs. Smem 135 KB: fits
+//         sm80's 164 KB and sm90's 227 KB (not sm86/89's 100 KB: those get the
+//         same code only for D <= 192).
+struct TileConfig {
+  int head_dim;
+  int block_m;
+  int block_n;
+  int num_warps;
+};
+constexpr TileConfig kTileTable[] = {
+    {64, 128, 64, 4}, {96, 128, 64, 4}, {128, 128, 64, 4}, {192, 128, 64, 8}, {256, 128, 64, 8},
+};
+constexpr int SmemBytes(const TileConfig& t) {
+  return (t.block_m + 2 * t.block_n) * (t.head_dim + 8) * 2;
+}
+
+// Everything a forward kernel reads. `p` holds DEVICE pointers here.
+struct FwdLaunch {
+  AttnParams p;
+  int num_splits;       // 1: write p.o / p.lse; > 1: write the fp32 partials below
+  float* o_accum;       // [num_splits, Hq, total_q, D], each split normalised by its own sum
+  float* lse_accum;     // [num_splits, Hq, total_q], natural log; -inf for an empty split
+  int pack_gqa;         // query heads of one KV head packed into M (1 = off)
+  int num_m_blocks;     // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
+  float scale_log2;     // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
+  float softcap_in;     // softmax_scale / softcap: raw Q.K -> argument of tanh
+  float softcap_out;    // softcap * log2(e): tanh -> log2-domain score
+};
+
+// What Forward will launch for a request.
+struct LaunchPlan {
+  int kernel_head_dim = 0;  // the instantiated head dim serving params.head_dim (0: none)
+  TileConfig tile{};
+  int num_splits = 1;
+  int pack_gqa = 1;
+  int64_t workspace_bytes = 0;  // fp32 partials when num_splits > 1
+};
+
+// True when this build compiled kernels for `kernel_head_dim` (the CMake
+// option ATTNSERVE_CUDA_KERNELS limits the set).
+bool HaveKernels(int kernel_head_dim);
+
+// Chooses the kernel, the split count and GQA packing for FP16/BF16 params
+// (host memory is fine: only sizes are read). num_sms: the device's SM count.
+LaunchPlan PlanForward(const AttnParams& p, int num_sms);
+
+// Launches the forward (and the combine kernel when split) on `stream`.
+// `dev` holds device pointers; `workspace` has plan.workspace_bytes.
+cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* workspace,
+                          cudaStream_t stream);
+
+// The FP32 path: a SIMT online-softmax kernel (one warp per query row and
+// head) in fp32 throughout, for the contract's 1e-5 FP32 tolerance.
+cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream);
+
+// Per-instantiation launcher, defined in attn_fwd_kernel.cuh and explicitly
+// instantiated in the generated files (one per head dim x dtype x mask x arch
+// set). T is __half or __nv_bfloat16.
+template <int kHeadDim, typename T, bool kIsCausal>
+cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace attnserve

@@ -1,0 +1,457 @@
+// attn_bench: attention forward versions side by side, llm.c style. Every
+// version is validated against the float64 reference on a small shape of the
+// same head dim / dtype / mask before it is timed.
+//   standard: materialises S = Q K^T and P = softmax(S) in device memory
+//             (cuBLAS strided-batched GEMMs + a row softmax kernel), O = P V.
+//   fa1:      the FlashAttention-1 loop order: K/V tiles outer, Q tiles inner,
+//             O, m and l read from and written back to device memory every
+//             step. Simple fp32 SIMT code: it shows the loop order's traffic,
+//             not FA1's tensor-core speed. Run at N <= 2k only (slow).
+//   ours:     the production fused kernel (backend/cuda), split-KV for decode.
+// Timing: CUDA events around each run, L2 flushed (a 256 MB memset) before
+// every run, 5 warm-ups, median of 25 runs; random inputs. Prints CSV rows in
+// DESIGN.md §5's format: kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,
+// tbps,peak_mem_bytes (peak = bytes this version allocated: inputs, outputs,
+// its intermediates).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/attn_fwd.h"
+#include "backend/dtype.h"
+#include "backend/reference/reference_attention.h"
+
+namespace attnserve {
+namespace {
+
+#define CK(x)                                                                           \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      return false;                                                                     \
+    }                                                                                   \
+  } while (0)
+
+struct Shape {
+  const char* kind;
+  DType dtype;
+  int d, b, hq, hkv, sq, sk;
+  bool causal;
+};
+
+// Tracked device allocations (peak_mem_bytes of a version).
+struct Arena {
+  std::vector<void*> ptrs;
+  int64_t bytes = 0;
+  void* Alloc(int64_t n) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<int64_t>(n, 256)) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    ptrs.push_back(p);
+    bytes += n;
+    return p;
+  }
+  ~Arena() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+template <typename T>
+__global__ void FillRandom(T* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    const float u = (h & 0xffffff) / float(1 << 24) * 2.f - 1.f;  // (-1, 1), never all zero
+    x[i] = T(u);
+  }
+}
+
+// ---- standard attention: row softmax over a materialised S (in place -> P).
+template <typename T>
+__global__ void SoftmaxRows(T* s, int sq, int sk, float scale, bool causal) {
+  const int64_t row = blockIdx.x;  // over B*H*Sq
+  const int i = static_cast<int>(row % sq);
+  T* r = s + row * sk;
+  const int limit = causal ? min(sk - 1, i + (sk - sq)) : sk - 1;
+  __shared__ float red[32];
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j <= limit; j += blockDim.x) mx = fmaxf(mx, float(r[j]) * scale);
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < blockDim.x / 32; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  float sum = 0.f;
+  for (int j = threadIdx.x; j <= limit; j += blockDim.x) sum += expf(float(r[j]) * scale - mx);
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < blockDim.x / 32; ++w) sum += red[w];
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int j = threadIdx.x; j < sk; j += blockDim.x) {
+    r[j] = T(j <= limit ? expf(float(r[j]) * scale - mx) * inv : 0.f);
+  }
+}
+
+// ---- FlashAttention-1 loop order (fp32 SIMT): one CTA per (b, h); for each
+// K/V tile (outer), for each Q tile (inner): read O, m, l from global, update
+// with this K/V tile, write them back. 64-key tiles, 4 query rows per warp step.
+template <typename T>
+__global__ void Fa1Kernel(const T* q, const T* k, const T* v, float* o, float* m, float* l, int sq, int sk,
+                          int hq, int hkv, int d, float scale, bool causal) {
+  extern __shared__ float sm[];
+  constexpr int kBc = 64;
+  float* sk_t = sm;             // [kBc][d]
+  float* sv_t = sm + kBc * d;   // [kBc][d]
+  const int bh = blockIdx.x;
+  const int b = bh / hq, h = bh % hq, kvh = h / (hq / hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  for (int j0 = 0; j0 < sk; j0 += kBc) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kBc * d; idx += blockDim.x) {
+      const int jj = idx / d, c = idx % d;
+      const int64_t g = ((int64_t{b} * sk + j0 + jj) * hkv + kvh) * d + c;
+      sk_t[idx] = j0 + jj < sk ? float(k[g]) : 0.f;
+      sv_t[idx] = j0 + jj < sk ? float(v[g]) : 0.f;
+    }
+    __syncthreads();
+    for (int i = warp; i < sq; i += nw) {  // inner loop over query rows
+      const int64_t qrow = (int64_t{b} * sq + i) * hq + h;
+      const int limit = causal ? i + (sk - sq) : sk - 1;
+      // scores of this row against the tile: lane owns keys lane, lane+32
+      float s[2];
+      for (int t = 0; t < 2; ++t) {
+        const int jj = lane + 32 * t;
+        float dot = 0.f;
+        for (int c = 0; c < d; ++c) dot += float(q[qrow * d + c]) * sk_t[jj * d + c];
+        s[t] = (j0 + jj < sk && j0 + jj <= limit) ? dot * scale : -INFINITY;
+      }
+      float mt = fmaxf(s[0], s[1]);
+      for (int off = 16; off > 0; off /= 2) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+      const float m_old = m[qrow];
+      const float m_new = fmaxf(m_old, mt);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float p0 = expf(s[0] - base), p1 = expf(s[1] - base);
+      float lt = p0 + p1;
+      for (int off = 16; off > 0; off /= 2) lt += __shfl_xor_sync(0xffffffffu, lt, off);
+      const float corr = expf(m_old - base);
+      for (int c = lane; c < d; c += 32) {
+        float acc = o[qrow * d + c] * corr;
+        for (int jj = 0; jj < kBc; ++jj) {
+          const float pj = __shfl_sync(0xffffffffu, jj < 32 ? p0 : p1, jj % 32);
+          acc += pj * sv_t[jj * d + c];
+        }
+        o[qrow * d + c] = acc;
+      }
+      if (lane == 0) {
+        m[qrow] = m_new;
+        l[qrow] = l[qrow] * corr + lt;
+      }
+    }
+  }
+}
+template <typename T>
+__global__ void Fa1Finish(const float* o, const float* l, T* out, int64_t rows, int d) {
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < rows * d;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const float ll = l[idx / d];
+    out[idx] = T(ll > 0.f ? o[idx] / ll : 0.f);
+  }
+}
+__global__ void Fa1Init(float* o, float* m, float* l, int64_t rows, int d) {
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < rows * d;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    o[idx] = 0.f;
+    if (idx % d == 0) {
+      m[idx / d] = -INFINITY;
+      l[idx / d] = 0.f;
+    }
+  }
+}
+
+struct Impl {
+  // Sets up for a shape (allocations), returns false if it cannot run (memory).
+  virtual bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) = 0;
+  virtual bool Run() = 0;
+  virtual int64_t ExtraBytes() const = 0;
+  virtual ~Impl() = default;
+};
+
+struct Ours : Impl {
+  AttnParams p{};
+  cuda::LaunchPlan plan;
+  Arena arena;
+  void* ws = nullptr;
+  int num_sms = 0;
+  bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    p.dtype = s.dtype;
+    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = nullptr;
+    p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
+    p.seqlen_q = s.sq; p.seqlen_k = s.sk;
+    p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
+    p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
+    p.softmax_scale = 1.f / std::sqrt(float(s.d));
+    p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    p.softcap = 0.f;
+    p.is_causal = s.causal;
+    p.window_left = kNoWindow;
+    p.window_right = s.causal ? 0 : kNoWindow;
+    plan = cuda::PlanForward(p, num_sms);
+    if (plan.kernel_head_dim == 0) return false;
+    if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
+    return plan.workspace_bytes == 0 || ws != nullptr;
+  }
+  bool Run() override { CK(cuda::LaunchForward(p, plan, ws, nullptr)); return true; }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
+template <typename T>
+struct Standard : Impl {
+  Shape s{};
+  const T *q, *k, *v;
+  T* o;
+  T* sbuf = nullptr;
+  Arena arena;
+  cublasHandle_t handle = nullptr;
+  bool Setup(const Shape& sh, const void* q_, const void* k_, const void* v_, void* o_) override {
+    s = sh; q = static_cast<const T*>(q_); k = static_cast<const T*>(k_); v = static_cast<const T*>(v_);
+    o = static_cast<T*>(o_);
+    if (s.hq != s.hkv) return false;  // the simple baseline has no GQA
+    sbuf = static_cast<T*>(arena.Alloc(int64_t{s.b} * s.hq * s.sq * s.sk * sizeof(T)));
+    if (sbuf == nullptr) return false;
+    return cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS;
+  }
+  ~Standard() override { if (handle) cublasDestroy(handle); }
+  bool Run() override {
+    const cudaDataType dt = s.dtype == DType::kFP16 ? CUDA_R_16F : CUDA_R_16BF;
+    const float one = 1.f, zero = 0.f;
+    const int ld = s.hq * s.d;
+    for (int b = 0; b < s.b; ++b) {
+      const T* qb = q + int64_t{b} * s.sq * ld;
+      const T* kb = k + int64_t{b} * s.sk * ld;
+      const T* vb = v + int64_t{b} * s.sk * ld;
+      T* sb = sbuf + int64_t{b} * s.hq * s.sq * s.sk;
+      // S^T (col-major Sk x Sq) = K Q^T, per head.
+      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.sk, s.sq, s.d, &one, kb, dt, ld, s.d, qb,
+                                     dt, ld, s.d, &zero, sb, dt, s.sk, int64_t{s.sq} * s.sk, s.hq,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+        return false;
+    }
+    SoftmaxRows<T><<<static_cast<unsigned>(int64_t{s.b} * s.hq * s.sq), 256>>>(sbuf, s.sq, s.sk,
+                                                                               1.f / std::sqrt(float(s.d)), s.causal);
+    for (int b = 0; b < s.b; ++b) {
+      const T* vb = v + int64_t{b} * s.sk * ld;
+      T* ob = o + int64_t{b} * s.sq * ld;
+      T* sb = sbuf + int64_t{b} * s.hq * s.sq * s.sk;
+      // O^T (col-major D x Sq) = V^T P^T, per head.
+      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, s.d, s.sq, s.sk, &one, vb, dt, ld, s.d, sb, dt,
+                                     s.sk, int64_t{s.sq} * s.sk, &zero, ob, dt, ld, s.d, s.hq, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+        return false;
+    }
+    CK(cudaGetLastError());
+    return true;
+  }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
+template <typename T>
+struct Fa1 : Impl {
+  Shape s{};
+  const T *q, *k, *v;
+  T* o;
+  float *oa = nullptr, *m = nullptr, *l = nullptr;
+  Arena arena;
+  bool Setup(const Shape& sh, const void* q_, const void* k_, const void* v_, void* o_) override {
+    s = sh; q = static_cast<const T*>(q_); k = static_cast<const T*>(k_); v = static_cast<const T*>(v_);
+    o = static_cast<T*>(o_);
+    const int64_t rows = int64_t{s.b} * s.sq * s.hq;
+    oa = static_cast<float*>(arena.Alloc(rows * s.d * 4));
+    m = static_cast<float*>(arena.Alloc(rows * 4));
+    l = static_cast<float*>(arena.Alloc(rows * 4));
+    if (!oa || !m || !l) return false;
+    return cudaFuncSetAttribute(Fa1Kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 64 * 256 * 4) ==
+           cudaSuccess;
+  }
+  bool Run() override {
+    const int64_t rows = int64_t{s.b} * s.sq * s.hq;
+    Fa1Init<<<1024, 256>>>(oa, m, l, rows, s.d);
+    Fa1Kernel<T><<<s.b * s.hq, 256, 2 * 64 * s.d * 4>>>(q, k, v, oa, m, l, s.sq, s.sk, s.hq, s.hkv, s.d,
+                                                         1.f / std::sqrt(float(s.d)), s.causal);
+    Fa1Finish<T><<<1024, 256>>>(oa, l, o, rows, s.d);
+    CK(cudaGetLastError());
+    return true;
+  }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
+template <typename T>
+std::unique_ptr<Impl> MakeImpl(const std::string& name) {
+  if (name == "ours") return std::make_unique<Ours>();
+  if (name == "standard") return std::make_unique<Standard<T>>();
+  if (name == "fa1") return std::make_unique<Fa1<T>>();
+  return nullptr;
+}
+
+// Validates `name` on a small shape like s against the float64 reference:
+// relative L2 error under 2e-2 (BF16/FP16 operands land near 3e-3).
+bool Validate(const std::string& name, const Shape& big, double* rel_err) {
+  Shape s = big;
+  if (std::string(s.kind) == "decode") {
+    s.b = 1; s.sk = 1000;
+  } else {
+    s.b = 1; s.sq = s.sk = 200;
+    s.hq = std::min(s.hq, 4); s.hkv = std::min(s.hkv, s.hq);
+  }
+  const int64_t nq = int64_t{s.b} * s.sq * s.hq * s.d, nk = int64_t{s.b} * s.sk * s.hkv * s.d;
+  std::vector<uint16_t> hq(nq), hk(nk), hv(nk), ho(nq);
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto fill = [&](std::vector<uint16_t>& x) {
+    for (auto& e : x) e = s.dtype == DType::kFP16 ? FloatToFp16(nd(rng)) : FloatToBf16(nd(rng));
+  };
+  fill(hq); fill(hk); fill(hv);
+  Arena a;
+  void* dq = a.Alloc(nq * 2); void* dk = a.Alloc(nk * 2); void* dv = a.Alloc(nk * 2); void* dout = a.Alloc(nq * 2);
+  CK(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemset(dout, 0xff, nq * 2));
+  auto impl = s.dtype == DType::kFP16 ? MakeImpl<__half>(name) : MakeImpl<__nv_bfloat16>(name);
+  if (!impl->Setup(s, dq, dk, dv, dout) || !impl->Run()) return false;
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
+  AttnParams p{};
+  p.dtype = s.dtype; p.q = hq.data(); p.k = hk.data(); p.v = hv.data();
+  p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
+  p.seqlen_q = s.sq; p.seqlen_k = s.sk; p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
+  p.softmax_scale = 1.f / std::sqrt(float(s.d)); p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.is_causal = s.causal; p.window_left = kNoWindow; p.window_right = s.causal ? 0 : kNoWindow;
+  const ReferenceOutput ref = ReferenceAttention(p);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const double x = LoadAsFloat(ho.data(), s.dtype, i);
+    if (!std::isfinite(x)) { *rel_err = INFINITY; return false; }
+    num += (x - ref.o[i]) * (x - ref.o[i]);
+    den += ref.o[i] * ref.o[i];
+  }
+  *rel_err = std::sqrt(num / std::max(den, 1e-30));
+  return *rel_err < 2e-2;
+}
+
+bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
+  double err = 0;
+  if (!Validate(name, s, &err)) {
+    std::fprintf(stderr, "SKIP/FAIL validate %s d=%d causal=%d err=%g\n", name.c_str(), s.d, s.causal, err);
+    return false;
+  }
+  const int64_t nq = int64_t{s.b} * s.sq * s.hq * s.d, nk = int64_t{s.b} * s.sk * s.hkv * s.d;
+  Arena io;
+  void* q = io.Alloc(nq * 2); void* k = io.Alloc(nk * 2); void* v = io.Alloc(nk * 2); void* o = io.Alloc(nq * 2);
+  if (!q || !k || !v || !o) return false;
+  FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(q), nq, 1);  // bit patterns valid for both 16-bit types
+  FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(k), nk, 2);
+  FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(v), nk, 3);
+  auto impl = s.dtype == DType::kFP16 ? MakeImpl<__half>(name) : MakeImpl<__nv_bfloat16>(name);
+  if (!impl->Setup(s, q, k, v, o)) {
+    std::fprintf(stderr, "SKIP %s: setup failed (memory?) sq=%d d=%d\n", name.c_str(), s.sq, s.d);
+    return false;
+  }
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int warm = 5, reps = name == "fa1" ? 20 : 25;
+  std::vector<float> ms;
+  for (int it = 0; it < warm + reps; ++it) {
+    CK(cudaMemsetAsync(flush, it & 0xff, 256 << 20));
+    CK(cudaEventRecord(e0));
+    if (!impl->Run()) return false;
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    if (it >= warm) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  double flops = 4.0 * s.b * s.hq * double(s.sq) * s.sk * s.d;
+  if (s.causal && s.sq == s.sk) flops /= 2;
+  const bool decode = std::string(s.kind) == "decode";
+  const double bytes = decode ? 2.0 * nk * 2 : 2.0 * (2 * nq + 2 * nk);
+  std::fprintf(csv, "%s,%s,%d,%d,%d,%d,%d,%d,%d,%s,%.4f,%.2f,%.3f,%lld\n", s.kind,
+               s.dtype == DType::kFP16 ? "fp16" : "bf16", s.d, s.b, s.hq, s.hkv, s.sq, s.sk, s.causal ? 1 : 0,
+               name.c_str(), med, flops / med * 1e-9, bytes / med * 1e-9,
+               static_cast<long long>(io.bytes + impl->ExtraBytes()));
+  std::fflush(csv);
+  cudaEventDestroy(e0); cudaEventDestroy(e1);
+  return true;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  using namespace attnserve;
+  std::string grid = "anchor", impls = "ours,standard,fa1", out;
+  std::string dtypes = "bf16,fp16";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char* f) { return a.rfind(f, 0) == 0 ? a.substr(std::strlen(f)) : std::string(); };
+    if (!val("--grid=").empty()) grid = val("--grid=");
+    if (!val("--impls=").empty()) impls = val("--impls=");
+    if (!val("--dtypes=").empty()) dtypes = val("--dtypes=");
+    if (!val("--csv=").empty()) out = val("--csv=");
+  }
+  FILE* csv = out.empty() ? stdout : std::fopen(out.c_str(), "w");
+  if (csv == nullptr) return 1;
+  std::fprintf(csv, "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,tbps,peak_mem_bytes\n");
+  std::vector<Shape> shapes;
+  for (const char* dn : {"bf16", "fp16"}) {
+    if (dtypes.find(dn) == std::string::npos) continue;
+    const DType t = std::string(dn) == "bf16" ? DType::kBF16 : DType::kFP16;
+    if (grid == "anchor" || grid == "all" || grid == "quick") {
+      for (int d : {64, 128, 256}) {
+        for (int n : {512, 1024, 2048, 4096, 8192, 16384}) {
+          if (grid == "quick" && n != 1024 && n != 8192) continue;
+          for (bool c : {false, true}) shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
+        }
+      }
+    }
+    if (grid == "decode" || grid == "all" || grid == "quick") {
+      for (auto [b, sk] : std::vector<std::pair<int, int>>{{1, 8192}, {16, 8192}, {64, 4096}, {8, 65536}}) {
+        shapes.push_back({"decode", t, 128, b, 32, 8, 1, sk, false});
+      }
+    }
+  }
+  void* flush = nullptr;
+  if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
+  int failed = 0;
+  for (const Shape& s : shapes) {
+    for (const char* name : {"ours", "standard", "fa1"}) {
+      if (impls.find(name) == std::string::npos) continue;
+      if (std::string(name) == "fa1" && (s.sq > 2048 || std::string(s.kind) == "decode")) continue;
+      if (std::string(name) == "standard" && s.hq != s.hkv) continue;
+      if (!Bench(name, s, flush, csv)) ++failed;
+    }
+  }
+  cudaFree(flush);
+  if (csv != stdout) std::fclose(csv);
+  std::fprintf(stderr, "attn_bench: %d version/shape pairs skipped or failed\n", failed);
+  return 0;
+}

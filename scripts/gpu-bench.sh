@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the GPU machine: attn_bench (standard, FA1 loop order, ours) and PyTorch
+# SDPA (FLASH, CUDNN, EFFICIENT) on DESIGN.md §5's grids in one run, merged
+# into $OUT/<gpu>-<date>.csv (copy it to bench/results/) with ratios printed.
+# Expects build-gpu from scripts/gpu-check.sh (or builds it).
+# Usage: scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-bench-out}
+mkdir -p "$OUT"
+GRID=${1:-all}; IMPLS=${2:-ours,standard,fa1}
+B=build-gpu
+if [ ! -x $B/bench/cuda/attn_bench ]; then
+  cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
+    -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/bconfigure.log" 2>&1
+  ninja -C $B -j16 attn_bench >"$OUT/bbuild.log" 2>&1 || { tail -20 "$OUT/bbuild.log"; exit 1; }
+fi
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+slug=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
+date=$(date +%Y-%m-%d)
+hdr="$OUT/header.txt"
+{
+  echo "# gpu: $gpu"
+  echo "# clocks (sm, max sm, mem MHz): $(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | head -1)"
+  echo "# driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); nvcc: $(nvcc --version | tail -2 | head -1)"
+  echo "# torch: $(python3 -c 'import torch; print(torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null)"
+  echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); date: $date; timing: CUDA events, L2 flushed, median of 25 (ours/standard) 25 (sdpa) 20 (fa1)"
+} >"$hdr"
+$B/bench/cuda/attn_bench --grid="$GRID" --impls="$IMPLS" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"
+python3 bench/gpu/sdpa_bench.py --grid="$GRID" --csv="$OUT/sdpa.csv" 2>"$OUT/sdpa.log"
+python3 bench/gpu/merge_results.py "$OUT/$slug-$date.csv" "$hdr" "$OUT/ours.csv" "$OUT/sdpa.csv" | tee "$OUT/ratios.txt"
+grep -E "SKIP|FAIL" "$OUT/attn_bench.log" | head -10

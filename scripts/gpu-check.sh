@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# On the GPU machine (device `run`, with .device-carry carried): configure and
+# build the backend, its CUDA tests and attn_bench (server off), run the tests,
+# compute-sanitizer memcheck/racecheck/synccheck on a representative subset,
+# and, when .device-carry/bin/attnserve and attnctl exist, an end-to-end
+# `attnctl forward --verify` round over loopback against --backend=cuda.
+# Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
+# Usage: scripts/gpu-check.sh [--no-sanitizer] [--no-e2e]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+SAN=1; E2E=1
+for a in "$@"; do case $a in --no-sanitizer) SAN=0;; --no-e2e) E2E=0;; esac; done
+declare -a SUMMARY
+note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+B=build-gpu
+t0=$(date +%s)
+if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
+     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/configure.log" 2>&1 &&
+   ninja -C $B -j16 cuda_backend_test attn_bench >"$OUT/build.log" 2>&1; then
+  note build "ok ($(( $(date +%s) - t0 )) s)"
+else
+  note build "FAILED (see build.log)"; tail -30 "$OUT/build.log" "$OUT/configure.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1
+fi
+
+T=$B/tests/cuda/cuda_backend_test
+$T >"$OUT/tests.log" 2>&1; rc=$?
+pass=$(grep -c '^\[       OK \]' "$OUT/tests.log"); fail=$(grep -c '^\[  FAILED  \]' "$OUT/tests.log")
+summ=$(grep -E '^\[  (PASSED|SKIPPED) ' "$OUT/tests.log" | tr '\n' ' ')
+note "cuda_backend_test" "rc=$rc $summ failed_lines=$fail"
+grep -E '^\[  FAILED  \]|Failure|error' "$OUT/tests.log" | head -30
+
+if [ $SAN = 1 ]; then
+  FILTER='Standard/*bf16_b1_q97_k97*:Standard/*fp16_varlen*:Standard/*fp32_b2_q17*:Shapes/*bf16_b3_q1_k4097*:Shapes/*fp16_varlen*:Shapes/*b2_q1_k6000*:HeadDims/*fp16_b2_q97_k130_h4x2_d72_*'
+  for tool in memcheck racecheck synccheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter="$FILTER" \
+      >"$OUT/sanitizer-$tool.log" 2>&1; rc=$?
+    n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool.log")
+    note "sanitizer $tool" "rc=$rc tests_ok=$n $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | head -1)"
+  done
+fi
+
+if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/attnctl ]; then
+  port=50917
+  .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port >"$OUT/server.log" 2>&1 &
+  spid=$!
+  sleep 3
+  C=".device-carry/bin/attnctl --target=127.0.0.1:$port"
+  $C info >"$OUT/e2e.log" 2>&1
+  while read -r name args; do
+    if $C forward $args --verify >>"$OUT/e2e.log" 2>&1; then note "e2e $name" PASS; else note "e2e $name" FAIL; fi
+  done <<'CASES'
+fp16_causal --batch=2 --seqlen_q=300 --heads_q=8 --heads_kv=8 --head_dim=128 --dtype=fp16 --causal --return_lse
+bf16_noncausal --batch=2 --seqlen_q=257 --heads_q=4 --heads_kv=4 --head_dim=64 --dtype=bf16
+fp32_causal --batch=1 --seqlen_q=200 --heads_q=4 --heads_kv=2 --head_dim=96 --dtype=fp32 --causal --return_lse
+bf16_gqa_decode --batch=2 --seqlen_q=1 --seqlen_k=5000 --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --return_lse
+fp16_varlen --varlen_q=3,0,17,130 --varlen_k=5,4,17,200 --heads_q=4 --heads_kv=1 --head_dim=256 --dtype=fp16 --causal --return_lse
+bf16_window_softcap --batch=1 --seqlen_q=300 --heads_q=4 --heads_kv=2 --head_dim=72 --dtype=bf16 --window_left=50 --softcap=20 --return_lse
+CASES
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+else
+  note e2e "skipped (no .device-carry/bin/attnserve+attnctl)"
+fi
+echo "==== gpu-check summary ($(head -2 "$OUT/gpu.txt" | tail -1))"
+printf '%s\n' "${SUMMARY[@]}"

@@ -1,0 +1,175 @@
+// CudaBackend against the float64 reference with DESIGN.md §4's tolerance
+// policy: the shared StandardGrid (every feature of the contract, all dtypes)
+// plus GPU-specific cases: every instantiated head dim and the sizes served by
+// the next one up, tile-boundary sizes, split-KV decode with GQA packing
+// (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
+// fresh random numbers per case, outputs NaN-poisoned before every run.
+// Without a GPU each test calls GTEST_SKIP with the reason.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+#include "backend/cuda/cuda_backend.h"
+#include "gtest/gtest.h"
+#include "tests/common/attn_test_util.h"
+
+namespace attnserve {
+namespace {
+
+using testing_util::CheckOutput;
+using testing_util::HostBuffers;
+using testing_util::TestCase;
+
+// One backend for the whole binary (device buffers reused across cases, as
+// in the server); null with the reason when there is no usable GPU.
+AttentionBackend* SharedBackend(std::string* why) {
+  static std::string reason;
+  static std::unique_ptr<AttentionBackend> backend = [] {
+    auto b = MakeCudaBackend(0);
+    if (!b.ok()) {
+      reason = std::string(b.status().message());
+      return std::unique_ptr<AttentionBackend>();
+    }
+    return std::move(*b);
+  }();
+  *why = reason;
+  return backend.get();
+}
+
+class CudaTest : public ::testing::TestWithParam<TestCase> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    backend_ = SharedBackend(&why);
+    if (backend_ == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  }
+  void RunAndCheck(const TestCase& tc) {
+    HostBuffers buf(tc);
+    const absl::Status can = backend_->CanImplement(buf.params());
+    if (can.code() == absl::StatusCode::kUnimplemented) GTEST_SKIP() << can.message();
+    ASSERT_TRUE(can.ok()) << can;
+    // Twice on the same buffers (re-poisoned): reused device memory must not
+    // leak results from one call into the next.
+    for (int run = 0; run < 2; ++run) {
+      buf.Poison();
+      BackendTimings t;
+      const absl::Status st = backend_->Forward(buf.params(), &t);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(CheckOutput(buf)) << tc.Name() << " run " << run;
+    }
+  }
+  AttentionBackend* backend_ = nullptr;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<TestCase>& info) {
+  return info.param.Name() + "_" + std::to_string(info.index);
+}
+
+TEST_P(CudaTest, MatchesReference) { RunAndCheck(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Standard, CudaTest, ::testing::ValuesIn(testing_util::StandardGrid()), CaseName);
+
+TestCase Make(DType t, int b, int sq, int sk, int hq, int hkv, int d, bool causal) {
+  TestCase tc;
+  tc.dtype = t;
+  tc.batch = b;
+  tc.seqlen_q = sq;
+  tc.seqlen_k = sk;
+  tc.num_heads_q = hq;
+  tc.num_heads_kv = hkv;
+  tc.head_dim = d;
+  tc.causal = causal;
+  return tc;
+}
+
+// Every instantiated head dim and ones served zero-padded by the next size.
+std::vector<TestCase> HeadDimGrid() {
+  std::vector<TestCase> g;
+  for (DType t : {DType::kFP16, DType::kBF16}) {
+    for (int d : {8, 16, 40, 64, 72, 96, 104, 128, 136, 192, 200, 248, 256}) {
+      g.push_back(Make(t, 2, 97, 130, 4, 2, d, false));
+      g.push_back(Make(t, 1, 130, 97, 2, 2, d, true));
+    }
+  }
+  return g;
+}
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaTest, ::testing::ValuesIn(HeadDimGrid()), CaseName);
+
+// Tile edges (64, 128), long causal prefill, split-KV decode.
+std::vector<TestCase> ShapeGrid() {
+  std::vector<TestCase> g;
+  for (DType t : {DType::kFP16, DType::kBF16}) {
+    for (int s : {63, 64, 65, 127, 128, 129, 255, 257}) g.push_back(Make(t, 1, s, s, 2, 1, 128, s % 2 == 1));
+    g.push_back(Make(t, 1, 2048, 2048, 2, 2, 128, true));
+    g.push_back(Make(t, 1, 1500, 1500, 2, 1, 64, false));
+    g.push_back(Make(t, 1, 700, 900, 2, 2, 256, true));
+    // Decode: Sq 1..16 packs the GQA group into M; B small -> split-KV.
+    g.push_back(Make(t, 1, 1, 8192, 32, 8, 128, false));
+    g.push_back(Make(t, 3, 1, 4097, 32, 8, 128, true));
+    g.push_back(Make(t, 2, 4, 3000, 16, 2, 128, true));  // speculative decode, causal
+    g.push_back(Make(t, 1, 16, 5000, 8, 8, 64, false));  // Sq 16, no GQA: split only
+    g.push_back(Make(t, 1, 1, 6000, 4, 1, 256, false));   // MQA decode, D 256
+    {
+      TestCase tc = Make(t, 2, 1, 6000, 16, 4, 128, false);
+      tc.window_left = 700;  // most splits see no key at all
+      g.push_back(tc);
+    }
+    {
+      TestCase tc = Make(t, 1, 1, 3000, 8, 2, 128, false);
+      tc.softcap = 5.0f;
+      g.push_back(tc);
+    }
+    {
+      TestCase tc;  // varlen decode with empty sequences and split-KV
+      tc.dtype = t;
+      tc.seqlens_q = {1, 1, 0, 1, 1};
+      tc.seqlens_k = {3000, 0, 5000, 17, 6000};
+      tc.num_heads_q = 8;
+      tc.num_heads_kv = 2;
+      tc.head_dim = 128;
+      g.push_back(tc);
+    }
+    {
+      TestCase tc;  // varlen prefill, causal, sequences across tile edges
+      tc.dtype = t;
+      tc.seqlens_q = {129, 0, 300, 1, 64};
+      tc.seqlens_k = {129, 10, 200, 500, 64};
+      tc.num_heads_q = 4;
+      tc.num_heads_kv = 1;
+      tc.head_dim = 96;
+      tc.causal = true;
+      g.push_back(tc);
+    }
+  }
+  // FP32 at decode and prefill sizes (the SIMT path).
+  g.push_back(Make(DType::kFP32, 1, 1, 4097, 8, 2, 128, false));
+  g.push_back(Make(DType::kFP32, 1, 300, 300, 2, 1, 256, true));
+  return g;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaTest, ::testing::ValuesIn(ShapeGrid()), CaseName);
+
+TEST(CudaBackendInfo, DescribesDevice) {
+  auto b = MakeCudaBackend(0);
+  if (!b.ok()) GTEST_SKIP() << "no usable CUDA device: " << b.status().message();
+  const BackendDescription& d = (*b)->Describe();
+  EXPECT_EQ(d.name, "cuda");
+  ASSERT_EQ(d.devices.size(), 1u);
+  EXPECT_FALSE(d.devices[0].name.empty());
+  EXPECT_GE(d.devices[0].compute_capability_major, 8);
+  EXPECT_GT(d.devices[0].total_memory_bytes, 0);
+}
+
+TEST(CudaBackendInfo, MissingDeviceIsUnavailable) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  auto b = MakeCudaBackend(count + 3);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace attnserve
