@@ -10,6 +10,8 @@ OUT=${OUT:-$PWD/gpu-bench-out}
 mkdir -p "$OUT"
 GRID=${1:-all}; IMPLS=${2:-ours,standard,fa1}
 B=build-gpu
+# The test binaries link the carried Abseil shared libraries.
+export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ ! -x $B/bench/cuda/attn_bench ]; then
   cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/bconfigure.log" 2>&1

@@ -25,46 +25,82 @@ constexpr bool CompiledHeadDim(int d) {
 #endif
 }
 
-// Combine: one warp per (query row, head). LSE = log sum_s exp(lse_s);
-// O = sum_s exp(lse_s - LSE) * O_s. Exact up to fp32 rounding; a row with
-// every split empty gets O = 0, LSE = -inf.
+// Combine: one 256-thread CTA per (query row, head). LSE = log sum_s
+// exp(lse_s); O = sum_s exp(lse_s - LSE) * O_s: exact up to fp32 rounding; a
+// row whose splits are all empty gets O = 0, LSE = -inf. Threads are laid out
+// as (split group) x (4-float chunk of D) so each thread has only
+// num_splits / groups independent 16-byte loads in its chain (the first
+// version, one warp per row looping over every split, was latency bound:
+// 100 us at B=1 decode).
+constexpr int kCombineThreads = 256;
 template <typename T>
-__global__ void __launch_bounds__(128) CombineSplitsKernel(const AttnParams p, int num_splits,
-                                                           const float* o_accum, const float* lse_accum) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = p.total_q * p.num_heads_q;
-  if (warp >= rows) return;
-  const int h = static_cast<int>(warp / p.total_q);
-  const int64_t row = warp % p.total_q;
+__global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const AttnParams p, int num_splits,
+                                                                      const float* o_accum, const float* lse_accum) {
+  __shared__ float weight[128];
+  __shared__ float4 part[kCombineThreads];
+  __shared__ float lse_row;
+  const int64_t idx = blockIdx.x;  // = h * total_q + row, the partials' order
+  const int h = static_cast<int>(idx / p.total_q);
+  const int64_t row = idx % p.total_q;
   const int64_t stride = int64_t{p.num_heads_q} * p.total_q;  // between splits
-  float mx = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_accum[s * stride + warp]);
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  for (int s = lane; s < num_splits; s += 32) {
-    const float l = lse_accum[s * stride + warp];
-    if (l != -INFINITY) sum += expf(l - mx);
-  }
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
-  T* out = static_cast<T*>(p.o) + QOffset(p, row, h);
-  for (int d = lane; d < p.head_dim; d += 32) {
-    float acc = 0.f;
-    if (lse != -INFINITY) {
-      for (int s = 0; s < num_splits; ++s) {
-        const float l = lse_accum[s * stride + warp];
-        if (l != -INFINITY) acc += expf(l - lse) * o_accum[(s * stride + warp) * p.head_dim + d];
-      }
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    float mx = -INFINITY;
+    for (int s = tid; s < num_splits; s += 32) mx = fmaxf(mx, lse_accum[s * stride + idx]);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float l = lse_accum[s * stride + idx];
+      if (l != -INFINITY) sum += expf(l - mx);
     }
-    out[d] = T(acc);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+    for (int s = tid; s < num_splits; s += 32) {
+      const float l = lse_accum[s * stride + idx];
+      weight[s] = l == -INFINITY ? 0.f : expf(l - lse);
+    }
+    if (tid == 0) lse_row = lse;
   }
-  if (lane == 0 && p.lse != nullptr) {
+  __syncthreads();
+  // D <= 256 is at most 64 float4 chunks, so one pass covers the row.
+  const int chunks = p.head_dim / 4;
+  const int groups = kCombineThreads / chunks;
+  const int c = tid % chunks;
+  const int g = tid / chunks;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (g < groups) {
+    for (int s = g; s < num_splits; s += groups) {
+      const float w = weight[s];
+      if (w == 0.f) continue;
+      const float4 x = *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
+    }
+  }
+  part[tid] = acc;
+  __syncthreads();
+  if (g == 0) {
+    for (int gg = 1; gg < groups; ++gg) {
+      const float4 x = part[gg * chunks + c];
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * c;
+    out[0] = T(acc.x);
+    out[1] = T(acc.y);
+    out[2] = T(acc.z);
+    out[3] = T(acc.w);
+  }
+  if (tid == 0 && p.lse != nullptr) {
     // Varlen LSE is [Hq, Tq]: LseOffset(b = 0, i = global row) is that index,
     // since cu_seqlens_q[0] = 0. Dense: split the row into (b, i).
     const int b = IsVarlen(p) ? 0 : static_cast<int>(row / p.seqlen_q);
     const int i = IsVarlen(p) ? static_cast<int>(row) : static_cast<int>(row % p.seqlen_q);
-    p.lse[LseOffset(p, b, h, i)] = lse;
+    p.lse[LseOffset(p, b, h, i)] = lse_row;
   }
 }
 
@@ -153,16 +189,19 @@ cudaError_t RunForHeadDim(int d, const FwdLaunch& l, cudaStream_t s) {
 bool HaveKernels(int kernel_head_dim) { return CompiledHeadDim(kernel_head_dim); }
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; when base
-// covers less than 2 waves of the GPU, split the key range so there are about
-// 4 CTAs per SM, keeping at least 2 key tiles per split (a split's fixed cost,
-// Q load + epilogue + combine traffic, should stay small against its tiles)
-// and at most 128 splits.
+// fills less than one wave of resident CTAs (num_sms x CTAs per SM, the latter
+// estimated from the tile's threads at ~255 registers each and its shared
+// memory), split the key range so base x splits fills exactly one wave:
+// a second, partial wave would cost as much as a full one. At least 2 key
+// tiles per split (a split's fixed cost, Q load + epilogue + combine traffic,
+// stays small against its tiles) and at most 128 splits.
 // Worked example, decode on an H100 (132 SMs), B=1, Hq=32, Hkv=8, Sq=1, Sk=8192,
-// D=128 (tile 128x64): packing the 4 query heads of a KV head into M gives 1
-// m block x 8 KV heads = 8 CTAs; 4*132/8 = 66 splits wanted; 8192/64 = 128 key
-// tiles / 2 = at most 64 splits -> 64 splits of 2 tiles (128 keys) each: 512
-// CTAs, ~4 per SM, each streaming 64 KB of K+V. B=16 gives 128 CTAs -> 5
-// splits of 26 tiles; B=64, Sk=4k gives 512 CTAs >= 2 waves -> no split.
+// D=128 (tile 128x64, 128 threads x 255 regs -> 2 CTAs/SM -> a wave is 264):
+// packing the 4 query heads of a KV head into M gives 1 m block x 8 KV heads
+// = 8 CTAs; 264 / 8 = 33 splits; 8192 / 64 = 128 key tiles -> 4 tiles per
+// split -> 32 splits (128/4) of 256 keys: 256 CTAs, one wave, each streaming
+// 128 KB of K+V. B=16: base 128 -> 2 splits of 64 tiles (256 CTAs);
+// B=8, Sk=64k: base 64 -> 4 splits; B=64: base 512 >= 264 -> no split.
 LaunchPlan PlanForward(const AttnParams& p, int num_sms) {
   LaunchPlan plan;
   for (const TileConfig& t : kTileTable) {
@@ -182,8 +221,12 @@ LaunchPlan PlanForward(const AttnParams& p, int num_sms) {
   const int64_t heads = plan.pack_gqa > 1 ? p.num_heads_kv : p.num_heads_q;
   const int64_t base = m_blocks * heads * p.batch;
   const int64_t n_blocks = (int64_t{p.seqlen_k} + plan.tile.block_n - 1) / plan.tile.block_n;
-  if (base > 0 && base < 2 * int64_t{num_sms} && n_blocks >= 4) {
-    int64_t splits = (4 * int64_t{num_sms} + base - 1) / base;
+  const int threads = plan.tile.num_warps * 32;
+  const int64_t ctas_per_sm =
+      std::max(1, std::min(65536 / (256 * threads), (227 * 1024) / SmemBytes(plan.tile)));
+  const int64_t wave = int64_t{num_sms} * ctas_per_sm;
+  if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
+    int64_t splits = wave / base;
     splits = std::min<int64_t>({splits, n_blocks / 2, 128});
     // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
     const int64_t per = (n_blocks + splits - 1) / splits;
@@ -221,12 +264,11 @@ cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* w
                  : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
   }
   if (err != cudaSuccess || plan.num_splits == 1) return err;
-  const int64_t warps = int64_t{dev.num_heads_q} * dev.total_q;
-  const unsigned blocks = static_cast<unsigned>((warps + 3) / 4);
+  const unsigned blocks = static_cast<unsigned>(int64_t{dev.num_heads_q} * dev.total_q);
   if (dev.dtype == DType::kFP16) {
-    CombineSplitsKernel<__half><<<blocks, 128, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+    CombineSplitsKernel<__half><<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
   } else {
-    CombineSplitsKernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+    CombineSplitsKernel<__nv_bfloat16><<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
   }
   return cudaGetLastError();
 }
