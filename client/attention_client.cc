@@ -14,9 +14,14 @@
 
 namespace attnserve {
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
+absl::Status ToAbslStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const int code = static_cast<int>(status.error_code());
+  // A code outside google.rpc.Code (a misbehaving peer) must not become an
+  // absl::StatusCode that no switch handles.
+  const absl::StatusCode absl_code = code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code)
+                                                            : absl::StatusCode::kUnknown;
+  return absl::Status(absl_code, status.error_message());
 }
 
 namespace {
@@ -169,7 +174,7 @@ absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRe
   Prepare(call, &context);
   v1::ForwardResponse response;
   const grpc::Status status = Next().attention->Forward(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return ToAbslStatus(status);
   return response;
 }
 
@@ -205,7 +210,7 @@ void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const Call
         if (status.ok()) {
           owned->done(std::move(owned->response));
         } else {
-          owned->done(FromGrpcStatus(status));
+          owned->done(ToAbslStatus(status));
         }
       });
 }
@@ -216,7 +221,7 @@ absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo(const C
   v1::GetServerInfoResponse response;
   const grpc::Status status =
       Next().attention->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return ToAbslStatus(status);
   return response;
 }
 
@@ -228,7 +233,7 @@ absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& ser
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
   const grpc::Status status = Next().health->Check(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return ToAbslStatus(status);
   using Proto = grpc::health::v1::HealthCheckResponse;
   switch (response.status()) {
     case Proto::SERVING: return HealthStatus::kServing;

@@ -1,6 +1,8 @@
 // AttentionClient: the C++ client of the attnserve.v1 Attention service and the
 // standard gRPC health service. Every call returns absl::Status(Or); gRPC
-// statuses become absl ones in exactly one place (FromGrpcStatus).
+// statuses become absl ones in exactly one place on the client side
+// (ToAbslStatus; the server has its own mapping in server/status_mapping.h, and
+// this library does not link the server).
 //
 //   auto client = AttentionClient::Create("127.0.0.1:50051");
 //   AttentionInputs in;  // q, k, v as HostTensor, optional cu_seqlens, options
@@ -34,7 +36,7 @@ namespace attnserve {
 // The one conversion from a gRPC status to an absl::Status on the client side.
 // The numeric codes are the same (both are google.rpc.Code); the message is
 // kept verbatim so server-side field names reach the caller intact.
-absl::Status FromGrpcStatus(const grpc::Status& status);
+absl::Status ToAbslStatus(const grpc::Status& status);
 
 struct ClientOptions {
   // Deadline of a call that does not set its own. absl::InfiniteDuration():

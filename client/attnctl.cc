@@ -140,7 +140,7 @@ std::string SetFlag(absl::string_view arg, const std::vector<std::string>& argv,
     value = std::string(body.substr(eq + 1));
   } else if (flag->IsOfType<bool>()) {
     value = negated ? "false" : "true";
-  } else if (*i + 1 < argv.size()) {
+  } else if (*i + 1 < argv.size() && !absl::StartsWith(argv[*i + 1], "--")) {
     value = argv[++*i];
   } else {
     return absl::StrCat("flag --", name, " needs a value");

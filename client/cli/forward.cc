@@ -271,12 +271,8 @@ int RunForward(const std::vector<std::string>& args) {
     seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
     inputs = RandomInputsFromFlags(*dtype, seed);
   }
-  if (!inputs.ok()) {
-    if (inputs.status().code() == absl::StatusCode::kInvalidArgument) {
-      return UsageError(kCmd, inputs.status().message());
-    }
-    return PrintError("reading inputs", inputs.status());
-  }
+  // Flags and input files are the user's to fix: both are usage errors.
+  if (!inputs.ok()) return UsageError(kCmd, inputs.status().message());
   absl::Status st = OptionsFromFlags(&inputs->options);
   if (!st.ok()) return UsageError(kCmd, st.message());
   inputs->request_id = absl::GetFlag(FLAGS_request_id);

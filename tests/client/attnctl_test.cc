@@ -297,6 +297,9 @@ TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
       {{"frobnicate"}, "unknown command 'frobnicate'"},
       {{"forward", "--lb_policy=random"}, "--target/--lb_policy"},
       {{"forward", "--timeout"}, "flag --timeout needs a value"},
+      {{"forward", "--q=/nonexistent/q.npy", "--k=/nonexistent/k.npy", "--v=/nonexistent/v.npy",
+        "--seqlen_q=3"},
+       "--seqlen_q applies to random inputs"},
   };
   for (const auto& c : cases) {
     const CliResult r = Run(c.args);

@@ -185,11 +185,11 @@ TEST(RequestTest, MakeForwardRequestSetsOnlyGivenOptions) {
 
 TEST(StatusTest, GrpcStatusKeepsCodeAndMessage) {
   const absl::Status s =
-      FromGrpcStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "q.shape[3]: expected x"));
+      ToAbslStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "q.shape[3]: expected x"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "q.shape[3]: expected x");
-  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
-  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "")).code(),
+  EXPECT_TRUE(ToAbslStatus(grpc::Status::OK).ok());
+  EXPECT_EQ(ToAbslStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "")).code(),
             absl::StatusCode::kUnavailable);
 }
 
