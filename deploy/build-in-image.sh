@@ -11,7 +11,8 @@
 # installing runtime packages keeps one recipe for Debian and Ubuntu, whose
 # package names differ (libgrpc++1.51 vs libgrpc++1.51t64, ...).
 #
-# Environment: ATTNSERVE_CUDA (AUTO|ON|OFF), ATTNSERVE_STATIC (ON|OFF),
+# Environment: ATTNSERVE_CUDA (AUTO|ON|OFF), ATTNSERVE_STATIC (AUTO|ON|OFF;
+# AUTO tries the static link and falls back to shared libraries if it fails),
 # CUDA_ARCHS (CMAKE_CUDA_ARCHITECTURES, empty: the project default),
 # JOBS (parallel compile jobs, empty: nproc), EXTRA_CMAKE_ARGS.
 set -euo pipefail
@@ -27,15 +28,28 @@ cmake_args=(
   -DATTNSERVE_BUILD_TESTS=OFF
   -DATTNSERVE_BUILD_BENCH=OFF
   -DATTNSERVE_CUDA="${ATTNSERVE_CUDA:-AUTO}"
-  -DATTNSERVE_STATIC="${ATTNSERVE_STATIC:-ON}"
 )
 [ -z "${CUDA_ARCHS:-}" ] || cmake_args+=(-DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS")
 # shellcheck disable=SC2206  # EXTRA_CMAKE_ARGS is a list of words on purpose
 [ -z "${EXTRA_CMAKE_ARGS:-}" ] || cmake_args+=($EXTRA_CMAKE_ARGS)
 
+build_with() {  # build_with ON|OFF: configure and build with that static setting
+  cmake -S "$src" -B "$build" "${cmake_args[@]}" -DATTNSERVE_STATIC="$1"
+  cmake --build "$build" -j "$jobs" --target attnserve attnctl
+}
 start=$(date +%s)
-cmake -S "$src" -B "$build" "${cmake_args[@]}"
-cmake --build "$build" -j "$jobs" --target attnserve attnctl
+static=${ATTNSERVE_STATIC:-AUTO}
+case "$static" in
+  ON|OFF) build_with "$static" ;;
+  AUTO)
+    # Only the link step differs, so the fallback costs seconds, not a rebuild.
+    if ! build_with ON; then
+      echo "build-in-image: WARNING: the static link failed; building with" \
+           "ATTNSERVE_STATIC=OFF and bundling the shared libraries instead" >&2
+      build_with OFF
+    fi ;;
+  *) echo "build-in-image: ATTNSERVE_STATIC must be AUTO, ON or OFF, got '$static'" >&2; exit 2 ;;
+esac
 echo "build-in-image: compiled in $(( $(date +%s) - start )) s with $jobs jobs"
 
 install -d "$out/usr/local/bin" "$out/usr/local/lib/attnserve" "$out/etc/ld.so.conf.d"
