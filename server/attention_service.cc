@@ -25,9 +25,11 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
 // Unary Forward: the handler's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
-  ForwardReactor(ForwardHandler* handler, const grpc::CallbackServerContext* context,
-                 const v1::ForwardRequest* request, v1::ForwardResponse* response)
-      : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+  ForwardReactor(ForwardHandler* handler, InFlightCounter* in_flight,
+                 const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+                 v1::ForwardResponse* response)
+      : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    in_flight_->Add();
     // Finish may run before this constructor returns (a refused request);
     // the callback API holds it until the reactor is bound to the call.
     handler->Start(request, response, DeadlineOf(context), cancelled_,
@@ -35,9 +37,13 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
   }
 
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    in_flight_->Done();
+    delete this;
+  }
 
  private:
+  InFlightCounter* const in_flight_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
@@ -54,8 +60,10 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 class ForwardStreamReactor final
     : public grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse> {
  public:
-  ForwardStreamReactor(ForwardHandler* handler, const grpc::CallbackServerContext* context)
+  ForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
+                       const grpc::CallbackServerContext* context)
       : handler_(handler),
+        in_flight_(in_flight),
         deadline_(DeadlineOf(context)),
         cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     StartRead(&incoming_);
@@ -76,6 +84,7 @@ class ForwardStreamReactor final
     auto call = std::make_unique<Call>();
     call->request.Swap(&incoming_);
     Call* raw = call.get();
+    in_flight_->Add();  // until its response is written or dropped
     {
       absl::MutexLock lock(&mu_);
       ++pending_;
@@ -93,6 +102,7 @@ class ForwardStreamReactor final
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
+      in_flight_->Done();
       RemoveCallLocked(ready_.front());
       ready_.pop_front();
       // A failed write means the stream is gone; what is left cannot be sent.
@@ -141,7 +151,10 @@ class ForwardStreamReactor final
   // The response to write now, marking a write in flight, or null.
   v1::ForwardResponse* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (write_failed_) {
-      for (Call* c : ready_) RemoveCallLocked(c);
+      for (Call* c : ready_) {
+        in_flight_->Done();
+        RemoveCallLocked(c);
+      }
       ready_.clear();
     }
     if (writing_ || ready_.empty()) return nullptr;
@@ -173,6 +186,7 @@ class ForwardStreamReactor final
   }
 
   ForwardHandler* const handler_;
+  InFlightCounter* const in_flight_;
   const absl::Time deadline_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
   v1::ForwardRequest incoming_;  // the buffer of the one read in flight
@@ -203,12 +217,12 @@ AttentionService::AttentionService(ForwardHandler* handler, const AttentionBacke
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
-  return new ForwardReactor(handler_, context, request, response);
+  return new ForwardReactor(handler_, &in_flight_, context, request, response);
 }
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>*
 AttentionService::ForwardStream(grpc::CallbackServerContext* context) {
-  return new ForwardStreamReactor(handler_, context);
+  return new ForwardStreamReactor(handler_, &in_flight_, context);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -6,6 +6,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend.h"
 #include "server/forward_handler.h"
+#include "server/in_flight.h"
 
 namespace attnserve {
 
@@ -33,10 +34,15 @@ class AttentionService final : public v1::Attention::CallbackService {
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
 
+  // Waits until every Forward call and every ForwardStream request received so
+  // far has had its response sent (or its call has ended). True when none is left.
+  bool WaitForResponses(absl::Duration timeout) { return in_flight_.WaitForZero(timeout); }
+
  private:
   ForwardHandler* const handler_;
   const AttentionBackend* const backend_;
   const ServiceInfo info_;
+  InFlightCounter in_flight_;
 };
 
 // The capabilities GetServerInfo lists under `features`.

@@ -72,8 +72,9 @@ absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
   const int64_t elem_size = DTypeSize(static_cast<DType>(t.dtype()));
   const int64_t actual = static_cast<int64_t>(t.data().size());
   if (elements > kSaturated / elem_size) {
-    return Invalid(absl::StrCat(name, ".data: shape ", ShapeString(t),
-                                " needs more than 2^63 bytes, got ", actual, " bytes"));
+    return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
+                                WireDTypeName(t.dtype()), " ", ShapeString(t), "), got ", actual,
+                                " bytes"));
   }
   const int64_t expected = elements * elem_size;
   if (actual != expected) {

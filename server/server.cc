@@ -31,8 +31,8 @@ namespace {
 // --max_request_bytes instead of gRPC's generic one.
 constexpr int64_t kReceiveSlackBytes = 64 * 1024;
 
-// After draining, how long gRPC gets to flush the last responses and close
-// streams that clients keep open, when the grace period is already spent.
+// After draining, how long gRPC gets to close connections and streams that
+// have nothing left in flight.
 constexpr absl::Duration kMinStopTime = absl::Milliseconds(200);
 
 const char kServiceName[] = "attnserve.v1.Attention";
@@ -136,6 +136,9 @@ class AttnServerImpl final : public AttnServer {
     grpc::ServerBuilder builder;
     const std::string address = ListenAddress(options_.host, options_.port);
     builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
+    // would start and silently split the traffic; fail instead.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
     // Responses are as large as their requests' Q; the client sets its own limit.
@@ -200,14 +203,16 @@ class AttnServerImpl final : public AttnServer {
     // Health first, so load balancers stop sending before requests are refused.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executor_.StopAdmitting();
-    const bool idle = executor_.WaitIdle(grace);
-    if (!idle) spdlog::warn("grace period over with requests still queued or running");
+    // Every admitted request answered, within the grace period.
+    const bool answered = service_.WaitForResponses(grace) &&
+                          executor_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
+    if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
     executor_.Shutdown();
-    if (server != nullptr) {
-      const absl::Time deadline = std::max(begin + grace, absl::Now() + kMinStopTime);
-      server->Shutdown(absl::ToChronoTime(deadline));
-    }
+    // What is left are idle connections and streams with nothing in flight:
+    // gRPC gets a moment to flush, then cancels them rather than waiting for
+    // clients that poll rarely to acknowledge the GOAWAY.
+    if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
     spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
     absl::MutexLock lock(&mu_);
     state_ = State::kStopped;

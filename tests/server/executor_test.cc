@@ -1,0 +1,271 @@
+// The executor core with a scripted backend: completion and timings, queue
+// bound, deadline, cancellation, FIFO order, draining, shutdown, and backend
+// statuses (UNIMPLEMENTED from CanImplement, errors from Forward).
+#include "server/executor.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+// Records the order of calls by reading params.batch as a tag; each Forward
+// can be held until the test opens the gate.
+class ScriptedBackend : public AttentionBackend {
+ public:
+  ScriptedBackend() { description_.name = "scripted"; }
+
+  const BackendDescription& Describe() const override { return description_; }
+
+  absl::Status CanImplement(const AttnParams& p) const override {
+    if (p.head_dim == 200) return absl::UnimplementedError("head_dim 200: not in this build");
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
+    {
+      absl::MutexLock lock(&mu_);
+      started_.push_back(p.batch);
+      mu_.Await(absl::Condition(&open_));
+    }
+    timings->compute_us = 7;
+    if (p.head_dim == 16) return absl::InternalError("device fault");
+    return absl::OkStatus();
+  }
+
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    open_ = false;
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  // Waits until `n` Forward calls have started.
+  void AwaitStarted(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return started_.size() >= n; };
+    mu_.Await(absl::Condition(&enough));
+  }
+  std::vector<int> started() {
+    absl::MutexLock lock(&mu_);
+    return started_;
+  }
+
+ private:
+  BackendDescription description_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+  std::vector<int> started_ ABSL_GUARDED_BY(mu_);
+};
+
+// Collects completions; each item's tag is params.batch.
+class Completions {
+ public:
+  WorkItem Item(int tag, int head_dim = 64) {
+    WorkItem item;
+    item.params.batch = tag;
+    item.params.head_dim = head_dim;
+    item.done = [this, tag](const absl::Status& status, const WorkTimings& timings) {
+      absl::MutexLock lock(&mu_);
+      results_.push_back({tag, status, timings});
+    };
+    return item;
+  }
+
+  struct Result {
+    int tag;
+    absl::Status status;
+    WorkTimings timings;
+  };
+
+  std::vector<Result> Await(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return results_.size() >= n; };
+    mu_.Await(absl::Condition(&enough));
+    return results_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Result> results_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(ExecutorTest, RunsAndReportsTimings) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  bool bound = false;
+  WorkItem item = c.Item(1);
+  item.received = absl::Now() - absl::Milliseconds(5);
+  item.bind_outputs = [&bound](AttnParams*) {
+    bound = true;
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+  auto results = c.Await(1);
+  EXPECT_TRUE(results[0].status.ok()) << results[0].status;
+  EXPECT_TRUE(bound);
+  EXPECT_EQ(results[0].timings.compute_us, 7);
+  EXPECT_GE(results[0].timings.queue_us, 0);
+  EXPECT_GE(results[0].timings.total_us, 5000);  // counted from `received`
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+}
+
+TEST(ExecutorTest, QueueFullIsResourceExhausted) {
+  ScriptedBackend backend;
+  Executor executor(&backend, ExecutorOptions{2});
+  Completions c;
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+  backend.AwaitStarted(1);  // running: no longer counts against the queue
+  ASSERT_TRUE(executor.Submit(c.Item(1)).ok());
+  ASSERT_TRUE(executor.Submit(c.Item(2)).ok());
+  const absl::Status full = executor.Submit(c.Item(3));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("queue full"), absl::string_view::npos) << full;
+  EXPECT_EQ(executor.queued(), 2);
+  backend.Open();
+  auto results = c.Await(3);
+  for (const auto& r : results) EXPECT_TRUE(r.status.ok()) << r.status;
+  // Room again once the queue drains.
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+  EXPECT_TRUE(executor.Submit(c.Item(4)).ok());
+  c.Await(4);
+}
+
+TEST(ExecutorTest, DeadlinePassedWhileQueued) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+  backend.AwaitStarted(1);
+  WorkItem late = c.Item(1);
+  late.deadline = absl::Now() + absl::Milliseconds(20);
+  ASSERT_TRUE(executor.Submit(std::move(late)).ok());
+  absl::SleepFor(absl::Milliseconds(40));
+  backend.Open();
+  auto results = c.Await(2);
+  EXPECT_TRUE(results[0].status.ok());
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kDeadlineExceeded) << results[1].status;
+  EXPECT_GE(results[1].timings.queue_us, 20000);
+  EXPECT_EQ(backend.started(), std::vector<int>({0}));  // never computed
+}
+
+TEST(ExecutorTest, CancelledBeforeComputeIsDropped) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+  backend.AwaitStarted(1);
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  WorkItem item = c.Item(1);
+  item.cancelled = cancelled;
+  ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+  cancelled->store(true);
+  backend.Open();
+  auto results = c.Await(2);
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kCancelled) << results[1].status;
+  EXPECT_EQ(backend.started(), std::vector<int>({0}));
+}
+
+TEST(ExecutorTest, RunsInAdmissionOrder) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  backend.Close();
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(executor.Submit(c.Item(i)).ok());
+  backend.Open();
+  auto results = c.Await(10);
+  EXPECT_EQ(backend.started(), std::vector<int>({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(results[i].tag, i);
+}
+
+TEST(ExecutorTest, UnimplementedFromCanImplementSkipsCompute) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  ASSERT_TRUE(executor.Submit(c.Item(1, /*head_dim=*/200)).ok());
+  auto results = c.Await(1);
+  EXPECT_EQ(results[0].status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(backend.started().empty());
+}
+
+TEST(ExecutorTest, BackendErrorsAreReported) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  WorkItem bad_bind = c.Item(1);
+  bad_bind.bind_outputs = [](AttnParams*) {
+    return absl::ResourceExhaustedError("out of memory for o");
+  };
+  ASSERT_TRUE(executor.Submit(std::move(bad_bind)).ok());
+  ASSERT_TRUE(executor.Submit(c.Item(2, /*head_dim=*/16)).ok());
+  ASSERT_TRUE(executor.Submit(c.Item(3)).ok());
+  auto results = c.Await(3);
+  EXPECT_EQ(results[0].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(results[2].status.ok()) << "the executor keeps serving after errors";
+}
+
+TEST(ExecutorTest, StopAdmittingRefusesNewButRunsAdmitted) {
+  ScriptedBackend backend;
+  Executor executor(&backend, {});
+  Completions c;
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+  ASSERT_TRUE(executor.Submit(c.Item(1)).ok());
+  executor.StopAdmitting();
+  const absl::Status refused = executor.Submit(c.Item(2));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(refused.message().find("draining"), absl::string_view::npos) << refused;
+  EXPECT_FALSE(executor.WaitIdle(absl::Milliseconds(20)));
+  backend.Open();
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+  auto results = c.Await(2);
+  EXPECT_TRUE(results[0].status.ok());
+  EXPECT_TRUE(results[1].status.ok());
+}
+
+TEST(ExecutorTest, ShutdownCompletesQueuedWithUnavailable) {
+  ScriptedBackend backend;
+  Completions c;
+  {
+    Executor executor(&backend, {});
+    backend.Close();
+    ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+    backend.AwaitStarted(1);
+    ASSERT_TRUE(executor.Submit(c.Item(1)).ok());
+    ASSERT_TRUE(executor.Submit(c.Item(2)).ok());
+    absl::Notification shut_down;
+    std::thread stopper([&] {
+      executor.Shutdown();
+      shut_down.Notify();
+    });
+    // Shutdown waits for the running item; let it finish.
+    absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_FALSE(shut_down.HasBeenNotified());
+    backend.Open();
+    stopper.join();
+    EXPECT_EQ(executor.Submit(c.Item(3)).code(), absl::StatusCode::kUnavailable);
+    executor.Shutdown();  // idempotent
+  }
+  auto results = c.Await(3);
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_TRUE(results[0].status.ok());
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(results[2].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(backend.started(), std::vector<int>({0}));
+}
+
+}  // namespace
+}  // namespace attnserve
