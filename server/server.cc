@@ -221,6 +221,8 @@ class AttnServerImpl final : public AttnServer {
 
   void Wait() override { stopped_.WaitForNotification(); }
 
+  int queued_requests() const override { return executor_.queued(); }
+
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 

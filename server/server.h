@@ -45,6 +45,9 @@ class AttnServer {
   virtual void Shutdown(absl::Duration grace) = 0;
   // Blocks until Shutdown has completed.
   virtual void Wait() = 0;
+  // Requests admitted but not yet started (monitoring, and tests that need a
+  // request to be known queued before they go on).
+  virtual int queued_requests() const = 0;
 };
 
 }  // namespace attnserve

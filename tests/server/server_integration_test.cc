@@ -738,13 +738,13 @@ TEST(ServerControlTest, QueueFullIsResourceExhausted) {
   control->AwaitCalls(warm + 1);  // started: holds the backend
   queued.Start(h->stub.get());
 
-  // Wait until the server has admitted the second one; then a third is refused.
-  grpc::Status s;
-  v1::ForwardResponse response;
-  for (int i = 0; i < 200; ++i) {
-    s = h->Forward(MakeRequest(buf, "refused"), &response);
-    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+  // Once the server has admitted the second one, a third is refused.
+  for (int i = 0; i < 1000 && h->server->queued_requests() < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
   }
+  ASSERT_EQ(h->server->queued_requests(), 1);
+  v1::ForwardResponse response;
+  const grpc::Status s = h->Forward(MakeRequest(buf, "refused"), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_NE(s.error_message().find("queue full"), std::string::npos) << s.error_message();
 
@@ -772,15 +772,21 @@ TEST(ServerControlTest, DeadlineAndCancelHonouredBeforeCompute) {
   cancelled.request = MakeRequest(buf, "cancelled");
   blocker.Start(h->stub.get());
   control->AwaitCalls(warm + 1);
-  late.Start(h->stub.get(), absl::Milliseconds(300));
+  late.Start(h->stub.get(), absl::Seconds(1));
   cancelled.Start(h->stub.get());
-  absl::SleepFor(absl::Milliseconds(100));  // both admitted behind the blocker
+  for (int i = 0; i < 1000 && h->server->queued_requests() < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(h->server->queued_requests(), 2) << "both admitted behind the blocker";
   cancelled.ctx.TryCancel();
 
   ASSERT_TRUE(late.Wait());
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   ASSERT_TRUE(cancelled.Wait());
   EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  // The client learns of its cancel at once; the server when the RST_STREAM
+  // arrives. Give it that moment before the backend frees up.
+  absl::SleepFor(absl::Milliseconds(300));
 
   control->Open();
   ASSERT_TRUE(blocker.Wait());
@@ -802,12 +808,17 @@ TEST(ServerControlTest, ServerSideDeadlineExceededOnStream) {
   HostBuffers buf(SmallCase());
   control->Close();
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(400));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(800);
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   auto stream = h->stub->ForwardStream(&ctx);
   ASSERT_TRUE(stream->Write(MakeRequest(buf, "first")));
   ASSERT_TRUE(stream->Write(MakeRequest(buf, "second")));
   control->AwaitCalls(warm + 1);
-  absl::SleepFor(absl::Milliseconds(600));
+  for (int i = 0; i < 1000 && h->server->queued_requests() < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(h->server->queued_requests(), 1);
+  absl::SleepFor(deadline - absl::Now() + absl::Milliseconds(100));
   control->Open();
   v1::ForwardResponse response;
   while (stream->Read(&response)) {
