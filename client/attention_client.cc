@@ -168,6 +168,24 @@ AttentionClient::Channel& AttentionClient::Next() {
   return channels_[next_.fetch_add(1, std::memory_order_relaxed) % channels_.size()];
 }
 
+absl::Status AttentionClient::Connect(absl::Duration timeout) {
+  const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
+  for (Channel& c : channels_) {
+    while (true) {
+      const grpc_connectivity_state state = c.channel->GetState(/*try_to_connect=*/true);
+      if (state == GRPC_CHANNEL_READY) break;
+      if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) {
+        return absl::UnavailableError(absl::StrCat("cannot connect to ", target_));
+      }
+      if (!c.channel->WaitForStateChange(state, deadline)) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("no connection to ", target_, " within ", absl::FormatDuration(timeout)));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,
                                                              const CallOptions& call) {
   grpc::ClientContext context;

@@ -123,6 +123,11 @@ class AttentionClient {
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(
       const std::string& target, const ClientOptions& options = ClientOptions());
 
+  // Opens every channel's connection now instead of on the first call, so
+  // latency measurements do not include connection setup. UNAVAILABLE when a
+  // channel fails to connect, DEADLINE_EXCEEDED when `timeout` runs out first.
+  absl::Status Connect(absl::Duration timeout);
+
   // The raw RPC.
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request,
                                               const CallOptions& call = CallOptions());

@@ -133,6 +133,8 @@ void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
   }
   if (lowp != nullptr) {
     r->lse_tolerance = 2.0 * lowp_err + kLowpLseFloor;
+    r->lse_tolerance_rule = absl::StrCat(r->lse_tolerance, " = 2 * max|lse_lowp - ref| + ",
+                                         kLowpLseFloor);
     if (r->failure.empty() && r->lse_max_abs_err > r->lse_tolerance) {
       r->failure = absl::StrCat("max|lse - ref| = ", r->lse_max_abs_err, " > tolerance ",
                                 r->lse_tolerance);
@@ -140,6 +142,7 @@ void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
     return;
   }
   r->lse_tolerance = kFp32Rtol;
+  r->lse_tolerance_rule = absl::StrCat("|err| <= ", kFp32Rtol, " * |ref| + ", kFp32LseAtol);
   for (size_t i = 0; i < lse.size() && r->failure.empty(); ++i) {
     if (std::isinf(ref.lse[i])) continue;
     const double err = std::fabs(lse[i] - ref.lse[i]);

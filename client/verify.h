@@ -40,6 +40,7 @@ struct VerifyReport {
   bool lse_checked = false;
   double lse_max_abs_err = 0.0;
   double lse_tolerance = 0.0;
+  std::string lse_tolerance_rule;
   // Empty when passed; otherwise the first reason, with coordinates.
   std::string failure;
 };

@@ -214,6 +214,17 @@ TEST_F(AttentionClientTest, UnavailableWhenNothingListens) {
   CallOptions call;
   call.timeout = absl::Seconds(10);
   EXPECT_EQ((*client)->HealthCheck("", call).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*client)->Connect(absl::Seconds(10)).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(AttentionClientTest, ConnectOpensEveryChannel) {
+  ClientOptions options;
+  options.num_channels = 2;
+  auto client = Client(options);
+  ASSERT_TRUE(client->Connect(absl::Seconds(10)).ok());
+  for (int i = 0; i < client->num_channels(); ++i) {
+    EXPECT_EQ(client->channel(i)->GetState(false), GRPC_CHANNEL_READY);
+  }
 }
 
 TEST_F(AttentionClientTest, SeveralChannelsAndRoundRobinTargets) {
