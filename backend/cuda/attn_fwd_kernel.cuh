@@ -103,7 +103,7 @@ __device__ __forceinline__ float QuadSum(float x) {
 // window_right = 0 after FillParams); tiles outside the band are skipped and
 // band-boundary tiles masked. Without it only the last, partial key tile is
 // masked (by the same per-row [lo, hi] test, hi = Sk - 1).
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, typename T, bool kIsCausal>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
 __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L) {
   using namespace detail;
   constexpr int kThreads = kNWarps * 32;
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kBlockM * kStride;
-  T* sV = sK + kBlockN * kStride;
+  T* sV = sK + kStages * kBlockN * kStride;  // sK: [kStages][kBlockN][kStride], sV likewise
 
   const AttnParams& p = L.p;
   const int G = L.pack_gqa;
@@ -260,14 +260,26 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
 
   load_q();
   load_kv(sK, k_base, n_end - 1);
+  if (kStages == 2) load_kv(sV, v_base, n_end - 1);
   CpAsyncCommit();
 
   // Tiles right to left: the first one is the partial (or band-edge) tile.
   for (int n = n_end - 1; n >= n_begin; --n) {
-    CpAsyncWaitAll();  // K[n] (and Q) landed
-    __syncthreads();   // ... for every thread; and all warps are done with sV
-    load_kv(sV, v_base, n);
-    CpAsyncCommit();
+    const int stage = kStages == 2 ? (n_end - 1 - n) % 2 : 0;
+    const T* tK = sK + stage * kBlockN * kStride;
+    const T* tV = sV + stage * kBlockN * kStride;
+    CpAsyncWaitAll();  // K[n] (with kStages 2 also V[n]; and Q) landed
+    __syncthreads();   // ... for every thread; and all warps are done with the buffers reloaded next
+    if (kStages == 2) {
+      if (n > n_begin) {
+        load_kv(sK + (stage ^ 1) * kBlockN * kStride, k_base, n - 1);
+        load_kv(sV + (stage ^ 1) * kBlockN * kStride, v_base, n - 1);
+        CpAsyncCommit();
+      }
+    } else {
+      load_kv(sV, v_base, n);
+      CpAsyncCommit();
+    }
 
     // S = Q K^T for this warp's rows.
     float s[kMTiles][kNTiles][4];
@@ -286,7 +298,7 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) {
           uint32_t bfrag[4];
-          LdMatrixX4(bfrag, sK + bk_off + np * 16 * kStride + kk * 16);
+          LdMatrixX4(bfrag, tK + bk_off + np * 16 * kStride + kk * 16);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             Mma16816<T>(s[mt][2 * np], a[mt], bfrag[0], bfrag[1]);
@@ -296,11 +308,13 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
       }
     }
 
-    CpAsyncWaitAll();  // V[n] landed
-    __syncthreads();   // ... for every thread; and all warps are done with sK
-    if (n > n_begin) {
-      load_kv(sK, k_base, n - 1);
-      CpAsyncCommit();
+    if (kStages == 1) {
+      CpAsyncWaitAll();  // V[n] landed
+      __syncthreads();   // ... for every thread; and all warps are done with sK
+      if (n > n_begin) {
+        load_kv(sK, k_base, n - 1);
+        CpAsyncCommit();
+      }
     }
     if (!warp_active) continue;
 
@@ -381,7 +395,7 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t bfrag[4];
-        LdMatrixX4Trans(bfrag, sV + bv_off + kk * 16 * kStride + dp * 16);
+        LdMatrixX4Trans(bfrag, tV + bv_off + kk * 16 * kStride + dp * 16);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           Mma16816<T>(acc_o[mt][2 * dp], a[mt], bfrag[0], bfrag[1]);
@@ -474,14 +488,15 @@ constexpr TileConfig TileFor() {
   for (const TileConfig& t : kTileTable) {
     if (t.head_dim == kHeadDim) return t;
   }
-  return TileConfig{0, 0, 0, 0};
+  return TileConfig{0, 0, 0, 0, 0};
 }
 
 template <int kHeadDim, typename T, bool kIsCausal>
 cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = TileFor<kHeadDim>();
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from kTileTable");
-  auto kernel = AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, T, kIsCausal>;
+  auto kernel =
+      AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>;
   constexpr int kSmem = SmemBytes(kTile);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;

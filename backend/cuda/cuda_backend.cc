@@ -65,6 +65,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
                                                prop.minor, "; the kernels need sm80 or later"));
   }
   b->num_sms_ = prop.multiProcessorCount;
+  b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking), "stream");
   for (cudaEvent_t& e : b->events_) ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "event");
   BackendDescription& d = b->description_;
@@ -104,11 +105,13 @@ absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
                                                  " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
                                                  "compiles head dim 128 only)"));
   }
-  const DeviceDescription& dev = description_.devices[0];
-  if (plan.kernel_head_dim >= 192 && dev.compute_capability_major == 8 && dev.compute_capability_minor != 0) {
-    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim,
-                                                 " needs more than the 99 KB of shared memory per CTA of sm",
-                                                 dev.compute_capability_major, dev.compute_capability_minor));
+  if (cuda::SmemBytes(plan.tile) > max_smem_per_block_) {
+    const DeviceDescription& dev = description_.devices[0];
+    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim, " uses the ",
+                                                 plan.kernel_head_dim, " tile, which needs ",
+                                                 cuda::SmemBytes(plan.tile), " bytes of shared memory; sm",
+                                                 dev.compute_capability_major, dev.compute_capability_minor,
+                                                 " allows ", max_smem_per_block_));
   }
   return absl::OkStatus();
 }

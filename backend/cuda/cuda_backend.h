@@ -38,6 +38,7 @@ class CudaBackend final : public AttentionBackend {
 
   int device_ = 0;
   int num_sms_ = 0;
+  int max_smem_per_block_ = 0;  // opt-in dynamic shared memory per CTA
   BackendDescription description_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t events_[4] = {nullptr, nullptr, nullptr, nullptr};
