@@ -9,7 +9,10 @@ if(ATTNSERVE_CUDA STREQUAL "ON" OR ATTNSERVE_CUDA STREQUAL "AUTO")
   if(CMAKE_CUDA_COMPILER)
     # sm80 portable path plus the Hopper sm_90a path (DESIGN.md §3).
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+      # SASS for sm80 (A100; sm86/89 run it too) and sm90 (H100), plus sm90 PTX
+      # so newer GPUs JIT it; "80 90" also embedded sm80 PTX nobody uses and
+      # cost CI an extra compile of every kernel.
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 90)
     endif()
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)

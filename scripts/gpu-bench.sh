@@ -28,7 +28,13 @@ hdr="$OUT/header.txt"
   echo "# torch: $(python3 -c 'import torch; print(torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null)"
   echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); date: $date; timing: CUDA events, L2 flushed, median of 25 (ours/standard) 25 (sdpa) 20 (fa1)"
 } >"$hdr"
-$B/bench/cuda/attn_bench --grid="$GRID" --impls="$IMPLS" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"
+# ours + standard first, then SDPA, then the slow FA1-order version (BF16, N <= 1k) last.
+$B/bench/cuda/attn_bench --grid="$GRID" --impls="${IMPLS/,fa1/}" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"
 python3 bench/gpu/sdpa_bench.py --grid="$GRID" --csv="$OUT/sdpa.csv" 2>"$OUT/sdpa.log"
-python3 bench/gpu/merge_results.py "$OUT/$slug-$date.csv" "$hdr" "$OUT/ours.csv" "$OUT/sdpa.csv" | tee "$OUT/ratios.txt"
+inputs=("$OUT/ours.csv" "$OUT/sdpa.csv")
+if [[ $IMPLS == *fa1* ]]; then
+  timeout 150 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=fa1 --csv="$OUT/fa1.csv" 2>>"$OUT/attn_bench.log"
+  inputs+=("$OUT/fa1.csv")
+fi
+python3 bench/gpu/merge_results.py "$OUT/$slug-$date.csv" "$hdr" "${inputs[@]}" | tee "$OUT/ratios.txt"
 grep -E "SKIP|FAIL" "$OUT/attn_bench.log" | head -10

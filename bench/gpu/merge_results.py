@@ -11,8 +11,11 @@ def main():
     out, header_file, *inputs = sys.argv[1:]
     rows = []
     for path in inputs:
-        with open(path) as f:
-            rows += [r for r in csv.DictReader(f)]
+        try:
+            with open(path) as f:
+                rows += [r for r in csv.DictReader(f)]
+        except FileNotFoundError:
+            print(f"missing {path}", file=sys.stderr)
     cols = "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,tbps,peak_mem_bytes".split(",")
     with open(out, "w") as f:
         f.write(open(header_file).read())
@@ -23,7 +26,7 @@ def main():
     by = {}
     for r in rows:
         by.setdefault(key(r), {})[r["impl"]] = r
-    print(f"{'config':38s} {'ours':>8s} {'flash':>8s} {'cudnn':>8s} {'o/fl':>6s} {'o/cu':>6s} {'std_x':>6s} {'mem_x':>6s}")
+    print(f"{'config':38s} {'ours':>8s} {'flash':>8s} {'cudnn':>8s} {'o/fl':>6s} {'o/cu':>6s} {'std_x':>6s} {'mem_x':>6s} {'fa1_x':>6s}")
     for k, impls in by.items():
         if "ours" not in impls:
             continue
@@ -37,7 +40,8 @@ def main():
             stdx = float(impls["standard"]["ms"]) / float(impls["ours"]["ms"])
             memx = float(impls["standard"]["peak_mem_bytes"]) / float(impls["ours"]["peak_mem_bytes"])
         name = f"{kind[:3]} {k[1]} d{k[2]} b{k[3]} h{k[4]}/{k[5]} {k[6]}x{k[7]}{' c' if k[8] == '1' else ''}"
-        print(f"{name:38s} {o:8.2f} {fl:8.2f} {cu:8.2f} {o / fl:6.2f} {o / cu:6.2f} {stdx:6.2f} {memx:6.2f}")
+        fa1x = float(impls["fa1"]["ms"]) / float(impls["ours"]["ms"]) if "fa1" in impls else float("nan")
+        print(f"{name:38s} {o:8.2f} {fl:8.2f} {cu:8.2f} {o / fl:6.2f} {o / cu:6.2f} {stdx:6.2f} {memx:6.2f} {fa1x:6.1f}")
 
 
 if __name__ == "__main__":
