@@ -2,11 +2,11 @@
 // status conversion and the typed Forward built on the raw one.
 #include "client/attention_client.h"
 
-#include <utility>
-
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
+
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -19,8 +19,8 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
   const int code = static_cast<int>(status.error_code());
   // A code outside google.rpc.Code (a misbehaving peer) must not become an
   // absl::StatusCode that no switch handles.
-  const absl::StatusCode absl_code = code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code)
-                                                            : absl::StatusCode::kUnknown;
+  const absl::StatusCode absl_code =
+      code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
   return absl::Status(absl_code, status.error_message());
 }
 
@@ -80,7 +80,9 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
 
 }  // namespace
 
-v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) { return BuildRequest(inputs); }
+v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) {
+  return BuildRequest(inputs);
+}
 v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs) {
   return BuildRequest(std::move(inputs));
 }
@@ -107,10 +109,14 @@ absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& respo
 
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kServing: return "SERVING";
-    case HealthStatus::kNotServing: return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
-    case HealthStatus::kUnknown: break;
+    case HealthStatus::kServing:
+      return "SERVING";
+    case HealthStatus::kNotServing:
+      return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown:
+      break;
   }
   return "UNKNOWN";
 }
@@ -126,8 +132,8 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   // config error, so an unknown policy is caught here instead.
   const std::string& lb = options.load_balancing_policy;
   if (!lb.empty() && lb != "pick_first" && lb != "round_robin") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "load_balancing_policy must be pick_first or round_robin, got '", lb, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("load_balancing_policy must be pick_first or round_robin, got '", lb, "'"));
   }
   std::unique_ptr<AttentionClient> client(new AttentionClient(target, options));
   for (int i = 0; i < options.num_channels; ++i) {
@@ -222,15 +228,15 @@ void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const Call
   pending->request = request;
   pending->done = std::move(done);
   Prepare(call, &pending->context);
-  Next().attention->async()->Forward(
-      &pending->context, &pending->request, &pending->response, [pending](grpc::Status status) {
-        std::unique_ptr<Pending> owned(pending);
-        if (status.ok()) {
-          owned->done(std::move(owned->response));
-        } else {
-          owned->done(ToAbslStatus(status));
-        }
-      });
+  Next().attention->async()->Forward(&pending->context, &pending->request, &pending->response,
+                                     [pending](grpc::Status status) {
+                                       std::unique_ptr<Pending> owned(pending);
+                                       if (status.ok()) {
+                                         owned->done(std::move(owned->response));
+                                       } else {
+                                         owned->done(ToAbslStatus(status));
+                                       }
+                                     });
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo(const CallOptions& call) {
@@ -254,10 +260,14 @@ absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& ser
   if (!status.ok()) return ToAbslStatus(status);
   using Proto = grpc::health::v1::HealthCheckResponse;
   switch (response.status()) {
-    case Proto::SERVING: return HealthStatus::kServing;
-    case Proto::NOT_SERVING: return HealthStatus::kNotServing;
-    case Proto::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
-    default: break;
+    case Proto::SERVING:
+      return HealthStatus::kServing;
+    case Proto::NOT_SERVING:
+      return HealthStatus::kNotServing;
+    case Proto::SERVICE_UNKNOWN:
+      return HealthStatus::kServiceUnknown;
+    default:
+      break;
   }
   return HealthStatus::kUnknown;
 }

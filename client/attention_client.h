@@ -12,6 +12,10 @@
 // to use from many threads at once; calls rotate over the channels.
 #pragma once
 
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/status.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -19,10 +23,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <grpcpp/channel.h>
-#include <grpcpp/client_context.h>
-#include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -97,10 +97,10 @@ struct ServerTiming {
 
 struct ForwardResult {
   std::string request_id;
-  HostTensor o;                    // like q, in q's dtype
-  std::optional<HostTensor> lse;   // FP32; set only when return_lse was asked for
+  HostTensor o;                   // like q, in q's dtype
+  std::optional<HostTensor> lse;  // FP32; set only when return_lse was asked for
   ServerTiming timing;
-  std::string backend;             // "cpu" or "cuda"
+  std::string backend;  // "cpu" or "cuda"
 };
 
 // The wire request for `inputs`. Copies the tensors' bytes; the && overload

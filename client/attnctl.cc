@@ -34,8 +34,7 @@ const Command kCommands[] = {
      "1 otherwise (also when the server cannot be reached).",
      "client/cli/health.cc", RunHealth},
     {"info", "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
-     "attnctl [--target=host:port] info [--json]",
-     "client/cli/info.cc", RunInfo},
+     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", RunInfo},
     {"forward", "Run one attention call on random or .npy inputs; --verify checks it locally.",
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
@@ -67,8 +66,7 @@ std::vector<absl::CommandLineFlag*> FlagsOf(absl::string_view suffix) {
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (absl::EndsWith(flag->Filename(), suffix)) flags.push_back(flag);
   }
-  std::sort(flags.begin(), flags.end(),
-            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   return flags;
 }
 
@@ -188,8 +186,8 @@ int Main(int argc, char** argv) {
   }
   const Command* command = name.empty() ? nullptr : FindCommand(name);
   if (!name.empty() && command == nullptr) {
-    return UsageError("", absl::StrCat("unknown command '", name,
-                                       "' (commands: health, info, forward, help)"));
+    return UsageError(
+        "", absl::StrCat("unknown command '", name, "' (commands: health, info, forward, help)"));
   }
   if (help) {
     PrintHelp(command);
@@ -200,8 +198,8 @@ int Main(int argc, char** argv) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(set);
     const std::string file = flag->Filename();
     if (!absl::EndsWith(file, kGlobalFlagsFile) && !absl::EndsWith(file, command->flags_file)) {
-      return UsageError(command->name, absl::StrCat("flag --", set, " does not apply to '",
-                                                    command->name, "'"));
+      return UsageError(command->name,
+                        absl::StrCat("flag --", set, " does not apply to '", command->name, "'"));
     }
   }
   return command->run(std::vector<std::string>(positional.begin() + 1, positional.end()));

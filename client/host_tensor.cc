@@ -25,15 +25,19 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
   switch (dtype) {
-    case v1::FP16: return DType::kFP16;
-    case v1::BF16: return DType::kBF16;
-    case v1::FP32: return DType::kFP32;
-    default: break;
+    case v1::FP16:
+      return DType::kFP16;
+    case v1::BF16:
+      return DType::kBF16;
+    case v1::FP32:
+      return DType::kFP32;
+    default:
+      break;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "tensor dtype must be FP16, BF16 or FP32, got ", v1::DType_Name(dtype).empty()
-                                                           ? absl::StrCat(static_cast<int>(dtype))
-                                                           : v1::DType_Name(dtype)));
+  return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16 or FP32, got ",
+                                                 v1::DType_Name(dtype).empty()
+                                                     ? absl::StrCat(static_cast<int>(dtype))
+                                                     : v1::DType_Name(dtype)));
 }
 
 v1::DType DTypeToProto(DType dtype) { return static_cast<v1::DType>(static_cast<int32_t>(dtype)); }
@@ -78,9 +82,9 @@ absl::StatusOr<HostTensor> HostTensor::FromBytes(DType dtype, std::vector<int64_
   if (!n.ok()) return n.status();
   if (*n > std::numeric_limits<int64_t>::max() / DTypeSize(dtype) ||
       static_cast<int64_t>(bytes.size()) != *n * DTypeSize(dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        std::string(DTypeName(dtype)), ShapeToString(shape), " needs ", *n, " * ", DTypeSize(dtype),
-        " bytes, got ", bytes.size()));
+    return absl::InvalidArgumentError(absl::StrCat(std::string(DTypeName(dtype)),
+                                                   ShapeToString(shape), " needs ", *n, " * ",
+                                                   DTypeSize(dtype), " bytes, got ", bytes.size()));
   }
   return HostTensor(dtype, std::move(shape), *n, std::move(bytes));
 }

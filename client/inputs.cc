@@ -34,13 +34,13 @@ absl::Status CheckCuSeqlens(const std::vector<int32_t>& cu, int64_t total, const
   for (size_t i = 1; i < cu.size(); ++i) {
     if (cu[i] < cu[i - 1]) {
       return absl::InvalidArgumentError(absl::StrCat(name, " must be non-decreasing, but ", name,
-                                                     "[", i, "] = ", cu[i], " < ", name, "[",
-                                                     i - 1, "] = ", cu[i - 1]));
+                                                     "[", i, "] = ", cu[i], " < ", name, "[", i - 1,
+                                                     "] = ", cu[i - 1]));
     }
   }
   if (cu.back() != total) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " must end at ", tensor,
-                                                   ".shape[0] = ", total, ", got ", cu.back()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must end at ", tensor, ".shape[0] = ", total, ", got ", cu.back()));
   }
   return absl::OkStatus();
 }
@@ -56,12 +56,13 @@ std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths) {
 absl::StatusOr<AttentionInputs> MakeRandomInputs(const AttentionShape& s, uint64_t seed) {
   const bool varlen = !s.seqlens_q.empty() || !s.seqlens_k.empty();
   if (s.heads_q <= 0 || s.heads_kv <= 0 || s.head_dim <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("heads_q, heads_kv and head_dim must be > 0, got ",
-                                                   s.heads_q, ", ", s.heads_kv, ", ", s.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("heads_q, heads_kv and head_dim must be > 0, got ", s.heads_q, ", ",
+                     s.heads_kv, ", ", s.head_dim));
   }
   if (s.heads_q % s.heads_kv != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "heads_q must be a multiple of heads_kv, got ", s.heads_q, " and ", s.heads_kv));
+    return absl::InvalidArgumentError(absl::StrCat("heads_q must be a multiple of heads_kv, got ",
+                                                   s.heads_q, " and ", s.heads_kv));
   }
   AttentionInputs in;
   int64_t rows_q, rows_k;
@@ -88,8 +89,9 @@ absl::StatusOr<AttentionInputs> MakeRandomInputs(const AttentionShape& s, uint64
     rows_k = tk;
   } else {
     if (s.batch < 0 || s.seqlen_q < 0 || s.seqlen_k < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("batch, seqlen_q and seqlen_k must be >= 0, got ",
-                                                     s.batch, ", ", s.seqlen_q, ", ", s.seqlen_k));
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch, seqlen_q and seqlen_k must be >= 0, got ", s.batch, ", ", s.seqlen_q,
+                       ", ", s.seqlen_k));
     }
     rows_q = int64_t{s.batch} * s.seqlen_q;
     rows_k = int64_t{s.batch} * s.seqlen_k;
@@ -125,25 +127,24 @@ absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
   s.varlen = !in.cu_seqlens_q.empty() || !in.cu_seqlens_k.empty();
   const int rank = s.varlen ? 3 : 4;
   const char* layout = s.varlen ? "varlen [T, H, D]" : "dense [B, S, H, D]";
-  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"q", &in.q},
-                                {"k", &in.k},
-                                {"v", &in.v}}) {
+  for (const auto& [name, t] :
+       {std::pair<const char*, const HostTensor*>{"q", &in.q}, {"k", &in.k}, {"v", &in.v}}) {
     if (t->rank() != rank) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " must have rank ", rank, " (", layout,
-                                                     "), got ", t->DebugString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must have rank ", rank, " (", layout, "), got ", t->DebugString()));
     }
   }
   if (in.k.shape() != in.v.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("k and v must have the same shape, got ",
-                                                   in.k.DebugString(), " and ", in.v.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k and v must have the same shape, got ", in.k.DebugString(), " and ", in.v.DebugString()));
   }
   const int h = rank - 2, d = rank - 1;
   s.heads_q = in.q.dim(h);
   s.heads_kv = in.k.dim(h);
   s.head_dim = in.q.dim(d);
   if (in.k.dim(d) != s.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("k head dim must equal q's (", s.head_dim,
-                                                   "), got ", in.k.DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("k head dim must equal q's (", s.head_dim, "), got ", in.k.DebugString()));
   }
   if (s.heads_q <= 0 || s.heads_kv <= 0 || s.head_dim <= 0 || s.heads_q % s.heads_kv != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -151,9 +152,9 @@ absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
   }
   if (s.varlen) {
     if (in.cu_seqlens_q.size() != in.cu_seqlens_k.size() || in.cu_seqlens_q.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cu_seqlens_q and cu_seqlens_k must both have B+1 entries, got ",
-          in.cu_seqlens_q.size(), " and ", in.cu_seqlens_k.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cu_seqlens_q and cu_seqlens_k must both have B+1 entries, got ",
+                       in.cu_seqlens_q.size(), " and ", in.cu_seqlens_k.size()));
     }
     s.batch = static_cast<int64_t>(in.cu_seqlens_q.size()) - 1;
     s.total_q = in.q.dim(0);
@@ -168,8 +169,8 @@ absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
     }
   } else {
     if (in.k.dim(0) != in.q.dim(0)) {
-      return absl::InvalidArgumentError(absl::StrCat("k batch must equal q's (", in.q.dim(0),
-                                                     "), got ", in.k.DebugString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("k batch must equal q's (", in.q.dim(0), "), got ", in.k.DebugString()));
     }
     s.batch = in.q.dim(0);
     s.seqlen_q = in.q.dim(1);

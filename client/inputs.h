@@ -43,7 +43,7 @@ struct InputsSummary {
   int64_t batch = 0;
   int64_t seqlen_q = 0;  // varlen: the longest sequence
   int64_t seqlen_k = 0;
-  int64_t total_q = 0;   // rows of q: B*Sq or Tq
+  int64_t total_q = 0;  // rows of q: B*Sq or Tq
   int64_t total_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;

@@ -176,13 +176,12 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
         name, ": Fortran-order arrays are not supported; save with np.ascontiguousarray(x)"));
   }
   if (descr.size() >= 2 && descr[0] == '>') {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": big-endian element type '", descr, "' is not supported; use x.astype('<f4')"));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": big-endian element type '", descr,
+                                                   "' is not supported; use x.astype('<f4')"));
   }
   // '=' is native order, which is little-endian on every supported host.
-  const std::string type = (descr.size() >= 2 && (descr[0] == '<' || descr[0] == '='))
-                               ? descr.substr(1)
-                               : descr;
+  const std::string type =
+      (descr.size() >= 2 && (descr[0] == '<' || descr[0] == '=')) ? descr.substr(1) : descr;
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", n.status().message()));
 
@@ -200,10 +199,9 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
         absl::StrCat(name, ": element type '", descr,
                      "' is not supported (expected '<f2', '<f4', '<f8', or '<u2' for BF16 bits)"));
   }
-  if (*n > static_cast<int64_t>(data_len) / elem ||
-      static_cast<int64_t>(data_len) != *n * elem) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeToString(shape),
-                                                   " of '", descr, "' needs ", *n, " * ", elem,
+  if (*n > static_cast<int64_t>(data_len) / elem || static_cast<int64_t>(data_len) != *n * elem) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeToString(shape), " of '",
+                                                   descr, "' needs ", *n, " * ", elem,
                                                    " bytes of data, the file has ", data_len));
   }
   std::string data = contents.substr(data_at);
@@ -231,9 +229,8 @@ std::string EncodeNpy(const HostTensor& tensor) {
   } else {
     shape = absl::StrCat("(", absl::StrJoin(out.shape(), ", "), ")");
   }
-  std::string header =
-      absl::StrCat("{'descr': '", out.dtype() == DType::kFP16 ? "<f2" : "<f4",
-                   "', 'fortran_order': False, 'shape': ", shape, ", }");
+  std::string header = absl::StrCat("{'descr': '", out.dtype() == DType::kFP16 ? "<f2" : "<f4",
+                                    "', 'fortran_order': False, 'shape': ", shape, ", }");
   // Version 1.0 has a 2-byte header length; longer headers need 2.0.
   size_t preamble = kMagicLen + 2 + 2;
   if (header.size() + 1 + kAlign > 0xffff) preamble = kMagicLen + 2 + 4;

@@ -42,8 +42,8 @@ AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
   p.cu_seqlens_q = s.varlen ? in.cu_seqlens_q.data() : nullptr;
   p.cu_seqlens_k = s.varlen ? in.cu_seqlens_k.data() : nullptr;
   const AttentionOptions& o = in.options;
-  p.softmax_scale = o.softmax_scale ? *o.softmax_scale
-                                    : static_cast<float>(1.0 / std::sqrt(double(s.head_dim)));
+  p.softmax_scale =
+      o.softmax_scale ? *o.softmax_scale : static_cast<float>(1.0 / std::sqrt(double(s.head_dim)));
   p.softmax_scale_log2 = static_cast<float>(double{p.softmax_scale} * 1.4426950408889634);
   p.softcap = o.softcap;
   p.is_causal = o.causal;
@@ -74,12 +74,12 @@ void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutp
   }
   for (size_t i = 0; i < out.size(); ++i) {
     if (!std::isfinite(out[i]) && r->failure.empty()) {
-      r->failure = absl::StrCat("o[flat ", i, "] = ", out[i], " is not finite (reference ",
-                                ref.o[i], ")");
+      r->failure =
+          absl::StrCat("o[flat ", i, "] = ", out[i], " is not finite (reference ", ref.o[i], ")");
     }
     if (out[i] != 0.0f && std::isinf(ref.lse[LseIndexOfO(p, i)]) && r->failure.empty()) {
-      r->failure = absl::StrCat("o[flat ", i, "] = ", out[i],
-                                ", expected exactly 0 (the row sees no key)");
+      r->failure =
+          absl::StrCat("o[flat ", i, "] = ", out[i], ", expected exactly 0 (the row sees no key)");
     }
     const double err = std::fabs(out[i] - ref.o[i]);
     r->max_abs_err = std::max(r->max_abs_err, err);
@@ -117,8 +117,8 @@ void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
     const double want = ref.lse[i];
     if (std::isinf(want)) {
       if (!(std::isinf(lse[i]) && lse[i] < 0) && r->failure.empty()) {
-        r->failure = absl::StrCat("lse[flat ", i, "] = ", lse[i],
-                                  ", expected -inf (the row sees no key)");
+        r->failure =
+            absl::StrCat("lse[flat ", i, "] = ", lse[i], ", expected -inf (the row sees no key)");
       }
       continue;
     }
@@ -133,11 +133,11 @@ void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
   }
   if (lowp != nullptr) {
     r->lse_tolerance = 2.0 * lowp_err + kLowpLseFloor;
-    r->lse_tolerance_rule = absl::StrCat(r->lse_tolerance, " = 2 * max|lse_lowp - ref| + ",
-                                         kLowpLseFloor);
+    r->lse_tolerance_rule =
+        absl::StrCat(r->lse_tolerance, " = 2 * max|lse_lowp - ref| + ", kLowpLseFloor);
     if (r->failure.empty() && r->lse_max_abs_err > r->lse_tolerance) {
-      r->failure = absl::StrCat("max|lse - ref| = ", r->lse_max_abs_err, " > tolerance ",
-                                r->lse_tolerance);
+      r->failure =
+          absl::StrCat("max|lse - ref| = ", r->lse_max_abs_err, " > tolerance ", r->lse_tolerance);
     }
     return;
   }
@@ -161,8 +161,8 @@ absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
   absl::StatusOr<InputsSummary> s = SummarizeInputs(inputs);
   if (!s.ok()) return s.status();
   if (result.o.shape() != inputs.q.shape() || result.o.dtype() != inputs.q.dtype()) {
-    return absl::InvalidArgumentError(absl::StrCat("o is ", result.o.DebugString(),
-                                                   ", expected ", inputs.q.DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("o is ", result.o.DebugString(), ", expected ", inputs.q.DebugString()));
   }
   const AttnParams p = MakeParams(inputs, *s);
   const ReferenceOutput ref = ReferenceAttention(p);

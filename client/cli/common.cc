@@ -56,8 +56,8 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags() {
       AttentionClient::Create(absl::GetFlag(FLAGS_target), options);
   if (!client.ok() && client.status().code() == absl::StatusCode::kInvalidArgument) {
     // Both possible causes are flags; say which.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--target/--lb_policy: ", client.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--target/--lb_policy: ", client.status().message()));
   }
   return client;
 }
@@ -70,8 +70,7 @@ int PrintError(absl::string_view what, const absl::Status& status) {
 
 int UsageError(absl::string_view command, absl::string_view message) {
   std::cerr << "attnctl: " << message << "\n"
-            << "Run 'attnctl help" << (command.empty() ? "" : " ") << command
-            << "' for usage.\n";
+            << "Run 'attnctl help" << (command.empty() ? "" : " ") << command << "' for usage.\n";
   return kExitUsage;
 }
 
@@ -85,9 +84,10 @@ absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::s
     item = absl::StripAsciiWhitespace(item);
     int v = 0;
     if (!absl::SimpleAtoi(item, &v) || v < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", flag, ": '", item, "' is not a non-negative integer (expected a comma-separated "
-          "list of sequence lengths such as 3,0,17)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", item,
+                       "' is not a non-negative integer (expected a comma-separated "
+                       "list of sequence lengths such as 3,0,17)"));
     }
     out.push_back(v);
   }

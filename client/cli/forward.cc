@@ -29,16 +29,19 @@ ABSL_FLAG(int, seqlen_q, 128, "Dense random inputs: query length Sq.");
 ABSL_FLAG(std::optional<int>, seqlen_k, std::nullopt,
           "Dense random inputs: key length Sk (default: --seqlen_q).");
 ABSL_FLAG(int, heads_q, 8, "Random inputs: query heads Hq.");
-ABSL_FLAG(std::optional<int>, heads_kv, std::nullopt,
-          "Random inputs: key/value heads Hkv; Hq must be a multiple (GQA/MQA). Default: --heads_q.");
-ABSL_FLAG(int, head_dim, 64, "Random inputs: head dimension D (the server accepts multiples of "
-                             "8 from 8 to 256).");
+ABSL_FLAG(
+    std::optional<int>, heads_kv, std::nullopt,
+    "Random inputs: key/value heads Hkv; Hq must be a multiple (GQA/MQA). Default: --heads_q.");
+ABSL_FLAG(int, head_dim, 64,
+          "Random inputs: head dimension D (the server accepts multiples of "
+          "8 from 8 to 256).");
 ABSL_FLAG(std::string, varlen_q, "",
           "Packed variable-length random inputs: comma-separated query lengths, one per sequence, "
           "zeros allowed (e.g. 3,0,17). Replaces --batch/--seqlen_q/--seqlen_k.");
-ABSL_FLAG(std::string, varlen_k, "",
-          "Varlen key lengths, as many as --varlen_q (default: equal to --varlen_q). With --q/--k/--v "
-          "files, --varlen_q/--varlen_k give the sequence lengths of the packed rows.");
+ABSL_FLAG(
+    std::string, varlen_k, "",
+    "Varlen key lengths, as many as --varlen_q (default: equal to --varlen_q). With --q/--k/--v "
+    "files, --varlen_q/--varlen_k give the sequence lengths of the packed rows.");
 ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
           "Seed of the random inputs (default: a fresh one, printed so a run can be repeated).");
 ABSL_FLAG(std::string, dtype, "fp16",
@@ -46,19 +49,23 @@ ABSL_FLAG(std::string, dtype, "fp16",
           "and an explicit --dtype converts them.");
 
 // Inputs and outputs as files.
-ABSL_FLAG(std::string, q, "", "Read Q from this .npy file ([B,Sq,Hq,D], or [Tq,Hq,D] with --varlen_q).");
+ABSL_FLAG(std::string, q, "",
+          "Read Q from this .npy file ([B,Sq,Hq,D], or [Tq,Hq,D] with --varlen_q).");
 ABSL_FLAG(std::string, k, "", "Read K from this .npy file ([B,Sk,Hkv,D] or [Tk,Hkv,D]).");
 ABSL_FLAG(std::string, v, "", "Read V from this .npy file (shape of K).");
-ABSL_FLAG(std::string, out, "", "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16).");
+ABSL_FLAG(std::string, out, "",
+          "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16).");
 ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
 
 // Attention options (DESIGN.md §2).
-ABSL_FLAG(bool, causal, false, "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
+ABSL_FLAG(bool, causal, false,
+          "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
 ABSL_FLAG(std::optional<int>, window_left, std::nullopt,
           "Sliding window: keys at most this far left of the diagonal (default: unlimited).");
 ABSL_FLAG(std::optional<int>, window_right, std::nullopt,
           "Sliding window: keys at most this far right of the diagonal (default: unlimited).");
-ABSL_FLAG(float, softcap, 0.0f, "Score soft cap: scores become softcap * tanh(scores / softcap); 0 = off.");
+ABSL_FLAG(float, softcap, 0.0f,
+          "Score soft cap: scores become softcap * tanh(scores / softcap); 0 = off.");
 ABSL_FLAG(std::optional<float>, softmax_scale, std::nullopt,
           "Multiplies Q*K^T before the softmax (default: 1/sqrt(D)).");
 ABSL_FLAG(bool, return_lse, false, "Also return the log-sum-exp of each query row.");
@@ -75,7 +82,7 @@ namespace {
 constexpr char kCmd[] = "forward";
 
 // The flags that only make sense for random inputs.
-constexpr const char* kShapeFlags[] = {"batch", "seqlen_q", "seqlen_k", "heads_q",
+constexpr const char* kShapeFlags[] = {"batch",    "seqlen_q", "seqlen_k", "heads_q",
                                        "heads_kv", "head_dim", "seed"};
 
 absl::Status UsageStatus(std::string message) { return absl::InvalidArgumentError(message); }
@@ -102,8 +109,8 @@ absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed
     }
   }
   if (s.heads_q % s.heads_kv != 0) {
-    return UsageStatus(absl::StrCat("--heads_q (", s.heads_q, ") must be a multiple of --heads_kv (",
-                                    s.heads_kv, ")"));
+    return UsageStatus(absl::StrCat("--heads_q (", s.heads_q,
+                                    ") must be a multiple of --heads_kv (", s.heads_kv, ")"));
   }
   const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
   const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
@@ -155,7 +162,8 @@ absl::StatusOr<AttentionInputs> FileInputsFromFlags(std::optional<DType> dtype) 
   for (const auto& f : files) {
     absl::StatusOr<HostTensor> t = ReadNpy(f.path);
     if (!t.ok()) {
-      return absl::Status(t.status().code(), absl::StrCat("--", f.flag, ": ", t.status().message()));
+      return absl::Status(t.status().code(),
+                          absl::StrCat("--", f.flag, ": ", t.status().message()));
     }
     *f.into = *std::move(t);
   }
@@ -208,22 +216,24 @@ absl::Status OptionsFromFlags(AttentionOptions* o) {
   o->causal = absl::GetFlag(FLAGS_causal);
   o->window_left = absl::GetFlag(FLAGS_window_left);
   o->window_right = absl::GetFlag(FLAGS_window_right);
-  for (const auto& [flag, w] : {std::pair{"window_left", o->window_left},
-                                std::pair{"window_right", o->window_right}}) {
+  for (const auto& [flag, w] :
+       {std::pair{"window_left", o->window_left}, std::pair{"window_right", o->window_right}}) {
     if (w && *w < 0) {
-      return UsageStatus(absl::StrCat("--", flag, " must be >= 0 (leave it unset for an "
-                                      "unlimited window), got ", *w));
+      return UsageStatus(absl::StrCat("--", flag,
+                                      " must be >= 0 (leave it unset for an "
+                                      "unlimited window), got ",
+                                      *w));
     }
   }
   o->softcap = absl::GetFlag(FLAGS_softcap);
   if (!(o->softcap >= 0.0f) || !std::isfinite(o->softcap)) {
-    return UsageStatus(absl::StrCat("--softcap must be a finite value >= 0 (0 = off), got ",
-                                    o->softcap));
+    return UsageStatus(
+        absl::StrCat("--softcap must be a finite value >= 0 (0 = off), got ", o->softcap));
   }
   o->softmax_scale = absl::GetFlag(FLAGS_softmax_scale);
   if (o->softmax_scale && !(std::isfinite(*o->softmax_scale) && *o->softmax_scale > 0.0f)) {
-    return UsageStatus(absl::StrCat("--softmax_scale must be finite and > 0, got ",
-                                    *o->softmax_scale));
+    return UsageStatus(
+        absl::StrCat("--softmax_scale must be finite and > 0, got ", *o->softmax_scale));
   }
   o->return_lse = absl::GetFlag(FLAGS_return_lse) || !absl::GetFlag(FLAGS_out_lse).empty();
   return absl::OkStatus();
@@ -302,8 +312,8 @@ int RunForward(const std::vector<std::string>& args) {
   std::cout << "backend:  " << result->backend << "\n"
             << "latency:  client " << Ms(client_us) << " ms; server total " << Ms(t.total_us)
             << " ms (queue " << Ms(t.queue_us) << ", host_to_device " << Ms(t.host_to_device_us)
-            << ", compute " << Ms(t.compute_us) << ", device_to_host "
-            << Ms(t.device_to_host_us) << " ms)\n";
+            << ", compute " << Ms(t.compute_us) << ", device_to_host " << Ms(t.device_to_host_us)
+            << " ms)\n";
 
   if (const std::string path = absl::GetFlag(FLAGS_out); !path.empty()) {
     st = WriteNpy(path, result->o);

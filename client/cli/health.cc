@@ -14,7 +14,8 @@ namespace attnserve {
 namespace cli {
 
 int RunHealth(const std::vector<std::string>& args) {
-  if (!args.empty()) return UsageError("health", "health takes no arguments, got '" + args[0] + "'");
+  if (!args.empty())
+    return UsageError("health", "health takes no arguments, got '" + args[0] + "'");
   absl::StatusOr<std::unique_ptr<AttentionClient>> client = MakeClientFromFlags();
   if (!client.ok()) return UsageError("health", std::string(client.status().message()));
   absl::StatusOr<HealthStatus> status = (*client)->HealthCheck(absl::GetFlag(FLAGS_service));

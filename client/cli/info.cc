@@ -1,9 +1,9 @@
 // `attnctl info`: GetServerInfo as readable text, or as JSON (proto field
 // names) with --json for scripts.
+#include <google/protobuf/util/json_util.h>
+
 #include <iostream>
 #include <string>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"

@@ -137,10 +137,9 @@ TEST_F(AttentionClientTest, ForwardAsync) {
   auto inputs = MakeRandomInputs(Dense(DType::kBF16, 1, 16, 16, 2, 2, 64), 7);
   ASSERT_TRUE(inputs.ok());
   std::promise<absl::StatusOr<v1::ForwardResponse>> done;
-  Client()->ForwardAsync(MakeForwardRequest(*inputs), CallOptions(),
-                         [&done](absl::StatusOr<v1::ForwardResponse> r) {
-                           done.set_value(std::move(r));
-                         });
+  Client()->ForwardAsync(
+      MakeForwardRequest(*inputs), CallOptions(),
+      [&done](absl::StatusOr<v1::ForwardResponse> r) { done.set_value(std::move(r)); });
   auto response = done.get_future().get();
   ASSERT_TRUE(response.ok()) << response.status();
   auto result = ForwardResultFromProto(*std::move(response));

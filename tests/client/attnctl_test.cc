@@ -47,7 +47,8 @@ std::string ReadFile(const std::string& path) {
 // shell, so arguments need no quoting).
 CliResult RunCli(const std::vector<std::string>& args) {
   static int counter = 0;
-  const std::string base = absl::StrCat(::testing::TempDir(), "/attnctl_", getpid(), "_", ++counter);
+  const std::string base =
+      absl::StrCat(::testing::TempDir(), "/attnctl_", getpid(), "_", ++counter);
   const std::string out_path = base + ".out", err_path = base + ".err";
   std::vector<std::string> all = {ATTNCTL_BINARY};
   all.insert(all.end(), args.begin(), args.end());
@@ -189,9 +190,8 @@ TEST_F(AttnctlTest, ForwardVerifyPasses) {
 }
 
 TEST_F(AttnctlTest, ForwardVarlenWithZeroLengthSequence) {
-  const CliResult r = Run({"forward", "--varlen_q=3,0,17,4", "--varlen_k=5,4,17,0",
-                           "--heads_q=4", "--heads_kv=2", "--dtype=bf16", "--causal",
-                           "--return_lse", "--verify"});
+  const CliResult r = Run({"forward", "--varlen_q=3,0,17,4", "--varlen_k=5,4,17,0", "--heads_q=4",
+                           "--heads_kv=2", "--dtype=bf16", "--causal", "--return_lse", "--verify"});
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("varlen B=4 Tq=24 Tk=26"));
   EXPECT_THAT(r.out, HasSubstr("PASS"));
@@ -261,9 +261,8 @@ TEST_F(AttnctlTest, ForwardNpyInAndOut) {
   const CliResult missing = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v});
   EXPECT_EQ(missing.exit_code, 2) << Describe(missing);
   EXPECT_THAT(missing.err, HasSubstr("need --varlen_q"));
-  const CliResult varlen = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v,
-                                "--varlen_q=2,0,5", "--varlen_k=2,3,5", "--dtype=bf16",
-                                "--verify"});
+  const CliResult varlen = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v, "--varlen_q=2,0,5",
+                                "--varlen_k=2,3,5", "--dtype=bf16", "--verify"});
   EXPECT_EQ(varlen.exit_code, 0) << Describe(varlen);
   EXPECT_THAT(varlen.out, HasSubstr("PASS"));
 }
@@ -282,15 +281,18 @@ TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
     const char* expected;
   } cases[] = {
       {{"forward", "--dtype=fp8"}, "--dtype: unknown dtype 'fp8'"},
-      {{"forward", "--heads_q=6", "--heads_kv=4"}, "--heads_q (6) must be a multiple of --heads_kv (4)"},
+      {{"forward", "--heads_q=6", "--heads_kv=4"},
+       "--heads_q (6) must be a multiple of --heads_kv (4)"},
       {{"forward", "--seqlen_q=-3"}, "--seqlen_q must be >= 0"},
       {{"forward", "--batch=abc"}, "--batch: invalid value 'abc'"},
       {{"forward", "--varlen_q=3,x"}, "--varlen_q: 'x' is not a non-negative integer"},
       {{"forward", "--varlen_q=3,4", "--varlen_k=1"}, "--varlen_k lists 1 sequences"},
-      {{"forward", "--varlen_q=3", "--seqlen_q=8"}, "--seqlen_q cannot be combined with --varlen_q"},
+      {{"forward", "--varlen_q=3", "--seqlen_q=8"},
+       "--seqlen_q cannot be combined with --varlen_q"},
       {{"forward", "--window_left=-2"}, "--window_left must be >= 0"},
       {{"forward", "--softmax_scale=0"}, "--softmax_scale must be finite and > 0"},
-      {{"forward", "--q=/nonexistent/q.npy", "--k=x", "--v=y"}, "--q: cannot open /nonexistent/q.npy"},
+      {{"forward", "--q=/nonexistent/q.npy", "--k=x", "--v=y"},
+       "--q: cannot open /nonexistent/q.npy"},
       {{"forward", "--q=a.npy"}, "--q, --k and --v must be given together"},
       {{"forward", "--bogus=1"}, "unknown flag --bogus"},
       {{"info", "--causal"}, "flag --causal does not apply to 'info'"},

@@ -27,7 +27,8 @@ std::string MakeFile(int major, const std::string& dict, const std::string& data
   std::string file("\x93NUMPY", 6);
   file.push_back(static_cast<char>(major));
   file.push_back(0);
-  for (size_t i = 0; i < len_bytes; ++i) file.push_back(static_cast<char>(header.size() >> (8 * i)));
+  for (size_t i = 0; i < len_bytes; ++i)
+    file.push_back(static_cast<char>(header.size() >> (8 * i)));
   return file + header + data;
 }
 
@@ -69,8 +70,8 @@ TEST(NpyTest, HeaderIsNumpyCompatible) {
   auto t = HostTensor::FromFloats(DType::kFP32, {7}, Iota(7));
   const std::string file = EncodeNpy(*t);
   EXPECT_EQ(file.substr(0, 8), std::string("\x93NUMPY\x01\x00", 8));
-  const size_t header_len = static_cast<unsigned char>(file[8]) |
-                            (static_cast<unsigned char>(file[9]) << 8);
+  const size_t header_len =
+      static_cast<unsigned char>(file[8]) | (static_cast<unsigned char>(file[9]) << 8);
   const size_t data_at = 10 + header_len;
   EXPECT_EQ(data_at % 64, 0u);
   EXPECT_EQ(file[data_at - 1], '\n');
@@ -80,9 +81,9 @@ TEST(NpyTest, HeaderIsNumpyCompatible) {
 }
 
 TEST(NpyTest, ScalarAndEmptyShapes) {
-  auto scalar = ParseNpy(MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (), }",
-                                  FloatBytes({2.5f})),
-                         "scalar");
+  auto scalar = ParseNpy(
+      MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (), }", FloatBytes({2.5f})),
+      "scalar");
   ASSERT_TRUE(scalar.ok()) << scalar.status();
   EXPECT_TRUE(scalar->shape().empty());
   EXPECT_EQ(scalar->ToFloats(), std::vector<float>{2.5f});
@@ -97,8 +98,9 @@ TEST(NpyTest, ScalarAndEmptyShapes) {
 
 TEST(NpyTest, ReadsVersion2And3KeyOrderAndDoubleQuotes) {
   for (int major : {2, 3}) {
-    auto t = ParseNpy(MakeFile(major, "{\"shape\": (2, 1), \"fortran_order\": False, "
-                                      "\"descr\": \"<f4\"}",
+    auto t = ParseNpy(MakeFile(major,
+                               "{\"shape\": (2, 1), \"fortran_order\": False, "
+                               "\"descr\": \"<f4\"}",
                                FloatBytes({1.f, 2.f})),
                       "v2");
     ASSERT_TRUE(t.ok()) << t.status();
@@ -154,29 +156,31 @@ TEST(NpyTest, RejectsMalformedAndUnsupportedFiles) {
       {"version", std::string("\x93NUMPY\x04\x00\x10\x00", 10), "unsupported .npy version 4.0"},
       {"truncated_header", std::string("\x93NUMPY\x01\x00\xff\x00{'descr'", 17),
        "file ends before"},
-      {"fortran", MakeFile(1, "{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }",
-                           two_floats),
+      {"fortran",
+       MakeFile(1, "{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }", two_floats),
        "Fortran-order"},
-      {"big_endian", MakeFile(1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }",
-                              two_floats),
+      {"big_endian",
+       MakeFile(1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", two_floats),
        "big-endian"},
-      {"int32", MakeFile(1, "{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }",
-                         two_floats),
+      {"int32",
+       MakeFile(1, "{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }", two_floats),
        "element type '<i4' is not supported"},
-      {"short_data", MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }",
-                              two_floats),
+      {"short_data",
+       MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", two_floats),
        "needs 3 * 4 bytes of data, the file has 8"},
-      {"long_data", MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }",
-                             two_floats),
+      {"long_data",
+       MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", two_floats),
        "needs 1 * 4 bytes"},
       {"missing_key", MakeFile(1, "{'descr': '<f4', 'shape': (2,), }", two_floats),
        "must have 'descr', 'fortran_order' and 'shape'"},
-      {"bad_shape", MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (a,), }",
-                             two_floats),
+      {"bad_shape",
+       MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (a,), }", two_floats),
        "non-negative integers"},
-      {"extra_key", MakeFile(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), "
-                                "'x': 1}",
-                             two_floats),
+      {"extra_key",
+       MakeFile(1,
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), "
+                "'x': 1}",
+                two_floats),
        "unexpected key 'x'"},
       {"no_brace", MakeFile(1, "'descr': '<f4'", two_floats), "expected '{'"},
   };
