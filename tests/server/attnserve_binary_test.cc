@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@
 namespace attnserve {
 namespace {
 
+// The binary under test: $ATTNSERVE_BINARY (e.g. the static build) or the one
+// built beside this test.
+std::string BinaryPath() {
+  const char* env = std::getenv("ATTNSERVE_BINARY");
+  return env != nullptr && env[0] != '\0' ? env : ATTNSERVE_BINARY;
+}
+
 // A child attnserve whose stdout and stderr come back through one pipe.
 class Child {
  public:
@@ -32,7 +40,7 @@ class Child {
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
       close(fds[1]);
-      std::vector<std::string> args = {ATTNSERVE_BINARY};
+      std::vector<std::string> args = {BinaryPath()};
       args.insert(args.end(), flags.begin(), flags.end());
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
