@@ -58,8 +58,10 @@ install -m 0755 -s "$build/server/attnserve" "$build/client/attnctl" "$out/usr/l
 # Everything ldd resolves except glibc's own libraries (present in every base
 # image, and they must match its loader) and the NVIDIA driver's, which the
 # container toolkit mounts at run time (--gpus / nvidia.com/gpu).
+# A static binary has no dependencies to copy (ldd says "not a dynamic
+# executable" and fails).
 for bin in "$out"/usr/local/bin/*; do
-  ldd "$bin" | awk '/=> \// {print $3}'
+  ldd "$bin" 2>/dev/null | awk '/=> \// {print $3}' || true
 done | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libresolv.so*) ;;
@@ -70,11 +72,13 @@ done
 echo /usr/local/lib/attnserve >"$out/etc/ld.so.conf.d/attnserve.conf"
 
 echo "build-in-image: binaries:"
-ls -l "$out/usr/local/bin"
+for bin in "$out"/usr/local/bin/*; do
+  echo "  $(basename "$bin"): $(stat -c %s "$bin") bytes, $(file -b "$bin" 2>/dev/null | cut -d, -f1-2 || true)"
+done
 echo "build-in-image: bundled shared libraries (none when static):"
 find "$out/usr/local/lib/attnserve" -type f -printf '  %f\n'
 # A binary that links the CUDA driver library directly would not start without
 # a GPU; the CPU fallback of --backend=auto needs libcuda to be loaded lazily.
-if ldd "$out/usr/local/bin/attnserve" | grep -q 'libcuda\.so'; then
+if { ldd "$out/usr/local/bin/attnserve" 2>/dev/null || true; } | grep -q 'libcuda\.so'; then
   echo "build-in-image: WARNING: attnserve links libcuda.so directly; it will not start on a host without the NVIDIA driver" >&2
 fi

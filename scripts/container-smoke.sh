@@ -33,6 +33,8 @@ Usage: scripts/container-smoke.sh [options]
   --gpu-only          only the GPU build stage (implies --gpu-build-stage)
   --cuda-archs LIST   CUDA architectures for --gpu-build-stage (default: the
                       Dockerfile's, "80;90a")
+  --cuda-kernels SET  dev (head dim 128 only, default here: fits the 2-core
+                      machine) or all (every instantiation, as a release builds)
   --keep              leave the test container behind (stopped) for inspection
   -h, --help          this text
 
@@ -50,6 +52,7 @@ build=1
 gpu_stage=0
 cpu_smoke=1
 cuda_archs=""
+cuda_kernels=dev
 keep=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -64,6 +67,8 @@ while [ $# -gt 0 ]; do
     --gpu-only) gpu_stage=1; cpu_smoke=0; shift ;;
     --cuda-archs) cuda_archs=$2; shift 2 ;;
     --cuda-archs=*) cuda_archs=${1#*=}; shift ;;
+    --cuda-kernels) cuda_kernels=$2; shift 2 ;;
+    --cuda-kernels=*) cuda_kernels=${1#*=}; shift ;;
     --keep) keep=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "container-smoke: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -325,15 +330,16 @@ if [ "$gpu_stage" -eq 1 ]; then
   if podman build --format docker -f deploy/Dockerfile --target build \
        --build-arg BUILD_BASE="$cuda_devel_image" \
        ${cuda_archs:+--build-arg CUDA_ARCHS="$cuda_archs"} \
+       --build-arg CMAKE_ARGS="-DATTNSERVE_CUDA_KERNELS=$cuda_kernels" \
        ${jobs:+--build-arg JOBS="$jobs"} \
        -t "$gpu_build_image" . >"$work/build-gpu-stage.log" 2>&1; then
-    pass "podman build deploy/Dockerfile --target build (CUDA on)"
+    pass "podman build deploy/Dockerfile --target build (CUDA on, kernels: $cuda_kernels, archs: ${cuda_archs:-Dockerfile default})"
     grep -E '^build-in-image: (compiled|WARNING)|CUDA backend' "$work/build-gpu-stage.log" || true
   else
     tail -n 40 "$work/build-gpu-stage.log"
     fail "podman build deploy/Dockerfile --target build (log: $work/build-gpu-stage.log)"
   fi
-  timed "GPU build stage" "$(took "$t0")"
+  timed "GPU build stage ($cuda_kernels kernels)" "$(took "$t0")"
 fi
 
 summary
