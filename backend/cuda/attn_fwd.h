@@ -24,7 +24,7 @@ namespace cuda {
 //  - 128: 128x64, 4 warps. O = 128 + S = 64 regs: the FA2 sm80 choice; two
 //         m16 tiles per warp let every K/V fragment loaded from smem feed two
 //         MMAs, which keeps shared-memory bandwidth under the tensor-core rate.
-//         Two CTAs per SM (register-bound).
+//         Smem 70 KB; two CTAs per SM (register-bound).
 //  - 192: 128x64, 8 warps (16 rows each). O = 96 regs; 2 m-tiles would need
 //         192 + 64 regs and spill. Smem 102 KB: 2 CTAs per SM on sm90/sm80.
 //  - 256: 128x64, 8 warps (16 rows each). O = 128 regs. Smem 135 KB: fits
@@ -34,7 +34,9 @@ namespace cuda {
 // this one is computed: twice the bytes in flight, which decode needs, and one
 // barrier per tile); 1 = single K and V buffers, V loading during Q.K^T and the
 // next K during softmax and P.V (FA2's scheme) where smem is short.
-//  - 64, 96, 128: 2 stages (52, 78, 104 KB).
+//  - 64: 2 stages (52 KB): measured +3..6% over 1 stage on the H100.
+//  - 96, 128: 1 stage. 2 stages (104 KB at 128) measured 4-8% slower in
+//    prefill and 10-15% slower in decode on the H100 (bench/NOTES-cuda.md).
 //  - 192, 256: 1 stage (102, 135 KB; 2 stages would be 153/203 KB: one CTA
 //    per SM at best, and over sm80's 164 KB for 256).
 struct TileConfig {
@@ -45,7 +47,7 @@ struct TileConfig {
   int stages;
 };
 constexpr TileConfig kTileTable[] = {
-    {64, 128, 64, 4, 2}, {96, 128, 64, 4, 2}, {128, 128, 64, 4, 2}, {192, 128, 64, 8, 1}, {256, 128, 64, 8, 1},
+    {64, 128, 64, 4, 2}, {96, 128, 64, 4, 1}, {128, 128, 64, 4, 1}, {192, 128, 64, 8, 1}, {256, 128, 64, 8, 1},
 };
 constexpr int SmemBytes(const TileConfig& t) {
   return (t.block_m + 2 * t.stages * t.block_n) * (t.head_dim + 8) * 2;

@@ -449,7 +449,11 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
   }
 
   // Stage this warp's rows of O through its own rows of sQ (no other warp
-  // reads them any more), then write 16-byte chunks coalesced along D.
+  // reads them any more), then write 16-byte chunks coalesced along D. The
+  // __syncwarp orders the warp's last ldmatrix reads of these rows before the
+  // writes (racecheck flagged it with 2 stages, where no CTA barrier follows
+  // the last Q.K^T).
+  __syncwarp();
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
