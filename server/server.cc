@@ -4,15 +4,19 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "backend/dtype.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -64,28 +68,36 @@ absl::Status CheckOptions(const ServerOptions& o) {
 }
 
 // Runs one tiny request through the executor, so health turns SERVING only
-// once the backend has computed something (a CUDA context exists, kernels load).
-absl::Status WarmUp(Executor* executor) {
+// once the backend has computed something (a CUDA context exists, kernels
+// load). It uses the backend's first dtype and a head dim it lists; a backend
+// that still cannot implement it (UNIMPLEMENTED) is not an error.
+absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   constexpr int kRows = 4;
-  constexpr int kDim = 8;
-  std::vector<float> q(kRows * kDim, 0.5f), k(kRows * kDim, 0.25f), v(kRows * kDim, 1.0f);
-  std::vector<float> o(kRows * kDim), lse(kRows);
+  const DType dtype = d.dtypes.empty() ? DType::kFP32 : d.dtypes.front();
+  const int dim = (d.min_head_dim <= 64 && 64 <= d.max_head_dim &&
+                   64 % std::max(d.head_dim_multiple, 1) == 0)
+                      ? 64
+                      : d.min_head_dim;
+  // Zero bits are 0.0 in every dtype: uniform attention, a valid input.
+  std::vector<uint8_t> inputs(3 * kRows * dim * DTypeSize(dtype), 0);
+  std::vector<uint8_t> o(kRows * dim * DTypeSize(dtype));
+  std::vector<float> lse(kRows);
   AttnParams p{};
-  p.dtype = DType::kFP32;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
+  p.dtype = dtype;
+  p.q = inputs.data();
+  p.k = inputs.data() + kRows * dim * DTypeSize(dtype);
+  p.v = inputs.data() + 2 * kRows * dim * DTypeSize(dtype);
   p.o = o.data();
   p.lse = lse.data();
   p.batch = 1;
   p.num_heads_q = 1;
   p.num_heads_kv = 1;
-  p.head_dim = kDim;
+  p.head_dim = dim;
   p.seqlen_q = kRows;
   p.seqlen_k = kRows;
   p.total_q = kRows;
   p.total_k = kRows;
-  p.softmax_scale = 0.125f;
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(dim));
   p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
   p.window_left = kNoWindow;
   p.window_right = kNoWindow;
@@ -101,6 +113,10 @@ absl::Status WarmUp(Executor* executor) {
   absl::Status admitted = executor->Submit(std::move(item));
   if (!admitted.ok()) return admitted;
   done.WaitForNotification();
+  if (absl::IsUnimplemented(result)) {
+    spdlog::warn("backend warm-up skipped: {}", std::string(result.message()));
+    return absl::OkStatus();
+  }
   if (!result.ok()) {
     return absl::Status(result.code(), absl::StrCat("backend warm-up failed: ", result.message()));
   }
@@ -160,7 +176,7 @@ class AttnServerImpl final : public AttnServer {
       server_ = std::move(server);
     }
 
-    absl::Status warm = WarmUp(&executor_);
+    absl::Status warm = WarmUp(&executor_, backend_->Describe());
     if (!warm.ok()) {
       Shutdown(absl::ZeroDuration());
       return warm;
