@@ -220,8 +220,8 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
   return new ForwardReactor(handler_, &in_flight_, context, request, response);
 }
 
-grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>*
-AttentionService::ForwardStream(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
+    grpc::CallbackServerContext* context) {
   return new ForwardStreamReactor(handler_, &in_flight_, context);
 }
 

@@ -73,7 +73,8 @@ void Executor::WorkerLoop() {
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
+      auto ready = [this]()
+                       ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and nothing left to complete
       next = std::move(queue_.front());
@@ -105,9 +106,8 @@ absl::Status Executor::Run(WorkItem& item, WorkTimings* timings) {
   const absl::Time now = absl::Now();
   if (now >= item.deadline) {
     return absl::DeadlineExceededError(absl::StrCat(
-        "deadline exceeded before compute started (queued for ",
-        Micros(now - item.received), " us, deadline passed ", Micros(now - item.deadline),
-        " us ago)"));
+        "deadline exceeded before compute started (queued for ", Micros(now - item.received),
+        " us, deadline passed ", Micros(now - item.deadline), " us ago)"));
   }
   if (item.cancelled != nullptr && item.cancelled->load(std::memory_order_acquire)) {
     return absl::CancelledError("request cancelled by the client before compute started");

@@ -33,8 +33,8 @@ struct WorkTimings {
 
 // One attention call. Before compute the worker checks cancellation and the
 // deadline, binds outputs and asks the backend's CanImplement (UNIMPLEMENTED
-// for a valid combination this build lacks). Input pointers in `params` must stay valid until `done`
-// has been called; output pointers are set by `bind_outputs`.
+// for a valid combination this build lacks). Input pointers in `params` must stay valid until
+// `done` has been called; output pointers are set by `bind_outputs`.
 struct WorkItem {
   AttnParams params{};
   // Runs on the worker just before compute and sets params->o (and ->lse when

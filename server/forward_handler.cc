@@ -66,8 +66,8 @@ ForwardHandler::ForwardHandler(Executor* executor, std::string backend_name,
     : executor_(executor), backend_name_(std::move(backend_name)), limits_(limits) {}
 
 void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
-                           absl::Time deadline,
-                           std::shared_ptr<const std::atomic<bool>> cancelled, Done done) {
+                           absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
+                           Done done) {
   const absl::Time received = absl::Now();
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
@@ -112,16 +112,16 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   t->set_total_us(timings.total_us);
 
   // Shapes, dtype and outcome only: tensor bytes never reach the log.
-  spdlog::log(LogLevelFor(status),
-              "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
-              "queue_us={} compute_us={} total_us={}",
-              request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q()), ShapeString(request.k()),
-              ShapeString(request.v()), v1::DType_Name(request.q().dtype()),
-              request.cu_seqlens_q_size() > 0 ? "varlen" : "dense",
-              request.options().causal(), request.options().return_lse(),
-              absl::StatusCodeToString(status.code()), status.ok() ? "" : " error=",
-              status.ok() ? std::string() : std::string(status.message()), timings.queue_us,
-              timings.compute_us, timings.total_us);
+  spdlog::log(
+      LogLevelFor(status),
+      "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
+      "queue_us={} compute_us={} total_us={}",
+      request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q()),
+      ShapeString(request.k()), ShapeString(request.v()), v1::DType_Name(request.q().dtype()),
+      request.cu_seqlens_q_size() > 0 ? "varlen" : "dense", request.options().causal(),
+      request.options().return_lse(), absl::StatusCodeToString(status.code()),
+      status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),
+      timings.queue_us, timings.compute_us, timings.total_us);
   done(status);
 }
 

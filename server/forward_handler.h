@@ -30,8 +30,8 @@ class ForwardHandler {
   // Starts `request`. `request` and `response` must stay valid until `done`
   // runs, which may happen before Start returns (a refused request) or later on
   // the executor's thread. Never blocks.
-  void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
-             absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
+  void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response, absl::Time deadline,
+             std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
 
   const RequestLimits& limits() const { return limits_; }
 

@@ -63,13 +63,16 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "fused multi-head attention over gRPC (attnserve.v1.Attention, "
-      "grpc.health.v1, reflection).\nUsage: attnserve [--port=50051] [--backend=auto|cpu|cuda] ...");
+      "grpc.health.v1, reflection).\nUsage: attnserve [--port=50051] [--backend=auto|cpu|cuda] "
+      "...");
   absl::ParseCommandLine(argc, argv);
 
   spdlog::level::level_enum level;
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "--log_level: expected trace, debug, info, warn, error, critical or off; "
-                         "got \"%s\"\n", absl::GetFlag(FLAGS_log_level).c_str());
+    std::fprintf(stderr,
+                 "--log_level: expected trace, debug, info, warn, error, critical or off; "
+                 "got \"%s\"\n",
+                 absl::GetFlag(FLAGS_log_level).c_str());
     return 2;
   }
   spdlog::set_level(level);

@@ -30,9 +30,7 @@ std::string WireDTypeName(int value) {
   return name.empty() ? absl::StrCat("unknown dtype ", value) : name;
 }
 
-bool IsKnownDType(int value) {
-  return value == v1::FP16 || value == v1::BF16 || value == v1::FP32;
-}
+bool IsKnownDType(int value) { return value == v1::FP16 || value == v1::BF16 || value == v1::FP32; }
 
 // prod(shape), saturating at kSaturated: dims are already bounded by kMaxDim,
 // but four of them can still overflow int64.
@@ -47,8 +45,8 @@ int64_t Elements(const v1::Tensor& t) {
 
 absl::Status CheckDType(const char* name, const v1::Tensor& t, const v1::Tensor& q) {
   if (!IsKnownDType(t.dtype())) {
-    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
-                                WireDTypeName(t.dtype())));
+    return Invalid(
+        absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ", WireDTypeName(t.dtype())));
   }
   if (t.dtype() != q.dtype()) {
     return Invalid(absl::StrCat(name, ".dtype: expected ", WireDTypeName(q.dtype()),
@@ -140,21 +138,21 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
   const int h_axis = rank - 2;
   const int d_axis = rank - 1;
   if (dense && k.shape(0) != q.shape(0)) {
-    return Invalid(absl::StrCat("k.shape[0]: expected batch ", q.shape(0),
-                                " (q.shape[0]), got ", k.shape(0)));
+    return Invalid(
+        absl::StrCat("k.shape[0]: expected batch ", q.shape(0), " (q.shape[0]), got ", k.shape(0)));
   }
   if (q.shape(h_axis) < 1) {
-    return Invalid(absl::StrCat("q.shape[", h_axis, "]: expected Hq >= 1 heads, got ",
-                                q.shape(h_axis)));
+    return Invalid(
+        absl::StrCat("q.shape[", h_axis, "]: expected Hq >= 1 heads, got ", q.shape(h_axis)));
   }
   if (k.shape(h_axis) < 1) {
-    return Invalid(absl::StrCat("k.shape[", h_axis, "]: expected Hkv >= 1 heads, got ",
-                                k.shape(h_axis)));
+    return Invalid(
+        absl::StrCat("k.shape[", h_axis, "]: expected Hkv >= 1 heads, got ", k.shape(h_axis)));
   }
   if (q.shape(h_axis) % k.shape(h_axis) != 0) {
-    return Invalid(absl::StrCat("k.shape[", h_axis, "]: expected Hkv dividing Hq = ",
-                                q.shape(h_axis), " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ",
-                                k.shape(h_axis)));
+    return Invalid(absl::StrCat("k.shape[", h_axis,
+                                "]: expected Hkv dividing Hq = ", q.shape(h_axis),
+                                " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ", k.shape(h_axis)));
   }
   const int64_t d = q.shape(d_axis);
   if (d < kMinHeadDim || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
@@ -190,8 +188,10 @@ absl::Status CheckSeqlens(const v1::ForwardRequest& r) {
     if (has_q || has_k) {
       const char* name = has_q ? "cu_seqlens_q" : "cu_seqlens_k";
       const int n = has_q ? r.cu_seqlens_q_size() : r.cu_seqlens_k_size();
-      return Invalid(absl::StrCat(name, ": expected none for dense rank-4 tensors (varlen takes "
-                                  "rank-3 [T, H, D] tensors), got ", n, " offsets"));
+      return Invalid(absl::StrCat(name,
+                                  ": expected none for dense rank-4 tensors (varlen takes "
+                                  "rank-3 [T, H, D] tensors), got ",
+                                  n, " offsets"));
     }
     return absl::OkStatus();
   }
@@ -231,8 +231,8 @@ absl::Status CheckOptions(const v1::AttentionOptions& o) {
         o.softmax_scale()));
   }
   if (!std::isfinite(o.softcap()) || o.softcap() < 0) {
-    return Invalid(absl::StrCat("options.softcap: expected finite and >= 0 (0 = off), got ",
-                                o.softcap()));
+    return Invalid(
+        absl::StrCat("options.softcap: expected finite and >= 0 (0 = off), got ", o.softcap()));
   }
   return absl::OkStatus();
 }
@@ -300,8 +300,8 @@ AttnParams FillParams(const v1::ForwardRequest& request) {
   }
 
   const v1::AttentionOptions& o = request.options();
-  p.softmax_scale = o.has_softmax_scale() ? o.softmax_scale()
-                                          : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  p.softmax_scale =
+      o.has_softmax_scale() ? o.softmax_scale() : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   // log2(e): kernels use exp2, so the scale carries the change of base.
   p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
   p.softcap = o.softcap();
@@ -319,9 +319,7 @@ absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& reque
   return FillParams(request);
 }
 
-int64_t OutputElements(const AttnParams& p) {
-  return p.total_q * p.num_heads_q * p.head_dim;
-}
+int64_t OutputElements(const AttnParams& p) { return p.total_q * p.num_heads_q * p.head_dim; }
 
 int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 

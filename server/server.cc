@@ -74,10 +74,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
 absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   constexpr int kRows = 4;
   const DType dtype = d.dtypes.empty() ? DType::kFP32 : d.dtypes.front();
-  const int dim = (d.min_head_dim <= 64 && 64 <= d.max_head_dim &&
-                   64 % std::max(d.head_dim_multiple, 1) == 0)
-                      ? 64
-                      : d.min_head_dim;
+  const int dim =
+      (d.min_head_dim <= 64 && 64 <= d.max_head_dim && 64 % std::max(d.head_dim_multiple, 1) == 0)
+          ? 64
+          : d.min_head_dim;
   // Zero bits are 0.0 in every dtype: uniform attention, a valid input.
   std::vector<uint8_t> inputs(3 * kRows * dim * DTypeSize(dtype), 0);
   std::vector<uint8_t> o(kRows * dim * DTypeSize(dtype));
@@ -131,9 +131,9 @@ class AttnServerImpl final : public AttnServer {
         executor_(backend_.get(), ExecutorOptions{options.max_queue_size}),
         handler_(&executor_, backend_->Describe().name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}),
-        service_(&handler_, backend_.get(),
-                 ServiceInfo{options.max_request_bytes, options.max_tokens,
-                             options.max_queue_size}) {}
+        service_(
+            &handler_, backend_.get(),
+            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());
@@ -165,8 +165,8 @@ class AttnServerImpl final : public AttnServer {
       absl::MutexLock lock(&mu_);
       state_ = State::kStopped;
       stopped_.Notify();
-      return absl::UnavailableError(absl::StrCat("could not listen on ", address,
-                                                 " (address in use or not available?)"));
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on ", address, " (address in use or not available?)"));
     }
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
     health->SetServingStatus("", false);
@@ -220,8 +220,9 @@ class AttnServerImpl final : public AttnServer {
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executor_.StopAdmitting();
     // Every admitted request answered, within the grace period.
-    const bool answered = service_.WaitForResponses(grace) &&
-                          executor_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
+    const bool answered =
+        service_.WaitForResponses(grace) &&
+        executor_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
     executor_.Shutdown();
@@ -267,7 +268,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
     const ServerOptions& options, std::unique_ptr<AttentionBackend> backend) {
   absl::Status valid = CheckOptions(options);
   if (!valid.ok()) return valid;
-  if (backend == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
+  if (backend == nullptr)
+    return absl::InvalidArgumentError("backend: expected a backend, got null");
   return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backend)));
 }
 

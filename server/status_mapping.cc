@@ -10,7 +10,8 @@ namespace {
 constexpr int32_t kMaxRpcCode = 16;
 
 int32_t CheckedCode(int32_t code) {
-  return (code >= 0 && code <= kMaxRpcCode) ? code : static_cast<int32_t>(absl::StatusCode::kUnknown);
+  return (code >= 0 && code <= kMaxRpcCode) ? code
+                                            : static_cast<int32_t>(absl::StatusCode::kUnknown);
 }
 
 }  // namespace

@@ -93,9 +93,9 @@ TEST(AttnserveBinaryTest, HelpListsFlags) {
   Child child({"--help"});
   const int code = child.Wait();
   EXPECT_EQ(code, 1) << "absl's --help exits 1";
-  for (const char* flag : {"--host", "--port", "--backend", "--threads", "--cuda_device",
-                           "--max_request_bytes", "--max_tokens", "--max_queue_size",
-                           "--log_level", "--shutdown_grace"}) {
+  for (const char* flag :
+       {"--host", "--port", "--backend", "--threads", "--cuda_device", "--max_request_bytes",
+        "--max_tokens", "--max_queue_size", "--log_level", "--shutdown_grace"}) {
     EXPECT_NE(child.output().find(flag), std::string::npos) << flag << "\n" << child.output();
   }
 }
@@ -118,8 +118,8 @@ void ServeThenSignal(int signal_number) {
   ASSERT_TRUE(absl::SimpleAtoi(line.substr(start, line.find(' ', start) - start), &port)) << line;
   EXPECT_NE(line.find("backend=cpu"), std::string::npos) << line;
 
-  auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::health::v1::HealthCheckResponse response;

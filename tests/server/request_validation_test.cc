@@ -60,8 +60,8 @@ void ExpectRejected(const v1::ForwardRequest& r, const std::string& field,
   const absl::Status s = Validate(r, limits);
   EXPECT_EQ(s.code(), code) << s;
   const std::string message(s.message());
-  EXPECT_NE(message.find(field), std::string::npos) << "message should name " << field << ": "
-                                                    << message;
+  EXPECT_NE(message.find(field), std::string::npos)
+      << "message should name " << field << ": " << message;
   EXPECT_NE(message.find("expected"), std::string::npos) << message;
   EXPECT_NE(message.find("got"), std::string::npos) << message;
 }
@@ -360,8 +360,8 @@ TEST(RequestValidationTest, BadSoftmaxScale) {
 }
 
 TEST(RequestValidationTest, BadSoftcap) {
-  for (float cap : {-1.0f, std::numeric_limits<float>::quiet_NaN(),
-                    std::numeric_limits<float>::infinity()}) {
+  for (float cap :
+       {-1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     v1::ForwardRequest r = Dense();
     r.mutable_options()->set_softcap(cap);
     SCOPED_TRACE(cap);

@@ -126,12 +126,12 @@ v1::ForwardRequest MakeRequest(const HostBuffers& buf, const std::string& id) {
       r.add_cu_seqlens_k(buf.cu_seqlens_k()[b]);
     }
   } else {
-    SetTensor(r.mutable_q(), tc.dtype, {p.batch, p.seqlen_q, p.num_heads_q, p.head_dim},
-              buf.q(), buf.q_bytes());
-    SetTensor(r.mutable_k(), tc.dtype, {p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim},
-              buf.k(), buf.kv_bytes());
-    SetTensor(r.mutable_v(), tc.dtype, {p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim},
-              buf.v(), buf.kv_bytes());
+    SetTensor(r.mutable_q(), tc.dtype, {p.batch, p.seqlen_q, p.num_heads_q, p.head_dim}, buf.q(),
+              buf.q_bytes());
+    SetTensor(r.mutable_k(), tc.dtype, {p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim}, buf.k(),
+              buf.kv_bytes());
+    SetTensor(r.mutable_v(), tc.dtype, {p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim}, buf.v(),
+              buf.kv_bytes());
   }
   v1::AttentionOptions* o = r.mutable_options();
   o->set_causal(tc.causal);
@@ -417,7 +417,8 @@ std::vector<BadRequest> BadRequests() {
     t->mutable_data()->resize(static_cast<size_t>(n * DTypeSize(static_cast<DType>(t->dtype()))));
   };
   return {
-      {"byte length", "q.data", [](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->pop_back(); }},
+      {"byte length", "q.data",
+       [](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->pop_back(); }},
       {"unknown dtype", "k.dtype",
        [](v1::ForwardRequest* r) { r->mutable_k()->set_dtype(v1::DTYPE_UNSPECIFIED); }},
       {"mixed dtype", "v.dtype",
@@ -479,12 +480,15 @@ std::vector<BadRequest> BadVarlenRequests() {
          r->clear_cu_seqlens_q();
          r->clear_cu_seqlens_k();
        }},
-      {"only one cu_seqlens", "cu_seqlens_k", [](v1::ForwardRequest* r) { r->clear_cu_seqlens_k(); }},
+      {"only one cu_seqlens", "cu_seqlens_k",
+       [](v1::ForwardRequest* r) { r->clear_cu_seqlens_k(); }},
       {"cu_seqlens length", "cu_seqlens_k", [](v1::ForwardRequest* r) { r->add_cu_seqlens_k(7); }},
-      {"cu_seqlens start", "cu_seqlens_q[0]", [](v1::ForwardRequest* r) { r->set_cu_seqlens_q(0, 1); }},
+      {"cu_seqlens start", "cu_seqlens_q[0]",
+       [](v1::ForwardRequest* r) { r->set_cu_seqlens_q(0, 1); }},
       {"cu_seqlens decreasing", "cu_seqlens_k[2]",
        [](v1::ForwardRequest* r) { r->set_cu_seqlens_k(1, 8); }},  // {0, 8, 7}
-      {"cu_seqlens last", "cu_seqlens_q[2]", [](v1::ForwardRequest* r) { r->set_cu_seqlens_q(2, 6); }},
+      {"cu_seqlens last", "cu_seqlens_q[2]",
+       [](v1::ForwardRequest* r) { r->set_cu_seqlens_q(2, 6); }},
   };
 }
 
@@ -548,8 +552,8 @@ TEST_F(ServerTest, OneShortLogLinePerRequest) {
   }
   ASSERT_EQ(ok_lines.size(), 1u) << captured.str();
   ASSERT_EQ(bad_lines.size(), 1u) << captured.str();
-  for (const char* part : {"q=[1,300,2,8]", "k=[1,300,2,8]", "dtype=FP32", "status=OK",
-                           "total_us=", "compute_us="}) {
+  for (const char* part :
+       {"q=[1,300,2,8]", "k=[1,300,2,8]", "dtype=FP32", "status=OK", "total_us=", "compute_us="}) {
     EXPECT_NE(ok_lines[0].find(part), std::string::npos) << part << " in " << ok_lines[0];
   }
   EXPECT_NE(bad_lines[0].find("status=INVALID_ARGUMENT"), std::string::npos) << bad_lines[0];
@@ -644,8 +648,8 @@ TEST_F(ServerTest, GetServerInfo) {
   EXPECT_EQ(info.limits().max_queue_size(), defaults.max_queue_size);
   EXPECT_EQ(info.cpu_threads(), 2);
   const std::vector<std::string> features(info.features().begin(), info.features().end());
-  for (const char* f : {"causal", "sliding_window", "softcap", "gqa", "varlen", "return_lse",
-                        "forward_stream"}) {
+  for (const char* f :
+       {"causal", "sliding_window", "softcap", "gqa", "varlen", "return_lse", "forward_stream"}) {
     EXPECT_NE(std::find(features.begin(), features.end(), f), features.end()) << f;
   }
 }
@@ -691,7 +695,8 @@ TEST_F(ServerTest, ReflectionListsServices) {
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(reply.Dump(&slices).ok());
   std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   EXPECT_NE(bytes.find("attnserve.v1.Attention"), std::string::npos);
   EXPECT_NE(bytes.find("grpc.health.v1.Health"), std::string::npos);
   cq.Shutdown();

@@ -31,8 +31,7 @@ TEST(StatusMappingTest, NamedCodesMatchGrpc) {
   EXPECT_EQ(ToGrpcStatus(absl::DeadlineExceededError("x")).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(ToGrpcStatus(absl::CancelledError("x")).error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_EQ(ToGrpcStatus(absl::UnavailableError("x")).error_code(),
-            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(ToGrpcStatus(absl::UnavailableError("x")).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(ToGrpcStatus(absl::UnimplementedError("x")).error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_EQ(ToGrpcStatus(absl::InternalError("x")).error_code(), grpc::StatusCode::INTERNAL);
