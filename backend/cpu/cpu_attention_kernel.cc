@@ -25,31 +25,6 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int kLanes = 8;  // floats per AVX2 register
-
-// 2^x for x <= 0 (and -inf), vectorisable: x = n + f with n = round(x) and
-// f in [-0.5, 0.5]; 2^f from its degree-7 Taylor polynomial (truncation error
-// (0.5·ln2)^8/8! ≈ 5e-9, below float rounding) and 2^n built in the exponent
-// bits. Anything below 2^-125 relative to the running max is flushed to 0,
-// which is also how masked (-inf) scores become exactly 0.
-inline float Exp2NonPositive(float x) {
-  const float xc = x < -126.0f ? -126.0f : x;
-  const int n = static_cast<int>(xc - 0.5f);  // truncation of a value <= -0.5 ... 0: round(xc)
-  const float f = xc - static_cast<float>(n);
-  float poly = 1.5252733804059837e-05f;
-  poly = poly * f + 1.5403530393381606e-04f;
-  poly = poly * f + 1.3333558146428443e-03f;
-  poly = poly * f + 9.6181291076284772e-03f;
-  poly = poly * f + 5.5504108664821580e-02f;
-  poly = poly * f + 2.4022650695910071e-01f;
-  poly = poly * f + 6.9314718055994531e-01f;
-  poly = poly * f + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  const float r = poly * two_n;
-  return x < -125.0f ? 0.0f : r;
-}
 
 // dst[0, n) = row at `offset` of `base` (n elements of dtype t) as float.
 inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst) {
@@ -111,41 +86,45 @@ inline void StoreRow(const float* src, int n, DType t, void* base, int64_t offse
 // columns, kRowTile × 16 outputs at a time held in registers.
 void ScoreTile(const float* __restrict q, const float* __restrict kt, int d, int rows_pad,
                float* __restrict s) {
-  constexpr int kCols = 16;
   for (int r = 0; r < rows_pad; r += kRowTile) {
-    for (int j0 = 0; j0 < kBlockN; j0 += kCols) {
-      float acc[kRowTile][kCols] = {};
+    const float* q0 = q + r * d;
+    for (int j0 = 0; j0 < kBlockN; j0 += 2 * kLanes) {
+      Vec8 acc[kRowTile][2] = {};
       for (int c = 0; c < d; ++c) {
-        const float* k_row = kt + c * kBlockN + j0;
+        const Vec8 k_lo = Load8(kt + c * kBlockN + j0);
+        const Vec8 k_hi = Load8(kt + c * kBlockN + j0 + kLanes);
         for (int rr = 0; rr < kRowTile; ++rr) {
-          const float qv = q[(r + rr) * d + c];
-          for (int jj = 0; jj < kCols; ++jj) acc[rr][jj] += qv * k_row[jj];
+          const Vec8 qv = Splat8(q0[rr * d + c]);
+          acc[rr][0] += qv * k_lo;
+          acc[rr][1] += qv * k_hi;
         }
       }
       for (int rr = 0; rr < kRowTile; ++rr) {
-        for (int jj = 0; jj < kCols; ++jj) s[(r + rr) * kBlockN + j0 + jj] = acc[rr][jj];
+        Store8(s + (r + rr) * kBlockN + j0, acc[rr][0]);
+        Store8(s + (r + rr) * kBlockN + j0 + kLanes, acc[rr][1]);
       }
     }
   }
 }
 
-// o[r][c0, c0 + kCols) += Σ_{j < nc} p[r][j] · v[j][c0, c0 + kCols).
-template <int kCols>
+// o[r][c0, c0 + 8·kVecs) += Σ_{j < nc} p[r][j] · v[j][c0, c0 + 8·kVecs).
+template <int kVecs>
 inline void PvChunk(const float* __restrict p, const float* __restrict v, int d, int r, int c0,
                     int nc, float* __restrict o) {
-  float acc[kRowTile][kCols];
+  Vec8 acc[kRowTile][kVecs];
   for (int rr = 0; rr < kRowTile; ++rr) {
-    for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] = o[(r + rr) * d + c0 + cc];
+    for (int x = 0; x < kVecs; ++x) acc[rr][x] = Load8(o + (r + rr) * d + c0 + x * kLanes);
   }
   for (int j = 0; j < nc; ++j) {
-    const float* v_row = v + j * d + c0;
+    Vec8 vv[kVecs];
+    for (int x = 0; x < kVecs; ++x) vv[x] = Load8(v + j * d + c0 + x * kLanes);
     for (int rr = 0; rr < kRowTile; ++rr) {
-      const float pv = p[(r + rr) * kBlockN + j];
-      for (int cc = 0; cc < kCols; ++cc) acc[rr][cc] += pv * v_row[cc];
+      const Vec8 pv = Splat8(p[(r + rr) * kBlockN + j]);
+      for (int x = 0; x < kVecs; ++x) acc[rr][x] += pv * vv[x];
     }
   }
   for (int rr = 0; rr < kRowTile; ++rr) {
-    for (int cc = 0; cc < kCols; ++cc) o[(r + rr) * d + c0 + cc] = acc[rr][cc];
+    for (int x = 0; x < kVecs; ++x) Store8(o + (r + rr) * d + c0 + x * kLanes, acc[rr][x]);
   }
 }
 
@@ -153,32 +132,34 @@ inline void PvChunk(const float* __restrict p, const float* __restrict v, int d,
 void PvTile(const float* p, const float* v, int d, int rows_pad, int nc, float* o) {
   for (int r = 0; r < rows_pad; r += kRowTile) {
     int c0 = 0;
-    for (; c0 + 16 <= d; c0 += 16) PvChunk<16>(p, v, d, r, c0, nc, o);
-    if (c0 < d) PvChunk<8>(p, v, d, r, c0, nc, o);
+    for (; c0 + 2 * kLanes <= d; c0 += 2 * kLanes) PvChunk<2>(p, v, d, r, c0, nc, o);
+    if (c0 < d) PvChunk<1>(p, v, d, r, c0, nc, o);
   }
 }
 
 inline float RowMax(const float* s) {
-  float part[kLanes];
-  for (int l = 0; l < kLanes; ++l) part[l] = kNegInf;
-  for (int j = 0; j < kBlockN; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) part[l] = s[j + l] > part[l] ? s[j + l] : part[l];
+  Vec8 m = Load8(s);
+  for (int j = kLanes; j < kBlockN; j += kLanes) {
+    const Vec8 x = Load8(s + j);
+    m = x > m ? x : m;
   }
-  float m = part[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, part[l]);
-  return m;
+  float r = m[0];
+  for (int l = 1; l < kLanes; ++l) r = std::max(r, m[l]);
+  return r;
 }
 
 // s[j] = 2^(s[j] - m) in place; returns their sum.
 inline float ExpRowAndSum(float* s, float m) {
-  for (int j = 0; j < kBlockN; ++j) s[j] = Exp2NonPositive(s[j] - m);
-  float part[kLanes] = {};
+  Vec8 sum = {};
+  const Vec8 mv = Splat8(m);
   for (int j = 0; j < kBlockN; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) part[l] += s[j + l];
+    const Vec8 e = Exp2NonPositive8(Load8(s + j) - mv);
+    Store8(s + j, e);
+    sum += e;
   }
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += part[l];
-  return sum;
+  float r = 0.0f;
+  for (int l = 0; l < kLanes; ++l) r += sum[l];
+  return r;
 }
 
 }  // namespace
