@@ -42,7 +42,9 @@ inline Vec8 Load8(const float* p) {
   return v;
 }
 inline void Store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline Vec8 Splat8(float x) { return Vec8{} + x; }
+// Listing the lanes (not Vec8{} + x, which costs a scalar add: 0 + x is not x
+// for x = -0) so this is a single vbroadcastss.
+inline Vec8 Splat8(float x) { return Vec8{x, x, x, x, x, x, x, x}; }
 
 // 2^x for x <= 0 (and -inf), eight at a time: x = n + f with n = round(x) and
 // f in [-0.5, 0.5]; 2^f from its degree-7 Taylor polynomial (truncation error

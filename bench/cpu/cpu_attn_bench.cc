@@ -356,6 +356,13 @@ int Main(int argc, char** argv) {
   std::fprintf(out, "# compiler: g++ %s, flags: -O3 -march=x86-64-v3 -ffp-contract=fast\n",
                __VERSION__);
   std::fprintf(out, "# date: %s\n", date);
+  {
+    // Other work on the machine skews the numbers: say how busy it was.
+    std::ifstream load("/proc/loadavg");
+    std::string avg;
+    std::getline(load, avg);
+    std::fprintf(out, "# loadavg at start: %s\n", avg.c_str());
+  }
   std::fprintf(out,
                "# ms: median of %d runs after %d warm-up; gflops = 4*B*H*Sq*Sk*D (halved if "
                "causal) / time\n",
