@@ -3,6 +3,7 @@
 #include "server/server.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -151,7 +152,7 @@ class AttnServerImpl final : public AttnServer {
 
     grpc::ServerBuilder builder;
     const std::string address = ListenAddress(options_.host, options_.port);
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &selected_port_);
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
     // would start and silently split the traffic; fail instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -161,13 +162,14 @@ class AttnServerImpl final : public AttnServer {
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    if (server == nullptr || port_ == 0) {
+    if (server == nullptr || selected_port_ == 0) {
       absl::MutexLock lock(&mu_);
       state_ = State::kStopped;
       stopped_.Notify();
       return absl::UnavailableError(
           absl::StrCat("could not listen on ", address, " (address in use or not available?)"));
     }
+    port_.store(selected_port_, std::memory_order_release);
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
     health->SetServingStatus("", false);
     health->SetServingStatus(kServiceName, false);
@@ -190,13 +192,13 @@ class AttnServerImpl final : public AttnServer {
     }
     const BackendDescription& d = backend_->Describe();
     spdlog::info("attnserve {} listening on {}:{} backend={} device={} cpu_threads={}",
-                 ATTNSERVE_VERSION, options_.host, port_, d.name,
+                 ATTNSERVE_VERSION, options_.host, port(), d.name,
                  d.devices.empty() ? std::string("host CPU") : d.devices.front().name,
                  d.cpu_threads);
     return absl::OkStatus();
   }
 
-  int port() const override { return port_; }
+  int port() const override { return port_.load(std::memory_order_acquire); }
 
   void Shutdown(absl::Duration grace) override {
     grpc::Server* server;
@@ -252,7 +254,9 @@ class AttnServerImpl final : public AttnServer {
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
-  int port_ = 0;
+  int selected_port_ = 0;  // written by BuildAndStart, in Start
+  // Readable from any thread once bound (while Start still warms up).
+  std::atomic<int> port_{0};
   absl::Notification stopped_;
 };
 

@@ -947,6 +947,32 @@ TEST(ServerControlTest, DrainingRefusesNewFinishesInFlightAndReportsNotServing) 
   EXPECT_EQ(after.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// Health is NOT_SERVING while the backend warms up, SERVING once Start returns.
+TEST(ServerLifecycleTest, NotServingUntilBackendIsReady) {
+  auto backend = std::make_unique<ControlledCpuBackend>();
+  ControlledCpuBackend* control = backend.get();
+  control->Close();  // holds the warm-up run inside Start
+  auto server = AttnServer::Create(LoopbackOptions(), std::move(backend));
+  ASSERT_TRUE(server.ok());
+  absl::Status started;
+  std::thread starter([&] { started = (*server)->Start(); });
+  control->AwaitCalls(1);
+  ASSERT_NE((*server)->port(), 0) << "bound before the warm-up";
+  auto health = grpc::health::v1::Health::NewStub(Connect((*server)->port()));
+  auto check = [&health]() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    HealthCheckResponse response;
+    const grpc::Status s = health->Check(&ctx, HealthCheckRequest(), &response);
+    return s.ok() ? response.status() : HealthCheckResponse::UNKNOWN;
+  };
+  EXPECT_EQ(check(), HealthCheckResponse::NOT_SERVING);
+  control->Open();
+  starter.join();
+  ASSERT_TRUE(started.ok()) << started;
+  EXPECT_EQ(check(), HealthCheckResponse::SERVING);
+}
+
 TEST(ServerLifecycleTest, CreateRejectsBadOptions) {
   ServerOptions options = LoopbackOptions();
   options.max_queue_size = 0;
