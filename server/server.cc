@@ -173,9 +173,17 @@ class AttnServerImpl final : public AttnServer {
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
     health->SetServingStatus("", false);
     health->SetServingStatus(kServiceName, false);
+    grpc::Server* raw_server = server.get();
+    bool stopped_meanwhile;
     {
       absl::MutexLock lock(&mu_);
       server_ = std::move(server);
+      stopped_meanwhile = state_ != State::kStarting;
+    }
+    if (stopped_meanwhile) {
+      // Shutdown ran before there was a gRPC server to stop; stop it now.
+      raw_server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
+      return absl::CancelledError("Start: Shutdown was called while starting");
     }
 
     absl::Status warm = WarmUp(&executor_, backend_->Describe());
@@ -218,7 +226,7 @@ class AttnServerImpl final : public AttnServer {
     const absl::Time begin = absl::Now();
     spdlog::info("draining: health NOT_SERVING, refusing new requests, grace {}",
                  absl::FormatDuration(grace));
-    // Health first, so load balancers stop sending before requests are refused.
+    // Health first: load balancers that poll it stop routing new work here.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executor_.StopAdmitting();
     // Every admitted request answered, within the grace period.
