@@ -29,7 +29,10 @@ Usage: scripts/container-smoke.sh [options]
   --jobs N            compile jobs inside the image build (default: nproc)
   --no-build          reuse the existing localhost/attnserve:cpu image
   --gpu-build-stage   also build deploy/Dockerfile --target build on the local
-                      Debian + /usr/local/cuda base (slow: compiles CUDA kernels)
+                      Debian + /usr/local/cuda base (slow: compiles CUDA kernels),
+                      then the whole GPU image with its runtime stage on the
+                      Debian base, run without a GPU (CPU fallback); the static
+                      binaries are left in build-container/gpu-out/
   --gpu-only          only the GPU build stage (implies --gpu-build-stage)
   --cuda-archs LIST   CUDA architectures for --gpu-build-stage (default: the
                       Dockerfile's, "80;90a")
@@ -99,6 +102,8 @@ summary() {
   echo
   echo "==== container-smoke summary ===="
   printf '%s\n' "${results[@]}"
+  # The plain count line that CI log readers recognise.
+  echo "container-smoke: $(printf '%s\n' "${results[@]}" | grep -c '^PASS') passed, $(printf '%s\n' "${results[@]}" | grep -c '^FAIL') failed"
   echo "---- timings ----"
   printf '%s\n' "${timings[@]}"
   if [ "$failed" -eq 0 ]; then echo "RESULT: PASS"; else echo "RESULT: FAIL"; fi
@@ -346,11 +351,55 @@ if [ "$gpu_stage" -eq 1 ]; then
        -t "$gpu_build_image" . >"$work/build-gpu-stage.log" 2>&1; then
     pass "podman build deploy/Dockerfile --target build (CUDA on, kernels: $cuda_kernels, archs: ${cuda_archs:-Dockerfile default})"
     grep -E '^build-in-image: (compiled|WARNING)|CUDA backend' "$work/build-gpu-stage.log" || true
+    gpu_stage_ok=1
   else
     tail -n 40 "$work/build-gpu-stage.log"
     fail "podman build deploy/Dockerfile --target build (log: $work/build-gpu-stage.log)"
+    gpu_stage_ok=0
   fi
   timed "GPU build stage ($cuda_kernels kernels)" "$(took "$t0")"
+
+  if [ "$gpu_stage_ok" -eq 1 ]; then
+    # The whole GPU Dockerfile, its runtime stage on the Debian base instead of
+    # nvidia/cuda:*-runtime (the build stage is cached, so this is quick), run
+    # without a GPU: --backend=auto must fall back to the CPU backend.
+    t0=$(now)
+    gpu_image=localhost/attnserve:cuda-on-debian
+    if ! podman build --format docker -f deploy/Dockerfile \
+      --build-arg BUILD_BASE="$cuda_devel_image" --build-arg RUNTIME_BASE="$base_image" \
+      ${cuda_archs:+--build-arg CUDA_ARCHS="$cuda_archs"} \
+      --build-arg CMAKE_ARGS="-DATTNSERVE_CUDA_KERNELS=$cuda_kernels" \
+      ${jobs:+--build-arg JOBS="$jobs"} \
+      -t "$gpu_image" . >>"$work/build-gpu-stage.log" 2>&1; then
+      tail -n 20 "$work/build-gpu-stage.log"
+      fail "podman build deploy/Dockerfile (runtime stage on $base_image)"
+      summary; exit 1
+    fi
+    # Keep the binaries for a run on a GPU machine (they are static).
+    rm -rf "$work/gpu-out"
+    out_ctr=$(podman create "$gpu_build_image" true)
+    podman cp "$out_ctr:/out/usr/local/bin" "$work/gpu-out" && podman rm "$out_ctr" >/dev/null
+    gctr=attnserve-smoke-gpu-$$
+    podman run -d --name "$gctr" --no-healthcheck "$gpu_image" >/dev/null
+    for _ in $(seq 1 120); do
+      podman exec "$gctr" attnctl health --timeout=2s >/dev/null 2>&1 && break
+      sleep 0.5
+    done
+    backend=$(podman exec "$gctr" attnctl info 2>&1 | awk '/^backend:/ {print $2}')
+    if [ "$backend" = cpu ] && podman exec "$gctr" attnctl forward --verify --dtype=bf16 \
+         --heads_q=8 --heads_kv=2 --head_dim=128 --causal >"$work/gpu-image-forward.log" 2>&1; then
+      pass "GPU image without a GPU: --backend=auto fell back to cpu, forward --verify OK ($(image_size "$gpu_image") on the Debian base)"
+    else
+      podman logs "$gctr" 2>&1 | tail -n 10
+      fail "GPU image without a GPU: backend '${backend:-none}' (log: $work/gpu-image-forward.log)"
+    fi
+    podman logs "$gctr" 2>&1 | grep -i -m3 -E 'cuda|backend' || true
+    podman stop -t 30 "$gctr" >/dev/null 2>&1
+    gexit=$(podman inspect --format '{{.State.ExitCode}}' "$gctr")
+    podman rm -f "$gctr" >/dev/null 2>&1 || true
+    if [ "$gexit" = 0 ]; then pass "GPU image: SIGTERM exit code 0"; else fail "GPU image: SIGTERM exit code $gexit"; fi
+    timed "GPU image (runtime stage) build + CPU-fallback run" "$(took "$t0")"
+  fi
 fi
 
 summary
