@@ -61,11 +61,11 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
         for (int c = 0; c < d; ++c) qrow[c] = LoadAsFloat(p.q, p.dtype, qoff + c);
         int lo, hi;
         VisibleKeys(p, i, sq, sk, &lo, &hi);
-        double* srow = &scores[static_cast<size_t>(i) * sk];
+        double* srow = scores.data() + static_cast<size_t>(i) * sk;
         // Softmax over the visible keys only; masked scores never enter it.
         double m = -std::numeric_limits<double>::infinity();
         for (int j = lo; j <= hi; ++j) {
-          const double* kr = &krows[static_cast<size_t>(j) * d];
+          const double* kr = krows.data() + static_cast<size_t>(j) * d;
           double s;
           if (prec == Precision::kExact) {
             s = 0.0;
@@ -90,10 +90,10 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
           sum += srow[j];
         }
         if (prec == Precision::kLow) sum = static_cast<float>(sum);
-        double* orow = &out.o[static_cast<size_t>(QOffset(p, q0 + i, h))];
+        double* orow = out.o.data() + QOffset(p, q0 + i, h);
         for (int j = lo; j <= hi; ++j) {
           const double pj = Round(prec, p.dtype, srow[j] / sum);
-          const double* vr = &vrows[static_cast<size_t>(j) * d];
+          const double* vr = vrows.data() + static_cast<size_t>(j) * d;
           for (int c = 0; c < d; ++c) orow[c] += pj * vr[c];
           if (prec == Precision::kLow) {
             for (int c = 0; c < d; ++c) orow[c] = static_cast<float>(orow[c]);

@@ -332,8 +332,8 @@ int64_t HostBuffers::lse_elements() const {
 
 void HostBuffers::Poison() {
   // All-ones is a NaN in FP16 (exp 0x1f, man != 0), BF16 and FP32 alike.
-  std::memset(o_.data(), 0xff, o_.size());
-  std::memset(static_cast<void*>(lse_.data()), 0xff, lse_.size() * sizeof(float));
+  if (!o_.empty()) std::memset(o_.data(), 0xff, o_.size());
+  if (!lse_.empty()) std::memset(static_cast<void*>(lse_.data()), 0xff, lse_.size() * sizeof(float));
 }
 
 const ReferenceOutput& HostBuffers::Reference() const {
