@@ -394,6 +394,11 @@ std::vector<TestCase> StandardGrid() {
   add(2, 97, 17, 2, 1, 64).causal = true;
   add(1, 33, 65, 8, 1, 64);  // MQA
   add(2, 1, 1025, 8, 2, 128).causal = true;  // decode shape, GQA
+  {
+    TestCase& tc = add(1, 1025, 1025, 2, 1, 128);  // long sliding window: skipped tiles
+    tc.causal = true;
+    tc.window_left = 300;
+  }
   // Windows: left only, right only, both, with causal.
   add(1, 97, 97, 2, 1, 64).window_left = 8;
   add(1, 97, 97, 2, 1, 64).window_right = 4;
@@ -437,6 +442,15 @@ std::vector<TestCase> StandardGrid() {
     tc.num_heads_q = 4;
     tc.num_heads_kv = 2;
     tc.causal = causal;
+    shapes.push_back(tc);
+  }
+  {
+    TestCase tc;  // a long sequence beside empty and short ones
+    tc.seqlens_q = {1025, 0, 7};
+    tc.seqlens_k = {1100, 5, 0};
+    tc.num_heads_q = 4;
+    tc.num_heads_kv = 1;
+    tc.causal = true;
     shapes.push_back(tc);
   }
   {
