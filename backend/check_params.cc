@@ -11,8 +11,7 @@ namespace {
 
 template <typename T>
 absl::Status Invalid(const char* field, const char* expected, const T& actual) {
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": expected ", expected, ", got ", actual));
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", actual));
 }
 
 // cu_seqlens of one side: B+1 offsets from 0, non-decreasing, last == total,
@@ -38,8 +37,8 @@ absl::Status CheckCuSeqlens(const char* field, const int32_t* cu, int32_t batch,
     }
   }
   if (cu[batch] != total) {
-    return absl::InvalidArgumentError(absl::StrCat(field, "[", batch, "]: expected total rows ",
-                                                   total, ", got ", cu[batch]));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, "[", batch, "]: expected total rows ", total, ", got ", cu[batch]));
   }
   return absl::OkStatus();
 }
@@ -75,7 +74,8 @@ absl::Status CheckParams(const AttnParams& p) {
   if (!std::isfinite(p.softcap) || p.softcap < 0.0f) {
     return Invalid("softcap", "finite and >= 0 (0 = off)", p.softcap);
   }
-  if (p.window_left < kNoWindow) return Invalid("window_left", ">= -1 (-1 = unlimited)", p.window_left);
+  if (p.window_left < kNoWindow)
+    return Invalid("window_left", ">= -1 (-1 = unlimited)", p.window_left);
   if (p.window_right < kNoWindow) {
     return Invalid("window_right", ">= -1 (-1 = unlimited)", p.window_right);
   }
@@ -90,14 +90,14 @@ absl::Status CheckParams(const AttnParams& p) {
     if (!s.ok()) return s;
   } else {
     if (p.total_q != int64_t{p.batch} * p.seqlen_q) {
-      return absl::InvalidArgumentError(absl::StrCat("total_q: expected batch * seqlen_q = ",
-                                                     int64_t{p.batch} * p.seqlen_q, ", got ",
-                                                     p.total_q));
+      return absl::InvalidArgumentError(
+          absl::StrCat("total_q: expected batch * seqlen_q = ", int64_t{p.batch} * p.seqlen_q,
+                       ", got ", p.total_q));
     }
     if (p.total_k != int64_t{p.batch} * p.seqlen_k) {
-      return absl::InvalidArgumentError(absl::StrCat("total_k: expected batch * seqlen_k = ",
-                                                     int64_t{p.batch} * p.seqlen_k, ", got ",
-                                                     p.total_k));
+      return absl::InvalidArgumentError(
+          absl::StrCat("total_k: expected batch * seqlen_k = ", int64_t{p.batch} * p.seqlen_k,
+                       ", got ", p.total_k));
     }
   }
   if (p.total_q > 0 && (p.q == nullptr || p.o == nullptr)) {

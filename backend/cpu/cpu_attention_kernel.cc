@@ -45,8 +45,8 @@ inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst
 #if defined(__F16C__)
       // n is a multiple of 8 (head_dim is): one vcvtph2ps per 8 values.
       for (int i = 0; i < n; i += 8) {
-        _mm256_storeu_ps(dst + i,
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+        _mm256_storeu_ps(
+            dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
       }
 #else
       for (int i = 0; i < n; ++i) dst[i] = Fp16ToFloat(src[i]);
@@ -166,8 +166,8 @@ inline float ExpRowAndSum(float* s, float m) {
 
 int64_t Scratch::BytesFor(int head_dim) {
   const int64_t d = head_dim;
-  return sizeof(float) * (kBlockM * d + d * kBlockN + kBlockN * d + kBlockM * kBlockN +
-                          kBlockM * d + 2 * kBlockM);
+  return sizeof(float) *
+         (kBlockM * d + d * kBlockN + kBlockN * d + kBlockM * kBlockN + kBlockM * d + 2 * kBlockM);
 }
 
 std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
@@ -230,11 +230,13 @@ void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scra
     for (int j0 = span_lo; j0 <= span_hi; j0 += kBlockN) {
       const int nc = std::min(kBlockN, span_hi + 1 - j0);
       // K rows land in the V tile first, then are transposed into kt.
-      for (int j = 0; j < nc; ++j) LoadRow(p.k, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+      for (int j = 0; j < nc; ++j)
+        LoadRow(p.k, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
       for (int j = 0; j < nc; ++j) {
         for (int c = 0; c < d; ++c) kt[c * kBlockN + j] = v[j * d + c];
       }
-      for (int j = 0; j < nc; ++j) LoadRow(p.v, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+      for (int j = 0; j < nc; ++j)
+        LoadRow(p.v, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
 
       ScoreTile(q, kt, d, rows_pad, s);
 

@@ -79,13 +79,13 @@ class Scratch {
   // Bytes this scratch holds (the benchmark's memory accounting cross-check).
   static int64_t BytesFor(int head_dim);
 
-  float* q() { return buf_.get(); }                 // [kBlockM, D], pre-scaled
-  float* kt() { return q() + kBlockM * d_; }        // [D, kBlockN], K tile transposed
-  float* v() { return kt() + d_ * kBlockN; }        // [kBlockN, D]
-  float* s() { return v() + kBlockN * d_; }         // [kBlockM, kBlockN], scores then P
-  float* o() { return s() + kBlockM * kBlockN; }    // [kBlockM, D], unnormalised
-  float* m() { return o() + kBlockM * d_; }         // [kBlockM] running max (log2 units)
-  float* l() { return m() + kBlockM; }              // [kBlockM] running sum
+  float* q() { return buf_.get(); }               // [kBlockM, D], pre-scaled
+  float* kt() { return q() + kBlockM * d_; }      // [D, kBlockN], K tile transposed
+  float* v() { return kt() + d_ * kBlockN; }      // [kBlockN, D]
+  float* s() { return v() + kBlockN * d_; }       // [kBlockM, kBlockN], scores then P
+  float* o() { return s() + kBlockM * kBlockN; }  // [kBlockM, D], unnormalised
+  float* m() { return o() + kBlockM * d_; }       // [kBlockM] running max (log2 units)
+  float* l() { return m() + kBlockM; }            // [kBlockM] running sum
   int head_dim() const { return d_; }
 
  private:

@@ -29,8 +29,8 @@ absl::Status CpuBackend::CanImplement(const AttnParams& params) const {
 }
 
 int64_t CpuBackend::ScratchBytes(int head_dim) const {
-  return pool_.num_threads() * (cpu::Scratch::BytesFor(head_dim) +
-                                static_cast<int64_t>(sizeof(cpu::Scratch)));
+  return pool_.num_threads() *
+         (cpu::Scratch::BytesFor(head_dim) + static_cast<int64_t>(sizeof(cpu::Scratch)));
 }
 
 absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timings) {
@@ -78,9 +78,9 @@ absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timin
     cpu::AttentionTask(params, b, h, m_block, mine.get());
   });
   if (out_of_memory.load()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cpu backend: cannot allocate ", cpu::Scratch::BytesFor(params.head_dim),
-                     " bytes of per-thread scratch"));
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ",
+                                                     cpu::Scratch::BytesFor(params.head_dim),
+                                                     " bytes of per-thread scratch"));
   }
 
   if (timings != nullptr) {

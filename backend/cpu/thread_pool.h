@@ -37,9 +37,9 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;
-  uint64_t generation_ = 0;     // bumped by each Run; guarded by mu_
-  int busy_workers_ = 0;        // workers inside the current Run; guarded by mu_
-  bool stop_ = false;           // guarded by mu_
+  uint64_t generation_ = 0;  // bumped by each Run; guarded by mu_
+  int busy_workers_ = 0;     // workers inside the current Run; guarded by mu_
+  bool stop_ = false;        // guarded by mu_
   const std::function<void(int, int64_t)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};

@@ -37,7 +37,7 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
 
   std::vector<double> scores;  // [sq, sk]: materialised on purpose
   std::vector<double> qrow(d);
-  std::vector<double> krows;   // [sk, d], widened once per (b, h)
+  std::vector<double> krows;  // [sk, d], widened once per (b, h)
   std::vector<double> vrows;
   for (int b = 0; b < p.batch; ++b) {
     const int sq = SeqLenQ(p, b);

@@ -41,9 +41,8 @@ std::atomic<int64_t> g_peak_bytes{0};
 void* CountedAlloc(std::size_t n) {
   void* ptr = std::malloc(n == 0 ? 1 : n);
   if (ptr == nullptr) return nullptr;
-  const int64_t live =
-      g_live_bytes.fetch_add(malloc_usable_size(ptr), std::memory_order_relaxed) +
-      static_cast<int64_t>(malloc_usable_size(ptr));
+  const int64_t live = g_live_bytes.fetch_add(malloc_usable_size(ptr), std::memory_order_relaxed) +
+                       static_cast<int64_t>(malloc_usable_size(ptr));
   int64_t peak = g_peak_bytes.load(std::memory_order_relaxed);
   while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live)) {
   }
@@ -332,7 +331,8 @@ bool Validate(CpuBackend* ours, NaiveAttention* naive, int n, int d, bool causal
 int Main(int argc, char** argv) {
   Options opt;
   if (!ParseFlags(argc, argv, &opt)) return 2;
-  if (opt.threads <= 0) opt.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (opt.threads <= 0)
+    opt.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (opt.machine.empty()) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
@@ -349,7 +349,8 @@ int Main(int argc, char** argv) {
   char date[64];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  std::fprintf(out, "# cpu_attn_bench: fused CPU attention (ours) vs naive materialised attention\n");
+  std::fprintf(out,
+               "# cpu_attn_bench: fused CPU attention (ours) vs naive materialised attention\n");
   std::fprintf(out, "# machine: %s\n# cpu: %s\n# threads: %d (hardware threads: %u)\n",
                opt.machine.c_str(), CpuModel().c_str(), opt.threads,
                std::thread::hardware_concurrency());
@@ -373,7 +374,9 @@ int Main(int argc, char** argv) {
   std::fprintf(out,
                "# validated: each impl vs the float64 reference at the same N (1 head), and ours "
                "vs naive on every timed output (max |diff| < 1e-4)\n");
-  std::fprintf(out, "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,gflops,tflops,tbps,peak_mem_bytes,threads,runs\n");
+  std::fprintf(out,
+               "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,gflops,tflops,tbps,peak_mem_bytes,"
+               "threads,runs\n");
   std::fflush(out);
 
   CpuBackend ours(opt.threads);
@@ -384,7 +387,8 @@ int Main(int argc, char** argv) {
       HostBuffers buf(BenchCase(n, opt.heads, opt.head_dim, causal));
       const AttnParams& p = buf.params();
       std::vector<float> ours_out;
-      double flops = 4.0 * p.batch * p.num_heads_q * static_cast<double>(p.seqlen_q) * p.seqlen_k * p.head_dim;
+      double flops =
+          4.0 * p.batch * p.num_heads_q * static_cast<double>(p.seqlen_q) * p.seqlen_k * p.head_dim;
       if (causal) flops /= 2;
       for (const char* impl : {"ours", "naive"}) {
         const bool is_ours = std::strcmp(impl, "ours") == 0;
@@ -412,7 +416,8 @@ int Main(int argc, char** argv) {
           ours_out.assign(o, o + count);
         } else {
           double diff = 0.0;
-          for (int64_t i = 0; i < count; ++i) diff = std::max(diff, double{std::fabs(o[i] - ours_out[i])});
+          for (int64_t i = 0; i < count; ++i)
+            diff = std::max(diff, double{std::fabs(o[i] - ours_out[i])});
           if (!(diff < 1e-4)) {
             std::fprintf(stderr, "ours and naive disagree at N=%d causal=%d: max |diff| %g\n", n,
                          causal, diff);
@@ -425,8 +430,8 @@ int Main(int argc, char** argv) {
                      causal ? 1 : 0, impl, median, gflops, gflops / 1e3,
                      static_cast<long long>(peak), opt.threads, opt.runs);
         std::fflush(out);
-        std::fprintf(stderr, "N=%5d causal=%d %-5s %9.3f ms %7.2f GFLOP/s peak extra %lld B\n",
-                     n, causal ? 1 : 0, impl, median, gflops, static_cast<long long>(peak));
+        std::fprintf(stderr, "N=%5d causal=%d %-5s %9.3f ms %7.2f GFLOP/s peak extra %lld B\n", n,
+                     causal ? 1 : 0, impl, median, gflops, static_cast<long long>(peak));
       }
     }
   }

@@ -126,8 +126,8 @@ TEST(CheckParamsTest, Scale) {
 
 TEST(CheckParamsTest, Softcap) {
   HostBuffers buf(Dense());
-  for (float bad : {-1.0f, std::numeric_limits<float>::infinity(),
-                    std::numeric_limits<float>::quiet_NaN()}) {
+  for (float bad :
+       {-1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     AttnParams p = buf.params();
     p.softcap = bad;
     ExpectInvalid(p, {"softcap", ">= 0"});
@@ -173,11 +173,13 @@ TEST(CheckParamsTest, CuSeqlens) {
     return p;
   };
   ExpectInvalid(with({1, 3, 3, 7}, {0, 2, 7, 7}), {"cu_seqlens_q[0]", "expected 0", "got 1"});
-  ExpectInvalid(with({0, 3, 3, 7}, {0, 2, 1, 7}), {"cu_seqlens_k[2]", ">= cu_seqlens_k[1] = 2", "got 1"});
+  ExpectInvalid(with({0, 3, 3, 7}, {0, 2, 1, 7}),
+                {"cu_seqlens_k[2]", ">= cu_seqlens_k[1] = 2", "got 1"});
   ExpectInvalid(with({0, 3, 3, 6}, {0, 2, 7, 7}), {"cu_seqlens_q[3]", "total rows 7", "got 6"});
   ExpectInvalid(with({0, 3, 3, 7}, {0, 2, 7, 8}), {"cu_seqlens_k[3]", "total rows 7", "got 8"});
   // A sequence longer than the declared maximum (seqlen_q = 4).
-  ExpectInvalid(with({0, 1, 1, 7}, {0, 2, 7, 7}), {"cu_seqlens_q", "length 6", "<= the max sequence length 4"});
+  ExpectInvalid(with({0, 1, 1, 7}, {0, 2, 7, 7}),
+                {"cu_seqlens_q", "length 6", "<= the max sequence length 4"});
   AttnParams p = buf.params();
   p.cu_seqlens_k = nullptr;
   ExpectInvalid(p, {"cu_seqlens_k", "got null"});

@@ -46,7 +46,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, CpuBackendGridTest, ::testing::ValuesIn(StandardG
 
 TEST(CpuBackendTest, GridNamesAreUnique) {
   std::set<std::string> names;
-  for (const TestCase& tc : StandardGrid()) EXPECT_TRUE(names.insert(tc.Name()).second) << tc.Name();
+  for (const TestCase& tc : StandardGrid())
+    EXPECT_TRUE(names.insert(tc.Name()).second) << tc.Name();
 }
 
 TEST(CpuBackendTest, Describe) {

@@ -54,7 +54,7 @@ TEST(DTypeTest, Bf16RoundTripsEveryValue) {
 TEST(DTypeTest, Fp16KnownValues) {
   EXPECT_EQ(FloatToFp16(1.0f), 0x3c00);
   EXPECT_EQ(FloatToFp16(-2.0f), 0xc000);
-  EXPECT_EQ(FloatToFp16(65504.0f), 0x7bff);   // largest finite
+  EXPECT_EQ(FloatToFp16(65504.0f), 0x7bff);  // largest finite
   EXPECT_EQ(FloatToFp16(0.0f), 0x0000);
   EXPECT_EQ(FloatToFp16(-0.0f), 0x8000);
   EXPECT_FLOAT_EQ(Fp16ToFloat(0x3555), 0.333251953125f);
@@ -75,7 +75,7 @@ TEST(DTypeTest, Fp16RoundsTiesToEven) {
 }
 
 TEST(DTypeTest, Fp16Subnormals) {
-  EXPECT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));     // smallest subnormal
   EXPECT_EQ(Fp16ToFloat(0x03ff), std::ldexp(1023.0f, -24));  // largest subnormal
   EXPECT_EQ(Fp16ToFloat(0x8001), -std::ldexp(1.0f, -24));
   EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -24)), 0x0001);

@@ -1,13 +1,12 @@
 // The float64 reference itself: a hand-computed case, an independent naive
 // softmax written from the contract's formulas (not through VisibleKeys), and
 // the low-precision twin's relation to it.
-#include "backend/reference/reference_attention.h"
-
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "backend/dtype.h"
+#include "backend/reference/reference_attention.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -110,8 +109,8 @@ ReferenceOutput Naive(const AttnParams& p, bool causal, int wl, int wr) {
         double sum = 0.0;
         for (int j = 0; j < sk; ++j) sum += seen[j] ? std::exp(w[j] - mx) : 0.0;
         if (sum == 0.0) continue;
-        const int64_t lse_at =
-            IsVarlen(p) ? int64_t{h} * p.total_q + q0 + i : (int64_t{b} * p.num_heads_q + h) * sq + i;
+        const int64_t lse_at = IsVarlen(p) ? int64_t{h} * p.total_q + q0 + i
+                                           : (int64_t{b} * p.num_heads_q + h) * sq + i;
         out.lse[lse_at] = mx + std::log(sum);
         for (int j = 0; j < sk; ++j) {
           if (!seen[j]) continue;

@@ -151,8 +151,8 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
     }
     const double err = std::fabs(out - ref.o[i]);
     max_err = std::max(max_err, err);
-    const double allowed = lowp ? 2.0 * lowp_err + OutputFloor(p.dtype)
-                                : kFp32Rtol * vec_scale[i / d] + kFp32Atol;
+    const double allowed =
+        lowp ? 2.0 * lowp_err + OutputFloor(p.dtype) : kFp32Rtol * vec_scale[i / d] + kFp32Atol;
     if (err / allowed > worst_excess) {
       worst_excess = err / allowed;
       worst = i;
@@ -184,7 +184,8 @@ std::string CheckLse(const HostBuffers& buf, const float* lse) {
   if (lowp) {
     const ReferenceOutput& rl = buf.ReferenceLowPrecision();
     for (int64_t i = 0; i < n; ++i) {
-      if (std::isfinite(ref.lse[i])) lowp_err = std::max(lowp_err, std::fabs(rl.lse[i] - ref.lse[i]));
+      if (std::isfinite(ref.lse[i]))
+        lowp_err = std::max(lowp_err, std::fabs(rl.lse[i] - ref.lse[i]));
     }
   }
   const double lowp_allowed = 2.0 * lowp_err + kLowpLseFloor;
@@ -234,10 +235,13 @@ double OutputFloor(DType t) {
     // so a correct kernel's only error is one final rounding; the floor keeps
     // cases where the low-precision reference is exact (Sk = 1) from
     // demanding bit equality.
-    case DType::kFP16: return 1e-3;
+    case DType::kFP16:
+      return 1e-3;
     // Same reasoning with bf16's 8-bit mantissa: one ulp at 1.0 is 2^-7.
-    case DType::kBF16: return 8e-3;
-    case DType::kFP32: return kFp32Atol;
+    case DType::kBF16:
+      return 8e-3;
+    case DType::kFP32:
+      return kFp32Atol;
   }
   return 0.0;
 }
@@ -245,9 +249,15 @@ double OutputFloor(DType t) {
 std::string TestCase::Name() const {
   std::string s;
   switch (dtype) {
-    case DType::kFP16: s = "fp16"; break;
-    case DType::kBF16: s = "bf16"; break;
-    case DType::kFP32: s = "fp32"; break;
+    case DType::kFP16:
+      s = "fp16";
+      break;
+    case DType::kBF16:
+      s = "bf16";
+      break;
+    case DType::kFP32:
+      s = "fp32";
+      break;
   }
   if (varlen()) {
     s += "_varlen_q" + JoinInts(seqlens_q) + "_k" + JoinInts(seqlens_k);
@@ -333,7 +343,8 @@ int64_t HostBuffers::lse_elements() const {
 void HostBuffers::Poison() {
   // All-ones is a NaN in FP16 (exp 0x1f, man != 0), BF16 and FP32 alike.
   if (!o_.empty()) std::memset(o_.data(), 0xff, o_.size());
-  if (!lse_.empty()) std::memset(static_cast<void*>(lse_.data()), 0xff, lse_.size() * sizeof(float));
+  if (!lse_.empty())
+    std::memset(static_cast<void*>(lse_.data()), 0xff, lse_.size() * sizeof(float));
 }
 
 const ReferenceOutput& HostBuffers::Reference() const {
@@ -392,7 +403,7 @@ std::vector<TestCase> StandardGrid() {
   add(1, 17, 97, 2, 2, 64).causal = true;
   add(2, 97, 17, 2, 1, 64);
   add(2, 97, 17, 2, 1, 64).causal = true;
-  add(1, 33, 65, 8, 1, 64);  // MQA
+  add(1, 33, 65, 8, 1, 64);                  // MQA
   add(2, 1, 1025, 8, 2, 128).causal = true;  // decode shape, GQA
   {
     TestCase& tc = add(1, 1025, 1025, 2, 1, 128);  // long sliding window: skipped tiles
