@@ -271,13 +271,20 @@ print(shlex.join(argv))')
   fi
   timed "load ($requests sequential forwards)" "$load_s"
 
-  # SIGTERM with a request in flight (about 5 s of compute on 2 cores): the
-  # request must finish (drain) and the server must exit 0 by itself, well
-  # before podman's SIGKILL at 30 s.
+  # SIGTERM with a request in flight: the request must finish (drain) and the
+  # server must exit 0 by itself, before podman's SIGKILL at 30 s. The request
+  # is sized to take about 5 s here: one calibration call at Sq = Sk = 2048,
+  # then Sq scaled by sqrt(5 s / its time), as the work grows with Sq * Sk.
+  calib_ms=$(ctl forward --dtype=bf16 --batch=1 --seqlen_q=2048 --heads_q=16 --head_dim=128 \
+               2>/dev/null | grep -o 'server total [0-9.]*' | awk '{print $3}')
+  inflight_sq=$(awk -v ms="${calib_ms:-1000}" 'BEGIN {
+    sq = 2048 * sqrt(5000 / (ms > 1 ? ms : 1)); sq = int(sq / 128) * 128
+    print (sq < 2048 ? 2048 : (sq > 32768 ? 32768 : sq)) }')
+  log "in-flight request: Sq = Sk = $inflight_sq (calibration at 2048: ${calib_ms:-?} ms)"
   client_ctr=$ctr-client
   podman run -d --name "$client_ctr" --network host --no-healthcheck "$cpu_image" \
-    attnctl --target="127.0.0.1:$port" forward --dtype=fp32 --batch=2 --seqlen_q=2048 \
-    --heads_q=16 --head_dim=128 --request_id=smoke-inflight >/dev/null
+    attnctl --target="127.0.0.1:$port" forward --dtype=bf16 --batch=1 \
+    --seqlen_q="$inflight_sq" --heads_q=16 --head_dim=128 --request_id=smoke-inflight >/dev/null
   for _ in $(seq 1 40); do
     [ "$(podman inspect --format '{{.State.Running}}' "$client_ctr")" = true ] && break
     sleep 0.1
