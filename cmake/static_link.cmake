@@ -1,0 +1,54 @@
+# attnserve_link_static(target): with ATTNSERVE_STATIC, links `target` against
+# static archives so it runs on a machine without gRPC, protobuf or Abseil
+# (the GPU machine, a slim container).
+#
+# Debian's CMake packages import only shared libraries, so every imported
+# library in the target's link closure is pointed at the archive beside it
+# (libfoo.so.N -> libfoo.a); the link fails loudly if one is missing.
+#
+# Without CUDA the result is fully static (-static). With CUDA, glibc stays
+# dynamic (-static-libstdc++ -static-libgcc only): cudart_static dlopen()s the
+# driver's libcuda.so, which a statically linked glibc cannot do reliably (a
+# fully static attnserve crashed in CUDA initialisation on an H100).
+function(attnserve_link_static target)
+  if(NOT ATTNSERVE_STATIC)
+    return()
+  endif()
+  set(queue ${target})
+  set(seen ${target})
+  while(queue)
+    list(POP_FRONT queue current)
+    get_target_property(imported ${current} IMPORTED)
+    if(imported)
+      foreach(prop IMPORTED_LOCATION IMPORTED_LOCATION_NONE IMPORTED_LOCATION_NOCONFIG
+                   IMPORTED_LOCATION_RELEASE)
+        get_target_property(location ${current} ${prop})
+        if(location MATCHES "\\.so(\\.[0-9]+)*$")
+          string(REGEX REPLACE "\\.so(\\.[0-9]+)*$" ".a" archive "${location}")
+          if(EXISTS "${archive}")
+            set_target_properties(${current} PROPERTIES ${prop} "${archive}")
+          endif()
+        endif()
+      endforeach()
+    endif()
+    set(deps)
+    foreach(prop INTERFACE_LINK_LIBRARIES LINK_LIBRARIES)
+      get_target_property(d ${current} ${prop})
+      if(d)
+        list(APPEND deps ${d})
+      endif()
+    endforeach()
+    foreach(dep ${deps})
+      string(REGEX REPLACE "^\\$<LINK_ONLY:(.*)>$" "\\1" dep "${dep}")
+      if(TARGET ${dep} AND NOT dep IN_LIST seen)
+        list(APPEND seen ${dep})
+        list(APPEND queue ${dep})
+      endif()
+    endforeach()
+  endwhile()
+  if(ATTNSERVE_HAVE_CUDA)
+    target_link_options(${target} PRIVATE -static-libstdc++ -static-libgcc)
+  else()
+    target_link_options(${target} PRIVATE -static)
+  endif()
+endfunction()
