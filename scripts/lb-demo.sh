@@ -136,7 +136,7 @@ done
 a2=$(( $(count a) - a1 )); b2=$(( $(count b) - b1 ))
 echo "lb-demo: $n2 attnctl processes (one call each), --lb_policy=round_robin:" \
      "server A $a2, server B $b2 (a fresh channel's first call goes to the first" \
-     "subchannel that connects, so spreading needs many calls per client)"
+     "subchannel that connects, so one-shot processes spread unevenly)"
 
 # Both servers must have served a fair share of the single-channel calls.
 low=$(( requests / 2 - 1 ))
