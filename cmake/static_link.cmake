@@ -10,6 +10,29 @@
 # dynamic (-static-libstdc++ -static-libgcc only): cudart_static dlopen()s the
 # driver's libcuda.so, which a statically linked glibc cannot do reliably (a
 # fully static attnserve crashed in CUDA initialisation on an H100).
+# Some imported targets (re2::re2 from pkg-config) list bare library names
+# such as "re2"; -static would turn those into archives, a glibc-dynamic link
+# does not, so name the archive explicitly. glibc's own libraries stay as named.
+function(_attnserve_plain_names_to_archives target)
+  get_target_property(libs ${target} INTERFACE_LINK_LIBRARIES)
+  if(NOT libs)
+    return()
+  endif()
+  set(rewritten)
+  foreach(lib ${libs})
+    string(REGEX REPLACE "^-l" "" name "${lib}")
+    if(NOT TARGET ${lib} AND name MATCHES "^[A-Za-z0-9_+.-]+$"
+       AND NOT name MATCHES "^(c|m|dl|rt|pthread|util|resolv)$")
+      find_library(archive_${name} NAMES lib${name}.a)
+      if(archive_${name})
+        set(lib "${archive_${name}}")
+      endif()
+    endif()
+    list(APPEND rewritten "${lib}")
+  endforeach()
+  set_target_properties(${target} PROPERTIES INTERFACE_LINK_LIBRARIES "${rewritten}")
+endfunction()
+
 function(attnserve_link_static target)
   if(NOT ATTNSERVE_STATIC)
     return()
@@ -30,6 +53,9 @@ function(attnserve_link_static target)
           endif()
         endif()
       endforeach()
+    endif()
+    if(imported)
+      _attnserve_plain_names_to_archives(${current})
     endif()
     set(deps)
     foreach(prop INTERFACE_LINK_LIBRARIES LINK_LIBRARIES)
