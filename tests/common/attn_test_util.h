@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,10 @@ struct TestCase {
   // differs from the defaults, e.g. "bf16_b2_q97_k97_h4x1_d64_causal_lse".
   std::string Name() const;
 };
+
+// gtest prints a parameter with this instead of its raw bytes (ctest's test
+// list and failure messages then read "bf16_b2_q97_...").
+inline void PrintTo(const TestCase& tc, std::ostream* os) { *os << tc.Name(); }
 
 // The usual FP16/BF16 floors and the FP32 relative tolerance; see the .cc for
 // why each value.
