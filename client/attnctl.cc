@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
 
@@ -32,9 +33,9 @@ const Command kCommands[] = {
      "attnctl [--target=host:port] health [--service=NAME]\n\n"
      "Prints SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN. Exit code 0 only for SERVING,\n"
      "1 otherwise (also when the server cannot be reached).",
-     "client/cli/health.cc", RunHealth},
+     "client/cli/health.cc", nullptr, RunHealth},
     {"info", "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
-     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", RunInfo},
+     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", nullptr, RunInfo},
     {"forward", "Run one attention call on random or .npy inputs; --verify checks it locally.",
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
@@ -50,7 +51,24 @@ const Command kCommands[] = {
      "DESIGN.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
      "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * max|ref of its row| + 1e-6.\n"
      "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
-     "client/cli/forward.cc", RunForward},
+     "client/cli/forward.cc", kAttentionFlagsFile, RunForward},
+    {"load", "Load-test the server: closed-loop concurrency sweep or open-loop Poisson rate.",
+     "attnctl [--target=host:port] load [--concurrency=1,4,16 | --rate=R[,R...]]\n"
+     "        [--warmup=2s] [--duration=10s] [--channels=N] [--stream] [--inputs=4] [--check]\n"
+     "        [--csv=FILE] [--jsonl=FILE] [shape, --dtype and option flags of forward]\n\n"
+     "Examples:\n"
+     "  attnctl load --concurrency=1,4,16 --batch=1 --seqlen_q=512 --heads_q=16 --head_dim=128 \\\n"
+     "      --dtype=bf16 --duration=20s --csv=load.csv && scripts/plot-load.py load.csv\n"
+     "  attnctl load --rate=50,100,200 --stream --channels=4 --check\n\n"
+     "Each step (one concurrency or rate) warms up, then measures. Closed loop: N callers, each\n"
+     "sending its next request when the last returns. Open loop: Poisson arrivals at R req/s,\n"
+     "latency counted from the scheduled arrival. Reported per step: req/s, query tokens/s,\n"
+     "effective TFLOP/s (4*B*Hq*Sq*Sk*D per request, halved for causal Sq = Sk), client latency\n"
+     "p50/p90/p95/p99/max, the server's mean queue/host_to_device/compute/device_to_host, and\n"
+     "errors by status code (only requests completing inside the window count). A live progress\n"
+     "line goes to stderr once a second. Exit code 0; 1 if --check found a mismatch or no request\n"
+     "succeeded; 2 on bad flags.",
+     "client/cli/load.cc", kAttentionFlagsFile, RunLoad},
 };
 
 const Command* FindCommand(absl::string_view name) {
@@ -98,6 +116,9 @@ void PrintHelp(const Command* command) {
   if (command != nullptr) {
     std::cout << command->summary << "\n\nUsage: " << command->usage << "\n";
     PrintFlags(absl::StrCat(command->name, " flags"), command->flags_file);
+    if (command->shared_flags_file != nullptr) {
+      PrintFlags("Attention call flags (shared by forward and load)", command->shared_flags_file);
+    }
   } else {
     std::cout << "attnctl: command-line client of the attnserve attention service.\n\n"
                  "Usage: attnctl [global flags] <command> [command flags]\n\nCommands:\n";
@@ -187,7 +208,8 @@ int Main(int argc, char** argv) {
   const Command* command = name.empty() ? nullptr : FindCommand(name);
   if (!name.empty() && command == nullptr) {
     return UsageError(
-        "", absl::StrCat("unknown command '", name, "' (commands: health, info, forward, help)"));
+        "", absl::StrCat("unknown command '", name,
+                         "' (commands: health, info, forward, load, help)"));
   }
   if (help) {
     PrintHelp(command);
@@ -197,7 +219,10 @@ int Main(int argc, char** argv) {
   for (const std::string& set : FlagsSet()) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(set);
     const std::string file = flag->Filename();
-    if (!absl::EndsWith(file, kGlobalFlagsFile) && !absl::EndsWith(file, command->flags_file)) {
+    const bool shared = command->shared_flags_file != nullptr &&
+                        absl::EndsWith(file, command->shared_flags_file);
+    if (!absl::EndsWith(file, kGlobalFlagsFile) && !absl::EndsWith(file, command->flags_file) &&
+        !shared) {
       return UsageError(command->name,
                         absl::StrCat("flag --", set, " does not apply to '", command->name, "'"));
     }

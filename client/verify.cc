@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -156,31 +158,66 @@ void CheckLse(const ReferenceOutput& ref, const ReferenceOutput* lowp,
 
 }  // namespace
 
-absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
-                                           const ForwardResult& result) {
+struct ForwardVerifier::State {
+  // Sizes, options and cu_seqlens (own copies): the tensor pointers are
+  // cleared once the references exist, because the inputs need not outlive
+  // the verifier.
+  AttnParams params;
+  std::vector<int32_t> cu_seqlens_q, cu_seqlens_k;
+  std::vector<int64_t> o_shape;
+  DType dtype;
+  ReferenceOutput ref;
+  std::optional<ReferenceOutput> lowp;  // FP16/BF16 only
+};
+
+absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& inputs) {
   absl::StatusOr<InputsSummary> s = SummarizeInputs(inputs);
   if (!s.ok()) return s.status();
-  if (result.o.shape() != inputs.q.shape() || result.o.dtype() != inputs.q.dtype()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("o is ", result.o.DebugString(), ", expected ", inputs.q.DebugString()));
+  auto state = std::make_shared<State>();
+  state->params = MakeParams(inputs, *s);
+  state->o_shape = inputs.q.shape();
+  state->dtype = inputs.q.dtype();
+  state->ref = ReferenceAttention(state->params);
+  if (state->params.dtype != DType::kFP32) {
+    state->lowp = ReferenceAttentionLowPrecision(state->params);
   }
-  const AttnParams p = MakeParams(inputs, *s);
-  const ReferenceOutput ref = ReferenceAttention(p);
-  const bool low = p.dtype != DType::kFP32;
-  ReferenceOutput lowp;
-  if (low) lowp = ReferenceAttentionLowPrecision(p);
+  state->params.q = state->params.k = state->params.v = nullptr;
+  if (s->varlen) {
+    state->cu_seqlens_q = inputs.cu_seqlens_q;
+    state->cu_seqlens_k = inputs.cu_seqlens_k;
+    state->params.cu_seqlens_q = state->cu_seqlens_q.data();
+    state->params.cu_seqlens_k = state->cu_seqlens_k.data();
+  }
+  return ForwardVerifier(std::move(state));
+}
 
+absl::StatusOr<VerifyReport> ForwardVerifier::Check(const ForwardResult& result) const {
+  const State& st = *state_;
+  if (result.o.shape() != st.o_shape || result.o.dtype() != st.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("o is ", result.o.DebugString(), ", expected ",
+                                                   std::string(DTypeName(st.dtype)),
+                                                   ShapeToString(st.o_shape)));
+  }
+  const ReferenceOutput* lowp = st.lowp ? &*st.lowp : nullptr;
   VerifyReport r;
-  CheckO(p, ref, low ? &lowp : nullptr, result.o.ToFloats(), &r);
+  CheckO(st.params, st.ref, lowp, result.o.ToFloats(), &r);
   if (result.lse) {
-    if (result.lse->num_elements() != static_cast<int64_t>(ref.lse.size())) {
+    if (result.lse->num_elements() != static_cast<int64_t>(st.ref.lse.size())) {
       return absl::InvalidArgumentError(absl::StrCat("lse is ", result.lse->DebugString(),
-                                                     ", expected ", ref.lse.size(), " elements"));
+                                                     ", expected ", st.ref.lse.size(),
+                                                     " elements"));
     }
-    CheckLse(ref, low ? &lowp : nullptr, result.lse->ToFloats(), &r);
+    CheckLse(st.ref, lowp, result.lse->ToFloats(), &r);
   }
   r.passed = r.failure.empty();
   return r;
+}
+
+absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
+                                           const ForwardResult& result) {
+  absl::StatusOr<ForwardVerifier> verifier = ForwardVerifier::Create(inputs);
+  if (!verifier.ok()) return verifier.status();
+  return verifier->Check(result);
 }
 
 }  // namespace attnserve

@@ -1,6 +1,7 @@
 // Client-side verification of a Forward result against the float64 reference,
 // with DESIGN.md §4's tolerance policy. Used by `attnctl forward --verify` and
-// meant for the load tester's per-response correctness check.
+// by `attnctl load --check`, which computes each input's reference once
+// (ForwardVerifier) and checks every response against it.
 //
 // Policy (the same constants as tests/common/attn_test_util.cc, which this
 // library cannot link because that one depends on GoogleTest):
@@ -14,6 +15,7 @@
 //   Rows that see no key: O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -45,8 +47,26 @@ struct VerifyReport {
   std::string failure;
 };
 
-// INVALID_ARGUMENT if `inputs` are not a valid call or `result` does not match
-// them in shape and dtype; otherwise the comparison (which may have failed).
+// The references of one input, computed once, so many results can be checked
+// against them at the cost of a comparison (the float64 reference is O(N^2)
+// per row and would otherwise dominate a load test). Immutable after Create,
+// so Check may run on many threads at once.
+class ForwardVerifier {
+ public:
+  // INVALID_ARGUMENT if `inputs` are not a valid call.
+  static absl::StatusOr<ForwardVerifier> Create(const AttentionInputs& inputs);
+
+  // INVALID_ARGUMENT if `result` does not match the inputs in shape and
+  // dtype; otherwise the comparison (which may have failed).
+  absl::StatusOr<VerifyReport> Check(const ForwardResult& result) const;
+
+ private:
+  struct State;
+  explicit ForwardVerifier(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+  std::shared_ptr<const State> state_;
+};
+
+// ForwardVerifier::Create(inputs) and Check(result) in one step.
 absl::StatusOr<VerifyReport> VerifyForward(const AttentionInputs& inputs,
                                            const ForwardResult& result);
 

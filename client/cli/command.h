@@ -24,6 +24,9 @@ struct Command {
   // Flags defined in a source file whose path ends with this belong to the
   // command: `help` lists them, and other commands reject them.
   const char* flags_file;
+  // A second file whose flags also belong to it (shared with other commands,
+  // such as the attention-call flags of forward and load), or nullptr.
+  const char* shared_flags_file;
   // Runs with the flags already parsed; `args` are the positional arguments
   // after the command name.
   int (*run)(const std::vector<std::string>& args);
@@ -32,6 +35,7 @@ struct Command {
 int RunHealth(const std::vector<std::string>& args);
 int RunInfo(const std::vector<std::string>& args);
 int RunForward(const std::vector<std::string>& args);
+int RunLoad(const std::vector<std::string>& args);
 
 }  // namespace cli
 }  // namespace attnserve

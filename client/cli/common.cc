@@ -47,8 +47,9 @@ std::set<std::string>& SetFlags() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags() {
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_channels) {
   ClientOptions options;
+  options.num_channels = num_channels;
   options.default_timeout = absl::GetFlag(FLAGS_timeout);
   options.load_balancing_policy = absl::GetFlag(FLAGS_lb_policy);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);

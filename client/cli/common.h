@@ -22,8 +22,9 @@ ABSL_DECLARE_FLAG(bool, wait_for_ready);
 namespace attnserve {
 namespace cli {
 
-// A client for --target with the channel settings of the global flags.
-absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags();
+// A client for --target with the channel settings of the global flags and
+// `num_channels` channels.
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_channels = 1);
 
 // Prints "attnctl: <what>: <CODE_NAME>: <message>" to stderr, keeping the
 // server's message verbatim, and returns kExitFailure.

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -12,12 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/inputs.h"
 #include "client/npy.h"
 #include "client/verify.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "server/server.h"
 
 #ifndef ATTNCTL_BINARY
@@ -275,6 +279,80 @@ TEST_F(AttnctlTest, ServerErrorsAreNamedAndNonzero) {
   EXPECT_THAT(r.err, HasSubstr("12"));
 }
 
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines = absl::StrSplit(text, '\n', absl::SkipEmpty());
+  return lines;
+}
+
+// A short closed-loop sweep with every response checked: no errors, real
+// throughput, and one CSV row and one JSON line per step.
+TEST_F(AttnctlTest, LoadClosedLoopChecksEveryResponse) {
+  const std::string base = absl::StrCat(::testing::TempDir(), "/load_", getpid());
+  const std::string csv = base + ".csv", jsonl = base + ".jsonl";
+  std::remove(csv.c_str());
+  std::remove(jsonl.c_str());
+  const CliResult r =
+      Run({"load", "--concurrency=1,2", "--warmup=200ms", "--duration=1s", "--seqlen_q=32",
+           "--heads_q=2", "--head_dim=32", "--causal", "--return_lse", "--check", "--csv=" + csv,
+           "--jsonl=" + jsonl});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("concurrency=2"));
+  EXPECT_THAT(r.err, HasSubstr("req/s"));  // the progress line
+
+  const std::vector<std::string> rows = Lines(ReadFile(csv));
+  ASSERT_EQ(rows.size(), 3u) << ReadFile(csv);
+  const std::vector<std::string> header = absl::StrSplit(rows[0], ',');
+  auto column = [&](const std::string& row, const std::string& name) {
+    const std::vector<std::string> cells = absl::StrSplit(row, ',');
+    const auto it = std::find(header.begin(), header.end(), name);
+    EXPECT_NE(it, header.end()) << name;
+    EXPECT_EQ(cells.size(), header.size()) << row;
+    return it == header.end() ? std::string() : cells[it - header.begin()];
+  };
+  for (int i = 1; i <= 2; ++i) {
+    EXPECT_EQ(column(rows[i], "concurrency"), absl::StrCat(i));
+    EXPECT_EQ(column(rows[i], "errors"), "0");
+    double rps = 0;
+    ASSERT_TRUE(absl::SimpleAtod(column(rows[i], "req_per_s"), &rps));
+    EXPECT_GT(rps, 0);
+    EXPECT_EQ(column(rows[i], "check"), "true");
+  }
+
+  const std::vector<std::string> objects = Lines(ReadFile(jsonl));
+  ASSERT_EQ(objects.size(), 2u);
+  for (const std::string& line : objects) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["mode"], "closed");
+    EXPECT_EQ(j["errors"], 0);
+    EXPECT_GT(j["requests"].get<int64_t>(), 0);
+    EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(j["tflops"].get<double>(), 0);
+    EXPECT_LE(j["p50_ms"].get<double>(), j["p99_ms"].get<double>());
+    EXPECT_TRUE(j["errors_by_code"].empty());
+  }
+  std::remove(csv.c_str());
+  std::remove(jsonl.c_str());
+}
+
+// Open loop over ForwardStream, varlen inputs with a zero-length sequence.
+TEST_F(AttnctlTest, LoadOpenLoopStreamChecksEveryResponse) {
+  const CliResult r = Run({"load", "--rate=200", "--stream", "--channels=2", "--warmup=200ms",
+                           "--duration=1s", "--varlen_q=5,0,17", "--heads_q=4", "--heads_kv=2",
+                           "--head_dim=16", "--dtype=bf16", "--check"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("rate=200"));
+  EXPECT_THAT(r.out, Not(HasSubstr("errors by code")));
+}
+
+// Server errors are reported by code, and a run where nothing succeeds fails.
+TEST_F(AttnctlTest, LoadReportsErrorsByCode) {
+  const CliResult r = Run({"load", "--warmup=0s", "--duration=300ms", "--head_dim=12",
+                           "--seqlen_q=4"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("errors by code: INVALID_ARGUMENT:"));
+  EXPECT_THAT(r.out, HasSubstr("first error: INVALID_ARGUMENT:"));
+}
+
 TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
   const struct {
     std::vector<std::string> args;
@@ -302,6 +380,16 @@ TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
       {{"forward", "--q=/nonexistent/q.npy", "--k=/nonexistent/k.npy", "--v=/nonexistent/v.npy",
         "--seqlen_q=3"},
        "--seqlen_q applies to random inputs"},
+      {{"load", "--concurrency=1,x"}, "--concurrency: 'x' is not a non-negative integer"},
+      {{"load", "--concurrency=0"}, "--concurrency: each value must be >= 1"},
+      {{"load", "--rate=-5"}, "--rate: '-5' is not a positive number"},
+      {{"load", "--rate=10", "--concurrency=2"}, "--concurrency (closed loop) and --rate"},
+      {{"load", "--duration=0s"}, "--duration must be a finite duration > 0"},
+      {{"load", "--channels=0"}, "--channels must be >= 1"},
+      {{"load", "--heads_q=6", "--heads_kv=4"}, "--heads_q (6) must be a multiple of --heads_kv"},
+      {{"load", "--dtype=int8"}, "--dtype: unknown dtype 'int8'"},
+      {{"load", "--verify"}, "flag --verify does not apply to 'load'"},
+      {{"forward", "--check"}, "flag --check does not apply to 'forward'"},
   };
   for (const auto& c : cases) {
     const CliResult r = Run(c.args);

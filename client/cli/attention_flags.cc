@@ -1,0 +1,153 @@
+// The attention-call flags shared by `attnctl forward` and `attnctl load`
+// (see attention_flags.h).
+#include "client/cli/attention_flags.h"
+
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/cli/common.h"
+#include "client/inputs.h"
+
+// Shape of random inputs.
+ABSL_FLAG(int, batch, 1, "Dense random inputs: number of sequences B.");
+ABSL_FLAG(int, seqlen_q, 128, "Dense random inputs: query length Sq.");
+ABSL_FLAG(std::optional<int>, seqlen_k, std::nullopt,
+          "Dense random inputs: key length Sk (default: --seqlen_q).");
+ABSL_FLAG(int, heads_q, 8, "Random inputs: query heads Hq.");
+ABSL_FLAG(
+    std::optional<int>, heads_kv, std::nullopt,
+    "Random inputs: key/value heads Hkv; Hq must be a multiple (GQA/MQA). Default: --heads_q.");
+ABSL_FLAG(int, head_dim, 64,
+          "Random inputs: head dimension D (the server accepts multiples of "
+          "8 from 8 to 256).");
+ABSL_FLAG(std::string, varlen_q, "",
+          "Packed variable-length random inputs: comma-separated query lengths, one per sequence, "
+          "zeros allowed (e.g. 3,0,17). Replaces --batch/--seqlen_q/--seqlen_k.");
+ABSL_FLAG(
+    std::string, varlen_k, "",
+    "Varlen key lengths, as many as --varlen_q (default: equal to --varlen_q). With --q/--k/--v "
+    "files, --varlen_q/--varlen_k give the sequence lengths of the packed rows.");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
+          "Seed of the random inputs (default: a fresh one, printed so a run can be repeated).");
+ABSL_FLAG(std::string, dtype, "fp16",
+          "Element type: fp16, bf16 or fp32. With --q/--k/--v files the default is the files' type "
+          "and an explicit --dtype converts them.");
+
+// Attention options (DESIGN.md §2).
+ABSL_FLAG(bool, causal, false,
+          "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
+ABSL_FLAG(std::optional<int>, window_left, std::nullopt,
+          "Sliding window: keys at most this far left of the diagonal (default: unlimited).");
+ABSL_FLAG(std::optional<int>, window_right, std::nullopt,
+          "Sliding window: keys at most this far right of the diagonal (default: unlimited).");
+ABSL_FLAG(float, softcap, 0.0f,
+          "Score soft cap: scores become softcap * tanh(scores / softcap); 0 = off.");
+ABSL_FLAG(std::optional<float>, softmax_scale, std::nullopt,
+          "Multiplies Q*K^T before the softmax (default: 1/sqrt(D)).");
+ABSL_FLAG(bool, return_lse, false, "Also return the log-sum-exp of each query row.");
+
+namespace attnserve {
+namespace cli {
+namespace {
+
+absl::Status UsageStatus(std::string message) { return absl::InvalidArgumentError(message); }
+
+}  // namespace
+
+absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed) {
+  AttentionShape s;
+  s.dtype = dtype;
+  s.batch = absl::GetFlag(FLAGS_batch);
+  s.seqlen_q = absl::GetFlag(FLAGS_seqlen_q);
+  s.seqlen_k = absl::GetFlag(FLAGS_seqlen_k).value_or(s.seqlen_q);
+  s.heads_q = absl::GetFlag(FLAGS_heads_q);
+  s.heads_kv = absl::GetFlag(FLAGS_heads_kv).value_or(s.heads_q);
+  s.head_dim = absl::GetFlag(FLAGS_head_dim);
+  const struct {
+    const char* flag;
+    int value;
+    int min;
+  } checks[] = {{"batch", s.batch, 0},       {"seqlen_q", s.seqlen_q, 0},
+                {"seqlen_k", s.seqlen_k, 0}, {"heads_q", s.heads_q, 1},
+                {"heads_kv", s.heads_kv, 1}, {"head_dim", s.head_dim, 1}};
+  for (const auto& c : checks) {
+    if (c.value < c.min) {
+      return UsageStatus(absl::StrCat("--", c.flag, " must be >= ", c.min, ", got ", c.value));
+    }
+  }
+  if (s.heads_q % s.heads_kv != 0) {
+    return UsageStatus(absl::StrCat("--heads_q (", s.heads_q,
+                                    ") must be a multiple of --heads_kv (", s.heads_kv, ")"));
+  }
+  const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
+  const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
+  if (!varlen_k.empty() && varlen_q.empty()) {
+    return UsageStatus("--varlen_k needs --varlen_q (the query lengths)");
+  }
+  if (!varlen_q.empty()) {
+    for (const char* flag : {"batch", "seqlen_q", "seqlen_k"}) {
+      if (FlagWasSet(flag)) {
+        return UsageStatus(absl::StrCat("--", flag,
+                                        " cannot be combined with --varlen_q (varlen inputs take "
+                                        "one length per sequence from --varlen_q/--varlen_k)"));
+      }
+    }
+    absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
+    if (!lq.ok()) return lq.status();
+    absl::StatusOr<std::vector<int>> lk =
+        ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
+    if (!lk.ok()) return lk.status();
+    if (lq->size() != lk->size()) {
+      return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
+                                      " sequences but --varlen_q lists ", lq->size()));
+    }
+    s.seqlens_q = *lq;
+    s.seqlens_k = *lk;
+  }
+  return MakeRandomInputs(s, seed);
+}
+
+absl::Status OptionsFromFlags(AttentionOptions* o) {
+  o->causal = absl::GetFlag(FLAGS_causal);
+  o->window_left = absl::GetFlag(FLAGS_window_left);
+  o->window_right = absl::GetFlag(FLAGS_window_right);
+  for (const auto& [flag, w] :
+       {std::pair{"window_left", o->window_left}, std::pair{"window_right", o->window_right}}) {
+    if (w && *w < 0) {
+      return UsageStatus(absl::StrCat("--", flag,
+                                      " must be >= 0 (leave it unset for an "
+                                      "unlimited window), got ",
+                                      *w));
+    }
+  }
+  o->softcap = absl::GetFlag(FLAGS_softcap);
+  if (!(o->softcap >= 0.0f) || !std::isfinite(o->softcap)) {
+    return UsageStatus(
+        absl::StrCat("--softcap must be a finite value >= 0 (0 = off), got ", o->softcap));
+  }
+  o->softmax_scale = absl::GetFlag(FLAGS_softmax_scale);
+  if (o->softmax_scale && !(std::isfinite(*o->softmax_scale) && *o->softmax_scale > 0.0f)) {
+    return UsageStatus(
+        absl::StrCat("--softmax_scale must be finite and > 0, got ", *o->softmax_scale));
+  }
+  o->return_lse = absl::GetFlag(FLAGS_return_lse);
+  return absl::OkStatus();
+}
+
+std::string OptionsString(const AttentionOptions& o) {
+  std::vector<std::string> parts;
+  if (o.causal) parts.push_back("causal");
+  if (o.window_left) parts.push_back(absl::StrCat("window_left=", *o.window_left));
+  if (o.window_right) parts.push_back(absl::StrCat("window_right=", *o.window_right));
+  if (o.softcap != 0.0f) parts.push_back(absl::StrCat("softcap=", o.softcap));
+  if (o.softmax_scale) parts.push_back(absl::StrCat("softmax_scale=", *o.softmax_scale));
+  if (o.return_lse) parts.push_back("return_lse");
+  return parts.empty() ? "no mask" : absl::StrJoin(parts, " ");
+}
+
+}  // namespace cli
+}  // namespace attnserve

@@ -1,0 +1,44 @@
+// The flags that describe one attention call, shared by `attnctl forward` and
+// `attnctl load` so both read shapes, dtypes and options the same way: the
+// random-input shape (--batch, --seqlen_q, ..., --varlen_q, --seed), --dtype
+// and the AttentionOptions flags (--causal, --window_left, ...).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/attention_client.h"
+
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::optional<uint64_t>, seed);
+ABSL_DECLARE_FLAG(std::string, varlen_q);
+ABSL_DECLARE_FLAG(std::string, varlen_k);
+
+namespace attnserve {
+namespace cli {
+
+// Where these flags are defined: commands list this file as their shared
+// flags file (command.h), so help shows them and other commands reject them.
+inline constexpr char kAttentionFlagsFile[] = "client/cli/attention_flags.cc";
+
+// The flags that only make sense for random inputs.
+inline constexpr const char* kShapeFlags[] = {"batch",    "seqlen_q", "seqlen_k", "heads_q",
+                                              "heads_kv", "head_dim", "seed"};
+
+// Random inputs of the shape the flags give, with `seed`. INVALID_ARGUMENT
+// naming the flag for a bad size or list (a usage error for the caller).
+absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed);
+
+// The option flags into `o` (return_lse from --return_lse only).
+// INVALID_ARGUMENT naming the flag for a bad value.
+absl::Status OptionsFromFlags(AttentionOptions* o);
+
+// "causal window_left=4 return_lse", or "no mask".
+std::string OptionsString(const AttentionOptions& o);
+
+}  // namespace cli
+}  // namespace attnserve
