@@ -25,7 +25,7 @@ usage() {
 Usage: scripts/container-smoke.sh [options]
 
   --port N            host port to publish 50051 on (default: a free one)
-  --requests N        forwards in the short load (default: 40)
+  --load-seconds N    length of the short `attnctl load` (default: 3)
   --jobs N            compile jobs inside the image build (default: nproc)
   --no-build          reuse the existing localhost/attnserve:cpu image
   --gpu-build-stage   also build deploy/Dockerfile --target build on the local
@@ -49,7 +49,7 @@ EOF
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 port=""
-requests=40
+load_seconds=3
 jobs=""
 build=1
 gpu_stage=0
@@ -61,8 +61,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --port) port=$2; shift 2 ;;
     --port=*) port=${1#*=}; shift ;;
-    --requests) requests=$2; shift 2 ;;
-    --requests=*) requests=${1#*=}; shift ;;
+    --load-seconds) load_seconds=$2; shift 2 ;;
+    --load-seconds=*) load_seconds=${1#*=}; shift ;;
     --jobs) jobs=$2; shift 2 ;;
     --jobs=*) jobs=${1#*=}; shift ;;
     --no-build) build=0; shift ;;
@@ -249,27 +249,20 @@ print(shlex.join(argv))')
   done
   timed "forward --verify x${#verify_cases[@]}" "$(took "$t0")"
 
-  # Short load: one attnctl process running a loop of forwards (a new
-  # container per call would measure podman, not the server). `attnctl load`
-  # replaces the loop once it exists.
+  # Short load: attnctl load from inside the image (host network), every
+  # response checked against the float64 reference; exit 0 means no errors.
   t0=$(now)
-  # shellcheck disable=SC2016  # expanded by the container's shell, not here
-  load_script='fail=0; i=0
-    while [ $i -lt "$0" ]; do
-      attnctl --target="$1" forward --dtype=bf16 --batch=2 --seqlen_q=256 --heads_q=8 \
-        --heads_kv=2 --head_dim=64 --causal >/dev/null 2>&1 || fail=$((fail + 1))
-      i=$((i + 1))
-    done
-    echo "$fail"'
-  load_fail=$(podman run --rm --network host --no-healthcheck --entrypoint /bin/sh "$cpu_image" \
-                -c "$load_script" "$requests" "127.0.0.1:$port")
-  load_s=$(took "$t0")
-  if [ "$load_fail" = 0 ]; then
-    pass "load: $requests forwards, 0 failed, $load_s s"
+  if load_out=$(podman run --rm --network host --no-healthcheck "$cpu_image" \
+                  attnctl --target="127.0.0.1:$port" load --concurrency=4 --warmup=0s \
+                  --duration="${load_seconds}s" --dtype=bf16 --batch=2 --seqlen_q=256 \
+                  --heads_q=8 --heads_kv=2 --head_dim=64 --causal --check 2>/dev/null); then
+    pass "load: $(echo "$load_out" | grep -m1 '^concurrency=')"
   else
-    fail "load: $requests forwards, $load_fail failed"
+    echo "$load_out" | tail -n 5
+    fail "attnctl load --check reported errors"
   fi
-  timed "load ($requests sequential forwards)" "$load_s"
+  load_s=$(took "$t0")
+  timed "attnctl load (${load_seconds} s, 4 callers)" "$load_s"
 
   # SIGTERM with a request in flight: the request must finish (drain) and the
   # server must exit 0 by itself, before podman's SIGKILL at 30 s. The request
