@@ -123,6 +123,7 @@ absl::Status Executor::Run(WorkItem& item, WorkTimings* timings) {
   BackendTimings backend_timings;
   const absl::Time start = absl::Now();
   absl::Status status = backend_->Forward(item.params, &backend_timings);
+  if (options_.metrics != nullptr && !item.internal) options_.metrics->RecordExecution();
   timings->host_to_device_us = backend_timings.host_to_device_us;
   timings->device_to_host_us = backend_timings.device_to_host_us;
   // A backend that does not time itself (or times only part) still gets the

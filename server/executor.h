@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/params.h"
+#include "server/metrics.h"
 
 namespace attnserve {
 
@@ -51,11 +52,16 @@ struct WorkItem {
   // Called exactly once for an admitted item, on the worker thread (or on the
   // thread that calls Shutdown), never under the executor's lock.
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
+  // The server's own work (the start-up warm-up): left out of the metrics.
+  bool internal = false;
 };
 
 struct ExecutorOptions {
   // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED.
   int max_queue_size = 256;
+  // Counts backend launches (nv_inference_exec_count) when set; must outlive
+  // the executor.
+  ServerMetrics* metrics = nullptr;
 };
 
 class Executor {

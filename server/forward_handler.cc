@@ -62,8 +62,11 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse*
 }  // namespace
 
 ForwardHandler::ForwardHandler(Executor* executor, std::string backend_name,
-                               const RequestLimits& limits)
-    : executor_(executor), backend_name_(std::move(backend_name)), limits_(limits) {}
+                               const RequestLimits& limits, ServerMetrics* metrics)
+    : executor_(executor),
+      backend_name_(std::move(backend_name)),
+      limits_(limits),
+      metrics_(metrics) {}
 
 void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
                            absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
@@ -110,6 +113,10 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   t->set_compute_us(timings.compute_us);
   t->set_device_to_host_us(timings.device_to_host_us);
   t->set_total_us(timings.total_us);
+  if (metrics_ != nullptr) {
+    metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
+                            timings.compute_us, timings.device_to_host_us, timings.total_us);
+  }
 
   // Shapes, dtype and outcome only: tensor bytes never reach the log.
   spdlog::log(

@@ -13,6 +13,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "backend/backend.h"
 #include "server/executor.h"
+#include "server/metrics.h"
 #include "server/request_validation.h"
 
 namespace attnserve {
@@ -24,8 +25,10 @@ class ForwardHandler {
   // timing and backend only (the caller decides how to report the error).
   using Done = std::function<void(const absl::Status& status)>;
 
-  // `executor` must outlive the handler.
-  ForwardHandler(Executor* executor, std::string backend_name, const RequestLimits& limits);
+  // `executor` (and `metrics`, which records every finished request when set)
+  // must outlive the handler.
+  ForwardHandler(Executor* executor, std::string backend_name, const RequestLimits& limits,
+                 ServerMetrics* metrics = nullptr);
 
   // Starts `request`. `request` and `response` must stay valid until `done`
   // runs, which may happen before Start returns (a refused request) or later on
@@ -44,6 +47,7 @@ class ForwardHandler {
   Executor* const executor_;
   const std::string backend_name_;
   const RequestLimits limits_;
+  ServerMetrics* const metrics_;
 };
 
 }  // namespace attnserve

@@ -27,6 +27,9 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
           "Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted");
+ABSL_FLAG(int, metrics_port, 8002,
+          "Port of the Prometheus /metrics HTTP endpoint (Triton's metric names); 0 = off");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
@@ -95,6 +98,9 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
 
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {

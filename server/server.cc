@@ -26,6 +26,8 @@
 #include "server/attention_service.h"
 #include "server/executor.h"
 #include "server/forward_handler.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -60,6 +62,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
   }
   if (o.max_tokens <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens: expected > 0, got ", o.max_tokens));
+  }
+  if (o.metrics_enabled && (o.metrics_port < 0 || o.metrics_port > 65535)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_port: expected 0..65535, got ", o.metrics_port));
   }
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
@@ -107,6 +113,7 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   absl::Status result;
   WorkItem item;
   item.params = p;
+  item.internal = true;
   item.done = [&](const absl::Status& status, const WorkTimings&) {
     result = status;
     done.Notify();
@@ -129,9 +136,9 @@ class AttnServerImpl final : public AttnServer {
   AttnServerImpl(const ServerOptions& options, std::unique_ptr<AttentionBackend> backend)
       : options_(options),
         backend_(std::move(backend)),
-        executor_(backend_.get(), ExecutorOptions{options.max_queue_size}),
+        executor_(backend_.get(), ExecutorOptions{options.max_queue_size, &metrics_}),
         handler_(&executor_, backend_->Describe().name,
-                 RequestLimits{options.max_request_bytes, options.max_tokens}),
+                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(
             &handler_, backend_.get(),
             ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
@@ -191,6 +198,21 @@ class AttnServerImpl final : public AttnServer {
       Shutdown(absl::ZeroDuration());
       return warm;
     }
+    metrics_.SetPendingSource([this] { return int64_t{executor_.queued()}; });
+    metrics_.SetDevices(backend_->Describe().devices);
+    if (options_.metrics_enabled) {
+      absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+          MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
+      if (http.ok()) {
+        metrics_http_port_.store((*http)->port(), std::memory_order_release);
+        absl::MutexLock lock(&mu_);
+        metrics_http_ = *std::move(http);
+      } else {
+        // Serving matters more than its metrics: several replicas on one host
+        // (scripts/lb-demo.sh) would otherwise all fight over port 8002.
+        spdlog::error("serving without /metrics: {}", std::string(http.status().message()));
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
       // Shutdown may have begun meanwhile; then health stays NOT_SERVING.
@@ -203,6 +225,9 @@ class AttnServerImpl final : public AttnServer {
                  ATTNSERVE_VERSION, options_.host, port(), d.name,
                  d.devices.empty() ? std::string("host CPU") : d.devices.front().name,
                  d.cpu_threads);
+    if (metrics_port() != 0) {
+      spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
+    }
     return absl::OkStatus();
   }
 
@@ -242,6 +267,8 @@ class AttnServerImpl final : public AttnServer {
     if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
     spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
     absl::MutexLock lock(&mu_);
+    // Metrics stay scrapeable through the drain, so its end is visible.
+    if (metrics_http_ != nullptr) metrics_http_->Stop();
     state_ = State::kStopped;
     stopped_.Notify();
   }
@@ -250,11 +277,17 @@ class AttnServerImpl final : public AttnServer {
 
   int queued_requests() const override { return executor_.queued(); }
 
+  int metrics_port() const override {
+    return metrics_http_port_.load(std::memory_order_acquire);
+  }
+
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 
   const ServerOptions options_;
   const std::unique_ptr<AttentionBackend> backend_;
+  // Before the executor and handler, which record into it.
+  ServerMetrics metrics_;
   Executor executor_;
   ForwardHandler handler_;
   AttentionService service_;
@@ -266,6 +299,8 @@ class AttnServerImpl final : public AttnServer {
   // Readable from any thread once bound (while Start still warms up).
   std::atomic<int> port_{0};
   absl::Notification stopped_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;  // set in Start, stopped in Shutdown
+  std::atomic<int> metrics_http_port_{0};
 };
 
 }  // namespace

@@ -24,6 +24,13 @@ struct ServerOptions {
   int64_t max_tokens = int64_t{1} << 22;
   // Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED.
   int max_queue_size = 256;
+  // Prometheus /metrics over HTTP (metrics.h) on metrics_host:metrics_port;
+  // port 0 picks a free one (AttnServer::metrics_port() tells which). Off by
+  // default here so in-process servers (tests) bind nothing extra; main.cc
+  // turns it on (--metrics_port, default 8002).
+  bool metrics_enabled = false;
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = 8002;
 };
 
 class AttnServer {
@@ -48,6 +55,8 @@ class AttnServer {
   // Requests admitted but not yet started (monitoring, and tests that need a
   // request to be known queued before they go on).
   virtual int queued_requests() const = 0;
+  // The bound metrics port after Start, or 0 when metrics are off.
+  virtual int metrics_port() const = 0;
 };
 
 }  // namespace attnserve

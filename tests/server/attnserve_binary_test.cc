@@ -107,7 +107,7 @@ TEST(AttnserveBinaryTest, BadLogLevelIsRefused) {
 }
 
 void ServeThenSignal(int signal_number) {
-  Child child({"--host=127.0.0.1", "--port=0", "--backend=cpu", "--threads=1"});
+  Child child({"--host=127.0.0.1", "--port=0", "--backend=cpu", "--threads=1", "--metrics_port=0"});
   const std::string line = child.ReadUntil("listening on");
   ASSERT_FALSE(line.empty()) << child.output();
   // "... listening on 127.0.0.1:PORT backend=cpu ..."

@@ -1,0 +1,155 @@
+// ServerMetrics: counters updated on the request path, Prometheus text built
+// at scrape time; see metrics.h.
+#include "server/metrics.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+constexpr char kModelLabels[] = "model=\"attention\",version=\"1\"";
+
+// "# HELP", "# TYPE" and one sample line per label set.
+void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
+                  const std::vector<std::pair<std::string, std::string>>& samples) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  for (const auto& [labels, value] : samples) {
+    absl::StrAppend(out, name, "{", labels, "} ", value, "\n");
+  }
+}
+
+void AppendModelCounter(std::string* out, const char* name, const char* help,
+                        const std::atomic<int64_t>& value) {
+  AppendFamily(out, name, "counter", help,
+               {{kModelLabels, absl::StrCat(value.load(std::memory_order_relaxed))}});
+}
+
+}  // namespace
+
+const char* ServerMetrics::FailureReasonName(FailureReason reason) {
+  switch (reason) {
+    case FailureReason::kRejected:
+      return "REJECTED";
+    case FailureReason::kCanceled:
+      return "CANCELED";
+    case FailureReason::kBackend:
+      return "BACKEND";
+    case FailureReason::kOther:
+      break;
+  }
+  return "OTHER";
+}
+
+ServerMetrics::FailureReason ServerMetrics::ReasonFor(const absl::Status& status) {
+  switch (status.code()) {
+    // Refused at admission: queue full, over a limit, draining.
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kUnavailable:
+      return FailureReason::kRejected;
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kDeadlineExceeded:
+      return FailureReason::kCanceled;
+    // The backend could not run a valid request, or failed running it.
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kUnknown:
+      return FailureReason::kBackend;
+    default:
+      return FailureReason::kOther;  // INVALID_ARGUMENT and the rest
+  }
+}
+
+void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
+                                  int64_t host_to_device_us, int64_t compute_us,
+                                  int64_t device_to_host_us, int64_t total_us) {
+  if (!status.ok()) {
+    failure_[static_cast<int>(ReasonFor(status))].fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  success_.fetch_add(1, std::memory_order_relaxed);
+  inference_count_.fetch_add(1, std::memory_order_relaxed);
+  request_duration_us_.fetch_add(total_us, std::memory_order_relaxed);
+  queue_duration_us_.fetch_add(queue_us, std::memory_order_relaxed);
+  compute_input_duration_us_.fetch_add(host_to_device_us, std::memory_order_relaxed);
+  compute_infer_duration_us_.fetch_add(compute_us, std::memory_order_relaxed);
+  compute_output_duration_us_.fetch_add(device_to_host_us, std::memory_order_relaxed);
+}
+
+void ServerMetrics::SetPendingSource(std::function<int64_t()> source) {
+  absl::MutexLock lock(&sources_mu_);
+  pending_source_ = std::move(source);
+}
+
+void ServerMetrics::SetDevices(std::vector<DeviceDescription> devices) {
+  absl::MutexLock lock(&sources_mu_);
+  devices_ = std::move(devices);
+}
+
+void ServerMetrics::SetDeviceUsageSource(std::function<std::vector<DeviceUsage>()> source) {
+  absl::MutexLock lock(&sources_mu_);
+  usage_source_ = std::move(source);
+}
+
+std::string ServerMetrics::RenderPrometheus() const {
+  std::string out;
+  AppendModelCounter(&out, "nv_inference_request_success",
+                     "Number of successful inference requests, all batch sizes", success_);
+  std::vector<std::pair<std::string, std::string>> failures;
+  for (int r = 0; r < kNumFailureReasons; ++r) {
+    failures.emplace_back(
+        absl::StrCat(kModelLabels, ",reason=\"", FailureReasonName(FailureReason(r)), "\""),
+        absl::StrCat(failure_[r].load(std::memory_order_relaxed)));
+  }
+  AppendFamily(&out, "nv_inference_request_failure", "counter",
+               "Number of failed inference requests, all batch sizes", failures);
+  AppendModelCounter(&out, "nv_inference_count",
+                     "Number of inferences performed (one per successful request)",
+                     inference_count_);
+  AppendModelCounter(&out, "nv_inference_exec_count",
+                     "Number of model executions performed (backend launches; a batched launch "
+                     "serves several requests)",
+                     exec_count_);
+  AppendModelCounter(&out, "nv_inference_request_duration_us",
+                     "Cumulative inference request duration in microseconds",
+                     request_duration_us_);
+  AppendModelCounter(&out, "nv_inference_queue_duration_us",
+                     "Cumulative inference queuing duration in microseconds", queue_duration_us_);
+  AppendModelCounter(&out, "nv_inference_compute_input_duration_us",
+                     "Cumulative compute input duration in microseconds (host to device)",
+                     compute_input_duration_us_);
+  AppendModelCounter(&out, "nv_inference_compute_infer_duration_us",
+                     "Cumulative compute inference duration in microseconds",
+                     compute_infer_duration_us_);
+  AppendModelCounter(&out, "nv_inference_compute_output_duration_us",
+                     "Cumulative inference compute output duration in microseconds (device to "
+                     "host)",
+                     compute_output_duration_us_);
+
+  absl::MutexLock lock(&sources_mu_);
+  AppendFamily(&out, "nv_inference_pending_request_count", "gauge",
+               "Instantaneous number of pending requests awaiting execution per-model.",
+               {{kModelLabels, absl::StrCat(pending_source_ ? pending_source_() : 0)}});
+  if (devices_.empty()) return out;
+  // Triton labels GPUs by UUID; the backend description has none, so the
+  // label carries the device index.
+  auto gpu_label = [](int index) { return absl::StrCat("gpu_uuid=\"GPU-", index, "\""); };
+  std::vector<std::pair<std::string, std::string>> total;
+  for (const DeviceDescription& d : devices_) {
+    total.emplace_back(gpu_label(d.index), absl::StrCat(d.total_memory_bytes));
+  }
+  AppendFamily(&out, "nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes", total);
+  if (!usage_source_) return out;
+  std::vector<std::pair<std::string, std::string>> used, util;
+  for (const DeviceUsage& u : usage_source_()) {
+    used.emplace_back(gpu_label(u.index), absl::StrCat(u.memory_used_bytes));
+    util.emplace_back(gpu_label(u.index), absl::StrCat(u.utilization));
+  }
+  AppendFamily(&out, "nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes", used);
+  AppendFamily(&out, "nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0)", util);
+  return out;
+}
+
+}  // namespace attnserve

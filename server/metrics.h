@@ -1,0 +1,81 @@
+// The server's metrics registry: lock-free counters and gauges that the request
+// path updates, rendered on demand as Prometheus text with Triton Inference
+// Server's metric names and labels (model="attention", version="1"), so
+// dashboards built for Triton read attnserve unchanged. Knows nothing about
+// HTTP; metrics_http.h serves the text.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "backend/backend.h"
+
+namespace attnserve {
+
+// Live readings of one device. The backend interface has no way to read them
+// yet (AttentionBackend only describes devices), so the server leaves the
+// source unset and only nv_gpu_memory_total_bytes (from the description) is
+// exported; a backend that can read NVML or cudaMemGetInfo plugs in through
+// ServerMetrics::SetDeviceUsageSource.
+struct DeviceUsage {
+  int index = 0;
+  int64_t memory_used_bytes = 0;
+  double utilization = 0.0;  // 0..1, as Triton's nv_gpu_utilization
+};
+
+class ServerMetrics {
+ public:
+  // Triton's failure reasons (nv_inference_request_failure{reason=...}).
+  enum class FailureReason { kRejected, kCanceled, kBackend, kOther };
+  static constexpr int kNumFailureReasons = 4;
+  static const char* FailureReasonName(FailureReason reason);  // "REJECTED", ...
+  // The reason a request that ended with `status` counts under.
+  static FailureReason ReasonFor(const absl::Status& status);
+
+  // Per finished request (success or failure), from its final status and the
+  // server timing it reports (µs). Durations accumulate for successes only,
+  // as Triton's do, so duration / success count is the mean.
+  void RecordRequest(const absl::Status& status, int64_t queue_us, int64_t host_to_device_us,
+                     int64_t compute_us, int64_t device_to_host_us, int64_t total_us);
+  // Per backend launch, which may serve several requests (nv_inference_exec_count).
+  void RecordExecution() { exec_count_.fetch_add(1, std::memory_order_relaxed); }
+
+  // Requests admitted and not yet started (nv_inference_pending_request_count),
+  // read at render time. Unset: 0.
+  void SetPendingSource(std::function<int64_t()> source);
+  // Devices to report (nv_gpu_memory_total_bytes); empty for the CPU backend.
+  void SetDevices(std::vector<DeviceDescription> devices);
+  // Live device readings (nv_gpu_memory_used_bytes, nv_gpu_utilization).
+  void SetDeviceUsageSource(std::function<std::vector<DeviceUsage>()> source);
+
+  // The Prometheus text exposition format (version 0.0.4).
+  std::string RenderPrometheus() const;
+
+  int64_t success_count() const { return success_.load(std::memory_order_relaxed); }
+  int64_t exec_count() const { return exec_count_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> success_{0};
+  std::atomic<int64_t> failure_[kNumFailureReasons] = {};
+  std::atomic<int64_t> inference_count_{0};
+  std::atomic<int64_t> exec_count_{0};
+  std::atomic<int64_t> request_duration_us_{0};
+  std::atomic<int64_t> queue_duration_us_{0};
+  std::atomic<int64_t> compute_input_duration_us_{0};
+  std::atomic<int64_t> compute_infer_duration_us_{0};
+  std::atomic<int64_t> compute_output_duration_us_{0};
+
+  // Set once at start-up, read at scrape time: a mutex keeps them simple and
+  // stays off the request path.
+  mutable absl::Mutex sources_mu_;
+  std::function<int64_t()> pending_source_ ABSL_GUARDED_BY(sources_mu_);
+  std::vector<DeviceDescription> devices_ ABSL_GUARDED_BY(sources_mu_);
+  std::function<std::vector<DeviceUsage>()> usage_source_ ABSL_GUARDED_BY(sources_mu_);
+};
+
+}  // namespace attnserve

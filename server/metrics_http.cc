@@ -1,0 +1,83 @@
+// The /metrics HTTP endpoint; see metrics_http.h. cpp-httplib is included here
+// only; builds without it (static ones, see server/CMakeLists.txt) get a Start
+// that says so.
+#include "server/metrics_http.h"
+
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef ATTNSERVE_HAVE_HTTPLIB
+#include <httplib.h>
+#endif
+
+namespace attnserve {
+
+#ifdef ATTNSERVE_HAVE_HTTPLIB
+namespace {
+
+// Scrapes are rare and cheap; a couple of threads is plenty and keeps the
+// server's thread count predictable.
+constexpr size_t kHttpThreads = 2;
+
+class MetricsHttpServerImpl final : public MetricsHttpServer {
+ public:
+  explicit MetricsHttpServerImpl(const ServerMetrics* metrics) {
+    http_.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+    http_.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8");
+    });
+  }
+
+  ~MetricsHttpServerImpl() override { Stop(); }
+
+  absl::Status Bind(const std::string& host, int port) {
+    if (port == 0) {
+      port_ = http_.bind_to_any_port(host);
+    } else if (http_.bind_to_port(host, port)) {
+      port_ = port;
+    }
+    if (port_ <= 0) {
+      return absl::UnavailableError(absl::StrCat("metrics: could not listen on ", host, ":", port,
+                                                 " (address in use or not available?)"));
+    }
+    listener_ = std::thread([this] { http_.listen_after_bind(); });
+    return absl::OkStatus();
+  }
+
+  int port() const override { return port_; }
+
+  void Stop() override {
+    http_.stop();
+    if (listener_.joinable()) listener_.join();
+  }
+
+ private:
+  httplib::Server http_;
+  int port_ = 0;
+  std::thread listener_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& host, int port, const ServerMetrics* metrics) {
+  auto server = std::make_unique<MetricsHttpServerImpl>(metrics);
+  absl::Status bound = server->Bind(host, port);
+  if (!bound.ok()) return bound;
+  return server;
+}
+
+#else  // !ATTNSERVE_HAVE_HTTPLIB
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& host, int port, const ServerMetrics*) {
+  return absl::UnimplementedError(
+      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":",
+                   port, "/metrics is not served"));
+}
+
+#endif  // ATTNSERVE_HAVE_HTTPLIB
+
+}  // namespace attnserve
