@@ -66,8 +66,8 @@ const Command kCommands[] = {
      "effective TFLOP/s (4*B*Hq*Sq*Sk*D per request, halved for causal Sq = Sk), client latency\n"
      "p50/p90/p95/p99/max, the server's mean queue/host_to_device/compute/device_to_host, and\n"
      "errors by status code (only requests completing inside the window count). A live progress\n"
-     "line goes to stderr once a second. Exit code 0; 1 if --check found a mismatch or no request\n"
-     "succeeded; 2 on bad flags.",
+     "line goes to stderr once a second. Exit code 0; 1 if no request succeeded, or with --check\n"
+     "if any request failed or mismatched; 2 on bad flags.",
      "client/cli/load.cc", kAttentionFlagsFile, RunLoad},
 };
 
