@@ -3,12 +3,14 @@
 # SDPA (FLASH, CUDNN, EFFICIENT) on DESIGN.md §5's grids in one run, merged
 # into $OUT/<gpu>-<date>.csv (copy it to bench/results/) with ratios printed.
 # Expects build-gpu from scripts/gpu-check.sh (or builds it).
-# Usage: scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+# Usage: [DTYPES=bf16] scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+# quick = the reduced grid: D 64/128/256 at N 1k and 8k, causal and not, plus
+# the decode grid (with DTYPES=bf16: ~1 minute on an H100).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-bench-out}
 mkdir -p "$OUT"
-GRID=${1:-all}; IMPLS=${2:-ours,standard,fa1}
+GRID=${1:-all}; IMPLS=${2:-ours,standard,kvread,fa1}; DTYPES=${DTYPES:-bf16,fp16}
 B=build-gpu
 # The test binaries link the carried Abseil shared libraries.
 export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -29,8 +31,8 @@ hdr="$OUT/header.txt"
   echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); date: $date; timing: CUDA events, L2 flushed, median of 25 (ours/standard) 25 (sdpa) 20 (fa1)"
 } >"$hdr"
 # ours + standard first, then SDPA, then the slow FA1-order version (BF16, N <= 1k) last.
-$B/bench/cuda/attn_bench --grid="$GRID" --impls="${IMPLS/,fa1/}" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"
-python3 bench/gpu/sdpa_bench.py --grid="$GRID" --csv="$OUT/sdpa.csv" 2>"$OUT/sdpa.log"
+$B/bench/cuda/attn_bench --grid="$GRID" --dtypes="$DTYPES" --impls="${IMPLS/,fa1/}" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"
+python3 bench/gpu/sdpa_bench.py --grid="$GRID" --dtypes="$DTYPES" --csv="$OUT/sdpa.csv" 2>"$OUT/sdpa.log"
 inputs=("$OUT/ours.csv" "$OUT/sdpa.csv")
 if [[ $IMPLS == *fa1* ]]; then
   timeout 150 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=fa1 --csv="$OUT/fa1.csv" 2>>"$OUT/attn_bench.log"

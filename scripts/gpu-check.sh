@@ -49,17 +49,33 @@ if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/
   port=50917
   .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port >"$OUT/server.log" 2>&1 &
   spid=$!
-  sleep 3
   C=".device-carry/bin/attnctl --target=127.0.0.1:$port"
-  $C info >"$OUT/e2e.log" 2>&1
+  for i in $(seq 1 30); do $C health >/dev/null 2>&1 && break; sleep 1; done
+  $C info >"$OUT/e2e-info.log" 2>&1
+  if grep -qE '^backend: +cuda' "$OUT/e2e-info.log" && grep -qE '^device 0: ' "$OUT/e2e-info.log"; then
+    note "e2e info" "PASS ($(grep -E '^device 0: ' "$OUT/e2e-info.log" | sed -E 's/^device 0: +//'))"
+  else
+    note "e2e info" "FAIL ($(head -3 "$OUT/e2e-info.log" | tr '\n' ' '))"
+  fi
+  : >"$OUT/e2e.log"
   while read -r name args; do
-    if $C forward $args --verify >>"$OUT/e2e.log" 2>&1; then note "e2e $name" PASS; else note "e2e $name" FAIL; fi
+    echo "==== $name: attnctl forward $args --verify" >>"$OUT/e2e.log"
+    $C forward $args --verify >"$OUT/e2e-case.log" 2>&1; rc=$?
+    cat "$OUT/e2e-case.log" >>"$OUT/e2e.log"
+    err=$(grep -oE 'o max abs err [^,]+' "$OUT/e2e-case.log" | head -1 | sed 's/o max abs err //')
+    if [ $rc = 0 ] && grep -q '^PASS' "$OUT/e2e-case.log"; then note "e2e $name" "PASS (max abs err $err)"
+    else note "e2e $name" "FAIL rc=$rc $(grep -E 'FAIL|rror' "$OUT/e2e-case.log" | head -1)"; fi
   done <<'CASES'
 fp16_causal --batch=2 --seqlen_q=300 --heads_q=8 --heads_kv=8 --head_dim=128 --dtype=fp16 --causal --return_lse
+fp16_noncausal_gqa --batch=2 --seqlen_q=200 --seqlen_k=333 --heads_q=8 --heads_kv=2 --head_dim=64 --dtype=fp16
 bf16_noncausal --batch=2 --seqlen_q=257 --heads_q=4 --heads_kv=4 --head_dim=64 --dtype=bf16
+bf16_causal_gqa --batch=1 --seqlen_q=500 --heads_q=8 --heads_kv=2 --head_dim=256 --dtype=bf16 --causal --return_lse
 fp32_causal --batch=1 --seqlen_q=200 --heads_q=4 --heads_kv=2 --head_dim=96 --dtype=fp32 --causal --return_lse
+fp32_noncausal --batch=2 --seqlen_q=65 --seqlen_k=130 --heads_q=4 --heads_kv=4 --head_dim=128 --dtype=fp32 --return_lse
 bf16_gqa_decode --batch=2 --seqlen_q=1 --seqlen_k=5000 --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --return_lse
 fp16_varlen --varlen_q=3,0,17,130 --varlen_k=5,4,17,200 --heads_q=4 --heads_kv=1 --head_dim=256 --dtype=fp16 --causal --return_lse
+bf16_varlen_noncausal_gqa --varlen_q=1,40,7 --varlen_k=300,41,2000 --heads_q=8 --heads_kv=2 --head_dim=128 --dtype=bf16 --return_lse
+fp32_varlen --varlen_q=3,0,17 --varlen_k=5,4,17 --heads_q=4 --heads_kv=2 --head_dim=64 --dtype=fp32 --causal
 bf16_window_softcap --batch=1 --seqlen_q=300 --heads_q=4 --heads_kv=2 --head_dim=72 --dtype=bf16 --window_left=50 --softcap=20 --return_lse
 CASES
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null

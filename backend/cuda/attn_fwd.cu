@@ -212,20 +212,56 @@ LaunchPlan PlanForward(const AttnParams& p, int num_sms) {
     }
   }
   if (plan.kernel_head_dim == 0) return plan;
+  // Same test as LaunchForward's choice of the banded instantiation.
+  if (p.window_left >= 0 || p.window_right >= 0) {
+    for (const TileConfig& t : kCausalTileTable) {
+      if (t.head_dim == plan.kernel_head_dim) {
+        plan.tile = t;
+        plan.tile_kind = 2;
+      }
+    }
+  }
   const int group = p.num_heads_q / std::max(p.num_heads_kv, 1);
   // Pack GQA heads into M for short query runs (decode, speculative steps):
   // otherwise each query head's CTA would stream the same K/V for 1..16 rows.
   plan.pack_gqa = (group > 1 && p.seqlen_q <= 16) ? group : 1;
   const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
+  if (rows <= kDecodeMaxRows) {
+    for (const TileConfig& t : kDecodeTileTable) {
+      if (t.head_dim == plan.kernel_head_dim) {
+        plan.tile = t;
+        plan.tile_kind = 1;
+      }
+    }
+  }
   const int64_t m_blocks = (rows + plan.tile.block_m - 1) / plan.tile.block_m;
   const int64_t heads = plan.pack_gqa > 1 ? p.num_heads_kv : p.num_heads_q;
   const int64_t base = m_blocks * heads * p.batch;
   const int64_t n_blocks = (int64_t{p.seqlen_k} + plan.tile.block_n - 1) / plan.tile.block_n;
   const int threads = plan.tile.num_warps * 32;
   const int64_t ctas_per_sm =
-      std::max(1, std::min(65536 / (256 * threads), (227 * 1024) / SmemBytes(plan.tile)));
+      std::max(1, std::min(65536 / (plan.tile.regs * threads), (227 * 1024) / (SmemBytes(plan.tile) + 1024)));
   const int64_t wave = int64_t{num_sms} * ctas_per_sm;
-  if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
+  if (plan.tile_kind == 1 && base > 0 && n_blocks >= 4) {
+    // Decode: the fewest splits whose CTAs fill >= 90% of the waves they
+    // take (B=1: 8 CTAs -> 45 splits of a 396-CTA wave; B=64, Sk=4k: 512 CTAs
+    // are 1.29 waves -> 3 splits, 1536 CTAs = 3.9 waves), else the fullest;
+    // splits of at least 2 tiles, at most 128.
+    const int64_t max_splits = std::min<int64_t>(n_blocks / 2, 128);
+    int64_t best = 1;
+    double best_eff = 0.0;
+    for (int64_t s = 1; s <= max_splits; ++s) {
+      const int64_t ctas = base * s;
+      const double eff = static_cast<double>(ctas) / (static_cast<double>((ctas + wave - 1) / wave) * wave);
+      if (eff > best_eff + 1e-9) {
+        best = s;
+        best_eff = eff;
+      }
+      if (eff >= 0.9) break;
+    }
+    const int64_t per = (n_blocks + best - 1) / best;
+    plan.num_splits = static_cast<int>(std::max<int64_t>((n_blocks + per - 1) / per, 1));
+  } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
     int64_t splits = wave / base;
     splits = std::min<int64_t>({splits, n_blocks / 2, 128});
     // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
@@ -254,6 +290,7 @@ cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* w
   l.scale_log2 = dev.softmax_scale * kLog2e;
   l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
+  l.tile_kind = plan.tile_kind;
   const bool banded = dev.window_left >= 0 || dev.window_right >= 0;
   cudaError_t err;
   if (dev.dtype == DType::kFP16) {

@@ -103,16 +103,20 @@ __device__ __forceinline__ float QuadSum(float x) {
 // window_right = 0 after FillParams); tiles outside the band are skipped and
 // band-boundary tiles masked. Without it only the last, partial key tile is
 // masked (by the same per-row [lo, hi] test, hi = Sk - 1).
+// A 16-row (decode) tile is capped to 3 CTAs per SM (<= 168 registers): its
+// 74 KB of smem allow 3, and 172 registers would allow only 2.
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L) {
+__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
   using namespace detail;
   constexpr int kThreads = kNWarps * 32;
-  constexpr int kMTiles = kBlockM / (16 * kNWarps);  // m16 tiles per warp
+  // m16 tiles per warp; a 16-row (decode) tile gives warp 0 the one m tile
+  // and the other warps only load.
+  constexpr int kMTiles = kBlockM >= 16 * kNWarps ? kBlockM / (16 * kNWarps) : 1;
   constexpr int kNTiles = kBlockN / 8;               // n8 tiles of S per row block
   constexpr int kDTiles = kHeadDim / 8;              // n8 tiles of O
   constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   constexpr int kStride = kHeadDim + 8;              // smem row pitch (elements), +16 B pad
-  static_assert(kBlockM % (16 * kNWarps) == 0 && kHeadDim % 16 == 0 && kBlockN % 16 == 0, "tile shape");
+  static_assert((kBlockM % (16 * kNWarps) == 0 || kBlockM == 16) && kHeadDim % 16 == 0 && kBlockN % 16 == 0, "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
   const int warp_row0 = warp * kMTiles * 16;
   // Warps whose rows all lie past the problem (decode: M of 1..16 rows) only
   // help load tiles; they skip the math.
-  const bool warp_active = m0 + warp_row0 < rows;
+  const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows;
 
   // The thread's rows: r = mt * 2 + half -> CTA row warp_row0 + mt*16 + half*8 + group.
   auto thread_row = [&](int r) { return m0 + warp_row0 + (r / 2) * 16 + (r % 2) * 8 + group; };
@@ -219,15 +223,36 @@ __global__ void __launch_bounds__(kNWarps * 32) AttnFwdKernel(const FwdLaunch L)
       CpAsync16(sQ + r * kStride + c * 8, src, ok);
     }
   };
+  // When the threads cover whole rows (kThreads % kChunks == 0) a thread
+  // keeps one column chunk and steps down kRowsPerIt rows per copy from one
+  // running pointer: the general form below let the compiler hoist one 64-bit
+  // address per copy out of the tile loop, which spilled at D=128.
+  constexpr bool kRowSteps = kThreads % kChunks == 0 && kBlockN % (kThreads / kChunks) == 0;
+  constexpr int kRowsPerIt = kRowSteps ? kThreads / kChunks : 1;
+  const int ld_r = tid / kChunks, ld_c = tid % kChunks;
+  const bool ld_c_ok = ld_c < d_chunks;
   auto load_kv = [&](T* dst, const T* base, int n) {
+    if constexpr (kRowSteps) {
+      const int j0 = n * kBlockN + ld_r;
+      const T* src = base + int64_t{j0} * kv_row_stride + ld_c * 8;
+      T* d = dst + ld_r * kStride + ld_c * 8;
+      const int64_t step = kRowsPerIt * kv_row_stride;
 #pragma unroll
-    for (int it = 0; it < (kBlockN * kChunks + kThreads - 1) / kThreads; ++it) {
-      const int idx = tid + it * kThreads;
-      const int r = idx / kChunks, c = idx % kChunks;
-      const int j = n * kBlockN + r;
-      const bool ok = idx < kBlockN * kChunks && j < sk && c < d_chunks;
-      const T* src = ok ? base + j * kv_row_stride + c * 8 : base;
-      if (idx < kBlockN * kChunks) CpAsync16(dst + r * kStride + c * 8, src, ok);
+      for (int it = 0; it < kBlockN / kRowsPerIt; ++it) {
+        const bool ok = ld_c_ok && j0 + it * kRowsPerIt < sk;
+        CpAsync16(d + it * kRowsPerIt * kStride, ok ? src : base, ok);
+        src += step;
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < (kBlockN * kChunks + kThreads - 1) / kThreads; ++it) {
+        const int idx = tid + it * kThreads;
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int j = n * kBlockN + r;
+        const bool ok = idx < kBlockN * kChunks && j < sk && c < d_chunks;
+        const T* src = ok ? base + j * kv_row_stride + c * 8 : base;
+        if (idx < kBlockN * kChunks) CpAsync16(dst + r * kStride + c * 8, src, ok);
+      }
     }
   };
 
@@ -492,13 +517,30 @@ constexpr TileConfig TileFor() {
   for (const TileConfig& t : kTileTable) {
     if (t.head_dim == kHeadDim) return t;
   }
-  return TileConfig{0, 0, 0, 0, 0};
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
+template <int kHeadDim>
+constexpr TileConfig CausalTileFor() {
+  for (const TileConfig& t : kCausalTileTable) {
+    if (t.head_dim == kHeadDim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
+template <int kHeadDim>
+constexpr TileConfig DecodeTileFor() {
+  for (const TileConfig& t : kDecodeTileTable) {
+    if (t.head_dim == kHeadDim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
 }
 
-template <int kHeadDim, typename T, bool kIsCausal>
-cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile = TileFor<kHeadDim>();
-  static_assert(kTile.head_dim == kHeadDim, "head dim missing from kTileTable");
+template <int kHeadDim, typename T, bool kIsCausal, int kKind>
+cudaError_t RunAttnFwdTile(const FwdLaunch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile =
+      kKind == 1   ? DecodeTileFor<kHeadDim>()
+      : kKind == 2 ? CausalTileFor<kHeadDim>()
+                   : TileFor<kHeadDim>();
+  static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   auto kernel =
       AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>;
   constexpr int kSmem = SmemBytes(kTile);
@@ -510,6 +552,22 @@ cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
   if (blocks_x > 0x7fffffff || heads > 65535) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), kTile.num_warps * 32, kSmem, stream>>>(launch);
   return cudaGetLastError();
+}
+
+template <int kHeadDim, typename T, bool kIsCausal>
+cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
+  if constexpr (DecodeTileFor<kHeadDim>().head_dim == kHeadDim) {
+    if (launch.tile_kind == 1) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 1>(launch, stream);
+  }
+  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
+    if (launch.tile_kind == 2) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 2>(launch, stream);
+  }
+  if (launch.tile_kind != 0) return cudaErrorInvalidValue;
+  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
+    return cudaErrorInvalidValue;  // PlanForward gives banded requests tile_kind 2
+  } else {
+    return RunAttnFwdTile<kHeadDim, T, kIsCausal, 0>(launch, stream);
+  }
 }
 
 }  // namespace cuda
