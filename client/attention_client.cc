@@ -6,6 +6,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,8 +102,9 @@ absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& respo
     result.lse = *std::move(lse);
   }
   const v1::ServerTiming& t = response.timing();
-  result.timing = {t.queue_us(), t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-                   t.total_us()};
+  // A server without batching leaves batch_size 0: it ran alone.
+  result.timing = {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
+                   t.total_us(), std::max(1, t.batch_size())};
   result.backend = response.backend();
   return result;
 }

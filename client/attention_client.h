@@ -93,6 +93,7 @@ struct ServerTiming {
   int64_t compute_us = 0;
   int64_t device_to_host_us = 0;
   int64_t total_us = 0;
+  int batch_size = 1;  // requests that shared the backend launch
 };
 
 struct ForwardResult {

@@ -1,6 +1,8 @@
 // The protocol-independent core: an admission queue with a bound, and one
-// worker thread per backend that runs requests one at a time (backends are
-// serialised per instance) and reports each through a completion callback.
+// worker thread per backend that runs launches one at a time (backends are
+// serialised per instance) and reports each request through a completion
+// callback. With batching on, the worker packs queued requests that can share
+// a launch (ragged_batch.h) into one varlen call.
 // Front-ends (the native v1 API now, KServe v2 later) submit work here and
 // never block: they are called back when the work is done.
 #pragma once
@@ -12,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -30,6 +33,7 @@ struct WorkTimings {
   int64_t compute_us = 0;
   int64_t device_to_host_us = 0;
   int64_t total_us = 0;  // `received` until completion
+  int batch_size = 1;    // requests that shared this request's backend launch
 };
 
 // One attention call. Before compute the worker checks cancellation and the
@@ -62,6 +66,18 @@ struct ExecutorOptions {
   // Counts backend launches (nv_inference_exec_count) when set; must outlive
   // the executor.
   ServerMetrics* metrics = nullptr;
+  // Dynamic ragged batching. Off here (unit tests drive single launches); the
+  // server turns it on by default (ServerOptions).
+  bool batching = false;
+  // How long a batch that already has company may wait, counted from its
+  // first request's admission, for more compatible requests. Worked example:
+  // at concurrency 1 the queue is empty when the worker takes a request, so it
+  // runs at once with no added delay; at concurrency 64 the worker finds other
+  // callers' requests queued, packs them, and waits at most this long for
+  // stragglers while the batch is under the token budget.
+  absl::Duration batch_max_delay = absl::Microseconds(500);
+  // Most Tq + Tk rows in one packed launch; a larger request runs alone.
+  int64_t batch_max_tokens = 65536;
 };
 
 class Executor {
@@ -95,19 +111,36 @@ class Executor {
   bool running() const;
 
  private:
+  struct Queued {
+    WorkItem item;
+    absl::Time admitted;
+  };
+
   void WorkerLoop();
+  // Moves queued items that can share `batch`'s launch into it, waiting up to
+  // batch_max_delay for more when the batch already has company.
+  void CollectBatch(std::vector<Queued>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The checks before compute (deadline, cancellation) and output binding.
+  absl::Status Prepare(WorkItem& item);
+  // CanImplement and Forward of one launch; fills the device timings.
+  absl::Status Launch(const AttnParams& params, bool internal, WorkTimings* timings);
   // Runs one item on the backend and fills timings; returns its status.
   absl::Status Run(WorkItem& item, WorkTimings* timings);
+  // Runs `batch` (two or more items) as one packed launch, falling back to
+  // one launch each if the packed one fails (so an out-of-memory or a bad
+  // request fails only itself); completes every item.
+  void RunBatch(std::vector<Queued>& batch, absl::Time picked);
+  // One packed launch for batch[group...] (two or more that share a launch);
+  // fills their timings. False, touching no output, if the launch failed.
+  bool RunPacked(std::vector<Queued>& batch, const std::vector<size_t>& group,
+                 std::vector<WorkTimings>* timings);
 
   AttentionBackend* const backend_;
   const ExecutorOptions options_;
 
   mutable absl::Mutex mu_;
-  struct Queued {
-    WorkItem item;
-    absl::Time admitted;
-  };
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // wakes a batch waiting for company
   bool admitting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool running_ ABSL_GUARDED_BY(mu_) = false;

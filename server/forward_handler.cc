@@ -113,6 +113,7 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   t->set_compute_us(timings.compute_us);
   t->set_device_to_host_us(timings.device_to_host_us);
   t->set_total_us(timings.total_us);
+  t->set_batch_size(timings.batch_size);
   if (metrics_ != nullptr) {
     metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
                             timings.compute_us, timings.device_to_host_us, timings.total_us);

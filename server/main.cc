@@ -27,6 +27,13 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
           "Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted");
+ABSL_FLAG(bool, batching, true,
+          "Dynamic ragged batching: pack queued requests with the same dtype, heads, head dim and "
+          "options into one varlen launch (--nobatching or --batching=false: one launch each)");
+ABSL_FLAG(int64_t, batch_max_delay_us, 500,
+          "Longest a batch that already has company waits for more requests, in microseconds");
+ABSL_FLAG(int64_t, batch_max_tokens, 65536,
+          "Most Tq + Tk rows in one packed launch; a larger request runs alone");
 ABSL_FLAG(int, metrics_port, 8002,
           "Port of the Prometheus /metrics HTTP endpoint (Triton's metric names); 0 = off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
@@ -98,6 +105,9 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.batching = absl::GetFlag(FLAGS_batching);
+  options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
+  options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);
   options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -67,6 +67,12 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics_port: expected 0..65535, got ", o.metrics_port));
   }
+  if (o.batching && (o.batch_max_tokens <= 0 || o.batch_max_delay < absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch_max_tokens: expected > 0 (got ", o.batch_max_tokens,
+                     ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay),
+                     ")"));
+  }
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
@@ -136,7 +142,9 @@ class AttnServerImpl final : public AttnServer {
   AttnServerImpl(const ServerOptions& options, std::unique_ptr<AttentionBackend> backend)
       : options_(options),
         backend_(std::move(backend)),
-        executor_(backend_.get(), ExecutorOptions{options.max_queue_size, &metrics_}),
+        executor_(backend_.get(),
+                  ExecutorOptions{options.max_queue_size, &metrics_, options.batching,
+                                  options.batch_max_delay, options.batch_max_tokens}),
         handler_(&executor_, backend_->Describe().name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(

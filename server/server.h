@@ -28,6 +28,10 @@ struct ServerOptions {
   // port 0 picks a free one (AttnServer::metrics_port() tells which). Off by
   // default here so in-process servers (tests) bind nothing extra; main.cc
   // turns it on (--metrics_port, default 8002).
+  // Dynamic ragged batching (ExecutorOptions): on by default.
+  bool batching = true;
+  absl::Duration batch_max_delay = absl::Microseconds(500);
+  int64_t batch_max_tokens = 65536;
   bool metrics_enabled = false;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;

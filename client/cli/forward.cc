@@ -183,7 +183,7 @@ int RunForward(const std::vector<std::string>& args) {
             << "latency:  client " << Ms(client_us) << " ms; server total " << Ms(t.total_us)
             << " ms (queue " << Ms(t.queue_us) << ", host_to_device " << Ms(t.host_to_device_us)
             << ", compute " << Ms(t.compute_us) << ", device_to_host " << Ms(t.device_to_host_us)
-            << " ms)\n";
+            << " ms; batch of " << t.batch_size << ")\n";
 
   if (const std::string path = absl::GetFlag(FLAGS_out); !path.empty()) {
     st = WriteNpy(path, result->o);

@@ -65,8 +65,8 @@ ABSL_FLAG(int, inputs, 4,
           "with --check its reference computed, once before the run.");
 ABSL_FLAG(bool, check, false,
           "Check every response against the float64 reference of its input (DESIGN.md's "
-          "tolerance); a mismatch counts as an error CHECK_FAILED. With --check any error makes the "
-          "exit code 1.");
+          "tolerance); a mismatch counts as an error CHECK_FAILED. With --check any error makes "
+          "the exit code 1.");
 ABSL_FLAG(int, max_outstanding, 1024,
           "Open loop: most requests in flight; an arrival beyond it is not sent and counts as an "
           "error CLIENT_BACKLOG (the server is slower than --rate).");
@@ -123,6 +123,7 @@ struct StepResult {
   double p50_ms = 0, p90_ms = 0, p95_ms = 0, p99_ms = 0, max_ms = 0, mean_ms = 0;
   // Means over successful responses of the server's timing, in ms.
   double queue_ms = 0, h2d_ms = 0, compute_ms = 0, d2h_ms = 0;
+  double mean_batch_size = 0;  // requests per backend launch, as the server reports
   std::string first_error;
 };
 
@@ -164,6 +165,7 @@ class Recorder {
     h2d_us_ += t.host_to_device_us();
     compute_us_ += t.compute_us();
     d2h_us_ += t.device_to_host_us();
+    batch_size_sum_ += std::max(1, t.batch_size());
   }
 
   // An arrival the client could not send (open loop, too many in flight).
@@ -210,6 +212,7 @@ class Recorder {
     r->h2d_ms = h2d_us_ / 1e3 / ok;
     r->compute_ms = compute_us_ / 1e3 / ok;
     r->d2h_ms = d2h_us_ / 1e3 / ok;
+    r->mean_batch_size = static_cast<double>(batch_size_sum_) / ok;
   }
 
  private:
@@ -237,6 +240,7 @@ class Recorder {
   int64_t h2d_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t compute_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t d2h_us_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t batch_size_sum_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Deadline of a stream that must outlive the step by one call's timeout.
@@ -402,7 +406,8 @@ void PrintHeader() {
             << std::setw(12) << "tokens/s" << std::setw(9) << "TFLOP/s" << std::setw(9) << "p50"
             << std::setw(9) << "p90" << std::setw(9) << "p95" << std::setw(9) << "p99"
             << std::setw(9) << "max" << std::setw(9) << "queue" << std::setw(9) << "h2d"
-            << std::setw(9) << "compute" << std::setw(9) << "d2h" << std::setw(8) << "errors"
+            << std::setw(9) << "compute" << std::setw(9) << "d2h" << std::setw(7) << "batch"
+            << std::setw(8) << "errors"
             << "\n"
             << std::string(48, ' ') << "latency ms (client)" << std::string(17, ' ')
             << "server ms (mean)\n";
@@ -415,8 +420,8 @@ void PrintRow(const StepResult& r) {
             << Fixed(r.p90_ms, 2) << std::setw(9) << Fixed(r.p95_ms, 2) << std::setw(9)
             << Fixed(r.p99_ms, 2) << std::setw(9) << Fixed(r.max_ms, 2) << std::setw(9)
             << Fixed(r.queue_ms, 2) << std::setw(9) << Fixed(r.h2d_ms, 2) << std::setw(9)
-            << Fixed(r.compute_ms, 2) << std::setw(9) << Fixed(r.d2h_ms, 2) << std::setw(8)
-            << r.errors << "\n";
+            << Fixed(r.compute_ms, 2) << std::setw(9) << Fixed(r.d2h_ms, 2) << std::setw(7)
+            << Fixed(r.mean_batch_size, 1) << std::setw(8) << r.errors << "\n";
   if (r.errors > 0) std::cout << "  errors by code: " << ErrorsString(r) << "\n";
   if (!r.first_error.empty()) {
     std::cout << "  first error: " << r.first_error << "\n";
@@ -466,6 +471,7 @@ std::vector<Field> Fields(const StepResult& r, const Workload& w) {
           {"host_to_device_ms", num(r.h2d_ms), false},
           {"compute_ms", num(r.compute_ms), false},
           {"device_to_host_ms", num(r.d2h_ms), false},
+          {"mean_batch_size", num(r.mean_batch_size), false},
           {"check", absl::GetFlag(FLAGS_check) ? "true" : "false", false}};
 }
 
