@@ -27,20 +27,20 @@ PackedBatch::PackedBatch(const std::vector<const AttnParams*>& members) : member
     total_q += m->total_q;
     total_k += m->total_k;
   }
-  q_.resize(total_q * q_row);
-  o_.resize(total_q * q_row);
-  k_.resize(total_k * kv_row);
-  v_.resize(total_k * kv_row);
+  q_.reset(new char[total_q * q_row]);
+  o_.reset(new char[total_q * q_row]);
+  k_.reset(new char[total_k * kv_row]);
+  v_.reset(new char[total_k * kv_row]);
   cu_seqlens_q_.assign(1, 0);
   cu_seqlens_k_.assign(1, 0);
   int64_t q_off = 0, k_off = 0;
   int32_t max_q = 0, max_k = 0;
   for (const AttnParams* m : members) {
     q_row_offset_.push_back(q_off);
-    if (m->total_q > 0) std::memcpy(q_.data() + q_off * q_row, m->q, m->total_q * q_row);
+    if (m->total_q > 0) std::memcpy(q_.get() + q_off * q_row, m->q, m->total_q * q_row);
     if (m->total_k > 0) {
-      std::memcpy(k_.data() + k_off * kv_row, m->k, m->total_k * kv_row);
-      std::memcpy(v_.data() + k_off * kv_row, m->v, m->total_k * kv_row);
+      std::memcpy(k_.get() + k_off * kv_row, m->k, m->total_k * kv_row);
+      std::memcpy(v_.get() + k_off * kv_row, m->v, m->total_k * kv_row);
     }
     for (int b = 0; b < m->batch; ++b) {
       cu_seqlens_q_.push_back(static_cast<int32_t>(q_off + SeqStartQ(*m, b) + SeqLenQ(*m, b)));
@@ -52,10 +52,10 @@ PackedBatch::PackedBatch(const std::vector<const AttnParams*>& members) : member
     k_off += m->total_k;
   }
   if (first.lse != nullptr) lse_.resize(size_t(first.num_heads_q) * total_q);
-  params_.q = q_.data();
-  params_.k = k_.data();
-  params_.v = v_.data();
-  params_.o = o_.data();
+  params_.q = q_.get();
+  params_.k = k_.get();
+  params_.v = v_.get();
+  params_.o = o_.get();
   params_.lse = first.lse != nullptr ? lse_.data() : nullptr;
   params_.batch = static_cast<int32_t>(cu_seqlens_q_.size() - 1);
   params_.seqlen_q = max_q;
@@ -72,7 +72,7 @@ void PackedBatch::Scatter() const {
   for (size_t i = 0; i < members_.size(); ++i) {
     const AttnParams& m = *members_[i];
     const int64_t off = q_row_offset_[i];
-    if (m.total_q > 0) std::memcpy(m.o, o_.data() + off * q_row, m.total_q * q_row);
+    if (m.total_q > 0) std::memcpy(m.o, o_.get() + off * q_row, m.total_q * q_row);
     if (m.lse == nullptr) continue;
     // Packed LSE is [Hq, Tq_total]; the member's is its own dense or varlen layout.
     for (int h = 0; h < m.num_heads_q; ++h) {

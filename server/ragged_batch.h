@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "backend/params.h"
@@ -39,7 +40,9 @@ class PackedBatch {
  private:
   std::vector<const AttnParams*> members_;
   std::vector<int64_t> q_row_offset_;  // first packed q row of each member
-  std::vector<char> q_, k_, v_, o_;
+  // Uninitialised on purpose: every byte is written by the gather or the
+  // backend, and zero-filling would double the memory traffic of packing.
+  std::unique_ptr<char[]> q_, k_, v_, o_;
   std::vector<float> lse_;
   std::vector<int32_t> cu_seqlens_q_, cu_seqlens_k_;
   AttnParams params_{};
