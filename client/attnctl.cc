@@ -55,7 +55,8 @@ const Command kCommands[] = {
     {"load", "Load-test the server: closed-loop concurrency sweep or open-loop Poisson rate.",
      "attnctl [--target=host:port] load [--concurrency=1,4,16 | --rate=R[,R...]]\n"
      "        [--warmup=2s] [--duration=10s] [--channels=N] [--stream] [--inputs=4] [--check]\n"
-     "        [--csv=FILE] [--jsonl=FILE] [shape, --dtype and option flags of forward]\n\n"
+     "        [--csv=FILE] [--jsonl=FILE] [--label=TEXT]\n"
+     "        [shape, --dtype and option flags of forward]\n\n"
      "Examples:\n"
      "  attnctl load --concurrency=1,4,16 --batch=1 --seqlen_q=512 --heads_q=16 --head_dim=128 \\\n"
      "      --dtype=bf16 --duration=20s --csv=load.csv && scripts/plot-load.py load.csv\n"

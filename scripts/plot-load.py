@@ -4,8 +4,9 @@
     scripts/plot-load.py load.csv [more.csv ...] [-o load.png] [--title TEXT]
 
 One curve pair (p50 solid, p99 dashed) per series; a series is one input file and,
-within it, one (mode, stream, channels, shape, dtype, options) combination, so a CSV that
-collects several sweeps (for example batching on and off) gives several curves. Points
+within it, one (label, mode, stream, channels, shape, dtype, options) combination, so a
+CSV that collects several sweeps (for example --label=batching=on and =off) gives several
+curves. Points
 are ordered by throughput. Needs matplotlib; without it, says how to get it and exits 1.
 """
 import argparse
@@ -21,7 +22,8 @@ def load_series(paths):
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 shape = "B{batch} Sq{seqlen_q} Sk{seqlen_k} Hq{heads_q} D{head_dim}".format(**row)
-                key = "{} {} {}{}, {} {} {}".format(
+                key = "{}{} {} {}{}, {} {} {}".format(
+                    row["label"] + ": " if row.get("label") else "",
                     os.path.basename(path), row["mode"],
                     "stream" if row["stream"] == "true" else "unary",
                     "" if row["channels"] == "1" else " x{}ch".format(row["channels"]),

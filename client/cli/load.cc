@@ -72,6 +72,9 @@ ABSL_FLAG(int, max_outstanding, 1024,
           "error CLIENT_BACKLOG (the server is slower than --rate).");
 ABSL_FLAG(std::string, csv, "",
           "Append one row per step to this CSV file (header written when the file is new).");
+ABSL_FLAG(std::string, label, "",
+          "Free text written as the `label` column of --csv/--jsonl rows (e.g. batching=off), so "
+          "runs against differently configured servers can share one file and one plot.");
 ABSL_FLAG(std::string, jsonl, "",
           "Append one JSON object per step to this file (JSON Lines: one object a line).");
 
@@ -440,7 +443,8 @@ struct Field {
 std::vector<Field> Fields(const StepResult& r, const Workload& w) {
   const InputsSummary& s = w.summary;
   auto num = [](double x) { return absl::StrCat(x); };
-  return {{"mode", r.mode, true},
+  return {{"label", absl::GetFlag(FLAGS_label), true},
+          {"mode", r.mode, true},
           {"concurrency", absl::StrCat(r.concurrency), false},
           {"rate", num(r.rate), false},
           {"channels", absl::StrCat(absl::GetFlag(FLAGS_channels)), false},
@@ -475,6 +479,23 @@ std::vector<Field> Fields(const StepResult& r, const Workload& w) {
           {"check", absl::GetFlag(FLAGS_check) ? "true" : "false", false}};
 }
 
+// `text` as a JSON string literal: quotes and backslashes escaped, control
+// characters dropped.
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+// `text` as one quoted CSV cell; a '"' in free text (--label) becomes '\''.
+std::string Quoted(std::string text) {
+  std::replace(text.begin(), text.end(), '"', '\'');
+  return absl::StrCat("\"", text, "\"");
+}
+
 absl::Status AppendCsv(const std::string& path, const std::vector<Field>& fields) {
   bool is_new = true;
   {
@@ -486,9 +507,7 @@ absl::Status AppendCsv(const std::string& path, const std::vector<Field>& fields
   std::vector<std::string> names, values;
   for (const Field& f : fields) {
     names.push_back(f.name);
-    // Text fields never hold quotes or commas except `options` (spaces only)
-    // and errors_by_code (';'-separated), so quoting them is enough.
-    values.push_back(f.quoted ? absl::StrCat("\"", f.value, "\"") : f.value);
+    values.push_back(f.quoted ? Quoted(f.value) : f.value);
   }
   if (is_new) out << absl::StrJoin(names, ",") << "\n";
   out << absl::StrJoin(values, ",") << "\n";
@@ -502,8 +521,8 @@ absl::Status AppendJson(const std::string& path, const std::vector<Field>& field
   std::vector<std::string> members;
   for (const Field& f : fields) {
     if (f.name == "errors_by_code") continue;  // an object below instead
-    members.push_back(absl::StrCat("\"", f.name, "\":", f.quoted ? "\"" : "", f.value,
-                                   f.quoted ? "\"" : ""));
+    members.push_back(
+        absl::StrCat("\"", f.name, "\":", f.quoted ? JsonString(f.value) : f.value));
   }
   std::vector<std::string> codes;
   for (const auto& [code, n] : r.errors_by_code) {

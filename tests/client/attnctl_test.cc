@@ -294,7 +294,7 @@ TEST_F(AttnctlTest, LoadClosedLoopChecksEveryResponse) {
   const CliResult r =
       Run({"load", "--concurrency=1,2", "--warmup=200ms", "--duration=1s", "--seqlen_q=32",
            "--heads_q=2", "--head_dim=32", "--causal", "--return_lse", "--check", "--csv=" + csv,
-           "--jsonl=" + jsonl});
+           "--jsonl=" + jsonl, "--label=say \"hi\""});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("concurrency=2"));
   EXPECT_THAT(r.err, HasSubstr("req/s"));  // the progress line
@@ -316,6 +316,7 @@ TEST_F(AttnctlTest, LoadClosedLoopChecksEveryResponse) {
     ASSERT_TRUE(absl::SimpleAtod(column(rows[i], "req_per_s"), &rps));
     EXPECT_GT(rps, 0);
     EXPECT_EQ(column(rows[i], "check"), "true");
+    EXPECT_EQ(column(rows[i], "label"), "\"say 'hi'\"");
   }
 
   const std::vector<std::string> objects = Lines(ReadFile(jsonl));
@@ -323,6 +324,7 @@ TEST_F(AttnctlTest, LoadClosedLoopChecksEveryResponse) {
   for (const std::string& line : objects) {
     const nlohmann::json j = nlohmann::json::parse(line);
     EXPECT_EQ(j["mode"], "closed");
+    EXPECT_EQ(j["label"], "say \"hi\"");
     EXPECT_EQ(j["errors"], 0);
     EXPECT_GT(j["requests"].get<int64_t>(), 0);
     EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
