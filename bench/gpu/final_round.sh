@@ -5,8 +5,12 @@
 # in the time left under the 10-minute command limit.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/final-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-$PWD/final-out}
+# Work in a scratch folder: the device tool returns only a few files from
+# $OUT, so logs go back as one tarball plus the merged CSV and the summaries.
+OUT=$(mktemp -d)
+trap 'cp "$OUT"/check.txt "$OUT"/bench.txt "$OUT"/bench/*-20*.csv "$FINAL"/ 2>/dev/null; tar -czf "$FINAL/logs.tar.gz" -C "$OUT" .' EXIT
+mkdir -p "$FINAL"
 t0=$(date +%s)
 OUT="$OUT/check" scripts/gpu-check.sh >"$OUT/check.txt" 2>&1
 sed -n '/==== gpu-check summary/,$p' "$OUT/check.txt"
