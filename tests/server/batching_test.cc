@@ -1,7 +1,8 @@
 // Dynamic ragged batching: PackedBatch gives each member exactly what its own
 // launch gives (dense and varlen members, a zero-length sequence, LSE in both
 // layouts), and a real server packs concurrent compatible requests into fewer
-// launches than requests, each result correct and reporting its batch size;
+// launches than requests, each result correct and reporting its batch size; a
+// failed packed launch fails only the request that fails alone;
 // --batching=false runs one launch per request.
 #include "server/ragged_batch.h"
 
@@ -146,8 +147,13 @@ class GatedCpuBackend : public AttentionBackend {
       ++calls_;
       mu_.Await(absl::Condition(&open_));
     }
+    if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
+      return absl::ResourceExhaustedError("device out of memory (simulated)");
+    }
     return inner_->Forward(p, timings);
   }
+  // Launches over this many query rows fail as a device out-of-memory would.
+  int64_t oom_over_rows = -1;
   void Close() {
     absl::MutexLock lock(&mu_);
     open_ = false;
@@ -170,16 +176,20 @@ class GatedCpuBackend : public AttentionBackend {
 
 struct Outcome {
   int launches = 0;  // backend calls for the requests (warm-up excluded)
-  std::vector<int> batch_sizes;
+  std::vector<int> batch_sizes;                  // of the successful requests
+  std::vector<absl::StatusCode> codes;           // of every request
 };
 
 // Sends `n` compatible requests of different lengths at once while the
 // backend is held on the first, then lets everything run; checks every result
 // against the reference.
-Outcome RunConcurrent(bool batching, int n, bool mixed_lse = false) {
+// With `oom_over_rows` >= 0 the backend fails launches of more query rows,
+// and the last request is made that large, so it fails even alone.
+Outcome RunConcurrent(bool batching, int n, bool mixed_lse = false, int64_t oom_over_rows = -1) {
   Outcome outcome;
   auto backend = std::make_unique<GatedCpuBackend>();
   GatedCpuBackend* gate = backend.get();
+  gate->oom_over_rows = oom_over_rows;
   ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
@@ -199,7 +209,10 @@ Outcome RunConcurrent(bool batching, int n, bool mixed_lse = false) {
     s.heads_q = 4;
     s.heads_kv = 2;
     s.head_dim = 32;
-    if (i % 2 == 0) {
+    if (oom_over_rows >= 0 && i == n - 1) {
+      s.batch = 1;
+      s.seqlen_q = s.seqlen_k = static_cast<int>(oom_over_rows) + 1;
+    } else if (i % 2 == 0) {
       s.batch = 1;
       s.seqlen_q = 3 + i;
       s.seqlen_k = 5 + 2 * i;
@@ -242,7 +255,7 @@ Outcome RunConcurrent(bool batching, int n, bool mixed_lse = false) {
   outcome.launches = gate->calls() - warm;
   for (int i = 0; i < n; ++i) {
     SCOPED_TRACE(i);
-    EXPECT_TRUE(responses[i].ok()) << responses[i].status();
+    outcome.codes.push_back(responses[i].status().code());
     if (!responses[i].ok()) continue;
     outcome.batch_sizes.push_back(responses[i]->timing().batch_size());
     absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(responses[i]));
@@ -257,6 +270,7 @@ Outcome RunConcurrent(bool batching, int n, bool mixed_lse = false) {
 TEST(DynamicBatchingTest, ConcurrentRequestsShareLaunchesAndStayCorrect) {
   constexpr int kRequests = 8;
   const Outcome on = RunConcurrent(/*batching=*/true, kRequests);
+  for (absl::StatusCode c : on.codes) EXPECT_EQ(c, absl::StatusCode::kOk);
   // The first runs alone while the rest queue; the rest share one launch.
   EXPECT_EQ(on.launches, 2);
   ASSERT_EQ(on.batch_sizes.size(), size_t{kRequests});
@@ -267,14 +281,30 @@ TEST(DynamicBatchingTest, ConcurrentRequestsShareLaunchesAndStayCorrect) {
 TEST(DynamicBatchingTest, RequestsWithAndWithoutLseStayCorrect) {
   constexpr int kRequests = 8;
   const Outcome mixed = RunConcurrent(/*batching=*/true, kRequests, /*mixed_lse=*/true);
+  for (absl::StatusCode c : mixed.codes) EXPECT_EQ(c, absl::StatusCode::kOk);
   // The first alone; the rest form two launches: without LSE (i = 1, 4, 7)
   // and with it.
   EXPECT_EQ(mixed.launches, 3);
 }
 
+// Device out-of-memory fails that request only: the packed launch fails, its
+// members rerun one by one, and only the one too large on its own fails.
+TEST(DynamicBatchingTest, FailedPackedLaunchFailsOnlyTheRequestThatFailsAlone) {
+  constexpr int kRequests = 5;
+  const Outcome o = RunConcurrent(/*batching=*/true, kRequests, /*mixed_lse=*/false,
+                                  /*oom_over_rows=*/40);
+  ASSERT_EQ(o.codes.size(), size_t{kRequests});
+  for (int i = 0; i + 1 < kRequests; ++i) EXPECT_EQ(o.codes[i], absl::StatusCode::kOk) << i;
+  EXPECT_EQ(o.codes.back(), absl::StatusCode::kResourceExhausted);
+  // First alone, the failed packed launch of the other four, then four alone.
+  EXPECT_EQ(o.launches, 1 + 1 + (kRequests - 1));
+  for (int b : o.batch_sizes) EXPECT_EQ(b, 1);
+}
+
 TEST(DynamicBatchingTest, OffRunsOneLaunchPerRequest) {
   constexpr int kRequests = 4;
   const Outcome off = RunConcurrent(/*batching=*/false, kRequests);
+  for (absl::StatusCode c : off.codes) EXPECT_EQ(c, absl::StatusCode::kOk);
   EXPECT_EQ(off.launches, kRequests);
   for (int b : off.batch_sizes) EXPECT_EQ(b, 1);
 }
