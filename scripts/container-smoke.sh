@@ -169,6 +169,7 @@ if [ "$cpu_smoke" -eq 1 ]; then
   if [ -z "$port" ]; then
     port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   fi
+  metrics_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   ctr=attnserve-smoke-$$
   cleanup() {
     if [ "$keep" -eq 0 ]; then podman rm -f "$ctr" >/dev/null 2>&1 || true; fi
@@ -187,7 +188,8 @@ if [ "$cpu_smoke" -eq 1 ]; then
   # podman runs a HEALTHCHECK from systemd timers, which this machine lacks
   # (and tearing them down slows `podman stop` by seconds): run without it and
   # execute the image's HEALTHCHECK command directly below.
-  podman run -d --name "$ctr" -p "127.0.0.1:$port:50051" --no-healthcheck \
+  podman run -d --name "$ctr" -p "127.0.0.1:$port:50051" -p "127.0.0.1:$metrics_port:8002" \
+    --no-healthcheck \
     -e ATTNSERVE_LOG_LEVEL=info "$cpu_image" >/dev/null 2>"$work/run.log"
   serving=0
   for _ in $(seq 1 120); do
@@ -262,6 +264,19 @@ print(shlex.join(argv))')
     fail "attnctl load --check reported errors"
   fi
   load_s=$(took "$t0")
+
+  # Prometheus metrics through the published port 8002: the requests above
+  # must show up as successes.
+  scrape=$(python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
+             "http://127.0.0.1:$metrics_port/metrics" 2>&1) || true
+  successes=$(echo "$scrape" | awk '/^nv_inference_request_success[{ ]/ {print $NF; exit}')
+  if [ -n "$successes" ] && [ "${successes%.*}" -gt 0 ] 2>/dev/null; then
+    pass "/metrics on published port 8002: nv_inference_request_success $successes"
+  else
+    echo "$scrape" | head -n 5
+    fail "/metrics on published port 8002 (no nv_inference_request_success > 0)"
+  fi
   timed "attnctl load (${load_seconds} s, 4 callers)" "$load_s"
 
   # SIGTERM with a request in flight: the request must finish (drain) and the
