@@ -26,6 +26,9 @@ struct DeviceDescription {
   int compute_capability_major = 0;
   int compute_capability_minor = 0;
   int64_t total_memory_bytes = 0;
+  // "0000:1b:00.0" style (cudaDeviceGetPCIBusId); empty for CPU. Names the
+  // device to tools such as NVML, whose indices need not match CUDA's.
+  std::string pci_bus_id;
 };
 
 struct BackendDescription {

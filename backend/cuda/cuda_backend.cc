@@ -76,6 +76,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   dev.compute_capability_major = prop.major;
   dev.compute_capability_minor = prop.minor;
   dev.total_memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device) == cudaSuccess) dev.pci_bus_id = bus_id;
   d.devices.push_back(dev);
   d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
   d.min_head_dim = 8;
