@@ -1,5 +1,5 @@
 // AttentionClient: channel construction, per-call contexts, the gRPC-to-absl
-// status conversion and the typed Forward built on the raw one.
+// status conversion and the typed Forward (and Echo) built on the raw one.
 #include "client/attention_client.h"
 
 #include <grpcpp/create_channel.h>
@@ -194,20 +194,24 @@ absl::Status AttentionClient::Connect(absl::Duration timeout) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,
-                                                             const CallOptions& call) {
+absl::StatusOr<v1::ForwardResponse> AttentionClient::CallUnary(Unary rpc,
+                                                               const v1::ForwardRequest& request,
+                                                               const CallOptions& call) {
   grpc::ClientContext context;
   Prepare(call, &context);
   v1::ForwardResponse response;
-  const grpc::Status status = Next().attention->Forward(&context, request, &response);
+  v1::Attention::Stub& stub = *Next().attention;
+  const grpc::Status status = rpc == Unary::kEcho ? stub.Echo(&context, request, &response)
+                                                  : stub.Forward(&context, request, &response);
   if (!status.ok()) return ToAbslStatus(status);
   return response;
 }
 
-absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& inputs,
-                                                       const CallOptions& call) {
+absl::StatusOr<ForwardResult> AttentionClient::CallUnaryTyped(Unary rpc,
+                                                              const AttentionInputs& inputs,
+                                                              const CallOptions& call) {
   const v1::ForwardRequest request = MakeForwardRequest(inputs);
-  absl::StatusOr<v1::ForwardResponse> response = Forward(request, call);
+  absl::StatusOr<v1::ForwardResponse> response = CallUnary(rpc, request, call);
   if (!response.ok()) return response.status();
   absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
   if (!result.ok()) return result.status();
@@ -216,8 +220,9 @@ absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& in
   return result;
 }
 
-void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,
-                                   std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
+void AttentionClient::CallUnaryAsync(
+    Unary rpc, const v1::ForwardRequest& request, const CallOptions& call,
+    std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
   // The callback API needs context, request and response alive until the
   // reaction runs; they live together on the heap and die in it.
   struct Pending {
@@ -230,15 +235,50 @@ void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const Call
   pending->request = request;
   pending->done = std::move(done);
   Prepare(call, &pending->context);
-  Next().attention->async()->Forward(&pending->context, &pending->request, &pending->response,
-                                     [pending](grpc::Status status) {
-                                       std::unique_ptr<Pending> owned(pending);
-                                       if (status.ok()) {
-                                         owned->done(std::move(owned->response));
-                                       } else {
-                                         owned->done(ToAbslStatus(status));
-                                       }
-                                     });
+  auto reaction = [pending](grpc::Status status) {
+    std::unique_ptr<Pending> owned(pending);
+    if (status.ok()) {
+      owned->done(std::move(owned->response));
+    } else {
+      owned->done(ToAbslStatus(status));
+    }
+  };
+  auto* async = Next().attention->async();
+  if (rpc == Unary::kEcho) {
+    async->Echo(&pending->context, &pending->request, &pending->response, std::move(reaction));
+  } else {
+    async->Forward(&pending->context, &pending->request, &pending->response, std::move(reaction));
+  }
+}
+
+absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,
+                                                             const CallOptions& call) {
+  return CallUnary(Unary::kForward, request, call);
+}
+
+absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& inputs,
+                                                       const CallOptions& call) {
+  return CallUnaryTyped(Unary::kForward, inputs, call);
+}
+
+void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,
+                                   std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
+  CallUnaryAsync(Unary::kForward, request, call, std::move(done));
+}
+
+absl::StatusOr<v1::ForwardResponse> AttentionClient::Echo(const v1::ForwardRequest& request,
+                                                          const CallOptions& call) {
+  return CallUnary(Unary::kEcho, request, call);
+}
+
+absl::StatusOr<ForwardResult> AttentionClient::Echo(const AttentionInputs& inputs,
+                                                    const CallOptions& call) {
+  return CallUnaryTyped(Unary::kEcho, inputs, call);
+}
+
+void AttentionClient::EchoAsync(const v1::ForwardRequest& request, const CallOptions& call,
+                                std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
+  CallUnaryAsync(Unary::kEcho, request, call, std::move(done));
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo(const CallOptions& call) {

@@ -141,6 +141,17 @@ class AttentionClient {
   void ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,
                     std::function<void(absl::StatusOr<v1::ForwardResponse>)> done);
 
+  // Echo (attention.proto): the server validates the request exactly like
+  // Forward and answers with o = q's bytes (and a zero LSE when asked for)
+  // without computing: the transport ceiling for benchmarks. Same overloads
+  // as Forward; the typed one checks the shapes the same way.
+  absl::StatusOr<v1::ForwardResponse> Echo(const v1::ForwardRequest& request,
+                                           const CallOptions& call = CallOptions());
+  absl::StatusOr<ForwardResult> Echo(const AttentionInputs& inputs,
+                                     const CallOptions& call = CallOptions());
+  void EchoAsync(const v1::ForwardRequest& request, const CallOptions& call,
+                 std::function<void(absl::StatusOr<v1::ForwardResponse>)> done);
+
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(const CallOptions& call = CallOptions());
 
   // grpc.health.v1.Health/Check. "" asks about the server as a whole.
@@ -165,6 +176,14 @@ class AttentionClient {
   void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
   // The next channel in rotation.
   Channel& Next();
+  // Forward or Echo: the two unary RPCs share a request and response type.
+  enum class Unary { kForward, kEcho };
+  absl::StatusOr<v1::ForwardResponse> CallUnary(Unary rpc, const v1::ForwardRequest& request,
+                                                const CallOptions& call);
+  absl::StatusOr<ForwardResult> CallUnaryTyped(Unary rpc, const AttentionInputs& inputs,
+                                               const CallOptions& call);
+  void CallUnaryAsync(Unary rpc, const v1::ForwardRequest& request, const CallOptions& call,
+                      std::function<void(absl::StatusOr<v1::ForwardResponse>)> done);
 
   std::string target_;
   ClientOptions options_;

@@ -1,4 +1,4 @@
-// Reactors for Forward, ForwardStream and GetServerInfo; see attention_service.h.
+// Reactors for Forward, ForwardStream, Echo and GetServerInfo; see attention_service.h.
 #include "server/attention_service.h"
 
 #include <atomic>
@@ -9,9 +9,13 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/request_validation.h"
 #include "server/status_mapping.h"
+#include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
@@ -45,6 +49,67 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
  private:
   InFlightCounter* const in_flight_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
+// Echo's answer to a request: Forward's checks (so the same INVALID_ARGUMENT
+// and RESOURCE_EXHAUSTED), then o = q and, with return_lse, a zero LSE of the
+// shape Forward returns (dense [B, Hq, Sq], varlen [Hq, Tq]).
+absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& limits,
+                      v1::ForwardResponse* response) {
+  absl::StatusOr<AttnParams> params = ValidateAndFillParams(request, limits);
+  if (!params.ok()) return params.status();
+  *response->mutable_o() = request.q();
+  if (request.options().return_lse()) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::FP32);
+    if (request.q().shape_size() == 4) {
+      lse->add_shape(params->batch);
+      lse->add_shape(params->num_heads_q);
+      lse->add_shape(params->seqlen_q);
+    } else {
+      lse->add_shape(params->num_heads_q);
+      lse->add_shape(params->total_q);
+    }
+    lse->mutable_data()->resize(static_cast<size_t>(LseElements(*params)) * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+// Unary Echo: answered on the gRPC thread that delivered the request, since
+// there is nothing to wait for (validation and one copy of q). Not counted in
+// the nv_inference_* metrics, which describe attention work (ServerMetrics is
+// fed by the ForwardHandler and the executor only); it does count as in flight,
+// so a drain waits for its response to be sent.
+class EchoReactor final : public grpc::ServerUnaryReactor {
+ public:
+  EchoReactor(const RequestLimits& limits, const std::string& backend_name,
+              InFlightCounter* in_flight, const v1::ForwardRequest* request,
+              v1::ForwardResponse* response)
+      : in_flight_(in_flight) {
+    in_flight_->Add();
+    const absl::Time received = absl::Now();
+    const absl::Status status = FillEcho(*request, limits, response);
+    response->set_request_id(request->request_id());
+    response->set_backend(backend_name);
+    if (!status.ok()) {
+      response->clear_o();
+      response->clear_lse();
+    }
+    const int64_t total_us = absl::ToInt64Microseconds(absl::Now() - received);
+    response->mutable_timing()->set_total_us(total_us);
+    spdlog::debug("echo id=\"{}\" q=[{}] status={} total_us={}",
+                  request->request_id().substr(0, 128), absl::StrJoin(request->q().shape(), ","),
+                  absl::StatusCodeToString(status.code()), total_us);
+    Finish(ToGrpcStatus(status));
+  }
+
+  void OnDone() override {
+    in_flight_->Done();
+    delete this;
+  }
+
+ private:
+  InFlightCounter* const in_flight_;
 };
 
 // ForwardStream: keeps reading while earlier requests run, writes responses as
@@ -205,8 +270,8 @@ class ForwardStreamReactor final
 
 const std::vector<std::string>& ServerFeatures() {
   static const auto* features = new std::vector<std::string>{
-      "causal", "sliding_window", "softcap",        "gqa",    "mqa",
-      "varlen", "return_lse",     "forward_stream", "health", "reflection"};
+      "causal",     "sliding_window", "softcap", "gqa",    "mqa",       "varlen",
+      "return_lse", "forward_stream", "echo",    "health", "reflection"};
   return *features;
 }
 
@@ -223,6 +288,13 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
   return new ForwardStreamReactor(handler_, &in_flight_, context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
+                                                 const v1::ForwardRequest* request,
+                                                 v1::ForwardResponse* response) {
+  return new EchoReactor(handler_->limits(), backend_->Describe().name, &in_flight_, request,
+                         response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -1,6 +1,7 @@
 // The native API front-end: attnserve.v1.Attention on gRPC's callback API.
 // Reactors only hand work to the ForwardHandler (and so the executor) and
-// react to its completion; they never block a gRPC thread.
+// react to its completion; they never block a gRPC thread. Echo, the transport
+// ceiling for benchmarks, answers on the spot without the handler.
 #pragma once
 
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -30,12 +31,19 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
       grpc::CallbackServerContext* context) override;
 
+  // Forward's validation and limits, then q's bytes back as o; never reaches
+  // the executor or the backend (see attention.proto).
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* context,
+                                 const v1::ForwardRequest* request,
+                                 v1::ForwardResponse* response) override;
+
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
 
-  // Waits until every Forward call and every ForwardStream request received so
-  // far has had its response sent (or its call has ended). True when none is left.
+  // Waits until every Forward and Echo call and every ForwardStream request
+  // received so far has had its response sent (or its call has ended). True
+  // when none is left.
   bool WaitForResponses(absl::Duration timeout) { return in_flight_.WaitForZero(timeout); }
 
  private:

@@ -7,6 +7,9 @@
 // throughput, latency percentiles, errors by status code and the server's own
 // timing breakdown; --csv/--jsonl append one row per step, --check verifies
 // every response against a float64 reference computed once per input.
+// --rpc=echo sends the same requests to Echo instead (the server validates and
+// returns q's bytes without compute): the transport ceiling Forward's numbers
+// are compared with.
 #include <grpcpp/client_context.h>
 
 #include <algorithm>
@@ -57,6 +60,9 @@ ABSL_FLAG(absl::Duration, duration, absl::Seconds(10),
           "Measurement window of each step: requests completing inside it are reported.");
 ABSL_FLAG(int, channels, 1,
           "gRPC channels (separate HTTP/2 connections); callers and streams rotate over them.");
+ABSL_FLAG(std::string, rpc, "forward",
+          "forward: attention calls. echo: the Echo RPC, which validates like Forward and returns "
+          "q's bytes without compute (the transport ceiling; unary only, no --check, TFLOP/s 0).");
 ABSL_FLAG(bool, stream, false,
           "Use ForwardStream (one stream per caller, or per channel in open loop) instead of "
           "unary Forward.");
@@ -94,7 +100,8 @@ struct Workload {
   InputsSummary summary;
   std::string options;
   int64_t tokens_per_request = 0;  // query tokens: B*Sq or Tq
-  double flops_per_request = 0.0;
+  double flops_per_request = 0.0;  // 0 for Echo: it computes nothing
+  bool echo = false;               // --rpc=echo: send to Echo instead of Forward
 };
 
 // DESIGN.md §5: 4*B*Hq*Sq*Sk*D, halved for causal with Sq = Sk; per sequence
@@ -264,7 +271,8 @@ void RunClosedLoop(AttentionClient& client, const Workload& w, int callers, bool
       if (!stream) {
         while (absl::Now() < stop) {
           const absl::Time sent = absl::Now();
-          absl::StatusOr<v1::ForwardResponse> r = client.Forward(w.requests[input]);
+          absl::StatusOr<v1::ForwardResponse> r =
+              w.echo ? client.Echo(w.requests[input]) : client.Forward(w.requests[input]);
           rec.Record(input, sent, r.status(), r.ok() ? &*r : nullptr);
           input = (input + 1) % n;
         }
@@ -352,12 +360,15 @@ void RunOpenLoop(AttentionClient& client, const Workload& w, double rate, bool s
     const int input = static_cast<int>(i % n);
     outstanding.fetch_add(1);
     if (!stream) {
-      client.ForwardAsync(w.requests[input], CallOptions(),
-                          [&rec, &outstanding, input, sent = next](
-                              absl::StatusOr<v1::ForwardResponse> r) {
-                            rec.Record(input, sent, r.status(), r.ok() ? &*r : nullptr);
-                            outstanding.fetch_sub(1);
-                          });
+      auto done = [&rec, &outstanding, input, sent = next](absl::StatusOr<v1::ForwardResponse> r) {
+        rec.Record(input, sent, r.status(), r.ok() ? &*r : nullptr);
+        outstanding.fetch_sub(1);
+      };
+      if (w.echo) {
+        client.EchoAsync(w.requests[input], CallOptions(), std::move(done));
+      } else {
+        client.ForwardAsync(w.requests[input], CallOptions(), std::move(done));
+      }
       continue;
     }
     OpenStream& s = *streams[i % streams.size()];
@@ -582,8 +593,10 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& text) {
   return rates;
 }
 
-absl::StatusOr<Workload> BuildWorkload(DType dtype, uint64_t seed, int count, bool check) {
+absl::StatusOr<Workload> BuildWorkload(DType dtype, uint64_t seed, int count, bool check,
+                                       bool echo) {
   Workload w;
+  w.echo = echo;
   for (int i = 0; i < count; ++i) {
     absl::StatusOr<AttentionInputs> in = RandomInputsFromFlags(dtype, seed + i);
     if (!in.ok()) return in.status();
@@ -595,7 +608,7 @@ absl::StatusOr<Workload> BuildWorkload(DType dtype, uint64_t seed, int count, bo
       w.summary = *s;
       w.options = OptionsString(in->options);
       w.tokens_per_request = s->total_q;
-      w.flops_per_request = FlopsOf(*in, *s);
+      w.flops_per_request = echo ? 0.0 : FlopsOf(*in, *s);
     }
     if (check) {
       absl::StatusOr<ForwardVerifier> v = ForwardVerifier::Create(*in);
@@ -653,9 +666,25 @@ int RunLoad(const std::vector<std::string>& args) {
   const uint64_t seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
   const bool check = absl::GetFlag(FLAGS_check);
   const bool stream = absl::GetFlag(FLAGS_stream);
+  const std::string rpc = absl::GetFlag(FLAGS_rpc);
+  if (rpc != "forward" && rpc != "echo") {
+    return UsageError(kCmd, absl::StrCat("--rpc: expected forward or echo, got '", rpc, "'"));
+  }
+  const bool echo = rpc == "echo";
+  if (echo && check) {
+    return UsageError(kCmd,
+                      "--check does not apply to --rpc=echo: Echo returns q's bytes, not "
+                      "attention, so there is nothing to verify");
+  }
+  if (echo && stream) {
+    return UsageError(kCmd,
+                      "--stream does not apply to --rpc=echo: Echo is unary only (there is no "
+                      "streaming echo)");
+  }
 
   const absl::Time build_start = absl::Now();
-  absl::StatusOr<Workload> w = BuildWorkload(*dtype, seed, absl::GetFlag(FLAGS_inputs), check);
+  absl::StatusOr<Workload> w =
+      BuildWorkload(*dtype, seed, absl::GetFlag(FLAGS_inputs), check, echo);
   if (!w.ok()) return UsageError(kCmd, w.status().message());
 
   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
@@ -665,16 +694,19 @@ int RunLoad(const std::vector<std::string>& args) {
     (*client)->Connect(std::min(absl::GetFlag(FLAGS_timeout), absl::Seconds(10))).IgnoreError();
   }
 
+  const char* calls = echo ? "unary Echo (no compute)" : stream ? "ForwardStream" : "unary Forward";
   std::cout << "load:     " << w->summary.ToString() << ", " << w->options << ", seed " << seed
             << ", " << w->requests.size() << " inputs\n"
-            << "          " << (stream ? "ForwardStream" : "unary Forward") << ", "
+            << "          " << calls << ", "
             << (*client)->num_channels() << " channel(s), warmup " << absl::FormatDuration(warmup)
             << ", measure " << absl::FormatDuration(duration) << ", check "
             << (check ? "on" : "off") << " (inputs"
             << (check ? " and references" : "") << " built in "
             << Fixed(absl::ToDoubleSeconds(absl::Now() - build_start), 2) << " s)\n"
             << "          per request: " << w->tokens_per_request << " query tokens, "
-            << Fixed(w->flops_per_request / 1e9, 3) << " GFLOP\n";
+            << (echo ? "no compute (TFLOP/s reported as 0)"
+                     : absl::StrCat(Fixed(w->flops_per_request / 1e9, 3), " GFLOP"))
+            << "\n";
   PrintHeader();
 
   bool check_failed = false;

@@ -1,6 +1,6 @@
 // AttentionClient against a real AttnServer (CPU backend, 2 threads) started
 // in-process on 127.0.0.1:0: every RPC, every dtype and layout, deadlines,
-// error passthrough, several channels and load-balanced targets.
+// error passthrough, several channels and load-balanced targets, and Echo.
 #include "client/attention_client.h"
 
 #include <future>
@@ -147,6 +147,45 @@ TEST_F(AttentionClientTest, ForwardAsync) {
   auto report = VerifyForward(*inputs, *result);
   ASSERT_TRUE(report.ok());
   EXPECT_TRUE(report->passed) << report->failure;
+}
+
+// Echo: q's bytes back as o, a zero LSE of Forward's shape, no compute.
+TEST_F(AttentionClientTest, EchoReturnsQ) {
+  auto inputs = MakeRandomInputs(Dense(DType::kBF16, 2, 9, 13, 4, 2, 16), 11);
+  ASSERT_TRUE(inputs.ok());
+  inputs->options.return_lse = true;
+  inputs->request_id = "echo-1";
+  auto result = Client()->Echo(*inputs);  // the typed call also checks o and lse shapes
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->request_id, "echo-1");
+  EXPECT_EQ(result->backend, "cpu");
+  EXPECT_EQ(result->o.dtype(), DType::kBF16);
+  EXPECT_EQ(result->o.shape(), inputs->q.shape());
+  EXPECT_EQ(result->o.bytes(), inputs->q.bytes());
+  ASSERT_TRUE(result->lse.has_value());
+  EXPECT_EQ(result->lse->shape(), (std::vector<int64_t>{2, 4, 9}));
+  EXPECT_EQ(result->lse->ToFloats(), std::vector<float>(2 * 4 * 9, 0.0f));
+  EXPECT_EQ(result->timing.compute_us, 0);
+
+  std::promise<absl::StatusOr<v1::ForwardResponse>> done;
+  Client()->EchoAsync(
+      MakeForwardRequest(*inputs), CallOptions(),
+      [&done](absl::StatusOr<v1::ForwardResponse> r) { done.set_value(std::move(r)); });
+  auto response = done.get_future().get();
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->o().data(), inputs->q.bytes());
+}
+
+TEST_F(AttentionClientTest, EchoRefusesWhatForwardRefuses) {
+  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 12), 12);  // D = 12
+  ASSERT_TRUE(inputs.ok());
+  const v1::ForwardRequest request = MakeForwardRequest(*inputs);
+  auto echo = Client()->Echo(request);
+  auto forward = Client()->Forward(request);
+  ASSERT_EQ(echo.status().code(), absl::StatusCode::kInvalidArgument) << echo.status();
+  EXPECT_EQ(echo.status(), forward.status());
+  EXPECT_THAT(echo.status().message(), HasSubstr("q.shape[3]"));
+  EXPECT_EQ(*Client()->HealthCheck(), HealthStatus::kServing);
 }
 
 TEST_F(AttentionClientTest, GetServerInfo) {

@@ -355,6 +355,43 @@ TEST_F(AttnctlTest, LoadReportsErrorsByCode) {
   EXPECT_THAT(r.out, HasSubstr("first error: INVALID_ARGUMENT:"));
 }
 
+// --rpc=echo: the same report from Echo, with no compute claimed.
+TEST_F(AttnctlTest, LoadEchoClosedAndOpenLoop) {
+  const std::string jsonl = absl::StrCat(::testing::TempDir(), "/load_echo_", getpid(), ".jsonl");
+  std::remove(jsonl.c_str());
+  const CliResult closed =
+      Run({"load", "--rpc=echo", "--concurrency=2", "--warmup=100ms", "--duration=500ms",
+           "--seqlen_q=32", "--heads_q=2", "--head_dim=32", "--return_lse", "--jsonl=" + jsonl,
+           "--label=echo"});
+  ASSERT_EQ(closed.exit_code, 0) << Describe(closed);
+  EXPECT_THAT(closed.out, HasSubstr("unary Echo"));
+  EXPECT_THAT(closed.out, HasSubstr("concurrency=2"));
+  EXPECT_THAT(closed.out, Not(HasSubstr("errors by code")));
+  const std::vector<std::string> objects = Lines(ReadFile(jsonl));
+  ASSERT_EQ(objects.size(), 1u);
+  const nlohmann::json j = nlohmann::json::parse(objects[0]);
+  EXPECT_EQ(j["label"], "echo");
+  EXPECT_EQ(j["errors"], 0);
+  EXPECT_GT(j["req_per_s"].get<double>(), 0);
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+  EXPECT_EQ(j["tflops"].get<double>(), 0);
+  EXPECT_EQ(j["compute_ms"].get<double>(), 0);
+  std::remove(jsonl.c_str());
+
+  const CliResult open = Run({"load", "--rpc=echo", "--rate=100", "--warmup=100ms",
+                              "--duration=500ms", "--varlen_q=5,0,17", "--heads_q=4",
+                              "--heads_kv=2", "--head_dim=16"});
+  ASSERT_EQ(open.exit_code, 0) << Describe(open);
+  EXPECT_THAT(open.out, HasSubstr("rate=100"));
+  EXPECT_THAT(open.out, Not(HasSubstr("errors by code")));
+
+  // The server's validation reaches Echo's report like Forward's.
+  const CliResult bad =
+      Run({"load", "--rpc=echo", "--warmup=0s", "--duration=300ms", "--head_dim=12"});
+  EXPECT_EQ(bad.exit_code, 1) << Describe(bad);
+  EXPECT_THAT(bad.out, HasSubstr("first error: INVALID_ARGUMENT: q.shape[3]"));
+}
+
 TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
   const struct {
     std::vector<std::string> args;
@@ -392,6 +429,11 @@ TEST_F(AttnctlTest, BadArgumentsNameTheFlag) {
       {{"load", "--dtype=int8"}, "--dtype: unknown dtype 'int8'"},
       {{"load", "--verify"}, "flag --verify does not apply to 'load'"},
       {{"forward", "--check"}, "flag --check does not apply to 'forward'"},
+      {{"load", "--rpc=ping"}, "--rpc: expected forward or echo, got 'ping'"},
+      {{"load", "--rpc=echo", "--check"},
+       "--check does not apply to --rpc=echo: Echo returns q's bytes, not attention"},
+      {{"load", "--rpc=echo", "--stream"}, "--stream does not apply to --rpc=echo"},
+      {{"forward", "--rpc=echo"}, "flag --rpc does not apply to 'forward'"},
   };
   for (const auto& c : cases) {
     const CliResult r = Run(c.args);
