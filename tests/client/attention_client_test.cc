@@ -13,7 +13,7 @@
 #include "client/verify.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/server.h"
+#include "tests/client/loopback_server.h"
 
 namespace attnserve {
 namespace {
@@ -23,22 +23,16 @@ using ::testing::HasSubstr;
 class AttentionClientTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    ServerOptions options;
-    options.host = "127.0.0.1";
-    options.port = 0;
-    options.backend.kind = "cpu";
-    options.backend.cpu_threads = 2;
-    auto server = AttnServer::Create(options);
+    auto server = LoopbackServer::Start();
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
-    ASSERT_TRUE(server_->Start().ok());
-    target_ = absl::StrCat("127.0.0.1:", server_->port());
+    target_ = server_->target();
   }
   static void TearDownTestSuite() {
-    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
     delete server_;
     server_ = nullptr;
   }
+  void SetUp() override { ASSERT_NE(server_, nullptr); }
 
   std::unique_ptr<AttentionClient> Client(const ClientOptions& options = ClientOptions()) {
     auto client = AttentionClient::Create(target_, options);
@@ -63,11 +57,11 @@ class AttentionClientTest : public ::testing::Test {
     EXPECT_EQ(report->lse_checked, options.return_lse);
   }
 
-  static AttnServer* server_;
+  static LoopbackServer* server_;
   static std::string target_;
 };
 
-AttnServer* AttentionClientTest::server_ = nullptr;
+LoopbackServer* AttentionClientTest::server_ = nullptr;
 std::string AttentionClientTest::target_;
 
 AttentionShape Dense(DType dtype, int b, int sq, int sk, int hq, int hkv, int d) {

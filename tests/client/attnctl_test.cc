@@ -22,7 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/server.h"
+#include "tests/client/loopback_server.h"
 
 #ifndef ATTNCTL_BINARY
 #error "ATTNCTL_BINARY must name the attnctl executable"
@@ -87,22 +87,16 @@ std::string Describe(const CliResult& r) {
 class AttnctlTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    ServerOptions options;
-    options.host = "127.0.0.1";
-    options.port = 0;
-    options.backend.kind = "cpu";
-    options.backend.cpu_threads = 2;
-    auto server = AttnServer::Create(options);
+    auto server = LoopbackServer::Start();
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
-    ASSERT_TRUE(server_->Start().ok());
-    target_flag_ = absl::StrCat("--target=127.0.0.1:", server_->port());
+    target_flag_ = absl::StrCat("--target=", server_->target());
   }
   static void TearDownTestSuite() {
-    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
     delete server_;
     server_ = nullptr;
   }
+  void SetUp() override { ASSERT_NE(server_, nullptr); }
 
   // attnctl <args> --target=<the test server>.
   static CliResult Run(std::vector<std::string> args) {
@@ -110,11 +104,11 @@ class AttnctlTest : public ::testing::Test {
     return RunCli(args);
   }
 
-  static AttnServer* server_;
+  static LoopbackServer* server_;
   static std::string target_flag_;
 };
 
-AttnServer* AttnctlTest::server_ = nullptr;
+LoopbackServer* AttnctlTest::server_ = nullptr;
 std::string AttnctlTest::target_flag_;
 
 TEST_F(AttnctlTest, Help) {
