@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backend/params.h"
+#include "backend/ragged_batch.h"
 
 namespace attnserve {
 
@@ -41,6 +42,15 @@ struct BackendDescription {
   int cpu_threads = 0;
 };
 
+// A launch started by AttentionBackend::StartForward and not yet finished.
+class PendingLaunch {
+ public:
+  virtual ~PendingLaunch() = default;
+  // Blocks until the launch is done, writes every member's o (and lse) and
+  // returns the launch's status and timings. Called once.
+  virtual absl::Status Finish(BackendTimings* timings) = 0;
+};
+
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
@@ -59,6 +69,19 @@ class AttentionBackend {
   // Calls may come from any thread, but not concurrently: the server's
   // executor serialises them per backend instance.
   virtual absl::Status Forward(const AttnParams& params, BackendTimings* timings) = 0;
+
+  // The pipelined form the server's executor uses. StartForward begins one
+  // launch over `batch` (one request, or several that CanShareLaunch, outputs
+  // bound) and may return before it completes; PendingLaunch::Finish waits for
+  // it. Up to max_launches_in_flight() launches may be started and not yet
+  // finished; StartForward is called from one thread at a time, Finish from
+  // one (possibly other) thread, in the order the launches were started. The
+  // members' memory must stay valid until Finish returns. An error from
+  // StartForward means nothing is in flight and no output was written.
+  // The default runs the launch at once through Forward (packing several
+  // members into host buffers), so a backend without a pipeline needs nothing.
+  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch);
+  virtual int max_launches_in_flight() const { return 1; }
 };
 
 }  // namespace attnserve

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/ragged_batch.h"
+#include "backend/ragged_batch.h"
 
 namespace attnserve {
 namespace {
@@ -15,8 +15,11 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 }  // namespace
 
 Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
-    : backend_(backend), options_(options) {
-  worker_ = std::thread([this] { WorkerLoop(); });
+    : backend_(backend),
+      options_(options),
+      max_in_flight_(std::max(1, backend->max_launches_in_flight())) {
+  launcher_ = std::thread([this] { LauncherLoop(); });
+  completer_ = std::thread([this] { CompleterLoop(); });
 }
 
 Executor::~Executor() { Shutdown(); }
@@ -29,7 +32,8 @@ absl::Status Executor::Submit(WorkItem item) {
         absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
                      options_.max_queue_size, " (--max_queue_size); retry later"));
   }
-  queue_.push_back(Queued{std::move(item), absl::Now()});
+  outstanding_tokens_.fetch_add(BatchTokens(item.params), std::memory_order_relaxed);
+  queue_.push_back(Queued{std::move(item), absl::Now(), WorkTimings{}, false});
   ++submitted_;
   return absl::OkStatus();
 }
@@ -44,7 +48,10 @@ void Executor::StopAdmitting() {
 
 bool Executor::WaitIdle(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
-  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return queue_.empty() && !running_; };
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return queue_.empty() && !launching_ && in_flight_.empty() && !completing_ &&
+           open_launches_ == 0;
+  };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
@@ -55,9 +62,11 @@ void Executor::Shutdown() {
     admitting_ = false;
     stopping_ = true;
   }
-  // A done callback that shuts the executor down must not join itself.
+  // A done callback that shuts the executor down must not join its own thread.
   absl::MutexLock lock(&join_mu_);
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  for (std::thread* t : {&launcher_, &completer_}) {
+    if (t->joinable() && t->get_id() != std::this_thread::get_id()) t->join();
+  }
 }
 
 int Executor::queued() const {
@@ -67,44 +76,49 @@ int Executor::queued() const {
 
 bool Executor::running() const {
   absl::MutexLock lock(&mu_);
-  return running_;
+  return launching_ || open_launches_ > 0;
 }
 
-void Executor::WorkerLoop() {
+void Executor::Complete(Queued& q, const absl::Status& status) {
+  q.timings.total_us = Micros(absl::Now() - q.item.received);
+  q.timings.device = options_.device;
+  q.item.done(status, q.timings);
+  outstanding_tokens_.fetch_sub(BatchTokens(q.item.params), std::memory_order_relaxed);
+}
+
+void Executor::LauncherLoop() {
   while (true) {
-    std::vector<Queued> batch;
+    std::vector<Queued> picked;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]()
                        ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
       mu_.Await(absl::Condition(&ready));
-      if (queue_.empty()) return;  // stopping, and nothing left to complete
-      batch.push_back(std::move(queue_.front()));
+      if (queue_.empty()) {  // stopping, and nothing left to complete
+        launcher_done_ = true;
+        return;
+      }
+      picked.push_back(std::move(queue_.front()));
       queue_.pop_front();
-      running_ = true;
+      launching_ = true;
       stopping = stopping_;
-      if (!stopping && options_.batching && !batch.front().item.internal) CollectBatch(&batch);
+      const Queued& head = picked.front();
+      if (!stopping && options_.batching && !head.item.internal && !head.rerun_alone) {
+        CollectBatch(&picked);
+      }
     }
-    const absl::Time picked = absl::Now();
-    if (batch.size() > 1) {
-      RunBatch(batch, picked);
+    if (stopping) {
+      for (Queued& q : picked) {
+        Fail(std::move(q), absl::UnavailableError("server is shutting down: request dropped before compute"));
+      }
     } else {
-      Queued& next = batch.front();
-      WorkTimings timings;
-      timings.queue_us = Micros(picked - next.admitted);
-      absl::Status status =
-          stopping
-              ? absl::UnavailableError("server is shutting down: request dropped before compute")
-              : Run(next.item, &timings);
-      timings.total_us = Micros(absl::Now() - next.item.received);
-      next.item.done(status, timings);
+      Dispatch(std::move(picked));
     }
-    // Release the items (and whatever their callbacks hold) before reporting
-    // idle, so WaitIdle returning means the front-end has been told.
-    batch.clear();
+    // `picked` is released by now, so WaitIdle returning means the front-end
+    // has been told about everything that did not start.
     absl::MutexLock lock(&mu_);
-    running_ = false;
+    launching_ = false;
   }
 }
 
@@ -153,90 +167,140 @@ absl::Status Executor::Prepare(WorkItem& item) {
   return absl::OkStatus();
 }
 
-absl::Status Executor::Launch(const AttnParams& params, bool internal, WorkTimings* timings) {
-  // After binding: CanImplement checks the whole params, output pointers
-  // included. UNIMPLEMENTED here names what this build lacks.
-  absl::Status supported = backend_->CanImplement(params);
-  if (!supported.ok()) return supported;
-  BackendTimings backend_timings;
-  const absl::Time start = absl::Now();
-  absl::Status status = backend_->Forward(params, &backend_timings);
-  if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
-  timings->host_to_device_us = backend_timings.host_to_device_us;
-  timings->device_to_host_us = backend_timings.device_to_host_us;
-  // A backend that does not time itself (or times only part) still gets the
-  // wall time of its Forward call reported as compute.
-  timings->compute_us = backend_timings.compute_us > 0
-                            ? backend_timings.compute_us
-                            : Micros(absl::Now() - start) - backend_timings.host_to_device_us -
-                                  backend_timings.device_to_host_us;
-  if (timings->compute_us < 0) timings->compute_us = 0;
-  return status;
-}
-
-absl::Status Executor::Run(WorkItem& item, WorkTimings* timings) {
-  absl::Status prepared = Prepare(item);
-  if (!prepared.ok()) return prepared;
-  return Launch(item.params, item.internal, timings);
-}
-
-bool Executor::RunPacked(std::vector<Queued>& batch, const std::vector<size_t>& group,
-                         std::vector<WorkTimings>* timings) {
-  std::vector<const AttnParams*> members;
-  for (size_t i : group) members.push_back(&batch[i].item.params);
-  // Gathering the inputs and scattering the outputs are host copies that a
-  // device pipeline does while staging, so they count as host_to_device and
-  // device_to_host.
-  const absl::Time gather_start = absl::Now();
-  PackedBatch packed(members);
-  const int64_t gather_us = Micros(absl::Now() - gather_start);
-  WorkTimings launch;
-  if (!Launch(packed.params(), /*internal=*/false, &launch).ok()) return false;
-  const absl::Time scatter_start = absl::Now();
-  packed.Scatter();
-  const int64_t scatter_us = Micros(absl::Now() - scatter_start);
-  for (size_t i : group) {
-    WorkTimings& t = (*timings)[i];
-    t.host_to_device_us = launch.host_to_device_us + gather_us;
-    t.compute_us = launch.compute_us;
-    t.device_to_host_us = launch.device_to_host_us + scatter_us;
-    t.batch_size = static_cast<int>(group.size());
-  }
-  return true;
-}
-
-void Executor::RunBatch(std::vector<Queued>& batch, absl::Time picked) {
-  std::vector<absl::Status> status(batch.size());
-  std::vector<WorkTimings> timings(batch.size());
-  std::vector<size_t> ready;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    timings[i].queue_us = Micros(picked - batch[i].admitted);
-    status[i] = Prepare(batch[i].item);
-    if (status[i].ok()) ready.push_back(i);
-  }
-  // Collection compared params before outputs were bound; LSE is known only
-  // now, so the ready items are split into groups that can share a launch.
-  std::vector<std::vector<size_t>> groups;
-  for (size_t i : ready) {
-    auto fits = [&](const std::vector<size_t>& g) {
-      return CanShareLaunch(batch[g.front()].item.params, batch[i].item.params);
+void Executor::Dispatch(std::vector<Queued> picked) {
+  const absl::Time now = absl::Now();
+  std::vector<std::vector<Queued>> groups;
+  for (Queued& q : picked) {
+    if (q.rerun_alone) {  // prepared and timed the first time it was picked
+      groups.emplace_back();
+      groups.back().push_back(std::move(q));
+      continue;
+    }
+    q.timings.queue_us = Micros(now - q.admitted);
+    const absl::Status prepared = Prepare(q.item);
+    if (!prepared.ok()) {
+      Fail(std::move(q), prepared);
+      continue;
+    }
+    // After binding: CanImplement checks the whole params, output pointers
+    // included. UNIMPLEMENTED here names what this build lacks.
+    const absl::Status supported = backend_->CanImplement(q.item.params);
+    if (!supported.ok()) {
+      Fail(std::move(q), supported);
+      continue;
+    }
+    // Collection compared params before outputs were bound; LSE is known only
+    // now, so the ready items are split into groups that can share a launch.
+    auto fits = [&](const std::vector<Queued>& g) {
+      return !g.front().rerun_alone && CanShareLaunch(g.front().item.params, q.item.params);
     };
     auto g = std::find_if(groups.begin(), groups.end(), fits);
     if (g == groups.end()) {
-      groups.push_back({i});
+      groups.emplace_back();
+      g = groups.end() - 1;
+    }
+    g->push_back(std::move(q));
+  }
+  for (std::vector<Queued>& group : groups) StartLaunch(std::move(group));
+}
+
+void Executor::StartLaunch(std::vector<Queued> group) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto has_room = [this]()
+                        ABSL_SHARED_LOCKS_REQUIRED(mu_) { return open_launches_ < max_in_flight_; };
+    mu_.Await(absl::Condition(&has_room));
+  }
+  std::vector<const AttnParams*> members;
+  for (const Queued& q : group) members.push_back(&q.item.params);
+  const bool internal = group.front().item.internal;
+  const absl::Time started = absl::Now();
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch =
+      backend_->StartForward(PackedBatch(std::move(members)));
+  if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
+  if (!launch.ok()) {
+    if (group.size() == 1) {
+      Fail(std::move(group.front()), launch.status());
     } else {
-      g->push_back(i);
+      for (Queued& q : group) {
+        std::vector<Queued> alone;
+        alone.push_back(std::move(q));
+        StartLaunch(std::move(alone));
+      }
     }
+    return;
   }
-  for (const std::vector<size_t>& group : groups) {
-    if (group.size() > 1 && RunPacked(batch, group, &timings)) continue;
-    for (size_t i : group) {
-      status[i] = Launch(batch[i].item.params, batch[i].item.internal, &timings[i]);
+  absl::MutexLock lock(&mu_);
+  ++open_launches_;
+  in_flight_.push_back(InFlight{std::move(group), *std::move(launch), started, absl::OkStatus()});
+}
+
+void Executor::Fail(Queued q, absl::Status status) {
+  InFlight failed;
+  failed.members.push_back(std::move(q));
+  failed.failed = std::move(status);
+  absl::MutexLock lock(&mu_);
+  in_flight_.push_back(std::move(failed));
+}
+
+void Executor::CompleterLoop() {
+  while (true) {
+    InFlight done;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return !in_flight_.empty() || launcher_done_;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (in_flight_.empty()) return;  // the launcher has exited: nothing more comes
+      done = std::move(in_flight_.front());
+      in_flight_.pop_front();
+      completing_ = true;
     }
-  }
-  for (size_t i = 0; i < batch.size(); ++i) {
-    timings[i].total_us = Micros(absl::Now() - batch[i].item.received);
-    batch[i].item.done(status[i], timings[i]);
+    if (done.launch == nullptr) {  // failed before launch
+      Complete(done.members.front(), done.failed);
+      done.members.clear();
+      absl::MutexLock lock(&mu_);
+      completing_ = false;
+      continue;
+    }
+    BackendTimings bt;
+    const absl::Status status = done.launch->Finish(&bt);
+    done.launch.reset();
+    const int64_t wall_us = Micros(absl::Now() - done.started);
+    if (!status.ok() && done.members.size() > 1) {
+      // A packed launch failed as a whole: its members run again one by one,
+      // ahead of newer work, so only a request that fails alone fails. (Once
+      // the launcher has exited nothing would run them: they get the error.)
+      absl::MutexLock lock(&mu_);
+      if (!launcher_done_) {
+        for (auto it = done.members.rbegin(); it != done.members.rend(); ++it) {
+          it->rerun_alone = true;
+          queue_.push_front(std::move(*it));
+        }
+        ++submitted_;
+        --open_launches_;
+        completing_ = false;
+        continue;
+      }
+    }
+    for (Queued& q : done.members) {
+      q.timings.host_to_device_us = bt.host_to_device_us;
+      q.timings.device_to_host_us = bt.device_to_host_us;
+      // A backend that does not time itself still gets the wall time of its
+      // launch reported as compute.
+      q.timings.compute_us = bt.compute_us > 0 ? bt.compute_us
+                                               : std::max<int64_t>(0, wall_us - bt.host_to_device_us -
+                                                                          bt.device_to_host_us);
+      q.timings.batch_size = static_cast<int>(done.members.size());
+      Complete(q, status);
+    }
+    // Release the items (and whatever their callbacks hold) before the launch
+    // stops counting, so WaitIdle returning means the front-end has been told.
+    done.members.clear();
+    absl::MutexLock lock(&mu_);
+    --open_launches_;
+    completing_ = false;
   }
 }
 

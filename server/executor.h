@@ -1,8 +1,10 @@
-// The protocol-independent core: an admission queue with a bound, and one
-// worker thread per backend that runs launches one at a time (backends are
-// serialised per instance) and reports each request through a completion
-// callback. With batching on, the worker packs queued requests that can share
-// a launch (ragged_batch.h) into one varlen call.
+// The protocol-independent core for one backend (one device): an admission
+// queue with a bound and two threads. The launcher takes queued requests,
+// packs those that can share a launch (ragged_batch.h, with batching on) and
+// starts launches on the backend (AttentionBackend::StartForward), keeping up
+// to max_launches_in_flight() of them open so a device backend overlaps one
+// launch's copies with another's compute. The completer finishes launches in
+// the order they started and reports each request through its callback.
 // Front-ends (the native v1 API now, KServe v2 later) submit work here and
 // never block: they are called back when the work is done.
 #pragma once
@@ -34,6 +36,7 @@ struct WorkTimings {
   int64_t device_to_host_us = 0;
   int64_t total_us = 0;  // `received` until completion
   int batch_size = 1;    // requests that shared this request's backend launch
+  int device = 0;        // ExecutorOptions::device of the executor that ran it
 };
 
 // One attention call. Before compute the worker checks cancellation and the
@@ -53,8 +56,8 @@ struct WorkItem {
   // Set by the front-end when the client cancels; checked before compute, and
   // a cancelled item is dropped with CANCELLED. May be null.
   std::shared_ptr<const std::atomic<bool>> cancelled;
-  // Called exactly once for an admitted item, on the worker thread (or on the
-  // thread that calls Shutdown), never under the executor's lock.
+  // Called exactly once for an admitted item, on one of the executor's
+  // threads, never under the executor's lock.
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
   // The server's own work (the start-up warm-up): left out of the metrics.
   bool internal = false;
@@ -78,13 +81,15 @@ struct ExecutorOptions {
   absl::Duration batch_max_delay = absl::Microseconds(500);
   // Most Tq + Tk rows in one packed launch; a larger request runs alone.
   int64_t batch_max_tokens = 65536;
+  // Reported in WorkTimings::device (the backend's device index).
+  int device = 0;
 };
 
 class Executor {
  public:
-  // `backend` must outlive the executor. Starts the worker thread.
+  // `backend` must outlive the executor. Starts the threads.
   Executor(AttentionBackend* backend, const ExecutorOptions& options);
-  // Shutdown(), then joins the worker.
+  // Shutdown(), then joins the threads.
   ~Executor();
 
   Executor(const Executor&) = delete;
@@ -103,51 +108,78 @@ class Executor {
   bool WaitIdle(absl::Duration timeout);
 
   // Stops admitting, completes every queued item with UNAVAILABLE without
-  // running it, lets a running one finish and stops the worker. Idempotent.
+  // running it, lets started launches finish and stops the threads. Idempotent.
   void Shutdown();
 
-  // Items queued and running now (for tests and logs).
+  // Items queued, and whether anything is being launched or in flight (for
+  // tests, logs and metrics).
   int queued() const;
   bool running() const;
+  // Tq + Tk rows of the requests admitted and not yet completed: what the
+  // multi-device dispatcher balances.
+  int64_t outstanding_tokens() const { return outstanding_tokens_.load(std::memory_order_relaxed); }
 
  private:
   struct Queued {
     WorkItem item;
     absl::Time admitted;
+    WorkTimings timings;
+    // Set for the members of a packed launch that failed: they come back to
+    // the front of the queue, outputs already bound, to run one by one.
+    bool rerun_alone = false;
+  };
+  // A launch the backend has started and the completer has yet to finish, or
+  // (launch null) an item that failed before launch: it goes through the
+  // completer too, so items complete in the order they were picked.
+  struct InFlight {
+    std::vector<Queued> members;
+    std::unique_ptr<PendingLaunch> launch;
+    absl::Time started;
+    absl::Status failed;
   };
 
-  void WorkerLoop();
+  void LauncherLoop();
+  void CompleterLoop();
   // Moves queued items that can share `batch`'s launch into it, waiting up to
   // batch_max_delay for more when the batch already has company.
   void CollectBatch(std::vector<Queued>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The checks before compute (deadline, cancellation) and output binding.
   absl::Status Prepare(WorkItem& item);
-  // CanImplement and Forward of one launch; fills the device timings.
-  absl::Status Launch(const AttnParams& params, bool internal, WorkTimings* timings);
-  // Runs one item on the backend and fills timings; returns its status.
-  absl::Status Run(WorkItem& item, WorkTimings* timings);
-  // Runs `batch` (two or more items) as one packed launch, falling back to
-  // one launch each if the packed one fails (so an out-of-memory or a bad
-  // request fails only itself); completes every item.
-  void RunBatch(std::vector<Queued>& batch, absl::Time picked);
-  // One packed launch for batch[group...] (two or more that share a launch);
-  // fills their timings. False, touching no output, if the launch failed.
-  bool RunPacked(std::vector<Queued>& batch, const std::vector<size_t>& group,
-                 std::vector<WorkTimings>* timings);
+  // Prepares the items picked together, splits them into groups that can
+  // share a launch and starts each group; completes the ones that fail.
+  void Dispatch(std::vector<Queued> picked);
+  // Starts one launch for `group` (one item, or several that share a launch)
+  // once fewer than max_launches_in_flight are open. A packed launch that
+  // fails to start is retried one member at a time, so an out-of-memory or a
+  // bad request fails only itself.
+  void StartLaunch(std::vector<Queued> group);
+  // Hands an item that failed before launch to the completer.
+  void Fail(Queued q, absl::Status status);
+  // Fills the item's final timings, calls its `done` and releases its tokens.
+  void Complete(Queued& q, const absl::Status& status);
 
   AttentionBackend* const backend_;
   const ExecutorOptions options_;
+  const int max_in_flight_;
 
   mutable absl::Mutex mu_;
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  // Launches started and not yet finished (those in in_flight_ plus the one
+  // the completer is finishing).
+  int open_launches_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // wakes a batch waiting for company
   bool admitting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  bool launching_ ABSL_GUARDED_BY(mu_) = false;      // the launcher holds picked items
+  bool completing_ ABSL_GUARDED_BY(mu_) = false;     // the completer holds popped items
+  bool launcher_done_ ABSL_GUARDED_BY(mu_) = false;  // it has exited: nothing more starts
   std::string refusal_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> outstanding_tokens_{0};
 
   absl::Mutex join_mu_;
-  std::thread worker_;  // joined once, under join_mu_
+  std::thread launcher_;  // both joined once, under join_mu_
+  std::thread completer_;
 };
 
 }  // namespace attnserve

@@ -1,16 +1,20 @@
-// CudaBackend: staging, planning, launching and error mapping for the CUDA
-// kernels (backend/cuda/attn_fwd.h). CUDA errors become INTERNAL, allocation
-// failures RESOURCE_EXHAUSTED; nothing aborts.
+// CudaBackend: the staging pipeline, planning, launching and error mapping
+// for the CUDA kernels (backend/cuda/attn_fwd.h). CUDA errors become INTERNAL,
+// allocation failures RESOURCE_EXHAUSTED; nothing aborts.
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
 #include <utility>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "absl/strings/str_cat.h"
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/dtype.h"
+#include "backend/ragged_batch.h"
 
 namespace attnserve {
 namespace {
@@ -33,6 +37,59 @@ absl::Status CudaError(cudaError_t err, const char* what) {
 
 int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
 
+// Grow-only buffers: a slowly growing launch size should not reallocate each
+// time, so they grow by at least 1.5x.
+int64_t GrowTo(int64_t have, int64_t need) { return std::max(need, have + have / 2); }
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int64_t bytes = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  absl::Status Reserve(int64_t need, const char* what) {
+    if (need <= bytes) return absl::OkStatus();
+    if (ptr != nullptr) cudaFree(ptr);
+    ptr = nullptr;
+    const int64_t want = GrowTo(bytes, need);
+    bytes = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, static_cast<size_t>(want)), what);
+    bytes = want;
+    return absl::OkStatus();
+  }
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+};
+
+// Page-locked host memory: the copy engines read and write it directly, so
+// copies are asynchronous and run at full PCIe/NVLink-C2C speed. (From
+// pageable memory the driver stages through its own pinned buffer, which
+// costs the same host copy and serialises it with the host thread.)
+struct PinnedBuffer {
+  char* ptr = nullptr;
+  int64_t bytes = 0;
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  absl::Status Reserve(int64_t need) {
+    if (need <= bytes) return absl::OkStatus();
+    if (ptr != nullptr) cudaFreeHost(ptr);
+    ptr = nullptr;
+    const int64_t want = GrowTo(bytes, need);
+    bytes = 0;
+    void* p = nullptr;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
+                              "pinned staging buffer");
+    ptr = static_cast<char*>(p);
+    bytes = want;
+    return absl::OkStatus();
+  }
+  ~PinnedBuffer() {
+    if (ptr != nullptr) cudaFreeHost(ptr);
+  }
+};
+
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0.f;
   if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) return 0;
@@ -40,6 +97,122 @@ int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
 }
 
 }  // namespace
+
+
+// One pipeline stage's resources. A slot is busy from StartForward until its
+// launch is finished (or abandoned); nothing else touches it meanwhile.
+struct CudaBackend::Slot {
+  cudaStream_t stream = nullptr;
+  // Recorded around the phases: start, inputs on device, kernels done,
+  // outputs in pinned memory.
+  cudaEvent_t events[4] = {nullptr, nullptr, nullptr, nullptr};
+  // The same layout in both: inputs (q | k | v | cu_q | cu_k) then outputs
+  // (o | lse), so each direction is one copy.
+  PinnedBuffer host;
+  DeviceBuffer device;
+  DeviceBuffer workspace;  // split-KV partials
+  bool busy = false;
+};
+
+// Offsets of a launch's tensors in a slot's buffers, each 256-byte aligned.
+struct StagingLayout {
+  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, inputs_end = 0;
+  int64_t o = 0, lse = 0, end = 0;
+
+  explicit StagingLayout(const PackedBatch& batch) {
+    int64_t off = 0;
+    auto take = [&off](int64_t bytes) {
+      const int64_t at = off;
+      off += Align256(bytes);
+      return at;
+    };
+    q = take(batch.q_bytes());
+    k = take(batch.kv_bytes());
+    v = take(batch.kv_bytes());
+    cu_q = take(batch.cu_seqlens_bytes());
+    cu_k = take(batch.cu_seqlens_bytes());
+    inputs_end = off;
+    o = take(batch.q_bytes());
+    lse = take(batch.lse_bytes());
+    end = std::max<int64_t>(off, 256);
+  }
+
+  PackedBuffers In(char* base) const {
+    PackedBuffers b;
+    b.q = base + q;
+    b.k = base + k;
+    b.v = base + v;
+    b.o = base + o;
+    b.lse = reinterpret_cast<float*>(base + lse);
+    b.cu_seqlens_q = reinterpret_cast<int32_t*>(base + cu_q);
+    b.cu_seqlens_k = reinterpret_cast<int32_t*>(base + cu_k);
+    return b;
+  }
+};
+
+// The same params with every pointer moved from `from` to `to`, both buffers
+// of the same layout.
+AttnParams Rebase(const AttnParams& p, const char* from, char* to) {
+  auto move = [from, to](const void* ptr) -> char* {
+    return ptr == nullptr ? nullptr : to + (static_cast<const char*>(ptr) - from);
+  };
+  AttnParams d = p;
+  d.q = move(p.q);
+  d.k = move(p.k);
+  d.v = move(p.v);
+  d.o = move(p.o);
+  d.lse = reinterpret_cast<float*>(move(p.lse));
+  d.cu_seqlens_q = reinterpret_cast<const int32_t*>(move(p.cu_seqlens_q));
+  d.cu_seqlens_k = reinterpret_cast<const int32_t*>(move(p.cu_seqlens_k));
+  return d;
+}
+
+// A launch queued on a slot's stream. Finish waits for it and scatters the
+// outputs; destroying an unfinished launch waits for the stream, so the slot
+// never goes back to the pool with copies in flight.
+class CudaBackend::Launch final : public PendingLaunch {
+ public:
+  Launch(CudaBackend* backend, Slot* slot, PackedBatch batch, StagingLayout layout, int64_t gather_us)
+      : backend_(backend), slot_(slot), batch_(std::move(batch)), layout_(layout), gather_us_(gather_us) {}
+
+  ~Launch() override {
+    if (slot_ == nullptr) return;
+    cudaSetDevice(backend_->device_);
+    cudaStreamSynchronize(slot_->stream);
+    backend_->ReleaseSlot(slot_);
+  }
+
+  absl::Status Finish(BackendTimings* timings) override {
+    absl::Status st = Wait(timings);
+    backend_->ReleaseSlot(slot_);
+    slot_ = nullptr;
+    return st;
+  }
+
+ private:
+  absl::Status Wait(BackendTimings* timings) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(backend_->device_), "set device");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot_->events[3]), "forward");
+    const absl::Time scatter_start = absl::Now();
+    const char* host = slot_->host.ptr;
+    batch_.Scatter(host + layout_.o, reinterpret_cast<const float*>(host + layout_.lse));
+    const int64_t scatter_us = absl::ToInt64Microseconds(absl::Now() - scatter_start);
+    if (timings != nullptr) {
+      // The host copies into and out of the staging buffer are part of the
+      // transfers: they are what moving the bytes costs beyond the wire.
+      timings->host_to_device_us = gather_us_ + ElapsedUs(slot_->events[0], slot_->events[1]);
+      timings->compute_us = ElapsedUs(slot_->events[1], slot_->events[2]);
+      timings->device_to_host_us = ElapsedUs(slot_->events[2], slot_->events[3]) + scatter_us;
+    }
+    return absl::OkStatus();
+  }
+
+  CudaBackend* const backend_;
+  Slot* slot_;
+  const PackedBatch batch_;
+  const StagingLayout layout_;
+  const int64_t gather_us_;
+};
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   int count = 0;
@@ -66,8 +239,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   }
   b->num_sms_ = prop.multiProcessorCount;
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking), "stream");
-  for (cudaEvent_t& e : b->events_) ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "event");
+  for (std::unique_ptr<Slot>& slot : b->slots_) {
+    slot = std::make_unique<Slot>();
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking), "stream");
+    for (cudaEvent_t& e : slot->events) ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "event");
+  }
   BackendDescription& d = b->description_;
   d.name = "cuda";
   DeviceDescription dev;
@@ -87,14 +263,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
 }
 
 CudaBackend::~CudaBackend() {
-  // Best effort: errors here cannot be reported to anyone.
-  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  if (buffer_ != nullptr) cudaFree(buffer_);
-  if (workspace_ != nullptr) cudaFree(workspace_);
-  for (cudaEvent_t e : events_) {
-    if (e != nullptr) cudaEventDestroy(e);
+  // Best effort: errors here cannot be reported to anyone. Slots are idle by
+  // now (every Launch releases its slot), so the buffers are free to go.
+  for (std::unique_ptr<Slot>& slot : slots_) {
+    if (slot == nullptr) continue;
+    if (slot->stream != nullptr) cudaStreamSynchronize(slot->stream);
+    for (cudaEvent_t e : slot->events) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (slot->stream != nullptr) cudaStreamDestroy(slot->stream);
   }
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
 absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
@@ -118,115 +296,98 @@ absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::EnsureCapacity(int64_t bytes) {
-  if (bytes <= buffer_bytes_) return absl::OkStatus();
-  if (buffer_ != nullptr) cudaFree(buffer_);
-  buffer_ = nullptr;
-  buffer_bytes_ = 0;
-  // Grow by 1.5x so a slowly growing request size does not reallocate each time.
-  const int64_t want = std::max(bytes, buffer_bytes_ + buffer_bytes_ / 2);
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&buffer_, static_cast<size_t>(want)), "staging buffer");
-  buffer_bytes_ = want;
-  return absl::OkStatus();
+CudaBackend::Slot* CudaBackend::AcquireSlot() {
+  std::unique_lock<std::mutex> lock(slots_mu_);
+  while (true) {
+    for (std::unique_ptr<Slot>& slot : slots_) {
+      if (!slot->busy) {
+        slot->busy = true;
+        return slot.get();
+      }
+    }
+    slot_freed_.wait(lock);
+  }
 }
 
-absl::Status CudaBackend::EnsureWorkspace(int64_t bytes) {
-  if (bytes <= workspace_bytes_) return absl::OkStatus();
-  if (workspace_ != nullptr) cudaFree(workspace_);
-  workspace_ = nullptr;
-  workspace_bytes_ = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&workspace_, static_cast<size_t>(bytes)), "split-KV workspace");
-  workspace_bytes_ = bytes;
-  return absl::OkStatus();
+void CudaBackend::ReleaseSlot(Slot* slot) {
+  {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    slot->busy = false;
+  }
+  slot_freed_.notify_one();
 }
 
-absl::Status CudaBackend::ForwardDevice(const AttnParams& dev) {
-  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+absl::Status CudaBackend::LaunchKernels(const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP32) {
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, stream_), "fp32 forward kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();
   }
   const cuda::LaunchPlan plan = cuda::PlanForward(dev, num_sms_);
   if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
-  const absl::Status st = EnsureWorkspace(plan.workspace_bytes);
+  const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
   if (!st.ok()) return st;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, workspace_, stream_), "forward kernel");
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr, slot->stream), "forward kernel");
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timings) {
-  const absl::Status can = CanImplement(params);
-  if (!can.ok()) return can;
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const PackedBatch& batch) {
+  // The members share dtype, head dims and options (CanShareLaunch), which is
+  // all CanImplement depends on beyond each member's own invariants.
+  for (const AttnParams* m : batch.members()) {
+    const absl::Status can = CanImplement(*m);
+    if (!can.ok()) return can;
+  }
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
-  const int64_t es = DTypeSize(params.dtype);
-  const int64_t q_bytes = params.total_q * params.num_heads_q * params.head_dim * es;
-  const int64_t kv_bytes = params.total_k * params.num_heads_kv * params.head_dim * es;
-  const int64_t lse_bytes = params.lse != nullptr ? params.num_heads_q * params.total_q * 4 : 0;
-  const int64_t cu_bytes = IsVarlen(params) ? (int64_t{params.batch} + 1) * 4 : 0;
-  // One buffer: q | k | v | o | lse | cu_q | cu_k, each 256-byte aligned.
-  int64_t off = 0;
-  const int64_t q_off = off;
-  off += Align256(q_bytes);
-  const int64_t k_off = off;
-  off += Align256(kv_bytes);
-  const int64_t v_off = off;
-  off += Align256(kv_bytes);
-  const int64_t o_off = off;
-  off += Align256(q_bytes);
-  const int64_t lse_off = off;
-  off += Align256(lse_bytes);
-  const int64_t cuq_off = off;
-  off += Align256(cu_bytes);
-  const int64_t cuk_off = off;
-  off += Align256(cu_bytes);
-  absl::Status st = EnsureCapacity(std::max<int64_t>(off, 256));
-  if (!st.ok()) return st;
-  char* base = static_cast<char*>(buffer_);
-
-  AttnParams dev = params;
-  dev.q = base + q_off;
-  dev.k = base + k_off;
-  dev.v = base + v_off;
-  dev.o = base + o_off;
-  dev.lse = params.lse != nullptr ? reinterpret_cast<float*>(base + lse_off) : nullptr;
-  dev.cu_seqlens_q = IsVarlen(params) ? reinterpret_cast<const int32_t*>(base + cuq_off) : nullptr;
-  dev.cu_seqlens_k = IsVarlen(params) ? reinterpret_cast<const int32_t*>(base + cuk_off) : nullptr;
-
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[0], stream_), "event");
-  auto h2d = [&](const void* dst, const void* src, int64_t n) {
-    return n == 0 ? cudaSuccess
-                  : cudaMemcpyAsync(const_cast<void*>(dst), src, static_cast<size_t>(n), cudaMemcpyHostToDevice,
-                                    stream_);
+  Slot* slot = AcquireSlot();
+  // Until the Launch owns the slot, an error must hand it back with nothing
+  // in flight.
+  auto fail = [this, slot](absl::Status st) {
+    cudaStreamSynchronize(slot->stream);
+    ReleaseSlot(slot);
+    return st;
   };
-  ATTN_CUDA_RETURN_IF_ERROR(h2d(dev.q, params.q, q_bytes), "copy q to device");
-  ATTN_CUDA_RETURN_IF_ERROR(h2d(dev.k, params.k, kv_bytes), "copy k to device");
-  ATTN_CUDA_RETURN_IF_ERROR(h2d(dev.v, params.v, kv_bytes), "copy v to device");
-  if (cu_bytes > 0) {
-    ATTN_CUDA_RETURN_IF_ERROR(h2d(dev.cu_seqlens_q, params.cu_seqlens_q, cu_bytes), "copy cu_seqlens_q");
-    ATTN_CUDA_RETURN_IF_ERROR(h2d(dev.cu_seqlens_k, params.cu_seqlens_k, cu_bytes), "copy cu_seqlens_k");
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[1], stream_), "event");
-  st = ForwardDevice(dev);
-  if (!st.ok()) return st;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[2], stream_), "event");
-  if (q_bytes > 0) {
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(params.o, dev.o, static_cast<size_t>(q_bytes), cudaMemcpyDeviceToHost, stream_),
-        "copy o to host");
-  }
-  if (lse_bytes > 0) {
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(params.lse, dev.lse, static_cast<size_t>(lse_bytes), cudaMemcpyDeviceToHost, stream_),
-        "copy lse to host");
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[3], stream_), "event");
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "forward");
-  if (timings != nullptr) {
-    timings->host_to_device_us = ElapsedUs(events_[0], events_[1]);
-    timings->compute_us = ElapsedUs(events_[1], events_[2]);
-    timings->device_to_host_us = ElapsedUs(events_[2], events_[3]);
-  }
-  return absl::OkStatus();
+  const StagingLayout layout(batch);
+  absl::Status st = slot->host.Reserve(layout.end);
+  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
+  if (!st.ok()) return fail(st);
+
+  const absl::Time gather_start = absl::Now();
+  const AttnParams staged = batch.Gather(layout.In(slot->host.ptr));
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+  const AttnParams dev = Rebase(staged, slot->host.ptr, static_cast<char*>(slot->device.ptr));
+
+  auto queue = [&]() -> absl::Status {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr, slot->host.ptr, static_cast<size_t>(layout.inputs_end),
+                                              cudaMemcpyHostToDevice, slot->stream),
+                              "copy inputs to device");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
+    absl::Status kernels = LaunchKernels(dev, slot);
+    if (!kernels.ok()) return kernels;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
+    const int64_t out_bytes = layout.end - layout.o;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr + layout.o, static_cast<char*>(slot->device.ptr) + layout.o,
+                                              static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost, slot->stream),
+                              "copy outputs to host");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
+    return absl::OkStatus();
+  };
+  st = queue();
+  if (!st.ok()) return fail(st);
+  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, batch, layout, gather_us));
+}
+
+absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timings) {
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartForward(PackedBatch({&params}));
+  if (!launch.ok()) return launch.status();
+  return (*launch)->Finish(timings);
+}
+
+absl::StatusOr<int64_t> CudaBackend::DeviceMemoryUsed() const {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "memory info");
+  return static_cast<int64_t>(total_bytes - free_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device) {

@@ -1,13 +1,24 @@
 // CudaBackend: the AttentionBackend that runs the fused CUDA kernels on one
-// device. It stages the host tensors of a request into device buffers it keeps
-// and grows across requests, runs on its own stream and times each phase with
-// CUDA events.
+// device, as a pipeline of staging slots so that consecutive launches overlap.
+//
+// Each slot owns a stream, a pinned host staging buffer, a device buffer, a
+// split-KV workspace and four events. A launch packs its requests' inputs
+// straight into a free slot's pinned buffer (PackedBatch::Gather), then queues
+// one host-to-device copy, the kernel(s) and one device-to-host copy on the
+// slot's stream and returns; Finish waits for that stream and copies the
+// outputs out to each request (PackedBatch::Scatter). With kPipelineDepth
+// slots, launch n+1 is packed and copied in while launch n computes and
+// launch n-1 is copied out. Buffers grow to the largest launch seen and are
+// reused, so steady-state serving allocates nothing; memory is bounded by
+// kPipelineDepth x (largest launch) of pinned host and of device memory.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -17,35 +28,43 @@ namespace attnserve {
 
 class CudaBackend final : public AttentionBackend {
  public:
+  // Three slots keep every stage busy: one packing (host), one copying in or
+  // computing (device), one copying out and scattering (host, another thread).
+  static constexpr int kPipelineDepth = 3;
+
   // UNAVAILABLE when `device` does not exist or cannot be initialised.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device);
   ~CudaBackend() override;
 
   const BackendDescription& Describe() const override { return description_; }
   absl::Status CanImplement(const AttnParams& params) const override;
+  // One launch of `params` through the pipeline, waited for.
   absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override;
+  int max_launches_in_flight() const override { return kPipelineDepth; }
 
-  // Device-resident forward: every pointer in `dev` is device memory (the
-  // benchmark and the tests of the kernels themselves use this). Runs on the
-  // backend's stream and does not synchronise it.
-  absl::Status ForwardDevice(const AttnParams& dev);
-  cudaStream_t stream() const { return stream_; }
+  // Device memory in use on this backend's GPU (all processes), for metrics.
+  absl::StatusOr<int64_t> DeviceMemoryUsed() const;
 
  private:
+  struct Slot;
+  class Launch;
+
   CudaBackend() = default;
-  absl::Status EnsureCapacity(int64_t bytes);
-  absl::Status EnsureWorkspace(int64_t bytes);
+  // Blocks until a slot is free (the executor keeps at most kPipelineDepth
+  // launches open, so in the server this does not wait).
+  Slot* AcquireSlot();
+  void ReleaseSlot(Slot* slot);
+  // Queues the kernel(s) for device-resident `dev` on the slot's stream.
+  absl::Status LaunchKernels(const AttnParams& dev, Slot* slot);
 
   int device_ = 0;
   int num_sms_ = 0;
   int max_smem_per_block_ = 0;  // opt-in dynamic shared memory per CTA
   BackendDescription description_;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t events_[4] = {nullptr, nullptr, nullptr, nullptr};
-  void* buffer_ = nullptr;  // staging for q, k, v, o, lse, cu_seqlens
-  int64_t buffer_bytes_ = 0;
-  void* workspace_ = nullptr;  // split-KV partials
-  int64_t workspace_bytes_ = 0;
+  std::unique_ptr<Slot> slots_[kPipelineDepth];
+  std::mutex slots_mu_;
+  std::condition_variable slot_freed_;
 };
 
 }  // namespace attnserve

@@ -4,7 +4,7 @@
 // launches than requests, each result correct and reporting its batch size; a
 // failed packed launch fails only the request that fails alone;
 // --batching=false runs one launch per request.
-#include "server/ragged_batch.h"
+#include "backend/ragged_batch.h"
 
 #include <cmath>
 #include <cstring>
@@ -98,7 +98,7 @@ TEST(PackedBatchTest, EachMemberGetsWhatItsOwnLaunchGives) {
     ASSERT_TRUE(CanShareLaunch(members[0]->p, m->p));
     ptrs.push_back(&m->p);
   }
-  PackedBatch packed(ptrs);
+  HostPackedBatch packed(ptrs);
   EXPECT_EQ(packed.params().batch, 6);
   EXPECT_EQ(packed.params().total_q, 10 + 12 + 1);
   ASSERT_TRUE(cpu->CanImplement(packed.params()).ok());

@@ -1,0 +1,55 @@
+// The default, unpipelined AttentionBackend::StartForward; see backend.h.
+#include "backend/backend.h"
+
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace attnserve {
+namespace {
+
+// A launch that already ran: Finish only reports it.
+class CompletedLaunch final : public PendingLaunch {
+ public:
+  CompletedLaunch(absl::Status status, const BackendTimings& timings)
+      : status_(std::move(status)), timings_(timings) {}
+  absl::Status Finish(BackendTimings* timings) override {
+    if (timings != nullptr) *timings = timings_;
+    return status_;
+  }
+
+ private:
+  absl::Status status_;
+  BackendTimings timings_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
+    const PackedBatch& batch) {
+  BackendTimings timings;
+  absl::Status status;
+  if (batch.size() == 1) {
+    status = Forward(*batch.members().front(), &timings);
+  } else {
+    // Packing and unpacking are the copies a device backend does while
+    // staging, so they count as the transfers.
+    const absl::Time gather_start = absl::Now();
+    HostPackedBatch packed(batch.members());
+    const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+    status = Forward(packed.params(), &timings);
+    if (status.ok()) {
+      const absl::Time scatter_start = absl::Now();
+      packed.Scatter();
+      timings.host_to_device_us += gather_us;
+      timings.device_to_host_us += absl::ToInt64Microseconds(absl::Now() - scatter_start);
+    }
+  }
+  // A failed launch wrote nothing a caller may use: report it now, as the
+  // contract says, so the caller can rerun the members alone.
+  if (!status.ok()) return status;
+  return std::unique_ptr<PendingLaunch>(new CompletedLaunch(status, timings));
+}
+
+}  // namespace attnserve

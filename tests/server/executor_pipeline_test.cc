@@ -1,0 +1,177 @@
+// The executor with a pipelined backend (max_launches_in_flight > 1): launches
+// overlap up to the backend's bound, finish in the order they started, and a
+// packed launch that fails when finished is rerun one member at a time.
+#include <memory>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "server/executor.h"
+
+namespace attnserve {
+namespace {
+
+// Launches whose Finish waits for the test to open a gate; StartForward can be
+// held too. Items carry a tag in params.batch and no tensors.
+class GatedPipelineBackend : public AttentionBackend {
+ public:
+  explicit GatedPipelineBackend(int depth) : depth_(depth) { description_.name = "gated"; }
+
+  const BackendDescription& Describe() const override { return description_; }
+  absl::Status CanImplement(const AttnParams&) const override { return absl::OkStatus(); }
+  absl::Status Forward(const AttnParams&, BackendTimings*) override {
+    return absl::InternalError("the executor must use StartForward");
+  }
+  int max_launches_in_flight() const override { return depth_; }
+
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&start_open_));
+    std::vector<int> tags;
+    for (const AttnParams* m : batch.members()) tags.push_back(m->batch);
+    starts_.push_back(tags);
+    ++open_;
+    max_open_ = std::max(max_open_, open_);
+    return std::unique_ptr<PendingLaunch>(new Launch(this, batch.size()));
+  }
+
+  void SetStartOpen(bool open) {
+    absl::MutexLock lock(&mu_);
+    start_open_ = open;
+  }
+  void SetFinishOpen(bool open) {
+    absl::MutexLock lock(&mu_);
+    finish_open_ = open;
+  }
+  void AwaitStarts(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return starts_.size() >= n; };
+    mu_.Await(absl::Condition(&enough));
+  }
+  std::vector<std::vector<int>> starts() {
+    absl::MutexLock lock(&mu_);
+    return starts_;
+  }
+  int max_open() {
+    absl::MutexLock lock(&mu_);
+    return max_open_;
+  }
+  // Packed launches (two or more members) fail when finished.
+  bool fail_packed = false;
+
+ private:
+  class Launch : public PendingLaunch {
+   public:
+    Launch(GatedPipelineBackend* b, int members) : b_(b), members_(members) {}
+    absl::Status Finish(BackendTimings* timings) override {
+      absl::MutexLock lock(&b_->mu_);
+      b_->mu_.Await(absl::Condition(&b_->finish_open_));
+      --b_->open_;
+      timings->compute_us = 11;
+      if (b_->fail_packed && members_ > 1) return absl::InternalError("packed launch failed");
+      return absl::OkStatus();
+    }
+
+   private:
+    GatedPipelineBackend* b_;
+    int members_;
+  };
+
+  const int depth_;
+  BackendDescription description_;
+  absl::Mutex mu_;
+  bool start_open_ ABSL_GUARDED_BY(mu_) = true;
+  bool finish_open_ ABSL_GUARDED_BY(mu_) = true;
+  int open_ ABSL_GUARDED_BY(mu_) = 0;
+  int max_open_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::vector<int>> starts_ ABSL_GUARDED_BY(mu_);
+};
+
+struct Result {
+  int tag;
+  absl::Status status;
+  WorkTimings timings;
+};
+
+class Completions {
+ public:
+  WorkItem Item(int tag) {
+    WorkItem item;
+    item.params.batch = tag;
+    item.done = [this, tag](const absl::Status& status, const WorkTimings& timings) {
+      absl::MutexLock lock(&mu_);
+      results_.push_back({tag, status, timings});
+    };
+    return item;
+  }
+  std::vector<Result> Await(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return results_.size() >= n; };
+    mu_.Await(absl::Condition(&enough));
+    return results_;
+  }
+  size_t count() {
+    absl::MutexLock lock(&mu_);
+    return results_.size();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Result> results_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(ExecutorPipelineTest, KeepsUpToTheBackendsDepthInFlightAndFinishesInOrder) {
+  GatedPipelineBackend backend(/*depth=*/3);
+  ExecutorOptions options;
+  options.device = 5;
+  Executor executor(&backend, options);
+  Completions c;
+  backend.SetFinishOpen(false);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(executor.Submit(c.Item(i)).ok());
+  backend.AwaitStarts(3);
+  // Three launches open and none finished: the fourth waits for room.
+  absl::SleepFor(absl::Milliseconds(30));
+  EXPECT_EQ(backend.starts().size(), 3u);
+  EXPECT_EQ(c.count(), 0u);
+  EXPECT_TRUE(executor.running());
+  backend.SetFinishOpen(true);
+  std::vector<Result> results = c.Await(5);
+  ASSERT_EQ(results.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(results[i].tag, i);
+    EXPECT_TRUE(results[i].status.ok()) << results[i].status;
+    EXPECT_EQ(results[i].timings.compute_us, 11);
+    EXPECT_EQ(results[i].timings.device, 5);
+  }
+  EXPECT_EQ(backend.max_open(), 3);
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+}
+
+TEST(ExecutorPipelineTest, PackedLaunchFailingAtFinishRerunsEachMemberAlone) {
+  GatedPipelineBackend backend(/*depth=*/2);
+  backend.fail_packed = true;
+  ExecutorOptions options;
+  options.batching = true;
+  Executor executor(&backend, options);
+  Completions c;
+  // Hold the launcher inside the first start so the next three queue up and
+  // are packed together.
+  backend.SetStartOpen(false);
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
+  for (int i = 0; i < 200 && executor.queued() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  for (int i = 1; i <= 3; ++i) ASSERT_TRUE(executor.Submit(c.Item(i)).ok());
+  backend.SetStartOpen(true);
+  std::vector<Result> results = c.Await(4);
+  ASSERT_EQ(results.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(results[i].tag, i);
+    EXPECT_TRUE(results[i].status.ok()) << results[i].status;
+    EXPECT_EQ(results[i].timings.batch_size, 1);
+  }
+  EXPECT_EQ(backend.starts(), std::vector<std::vector<int>>({{0}, {1, 2, 3}, {1}, {2}, {3}}));
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+}
+
+}  // namespace
+}  // namespace attnserve
