@@ -12,18 +12,18 @@
 #include "absl/strings/str_cat.h"
 #include "backend/dtype.h"
 #include "backend/reference/reference_attention.h"
+#include "backend/reference/tolerance.h"
 #include "client/inputs.h"
 
 namespace attnserve {
 namespace {
 
-// Kept equal to tests/common/attn_test_util.cc (see verify.h).
-constexpr double kFp16Floor = 1e-3;
-constexpr double kBf16Floor = 8e-3;
-constexpr double kFp32Rtol = 1e-5;
-constexpr double kFp32Atol = 1e-6;
-constexpr double kFp32LseAtol = 1e-5;
-constexpr double kLowpLseFloor = 1e-4;
+// The constants the tests use too (backend/reference/tolerance.h).
+using tolerance::kFp32Atol;
+using tolerance::kFp32LseAtol;
+using tolerance::kFp32Rtol;
+using tolerance::kLowpLseFloor;
+using tolerance::OutputFloor;
 
 AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
   AttnParams p{};
@@ -54,8 +54,6 @@ AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
   p.window_right = o.causal ? 0 : (o.window_right ? *o.window_right : kNoWindow);
   return p;
 }
-
-double OutputFloor(DType t) { return t == DType::kFP16 ? kFp16Floor : kBf16Floor; }
 
 // Index into ReferenceOutput::lse of the row that o element `idx` belongs to.
 int64_t LseIndexOfO(const AttnParams& p, int64_t idx) {

@@ -3,16 +3,11 @@
 // by `attnctl load --check`, which computes each input's reference once
 // (ForwardVerifier) and checks every response against it.
 //
-// Policy (the same constants as tests/common/attn_test_util.cc, which this
-// library cannot link because that one depends on GoogleTest):
-//   O, FP16/BF16:  max|out - ref| <= 2 * max|ref_lowp - ref| + floor,
-//                  floor 1e-3 (FP16) / 8e-3 (BF16), about one ulp at 1.0.
-//   O, FP32:       every element |out - ref| <= 1e-5 * max|ref of its vector| + 1e-6,
-//                  a vector being one query row of one head (relative error
-//                  per vector: near-zero elements carry the error of their terms).
-//   LSE, FP16/BF16: max|lse - ref| <= 2 * max|lse_lowp - ref| + 1e-4.
-//   LSE, FP32:     every element |lse - ref| <= 1e-5 * |ref| + 1e-5.
-//   Rows that see no key: O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
+// The policy and its constants are backend/reference/tolerance.h's, shared
+// with the tests' checker (tests/common/attn_test_util.cc): FP16/BF16 O within
+// 2 * max|ref_lowp - ref| + a floor of about one ulp at 1.0; FP32 O within a
+// relative error per output vector; LSE checked separately; rows that see no
+// key must give O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
 #pragma once
 
 #include <memory>

@@ -9,29 +9,17 @@
 #include <sstream>
 
 #include "backend/dtype.h"
+#include "backend/reference/tolerance.h"
 
 namespace attnserve {
 namespace testing_util {
 namespace {
 
-// FP32 inputs: relative error under kFp32Rtol, measured per output vector
-// (one query row of one head): |out - ref| <= kFp32Rtol * max_c |ref[c]| +
-// kFp32Atol. Per vector, not per element: an element that is a near-zero sum
-// of terms of both signs carries the absolute error of the terms (fp32 scores
-// of magnitude |s| are off by ~|s|·2^-24, which moves every weight by that
-// relative amount), so a per-element relative bound would fail any correct
-// fp32 kernel whenever scores are large; a vector's largest element is the
-// honest scale. A wrong mask, scale or normalisation moves whole vectors by
-// far more than 1e-5 of that scale. The floor only covers all-tiny vectors.
-constexpr double kFp32Rtol = 1e-5;
-constexpr double kFp32Atol = 1e-6;
-// LSE (always FP32 on the wire) of FP32 inputs: same rule; LSE values are
-// O(1..10) so the floor is rarely what decides.
-constexpr double kFp32LseAtol = 1e-5;
-// LSE of FP16/BF16 inputs: 2 * max|lse_lowp - lse| + this floor. A backend
-// computes LSE in fp32 from the rounded inputs, so its own error is ~1e-6; the
-// floor only matters when the low-precision reference happens to be exact.
-constexpr double kLowpLseFloor = 1e-4;
+// The constants and why each value: backend/reference/tolerance.h.
+using tolerance::kFp32Atol;
+using tolerance::kFp32LseAtol;
+using tolerance::kFp32Rtol;
+using tolerance::kLowpLseFloor;
 
 uint32_t Fnv1a(const std::string& s) {
   uint32_t h = 2166136261u;
@@ -229,22 +217,7 @@ std::string CheckLse(const HostBuffers& buf, const float* lse) {
 
 }  // namespace
 
-double OutputFloor(DType t) {
-  switch (t) {
-    // One ulp at 1.0 (2^-10): O is a convex combination of V rows (|v| ~ 1),
-    // so a correct kernel's only error is one final rounding; the floor keeps
-    // cases where the low-precision reference is exact (Sk = 1) from
-    // demanding bit equality.
-    case DType::kFP16:
-      return 1e-3;
-    // Same reasoning with bf16's 8-bit mantissa: one ulp at 1.0 is 2^-7.
-    case DType::kBF16:
-      return 8e-3;
-    case DType::kFP32:
-      return kFp32Atol;
-  }
-  return 0.0;
-}
+double OutputFloor(DType t) { return tolerance::OutputFloor(t); }
 
 std::string TestCase::Name() const {
   std::string s;

@@ -60,8 +60,8 @@ struct TestCase {
 // list and failure messages then read "bf16_b2_q97_...").
 inline void PrintTo(const TestCase& tc, std::ostream* os) { *os << tc.Name(); }
 
-// The usual FP16/BF16 floors and the FP32 relative tolerance; see the .cc for
-// why each value.
+// The absolute floor of O's bound for dtype `t`: tolerance::OutputFloor
+// (backend/reference/tolerance.h, which says why each value).
 double OutputFloor(DType t);
 
 // Buffers for one TestCase: q/k/v filled with fresh random values (normal,
