@@ -1,8 +1,10 @@
-// Picks and builds the backend the server runs on (--backend=auto|cpu|cuda).
+// Picks and builds the backends the server runs on (--backend=auto|cpu|cuda,
+// --devices): one CPU backend, or one CUDA backend per chosen GPU.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
@@ -12,12 +14,20 @@ namespace attnserve {
 struct BackendOptions {
   std::string kind = "auto";  // "auto": CUDA if a GPU is usable, else CPU
   int cpu_threads = 0;        // 0: one per hardware thread
-  int cuda_device = 0;        // device index for the CUDA backend
+  // CUDA devices to serve on: "all" (every visible one) or a comma-separated
+  // list of CUDA indices such as "0,2". The CPU backend ignores it.
+  std::string devices = "all";
 };
 
-// INVALID_ARGUMENT for an unknown kind; UNAVAILABLE when "cuda" is asked for
-// and this build has no CUDA backend or no GPU is usable.
-absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeBackend(const BackendOptions& options);
+// Parses BackendOptions::devices: "all" (returned as an empty list) or
+// distinct non-negative indices. INVALID_ARGUMENT naming --devices otherwise.
+absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& devices);
+
+// INVALID_ARGUMENT for an unknown kind or a bad device list; UNAVAILABLE when
+// "cuda" is asked for and this build has no CUDA backend, no GPU is usable or
+// a listed device does not exist. "auto" falls back to the CPU only when no
+// GPU is usable at all, never when a listed device is missing.
+absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(const BackendOptions& options);
 
 // Implemented by backend/cpu.
 std::unique_ptr<AttentionBackend> MakeCpuBackend(int threads);
@@ -25,5 +35,7 @@ std::unique_ptr<AttentionBackend> MakeCpuBackend(int threads);
 // Implemented by backend/cuda when built (ATTNSERVE_HAVE_CUDA); UNAVAILABLE
 // when no usable device is present.
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device);
+// Visible CUDA devices; UNAVAILABLE (with the driver's reason) when none.
+absl::StatusOr<int> CudaDeviceCount();
 
 }  // namespace attnserve

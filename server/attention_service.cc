@@ -275,9 +275,9 @@ const std::vector<std::string>& ServerFeatures() {
   return *features;
 }
 
-AttentionService::AttentionService(ForwardHandler* handler, const AttentionBackend* backend,
+AttentionService::AttentionService(ForwardHandler* handler, BackendDescription backend,
                                    const ServiceInfo& info)
-    : handler_(handler), backend_(backend), info_(info) {}
+    : handler_(handler), backend_(std::move(backend)), info_(info) {}
 
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
@@ -293,14 +293,14 @@ grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionServi
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(handler_->limits(), backend_->Describe().name, &in_flight_, request,
+  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request,
                          response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
                                                           const v1::GetServerInfoRequest*,
                                                           v1::GetServerInfoResponse* response) {
-  const BackendDescription& d = backend_->Describe();
+  const BackendDescription& d = backend_;
   response->set_version(ATTNSERVE_VERSION);
   response->set_backend(d.name);
   for (const DeviceDescription& device : d.devices) {

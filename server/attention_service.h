@@ -20,9 +20,9 @@ struct ServiceInfo {
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
-  // `handler` and `backend` must outlive the service.
-  AttentionService(ForwardHandler* handler, const AttentionBackend* backend,
-                   const ServiceInfo& info);
+  // `handler` must outlive the service. `backend` describes what serves
+  // (with several GPUs, every device is listed).
+  AttentionService(ForwardHandler* handler, BackendDescription backend, const ServiceInfo& info);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const v1::ForwardRequest* request,
@@ -48,7 +48,7 @@ class AttentionService final : public v1::Attention::CallbackService {
 
  private:
   ForwardHandler* const handler_;
-  const AttentionBackend* const backend_;
+  const BackendDescription backend_;
   const ServiceInfo info_;
   InFlightCounter in_flight_;
 };

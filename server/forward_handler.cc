@@ -61,9 +61,9 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse*
 
 }  // namespace
 
-ForwardHandler::ForwardHandler(Executor* executor, std::string backend_name,
+ForwardHandler::ForwardHandler(ExecutorPool* executors, std::string backend_name,
                                const RequestLimits& limits, ServerMetrics* metrics)
-    : executor_(executor),
+    : executors_(executors),
       backend_name_(std::move(backend_name)),
       limits_(limits),
       metrics_(metrics) {}
@@ -93,7 +93,7 @@ void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardRespons
                                               const WorkTimings& timings) {
     Complete(*request, response, status, timings, done);
   };
-  absl::Status admitted = executor_->Submit(std::move(item));
+  absl::Status admitted = executors_->Submit(std::move(item));
   if (!admitted.ok()) refuse(admitted);
 }
 
@@ -114,6 +114,7 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   t->set_device_to_host_us(timings.device_to_host_us);
   t->set_total_us(timings.total_us);
   t->set_batch_size(timings.batch_size);
+  t->set_device(timings.device);
   if (metrics_ != nullptr) {
     metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
                             timings.compute_us, timings.device_to_host_us, timings.total_us);
@@ -123,13 +124,13 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   spdlog::log(
       LogLevelFor(status),
       "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
-      "queue_us={} compute_us={} total_us={}",
+      "device={} batch={} queue_us={} compute_us={} total_us={}",
       request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q()),
       ShapeString(request.k()), ShapeString(request.v()), v1::DType_Name(request.q().dtype()),
       request.cu_seqlens_q_size() > 0 ? "varlen" : "dense", request.options().causal(),
       request.options().return_lse(), absl::StatusCodeToString(status.code()),
       status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),
-      timings.queue_us, timings.compute_us, timings.total_us);
+      timings.device, timings.batch_size, timings.queue_us, timings.compute_us, timings.total_us);
   done(status);
 }
 

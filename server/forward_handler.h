@@ -13,6 +13,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "backend/backend.h"
 #include "server/executor.h"
+#include "server/executor_pool.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
 
@@ -25,9 +26,9 @@ class ForwardHandler {
   // timing and backend only (the caller decides how to report the error).
   using Done = std::function<void(const absl::Status& status)>;
 
-  // `executor` (and `metrics`, which records every finished request when set)
-  // must outlive the handler.
-  ForwardHandler(Executor* executor, std::string backend_name, const RequestLimits& limits,
+  // `executors` (and `metrics`, which records every finished request when
+  // set) must outlive the handler.
+  ForwardHandler(ExecutorPool* executors, std::string backend_name, const RequestLimits& limits,
                  ServerMetrics* metrics = nullptr);
 
   // Starts `request`. `request` and `response` must stay valid until `done`
@@ -44,7 +45,7 @@ class ForwardHandler {
   void Complete(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                 const absl::Status& status, const WorkTimings& timings, const Done& done) const;
 
-  Executor* const executor_;
+  ExecutorPool* const executors_;
   const std::string backend_name_;
   const RequestLimits limits_;
   ServerMetrics* const metrics_;

@@ -22,7 +22,9 @@ ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one (logged at st
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA if a GPU is usable, else CPU), cpu or cuda");
 ABSL_FLAG(int, threads, 0, "Worker threads of the CPU backend; 0 = one per hardware thread");
-ABSL_FLAG(int, cuda_device, 0, "GPU index for the CUDA backend");
+ABSL_FLAG(std::string, devices, "all",
+          "GPUs the CUDA backend serves on: \"all\" visible ones, or CUDA indices such as 0,1. "
+          "One executor per GPU; each request goes to the least-loaded");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.backend.kind = absl::GetFlag(FLAGS_backend);
   options.backend.cpu_threads = absl::GetFlag(FLAGS_threads);
-  options.backend.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.backend.devices = absl::GetFlag(FLAGS_devices);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -25,6 +26,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/attention_service.h"
 #include "server/executor.h"
+#include "server/executor_pool.h"
 #include "server/forward_handler.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
@@ -85,6 +87,8 @@ absl::Status CheckOptions(const ServerOptions& o) {
 // load). It uses the backend's first dtype and a head dim it lists; a backend
 // that still cannot implement it (UNIMPLEMENTED) is not an error.
 absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
+  const std::string where =
+      d.devices.empty() ? std::string() : absl::StrCat(" on device ", d.devices.front().index);
   constexpr int kRows = 4;
   const DType dtype = d.dtypes.empty() ? DType::kFP32 : d.dtypes.front();
   const int dim =
@@ -128,27 +132,47 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   if (!admitted.ok()) return admitted;
   done.WaitForNotification();
   if (absl::IsUnimplemented(result)) {
-    spdlog::warn("backend warm-up skipped: {}", std::string(result.message()));
+    spdlog::warn("backend warm-up{} skipped: {}", where, std::string(result.message()));
     return absl::OkStatus();
   }
   if (!result.ok()) {
-    return absl::Status(result.code(), absl::StrCat("backend warm-up failed: ", result.message()));
+    return absl::Status(result.code(),
+                        absl::StrCat("backend warm-up", where, " failed: ", result.message()));
   }
   return absl::OkStatus();
 }
 
+std::vector<AttentionBackend*> Pointers(const std::vector<std::unique_ptr<AttentionBackend>>& v) {
+  std::vector<AttentionBackend*> out;
+  for (const auto& b : v) out.push_back(b.get());
+  return out;
+}
+
+// What GetServerInfo reports: the first backend's description with every
+// backend's devices (all backends of one server are of one kind).
+BackendDescription Combined(const std::vector<std::unique_ptr<AttentionBackend>>& backends) {
+  BackendDescription d = backends.front()->Describe();
+  d.devices.clear();
+  for (const auto& b : backends) {
+    for (const DeviceDescription& dev : b->Describe().devices) d.devices.push_back(dev);
+  }
+  return d;
+}
+
 class AttnServerImpl final : public AttnServer {
  public:
-  AttnServerImpl(const ServerOptions& options, std::unique_ptr<AttentionBackend> backend)
+  AttnServerImpl(const ServerOptions& options,
+                 std::vector<std::unique_ptr<AttentionBackend>> backends)
       : options_(options),
-        backend_(std::move(backend)),
-        executor_(backend_.get(),
-                  ExecutorOptions{options.max_queue_size, &metrics_, options.batching,
-                                  options.batch_max_delay, options.batch_max_tokens}),
-        handler_(&executor_, backend_->Describe().name,
+        backends_(std::move(backends)),
+        description_(Combined(backends_)),
+        executors_(Pointers(backends_),
+                   ExecutorOptions{options.max_queue_size, &metrics_, options.batching,
+                                   options.batch_max_delay, options.batch_max_tokens}),
+        handler_(&executors_, description_.name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(
-            &handler_, backend_.get(),
+            &handler_, description_,
             ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
 
   ~AttnServerImpl() override {
@@ -201,13 +225,15 @@ class AttnServerImpl final : public AttnServer {
       return absl::CancelledError("Start: Shutdown was called while starting");
     }
 
-    absl::Status warm = WarmUp(&executor_, backend_->Describe());
-    if (!warm.ok()) {
-      Shutdown(absl::ZeroDuration());
-      return warm;
+    for (int i = 0; i < executors_.size(); ++i) {
+      absl::Status warm = WarmUp(&executors_.executor(i), backends_[i]->Describe());
+      if (!warm.ok()) {
+        Shutdown(absl::ZeroDuration());
+        return warm;
+      }
     }
-    metrics_.SetPendingSource([this] { return int64_t{executor_.queued()}; });
-    metrics_.SetDevices(backend_->Describe().devices);
+    metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
+    metrics_.SetDevices(description_.devices);
     if (options_.metrics_enabled) {
       absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
           MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
@@ -228,10 +254,12 @@ class AttnServerImpl final : public AttnServer {
       state_ = State::kServing;
       health->SetServingStatus(true);
     }
-    const BackendDescription& d = backend_->Describe();
-    spdlog::info("attnserve {} listening on {}:{} backend={} device={} cpu_threads={}",
+    const BackendDescription& d = description_;
+    std::vector<std::string> devices;
+    for (const DeviceDescription& dev : d.devices) devices.push_back(absl::StrCat(dev.index, ":", dev.name));
+    spdlog::info("attnserve {} listening on {}:{} backend={} devices=[{}] cpu_threads={}",
                  ATTNSERVE_VERSION, options_.host, port(), d.name,
-                 d.devices.empty() ? std::string("host CPU") : d.devices.front().name,
+                 d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
                  d.cpu_threads);
     if (metrics_port() != 0) {
       spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
@@ -250,7 +278,7 @@ class AttnServerImpl final : public AttnServer {
       state_ = State::kDraining;
       server = server_.get();
       if (never_started) {
-        executor_.Shutdown();
+        executors_.Shutdown();
         state_ = State::kStopped;
         stopped_.Notify();
         return;
@@ -261,14 +289,14 @@ class AttnServerImpl final : public AttnServer {
                  absl::FormatDuration(grace));
     // Health first: load balancers that poll it stop routing new work here.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
-    executor_.StopAdmitting();
+    executors_.StopAdmitting();
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
-        executor_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
+        executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
-    executor_.Shutdown();
+    executors_.Shutdown();
     // What is left are idle connections and streams with nothing in flight:
     // gRPC gets a moment to flush, then cancels them rather than waiting for
     // clients that poll rarely to acknowledge the GOAWAY.
@@ -283,7 +311,7 @@ class AttnServerImpl final : public AttnServer {
 
   void Wait() override { stopped_.WaitForNotification(); }
 
-  int queued_requests() const override { return executor_.queued(); }
+  int queued_requests() const override { return executors_.queued(); }
 
   int metrics_port() const override {
     return metrics_http_port_.load(std::memory_order_acquire);
@@ -293,10 +321,11 @@ class AttnServerImpl final : public AttnServer {
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 
   const ServerOptions options_;
-  const std::unique_ptr<AttentionBackend> backend_;
-  // Before the executor and handler, which record into it.
+  const std::vector<std::unique_ptr<AttentionBackend>> backends_;
+  const BackendDescription description_;
+  // Before the executors and handler, which record into it.
   ServerMetrics metrics_;
-  Executor executor_;
+  ExecutorPool executors_;
   ForwardHandler handler_;
   AttentionService service_;
 
@@ -314,18 +343,30 @@ class AttnServerImpl final : public AttnServer {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
-  absl::StatusOr<std::unique_ptr<AttentionBackend>> backend = MakeBackend(options.backend);
-  if (!backend.ok()) return backend.status();
-  return Create(options, *std::move(backend));
+  absl::Status valid = CheckOptions(options);
+  if (!valid.ok()) return valid;
+  absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> backends =
+      MakeBackends(options.backend);
+  if (!backends.ok()) return backends.status();
+  return Create(options, *std::move(backends));
 }
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
     const ServerOptions& options, std::unique_ptr<AttentionBackend> backend) {
+  std::vector<std::unique_ptr<AttentionBackend>> backends;
+  backends.push_back(std::move(backend));
+  return Create(options, std::move(backends));
+}
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
+    const ServerOptions& options, std::vector<std::unique_ptr<AttentionBackend>> backends) {
   absl::Status valid = CheckOptions(options);
   if (!valid.ok()) return valid;
-  if (backend == nullptr)
-    return absl::InvalidArgumentError("backend: expected a backend, got null");
-  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backend)));
+  if (backends.empty()) return absl::InvalidArgumentError("backend: expected a backend, got none");
+  for (const auto& b : backends) {
+    if (b == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
+  }
+  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backends)));
 }
 
 }  // namespace attnserve

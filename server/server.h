@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -44,6 +45,10 @@ class AttnServer {
   // Runs on the given backend (tests inject one).
   static absl::StatusOr<std::unique_ptr<AttnServer>> Create(
       const ServerOptions& options, std::unique_ptr<AttentionBackend> backend);
+  // Runs on several backends of one kind (one per GPU), each with its own
+  // executor; requests go to the least-loaded (ExecutorPool).
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Create(
+      const ServerOptions& options, std::vector<std::unique_ptr<AttentionBackend>> backends);
 
   virtual ~AttnServer() = default;
 

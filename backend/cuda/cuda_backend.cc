@@ -390,6 +390,17 @@ absl::StatusOr<int64_t> CudaBackend::DeviceMemoryUsed() const {
   return static_cast<int64_t>(total_bytes - free_bytes);
 }
 
+absl::StatusOr<int> CudaDeviceCount() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::UnavailableError(
+        absl::StrCat("cuda: no usable GPU (", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
+  }
+  return count;
+}
+
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device) {
   auto b = CudaBackend::Create(device);
   if (!b.ok()) return b.status();

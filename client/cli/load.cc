@@ -134,6 +134,8 @@ struct StepResult {
   // Means over successful responses of the server's timing, in ms.
   double queue_ms = 0, h2d_ms = 0, compute_ms = 0, d2h_ms = 0;
   double mean_batch_size = 0;  // requests per backend launch, as the server reports
+  // Successful responses by the device that ran them (ServerTiming.device).
+  std::map<int, int64_t> requests_by_device;
   std::string first_error;
 };
 
@@ -176,6 +178,7 @@ class Recorder {
     compute_us_ += t.compute_us();
     d2h_us_ += t.device_to_host_us();
     batch_size_sum_ += std::max(1, t.batch_size());
+    ++requests_by_device_[t.device()];
   }
 
   // An arrival the client could not send (open loop, too many in flight).
@@ -198,6 +201,7 @@ class Recorder {
     for (const auto& [code, n] : errors_by_code_) r->errors += n;
     r->errors_by_code = errors_by_code_;
     r->first_error = first_failure_;
+    r->requests_by_device = requests_by_device_;
     r->requests = ok + r->errors;
     r->req_per_s = ok / r->seconds;
     r->tokens_per_s = r->req_per_s * w_.tokens_per_request;
@@ -251,6 +255,7 @@ class Recorder {
   int64_t compute_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t d2h_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t batch_size_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, int64_t> requests_by_device_ ABSL_GUARDED_BY(mu_);
 };
 
 // Deadline of a stream that must outlive the step by one call's timeout.
@@ -415,6 +420,13 @@ std::string ErrorsString(const StepResult& r) {
   return absl::StrJoin(parts, ";");
 }
 
+// "0:510;1:498": successful requests per device.
+std::string DevicesString(const StepResult& r) {
+  std::vector<std::string> parts;
+  for (const auto& [device, n] : r.requests_by_device) parts.push_back(absl::StrCat(device, ":", n));
+  return absl::StrJoin(parts, ";");
+}
+
 void PrintHeader() {
   std::cout << std::left << std::setw(18) << "step" << std::right << std::setw(10) << "req/s"
             << std::setw(12) << "tokens/s" << std::setw(9) << "TFLOP/s" << std::setw(9) << "p50"
@@ -437,6 +449,9 @@ void PrintRow(const StepResult& r) {
             << Fixed(r.compute_ms, 2) << std::setw(9) << Fixed(r.d2h_ms, 2) << std::setw(7)
             << Fixed(r.mean_batch_size, 1) << std::setw(8) << r.errors << "\n";
   if (r.errors > 0) std::cout << "  errors by code: " << ErrorsString(r) << "\n";
+  if (r.requests_by_device.size() > 1) {
+    std::cout << "  requests by device: " << DevicesString(r) << "\n";
+  }
   if (!r.first_error.empty()) {
     std::cout << "  first error: " << r.first_error << "\n";
   }
@@ -487,6 +502,7 @@ std::vector<Field> Fields(const StepResult& r, const Workload& w) {
           {"compute_ms", num(r.compute_ms), false},
           {"device_to_host_ms", num(r.d2h_ms), false},
           {"mean_batch_size", num(r.mean_batch_size), false},
+          {"requests_by_device", DevicesString(r), true},
           {"check", absl::GetFlag(FLAGS_check) ? "true" : "false", false}};
 }
 

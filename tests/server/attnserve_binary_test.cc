@@ -94,7 +94,7 @@ TEST(AttnserveBinaryTest, HelpListsFlags) {
   const int code = child.Wait();
   EXPECT_EQ(code, 1) << "absl's --help exits 1";
   for (const char* flag :
-       {"--host", "--port", "--backend", "--threads", "--cuda_device", "--max_request_bytes",
+       {"--host", "--port", "--backend", "--threads", "--devices", "--max_request_bytes",
         "--max_tokens", "--max_queue_size", "--log_level", "--shutdown_grace"}) {
     EXPECT_NE(child.output().find(flag), std::string::npos) << flag << "\n" << child.output();
   }

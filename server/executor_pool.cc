@@ -1,0 +1,61 @@
+// Least-loaded dispatch over one executor per device; see executor_pool.h.
+#include "server/executor_pool.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace attnserve {
+
+ExecutorPool::ExecutorPool(const std::vector<AttentionBackend*>& backends,
+                           const ExecutorOptions& options) {
+  for (AttentionBackend* b : backends) {
+    ExecutorOptions o = options;
+    const std::vector<DeviceDescription>& devices = b->Describe().devices;
+    o.device = devices.empty() ? 0 : devices.front().index;
+    executors_.push_back(std::make_unique<Executor>(b, o));
+  }
+}
+
+absl::Status ExecutorPool::Submit(WorkItem item) {
+  const int n = size();
+  if (n == 1) return executors_.front()->Submit(std::move(item));
+  // Loads are read without a lock: two requests arriving together may pick
+  // the same device, which the next arrivals even out.
+  const int start = static_cast<int>(next_.fetch_add(1, std::memory_order_relaxed) % n);
+  int best = start;
+  int64_t best_load = executors_[start]->outstanding_tokens();
+  for (int k = 1; k < n; ++k) {
+    const int i = (start + k) % n;
+    const int64_t load = executors_[i]->outstanding_tokens();
+    if (load < best_load) {
+      best = i;
+      best_load = load;
+    }
+  }
+  return executors_[best]->Submit(std::move(item));
+}
+
+void ExecutorPool::StopAdmitting() {
+  for (auto& e : executors_) e->StopAdmitting();
+}
+
+bool ExecutorPool::WaitIdle(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  bool idle = true;
+  for (auto& e : executors_) {
+    idle = e->WaitIdle(std::max(deadline - absl::Now(), absl::ZeroDuration())) && idle;
+  }
+  return idle;
+}
+
+void ExecutorPool::Shutdown() {
+  for (auto& e : executors_) e->Shutdown();
+}
+
+int ExecutorPool::queued() const {
+  int total = 0;
+  for (const auto& e : executors_) total += e->queued();
+  return total;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,184 @@
+// Several backends in one server (one per GPU in production): the pool sends
+// each request to the least-loaded executor, every response names the device
+// that ran it, and results stay correct. CPU backends stand in for GPUs here;
+// scripts/gpu-serving.sh runs the same over two real GPUs.
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "backend/backend_factory.h"
+#include "client/attention_client.h"
+#include "client/inputs.h"
+#include "client/verify.h"
+#include "gtest/gtest.h"
+#include "server/executor_pool.h"
+#include "server/server.h"
+
+namespace attnserve {
+namespace {
+
+// A CPU backend that describes itself as device `index` and can hold its
+// launches until the test opens a gate.
+class LabelledBackend : public AttentionBackend {
+ public:
+  explicit LabelledBackend(int index) : inner_(MakeCpuBackend(1)) {
+    description_ = inner_->Describe();
+    DeviceDescription d;
+    d.index = index;
+    d.name = absl::StrCat("stand-in ", index);
+    description_.devices = {d};
+  }
+  const BackendDescription& Describe() const override { return description_; }
+  // Items without tensors (the pool test's) are accepted and not computed.
+  absl::Status CanImplement(const AttnParams& p) const override {
+    return p.q == nullptr ? absl::OkStatus() : inner_->CanImplement(p);
+  }
+  absl::Status Forward(const AttnParams& p, BackendTimings* t) override {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&open_));
+    }
+    return p.q == nullptr ? absl::OkStatus() : inner_->Forward(p, t);
+  }
+  void SetOpen(bool open) {
+    absl::MutexLock lock(&mu_);
+    open_ = open;
+  }
+
+ private:
+  std::unique_ptr<AttentionBackend> inner_;
+  BackendDescription description_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+TEST(ExecutorPoolTest, SendsWorkToTheLeastLoadedDevice) {
+  LabelledBackend gpu3(3), gpu7(7);
+  ExecutorPool pool({&gpu3, &gpu7}, ExecutorOptions{});
+  ASSERT_EQ(pool.size(), 2);
+  absl::Mutex mu;
+  std::vector<std::pair<int, int>> done;  // (tag, device)
+  auto item = [&](int tag, int64_t tokens) {
+    WorkItem w;
+    w.params.batch = tag;
+    w.params.total_q = tokens;
+    w.done = [&, tag](const absl::Status& st, const WorkTimings& t) {
+      EXPECT_TRUE(st.ok()) << st;
+      absl::MutexLock lock(&mu);
+      done.push_back({tag, t.device});
+    };
+    return w;
+  };
+  gpu3.SetOpen(false);
+  gpu7.SetOpen(false);
+  // One long request occupies a device; the short ones that follow all go to
+  // the other, whose outstanding tokens stay below the long one's.
+  ASSERT_TRUE(pool.Submit(item(0, 1000)).ok());
+  for (int i = 1; i <= 4; ++i) ASSERT_TRUE(pool.Submit(item(i, 10)).ok());
+  gpu3.SetOpen(true);
+  gpu7.SetOpen(true);
+  ASSERT_TRUE(pool.WaitIdle(absl::Seconds(10)));
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(done.size(), 5u);
+  int long_device = -1;
+  for (auto [tag, device] : done) {
+    if (tag == 0) long_device = device;
+  }
+  ASSERT_TRUE(long_device == 3 || long_device == 7) << long_device;
+  for (auto [tag, device] : done) {
+    if (tag != 0) EXPECT_NE(device, long_device) << "request " << tag;
+  }
+}
+
+TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
+  std::vector<std::unique_ptr<AttentionBackend>> backends;
+  backends.push_back(std::make_unique<LabelledBackend>(0));
+  backends.push_back(std::make_unique<LabelledBackend>(1));
+  ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options, std::move(backends));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = AttentionClient::Create(absl::StrCat("127.0.0.1:", (*server)->port()));
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  absl::StatusOr<v1::GetServerInfoResponse> info = (*client)->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->devices_size(), 2);
+  EXPECT_EQ(info->devices(0).index(), 0);
+  EXPECT_EQ(info->devices(1).index(), 1);
+
+  constexpr int kRequests = 16;
+  std::vector<AttentionInputs> inputs;
+  for (int i = 0; i < kRequests; ++i) {
+    AttentionShape s;
+    s.dtype = DType::kFP16;
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.head_dim = 32;
+    s.batch = 1;
+    s.seqlen_q = 8 + i;
+    s.seqlen_k = 16 + i;
+    absl::StatusOr<AttentionInputs> in = MakeRandomInputs(s, 500 + i);
+    ASSERT_TRUE(in.ok());
+    inputs.push_back(*std::move(in));
+  }
+  absl::Mutex mu;
+  int finished = 0;
+  std::vector<absl::StatusOr<v1::ForwardResponse>> responses(kRequests, absl::UnknownError("none"));
+  for (int i = 0; i < kRequests; ++i) {
+    (*client)->ForwardAsync(MakeForwardRequest(inputs[i]), CallOptions(),
+                            [&, i](absl::StatusOr<v1::ForwardResponse> r) {
+                              absl::MutexLock lock(&mu);
+                              responses[i] = std::move(r);
+                              ++finished;
+                            });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    auto all = [&]() { return finished == kRequests; };
+    mu.Await(absl::Condition(&all));
+  }
+  std::set<int> devices;
+  for (int i = 0; i < kRequests; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(responses[i].ok()) << responses[i].status();
+    devices.insert(responses[i]->timing().device());
+    absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(responses[i]));
+    ASSERT_TRUE(result.ok()) << result.status();
+    absl::StatusOr<VerifyReport> report = VerifyForward(inputs[i], *result);
+    ASSERT_TRUE(report.ok() && report->passed) << (report.ok() ? report->failure : "");
+  }
+  EXPECT_EQ(devices, std::set<int>({0, 1}));
+  (*server)->Shutdown(absl::Seconds(5));
+}
+
+TEST(DeviceListTest, ParsesAllAndIndicesAndNamesTheFlagOnErrors) {
+  EXPECT_TRUE(ParseDeviceList("all")->empty());
+  EXPECT_EQ(*ParseDeviceList("1"), std::vector<int>({1}));
+  EXPECT_EQ(*ParseDeviceList("0, 2"), std::vector<int>({0, 2}));
+  for (const char* bad : {"", "x", "0,", "-1", "0,0", "1.5"}) {
+    absl::StatusOr<std::vector<int>> r = ParseDeviceList(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("--devices"), std::string::npos) << r.status();
+  }
+}
+
+TEST(DeviceListTest, CpuBackendIsOneWhateverTheList) {
+  BackendOptions o;
+  o.kind = "cpu";
+  o.cpu_threads = 1;
+  o.devices = "0,1";
+  auto b = MakeBackends(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->size(), 1u);
+  o.devices = "zero";
+  EXPECT_EQ(MakeBackends(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnserve
