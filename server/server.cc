@@ -28,6 +28,7 @@
 #include "server/executor.h"
 #include "server/executor_pool.h"
 #include "server/forward_handler.h"
+#include "server/gpu_monitor.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "spdlog/spdlog.h"
@@ -234,6 +235,16 @@ class AttnServerImpl final : public AttnServer {
     }
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetDevices(description_.devices);
+    if (!description_.devices.empty()) {
+      absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor = NvmlMonitor::Create(description_.devices);
+      if (monitor.ok()) {
+        metrics_.SetDeviceUsageSource(
+            [mon = std::shared_ptr<NvmlMonitor>(*std::move(monitor))] { return mon->Read(); });
+      } else {
+        spdlog::warn("no GPU memory-used or utilisation metrics: {}",
+                     std::string(monitor.status().message()));
+      }
+    }
     if (options_.metrics_enabled) {
       absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
           MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
