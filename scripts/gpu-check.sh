@@ -17,8 +17,10 @@ note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 B=build-gpu
-# The test binaries link the carried Abseil shared libraries.
+# The test binaries link the carried Abseil shared libraries; a carried
+# shared-library server brings its own (scripts/pack-device-deps.sh --server).
 export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib:$LD_LIBRARY_PATH
 t0=$(date +%s)
 if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
      -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/configure.log" 2>&1 &&

@@ -1,56 +1,108 @@
 #!/usr/bin/env bash
-# On the GPU machine (device `run`, .device-carry carried): serving under load
-# with the carried attnserve/attnctl (.device-carry/bin). Two servers on the
-# CUDA backend, dynamic batching on and off, driven by `attnctl load --check`
-# (every response verified against the float64 reference) with
-#   small requests: B=1, Sq=Sk=256, Hq=16, D=128, BF16, concurrency 1, 16, 64
-#   large requests: B=4, Sq=Sk=4096, Hq=16, D=128, BF16, concurrency 1, 4
-# Rows go to $OUT/serving.csv (attnctl load's columns, label = scenario/batching);
-# a short table is printed last.
-# Usage: scripts/gpu-serving.sh [SECONDS_PER_STEP]   (default 5)
+# On the GPU machine (device `run`, with .device-carry carried): the serving
+# benchmark of issue 4, every side in one run on one host.
+#   attnserve, dynamic batching on and off (one server each, GPU 0)
+#   echo       the Echo RPC of the batching-on server: the same bytes in and
+#              out with no compute (the transport ceiling)
+#   python_sdpa bench/baselines/sdpa_server.py (grpcio + PyTorch SDPA, GPU 0)
+#   attnserve over every visible GPU (--devices=all) when there are two or more
+# Scenarios (BF16, Hq=Hkv=16, D=128, non-causal):
+#   small: B=1, Sq=Sk=256, concurrency 1, 16, 64
+#   large: B=4, Sq=Sk=4096, concurrency 1, 4
+# Every server first answers a short `attnctl load --check` (each response
+# checked against the float64 reference; small shape only, the large one's
+# reference takes minutes on the CPU); the timed steps run without --check so
+# the client's checking does not cap the throughput it measures.
+# Rows go to $OUT/serving-raw.csv (attnctl load's columns, label =
+# scenario/impl/batching); bench/gpu/serving_report.py turns them into the
+# committed CSV and prints the table last.
+# Usage: scripts/gpu-serving.sh [SECONDS_PER_STEP]   (default 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-serving-out}
 mkdir -p "$OUT"
-secs=${1:-5}
+secs=${1:-4}
 bin=.device-carry/bin
-csv=$OUT/serving.csv
-rm -f "$csv"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+# A shared-library build carries its libraries (scripts/pack-device-deps.sh --server).
+[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+raw=$OUT/serving-raw.csv
+rm -f "$raw"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+{
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  python3 -c 'import torch, grpc, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "grpcio", grpc.__version__)'
+  echo "cpus $(nproc)"
+} >"$OUT/env.txt" 2>&1
 
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait' EXIT
-start_server() {  # start_server PORT BATCHING
-  "$bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$1" --batching="$2" \
-    --metrics_port=0 --log_level=warn >"$OUT/server-$1.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 1 100); do
+wait_healthy() {  # wait_healthy PORT NAME
+  for _ in $(seq 1 150); do
     "$bin/attnctl" --target="127.0.0.1:$1" health >/dev/null 2>&1 && return 0
     sleep 0.2
   done
-  echo "server on $1 did not become SERVING"; cat "$OUT/server-$1.log"; exit 1
+  echo "$2 on port $1 did not become SERVING"; tail -20 "$OUT/$2.log"; exit 1
 }
-start_server 50061 true
-start_server 50062 false
-"$bin/attnctl" --target=127.0.0.1:50061 info | tee "$OUT/info.txt" | head -5
+start_attnserve() {  # start_attnserve PORT NAME FLAGS...
+  local port=$1 name=$2; shift 2
+  "$bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" --log_level=warn "$@" \
+    >"$OUT/$name.log" 2>&1 &
+  pids+=($!)
+  wait_healthy "$port" "$name"
+}
+start_attnserve 50061 attnserve-on --batching=true --devices=0 --metrics_port=50081
+start_attnserve 50062 attnserve-off --batching=false --devices=0 --metrics_port=0
+python3 bench/baselines/sdpa_server.py --port=50071 --device=0 --log_level=WARNING \
+  >"$OUT/python_sdpa.log" 2>&1 &
+pids+=($!)
+wait_healthy 50071 python_sdpa
+if [ "$ngpu" -ge 2 ]; then
+  start_attnserve 50063 attnserve-multi --batching=true --devices=all --metrics_port=50083
+fi
+"$bin/attnctl" --target=127.0.0.1:50061 info >"$OUT/info.txt" 2>&1
 
 small="--batch=1 --seqlen_q=256 --heads_q=16 --head_dim=128 --dtype=bf16"
 large="--batch=4 --seqlen_q=4096 --heads_q=16 --head_dim=128 --dtype=bf16"
-# --check on small requests only: the float64 reference of one large request
-# takes minutes on the CPU (the first run of this script hung there).
-run() {  # run PORT LABEL CONCURRENCY SHAPE...
-  local port=$1 label=$2 conc=$3; shift 3
-  local check=--check
-  case $label in large/*) check= ;; esac
-  "$bin/attnctl" --target="127.0.0.1:$port" --timeout=60s load --concurrency="$conc" \
-    --warmup=1s --duration="${secs}s" --channels=4 $check --label="$label" --csv="$csv" "$@" \
+declare -a SUMMARY
+load() {  # load PORT LABEL CONCURRENCY SHAPE [more attnctl load flags]
+  local port=$1 label=$2 conc=$3 shape=$4; shift 4
+  "$bin/attnctl" --target="127.0.0.1:$port" --timeout=120s load --concurrency="$conc" \
+    --warmup=1s --duration="${secs}s" --channels=4 --label="$label" --csv="$raw" $shape "$@" \
     >>"$OUT/load.log" 2>>"$OUT/load-progress.log"
-  echo "$label c=$conc rc=$?"
+  local rc=$?
+  SUMMARY+=("$(printf '%-34s c=%-8s rc=%s' "$label" "$conc" "$rc")")
 }
-run 50061 small/batching=on 1,16,64 $small
-run 50062 small/batching=off 1,16,64 $small
-run 50061 large/batching=on 1,4 $large
-run 50062 large/batching=off 1,4 $large
-cat "$OUT/load.log" | grep -E '^(load:|concurrency=|  errors)' 
-echo "---- serving.csv ----"
-cat "$csv"
+check() {  # check PORT NAME: every response of a short run verified
+  local port=$1 name=$2
+  "$bin/attnctl" --target="127.0.0.1:$port" --timeout=60s load --concurrency=16 --warmup=0s \
+    --duration=2s --channels=4 --check $small --causal >"$OUT/check-$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("$(printf '%-34s rc=%s %s' "check $name" "$rc" "$(grep -E '^concurrency=' "$OUT/check-$name.log" | awk '{print $2" req/s, errors="$NF}')")")
+  grep -E 'requests by device|first error' "$OUT/check-$name.log" | sed 's/^/    /' >>"$OUT/check-notes.txt"
+}
+check 50061 attnserve-on
+check 50062 attnserve-off
+check 50071 python_sdpa
+[ "$ngpu" -ge 2 ] && check 50063 attnserve-multi
+
+load 50061 small/echo/on 1,16,64 "$small" --rpc=echo
+load 50061 small/attnserve/on 1,16,64 "$small"
+load 50062 small/attnserve/off 1,16,64 "$small"
+load 50071 small/python_sdpa/off 1,16,64 "$small"
+[ "$ngpu" -ge 2 ] && load 50063 "small/attnserve-${ngpu}gpu/on" 64 "$small"
+load 50061 large/echo/on 1,4 "$large" --rpc=echo
+load 50061 large/attnserve/on 1,4 "$large"
+load 50071 large/python_sdpa/off 1,4 "$large"
+[ "$ngpu" -ge 2 ] && load 50063 "large/attnserve-${ngpu}gpu/on" 4,8 "$large"
+
+# The metrics endpoint under load's aftermath: Triton's names, GPU gauges.
+curl -s http://127.0.0.1:50081/metrics >"$OUT/metrics-on.txt" 2>&1 ||
+  python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:50081/metrics").read().decode())' >"$OUT/metrics-on.txt" 2>&1
+[ "$ngpu" -ge 2 ] && python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:50083/metrics").read().decode())' >"$OUT/metrics-multi.txt" 2>&1
+
+echo "==== steps"
+printf '%s\n' "${SUMMARY[@]}"
+cat "$OUT/check-notes.txt" 2>/dev/null
+echo "==== metrics (batching-on server)"
+grep -E '^nv_(inference_(request_success|count|exec_count)|gpu_)' "$OUT/metrics-on.txt" | head -12
+python3 bench/gpu/serving_report.py "$raw" --env "$OUT/env.txt" --out "$OUT/serving.csv"
