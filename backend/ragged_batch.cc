@@ -38,18 +38,30 @@ int64_t PackedBatch::cu_seqlens_bytes() const {
   return (int64_t{batch_} + 1) * 4;
 }
 
-AttnParams PackedBatch::Gather(const PackedBuffers& buffers) const {
+namespace {
+
+void Run(const CopyRunner& run, const std::vector<HostCopy>& copies) {
+  if (run) {
+    run(copies);
+  } else {
+    CopySerially(copies);
+  }
+}
+
+}  // namespace
+
+AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& run) const {
   char* q = static_cast<char*>(buffers.q);
   char* k = static_cast<char*>(buffers.k);
   char* v = static_cast<char*>(buffers.v);
+  std::vector<HostCopy> copies;
   if (members_.size() == 1) {
     // Alone, a request keeps its own layout: only the memory changes.
     AttnParams p = *members_.front();
-    if (p.total_q > 0) std::memcpy(q, p.q, q_bytes());
-    if (p.total_k > 0) {
-      std::memcpy(k, p.k, kv_bytes());
-      std::memcpy(v, p.v, kv_bytes());
-    }
+    copies.push_back({q, p.q, size_t(q_bytes())});
+    copies.push_back({k, p.k, size_t(kv_bytes())});
+    copies.push_back({v, p.v, size_t(kv_bytes())});
+    Run(run, copies);
     if (IsVarlen(p)) {
       std::memcpy(buffers.cu_seqlens_q, p.cu_seqlens_q, cu_seqlens_bytes());
       std::memcpy(buffers.cu_seqlens_k, p.cu_seqlens_k, cu_seqlens_bytes());
@@ -70,11 +82,9 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers) const {
   cu_q[0] = 0;
   cu_k[0] = 0;
   for (const AttnParams* m : members_) {
-    if (m->total_q > 0) std::memcpy(q + q_off * q_row_bytes_, m->q, m->total_q * q_row_bytes_);
-    if (m->total_k > 0) {
-      std::memcpy(k + k_off * kv_row_bytes_, m->k, m->total_k * kv_row_bytes_);
-      std::memcpy(v + k_off * kv_row_bytes_, m->v, m->total_k * kv_row_bytes_);
-    }
+    copies.push_back({q + q_off * q_row_bytes_, m->q, size_t(m->total_q * q_row_bytes_)});
+    copies.push_back({k + k_off * kv_row_bytes_, m->k, size_t(m->total_k * kv_row_bytes_)});
+    copies.push_back({v + k_off * kv_row_bytes_, m->v, size_t(m->total_k * kv_row_bytes_)});
     for (int b = 0; b < m->batch; ++b) {
       ++seq;
       cu_q[seq] = static_cast<int32_t>(q_off + SeqStartQ(*m, b) + SeqLenQ(*m, b));
@@ -85,6 +95,7 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers) const {
     q_off += m->total_q;
     k_off += m->total_k;
   }
+  Run(run, copies);
   AttnParams p = *members_.front();
   p.q = q;
   p.k = k;
@@ -101,18 +112,23 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers) const {
   return p;
 }
 
-void PackedBatch::Scatter(const void* o, const float* lse) const {
+void PackedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run) const {
   const char* packed_o = static_cast<const char*>(o);
+  std::vector<HostCopy> copies;
+  int64_t off = 0;  // first packed q row of the member
+  for (const AttnParams* m : members_) {
+    copies.push_back({m->o, packed_o + off * q_row_bytes_, size_t(m->total_q * q_row_bytes_)});
+    off += m->total_q;
+  }
+  Run(run, copies);
   if (members_.size() == 1) {
     const AttnParams& m = *members_.front();
-    if (q_bytes() > 0) std::memcpy(m.o, packed_o, q_bytes());
     if (m.lse != nullptr && lse_bytes() > 0) std::memcpy(m.lse, lse, lse_bytes());
     return;
   }
-  int64_t off = 0;  // first packed q row of the member
+  off = 0;
   for (const AttnParams* mp : members_) {
     const AttnParams& m = *mp;
-    if (m.total_q > 0) std::memcpy(m.o, packed_o + off * q_row_bytes_, m.total_q * q_row_bytes_);
     if (m.lse != nullptr) {
       // Packed LSE is [Hq, Tq_total]; the member's is its own dense or varlen layout.
       for (int h = 0; h < m.num_heads_q; ++h) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "backend/host_copy.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -56,11 +57,12 @@ class PackedBatch {
   int64_t cu_seqlens_bytes() const;  // each of cu_seqlens_q/k; 0 for one dense member
 
   // Copies the members' Q, K and V rows (and builds cu_seqlens) into
-  // `buffers`, and returns the launch's params pointing at `buffers`.
-  AttnParams Gather(const PackedBuffers& buffers) const;
-  // Copies each member's rows of O (and its LSE, in its own layout) from the
-  // packed outputs to the member's bound o/lse.
-  void Scatter(const void* o, const float* lse) const;
+  // `buffers`, and returns the launch's params pointing at `buffers`. The
+  // bulk copies go through `run` (serially when it is empty).
+  AttnParams Gather(const PackedBuffers& buffers, const CopyRunner& run = CopyRunner()) const;
+  // Copies each member's rows of O (through `run`) and its LSE (in its own
+  // layout) from the packed outputs to the member's bound o/lse.
+  void Scatter(const void* o, const float* lse, const CopyRunner& run = CopyRunner()) const;
 
  private:
   std::vector<const AttnParams*> members_;

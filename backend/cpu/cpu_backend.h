@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "backend/backend.h"
-#include "backend/cpu/thread_pool.h"
+#include "backend/thread_pool.h"
 
 namespace attnserve {
 

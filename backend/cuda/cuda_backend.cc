@@ -4,7 +4,9 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -14,6 +16,7 @@
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/dtype.h"
+#include "backend/host_copy.h"
 #include "backend/ragged_batch.h"
 
 namespace attnserve {
@@ -195,7 +198,9 @@ class CudaBackend::Launch final : public PendingLaunch {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot_->events[3]), "forward");
     const absl::Time scatter_start = absl::Now();
     const char* host = slot_->host.ptr;
-    batch_.Scatter(host + layout_.o, reinterpret_cast<const float*>(host + layout_.lse));
+    ThreadPool* pool = backend_->scatter_pool_.get();
+    batch_.Scatter(host + layout_.o, reinterpret_cast<const float*>(host + layout_.lse),
+                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
     const int64_t scatter_us = absl::ToInt64Microseconds(absl::Now() - scatter_start);
     if (timings != nullptr) {
       // The host copies into and out of the staging buffer are part of the
@@ -239,6 +244,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   }
   b->num_sms_ = prop.multiProcessorCount;
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
+  // One thread packed 72 MB in 15 ms on the H200 host (bench/NOTES-serving.md):
+  // a few threads share the copies; more would compete with gRPC's threads.
+  const int copy_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
+  b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);
+  b->scatter_pool_ = std::make_unique<ThreadPool>(copy_threads);
   for (std::unique_ptr<Slot>& slot : b->slots_) {
     slot = std::make_unique<Slot>();
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking), "stream");
@@ -352,7 +362,9 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
   if (!st.ok()) return fail(st);
 
   const absl::Time gather_start = absl::Now();
-  const AttnParams staged = batch.Gather(layout.In(slot->host.ptr));
+  ThreadPool* pool = gather_pool_.get();
+  const AttnParams staged = batch.Gather(
+      layout.In(slot->host.ptr), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
   const AttnParams dev = Rebase(staged, slot->host.ptr, static_cast<char*>(slot->device.ptr));
 

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "backend/thread_pool.h"
 
 namespace attnserve {
 
@@ -63,6 +64,10 @@ class CudaBackend final : public AttentionBackend {
   int max_smem_per_block_ = 0;  // opt-in dynamic shared memory per CTA
   BackendDescription description_;
   std::unique_ptr<Slot> slots_[kPipelineDepth];
+  // Packing into and unpacking out of the pinned buffers, in parallel: one
+  // pool for StartForward's thread and one for Finish's, which run at once.
+  std::unique_ptr<ThreadPool> gather_pool_;
+  std::unique_ptr<ThreadPool> scatter_pool_;
   std::mutex slots_mu_;
   std::condition_variable slot_freed_;
 };

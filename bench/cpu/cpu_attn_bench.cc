@@ -24,7 +24,7 @@
 
 #include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cpu/thread_pool.h"
+#include "backend/thread_pool.h"
 #include "backend/dtype.h"
 #include "tests/common/attn_test_util.h"
 

@@ -1,6 +1,7 @@
-// A small fixed thread pool for the CPU backend: threads are created once with
-// the backend; each Run hands out task indices from an atomic counter to the
-// workers and the calling thread, and returns when every task has finished.
+// A small fixed thread pool (the CPU backend's compute, the CUDA backend's
+// staging copies): threads are created once with the backend; each Run hands
+// out task indices from an atomic counter to the workers and the calling
+// thread, and returns when every task has finished.
 #pragma once
 
 #include <atomic>

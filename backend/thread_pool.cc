@@ -1,5 +1,5 @@
 // ThreadPool: see thread_pool.h.
-#include "backend/cpu/thread_pool.h"
+#include "backend/thread_pool.h"
 
 namespace attnserve {
 
