@@ -8,7 +8,7 @@
 #   attnserve over every visible GPU (--devices=all) when there are two or more
 # Scenarios (BF16, Hq=Hkv=16, D=128, non-causal):
 #   small: B=1, Sq=Sk=256, concurrency 1, 16, 64
-#   large: B=4, Sq=Sk=4096, concurrency 1, 4
+#   large: B=4, Sq=Sk=4096, concurrency 1, 4, 8
 # Every server first answers a short `attnctl load --check` (each response
 # checked against the float64 reference; small shape only, the large one's
 # reference takes minutes on the CPU); the timed steps run without --check so
@@ -90,9 +90,9 @@ load 50061 small/attnserve/on 1,16,64 "$small"
 load 50062 small/attnserve/off 1,16,64 "$small"
 load 50071 small/python_sdpa/off 1,16,64 "$small"
 [ "$ngpu" -ge 2 ] && load 50063 "small/attnserve-${ngpu}gpu/on" 64 "$small"
-load 50061 large/echo/on 1,4 "$large" --rpc=echo
-load 50061 large/attnserve/on 1,4 "$large"
-load 50071 large/python_sdpa/off 1,4 "$large"
+load 50061 large/echo/on 1,4,8 "$large" --rpc=echo
+load 50061 large/attnserve/on 1,4,8 "$large"
+load 50071 large/python_sdpa/off 1,4,8 "$large"
 [ "$ngpu" -ge 2 ] && load 50063 "large/attnserve-${ngpu}gpu/on" 4,8 "$large"
 
 # The metrics endpoint under load's aftermath: Triton's names, GPU gauges.

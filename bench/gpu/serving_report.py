@@ -54,7 +54,7 @@ def ratio_line(name, num, den, target):
 
 def targets(rows):
     lines = []
-    for c in ("1", "4"):
+    for c in ("1", "4", "8"):
         lines.append(ratio_line(f"large c={c}: attnserve / echo", find(rows, "large", "attnserve", "on", c),
                                 find(rows, "large", "echo", "on", c), 0.8))
         lines.append(ratio_line(f"large c={c}: attnserve / python_sdpa",
