@@ -7,7 +7,9 @@
 namespace attnserve {
 
 ExecutorPool::ExecutorPool(const std::vector<AttentionBackend*>& backends,
-                           const ExecutorOptions& options) {
+                           const ExecutorOptions& options)
+    // Without batching every request is its own launch: plain least tokens.
+    : tokens_per_launch_(options.batching ? std::max<int64_t>(1, options.batch_max_tokens) : 1) {
   for (AttentionBackend* b : backends) {
     ExecutorOptions o = options;
     const std::vector<DeviceDescription>& devices = b->Describe().devices;
@@ -21,12 +23,10 @@ absl::Status ExecutorPool::Submit(WorkItem item) {
   if (n == 1) return executors_.front()->Submit(std::move(item));
   // Loads are read without a lock: two requests arriving together may pick
   // the same device, which the next arrivals even out.
-  const int start = static_cast<int>(next_.fetch_add(1, std::memory_order_relaxed) % n);
-  int best = start;
-  int64_t best_load = executors_[start]->outstanding_tokens();
-  for (int k = 1; k < n; ++k) {
-    const int i = (start + k) % n;
-    const int64_t load = executors_[i]->outstanding_tokens();
+  int best = 0;
+  int64_t best_load = executors_[0]->outstanding_tokens() / tokens_per_launch_;
+  for (int i = 1; i < n && best_load > 0; ++i) {
+    const int64_t load = executors_[i]->outstanding_tokens() / tokens_per_launch_;
     if (load < best_load) {
       best = i;
       best_load = load;

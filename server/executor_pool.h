@@ -3,7 +3,6 @@
 // executor.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -20,10 +19,15 @@ class ExecutorPool {
   // index (WorkTimings::device). The backends must outlive the pool.
   ExecutorPool(const std::vector<AttentionBackend*>& backends, const ExecutorOptions& options);
 
-  // Admits `item` to the executor with the fewest outstanding tokens (Tq + Tk
-  // of its admitted, unfinished requests), so a device busy with a long
-  // request gets less new work; ties go round-robin. Same contract as
-  // Executor::Submit.
+  // Admits `item` to the least-loaded executor, load counted in full launches
+  // outstanding: floor(outstanding tokens / batch_max_tokens), tokens being
+  // Tq + Tk of admitted, unfinished requests. Ties go to the lowest device,
+  // so small requests fill one device's batch before the next device gets
+  // any (spreading them evenly would halve every batch while the GPUs idle
+  // behind the transport: bench/NOTES-serving.md), while a device with a
+  // launch's worth of work waiting sends the next request elsewhere. With
+  // batching off a launch is one request, so the load is plain outstanding
+  // tokens. Same contract as Executor::Submit.
   absl::Status Submit(WorkItem item);
 
   void StopAdmitting();
@@ -38,7 +42,7 @@ class ExecutorPool {
 
  private:
   std::vector<std::unique_ptr<Executor>> executors_;
-  std::atomic<unsigned> next_{0};  // where the round-robin tie-break starts
+  const int64_t tokens_per_launch_;
 };
 
 }  // namespace attnserve

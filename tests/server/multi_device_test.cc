@@ -2,6 +2,7 @@
 // each request to the least-loaded executor, every response names the device
 // that ran it, and results stay correct. CPU backends stand in for GPUs here;
 // scripts/gpu-serving.sh runs the same over two real GPUs.
+#include <map>
 #include <memory>
 #include <set>
 #include <vector>
@@ -54,9 +55,72 @@ class LabelledBackend : public AttentionBackend {
   bool open_ ABSL_GUARDED_BY(mu_) = true;
 };
 
+// Submits tagged items without tensors and records which device ran each.
+class DeviceLog {
+ public:
+  WorkItem Item(int tag, int64_t tokens) {
+    WorkItem w;
+    w.params.batch = tag;
+    w.params.total_q = tokens;
+    w.done = [this, tag](const absl::Status& st, const WorkTimings& t) {
+      EXPECT_TRUE(st.ok()) << st;
+      absl::MutexLock lock(&mu_);
+      device_of_[tag] = t.device;
+    };
+    return w;
+  }
+  std::map<int, int> device_of() {
+    absl::MutexLock lock(&mu_);
+    return device_of_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<int, int> device_of_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(ExecutorPoolTest, FillsOneDeviceUpToALaunchBeforeTheNext) {
+  LabelledBackend gpu0(0), gpu1(1);
+  ExecutorOptions options;
+  options.batching = true;
+  options.batch_max_tokens = 100;
+  ExecutorPool pool({&gpu0, &gpu1}, options);
+  DeviceLog log;
+  gpu0.SetOpen(false);
+  gpu1.SetOpen(false);
+  // Ten requests of 10 tokens make one launch's worth on device 0; the
+  // eleventh finds it full and goes to device 1.
+  for (int i = 0; i < 11; ++i) ASSERT_TRUE(pool.Submit(log.Item(i, 10)).ok());
+  gpu0.SetOpen(true);
+  gpu1.SetOpen(true);
+  ASSERT_TRUE(pool.WaitIdle(absl::Seconds(10)));
+  std::map<int, int> device_of = log.device_of();
+  ASSERT_EQ(device_of.size(), 11u);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(device_of[i], 0) << i;
+  EXPECT_EQ(device_of[10], 1);
+}
+
+TEST(ExecutorPoolTest, WithoutBatchingBalancesTokens) {
+  LabelledBackend gpu0(0), gpu1(1);
+  ExecutorPool pool({&gpu0, &gpu1}, ExecutorOptions{});  // batching off
+  DeviceLog log;
+  gpu0.SetOpen(false);
+  gpu1.SetOpen(false);
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(pool.Submit(log.Item(i, 10)).ok());
+  gpu0.SetOpen(true);
+  gpu1.SetOpen(true);
+  ASSERT_TRUE(pool.WaitIdle(absl::Seconds(10)));
+  std::map<int, int> device_of = log.device_of();
+  ASSERT_EQ(device_of.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(device_of[i], i % 2) << i;
+}
+
 TEST(ExecutorPoolTest, SendsWorkToTheLeastLoadedDevice) {
   LabelledBackend gpu3(3), gpu7(7);
-  ExecutorPool pool({&gpu3, &gpu7}, ExecutorOptions{});
+  ExecutorOptions options;
+  options.batching = true;
+  options.batch_max_tokens = 100;
+  ExecutorPool pool({&gpu3, &gpu7}, options);
   ASSERT_EQ(pool.size(), 2);
   absl::Mutex mu;
   std::vector<std::pair<int, int>> done;  // (tag, device)
@@ -96,9 +160,14 @@ TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
   std::vector<std::unique_ptr<AttentionBackend>> backends;
   backends.push_back(std::make_unique<LabelledBackend>(0));
   backends.push_back(std::make_unique<LabelledBackend>(1));
+  LabelledBackend* gpu0 = static_cast<LabelledBackend*>(backends[0].get());
+  LabelledBackend* gpu1 = static_cast<LabelledBackend*>(backends[1].get());
   ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
+  // A launch's worth is a couple of these requests (24..54 rows each), so
+  // with both devices held the queue spills over to the second.
+  options.batch_max_tokens = 64;
   absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options, std::move(backends));
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->Start().ok());
@@ -129,6 +198,8 @@ TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
   absl::Mutex mu;
   int finished = 0;
   std::vector<absl::StatusOr<v1::ForwardResponse>> responses(kRequests, absl::UnknownError("none"));
+  gpu0->SetOpen(false);
+  gpu1->SetOpen(false);
   for (int i = 0; i < kRequests; ++i) {
     (*client)->ForwardAsync(MakeForwardRequest(inputs[i]), CallOptions(),
                             [&, i](absl::StatusOr<v1::ForwardResponse> r) {
@@ -137,6 +208,13 @@ TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
                               ++finished;
                             });
   }
+  // Everything admitted (at most one launch per device has started) before
+  // the devices run, so the spread does not depend on timing.
+  for (int i = 0; i < 5000 && (*server)->queued_requests() < kRequests - 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  gpu0->SetOpen(true);
+  gpu1->SetOpen(true);
   {
     absl::MutexLock lock(&mu);
     auto all = [&]() { return finished == kRequests; };
