@@ -9,8 +9,8 @@ writes), then one row per (scenario, impl, batching, concurrency) with the colum
 issue asks for and the server-side breakdown. Printed last: the table and the targets
 (large: attnserve >= 80% of echo and >= 1.5x python_sdpa; small at concurrency 64:
 batching on >= 3x off and >= 3x python_sdpa), each with its measured ratio.
---plot draws p50 (solid) and p99 (dashed) latency against throughput, one panel per
-scenario (needs matplotlib).
+--plot draws p50 (solid) and p99 (dashed) latency against throughput, points joined in
+order of concurrency, one panel per scenario (needs matplotlib).
 """
 import argparse
 import csv
@@ -82,6 +82,9 @@ def plot(rows, path):
               "(apt-get install python3-matplotlib)", file=sys.stderr)
         return
     scenarios = sorted({r["scenario"] for r in rows}, reverse=True)  # small, large
+    # One colour per implementation in every panel.
+    keys = sorted({(r["impl"], r["batching"]) for r in rows})
+    colors = {k: f"C{i}" for i, k in enumerate(keys)}
     fig, axes = plt.subplots(1, len(scenarios), figsize=(7 * len(scenarios), 5))
     if len(scenarios) == 1:
         axes = [axes]
@@ -91,12 +94,12 @@ def plot(rows, path):
             if r["scenario"] == scenario:
                 series.setdefault((r["impl"], r["batching"]), []).append(r)
         for (impl, batching), pts in sorted(series.items()):
-            pts.sort(key=lambda r: float(r["req_per_s"]))
+            pts.sort(key=lambda r: int(r["concurrency"]))
             x = [float(r["req_per_s"]) for r in pts]
             name = f"{impl} (batching {batching})" if impl.startswith("attnserve") else impl
-            line, = ax.plot(x, [float(r["p50_ms"]) for r in pts], "o-", label=name + " p50")
-            ax.plot(x, [float(r["p99_ms"]) for r in pts], "s--", color=line.get_color(),
-                    label=name + " p99")
+            color = colors[(impl, batching)]
+            ax.plot(x, [float(r["p50_ms"]) for r in pts], "o-", color=color, label=name + " p50")
+            ax.plot(x, [float(r["p99_ms"]) for r in pts], "s--", color=color, label=name + " p99")
             for r, xi in zip(pts, x):
                 ax.annotate("c" + r["concurrency"], (xi, float(r["p99_ms"])),
                             textcoords="offset points", xytext=(3, 3), fontsize=7)
