@@ -1,6 +1,8 @@
 // The default, unpipelined AttentionBackend::StartForward; see backend.h.
 #include "backend/backend.h"
 
+#include <memory>
+#include <new>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -36,7 +38,14 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
     // Packing and unpacking are the copies a device backend does while
     // staging, so they count as the transfers.
     const absl::Time gather_start = absl::Now();
-    HostPackedBatch packed(batch.members());
+    std::unique_ptr<HostPackedBatch> packed_buffers;
+    try {
+      packed_buffers = std::make_unique<HostPackedBatch>(batch.members());
+    } catch (const std::bad_alloc&) {
+      // The contract: allocation failures are RESOURCE_EXHAUSTED, never thrown.
+      return absl::ResourceExhaustedError("packing a batch: out of host memory");
+    }
+    HostPackedBatch& packed = *packed_buffers;
     const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
     status = Forward(packed.params(), &timings);
     if (status.ok()) {

@@ -20,6 +20,8 @@ Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
       max_in_flight_(std::max(1, backend->max_launches_in_flight())) {
   launcher_ = std::thread([this] { LauncherLoop(); });
   completer_ = std::thread([this] { CompleterLoop(); });
+  launcher_id_ = launcher_.get_id();
+  completer_id_ = completer_.get_id();
 }
 
 Executor::~Executor() { Shutdown(); }
@@ -62,10 +64,14 @@ void Executor::Shutdown() {
     admitting_ = false;
     stopping_ = true;
   }
-  // A done callback that shuts the executor down must not join its own thread.
+  // A done callback (on the launcher or the completer) may shut the executor
+  // down: it must not join either thread, since the other may be waiting for
+  // it. The flags are set; the owner's Shutdown or destructor joins.
+  const std::thread::id self = std::this_thread::get_id();
+  if (self == launcher_id_ || self == completer_id_) return;
   absl::MutexLock lock(&join_mu_);
   for (std::thread* t : {&launcher_, &completer_}) {
-    if (t->joinable() && t->get_id() != std::this_thread::get_id()) t->join();
+    if (t->joinable()) t->join();
   }
 }
 
@@ -76,7 +82,7 @@ int Executor::queued() const {
 
 bool Executor::running() const {
   absl::MutexLock lock(&mu_);
-  return launching_ || open_launches_ > 0;
+  return launching_ || open_launches_ > 0 || completing_ || !in_flight_.empty();
 }
 
 void Executor::Complete(Queued& q, const absl::Status& status) {
@@ -106,6 +112,7 @@ void Executor::LauncherLoop() {
       const Queued& head = picked.front();
       if (!stopping && options_.batching && !head.item.internal && !head.rerun_alone) {
         CollectBatch(&picked);
+        stopping = stopping_;  // collection may have waited while Shutdown began
       }
     }
     if (stopping) {
@@ -131,7 +138,7 @@ void Executor::CollectBatch(std::vector<Queued>* batch) {
   while (true) {
     for (auto it = queue_.begin(); it != queue_.end();) {
       const int64_t t = BatchTokens(it->item.params);
-      if (!it->item.internal && CanShareLaunch(head, it->item.params) &&
+      if (!it->item.internal && !it->rerun_alone && CanShareLaunch(head, it->item.params) &&
           tokens + t <= options_.batch_max_tokens) {
         tokens += t;
         batch->push_back(std::move(*it));
@@ -205,11 +212,22 @@ void Executor::Dispatch(std::vector<Queued> picked) {
 }
 
 void Executor::StartLaunch(std::vector<Queued> group) {
+  bool stopping;
   {
     absl::MutexLock lock(&mu_);
-    auto has_room = [this]()
-                        ABSL_SHARED_LOCKS_REQUIRED(mu_) { return open_launches_ < max_in_flight_; };
+    // Shutdown also ends the wait: a done callback that shuts the executor
+    // down runs on the completer, which then cannot make room.
+    auto has_room = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return open_launches_ < max_in_flight_ || stopping_;
+    };
     mu_.Await(absl::Condition(&has_room));
+    stopping = stopping_;
+  }
+  if (stopping) {
+    for (Queued& q : group) {
+      Fail(std::move(q), absl::UnavailableError("server is shutting down: request dropped before compute"));
+    }
+    return;
   }
   std::vector<const AttnParams*> members;
   for (const Queued& q : group) members.push_back(&q.item.params);
@@ -268,6 +286,13 @@ void Executor::CompleterLoop() {
     const absl::Status status = done.launch->Finish(&bt);
     done.launch.reset();
     const int64_t wall_us = Micros(absl::Now() - done.started);
+    {
+      // The launch is over: room for the next one now, not after the
+      // callbacks (which may take long, or shut the executor down).
+      // `completing_` keeps WaitIdle false until they have run.
+      absl::MutexLock lock(&mu_);
+      --open_launches_;
+    }
     if (!status.ok() && done.members.size() > 1) {
       // A packed launch failed as a whole: its members run again one by one,
       // ahead of newer work, so only a request that fails alone fails. (Once
@@ -279,7 +304,6 @@ void Executor::CompleterLoop() {
           queue_.push_front(std::move(*it));
         }
         ++submitted_;
-        --open_launches_;
         completing_ = false;
         continue;
       }
@@ -299,7 +323,6 @@ void Executor::CompleterLoop() {
     // stops counting, so WaitIdle returning means the front-end has been told.
     done.members.clear();
     absl::MutexLock lock(&mu_);
-    --open_launches_;
     completing_ = false;
   }
 }

@@ -109,6 +109,8 @@ class Executor {
 
   // Stops admitting, completes every queued item with UNAVAILABLE without
   // running it, lets started launches finish and stops the threads. Idempotent.
+  // From a done callback it only begins the shutdown (no thread is joined);
+  // a callback must not destroy the executor.
   void Shutdown();
 
   // Items queued, and whether anything is being launched or in flight (for
@@ -180,6 +182,9 @@ class Executor {
   absl::Mutex join_mu_;
   std::thread launcher_;  // both joined once, under join_mu_
   std::thread completer_;
+  // Set once in the constructor: Shutdown compares them without a lock.
+  std::thread::id launcher_id_;
+  std::thread::id completer_id_;
 };
 
 }  // namespace attnserve

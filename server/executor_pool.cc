@@ -32,7 +32,14 @@ absl::Status ExecutorPool::Submit(WorkItem item) {
       best_load = load;
     }
   }
-  return executors_[best]->Submit(std::move(item));
+  // A full queue on the chosen device is not the server's limit: the others
+  // are tried in order before the request is refused. (Small requests count
+  // as no load, so they all pick device 0 until its queue fills.)
+  absl::Status status = executors_[best]->Submit(item);
+  for (int i = 0; i < n && absl::IsResourceExhausted(status); ++i) {
+    if (i != best) status = executors_[i]->Submit(item);
+  }
+  return status;
 }
 
 void ExecutorPool::StopAdmitting() {

@@ -27,7 +27,9 @@ class ExecutorPool {
   // behind the transport: bench/NOTES-serving.md), while a device with a
   // launch's worth of work waiting sends the next request elsewhere. With
   // batching off a launch is one request, so the load is plain outstanding
-  // tokens. Same contract as Executor::Submit.
+  // tokens. A device whose queue is full passes the request on to the others;
+  // RESOURCE_EXHAUSTED only when every queue is full. Same contract as
+  // Executor::Submit.
   absl::Status Submit(WorkItem item);
 
   void StopAdmitting();

@@ -187,6 +187,9 @@ class CudaBackend::Launch final : public PendingLaunch {
 
   absl::Status Finish(BackendTimings* timings) override {
     absl::Status st = Wait(timings);
+    // After an error the copies may still be running: the slot's buffers go
+    // back to the pool only once its stream is idle.
+    if (!st.ok()) cudaStreamSynchronize(slot_->stream);
     backend_->ReleaseSlot(slot_);
     slot_ = nullptr;
     return st;
@@ -275,6 +278,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
 CudaBackend::~CudaBackend() {
   // Best effort: errors here cannot be reported to anyone. Slots are idle by
   // now (every Launch releases its slot), so the buffers are free to go.
+  cudaSetDevice(device_);
   for (std::unique_ptr<Slot>& slot : slots_) {
     if (slot == nullptr) continue;
     if (slot->stream != nullptr) cudaStreamSynchronize(slot->stream);

@@ -120,6 +120,31 @@ TEST(PackedBatchTest, EachMemberGetsWhatItsOwnLaunchGives) {
   }
 }
 
+TEST(PackedBatchTest, OneMemberKeepsItsLayoutThroughGatherAndScatter) {
+  // The path every unbatched CUDA request takes: one dense member with LSE.
+  auto m = MakeMember(4, 2, 16, {5, 5}, {7, 7}, /*varlen=*/false, 7);
+  std::unique_ptr<AttentionBackend> cpu = MakeCpuBackend(1);
+  BackendTimings t;
+  ASSERT_TRUE(cpu->Forward(m->p, &t).ok());
+  const std::vector<float> want_o = m->o, want_lse = m->lse;
+  std::fill(m->o.begin(), m->o.end(), NAN);
+  std::fill(m->lse.begin(), m->lse.end(), NAN);
+  HostPackedBatch packed({&m->p});
+  EXPECT_EQ(packed.params().cu_seqlens_q, nullptr);  // dense stays dense
+  EXPECT_EQ(packed.params().batch, 2);
+  EXPECT_NE(packed.params().q, m->p.q);  // gathered into the batch's own memory
+  ASSERT_TRUE(cpu->Forward(packed.params(), &t).ok());
+  packed.Scatter();
+  EXPECT_EQ(m->o, want_o);
+  for (size_t j = 0; j < want_lse.size(); ++j) {
+    if (std::isinf(want_lse[j])) {
+      EXPECT_TRUE(std::isinf(m->lse[j])) << j;
+    } else {
+      EXPECT_EQ(m->lse[j], want_lse[j]) << j;
+    }
+  }
+}
+
 TEST(PackedBatchTest, OnlyMatchingOptionsShareALaunch) {
   auto a = MakeMember(4, 2, 16, {5}, {5}, false, 1);
   auto b = MakeMember(4, 2, 16, {9}, {3}, true, 2);

@@ -173,5 +173,36 @@ TEST(ExecutorPipelineTest, PackedLaunchFailingAtFinishRerunsEachMemberAlone) {
   EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
 }
 
+TEST(ExecutorPipelineTest, ShutdownFromADoneCallbackNeitherDeadlocksNorLosesItems) {
+  for (int depth : {1, 3}) {
+    SCOPED_TRACE(depth);
+    GatedPipelineBackend backend(depth);
+    Completions c;
+    {
+      Executor executor(&backend, {});
+      backend.SetFinishOpen(false);
+      WorkItem first = c.Item(0);
+      auto record = first.done;
+      // The first completion shuts the executor down from the completer
+      // thread while the launcher waits for room or has items queued.
+      first.done = [&executor, record](const absl::Status& st, const WorkTimings& t) {
+        record(st, t);
+        executor.Shutdown();
+      };
+      ASSERT_TRUE(executor.Submit(std::move(first)).ok());
+      for (int i = 1; i < 6; ++i) ASSERT_TRUE(executor.Submit(c.Item(i)).ok());
+      backend.AwaitStarts(static_cast<size_t>(depth));
+      backend.SetFinishOpen(true);
+      std::vector<Result> results = c.Await(6);
+      ASSERT_EQ(results.size(), 6u);
+      EXPECT_TRUE(results[0].status.ok()) << results[0].status;
+      for (const Result& r : results) {
+        EXPECT_TRUE(r.status.ok() || absl::IsUnavailable(r.status)) << r.tag << ": " << r.status;
+      }
+      EXPECT_EQ(executor.Submit(c.Item(9)).code(), absl::StatusCode::kUnavailable);
+    }  // the destructor joins both threads
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

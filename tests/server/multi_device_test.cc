@@ -100,6 +100,40 @@ TEST(ExecutorPoolTest, FillsOneDeviceUpToALaunchBeforeTheNext) {
   EXPECT_EQ(device_of[10], 1);
 }
 
+TEST(ExecutorPoolTest, AFullQueuePassesRequestsToTheOtherDevice) {
+  LabelledBackend gpu0(0), gpu1(1);
+  ExecutorOptions options;
+  options.batching = true;
+  options.max_queue_size = 2;
+  ExecutorPool pool({&gpu0, &gpu1}, options);
+  DeviceLog log;
+  gpu0.SetOpen(false);
+  gpu1.SetOpen(false);
+  auto await_picked = [&](int device) {
+    for (int i = 0; i < 5000 && pool.executor(device).queued() > 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  };
+  // Device 0: one running (held) and two queued; then its queue is full.
+  ASSERT_TRUE(pool.Submit(log.Item(0, 10)).ok());
+  await_picked(0);
+  ASSERT_TRUE(pool.Submit(log.Item(1, 10)).ok());
+  ASSERT_TRUE(pool.Submit(log.Item(2, 10)).ok());
+  ASSERT_TRUE(pool.Submit(log.Item(3, 10)).ok());  // device 0 full: device 1
+  await_picked(1);
+  ASSERT_TRUE(pool.Submit(log.Item(4, 10)).ok());
+  ASSERT_TRUE(pool.Submit(log.Item(5, 10)).ok());
+  // Every queue full: refused.
+  EXPECT_EQ(pool.Submit(log.Item(6, 10)).code(), absl::StatusCode::kResourceExhausted);
+  gpu0.SetOpen(true);
+  gpu1.SetOpen(true);
+  ASSERT_TRUE(pool.WaitIdle(absl::Seconds(10)));
+  std::map<int, int> device_of = log.device_of();
+  ASSERT_EQ(device_of.size(), 6u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(device_of[i], 0) << i;
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(device_of[i], 1) << i;
+}
+
 TEST(ExecutorPoolTest, WithoutBatchingBalancesTokens) {
   LabelledBackend gpu0(0), gpu1(1);
   ExecutorPool pool({&gpu0, &gpu1}, ExecutorOptions{});  // batching off
