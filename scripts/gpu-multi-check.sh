@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU machine with two or more GPUs (device `run`, .device-carry carried):
+# the carried attnserve serves on every GPU (--devices=all); `attnctl load
+# --check` sends enough tokens to spill past one device's batch, every
+# response is checked against the float64 reference, and the report must
+# show requests on every device; then SIGTERM with load running must drain
+# and exit 0. A short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-multi-check-out}
+mkdir -p "$OUT"
+bin=.device-carry/bin
+[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+ngpu=$(nvidia-smi -L | grep -c '^GPU')
+port=50931
+C="$bin/attnctl --target=127.0.0.1:$port --timeout=60s"
+"$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0 \
+  --log_level=warn >"$OUT/server.log" 2>&1 &
+spid=$!
+for _ in $(seq 1 150); do $C health >/dev/null 2>&1 && break; sleep 0.2; done
+$C info >"$OUT/info.txt" 2>&1
+shape="--batch=4 --seqlen_q=512 --heads_q=8 --heads_kv=2 --head_dim=64 --dtype=fp16 --causal"
+$C load --concurrency=32 --warmup=0s --duration=3s --channels=4 --check $shape >"$OUT/check.log" 2>&1
+check_rc=$?
+devices=$(grep -oE 'requests by device: .*' "$OUT/check.log" | sed 's/requests by device: //')
+used=$(echo "$devices" | tr ';' '\n' | grep -c ':')
+# SIGTERM while a load runs: in-flight requests finish, the server exits 0.
+$C load --concurrency=16 --warmup=0s --duration=4s $shape >"$OUT/drain-load.log" 2>&1 &
+lpid=$!
+sleep 2
+kill -TERM $spid
+wait $spid; server_rc=$?
+wait $lpid
+echo "==== gpu-multi-check ($ngpu GPUs)"
+printf '%-28s %s\n' "devices listed by info" "$(grep -c '^device ' "$OUT/info.txt")"
+printf '%-28s %s\n' "load --check rc" "$check_rc ($(grep -E '^concurrency=' "$OUT/check.log" | awk '{print $2" req/s, errors="$NF}'))"
+printf '%-28s %s\n' "requests by device" "${devices:-none} (devices used: $used of $ngpu)"
+printf '%-28s %s\n' "SIGTERM under load: exit" "$server_rc ($(grep -cE 'stopped after' "$OUT/server.log") 'stopped after' lines)"
+[ "$check_rc" = 0 ] && [ "$used" = "$ngpu" ] && [ "$server_rc" = 0 ] && echo "RESULT: PASS" || echo "RESULT: FAIL"
