@@ -15,7 +15,7 @@ ngpu=$(nvidia-smi -L | grep -c '^GPU')
 port=50931
 C="$bin/attnctl --target=127.0.0.1:$port --timeout=60s"
 "$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0 \
-  --log_level=warn >"$OUT/server.log" 2>&1 &
+  >"$OUT/server.log" 2>&1 &
 spid=$!
 for _ in $(seq 1 150); do $C health >/dev/null 2>&1 && break; sleep 0.2; done
 $C info >"$OUT/info.txt" 2>&1
