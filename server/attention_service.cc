@@ -59,19 +59,7 @@ absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& li
   absl::StatusOr<AttnParams> params = ValidateAndFillParams(request, limits);
   if (!params.ok()) return params.status();
   *response->mutable_o() = request.q();
-  if (request.options().return_lse()) {
-    v1::Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::FP32);
-    if (request.q().shape_size() == 4) {
-      lse->add_shape(params->batch);
-      lse->add_shape(params->num_heads_q);
-      lse->add_shape(params->seqlen_q);
-    } else {
-      lse->add_shape(params->num_heads_q);
-      lse->add_shape(params->total_q);
-    }
-    lse->mutable_data()->resize(static_cast<size_t>(LseElements(*params)) * sizeof(float));
-  }
+  if (request.options().return_lse()) ShapeLseTensor(request, *params, response->mutable_lse());
   return absl::OkStatus();
 }
 

@@ -44,16 +44,7 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse*
   params->lse = nullptr;
   if (request.options().return_lse()) {
     v1::Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::FP32);
-    if (q.shape_size() == 4) {
-      lse->add_shape(params->batch);
-      lse->add_shape(params->num_heads_q);
-      lse->add_shape(params->seqlen_q);
-    } else {
-      lse->add_shape(params->num_heads_q);
-      lse->add_shape(params->total_q);
-    }
-    lse->mutable_data()->resize(static_cast<size_t>(LseElements(*params)) * sizeof(float));
+    ShapeLseTensor(request, *params, lse);
     params->lse = reinterpret_cast<float*>(lse->mutable_data()->data());
   }
   return absl::OkStatus();

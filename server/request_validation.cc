@@ -323,4 +323,18 @@ int64_t OutputElements(const AttnParams& p) { return p.total_q * p.num_heads_q *
 
 int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 
+void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse) {
+  lse->set_dtype(v1::FP32);
+  lse->clear_shape();
+  if (request.q().shape_size() == 4) {
+    lse->add_shape(params.batch);
+    lse->add_shape(params.num_heads_q);
+    lse->add_shape(params.seqlen_q);
+  } else {
+    lse->add_shape(params.num_heads_q);
+    lse->add_shape(params.total_q);
+  }
+  lse->mutable_data()->resize(static_cast<size_t>(LseElements(params)) * sizeof(float));
+}
+
 }  // namespace attnserve

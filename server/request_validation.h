@@ -42,4 +42,8 @@ absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& reque
 int64_t OutputElements(const AttnParams& params);
 int64_t LseElements(const AttnParams& params);
 
+// Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):
+// FP32, dense [B, Hq, Sq] or varlen [Hq, Tq], its data sized (zero-filled).
+void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse);
+
 }  // namespace attnserve

@@ -19,6 +19,7 @@
 #include "client/verify.h"
 #include "gtest/gtest.h"
 #include "server/server.h"
+#include "tests/server/gated_cpu_backend.h"
 
 namespace attnserve {
 namespace {
@@ -158,46 +159,6 @@ TEST(PackedBatchTest, OnlyMatchingOptionsShareALaunch) {
   d->p.lse = nullptr;
   EXPECT_FALSE(CanShareLaunch(a->p, d->p));
 }
-
-// The CPU backend behind a gate: launches after Close() wait for Open(), so a
-// test can hold the worker while requests queue up.
-class GatedCpuBackend : public AttentionBackend {
- public:
-  GatedCpuBackend() : inner_(MakeCpuBackend(2)) {}
-  const BackendDescription& Describe() const override { return inner_->Describe(); }
-  absl::Status CanImplement(const AttnParams& p) const override { return inner_->CanImplement(p); }
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
-    {
-      absl::MutexLock lock(&mu_);
-      ++calls_;
-      mu_.Await(absl::Condition(&open_));
-    }
-    if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
-      return absl::ResourceExhaustedError("device out of memory (simulated)");
-    }
-    return inner_->Forward(p, timings);
-  }
-  // Launches over this many query rows fail as a device out-of-memory would.
-  int64_t oom_over_rows = -1;
-  void Close() {
-    absl::MutexLock lock(&mu_);
-    open_ = false;
-  }
-  void Open() {
-    absl::MutexLock lock(&mu_);
-    open_ = true;
-  }
-  int calls() {
-    absl::MutexLock lock(&mu_);
-    return calls_;
-  }
-
- private:
-  std::unique_ptr<AttentionBackend> inner_;
-  absl::Mutex mu_;
-  bool open_ ABSL_GUARDED_BY(mu_) = true;
-  int calls_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 struct Outcome {
   int launches = 0;  // backend calls for the requests (warm-up excluded)

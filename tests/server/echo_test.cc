@@ -22,51 +22,10 @@
 #include "gtest/gtest.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/server/gated_cpu_backend.h"
 
 namespace attnserve {
 namespace {
-
-// The CPU backend, counting Forward calls; Close() holds them at a gate so a
-// test can show that Echo does not wait for the backend.
-class GatedCpuBackend : public AttentionBackend {
- public:
-  GatedCpuBackend() : inner_(MakeCpuBackend(2)) {}
-
-  const BackendDescription& Describe() const override { return inner_->Describe(); }
-  absl::Status CanImplement(const AttnParams& p) const override { return inner_->CanImplement(p); }
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
-    {
-      absl::MutexLock lock(&mu_);
-      ++calls_;
-      mu_.Await(absl::Condition(&open_));
-    }
-    return inner_->Forward(p, timings);
-  }
-
-  void Close() {
-    absl::MutexLock lock(&mu_);
-    open_ = false;
-  }
-  void Open() {
-    absl::MutexLock lock(&mu_);
-    open_ = true;
-  }
-  int calls() {
-    absl::MutexLock lock(&mu_);
-    return calls_;
-  }
-  void AwaitCalls(int n) {
-    absl::MutexLock lock(&mu_);
-    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return calls_ >= n; };
-    mu_.Await(absl::Condition(&enough));
-  }
-
- private:
-  std::unique_ptr<AttentionBackend> inner_;
-  absl::Mutex mu_;
-  bool open_ ABSL_GUARDED_BY(mu_) = true;
-  int calls_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // FP32 random values (finite, so a valid request also runs through Forward).
 void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937* rng) {

@@ -34,6 +34,7 @@
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/server/gated_cpu_backend.h"
 
 namespace attnserve {
 namespace {
@@ -44,60 +45,6 @@ using testing_util::TestCase;
 using HealthStub = grpc::health::v1::Health::Stub;
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
-
-// --- a CPU backend the tests can hold, count and restrict --------------------
-
-// Wraps the real CPU backend: Forward can be held at a gate (to fill the queue
-// or keep a request in flight), calls are counted, and softcap can be declared
-// unsupported to provoke UNIMPLEMENTED.
-class ControlledCpuBackend : public AttentionBackend {
- public:
-  explicit ControlledCpuBackend(bool softcap_unimplemented = false)
-      : inner_(MakeCpuBackend(2)), softcap_unimplemented_(softcap_unimplemented) {}
-
-  const BackendDescription& Describe() const override { return inner_->Describe(); }
-
-  absl::Status CanImplement(const AttnParams& p) const override {
-    if (softcap_unimplemented_ && p.softcap != 0.0f) {
-      return absl::UnimplementedError("softcap: not supported by this backend build");
-    }
-    return inner_->CanImplement(p);
-  }
-
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
-    {
-      absl::MutexLock lock(&mu_);
-      ++calls_;
-      mu_.Await(absl::Condition(&open_));
-    }
-    return inner_->Forward(p, timings);
-  }
-
-  void Close() {
-    absl::MutexLock lock(&mu_);
-    open_ = false;
-  }
-  void Open() {
-    absl::MutexLock lock(&mu_);
-    open_ = true;
-  }
-  int calls() {
-    absl::MutexLock lock(&mu_);
-    return calls_;
-  }
-  void AwaitCalls(int n) {
-    absl::MutexLock lock(&mu_);
-    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return calls_ >= n; };
-    mu_.Await(absl::Condition(&enough));
-  }
-
- private:
-  std::unique_ptr<AttentionBackend> inner_;
-  const bool softcap_unimplemented_;
-  absl::Mutex mu_;
-  bool open_ ABSL_GUARDED_BY(mu_) = true;
-  int calls_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // --- wire helpers ---------------------------------------------------------------
 
@@ -777,8 +724,8 @@ TestCase SmallCase() {
 TEST(ServerControlTest, QueueFullIsResourceExhausted) {
   ServerOptions options = LoopbackOptions();
   options.max_queue_size = 1;
-  auto backend = std::make_unique<ControlledCpuBackend>();
-  ControlledCpuBackend* control = backend.get();
+  auto backend = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* control = backend.get();
   auto h = Harness::Start(options, std::move(backend));
   ASSERT_NE(h, nullptr);
   const int warm = control->calls();
@@ -812,8 +759,8 @@ TEST(ServerControlTest, QueueFullIsResourceExhausted) {
 }
 
 TEST(ServerControlTest, DeadlineAndCancelHonouredBeforeCompute) {
-  auto backend = std::make_unique<ControlledCpuBackend>();
-  ControlledCpuBackend* control = backend.get();
+  auto backend = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* control = backend.get();
   auto h = Harness::Start(LoopbackOptions(), std::move(backend));
   ASSERT_NE(h, nullptr);
   const int warm = control->calls();
@@ -851,8 +798,8 @@ TEST(ServerControlTest, DeadlineAndCancelHonouredBeforeCompute) {
 }
 
 TEST(ServerControlTest, ServerSideDeadlineExceededOnStream) {
-  auto backend = std::make_unique<ControlledCpuBackend>();
-  ControlledCpuBackend* control = backend.get();
+  auto backend = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* control = backend.get();
   auto h = Harness::Start(LoopbackOptions(), std::move(backend));
   ASSERT_NE(h, nullptr);
   const int warm = control->calls();
@@ -886,7 +833,7 @@ TEST(ServerControlTest, ServerSideDeadlineExceededOnStream) {
 
 TEST(ServerControlTest, UnsupportedCombinationIsUnimplemented) {
   auto h = Harness::Start(LoopbackOptions(),
-                          std::make_unique<ControlledCpuBackend>(/*softcap_unimplemented=*/true));
+                          std::make_unique<GatedCpuBackend>(/*softcap_unimplemented=*/true));
   ASSERT_NE(h, nullptr);
   TestCase tc = SmallCase();
   tc.softcap = 10.0f;
@@ -899,8 +846,8 @@ TEST(ServerControlTest, UnsupportedCombinationIsUnimplemented) {
 }
 
 TEST(ServerControlTest, DrainingRefusesNewFinishesInFlightAndReportsNotServing) {
-  auto backend = std::make_unique<ControlledCpuBackend>();
-  ControlledCpuBackend* control = backend.get();
+  auto backend = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* control = backend.get();
   auto h = Harness::Start(LoopbackOptions(), std::move(backend));
   ASSERT_NE(h, nullptr);
   EXPECT_EQ(h->Health(""), HealthCheckResponse::SERVING);
@@ -951,8 +898,8 @@ TEST(ServerControlTest, DrainingRefusesNewFinishesInFlightAndReportsNotServing) 
 
 // Health is NOT_SERVING while the backend warms up, SERVING once Start returns.
 TEST(ServerLifecycleTest, NotServingUntilBackendIsReady) {
-  auto backend = std::make_unique<ControlledCpuBackend>();
-  ControlledCpuBackend* control = backend.get();
+  auto backend = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* control = backend.get();
   control->Close();  // holds the warm-up run inside Start
   auto server = AttnServer::Create(LoopbackOptions(), std::move(backend));
   ASSERT_TRUE(server.ok());

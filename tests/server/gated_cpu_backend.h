@@ -1,0 +1,75 @@
+// The real CPU backend behind a gate, for server tests: Close() holds every
+// Forward until Open() (to fill the queue or keep a request in flight), calls
+// are counted, softcap can be declared unsupported (UNIMPLEMENTED from
+// CanImplement), and launches over a number of query rows can fail as a device
+// out-of-memory would.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+
+namespace attnserve {
+
+class GatedCpuBackend : public AttentionBackend {
+ public:
+  explicit GatedCpuBackend(bool softcap_unimplemented = false)
+      : inner_(MakeCpuBackend(2)), softcap_unimplemented_(softcap_unimplemented) {}
+
+  const BackendDescription& Describe() const override { return inner_->Describe(); }
+
+  absl::Status CanImplement(const AttnParams& p) const override {
+    if (softcap_unimplemented_ && p.softcap != 0.0f) {
+      return absl::UnimplementedError("softcap: not supported by this backend build");
+    }
+    return inner_->CanImplement(p);
+  }
+
+  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++calls_;
+      mu_.Await(absl::Condition(&open_));
+    }
+    if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
+      return absl::ResourceExhaustedError("device out of memory (simulated)");
+    }
+    return inner_->Forward(p, timings);
+  }
+
+  // Launches over this many query rows fail with RESOURCE_EXHAUSTED; -1: never.
+  int64_t oom_over_rows = -1;
+
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    open_ = false;
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  int calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  // Waits until `n` Forward calls have begun (held ones included).
+  void AwaitCalls(int n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return calls_ >= n; };
+    mu_.Await(absl::Condition(&enough));
+  }
+
+ private:
+  std::unique_ptr<AttentionBackend> inner_;
+  const bool softcap_unimplemented_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace attnserve
