@@ -3,7 +3,6 @@
 
 #include <memory>
 #include <new>
-#include <utility>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -11,18 +10,17 @@
 namespace attnserve {
 namespace {
 
-// A launch that already ran: Finish only reports it.
+// A launch that already ran and succeeded (a failed one is reported by
+// StartForward itself): Finish only hands over its timings.
 class CompletedLaunch final : public PendingLaunch {
  public:
-  CompletedLaunch(absl::Status status, const BackendTimings& timings)
-      : status_(std::move(status)), timings_(timings) {}
+  explicit CompletedLaunch(const BackendTimings& timings) : timings_(timings) {}
   absl::Status Finish(BackendTimings* timings) override {
     if (timings != nullptr) *timings = timings_;
-    return status_;
+    return absl::OkStatus();
   }
 
  private:
-  absl::Status status_;
   BackendTimings timings_;
 };
 
@@ -58,7 +56,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
   // A failed launch wrote nothing a caller may use: report it now, as the
   // contract says, so the caller can rerun the members alone.
   if (!status.ok()) return status;
-  return std::unique_ptr<PendingLaunch>(new CompletedLaunch(status, timings));
+  return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
 }
 
 }  // namespace attnserve

@@ -1,4 +1,4 @@
-// Admission queue and per-backend worker; see executor.h.
+// Admission queue, launcher and completer threads; see executor.h.
 #include "server/executor.h"
 
 #include <algorithm>
@@ -11,6 +11,10 @@ namespace attnserve {
 namespace {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+absl::Status DroppedAtShutdown() {
+  return absl::UnavailableError("server is shutting down: request dropped before compute");
+}
 
 }  // namespace
 
@@ -50,9 +54,9 @@ void Executor::StopAdmitting() {
 
 bool Executor::WaitIdle(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
+  // Every open launch is in in_flight_ or held by the completer.
   auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return queue_.empty() && !launching_ && in_flight_.empty() && !completing_ &&
-           open_launches_ == 0;
+    return queue_.empty() && !launching_ && in_flight_.empty() && !completing_;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
@@ -82,7 +86,7 @@ int Executor::queued() const {
 
 bool Executor::running() const {
   absl::MutexLock lock(&mu_);
-  return launching_ || open_launches_ > 0 || completing_ || !in_flight_.empty();
+  return launching_ || completing_ || !in_flight_.empty();
 }
 
 void Executor::Complete(Queued& q, const absl::Status& status) {
@@ -116,9 +120,7 @@ void Executor::LauncherLoop() {
       }
     }
     if (stopping) {
-      for (Queued& q : picked) {
-        Fail(std::move(q), absl::UnavailableError("server is shutting down: request dropped before compute"));
-      }
+      for (Queued& q : picked) Fail(std::move(q), DroppedAtShutdown());
     } else {
       Dispatch(std::move(picked));
     }
@@ -224,9 +226,7 @@ void Executor::StartLaunch(std::vector<Queued> group) {
     stopping = stopping_;
   }
   if (stopping) {
-    for (Queued& q : group) {
-      Fail(std::move(q), absl::UnavailableError("server is shutting down: request dropped before compute"));
-    }
+    for (Queued& q : group) Fail(std::move(q), DroppedAtShutdown());
     return;
   }
   std::vector<const AttnParams*> members;
@@ -319,8 +319,9 @@ void Executor::CompleterLoop() {
       q.timings.batch_size = static_cast<int>(done.members.size());
       Complete(q, status);
     }
-    // Release the items (and whatever their callbacks hold) before the launch
-    // stops counting, so WaitIdle returning means the front-end has been told.
+    // Release the items (and whatever their callbacks hold) before
+    // `completing_` clears, so WaitIdle returning means the front-end has
+    // been told.
     done.members.clear();
     absl::MutexLock lock(&mu_);
     completing_ = false;

@@ -168,7 +168,7 @@ class Executor {
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   // Launches started and not yet finished (those in in_flight_ plus the one
-  // the completer is finishing).
+  // the completer is finishing): the bound of max_launches_in_flight.
   int open_launches_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // wakes a batch waiting for company
   bool admitting_ ABSL_GUARDED_BY(mu_) = true;

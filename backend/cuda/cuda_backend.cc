@@ -8,10 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-
-#include "absl/strings/str_cat.h"
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
@@ -40,57 +39,52 @@ absl::Status CudaError(cudaError_t err, const char* what) {
 
 int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
 
-// Grow-only buffers: a slowly growing launch size should not reallocate each
-// time, so they grow by at least 1.5x.
+// A slowly growing launch size should not reallocate each time, so buffers
+// grow by at least 1.5x.
 int64_t GrowTo(int64_t have, int64_t need) { return std::max(need, have + have / 2); }
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  int64_t bytes = 0;
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  absl::Status Reserve(int64_t need, const char* what) {
-    if (need <= bytes) return absl::OkStatus();
-    if (ptr != nullptr) cudaFree(ptr);
-    ptr = nullptr;
-    const int64_t want = GrowTo(bytes, need);
-    bytes = 0;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, static_cast<size_t>(want)), what);
-    bytes = want;
-    return absl::OkStatus();
-  }
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-};
+// A grow-only buffer reused across launches, in device memory or in
+// page-locked host memory. Pinned memory is what the copy engines read and
+// write directly, so copies are asynchronous and run at full PCIe/NVLink-C2C
+// speed. (From pageable memory the driver stages through its own pinned
+// buffer, which costs the same host copy and serialises it with the host
+// thread.)
+class StagingBuffer {
+ public:
+  enum class Kind { kDevice, kPinnedHost };
+  explicit StagingBuffer(Kind kind) : kind_(kind) {}
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  ~StagingBuffer() { Free(); }
 
-// Page-locked host memory: the copy engines read and write it directly, so
-// copies are asynchronous and run at full PCIe/NVLink-C2C speed. (From
-// pageable memory the driver stages through its own pinned buffer, which
-// costs the same host copy and serialises it with the host thread.)
-struct PinnedBuffer {
-  char* ptr = nullptr;
-  int64_t bytes = 0;
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  absl::Status Reserve(int64_t need) {
-    if (need <= bytes) return absl::OkStatus();
-    if (ptr != nullptr) cudaFreeHost(ptr);
-    ptr = nullptr;
-    const int64_t want = GrowTo(bytes, need);
-    bytes = 0;
+  char* ptr() const { return ptr_; }
+
+  // Makes room for `need` bytes (contents are not kept). `what` names the
+  // buffer in an out-of-memory error.
+  absl::Status Reserve(int64_t need, const char* what) {
+    if (need <= bytes_) return absl::OkStatus();
+    const int64_t want = GrowTo(bytes_, need);
+    Free();
     void* p = nullptr;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
-                              "pinned staging buffer");
-    ptr = static_cast<char*>(p);
-    bytes = want;
+    ATTN_CUDA_RETURN_IF_ERROR(kind_ == Kind::kDevice
+                                  ? cudaMalloc(&p, static_cast<size_t>(want))
+                                  : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
+                              what);
+    ptr_ = static_cast<char*>(p);
+    bytes_ = want;
     return absl::OkStatus();
   }
-  ~PinnedBuffer() {
-    if (ptr != nullptr) cudaFreeHost(ptr);
+
+ private:
+  void Free() {
+    if (ptr_ != nullptr) kind_ == Kind::kDevice ? cudaFree(ptr_) : cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
   }
+
+  const Kind kind_;
+  char* ptr_ = nullptr;
+  int64_t bytes_ = 0;
 };
 
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
@@ -101,7 +95,6 @@ int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
 
 }  // namespace
 
-
 // One pipeline stage's resources. A slot is busy from StartForward until its
 // launch is finished (or abandoned); nothing else touches it meanwhile.
 struct CudaBackend::Slot {
@@ -111,9 +104,9 @@ struct CudaBackend::Slot {
   cudaEvent_t events[4] = {nullptr, nullptr, nullptr, nullptr};
   // The same layout in both: inputs (q | k | v | cu_q | cu_k) then outputs
   // (o | lse), so each direction is one copy.
-  PinnedBuffer host;
-  DeviceBuffer device;
-  DeviceBuffer workspace;  // split-KV partials
+  StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
+  StagingBuffer device{StagingBuffer::Kind::kDevice};
+  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV partials
   bool busy = false;
 };
 
@@ -200,7 +193,7 @@ class CudaBackend::Launch final : public PendingLaunch {
     ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(backend_->device_), "set device");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot_->events[3]), "forward");
     const absl::Time scatter_start = absl::Now();
-    const char* host = slot_->host.ptr;
+    const char* host = slot_->host.ptr();
     ThreadPool* pool = backend_->scatter_pool_.get();
     batch_.Scatter(host + layout_.o, reinterpret_cast<const float*>(host + layout_.lse),
                    [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
@@ -223,20 +216,15 @@ class CudaBackend::Launch final : public PendingLaunch {
 };
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
-  int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    return absl::UnavailableError(absl::StrCat("cuda: no usable GPU (",
-                                               err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
-  }
-  if (device < 0 || device >= count) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", count, " present"));
+  const absl::StatusOr<int> count = CudaDeviceCount();
+  if (!count.ok()) return count.status();
+  if (device < 0 || device >= *count) {
+    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", *count, " present"));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->device_ = device;
   cudaDeviceProp prop;
-  err = cudaGetDeviceProperties(&prop, device);
+  cudaError_t err = cudaGetDeviceProperties(&prop, device);
   if (err == cudaSuccess) err = cudaSetDevice(device);
   if (err != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("cuda: device ", device, ": ", cudaGetErrorString(err)));
@@ -340,7 +328,7 @@ absl::Status CudaBackend::LaunchKernels(const AttnParams& dev, Slot* slot) {
   if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
   const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
   if (!st.ok()) return st;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr, slot->stream), "forward kernel");
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream), "forward kernel");
   return absl::OkStatus();
 }
 
@@ -361,20 +349,20 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
     return st;
   };
   const StagingLayout layout(batch);
-  absl::Status st = slot->host.Reserve(layout.end);
+  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
   if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
   if (!st.ok()) return fail(st);
 
   const absl::Time gather_start = absl::Now();
   ThreadPool* pool = gather_pool_.get();
   const AttnParams staged = batch.Gather(
-      layout.In(slot->host.ptr), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+      layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-  const AttnParams dev = Rebase(staged, slot->host.ptr, static_cast<char*>(slot->device.ptr));
+  const AttnParams dev = Rebase(staged, slot->host.ptr(), slot->device.ptr());
 
   auto queue = [&]() -> absl::Status {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr, slot->host.ptr, static_cast<size_t>(layout.inputs_end),
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(layout.inputs_end),
                                               cudaMemcpyHostToDevice, slot->stream),
                               "copy inputs to device");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
@@ -382,7 +370,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
     if (!kernels.ok()) return kernels;
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
     const int64_t out_bytes = layout.end - layout.o;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr + layout.o, static_cast<char*>(slot->device.ptr) + layout.o,
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr() + layout.o, slot->device.ptr() + layout.o,
                                               static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost, slot->stream),
                               "copy outputs to host");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
@@ -397,13 +385,6 @@ absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timi
   absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartForward(PackedBatch({&params}));
   if (!launch.ok()) return launch.status();
   return (*launch)->Finish(timings);
-}
-
-absl::StatusOr<int64_t> CudaBackend::DeviceMemoryUsed() const {
-  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
-  size_t free_bytes = 0, total_bytes = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "memory info");
-  return static_cast<int64_t>(total_bytes - free_bytes);
 }
 
 absl::StatusOr<int> CudaDeviceCount() {

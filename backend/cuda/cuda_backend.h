@@ -44,9 +44,6 @@ class CudaBackend final : public AttentionBackend {
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override;
   int max_launches_in_flight() const override { return kPipelineDepth; }
 
-  // Device memory in use on this backend's GPU (all processes), for metrics.
-  absl::StatusOr<int64_t> DeviceMemoryUsed() const;
-
  private:
   struct Slot;
   class Launch;
