@@ -96,19 +96,31 @@ absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed
                                         "one length per sequence from --varlen_q/--varlen_k)"));
       }
     }
-    absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
-    if (!lq.ok()) return lq.status();
-    absl::StatusOr<std::vector<int>> lk =
-        ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
-    if (!lk.ok()) return lk.status();
-    if (lq->size() != lk->size()) {
-      return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
-                                      " sequences but --varlen_q lists ", lq->size()));
-    }
-    s.seqlens_q = *lq;
-    s.seqlens_k = *lk;
+    absl::StatusOr<std::optional<VarlenLengths>> lengths = VarlenLengthsFromFlags();
+    if (!lengths.ok()) return lengths.status();
+    s.seqlens_q = (*lengths)->q;
+    s.seqlens_k = (*lengths)->k;
   }
   return MakeRandomInputs(s, seed);
+}
+
+absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags() {
+  const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
+  const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
+  if (!varlen_k.empty() && varlen_q.empty()) {
+    return UsageStatus("--varlen_k needs --varlen_q (the query lengths)");
+  }
+  if (varlen_q.empty()) return std::optional<VarlenLengths>();
+  absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
+  if (!lq.ok()) return lq.status();
+  absl::StatusOr<std::vector<int>> lk =
+      ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
+  if (!lk.ok()) return lk.status();
+  if (lq->size() != lk->size()) {
+    return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
+                                    " sequences but --varlen_q lists ", lq->size()));
+  }
+  return std::optional<VarlenLengths>(VarlenLengths{*std::move(lq), *std::move(lk)});
 }
 
 absl::Status OptionsFromFlags(AttentionOptions* o) {

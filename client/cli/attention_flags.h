@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
@@ -32,6 +33,18 @@ inline constexpr const char* kShapeFlags[] = {"batch",    "seqlen_q", "seqlen_k"
 // Random inputs of the shape the flags give, with `seed`. INVALID_ARGUMENT
 // naming the flag for a bad size or list (a usage error for the caller).
 absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed);
+
+// Per-sequence lengths of varlen inputs: --varlen_q, and --varlen_k (the same
+// as --varlen_q when unset).
+struct VarlenLengths {
+  std::vector<int> q;
+  std::vector<int> k;
+};
+
+// The lengths --varlen_q/--varlen_k give; nullopt when --varlen_q is unset.
+// A usage error for --varlen_k without --varlen_q, a bad list, or lists of
+// different lengths.
+absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags();
 
 // The option flags into `o` (return_lse from --return_lse only).
 // INVALID_ARGUMENT naming the flag for a bad value.

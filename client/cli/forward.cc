@@ -79,12 +79,9 @@ absl::StatusOr<AttentionInputs> FileInputsFromFlags(std::optional<DType> dtype) 
   in.k = in.k.ConvertTo(want);
   in.v = in.v.ConvertTo(want);
 
-  const std::string varlen_q = absl::GetFlag(FLAGS_varlen_q);
-  const std::string varlen_k = absl::GetFlag(FLAGS_varlen_k);
-  if (!varlen_k.empty() && varlen_q.empty()) {
-    return UsageStatus("--varlen_k needs --varlen_q (the query lengths)");
-  }
-  if (varlen_q.empty()) {
+  absl::StatusOr<std::optional<VarlenLengths>> lengths = VarlenLengthsFromFlags();
+  if (!lengths.ok()) return lengths.status();
+  if (!lengths->has_value()) {
     if (in.q.rank() == 3) {
       return UsageStatus(absl::StrCat("--q ", absl::GetFlag(FLAGS_q), " is ", in.q.DebugString(),
                                       ": packed [T, H, D] inputs need --varlen_q (and --varlen_k) "
@@ -92,17 +89,8 @@ absl::StatusOr<AttentionInputs> FileInputsFromFlags(std::optional<DType> dtype) 
     }
     return in;
   }
-  absl::StatusOr<std::vector<int>> lq = ParseLengthList("varlen_q", varlen_q);
-  if (!lq.ok()) return lq.status();
-  absl::StatusOr<std::vector<int>> lk =
-      ParseLengthList("varlen_k", varlen_k.empty() ? varlen_q : varlen_k);
-  if (!lk.ok()) return lk.status();
-  if (lq->size() != lk->size()) {
-    return UsageStatus(absl::StrCat("--varlen_k lists ", lk->size(),
-                                    " sequences but --varlen_q lists ", lq->size()));
-  }
-  in.cu_seqlens_q = CuSeqlensFromLengths(*lq);
-  in.cu_seqlens_k = CuSeqlensFromLengths(*lk);
+  in.cu_seqlens_q = CuSeqlensFromLengths((*lengths)->q);
+  in.cu_seqlens_k = CuSeqlensFromLengths((*lengths)->k);
   if (in.q.rank() != 3 || in.k.rank() != 3) {
     return UsageStatus(absl::StrCat("--varlen_q needs packed [T, H, D] files, got q ",
                                     in.q.DebugString(), " and k ", in.k.DebugString()));
