@@ -11,9 +11,6 @@
 namespace attnserve {
 namespace {
 
-// Request ids are client-chosen; a log line stays one short line whatever they send.
-constexpr size_t kMaxLoggedIdChars = 128;
-
 std::string ShapeString(const v1::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ","), "]");
 }

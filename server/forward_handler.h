@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <functional>
 #include <memory>
 
@@ -18,6 +19,10 @@
 #include "server/request_validation.h"
 
 namespace attnserve {
+
+// Request ids are client-chosen; a log line keeps at most this many of their
+// characters, so it stays one short line whatever they send.
+inline constexpr size_t kMaxLoggedIdChars = 128;
 
 class ForwardHandler {
  public:

@@ -70,7 +70,6 @@ void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
     return;
   }
   success_.fetch_add(1, std::memory_order_relaxed);
-  inference_count_.fetch_add(1, std::memory_order_relaxed);
   request_duration_us_.fetch_add(total_us, std::memory_order_relaxed);
   queue_duration_us_.fetch_add(queue_us, std::memory_order_relaxed);
   compute_input_duration_us_.fetch_add(host_to_device_us, std::memory_order_relaxed);
@@ -107,7 +106,7 @@ std::string ServerMetrics::RenderPrometheus() const {
                "Number of failed inference requests, all batch sizes", failures);
   AppendModelCounter(&out, "nv_inference_count",
                      "Number of inferences performed (one per successful request)",
-                     inference_count_);
+                     success_);
   AppendModelCounter(&out, "nv_inference_exec_count",
                      "Number of model executions performed (backend launches; a batched launch "
                      "serves several requests)",

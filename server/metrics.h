@@ -17,11 +17,10 @@
 
 namespace attnserve {
 
-// Live readings of one device. The backend interface has no way to read them
-// yet (AttentionBackend only describes devices), so the server leaves the
-// source unset and only nv_gpu_memory_total_bytes (from the description) is
-// exported; a backend that can read NVML or cudaMemGetInfo plugs in through
-// ServerMetrics::SetDeviceUsageSource.
+// Live readings of one device, from the source set with
+// ServerMetrics::SetDeviceUsageSource (the server sets NvmlMonitor,
+// server/gpu_monitor.h). Without a source only nv_gpu_memory_total_bytes
+// (from the description) is exported.
 struct DeviceUsage {
   int index = 0;
   int64_t memory_used_bytes = 0;
@@ -60,9 +59,8 @@ class ServerMetrics {
   int64_t exec_count() const { return exec_count_.load(std::memory_order_relaxed); }
 
  private:
-  std::atomic<int64_t> success_{0};
+  std::atomic<int64_t> success_{0};  // also nv_inference_count: one inference each
   std::atomic<int64_t> failure_[kNumFailureReasons] = {};
-  std::atomic<int64_t> inference_count_{0};
   std::atomic<int64_t> exec_count_{0};
   std::atomic<int64_t> request_duration_us_{0};
   std::atomic<int64_t> queue_duration_us_{0};
