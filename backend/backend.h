@@ -9,6 +9,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "backend/paged_batch.h"
+#include "backend/paged_kv.h"
 #include "backend/params.h"
 #include "backend/ragged_batch.h"
 
@@ -82,6 +84,28 @@ class AttentionBackend {
   // members into host buffers), so a backend without a pipeline needs nothing.
   virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch);
   virtual int max_launches_in_flight() const { return 1; }
+
+  // --- K/V that live on the server (paged_kv.h, DESIGN §6) ---
+  // The defaults answer UNIMPLEMENTED, so a backend without a paged path says so.
+
+  // One slab of `bytes` bytes of this backend's memory (device memory for a
+  // GPU backend) for K or V pages, or RESOURCE_EXHAUSTED. The pool frees it
+  // with FreeKvMemory once no launch that reads it is in flight.
+  virtual absl::StatusOr<void*> AllocateKvMemory(int64_t bytes);
+  virtual void FreeKvMemory(void* memory);
+
+  // One append-and-attend launch over host-memory inputs (everything but
+  // params.pages, which is this backend's memory), waited for; the order of
+  // work is paged_kv.h's (page copies, append, attend). Writes all of o (and
+  // lse). An error means no visible output; appended rows may have been
+  // written past the sequences' old lengths (the pool does not count them).
+  virtual absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings);
+
+  // The pipelined form, as StartForward: one launch over `batch` (calls of one
+  // cache and layer). Paged launches of one backend run in the order they were
+  // started (a later launch may read rows an earlier one appended). The
+  // default packs several members into host buffers and runs PagedForward.
+  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const PagedBatch& batch);
 };
 
 }  // namespace attnserve
