@@ -210,3 +210,22 @@ def test_command_line(server):
     out = subprocess.run([sys.executable, "-m", "attnserve", "--target=127.0.0.1:1",
                           "--timeout=5", "info"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_torch_tensors_in_and_out(client):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(9)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        q = torch.rand((2, 12, 4, 32), generator=g).to(dtype) * 2 - 1
+        # A strided view [B, Sk, Hkv, D] of a larger tensor: sent without an extra copy step.
+        k = (torch.rand((2, 16, 8, 32), generator=g).to(dtype) * 2 - 1)[:, :, :2]
+        assert not k.is_contiguous()
+        o, lse = client.forward(q, k, k, causal=True, return_lse=True)
+        assert isinstance(o, torch.Tensor) and o.dtype == dtype and o.device == q.device
+        assert lse.dtype == torch.float32 and tuple(lse.shape) == (2, 4, 12)
+        as_np = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16,
+                 torch.float32: np.float32}[dtype]
+        qn = q.float().numpy().astype(as_np)
+        kn = k.float().numpy().astype(as_np)
+        check("o", o.float().numpy().astype(as_np),
+              reference.attention(qn, kn, kn, causal=True)[0], name)

@@ -11,7 +11,12 @@ expects, so a duplicate is refused (FAILED_PRECONDITION) instead of applied.
 from __future__ import annotations
 
 import json
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 ChannelOptions = Sequence[Tuple[str, object]]
 
@@ -53,3 +58,27 @@ def channel_options(options: Optional[ChannelOptions], max_attempts: int,
     for key, value in options or ():
         ours[key] = value
     return list(ours.items())
+
+
+class ChannelOwner:
+    """What Client and AsyncClient share: the channel, its stubs, the default deadline.
+
+    Subclasses set `_grpc` to the module whose channels they use (grpc or grpc.aio).
+    """
+
+    _grpc: Any = grpc
+
+    def __init__(self, target: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT_S,
+                 max_attempts: int = 3, options: Optional[ChannelOptions] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        opts = channel_options(options, max_attempts, max_message_bytes)
+        self.target = target
+        self.timeout = timeout
+        self.channel = (self._grpc.secure_channel(target, credentials, opts) if credentials
+                        else self._grpc.insecure_channel(target, opts))
+        self._stub = pb_grpc.AttentionStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout

@@ -14,29 +14,18 @@ from typing import Any, Dict, Optional
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from attnserve import _channel, _request
 from attnserve._request import ForwardResult, Window
 from attnserve.errors import AttnServeError
 from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
-class AsyncClient:
+class AsyncClient(_channel.ChannelOwner):
     """attnserve.Client for asyncio: one grpc.aio channel; see Client for the arguments."""
 
-    def __init__(self, target: str, *, timeout: Optional[float] = _channel.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = 3, options: Optional[_channel.ChannelOptions] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None,
-                 max_message_bytes: int = _channel.DEFAULT_MAX_MESSAGE_BYTES):
-        opts = _channel.channel_options(options, max_attempts, max_message_bytes)
-        self.target = target
-        self.timeout = timeout
-        self.channel = (grpc.aio.secure_channel(target, credentials, opts) if credentials
-                        else grpc.aio.insecure_channel(target, opts))
-        self._stub = pb_grpc.AttentionStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         await self.channel.close()
@@ -49,7 +38,7 @@ class AsyncClient:
 
     async def _call(self, rpc: Any, request: Any, timeout: Optional[float]) -> Any:
         try:
-            return await rpc(request, timeout=self.timeout if timeout is None else timeout)
+            return await rpc(request, timeout=self._deadline(timeout))
         except grpc.RpcError as e:
             raise AttnServeError.from_rpc_error(e) from None
 

@@ -16,16 +16,15 @@ from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from attnserve import _channel, _request
 from attnserve._request import ForwardResult, Window
 from attnserve.errors import AttnServeError
 from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
-class Client:
+class Client(_channel.ChannelOwner):
     """A connection to one attnserve server (one gRPC channel; thread-safe).
 
     Args:
@@ -39,18 +38,6 @@ class Client:
       max_message_bytes: the channel's send/receive limit.
     """
 
-    def __init__(self, target: str, *, timeout: Optional[float] = _channel.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = 3, options: Optional[_channel.ChannelOptions] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None,
-                 max_message_bytes: int = _channel.DEFAULT_MAX_MESSAGE_BYTES):
-        opts = _channel.channel_options(options, max_attempts, max_message_bytes)
-        self.target = target
-        self.timeout = timeout
-        self.channel = (grpc.secure_channel(target, credentials, opts) if credentials
-                        else grpc.insecure_channel(target, opts))
-        self._stub = pb_grpc.AttentionStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-
     # -- lifetime ------------------------------------------------------------
     def close(self) -> None:
         """Closes the channel; calls in progress are cancelled."""
@@ -61,9 +48,6 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        return self.timeout if timeout is None else timeout
 
     def _call(self, rpc: Callable, request: Any, timeout: Optional[float]) -> Any:
         try:
