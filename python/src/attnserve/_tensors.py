@@ -49,9 +49,10 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
         if wire is None:
             raise invalid_argument(f"{name}.dtype: expected torch.float16, torch.bfloat16 or "
                                    f"torch.float32, got {x.dtype}")
-        host = x.detach().contiguous().cpu()  # no-ops for a contiguous CPU tensor
-        # A byte view works for every dtype (NumPy has no bfloat16 of torch's).
-        data = host.reshape(-1).view(_torch_uint8()).numpy().tobytes()
+        host = x.detach().cpu()  # a CPU tensor stays as it is; CUDA: the device-to-host copy
+        # An integer view of the same width keeps the strides (NumPy has no
+        # bfloat16 of torch's); tobytes() then gathers a strided tensor in its one copy.
+        data = host.view(_same_width_int(host.dtype)).numpy().tobytes()
         shape = tuple(host.shape)
     else:
         arr = np.asarray(x)
@@ -66,9 +67,9 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
     out.data = data
 
 
-def _torch_uint8():
+def _same_width_int(dtype):
     import torch
-    return torch.uint8
+    return torch.int32 if dtype == torch.float32 else torch.int16
 
 
 def from_wire(name: str, t: pb.Tensor, like: Any) -> Any:

@@ -47,12 +47,10 @@ def register(client: Union[Client, str], name: str = NAME) -> Client:
     return _client
 
 
-def _unpad(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(indices of the valid tokens in the flattened [B*S], cu_seqlens [B+1] int32) of a mask."""
-    mask = mask.bool()
-    lengths = mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
-    return indices, F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+def _cu_seqlens(mask: torch.Tensor) -> torch.Tensor:
+    """B+1 int32 offsets of the packed layout of a [B, S] boolean mask."""
+    return F.pad(torch.cumsum(mask.sum(dim=-1, dtype=torch.int32), dim=0, dtype=torch.int32),
+                 (1, 0))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -88,24 +86,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None:
         return client.forward(q, k, v, **options), None
 
-    # Padded batch -> packed varlen, as transformers' _upad_input does.
-    mask = attention_mask[:, -k.shape[1]:] if attention_mask.shape[1] > k.shape[1] else attention_mask
+    # Padded batch -> packed varlen, as transformers' _upad_input does. Boolean
+    # indexing gathers each of Q, K, V in one copy, contiguous.
+    mask = attention_mask.bool()
+    mask = mask[:, -k.shape[1]:] if mask.shape[1] > k.shape[1] else mask
     k = k[:, :mask.shape[1]]  # a static cache may hold more slots than the mask covers
     v = v[:, :mask.shape[1]]
-    indices_k, cu_k = _unpad(mask)
-    k_packed = k.reshape(-1, *k.shape[2:]).index_select(0, indices_k)
-    v_packed = v.reshape(-1, *v.shape[2:]).index_select(0, indices_k)
+    cu_k = _cu_seqlens(mask)
     if q_len == mask.shape[1]:  # prefill: the queries are the keys' tokens
-        indices_q, cu_q = indices_k, cu_k
+        mask_q = mask
     elif q_len == 1:  # decode: one real query per sequence
-        cu_q = torch.arange(batch + 1, dtype=torch.int32)
-        indices_q = cu_q[:-1].to(torch.int64)
+        mask_q = torch.ones((batch, 1), dtype=torch.bool, device=mask.device)
     else:  # chunked prefill: the last q_len mask columns are the queries (left padding)
-        indices_q, cu_q = _unpad(mask[:, -q_len:])
-    q_packed = q.reshape(-1, *q.shape[2:]).index_select(0, indices_q.to(q.device))
-    o_packed = client.forward(q_packed, k_packed, v_packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                              **options)
-    out = torch.zeros((batch * q_len, *o_packed.shape[1:]), dtype=o_packed.dtype,
+        mask_q = mask[:, -q_len:]
+    o_packed = client.forward(q[mask_q], k[mask], v[mask], cu_seqlens_q=_cu_seqlens(mask_q),
+                              cu_seqlens_k=cu_k, **options)
+    out = torch.zeros((batch, q_len, *o_packed.shape[1:]), dtype=o_packed.dtype,
                       device=o_packed.device)
-    out.index_copy_(0, indices_q.to(out.device), o_packed)
-    return out.view(batch, q_len, *o_packed.shape[1:]), None
+    out[mask_q.to(out.device)] = o_packed
+    return out, None
