@@ -21,6 +21,7 @@
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
+#include "client/cli/load_flags.h"
 
 namespace attnserve {
 namespace cli {
@@ -69,7 +70,7 @@ const Command kCommands[] = {
      "errors by status code (only requests completing inside the window count). A live progress\n"
      "line goes to stderr once a second. Exit code 0; 1 if no request succeeded, or with --check\n"
      "if any request failed or mismatched; 2 on bad flags.",
-     "client/cli/load.cc", kAttentionFlagsFile, RunLoad},
+     kLoadFlagsFile, kAttentionFlagsFile, RunLoad},
 };
 
 const Command* FindCommand(absl::string_view name) {
