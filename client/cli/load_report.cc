@@ -2,6 +2,7 @@
 #include "client/cli/load_report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -97,13 +98,15 @@ std::string CsvCell(const Column& c) {
 }
 
 // A JSON value. Doubles carry the CSV's digits, so a step's two records hold
-// the same numbers.
+// the same numbers, and a whole one is written as an integer ("883", not
+// "883.0"), as in the CSV.
 nlohmann::ordered_json JsonValue(const Column& c) {
   if (const auto* text = std::get_if<std::string>(&c.value)) return *text;
   if (const auto* b = std::get_if<bool>(&c.value)) return *b;
   if (const auto* i = std::get_if<int64_t>(&c.value)) return *i;
   double x = 0;
   if (!absl::SimpleAtod(CsvCell(c), &x)) x = std::get<double>(c.value);
+  if (std::trunc(x) == x && std::fabs(x) < 9.0e15) return static_cast<int64_t>(x);
   return x;
 }
 
