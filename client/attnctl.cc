@@ -49,7 +49,7 @@ const Command kCommands[] = {
      "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n\n"
      "Prints the request, the backend, client latency and the server's timing breakdown.\n"
      "With --verify: the float64 reference is computed locally and O (and LSE) are held to\n"
-     "DESIGN.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
+     "docs/design.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
      "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * max|ref of its row| + 1e-6.\n"
      "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
      "client/cli/forward.cc", kAttentionFlagsFile, RunForward},
