@@ -273,15 +273,16 @@ print(shlex.join(argv))')
   timed "attnctl load (${load_seconds} s, 4 callers)" "$load_s"
 
   # SIGTERM with requests in flight: they must finish (drain) and the server
-  # must exit 0 by itself, before podman's SIGKILL at 30 s. Each request is
-  # sized to take about 5 s here: one calibration call at Sq = Sk = 2048, then
-  # Sq scaled by sqrt(5 s / its time), as the work grows with Sq * Sk.
+  # must exit 0 by itself, before podman's SIGKILL at 30 s. Each of the two
+  # requests is sized to take about 3 s here (about 6 s of drain in all): one
+  # calibration call at Sq = Sk = 2048, then Sq scaled by sqrt(3 s / its
+  # time), as the work grows with Sq * Sk.
   calib_ms=$(ctl forward --dtype=bf16 --batch=1 --seqlen_q=2048 --heads_q=16 --head_dim=128 \
                2>/dev/null | grep -o 'server total [0-9.]*' | awk '{print $3}')
   inflight_sq=$(awk -v ms="${calib_ms:-1000}" 'BEGIN {
-    sq = 2048 * sqrt(5000 / (ms > 1 ? ms : 1)); sq = int(sq / 128) * 128
+    sq = 2048 * sqrt(3000 / (ms > 1 ? ms : 1)); sq = int(sq / 128) * 128
     print (sq < 2048 ? 2048 : (sq > 32768 ? 32768 : sq)) }')
-  log "in-flight request: Sq = Sk = $inflight_sq (calibration at 2048: ${calib_ms:-?} ms)"
+  log "in-flight requests: Sq = Sk = $inflight_sq (calibration at 2048: ${calib_ms:-?} ms)"
   # SIGTERM goes out only once the server holds the requests, shown by its
   # own /metrics: two requests of different dtypes (which never share a
   # launch) sent at once, so while one computes the other waits in the queue
@@ -329,7 +330,7 @@ print(shlex.join(argv))')
     tail -n 10 "$work/server.log"
     fail "SIGTERM: exit code $exit_code after $stop_s s"
   fi
-  timed "stop (SIGTERM with a request in flight)" "$stop_s"
+  timed "stop (SIGTERM with two requests in flight)" "$stop_s"
   # Order in the server's log: draining starts, then the queued request (the
   # last of the two to complete) completes.
   drain_line=$(grep -n -m1 'draining' "$work/server.log" | cut -d: -f1) || true
