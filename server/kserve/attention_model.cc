@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "backend/dtype.h"
@@ -20,13 +21,17 @@ namespace attnserve {
 namespace {
 
 constexpr const char* kInputNames[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
+constexpr int kNumDenseInputs = 3;
 constexpr int kNumInputs = 5;
 constexpr const char* kParameterNames =
     "causal, window_left, window_right, softcap, softmax_scale, return_lse";
 
-// Parameters the protocol itself defines; they do not change the result.
+// Parameters the protocol and Triton's clients define for themselves (Triton
+// reserves the "triton_" prefix; perf_analyzer sends
+// triton_enable_empty_final_response); they do not change the result.
 bool IsProtocolParameter(const std::string& name) {
-  return name == "priority" || name == "timeout" || name == "binary_data_output";
+  return name == "priority" || name == "timeout" || name == "binary_data_output" ||
+         absl::StartsWith(name, "triton_");
 }
 
 void AddTensorMetadata(const char* name, const char* datatype, int rank,
@@ -80,7 +85,7 @@ absl::Status ApplyParameter(const std::string& name, const inference::InferParam
   }
   if (IsProtocolParameter(name)) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(where, ": model 'attention' takes ", kParameterNames, ", got '", name, "'"));
+      absl::StrCat(where, ": expected one of ", kParameterNames, ", got '", name, "'"));
 }
 
 // An INT32 cu_seqlens input -> the repeated int32 of the ForwardRequest.
@@ -134,8 +139,10 @@ void AttentionModel::FillMetadata(inference::ModelMetadataResponse* out) const {
   AddTensorMetadata("q", type, 4, out->mutable_inputs());
   AddTensorMetadata("k", type, 4, out->mutable_inputs());
   AddTensorMetadata("v", type, 4, out->mutable_inputs());
-  AddTensorMetadata("cu_seqlens_q", "INT32", 1, out->mutable_inputs());
-  AddTensorMetadata("cu_seqlens_k", "INT32", 1, out->mutable_inputs());
+  if (info_.varlen_inputs) {
+    AddTensorMetadata("cu_seqlens_q", "INT32", 1, out->mutable_inputs());
+    AddTensorMetadata("cu_seqlens_k", "INT32", 1, out->mutable_inputs());
+  }
   AddTensorMetadata("o", type, 4, out->mutable_outputs());
   AddTensorMetadata("lse", "FP32", 3, out->mutable_outputs());
 }
@@ -156,8 +163,10 @@ void AttentionModel::FillConfig(inference::ModelConfig* out) const {
   add_input("q", type, 4, false);
   add_input("k", type, 4, false);
   add_input("v", type, 4, false);
-  add_input("cu_seqlens_q", inference::TYPE_INT32, 1, true);
-  add_input("cu_seqlens_k", inference::TYPE_INT32, 1, true);
+  if (info_.varlen_inputs) {
+    add_input("cu_seqlens_q", inference::TYPE_INT32, 1, true);
+    add_input("cu_seqlens_k", inference::TYPE_INT32, 1, true);
+  }
   auto add_output = [&](const char* n, inference::DataType t, int rank) {
     inference::ModelOutput* o = out->add_output();
     o->set_name(n);
@@ -204,15 +213,16 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
 
   const int not_given = -1;
+  const int num_inputs = info_.varlen_inputs ? kNumInputs : kNumDenseInputs;
   int index_of[kNumInputs] = {not_given, not_given, not_given, not_given, not_given};
   for (int i = 0; i < request.inputs_size(); ++i) {
     const std::string& name = request.inputs(i).name();
     int which = 0;
-    while (which < kNumInputs && name != kInputNames[which]) ++which;
-    if (which == kNumInputs) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs['", name, "']: model 'attention' has no such input (inputs: ",
-                       absl::StrJoin(kInputNames, ", "), ")"));
+    while (which < num_inputs && name != kInputNames[which]) ++which;
+    if (which == num_inputs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs['", name, "']: model '", name_, "' has no such input (inputs: ",
+          absl::StrJoin(kInputNames, kInputNames + num_inputs, ", "), ")"));
     }
     if (index_of[which] != not_given) {
       return absl::InvalidArgumentError(absl::StrCat("inputs['", name, "']: given twice"));
@@ -223,7 +233,7 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   for (int which = 0; which < 3; ++which) {
     if (index_of[which] == not_given) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "inputs: model 'attention' needs q, k and v; '", kInputNames[which], "' is missing"));
+          "inputs: model '", name_, "' needs q, k and v; '", kInputNames[which], "' is missing"));
     }
     const auto& input = request.inputs(index_of[which]);
     absl::StatusOr<DType> dtype =
@@ -264,7 +274,7 @@ absl::Status AttentionModel::Prepare(Call* c) const {
     const std::string where = absl::StrCat("outputs['", requested.name(), "']");
     if (requested.name() != "o" && requested.name() != "lse") {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": model 'attention' has no such output (outputs: o, lse)"));
+          absl::StrCat(where, ": model '", name_, "' has no such output (outputs: o, lse)"));
     }
     for (const Call::Output& seen : c->outputs) {
       if (seen.name == requested.name()) {

@@ -1,4 +1,4 @@
-// The KServe v2 model `attention`: one ModelInferRequest becomes one native
+// The KServe v2 model `attention` (and `attention_dense`, see below): one ModelInferRequest becomes one native
 // attnserve.v1.ForwardRequest and runs through the ForwardHandler, so it gets
 // Forward's validation, limits, executor, batcher, backends, metrics and
 // error messages. Inputs q, k, v (FP16, BF16 or FP32) and optionally
@@ -19,6 +19,12 @@
 namespace attnserve {
 
 struct AttentionModelInfo {
+  // "attention" takes the optional varlen inputs cu_seqlens_q/k;
+  // "attention_dense" (varlen_inputs false) is the same model without them,
+  // because perf_analyzer 2.50 refuses shared memory for a model with optional
+  // inputs.
+  std::string name = "attention";
+  bool varlen_inputs = true;
   std::string backend;             // "cpu" or "cuda"
   DType advertised = DType::kFP16;  // the datatype metadata and config list for q, k, v and o
   bool batching = false;
@@ -27,8 +33,6 @@ struct AttentionModelInfo {
 
 class AttentionModel final : public KserveModel {
  public:
-  static constexpr char kName[] = "attention";
-
   // Everything passed must outlive the model.
   AttentionModel(ForwardHandler* handler, const ShmRegistry* shm, const ServerMetrics* metrics,
                  AttentionModelInfo info);
@@ -51,7 +55,7 @@ class AttentionModel final : public KserveModel {
   const ShmRegistry* const shm_;
   const ServerMetrics* const metrics_;
   const AttentionModelInfo info_;
-  const std::string name_ = kName;
+  const std::string& name_ = info_.name;
 };
 
 }  // namespace attnserve

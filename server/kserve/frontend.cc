@@ -21,6 +21,9 @@ KserveFrontend::KserveFrontend(ForwardHandler* handler, const ServerMetrics* met
   model_info.advertised = info.advertised_dtype;
   model_info.batching = info.batching;
   model_info.batch_max_delay_us = absl::ToInt64Microseconds(info.batch_max_delay);
+  context_.models.Add(std::make_unique<AttentionModel>(handler, &context_.shm, metrics, model_info));
+  model_info.name = "attention_dense";
+  model_info.varlen_inputs = false;
   context_.models.Add(
       std::make_unique<AttentionModel>(handler, &context_.shm, metrics, std::move(model_info)));
   grpc_ = std::make_unique<KserveGrpcService>(&context_);

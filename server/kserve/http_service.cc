@@ -445,6 +445,8 @@ class KserveHttpServerImpl final : public KserveHttpServer {
  public:
   KserveHttpServerImpl(KserveContext* context, int64_t max_request_bytes) : context_(context) {
     http_.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+    // Small requests and responses must not wait for Nagle's algorithm.
+    http_.set_tcp_nodelay(true);
     http_.set_payload_max_length(static_cast<size_t>(max_request_bytes + kBodySlackBytes));
     Routes();
   }
