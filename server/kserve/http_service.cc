@@ -479,6 +479,17 @@ class KserveHttpServerImpl final : public KserveHttpServer {
     return context_->models.Find(req.matches[1], req.matches.size() > 2 ? req.matches[2].str() : "");
   }
 
+  // A POST whose body is not read. tritonclient sends these with an empty body
+  // and no Content-Length, which httplib's ordinary handlers would wait on
+  // until the read timeout; a content-reader handler that never reads does not.
+  void PostWithoutBody(const std::string& pattern, httplib::Server::Handler handler) {
+    http_.Post(pattern, [handler = std::move(handler)](const httplib::Request& req,
+                                                       httplib::Response& res,
+                                                       const httplib::ContentReader&) {
+      handler(req, res);
+    });
+  }
+
   void Routes() {
     const std::string model = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)";
     http_.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
@@ -524,7 +535,7 @@ class KserveHttpServerImpl final : public KserveHttpServer {
       (*m)->FillConfig(&config);
       Reply(res, absl::OkStatus(), ConfigJson(config));
     });
-    http_.Post("/v2/repository/index", [this](const httplib::Request&, httplib::Response& res) {
+    PostWithoutBody("/v2/repository/index", [this](const httplib::Request&, httplib::Response& res) {
       inference::RepositoryIndexResponse r;
       context_->FillRepositoryIndex(&r);
       Json models = Json::array();
@@ -596,8 +607,8 @@ class KserveHttpServerImpl final : public KserveHttpServer {
         const std::string name = req.matches.size() > 1 ? req.matches[1].str() : "";
         Reply(res, context_->shm.Unregister(TenantOf(req), kind, name));
       };
-      http_.Post(base + "/unregister", unregister);
-      http_.Post(base + "/region/([^/]+)/unregister", unregister);
+      PostWithoutBody(base + "/unregister", unregister);
+      PostWithoutBody(base + "/region/([^/]+)/unregister", unregister);
       http_.Post(base + "/region/([^/]+)/register",
                  [this, kind](const httplib::Request& req, httplib::Response& res) {
                    Reply(res, Register(kind, req));
