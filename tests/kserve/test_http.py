@@ -130,3 +130,28 @@ def test_malformed_bodies_are_400(server):
         status, reply = post(body, headers)
         assert status == 400, reply
         assert text in json.loads(reply)["error"], reply
+
+
+def test_same_request_limit_on_both_transports():
+    import conftest
+    import tritonclient.grpc as grpcclient
+    small = conftest.Server("--max_request_bytes=4096")
+    try:
+        rng = np.random.default_rng(24)
+        q, k, v = random_qkv(rng, b=1, sq=16, sk=16, hq=2, hkv=2, d=32)  # 12 KiB of FP32
+        tensors = {"q": q, "k": k, "v": v}
+        with pytest.raises(InferenceServerException) as http_error:
+            httpclient.InferenceServerClient(small.http_url).infer(
+                "attention", inputs_for(tensors, "FP32", httpclient))
+        with pytest.raises(InferenceServerException) as grpc_error:
+            grpcclient.InferenceServerClient(small.grpc_url).infer(
+                "attention", inputs_for(tensors, "FP32", grpcclient))
+        assert grpc_error.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert http_error.value.status() == "429"
+        assert "max_request_bytes" in grpc_error.value.message()
+        # Measured on the native request each becomes: the sizes differ by a
+        # few bytes of id, the rule and the message do not.
+        cut = lambda m: m.rsplit(", got", 1)[0]
+        assert cut(http_error.value.message()) == cut(grpc_error.value.message())
+    finally:
+        small.stop()
