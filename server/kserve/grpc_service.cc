@@ -2,14 +2,13 @@
 #include "server/kserve/grpc_service.h"
 
 #include <chrono>
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 
-#include "absl/synchronization/mutex.h"
 #include "server/kserve/tenant.h"
 #include "server/status_mapping.h"
+#include "server/stream_reactor.h"
 
 namespace attnserve {
 namespace {
@@ -74,160 +73,36 @@ class InferReactor final : public grpc::ServerUnaryReactor {
   const std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
-// ModelStreamInfer: reads on while earlier requests run and writes responses
-// as they complete (possibly out of order; the id says which is which), one
-// write in flight. A failed request is a response with error_message set, and
-// the stream goes on. The RPC finishes once the client has half-closed and
-// every request has been answered (or the stream is gone). Same lifetime rule
-// as the native ForwardStream: Finish only when nothing is pending in a
-// model, so no completion outlives the reactor.
-class StreamReactor final
-    : public grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse> {
- public:
-  StreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx)
-      : context_(context),
-        tenant_(TenantOf(ctx)),
-        deadline_(DeadlineOf(ctx)),
-        cancelled_(std::make_shared<std::atomic<bool>>(false)) {
-    StartRead(&incoming_);
-  }
+using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInferResponse>;
 
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      bool finish;
-      {
-        absl::MutexLock lock(&mu_);
-        reads_done_ = true;
-        finish = ShouldFinishLocked();
-      }
-      if (finish) FinishStream();
-      return;
-    }
-    auto owned = std::make_unique<Call>();
-    owned->request.Swap(&incoming_);
-    Call* call = owned.get();
-    context_->in_flight.Add();  // until its response is written or dropped
-    {
-      absl::MutexLock lock(&mu_);
-      ++pending_;
-      calls_.push_back(std::move(owned));
-    }
-    StartRead(&incoming_);
+// ModelStreamInfer: each request goes to its model; a failed one is answered
+// with error_message set (and its id), and the stream goes on.
+StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx) {
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  auto start = [context, cancelled, tenant = TenantOf(ctx), deadline = DeadlineOf(ctx)](
+                   StreamReactor::Call* call, StreamReactor::Done done) {
     absl::StatusOr<KserveModel*> model =
-        context_->models.Find(call->request.model_name(), call->request.model_version());
-    if (!model.ok()) return OnRequestDone(call, model.status());
+        context->models.Find(call->request.model_name(), call->request.model_version());
+    if (!model.ok()) return done(model.status());
     InferCall infer;
     infer.request = &call->request;
     infer.response = call->response.mutable_infer_response();
-    infer.tenant = tenant_;
-    infer.deadline = deadline_;
-    infer.cancelled = cancelled_;
-    infer.done = [this, call](const absl::Status& status) { OnRequestDone(call, status); };
+    infer.tenant = tenant;
+    infer.deadline = deadline;
+    infer.cancelled = cancelled;
+    infer.done = std::move(done);
     (*model)->Infer(std::move(infer));
-  }
-
-  void OnWriteDone(bool ok) override {
-    ModelStreamInferResponse* next;
-    bool finish;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      context_->in_flight.Done();
-      RemoveLocked(ready_.front());
-      ready_.pop_front();
-      if (!ok) write_failed_ = true;
-      next = NextWriteLocked();
-      finish = next == nullptr && ShouldFinishLocked();
-    }
-    if (next != nullptr) {
-      StartWrite(next);
-    } else if (finish) {
-      FinishStream();
-    }
-  }
-
-  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
-  void OnDone() override { delete this; }
-
- private:
-  struct Call {
-    ModelInferRequest request;
-    ModelStreamInferResponse response;
   };
-
-  void OnRequestDone(Call* call, const absl::Status& status) {
-    if (!status.ok()) {
-      call->response.set_error_message(std::string(status.message()));
-      // The id still tells the client which request failed.
-      inference::ModelInferResponse* r = call->response.mutable_infer_response();
-      r->set_model_name(call->request.model_name());
-      r->set_id(call->request.id());
-    }
-    ModelStreamInferResponse* next;
-    bool finish;
-    {
-      absl::MutexLock lock(&mu_);
-      --pending_;
-      ready_.push_back(call);
-      next = NextWriteLocked();
-      finish = next == nullptr && ShouldFinishLocked();
-    }
-    if (next != nullptr) {
-      StartWrite(next);
-    } else if (finish) {
-      FinishStream();
-    }
-  }
-
-  ModelStreamInferResponse* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (write_failed_) {
-      for (Call* c : ready_) {
-        context_->in_flight.Done();
-        RemoveLocked(c);
-      }
-      ready_.clear();
-    }
-    if (writing_ || ready_.empty()) return nullptr;
-    writing_ = true;
-    return &ready_.front()->response;
-  }
-
-  bool ShouldFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) return false;
-    finished_ = true;
-    return true;
-  }
-
-  void RemoveLocked(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (auto it = calls_.begin(); it != calls_.end(); ++it) {
-      if (it->get() == call) {
-        calls_.erase(it);
-        return;
-      }
-    }
-  }
-
-  void FinishStream() {
-    Finish(cancelled_->load(std::memory_order_acquire)
-               ? grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled")
-               : grpc::Status::OK);
-  }
-
-  KserveContext* const context_;
-  const std::string tenant_;
-  const absl::Time deadline_;
-  const std::shared_ptr<std::atomic<bool>> cancelled_;
-  ModelInferRequest incoming_;
-
-  absl::Mutex mu_;
-  std::deque<std::unique_ptr<Call>> calls_ ABSL_GUARDED_BY(mu_);
-  std::deque<Call*> ready_ ABSL_GUARDED_BY(mu_);
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-};
+  auto fail = [](StreamReactor::Call* call, const absl::Status& status) {
+    call->response.set_error_message(std::string(status.message()));
+    // The id still tells the client which request failed.
+    inference::ModelInferResponse* r = call->response.mutable_infer_response();
+    r->set_model_name(call->request.model_name());
+    r->set_id(call->request.id());
+  };
+  return new StreamReactor(&context->in_flight, std::move(cancelled), std::move(start),
+                           std::move(fail));
+}
 
 }  // namespace
 
@@ -300,7 +175,7 @@ grpc::ServerUnaryReactor* KserveGrpcService::ModelInfer(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
 KserveGrpcService::ModelStreamInfer(grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(context_, ctx);
+  return NewStreamReactor(context_, ctx);
 }
 
 grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryStatus(
