@@ -344,10 +344,12 @@ class AttnServerImpl final : public AttnServer {
     // clients that poll rarely to acknowledge the GOAWAY.
     if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
     spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
+    // Outside mu_: a v2 HTTP readiness probe being answered takes mu_, and
+    // stopping waits for it.
+    kserve_.StopHttp();
     absl::MutexLock lock(&mu_);
     // Metrics stay scrapeable through the drain, so its end is visible.
     if (metrics_http_ != nullptr) metrics_http_->Stop();
-    kserve_.StopHttp();
     state_ = State::kStopped;
     stopped_.Notify();
   }
