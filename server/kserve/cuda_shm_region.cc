@@ -57,7 +57,10 @@ class CudaShmRegion final : public ShmRegion {
 
 }  // namespace
 
-bool CudaShmBuilt() { return true; }
+bool CudaShmAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string& raw_handle,
@@ -75,7 +78,12 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
   }
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return CudaError(name, "cudaGetDeviceCount", err);
+  if (err != cudaSuccess) {
+    // No driver or no GPU: the server cannot take CUDA regions at all.
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA shared memory region '", name, "': no usable GPU (cudaGetDeviceCount: ",
+                     cudaGetErrorString(err), ")"));
+  }
   if (device_id < 0 || device_id >= count) {
     return absl::InvalidArgumentError(
         absl::StrCat("CUDA shared memory region '", name, "': device_id: expected 0..", count - 1,
@@ -93,7 +101,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
 
 #else  // !ATTNSERVE_HAVE_CUDA
 
-bool CudaShmBuilt() { return false; }
+bool CudaShmAvailable() { return false; }
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string&, int64_t,

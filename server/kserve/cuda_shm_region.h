@@ -12,8 +12,9 @@
 
 namespace attnserve {
 
-// True in a CUDA build (the cuda_shared_memory extension is offered).
-bool CudaShmBuilt();
+// True in a CUDA build that sees a GPU (then the cuda_shared_memory extension
+// is offered).
+bool CudaShmAvailable();
 
 // Opens `raw_handle` (the bytes of a cudaIpcMemHandle_t) on `device_id`;
 // `byte_size` bytes of it become the region. `name` is for messages.

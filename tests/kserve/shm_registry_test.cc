@@ -107,8 +107,10 @@ TEST(ShmRegistryTest, CudaRegionsNeedACudaBuild) {
   ShmRegistry registry(true);
   const absl::Status s = registry.RegisterCuda("t", "c", std::string(64, '\0'), 0, 64);
 #if ATTNSERVE_HAVE_CUDA
-  // A zero handle is no allocation of another process.
+  // No GPU here (FAILED_PRECONDITION), or a zero handle, which is no
+  // allocation of another process.
   EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'c'"), std::string::npos) << s;
 #else
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
 #endif

@@ -140,11 +140,15 @@ def test_shared_memory_off_without_the_flag(server_without_shm, region):
     assert "--allow_client_shm" in e.value.message()
 
 
-def test_cuda_shared_memory_needs_a_cuda_build(server):
+def test_cuda_shared_memory_needs_a_cuda_build_and_a_gpu(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     extensions = client.get_server_metadata(as_json=True)["extensions"]
     if "cuda_shared_memory" in extensions:
         pytest.skip("a CUDA build: CUDA shared memory is tested on the GPU machine")
     with pytest.raises(InferenceServerException) as e:
         client.register_cuda_shared_memory("c", b"\0" * 64, 0, 64)
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+    # UNIMPLEMENTED without CUDA; FAILED_PRECONDITION in a CUDA build on a
+    # machine without a GPU (as in CI).
+    assert e.value.status() in ("StatusCode.UNIMPLEMENTED", "StatusCode.FAILED_PRECONDITION")
+    assert "'c'" in e.value.message()
+    assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
