@@ -6,7 +6,6 @@
 
 #include <cstring>
 #include <set>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -18,9 +17,9 @@
 #include "server/kserve/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
-#include <httplib.h>
-
 #include <nlohmann/json.hpp>
+
+#include "server/http_listener.h"
 #endif
 
 namespace attnserve {
@@ -453,25 +452,12 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   ~KserveHttpServerImpl() override { Stop(); }
 
   absl::Status Bind(const std::string& host, int port) {
-    if (port == 0) {
-      port_ = http_.bind_to_any_port(host);
-    } else if (http_.bind_to_port(host, port)) {
-      port_ = port;
-    }
-    if (port_ <= 0) {
-      return absl::UnavailableError(absl::StrCat("KServe v2 HTTP: could not listen on ", host, ":",
-                                                 port, " (address in use or not available?)"));
-    }
-    listener_ = std::thread([this] { http_.listen_after_bind(); });
-    return absl::OkStatus();
+    return listener_.Start("KServe v2 HTTP", host, port);
   }
 
-  int port() const override { return port_; }
+  int port() const override { return listener_.port(); }
 
-  void Stop() override {
-    http_.stop();
-    if (listener_.joinable()) listener_.join();
-  }
+  void Stop() override { listener_.Stop(); }
 
  private:
   // The model named in the path (`matches` 1 and 2: name and optional version).
@@ -645,8 +631,7 @@ class KserveHttpServerImpl final : public KserveHttpServer {
 
   KserveContext* const context_;
   httplib::Server http_;
-  int port_ = 0;
-  std::thread listener_;
+  HttpListener listener_{&http_};
 };
 
 }  // namespace
