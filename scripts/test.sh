@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${1:-build}
 scripts/install-deps.sh
+# The Python clients' tests (tests/kserve: tritonclient, perf_analyzer) run from .venv.
+scripts/python-env.sh >/dev/null
 jobs=$(nproc)
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 start=$(date +%s)

@@ -3,13 +3,12 @@
 // that says so.
 #include "server/metrics_http.h"
 
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
-#include <httplib.h>
+#include "server/http_listener.h"
 #endif
 
 namespace attnserve {
@@ -33,30 +32,16 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
   ~MetricsHttpServerImpl() override { Stop(); }
 
   absl::Status Bind(const std::string& host, int port) {
-    if (port == 0) {
-      port_ = http_.bind_to_any_port(host);
-    } else if (http_.bind_to_port(host, port)) {
-      port_ = port;
-    }
-    if (port_ <= 0) {
-      return absl::UnavailableError(absl::StrCat("metrics: could not listen on ", host, ":", port,
-                                                 " (address in use or not available?)"));
-    }
-    listener_ = std::thread([this] { http_.listen_after_bind(); });
-    return absl::OkStatus();
+    return listener_.Start("metrics", host, port);
   }
 
-  int port() const override { return port_; }
+  int port() const override { return listener_.port(); }
 
-  void Stop() override {
-    http_.stop();
-    if (listener_.joinable()) listener_.join();
-  }
+  void Stop() override { listener_.Stop(); }
 
  private:
   httplib::Server http_;
-  int port_ = 0;
-  std::thread listener_;
+  HttpListener listener_{&http_};
 };
 
 }  // namespace

@@ -76,6 +76,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
                      ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay),
                      ")"));
   }
+  if (o.kserve.http_enabled && (o.kserve.http_port < 0 || o.kserve.http_port > 65535)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http_port: expected 0..65535, got ", o.kserve.http_port));
+  }
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
@@ -160,6 +164,20 @@ BackendDescription Combined(const std::vector<std::unique_ptr<AttentionBackend>>
   return d;
 }
 
+// What the KServe v2 front-end reports of this server's set-up. Metadata lists
+// q, k, v and o as FP16 when the backend runs it (tools such as perf_analyzer
+// generate that type); requests may use any dtype the backend lists.
+KserveServerInfo KserveInfo(const ServerOptions& o, const BackendDescription& d) {
+  KserveServerInfo info;
+  info.backend = d.name;
+  const bool fp16 = std::find(d.dtypes.begin(), d.dtypes.end(), DType::kFP16) != d.dtypes.end();
+  info.advertised_dtype = fp16 || d.dtypes.empty() ? DType::kFP16 : d.dtypes.front();
+  info.batching = o.batching;
+  info.batch_max_delay = o.batch_max_delay;
+  info.max_request_bytes = o.max_request_bytes;
+  return info;
+}
+
 class AttnServerImpl final : public AttnServer {
  public:
   AttnServerImpl(const ServerOptions& options,
@@ -174,7 +192,11 @@ class AttnServerImpl final : public AttnServer {
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(
             &handler_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
+            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}),
+        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve, [this] {
+          absl::MutexLock lock(&mu_);
+          return state_ == State::kServing;
+        }) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());
@@ -201,6 +223,7 @@ class AttnServerImpl final : public AttnServer {
     // Responses are as large as their requests' Q; the client sets its own limit.
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
+    builder.RegisterService(kserve_.grpc_service());
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || selected_port_ == 0) {
       absl::MutexLock lock(&mu_);
@@ -258,6 +281,10 @@ class AttnServerImpl final : public AttnServer {
         spdlog::error("serving without /metrics: {}", std::string(http.status().message()));
       }
     }
+    if (absl::Status http = kserve_.StartHttp(); !http.ok()) {
+      // As with /metrics: the gRPC port (native and v2) serves regardless.
+      spdlog::error("serving without KServe v2 HTTP: {}", std::string(http.message()));
+    }
     {
       absl::MutexLock lock(&mu_);
       // Shutdown may have begun meanwhile; then health stays NOT_SERVING.
@@ -272,6 +299,9 @@ class AttnServerImpl final : public AttnServer {
                  ATTNSERVE_VERSION, options_.host, port(), d.name,
                  d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
                  d.cpu_threads);
+    if (http_port() != 0) {
+      spdlog::info("KServe v2 HTTP on http://{}:{}/v2", options_.kserve.http_host, http_port());
+    }
     if (metrics_port() != 0) {
       spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
     }
@@ -304,6 +334,7 @@ class AttnServerImpl final : public AttnServer {
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
+        kserve_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
@@ -313,6 +344,9 @@ class AttnServerImpl final : public AttnServer {
     // clients that poll rarely to acknowledge the GOAWAY.
     if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
     spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
+    // Outside mu_: a v2 HTTP readiness probe being answered takes mu_, and
+    // stopping waits for it.
+    kserve_.StopHttp();
     absl::MutexLock lock(&mu_);
     // Metrics stay scrapeable through the drain, so its end is visible.
     if (metrics_http_ != nullptr) metrics_http_->Stop();
@@ -328,6 +362,8 @@ class AttnServerImpl final : public AttnServer {
     return metrics_http_port_.load(std::memory_order_acquire);
   }
 
+  int http_port() const override { return kserve_.http_port(); }
+
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 
@@ -339,6 +375,7 @@ class AttnServerImpl final : public AttnServer {
   ExecutorPool executors_;
   ForwardHandler handler_;
   AttentionService service_;
+  KserveFrontend kserve_;
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;
