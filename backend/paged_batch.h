@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "backend/host_copy.h"
+#include "common/host_copy.h"
 #include "backend/paged_kv.h"
 
 namespace attnserve {

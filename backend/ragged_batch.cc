@@ -5,7 +5,7 @@
 #include <cstring>
 #include <utility>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 

@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-#include "backend/host_copy.h"
+#include "common/host_copy.h"
 #include "backend/params.h"
 
 namespace attnserve {

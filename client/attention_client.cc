@@ -1,5 +1,4 @@
-// AttentionClient: channel construction, per-call contexts, the gRPC-to-absl
-// status conversion and the typed Forward (and Echo) built on the raw one.
+// AttentionClient: channel construction, per-call contexts and the typed Forward (and Echo) built on the raw one.
 #include "client/attention_client.h"
 
 #include <grpcpp/create_channel.h>
@@ -11,19 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
-
-absl::Status ToAbslStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  const int code = static_cast<int>(status.error_code());
-  // A code outside google.rpc.Code (a misbehaving peer) must not become an
-  // absl::StatusCode that no switch handles.
-  const absl::StatusCode absl_code =
-      code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
-  return absl::Status(absl_code, status.error_message());
-}
 
 namespace {
 
@@ -40,7 +29,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
   SetTensor(std::forward<Inputs>(inputs).v, request.mutable_v());
   request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
   request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
-  const AttentionOptions& from = inputs.options;
+  const ForwardOptions& from = inputs.options;
   v1::AttentionOptions* to = request.mutable_options();
   if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
   to->set_causal(from.causal);

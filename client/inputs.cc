@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {

@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {

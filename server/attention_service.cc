@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/request_validation.h"
-#include "server/status_mapping.h"
+#include "common/grpc_status.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {

@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <iterator>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -14,9 +15,11 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
-#include "backend/dtype.h"
-#include "backend/host_copy.h"
+#include "backend/cuda/generated/kernel_set.h"
+#include "common/dtype.h"
+#include "common/host_copy.h"
 #include "backend/ragged_batch.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -216,10 +219,9 @@ class CudaBackend::Launch final : public PendingLaunch {
 };
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
-  const absl::StatusOr<int> count = CudaDeviceCount();
-  if (!count.ok()) return count.status();
-  if (device < 0 || device >= *count) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", *count, " present"));
+  ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", count, " present"));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->device_ = device;
@@ -258,7 +260,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   d.devices.push_back(dev);
   d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
   d.min_head_dim = 8;
-  d.max_head_dim = cuda::HaveKernels(256) ? 256 : cuda::HaveKernels(192) ? 192 : 128;
+  d.max_head_dim = *std::max_element(std::begin(cuda::kCompiledHeadDims), std::end(cuda::kCompiledHeadDims));
   d.head_dim_multiple = 8;
   return b;
 }
@@ -277,25 +279,29 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
-  const absl::Status st = CheckParams(params);
-  if (!st.ok()) return st;
-  if (params.dtype == DType::kFP32) return absl::OkStatus();
-  const cuda::LaunchPlan plan = cuda::PlanForward(params, num_sms_);
+absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
+  RETURN_IF_ERROR(CheckParams(params));
+  if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  return PlanFor(params);
+}
+
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+  const Plan plan = cuda::PlanForward(params, num_sms_);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim,
                                                  " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
                                                  "compiles head dim 128 only)"));
   }
-  if (cuda::SmemBytes(plan.tile) > max_smem_per_block_) {
+  const int smem = cuda::SmemBytes(cuda::TileFor(plan.tile_kind, plan.kernel_head_dim));
+  if (smem > max_smem_per_block_) {
     const DeviceDescription& dev = description_.devices[0];
     return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim, " uses the ",
-                                                 plan.kernel_head_dim, " tile, which needs ",
-                                                 cuda::SmemBytes(plan.tile), " bytes of shared memory; sm",
+                                                 plan.kernel_head_dim, " tile, which needs ", smem,
+                                                 " bytes of shared memory; sm",
                                                  dev.compute_capability_major, dev.compute_capability_minor,
                                                  " allows ", max_smem_per_block_));
   }
-  return absl::OkStatus();
+  return plan;
 }
 
 CudaBackend::Slot* CudaBackend::AcquireSlot() {
@@ -319,26 +325,18 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
   slot_freed_.notify_one();
 }
 
-absl::Status CudaBackend::LaunchKernels(const AttnParams& dev, Slot* slot) {
+absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP32) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();
   }
-  const cuda::LaunchPlan plan = cuda::PlanForward(dev, num_sms_);
-  if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
-  const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace"));
   ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream), "forward kernel");
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const PackedBatch& batch) {
-  // The members share dtype, head dims and options (CanShareLaunch), which is
-  // all CanImplement depends on beyond each member's own invariants.
-  for (const AttnParams* m : batch.members()) {
-    const absl::Status can = CanImplement(*m);
-    if (!can.ok()) return can;
-  }
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
+                                                                         const PackedBatch& batch) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   Slot* slot = AcquireSlot();
   // Until the Launch owns the slot, an error must hand it back with nothing
@@ -359,6 +357,15 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
       layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
   const AttnParams dev = Rebase(staged, slot->host.ptr(), slot->device.ptr());
+  // One member: its plan. Several: the members were checked and planned one
+  // by one and share everything but sizes (CanShareLaunch), so the packed
+  // params only need their own split and tile decision.
+  Plan launch_plan = plan;
+  if (batch.size() > 1 && staged.dtype != DType::kFP32) {
+    absl::StatusOr<Plan> packed_plan = PlanFor(staged);
+    if (!packed_plan.ok()) return fail(packed_plan.status());
+    launch_plan = *packed_plan;
+  }
 
   auto queue = [&]() -> absl::Status {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
@@ -366,8 +373,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
                                               cudaMemcpyHostToDevice, slot->stream),
                               "copy inputs to device");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
-    absl::Status kernels = LaunchKernels(dev, slot);
-    if (!kernels.ok()) return kernels;
+    RETURN_IF_ERROR(LaunchKernels(launch_plan, dev, slot));
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
     const int64_t out_bytes = layout.end - layout.o;
     ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr() + layout.o, slot->device.ptr() + layout.o,
@@ -381,10 +387,10 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
   return std::unique_ptr<PendingLaunch>(new Launch(this, slot, batch, layout, gather_us));
 }
 
-absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timings) {
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartForward(PackedBatch({&params}));
-  if (!launch.ok()) return launch.status();
-  return (*launch)->Finish(timings);
+absl::Status CudaBackend::Forward(const Plan& plan, const AttnParams& params,
+                                  BackendTimings* timings) {
+  ASSIGN_OR_RETURN(std::unique_ptr<PendingLaunch> launch, StartForward(plan, PackedBatch({&params})));
+  return launch->Finish(timings);
 }
 
 absl::StatusOr<int> CudaDeviceCount() {
@@ -399,9 +405,8 @@ absl::StatusOr<int> CudaDeviceCount() {
 }
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device) {
-  auto b = CudaBackend::Create(device);
-  if (!b.ok()) return b.status();
-  return std::unique_ptr<AttentionBackend>(std::move(*b));
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, CudaBackend::Create(device));
+  return std::unique_ptr<AttentionBackend>(std::move(b));
 }
 
 }  // namespace attnserve

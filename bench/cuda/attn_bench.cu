@@ -29,8 +29,9 @@
 #include <vector>
 
 #include "backend/cuda/attn_fwd.h"
-#include "backend/dtype.h"
+#include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {
@@ -50,6 +51,24 @@ struct Shape {
   int d, b, hq, hkv, sq, sk;
   bool causal;
 };
+
+// The params' sizes and options for a shape (dense, default scale).
+AttnShape BenchShape(const Shape& s) {
+  AttnShape shape;
+  shape.dtype = s.dtype;
+  shape.batch = s.b;
+  shape.num_heads_q = s.hq;
+  shape.num_heads_kv = s.hkv;
+  shape.head_dim = s.d;
+  shape.seqlen_q = s.sq;
+  shape.seqlen_k = s.sk;
+  return shape;
+}
+AttnOptions BenchOptions(const Shape& s) {
+  AttnOptions options;
+  options.causal = s.causal;
+  return options;
+}
 
 // Tracked device allocations (peak_mem_bytes of a version).
 struct Arena {
@@ -199,24 +218,13 @@ int g_decode_splits = 0;
 
 struct Ours : Impl {
   AttnParams p{};
-  cuda::LaunchPlan plan;
+  Plan plan;
   Arena arena;
   void* ws = nullptr;
   int num_sms = 0;
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
-    p.dtype = s.dtype;
-    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = nullptr;
-    p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
-    p.seqlen_q = s.sq; p.seqlen_k = s.sk;
-    p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
-    p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
-    p.softmax_scale = 1.f / std::sqrt(float(s.d));
-    p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    p.softcap = 0.f;
-    p.is_causal = s.causal;
-    p.window_left = kNoWindow;
-    p.window_right = s.causal ? 0 : kNoWindow;
+    p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
     plan = cuda::PlanForward(p, num_sms);
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
@@ -394,12 +402,7 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   if (!impl->Setup(s, dq, dk, dv, dout) || !impl->Run()) return false;
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
-  AttnParams p{};
-  p.dtype = s.dtype; p.q = hq.data(); p.k = hk.data(); p.v = hv.data();
-  p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
-  p.seqlen_q = s.sq; p.seqlen_k = s.sk; p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
-  p.softmax_scale = 1.f / std::sqrt(float(s.d)); p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.is_causal = s.causal; p.window_left = kNoWindow; p.window_right = s.causal ? 0 : kNoWindow;
+  const AttnParams p = MakeAttnParams(BenchShape(s), BenchOptions(s), {hq.data(), hk.data(), hv.data(), nullptr, nullptr});
   const ReferenceOutput ref = ReferenceAttention(p);
   double num = 0, den = 0;
   for (int64_t i = 0; i < nq; ++i) {

@@ -41,7 +41,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"

@@ -1,6 +1,6 @@
 // CopyInParallel gives the same bytes as memcpy whatever the chunking: copies
 // of odd sizes, empty ones, and lists below and above the parallel threshold.
-#include "backend/host_copy.h"
+#include "common/host_copy.h"
 
 #include <cstdint>
 #include <vector>

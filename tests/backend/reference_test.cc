@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "backend/reference/reference_attention.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "client/attention_client.h"
 #include "client/inputs.h"
 #include "gmock/gmock.h"

@@ -33,15 +33,15 @@ class LabelledBackend : public AttentionBackend {
   }
   const BackendDescription& Describe() const override { return description_; }
   // Items without tensors (the pool test's) are accepted and not computed.
-  absl::Status CanImplement(const AttnParams& p) const override {
-    return p.q == nullptr ? absl::OkStatus() : inner_->CanImplement(p);
+  absl::StatusOr<Plan> CanImplement(const AttnParams& p) const override {
+    return p.q == nullptr ? absl::StatusOr<Plan>(Plan()) : inner_->CanImplement(p);
   }
-  absl::Status Forward(const AttnParams& p, BackendTimings* t) override {
+  absl::Status Forward(const Plan& plan, const AttnParams& p, BackendTimings* t) override {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(&open_));
     }
-    return p.q == nullptr ? absl::OkStatus() : inner_->Forward(p, t);
+    return p.q == nullptr ? absl::OkStatus() : inner_->Forward(plan, p, t);
   }
   void SetOpen(bool open) {
     absl::MutexLock lock(&mu_);
