@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 
@@ -49,7 +50,7 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
     return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
                                             ", expected ", std::string(DTypeName(want_dtype)),
-                                            ShapeToString(want_o)));
+                                            ShapeString(want_o)));
   }
   if (!request.options().return_lse()) return absl::OkStatus();
   if (!result.lse) return absl::InternalError("return_lse was set but the response has no lse");
@@ -63,7 +64,7 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   }
   if (result.lse->shape() != want_lse || result.lse->dtype() != DType::kFP32) {
     return absl::InternalError(absl::StrCat("server returned lse ", result.lse->DebugString(),
-                                            ", expected FP32", ShapeToString(want_lse)));
+                                            ", expected FP32", ShapeString(want_lse)));
   }
   return absl::OkStatus();
 }
@@ -204,8 +205,7 @@ absl::StatusOr<ForwardResult> AttentionClient::CallUnaryTyped(Unary rpc,
   if (!response.ok()) return response.status();
   absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
   if (!result.ok()) return result.status();
-  const absl::Status shapes = CheckResultShapes(request, *result);
-  if (!shapes.ok()) return shapes;
+  RETURN_IF_ERROR(CheckResultShapes(request, *result));
   return result;
 }
 

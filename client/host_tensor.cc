@@ -48,19 +48,15 @@ absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape) {
     const int64_t d = shape[i];
     if (d < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), ": dimension ", i, " is negative"));
+          absl::StrCat("shape ", ShapeString(shape), ": dimension ", i, " is negative"));
     }
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), " has more elements than int64 holds"));
+          absl::StrCat("shape ", ShapeString(shape), " has more elements than int64 holds"));
     }
     n *= d;
   }
   return n;
-}
-
-std::string ShapeToString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64_t> shape,
@@ -68,7 +64,7 @@ absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return n.status();
   if (static_cast<int64_t>(values.size()) != *n) {
-    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " needs ", *n,
+    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeString(shape), " needs ", *n,
                                                    " values, got ", values.size()));
   }
   std::string bytes(static_cast<size_t>(*n * DTypeSize(dtype)), '\0');
@@ -83,7 +79,7 @@ absl::StatusOr<HostTensor> HostTensor::FromBytes(DType dtype, std::vector<int64_
   if (*n > std::numeric_limits<int64_t>::max() / DTypeSize(dtype) ||
       static_cast<int64_t>(bytes.size()) != *n * DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(DTypeName(dtype)),
-                                                   ShapeToString(shape), " needs ", *n, " * ",
+                                                   ShapeString(shape), " needs ", *n, " * ",
                                                    DTypeSize(dtype), " bytes, got ", bytes.size()));
   }
   return HostTensor(dtype, std::move(shape), *n, std::move(bytes));
@@ -131,7 +127,7 @@ HostTensor HostTensor::ConvertTo(DType dtype) const {
 }
 
 std::string HostTensor::DebugString() const {
-  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeToString(shape_));
+  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeString(shape_));
 }
 
 }  // namespace attnserve

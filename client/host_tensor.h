@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
+#include "common/shape_string.h"
 
 namespace attnserve {
 
@@ -28,8 +29,6 @@ v1::DType DTypeToProto(DType dtype);
 // or a product that does not fit in int64.
 absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape);
 
-// "[2, 128, 8, 64]".
-std::string ShapeToString(absl::Span<const int64_t> shape);
 
 class HostTensor {
  public:

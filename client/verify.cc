@@ -187,7 +187,7 @@ absl::StatusOr<VerifyReport> ForwardVerifier::Check(const ForwardResult& result)
   if (result.o.shape() != st.o_shape || result.o.dtype() != st.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("o is ", result.o.DebugString(), ", expected ",
                                                    std::string(DTypeName(st.dtype)),
-                                                   ShapeToString(st.o_shape)));
+                                                   ShapeString(st.o_shape)));
   }
   const ReferenceOutput* lowp = st.lowp ? &*st.lowp : nullptr;
   VerifyReport r;

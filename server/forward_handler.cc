@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/shape_string.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -121,8 +122,8 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
       LogLevelFor(status),
       "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
       "device={} batch={} queue_us={} compute_us={} total_us={}",
-      request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q(), ","),
-      ShapeString(request.k(), ","), ShapeString(request.v(), ","), v1::DType_Name(request.q().dtype()),
+      request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q().shape(), ","),
+      ShapeString(request.k().shape(), ","), ShapeString(request.v().shape(), ","), v1::DType_Name(request.q().dtype()),
       request.cu_seqlens_q_size() > 0 ? "varlen" : "dense", request.options().causal(),
       request.options().return_lse(), absl::StatusCodeToString(status.code()),
       status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),

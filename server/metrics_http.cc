@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 #include <httplib.h>
@@ -64,8 +65,7 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& host, int port, const ServerMetrics* metrics) {
   auto server = std::make_unique<MetricsHttpServerImpl>(metrics);
-  absl::Status bound = server->Bind(host, port);
-  if (!bound.ok()) return bound;
+  RETURN_IF_ERROR(server->Bind(host, port));
   return server;
 }
 

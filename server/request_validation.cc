@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "backend/make_params.h"
 #include "common/dtype.h"
+#include "common/shape_string.h"
 #include "common/status_macros.h"
 
 namespace attnserve {
@@ -56,7 +57,7 @@ absl::Status CheckDims(const char* name, const v1::Tensor& t) {
   for (int i = 0; i < t.shape_size(); ++i) {
     if (t.shape(i) < 0 || t.shape(i) > kMaxDim) {
       return Invalid(absl::StrCat(name, ".shape[", i, "]: expected 0 <= size <= ", kMaxDim,
-                                  ", got ", t.shape(i), " (shape ", ShapeString(t), ")"));
+                                  ", got ", t.shape(i), " (shape ", ShapeString(t.shape()), ")"));
     }
   }
   return absl::OkStatus();
@@ -68,13 +69,13 @@ absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
   const int64_t actual = static_cast<int64_t>(t.data().size());
   if (elements > kSaturated / elem_size) {
     return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t), "), got ", actual,
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), "), got ", actual,
                                 " bytes"));
   }
   const int64_t expected = elements * elem_size;
   if (actual != expected) {
     return Invalid(absl::StrCat(name, ".data: expected ", expected, " bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t), " = ", elements,
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), " = ", elements,
                                 " elements x ", elem_size, " bytes), got ", actual, " bytes"));
   }
   return absl::OkStatus();
@@ -107,17 +108,17 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
   if (rank != 4 && rank != 3) {
     return Invalid(absl::StrCat(
         "q.shape: expected rank 4 (dense [B, Sq, Hq, D]) or 3 (varlen [Tq, Hq, D]), got rank ",
-        rank, " ", ShapeString(q)));
+        rank, " ", ShapeString(q.shape())));
   }
   const bool dense = rank == 4;
   const char* kv_layout = dense ? "[B, Sk, Hkv, D]" : "[Tk, Hkv, D]";
   if (k.shape_size() != rank) {
     return Invalid(absl::StrCat("k.shape: expected rank ", rank, " like q (", kv_layout,
-                                "), got rank ", k.shape_size(), " ", ShapeString(k)));
+                                "), got rank ", k.shape_size(), " ", ShapeString(k.shape())));
   }
   if (v.shape_size() != rank) {
     return Invalid(absl::StrCat("v.shape: expected rank ", rank, " like q (", kv_layout,
-                                "), got rank ", v.shape_size(), " ", ShapeString(v)));
+                                "), got rank ", v.shape_size(), " ", ShapeString(v.shape())));
   }
   RETURN_IF_ERROR(CheckDims("q", q));
   RETURN_IF_ERROR(CheckDims("k", k));
@@ -128,8 +129,8 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
 
   for (int i = 0; i < rank; ++i) {
     if (v.shape(i) != k.shape(i)) {
-      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k), " (the shape of k), got ",
-                                  ShapeString(v)));
+      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k.shape()), " (the shape of k), got ",
+                                  ShapeString(v.shape())));
     }
   }
   const int h_axis = rank - 2;
@@ -235,10 +236,6 @@ absl::Status CheckOptions(const v1::AttentionOptions& o) {
 }
 
 }  // namespace
-
-std::string ShapeString(const v1::Tensor& t, absl::string_view separator) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), separator), "]");
-}
 
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
                                     const RequestLimits& limits) {

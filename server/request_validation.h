@@ -8,7 +8,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
 
@@ -25,10 +24,6 @@ struct RequestLimits {
 inline constexpr int kMinHeadDim = 8;
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
-
-// "[2, 128, 8, 64]": a tensor's shape in error messages. The log line passes
-// "," so each field stays one whitespace-free token ("q=[2,128,8,64]").
-std::string ShapeString(const v1::Tensor& t, absl::string_view separator = ", ");
 
 // OK, INVALID_ARGUMENT for a request that breaks the contract, or
 // RESOURCE_EXHAUSTED for one over `limits`.

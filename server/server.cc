@@ -127,8 +127,7 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
     result = status;
     done.Notify();
   };
-  absl::Status admitted = executor->Submit(std::move(item));
-  if (!admitted.ok()) return admitted;
+  RETURN_IF_ERROR(executor->Submit(std::move(item)));
   done.WaitForNotification();
   if (absl::IsUnimplemented(result)) {
     spdlog::warn("backend warm-up{} skipped: {}", where, std::string(result.message()));

@@ -186,7 +186,9 @@ TEST(ExecutorPoolTest, SendsWorkToTheLeastLoadedDevice) {
   }
   ASSERT_TRUE(long_device == 3 || long_device == 7) << long_device;
   for (auto [tag, device] : done) {
-    if (tag != 0) EXPECT_NE(device, long_device) << "request " << tag;
+    if (tag != 0) {
+      EXPECT_NE(device, long_device) << "request " << tag;
+    }
   }
 }
 
