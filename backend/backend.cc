@@ -70,14 +70,18 @@ absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
 // The paged path's defaults: a backend without one says so. (The packing
 // default of StartPagedForward lands with PagedBatch's implementation.)
 absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
 void AttentionBackend::FreeKvMemory(void*) {}
 absl::Status AttentionBackend::PagedForward(const PagedAttnParams&, BackendTimings*) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
-absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(const PagedBatch&) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(
+    const PagedBatch&) {
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
 
 }  // namespace attnserve

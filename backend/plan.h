@@ -25,8 +25,8 @@ struct Plan {
   // True when the call has a causal and/or sliding-window band: the kernel
   // then skips key tiles outside it and masks the boundary tiles.
   bool banded = false;
-  int32_t num_splits = 1;  // split-KV: partial (O, LSE) per split, then a combine
-  int32_t pack_gqa = 1;    // query heads of one KV head packed into M (1 = off)
+  int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
+  int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // fp32 partials when num_splits > 1
 };
 

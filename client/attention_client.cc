@@ -1,4 +1,5 @@
-// AttentionClient: channel construction, per-call contexts and the typed Forward (and Echo) built on the raw one.
+// AttentionClient: channel construction, per-call contexts and the typed Forward (and Echo) built
+// on the raw one.
 #include "client/attention_client.h"
 
 #include <grpcpp/create_channel.h>
@@ -93,22 +94,18 @@ absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& respo
   }
   const v1::ServerTiming& t = response.timing();
   // A server without batching leaves batch_size 0: it ran alone.
-  result.timing = {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-                   t.total_us(), std::max(1, t.batch_size())};
+  result.timing = {t.queue_us(),          t.host_to_device_us(), t.compute_us(),
+                   t.device_to_host_us(), t.total_us(),          std::max(1, t.batch_size())};
   result.backend = response.backend();
   return result;
 }
 
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kServing:
-      return "SERVING";
-    case HealthStatus::kNotServing:
-      return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown:
-      return "SERVICE_UNKNOWN";
-    case HealthStatus::kUnknown:
-      break;
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown: break;
   }
   return "UNKNOWN";
 }
@@ -291,14 +288,10 @@ absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& ser
   if (!status.ok()) return ToAbslStatus(status);
   using Proto = grpc::health::v1::HealthCheckResponse;
   switch (response.status()) {
-    case Proto::SERVING:
-      return HealthStatus::kServing;
-    case Proto::NOT_SERVING:
-      return HealthStatus::kNotServing;
-    case Proto::SERVICE_UNKNOWN:
-      return HealthStatus::kServiceUnknown;
-    default:
-      break;
+    case Proto::SERVING: return HealthStatus::kServing;
+    case Proto::NOT_SERVING: return HealthStatus::kNotServing;
+    case Proto::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
+    default: break;
   }
   return HealthStatus::kUnknown;
 }

@@ -25,14 +25,10 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
   switch (dtype) {
-    case v1::FP16:
-      return DType::kFP16;
-    case v1::BF16:
-      return DType::kBF16;
-    case v1::FP32:
-      return DType::kFP32;
-    default:
-      break;
+    case v1::FP16: return DType::kFP16;
+    case v1::BF16: return DType::kBF16;
+    case v1::FP32: return DType::kFP32;
+    default: break;
   }
   return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16 or FP32, got ",
                                                  v1::DType_Name(dtype).empty()
@@ -64,8 +60,8 @@ absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return n.status();
   if (static_cast<int64_t>(values.size()) != *n) {
-    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeString(shape), " needs ", *n,
-                                                   " values, got ", values.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape ", ShapeString(shape), " needs ", *n, " values, got ", values.size()));
   }
   std::string bytes(static_cast<size_t>(*n * DTypeSize(dtype)), '\0');
   for (int64_t i = 0; i < *n; ++i) StoreFromFloat(bytes.data(), dtype, i, values[i]);

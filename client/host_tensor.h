@@ -29,7 +29,6 @@ v1::DType DTypeToProto(DType dtype);
 // or a product that does not fit in int64.
 absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape);
 
-
 class HostTensor {
  public:
   // An FP32 tensor of shape [0]: what an absent optional output looks like.

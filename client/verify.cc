@@ -10,11 +10,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
 #include "client/inputs.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {
@@ -194,9 +194,8 @@ absl::StatusOr<VerifyReport> ForwardVerifier::Check(const ForwardResult& result)
   CheckO(st.params, st.ref, lowp, result.o.ToFloats(), &r);
   if (result.lse) {
     if (result.lse->num_elements() != static_cast<int64_t>(st.ref.lse.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("lse is ", result.lse->DebugString(),
-                                                     ", expected ", st.ref.lse.size(),
-                                                     " elements"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lse is ", result.lse->DebugString(), ", expected ", st.ref.lse.size(), " elements"));
     }
     CheckLse(st.ref, lowp, result.lse->ToFloats(), &r);
   }

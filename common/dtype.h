@@ -57,9 +57,9 @@ inline uint16_t FloatToFp16(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;         // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;        // rounds to inf (>= 65520)
-  if (abs < 0x38800000u) {                              // below 2^-14: subnormal or zero
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf (>= 65520)
+  if (abs < 0x38800000u) {                        // below 2^-14: subnormal or zero
     // Adding 0.5 (as fp32) aligns the binary point so the FPU rounds to the
     // fp16 subnormal grid (2^-24) with round-to-nearest-even for us.
     const float r = BitsFloat(abs) + 0.5f;

@@ -1,8 +1,8 @@
 // Serial and parallel host copies; see host_copy.h.
 #include "common/host_copy.h"
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace attnserve {

@@ -8,10 +8,10 @@
 #define ATTN_CONCAT_(a, b) ATTN_CONCAT_INNER_(a, b)
 
 // Returns the status of `expr` from the enclosing function if it is not OK.
-#define RETURN_IF_ERROR(expr)                         \
-  do {                                                \
-    ::absl::Status attn_status_ = (expr);             \
-    if (!attn_status_.ok()) return attn_status_;      \
+#define RETURN_IF_ERROR(expr)                    \
+  do {                                           \
+    ::absl::Status attn_status_ = (expr);        \
+    if (!attn_status_.ok()) return attn_status_; \
   } while (false)
 
 // `lhs = value of expr`, or returns its status from the enclosing function.

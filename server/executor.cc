@@ -315,9 +315,10 @@ void Executor::CompleterLoop() {
       q.timings.device_to_host_us = bt.device_to_host_us;
       // A backend that does not time itself still gets the wall time of its
       // launch reported as compute.
-      q.timings.compute_us = bt.compute_us > 0 ? bt.compute_us
-                                               : std::max<int64_t>(0, wall_us - bt.host_to_device_us -
-                                                                          bt.device_to_host_us);
+      q.timings.compute_us =
+          bt.compute_us > 0
+              ? bt.compute_us
+              : std::max<int64_t>(0, wall_us - bt.host_to_device_us - bt.device_to_host_us);
       q.timings.batch_size = static_cast<int>(done.members.size());
       Complete(q, status);
     }

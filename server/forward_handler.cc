@@ -17,10 +17,8 @@ spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
   switch (status.code()) {
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kDataLoss:
-      return spdlog::level::err;
-    default:
-      return spdlog::level::info;
+    case absl::StatusCode::kDataLoss: return spdlog::level::err;
+    default: return spdlog::level::info;
   }
 }
 
@@ -49,9 +47,9 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse*
     response->clear_lse();
     params->o = nullptr;
     params->lse = nullptr;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "o: cannot allocate ", q.data().size(), " bytes of host memory for the output",
-        request.options().return_lse() ? " and lse" : ""));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("o: cannot allocate ", q.data().size(), " bytes of host memory for the output",
+                     request.options().return_lse() ? " and lse" : ""));
   }
   return absl::OkStatus();
 }
@@ -113,8 +111,8 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
   t->set_batch_size(timings.batch_size);
   t->set_device(timings.device);
   if (metrics_ != nullptr) {
-    metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
-                            timings.compute_us, timings.device_to_host_us, timings.total_us);
+    metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us, timings.compute_us,
+                            timings.device_to_host_us, timings.total_us);
   }
 
   // Shapes, dtype and outcome only: tensor bytes never reach the log.
@@ -123,9 +121,10 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
       "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
       "device={} batch={} queue_us={} compute_us={} total_us={}",
       request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q().shape(), ","),
-      ShapeString(request.k().shape(), ","), ShapeString(request.v().shape(), ","), v1::DType_Name(request.q().dtype()),
-      request.cu_seqlens_q_size() > 0 ? "varlen" : "dense", request.options().causal(),
-      request.options().return_lse(), absl::StatusCodeToString(status.code()),
+      ShapeString(request.k().shape(), ","), ShapeString(request.v().shape(), ","),
+      v1::DType_Name(request.q().dtype()), request.cu_seqlens_q_size() > 0 ? "varlen" : "dense",
+      request.options().causal(), request.options().return_lse(),
+      absl::StatusCodeToString(status.code()),
       status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),
       timings.device, timings.batch_size, timings.queue_us, timings.compute_us, timings.total_us);
   done(status);

@@ -71,11 +71,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
 
 #else  // !ATTNSERVE_HAVE_HTTPLIB
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, const ServerMetrics*) {
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& host,
+                                                                            int port,
+                                                                            const ServerMetrics*) {
   return absl::UnimplementedError(
-      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":",
-                   port, "/metrics is not served"));
+      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":", port,
+                   "/metrics is not served"));
 }
 
 #endif  // ATTNSERVE_HAVE_HTTPLIB

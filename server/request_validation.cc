@@ -69,14 +69,15 @@ absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
   const int64_t actual = static_cast<int64_t>(t.data().size());
   if (elements > kSaturated / elem_size) {
     return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), "), got ", actual,
-                                " bytes"));
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), "), got ",
+                                actual, " bytes"));
   }
   const int64_t expected = elements * elem_size;
   if (actual != expected) {
     return Invalid(absl::StrCat(name, ".data: expected ", expected, " bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), " = ", elements,
-                                " elements x ", elem_size, " bytes), got ", actual, " bytes"));
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), " = ",
+                                elements, " elements x ", elem_size, " bytes), got ", actual,
+                                " bytes"));
   }
   return absl::OkStatus();
 }
@@ -129,8 +130,8 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
 
   for (int i = 0; i < rank; ++i) {
     if (v.shape(i) != k.shape(i)) {
-      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k.shape()), " (the shape of k), got ",
-                                  ShapeString(v.shape())));
+      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k.shape()),
+                                  " (the shape of k), got ", ShapeString(v.shape())));
     }
   }
   const int h_axis = rank - 2;

@@ -73,10 +73,9 @@ absl::Status CheckOptions(const ServerOptions& o) {
         absl::StrCat("metrics_port: expected 0..65535, got ", o.metrics_port));
   }
   if (o.batching && (o.batch_max_tokens <= 0 || o.batch_max_delay < absl::ZeroDuration())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batch_max_tokens: expected > 0 (got ", o.batch_max_tokens,
-                     ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay),
-                     ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch_max_tokens: expected > 0 (got ", o.batch_max_tokens,
+        ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay), ")"));
   }
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
@@ -236,9 +235,7 @@ class AttnServerImpl final : public AttnServer {
 
   int queued_requests() const override { return executors_.queued(); }
 
-  int metrics_port() const override {
-    return metrics_http_port_.load(std::memory_order_acquire);
-  }
+  int metrics_port() const override { return metrics_http_port_.load(std::memory_order_acquire); }
 
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
@@ -315,7 +312,8 @@ class AttnServerImpl final : public AttnServer {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetDevices(description_.devices);
     if (description_.devices.empty()) return;
-    absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor = NvmlMonitor::Create(description_.devices);
+    absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor =
+        NvmlMonitor::Create(description_.devices);
     if (monitor.ok()) {
       metrics_.SetDeviceUsageSource(
           [mon = std::shared_ptr<NvmlMonitor>(*std::move(monitor))] { return mon->Read(); });
@@ -354,7 +352,8 @@ class AttnServerImpl final : public AttnServer {
   void LogListening() {
     const BackendDescription& d = description_;
     std::vector<std::string> devices;
-    for (const DeviceDescription& dev : d.devices) devices.push_back(absl::StrCat(dev.index, ":", dev.name));
+    for (const DeviceDescription& dev : d.devices)
+      devices.push_back(absl::StrCat(dev.index, ":", dev.name));
     spdlog::info("attnserve {} listening on {}:{} backend={} devices=[{}] cpu_threads={}",
                  ATTNSERVE_VERSION, options_.host, port(), d.name,
                  d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),

@@ -23,8 +23,9 @@ namespace {
 // 100 us at B=1 decode).
 constexpr int kCombineThreads = 256;
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const AttnParams p, int num_splits,
-                                                                      const float* o_accum, const float* lse_accum) {
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineSplitsKernel(const AttnParams p, int num_splits, const float* o_accum,
+                        const float* lse_accum) {
   __shared__ float weight[128];
   __shared__ float4 part[kCombineThreads];
   __shared__ float lse_row;
@@ -61,7 +62,8 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const Att
     for (int s = g; s < num_splits; s += groups) {
       const float w = weight[s];
       if (w == 0.f) continue;
-      const float4 x = *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
+      const float4 x =
+          *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
       acc.x += w * x.x;
       acc.y += w * x.y;
       acc.z += w * x.z;
@@ -156,12 +158,14 @@ __global__ void __launch_bounds__(128) AttnFwdFp32Kernel(const AttnParams p) {
     const int d = lane + 32 * e;
     if (d < p.head_dim) out[d] = o[e] * inv;
   }
-  if (lane == 0 && p.lse != nullptr) p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
 }
 
 }  // namespace
 
-cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace, cudaStream_t stream) {
+cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
+                          cudaStream_t stream) {
   if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
   FwdLaunch l;
   l.p = dev;
@@ -188,9 +192,11 @@ cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspa
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   const unsigned blocks = static_cast<unsigned>(int64_t{dev.num_heads_q} * dev.total_q);
   if (dev.dtype == DType::kFP16) {
-    CombineSplitsKernel<__half><<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+    CombineSplitsKernel<__half>
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
   } else {
-    CombineSplitsKernel<__nv_bfloat16><<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+    CombineSplitsKernel<__nv_bfloat16>
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
   }
   return cudaGetLastError();
 }

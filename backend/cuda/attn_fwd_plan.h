@@ -46,7 +46,7 @@ struct TileConfig {
   int regs;  // registers per thread the split planner assumes (ptxas -v; 255 = at the cap)
 };
 constexpr TileConfig kTileTable[] = {
-    {64, 128, 64, 4, 2, 255}, {96, 128, 64, 4, 1, 255}, {128, 128, 64, 4, 1, 255},
+    {64, 128, 64, 4, 2, 255},  {96, 128, 64, 4, 1, 255},  {128, 128, 64, 4, 1, 255},
     {192, 128, 64, 8, 1, 255}, {256, 128, 64, 8, 1, 255},
 };
 // Decode tile (used when the whole M extent, seqlen_q x packed GQA heads, is
@@ -59,7 +59,9 @@ constexpr TileConfig kTileTable[] = {
 // trip per tile), smem (16 + 4 x 64) x (D + 8) x 2 = 74 KB at D=128: 3 CTAs per
 // SM, 105 KB in flight per SM. Head dims 192/256 (143+ KB) keep the prefill tile.
 constexpr TileConfig kDecodeTileTable[] = {
-    {64, 16, 64, 4, 2, 168}, {96, 16, 64, 4, 2, 168}, {128, 16, 64, 4, 2, 168},
+    {64, 16, 64, 4, 2, 168},
+    {96, 16, 64, 4, 2, 168},
+    {128, 16, 64, 4, 2, 168},
 };
 // Banded (causal / sliding-window) instantiations that use a different tile.
 //  - 128: 128x32, 2 stages (same 70 KB smem as 128x64 x 1 stage): S = 32

@@ -24,8 +24,8 @@
 
 #include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
-#include "common/thread_pool.h"
 #include "common/dtype.h"
+#include "common/thread_pool.h"
 #include "tests/common/attn_test_util.h"
 
 // ---------------------------------------------------------------------------

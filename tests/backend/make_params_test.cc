@@ -27,7 +27,8 @@ AttnShape Dense(int b, int sq, int sk, int hq, int hkv, int d) {
 TEST(MakeAttnParamsTest, DenseSizesAndDefaults) {
   int q = 0, k = 0, v = 0, o = 0;
   float lse = 0;
-  const AttnParams p = MakeAttnParams(Dense(3, 5, 7, 8, 2, 64), AttnOptions(), {&q, &k, &v, &o, &lse});
+  const AttnParams p =
+      MakeAttnParams(Dense(3, 5, 7, 8, 2, 64), AttnOptions(), {&q, &k, &v, &o, &lse});
   EXPECT_EQ(p.dtype, DType::kBF16);
   EXPECT_EQ(p.batch, 3);
   EXPECT_EQ(p.num_heads_q, 8);

@@ -2,8 +2,6 @@
 // launch gives: dense and varlen members, a zero-length sequence, LSE in both
 // layouts; a single member keeps its layout; only matching options share a
 // launch.
-#include "backend/ragged_batch.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -13,6 +11,7 @@
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
 #include "backend/make_params.h"
+#include "backend/ragged_batch.h"
 #include "gtest/gtest.h"
 
 namespace attnserve {

@@ -3,10 +3,9 @@
 // which tile (prefill, decode, banded), GQA packing, split-KV counts (the
 // worked examples of attn_fwd_plan.cc on an H100's 132 SMs) and the
 // workspace. Plain C++: runs in every build, GPU or not.
-#include "backend/cuda/attn_fwd_plan.h"
-
 #include <cstdint>
 
+#include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/generated/kernel_set.h"
 #include "backend/make_params.h"
 #include "gtest/gtest.h"
@@ -38,9 +37,8 @@ TEST(PlanForwardTest, HeadDimIsServedByTheSmallestCompiledKernelAtOrAboveIt) {
     int all_set;  // kernel head dim with every kernel compiled
     int dev_set;  // with ATTNSERVE_CUDA_KERNELS=dev (128 only); 0: none
   };
-  const Row rows[] = {{8, 64, 128},    {64, 64, 128},  {72, 96, 128}, {96, 96, 128},
-                      {104, 128, 128}, {128, 128, 128}, {136, 192, 0}, {192, 192, 0},
-                      {200, 256, 0},   {256, 256, 0}};
+  const Row rows[] = {{8, 64, 128},    {64, 64, 128}, {72, 96, 128}, {96, 96, 128}, {104, 128, 128},
+                      {128, 128, 128}, {136, 192, 0}, {192, 192, 0}, {200, 256, 0}, {256, 256, 0}};
   for (const Row& r : rows) {
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
     const int want = r.dev_set;

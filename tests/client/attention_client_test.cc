@@ -8,9 +8,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
 #include "client/inputs.h"
 #include "client/verify.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/loopback_server.h"

@@ -223,15 +223,9 @@ double OutputFloor(DType t) { return tolerance::OutputFloor(t); }
 std::string TestCase::Name() const {
   std::string s;
   switch (dtype) {
-    case DType::kFP16:
-      s = "fp16";
-      break;
-    case DType::kBF16:
-      s = "bf16";
-      break;
-    case DType::kFP32:
-      s = "fp32";
-      break;
+    case DType::kFP16: s = "fp16"; break;
+    case DType::kBF16: s = "bf16"; break;
+    case DType::kFP32: s = "fp32"; break;
   }
   if (varlen()) {
     s += "_varlen_q" + JoinInts(seqlens_q) + "_k" + JoinInts(seqlens_k);

@@ -5,6 +5,8 @@
 // (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
 // fresh random numbers per case, outputs NaN-poisoned before every run.
 // Without a GPU each test calls GTEST_SKIP with the reason.
+#include "backend/cuda/cuda_backend.h"
+
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -14,7 +16,6 @@
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
 #include "backend/cuda/attn_fwd_plan.h"
-#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/generated/kernel_set.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
@@ -71,7 +72,8 @@ class CudaTest : public ::testing::TestWithParam<TestCase> {
     const absl::StatusOr<Plan> plan = backend_->CanImplement(buf.params());
     // Only the refusals CanImplement documents are skips; any other
     // UNIMPLEMENTED is a regression and fails here.
-    if (plan.status().code() == absl::StatusCode::kUnimplemented && DocumentedRefusal(buf.params())) {
+    if (plan.status().code() == absl::StatusCode::kUnimplemented &&
+        DocumentedRefusal(buf.params())) {
       GTEST_SKIP() << plan.status().message();
     }
     ASSERT_TRUE(plan.ok()) << plan.status();
@@ -94,7 +96,8 @@ std::string CaseName(const ::testing::TestParamInfo<TestCase>& info) {
 
 TEST_P(CudaTest, MatchesReference) { RunAndCheck(GetParam()); }
 
-INSTANTIATE_TEST_SUITE_P(Standard, CudaTest, ::testing::ValuesIn(testing_util::StandardGrid()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Standard, CudaTest, ::testing::ValuesIn(testing_util::StandardGrid()),
+                         CaseName);
 
 TestCase Make(DType t, int b, int sq, int sk, int hq, int hkv, int d, bool causal) {
   TestCase tc;
@@ -126,7 +129,8 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaTest, ::testing::ValuesIn(HeadDimGrid()),
 std::vector<TestCase> ShapeGrid() {
   std::vector<TestCase> g;
   for (DType t : {DType::kFP16, DType::kBF16}) {
-    for (int s : {63, 64, 65, 127, 128, 129, 255, 257}) g.push_back(Make(t, 1, s, s, 2, 1, 128, s % 2 == 1));
+    for (int s : {63, 64, 65, 127, 128, 129, 255, 257})
+      g.push_back(Make(t, 1, s, s, 2, 1, 128, s % 2 == 1));
     g.push_back(Make(t, 1, 2048, 2048, 2, 2, 128, true));
     g.push_back(Make(t, 1, 1500, 1500, 2, 1, 64, false));
     g.push_back(Make(t, 1, 700, 900, 2, 2, 256, true));
@@ -135,7 +139,7 @@ std::vector<TestCase> ShapeGrid() {
     g.push_back(Make(t, 3, 1, 4097, 32, 8, 128, true));
     g.push_back(Make(t, 2, 4, 3000, 16, 2, 128, true));  // speculative decode, causal
     g.push_back(Make(t, 1, 16, 5000, 8, 8, 64, false));  // Sq 16, no GQA: split only
-    g.push_back(Make(t, 1, 1, 6000, 4, 1, 256, false));   // MQA decode, D 256
+    g.push_back(Make(t, 1, 1, 6000, 4, 1, 256, false));  // MQA decode, D 256
     {
       TestCase tc = Make(t, 2, 1, 6000, 16, 4, 128, false);
       tc.window_left = 700;  // most splits see no key at all

@@ -20,9 +20,9 @@ namespace attnserve {
 namespace {
 
 struct Outcome {
-  int launches = 0;  // backend calls for the requests (warm-up excluded)
-  std::vector<int> batch_sizes;                  // of the successful requests
-  std::vector<absl::StatusCode> codes;           // of every request
+  int launches = 0;                     // backend calls for the requests (warm-up excluded)
+  std::vector<int> batch_sizes;         // of the successful requests
+  std::vector<absl::StatusCode> codes;  // of every request
 };
 
 // Sends `n` compatible requests of different lengths at once while the

@@ -204,7 +204,8 @@ TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
   // A launch's worth is a couple of these requests (24..54 rows each), so
   // with both devices held the queue spills over to the second.
   options.batch_max_tokens = 64;
-  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options, std::move(backends));
+  absl::StatusOr<std::unique_ptr<AttnServer>> server =
+      AttnServer::Create(options, std::move(backends));
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->Start().ok());
   auto client = AttentionClient::Create(absl::StrCat("127.0.0.1:", (*server)->port()));

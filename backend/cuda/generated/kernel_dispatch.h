@@ -14,22 +14,15 @@ template <typename T, bool kIsBanded>
 cudaError_t RunForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
-    case 128:
-      return RunAttnFwd<128, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnFwd<128, T, kIsBanded>(launch, stream);
 #else
-    case 64:
-      return RunAttnFwd<64, T, kIsBanded>(launch, stream);
-    case 96:
-      return RunAttnFwd<96, T, kIsBanded>(launch, stream);
-    case 128:
-      return RunAttnFwd<128, T, kIsBanded>(launch, stream);
-    case 192:
-      return RunAttnFwd<192, T, kIsBanded>(launch, stream);
-    case 256:
-      return RunAttnFwd<256, T, kIsBanded>(launch, stream);
+    case 64: return RunAttnFwd<64, T, kIsBanded>(launch, stream);
+    case 96: return RunAttnFwd<96, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnFwd<128, T, kIsBanded>(launch, stream);
+    case 192: return RunAttnFwd<192, T, kIsBanded>(launch, stream);
+    case 256: return RunAttnFwd<256, T, kIsBanded>(launch, stream);
 #endif
-    default:
-      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
   }
 }
 
