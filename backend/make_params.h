@@ -28,6 +28,20 @@ struct AttnShape {
   const int32_t* cu_seqlens_k = nullptr;
 };
 
+// A dense shape: `batch` sequences of seqlen_q queries and seqlen_k keys.
+inline AttnShape DenseShape(DType dtype, int32_t batch, int32_t seqlen_q, int32_t seqlen_k,
+                            int32_t num_heads_q, int32_t num_heads_kv, int32_t head_dim) {
+  AttnShape s;
+  s.dtype = dtype;
+  s.batch = batch;
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.num_heads_q = num_heads_q;
+  s.num_heads_kv = num_heads_kv;
+  s.head_dim = head_dim;
+  return s;
+}
+
 // The call's options as the wire has them (attnserve.v1.AttentionOptions
 // without return_lse, which is a question of outputs: set pointers.lse).
 struct AttnOptions {

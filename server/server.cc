@@ -101,14 +101,7 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   std::vector<uint8_t> inputs(3 * kRows * dim * DTypeSize(dtype), 0);
   std::vector<uint8_t> o(kRows * dim * DTypeSize(dtype));
   std::vector<float> lse(kRows);
-  AttnShape shape;
-  shape.dtype = dtype;
-  shape.batch = 1;
-  shape.num_heads_q = 1;
-  shape.num_heads_kv = 1;
-  shape.head_dim = dim;
-  shape.seqlen_q = kRows;
-  shape.seqlen_k = kRows;
+  const AttnShape shape = DenseShape(dtype, 1, kRows, kRows, 1, 1, dim);
   AttnPointers pointers;
   pointers.q = inputs.data();
   pointers.k = inputs.data() + kRows * dim * DTypeSize(dtype);

@@ -55,15 +55,7 @@ struct Shape {
 
 // The params' sizes and options for a shape (dense, default scale).
 AttnShape BenchShape(const Shape& s) {
-  AttnShape shape;
-  shape.dtype = s.dtype;
-  shape.batch = s.b;
-  shape.num_heads_q = s.hq;
-  shape.num_heads_kv = s.hkv;
-  shape.head_dim = s.d;
-  shape.seqlen_q = s.sq;
-  shape.seqlen_k = s.sk;
-  return shape;
+  return DenseShape(s.dtype, s.b, s.sq, s.sk, s.hq, s.hkv, s.d);
 }
 AttnOptions BenchOptions(const Shape& s) {
   AttnOptions options;

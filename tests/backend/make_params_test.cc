@@ -13,15 +13,7 @@ namespace attnserve {
 namespace {
 
 AttnShape Dense(int b, int sq, int sk, int hq, int hkv, int d) {
-  AttnShape s;
-  s.dtype = DType::kBF16;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.num_heads_q = hq;
-  s.num_heads_kv = hkv;
-  s.head_dim = d;
-  return s;
+  return DenseShape(DType::kBF16, b, sq, sk, hq, hkv, d);
 }
 
 TEST(MakeAttnParamsTest, DenseSizesAndDefaults) {

@@ -18,17 +18,9 @@ using cuda::PlanForward;
 constexpr int kH100Sms = 132;
 
 AttnParams Dense(int b, int sq, int sk, int hq, int hkv, int d, bool causal = false) {
-  AttnShape s;
-  s.dtype = DType::kBF16;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.num_heads_q = hq;
-  s.num_heads_kv = hkv;
-  s.head_dim = d;
   AttnOptions o;
   o.causal = causal;
-  return MakeAttnParams(s, o, AttnPointers());
+  return MakeAttnParams(DenseShape(DType::kBF16, b, sq, sk, hq, hkv, d), o, AttnPointers());
 }
 
 TEST(PlanForwardTest, HeadDimIsServedByTheSmallestCompiledKernelAtOrAboveIt) {
