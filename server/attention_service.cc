@@ -10,8 +10,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
 #include "server/request_validation.h"
-#include "server/status_mapping.h"
 #include "server/stream_reactor.h"
 #include "spdlog/spdlog.h"
 
@@ -145,8 +145,7 @@ grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionServi
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request,
-                         response);
+  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request, response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

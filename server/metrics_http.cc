@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 #include "server/http_listener.h"
@@ -49,18 +50,18 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& host, int port, const ServerMetrics* metrics) {
   auto server = std::make_unique<MetricsHttpServerImpl>(metrics);
-  absl::Status bound = server->Bind(host, port);
-  if (!bound.ok()) return bound;
+  RETURN_IF_ERROR(server->Bind(host, port));
   return server;
 }
 
 #else  // !ATTNSERVE_HAVE_HTTPLIB
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, const ServerMetrics*) {
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& host,
+                                                                            int port,
+                                                                            const ServerMetrics*) {
   return absl::UnimplementedError(
-      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":",
-                   port, "/metrics is not served"));
+      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":", port,
+                   "/metrics is not served"));
 }
 
 #endif  // ATTNSERVE_HAVE_HTTPLIB

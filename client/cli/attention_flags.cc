@@ -123,7 +123,7 @@ absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags() {
   return std::optional<VarlenLengths>(VarlenLengths{*std::move(lq), *std::move(lk)});
 }
 
-absl::Status OptionsFromFlags(AttentionOptions* o) {
+absl::Status OptionsFromFlags(ForwardOptions* o) {
   o->causal = absl::GetFlag(FLAGS_causal);
   o->window_left = absl::GetFlag(FLAGS_window_left);
   o->window_right = absl::GetFlag(FLAGS_window_right);
@@ -150,7 +150,7 @@ absl::Status OptionsFromFlags(AttentionOptions* o) {
   return absl::OkStatus();
 }
 
-std::string OptionsString(const AttentionOptions& o) {
+std::string OptionsString(const ForwardOptions& o) {
   std::vector<std::string> parts;
   if (o.causal) parts.push_back("causal");
   if (o.window_left) parts.push_back(absl::StrCat("window_left=", *o.window_left));

@@ -166,7 +166,7 @@ int RunForward(const std::vector<std::string>& args) {
   const int64_t client_us = absl::ToInt64Microseconds(absl::Now() - start);
   if (!result.ok()) return PrintError("Forward failed", result.status());
 
-  const ServerTiming& t = result->timing;
+  const ForwardTiming& t = result->timing;
   std::cout << "backend:  " << result->backend << "\n"
             << "latency:  client " << Ms(client_us) << " ms; server total " << Ms(t.total_us)
             << " ms (queue " << Ms(t.queue_us) << ", host_to_device " << Ms(t.host_to_device_us)

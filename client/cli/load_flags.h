@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace cli {

@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "nlohmann/json.hpp"
 
 namespace attnserve {

@@ -14,7 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "server/kserve/v2_tensors.h"
 
 namespace attnserve {

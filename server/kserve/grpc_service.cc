@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "server/kserve/tenant.h"
-#include "server/status_mapping.h"
+#include "common/grpc_status.h"
 #include "server/stream_reactor.h"
 
 namespace attnserve {

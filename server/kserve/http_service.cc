@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "server/kserve/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB

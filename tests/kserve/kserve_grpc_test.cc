@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
