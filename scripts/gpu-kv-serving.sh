@@ -14,7 +14,7 @@
 # the table is printed last.
 # Usage: scripts/gpu-kv-serving.sh [TOKENS]   (generated tokens per sequence, default 16)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-kv-out}
 mkdir -p "$OUT"
@@ -41,8 +41,12 @@ ctl=("$bin/attnctl" --target="127.0.0.1:$port" --timeout=600s)
 shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --page_size=64)
 
 # Correctness first: a short decode loop with every output checked.
-"${ctl[@]}" load-kv --sequences=4 --prompt=300 --tokens=4 --layers=2 "${shape[@]}" --check \
-  >"$OUT/check.txt" 2>&1 && echo "check: PASS" || { echo "check: FAIL"; tail -20 "$OUT/check.txt"; }
+if "${ctl[@]}" load-kv --sequences=4 --prompt=300 --tokens=4 --layers=2 "${shape[@]}" --check \
+  >"$OUT/check.txt" 2>&1; then
+  echo "check: PASS"
+else
+  echo "check: FAIL"; tail -20 "$OUT/check.txt"
+fi
 
 run() {  # run LABEL FLAGS...: one load-kv configuration, rows appended to $csv
   local label=$1; shift
