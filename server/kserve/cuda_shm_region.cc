@@ -66,6 +66,16 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
                                                              const std::string& raw_handle,
                                                              int64_t device_id,
                                                              uint64_t byte_size) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    // No driver or no GPU: the server cannot take CUDA regions at all,
+    // whatever the request says (checked first, so the answer is the same
+    // for every request on such a machine).
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA shared memory region '", name, "': no usable GPU (cudaGetDeviceCount: ",
+                     cudaGetErrorString(err), ")"));
+  }
   if (raw_handle.size() != sizeof(cudaIpcMemHandle_t)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CUDA shared memory region '", name, "': raw_handle: expected ",
@@ -75,14 +85,6 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
   if (byte_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("CUDA shared memory region '", name, "': byte_size: expected > 0, got 0"));
-  }
-  int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    // No driver or no GPU: the server cannot take CUDA regions at all.
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA shared memory region '", name, "': no usable GPU (cudaGetDeviceCount: ",
-                     cudaGetErrorString(err), ")"));
   }
   if (device_id < 0 || device_id >= count) {
     return absl::InvalidArgumentError(
