@@ -116,6 +116,12 @@ LaunchPlan PlanForward(const AttnParams& p, int num_sms);
 cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* workspace,
                           cudaStream_t stream);
 
+// The launch struct of `plan` over device params `dev` (workspace: the
+// plan's split partials), and the exact combine of its splits (nothing when
+// unsplit). Shared by LaunchForward and the paged launch (paged_attn.h).
+FwdLaunch MakeFwdLaunch(const AttnParams& dev, const LaunchPlan& plan, void* workspace);
+cudaError_t LaunchCombine(const FwdLaunch& launch, cudaStream_t stream);
+
 // The FP32 path: a SIMT online-softmax kernel (one warp per query row and
 // head) in fp32 throughout, for the contract's 1e-5 FP32 tolerance.
 cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream);

@@ -1,0 +1,214 @@
+// CudaBackend's paged K/V path (paged_kv.h, DESIGN §6): K/V slabs in device
+// memory, and append-and-attend launches staged like Forward's (one H2D copy
+// of every host input, the kernels, one D2H copy) on the pipeline's slots.
+// Order on the device for one launch: page copies (copy-on-write), append of
+// the new rows into their pages, attention over the pages (+ split combine).
+// Paged launches of one backend run in start order: each waits, on its slot's
+// stream, for the event the previous paged launch recorded after its kernels
+// (so its H2D copy still overlaps the previous launch's compute).
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_staging.h"
+#include "backend/cuda/paged_attn.h"
+#include "backend/host_copy.h"
+
+namespace attnserve {
+namespace {
+
+// Offsets of a paged launch's tensors in a slot's buffers, 256-byte aligned:
+// inputs (q | k_new | v_new | cu_q | cu_k | block table | seqlens | copy
+// src | copy dst), then outputs (o | lse).
+struct PagedLayout {
+  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0, copy_dst = 0;
+  int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
+
+  explicit PagedLayout(const PagedBatch& batch) {
+    int64_t off = 0;
+    auto take = [&off](int64_t bytes) {
+      const int64_t at = off;
+      off += Align256(bytes);
+      return at;
+    };
+    q = take(batch.q_bytes());
+    k = take(batch.kv_new_bytes());
+    v = take(batch.kv_new_bytes());
+    cu_q = take(batch.cu_seqlens_bytes());
+    cu_k = take(batch.cu_seqlens_bytes());
+    table = take(batch.block_table_bytes());
+    seqlens = take(batch.seqlens_bytes());
+    copy_src = take(batch.copies_bytes());
+    copy_dst = take(batch.copies_bytes());
+    inputs_end = off;
+    o = take(batch.q_bytes());
+    lse = take(batch.lse_bytes());
+    end = std::max<int64_t>(off, 256);
+  }
+
+  PagedBuffers In(char* base) const {
+    PagedBuffers b;
+    b.q = base + q;
+    b.k_new = base + k;
+    b.v_new = base + v;
+    b.o = base + o;
+    b.lse = reinterpret_cast<float*>(base + lse);
+    b.cu_seqlens_q = reinterpret_cast<int32_t*>(base + cu_q);
+    b.cu_seqlens_k = reinterpret_cast<int32_t*>(base + cu_k);
+    b.block_table = reinterpret_cast<int32_t*>(base + table);
+    b.seqlens_k = reinterpret_cast<int32_t*>(base + seqlens);
+    b.copy_src = reinterpret_cast<int32_t*>(base + copy_src);
+    b.copy_dst = reinterpret_cast<int32_t*>(base + copy_dst);
+    return b;
+  }
+};
+
+// The same params with every staged pointer moved from `from` to `to`.
+PagedAttnParams RebasePaged(const PagedAttnParams& p, const char* from, char* to) {
+  auto move = [from, to](const void* ptr) -> char* {
+    return ptr == nullptr ? nullptr : to + (static_cast<const char*>(ptr) - from);
+  };
+  PagedAttnParams d = p;
+  d.attn.q = move(p.attn.q);
+  d.attn.k = move(p.attn.k);
+  d.attn.v = move(p.attn.v);
+  d.attn.o = move(p.attn.o);
+  d.attn.lse = reinterpret_cast<float*>(move(p.attn.lse));
+  d.attn.cu_seqlens_q = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_q));
+  d.attn.cu_seqlens_k = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_k));
+  d.block_table = reinterpret_cast<const int32_t*>(move(p.block_table));
+  d.seqlens_k = reinterpret_cast<const int32_t*>(move(p.seqlens_k));
+  d.copy_src = reinterpret_cast<const int32_t*>(move(p.copy_src));
+  d.copy_dst = reinterpret_cast<const int32_t*>(move(p.copy_dst));
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<void*> CudaBackend::AllocateKvMemory(int64_t bytes) {
+  if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("kv memory bytes: expected > 0, got ", bytes));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  void* p = nullptr;
+  // CudaError maps cudaErrorMemoryAllocation to RESOURCE_EXHAUSTED and clears it.
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, static_cast<size_t>(bytes)), "K/V slab");
+  return p;
+}
+
+void CudaBackend::FreeKvMemory(void* memory) {
+  if (memory == nullptr) return;
+  cudaSetDevice(device_);
+  cudaFree(memory);  // synchronises the device: no launch reads the slab any more
+}
+
+absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
+  const absl::Status can = CanImplement(p.attn);
+  if (!can.ok()) return can;
+  const KvPages& kv = p.pages;
+  if (kv.page_size < kMinPageSize || kv.page_size > kMaxPageSize || (kv.page_size & (kv.page_size - 1)) != 0 ||
+      (1 << kv.page_shift) != kv.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat("pages.page_size: expected a power of two in [", kMinPageSize,
+                                                   ", ", kMaxPageSize, "] = 1 << page_shift, got ", kv.page_size,
+                                                   " (page_shift ", kv.page_shift, ")"));
+  }
+  if (kv.num_slabs < 1 || kv.num_slabs > kMaxKvSlabs || kv.slab_shift < 0 || kv.slab_shift > 24) {
+    return absl::InvalidArgumentError(absl::StrCat("pages: expected 1..", kMaxKvSlabs,
+                                                   " slabs of 2^0..2^24 pages, got ", kv.num_slabs,
+                                                   " slabs, slab_shift ", kv.slab_shift));
+  }
+  const int64_t num_pages = int64_t{kv.num_slabs} << kv.slab_shift;
+  auto bad_page = [num_pages](int32_t page) { return page < 0 || page >= num_pages; };
+  const AttnParams& a = p.attn;
+  for (int b = 0; b < a.batch; ++b) {
+    const int32_t len = p.seqlens_k[b];
+    const int32_t new_rows = a.cu_seqlens_k[b + 1] - a.cu_seqlens_k[b];
+    if (len < new_rows || len > a.seqlen_k || int64_t{len} > int64_t{p.block_table_stride} * kv.page_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "seqlens_k[", b, "]: expected in [new rows ", new_rows, ", min(seqlen_k ", a.seqlen_k,
+          ", block_table_stride x page_size ", int64_t{p.block_table_stride} * kv.page_size, ")], got ", len));
+    }
+    const int32_t* table = p.block_table + int64_t{b} * p.block_table_stride;
+    for (int32_t i = 0; i < (len + kv.page_size - 1) / kv.page_size; ++i) {
+      if (bad_page(table[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("block_table[", b, "][", i, "]: expected a page id in [0, ",
+                                                       num_pages, "), got ", table[i]));
+      }
+    }
+  }
+  for (int i = 0; i < p.num_page_copies; ++i) {
+    if (bad_page(p.copy_src[i]) || bad_page(p.copy_dst[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("copy_src/copy_dst[", i, "]: expected page ids in [0, ",
+                                                     num_pages, "), got ", p.copy_src[i], " -> ", p.copy_dst[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
+  if (paged_done_ == nullptr) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&paged_done_, cudaEventDisableTiming), "event");
+  } else {
+    // Start order: the previous paged launch may have appended rows this one
+    // reads (or written pages this one copies).
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0), "order paged launches");
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppend(dev, slot->stream), "page copies and append");
+  if (dev.attn.dtype == DType::kFP32) {
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream), "paged fp32 forward kernel");
+  } else {
+    const cuda::LaunchPlan plan = cuda::PlanForward(dev.attn, num_sms_);
+    if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
+    const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
+    if (!st.ok()) return st;
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),
+                              "paged forward kernel");
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(const PagedBatch& batch) {
+  for (const PagedAttnParams* m : batch.members()) {
+    const absl::Status st = CheckPaged(*m);
+    if (!st.ok()) return st;
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  Slot* slot = AcquireSlot();
+  auto fail = [this, slot](absl::Status st) {
+    cudaStreamSynchronize(slot->stream);
+    ReleaseSlot(slot);
+    return st;
+  };
+  const PagedLayout layout(batch);
+  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
+  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
+  if (!st.ok()) return fail(st);
+
+  const absl::Time gather_start = absl::Now();
+  ThreadPool* pool = gather_pool_.get();
+  const PagedAttnParams staged = batch.Gather(
+      layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+  const PagedAttnParams dev = RebasePaged(staged, slot->host.ptr(), slot->device.ptr());
+
+  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end,
+                         [&]() { return LaunchPagedKernels(dev, slot); });
+  if (!st.ok()) return fail(st);
+  Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
+    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);
+  };
+  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
+}
+
+absl::Status CudaBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartPagedForward(PagedBatch({&params}));
+  if (!launch.ok()) return launch.status();
+  return (*launch)->Finish(timings);
+}
+
+}  // namespace attnserve
