@@ -27,8 +27,6 @@ constexpr bool CompiledPagedHeadDim(int d) {
 #endif
 }
 
-int ElementBytes(DType t) { return t == DType::kFP32 ? 4 : 2; }
-
 // Page copies: CTA (x, i, kv) copies its share of page copy_src[i] to
 // copy_dst[i] in K (kv = 0) or V (kv = 1), 16 bytes per thread per step.
 // A page of [page_size, Hkv, D] elements is a multiple of 16 bytes (D is a
@@ -117,7 +115,7 @@ cudaError_t RunPagedForHeadDim(int d, const PagedFwdLaunch& l, cudaStream_t s) {
 }  // namespace
 
 cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
-  const int elem_bytes = ElementBytes(dev.attn.dtype);
+  const int elem_bytes = static_cast<int>(DTypeSize(dev.attn.dtype));
   const int64_t row_bytes = int64_t{dev.attn.num_heads_kv} * dev.attn.head_dim * elem_bytes;
   if (dev.num_page_copies > 0) {
     if (dev.num_page_copies > 65535) return cudaErrorInvalidConfiguration;
