@@ -347,6 +347,55 @@ __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows
   }
 }
 
+// Key-split (decode) tiles: warps 1..kNWarps-1 hand their online-softmax
+// state (one m16 tile: O fragments, row max, thread-partial row sums) to warp
+// 0 through `exchange` (smem, stored [warp][value][lane] so each access is
+// one conflict-free 128-byte row); warp 0 rescales every state to the common
+// row max and adds them. Returns true for warp 0, which holds the merged
+// state; the caller's barrier must precede the call (the buffers are reused).
+template <int kNWarps, int kDTiles>
+__device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
+                                                float (&row_sum)[2], float score_log2, int warp, int lane) {
+  constexpr int kValues = kDTiles * 4 + 4;
+  if (warp > 0) {
+    float* dst = exchange + (warp - 1) * kValues * 32 + lane;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[(dt * 4 + e) * 32] = acc_o[0][dt][e];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      dst[(kDTiles * 4 + h) * 32] = row_max[h];
+      dst[(kDTiles * 4 + 2 + h) * 32] = row_sum[h];
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return false;
+#pragma unroll
+  for (int w = 1; w < kNWarps; ++w) {
+    const float* src = exchange + (w - 1) * kValues * 32 + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other_max = src[(kDTiles * 4 + h) * 32];
+      const float mx = fmaxf(row_max[h], other_max);
+      // As in OnlineSoftmax: a row no warp has seen a key for stays at -inf
+      // without turning the factors into NaN.
+      const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+      const float mine = Exp2(row_max[h] * score_log2 - mx_log2);
+      const float theirs = Exp2(other_max * score_log2 - mx_log2);
+      row_max[h] = mx;
+      row_sum[h] = row_sum[h] * mine + src[(kDTiles * 4 + 2 + h) * 32] * theirs;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          acc_o[0][dt][h * 2 + e] = acc_o[0][dt][h * 2 + e] * mine + src[(dt * 4 + h * 2 + e) * 32] * theirs;
+        }
+    }
+  }
+  return true;
+}
+
 }  // namespace detail
 
 // The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
@@ -361,10 +410,19 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   using namespace detail;
   using Mask = MaskPolicy<kIsCausal>;
   constexpr int kThreads = kNWarps * 32;
-  // m16 tiles per warp; a 16-row (decode) tile gives warp 0 the one m tile
-  // and the other warps only load.
+  // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
+  // warps hold the same 16 rows, warp w computes keys [w, w + 1) x kBlockN /
+  // kNWarps of every tile with its own online softmax, and the warps' states
+  // are merged once at the end (MergeWarpStates). Each warp then issues a
+  // quarter of a tile's MMAs, so a tile's math no longer sits on one warp's
+  // dependent chain while the next tile's loads wait behind it.
+  constexpr bool kKeySplit = kBlockM == 16 && kNWarps > 1;
   constexpr int kMTiles = kBlockM >= 16 * kNWarps ? kBlockM / (16 * kNWarps) : 1;
-  constexpr int kNTiles = kBlockN / 8;               // n8 tiles of S per row block
+  constexpr int kWarpKeys = kKeySplit ? kBlockN / kNWarps : kBlockN;  // keys of a tile this warp computes
+  constexpr int kNTiles = kWarpKeys / 8;             // n8 tiles of S per row block
+  static_assert(kWarpKeys % 16 == 0, "a warp's key slice must be whole k16 steps");
+  static_assert(!kKeySplit || (kNWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kBlockN * (kHeadDim + 8) * 2,
+                "the warps' states must fit the K buffers they are merged through");
   constexpr int kDTiles = kHeadDim / 8;              // n8 tiles of O
   constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   constexpr int kStride = kHeadDim + 8;              // smem row pitch (elements), +16 B pad
@@ -414,10 +472,10 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const int lane = tid % 32;
   const int group = lane / 4;  // row within an 8-row half of a fragment
   const int quad = lane % 4;   // column pair within an n8 tile
-  const int warp_row0 = warp * kMTiles * 16;
+  const int warp_row0 = kKeySplit ? 0 : warp * kMTiles * 16;
+  const int warp_key0 = kKeySplit ? warp * kWarpKeys : 0;  // first key of this warp's slice of a tile
   const int row0 = m0 + warp_row0 + group;  // the thread's first fragment row
-  // Warps whose rows all lie past the problem (decode: M of 1..16 rows) only
-  // help load tiles; they skip the math.
+  // Warps whose rows all lie past the problem skip the math (they still load).
   const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows;
 
   if (n_begin >= n_end) {
@@ -531,8 +589,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // Tiles right to left: the first one is the partial (or band-edge) tile.
   for (int n = n_end - 1; n >= n_begin; --n) {
     const int stage = kStages == 2 ? (n_end - 1 - n) % 2 : 0;
-    const T* tK = sK + stage * kBlockN * kStride;
-    const T* tV = sV + stage * kBlockN * kStride;
+    const T* tK = sK + (stage * kBlockN + warp_key0) * kStride;  // this warp's key slice
+    const T* tV = sV + (stage * kBlockN + warp_key0) * kStride;
     CpAsyncWaitAll();  // K[n] (with kStages 2 also V[n]; and Q) landed
     __syncthreads();   // ... for every thread; and all warps are done with the buffers reloaded next
     if (kStages == 2) {
@@ -584,8 +642,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     if (!warp_active) continue;
 
     if (use_softcap) SoftcapScores(s, L.softcap_in, L.softcap_out);
-    const int key0 = n * kBlockN;
-    if (Mask::TileNeedsMask(key0, kBlockN, sk, lo_last, hi_first)) {
+    const int key0 = n * kBlockN + warp_key0;
+    if (Mask::TileNeedsMask(key0, kWarpKeys, sk, lo_last, hi_first)) {
       MaskScores(s, p, key0, row0, rows, G, sq, sk, quad);
     }
     OnlineSoftmax(s, row_max, row_sum, acc_o, score_log2);
@@ -593,7 +651,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     // O += P V: the S accumulators of two n8 tiles are exactly the A fragment
     // of one k16 step, so P never leaves registers.
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -615,6 +673,12 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     }
   }
 
+  if constexpr (kKeySplit) {
+    // Every warp is done with the K/V buffers, which now carry the states.
+    __syncthreads();
+    float* exchange = reinterpret_cast<float*>(sK);
+    if (!MergeWarpStates<kNWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane)) return;
+  }
   if (!warp_active) return;
 
   float lse[kMTiles * 2];
