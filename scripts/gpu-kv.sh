@@ -8,7 +8,9 @@
 # $OUT/kv-<gpu>-<date>.csv, and ncu on the B=1 decode kernels. With BASE=DIR
 # (an older tree) also builds its attn_bench and runs both on the quick grid
 # (ours only) for an A/B of the contiguous path. A summary is printed last.
-# Usage: [KERNELS=dev|all] [BASE=DIR] [NCU=0] scripts/gpu-kv.sh
+# BUILD names the build folder, CUDA_FLAGS adds nvcc flags (a variant),
+# SDPA_CSV=FILE reuses SDPA rows from an earlier run instead of timing again.
+# Usage: [KERNELS=dev|all] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/gpu-kv.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-kv-out}
@@ -20,17 +22,17 @@ export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_
 build() {  # build(src dir, build dir, targets...)
   local src=$1 dir=$2; shift 2
   cmake -S "$src" -B "$dir" -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-    -DATTNSERVE_CUDA_KERNELS="$KERNELS" -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" \
+    -DATTNSERVE_CUDA_KERNELS="$KERNELS" -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
     -DCMAKE_CUDA_ARCHITECTURES=90-real >>"$OUT/configure.log" 2>&1 && ninja -C "$dir" -j16 "$@" >>"$OUT/build.log" 2>&1
 }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 t0=$(date +%s)
-if build . build-gpu cuda_backend_test cuda_paged_test attn_bench; then
-  note build "ok ($(( $(date +%s) - t0 )) s, kernels=$KERNELS)"
+B=${BUILD:-build-gpu}
+if build . "$B" cuda_backend_test cuda_paged_test attn_bench; then
+  note build "ok ($(( $(date +%s) - t0 )) s, kernels=$KERNELS, flags=${CUDA_FLAGS:-none})"
 else
   note build "FAILED"; grep -E 'error|FAILED' "$OUT/build.log" | head -30; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
-B=build-gpu
 
 for t in cuda_paged_test cuda_backend_test; do
   timeout 300 $B/tests/cuda/$t >"$OUT/$t.log" 2>&1; rc=$?
@@ -66,14 +68,19 @@ slug=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-
 csv="$OUT/kv-$slug-$date_s.csv"
 $B/bench/cuda/attn_bench --grid=decode --dtypes=bf16 --impls=ours,paged16,paged64,kvread --csv="$OUT/decode-ours.csv" \
   --kv_csv="$OUT/kv-ours.csv" 2>"$OUT/attn_bench.log"
-python3 bench/gpu/sdpa_bench.py --grid=decode --dtypes=bf16 --csv="$OUT/decode-sdpa.csv" --kv_csv="$OUT/kv-sdpa.csv" \
-  2>"$OUT/sdpa.log"
+if [ -n "${SDPA_CSV:-}" ]; then
+  cp "$SDPA_CSV" "$OUT/kv-sdpa.csv"
+else
+  python3 bench/gpu/sdpa_bench.py --grid=decode --dtypes=bf16 --csv="$OUT/decode-sdpa.csv" --kv_csv="$OUT/kv-sdpa.csv" \
+    2>"$OUT/sdpa.log"
+  cp "$OUT/kv-sdpa.csv" /tmp/kv-sdpa.csv
+fi
 {
   echo "# gpu: $gpu"
   echo "# clocks (sm, max sm, mem MHz): $(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | head -1)"
   echo "# driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); nvcc: $(nvcc --version | tail -2 | head -1)"
   echo "# torch: $(python3 -c 'import torch; print(torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null)"
-  echo "# commit: ${COMMIT:-unknown}; date: $date_s; decode grid Hq=32 Hkv=8 D=128 Sq=1 bf16; one layer per step"
+  echo "# commit: ${COMMIT:-unknown} (nvcc flags: ${CUDA_FLAGS:-none}); date: $date_s; decode grid Hq=32 Hkv=8 D=128 Sq=1 bf16; one layer per step"
   echo "# timing: CUDA events, L2 flushed (256 MB write) before each run, 5 warm-ups, 100 runs; tbps = K+V bytes / p50"
   echo "scenario,impl,sequences,context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms"
   cat "$OUT/kv-ours.csv" "$OUT/kv-sdpa.csv"

@@ -60,9 +60,15 @@ constexpr TileConfig kTileTable[] = {
 // buffered (the next tile's K and V both in flight during this tile, one round
 // trip per tile), smem (16 + 4 x 64) x (D + 8) x 2 = 74 KB at D=128: 3 CTAs per
 // SM, 105 KB in flight per SM. Head dims 192/256 (143+ KB) keep the prefill tile.
+#if defined(ATTNSERVE_DECODE_RING)
+constexpr TileConfig kDecodeTileTable[] = {
+    {64, 16, 64, 4, 2, 168}, {96, 16, 64, 4, 2, 168}, {128, 16, 32, 4, 4, 168},
+};
+#else
 constexpr TileConfig kDecodeTileTable[] = {
     {64, 16, 64, 4, 2, 168}, {96, 16, 64, 4, 2, 168}, {128, 16, 64, 4, 2, 168},
 };
+#endif
 // Banded (causal / sliding-window) instantiations that use a different tile.
 //  - 128: 128x32, 2 stages (same 70 KB smem as 128x64 x 1 stage): S = 32
 //         registers instead of 64 (spills 176 -> 16 B) and the next K and V in

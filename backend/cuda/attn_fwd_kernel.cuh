@@ -32,6 +32,9 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pre
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's newest commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -353,11 +356,11 @@ __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows
 // one conflict-free 128-byte row); warp 0 rescales every state to the common
 // row max and adds them. Returns true for warp 0, which holds the merged
 // state; the caller's barrier must precede the call (the buffers are reused).
-template <int kNWarps, int kDTiles>
+template <int kComputeWarps, int kDTiles>
 __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
                                                 float (&row_sum)[2], float score_log2, int warp, int lane) {
   constexpr int kValues = kDTiles * 4 + 4;
-  if (warp > 0) {
+  if (warp > 0 && warp < kComputeWarps) {
     float* dst = exchange + (warp - 1) * kValues * 32 + lane;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
@@ -372,7 +375,7 @@ __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[
   __syncthreads();
   if (warp > 0) return false;
 #pragma unroll
-  for (int w = 1; w < kNWarps; ++w) {
+  for (int w = 1; w < kComputeWarps; ++w) {
     const float* src = exchange + (w - 1) * kValues * 32 + lane;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -411,17 +414,18 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   using Mask = MaskPolicy<kIsCausal>;
   constexpr int kThreads = kNWarps * 32;
   // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
-  // warps hold the same 16 rows, warp w computes keys [w, w + 1) x kBlockN /
-  // kNWarps of every tile with its own online softmax, and the warps' states
-  // are merged once at the end (MergeWarpStates). Each warp then issues a
-  // quarter of a tile's MMAs, so a tile's math no longer sits on one warp's
-  // dependent chain while the next tile's loads wait behind it.
+  // warps hold the same 16 rows, warp w < kComputeWarps computes keys
+  // [w, w + 1) x kWarpKeys of every tile with its own online softmax, and the
+  // warps' states are merged once at the end (MergeWarpStates); every warp
+  // loads. A tile's math is then spread over several warps' issue slots
+  // instead of one warp's dependent chain.
   constexpr bool kKeySplit = kBlockM == 16 && kNWarps > 1;
+  constexpr int kComputeWarps = !kKeySplit ? kNWarps : kBlockN / 16 < kNWarps ? kBlockN / 16 : kNWarps;
   constexpr int kMTiles = kBlockM >= 16 * kNWarps ? kBlockM / (16 * kNWarps) : 1;
-  constexpr int kWarpKeys = kKeySplit ? kBlockN / kNWarps : kBlockN;  // keys of a tile this warp computes
+  constexpr int kWarpKeys = kKeySplit ? kBlockN / kComputeWarps : kBlockN;  // keys of a tile this warp computes
   constexpr int kNTiles = kWarpKeys / 8;             // n8 tiles of S per row block
   static_assert(kWarpKeys % 16 == 0, "a warp's key slice must be whole k16 steps");
-  static_assert(!kKeySplit || (kNWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kBlockN * (kHeadDim + 8) * 2,
+  static_assert(!kKeySplit || (kComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kBlockN * (kHeadDim + 8) * 2,
                 "the warps' states must fit the K buffers they are merged through");
   constexpr int kDTiles = kHeadDim / 8;              // n8 tiles of O
   constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
@@ -475,8 +479,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const int warp_row0 = kKeySplit ? 0 : warp * kMTiles * 16;
   const int warp_key0 = kKeySplit ? warp * kWarpKeys : 0;  // first key of this warp's slice of a tile
   const int row0 = m0 + warp_row0 + group;  // the thread's first fragment row
-  // Warps whose rows all lie past the problem skip the math (they still load).
-  const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows;
+  // Warps whose rows all lie past the problem, or past the key split, skip
+  // the math (they still load).
+  const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows && warp < kComputeWarps;
 
   if (n_begin >= n_end) {
     StoreEmptyRows<T, kBlockM, kThreads>(L, qr, b, split, m0, rows, tid);
@@ -583,17 +588,40 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 
   load_q();
   load_kv(sK, 0, n_end - 1);
-  if (kStages == 2) load_kv(sV, 1, n_end - 1);
+  if (kStages >= 2) load_kv(sV, 1, n_end - 1);
   CpAsyncCommit();
+  // A ring of kStages >= 3: the next kStages - 2 tiles are requested up front
+  // too, one commit group per tile (empty groups keep the count uniform).
+#pragma unroll
+  for (int i = 1; i + 1 < kStages; ++i) {
+    if (n_end - 1 - i >= n_begin) {
+      load_kv(sK + i * kBlockN * kStride, 0, n_end - 1 - i);
+      load_kv(sV + i * kBlockN * kStride, 1, n_end - 1 - i);
+    }
+    CpAsyncCommit();
+  }
 
   // Tiles right to left: the first one is the partial (or band-edge) tile.
   for (int n = n_end - 1; n >= n_begin; --n) {
-    const int stage = kStages == 2 ? (n_end - 1 - n) % 2 : 0;
+    const int stage = kStages >= 2 ? (n_end - 1 - n) % kStages : 0;
     const T* tK = sK + (stage * kBlockN + warp_key0) * kStride;  // this warp's key slice
     const T* tV = sV + (stage * kBlockN + warp_key0) * kStride;
-    CpAsyncWaitAll();  // K[n] (with kStages 2 also V[n]; and Q) landed
-    __syncthreads();   // ... for every thread; and all warps are done with the buffers reloaded next
-    if (kStages == 2) {
+    // K[n] (with kStages >= 2 also V[n]; and Q) landed ...
+    if constexpr (kStages >= 3) {
+      CpAsyncWait<kStages - 2>();
+    } else {
+      CpAsyncWaitAll();
+    }
+    __syncthreads();  // ... for every thread; and all warps are done with the buffers reloaded next
+    if constexpr (kStages >= 3) {
+      const int next = n - (kStages - 1);
+      if (next >= n_begin) {
+        const int ring = (n_end - 1 - n + kStages - 1) % kStages;
+        load_kv(sK + ring * kBlockN * kStride, 0, next);
+        load_kv(sV + ring * kBlockN * kStride, 1, next);
+      }
+      CpAsyncCommit();
+    } else if (kStages == 2) {
       if (n > n_begin) {
         load_kv(sK + (stage ^ 1) * kBlockN * kStride, 0, n - 1);
         load_kv(sV + (stage ^ 1) * kBlockN * kStride, 1, n - 1);
@@ -677,7 +705,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     // Every warp is done with the K/V buffers, which now carry the states.
     __syncthreads();
     float* exchange = reinterpret_cast<float*>(sK);
-    if (!MergeWarpStates<kNWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane)) return;
+    if (!MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane)) return;
   }
   if (!warp_active) return;
 
