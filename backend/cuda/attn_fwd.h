@@ -56,7 +56,7 @@ constexpr TileConfig kTileTable[] = {
 // The prefill tile wastes 7/8 of its Q tile and registers here: 255 registers
 // x 128 threads allow 2 CTAs per SM, each with one 16 KB K or V tile in flight
 // (1 stage), i.e. 8 dependent DRAM round trips per 4-tile split. This one:
-// O = D/2 + S = 8 fp32 registers (168 at the launch bound, no spill), K and V double
+// O = D/2 = 64 and S = 8 fp32 registers per thread (168 at the launch bound, no spill), K and V double
 // buffered (the next tile's K and V both in flight during this tile, one round
 // trip per tile), smem (16 + 4 x 64) x (D + 8) x 2 = 74 KB at D=128: 3 CTAs per
 // SM, 105 KB in flight per SM. Head dims 192/256 (143+ KB) keep the prefill tile.
