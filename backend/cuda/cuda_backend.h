@@ -65,6 +65,13 @@ class CudaBackend final : public AttentionBackend {
   // launches open, so in the server this does not wait).
   Slot* AcquireSlot();
   void ReleaseSlot(Slot* slot);
+  // The staging pipeline of StartForward and StartPagedForward (defined in
+  // cuda_staging.h): a free slot, Layout(batch)'s buffers, the members
+  // gathered into pinned memory, one H2D copy, kernels(device params, slot),
+  // one D2H copy; the Launch's Finish scatters. rebase(params, host, device)
+  // moves the gathered params' pointers from the pinned to the device buffer.
+  template <typename Layout, typename Batch, typename Rebase, typename Kernels>
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(const Batch& batch, Rebase rebase, Kernels kernels);
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const AttnParams& dev, Slot* slot);
   // The paged path's checks (beyond CanImplement of params.attn) that keep

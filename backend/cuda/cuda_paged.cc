@@ -12,13 +12,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_staging.h"
 #include "backend/cuda/paged_attn.h"
-#include "backend/host_copy.h"
 
 namespace attnserve {
 namespace {
@@ -177,32 +174,9 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(co
     const absl::Status st = CheckPaged(*m);
     if (!st.ok()) return st;
   }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
-  Slot* slot = AcquireSlot();
-  auto fail = [this, slot](absl::Status st) {
-    cudaStreamSynchronize(slot->stream);
-    ReleaseSlot(slot);
-    return st;
-  };
-  const PagedLayout layout(batch);
-  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
-  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
-  if (!st.ok()) return fail(st);
-
-  const absl::Time gather_start = absl::Now();
-  ThreadPool* pool = gather_pool_.get();
-  const PagedAttnParams staged = batch.Gather(
-      layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
-  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-  const PagedAttnParams dev = RebasePaged(staged, slot->host.ptr(), slot->device.ptr());
-
-  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end,
-                         [&]() { return LaunchPagedKernels(dev, slot); });
-  if (!st.ok()) return fail(st);
-  Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
-    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);
-  };
-  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
+  return StartStaged<PagedLayout>(batch, RebasePaged, [this](const PagedAttnParams& dev, Slot* slot) {
+    return LaunchPagedKernels(dev, slot);
+  });
 }
 
 absl::Status CudaBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -182,5 +183,37 @@ class CudaBackend::Launch final : public PendingLaunch {
   const Scatter scatter_;
   const int64_t gather_us_;
 };
+
+template <typename Layout, typename Batch, typename Rebase, typename Kernels>
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Batch& batch, Rebase rebase,
+                                                                        Kernels kernels) {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  Slot* slot = AcquireSlot();
+  // Until the Launch owns the slot, an error must hand it back with nothing
+  // in flight.
+  auto fail = [this, slot](absl::Status st) {
+    cudaStreamSynchronize(slot->stream);
+    ReleaseSlot(slot);
+    return st;
+  };
+  const Layout layout(batch);
+  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
+  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
+  if (!st.ok()) return fail(st);
+
+  const absl::Time gather_start = absl::Now();
+  ThreadPool* pool = gather_pool_.get();
+  const auto staged = batch.Gather(layout.In(slot->host.ptr()),
+                                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+  const auto dev = rebase(staged, slot->host.ptr(), slot->device.ptr());
+
+  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end, [&]() { return kernels(dev, slot); });
+  if (!st.ok()) return fail(st);
+  Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
+    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);
+  };
+  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
+}
 
 }  // namespace attnserve

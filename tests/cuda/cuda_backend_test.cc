@@ -16,6 +16,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
 namespace {
@@ -23,22 +24,8 @@ namespace {
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
+constexpr auto SharedBackend = testing_util::SharedCudaBackend;
 
-// One backend for the whole binary (device buffers reused across cases, as
-// in the server); null with the reason when there is no usable GPU.
-AttentionBackend* SharedBackend(std::string* why) {
-  static std::string reason;
-  static std::unique_ptr<AttentionBackend> backend = [] {
-    auto b = MakeCudaBackend(0);
-    if (!b.ok()) {
-      reason = std::string(b.status().message());
-      return std::unique_ptr<AttentionBackend>();
-    }
-    return std::move(*b);
-  }();
-  *why = reason;
-  return backend.get();
-}
 
 class CudaTest : public ::testing::TestWithParam<TestCase> {
  protected:

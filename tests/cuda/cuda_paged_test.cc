@@ -26,6 +26,7 @@
 #include "backend/paged_kv.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
 namespace {
@@ -33,20 +34,8 @@ namespace {
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
+constexpr auto SharedBackend = testing_util::SharedCudaBackend;
 
-AttentionBackend* SharedBackend(std::string* why) {
-  static std::string reason;
-  static std::unique_ptr<AttentionBackend> backend = [] {
-    auto b = MakeCudaBackend(0);
-    if (!b.ok()) {
-      reason = std::string(b.status().message());
-      return std::unique_ptr<AttentionBackend>();
-    }
-    return std::move(*b);
-  }();
-  *why = reason;
-  return backend.get();
-}
 
 // One paged case: tc is the whole problem as a varlen call (seqlens_k = each
 // sequence's length after the append, seqlens_q = its new queries);
