@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,18 +29,16 @@ inline constexpr int kHeadDimMultiple = 8;
 // RESOURCE_EXHAUSTED for one over `limits`.
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const RequestLimits& limits);
 
-// Params for a request that passed ValidateForwardRequest: sizes from the
-// shapes, input pointers into `request` (which must outlive the params), o and
-// lse null (the caller binds output buffers), softmax_scale defaulting to
-// 1/sqrt(D), causal folded into window_right = 0, unset windows kNoWindow.
+// Params for a request that passed ValidateForwardRequest, through
+// MakeAttnParams (defaults and normalisation): input pointers into `request`
+// (which must outlive the params), o and lse null (the caller binds outputs).
 AttnParams FillParams(const v1::ForwardRequest& request);
 
 // ValidateForwardRequest, then FillParams.
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
                                                  const RequestLimits& limits);
 
-// Elements of O (like Q) and of LSE (Hq per query row) for filled params.
-int64_t OutputElements(const AttnParams& params);
+// Elements of LSE (Hq per query row) for filled params.
 int64_t LseElements(const AttnParams& params);
 
 // Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):

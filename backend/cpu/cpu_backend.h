@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "backend/backend.h"
-#include "backend/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace attnserve {
 
@@ -18,12 +18,10 @@ class CpuBackend : public AttentionBackend {
   explicit CpuBackend(int threads);
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams& params) const override;
-  absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
-
-  // Working memory one Forward call allocates for head dim d (per-thread
-  // tiles; independent of sequence lengths), for memory accounting.
-  int64_t ScratchBytes(int head_dim) const;
+  // Every valid combination runs here: the plan is the default (trivial) one.
+  absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
+  absl::Status Forward(const Plan& plan, const AttnParams& params,
+                       BackendTimings* timings) override;
 
  private:
   BackendDescription description_;

@@ -402,16 +402,16 @@ __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[
 }  // namespace detail
 
 // The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
-// kHeadDim, zero-padded). kIsCausal: banded mask policy (MaskPolicy<true>):
+// kHeadDim, zero-padded). kIsBanded: banded mask policy (MaskPolicy<true>):
 // tiles outside the band are skipped and band-boundary tiles masked; without
 // it only the last, partial key tile is masked. Rows: where K/V rows are read
 // from (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
 // cache's pages); Rows::Launch is the kernel's argument.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal,
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded,
           typename Rows>
 __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch) {
   using namespace detail;
-  using Mask = MaskPolicy<kIsCausal>;
+  using Mask = MaskPolicy<kIsBanded>;
   constexpr int kThreads = kNWarps * 32;
   // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
   // warps hold the same 16 rows, warp w < kComputeWarps computes keys
@@ -722,36 +722,14 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 // 3 CTAs per SM (<= 168 registers): its 74 KB of smem allow 3, and 172
 // registers would allow only 2. The paged launch is a __grid_constant__ so
 // its slab tables are indexed in place (no local copy of the argument).
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
-  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsCausal, ContiguousRows<T>>(L);
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>>(L);
 }
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
     PagedAttnFwdKernel(const __grid_constant__ PagedFwdLaunch L) {
-  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsCausal, PagedRows<T>>(L);
-}
-
-template <int kHeadDim>
-constexpr TileConfig TileFor() {
-  for (const TileConfig& t : kTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
-}
-template <int kHeadDim>
-constexpr TileConfig CausalTileFor() {
-  for (const TileConfig& t : kCausalTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
-}
-template <int kHeadDim>
-constexpr TileConfig DecodeTileFor() {
-  for (const TileConfig& t : kDecodeTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>>(L);
 }
 
 // Launches `kernel` (either row source's) with `tile`'s grid and smem.
@@ -769,50 +747,57 @@ cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, const FwdLau
   return cudaGetLastError();
 }
 
-template <int kHeadDim, typename T, bool kIsCausal, int kKind, typename Rows>
+template <int kHeadDim, typename T, bool kIsBanded, TileKind kKind, typename Rows>
 cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile =
-      kKind == 1   ? DecodeTileFor<kHeadDim>()
-      : kKind == 2 ? CausalTileFor<kHeadDim>()
-                   : TileFor<kHeadDim>();
+  constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   if constexpr (Rows::kPaged) {
     return LaunchTileKernel(
-        PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>,
+        PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>,
         kTile, Rows::Fwd(launch), launch, stream);
   } else {
     return LaunchTileKernel(
-        AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>, kTile,
+        AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>, kTile,
         Rows::Fwd(launch), launch, stream);
   }
 }
 
+// True when `kind`'s table has a tile for kHeadDim (only kPrefill covers every head dim).
+template <int kHeadDim>
+constexpr bool HasTile(TileKind kind) {
+  return TileFor(kind, kHeadDim).head_dim == kHeadDim;
+}
+
 // Picks the tile the plan chose (FwdLaunch::tile_kind) for either row source.
-template <int kHeadDim, typename T, bool kIsCausal, typename Rows>
+template <int kHeadDim, typename T, bool kIsBanded, typename Rows>
 cudaError_t RunAttnFwdRows(const typename Rows::Launch& launch, cudaStream_t stream) {
-  const int tile_kind = Rows::Fwd(launch).tile_kind;
-  if constexpr (DecodeTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (tile_kind == 1) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 1, Rows>(launch, stream);
+  const TileKind tile_kind = Rows::Fwd(launch).tile_kind;
+  if constexpr (HasTile<kHeadDim>(TileKind::kDecode)) {
+    if (tile_kind == TileKind::kDecode) {
+      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kDecode, Rows>(launch, stream);
+    }
   }
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (tile_kind == 2) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 2, Rows>(launch, stream);
+  if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
+    if (tile_kind == TileKind::kBanded) {
+      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kBanded, Rows>(launch, stream);
+    }
   }
-  if (tile_kind != 0) return cudaErrorInvalidValue;
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
-    return cudaErrorInvalidValue;  // PlanForward gives banded requests tile_kind 2
+  if (tile_kind != TileKind::kPrefill) return cudaErrorInvalidValue;
+  if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
+    return cudaErrorInvalidValue;  // PlanForward gives these banded requests TileKind::kBanded
   } else {
-    return RunAttnFwdTile<kHeadDim, T, kIsCausal, 0, Rows>(launch, stream);
+    return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kPrefill, Rows>(launch, stream);
   }
 }
 
-template <int kHeadDim, typename T, bool kIsCausal>
+template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
-  return RunAttnFwdRows<kHeadDim, T, kIsCausal, ContiguousRows<T>>(launch, stream);
+  return RunAttnFwdRows<kHeadDim, T, kIsBanded, ContiguousRows<T>>(launch, stream);
 }
 
-template <int kHeadDim, typename T, bool kIsCausal>
-cudaError_t RunPagedAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream) {
-  return RunAttnFwdRows<kHeadDim, T, kIsCausal, PagedRows<T>>(launch, stream);
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream) {
+  return RunAttnFwdRows<kHeadDim, T, kIsBanded, PagedRows<T>>(launch, stream);
 }
 
 }  // namespace cuda

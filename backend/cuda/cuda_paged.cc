@@ -104,8 +104,8 @@ void CudaBackend::FreeKvMemory(void* memory) {
 }
 
 absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
-  const absl::Status can = CanImplement(p.attn);
-  if (!can.ok()) return can;
+  const absl::StatusOr<Plan> can = CanImplement(p.attn);
+  if (!can.ok()) return can.status();
   const KvPages& kv = p.pages;
   if (kv.page_size < kMinPageSize || kv.page_size > kMaxPageSize || (kv.page_size & (kv.page_size - 1)) != 0 ||
       (1 << kv.page_shift) != kv.page_size) {
@@ -158,8 +158,10 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
   if (dev.attn.dtype == DType::kFP32) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream), "paged fp32 forward kernel");
   } else {
-    const cuda::LaunchPlan plan = cuda::PlanForward(dev.attn, num_sms_);
-    if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
+    // Planned on the launch's (packed) params: PlanFor reads sizes only.
+    const absl::StatusOr<Plan> planned = PlanFor(dev.attn);
+    if (!planned.ok()) return planned.status();
+    const Plan& plan = *planned;
     const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
     if (!st.ok()) return st;
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),

@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "backend/host_copy.h"
 #include "backend/cuda/cuda_backend.h"
+#include "common/host_copy.h"
 
 namespace attnserve {
 

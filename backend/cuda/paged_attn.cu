@@ -11,21 +11,12 @@
 
 #include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/kv_rows.cuh"
-#include "backend/dtype.h"
+#include "backend/cuda/generated/kernel_dispatch.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace cuda {
 namespace {
-
-// Which head dims this build compiled paged kernels for (generated_paged/,
-// the same ATTNSERVE_CUDA_KERNELS choice as the contiguous set).
-constexpr bool CompiledPagedHeadDim(int d) {
-#if defined(ATTNSERVE_CUDA_DEV_KERNELS)
-  return d == 128;
-#else
-  return d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
-#endif
-}
 
 // Page copies: CTA (x, i, kv) copies its share of page copy_src[i] to
 // copy_dst[i] in K (kv = 0) or V (kv = 1), 16 bytes per thread per step.
@@ -98,20 +89,6 @@ PagedFwdLaunch MakePagedLaunch(const PagedAttnParams& dev, const FwdLaunch& fwd)
   return l;
 }
 
-template <typename T, bool kBanded>
-cudaError_t RunPagedForHeadDim(int d, const PagedFwdLaunch& l, cudaStream_t s) {
-  switch (d) {
-#if !defined(ATTNSERVE_CUDA_DEV_KERNELS)
-    case 64: return RunPagedAttnFwd<64, T, kBanded>(l, s);
-    case 96: return RunPagedAttnFwd<96, T, kBanded>(l, s);
-    case 192: return RunPagedAttnFwd<192, T, kBanded>(l, s);
-    case 256: return RunPagedAttnFwd<256, T, kBanded>(l, s);
-#endif
-    case 128: return RunPagedAttnFwd<128, T, kBanded>(l, s);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
@@ -136,20 +113,18 @@ cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const LaunchPlan& plan, void* workspace,
+cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                                cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
-  if (!CompiledPagedHeadDim(plan.kernel_head_dim)) return cudaErrorInvalidValue;
   const PagedFwdLaunch l = MakePagedLaunch(dev, MakeFwdLaunch(p, plan, workspace));
-  const bool banded = p.window_left >= 0 || p.window_right >= 0;
   cudaError_t err;
   if (p.dtype == DType::kFP16) {
-    err = banded ? RunPagedForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
-                 : RunPagedForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
+    err = plan.banded ? RunForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
+                      : RunForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
   } else {
-    err = banded ? RunPagedForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
-                 : RunPagedForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
+    err = plan.banded ? RunForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
+                      : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
   }
   if (err != cudaSuccess) return err;
   return LaunchCombine(l.fwd, stream);

@@ -6,7 +6,7 @@
 //
 // The decode interface the Hopper path builds on is LaunchPagedForward: a
 // PagedAttnParams with DEVICE pointers (q/o/lse, block_table, seqlens_k,
-// cu_seqlens_q), a LaunchPlan from PlanForward(params.attn, num_sms) and its
+// cu_seqlens_q), a Plan from PlanForward(params.attn, num_sms) and its
 // workspace; K/V rows are found as kv_rows.cuh's PagedRows says.
 #pragma once
 
@@ -49,16 +49,17 @@ cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream);
 // kernel (tile, splits, GQA packing as `plan` = PlanForward(dev.attn, ...)
 // says) and, when split, the exact combine. `workspace` has
 // plan.workspace_bytes.
-cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const LaunchPlan& plan, void* workspace,
+cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                                cudaStream_t stream);
 
 // FP32: one warp per (query row, head), fp32 throughout (the contract's 1e-5).
 cudaError_t LaunchPagedForwardFp32(const PagedAttnParams& dev, cudaStream_t stream);
 
-// Per-instantiation launcher of the paged kernel, defined in
-// attn_fwd_kernel.cuh and instantiated in generated_paged/.
-template <int kHeadDim, typename T, bool kIsCausal>
-cudaError_t RunPagedAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream);
+// Per-instantiation launcher of the paged kernel (RunAttnFwd's overload for
+// the paged launch), defined in attn_fwd_kernel.cuh and instantiated in the
+// generated paged_attn_fwd_*.cu files (generate_kernels.py).
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

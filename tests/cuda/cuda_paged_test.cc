@@ -21,9 +21,9 @@
 
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
-#include "backend/dtype.h"
 #include "backend/paged_batch.h"
 #include "backend/paged_kv.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 #include "tests/cuda/shared_cuda_backend.h"
@@ -120,9 +120,9 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
   const PagedCase& pc = GetParam();
   HostBuffers buf(pc.tc);
   const AttnParams& full = buf.params();
-  const absl::Status can = backend_->CanImplement(full);
-  if (can.code() == absl::StatusCode::kUnimplemented) GTEST_SKIP() << can.message();
-  ASSERT_TRUE(can.ok()) << can;
+  const absl::StatusOr<Plan> can = backend_->CanImplement(full);
+  if (can.status().code() == absl::StatusCode::kUnimplemented) GTEST_SKIP() << can.status().message();
+  ASSERT_TRUE(can.ok()) << can.status();
   const int B = full.batch;
   const int64_t row_bytes = int64_t{full.num_heads_kv} * full.head_dim * DTypeSize(full.dtype);
   const int ps = pc.page_size;
@@ -309,7 +309,7 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
 
   // The contiguous kernel on the same full K/V: the same plan, so the same bits.
   buf.Poison();
-  const absl::Status fst = backend_->Forward(full, &t);
+  const absl::Status fst = backend_->Forward(*can, full, &t);
   ASSERT_TRUE(fst.ok()) << fst;
   EXPECT_EQ(std::memcmp(buf.o(), o.data(), o.size()), 0) << "paged O differs from the contiguous kernel's";
   if (full.lse != nullptr) {
