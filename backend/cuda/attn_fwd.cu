@@ -146,14 +146,7 @@ cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspa
                           cudaStream_t stream) {
   if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
   const FwdLaunch l = MakeFwdLaunch(dev, plan, workspace);
-  cudaError_t err;
-  if (dev.dtype == DType::kFP16) {
-    err = plan.banded ? RunForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
-  } else {
-    err = plan.banded ? RunForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
-  }
+  const cudaError_t err = RunForPlan(plan, dev.dtype, l, stream);
   if (err != cudaSuccess) return err;
   return LaunchCombine(l, stream);
 }

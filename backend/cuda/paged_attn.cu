@@ -118,14 +118,7 @@ cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const Plan& plan, voi
   const AttnParams& p = dev.attn;
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
   const PagedFwdLaunch l = MakePagedLaunch(dev, MakeFwdLaunch(p, plan, workspace));
-  cudaError_t err;
-  if (p.dtype == DType::kFP16) {
-    err = plan.banded ? RunForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
-  } else {
-    err = plan.banded ? RunForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
-  }
+  const cudaError_t err = RunForPlan(plan, p.dtype, l, stream);
   if (err != cudaSuccess) return err;
   return LaunchCombine(l.fwd, stream);
 }

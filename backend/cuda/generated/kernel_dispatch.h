@@ -5,6 +5,9 @@
 // (paged_attn.h), whose RunAttnFwd overloads the generated files define.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/paged_attn.h"
 
@@ -34,6 +37,19 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// Runs the instantiation `plan` chose (its kernel head dim and band) for
+// `dtype` (FP16 or BF16) over either launch struct.
+template <typename Launch>
+cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cudaStream_t stream) {
+  const int d = plan.kernel_head_dim;
+  if (dtype == DType::kFP16) {
+    return plan.banded ? RunForHeadDim<__half, true>(d, launch, stream)
+                       : RunForHeadDim<__half, false>(d, launch, stream);
+  }
+  return plan.banded ? RunForHeadDim<__nv_bfloat16, true>(d, launch, stream)
+                     : RunForHeadDim<__nv_bfloat16, false>(d, launch, stream);
 }
 
 }  // namespace cuda
