@@ -1,4 +1,5 @@
-// The default, unpipelined AttentionBackend::StartForward; see backend.h.
+// The default, unpipelined AttentionBackend::StartForward and PlanAndForward;
+// see backend.h.
 #include "backend/backend.h"
 
 #include <memory>
@@ -7,7 +8,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "backend/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -29,11 +30,11 @@ class CompletedLaunch final : public PendingLaunch {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
-    const PackedBatch& batch) {
+    const Plan& plan, const PackedBatch& batch) {
   BackendTimings timings;
   absl::Status status;
   if (batch.size() == 1) {
-    status = Forward(*batch.members().front(), &timings);
+    status = Forward(plan, *batch.members().front(), &timings);
   } else {
     // Packing and unpacking are the copies a device backend does while
     // staging, so they count as the transfers.
@@ -47,7 +48,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
     }
     HostPackedBatch& packed = *packed_buffers;
     const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-    status = Forward(packed.params(), &timings);
+    status = Forward(plan, packed.params(), &timings);
     if (status.ok()) {
       const absl::Time scatter_start = absl::Now();
       packed.Scatter();
@@ -61,13 +62,21 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
   return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
 }
 
+absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
+                            BackendTimings* timings) {
+  ASSIGN_OR_RETURN(const Plan plan, backend.CanImplement(params));
+  return backend.Forward(plan, params, timings);
+}
+
 // The paged path's defaults: a backend without one says so.
 absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
 void AttentionBackend::FreeKvMemory(void*) {}
 absl::Status AttentionBackend::PagedForward(const PagedAttnParams&, BackendTimings*) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(

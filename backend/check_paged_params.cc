@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/check_params.h"
-#include "backend/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <utility>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "backend/ragged_batch.h"
 
 namespace attnserve {

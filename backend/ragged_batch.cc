@@ -5,14 +5,13 @@
 #include <cstring>
 #include <utility>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
-  return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q &&
-         a.num_heads_kv == b.num_heads_kv && a.head_dim == b.head_dim &&
-         a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
+  return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q && a.num_heads_kv == b.num_heads_kv &&
+         a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
          a.is_causal == b.is_causal && a.window_left == b.window_left &&
          a.window_right == b.window_right && (a.lse != nullptr) == (b.lse != nullptr);
 }

@@ -1,5 +1,5 @@
-// AttentionClient: channel construction, per-call contexts, the gRPC-to-absl
-// status conversion and the typed Forward (and Echo) built on the raw one.
+// AttentionClient: channel construction, per-call contexts and the typed Forward (and Echo) built
+// on the raw one.
 #include "client/attention_client.h"
 
 #include <grpcpp/create_channel.h>
@@ -11,19 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
-
-absl::Status ToAbslStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  const int code = static_cast<int>(status.error_code());
-  // A code outside google.rpc.Code (a misbehaving peer) must not become an
-  // absl::StatusCode that no switch handles.
-  const absl::StatusCode absl_code =
-      code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
-  return absl::Status(absl_code, status.error_message());
-}
 
 namespace {
 
@@ -40,7 +31,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
   SetTensor(std::forward<Inputs>(inputs).v, request.mutable_v());
   request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
   request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
-  const AttentionOptions& from = inputs.options;
+  const ForwardOptions& from = inputs.options;
   v1::AttentionOptions* to = request.mutable_options();
   if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
   to->set_causal(from.causal);
@@ -60,7 +51,7 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
     return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
                                             ", expected ", std::string(DTypeName(want_dtype)),
-                                            ShapeToString(want_o)));
+                                            ShapeString(want_o)));
   }
   if (!request.options().return_lse()) return absl::OkStatus();
   if (!result.lse) return absl::InternalError("return_lse was set but the response has no lse");
@@ -74,7 +65,7 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   }
   if (result.lse->shape() != want_lse || result.lse->dtype() != DType::kFP32) {
     return absl::InternalError(absl::StrCat("server returned lse ", result.lse->DebugString(),
-                                            ", expected FP32", ShapeToString(want_lse)));
+                                            ", expected FP32", ShapeString(want_lse)));
   }
   return absl::OkStatus();
 }
@@ -103,22 +94,18 @@ absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& respo
   }
   const v1::ServerTiming& t = response.timing();
   // A server without batching leaves batch_size 0: it ran alone.
-  result.timing = {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-                   t.total_us(), std::max(1, t.batch_size())};
+  result.timing = {t.queue_us(),          t.host_to_device_us(), t.compute_us(),
+                   t.device_to_host_us(), t.total_us(),          std::max(1, t.batch_size())};
   result.backend = response.backend();
   return result;
 }
 
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kServing:
-      return "SERVING";
-    case HealthStatus::kNotServing:
-      return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown:
-      return "SERVICE_UNKNOWN";
-    case HealthStatus::kUnknown:
-      break;
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown: break;
   }
   return "UNKNOWN";
 }
@@ -215,8 +202,7 @@ absl::StatusOr<ForwardResult> AttentionClient::CallUnaryTyped(Unary rpc,
   if (!response.ok()) return response.status();
   absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
   if (!result.ok()) return result.status();
-  const absl::Status shapes = CheckResultShapes(request, *result);
-  if (!shapes.ok()) return shapes;
+  RETURN_IF_ERROR(CheckResultShapes(request, *result));
   return result;
 }
 
@@ -302,14 +288,10 @@ absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& ser
   if (!status.ok()) return ToAbslStatus(status);
   using Proto = grpc::health::v1::HealthCheckResponse;
   switch (response.status()) {
-    case Proto::SERVING:
-      return HealthStatus::kServing;
-    case Proto::NOT_SERVING:
-      return HealthStatus::kNotServing;
-    case Proto::SERVICE_UNKNOWN:
-      return HealthStatus::kServiceUnknown;
-    default:
-      break;
+    case Proto::SERVING: return HealthStatus::kServing;
+    case Proto::NOT_SERVING: return HealthStatus::kNotServing;
+    case Proto::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
+    default: break;
   }
   return HealthStatus::kUnknown;
 }

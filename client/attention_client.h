@@ -1,8 +1,7 @@
 // AttentionClient: the C++ client of the attnserve.v1 Attention service and the
 // standard gRPC health service. Every call returns absl::Status(Or); gRPC
-// statuses become absl ones in exactly one place on the client side
-// (ToAbslStatus; the server has its own mapping in server/status_mapping.h, and
-// this library does not link the server).
+// statuses become absl ones through ToAbslStatus (common/grpc_status.h, the
+// conversion the server uses the other way).
 //
 //   auto client = AttentionClient::Create("127.0.0.1:50051");
 //   AttentionInputs in;  // q, k, v as HostTensor, optional cu_seqlens, options
@@ -28,15 +27,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "backend/make_params.h"
 #include "client/host_tensor.h"
+#include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attnserve {
-
-// The one conversion from a gRPC status to an absl::Status on the client side.
-// The numeric codes are the same (both are google.rpc.Code); the message is
-// kept verbatim so server-side field names reach the caller intact.
-absl::Status ToAbslStatus(const grpc::Status& status);
 
 struct ClientOptions {
   // Deadline of a call that does not set its own. absl::InfiniteDuration():
@@ -64,13 +60,10 @@ struct CallOptions {
   std::optional<bool> wait_for_ready;
 };
 
-// Mirrors attnserve.v1.AttentionOptions (DESIGN.md §2).
-struct AttentionOptions {
-  std::optional<float> softmax_scale;  // unset: 1/sqrt(D)
-  bool causal = false;                 // bottom-right aligned
-  std::optional<int32_t> window_left;  // unset: unlimited
-  std::optional<int32_t> window_right;
-  float softcap = 0.0f;  // 0: off
+// attnserve.v1.AttentionOptions on the client side: the mask, scale and
+// softcap options (AttnOptions, the ones MakeAttnParams normalises, so the
+// verifier reads them exactly as the server does) plus whether to return LSE.
+struct ForwardOptions : AttnOptions {
   bool return_lse = false;
 };
 
@@ -82,12 +75,12 @@ struct AttentionInputs {
   HostTensor v;
   std::vector<int32_t> cu_seqlens_q;
   std::vector<int32_t> cu_seqlens_k;
-  AttentionOptions options;
+  ForwardOptions options;
   std::string request_id;  // optional; echoed by the server
 };
 
-// ServerTiming of the response, in microseconds.
-struct ServerTiming {
+// attnserve.v1.ServerTiming of a response, in microseconds.
+struct ForwardTiming {
   int64_t queue_us = 0;
   int64_t host_to_device_us = 0;
   int64_t compute_us = 0;
@@ -100,7 +93,7 @@ struct ForwardResult {
   std::string request_id;
   HostTensor o;                   // like q, in q's dtype
   std::optional<HostTensor> lse;  // FP32; set only when return_lse was asked for
-  ServerTiming timing;
+  ForwardTiming timing;
   std::string backend;  // "cpu" or "cuda"
 };
 

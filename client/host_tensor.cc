@@ -10,7 +10,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 
@@ -25,14 +25,10 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
   switch (dtype) {
-    case v1::FP16:
-      return DType::kFP16;
-    case v1::BF16:
-      return DType::kBF16;
-    case v1::FP32:
-      return DType::kFP32;
-    default:
-      break;
+    case v1::FP16: return DType::kFP16;
+    case v1::BF16: return DType::kBF16;
+    case v1::FP32: return DType::kFP32;
+    default: break;
   }
   return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16 or FP32, got ",
                                                  v1::DType_Name(dtype).empty()
@@ -48,19 +44,15 @@ absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape) {
     const int64_t d = shape[i];
     if (d < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), ": dimension ", i, " is negative"));
+          absl::StrCat("shape ", ShapeString(shape), ": dimension ", i, " is negative"));
     }
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), " has more elements than int64 holds"));
+          absl::StrCat("shape ", ShapeString(shape), " has more elements than int64 holds"));
     }
     n *= d;
   }
   return n;
-}
-
-std::string ShapeToString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64_t> shape,
@@ -68,8 +60,8 @@ absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return n.status();
   if (static_cast<int64_t>(values.size()) != *n) {
-    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " needs ", *n,
-                                                   " values, got ", values.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape ", ShapeString(shape), " needs ", *n, " values, got ", values.size()));
   }
   std::string bytes(static_cast<size_t>(*n * DTypeSize(dtype)), '\0');
   for (int64_t i = 0; i < *n; ++i) StoreFromFloat(bytes.data(), dtype, i, values[i]);
@@ -83,7 +75,7 @@ absl::StatusOr<HostTensor> HostTensor::FromBytes(DType dtype, std::vector<int64_
   if (*n > std::numeric_limits<int64_t>::max() / DTypeSize(dtype) ||
       static_cast<int64_t>(bytes.size()) != *n * DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(DTypeName(dtype)),
-                                                   ShapeToString(shape), " needs ", *n, " * ",
+                                                   ShapeString(shape), " needs ", *n, " * ",
                                                    DTypeSize(dtype), " bytes, got ", bytes.size()));
   }
   return HostTensor(dtype, std::move(shape), *n, std::move(bytes));
@@ -131,7 +123,7 @@ HostTensor HostTensor::ConvertTo(DType dtype) const {
 }
 
 std::string HostTensor::DebugString() const {
-  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeToString(shape_));
+  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeString(shape_));
 }
 
 }  // namespace attnserve

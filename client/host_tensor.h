@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
+#include "common/shape_string.h"
 
 namespace attnserve {
 
@@ -27,9 +28,6 @@ v1::DType DTypeToProto(DType dtype);
 // Elements of a tensor of this shape; INVALID_ARGUMENT for a negative dimension
 // or a product that does not fit in int64.
 absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape);
-
-// "[2, 128, 8, 64]".
-std::string ShapeToString(absl::Span<const int64_t> shape);
 
 class HostTensor {
  public:

@@ -226,12 +226,14 @@ void Executor::Dispatch(std::vector<Queued> picked) {
       continue;
     }
     // After binding: CanImplement checks the whole params, output pointers
-    // included. UNIMPLEMENTED here names what this build lacks.
-    const absl::Status supported = backend_->CanImplement(q.item.params);
-    if (!supported.ok()) {
-      Fail(std::move(q), supported);
+    // included, once per request, and plans the launch. UNIMPLEMENTED here
+    // names what this build lacks.
+    absl::StatusOr<Plan> plan = backend_->CanImplement(q.item.params);
+    if (!plan.ok()) {
+      Fail(std::move(q), plan.status());
       continue;
     }
+    q.plan = *plan;
     // Collection compared params before outputs were bound; LSE is known only
     // now, so the ready items are split into groups that can share a launch.
     auto fits = [&](const std::vector<Queued>& g) {
@@ -274,7 +276,7 @@ void Executor::StartLaunch(std::vector<Queued> group) {
   } else {
     std::vector<const AttnParams*> members;
     for (const Queued& q : group) members.push_back(&q.item.params);
-    launch = backend_->StartForward(PackedBatch(std::move(members)));
+    launch = backend_->StartForward(group.front().plan, PackedBatch(std::move(members)));
   }
   if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
   if (!launch.ok()) {
@@ -354,9 +356,10 @@ void Executor::CompleterLoop() {
       q.timings.device_to_host_us = bt.device_to_host_us;
       // A backend that does not time itself still gets the wall time of its
       // launch reported as compute.
-      q.timings.compute_us = bt.compute_us > 0 ? bt.compute_us
-                                               : std::max<int64_t>(0, wall_us - bt.host_to_device_us -
-                                                                          bt.device_to_host_us);
+      q.timings.compute_us =
+          bt.compute_us > 0
+              ? bt.compute_us
+              : std::max<int64_t>(0, wall_us - bt.host_to_device_us - bt.device_to_host_us);
       q.timings.batch_size = static_cast<int>(done.members.size());
       Complete(q, status);
     }

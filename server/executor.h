@@ -149,8 +149,13 @@ class Executor {
     WorkItem item;
     absl::Time admitted;
     WorkTimings timings;
+    // CanImplement's plan, once outputs are bound (the one check of the
+    // request): the launch runs it without checking again. Unused for paged
+    // work: the paged path has one launch form, and StartPagedForward checks
+    // its params (CheckPagedParams) itself.
+    Plan plan;
     // Set for the members of a packed launch that failed: they come back to
-    // the front of the queue, outputs already bound, to run one by one.
+    // the front of the queue, outputs already bound and planned, to run one by one.
     bool rerun_alone = false;
   };
   // A launch the backend has started and the completer has yet to finish, or

@@ -5,14 +5,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "backend/dtype.h"
-#include "backend/status_macros.h"
+#include "backend/make_params.h"
+#include "common/dtype.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
-
-std::string Shape(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
 
 // A tensor of rows [rows, heads, D] in the cache's dtype; `heads` 0 means any
 // positive multiple of `heads_multiple` (q's Hq). An entirely unset tensor
@@ -33,7 +32,7 @@ absl::Status CheckRows(const char* name, const v1::Tensor& t, const KvGeometry& 
     return absl::InvalidArgumentError(absl::StrCat(
         name, ".shape: expected [", rows, ", ",
         heads > 0 ? absl::StrCat(heads) : absl::StrCat("Hq (a multiple of ", heads_multiple, ")"),
-        ", ", g.head_dim, "] (rows from sequences, the cache's geometry), got ", Shape(t)));
+        ", ", g.head_dim, "] (rows from sequences, the cache's geometry), got ", ShapeString(t.shape())));
   }
   return absl::OkStatus();
 }
@@ -112,15 +111,19 @@ absl::StatusOr<std::shared_ptr<KvAppendAttend>> DecodeAppendAttend(
   RETURN_IF_ERROR(CheckRows("k", r.k(), g, total_new, g.num_heads_kv, 1));
   RETURN_IF_ERROR(CheckRows("v", r.v(), g, total_new, g.num_heads_kv, 1));
   RETURN_IF_ERROR(ValidateOptions(r.options()));
-  AttnParams& p = call->attn;
-  p.dtype = g.dtype;
-  p.num_heads_kv = g.num_heads_kv;
-  p.num_heads_q = r.q().shape_size() == 3 ? static_cast<int32_t>(r.q().shape(1)) : g.num_heads_kv;
-  p.head_dim = g.head_dim;
-  p.q = r.q().data().data();
-  p.k = r.k().data().data();
-  p.v = r.v().data().data();
-  FillOptions(r.options(), &p);
+  // Sizes and totals stay zero here: the pool fills them with the
+  // sequences' offsets when it reserves the call's rows.
+  AttnShape shape;
+  shape.dtype = g.dtype;
+  shape.num_heads_kv = g.num_heads_kv;
+  shape.num_heads_q =
+      r.q().shape_size() == 3 ? static_cast<int32_t>(r.q().shape(1)) : g.num_heads_kv;
+  shape.head_dim = g.head_dim;
+  AttnPointers pointers;
+  pointers.q = r.q().data().data();
+  pointers.k = r.k().data().data();
+  pointers.v = r.v().data().data();
+  call->attn = MakeAttnParams(shape, OptionsFromWire(r.options()), pointers);
   call->return_lse = r.options().return_lse();
   return call;
 }

@@ -1,16 +1,16 @@
 // Reactors of the K/V front-end; see kv_service.h.
 #include "server/kv_service.h"
 
-#include <chrono>
+#include <atomic>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
 #include "server/call_deadline.h"
 #include "server/kv_request.h"
-#include "server/pipelined_stream.h"
-#include "server/status_mapping.h"
+#include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
 
@@ -72,7 +72,7 @@ grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* co
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->CreateCache(TenantOf(*context), DecodeCreateCache(*request));
+        pool_->CreateCache(TenantOf(context), DecodeCreateCache(*request));
     status = cache.status();
     if (cache.ok()) {
       FillCacheStats((*cache)->Stats(), response->mutable_stats());
@@ -88,7 +88,7 @@ grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* cont
                                                const v1::DropCacheRequest* request,
                                                v1::DropCacheResponse*) {
   absl::Status status = Draining();
-  if (status.ok()) status = pool_->DropCache(TenantOf(*context), request->cache_id());
+  if (status.ok()) status = pool_->DropCache(TenantOf(context), request->cache_id());
   return Answer(context, status);
 }
 
@@ -98,7 +98,7 @@ grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(*context), request->cache_id());
+        pool_->Find(TenantOf(context), request->cache_id());
     status = cache.ok() ? (*cache)->CreateSequences(DecodeSequences(*request)) : cache.status();
     if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
   }
@@ -111,7 +111,7 @@ grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* conte
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(*context), request->cache_id());
+        pool_->Find(TenantOf(context), request->cache_id());
     status = cache.ok() ? (*cache)->Truncate(request->sequence_id(),
                                              request->has_layer()
                                                  ? std::optional<int32_t>(request->layer())
@@ -129,7 +129,7 @@ grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* 
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(*context), request->cache_id());
+        pool_->Find(TenantOf(context), request->cache_id());
     status = cache.ok() ? (*cache)->Free(std::vector<uint64_t>(request->sequence_ids().begin(),
                                                                request->sequence_ids().end()))
                         : cache.status();
@@ -143,7 +143,7 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
                                                    v1::GetCacheStatsResponse* response) {
   // Statistics stay readable during a drain: they change nothing.
   absl::StatusOr<std::shared_ptr<KvCache>> cache =
-      pool_->Find(TenantOf(*context), request->cache_id());
+      pool_->Find(TenantOf(context), request->cache_id());
   absl::Status status = cache.status();
   if (cache.ok()) {
     FillCacheStats((*cache)->Stats(), response->mutable_stats());
@@ -211,7 +211,7 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  StartAppendAttend(TenantOf(*context), DeadlineOf(context), request, response,
+  StartAppendAttend(TenantOf(context), DeadlineOf(context), request, response,
                     reactor->cancelled(),
                     [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -219,16 +219,19 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
 
 grpc::ServerBidiReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>*
 KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
-  const std::string tenant = TenantOf(*context);
-  const absl::Time deadline = DeadlineOf(context);
-  return new PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>(
-      [this, tenant, deadline](const v1::AppendAttendRequest* request,
-                               v1::AppendAttendResponse* response,
-                               const std::shared_ptr<const std::atomic<bool>>& cancelled,
-                               std::function<void(const absl::Status&)> done) {
-        StartAppendAttend(tenant, deadline, request, response, cancelled, std::move(done));
-      },
-      &in_flight_);
+  using Reactor = PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>;
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  auto start = [this, cancelled, tenant = TenantOf(context), deadline = DeadlineOf(context)](
+                   Reactor::Call* call, Reactor::Done done) {
+    StartAppendAttend(tenant, deadline, &call->request, &call->response, cancelled,
+                      std::move(done));
+  };
+  // A failed call is answered in-band and the stream goes on.
+  auto fail = [](Reactor::Call* call, const absl::Status& status) {
+    call->response.set_error_code(ToRpcCode(status));
+    call->response.set_error_message(std::string(status.message()));
+  };
+  return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail));
 }
 
 std::string KvService::RenderMetrics(const KvPoolStats& s) {

@@ -1,7 +1,7 @@
 // The K/V front-end: attnserve.v1.KvCache (kv.proto) on gRPC's callback API,
 // on the same port as Attention. Thin: decode, validate (naming wire fields),
 // hand to the pool (server/kv/kv_pool.h), map the status in one place
-// (status_mapping.h). Cache bookkeeping answers on the gRPC thread (a short
+// (common/grpc_status.h). Cache bookkeeping answers on the gRPC thread (a short
 // lock, no waiting); AppendAttend goes through the cache device's executor.
 #pragma once
 

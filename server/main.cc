@@ -39,6 +39,14 @@ ABSL_FLAG(int64_t, batch_max_tokens, 65536,
 ABSL_FLAG(int, metrics_port, 8002,
           "Port of the Prometheus /metrics HTTP endpoint (Triton's metric names); 0 = off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
+ABSL_FLAG(int, http_port, 8000,
+          "Port of the KServe v2 / Triton HTTP/REST endpoints (/v2/...; Triton's default 8000), "
+          "on --host; 0 = off. The v2 gRPC service is always on --port");
+ABSL_FLAG(bool, allow_client_shm, false,
+          "Let KServe v2 clients register shared-memory regions (system: a POSIX shm key; CUDA: "
+          "an IPC handle) for tensors. Off by default because a client then makes this server "
+          "map and write memory it names by key, which only makes sense for trusted clients on "
+          "the same host");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{1} << 30,
@@ -125,6 +133,10 @@ int main(int argc, char** argv) {
   options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.kserve.http_enabled = absl::GetFlag(FLAGS_http_port) != 0;
+  options.kserve.http_host = absl::GetFlag(FLAGS_host);
+  options.kserve.http_port = absl::GetFlag(FLAGS_http_port);
+  options.kserve.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
 
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {

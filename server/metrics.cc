@@ -5,6 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace attnserve {
 namespace {
@@ -69,6 +71,7 @@ ServerMetrics::FailureReason ServerMetrics::ReasonFor(const absl::Status& status
 void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
                                   int64_t host_to_device_us, int64_t compute_us,
                                   int64_t device_to_host_us, int64_t total_us) {
+  last_request_ms_.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
   if (!status.ok()) {
     failure_[static_cast<int>(ReasonFor(status))].fetch_add(1, std::memory_order_relaxed);
     return;
@@ -79,6 +82,20 @@ void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
   compute_input_duration_us_.fetch_add(host_to_device_us, std::memory_order_relaxed);
   compute_infer_duration_us_.fetch_add(compute_us, std::memory_order_relaxed);
   compute_output_duration_us_.fetch_add(device_to_host_us, std::memory_order_relaxed);
+}
+
+ServerMetrics::Counters ServerMetrics::Snapshot() const {
+  Counters c;
+  c.success = success_.load(std::memory_order_relaxed);
+  for (const auto& f : failure_) c.failure += f.load(std::memory_order_relaxed);
+  c.executions = exec_count_.load(std::memory_order_relaxed);
+  c.request_us = request_duration_us_.load(std::memory_order_relaxed);
+  c.queue_us = queue_duration_us_.load(std::memory_order_relaxed);
+  c.compute_input_us = compute_input_duration_us_.load(std::memory_order_relaxed);
+  c.compute_infer_us = compute_infer_duration_us_.load(std::memory_order_relaxed);
+  c.compute_output_us = compute_output_duration_us_.load(std::memory_order_relaxed);
+  c.last_request_ms = last_request_ms_.load(std::memory_order_relaxed);
+  return c;
 }
 
 void ServerMetrics::SetPendingSource(std::function<int64_t()> source) {

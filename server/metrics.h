@@ -60,6 +60,22 @@ class ServerMetrics {
   // The Prometheus text exposition format (version 0.0.4).
   std::string RenderPrometheus() const;
 
+  // The request counters and summed durations (µs) as they stand, for the
+  // KServe v2 ModelStatistics call (server/kserve), which reports the same
+  // numbers as /metrics.
+  struct Counters {
+    int64_t success = 0;
+    int64_t failure = 0;  // all reasons
+    int64_t executions = 0;
+    int64_t request_us = 0;
+    int64_t queue_us = 0;
+    int64_t compute_input_us = 0;
+    int64_t compute_infer_us = 0;
+    int64_t compute_output_us = 0;
+    int64_t last_request_ms = 0;  // Unix time of the last finished request; 0: none yet
+  };
+  Counters Snapshot() const;
+
   int64_t success_count() const { return success_.load(std::memory_order_relaxed); }
   int64_t exec_count() const { return exec_count_.load(std::memory_order_relaxed); }
 
@@ -72,6 +88,7 @@ class ServerMetrics {
   std::atomic<int64_t> compute_input_duration_us_{0};
   std::atomic<int64_t> compute_infer_duration_us_{0};
   std::atomic<int64_t> compute_output_duration_us_{0};
+  std::atomic<int64_t> last_request_ms_{0};
 
   // Set once at start-up, read at scrape time: a mutex keeps them simple and
   // stays off the request path.

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
+#include "backend/make_params.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -28,16 +30,15 @@ inline constexpr int kHeadDimMultiple = 8;
 // RESOURCE_EXHAUSTED for one over `limits`.
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const RequestLimits& limits);
 
-// Params for a request that passed ValidateForwardRequest: sizes from the
-// shapes, input pointers into `request` (which must outlive the params), o and
-// lse null (the caller binds output buffers), softmax_scale defaulting to
-// 1/sqrt(D), causal folded into window_right = 0, unset windows kNoWindow.
+// Params for a request that passed ValidateForwardRequest, through
+// MakeAttnParams (defaults and normalisation): input pointers into `request`
+// (which must outlive the params), o and lse null (the caller binds outputs).
 AttnParams FillParams(const v1::ForwardRequest& request);
 
-// The options' part of FillParams (params->head_dim must be set): scale,
-// softcap, causal and windows, normalised as FillParams does. Shared with the
-// K/V front-end (kv_request.cc), whose calls carry the same options.
-void FillOptions(const v1::AttentionOptions& options, AttnParams* params);
+// The wire options as MakeAttnParams takes them (which normalises them), for
+// FillParams and the K/V front-end (kv_request.cc), whose calls carry the same
+// options.
+AttnOptions OptionsFromWire(const v1::AttentionOptions& options);
 // The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
 // options.<field>).
 absl::Status ValidateOptions(const v1::AttentionOptions& options);
@@ -49,8 +50,7 @@ absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
                                                  const RequestLimits& limits);
 
-// Elements of O (like Q) and of LSE (Hq per query row) for filled params.
-int64_t OutputElements(const AttnParams& params);
+// Elements of LSE (Hq per query row) for filled params.
 int64_t LseElements(const AttnParams& params);
 
 // Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):

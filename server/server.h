@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
+#include "server/kserve/frontend.h"
 
 namespace attnserve {
 
@@ -42,6 +43,10 @@ struct ServerOptions {
   bool metrics_enabled = false;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;
+  // The KServe v2 / Triton front-end (server/kserve/frontend.h): its gRPC
+  // service is always on the native port; shared memory and HTTP/REST are
+  // opt-in.
+  KserveOptions kserve;
 };
 
 class AttnServer {
@@ -72,6 +77,8 @@ class AttnServer {
   virtual int queued_requests() const = 0;
   // The bound metrics port after Start, or 0 when metrics are off.
   virtual int metrics_port() const = 0;
+  // The bound KServe v2 HTTP port after Start, or 0 when it is off.
+  virtual int http_port() const { return 0; }
 };
 
 }  // namespace attnserve

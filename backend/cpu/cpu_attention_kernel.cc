@@ -16,13 +16,12 @@
 #include <immintrin.h>
 #endif
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace cpu {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

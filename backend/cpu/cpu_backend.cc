@@ -1,4 +1,4 @@
-// CpuBackend (see cpu_backend.h) and MakeCpuBackend: checks params, splits
+// CpuBackend (see cpu_backend.h) and MakeCpuBackend: splits
 // the call into (sequence, head, query-block) tasks and runs them on the pool.
 #include "backend/cpu/cpu_backend.h"
 
@@ -13,7 +13,7 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cpu/cpu_attention_kernel.h"
-#include "backend/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 
@@ -23,18 +23,14 @@ CpuBackend::CpuBackend(int threads) : pool_(std::max(1, threads)) {
   description_.cpu_threads = pool_.num_threads();
 }
 
-absl::Status CpuBackend::CanImplement(const AttnParams& params) const {
+absl::StatusOr<Plan> CpuBackend::CanImplement(const AttnParams& params) const {
   // Every valid combination runs here: the checks are the contract's.
-  return CheckParams(params);
-}
-
-int64_t CpuBackend::ScratchBytes(int head_dim) const {
-  return pool_.num_threads() *
-         (cpu::Scratch::BytesFor(head_dim) + static_cast<int64_t>(sizeof(cpu::Scratch)));
-}
-
-absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timings) {
   RETURN_IF_ERROR(CheckParams(params));
+  return Plan();
+}
+
+absl::Status CpuBackend::Forward(const Plan& /*plan*/, const AttnParams& params,
+                                 BackendTimings* timings) {
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(RunTasks(params, [&params](int b, int h, int m_block, cpu::Scratch* scratch) {

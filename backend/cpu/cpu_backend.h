@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "backend/backend.h"
-#include "backend/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace attnserve {
 namespace cpu {
@@ -22,17 +22,15 @@ class CpuBackend : public AttentionBackend {
   explicit CpuBackend(int threads);
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams& params) const override;
-  absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
+  // Every valid combination runs here: the plan is the default (trivial) one.
+  absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
+  absl::Status Forward(const Plan& plan, const AttnParams& params,
+                       BackendTimings* timings) override;
 
   // The paged K/V path (cpu_paged.cc): pages in host memory, read in place.
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
   absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
-
-  // Working memory one Forward call allocates for head dim d (per-thread
-  // tiles; independent of sequence lengths), for memory accounting.
-  int64_t ScratchBytes(int head_dim) const;
 
  private:
   // Splits a call into (sequence, query head, query block) tasks and runs

@@ -11,8 +11,8 @@
 #include "backend/check_paged_params.h"
 #include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
-#include "backend/dtype.h"
-#include "backend/status_macros.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {

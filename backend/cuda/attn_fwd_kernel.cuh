@@ -99,13 +99,13 @@ __device__ __forceinline__ float QuadSum(float x) {
 }  // namespace detail
 
 // kHeadDim: instantiated head dim (params.head_dim <= kHeadDim, zero-padded).
-// kIsCausal: the request has a causal and/or sliding-window band (causal is
+// kIsBanded: the request has a causal and/or sliding-window band (causal is
 // window_right = 0 after FillParams); tiles outside the band are skipped and
 // band-boundary tiles masked. Without it only the last, partial key tile is
 // masked (by the same per-row [lo, hi] test, hi = Sk - 1).
 // A 16-row (decode) tile is capped to 3 CTAs per SM (<= 168 registers): its
 // 74 KB of smem allow 3, and 172 registers would allow only 2.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
   using namespace detail;
   constexpr int kThreads = kNWarps * 32;
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   const int b = bs / splits;
   const int split = bs % splits;
   // Causal CTAs with the most tiles first, so the tail of the grid is short ones.
-  if (kIsCausal) m_block = L.num_m_blocks - 1 - m_block;
+  if (kIsBanded) m_block = L.num_m_blocks - 1 - m_block;
   const int head = blockIdx.y;
 
   const int sq = SeqLenQ(p, b);
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   VisibleKeys(p, i_last, sq, sk, &lo_last, &hi_last);
   int n_begin = 0;
   int n_end = (sk + kBlockN - 1) / kBlockN;
-  if (kIsCausal) {
+  if (kIsBanded) {
     n_begin = max(lo_first, 0) / kBlockN;
     n_end = hi_last < 0 ? 0 : min(n_end, hi_last / kBlockN + 1);
   }
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
     // Mask only tiles that straddle the Sk end or a band edge.
     const int key0 = n * kBlockN;
     const bool need_mask =
-        key0 + kBlockN > sk || (kIsCausal && !(key0 >= lo_last && key0 + kBlockN - 1 <= hi_first));
+        key0 + kBlockN > sk || (kIsBanded && !(key0 >= lo_last && key0 + kBlockN - 1 <= hi_first));
     if (need_mask) {
       // Row bounds are recomputed here rather than kept in registers: the
       // main loop is at the 255-register limit and this runs on few tiles.
@@ -520,8 +520,8 @@ constexpr TileConfig TileFor() {
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
 template <int kHeadDim>
-constexpr TileConfig CausalTileFor() {
-  for (const TileConfig& t : kCausalTileTable) {
+constexpr TileConfig BandedTileFor() {
+  for (const TileConfig& t : kBandedTileTable) {
     if (t.head_dim == kHeadDim) return t;
   }
   return TileConfig{0, 0, 0, 0, 0, 0};
@@ -534,15 +534,15 @@ constexpr TileConfig DecodeTileFor() {
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
 
-template <int kHeadDim, typename T, bool kIsCausal, int kKind>
+template <int kHeadDim, typename T, bool kIsBanded, int kKind>
 cudaError_t RunAttnFwdTile(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile =
       kKind == 1   ? DecodeTileFor<kHeadDim>()
-      : kKind == 2 ? CausalTileFor<kHeadDim>()
+      : kKind == 2 ? BandedTileFor<kHeadDim>()
                    : TileFor<kHeadDim>();
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   auto kernel =
-      AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>;
+      AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>;
   constexpr int kSmem = SmemBytes(kTile);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -554,19 +554,19 @@ cudaError_t RunAttnFwdTile(const FwdLaunch& launch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int kHeadDim, typename T, bool kIsCausal>
+template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
   if constexpr (DecodeTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (launch.tile_kind == 1) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 1>(launch, stream);
+    if (launch.tile_kind == 1) return RunAttnFwdTile<kHeadDim, T, kIsBanded, 1>(launch, stream);
   }
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (launch.tile_kind == 2) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 2>(launch, stream);
+  if constexpr (kIsBanded && BandedTileFor<kHeadDim>().head_dim == kHeadDim) {
+    if (launch.tile_kind == 2) return RunAttnFwdTile<kHeadDim, T, kIsBanded, 2>(launch, stream);
   }
   if (launch.tile_kind != 0) return cudaErrorInvalidValue;
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
+  if constexpr (kIsBanded && BandedTileFor<kHeadDim>().head_dim == kHeadDim) {
     return cudaErrorInvalidValue;  // PlanForward gives banded requests tile_kind 2
   } else {
-    return RunAttnFwdTile<kHeadDim, T, kIsCausal, 0>(launch, stream);
+    return RunAttnFwdTile<kHeadDim, T, kIsBanded, 0>(launch, stream);
   }
 }
 

@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <iterator>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -14,9 +15,11 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
-#include "backend/dtype.h"
-#include "backend/host_copy.h"
+#include "backend/cuda/generated/kernel_set.h"
 #include "backend/ragged_batch.h"
+#include "common/dtype.h"
+#include "common/host_copy.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -31,10 +34,10 @@ absl::Status CudaError(cudaError_t err, const char* what) {
                                           cudaGetErrorString(err), ")"));
 }
 
-#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)                    \
-  do {                                                           \
-    const absl::Status _st = CudaError((expr), what);            \
-    if (!_st.ok()) return _st;                                   \
+#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)         \
+  do {                                                \
+    const absl::Status _st = CudaError((expr), what); \
+    if (!_st.ok()) return _st;                        \
   } while (0)
 
 int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
@@ -66,10 +69,10 @@ class StagingBuffer {
     const int64_t want = GrowTo(bytes_, need);
     Free();
     void* p = nullptr;
-    ATTN_CUDA_RETURN_IF_ERROR(kind_ == Kind::kDevice
-                                  ? cudaMalloc(&p, static_cast<size_t>(want))
-                                  : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
-                              what);
+    ATTN_CUDA_RETURN_IF_ERROR(
+        kind_ == Kind::kDevice ? cudaMalloc(&p, static_cast<size_t>(want))
+                               : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
+        what);
     ptr_ = static_cast<char*>(p);
     bytes_ = want;
     return absl::OkStatus();
@@ -168,8 +171,13 @@ AttnParams Rebase(const AttnParams& p, const char* from, char* to) {
 // never goes back to the pool with copies in flight.
 class CudaBackend::Launch final : public PendingLaunch {
  public:
-  Launch(CudaBackend* backend, Slot* slot, PackedBatch batch, StagingLayout layout, int64_t gather_us)
-      : backend_(backend), slot_(slot), batch_(std::move(batch)), layout_(layout), gather_us_(gather_us) {}
+  Launch(CudaBackend* backend, Slot* slot, PackedBatch batch, StagingLayout layout,
+         int64_t gather_us)
+      : backend_(backend),
+        slot_(slot),
+        batch_(std::move(batch)),
+        layout_(layout),
+        gather_us_(gather_us) {}
 
   ~Launch() override {
     if (slot_ == nullptr) return;
@@ -216,10 +224,10 @@ class CudaBackend::Launch final : public PendingLaunch {
 };
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
-  const absl::StatusOr<int> count = CudaDeviceCount();
-  if (!count.ok()) return count.status();
-  if (device < 0 || device >= *count) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", *count, " present"));
+  ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(
+        absl::StrCat("cuda: device ", device, " requested, ", count, " present"));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->device_ = device;
@@ -227,22 +235,26 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   cudaError_t err = cudaGetDeviceProperties(&prop, device);
   if (err == cudaSuccess) err = cudaSetDevice(device);
   if (err != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, ": ", cudaGetErrorString(err)));
+    return absl::UnavailableError(
+        absl::StrCat("cuda: device ", device, ": ", cudaGetErrorString(err)));
   }
   if (prop.major < 8) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " (", prop.name, ") is sm", prop.major,
-                                               prop.minor, "; the kernels need sm80 or later"));
+    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " (", prop.name, ") is sm",
+                                               prop.major, prop.minor,
+                                               "; the kernels need sm80 or later"));
   }
   b->num_sms_ = prop.multiProcessorCount;
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
   // One thread packed 72 MB in 15 ms on the H200 host (bench/NOTES-serving.md):
   // a few threads share the copies; more would compete with gRPC's threads.
-  const int copy_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
+  const int copy_threads =
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
   b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);
   b->scatter_pool_ = std::make_unique<ThreadPool>(copy_threads);
   for (std::unique_ptr<Slot>& slot : b->slots_) {
     slot = std::make_unique<Slot>();
-    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking), "stream");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking),
+                              "stream");
     for (cudaEvent_t& e : slot->events) ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "event");
   }
   BackendDescription& d = b->description_;
@@ -258,7 +270,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   d.devices.push_back(dev);
   d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
   d.min_head_dim = 8;
-  d.max_head_dim = cuda::HaveKernels(256) ? 256 : cuda::HaveKernels(192) ? 192 : 128;
+  d.max_head_dim =
+      *std::max_element(std::begin(cuda::kCompiledHeadDims), std::end(cuda::kCompiledHeadDims));
   d.head_dim_multiple = 8;
   return b;
 }
@@ -277,25 +290,29 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
-  const absl::Status st = CheckParams(params);
-  if (!st.ok()) return st;
-  if (params.dtype == DType::kFP32) return absl::OkStatus();
-  const cuda::LaunchPlan plan = cuda::PlanForward(params, num_sms_);
+absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
+  RETURN_IF_ERROR(CheckParams(params));
+  if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  return PlanFor(params);
+}
+
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+  const Plan plan = cuda::PlanForward(params, num_sms_);
   if (plan.kernel_head_dim == 0) {
-    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim,
-                                                 " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
-                                                 "compiles head dim 128 only)"));
+    return absl::UnimplementedError(
+        absl::StrCat("cuda: head_dim ", params.head_dim,
+                     " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
+                     "compiles head dim 128 only)"));
   }
-  if (cuda::SmemBytes(plan.tile) > max_smem_per_block_) {
+  const int smem = cuda::SmemBytes(cuda::TileFor(plan.tile_kind, plan.kernel_head_dim));
+  if (smem > max_smem_per_block_) {
     const DeviceDescription& dev = description_.devices[0];
-    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim, " uses the ",
-                                                 plan.kernel_head_dim, " tile, which needs ",
-                                                 cuda::SmemBytes(plan.tile), " bytes of shared memory; sm",
-                                                 dev.compute_capability_major, dev.compute_capability_minor,
-                                                 " allows ", max_smem_per_block_));
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda: head_dim ", params.head_dim, " uses the ", plan.kernel_head_dim,
+        " tile, which needs ", smem, " bytes of shared memory; sm", dev.compute_capability_major,
+        dev.compute_capability_minor, " allows ", max_smem_per_block_));
   }
-  return absl::OkStatus();
+  return plan;
 }
 
 CudaBackend::Slot* CudaBackend::AcquireSlot() {
@@ -319,26 +336,19 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
   slot_freed_.notify_one();
 }
 
-absl::Status CudaBackend::LaunchKernels(const AttnParams& dev, Slot* slot) {
+absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP32) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();
   }
-  const cuda::LaunchPlan plan = cuda::PlanForward(dev, num_sms_);
-  if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
-  const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
-  if (!st.ok()) return st;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream), "forward kernel");
+  RETURN_IF_ERROR(slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace"));
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream),
+                            "forward kernel");
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const PackedBatch& batch) {
-  // The members share dtype, head dims and options (CanShareLaunch), which is
-  // all CanImplement depends on beyond each member's own invariants.
-  for (const AttnParams* m : batch.members()) {
-    const absl::Status can = CanImplement(*m);
-    if (!can.ok()) return can;
-  }
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
+                                                                         const PackedBatch& batch) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   Slot* slot = AcquireSlot();
   // Until the Launch owns the slot, an error must hand it back with nothing
@@ -355,24 +365,35 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
 
   const absl::Time gather_start = absl::Now();
   ThreadPool* pool = gather_pool_.get();
-  const AttnParams staged = batch.Gather(
-      layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  const AttnParams staged =
+      batch.Gather(layout.In(slot->host.ptr()),
+                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
   const AttnParams dev = Rebase(staged, slot->host.ptr(), slot->device.ptr());
+  // One member: its plan. Several: the members were checked and planned one
+  // by one and share everything but sizes (CanShareLaunch), so the packed
+  // params only need their own split and tile decision.
+  Plan launch_plan = plan;
+  if (batch.size() > 1 && staged.dtype != DType::kFP32) {
+    absl::StatusOr<Plan> packed_plan = PlanFor(staged);
+    if (!packed_plan.ok()) return fail(packed_plan.status());
+    launch_plan = *packed_plan;
+  }
 
   auto queue = [&]() -> absl::Status {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(layout.inputs_end),
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(),
+                                              static_cast<size_t>(layout.inputs_end),
                                               cudaMemcpyHostToDevice, slot->stream),
                               "copy inputs to device");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
-    absl::Status kernels = LaunchKernels(dev, slot);
-    if (!kernels.ok()) return kernels;
+    RETURN_IF_ERROR(LaunchKernels(launch_plan, dev, slot));
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
     const int64_t out_bytes = layout.end - layout.o;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr() + layout.o, slot->device.ptr() + layout.o,
-                                              static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost, slot->stream),
-                              "copy outputs to host");
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot->host.ptr() + layout.o, slot->device.ptr() + layout.o,
+                        static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost, slot->stream),
+        "copy outputs to host");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
     return absl::OkStatus();
   };
@@ -381,10 +402,11 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
   return std::unique_ptr<PendingLaunch>(new Launch(this, slot, batch, layout, gather_us));
 }
 
-absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timings) {
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartForward(PackedBatch({&params}));
-  if (!launch.ok()) return launch.status();
-  return (*launch)->Finish(timings);
+absl::Status CudaBackend::Forward(const Plan& plan, const AttnParams& params,
+                                  BackendTimings* timings) {
+  ASSIGN_OR_RETURN(std::unique_ptr<PendingLaunch> launch,
+                   StartForward(plan, PackedBatch({&params})));
+  return launch->Finish(timings);
 }
 
 absl::StatusOr<int> CudaDeviceCount() {
@@ -392,16 +414,15 @@ absl::StatusOr<int> CudaDeviceCount() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     cudaGetLastError();
-    return absl::UnavailableError(
-        absl::StrCat("cuda: no usable GPU (", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
+    return absl::UnavailableError(absl::StrCat(
+        "cuda: no usable GPU (", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
   }
   return count;
 }
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device) {
-  auto b = CudaBackend::Create(device);
-  if (!b.ok()) return b.status();
-  return std::unique_ptr<AttentionBackend>(std::move(*b));
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, CudaBackend::Create(device));
+  return std::unique_ptr<AttentionBackend>(std::move(b));
 }
 
 }  // namespace attnserve

@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
-#include "backend/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace attnserve {
 
@@ -38,10 +38,17 @@ class CudaBackend final : public AttentionBackend {
   ~CudaBackend() override;
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams& params) const override;
+  // CheckParams, then PlanForward's plan (FP32: the SIMT kernel, any head
+  // dim). UNIMPLEMENTED in two documented cases: no compiled kernel at or
+  // above params.head_dim (ATTNSERVE_CUDA_KERNELS=dev builds 128 only), or a
+  // tile that needs more shared memory than this device allows per CTA
+  // (head dims 192/256 on sm86/sm89).
+  absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
   // One launch of `params` through the pipeline, waited for.
-  absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override;
+  absl::Status Forward(const Plan& plan, const AttnParams& params,
+                       BackendTimings* timings) override;
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan& plan,
+                                                              const PackedBatch& batch) override;
   int max_launches_in_flight() const override { return kPipelineDepth; }
 
  private:
@@ -53,8 +60,11 @@ class CudaBackend final : public AttentionBackend {
   // launches open, so in the server this does not wait).
   Slot* AcquireSlot();
   void ReleaseSlot(Slot* slot);
+  // The plan for FP16/BF16 params (PlanForward), or UNIMPLEMENTED when this
+  // build or this device has no kernel for them. Checks nothing else.
+  absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
-  absl::Status LaunchKernels(const AttnParams& dev, Slot* slot);
+  absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
 
   int device_ = 0;
   int num_sms_ = 0;

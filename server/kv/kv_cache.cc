@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {

@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
-#include "backend/status_macros.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {

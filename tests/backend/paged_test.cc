@@ -12,8 +12,8 @@
 
 #include "backend/backend_factory.h"
 #include "backend/check_paged_params.h"
-#include "backend/dtype.h"
 #include "backend/paged_batch.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -276,7 +276,7 @@ TEST_P(PagedGridTest, EqualsContiguousAndReference) {
   HostBuffers buf(c.tc);
   // The contiguous kernel over the whole context.
   BackendTimings t;
-  ASSERT_TRUE(Backend().Forward(buf.params(), &t).ok());
+  ASSERT_TRUE(PlanAndForward(Backend(), buf.params(), &t).ok());
   ASSERT_TRUE(CheckOutput(buf));
   PagedCase paged(buf, c.page_size, c.new_rows, c.cow, 7);
   const absl::Status status = Backend().PagedForward(paged.params(), &t);
@@ -393,8 +393,10 @@ TEST(PagedTest, DefaultBackendSaysUnimplemented) {
   class NoPaged : public AttentionBackend {
    public:
     const BackendDescription& Describe() const override { return d_; }
-    absl::Status CanImplement(const AttnParams&) const override { return absl::OkStatus(); }
-    absl::Status Forward(const AttnParams&, BackendTimings*) override { return absl::OkStatus(); }
+    absl::StatusOr<Plan> CanImplement(const AttnParams&) const override { return Plan(); }
+    absl::Status Forward(const Plan&, const AttnParams&, BackendTimings*) override {
+      return absl::OkStatus();
+    }
     BackendDescription d_;
   } backend;
   backend.d_.name = "nopaged";

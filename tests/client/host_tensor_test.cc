@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/dtype.h"
 #include "client/attention_client.h"
 #include "client/inputs.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

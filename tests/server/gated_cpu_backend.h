@@ -24,14 +24,14 @@ class GatedCpuBackend : public AttentionBackend {
 
   const BackendDescription& Describe() const override { return inner_->Describe(); }
 
-  absl::Status CanImplement(const AttnParams& p) const override {
+  absl::StatusOr<Plan> CanImplement(const AttnParams& p) const override {
     if (softcap_unimplemented_ && p.softcap != 0.0f) {
       return absl::UnimplementedError("softcap: not supported by this backend build");
     }
     return inner_->CanImplement(p);
   }
 
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
+  absl::Status Forward(const Plan& plan, const AttnParams& p, BackendTimings* timings) override {
     {
       absl::MutexLock lock(&mu_);
       ++calls_;
@@ -40,7 +40,7 @@ class GatedCpuBackend : public AttentionBackend {
     if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
       return absl::ResourceExhaustedError("device out of memory (simulated)");
     }
-    return inner_->Forward(p, timings);
+    return inner_->Forward(plan, p, timings);
   }
 
   // The paged path: the inner backend's memory; launches gated and counted

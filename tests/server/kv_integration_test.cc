@@ -18,6 +18,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "attnserve/v1/kv.grpc.pb.h"
 #include "backend/backend_factory.h"
+#include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -86,24 +87,16 @@ v1::AppendAttendRequest MakeCall(const std::string& cache, int layer, const std:
 
 // The reference output of `q` rows over `ctx` (bottom-right causal).
 std::vector<double> Reference(const std::vector<float>& q, const Context& ctx, bool causal) {
-  AttnParams p{};
-  p.dtype = DType::kFP32;
-  p.q = q.data();
-  p.k = ctx.k.data();
-  p.v = ctx.v.data();
-  p.batch = 1;
-  p.num_heads_q = kHq;
-  p.num_heads_kv = kHkv;
-  p.head_dim = kD;
-  p.seqlen_q = int32_t(q.size() / (kHq * kD));
-  p.seqlen_k = ctx.length();
-  p.total_q = p.seqlen_q;
-  p.total_k = p.seqlen_k;
-  p.softmax_scale = 1.0f / std::sqrt(float(kD));
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.is_causal = causal;
-  p.window_left = kNoWindow;
-  p.window_right = causal ? 0 : kNoWindow;
+  AttnOptions options;
+  options.causal = causal;
+  AttnPointers pointers;
+  pointers.q = q.data();
+  pointers.k = ctx.k.data();
+  pointers.v = ctx.v.data();
+  const AttnParams p =
+      MakeAttnParams(DenseShape(DType::kFP32, 1, int32_t(q.size() / (kHq * kD)), ctx.length(),
+                                kHq, kHkv, kD),
+                     options, pointers);
   return ReferenceAttention(p).o;
 }
 

@@ -15,7 +15,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "backend/backend_factory.h"
-#include "backend/dtype.h"
+#include "backend/make_params.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "server/executor.h"
 #include "server/kv/kv_cache.h"
@@ -306,16 +307,16 @@ class PoolTest : public ::testing::Test {
     auto c = std::make_shared<KvAppendAttend>();
     c->steps = {{id, len, n, 1}};
     data_.emplace_back(size_t(8 * (n + 1)), 0.5f);
-    c->attn.dtype = DType::kFP32;
-    c->attn.num_heads_q = 1;
-    c->attn.num_heads_kv = 1;
-    c->attn.head_dim = 8;
-    c->attn.q = data_.back().data();
-    c->attn.k = data_.back().data();
-    c->attn.v = data_.back().data();
-    c->attn.softmax_scale = 0.35f;
-    c->attn.softmax_scale_log2 = 0.35f * 1.4426950408889634f;
-    c->attn.window_left = c->attn.window_right = kNoWindow;
+    AttnShape shape;  // sizes and totals: the pool fills them
+    shape.dtype = DType::kFP32;
+    shape.num_heads_q = 1;
+    shape.num_heads_kv = 1;
+    shape.head_dim = 8;
+    AttnOptions options;
+    options.softmax_scale = 0.35f;
+    AttnPointers pointers;
+    pointers.q = pointers.k = pointers.v = data_.back().data();
+    c->attn = MakeAttnParams(shape, options, pointers);
     return c;
   }
   struct Result {
