@@ -85,8 +85,9 @@ class CudaBackend final : public AttentionBackend {
   absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
-  // The paged path's checks (beyond CanImplement of params.attn) that keep
-  // the kernels inside the cache's memory, and its kernels on a slot.
+  // The paged path's checks: CheckPagedParams (keeps the kernels inside the
+  // cache's memory), then a kernel for params.attn (PlanFor); and its
+  // kernels on a slot.
   absl::Status CheckPaged(const PagedAttnParams& params) const;
   absl::Status LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot);
 

@@ -12,10 +12,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backend/check_paged_params.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_staging.h"
 #include "backend/cuda/paged_attn.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -104,46 +107,11 @@ void CudaBackend::FreeKvMemory(void* memory) {
 }
 
 absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
-  const absl::StatusOr<Plan> can = CanImplement(p.attn);
-  if (!can.ok()) return can.status();
-  const KvPages& kv = p.pages;
-  if (kv.page_size < kMinPageSize || kv.page_size > kMaxPageSize || (kv.page_size & (kv.page_size - 1)) != 0 ||
-      (1 << kv.page_shift) != kv.page_size) {
-    return absl::InvalidArgumentError(absl::StrCat("pages.page_size: expected a power of two in [", kMinPageSize,
-                                                   ", ", kMaxPageSize, "] = 1 << page_shift, got ", kv.page_size,
-                                                   " (page_shift ", kv.page_shift, ")"));
-  }
-  if (kv.num_slabs < 1 || kv.num_slabs > kMaxKvSlabs || kv.slab_shift < 0 || kv.slab_shift > 24) {
-    return absl::InvalidArgumentError(absl::StrCat("pages: expected 1..", kMaxKvSlabs,
-                                                   " slabs of 2^0..2^24 pages, got ", kv.num_slabs,
-                                                   " slabs, slab_shift ", kv.slab_shift));
-  }
-  const int64_t num_pages = int64_t{kv.num_slabs} << kv.slab_shift;
-  auto bad_page = [num_pages](int32_t page) { return page < 0 || page >= num_pages; };
-  const AttnParams& a = p.attn;
-  for (int b = 0; b < a.batch; ++b) {
-    const int32_t len = p.seqlens_k[b];
-    const int32_t new_rows = a.cu_seqlens_k[b + 1] - a.cu_seqlens_k[b];
-    if (len < new_rows || len > a.seqlen_k || int64_t{len} > int64_t{p.block_table_stride} * kv.page_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "seqlens_k[", b, "]: expected in [new rows ", new_rows, ", min(seqlen_k ", a.seqlen_k,
-          ", block_table_stride x page_size ", int64_t{p.block_table_stride} * kv.page_size, ")], got ", len));
-    }
-    const int32_t* table = p.block_table + int64_t{b} * p.block_table_stride;
-    for (int32_t i = 0; i < (len + kv.page_size - 1) / kv.page_size; ++i) {
-      if (bad_page(table[i])) {
-        return absl::InvalidArgumentError(absl::StrCat("block_table[", b, "][", i, "]: expected a page id in [0, ",
-                                                       num_pages, "), got ", table[i]));
-      }
-    }
-  }
-  for (int i = 0; i < p.num_page_copies; ++i) {
-    if (bad_page(p.copy_src[i]) || bad_page(p.copy_dst[i])) {
-      return absl::InvalidArgumentError(absl::StrCat("copy_src/copy_dst[", i, "]: expected page ids in [0, ",
-                                                     num_pages, "), got ", p.copy_src[i], " -> ", p.copy_dst[i]));
-    }
-  }
-  return absl::OkStatus();
+  // The launch's invariants (page geometry, lengths, every page id it reads,
+  // writes or copies), then whether this build and device have its kernel.
+  RETURN_IF_ERROR(CheckPagedParams(p));
+  if (p.attn.dtype == DType::kFP32) return absl::OkStatus();  // the SIMT kernel takes any head dim
+  return PlanFor(p.attn).status();
 }
 
 absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
