@@ -19,7 +19,8 @@ namespace cuda {
 // row source of (b, KVHead(p, h)).
 constexpr int kFp32MaxPerLane = 256 / 32;
 template <typename Rows>
-__device__ __forceinline__ void AttendRowFp32(const AttnParams& p, int b, int h, int i, int sk, const Rows& rows) {
+__device__ __forceinline__ void AttendRowFp32(const AttnParams& p, int b, int h, int i, int sk,
+                                              const Rows& rows) {
   const int lane = threadIdx.x % 32;
   const int sq = SeqLenQ(p, b);
   const int64_t q_row = SeqStartQ(p, b) + i;
@@ -71,7 +72,8 @@ __device__ __forceinline__ void AttendRowFp32(const AttnParams& p, int b, int h,
     const int d = lane + 32 * e;
     if (d < p.head_dim) out[d] = o[e] * inv;
   }
-  if (lane == 0 && p.lse != nullptr) p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
 }
 
 }  // namespace cuda

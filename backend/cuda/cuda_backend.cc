@@ -204,15 +204,18 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
                                                                          const PackedBatch& batch) {
-  return StartStaged<StagingLayout>(batch, Rebase, [this, &plan, &batch](const AttnParams& dev, Slot* slot) {
-    // One member: its plan. Several: the members were checked and planned
-    // one by one and share everything but sizes (CanShareLaunch), so the
-    // packed params only need their own split and tile decision (PlanForward
-    // reads sizes only, so the device params do).
-    if (batch.size() == 1 || dev.dtype == DType::kFP32) return LaunchKernels(plan, dev, slot);
-    ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
-    return LaunchKernels(packed_plan, dev, slot);
-  });
+  return StartStaged<StagingLayout>(batch, Rebase,
+                                    [this, &plan, &batch](const AttnParams& dev, Slot* slot) {
+                                      // One member: its plan. Several: the members were checked and
+                                      // planned one by one and share everything but sizes
+                                      // (CanShareLaunch), so the packed params only need their own
+                                      // split and tile decision (PlanForward reads sizes only, so
+                                      // the device params do).
+                                      if (batch.size() == 1 || dev.dtype == DType::kFP32)
+                                        return LaunchKernels(plan, dev, slot);
+                                      ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
+                                      return LaunchKernels(packed_plan, dev, slot);
+                                    });
 }
 
 absl::Status CudaBackend::Forward(const Plan& plan, const AttnParams& params,

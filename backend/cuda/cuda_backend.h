@@ -58,7 +58,8 @@ class CudaBackend final : public AttentionBackend {
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
   absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const PagedBatch& batch) override;
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
+      const PagedBatch& batch) override;
 
   // A pipeline slot and a launch queued on one (cuda_staging.h; internal to
   // the backend's .cc files).
@@ -66,7 +67,6 @@ class CudaBackend final : public AttentionBackend {
   class Launch;
 
  private:
-
   CudaBackend() = default;
   // Blocks until a slot is free (the executor keeps at most kPipelineDepth
   // launches open, so in the server this does not wait).

@@ -27,7 +27,8 @@ namespace {
 // inputs (q | k_new | v_new | cu_q | cu_k | block table | seqlens | copy
 // src | copy dst), then outputs (o | lse).
 struct PagedLayout {
-  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0, copy_dst = 0;
+  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0,
+          copy_dst = 0;
   int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
 
   explicit PagedLayout(const PagedBatch& batch) {
@@ -92,7 +93,8 @@ PagedAttnParams RebasePaged(const PagedAttnParams& p, const char* from, char* to
 }  // namespace
 
 absl::StatusOr<void*> CudaBackend::AllocateKvMemory(int64_t bytes) {
-  if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("kv memory bytes: expected > 0, got ", bytes));
+  if (bytes <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("kv memory bytes: expected > 0, got ", bytes));
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   void* p = nullptr;
   // CudaError maps cudaErrorMemoryAllocation to RESOURCE_EXHAUSTED and clears it.
@@ -116,15 +118,18 @@ absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
 
 absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
   if (paged_done_ == nullptr) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&paged_done_, cudaEventDisableTiming), "event");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&paged_done_, cudaEventDisableTiming),
+                              "event");
   } else {
     // Start order: the previous paged launch may have appended rows this one
     // reads (or written pages this one copies).
-    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0), "order paged launches");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0),
+                              "order paged launches");
   }
   ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppend(dev, slot->stream), "page copies and append");
   if (dev.attn.dtype == DType::kFP32) {
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream), "paged fp32 forward kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream),
+                              "paged fp32 forward kernel");
   } else {
     // Planned on the launch's (packed) params: PlanFor reads sizes only.
     const absl::StatusOr<Plan> planned = PlanFor(dev.attn);
@@ -132,21 +137,23 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
     const Plan& plan = *planned;
     const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
     if (!st.ok()) return st;
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),
-                              "paged forward kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),
+        "paged forward kernel");
   }
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(const PagedBatch& batch) {
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
+    const PagedBatch& batch) {
   for (const PagedAttnParams* m : batch.members()) {
     const absl::Status st = CheckPaged(*m);
     if (!st.ok()) return st;
   }
-  return StartStaged<PagedLayout>(batch, RebasePaged, [this](const PagedAttnParams& dev, Slot* slot) {
-    return LaunchPagedKernels(dev, slot);
-  });
+  return StartStaged<PagedLayout>(
+      batch, RebasePaged,
+      [this](const PagedAttnParams& dev, Slot* slot) { return LaunchPagedKernels(dev, slot); });
 }
 
 absl::Status CudaBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {

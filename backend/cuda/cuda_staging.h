@@ -33,10 +33,10 @@ inline absl::Status CudaError(cudaError_t err, const char* what) {
                                           cudaGetErrorString(err), ")"));
 }
 
-#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)                    \
-  do {                                                           \
-    const absl::Status _st = CudaError((expr), what);            \
-    if (!_st.ok()) return _st;                                   \
+#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)         \
+  do {                                                \
+    const absl::Status _st = CudaError((expr), what); \
+    if (!_st.ok()) return _st;                        \
   } while (0)
 
 inline int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
@@ -68,10 +68,10 @@ class StagingBuffer {
     const int64_t want = GrowTo(bytes_, need);
     Free();
     void* p = nullptr;
-    ATTN_CUDA_RETURN_IF_ERROR(kind_ == Kind::kDevice
-                                  ? cudaMalloc(&p, static_cast<size_t>(want))
-                                  : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
-                              what);
+    ATTN_CUDA_RETURN_IF_ERROR(
+        kind_ == Kind::kDevice ? cudaMalloc(&p, static_cast<size_t>(want))
+                               : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
+        what);
     ptr_ = static_cast<char*>(p);
     bytes_ = want;
     return absl::OkStatus();
@@ -113,20 +113,23 @@ struct CudaBackend::Slot {
 // Queues one staged launch on the slot's stream: inputs [0, inputs_end) of
 // the pinned buffer to the device, `kernels`, outputs [out_begin, out_end)
 // back, with the slot's four events around the phases.
-inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int64_t inputs_end, int64_t out_begin,
-                                      int64_t out_end, const std::function<absl::Status()>& kernels) {
+inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int64_t inputs_end,
+                                      int64_t out_begin, int64_t out_end,
+                                      const std::function<absl::Status()>& kernels) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(inputs_end),
-                                            cudaMemcpyHostToDevice, slot->stream),
-                            "copy inputs to device");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(inputs_end),
+                      cudaMemcpyHostToDevice, slot->stream),
+      "copy inputs to device");
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
   const absl::Status st = kernels();
   if (!st.ok()) return st;
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr() + out_begin, slot->device.ptr() + out_begin,
-                                            static_cast<size_t>(out_end - out_begin), cudaMemcpyDeviceToHost,
-                                            slot->stream),
-                            "copy outputs to host");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(slot->host.ptr() + out_begin, slot->device.ptr() + out_begin,
+                      static_cast<size_t>(out_end - out_begin), cudaMemcpyDeviceToHost,
+                      slot->stream),
+      "copy outputs to host");
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
   return absl::OkStatus();
 }
@@ -185,7 +188,8 @@ class CudaBackend::Launch final : public PendingLaunch {
 };
 
 template <typename Layout, typename Batch, typename Rebase, typename Kernels>
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Batch& batch, Rebase rebase,
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Batch& batch,
+                                                                        Rebase rebase,
                                                                         Kernels kernels) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   Slot* slot = AcquireSlot();
@@ -203,12 +207,14 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Ba
 
   const absl::Time gather_start = absl::Now();
   ThreadPool* pool = gather_pool_.get();
-  const auto staged = batch.Gather(layout.In(slot->host.ptr()),
-                                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  const auto staged =
+      batch.Gather(layout.In(slot->host.ptr()),
+                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
   const auto dev = rebase(staged, slot->host.ptr(), slot->device.ptr());
 
-  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end, [&]() { return kernels(dev, slot); });
+  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end,
+                         [&]() { return kernels(dev, slot); });
   if (!st.ok()) return fail(st);
   Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
     batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);

@@ -58,10 +58,12 @@ struct PagedRows {
   __device__ __forceinline__ int64_t Locate(int j, int* slab) const {
     const int32_t page = __ldg(table + (j >> kv.pages.page_shift));
     *slab = PageSlab(kv.pages, page);
-    return PageRowOffset(kv.pages, page, j & (kv.pages.page_size - 1), num_heads_kv, head_dim, kv_head);
+    return PageRowOffset(kv.pages, page, j & (kv.pages.page_size - 1), num_heads_kv, head_dim,
+                         kv_head);
   }
   __device__ __forceinline__ const T* At(int kv_which, int slab, int64_t offset) const {
-    return static_cast<const T*>(kv_which ? kv.pages.v_slabs[slab] : kv.pages.k_slabs[slab]) + offset;
+    return static_cast<const T*>(kv_which ? kv.pages.v_slabs[slab] : kv.pages.k_slabs[slab]) +
+           offset;
   }
   __device__ __forceinline__ const T* Row(int kv_which, int j) const {
     int slab;

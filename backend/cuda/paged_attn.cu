@@ -2,16 +2,15 @@
 // copies and the append of new K/V rows into their pages, the paged attention
 // launch (the fused kernel with the paged row source, then the same exact
 // combine as the contiguous path), and the paged FP32 kernel.
-#include "backend/cuda/paged_attn.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 
 #include "backend/cuda/attn_fwd_fp32.cuh"
-#include "backend/cuda/kv_rows.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
+#include "backend/cuda/kv_rows.cuh"
+#include "backend/cuda/paged_attn.h"
 #include "common/dtype.h"
 
 namespace attnserve {
@@ -23,17 +22,20 @@ namespace {
 // A page of [page_size, Hkv, D] elements is a multiple of 16 bytes (D is a
 // multiple of 8).
 __global__ void CopyPagesKernel(const __grid_constant__ KvPages pages, const int32_t* copy_src,
-                                const int32_t* copy_dst, int64_t page_vecs, int num_heads_kv, int head_dim,
-                                int elem_bytes) {
+                                const int32_t* copy_dst, int64_t page_vecs, int num_heads_kv,
+                                int head_dim, int elem_bytes) {
   const int i = blockIdx.y;
   void* const* slabs = blockIdx.z == 0 ? pages.k_slabs : pages.v_slabs;
   const int32_t from = copy_src[i];
   const int32_t to = copy_dst[i];
-  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(slabs[PageSlab(pages, from)]) +
-                                                    PageRowOffset(pages, from, 0, num_heads_kv, head_dim, 0) * elem_bytes);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(slabs[PageSlab(pages, to)]) +
-                                        PageRowOffset(pages, to, 0, num_heads_kv, head_dim, 0) * elem_bytes);
-  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < page_vecs; v += int64_t{gridDim.x} * blockDim.x) {
+  const uint4* src = reinterpret_cast<const uint4*>(
+      static_cast<const char*>(slabs[PageSlab(pages, from)]) +
+      PageRowOffset(pages, from, 0, num_heads_kv, head_dim, 0) * elem_bytes);
+  uint4* dst =
+      reinterpret_cast<uint4*>(static_cast<char*>(slabs[PageSlab(pages, to)]) +
+                               PageRowOffset(pages, to, 0, num_heads_kv, head_dim, 0) * elem_bytes);
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < page_vecs;
+       v += int64_t{gridDim.x} * blockDim.x) {
     dst[v] = src[v];
   }
 }
@@ -41,7 +43,8 @@ __global__ void CopyPagesKernel(const __grid_constant__ KvPages pages, const int
 // Append: new row r (of Tnew, varlen over cu_seqlens_k) of sequence b goes
 // to token t = seqlens_k[b] - new_b + (r - cu_seqlens_k[b]) of b's pages.
 // One thread per 16 bytes of a row (Hkv x D elements), K and V.
-__global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int row_vecs, int elem_bytes) {
+__global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int row_vecs,
+                                 int elem_bytes) {
   const int64_t total = p.attn.total_k * row_vecs;
   const int64_t row_elems = int64_t{p.attn.num_heads_kv} * p.attn.head_dim;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
@@ -52,14 +55,20 @@ __global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int 
     int lo = 0, hi = p.attn.batch - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (p.attn.cu_seqlens_k[mid] <= r) lo = mid; else hi = mid - 1;
+      if (p.attn.cu_seqlens_k[mid] <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const int b = lo;
     const int new_b = p.attn.cu_seqlens_k[b + 1] - p.attn.cu_seqlens_k[b];
     const int t = p.seqlens_k[b] - new_b + static_cast<int>(r - p.attn.cu_seqlens_k[b]);
-    const int32_t page = p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
-    const int64_t dst = PageRowOffset(p.pages, page, t & (p.pages.page_size - 1), p.attn.num_heads_kv,
-                                      p.attn.head_dim, 0) * elem_bytes + int64_t{c} * 16;
+    const int32_t page =
+        p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
+    const int64_t dst = PageRowOffset(p.pages, page, t & (p.pages.page_size - 1),
+                                      p.attn.num_heads_kv, p.attn.head_dim, 0) *
+                            elem_bytes +
+                        int64_t{c} * 16;
     const int64_t src = r * row_elems * elem_bytes + int64_t{c} * 16;
     const int slab = PageSlab(p.pages, page);
     *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.k_slabs[slab]) + dst) =
@@ -70,7 +79,8 @@ __global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int 
 }
 
 // FP32 over pages: one warp per (query row, head).
-__global__ void __launch_bounds__(128) PagedAttnFwdFp32Kernel(const __grid_constant__ PagedFwdLaunch L) {
+__global__ void __launch_bounds__(128)
+    PagedAttnFwdFp32Kernel(const __grid_constant__ PagedFwdLaunch L) {
   const int i = blockIdx.x * 4 + threadIdx.x / 32;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
@@ -99,7 +109,8 @@ cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
     const int64_t page_vecs = row_bytes * dev.pages.page_size / 16;
     const unsigned x = static_cast<unsigned>(std::min<int64_t>((page_vecs + 255) / 256, 64));
     CopyPagesKernel<<<dim3(x, dev.num_page_copies, 2), 256, 0, stream>>>(
-        dev.pages, dev.copy_src, dev.copy_dst, page_vecs, dev.attn.num_heads_kv, dev.attn.head_dim, elem_bytes);
+        dev.pages, dev.copy_src, dev.copy_dst, page_vecs, dev.attn.num_heads_kv, dev.attn.head_dim,
+        elem_bytes);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -434,7 +434,9 @@ struct Paged : Impl {
     pp.block_table_stride = per_seq;
     auto upload = [&](const std::vector<int32_t>& h) -> int32_t* {
       void* d = arena.Alloc(int64_t(h.size()) * 4);
-      if (d == nullptr || cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
+      if (d == nullptr ||
+          cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+        return nullptr;
       return static_cast<int32_t*>(d);
     };
     p.cu_seqlens_q = upload(cu_q);
@@ -449,7 +451,10 @@ struct Paged : Impl {
     if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
     return plan.workspace_bytes == 0 || ws != nullptr;
   }
-  bool Run() override { CK(cuda::LaunchPagedForward(pp, plan, ws, nullptr)); return true; }
+  bool Run() override {
+    CK(cuda::LaunchPagedForward(pp, plan, ws, nullptr));
+    return true;
+  }
   int64_t ExtraBytes() const override { return arena.bytes; }
 };
 

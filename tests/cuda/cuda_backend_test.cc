@@ -29,7 +29,6 @@ using testing_util::HostBuffers;
 using testing_util::TestCase;
 constexpr auto SharedBackend = testing_util::SharedCudaBackend;
 
-
 // What CanImplement is documented to refuse (cuda_backend.h): a head dim
 // with no compiled kernel at or above it (ATTNSERVE_CUDA_KERNELS=dev), or a
 // kernel whose tile needs more shared memory than the device allows (head

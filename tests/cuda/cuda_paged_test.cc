@@ -36,7 +36,6 @@ using testing_util::HostBuffers;
 using testing_util::TestCase;
 constexpr auto SharedBackend = testing_util::SharedCudaBackend;
 
-
 // One paged case: tc is the whole problem as a varlen call (seqlens_k = each
 // sequence's length after the append, seqlens_q = its new queries);
 // new_rows[b] of those keys are appended by the attending launch, the rest
@@ -45,7 +44,7 @@ struct PagedCase {
   TestCase tc;
   std::vector<int> new_rows;
   int page_size = 16;
-  bool cow = false;        // copy sequence 0's partial last prefix page first
+  bool cow = false;          // copy sequence 0's partial last prefix page first
   bool two_members = false;  // the attending launch packs two calls (PagedBatch)
   std::string Name() const {
     std::string s = tc.Name() + "_new";
@@ -61,7 +60,8 @@ void PrintTo(const PagedCase& c, std::ostream* os) { *os << c.Name(); }
 // Device slabs of one cache, freed through the backend.
 class DeviceCache {
  public:
-  DeviceCache(AttentionBackend* backend, int num_slabs, int slab_shift, int page_size, int64_t row_bytes)
+  DeviceCache(AttentionBackend* backend, int num_slabs, int slab_shift, int page_size,
+              int64_t row_bytes)
       : backend_(backend) {
     pages_ = KvPages{};
     pages_.num_slabs = num_slabs;
@@ -94,8 +94,8 @@ class DeviceCache {
   std::vector<uint8_t> ReadKPage(int32_t page, int64_t row_bytes) const {
     std::vector<uint8_t> out(static_cast<size_t>(row_bytes * pages_.page_size));
     const int64_t off = (page & ((1 << pages_.slab_shift) - 1)) * pages_.page_size * row_bytes;
-    cudaMemcpy(out.data(), static_cast<char*>(pages_.k_slabs[PageSlab(pages_, page)]) + off, out.size(),
-               cudaMemcpyDeviceToHost);
+    cudaMemcpy(out.data(), static_cast<char*>(pages_.k_slabs[PageSlab(pages_, page)]) + off,
+               out.size(), cudaMemcpyDeviceToHost);
     return out;
   }
 
@@ -121,7 +121,8 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
   HostBuffers buf(pc.tc);
   const AttnParams& full = buf.params();
   const absl::StatusOr<Plan> can = backend_->CanImplement(full);
-  if (can.status().code() == absl::StatusCode::kUnimplemented) GTEST_SKIP() << can.status().message();
+  if (can.status().code() == absl::StatusCode::kUnimplemented)
+    GTEST_SKIP() << can.status().message();
   ASSERT_TRUE(can.ok()) << can.status();
   const int B = full.batch;
   const int64_t row_bytes = int64_t{full.num_heads_kv} * full.head_dim * DTypeSize(full.dtype);
@@ -156,12 +157,14 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
   const int32_t cow_dst = ids[next++];
 
   // Host K/V rows of the prefix and of the new part, packed varlen.
-  auto pack = [&](const void* src, bool new_part, std::vector<uint8_t>* out, std::vector<int32_t>* cu) {
+  auto pack = [&](const void* src, bool new_part, std::vector<uint8_t>* out,
+                  std::vector<int32_t>* cu) {
     cu->assign(1, 0);
     for (int b = 0; b < B; ++b) {
       const int first = new_part ? prefix[b] : 0;
       const int count = new_part ? pc.new_rows[b] : prefix[b];
-      const uint8_t* from = static_cast<const uint8_t*>(src) + (full.cu_seqlens_k[b] + first) * row_bytes;
+      const uint8_t* from =
+          static_cast<const uint8_t*>(src) + (full.cu_seqlens_k[b] + first) * row_bytes;
       out->insert(out->end(), from, from + count * row_bytes);
       cu->push_back(cu->back() + count);
     }
@@ -224,7 +227,8 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
 
   // Both launches started before either is finished: the second reads rows
   // the first appends (paged launches run in start order).
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> l1 = backend_->StartPagedForward(PagedBatch({&pre}));
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> l1 =
+      backend_->StartPagedForward(PagedBatch({&pre}));
   ASSERT_TRUE(l1.ok()) << l1.status();
   std::unique_ptr<PendingLaunch> l2;
   // The two-member form: sequences [0, B/2) and [B/2, B) as separate calls.
@@ -251,7 +255,8 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
       h.attn.seqlen_q = 0;
       h.attn.seqlen_k = 0;
       for (int b = b0; b < b1; ++b) {
-        h.attn.seqlen_q = std::max(h.attn.seqlen_q, full.cu_seqlens_q[b + 1] - full.cu_seqlens_q[b]);
+        h.attn.seqlen_q =
+            std::max(h.attn.seqlen_q, full.cu_seqlens_q[b + 1] - full.cu_seqlens_q[b]);
         h.attn.seqlen_k = std::max(h.attn.seqlen_k, len[b]);
       }
       h.attn.q = static_cast<const uint8_t*>(full.q) +
@@ -271,18 +276,21 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
     for (int part = 0; part < 2; ++part) {
       PagedAttnParams& h = halves[part];
       part_o[part].assign(static_cast<size_t>(h.attn.total_q * full.num_heads_q * full.head_dim *
-                                              DTypeSize(full.dtype)), 0xff);
+                                              DTypeSize(full.dtype)),
+                          0xff);
       part_lse[part].assign(static_cast<size_t>(h.attn.total_q * full.num_heads_q), std::nanf(""));
       h.attn.o = part_o[part].data();
       h.attn.lse = full.lse != nullptr ? part_lse[part].data() : nullptr;
       // Only the first member carries the copy (its sequence 0 is the case's).
       if (part == 1) h.num_page_copies = 0;
     }
-    absl::StatusOr<std::unique_ptr<PendingLaunch>> l = backend_->StartPagedForward(PagedBatch({&halves[0], &halves[1]}));
+    absl::StatusOr<std::unique_ptr<PendingLaunch>> l =
+        backend_->StartPagedForward(PagedBatch({&halves[0], &halves[1]}));
     ASSERT_TRUE(l.ok()) << l.status();
     l2 = std::move(*l);
   } else {
-    absl::StatusOr<std::unique_ptr<PendingLaunch>> l = backend_->StartPagedForward(PagedBatch({&step}));
+    absl::StatusOr<std::unique_ptr<PendingLaunch>> l =
+        backend_->StartPagedForward(PagedBatch({&step}));
     ASSERT_TRUE(l.ok()) << l.status();
     l2 = std::move(*l);
   }
@@ -299,7 +307,8 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
         for (int part = 0; part < 2; ++part) {
           const int64_t tq = halves[part].attn.total_q;
           const int64_t off = part == 0 ? 0 : halves[0].attn.total_q;
-          std::memcpy(lse.data() + int64_t{h} * full.total_q + off, part_lse[part].data() + h * tq, tq * 4);
+          std::memcpy(lse.data() + int64_t{h} * full.total_q + off, part_lse[part].data() + h * tq,
+                      tq * 4);
         }
       }
     }
@@ -311,9 +320,11 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
   buf.Poison();
   const absl::Status fst = backend_->Forward(*can, full, &t);
   ASSERT_TRUE(fst.ok()) << fst;
-  EXPECT_EQ(std::memcmp(buf.o(), o.data(), o.size()), 0) << "paged O differs from the contiguous kernel's";
+  EXPECT_EQ(std::memcmp(buf.o(), o.data(), o.size()), 0)
+      << "paged O differs from the contiguous kernel's";
   if (full.lse != nullptr) {
-    EXPECT_EQ(std::memcmp(buf.lse(), lse.data(), lse.size() * 4), 0) << "paged LSE differs from the contiguous kernel's";
+    EXPECT_EQ(std::memcmp(buf.lse(), lse.data(), lse.size() * 4), 0)
+        << "paged LSE differs from the contiguous kernel's";
   }
 
   if (cow) {
@@ -321,16 +332,20 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
     // never-written tail): the append went to the copy.
     const std::vector<uint8_t> src = cache.ReadKPage(copy_src[0], row_bytes);
     const int first = prefix[0] / ps * ps;
-    const uint8_t* want = static_cast<const uint8_t*>(buf.k()) + (full.cu_seqlens_k[0] + first) * row_bytes;
-    EXPECT_EQ(std::memcmp(src.data(), want, static_cast<size_t>((prefix[0] - first) * row_bytes)), 0);
-    const std::vector<uint8_t> tail(static_cast<size_t>((ps - (prefix[0] - first)) * row_bytes), 0xff);
-    EXPECT_EQ(std::memcmp(src.data() + (prefix[0] - first) * row_bytes, tail.data(), tail.size()), 0)
+    const uint8_t* want =
+        static_cast<const uint8_t*>(buf.k()) + (full.cu_seqlens_k[0] + first) * row_bytes;
+    EXPECT_EQ(std::memcmp(src.data(), want, static_cast<size_t>((prefix[0] - first) * row_bytes)),
+              0);
+    const std::vector<uint8_t> tail(static_cast<size_t>((ps - (prefix[0] - first)) * row_bytes),
+                                    0xff);
+    EXPECT_EQ(std::memcmp(src.data() + (prefix[0] - first) * row_bytes, tail.data(), tail.size()),
+              0)
         << "the shared source page was written";
   }
 }
 
-PagedCase Case(DType t, std::vector<int> q, std::vector<int> k, std::vector<int> fresh, int hq, int hkv, int d,
-               int page_size, bool causal = false) {
+PagedCase Case(DType t, std::vector<int> q, std::vector<int> k, std::vector<int> fresh, int hq,
+               int hkv, int d, int page_size, bool causal = false) {
   PagedCase c;
   c.tc.dtype = t;
   c.tc.seqlens_q = std::move(q);
