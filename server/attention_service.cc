@@ -2,7 +2,6 @@
 #include "server/attention_service.h"
 
 #include <atomic>
-#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
@@ -11,18 +10,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "server/call_deadline.h"
 #include "server/request_validation.h"
 #include "server/stream_reactor.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
-  const auto deadline = context->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
 
 // Unary Forward: the handler's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
@@ -171,6 +165,14 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_tokens(info_.max_tokens);
   limits->set_max_queue_size(info_.max_queue_size);
   for (const std::string& f : ServerFeatures()) response->add_features(f);
+  if (info_.kv_cache) {
+    response->add_features("kv_cache");
+    v1::KvInfo* kv = response->mutable_kv();
+    for (int size = kMinPageSize; size <= kMaxPageSize; size *= 2) kv->add_page_sizes(size);
+    kv->set_default_page_size(info_.kv_default_page_size);
+    kv->set_cache_bytes_per_device(info_.kv_cache_bytes);
+    kv->set_idle_timeout_ms(info_.kv_idle_timeout_ms);
+  }
   response->set_cpu_threads(d.cpu_threads);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

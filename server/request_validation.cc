@@ -275,18 +275,32 @@ AttnParams FillParams(const v1::ForwardRequest& request) {
     shape.cu_seqlens_q = request.cu_seqlens_q().data();
     shape.cu_seqlens_k = request.cu_seqlens_k().data();
   }
-  const v1::AttentionOptions& o = request.options();
+  AttnPointers pointers;
+  pointers.q = q.data().data();
+  pointers.k = k.data().data();
+  pointers.v = request.v().data().data();
+  return MakeAttnParams(shape, OptionsFromWire(request.options()), pointers);
+}
+
+AttnOptions OptionsFromWire(const v1::AttentionOptions& o) {
   AttnOptions options;
   if (o.has_softmax_scale()) options.softmax_scale = o.softmax_scale();
   options.causal = o.causal();
   if (o.has_window_left()) options.window_left = o.window_left();
   if (o.has_window_right()) options.window_right = o.window_right();
   options.softcap = o.softcap();
-  AttnPointers pointers;
-  pointers.q = q.data().data();
-  pointers.k = k.data().data();
-  pointers.v = request.v().data().data();
-  return MakeAttnParams(shape, options, pointers);
+  return options;
+}
+
+absl::Status ValidateOptions(const v1::AttentionOptions& options) { return CheckOptions(options); }
+
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
+  if (!IsKnownDType(tensor.dtype())) {
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
+                                WireDTypeName(tensor.dtype())));
+  }
+  RETURN_IF_ERROR(CheckDims(name, tensor));
+  return CheckByteLength(name, tensor);
 }
 
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
+#include "backend/make_params.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -33,6 +34,17 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const Req
 // MakeAttnParams (defaults and normalisation): input pointers into `request`
 // (which must outlive the params), o and lse null (the caller binds outputs).
 AttnParams FillParams(const v1::ForwardRequest& request);
+
+// The wire options as MakeAttnParams takes them (which normalises them), for
+// FillParams and the K/V front-end (kv_request.cc), whose calls carry the same
+// options.
+AttnOptions OptionsFromWire(const v1::AttentionOptions& options);
+// The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
+// options.<field>).
+absl::Status ValidateOptions(const v1::AttentionOptions& options);
+// A tensor's dtype is known, its dims are in range and its data has exactly
+// prod(shape) * sizeof(dtype) bytes; errors name `name`.<field>.
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);
 
 // ValidateForwardRequest, then FillParams.
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,

@@ -31,6 +31,8 @@
 #include "server/executor_pool.h"
 #include "server/forward_handler.h"
 #include "server/gpu_monitor.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "spdlog/spdlog.h"
@@ -84,6 +86,13 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
+  }
+  if (o.kv_cache_bytes <= 0 || o.kv_page_size < kMinPageSize || o.kv_page_size > kMaxPageSize ||
+      (o.kv_page_size & (o.kv_page_size - 1)) != 0 || o.kv_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_bytes: expected > 0 (got ", o.kv_cache_bytes,
+        "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
+        "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
   }
   return absl::OkStatus();
 }
@@ -153,6 +162,19 @@ BackendDescription Combined(const std::vector<std::unique_ptr<AttentionBackend>>
   return d;
 }
 
+// Each backend with its executor, for the K/V pool (a cache's calls go to its
+// device's executor only).
+std::vector<KvDevice> KvDevices(const std::vector<std::unique_ptr<AttentionBackend>>& backends,
+                                ExecutorPool* executors) {
+  std::vector<KvDevice> devices;
+  for (size_t i = 0; i < backends.size(); ++i) {
+    const BackendDescription& d = backends[i]->Describe();
+    devices.push_back({backends[i].get(), &executors->executor(static_cast<int>(i)),
+                       d.devices.empty() ? static_cast<int>(i) : d.devices.front().index});
+  }
+  return devices;
+}
+
 // What the KServe v2 front-end reports of this server's set-up. Metadata lists
 // q, k, v and o as FP16 when the backend runs it (tools such as perf_analyzer
 // generate that type); requests may use any dtype the backend lists.
@@ -179,9 +201,15 @@ class AttnServerImpl final : public AttnServer {
                                    options.batch_max_delay, options.batch_max_tokens}),
         handler_(&executors_, description_.name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(
-            &handler_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}),
+        service_(&handler_, description_,
+                 ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
+                             true, options.kv_page_size, options.kv_cache_bytes,
+                             absl::ToInt64Milliseconds(options.kv_idle_timeout)}),
+        kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
+                               options.kv_idle_timeout},
+                 KvDevices(backends_, &executors_)),
+        kv_service_(&kv_pool_, description_.name,
+                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve, [this] {
           absl::MutexLock lock(&mu_);
           return state_ == State::kServing;
@@ -228,9 +256,11 @@ class AttnServerImpl final : public AttnServer {
     // Health first: load balancers that poll it stop routing new work here.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executors_.StopAdmitting();
+    kv_service_.StopAdmitting();
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
+        kv_service_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         kserve_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
@@ -288,6 +318,7 @@ class AttnServerImpl final : public AttnServer {
     // Responses are as large as their requests' Q; the client sets its own limit.
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
+    builder.RegisterService(&kv_service_);
     builder.RegisterService(kserve_.grpc_service());
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || selected_port_ == 0) {
@@ -329,10 +360,11 @@ class AttnServerImpl final : public AttnServer {
     return absl::OkStatus();
   }
 
-  // The gauges' sources: the executors' queues, and NVML for GPU devices
-  // (serving goes on without them when NVML is missing).
+  // The gauges' sources: the executors' queues, the K/V pool, and NVML for
+  // GPU devices (serving goes on without them when NVML is missing).
   void StartDeviceMetrics() {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
+    metrics_.SetExtraSource([this] { return KvService::RenderMetrics(kv_pool_.Stats()); });
     metrics_.SetDevices(description_.devices);
     if (description_.devices.empty()) return;
     absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor =
@@ -362,8 +394,6 @@ class AttnServerImpl final : public AttnServer {
     }
   }
 
-  // kStarting -> kServing and health SERVING; false when Shutdown has begun
-  // meanwhile (health then stays NOT_SERVING).
   // The KServe v2 HTTP port; as with /metrics, the gRPC port (native and v2)
   // serves regardless of whether it could bind.
   void StartKserveHttp() {
@@ -372,6 +402,8 @@ class AttnServerImpl final : public AttnServer {
     }
   }
 
+  // kStarting -> kServing and health SERVING; false when Shutdown has begun
+  // meanwhile (health then stays NOT_SERVING).
   bool MarkServing(grpc::Server* server) {
     absl::MutexLock lock(&mu_);
     if (state_ != State::kStarting) return false;
@@ -402,6 +434,8 @@ class AttnServerImpl final : public AttnServer {
   ExecutorPool executors_;
   ForwardHandler handler_;
   AttentionService service_;
+  KvPool kv_pool_;  // after the executors its calls run on
+  KvService kv_service_;
   KserveFrontend kserve_;
 
   absl::Mutex mu_;

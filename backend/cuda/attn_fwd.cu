@@ -8,7 +8,9 @@
 #include <cmath>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
+#include "backend/cuda/kv_rows.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -95,78 +97,20 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// FP32: one warp per (query row, head); each lane holds D/32 elements of q and
-// of the unnormalised output; exact online softmax in fp32 with expf. Simple
-// and correct, not fast: every row re-reads its keys from L2.
-constexpr int kFp32MaxPerLane = 256 / 32;
-__global__ void __launch_bounds__(128) AttnFwdFp32Kernel(const AttnParams p) {
+// FP32: one warp per (query row, head), attn_fwd_fp32.cuh's row loop over
+// the request's own K/V tensors.
+__global__ void __launch_bounds__(128) AttnFwdFp32Kernel(const FwdLaunch L) {
   const int i = blockIdx.x * 4 + threadIdx.x / 32;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
-  const int lane = threadIdx.x % 32;
-  const int sq = SeqLenQ(p, b);
-  const int sk = SeqLenK(p, b);
-  if (i >= sq) return;
-  const int64_t q_row = SeqStartQ(p, b) + i;
-  const int kvh = KVHead(p, h);
-  const float* q = static_cast<const float*>(p.q) + QOffset(p, q_row, h);
-  const float* k = static_cast<const float*>(p.k) + KVOffset(p, SeqStartK(p, b), kvh);
-  const float* v = static_cast<const float*>(p.v) + KVOffset(p, SeqStartK(p, b), kvh);
-  const int64_t stride = int64_t{p.num_heads_kv} * p.head_dim;
-  float qr[kFp32MaxPerLane], o[kFp32MaxPerLane];
-#pragma unroll
-  for (int e = 0; e < kFp32MaxPerLane; ++e) {
-    const int d = lane + 32 * e;
-    qr[e] = d < p.head_dim ? q[d] : 0.f;
-    o[e] = 0.f;
-  }
-  int lo, hi;
-  VisibleKeys(p, i, sq, sk, &lo, &hi);
-  float mx = -INFINITY, sum = 0.f;
-  for (int j = lo; j <= hi; ++j) {
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < kFp32MaxPerLane; ++e) {
-      const int d = lane + 32 * e;
-      if (d < p.head_dim) dot = fmaf(qr[e], k[j * stride + d], dot);
-    }
-    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    float s = dot * p.softmax_scale;
-    if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
-    float w;
-    if (s > mx) {
-      const float corr = expf(mx - s);  // 0 on the first key
-      sum *= corr;
-#pragma unroll
-      for (int e = 0; e < kFp32MaxPerLane; ++e) o[e] *= corr;
-      mx = s;
-      w = 1.f;
-    } else {
-      w = expf(s - mx);
-    }
-    sum += w;
-#pragma unroll
-    for (int e = 0; e < kFp32MaxPerLane; ++e) {
-      const int d = lane + 32 * e;
-      if (d < p.head_dim) o[e] = fmaf(w, v[j * stride + d], o[e]);
-    }
-  }
-  float* out = static_cast<float*>(p.o) + QOffset(p, q_row, h);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-  for (int e = 0; e < kFp32MaxPerLane; ++e) {
-    const int d = lane + 32 * e;
-    if (d < p.head_dim) out[d] = o[e] * inv;
-  }
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[LseOffset(p, b, h, i)] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+  if (i >= SeqLenQ(L.p, b)) return;
+  AttendRowFp32(L.p, b, h, i, ContiguousRows<float>::SeqLen(L, b),
+                ContiguousRows<float>(L, b, KVHead(L.p, h)));
 }
 
 }  // namespace
 
-cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
-                          cudaStream_t stream) {
-  if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
+FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace) {
   FwdLaunch l;
   l.p = dev;
   l.num_splits = plan.num_splits;
@@ -180,32 +124,40 @@ cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspa
   l.scale_log2 = dev.softmax_scale * kLog2e;
   l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
-  l.tile_kind = static_cast<int>(plan.tile_kind);
-  cudaError_t err;
-  if (dev.dtype == DType::kFP16) {
-    err = plan.banded ? RunForHeadDim<__half, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__half, false>(plan.kernel_head_dim, l, stream);
-  } else {
-    err = plan.banded ? RunForHeadDim<__nv_bfloat16, true>(plan.kernel_head_dim, l, stream)
-                      : RunForHeadDim<__nv_bfloat16, false>(plan.kernel_head_dim, l, stream);
-  }
-  if (err != cudaSuccess || plan.num_splits == 1) return err;
+  l.tile_kind = plan.tile_kind;
+  return l;
+}
+
+cudaError_t LaunchCombine(const FwdLaunch& l, cudaStream_t stream) {
+  if (l.num_splits == 1) return cudaSuccess;
+  const AttnParams& dev = l.p;
   const unsigned blocks = static_cast<unsigned>(int64_t{dev.num_heads_q} * dev.total_q);
   if (dev.dtype == DType::kFP16) {
     CombineSplitsKernel<__half>
-        <<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, l.num_splits, l.o_accum, l.lse_accum);
   } else {
     CombineSplitsKernel<__nv_bfloat16>
-        <<<blocks, kCombineThreads, 0, stream>>>(dev, plan.num_splits, l.o_accum, l.lse_accum);
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, l.num_splits, l.o_accum, l.lse_accum);
   }
   return cudaGetLastError();
+}
+
+cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
+                          cudaStream_t stream) {
+  if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
+  const FwdLaunch l = MakeFwdLaunch(dev, plan, workspace);
+  const cudaError_t err = RunForPlan(plan, dev.dtype, l, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchCombine(l, stream);
 }
 
 cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream) {
   if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
   if (dev.num_heads_q > 65535 || dev.batch > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid((dev.seqlen_q + 3) / 4, dev.num_heads_q, dev.batch);
-  AttnFwdFp32Kernel<<<grid, 128, 0, stream>>>(dev);
+  FwdLaunch l{};
+  l.p = dev;
+  AttnFwdFp32Kernel<<<grid, 128, 0, stream>>>(l);
   return cudaGetLastError();
 }
 

@@ -19,21 +19,27 @@ namespace cuda {
 // Everything a forward kernel reads. `p` holds DEVICE pointers here.
 struct FwdLaunch {
   AttnParams p;
-  int num_splits;     // 1: write p.o / p.lse; > 1: write the fp32 partials below
-  float* o_accum;     // [num_splits, Hq, total_q, D], each split normalised by its own sum
-  float* lse_accum;   // [num_splits, Hq, total_q], natural log; -inf for an empty split
-  int pack_gqa;       // query heads of one KV head packed into M (1 = off)
-  int num_m_blocks;   // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
-  float scale_log2;   // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
-  float softcap_in;   // softmax_scale / softcap: raw Q.K -> argument of tanh
-  float softcap_out;  // softcap * log2(e): tanh -> log2-domain score
-  int tile_kind;      // static_cast<int>(TileKind) of the plan: which table's tile
+  int num_splits;      // 1: write p.o / p.lse; > 1: write the fp32 partials below
+  float* o_accum;      // [num_splits, Hq, total_q, D], each split normalised by its own sum
+  float* lse_accum;    // [num_splits, Hq, total_q], natural log; -inf for an empty split
+  int pack_gqa;        // query heads of one KV head packed into M (1 = off)
+  int num_m_blocks;    // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
+  float scale_log2;    // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
+  float softcap_in;    // softmax_scale / softcap: raw Q.K -> argument of tanh
+  float softcap_out;   // softcap * log2(e): tanh -> log2-domain score
+  TileKind tile_kind;  // the plan's tile table (TileFor)
 };
 
 // Launches the forward (and the combine kernel when split) on `stream`.
 // `dev` holds device pointers; `workspace` has plan.workspace_bytes.
 cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
                           cudaStream_t stream);
+
+// The launch struct of `plan` over device params `dev` (workspace: the
+// plan's split partials), and the exact combine of its splits (nothing when
+// unsplit). Shared by LaunchForward and the paged launch (paged_attn.h).
+FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace);
+cudaError_t LaunchCombine(const FwdLaunch& launch, cudaStream_t stream);
 
 // The FP32 path: a SIMT online-softmax kernel (one warp per query row and
 // head) in fp32 throughout, for the contract's 1e-5 FP32 tolerance.

@@ -50,14 +50,18 @@ constexpr TileConfig kTileTable[] = {
     {192, 128, 64, 8, 1, 255}, {256, 128, 64, 8, 1, 255},
 };
 // Decode tile (used when the whole M extent, seqlen_q x packed GQA heads, is
-// at most 16 rows): one 16-row m tile, computed by warp 0; all 4 warps load.
+// at most 16 rows): one 16-row m tile; all 4 warps load and compute.
 // The prefill tile wastes 7/8 of its Q tile and registers here: 255 registers
 // x 128 threads allow 2 CTAs per SM, each with one 16 KB K or V tile in flight
 // (1 stage), i.e. 8 dependent DRAM round trips per 4-tile split. This one:
-// O = D/2 + S = 32 fp32 registers (~130 in all, no spill), K and V double
-// buffered (the next tile's K and V both in flight during this tile, one round
-// trip per tile), smem (16 + 4 x 64) x (D + 8) x 2 = 74 KB at D=128: 3 CTAs per
-// SM, 105 KB in flight per SM. Head dims 192/256 (143+ KB) keep the prefill tile.
+// O = D/2 = 64 and S = 8 fp32 registers per thread (168 at the launch bound,
+// no spill), K and V double buffered (the next tile's K and V both in flight
+// during this tile, one round trip per tile), smem (16 + 4 x 64) x (D + 8) x 2
+// = 74 KB at D=128: 3 CTAs per SM, 105 KB in flight per SM. Head dims 192/256
+// (143+ KB) keep the prefill tile.
+// The 4 warps split each tile's 64 keys (16 each, merged at the end): measured
+// neutral against warp 0 computing alone (bench/NOTES-cuda.md, round 3), as
+// was a 16 x 32 x 4-stage cp.async ring (the kernel body supports kStages >= 3).
 constexpr TileConfig kDecodeTileTable[] = {
     {64, 16, 64, 4, 2, 168},
     {96, 16, 64, 4, 2, 168},

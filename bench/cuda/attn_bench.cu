@@ -8,6 +8,14 @@
 //             step. Simple fp32 SIMT code: it shows the loop order's traffic,
 //             not FA1's tensor-core speed. Run at N <= 1k only (slow).
 //   ours:     the production fused kernel (backend/cuda), split-KV for decode.
+//   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
+//             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
+//             over several slabs), read by the paged decode kernel through the
+//             block tables.
+// --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
+// benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
+// context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms), timed over 100
+// runs instead of 25.
 // Timing: CUDA events around each run, L2 flushed (a 256 MB memset) before
 // every run, 5 warm-ups, median of 25 runs; random inputs. Prints CSV rows in
 // DESIGN.md §5's format: kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,
@@ -29,6 +37,7 @@
 #include <vector>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/paged_attn.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "common/dtype.h"
@@ -213,6 +222,7 @@ struct Impl {
 // --decode_splits=N (0: the planner's choice) overrides the split count of
 // decode shapes, for sweeping the split heuristic.
 int g_decode_splits = 0;
+FILE* g_kv_csv = nullptr;  // --kv_csv
 
 struct Ours : Impl {
   AttnParams p{};
@@ -380,9 +390,79 @@ struct KvRead : Impl {
   int64_t ExtraBytes() const override { return 0; }
 };
 
+// The decode problem with K/V in pages: Setup appends the contiguous K/V into
+// the pages on the GPU (LaunchKvAppend), Run is the paged decode launch.
+struct Paged : Impl {
+  explicit Paged(int ps) : page_size(ps) {}
+  int page_size;
+  PagedAttnParams pp{};
+  Plan plan;
+  Arena arena;
+  void* ws = nullptr;
+  bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+    if (std::string(s.kind) != "decode") return false;
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    std::vector<int32_t> cu_q(s.b + 1), cu_k(s.b + 1), lens(s.b, s.sk);
+    for (int b = 0; b <= s.b; ++b) {
+      cu_q[b] = b * s.sq;
+      cu_k[b] = b * s.sk;
+    }
+    // Varlen: the append reads the new rows (all of them) by cu_seqlens_k.
+    AttnShape shape = BenchShape(s);
+    shape.cu_seqlens_q = cu_q.data();
+    shape.cu_seqlens_k = cu_k.data();
+    AttnParams& p = pp.attn;
+    p = MakeAttnParams(shape, BenchOptions(s), {q, k, v, o, nullptr});
+    KvPages& kv = pp.pages;
+    kv.page_size = page_size;
+    while ((1 << kv.page_shift) < page_size) ++kv.page_shift;
+    const int per_seq = (s.sk + page_size - 1) / page_size;
+    const int64_t pages = int64_t{s.b} * per_seq;
+    while ((int64_t{1} << kv.slab_shift) * 4 < pages) ++kv.slab_shift;  // >= 4 slabs
+    kv.num_slabs = static_cast<int>((pages + (1 << kv.slab_shift) - 1) >> kv.slab_shift);
+    const int64_t slab_bytes = (int64_t{1} << kv.slab_shift) * page_size * s.hkv * s.d * 2;
+    for (int i = 0; i < kv.num_slabs; ++i) {
+      kv.k_slabs[i] = arena.Alloc(slab_bytes);
+      kv.v_slabs[i] = arena.Alloc(slab_bytes);
+      if (kv.k_slabs[i] == nullptr || kv.v_slabs[i] == nullptr) return false;
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(int64_t{kv.num_slabs} << kv.slab_shift));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
+    ids.resize(static_cast<size_t>(pages));
+    pp.block_table_stride = per_seq;
+    auto upload = [&](const std::vector<int32_t>& h) -> int32_t* {
+      void* d = arena.Alloc(int64_t(h.size()) * 4);
+      if (d == nullptr ||
+          cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+        return nullptr;
+      return static_cast<int32_t*>(d);
+    };
+    p.cu_seqlens_q = upload(cu_q);
+    p.cu_seqlens_k = upload(cu_k);
+    pp.block_table = upload(ids);
+    pp.seqlens_k = upload(lens);
+    if (!p.cu_seqlens_q || !p.cu_seqlens_k || !pp.block_table || !pp.seqlens_k) return false;
+    CK(cuda::LaunchKvAppend(pp, nullptr));
+    CK(cudaDeviceSynchronize());
+    plan = cuda::PlanForward(p, num_sms);
+    if (plan.kernel_head_dim == 0) return false;
+    if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
+    return plan.workspace_bytes == 0 || ws != nullptr;
+  }
+  bool Run() override {
+    CK(cuda::LaunchPagedForward(pp, plan, ws, nullptr));
+    return true;
+  }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
 template <typename T>
 std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "ours") return std::make_unique<Ours>();
+  if (name == "paged16") return std::make_unique<Paged>(16);
+  if (name == "paged64") return std::make_unique<Paged>(64);
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
@@ -468,7 +548,8 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  const int warm = 5, reps = name == "fa1" ? 20 : 25;
+  const bool decode = std::string(s.kind) == "decode";
+  const int warm = 5, reps = name == "fa1" ? 20 : (g_kv_csv != nullptr && decode) ? 100 : 25;
   std::vector<float> ms;
   for (int it = 0; it < warm + reps; ++it) {
     CK(cudaMemsetAsync(flush, it & 0xff, 256 << 20));
@@ -484,13 +565,22 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
   const double med = ms[ms.size() / 2];
   double flops = 4.0 * s.b * s.hq * double(s.sq) * s.sk * s.d;
   if (s.causal && s.sq == s.sk) flops /= 2;
-  const bool decode = std::string(s.kind) == "decode";
   const double bytes = decode ? 2.0 * nk * 2 : 2.0 * (2 * nq + 2 * nk);
   std::fprintf(csv, "%s,%s,%d,%d,%d,%d,%d,%d,%d,%s,%.4f,%.2f,%.3f,%lld\n", s.kind,
                s.dtype == DType::kFP16 ? "fp16" : "bf16", s.d, s.b, s.hq, s.hkv, s.sq, s.sk,
                s.causal ? 1 : 0, name.c_str(), med, flops / med * 1e-9, bytes / med * 1e-9,
                static_cast<long long>(io.bytes + impl->ExtraBytes()));
   std::fflush(csv);
+  if (g_kv_csv != nullptr && decode && name != "kvread") {
+    const bool paged = name.rfind("paged", 0) == 0;
+    const double p99 =
+        ms[std::min(ms.size() - 1, static_cast<size_t>(std::ceil(0.99 * ms.size())) - 1)];
+    std::fprintf(g_kv_csv, "kernel,%s,%d,%d,1,%s,%.0f,%.3f,%.4f,%.4f\n",
+                 paged ? "ours_paged" : "ours_contiguous", s.b, s.sk,
+                 paged ? name.substr(5).c_str() : "", s.b / (med * 1e-3), bytes / med * 1e-9, med,
+                 p99);
+    std::fflush(g_kv_csv);
+  }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   return true;
@@ -514,6 +604,10 @@ int main(int argc, char** argv) {
     if (!val("--csv=").empty()) out = val("--csv=");
     if (!val("--decode_splits=").empty())
       g_decode_splits = std::atoi(val("--decode_splits=").c_str());
+    if (!val("--kv_csv=").empty()) {
+      g_kv_csv = std::fopen(val("--kv_csv=").c_str(), "w");
+      if (g_kv_csv == nullptr) return 1;
+    }
   }
   FILE* csv = out.empty() ? stdout : std::fopen(out.c_str(), "w");
   if (csv == nullptr) return 1;
@@ -542,9 +636,12 @@ int main(int argc, char** argv) {
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0;
   for (const Shape& s : shapes) {
-    for (const char* name : {"ours", "standard", "fa1", "kvread"}) {
+    for (const char* name : {"ours", "paged16", "paged64", "standard", "fa1", "kvread"}) {
       if (impls.find(name) == std::string::npos) continue;
-      if (std::string(name) == "kvread" && std::string(s.kind) != "decode") continue;
+      if ((std::string(name) == "kvread" || std::string(name).rfind("paged", 0) == 0) &&
+          std::string(s.kind) != "decode") {
+        continue;
+      }
       if (std::string(name) == "fa1" && (s.sq > 1024 || std::string(s.kind) == "decode")) continue;
       if (std::string(name) == "standard" && s.hq != s.hkv) continue;
       if (!Bench(name, s, flush, csv)) ++failed;
@@ -552,6 +649,7 @@ int main(int argc, char** argv) {
   }
   cudaFree(flush);
   if (csv != stdout) std::fclose(csv);
+  if (g_kv_csv != nullptr) std::fclose(g_kv_csv);
   std::fprintf(stderr, "attn_bench: %d version/shape pairs skipped or failed\n", failed);
   return 0;
 }

@@ -1,34 +1,20 @@
 // Reactors of inference.GRPCInferenceService; see grpc_service.h.
 #include "server/kserve/grpc_service.h"
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
 
-#include "server/kserve/tenant.h"
 #include "common/grpc_status.h"
+#include "server/call_deadline.h"
 #include "server/stream_reactor.h"
+#include "server/tenant.h"
 
 namespace attnserve {
 namespace {
 
 using inference::ModelInferRequest;
 using inference::ModelStreamInferResponse;
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext* ctx) {
-  const auto deadline = ctx->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
-
-std::string TenantOf(const grpc::CallbackServerContext* ctx) {
-  const auto& metadata = ctx->client_metadata();
-  auto it = metadata.find("authorization");
-  return TenantForCall(it == metadata.end() ? absl::string_view()
-                                            : absl::string_view(it->second.data(),
-                                                                it->second.size()));
-}
 
 grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();

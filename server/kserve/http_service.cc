@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/dtype.h"
-#include "server/kserve/tenant.h"
+#include "server/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 #include <nlohmann/json.hpp>

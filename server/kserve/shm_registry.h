@@ -1,5 +1,5 @@
 // The shared-memory regions clients registered (Triton's system_shared_memory
-// and cuda_shared_memory extensions), per tenant (tenant.h): register,
+// and cuda_shared_memory extensions), per tenant (server/tenant.h): register,
 // unregister, list, and Acquire, the bounds check every use goes through.
 // A tenant never sees another's regions: a name registered by someone else is
 // answered exactly like a name nobody registered. Off unless the server runs

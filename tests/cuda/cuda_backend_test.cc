@@ -19,6 +19,7 @@
 #include "backend/cuda/generated/kernel_set.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
 namespace {
@@ -26,22 +27,7 @@ namespace {
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
-
-// One backend for the whole binary (device buffers reused across cases, as
-// in the server); null with the reason when there is no usable GPU.
-AttentionBackend* SharedBackend(std::string* why) {
-  static std::string reason;
-  static std::unique_ptr<AttentionBackend> backend = [] {
-    auto b = MakeCudaBackend(0);
-    if (!b.ok()) {
-      reason = std::string(b.status().message());
-      return std::unique_ptr<AttentionBackend>();
-    }
-    return std::move(*b);
-  }();
-  *why = reason;
-  return backend.get();
-}
+constexpr auto SharedBackend = testing_util::SharedCudaBackend;
 
 // What CanImplement is documented to refuse (cuda_backend.h): a head dim
 // with no compiled kernel at or above it (ATTNSERVE_CUDA_KERNELS=dev), or a

@@ -20,10 +20,34 @@ set(ATTN_FWD_KERNELS_ALL
   generated/attn_fwd_hdim256_fp16_unbanded_sm80.cu
   generated/attn_fwd_hdim256_bf16_banded_sm80.cu
   generated/attn_fwd_hdim256_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim64_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim64_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim64_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim64_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim96_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim96_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim96_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim96_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim128_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim128_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim128_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim128_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim192_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim192_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim192_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim192_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim256_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim256_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim256_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim256_bf16_unbanded_sm80.cu
 )
 set(ATTN_FWD_KERNELS_DEV
   generated/attn_fwd_hdim128_fp16_banded_sm80.cu
   generated/attn_fwd_hdim128_fp16_unbanded_sm80.cu
   generated/attn_fwd_hdim128_bf16_banded_sm80.cu
   generated/attn_fwd_hdim128_bf16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim128_fp16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim128_fp16_unbanded_sm80.cu
+  generated/paged_attn_fwd_hdim128_bf16_banded_sm80.cu
+  generated/paged_attn_fwd_hdim128_bf16_unbanded_sm80.cu
 )
