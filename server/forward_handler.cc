@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/shape_string.h"
+#include "server/server_timing.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -102,14 +103,7 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
     response->clear_o();
     response->clear_lse();
   }
-  v1::ServerTiming* t = response->mutable_timing();
-  t->set_queue_us(timings.queue_us);
-  t->set_host_to_device_us(timings.host_to_device_us);
-  t->set_compute_us(timings.compute_us);
-  t->set_device_to_host_us(timings.device_to_host_us);
-  t->set_total_us(timings.total_us);
-  t->set_batch_size(timings.batch_size);
-  t->set_device(timings.device);
+  FillServerTiming(timings, response->mutable_timing());
   if (metrics_ != nullptr) {
     metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us, timings.compute_us,
                             timings.device_to_host_us, timings.total_us);

@@ -10,6 +10,7 @@
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
 #include "server/kv_request.h"
+#include "server/server_timing.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -22,16 +23,6 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const abs
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
-}
-
-void FillTiming(const WorkTimings& timings, v1::ServerTiming* t) {
-  t->set_queue_us(timings.queue_us);
-  t->set_host_to_device_us(timings.host_to_device_us);
-  t->set_compute_us(timings.compute_us);
-  t->set_device_to_host_us(timings.device_to_host_us);
-  t->set_total_us(timings.total_us);
-  t->set_batch_size(timings.batch_size);
-  t->set_device(timings.device);
 }
 
 // Unary AppendAttend: the pool's completion finishes the RPC.
@@ -170,7 +161,7 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
   response->set_request_id(request->request_id());
   response->set_backend(backend_name_);
   auto finish = [this, response, done](const absl::Status& status, const WorkTimings& timings) {
-    FillTiming(timings, response->mutable_timing());
+    FillServerTiming(timings, response->mutable_timing());
     if (metrics_ != nullptr) {
       metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
                               timings.compute_us, timings.device_to_host_us, timings.total_us);
