@@ -16,13 +16,22 @@
 namespace attnserve {
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  const int code = static_cast<int>(status.error_code());
+  return StatusFromRpcCode(static_cast<int>(status.error_code()), status.error_message());
+}
+
+absl::Status StatusFromRpcCode(int code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
   // A code outside google.rpc.Code (a misbehaving peer) must not become an
   // absl::StatusCode that no switch handles.
   const absl::StatusCode absl_code =
       code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
-  return absl::Status(absl_code, status.error_message());
+  return absl::Status(absl_code, message);
+}
+
+ServerTiming ServerTimingFromProto(const v1::ServerTiming& t) {
+  // A server without batching leaves batch_size 0: it ran alone.
+  return {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
+          t.total_us(), std::max(1, t.batch_size())};
 }
 
 namespace {
@@ -40,14 +49,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
   SetTensor(std::forward<Inputs>(inputs).v, request.mutable_v());
   request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
   request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
-  const AttentionOptions& from = inputs.options;
-  v1::AttentionOptions* to = request.mutable_options();
-  if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
-  to->set_causal(from.causal);
-  if (from.window_left) to->set_window_left(*from.window_left);
-  if (from.window_right) to->set_window_right(*from.window_right);
-  to->set_softcap(from.softcap);
-  to->set_return_lse(from.return_lse);
+  AttentionOptionsToProto(inputs.options, request.mutable_options());
   return request;
 }
 
@@ -81,6 +83,15 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
 
 }  // namespace
 
+void AttentionOptionsToProto(const AttentionOptions& from, v1::AttentionOptions* to) {
+  if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
+  to->set_causal(from.causal);
+  if (from.window_left) to->set_window_left(*from.window_left);
+  if (from.window_right) to->set_window_right(*from.window_right);
+  to->set_softcap(from.softcap);
+  to->set_return_lse(from.return_lse);
+}
+
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) {
   return BuildRequest(inputs);
 }
@@ -101,10 +112,7 @@ absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& respo
     }
     result.lse = *std::move(lse);
   }
-  const v1::ServerTiming& t = response.timing();
-  // A server without batching leaves batch_size 0: it ran alone.
-  result.timing = {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-                   t.total_us(), std::max(1, t.batch_size())};
+  result.timing = ServerTimingFromProto(response.timing());
   result.backend = response.backend();
   return result;
 }

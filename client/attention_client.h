@@ -37,6 +37,9 @@ namespace attnserve {
 // The numeric codes are the same (both are google.rpc.Code); the message is
 // kept verbatim so server-side field names reach the caller intact.
 absl::Status ToAbslStatus(const grpc::Status& status);
+// The same for a google.rpc.Code carried in a message (a stream response's
+// error_code): 0 is OK, a code outside google.rpc.Code becomes UNKNOWN.
+absl::Status StatusFromRpcCode(int code, const std::string& message);
 
 struct ClientOptions {
   // Deadline of a call that does not set its own. absl::InfiniteDuration():
@@ -74,6 +77,8 @@ struct AttentionOptions {
   bool return_lse = false;
 };
 
+void AttentionOptionsToProto(const AttentionOptions& from, v1::AttentionOptions* to);
+
 // One attention call. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and empty
 // cu_seqlens. Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and both cu_seqlens.
 struct AttentionInputs {
@@ -95,6 +100,8 @@ struct ServerTiming {
   int64_t total_us = 0;
   int batch_size = 1;  // requests that shared the backend launch
 };
+
+ServerTiming ServerTimingFromProto(const v1::ServerTiming& timing);
 
 struct ForwardResult {
   std::string request_id;
@@ -163,6 +170,9 @@ class AttentionClient {
   int num_channels() const { return static_cast<int>(channels_.size()); }
   // For callers that need the channel itself (connectivity state, own stubs).
   const std::shared_ptr<grpc::Channel>& channel(int i) const { return channels_[i].channel; }
+  // Applies the deadline and wait-for-ready of `call` (or of the client's
+  // options) to a fresh context; for callers with their own stubs.
+  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
 
  private:
   struct Channel {
@@ -172,8 +182,6 @@ class AttentionClient {
   };
 
   AttentionClient(std::string target, ClientOptions options);
-  // Applies deadline and wait-for-ready to a fresh context.
-  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
   // The next channel in rotation.
   Channel& Next();
   // Forward or Echo: the two unary RPCs share a request and response type.
