@@ -92,6 +92,33 @@ const Command kCommands[] = {
      "Exit code 0 on success, 1 on a server error (its code and message are printed), 2 on bad\n"
      "flags.",
      kKvFlagsFile, nullptr, RunKv, {"heads_kv", "head_dim", "dtype", "json"}},
+    {"load-kv", "Decode-loop load test of the K/V cache: prefill, then per-layer steps per token.",
+     "attnctl [--target=host:port] load-kv [--sequences=N] [--prompt=N] [--tokens=N] [--layers=L]\n"
+     "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
+     "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
+     "        [--warmup_tokens=N] [--csv=FILE] [--label=TEXT]\n\n"
+     "Examples:\n"
+     "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
+     "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
+     "  attnctl load-kv --sequences=64 --prompt=8192 --tokens=32 --warmup_tokens=2 --layers=32 \\\n"
+     "      --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --stream --channels=4 \\\n"
+     "      --concurrency=1,4 --csv=kv.csv\n"
+     "  attnctl load-kv --stateless --sequences=16 --prompt=4096 ... --csv=kv.csv\n\n"
+     "Creates a cache and --sequences sequences, prefills each with --prompt tokens (append\n"
+     "with Q, causal, in --prefill_chunk pieces), then for each of --tokens generated tokens and\n"
+     "each layer sends one append-and-attend step per group of sequences (Sq = 1, one new K/V\n"
+     "token each). --concurrency=G splits the sequences into G groups in flight at once (one\n"
+     "thread each; with --stream they share min(G, --channels) streams round-robin). Frees the\n"
+     "sequences and drops the cache at the end. --stateless sends the whole context with\n"
+     "Forward at every step instead. Reports generated tokens/s, K/V bytes attended per second,\n"
+     "per-step (one call) p50/p99 and the server's queue/h2d/compute/d2h; --csv appends one row\n"
+     "per --concurrency value (scenario=loop, impl=attnserve_kv|attnserve_stateless, ...).\n"
+     "--check keeps every sequence's K/V per layer on the client and holds every output\n"
+     "(prefill and decode) to the float64 reference over the whole context.\n"
+     "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
+     "client/cli/load_kv.cc", nullptr, RunLoadKv,
+     {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
+      "concurrency", "channels", "stream", "check", "csv", "label"}},
 };
 
 const Command* FindCommand(absl::string_view name) {

@@ -71,6 +71,16 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
   return absl::OkStatus();
 }
 
+// What AppendAttendResultFromProto reads of a request, without the bytes.
+v1::AppendAttendRequest ShapesOf(const v1::AppendAttendRequest& r) {
+  v1::AppendAttendRequest out;
+  out.mutable_q()->set_dtype(r.q().dtype());
+  *out.mutable_q()->mutable_shape() = r.q().shape();
+  *out.mutable_sequences() = r.sequences();
+  *out.mutable_options() = r.options();
+  return out;
+}
+
 }  // namespace
 
 v1::KvGeometry KvGeometryToProto(const KvGeometry& g) {
@@ -346,17 +356,23 @@ absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done
 }
 
 absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(const AppendAttendInputs& inputs) {
-  v1::AppendAttendRequest request = MakeAppendAttendRequest(inputs);
+  return Call(MakeAppendAttendRequest(inputs));
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(v1::AppendAttendRequest request) {
+  // The request's bytes move into the stream; its shapes stay for the check.
+  const v1::AppendAttendRequest shapes = ShapesOf(request);
   absl::Notification done;
   absl::StatusOr<v1::AppendAttendResponse> response;
-  const absl::Status sent = Send(request, [&](absl::StatusOr<v1::AppendAttendResponse> r) {
-    response = std::move(r);
-    done.Notify();
-  });
+  const absl::Status sent =
+      Send(std::move(request), [&](absl::StatusOr<v1::AppendAttendResponse> r) {
+        response = std::move(r);
+        done.Notify();
+      });
   if (!sent.ok()) return sent;
   done.WaitForNotification();
   if (!response.ok()) return response.status();
-  return AppendAttendResultFromProto(request, *std::move(response));
+  return AppendAttendResultFromProto(shapes, *std::move(response));
 }
 
 void AppendAttendStream::ReadLoop() {

@@ -137,6 +137,7 @@ class AppendAttendStream {
   absl::Status Send(v1::AppendAttendRequest request, Done done);
   // Sends and waits for that request's result, decoded and checked.
   absl::StatusOr<AppendAttendResult> Call(const AppendAttendInputs& inputs);
+  absl::StatusOr<AppendAttendResult> Call(v1::AppendAttendRequest request);
   // Half-closes, waits for every response and returns the stream's status;
   // requests still unanswered then complete with it (or UNAVAILABLE).
   absl::Status Finish();
