@@ -6,7 +6,9 @@
 //
 //   auto client = AttentionClient::Create("127.0.0.1:50051");
 //   KvClient kv(**client);
-//   CacheSpec spec{{/*num_layers=*/1, /*num_heads_kv=*/2, /*head_dim=*/64, DType::kFP16}};
+//   CacheSpec spec;
+//   spec.geometry = {/*num_layers=*/1, /*num_heads_kv=*/2, /*head_dim=*/64, DType::kFP16};
+//   spec.capacity_tokens = 4096;
 //   absl::StatusOr<v1::CacheStats> cache = kv.CreateCache(spec);
 //   kv.CreateSequences(cache->cache_id(), {{/*sequence_id=*/1}});
 //   AppendAttendInputs step;  // sequences, q, k, v (varlen rows), options
@@ -69,6 +71,12 @@ struct CacheSpec {
 // Mirrors SequenceSpec: empty, or a fork of the first fork_length tokens of
 // fork_from (unset length: the source's whole length).
 struct SequenceSpec {
+  // So {7} and {8, 7, 16} read as "new sequence 7" and "8 forked from the
+  // first 16 tokens of 7".
+  SequenceSpec(uint64_t id = 0, std::optional<uint64_t> from = std::nullopt,
+               std::optional<int32_t> length = std::nullopt)
+      : sequence_id(id), fork_from(from), fork_length(length) {}
+
   uint64_t sequence_id = 0;
   std::optional<uint64_t> fork_from;
   std::optional<int32_t> fork_length;

@@ -381,13 +381,16 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     spec.device = c.device;
     absl::StatusOr<v1::CacheStats> stats = kv.CreateCache(spec);
     if (!stats.ok()) {
+      const bool unimplemented = stats.status().code() == absl::StatusCode::kUnimplemented;
       return absl::Status(stats.status().code(),
-                          absl::StrCat("CreateCache: ", stats.status().message()));
+                          absl::StrCat("CreateCache: ", stats.status().message(),
+                                       unimplemented ? " (this server has no KvCache service)"
+                                                     : ""));
     }
     result.cache_id = stats->cache_id();
     result.page_size = stats->page_size();
     std::vector<SequenceSpec> specs;
-    for (uint64_t id : all_ids) specs.push_back({id, std::nullopt, std::nullopt});
+    for (uint64_t id : all_ids) specs.push_back(SequenceSpec(id));
     absl::StatusOr<v1::CacheStats> created = kv.CreateSequences(result.cache_id, specs);
     if (!created.ok()) {
       kv.DropCache(result.cache_id).IgnoreError();
