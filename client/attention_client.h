@@ -67,7 +67,7 @@ struct CallOptions {
   std::optional<bool> wait_for_ready;
 };
 
-// Mirrors attnserve.v1.AttentionOptions (DESIGN.md §2).
+// Mirrors attnserve.v1.AttentionOptions (docs/design.md §2).
 struct AttentionOptions {
   std::optional<float> softmax_scale;  // unset: 1/sqrt(D)
   bool causal = false;                 // bottom-right aligned

@@ -22,6 +22,7 @@
 #include "client/cli/command.h"
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
+#include "client/cli/load_flags.h"
 
 namespace attnserve {
 namespace cli {
@@ -47,7 +48,7 @@ const Command kCommands[] = {
      "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n\n"
      "Prints the request, the backend, client latency and the server's timing breakdown.\n"
      "With --verify: the float64 reference is computed locally and O (and LSE) are held to\n"
-     "DESIGN.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
+     "docs/design.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
      "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * max|ref of its row| + 1e-6.\n"
      "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
      "client/cli/forward.cc", kAttentionFlagsFile, RunForward, {}},
@@ -68,7 +69,7 @@ const Command kCommands[] = {
      "errors by status code (only requests completing inside the window count). A live progress\n"
      "line goes to stderr once a second. Exit code 0; 1 if no request succeeded, or with --check\n"
      "if any request failed or mismatched; 2 on bad flags.",
-     "client/cli/load.cc", kAttentionFlagsFile, RunLoad, {}},
+     kLoadFlagsFile, kAttentionFlagsFile, RunLoad, {}},
     {"kv", "K/V caches on the server: create, info, drop; sequences: create-seq, free-seq, truncate.",
      "attnctl [--target=host:port] kv <operation> [flags]\n\n"
      "Operations:\n"

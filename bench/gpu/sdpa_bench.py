@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Times PyTorch scaled_dot_product_attention (FLASH, CUDNN, EFFICIENT) on
-DESIGN.md §5's anchor and decode grids, the same way attn_bench times ours:
+docs/design.md §5's anchor and decode grids, the same way attn_bench times ours:
 CUDA events, L2 flushed (256 MB write) before each run, 5 warm-ups, median of
 25 runs, random inputs. Writes CSV rows in the §5 format (impl = sdpa_flash,
 sdpa_cudnn, sdpa_efficient); a backend that refuses a shape is skipped."""

@@ -37,7 +37,7 @@ ABSL_FLAG(std::string, dtype, "fp16",
           "Element type: fp16, bf16 or fp32. With --q/--k/--v files the default is the files' type "
           "and an explicit --dtype converts them.");
 
-// Attention options (DESIGN.md §2).
+// Attention options (docs/design.md §2).
 ABSL_FLAG(bool, causal, false,
           "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
 ABSL_FLAG(std::optional<int>, window_left, std::nullopt,

@@ -34,7 +34,7 @@ ABSL_FLAG(std::string, out, "",
 ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
 
 ABSL_FLAG(bool, verify, false,
-          "Compute the float64 reference locally and check O (and LSE) with DESIGN.md's tolerance; "
+          "Compute the float64 reference locally and check O (and LSE) with docs/design.md's tolerance; "
           "exit 1 on FAIL.");
 ABSL_FLAG(std::string, request_id, "", "request_id to send (echoed by the server and in its log).");
 

@@ -16,7 +16,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -26,8 +25,9 @@
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
 #include "client/cli/load_kv_loop.h"
+#include "client/cli/load_report.h"
 
-// Shape flags of attention_flags.cc and the load flags of load.cc that
+// Shape flags of attention_flags.cc and the load flags of load_flags.cc that
 // load-kv takes with the same meaning (attnctl.cc lists them as borrowed).
 ABSL_DECLARE_FLAG(int, heads_q);
 ABSL_DECLARE_FLAG(std::optional<int>, heads_kv);
@@ -59,8 +59,6 @@ namespace cli {
 namespace {
 
 constexpr char kCmd[] = "load-kv";
-
-std::string Fixed(double x, int digits) { return absl::StrFormat("%.*f", digits, x); }
 
 // Prints progress to stderr once a second until destroyed.
 class ProgressLine {

@@ -1,0 +1,24 @@
+"""attnserve: the Python client of the attnserve attention service.
+
+    from attnserve import Client
+    with Client("127.0.0.1:50051") as client:
+        o = client.forward(q, k, v, causal=True)
+
+Public API:
+  Client, ForwardStream         synchronous client (attnserve.client)
+  AsyncClient, AsyncForwardStream   asyncio client (attnserve.aio)
+  AttnServeError                the one exception: .code (grpc.StatusCode), .message
+  ForwardResult, ServerTiming   what forward_result()/echo()/streams return
+  attnserve.hf                  the transformers attention implementation ("attnserve")
+  attnserve.v1                  the generated stubs (attention_pb2, attention_pb2_grpc)
+See docs/python.md.
+"""
+
+from attnserve._request import ForwardResult, ServerTiming
+from attnserve.aio import AsyncClient, AsyncForwardStream
+from attnserve.client import Client, ForwardStream
+from attnserve.errors import AttnServeError
+
+__all__ = ["Client", "ForwardStream", "AsyncClient", "AsyncForwardStream", "AttnServeError",
+           "ForwardResult", "ServerTiming"]
+__version__ = "0.1.0"
