@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "backend/dtype.h"
+#include "client/async_unary.h"
 
 namespace attnserve {
 
@@ -231,32 +232,18 @@ absl::StatusOr<ForwardResult> AttentionClient::CallUnaryTyped(Unary rpc,
 void AttentionClient::CallUnaryAsync(
     Unary rpc, const v1::ForwardRequest& request, const CallOptions& call,
     std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
-  // The callback API needs context, request and response alive until the
-  // reaction runs; they live together on the heap and die in it.
-  struct Pending {
-    grpc::ClientContext context;
-    v1::ForwardRequest request;
-    v1::ForwardResponse response;
-    std::function<void(absl::StatusOr<v1::ForwardResponse>)> done;
-  };
-  auto* pending = new Pending;
-  pending->request = request;
-  pending->done = std::move(done);
-  Prepare(call, &pending->context);
-  auto reaction = [pending](grpc::Status status) {
-    std::unique_ptr<Pending> owned(pending);
-    if (status.ok()) {
-      owned->done(std::move(owned->response));
-    } else {
-      owned->done(ToAbslStatus(status));
-    }
-  };
   auto* async = Next().attention->async();
-  if (rpc == Unary::kEcho) {
-    async->Echo(&pending->context, &pending->request, &pending->response, std::move(reaction));
-  } else {
-    async->Forward(&pending->context, &pending->request, &pending->response, std::move(reaction));
-  }
+  StartAsyncUnary<v1::ForwardRequest, v1::ForwardResponse>(
+      request, [&](grpc::ClientContext* context) { Prepare(call, context); },
+      [&](grpc::ClientContext* context, const v1::ForwardRequest* req, v1::ForwardResponse* resp,
+          std::function<void(grpc::Status)> reaction) {
+        if (rpc == Unary::kEcho) {
+          async->Echo(context, req, resp, std::move(reaction));
+        } else {
+          async->Forward(context, req, resp, std::move(reaction));
+        }
+      },
+      std::move(done));
 }
 
 absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,

@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "backend/dtype.h"
+#include "client/async_unary.h"
 
 namespace attnserve {
 namespace {
@@ -265,27 +266,13 @@ absl::StatusOr<AppendAttendResult> KvClient::AppendAttend(const AppendAttendInpu
 void KvClient::AppendAttendAsync(
     const v1::AppendAttendRequest& request, const CallOptions& call,
     std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done) {
-  // The callback API needs context, request and response alive until the
-  // reaction runs; they live together on the heap and die in it.
-  struct Pending {
-    grpc::ClientContext context;
-    v1::AppendAttendRequest request;
-    v1::AppendAttendResponse response;
-    std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done;
-  };
-  auto* pending = new Pending;
-  pending->request = request;
-  pending->done = std::move(done);
-  Prepare(call, request.cache_id(), &pending->context);
-  Next().async()->AppendAttend(&pending->context, &pending->request, &pending->response,
-                               [pending](grpc::Status status) {
-                                 std::unique_ptr<Pending> owned(pending);
-                                 if (status.ok()) {
-                                   owned->done(std::move(owned->response));
-                                 } else {
-                                   owned->done(ToAbslStatus(status));
-                                 }
-                               });
+  StartAsyncUnary<v1::AppendAttendRequest, v1::AppendAttendResponse>(
+      request, [&](grpc::ClientContext* context) { Prepare(call, request.cache_id(), context); },
+      [&](grpc::ClientContext* context, const v1::AppendAttendRequest* req,
+          v1::AppendAttendResponse* resp, std::function<void(grpc::Status)> reaction) {
+        Next().async()->AppendAttend(context, req, resp, std::move(reaction));
+      },
+      std::move(done));
 }
 
 absl::StatusOr<std::unique_ptr<AppendAttendStream>> KvClient::OpenStream(

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "backend/dtype.h"
+#include "client/cli/load_recorder.h"
 #include "client/inputs.h"
 #include "client/verify.h"
 
@@ -65,13 +66,8 @@ class Tally {
     if (r->decode_s > 0) r->tbps = kv_bytes_ / r->decode_s / 1e12;
     if (n == 0) return;
     std::sort(latencies_ms_.begin(), latencies_ms_.end());
-    // Nearest rank, as attnctl load reports its percentiles.
-    auto pct = [&](double q) {
-      const int64_t rank = static_cast<int64_t>(std::ceil(q * n));
-      return latencies_ms_[std::clamp<int64_t>(rank - 1, 0, n - 1)];
-    };
-    r->p50_ms = pct(0.50);
-    r->p99_ms = pct(0.99);
+    r->p50_ms = NearestRank(latencies_ms_, 0.50);  // as attnctl load reports them
+    r->p99_ms = NearestRank(latencies_ms_, 0.99);
     r->max_ms = latencies_ms_.back();
     r->queue_ms = queue_us_ / 1e3 / n;
     r->h2d_ms = h2d_us_ / 1e3 / n;
