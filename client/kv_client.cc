@@ -5,6 +5,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <random>
 #include <type_traits>
 #include <utility>
 
@@ -31,15 +32,20 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
     step->set_num_new_tokens(s.num_new_tokens);
     step->set_num_queries(s.num_queries);
   }
-  if constexpr (std::is_rvalue_reference_v<Inputs&&>) {
-    std::move(in.q).MoveToProto(request.mutable_q());
-    std::move(in.k).MoveToProto(request.mutable_k());
-    std::move(in.v).MoveToProto(request.mutable_v());
-  } else {
-    in.q.CopyToProto(request.mutable_q());
-    in.k.CopyToProto(request.mutable_k());
-    in.v.CopyToProto(request.mutable_v());
-  }
+  // A default HostTensor (FP32 [0]) stands for "no rows" and stays unset on
+  // the wire, so an append-only or attend-only call needs no placeholder of
+  // the right dtype and heads.
+  auto set = [](auto&& from, v1::Tensor* to) {
+    if (from.rank() == 1 && from.num_elements() == 0) return;
+    if constexpr (std::is_rvalue_reference_v<Inputs&&>) {
+      std::move(from).MoveToProto(to);
+    } else {
+      from.CopyToProto(to);
+    }
+  };
+  set(std::forward<Inputs>(in).q, request.mutable_q());
+  set(std::forward<Inputs>(in).k, request.mutable_k());
+  set(std::forward<Inputs>(in).v, request.mutable_v());
   AttentionOptionsToProto(in.options, request.mutable_options());
   return request;
 }
@@ -48,9 +54,17 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
 // num_queries]; anything else is a server bug, INTERNAL rather than read past.
 absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAttendResult& r) {
   const auto& q_shape = request.q().shape();
+  if (q_shape.empty()) {
+    // No queries were sent (append only): O must hold no rows.
+    if (r.o.num_elements() != 0) {
+      return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(),
+                                              " for a call without queries"));
+    }
+  }
   const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
   absl::StatusOr<DType> want_dtype = DTypeFromProto(request.q().dtype());
-  if (want_dtype.ok() && (r.o.shape() != want_o || r.o.dtype() != *want_dtype)) {
+  if (!q_shape.empty() && want_dtype.ok() &&
+      (r.o.shape() != want_o || r.o.dtype() != *want_dtype)) {
     return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(), ", expected ",
                                             std::string(DTypeName(*want_dtype)),
                                             ShapeToString(want_o)));
@@ -157,14 +171,22 @@ v1::KvCache::Stub& KvClient::Next() {
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const CacheSpec& spec,
                                                      const CallOptions& call) {
-  return CreateCache(MakeCreateCacheRequest(spec), call);
+  v1::CreateCacheRequest request = MakeCreateCacheRequest(spec);
+  if (request.cache_id().empty()) {
+    // An id the server chose would be unknown to the proxy when it routes
+    // CreateCache, which could then land on a replica other than the one the
+    // id hashes to; an id chosen here routes every call, the first included.
+    std::random_device entropy;
+    request.set_cache_id(
+        absl::StrCat("c-", absl::Hex(entropy(), absl::kZeroPad8), absl::Hex(entropy(), absl::kZeroPad8)));
+  }
+  return CreateCache(request, call);
 }
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const v1::CreateCacheRequest& request,
                                                      const CallOptions& call) {
   grpc::ClientContext context;
-  // A server-chosen id is not known yet: such a call goes anywhere, and the
-  // proxy routes the cache's later calls by the id it returns.
+  // Without an id (the server chooses one) the call carries no header.
   Prepare(call, request.cache_id(), &context);
   v1::CreateCacheResponse response;
   const grpc::Status status = Next().CreateCache(&context, request, &response);

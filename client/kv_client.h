@@ -63,7 +63,11 @@ struct CacheSpec {
   int page_size = 0;  // 0: the server's default
   int64_t capacity_tokens = 0;
   int64_t capacity_bytes = 0;
-  std::string cache_id;       // empty: the server chooses
+  // Empty: KvClient::CreateCache picks a random one ("c-" and 16 hex digits)
+  // so that even CreateCache carries the affinity header (a server-chosen id
+  // would be unknown to the proxy until the reply). The raw CreateCache with
+  // an empty id lets the server choose.
+  std::string cache_id;
   std::optional<int> device;  // unset: the server chooses
   bool reserve = false;
 };
@@ -179,7 +183,8 @@ class KvClient {
   // Borrows `client`'s channels; `client` must outlive this object.
   explicit KvClient(AttentionClient& client);
 
-  // Returns the new cache's statistics (its id in cache_id()).
+  // Returns the new cache's statistics (its id in cache_id()). See
+  // CacheSpec::cache_id for how an empty id is filled.
   absl::StatusOr<v1::CacheStats> CreateCache(const CacheSpec& spec,
                                              const CallOptions& call = CallOptions());
   absl::StatusOr<v1::CacheStats> CreateCache(const v1::CreateCacheRequest& request,

@@ -35,8 +35,8 @@ ABSL_FLAG(std::optional<int>, device, std::nullopt,
           "Device index of a new cache (default: the server picks the device with the most free "
           "K/V budget).");
 ABSL_FLAG(std::string, cache, "",
-          "kv: the cache id. kv create: the id to create (empty: the server chooses one); every "
-          "other kv operation: the cache to act on.");
+          "kv: the cache id. kv create: the id to create (empty: a random one, c-<16 hex digits>, "
+          "printed); every other kv operation: the cache to act on.");
 ABSL_FLAG(int64_t, capacity_tokens, 0,
           "kv create: the cache's maximum size in tokens over all sequences and layers (rounded "
           "up to whole pages). Exactly one of --capacity_tokens and --capacity_bytes.");

@@ -130,6 +130,11 @@ class RecordingKvService final : public v1::KvCache::Service {
   void Answer(const v1::AppendAttendRequest& req, v1::AppendAttendResponse* resp) {
     resp->set_request_id(req.request_id());
     *resp->mutable_o() = req.q();
+    if (req.q().shape_size() == 0) {
+      // As the real service answers a call without queries: O of no rows.
+      resp->mutable_o()->set_dtype(req.k().dtype());
+      resp->mutable_o()->mutable_shape()->Add({0, req.k().shape(1), req.k().shape(2)});
+    }
     if (wrong_o) resp->mutable_o()->mutable_shape()->Set(0, req.q().shape(0) + 1);
     for (const v1::SequenceStep& s : req.sequences()) {
       resp->add_lengths(s.expected_length() + s.num_new_tokens());
@@ -201,17 +206,22 @@ TEST_F(KvClientWireTest, EveryCallCarriesTheCacheIdHeader) {
     EXPECT_TRUE((*stream)->Finish().ok());
   }
   EXPECT_TRUE(kv_->DropCache("c1").ok());
-  // A cache whose id the server chooses has none to route by yet.
-  CacheSpec chosen;
-  chosen.capacity_tokens = 64;
-  EXPECT_EQ(kv_->CreateCache(chosen)->cache_id(), "chosen");
+  // Without an id, the typed call picks one so even CreateCache routes; the
+  // raw call leaves the choice to the server and has nothing to route by.
+  CacheSpec unnamed;
+  unnamed.capacity_tokens = 64;
+  const auto picked = kv_->CreateCache(unnamed);
+  ASSERT_TRUE(picked.ok());
+  EXPECT_THAT(picked->cache_id(), ::testing::MatchesRegex("c-[0-9a-f]{16}"));
+  EXPECT_EQ(kv_->CreateCache(MakeCreateCacheRequest(unnamed))->cache_id(), "chosen");
 
   const auto calls = service_.Calls();
-  ASSERT_EQ(calls.size(), 11u);
-  for (size_t i = 0; i + 1 < calls.size(); ++i) {
+  ASSERT_EQ(calls.size(), 12u);
+  for (size_t i = 0; i + 2 < calls.size(); ++i) {
     EXPECT_EQ(calls[i].second, "c1") << calls[i].first;
   }
-  EXPECT_EQ(calls.back().second, "<none>");
+  EXPECT_EQ(calls[10].second, picked->cache_id());
+  EXPECT_EQ(calls[11].second, "<none>");
 }
 
 TEST_F(KvClientWireTest, ServerErrorsKeepCodeAndMessage) {
@@ -310,6 +320,17 @@ TEST_F(KvClientWireTest, BrokenStreamFailsWhatIsPending) {
   for (auto& d : done) EXPECT_EQ(d.get_future().get().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ((*stream)->Finish().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ((*stream)->in_flight(), 0);
+}
+
+TEST_F(KvClientWireTest, AppendOnlyCallLeavesQUnset) {
+  AppendAttendInputs in = Step(0, 1);
+  in.q = HostTensor();  // no queries: append only
+  in.sequences = {{1, 5, 1, 0}, {2, 7, 1, 0}};
+  EXPECT_FALSE(MakeAppendAttendRequest(in).has_q());
+  const absl::StatusOr<AppendAttendResult> r = kv_->AppendAttend(in);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->o.num_elements(), 0);
+  EXPECT_THAT(r->lengths, ElementsAre(6, 8));
 }
 
 TEST_F(KvClientWireTest, ResponseOfTheWrongShapeIsInternal) {
