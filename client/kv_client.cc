@@ -35,17 +35,18 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
   // A default HostTensor (FP32 [0]) stands for "no rows" and stays unset on
   // the wire, so an append-only or attend-only call needs no placeholder of
   // the right dtype and heads.
-  auto set = [](auto&& from, v1::Tensor* to) {
+  // (mutable_* would create the field, so it is only called for a tensor.)
+  auto set = [](auto&& from, auto mutable_field) {
     if (from.rank() == 1 && from.num_elements() == 0) return;
     if constexpr (std::is_rvalue_reference_v<Inputs&&>) {
-      std::move(from).MoveToProto(to);
+      std::move(from).MoveToProto(mutable_field());
     } else {
-      from.CopyToProto(to);
+      from.CopyToProto(mutable_field());
     }
   };
-  set(std::forward<Inputs>(in).q, request.mutable_q());
-  set(std::forward<Inputs>(in).k, request.mutable_k());
-  set(std::forward<Inputs>(in).v, request.mutable_v());
+  set(std::forward<Inputs>(in).q, [&] { return request.mutable_q(); });
+  set(std::forward<Inputs>(in).k, [&] { return request.mutable_k(); });
+  set(std::forward<Inputs>(in).v, [&] { return request.mutable_v(); });
   AttentionOptionsToProto(in.options, request.mutable_options());
   return request;
 }

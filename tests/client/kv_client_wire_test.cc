@@ -133,7 +133,9 @@ class RecordingKvService final : public v1::KvCache::Service {
     if (req.q().shape_size() == 0) {
       // As the real service answers a call without queries: O of no rows.
       resp->mutable_o()->set_dtype(req.k().dtype());
-      resp->mutable_o()->mutable_shape()->Add({0, req.k().shape(1), req.k().shape(2)});
+      for (int64_t d : {int64_t{0}, req.k().shape(1), req.k().shape(2)}) {
+        resp->mutable_o()->add_shape(d);
+      }
     }
     if (wrong_o) resp->mutable_o()->mutable_shape()->Set(0, req.q().shape(0) + 1);
     for (const v1::SequenceStep& s : req.sequences()) {
