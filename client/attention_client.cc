@@ -100,19 +100,29 @@ v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs) {
   return BuildRequest(std::move(inputs));
 }
 
+absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
+                              std::optional<HostTensor>* out_lse) {
+  absl::StatusOr<HostTensor> decoded = HostTensor::FromProto(std::move(*o));
+  if (!decoded.ok()) {
+    return absl::InternalError(absl::StrCat("response o: ", decoded.status().message()));
+  }
+  *out_o = *std::move(decoded);
+  if (lse == nullptr) return absl::OkStatus();
+  decoded = HostTensor::FromProto(std::move(*lse));
+  if (!decoded.ok()) {
+    return absl::InternalError(absl::StrCat("response lse: ", decoded.status().message()));
+  }
+  *out_lse = *std::move(decoded);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response) {
   ForwardResult result;
   result.request_id = response.request_id();
-  absl::StatusOr<HostTensor> o = HostTensor::FromProto(std::move(*response.mutable_o()));
-  if (!o.ok()) return absl::InternalError(absl::StrCat("response o: ", o.status().message()));
-  result.o = *std::move(o);
-  if (response.has_lse()) {
-    absl::StatusOr<HostTensor> lse = HostTensor::FromProto(std::move(*response.mutable_lse()));
-    if (!lse.ok()) {
-      return absl::InternalError(absl::StrCat("response lse: ", lse.status().message()));
-    }
-    result.lse = *std::move(lse);
-  }
+  const absl::Status outputs =
+      OutputsFromProto(response.mutable_o(), response.has_lse() ? response.mutable_lse() : nullptr,
+                       &result.o, &result.lse);
+  if (!outputs.ok()) return outputs;
   result.timing = ServerTimingFromProto(response.timing());
   result.backend = response.backend();
   return result;

@@ -117,6 +117,12 @@ struct ForwardResult {
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs);
 v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs);
 
+// Decodes a response's o and, when `lse` is not null, its lse (Forward's and
+// AppendAttend's alike), checking each tensor's dtype and byte length:
+// INTERNAL naming the tensor when the server sent a malformed one.
+absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
+                              std::optional<HostTensor>* out_lse);
+
 // Decodes a response, checking every tensor's dtype and byte length.
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response);
 

@@ -133,16 +133,10 @@ absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
   if (!error.ok()) return error;
   AppendAttendResult result;
   result.request_id = response.request_id();
-  absl::StatusOr<HostTensor> o = HostTensor::FromProto(std::move(*response.mutable_o()));
-  if (!o.ok()) return absl::InternalError(absl::StrCat("response o: ", o.status().message()));
-  result.o = *std::move(o);
-  if (response.has_lse()) {
-    absl::StatusOr<HostTensor> lse = HostTensor::FromProto(std::move(*response.mutable_lse()));
-    if (!lse.ok()) {
-      return absl::InternalError(absl::StrCat("response lse: ", lse.status().message()));
-    }
-    result.lse = *std::move(lse);
-  }
+  const absl::Status outputs =
+      OutputsFromProto(response.mutable_o(), response.has_lse() ? response.mutable_lse() : nullptr,
+                       &result.o, &result.lse);
+  if (!outputs.ok()) return outputs;
   result.lengths.assign(response.lengths().begin(), response.lengths().end());
   result.timing = ServerTimingFromProto(response.timing());
   result.backend = response.backend();
