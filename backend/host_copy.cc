@@ -7,6 +7,14 @@
 
 namespace attnserve {
 
+void RunCopies(const CopyRunner& run, const std::vector<HostCopy>& copies) {
+  if (run) {
+    run(copies);
+  } else {
+    CopySerially(copies);
+  }
+}
+
 void CopySerially(const std::vector<HostCopy>& copies) {
   for (const HostCopy& c : copies) {
     if (c.bytes > 0) std::memcpy(c.dst, c.src, c.bytes);

@@ -24,6 +24,9 @@ using CopyRunner = std::function<void(const std::vector<HostCopy>&)>;
 // Every copy in turn on the calling thread.
 void CopySerially(const std::vector<HostCopy>& copies);
 
+// Through `run` when set, else serially (the packers' default).
+void RunCopies(const CopyRunner& run, const std::vector<HostCopy>& copies);
+
 // Splits the copies into chunks of at least `min_chunk_bytes` and spreads them
 // over `pool` (the caller included). Small lists run serially: waking the pool
 // costs more than copying a few hundred kilobytes.

@@ -12,14 +12,6 @@
 namespace attnserve {
 namespace {
 
-void Run(const CopyRunner& run, const std::vector<HostCopy>& copies) {
-  if (run) {
-    run(copies);
-  } else {
-    CopySerially(copies);
-  }
-}
-
 int64_t QRowBytes(const AttnParams& p) {
   return int64_t{p.num_heads_q} * p.head_dim * DTypeSize(p.dtype);
 }
@@ -101,7 +93,7 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
     q_off += a.total_q;
     k_off += a.total_k;
   }
-  Run(run, copies);
+  RunCopies(run, copies);
   PagedAttnParams p = *members_.front();
   p.pages = widest->pages;
   p.attn.q = q;
@@ -134,7 +126,7 @@ void PagedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run)
     copies.push_back({m->attn.o, packed_o + off * q_row, size_t(m->attn.total_q * q_row)});
     off += m->attn.total_q;
   }
-  Run(run, copies);
+  RunCopies(run, copies);
   if (!wants_lse()) return;
   // Packed LSE is [Hq, Tq_total]; a member's is [Hq, Tq_member].
   off = 0;

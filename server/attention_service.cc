@@ -13,18 +13,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/call_deadline.h"
 #include "server/request_validation.h"
 #include "server/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
-  const auto deadline = context->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
 
 // Unary Forward: the handler's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {

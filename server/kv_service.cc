@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/call_deadline.h"
 #include "server/kv_request.h"
 #include "server/pipelined_stream.h"
 #include "server/status_mapping.h"
@@ -15,12 +16,6 @@
 
 namespace attnserve {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
-  const auto deadline = context->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
 
 // A call answered on the spot.
 grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
