@@ -34,6 +34,11 @@
 
 namespace attnserve {
 
+// ToAbslStatus (common/grpc_status.h) for a google.rpc.Code carried in a
+// message (a stream response's
+// error_code): 0 is OK, a code outside google.rpc.Code becomes UNKNOWN.
+absl::Status StatusFromRpcCode(int code, const std::string& message);
+
 struct ClientOptions {
   // Deadline of a call that does not set its own. absl::InfiniteDuration():
   // none. Generous by default because a large CPU request can take seconds.
@@ -67,6 +72,8 @@ struct ForwardOptions : AttnOptions {
   bool return_lse = false;
 };
 
+void AttentionOptionsToProto(const ForwardOptions& from, v1::AttentionOptions* to);
+
 // One attention call. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and empty
 // cu_seqlens. Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and both cu_seqlens.
 struct AttentionInputs {
@@ -89,6 +96,8 @@ struct ForwardTiming {
   int batch_size = 1;  // requests that shared the backend launch
 };
 
+ForwardTiming ServerTimingFromProto(const v1::ServerTiming& timing);
+
 struct ForwardResult {
   std::string request_id;
   HostTensor o;                   // like q, in q's dtype
@@ -102,6 +111,12 @@ struct ForwardResult {
 // build it once and use the raw Forward).
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs);
 v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs);
+
+// Decodes a response's o and, when `lse` is not null, its lse (Forward's and
+// AppendAttend's alike), checking each tensor's dtype and byte length:
+// INTERNAL naming the tensor when the server sent a malformed one.
+absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
+                              std::optional<HostTensor>* out_lse);
 
 // Decodes a response, checking every tensor's dtype and byte length.
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response);
@@ -156,6 +171,9 @@ class AttentionClient {
   int num_channels() const { return static_cast<int>(channels_.size()); }
   // For callers that need the channel itself (connectivity state, own stubs).
   const std::shared_ptr<grpc::Channel>& channel(int i) const { return channels_[i].channel; }
+  // Applies the deadline and wait-for-ready of `call` (or of the client's
+  // options) to a fresh context; for callers with their own stubs.
+  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
 
  private:
   struct Channel {
@@ -165,8 +183,6 @@ class AttentionClient {
   };
 
   AttentionClient(std::string target, ClientOptions options);
-  // Applies deadline and wait-for-ready to a fresh context.
-  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
   // The next channel in rotation.
   Channel& Next();
   // Forward or Echo: the two unary RPCs share a request and response type.

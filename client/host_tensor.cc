@@ -3,6 +3,7 @@
 // little-endian), so encoding is a plain copy.
 #include "client/host_tensor.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -124,6 +125,50 @@ HostTensor HostTensor::ConvertTo(DType dtype) const {
 
 std::string HostTensor::DebugString() const {
   return absl::StrCat(std::string(DTypeName(dtype_)), ShapeString(shape_));
+}
+
+absl::StatusOr<HostTensor> HostTensor::SliceRows(int64_t begin, int64_t count) const {
+  if (shape_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot slice rows of ", DebugString()));
+  }
+  if (begin < 0 || count < 0 || begin > shape_[0] || count > shape_[0] - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [", begin, ", ", begin + count,
+                                                   ") are outside ", DebugString()));
+  }
+  const int64_t row_bytes = shape_[0] == 0 ? 0 : static_cast<int64_t>(bytes_.size()) / shape_[0];
+  std::vector<int64_t> shape = shape_;
+  shape[0] = count;
+  return FromBytes(dtype_, std::move(shape), bytes_.substr(begin * row_bytes, count * row_bytes));
+}
+
+absl::StatusOr<HostTensor> ConcatRows(absl::Span<const HostTensor> parts, DType empty_dtype,
+                                      std::vector<int64_t> empty_shape) {
+  if (parts.empty()) {
+    if (!empty_shape.empty()) empty_shape[0] = 0;
+    return HostTensor::FromBytes(empty_dtype, std::move(empty_shape), "");
+  }
+  const HostTensor& first = parts[0];
+  if (first.rank() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot stack rows of ", first.DebugString()));
+  }
+  std::vector<int64_t> shape = first.shape();
+  shape[0] = 0;
+  size_t bytes = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const HostTensor& p = parts[i];
+    if (p.dtype() != first.dtype() || p.rank() != first.rank() ||
+        !std::equal(p.shape().begin() + 1, p.shape().end(), first.shape().begin() + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("part ", i, " is ", p.DebugString(),
+                                                     ", expected ", first.DebugString(),
+                                                     " in all but the first dimension"));
+    }
+    shape[0] += p.dim(0);
+    bytes += p.bytes().size();
+  }
+  std::string out;
+  out.reserve(bytes);
+  for (const HostTensor& p : parts) out += p.bytes();
+  return HostTensor::FromBytes(first.dtype(), std::move(shape), std::move(out));
 }
 
 }  // namespace attnserve

@@ -14,19 +14,6 @@
 namespace attnserve {
 namespace {
 
-HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> values(static_cast<size_t>(n));
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& x : values) {
-    do {
-      x = RoundTo(dtype, dist(*rng));
-    } while (std::fabs(x) < 1e-3f);
-  }
-  return *HostTensor::FromFloats(dtype, std::move(shape), values);
-}
-
 absl::Status CheckCuSeqlens(const std::vector<int32_t>& cu, int64_t total, const char* name,
                             const char* tensor) {
   if (cu.front() != 0) {
@@ -47,6 +34,19 @@ absl::Status CheckCuSeqlens(const std::vector<int32_t>& cu, int64_t total, const
 }
 
 }  // namespace
+
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> values(static_cast<size_t>(n));
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& x : values) {
+    do {
+      x = RoundTo(dtype, dist(*rng));
+    } while (std::fabs(x) < 1e-3f);
+  }
+  return *HostTensor::FromFloats(dtype, std::move(shape), values);
+}
 
 std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths) {
   std::vector<int32_t> cu(lengths.size() + 1, 0);

@@ -6,6 +6,13 @@
 
 namespace attnserve {
 namespace cli {
+
+double NearestRank(const std::vector<double>& samples, double q) {
+  const int64_t n = static_cast<int64_t>(samples.size());
+  const int64_t rank = static_cast<int64_t>(std::ceil(q * n));
+  return samples[std::clamp<int64_t>(rank - 1, 0, n - 1)];
+}
+
 namespace {
 
 constexpr char kClientBacklog[] = "CLIENT_BACKLOG";
@@ -55,12 +62,7 @@ void Recorder::Summarize(StepResult* r) {
   r->tflops = r->req_per_s * flops_per_request_ / 1e12;
   if (ok == 0) return;
   std::sort(latencies_ms_.begin(), latencies_ms_.end());
-  // Nearest rank: the smallest latency with at least q of the samples at or
-  // below it.
-  auto pct = [&](double q) {
-    const int64_t rank = static_cast<int64_t>(std::ceil(q * ok));
-    return latencies_ms_[std::clamp<int64_t>(rank - 1, 0, ok - 1)];
-  };
+  auto pct = [&](double q) { return NearestRank(latencies_ms_, q); };
   r->p50_ms = pct(0.50);
   r->p90_ms = pct(0.90);
   r->p95_ms = pct(0.95);

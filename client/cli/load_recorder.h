@@ -18,6 +18,10 @@
 namespace attnserve {
 namespace cli {
 
+// Nearest-rank percentile of sorted, non-empty `samples`: the smallest sample
+// with at least the fraction q of the samples at or below it.
+double NearestRank(const std::vector<double>& samples, double q);
+
 // One call's end, whatever the RPC.
 struct Completion {
   absl::Time sent;  // when it was sent (open loop: its scheduled arrival)
