@@ -37,7 +37,18 @@ absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timin
   RETURN_IF_ERROR(CheckParams(params));
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(RunTasks(params, [&params](int b, int h, int m_block, cpu::Scratch* scratch) {
+    cpu::AttentionTask(params, b, h, m_block, scratch);
+  }));
+  if (timings != nullptr) {
+    timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                              std::chrono::steady_clock::now() - start)
+                              .count();
+  }
+  return absl::OkStatus();
+}
 
+absl::Status CpuBackend::RunTasks(const AttnParams& params, const Task& run_task) {
   // tasks_before[b]: tasks of sequences < b; sequence b has
   // Hq × ceil(Sq_b / kBlockM) tasks (none for an empty query sequence).
   const int batch = params.batch;
@@ -75,18 +86,12 @@ absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timin
     // Last query blocks first: under a causal mask they see the most keys, and
     // starting the longest tasks first evens out the threads' finishing times.
     const int m_block = static_cast<int>(m_blocks - 1 - rem % m_blocks);
-    cpu::AttentionTask(params, b, h, m_block, mine.get());
+    run_task(b, h, m_block, mine.get());
   });
   if (out_of_memory.load()) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ",
                                                      cpu::Scratch::BytesFor(params.head_dim),
                                                      " bytes of per-thread scratch"));
-  }
-
-  if (timings != nullptr) {
-    timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                              std::chrono::steady_clock::now() - start)
-                              .count();
   }
   return absl::OkStatus();
 }

@@ -3,6 +3,7 @@
 // embedded default where no GPU is usable, and the baseline of bench/cpu.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -11,6 +12,9 @@
 #include "backend/thread_pool.h"
 
 namespace attnserve {
+namespace cpu {
+class Scratch;
+}  // namespace cpu
 
 class CpuBackend : public AttentionBackend {
  public:
@@ -21,11 +25,21 @@ class CpuBackend : public AttentionBackend {
   absl::Status CanImplement(const AttnParams& params) const override;
   absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
 
+  // The paged K/V path (cpu_paged.cc): pages in host memory, read in place.
+  absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
+  void FreeKvMemory(void* memory) override;
+  absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
+
   // Working memory one Forward call allocates for head dim d (per-thread
   // tiles; independent of sequence lengths), for memory accounting.
   int64_t ScratchBytes(int head_dim) const;
 
  private:
+  // Splits a call into (sequence, query head, query block) tasks and runs
+  // `task` for each on the pool; the caller holds forward_mu_.
+  using Task = std::function<void(int b, int h, int m_block, cpu::Scratch* scratch)>;
+  absl::Status RunTasks(const AttnParams& params, const Task& task);
+
   BackendDescription description_;
   std::mutex forward_mu_;  // the pool runs one Forward at a time
   ThreadPool pool_;

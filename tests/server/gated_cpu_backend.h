@@ -5,6 +5,7 @@
 // out-of-memory would.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -42,8 +43,25 @@ class GatedCpuBackend : public AttentionBackend {
     return inner_->Forward(p, timings);
   }
 
+  // The paged path: the inner backend's memory; launches gated and counted
+  // like Forward, failing as an out-of-memory would when paged_fail is set.
+  absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override {
+    return inner_->AllocateKvMemory(bytes);
+  }
+  void FreeKvMemory(void* memory) override { inner_->FreeKvMemory(memory); }
+  absl::Status PagedForward(const PagedAttnParams& p, BackendTimings* timings) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++calls_;
+      mu_.Await(absl::Condition(&open_));
+    }
+    if (paged_fail) return absl::ResourceExhaustedError("device out of memory (simulated)");
+    return inner_->PagedForward(p, timings);
+  }
+
   // Launches over this many query rows fail with RESOURCE_EXHAUSTED; -1: never.
   int64_t oom_over_rows = -1;
+  std::atomic<bool> paged_fail{false};
 
   void Close() {
     absl::MutexLock lock(&mu_);
