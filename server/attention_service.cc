@@ -309,6 +309,14 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_tokens(info_.max_tokens);
   limits->set_max_queue_size(info_.max_queue_size);
   for (const std::string& f : ServerFeatures()) response->add_features(f);
+  if (info_.kv_cache) {
+    response->add_features("kv_cache");
+    v1::KvInfo* kv = response->mutable_kv();
+    for (int size = kMinPageSize; size <= kMaxPageSize; size *= 2) kv->add_page_sizes(size);
+    kv->set_default_page_size(info_.kv_default_page_size);
+    kv->set_cache_bytes_per_device(info_.kv_cache_bytes);
+    kv->set_idle_timeout_ms(info_.kv_idle_timeout_ms);
+  }
   response->set_cpu_threads(d.cpu_threads);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

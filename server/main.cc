@@ -41,6 +41,15 @@ ABSL_FLAG(int, metrics_port, 8002,
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{1} << 30,
+          "K/V caches (KvCache service): bytes of K/V pages each device may hold over all its "
+          "caches; a cache's capacity is a maximum drawn from this on demand");
+ABSL_FLAG(int, kv_page_size, 64,
+          "K/V caches: tokens per page when CreateCache leaves page_size 0 (a power of two in "
+          "[16, 256])");
+ABSL_FLAG(absl::Duration, kv_idle_timeout, absl::Minutes(10),
+          "K/V caches: sequences and caches unused this long are removed (counted as expired; "
+          "clients then see NOT_FOUND and re-prefill); 0 = never");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
 ABSL_FLAG(std::string, log_level, "info",
@@ -107,6 +116,9 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
+  options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);
   options.batching = absl::GetFlag(FLAGS_batching);
   options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
   options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);

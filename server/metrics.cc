@@ -11,7 +11,14 @@ namespace {
 
 constexpr char kModelLabels[] = "model=\"attention\",version=\"1\"";
 
-// "# HELP", "# TYPE" and one sample line per label set.
+void AppendModelCounter(std::string* out, const char* name, const char* help,
+                        const std::atomic<int64_t>& value) {
+  AppendFamily(out, name, "counter", help,
+               {{kModelLabels, absl::StrCat(value.load(std::memory_order_relaxed))}});
+}
+
+}  // namespace
+
 void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
                   const std::vector<std::pair<std::string, std::string>>& samples) {
   absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
@@ -20,13 +27,10 @@ void AppendFamily(std::string* out, const char* name, const char* type, const ch
   }
 }
 
-void AppendModelCounter(std::string* out, const char* name, const char* help,
-                        const std::atomic<int64_t>& value) {
-  AppendFamily(out, name, "counter", help,
-               {{kModelLabels, absl::StrCat(value.load(std::memory_order_relaxed))}});
+void ServerMetrics::SetExtraSource(std::function<std::string()> source) {
+  absl::MutexLock lock(&sources_mu_);
+  extra_source_ = std::move(source);
 }
-
-}  // namespace
 
 const char* ServerMetrics::FailureReasonName(FailureReason reason) {
   switch (reason) {
@@ -131,6 +135,7 @@ std::string ServerMetrics::RenderPrometheus() const {
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",
                "Instantaneous number of pending requests awaiting execution per-model.",
                {{kModelLabels, absl::StrCat(pending_source_ ? pending_source_() : 0)}});
+  if (extra_source_) out += extra_source_();
   if (devices_.empty()) return out;
   // Triton labels GPUs by UUID; the backend description has none, so the
   // label carries the device index.

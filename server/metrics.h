@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,6 +53,10 @@ class ServerMetrics {
   // Live device readings (nv_gpu_memory_used_bytes, nv_gpu_utilization).
   void SetDeviceUsageSource(std::function<std::vector<DeviceUsage>()> source);
 
+  // More families, rendered at scrape time after the request metrics (the K/V
+  // pool's gauges: server/kv_service.cc).
+  void SetExtraSource(std::function<std::string()> source);
+
   // The Prometheus text exposition format (version 0.0.4).
   std::string RenderPrometheus() const;
 
@@ -74,6 +79,12 @@ class ServerMetrics {
   std::function<int64_t()> pending_source_ ABSL_GUARDED_BY(sources_mu_);
   std::vector<DeviceDescription> devices_ ABSL_GUARDED_BY(sources_mu_);
   std::function<std::vector<DeviceUsage>()> usage_source_ ABSL_GUARDED_BY(sources_mu_);
+  std::function<std::string()> extra_source_ ABSL_GUARDED_BY(sources_mu_);
 };
+
+// One metric family in the Prometheus text format: "# HELP", "# TYPE" and one
+// sample line per (labels, value).
+void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
+                  const std::vector<std::pair<std::string, std::string>>& samples);
 
 }  // namespace attnserve

@@ -299,7 +299,12 @@ AttnParams FillParams(const v1::ForwardRequest& request) {
     }
   }
 
-  const v1::AttentionOptions& o = request.options();
+  FillOptions(request.options(), &p);
+  return p;
+}
+
+void FillOptions(const v1::AttentionOptions& o, AttnParams* params) {
+  AttnParams& p = *params;
   p.softmax_scale =
       o.has_softmax_scale() ? o.softmax_scale() : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   // log2(e): kernels use exp2, so the scale carries the change of base.
@@ -310,7 +315,17 @@ AttnParams FillParams(const v1::ForwardRequest& request) {
   // Causal is the window's right bound at the diagonal (params.h), whatever
   // window_right says: the contract makes the causal bound win.
   p.window_right = o.causal() ? 0 : (o.has_window_right() ? o.window_right() : kNoWindow);
-  return p;
+}
+
+absl::Status ValidateOptions(const v1::AttentionOptions& options) { return CheckOptions(options); }
+
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
+  if (!IsKnownDType(tensor.dtype())) {
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
+                                WireDTypeName(tensor.dtype())));
+  }
+  RETURN_IF_ERROR(CheckDims(name, tensor));
+  return CheckByteLength(name, tensor);
 }
 
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,

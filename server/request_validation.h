@@ -34,6 +34,17 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const Req
 // 1/sqrt(D), causal folded into window_right = 0, unset windows kNoWindow.
 AttnParams FillParams(const v1::ForwardRequest& request);
 
+// The options' part of FillParams (params->head_dim must be set): scale,
+// softcap, causal and windows, normalised as FillParams does. Shared with the
+// K/V front-end (kv_request.cc), whose calls carry the same options.
+void FillOptions(const v1::AttentionOptions& options, AttnParams* params);
+// The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
+// options.<field>).
+absl::Status ValidateOptions(const v1::AttentionOptions& options);
+// A tensor's dtype is known, its dims are in range and its data has exactly
+// prod(shape) * sizeof(dtype) bytes; errors name `name`.<field>.
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);
+
 // ValidateForwardRequest, then FillParams.
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
                                                  const RequestLimits& limits);

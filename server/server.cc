@@ -27,6 +27,8 @@
 #include "server/attention_service.h"
 #include "server/executor.h"
 #include "server/executor_pool.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
 #include "server/forward_handler.h"
 #include "server/gpu_monitor.h"
 #include "server/metrics.h"
@@ -79,6 +81,13 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
+  }
+  if (o.kv_cache_bytes <= 0 || o.kv_page_size < kMinPageSize || o.kv_page_size > kMaxPageSize ||
+      (o.kv_page_size & (o.kv_page_size - 1)) != 0 || o.kv_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_bytes: expected > 0 (got ", o.kv_cache_bytes,
+        "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
+        "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
   }
   return absl::OkStatus();
 }
@@ -160,6 +169,19 @@ BackendDescription Combined(const std::vector<std::unique_ptr<AttentionBackend>>
   return d;
 }
 
+// Each backend with its executor, for the K/V pool (a cache's calls go to its
+// device's executor only).
+std::vector<KvDevice> KvDevices(const std::vector<std::unique_ptr<AttentionBackend>>& backends,
+                                ExecutorPool* executors) {
+  std::vector<KvDevice> devices;
+  for (size_t i = 0; i < backends.size(); ++i) {
+    const BackendDescription& d = backends[i]->Describe();
+    devices.push_back({backends[i].get(), &executors->executor(static_cast<int>(i)),
+                       d.devices.empty() ? static_cast<int>(i) : d.devices.front().index});
+  }
+  return devices;
+}
+
 class AttnServerImpl final : public AttnServer {
  public:
   AttnServerImpl(const ServerOptions& options,
@@ -172,9 +194,15 @@ class AttnServerImpl final : public AttnServer {
                                    options.batch_max_delay, options.batch_max_tokens}),
         handler_(&executors_, description_.name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(
-            &handler_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
+        service_(&handler_, description_,
+                 ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
+                             true, options.kv_page_size, options.kv_cache_bytes,
+                             absl::ToInt64Milliseconds(options.kv_idle_timeout)}),
+        kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
+                               options.kv_idle_timeout},
+                 KvDevices(backends_, &executors_)),
+        kv_service_(&kv_pool_, description_.name,
+                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());
@@ -201,6 +229,7 @@ class AttnServerImpl final : public AttnServer {
     // Responses are as large as their requests' Q; the client sets its own limit.
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
+    builder.RegisterService(&kv_service_);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || selected_port_ == 0) {
       absl::MutexLock lock(&mu_);
@@ -234,6 +263,7 @@ class AttnServerImpl final : public AttnServer {
       }
     }
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
+    metrics_.SetExtraSource([this] { return KvService::RenderMetrics(kv_pool_.Stats()); });
     metrics_.SetDevices(description_.devices);
     if (!description_.devices.empty()) {
       absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor = NvmlMonitor::Create(description_.devices);
@@ -301,9 +331,11 @@ class AttnServerImpl final : public AttnServer {
     // Health first: load balancers that poll it stop routing new work here.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executors_.StopAdmitting();
+    kv_service_.StopAdmitting();
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
+        kv_service_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
@@ -339,6 +371,8 @@ class AttnServerImpl final : public AttnServer {
   ExecutorPool executors_;
   ForwardHandler handler_;
   AttentionService service_;
+  KvPool kv_pool_;  // after the executors its calls run on
+  KvService kv_service_;
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;

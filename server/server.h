@@ -33,6 +33,12 @@ struct ServerOptions {
   bool batching = true;
   absl::Duration batch_max_delay = absl::Microseconds(500);
   int64_t batch_max_tokens = 65536;
+  // K/V caches (kv.proto, docs/kv-cache.md): each device's K/V byte budget,
+  // shared by its caches; the page size when CreateCache leaves it 0; idle
+  // sequences and caches expire after kv_idle_timeout (zero: never).
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+  int kv_page_size = 64;
+  absl::Duration kv_idle_timeout = absl::Minutes(10);
   bool metrics_enabled = false;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;
