@@ -139,12 +139,15 @@ def test_fork_shares_the_prefix_and_diverges(client):
     rng = np.random.default_rng(4)
     with make_cache(client, page_size=16) as cache, cache.sequence() as base:
         hist = History()
-        q, k, v = tokens(rng, 20)
-        cache.append_attend(0, [base], q, k, v)
-        hist.add(k, v)
-        used = cache.stats().pages_used  # 2 pages at layer 0
+        for layer in range(LAYERS):  # a fork prefix must exist at every layer
+            q, k, v = tokens(rng, 20)
+            cache.append_attend(layer, [base], q, k, v)
+            if layer == 0:
+                hist.add(k, v)
+        used = cache.stats().pages_used  # 2 pages per layer
+        assert used == 2 * LAYERS
         with base.fork(18) as child:
-            assert child.lengths == [18, 0]
+            assert child.lengths == [18] * LAYERS
             assert cache.stats().pages_used == used  # shared, nothing copied yet
             q, k, v = tokens(rng, 1)
             o = cache.append_attend(0, [child], q, k, v)
@@ -153,12 +156,13 @@ def test_fork_shares_the_prefix_and_diverges(client):
             expect_attention(client, o, q, child_hist)
             # The shared partial page was copied for the child; base is unchanged.
             assert cache.stats().pages_used == used + 1
-            assert cache.server_lengths([base, child]) == {base.id: [20, 0], child.id: [19, 0]}
+            assert cache.server_lengths([base, child]) == {base.id: [20, 20], child.id: [19, 18]}
             q, k, v = tokens(rng, 1)
             o = cache.append_attend(0, [base], q, k, v)
             hist.add(k, v)
             expect_attention(client, o, q, hist)
         assert cache.stats().sequences == 1
+        assert cache.stats().pages_used == used  # the child's own page went back
 
 
 def test_truncate_rolls_back(client):
@@ -292,7 +296,7 @@ def test_closing_frees_what_it_made(client):
     with make_cache(client, page_size=16) as cache:
         with cache.sequences(3) as seqs:
             cache.append_attend(0, seqs, *(rand(rng, (3, 20, h, D)) for h in (HQ, HKV, HKV)))
-            with seqs[0].fork() as child:
+            with seqs[0].fork(0) as child:
                 cache.append_attend(0, [child], *tokens(rng, 1))
                 s = cache.stats()
                 assert s.sequences == 4 and s.pages_used == 3 * 2 + 1
@@ -322,8 +326,8 @@ def test_every_call_carries_the_cache_id_header(client):
     rng = np.random.default_rng(11)
     with make_cache(client, cache_id="header-test") as cache, cache.sequence() as seq:
         cache.append_attend(0, [seq], *tokens(rng, 2))
-        seq.truncate(1)
-        with seq.fork():
+        seq.truncate(1, layer=0)
+        with seq.fork(0):
             pass
         with cache.stream() as s:
             s.submit(1, [seq], *tokens(rng, 1)).result(timeout=120)
