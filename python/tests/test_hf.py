@@ -134,3 +134,13 @@ def test_greedy_tokens_match_sdpa_fp32_kv_on_server(server, sdpa_run, monkeypatc
     assert len(rows) == layers * NEW_TOKENS
     assert all(n == len(PROMPT_LENGTHS) for _, n in rows[layers:])
     assert_same_tokens(want, got)
+
+
+def test_server_cache_refuses_another_attention(server, sdpa_run):
+    """With "sdpa", a ServerCache would attend over the new tokens only: refused."""
+    reference, ids, mask, _ = sdpa_run
+    with Client(server.target, timeout=120) as client:
+        with ServerCache(client, reference.config, max_tokens=64) as cache:
+            with pytest.raises(RuntimeError, match="attn_implementation"), torch.no_grad():
+                reference(input_ids=ids[:, -4:], past_key_values=cache, use_cache=True)
+            assert cache.cache.stats().tokens == 0  # nothing reached the server

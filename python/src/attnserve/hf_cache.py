@@ -73,6 +73,13 @@ class ServerLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        left = getattr(_pending, "layer", None)
+        if left is not None:  # the attention function never took the last layer's K/V
+            _pending.layer = _pending.key = None
+            raise RuntimeError(
+                f"attnserve.hf_cache: layer {left.index}'s new K/V were not sent to the server: "
+                "a ServerCache needs the model's attn_implementation=\"attnserve\" "
+                "(attnserve.hf.register)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.owner._ensure(key_states)
