@@ -39,7 +39,8 @@ import itertools
 import threading
 import uuid
 from concurrent.futures import Future
-from typing import Any, Dict, Iterable, List, Optional, Sequence as Seq, Tuple, Union
+from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as Seq, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -81,7 +82,157 @@ class AppendAttendResult:
     request_id: str
 
 
-class Cache:
+# One operation of the K/V API as a generator: it yields (method, request,
+# timeout) for each RPC, receives the response (or the AttnServeError, thrown
+# in) and returns the result. Cache runs them with blocking calls and
+# attnserve.kv_aio.AsyncCache with awaited ones, so the bookkeeping (tracked
+# lengths, ids, what a failure undoes) is written once for both.
+Op = Generator[Tuple[str, Any, Optional[float]], Any, Any]
+
+
+class CacheBase:
+    """What Cache and AsyncCache share: the cache's identity, its sequences, the operations."""
+
+    def _init(self, client: Any, num_layers: int, num_heads_kv: int, head_dim: int,
+              dtype: Any, capacity_tokens: Optional[int], capacity_bytes: Optional[int],
+              page_size: int, cache_id: Optional[str], device: Optional[int], reserve: bool,
+              timeout: Optional[float]) -> kv_pb2.CreateCacheRequest:
+        self.client = client
+        self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
+        self.timeout = timeout
+        self._metadata = ((CACHE_ID_HEADER, self.cache_id),)
+        self._lock = threading.Lock()
+        self._next_id = itertools.count(1)
+        self._sequences: Dict[int, "Sequence"] = {}
+        self._closed = False
+        req = kv_pb2.CreateCacheRequest(
+            geometry=kv_pb2.KvGeometry(num_layers=num_layers, num_heads_kv=num_heads_kv,
+                                       head_dim=head_dim, dtype=wire_dtype(dtype)),
+            page_size=page_size, capacity_tokens=capacity_tokens or 0,
+            capacity_bytes=capacity_bytes or 0, cache_id=self.cache_id, reserve=reserve)
+        if device is not None:
+            req.device = device
+        return req
+
+    def _deadline_of(self, timeout: Optional[float]) -> Optional[float]:
+        return self.client._deadline(timeout if timeout is not None else self.timeout)
+
+    # -- operations ------------------------------------------------------------
+    def _op_create_cache(self, req: kv_pb2.CreateCacheRequest) -> Op:
+        stats = (yield "CreateCache", req, None).stats
+        self.num_layers = stats.geometry.num_layers
+        self.page_size = stats.page_size
+        self.device = stats.device
+
+    def _op_close(self) -> Op:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sequences.clear()
+        yield "DropCache", kv_pb2.DropCacheRequest(cache_id=self.cache_id), None
+
+    def _op_stats(self, timeout: Optional[float]) -> Op:
+        req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id)
+        return (yield "GetCacheStats", req, timeout).stats
+
+    def _op_server_lengths(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id,
+                                          sequence_ids=[s.id for s in sequences])
+        resp = yield "GetCacheStats", req, timeout
+        return {s.sequence_id: list(s.lengths) for s in resp.sequences}
+
+    def _op_sync(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        sequences = list(sequences)
+        lengths = yield from self._op_server_lengths(sequences, timeout)
+        with self._lock:
+            for s in sequences:
+                s._lengths = lengths[s.id]
+
+    def _op_sequences(self, count_or_ids: Union[int, Iterable[int]],
+                      timeout: Optional[float]) -> Op:
+        if isinstance(count_or_ids, int):
+            specs = [kv_pb2.SequenceSpec(sequence_id=self._id(None)) for _ in range(count_or_ids)]
+        else:
+            specs = [kv_pb2.SequenceSpec(sequence_id=int(i)) for i in count_or_ids]
+        return Sequences(self, (yield from self._op_create(specs, timeout)))
+
+    def _op_fork(self, source: "Sequence", length: Optional[int], count: int,
+                 timeout: Optional[float]) -> Op:
+        spec = dict(fork_from=source.id)
+        if length is not None:
+            spec["fork_length"] = length
+        specs = [kv_pb2.SequenceSpec(sequence_id=self._id(None), **spec) for _ in range(count)]
+        return Sequences(self, (yield from self._op_create(specs, timeout)))
+
+    def _op_fork_one(self, source: "Sequence", length: Optional[int],
+                     timeout: Optional[float]) -> Op:
+        return (yield from self._op_fork(source, length, 1, timeout))[0]
+
+    def _id(self, wanted: Optional[int]) -> int:
+        if wanted is not None:
+            return int(wanted)
+        with self._lock:
+            while True:
+                candidate = next(self._next_id)
+                if candidate not in self._sequences:
+                    return candidate
+
+    def _op_create(self, specs: List[kv_pb2.SequenceSpec], timeout: Optional[float]) -> Op:
+        req = kv_pb2.CreateSequencesRequest(cache_id=self.cache_id, sequences=specs)
+        yield "CreateSequences", req, timeout
+        made = []
+        with self._lock:
+            for spec in specs:
+                if spec.HasField("fork_from"):
+                    source = self._sequences.get(spec.fork_from)
+                    lengths = list(source._lengths) if source else None
+                    if lengths is not None and spec.HasField("fork_length"):
+                        lengths = [min(n, spec.fork_length) for n in lengths]
+                else:
+                    lengths = [0] * self.num_layers
+                seq = Sequence(self, spec.sequence_id, lengths)
+                self._sequences[seq.id] = seq
+                made.append(seq)
+        unknown = [s for s in made if s._lengths is None]  # forked from a sequence not ours
+        if unknown:
+            yield from self._op_sync(unknown, timeout)
+        return made
+
+    def _op_free(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        live = [s for s in sequences if not s._freed]
+        if not live or self._closed:
+            return
+        yield "FreeSequences", kv_pb2.FreeSequencesRequest(
+            cache_id=self.cache_id, sequence_ids=[s.id for s in live]), timeout
+        with self._lock:
+            for s in live:
+                s._freed = True
+                self._sequences.pop(s.id, None)
+
+    def _op_truncate(self, seq: "Sequence", length: int, layer: Optional[int],
+                     timeout: Optional[float]) -> Op:
+        req = kv_pb2.TruncateRequest(cache_id=self.cache_id, sequence_id=seq.id, length=length)
+        if layer is not None:
+            req.layer = layer
+        stats = (yield "Truncate", req, timeout).stats
+        with self._lock:
+            for i in range(len(seq._lengths)) if layer is None else [layer]:
+                seq._lengths[i] = length
+        return stats
+
+    def _op_append_attend(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any, v: Any,
+                          timeout: Optional[float], options: Dict[str, Any]) -> Op:
+        call = _AppendCall(self, layer, sequences, q, k, v, **options)
+        try:
+            resp = yield "AppendAttend", call.request, timeout
+        except AttnServeError:
+            call.roll_back()
+            raise
+        return call.parse(resp)
+
+
+class Cache(CacheBase):
     """One attnserve K/V cache (CreateCache on construction, DropCache on close()).
 
     Args:
@@ -105,35 +256,37 @@ class Cache:
                  capacity_bytes: Optional[int] = None, page_size: int = 0,
                  cache_id: Optional[str] = None, device: Optional[int] = None,
                  reserve: bool = False, timeout: Optional[float] = None):
-        self.client = client
-        self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
-        self.timeout = timeout
-        self._metadata = ((CACHE_ID_HEADER, self.cache_id),)
-        self._lock = threading.Lock()
-        self._next_id = itertools.count(1)
-        self._sequences: Dict[int, "Sequence"] = {}
-        self._closed = False
-        req = kv_pb2.CreateCacheRequest(
-            geometry=kv_pb2.KvGeometry(num_layers=num_layers, num_heads_kv=num_heads_kv,
-                                       head_dim=head_dim, dtype=wire_dtype(dtype)),
-            page_size=page_size, capacity_tokens=capacity_tokens or 0,
-            capacity_bytes=capacity_bytes or 0, cache_id=self.cache_id, reserve=reserve)
-        if device is not None:
-            req.device = device
-        stats = self._call("CreateCache", req).stats
-        self.num_layers = stats.geometry.num_layers
-        self.page_size = stats.page_size
-        self.device = stats.device
+        req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
+                         capacity_bytes, page_size, cache_id, device, reserve, timeout)
+        self._run(self._op_create_cache(req))
+
+    def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
+        rpc = getattr(self.client._kv, method)
+        try:
+            return rpc(request, timeout=self._deadline_of(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttnServeError.from_rpc_error(e) from None
+
+    def _run(self, op: Op) -> Any:
+        """Runs an operation's RPCs one after another (see Op)."""
+        try:
+            step = next(op)
+            while True:
+                try:
+                    resp = self._call(*step)
+                except AttnServeError as e:
+                    step = op.throw(e)
+                else:
+                    step = op.send(resp)
+        except StopIteration as done:
+            return done.value
+
+    _go = _run  # how Sequence runs its operations on this cache
 
     # -- lifetime ------------------------------------------------------------
     def close(self) -> None:
         """Drops the cache on the server (all its sequences and pages); idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._sequences.clear()
-        self._call("DropCache", kv_pb2.DropCacheRequest(cache_id=self.cache_id))
+        self._run(self._op_close())
 
     drop = close
 
@@ -143,105 +296,49 @@ class Cache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
-        rpc = getattr(self.client._kv, method)
-        deadline = timeout if timeout is not None else self.timeout
-        try:
-            return rpc(request, timeout=self.client._deadline(deadline), metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise AttnServeError.from_rpc_error(e) from None
-
     # -- statistics ----------------------------------------------------------
     def stats(self, *, timeout: Optional[float] = None) -> kv_pb2.CacheStats:
         """GetCacheStats: pages used/free, live sequences, tokens, ..."""
-        return self._call("GetCacheStats", kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id),
-                          timeout).stats
+        return self._run(self._op_stats(timeout))
 
     def server_lengths(self, sequences: Iterable["Sequence"], *,
                        timeout: Optional[float] = None) -> Dict[int, List[int]]:
         """Each sequence's per-layer lengths as the server has them, by sequence id."""
-        req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id,
-                                          sequence_ids=[s.id for s in sequences])
-        resp = self._call("GetCacheStats", req, timeout)
-        return {s.sequence_id: list(s.lengths) for s in resp.sequences}
+        return self._run(self._op_server_lengths(sequences, timeout))
 
     def sync(self, sequences: Iterable["Sequence"], *, timeout: Optional[float] = None) -> None:
         """Re-reads the sequences' lengths from the server (after a failed or lost call)."""
-        sequences = list(sequences)
-        lengths = self.server_lengths(sequences, timeout=timeout)
-        with self._lock:
-            for s in sequences:
-                s._lengths = lengths[s.id]
+        self._run(self._op_sync(sequences, timeout))
 
     # -- sequences -----------------------------------------------------------
     def sequence(self, sequence_id: Optional[int] = None, *,
                  timeout: Optional[float] = None) -> "Sequence":
         """One new empty sequence (close it, or use it as a context manager)."""
-        return self._create([kv_pb2.SequenceSpec(sequence_id=self._id(sequence_id))],
-                            timeout)[0]
+        ids = 1 if sequence_id is None else [sequence_id]
+        return self._run(self._op_sequences(ids, timeout))[0]
 
     def sequences(self, count_or_ids: Union[int, Iterable[int]], *,
                   timeout: Optional[float] = None) -> "Sequences":
         """New empty sequences, all or none: a count (ids chosen here) or explicit ids."""
-        ids = (range(count_or_ids) if isinstance(count_or_ids, int) else count_or_ids)
-        specs = [kv_pb2.SequenceSpec(
-            sequence_id=self._id(None if isinstance(count_or_ids, int) else i)) for i in ids]
-        return Sequences(self, self._create(specs, timeout))
+        return self._run(self._op_sequences(count_or_ids, timeout))
 
     def fork(self, source: "Sequence", length: Optional[int] = None, *, count: int = 1,
              timeout: Optional[float] = None) -> "Sequences":
         """`count` new sequences starting as the first `length` tokens of `source`
         (None: its whole length, which must be the same at every layer). They
         share the prefix's pages on the server (a partial last page copy-on-write)."""
-        spec = dict(fork_from=source.id)
-        if length is not None:
-            spec["fork_length"] = length
-        specs = [kv_pb2.SequenceSpec(sequence_id=self._id(None), **spec) for _ in range(count)]
-        return Sequences(self, self._create(specs, timeout))
+        return self._run(self._op_fork(source, length, count, timeout))
 
-    def _id(self, wanted: Optional[int]) -> int:
-        if wanted is not None:
-            return int(wanted)
-        with self._lock:
-            while True:
-                candidate = next(self._next_id)
-                if candidate not in self._sequences:
-                    return candidate
-
-    def _create(self, specs: List[kv_pb2.SequenceSpec],
-                timeout: Optional[float]) -> List["Sequence"]:
-        req = kv_pb2.CreateSequencesRequest(cache_id=self.cache_id, sequences=specs)
-        self._call("CreateSequences", req, timeout)
-        made = []
-        with self._lock:
-            for spec in specs:
-                if spec.HasField("fork_from"):
-                    source = self._sequences.get(spec.fork_from)
-                    lengths = list(source._lengths) if source else None
-                    if lengths is not None and spec.HasField("fork_length"):
-                        lengths = [min(n, spec.fork_length) for n in lengths]
-                else:
-                    lengths = [0] * self.num_layers
-                seq = Sequence(self, spec.sequence_id, lengths)
-                self._sequences[seq.id] = seq
-                made.append(seq)
-        unknown = [s for s in made if s._lengths is None]  # forked from a sequence not ours
-        if unknown:
-            self.sync(unknown, timeout=timeout)
-        return made
+    def truncate(self, sequence: "Sequence", length: int, layer: Optional[int] = None, *,
+                 timeout: Optional[float] = None) -> kv_pb2.CacheStats:
+        """Cuts `sequence` to `length` tokens at `layer` (None: every layer), e.g. to
+        roll back rejected speculative tokens; pages past it return to the pool."""
+        return self._run(self._op_truncate(sequence, length, layer, timeout))
 
     def free(self, sequences: Iterable["Sequence"], *, timeout: Optional[float] = None) -> None:
         """Frees sequences on the server, all or none (FreeSequences); their pages
-        not shared with another sequence return to the pool."""
-        live = [s for s in sequences if not s._freed]
-        if not live or self._closed:
-            return
-        self._call("FreeSequences", kv_pb2.FreeSequencesRequest(
-            cache_id=self.cache_id, sequence_ids=[s.id for s in live]), timeout)
-        with self._lock:
-            for s in live:
-                s._freed = True
-                self._sequences.pop(s.id, None)
+        not shared with another sequence return to the pool. Idempotent."""
+        self._run(self._op_free(sequences, timeout))
 
     # -- append and attend ---------------------------------------------------
     def append_attend(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
@@ -283,13 +380,7 @@ class Cache:
                              v: Any = None, *, timeout: Optional[float] = None,
                              **options: Any) -> AppendAttendResult:
         """append_attend(), returning an AppendAttendResult (O, LSE, lengths, timing)."""
-        call = _AppendCall(self, layer, sequences, q, k, v, **options)
-        try:
-            resp = self._call("AppendAttend", call.request, timeout)
-        except AttnServeError:
-            call.roll_back()
-            raise
-        return call.parse(resp)
+        return self._run(self._op_append_attend(layer, sequences, q, k, v, timeout, options))
 
     def stream(self, *, timeout: Optional[float] = None) -> "AppendAttendStream":
         """An AppendAttendStream on this cache (close it, or use it as a context manager)."""
@@ -303,7 +394,7 @@ class Sequence:
     the server. `lengths` is the client's view: what the next append expects.
     """
 
-    def __init__(self, cache: Cache, sequence_id: int, lengths: Optional[List[int]]):
+    def __init__(self, cache: CacheBase, sequence_id: int, lengths: Optional[List[int]]):
         self.cache = cache
         self.id = sequence_id
         self._lengths = lengths
@@ -317,28 +408,21 @@ class Sequence:
     def length(self, layer: int = 0) -> int:
         return self._lengths[layer]
 
+    # Each method runs through the cache's driver: a value for a Cache, an
+    # awaitable for an AsyncCache (then `await seq.truncate(...)`, `async with`).
     def fork(self, length: Optional[int] = None, *, timeout: Optional[float] = None) -> "Sequence":
         """A new sequence starting as this one's first `length` tokens (see Cache.fork)."""
-        return self.cache.fork(self, length, timeout=timeout)[0]
+        return self.cache._go(self.cache._op_fork_one(self, length, timeout))
 
     def truncate(self, length: int, layer: Optional[int] = None, *,
                  timeout: Optional[float] = None) -> kv_pb2.CacheStats:
         """Cuts the sequence to `length` tokens at `layer` (None: every layer), e.g.
         to roll back rejected speculative tokens; pages past it return to the pool."""
-        req = kv_pb2.TruncateRequest(cache_id=self.cache.cache_id, sequence_id=self.id,
-                                     length=length)
-        if layer is not None:
-            req.layer = layer
-        stats = self.cache._call("Truncate", req, timeout).stats
-        with self.cache._lock:
-            layers = range(len(self._lengths)) if layer is None else [layer]
-            for i in layers:
-                self._lengths[i] = length
-        return stats
+        return self.cache._go(self.cache._op_truncate(self, length, layer, timeout))
 
     def free(self, *, timeout: Optional[float] = None) -> None:
         """Frees the sequence on the server; idempotent."""
-        self.cache.free([self], timeout=timeout)
+        return self.cache._go(self.cache._op_free([self], timeout))
 
     close = free
 
@@ -348,6 +432,12 @@ class Sequence:
     def __exit__(self, *exc) -> None:
         self.free()
 
+    async def __aenter__(self) -> "Sequence":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.free()
+
     def __repr__(self) -> str:
         return f"Sequence(id={self.id}, lengths={self._lengths})"
 
@@ -355,12 +445,12 @@ class Sequence:
 class Sequences(list):
     """A list of Sequences that frees them all in one call when closed."""
 
-    def __init__(self, cache: Cache, items: Iterable[Sequence]):
+    def __init__(self, cache: CacheBase, items: Iterable[Sequence]):
         super().__init__(items)
         self.cache = cache
 
     def free(self, *, timeout: Optional[float] = None) -> None:
-        self.cache.free(self, timeout=timeout)
+        return self.cache._go(self.cache._op_free(self, timeout))
 
     close = free
 
@@ -370,13 +460,19 @@ class Sequences(list):
     def __exit__(self, *exc) -> None:
         self.free()
 
+    async def __aenter__(self) -> "Sequences":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.free()
+
 
 class _AppendCall:
     """One AppendAttend request: built from the arguments, the sequences' tracked
     lengths advanced at once (so calls pipelined on a stream expect the right
     lengths), and undone when the call fails."""
 
-    def __init__(self, cache: Cache, layer: int, sequences: Seq[Sequence], q: Any, k: Any,
+    def __init__(self, cache: CacheBase, layer: int, sequences: Seq[Sequence], q: Any, k: Any,
                  v: Any, *, causal: bool = True, window: Window = None, softcap: float = 0.0,
                  scale: Optional[float] = None, return_lse: bool = False,
                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
