@@ -1,5 +1,6 @@
 """attnserve.kv against a real CPU server: caches, sequences, append-and-attend, fork,
-truncate, stale lengths, NOT_FOUND, errors, the stream, and what closing frees.
+truncate, stale lengths, NOT_FOUND, errors, the stream, what closing frees, the
+affinity header, and the asyncio twin (attnserve.kv_aio).
 
 Outputs are checked against the float64 reference over the sequence's whole
 history and against a stateless forward() of that history (the paged path
@@ -8,6 +9,7 @@ must agree with the contiguous one).
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import grpc
@@ -16,8 +18,9 @@ import numpy as np
 import pytest
 
 import reference
-from attnserve import AttnServeError
+from attnserve import AsyncClient, AttnServeError
 from attnserve.kv import CACHE_ID_HEADER, Cache, Sequence
+from attnserve.kv_aio import AsyncCache
 from attnserve.v1 import kv_pb2_grpc
 
 LAYERS, HQ, HKV, D = 2, 4, 2, 32
@@ -336,3 +339,41 @@ def test_every_call_carries_the_cache_id_header(client):
     assert methods == {"CreateCache", "CreateSequences", "AppendAttend", "Truncate",
                        "FreeSequences", "AppendAttendStream", "GetCacheStats", "DropCache"}
     assert all(md.get(CACHE_ID_HEADER) == "header-test" for _, md in seen), seen
+
+
+def test_asyncio_twin(server):
+    rng = np.random.default_rng(12)
+
+    async def main():
+        async with AsyncClient(server.target) as client:
+            cache = await AsyncCache.create(client, num_layers=LAYERS, num_heads_kv=HKV,
+                                            head_dim=D, dtype="float32", capacity_tokens=1 << 14)
+            async with cache:
+                async with await cache.sequences(2) as seqs:
+                    hist = [History(), History()]
+                    inputs = [tokens(rng, 6), tokens(rng, 3)]
+                    # Two sequences in flight at once.
+                    outs = await asyncio.gather(*(
+                        cache.append_attend(0, [seq], *x) for seq, x in zip(seqs, inputs)))
+                    for h, (q, k, v), o in zip(hist, inputs, outs):
+                        h.add(k, v)
+                        want, _ = reference.attention(q[None], h.k[None], h.v[None], causal=True)
+                        assert np.max(np.abs(o - want[0])) <= 1e-5
+                    await cache.append_attend(1, [seqs[0]], *tokens(rng, 6))
+                    async with await seqs[0].fork(4) as child:
+                        assert child.lengths == [4, 4]
+                        assert (await cache.stats()).sequences == 3
+                    await seqs[0].truncate(6)
+                    await seqs[0].truncate(2, layer=0)
+                    assert seqs[0].lengths == [2, 6]
+                    with pytest.raises(AttnServeError) as e:
+                        await seqs[1].truncate(5, layer=0)  # longer than 3
+                    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                    s = await cache.stats()
+                    assert s.sequences == 2 and s.tokens == 2 + 6 + 3
+                assert (await cache.stats()).sequences == 0
+            with pytest.raises(AttnServeError) as e:
+                await cache.stats()
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
