@@ -387,7 +387,23 @@ class Cache(CacheBase):
         return AppendAttendStream(self, timeout=timeout)
 
 
-class Sequence:
+class _FreedOnExit:
+    """`with` / `async with` (for an AsyncCache's) that free() on the way out."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.free()
+
+
+class Sequence(_FreedOnExit):
     """One sequence of a Cache: its id and its length at each layer as tracked here.
 
     Made by Cache.sequence()/sequences()/fork(); close() (or free()) frees it on
@@ -426,23 +442,11 @@ class Sequence:
 
     close = free
 
-    def __enter__(self) -> "Sequence":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.free()
-
-    async def __aenter__(self) -> "Sequence":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.free()
-
     def __repr__(self) -> str:
         return f"Sequence(id={self.id}, lengths={self._lengths})"
 
 
-class Sequences(list):
+class Sequences(_FreedOnExit, list):
     """A list of Sequences that frees them all in one call when closed."""
 
     def __init__(self, cache: CacheBase, items: Iterable[Sequence]):
@@ -453,18 +457,6 @@ class Sequences(list):
         return self.cache._go(self.cache._op_free(self, timeout))
 
     close = free
-
-    def __enter__(self) -> "Sequences":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.free()
-
-    async def __aenter__(self) -> "Sequences":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.free()
 
 
 class _AppendCall:
