@@ -2,7 +2,9 @@
 
 A small Llama built from a config with a fixed seed (4 layers, hidden 256, 8
 query heads, 2 KV heads, RoPE), a left-padded batch of prompts of mixed
-lengths, 64 greedy tokens each, every attention call through the server.
+lengths, 64 greedy tokens each, every attention call through the server: in
+both modes, stateless (whole K/V each call) and K/V on the server
+(attnserve.hf_cache.ServerCache). The sdpa reference runs once for both.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import attnserve.hf  # noqa: E402
-from attnserve import Client  # noqa: E402
+from attnserve import AttnServeError, Client  # noqa: E402
+from attnserve.hf_cache import ServerCache  # noqa: E402
+from attnserve.kv import Cache  # noqa: E402
 
 NEW_TOKENS = 64
 PROMPT_LENGTHS = [5, 17, 11, 1]
@@ -40,44 +44,103 @@ def prompt_batch():
     return ids, mask
 
 
-def generate(model, ids, mask):
+def generate(model, ids, mask, **kwargs):
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
+                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD,
+                              **kwargs)
 
 
-def test_greedy_tokens_match_sdpa_fp32(server):
+@pytest.fixture(scope="module")
+def sdpa_run():
+    """transformers' own "sdpa" model and its greedy tokens: built and run once for both modes."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    cfg = small_llama_config()
     # Each model gets its own config: from_config records the implementation in it.
     reference = transformers.AutoModelForCausalLM.from_config(
         small_llama_config(), attn_implementation="sdpa", dtype=torch.float32).eval()
     assert reference.config._attn_implementation == "sdpa"
-    client = attnserve.hf.register(Client(server.target, timeout=120))
-    try:
-        ours = transformers.AutoModelForCausalLM.from_config(
-            cfg, attn_implementation="attnserve", dtype=torch.float32).eval()
-        ours.load_state_dict(reference.state_dict())
-        assert ours.config._attn_implementation == "attnserve"
-
-        calls = []
-        original = client.forward
-        client.forward = lambda *a, **kw: calls.append(kw.get("cu_seqlens_q")) or original(*a, **kw)
-
-        ids, mask = prompt_batch()
-        want = generate(reference, ids, mask)
-        assert not calls  # the reference never reached the server
-        got = generate(ours, ids, mask)
-    finally:
-        client.close()
+    ids, mask = prompt_batch()
+    want = generate(reference, ids, mask)
     assert want.shape == (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + NEW_TOKENS)
-    # Every attention call went to the server (4 layers x (prefill + 63 decode steps)),
-    # as packed varlen: the batch is padded.
-    assert len(calls) == cfg.num_hidden_layers * NEW_TOKENS
-    assert all(cu is not None for cu in calls)
-    assert calls[0].tolist() == [0, 5, 22, 33, 34]
+    return reference, ids, mask, want
+
+
+def attnserve_model(reference):
+    """The same weights with attn_implementation="attnserve"."""
+    ours = transformers.AutoModelForCausalLM.from_config(
+        small_llama_config(), attn_implementation="attnserve", dtype=torch.float32).eval()
+    ours.load_state_dict(reference.state_dict())
+    assert ours.config._attn_implementation == "attnserve"
+    return ours
+
+
+def assert_same_tokens(want, got):
     first_diff = next((i for i in range(want.shape[1]) if not torch.equal(want[:, i], got[:, i])),
                       None)
     assert first_diff is None, (f"tokens differ from position {first_diff}:\n"
                                 f"sdpa      {want.tolist()}\nattnserve {got.tolist()}")
+
+
+def test_greedy_tokens_match_sdpa_fp32(server, sdpa_run):
+    reference, ids, mask, want = sdpa_run
+    client = attnserve.hf.register(Client(server.target, timeout=120))
+    try:
+        ours = attnserve_model(reference)
+        calls = []
+        original = client.forward
+        client.forward = lambda *a, **kw: calls.append(kw.get("cu_seqlens_q")) or original(*a, **kw)
+        got = generate(ours, ids, mask)
+    finally:
+        client.close()
+    # Every attention call went to the server (4 layers x (prefill + 63 decode steps)),
+    # as packed varlen: the batch is padded.
+    assert len(calls) == ours.config.num_hidden_layers * NEW_TOKENS
+    assert all(cu is not None for cu in calls)
+    assert calls[0].tolist() == [0, 5, 22, 33, 34]
+    assert_same_tokens(want, got)
+
+
+def test_greedy_tokens_match_sdpa_fp32_kv_on_server(server, sdpa_run, monkeypatch):
+    """The same with K/V in an attnserve cache: each step sends only the new tokens."""
+    reference, ids, mask, want = sdpa_run
+    client = attnserve.hf.register(Client(server.target, timeout=120))
+    rows = []  # query rows of each append-and-attend call
+    original = Cache.append_attend_result
+
+    def counting(self, layer, sequences, q, *args, **kwargs):
+        rows.append((layer, q.shape[0]))
+        return original(self, layer, sequences, q, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "append_attend_result", counting)
+    client.forward = None  # the stateless path must not run
+    try:
+        ours = attnserve_model(reference)
+        layers = ours.config.num_hidden_layers
+        with ServerCache(client, ours.config, max_tokens=max(PROMPT_LENGTHS) + NEW_TOKENS) as cache:
+            got = generate(ours, ids, mask, past_key_values=cache)
+            stats = cache.cache.stats()
+            # Each row's sequence holds its real tokens only: prompt + 63 fed back.
+            assert stats.sequences == len(PROMPT_LENGTHS)
+            assert stats.tokens == layers * sum(n + NEW_TOKENS - 1 for n in PROMPT_LENGTHS)
+            assert [s.lengths for s in cache.sequences] == [
+                [n + NEW_TOKENS - 1] * layers for n in PROMPT_LENGTHS]
+        with pytest.raises(AttnServeError):  # closing dropped the server's cache
+            cache.cache.stats()
+    finally:
+        client.close()
+    # Prefill sends the 34 real prompt tokens (no padding), each decode step 4.
+    assert rows[:layers] == [(layer, sum(PROMPT_LENGTHS)) for layer in range(layers)]
+    assert len(rows) == layers * NEW_TOKENS
+    assert all(n == len(PROMPT_LENGTHS) for _, n in rows[layers:])
+    assert_same_tokens(want, got)
+
+
+def test_server_cache_refuses_another_attention(server, sdpa_run):
+    """With "sdpa", a ServerCache would attend over the new tokens only: refused."""
+    reference, ids, mask, _ = sdpa_run
+    with Client(server.target, timeout=120) as client:
+        with ServerCache(client, reference.config, max_tokens=64) as cache:
+            with pytest.raises(RuntimeError, match="attn_implementation"), torch.no_grad():
+                reference(input_ids=ids[:, -4:], past_key_values=cache, use_cache=True)
+            assert cache.cache.stats().tokens == 0  # nothing reached the server

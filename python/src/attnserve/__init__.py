@@ -9,8 +9,11 @@ Public API:
   AsyncClient, AsyncForwardStream   asyncio client (attnserve.aio)
   AttnServeError                the one exception: .code (grpc.StatusCode), .message
   ForwardResult, ServerTiming   what forward_result()/echo()/streams return
+  attnserve.kv                  K/V on the server: Cache, Sequence(s), append_attend, streams
+  attnserve.kv_aio              AsyncCache: the K/V API for asyncio
   attnserve.hf                  the transformers attention implementation ("attnserve")
-  attnserve.v1                  the generated stubs (attention_pb2, attention_pb2_grpc)
+  attnserve.hf_cache            ServerCache: a transformers Cache with K/V on the server
+  attnserve.v1                  the generated stubs (attention_pb2(_grpc), kv_pb2(_grpc))
 See docs/python.md.
 """
 

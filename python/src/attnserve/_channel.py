@@ -3,9 +3,12 @@
 Retries: gRPC's own retry policy (a service config), only for UNAVAILABLE (no
 server reachable, or one draining for shutdown). Every attnserve.v1.Attention
 call is stateless, so a retried Forward cannot be applied twice; gRPC retries a
-stream only before any response came back. Calls that change server state (the
-K/V API) must name their own policy: an append carries the sequence length it
-expects, so a duplicate is refused (FAILED_PRECONDITION) instead of applied.
+stream only before any response came back. Of the K/V API (attnserve.v1.KvCache)
+only the calls that cannot apply twice are retried: AppendAttend carries the
+sequence length it expects, so a duplicate is refused (FAILED_PRECONDITION
+naming the actual length) instead of applied; Truncate sets a length; stats
+only read. CreateCache, CreateSequences, FreeSequences and DropCache are not
+retried (a lost success would come back as ALREADY_EXISTS or NOT_FOUND).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve.v1 import kv_pb2_grpc
 
 ChannelOptions = Sequence[Tuple[str, object]]
 
@@ -26,12 +30,23 @@ DEFAULT_MAX_MESSAGE_BYTES = (1 << 31) - 1
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def service_config(services: Iterable[str], max_attempts: int) -> str:
+# The services and methods whose calls are retried (a name without "method"
+# covers every method of the service).
+RETRIED_CALLS = [
+    {"service": "attnserve.v1.Attention"},
+    {"service": "grpc.health.v1.Health"},
+    {"service": "attnserve.v1.KvCache", "method": "AppendAttend"},
+    {"service": "attnserve.v1.KvCache", "method": "Truncate"},
+    {"service": "attnserve.v1.KvCache", "method": "GetCacheStats"},
+]
+
+
+def service_config(names: Iterable[dict], max_attempts: int) -> str:
     """A gRPC service config retrying UNAVAILABLE up to max_attempts tries in all."""
     if max_attempts < 2:
         return json.dumps({"methodConfig": []})
     return json.dumps({"methodConfig": [{
-        "name": [{"service": s} for s in services],
+        "name": list(names),
         "retryPolicy": {
             "maxAttempts": min(max_attempts, 5),  # gRPC caps it at 5
             "initialBackoff": "0.1s",
@@ -52,8 +67,7 @@ def channel_options(options: Optional[ChannelOptions], max_attempts: int,
         # gRPC keeps a request this large for a retry (default 256 KiB); a
         # larger one is sent once, and its UNAVAILABLE reaches the caller.
         "grpc.per_rpc_retry_buffer_size": 64 << 20,
-        "grpc.service_config": service_config(
-            ["attnserve.v1.Attention", "grpc.health.v1.Health"], max_attempts),
+        "grpc.service_config": service_config(RETRIED_CALLS, max_attempts),
     }
     for key, value in options or ():
         ours[key] = value
@@ -79,6 +93,7 @@ class ChannelOwner:
                         else self._grpc.insecure_channel(target, opts))
         self._stub = pb_grpc.AttentionStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._kv = kv_pb2_grpc.KvCacheStub(self.channel)  # attnserve.kv uses it
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout

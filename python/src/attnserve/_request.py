@@ -50,21 +50,9 @@ class ForwardResult:
     request_id: str
 
 
-def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Window = None,
-                  softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
-                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-                  request_id: Optional[str] = None) -> pb.ForwardRequest:
-    """The ForwardRequest for forward()'s arguments (see Client.forward)."""
-    req = pb.ForwardRequest(request_id=request_id or next_request_id())
-    _tensors.to_wire("q", q, req.q)
-    _tensors.to_wire("k", k, req.k)
-    _tensors.to_wire("v", v, req.v)
-    for name, cu, field in (("cu_seqlens_q", cu_seqlens_q, req.cu_seqlens_q),
-                            ("cu_seqlens_k", cu_seqlens_k, req.cu_seqlens_k)):
-        offsets = _tensors.to_offsets(name, cu)
-        if offsets is not None:
-            field.extend(offsets)
-    opts = req.options
+def fill_options(opts: pb.AttentionOptions, *, causal: bool, window: Window, softcap: float,
+                 scale: Optional[float], return_lse: bool) -> None:
+    """AttentionOptions from forward()'s keyword arguments (also the K/V API's AppendAttend)."""
     opts.causal = bool(causal)
     opts.softcap = float(softcap)
     opts.return_lse = bool(return_lse)
@@ -80,6 +68,30 @@ def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Windo
             opts.window_left = int(left)
         if right is not None and right != -1:
             opts.window_right = int(right)
+
+
+def server_timing(t: pb.ServerTiming) -> ServerTiming:
+    """The wire's ServerTiming as the dataclass."""
+    return ServerTiming(t.queue_us, t.host_to_device_us, t.compute_us, t.device_to_host_us,
+                        t.total_us, t.batch_size, t.device)
+
+
+def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Window = None,
+                  softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
+                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                  request_id: Optional[str] = None) -> pb.ForwardRequest:
+    """The ForwardRequest for forward()'s arguments (see Client.forward)."""
+    req = pb.ForwardRequest(request_id=request_id or next_request_id())
+    _tensors.to_wire("q", q, req.q)
+    _tensors.to_wire("k", k, req.k)
+    _tensors.to_wire("v", v, req.v)
+    for name, cu, field in (("cu_seqlens_q", cu_seqlens_q, req.cu_seqlens_q),
+                            ("cu_seqlens_k", cu_seqlens_k, req.cu_seqlens_k)):
+        offsets = _tensors.to_offsets(name, cu)
+        if offsets is not None:
+            field.extend(offsets)
+    fill_options(req.options, causal=causal, window=window, softcap=softcap, scale=scale,
+                 return_lse=return_lse)
     return req
 
 
@@ -90,8 +102,5 @@ def parse_response(resp: pb.ForwardResponse, like: Any) -> ForwardResult:
                                               resp.request_id)
     o = _tensors.from_wire("o", resp.o, like)
     lse = _tensors.from_wire("lse", resp.lse, like) if resp.HasField("lse") else None
-    t = resp.timing
-    timing = ServerTiming(t.queue_us, t.host_to_device_us, t.compute_us, t.device_to_host_us,
-                          t.total_us, t.batch_size, t.device)
-    return ForwardResult(o=o, lse=lse, timing=timing, backend=resp.backend,
+    return ForwardResult(o=o, lse=lse, timing=server_timing(resp.timing), backend=resp.backend,
                          request_id=resp.request_id)

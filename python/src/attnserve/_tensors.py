@@ -37,6 +37,12 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def is_torch_dtype(x: Any) -> bool:
+    """True for a torch.dtype, without importing torch for NumPy users."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.dtype)
+
+
 def _torch_wire_dtypes() -> dict:
     import torch
     return {torch.float16: pb.FP16, torch.bfloat16: pb.BF16, torch.float32: pb.FP32}

@@ -10,16 +10,15 @@ Arrays go in as NumPy (float16, ml_dtypes.bfloat16, float32) or PyTorch tensors
 
 from __future__ import annotations
 
-import queue
-import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from attnserve import _channel, _request
 from attnserve._request import ForwardResult, Window
+from attnserve._stream import BidiStream
 from attnserve.errors import AttnServeError
 from attnserve.v1 import attention_pb2 as pb
 
@@ -32,7 +31,7 @@ class Client(_channel.ChannelOwner):
       timeout: default deadline of each call in seconds (None = no deadline);
         every method also takes its own `timeout`.
       max_attempts: tries per call when the server answers UNAVAILABLE (1 = no
-        retry); only for stateless calls, see attnserve._channel.
+        retry); only for calls that cannot apply twice, see attnserve._channel.
       options: extra gRPC channel options, e.g. [("grpc.keepalive_time_ms", 10000)].
       credentials: grpc.ChannelCredentials for TLS; None = plaintext.
       max_message_bytes: the channel's send/receive limit.
@@ -114,7 +113,7 @@ class Client(_channel.ChannelOwner):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-class ForwardStream:
+class ForwardStream(BidiStream):
     """Many forward calls in flight on one ForwardStream RPC.
 
     submit() sends a request and returns a concurrent.futures.Future of its
@@ -128,75 +127,14 @@ class ForwardStream:
             outs = [f.result().o for f in futures]
     """
 
-    _END = object()
-
     def __init__(self, client: Client, *, timeout: Optional[float] = None):
-        self._requests: "queue.Queue[Any]" = queue.Queue()
-        self._pending: Dict[str, tuple] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._error: Optional[AttnServeError] = None
-        self._call = client._stub.ForwardStream(self._request_iter(), timeout=timeout)
-        self._reader = threading.Thread(target=self._read, name="attnserve-stream", daemon=True)
-        self._reader.start()
-
-    def _request_iter(self) -> Iterator[pb.ForwardRequest]:
-        while True:
-            item = self._requests.get()
-            if item is self._END:
-                return
-            yield item
+        super().__init__("ForwardStream",
+                         lambda requests: client._stub.ForwardStream(requests, timeout=timeout))
 
     def submit(self, q: Any, k: Any, v: Any, **options: Any) -> "Future[ForwardResult]":
         """Sends one request (forward()'s arguments); returns the future of its result."""
         req = _request.build_request(q, k, v, **options)
-        future: "Future[ForwardResult]" = Future()
-        with self._lock:
-            if self._closed or self._error is not None:
-                raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                                    "ForwardStream: already closed")
-            self._pending[req.request_id] = (future, q)
-        self._requests.put(req)
-        return future
-
-    def _read(self) -> None:
-        try:
-            for resp in self._call:
-                with self._lock:
-                    future, like = self._pending.pop(resp.request_id, (None, None))
-                if future is None:
-                    continue  # not ours: nothing to resolve
-                try:
-                    future.set_result(_request.parse_response(resp, like))
-                except AttnServeError as e:
-                    future.set_exception(e)
-            error = None
-        except grpc.RpcError as e:
-            error = AttnServeError.from_rpc_error(e)
-        with self._lock:
-            self._error = error or AttnServeError(
-                grpc.StatusCode.INTERNAL, "ForwardStream: the server ended the stream with "
-                "requests unanswered")
-            pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
-            future.set_exception(self._error)
-
-    def close(self) -> None:
-        """Stops sending and waits for the outstanding responses."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._requests.put(self._END)
-        self._reader.join()
-
-    def cancel(self) -> None:
-        """Cancels the stream; pending futures fail with CANCELLED."""
-        self._call.cancel()
-        self.close()
+        return self._submit(req, lambda resp: _request.parse_response(resp, q))
 
     def __enter__(self) -> "ForwardStream":
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

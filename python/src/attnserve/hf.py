@@ -6,10 +6,12 @@
     model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
 
 register() adds "attnserve" to transformers' AttentionInterface (the attention
-function) and AttentionMaskInterface (the mask it receives). Stateless mode:
-each call sends the layer's whole Q, K and V (transformers' own cache keeps
-K/V in the client process); a Cache whose K/V live on the server is the K/V
-API's part (attnserve.kv, later).
+function) and AttentionMaskInterface (the mask it receives). Two modes:
+  stateless (default): each call sends the layer's whole Q, K and V
+    (transformers' own cache keeps K/V in the client process);
+  K/V on the server: pass `past_key_values=attnserve.hf_cache.ServerCache(...)`
+    to generate(); each call then sends only the new tokens' Q, K and V
+    (attnserve.hf_cache).
 
 Padding: like transformers' FlashAttention-2 path, the model hands us the 2-D
 padding mask [B, Sk] (None when nothing is padded) instead of a 4-D additive
@@ -47,7 +49,7 @@ def register(client: Union[Client, str], name: str = NAME) -> Client:
     return _client
 
 
-def _cu_seqlens(mask: torch.Tensor) -> torch.Tensor:
+def cu_seqlens(mask: torch.Tensor) -> torch.Tensor:
     """B+1 int32 offsets of the packed layout of a [B, S] boolean mask."""
     return F.pad(torch.cumsum(mask.sum(dim=-1, dtype=torch.int32), dim=0, dtype=torch.int32),
                  (1, 0))
@@ -65,9 +67,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     attention_mask: None or the 2-D padding mask [B, Sk] (True = a real token).
     Returns (attn_output [B, Sq, Hq, D], None): no attention weights.
     """
-    client = _client
-    if client is None:
-        raise RuntimeError("attnserve.hf: call attnserve.hf.register(target) first")
     if module.training and dropout > 0:
         raise NotImplementedError("attnserve.hf: attention dropout (the server is forward-only)")
     if kwargs.get("s_aux") is not None:
@@ -79,6 +78,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     options = dict(causal=causal, scale=scaling, softcap=softcap or 0.0,
                    # FlashAttention-2's mapping of transformers' sliding_window.
                    window=None if sliding_window is None else (sliding_window - 1, sliding_window - 1))
+    from attnserve import hf_cache  # not at the top: hf_cache imports this module
+    layer = hf_cache.take_pending(key)
+    if layer is not None:  # K/V on the server: this call's new tokens only
+        return layer.attend(query, key, value, attention_mask, options), None
+    client = _client
+    if client is None:
+        raise RuntimeError("attnserve.hf: call attnserve.hf.register(target) first")
     batch, _, q_len, _ = query.shape
     q = query.transpose(1, 2)  # [B, Sq, Hq, D] views; the client copies once into bytes
     k = key.transpose(1, 2)
@@ -92,14 +98,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     mask = mask[:, -k.shape[1]:] if mask.shape[1] > k.shape[1] else mask
     k = k[:, :mask.shape[1]]  # a static cache may hold more slots than the mask covers
     v = v[:, :mask.shape[1]]
-    cu_k = _cu_seqlens(mask)
+    cu_k = cu_seqlens(mask)
     if q_len == mask.shape[1]:  # prefill: the queries are the keys' tokens
         mask_q = mask
     elif q_len == 1:  # decode: one real query per sequence
         mask_q = torch.ones((batch, 1), dtype=torch.bool, device=mask.device)
     else:  # chunked prefill: the last q_len mask columns are the queries (left padding)
         mask_q = mask[:, -q_len:]
-    o_packed = client.forward(q[mask_q], k[mask], v[mask], cu_seqlens_q=_cu_seqlens(mask_q),
+    o_packed = client.forward(q[mask_q], k[mask], v[mask], cu_seqlens_q=cu_seqlens(mask_q),
                               cu_seqlens_k=cu_k, **options)
     out = torch.zeros((batch, q_len, *o_packed.shape[1:]), dtype=o_packed.dtype,
                       device=o_packed.device)
