@@ -12,8 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/dtype.h"
 #include "client/async_unary.h"
+#include "common/dtype.h"
+#include "common/shape_string.h"
 
 namespace attnserve {
 namespace {
@@ -68,7 +69,7 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
       (r.o.shape() != want_o || r.o.dtype() != *want_dtype)) {
     return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(), ", expected ",
                                             std::string(DTypeName(*want_dtype)),
-                                            ShapeToString(want_o)));
+                                            ShapeString(want_o)));
   }
   if (r.lengths.size() != static_cast<size_t>(request.sequences_size())) {
     return absl::InternalError(absl::StrCat("server returned ", r.lengths.size(),
@@ -81,7 +82,7 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
     const std::vector<int64_t> want_lse = {want_o[1], want_o[0]};
     if (r.lse->shape() != want_lse || r.lse->dtype() != DType::kFP32) {
       return absl::InternalError(absl::StrCat("server returned lse ", r.lse->DebugString(),
-                                              ", expected FP32", ShapeToString(want_lse)));
+                                              ", expected FP32", ShapeString(want_lse)));
     }
   }
   return absl::OkStatus();
