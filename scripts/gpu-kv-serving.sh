@@ -22,7 +22,7 @@ tokens=${1:-16}
 bin=.device-carry/bin
 use_carried_libs lib
 csv=$OUT/kv-loop.csv
-rm -f "$csv"
+rm -f "$csv" "$OUT/torch-local.csv" "$OUT/torch-local.err"
 {
   nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
   python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
@@ -38,10 +38,11 @@ start_server "$OUT/attnserve.log" 60 "$bin/attnctl" --target="127.0.0.1:$port" -
   exit 1
 pid=$SERVER_PID
 ctl=("$bin/attnctl" --target="127.0.0.1:$port" --timeout=600s)
-shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --page_size=64)
+shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16)
+paged=(--page_size=64)
 
 # Correctness first: a short decode loop with every output checked.
-if "${ctl[@]}" load-kv --sequences=4 --prompt=300 --tokens=4 --layers=2 "${shape[@]}" --check \
+if "${ctl[@]}" load-kv --sequences=4 --prompt=300 --tokens=4 --layers=2 "${shape[@]}" "${paged[@]}" --check \
   >"$OUT/check.txt" 2>&1; then
   echo "check: PASS"
 else
@@ -54,17 +55,19 @@ run() {  # run LABEL FLAGS...: one load-kv configuration, rows appended to $csv
   timeout 240 "${ctl[@]}" load-kv "${shape[@]}" --csv="$csv" --label="$label" "$@" \
     >"$OUT/$label.txt" 2>&1 || { echo "$label failed:"; tail -5 "$OUT/$label.txt"; }
 }
-run kv64x8k-unary --sequences=64 --prompt=8192 --tokens="$tokens" --warmup_tokens=2 --layers=1
-run kv64x8k-stream4 --sequences=64 --prompt=8192 --tokens="$tokens" --warmup_tokens=2 --layers=1 \
+run kv64x8k-unary "${paged[@]}" --sequences=64 --prompt=8192 --tokens="$tokens" --warmup_tokens=2 --layers=1
+run kv64x8k-stream4 "${paged[@]}" --sequences=64 --prompt=8192 --tokens="$tokens" --warmup_tokens=2 --layers=1 \
   --stream --channels=4 --concurrency=4
-run kv16x4k --sequences=16 --prompt=4096 --tokens="$tokens" --warmup_tokens=2 --layers=1
+run kv16x4k "${paged[@]}" --sequences=16 --prompt=4096 --tokens="$tokens" --warmup_tokens=2 --layers=1
 run stateless16x4k --stateless --sequences=16 --prompt=4096 --tokens=4 --warmup_tokens=1 --layers=1
 kill -TERM "$pid"; wait "$pid"; pid=""
 
-python3 bench/gpu/kv_torch_local.py --sequences=64 --context=8192 --layers=1,32 --steps=32 \
-  >"$OUT/torch-local.csv" 2>"$OUT/torch-local.err" || tail -5 "$OUT/torch-local.err"
-python3 bench/gpu/kv_torch_local.py --sequences=16 --context=4096 --layers=1 --steps=32 \
-  >>"$OUT/torch-local.csv" 2>>"$OUT/torch-local.err" || tail -5 "$OUT/torch-local.err"
+for sdpa in cudnn flash; do
+  python3 bench/gpu/kv_torch_local.py --sdpa="$sdpa" --sequences=64 --context=8192 --layers=1,32 \
+    --steps=32 >>"$OUT/torch-local.csv" 2>>"$OUT/torch-local.err" || tail -5 "$OUT/torch-local.err"
+  python3 bench/gpu/kv_torch_local.py --sdpa="$sdpa" --sequences=16 --context=4096 --layers=1 \
+    --steps=32 >>"$OUT/torch-local.csv" 2>>"$OUT/torch-local.err" || tail -5 "$OUT/torch-local.err"
+done
 
 echo "--- results (tokens/s, per-step p50/p99 ms)"
 cat "$csv" "$OUT/torch-local.csv" 2>/dev/null

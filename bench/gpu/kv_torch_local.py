@@ -22,10 +22,20 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def pick_backend(q, k, v):
-    """The first SDPA backend that runs this shape (the fastest one for decode
-    on Hopper is cuDNN; FLASH needs no cuDNN)."""
-    for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def pick_backend(q, k, v, wanted):
+    """The first SDPA backend of `wanted` that runs this shape. cuDNN is the
+    fastest decode kernel on Hopper, but it builds a graph for every new
+    sequence length it sees (tens of ms): a loop whose context grows by one
+    token per step pays that at every step unless many layers share the shape,
+    so both are measured."""
+    for be in wanted:
         try:
             with sdpa_kernel([be]):
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -36,7 +46,7 @@ def pick_backend(q, k, v):
     raise SystemExit("no SDPA backend runs this shape")
 
 
-def run(sequences, context, layers, hq, hkv, d, steps, dtype):
+def run(sequences, context, layers, hq, hkv, d, steps, dtype, wanted):
     dev = torch.device("cuda")
     # [L, B, Hkv, S_max, D]: a context prefix of random values, room for the
     # generated tokens after it.
@@ -46,7 +56,7 @@ def run(sequences, context, layers, hq, hkv, d, steps, dtype):
     q = torch.randn(sequences, hq, 1, d, device=dev, dtype=dtype)
     k_new = torch.randn(sequences, hkv, 1, d, device=dev, dtype=dtype)
     v_new = torch.randn_like(k_new)
-    be = pick_backend(q, k_cache[0, :, :, :context], v_cache[0, :, :, :context])
+    be = pick_backend(q, k_cache[0, :, :, :context], v_cache[0, :, :, :context], wanted)
     times = []
     start_evt = [torch.cuda.Event(enable_timing=True) for _ in range(steps * layers)]
     end_evt = [torch.cuda.Event(enable_timing=True) for _ in range(steps * layers)]
@@ -90,19 +100,23 @@ def main():
     ap.add_argument("--heads_kv", type=int, default=8)
     ap.add_argument("--head_dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="generated tokens per sequence (after 4 warm-up steps)")
+    ap.add_argument("--sdpa", default="cudnn,flash,efficient",
+                    help="SDPA backends to try in order (cudnn, flash, efficient); the first that runs is used")
     ap.add_argument("--header", action="store_true", help="print the CSV header first")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("kv_torch_local: no CUDA device", file=sys.stderr)
         return 2
     if a.header:
-        print("scenario,impl,sequences,context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms")
+        print("scenario,impl,sequences,context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms,label")
+    wanted = [BACKENDS[x] for x in a.sdpa.split(",")]
     for layers in (int(x) for x in a.layers.split(",")):
-        run(a.sequences, a.context, layers, a.heads_q, a.heads_kv, a.head_dim, 4, torch.bfloat16)  # warm-up
-        r = run(a.sequences, a.context, layers, a.heads_q, a.heads_kv, a.head_dim, a.steps, torch.bfloat16)
+        shape = (a.sequences, a.context, layers, a.heads_q, a.heads_kv, a.head_dim)
+        run(*shape, 4, torch.bfloat16, wanted)  # warm-up
+        r = run(*shape, a.steps, torch.bfloat16, wanted)
         print(
             f"loop,torch_local,{a.sequences},{a.context},{layers},0,{r['tokens_per_s']:.1f},"
-            f"{r['tbps']:.3f},{r['p50_ms']:.4f},{r['p99_ms']:.4f}"
+            f"{r['tbps']:.3f},{r['p50_ms']:.4f},{r['p99_ms']:.4f},sdpa_{r['backend'].split('_')[0].lower()}"
         )
         print(f"# torch_local layers={layers}: SDPA backend {r['backend']}", file=sys.stderr)
         torch.cuda.empty_cache()
