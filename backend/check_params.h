@@ -1,4 +1,4 @@
-// CheckParams: the contract's invariants (DESIGN.md §2) on a filled AttnParams.
+// CheckParams: the contract's invariants (docs/design.md §2) on a filled AttnParams.
 // Every backend's CanImplement starts here, so a kernel never sees params that
 // break them; the server validates the wire request first and names wire
 // fields, this is the last line of defence and names AttnParams fields.

@@ -23,7 +23,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Window value meaning "no limit on this side".
 constexpr int32_t kNoWindow = -1;
 
-// Tensors are contiguous, row-major, in the layouts of DESIGN.md §2:
+// Tensors are contiguous, row-major, in the layouts of docs/design.md §2:
 //   dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], o like q, lse [B, Hq, Sq]
 //   varlen: q [Tq, Hq, D],    k/v [Tk, Hkv, D],    o like q, lse [Hq, Tq]
 // A sequence b is a run of rows starting at SeqStartQ/K(b); row r of head h
@@ -104,7 +104,7 @@ ATTN_HOST_DEVICE int KVHead(const AttnParams& p, int h) {
 }
 
 // The keys query i of a sequence with lengths (sq, sk) may see: [*lo, *hi],
-// empty when *lo > *hi. Bottom-right aligned, DESIGN.md §2.
+// empty when *lo > *hi. Bottom-right aligned, docs/design.md §2.
 ATTN_HOST_DEVICE void VisibleKeys(const AttnParams& p, int i, int sq, int sk, int* lo, int* hi) {
   const int diag = i + (sk - sq);
   int l = 0;

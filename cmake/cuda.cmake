@@ -7,7 +7,7 @@ if(ATTNSERVE_CUDA STREQUAL "ON" OR ATTNSERVE_CUDA STREQUAL "AUTO")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # sm80 portable path plus the Hopper sm_90a path (DESIGN.md §3).
+    # sm80 portable path plus the Hopper sm_90a path (docs/design.md §3).
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       # SASS for sm80 (A100; sm86/89 run it too) and sm90 (H100), plus sm90 PTX
       # so newer GPUs JIT it; "80 90" also embedded sm80 PTX nobody uses and

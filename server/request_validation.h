@@ -1,6 +1,6 @@
 // Every check of a ForwardRequest before any work is done, and FillParams,
 // which turns a valid request into the AttnParams a backend runs. Errors name
-// the wire field, the expected value and the actual one (DESIGN.md §2).
+// the wire field, the expected value and the actual one (docs/design.md §2).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +20,7 @@ struct RequestLimits {
   int64_t max_tokens = int64_t{1} << 22;         // B*Sq + B*Sk (dense) or Tq + Tk (varlen)
 };
 
-// Head dims the contract accepts (DESIGN.md §2); a backend may support fewer
+// Head dims the contract accepts (docs/design.md §2); a backend may support fewer
 // and says so through CanImplement (UNIMPLEMENTED).
 inline constexpr int kMinHeadDim = 8;
 inline constexpr int kMaxHeadDim = 256;

@@ -1,4 +1,4 @@
-// CpuBackend: the fused attention algorithm of DESIGN.md §3 on the host,
+// CpuBackend: the fused attention algorithm of docs/design.md §3 on the host,
 // multi-threaded over (sequence, query head, block of query rows). The
 // embedded default where no GPU is usable, and the baseline of bench/cpu.
 #pragma once

@@ -21,7 +21,7 @@ ReferenceOutput ReferenceAttention(const AttnParams& p);
 // The same function evaluated the way a framework does it in p.dtype: scores
 // and probabilities rounded to p.dtype, output rounded to p.dtype, float
 // accumulation. Its distance from ReferenceAttention sets the FP16/BF16
-// tolerance (DESIGN.md §4). For FP32 it equals ReferenceAttention rounded to float.
+// tolerance (docs/design.md §4). For FP32 it equals ReferenceAttention rounded to float.
 ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p);
 
 }  // namespace attnserve

@@ -1,4 +1,4 @@
-// The tolerance constants of DESIGN.md §4 in one place, for every checker of
+// The tolerance constants of docs/design.md §4 in one place, for every checker of
 // an attention result against the float64 reference: the tests' CheckOutput
 // (tests/common/attn_test_util.cc) and the client's `attnctl --verify` / `load
 // --check` (client/verify.cc). Header-only and free of GoogleTest, so the

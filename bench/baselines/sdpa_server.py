@@ -104,7 +104,7 @@ class Spec:
 
 
 def validate(req, compute=True):
-    """Checks a ForwardRequest against DESIGN.md §2; returns a Spec or raises RequestError.
+    """Checks a ForwardRequest against docs/design.md §2; returns a Spec or raises RequestError.
 
     compute=False (Echo) skips the UNIMPLEMENTED checks: nothing is computed.
     """
@@ -210,7 +210,7 @@ def validate(req, compute=True):
                             "(torch SDPA does not return the log-sum-exp); send return_lse = false")
     s.causal = o.causal
     s.window_left = o.window_left if o.HasField("window_left") else None
-    # With causal the right bound is the causal one (DESIGN.md §2).
+    # With causal the right bound is the causal one (docs/design.md §2).
     s.window_right = o.window_right if o.HasField("window_right") and not o.causal else None
     return s
 
@@ -229,7 +229,7 @@ class MaskCache:
       torch 2.11 its memory-efficient path (FP32, or no GQA with a dtype/head
       dim flash refuses) returns wrong values in rows that do see keys (seen on
       an H100: max error ~3 against float64), and torch warns about that case.
-    A row that sees no key must give O = 0 (DESIGN.md §2); SDPA may give NaN.
+    A row that sees no key must give O = 0 (docs/design.md §2); SDPA may give NaN.
     """
 
     def __init__(self, device, max_entries=64):

@@ -7,7 +7,7 @@
 Needs the attnserve package (`pip install ./python`: the generated
 attnserve.v1 classes), grpcio-health-checking, torch and numpy (skipped, and
 said so, without them). The client side uses the generated AttentionStub; results are
-checked against a float64 numpy reference that applies DESIGN.md's masking
+checked against a float64 numpy reference that applies docs/design.md's masking
 rules itself (bottom-right causal, windows, GQA, varlen, empty rows = 0).
 `attnctl forward --verify` / `attnctl load --check` are the other half of the
 testing (README.md).

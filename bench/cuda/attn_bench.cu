@@ -18,7 +18,7 @@
 // runs instead of 25.
 // Timing: CUDA events around each run, L2 flushed (a 256 MB memset) before
 // every run, 5 warm-ups, median of 25 runs; random inputs. Prints CSV rows in
-// DESIGN.md §5's format: kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,
+// docs/design.md §5's format: kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,
 // tbps,peak_mem_bytes (peak = bytes this version allocated: inputs, outputs,
 // its intermediates).
 #include <cublas_v2.h>

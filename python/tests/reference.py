@@ -1,4 +1,4 @@
-"""A float64 NumPy reference of attention with the contract's masking rules (DESIGN.md §2)."""
+"""A float64 NumPy reference of attention with the contract's masking rules (docs/design.md §2)."""
 
 from __future__ import annotations
 

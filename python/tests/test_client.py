@@ -16,7 +16,7 @@ from attnserve import AsyncClient, AttnServeError, Client
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 # Absolute tolerance on O for values of order 1 (inputs in [-1, 1)); FP32 is
-# checked against 1e-5 of the largest |O|, as DESIGN.md §4 asks.
+# checked against 1e-5 of the largest |O|, as docs/design.md §4 asks.
 ATOL = {"fp32": 1e-5, "fp16": 4e-3, "bf16": 3e-2}
 
 

@@ -1,4 +1,4 @@
-// CpuBackend against the float64 reference over the standard grid (DESIGN.md
+// CpuBackend against the float64 reference over the standard grid (docs/design.md
 // §4), plus the backend's own behaviour: description, invalid params, thread
 // counts, repeated calls on one instance.
 #include "backend/cpu/cpu_backend.h"

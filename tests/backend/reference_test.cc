@@ -70,7 +70,7 @@ TEST(ReferenceTest, BottomRightCausalAndEmptyRows) {
   EXPECT_NEAR(out.lse[1], 4.0, 1e-12);  // q·k = 8 * 0.5
 }
 
-// Naive attention straight from DESIGN.md §2's formulas, one (b, h) at a time.
+// Naive attention straight from docs/design.md §2's formulas, one (b, h) at a time.
 ReferenceOutput Naive(const AttnParams& p, bool causal, int wl, int wr) {
   ReferenceOutput out;
   const int d = p.head_dim;

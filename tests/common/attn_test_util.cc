@@ -1,4 +1,4 @@
-// Test cases, host buffers and the DESIGN.md §4 checker (see the header).
+// Test cases, host buffers and the docs/design.md §4 checker (see the header).
 #include "tests/common/attn_test_util.h"
 
 #include <algorithm>
@@ -114,7 +114,7 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   if (n == 0) return "";
   const ReferenceOutput& ref = buf.Reference();
   const bool lowp = p.dtype != DType::kFP32;
-  // Low precision: DESIGN.md §4, max|out - ref| <= 2 * max|ref_lowp - ref| + floor.
+  // Low precision: docs/design.md §4, max|out - ref| <= 2 * max|ref_lowp - ref| + floor.
   double lowp_err = 0.0;
   if (lowp) {
     const ReferenceOutput& rl = buf.ReferenceLowPrecision();

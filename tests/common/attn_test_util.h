@@ -1,7 +1,7 @@
 // Shared test support for every attention backend (CPU tests here, CUDA tests
 // on the GPU machine): a TestCase describes one call, HostBuffers owns fresh
 // random inputs, poisoned outputs and a filled AttnParams for it, and
-// CheckOutput applies DESIGN.md §4's tolerance policy against the float64
+// CheckOutput applies docs/design.md §4's tolerance policy against the float64
 // reference. No gRPC, protobuf or backend dependency: only params.h, dtype.h,
 // the reference and GoogleTest.
 //
@@ -124,7 +124,7 @@ std::string CheckOutputError(const HostBuffers& buf, const void* o, const float*
 // Checks buf's own o()/lse().
 ::testing::AssertionResult CheckOutput(const HostBuffers& buf);
 
-// The grid every backend runs (DESIGN.md §4): sizes 1, 17, 97, 1025; Sq != Sk
+// The grid every backend runs (docs/design.md §4): sizes 1, 17, 97, 1025; Sq != Sk
 // both ways; GQA 4:1 and MQA; causal; windows (left, right, both, with
 // causal); softcap; custom scale; varlen with zero-length sequences; B = 0;
 // Sk = 0; fully masked rows; all dtypes; head dims 8..256. Sized so the CPU

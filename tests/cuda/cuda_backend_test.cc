@@ -1,4 +1,4 @@
-// CudaBackend against the float64 reference with DESIGN.md §4's tolerance
+// CudaBackend against the float64 reference with docs/design.md §4's tolerance
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
 // plus GPU-specific cases: every instantiated head dim and the sizes served by
 // the next one up, tile-boundary sizes, split-KV decode with GQA packing

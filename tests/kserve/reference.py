@@ -1,4 +1,4 @@
-# A float64 NumPy reference of attnserve's attention (DESIGN.md §2 semantics:
+# A float64 NumPy reference of attnserve's attention (docs/design.md §2 semantics:
 # bottom-right aligned causal mask and windows, softcap, GQA, varlen), for the
 # tritonclient tests to compare against.
 import numpy as np

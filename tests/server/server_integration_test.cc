@@ -1,6 +1,6 @@
 // Integration tests: a real AttnServer on 127.0.0.1:0 with the CPU backend,
 // called over the wire with the raw generated stubs. Results are checked
-// against the float64 reference with DESIGN.md §4's tolerances (tests/common);
+// against the float64 reference with docs/design.md §4's tolerances (tests/common);
 // every error code the server can produce is provoked, and after each the
 // server must still answer a valid request.
 #include <algorithm>

@@ -2,7 +2,7 @@
 
 Shared by the sync and asyncio clients and both streaming forms, so the mapping
 from Python arguments to wire fields is written once. The server validates
-everything (DESIGN.md §2); the client only refuses what it cannot encode.
+everything (docs/design.md §2); the client only refuses what it cannot encode.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class Client(_channel.ChannelOwner):
                 softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                 timeout: Optional[float] = None) -> Any:
-        """One attention call (DESIGN.md §2), FlashAttention's conventions.
+        """One attention call (docs/design.md §2), FlashAttention's conventions.
 
         Args:
           q, k, v: dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]; or packed varlen

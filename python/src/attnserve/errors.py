@@ -16,7 +16,7 @@ class AttnServeError(Exception):
     Attributes:
       code: the grpc.StatusCode (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
       message: the server's message, which names the field, the expected and the
-        actual value (DESIGN.md §2); or the client's own, for inputs it cannot encode.
+        actual value (docs/design.md §2); or the client's own, for inputs it cannot encode.
       request_id: the request's id when the error belongs to one request of a stream.
     """
 
