@@ -77,7 +77,8 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
     in_flight_->Add();
     const absl::Time received = absl::Now();
     const absl::Status status = FillEcho(*request, limits, response);
-    response->set_request_id(request->request_id());
+    // At most kMaxRequestIdBytes back, as Forward does (forward_handler.cc).
+    response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
     response->set_backend(backend_name);  // FillEcho sets o and lse only on success
     const int64_t total_us = absl::ToInt64Microseconds(absl::Now() - received);
     response->mutable_timing()->set_total_us(total_us);
@@ -107,6 +108,13 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
 // The RPC finishes once the client has half-closed (or the call is gone) and
 // every admitted request has completed and been written (or can no longer be).
 //
+// Flow control (stream_flow_control.h): the next read starts only while the
+// stream's ledger is under its limits; otherwise reading pauses and resumes
+// when a written response frees room. A paused stream learns of a cancelled
+// call from OnCancel (no read is outstanding to fail), and treats it as the
+// end of its requests. An answered request's input is released at once: only
+// its response waits for the client.
+//
 // Lifetime: gRPC calls OnDone only after Finish, and Finish is called only
 // when no request is pending in the executor, so no completion callback can
 // outlive the reactor. Decisions are made under mu_; StartWrite and Finish are
@@ -115,11 +123,13 @@ class ForwardStreamReactor final
     : public grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse> {
  public:
   ForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
-                       const grpc::CallbackServerContext* context)
+                       const grpc::CallbackServerContext* context, const StreamLimits& limits,
+                       StreamGauge* gauge)
       : handler_(handler),
         in_flight_(in_flight),
         deadline_(DeadlineOf(context)),
-        cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+        cancelled_(std::make_shared<std::atomic<bool>>(false)),
+        ledger_(limits, gauge) {
     StartRead(&incoming_);
   }
 
@@ -137,15 +147,21 @@ class ForwardStreamReactor final
     }
     auto call = std::make_unique<Call>();
     call->request.Swap(&incoming_);
+    call->held_bytes = static_cast<int64_t>(call->request.ByteSizeLong());
     Call* raw = call.get();
     in_flight_->Add();  // until its response is written or dropped
+    bool read_next;
     {
       absl::MutexLock lock(&mu_);
       ++pending_;
+      ledger_.AddRequest(raw->held_bytes);
       calls_.push_back(std::move(call));
+      read_next = !ledger_.Full();
+      if (!read_next) ledger_.SetPaused(true);
     }
-    // Read the next request while this one runs: pipelining is the point.
-    StartRead(&incoming_);
+    // Read the next request while this one runs (pipelining is the point),
+    // unless the stream already holds all it may.
+    if (read_next) StartRead(&incoming_);
     handler_->Start(&raw->request, &raw->response, deadline_, cancelled_,
                     [this, raw](const absl::Status& status) { OnRequestDone(raw, status); });
   }
@@ -153,6 +169,7 @@ class ForwardStreamReactor final
   void OnWriteDone(bool ok) override {
     v1::ForwardResponse* next = nullptr;
     bool finish;
+    bool resume;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
@@ -162,8 +179,10 @@ class ForwardStreamReactor final
       // A failed write means the stream is gone; what is left cannot be sent.
       if (!ok) write_failed_ = true;
       next = NextWriteLocked();
+      resume = ResumeReadingLocked();
       finish = next == nullptr && ShouldFinishLocked();
     }
+    if (resume) StartRead(&incoming_);
     if (next != nullptr) {
       StartWrite(next);
     } else if (finish) {
@@ -171,13 +190,27 @@ class ForwardStreamReactor final
     }
   }
 
-  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  void OnCancel() override {
+    cancelled_->store(true, std::memory_order_release);
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // No read is outstanding to report the end: this is it.
+      if (ledger_.paused() && !reads_done_) {
+        ledger_.SetPaused(false);
+        reads_done_ = true;
+        finish = ShouldFinishLocked();
+      }
+    }
+    if (finish) FinishStream();
+  }
   void OnDone() override { delete this; }
 
  private:
   struct Call {
     v1::ForwardRequest request;
     v1::ForwardResponse response;
+    int64_t held_bytes = 0;  // what the ledger counts for it now
   };
 
   // The handler's completion, on the executor's thread or inside OnReadDone.
@@ -186,20 +219,37 @@ class ForwardStreamReactor final
       call->response.set_error_code(ToRpcCode(status));
       call->response.set_error_message(std::string(status.message()));
     }
+    // `done` is the handler's last use of the request: free its tensors now
+    // (Swap with an empty message releases the buffers; Clear would keep them).
+    v1::ForwardRequest().Swap(&call->request);
+    const int64_t response_bytes = static_cast<int64_t>(call->response.ByteSizeLong());
     v1::ForwardResponse* next = nullptr;
     bool finish;
+    bool resume;
     {
       absl::MutexLock lock(&mu_);
       --pending_;
+      ledger_.Resize(response_bytes - call->held_bytes);
+      call->held_bytes = response_bytes;
       ready_.push_back(call);
       next = NextWriteLocked();
+      resume = ResumeReadingLocked();
       finish = next == nullptr && ShouldFinishLocked();
     }
+    if (resume) StartRead(&incoming_);
     if (next != nullptr) {
       StartWrite(next);
     } else if (finish) {
       FinishStream();
     }
+  }
+
+  // True (and reading marked resumed) when reading was paused and the ledger
+  // has room again; the caller then starts the read after unlocking.
+  bool ResumeReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!ledger_.paused() || reads_done_ || ledger_.Full()) return false;
+    ledger_.SetPaused(false);
+    return true;
   }
 
   // The response to write now, marking a write in flight, or null.
@@ -225,6 +275,7 @@ class ForwardStreamReactor final
   void RemoveCallLocked(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto it = calls_.begin(); it != calls_.end(); ++it) {
       if (it->get() == call) {
+        ledger_.RemoveRequest(call->held_bytes);
         calls_.erase(it);
         return;
       }
@@ -253,6 +304,7 @@ class ForwardStreamReactor final
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  StreamLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -276,7 +328,8 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
-  return new ForwardStreamReactor(handler_, &in_flight_, context);
+  return new ForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
+                                  info_.stream_gauge);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
@@ -308,6 +361,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_request_bytes(info_.max_request_bytes);
   limits->set_max_tokens(info_.max_tokens);
   limits->set_max_queue_size(info_.max_queue_size);
+  limits->set_max_stream_pending_requests(info_.stream_limits.max_pending_requests);
+  limits->set_max_stream_pending_bytes(info_.stream_limits.max_pending_bytes);
   for (const std::string& f : ServerFeatures()) response->add_features(f);
   response->set_cpu_threads(d.cpu_threads);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

@@ -41,6 +41,14 @@ ABSL_FLAG(int, metrics_port, 8002,
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, stream_max_pending_requests, 64,
+          "ForwardStream flow control: requests one stream may hold (read and not yet answered, "
+          "or answered and not yet sent to the client); at this many the server stops reading "
+          "the stream until responses have gone out");
+ABSL_FLAG(int64_t, stream_max_pending_bytes, int64_t{256} << 20,
+          "ForwardStream flow control: bytes one stream may hold (its unanswered requests and "
+          "unsent responses, serialized); at this many the server stops reading the stream. "
+          "One stream holds at most this plus one request and its response");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
 ABSL_FLAG(std::string, log_level, "info",
@@ -113,6 +121,8 @@ int main(int argc, char** argv) {
   options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.stream.max_pending_requests = absl::GetFlag(FLAGS_stream_max_pending_requests);
+  options.stream.max_pending_bytes = absl::GetFlag(FLAGS_stream_max_pending_bytes);
 
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {

@@ -127,6 +127,23 @@ std::string ServerMetrics::RenderPrometheus() const {
                      "host)",
                      compute_output_duration_us_);
 
+  // Not Triton's: ForwardStream flow control (stream_flow_control.h).
+  AppendFamily(&out, "attnserve_stream_held_requests", "gauge",
+               "Requests that open ForwardStreams hold (read, not yet answered and sent)",
+               {{"", absl::StrCat(streams_.held_requests())}});
+  AppendFamily(&out, "attnserve_stream_held_bytes", "gauge",
+               "Bytes of requests and unsent responses that open ForwardStreams hold",
+               {{"", absl::StrCat(streams_.held_bytes())}});
+  AppendFamily(&out, "attnserve_stream_paused", "gauge",
+               "ForwardStreams whose reading is paused at their limits",
+               {{"", absl::StrCat(streams_.paused_streams())}});
+  AppendFamily(&out, "attnserve_stream_pauses_total", "counter",
+               "Times a ForwardStream's reading paused at its limits",
+               {{"", absl::StrCat(streams_.pauses_total())}});
+  AppendFamily(&out, "attnserve_stream_peak_bytes", "gauge",
+               "The most bytes one ForwardStream has held at once since start",
+               {{"", absl::StrCat(streams_.peak_stream_bytes())}});
+
   absl::MutexLock lock(&sources_mu_);
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",
                "Instantaneous number of pending requests awaiting execution per-model.",

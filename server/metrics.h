@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "backend/backend.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -55,6 +56,11 @@ class ServerMetrics {
   // The Prometheus text exposition format (version 0.0.4).
   std::string RenderPrometheus() const;
 
+  // ForwardStream flow control: what the streams hold now (the ledgers update
+  // it), rendered as attnserve_stream_* gauges.
+  StreamGauge& streams() { return streams_; }
+  const StreamGauge& streams() const { return streams_; }
+
   int64_t success_count() const { return success_.load(std::memory_order_relaxed); }
   int64_t exec_count() const { return exec_count_.load(std::memory_order_relaxed); }
 
@@ -62,6 +68,7 @@ class ServerMetrics {
   std::atomic<int64_t> success_{0};  // also nv_inference_count: one inference each
   std::atomic<int64_t> failure_[kNumFailureReasons] = {};
   std::atomic<int64_t> exec_count_{0};
+  StreamGauge streams_;
   std::atomic<int64_t> request_duration_us_{0};
   std::atomic<int64_t> queue_duration_us_{0};
   std::atomic<int64_t> compute_input_duration_us_{0};

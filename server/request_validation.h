@@ -3,6 +3,7 @@
 // the wire field, the expected value and the actual one (DESIGN.md §2).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -17,6 +18,10 @@ struct RequestLimits {
   int64_t max_request_bytes = int64_t{1} << 30;  // the serialised ForwardRequest
   int64_t max_tokens = int64_t{1} << 22;         // B*Sq + B*Sk (dense) or Tq + Tk (varlen)
 };
+
+// request_id is echoed in every response and logged (cut to kMaxLoggedIdChars):
+// longer is INVALID_ARGUMENT for Forward, ForwardStream and Echo alike.
+inline constexpr size_t kMaxRequestIdBytes = 1024;
 
 // Head dims the contract accepts (DESIGN.md §2); a backend may support fewer
 // and says so through CanImplement (UNIMPLEMENTED).

@@ -80,7 +80,7 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
   }
-  return absl::OkStatus();
+  return CheckStreamLimits(o.stream);
 }
 
 // Runs one tiny request through the executor, so health turns SERVING only
@@ -174,7 +174,8 @@ class AttnServerImpl final : public AttnServer {
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(
             &handler_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size}) {}
+            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
+                        options.stream, &metrics_.streams()}) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -34,6 +35,9 @@ struct ServerOptions {
   absl::Duration batch_max_delay = absl::Microseconds(500);
   int64_t batch_max_tokens = 65536;
   bool metrics_enabled = false;
+  // What one ForwardStream may hold before the server stops reading it
+  // (stream_flow_control.h; --stream_max_pending_requests/_bytes).
+  StreamLimits stream;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;
 };
