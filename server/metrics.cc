@@ -128,21 +128,29 @@ std::string ServerMetrics::RenderPrometheus() const {
                      compute_output_duration_us_);
 
   // Not Triton's: ForwardStream flow control (stream_flow_control.h).
-  AppendFamily(&out, "attnserve_stream_held_requests", "gauge",
-               "Requests that open ForwardStreams hold (read, not yet answered and sent)",
-               {{"", absl::StrCat(streams_.held_requests())}});
-  AppendFamily(&out, "attnserve_stream_held_bytes", "gauge",
-               "Bytes of requests and unsent responses that open ForwardStreams hold",
-               {{"", absl::StrCat(streams_.held_bytes())}});
-  AppendFamily(&out, "attnserve_stream_paused", "gauge",
-               "ForwardStreams whose reading is paused at their limits",
-               {{"", absl::StrCat(streams_.paused_streams())}});
-  AppendFamily(&out, "attnserve_stream_pauses_total", "counter",
-               "Times a ForwardStream's reading paused at its limits",
-               {{"", absl::StrCat(streams_.pauses_total())}});
-  AppendFamily(&out, "attnserve_stream_peak_bytes", "gauge",
-               "The most bytes one ForwardStream has held at once since start",
-               {{"", absl::StrCat(streams_.peak_stream_bytes())}});
+  const struct {
+    const char* name;
+    const char* type;
+    const char* help;
+    int64_t value;
+  } stream_samples[] = {
+      {"attnserve_stream_held_requests", "gauge",
+       "Requests that open ForwardStreams hold (read, not yet answered and sent)",
+       streams_.held_requests()},
+      {"attnserve_stream_held_bytes", "gauge",
+       "Bytes of requests and unsent responses that open ForwardStreams hold",
+       streams_.held_bytes()},
+      {"attnserve_stream_paused", "gauge", "ForwardStreams whose reading is paused at their limits",
+       streams_.paused_streams()},
+      {"attnserve_stream_pauses_total", "counter",
+       "Times a ForwardStream's reading paused at its limits", streams_.pauses_total()},
+      {"attnserve_stream_peak_bytes", "gauge",
+       "The most bytes one ForwardStream has held at once since start",
+       streams_.peak_stream_bytes()},
+  };
+  for (const auto& m : stream_samples) {
+    AppendFamily(&out, m.name, m.type, m.help, {{"", absl::StrCat(m.value)}});
+  }
 
   absl::MutexLock lock(&sources_mu_);
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",

@@ -32,31 +32,19 @@
 #include "server/request_validation.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/server/random_tensor.h"
 
 namespace attnserve {
 namespace {
-
-void SetRandom(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937* rng) {
-  t->set_dtype(v1::FP32);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (float& v : values) v = dist(*rng);
-  t->mutable_data()->assign(reinterpret_cast<const char*>(values.data()), values.size() * 4);
-}
 
 // FP32 dense, q [1, sq, 4, 64], k/v [1, sk, 4, 64].
 v1::ForwardRequest Request(int sq, int sk, const std::string& id) {
   std::mt19937 rng(static_cast<uint32_t>(sq * 131 + sk));
   v1::ForwardRequest r;
   r.set_request_id(id);
-  SetRandom(r.mutable_q(), {1, sq, 4, 64}, &rng);
-  SetRandom(r.mutable_k(), {1, sk, 4, 64}, &rng);
-  SetRandom(r.mutable_v(), {1, sk, 4, 64}, &rng);
+  SetRandomTensor(r.mutable_q(), {1, sq, 4, 64}, &rng);
+  SetRandomTensor(r.mutable_k(), {1, sk, 4, 64}, &rng);
+  SetRandomTensor(r.mutable_v(), {1, sk, 4, 64}, &rng);
   return r;
 }
 
