@@ -5,18 +5,16 @@
 # input under BUILD_DIR/fuzz-artifacts/<target>/ (add it to the target's
 # corpus and a regression test once fixed). New inputs go to a scratch corpus
 # in BUILD_DIR, not into the repository.
-# Usage: scripts/fuzz.sh [SECONDS_PER_TARGET (default 30)] [BUILD_DIR (default build-fuzz)]
+# Usage: scripts/fuzz.sh [SECONDS_PER_TARGET (default 30)] [BUILD_DIR (default build-asan,
+#   the build scripts/sanitize.sh uses too)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-30}
-build_dir=${2:-build-fuzz}
+build_dir=${2:-build-asan}
 targets=(forward_request_fuzzer npy_fuzzer)
 
-cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_COMPILER=clang++ -DATTNSERVE_CUDA=OFF \
-  -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCH=OFF \
-  -DATTNSERVE_FUZZ=ON -DATTNSERVE_SANITIZE=address,undefined \
-  ${CMAKE_CXX_COMPILER_LAUNCHER:+-DCMAKE_CXX_COMPILER_LAUNCHER=$CMAKE_CXX_COMPILER_LAUNCHER}
+source scripts/lib-sanitized-build.sh
+configure_sanitized_build "$build_dir"
 start=$(date +%s)
 cmake --build "$build_dir" -j "$(nproc)" --target "${targets[@]}"
 echo "fuzz.sh: build took $(( $(date +%s) - start )) s"

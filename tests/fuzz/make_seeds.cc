@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   if (empty.ok()) Write(npy + "fp16_empty.npy", EncodeNpy(*empty));
   // Hand-written headers: NumPy's float64 default, and the u2 BF16 spelling.
   std::string header = "{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }";
-  header.append(64 - 10 - header.size() - 1, ' ');
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');  // data 64-aligned
   header += '\n';
   std::string f8 = std::string("\x93NUMPY\x01\x00", 8);
   f8 += static_cast<char>(header.size() & 0xff);
