@@ -182,12 +182,7 @@ class ForwardStreamReactor final
       resume = ResumeReadingLocked();
       finish = next == nullptr && ShouldFinishLocked();
     }
-    if (resume) StartRead(&incoming_);
-    if (next != nullptr) {
-      StartWrite(next);
-    } else if (finish) {
-      FinishStream();
-    }
+    Proceed(resume, next, finish);
   }
 
   void OnCancel() override {
@@ -236,6 +231,12 @@ class ForwardStreamReactor final
       resume = ResumeReadingLocked();
       finish = next == nullptr && ShouldFinishLocked();
     }
+    Proceed(resume, next, finish);
+  }
+
+  // Acts on what a reaction decided under mu_, after releasing it: the
+  // resumed read, the next write, or the end of the stream.
+  void Proceed(bool resume, v1::ForwardResponse* next, bool finish) {
     if (resume) StartRead(&incoming_);
     if (next != nullptr) {
       StartWrite(next);
