@@ -1,11 +1,14 @@
-// The default, unpipelined AttentionBackend::StartForward; see backend.h.
+// The default, unpipelined AttentionBackend::StartForward and PlanAndForward;
+// see backend.h.
 #include "backend/backend.h"
 
 #include <memory>
 #include <new>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -27,11 +30,11 @@ class CompletedLaunch final : public PendingLaunch {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
-    const PackedBatch& batch) {
+    const Plan& plan, const PackedBatch& batch) {
   BackendTimings timings;
   absl::Status status;
   if (batch.size() == 1) {
-    status = Forward(*batch.members().front(), &timings);
+    status = Forward(plan, *batch.members().front(), &timings);
   } else {
     // Packing and unpacking are the copies a device backend does while
     // staging, so they count as the transfers.
@@ -45,7 +48,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
     }
     HostPackedBatch& packed = *packed_buffers;
     const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-    status = Forward(packed.params(), &timings);
+    status = Forward(plan, packed.params(), &timings);
     if (status.ok()) {
       const absl::Time scatter_start = absl::Now();
       packed.Scatter();
@@ -59,17 +62,71 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
   return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
 }
 
-// The paged path's defaults: a backend without one says so. (The packing
-// default of StartPagedForward lands with PagedBatch's implementation.)
+absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
+                            BackendTimings* timings) {
+  ASSIGN_OR_RETURN(const Plan plan, backend.CanImplement(params));
+  return backend.Forward(plan, params, timings);
+}
+
+// The paged path's defaults: a backend without one says so.
 absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
 void AttentionBackend::FreeKvMemory(void*) {}
 absl::Status AttentionBackend::PagedForward(const PagedAttnParams&, BackendTimings*) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
+                                  "' has no paged path");
 }
-absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(const PagedBatch&) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name + "' has no paged path");
+
+absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(
+    const PagedBatch& batch) {
+  BackendTimings timings;
+  if (batch.size() == 1) {
+    RETURN_IF_ERROR(PagedForward(*batch.members().front(), &timings));
+    return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
+  }
+  // Several calls of one cache layer: pack them into host buffers (the copies
+  // a device backend does while staging, so they count as the transfers).
+  const absl::Time gather_start = absl::Now();
+  std::vector<char> q, k, v, o;
+  std::vector<float> lse;
+  std::vector<int32_t> cu_q, cu_k, table, seqlens, copy_src, copy_dst;
+  PagedBuffers buffers;
+  try {
+    q.resize(size_t(batch.q_bytes()));
+    o.resize(size_t(batch.q_bytes()));
+    k.resize(size_t(batch.kv_new_bytes()));
+    v.resize(size_t(batch.kv_new_bytes()));
+    lse.resize(size_t(batch.lse_bytes() / 4));
+    cu_q.resize(size_t(batch.cu_seqlens_bytes() / 4));
+    cu_k.resize(cu_q.size());
+    table.resize(size_t(batch.block_table_bytes() / 4));
+    seqlens.resize(size_t(batch.seqlens_bytes() / 4));
+    copy_src.resize(size_t(batch.copies_bytes() / 4));
+    copy_dst.resize(copy_src.size());
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("packing a paged batch: out of host memory");
+  }
+  buffers.q = q.data();
+  buffers.k_new = k.data();
+  buffers.v_new = v.data();
+  buffers.o = o.data();
+  buffers.lse = lse.data();
+  buffers.cu_seqlens_q = cu_q.data();
+  buffers.cu_seqlens_k = cu_k.data();
+  buffers.block_table = table.data();
+  buffers.seqlens_k = seqlens.data();
+  buffers.copy_src = copy_src.data();
+  buffers.copy_dst = copy_dst.data();
+  const PagedAttnParams packed = batch.Gather(buffers);
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+  RETURN_IF_ERROR(PagedForward(packed, &timings));
+  const absl::Time scatter_start = absl::Now();
+  batch.Scatter(o.data(), lse.data());
+  timings.host_to_device_us += gather_us;
+  timings.device_to_host_us += absl::ToInt64Microseconds(absl::Now() - scatter_start);
+  return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
 }
 
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include "backend/paged_batch.h"
 #include "backend/paged_kv.h"
 #include "backend/params.h"
+#include "backend/plan.h"
 #include "backend/ragged_batch.h"
 
 namespace attnserve {
@@ -59,30 +60,40 @@ class AttentionBackend {
 
   virtual const BackendDescription& Describe() const = 0;
 
-  // OK if Forward can run `params`; UNIMPLEMENTED (naming what is missing) for
-  // a valid combination this backend does not support; INVALID_ARGUMENT for
-  // params that break the contract's invariants.
-  virtual absl::Status CanImplement(const AttnParams& params) const = 0;
+  // The one check of a call, and its plan: CheckParams (INVALID_ARGUMENT for
+  // params that break the contract's invariants), then this backend's
+  // decision, or UNIMPLEMENTED (naming what is missing) for a valid
+  // combination it does not support. Forward and StartForward take the plan
+  // and trust it: they check nothing again. Call it on params with outputs
+  // bound (it checks them too).
+  virtual absl::StatusOr<Plan> CanImplement(const AttnParams& params) const = 0;
 
-  // Computes attention. Every pointer in `params` (q, k, v, o, lse,
-  // cu_seqlens) is HOST memory; a device backend stages it itself. Writes all
-  // of o (and lse when non-null). Never throws or aborts: device errors come
-  // back as INTERNAL, allocation failures as RESOURCE_EXHAUSTED.
+  // Computes attention as `plan` (CanImplement's for these params) says.
+  // Every pointer in `params` (q, k, v, o, lse, cu_seqlens) is HOST memory; a
+  // device backend stages it itself. Writes all of o (and lse when non-null).
+  // Never throws or aborts: device errors come back as INTERNAL, allocation
+  // failures as RESOURCE_EXHAUSTED.
   // Calls may come from any thread, but not concurrently: the server's
   // executor serialises them per backend instance.
-  virtual absl::Status Forward(const AttnParams& params, BackendTimings* timings) = 0;
+  virtual absl::Status Forward(const Plan& plan, const AttnParams& params,
+                               BackendTimings* timings) = 0;
 
   // The pipelined form the server's executor uses. StartForward begins one
   // launch over `batch` (one request, or several that CanShareLaunch, outputs
   // bound) and may return before it completes; PendingLaunch::Finish waits for
-  // it. Up to max_launches_in_flight() launches may be started and not yet
+  // it. `plan` is CanImplement's plan for the first member; members that
+  // CanShareLaunch differ only in sizes, so a backend whose plan depends on
+  // sizes re-plans the packed params once (without re-checking them).
+  // Up to max_launches_in_flight() launches may be started and not yet
   // finished; StartForward is called from one thread at a time, Finish from
   // one (possibly other) thread, in the order the launches were started. The
   // members' memory must stay valid until Finish returns. An error from
   // StartForward means nothing is in flight and no output was written.
   // The default runs the launch at once through Forward (packing several
-  // members into host buffers), so a backend without a pipeline needs nothing.
-  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch);
+  // members into host buffers, with the members' plan), so a backend without
+  // a pipeline and with size-independent plans needs nothing.
+  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan& plan,
+                                                                      const PackedBatch& batch);
   virtual int max_launches_in_flight() const { return 1; }
 
   // --- K/V that live on the server (paged_kv.h, DESIGN §6) ---
@@ -107,5 +118,10 @@ class AttentionBackend {
   // default packs several members into host buffers and runs PagedForward.
   virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const PagedBatch& batch);
 };
+
+// CanImplement, then Forward with its plan: for callers that run one call
+// outside the server (tests, benchmarks, tools).
+absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
+                            BackendTimings* timings);
 
 }  // namespace attnserve

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "backend/score_range.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -90,10 +91,8 @@ absl::Status CheckParams(const AttnParams& p) {
                    p.window_right);
   }
   if (IsVarlen(p) || p.cu_seqlens_k != nullptr) {
-    absl::Status s = CheckCuSeqlens("cu_seqlens_q", p.cu_seqlens_q, p.batch, p.total_q, p.seqlen_q);
-    if (!s.ok()) return s;
-    s = CheckCuSeqlens("cu_seqlens_k", p.cu_seqlens_k, p.batch, p.total_k, p.seqlen_k);
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(CheckCuSeqlens("cu_seqlens_q", p.cu_seqlens_q, p.batch, p.total_q, p.seqlen_q));
+    RETURN_IF_ERROR(CheckCuSeqlens("cu_seqlens_k", p.cu_seqlens_k, p.batch, p.total_k, p.seqlen_k));
   } else {
     if (p.total_q != int64_t{p.batch} * p.seqlen_q) {
       return absl::InvalidArgumentError(

@@ -11,8 +11,8 @@
 #include <memory>
 #include <vector>
 
-#include "backend/host_copy.h"
 #include "backend/paged_kv.h"
+#include "common/host_copy.h"
 
 namespace attnserve {
 
@@ -29,8 +29,8 @@ struct PagedBuffers {
   void* q = nullptr;      // [Tq, Hq, D]
   void* k_new = nullptr;  // [Tnew, Hkv, D]
   void* v_new = nullptr;
-  void* o = nullptr;  // like q
-  float* lse = nullptr;  // [Hq, Tq] when the members want LSE
+  void* o = nullptr;                // like q
+  float* lse = nullptr;             // [Hq, Tq] when the members want LSE
   int32_t* cu_seqlens_q = nullptr;  // [B+1]
   int32_t* cu_seqlens_k = nullptr;  // [B+1], of the new rows
   int32_t* block_table = nullptr;   // [B, block_table_stride()]
@@ -54,7 +54,7 @@ class PagedBatch {
   int32_t block_table_stride() const { return block_table_stride_; }
   int32_t num_page_copies() const { return num_page_copies_; }
   // Bytes of each buffer of PagedBuffers, in its order.
-  int64_t q_bytes() const;  // also O's
+  int64_t q_bytes() const;       // also O's
   int64_t kv_new_bytes() const;  // each of k_new and v_new
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each

@@ -16,6 +16,10 @@ namespace attnserve {
 // Values match attnserve.v1.DType on the wire.
 enum class DType : int32_t { kFP16 = 1, kBF16 = 2, kFP32 = 3 };
 
+// log2(e): kernels use exp2, so their scales carry the change of base
+// (AttnParams::softmax_scale_log2 and the CUDA launch's derived scales).
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Window value meaning "no limit on this side".
 constexpr int32_t kNoWindow = -1;
 
@@ -56,7 +60,7 @@ struct AttnParams {
   float softmax_scale_log2;  // softmax_scale * log2(e), for exp2-based kernels
   float softcap;             // 0 = off; else softcap * tanh(s / softcap)
   bool is_causal;
-  // Normalised on the host (FillParams): causal sets window_right = 0, so
+  // Normalised on the host (MakeAttnParams): causal sets window_right = 0, so
   // kernels test only the two window bounds. kNoWindow = unlimited.
   int32_t window_left;
   int32_t window_right;
@@ -88,6 +92,11 @@ ATTN_HOST_DEVICE int64_t KVOffset(const AttnParams& p, int64_t row, int head) {
 ATTN_HOST_DEVICE int64_t LseOffset(const AttnParams& p, int b, int h, int i) {
   return IsVarlen(p) ? int64_t{h} * p.total_q + p.cu_seqlens_q[b] + i
                      : (int64_t{b} * p.num_heads_q + h) * p.seqlen_q + i;
+}
+// True when the call has a causal and/or sliding-window band (causal is
+// window_right = 0 after MakeAttnParams): the one definition of "banded".
+ATTN_HOST_DEVICE bool IsBanded(const AttnParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0;
 }
 // The KV head that query head h reads (GQA/MQA).
 ATTN_HOST_DEVICE int KVHead(const AttnParams& p, int h) {

@@ -5,14 +5,13 @@
 #include <cstring>
 #include <utility>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
-  return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q &&
-         a.num_heads_kv == b.num_heads_kv && a.head_dim == b.head_dim &&
-         a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
+  return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q && a.num_heads_kv == b.num_heads_kv &&
+         a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
          a.is_causal == b.is_causal && a.window_left == b.window_left &&
          a.window_right == b.window_right && (a.lse != nullptr) == (b.lse != nullptr);
 }
@@ -38,18 +37,6 @@ int64_t PackedBatch::cu_seqlens_bytes() const {
   return (int64_t{batch_} + 1) * 4;
 }
 
-namespace {
-
-void Run(const CopyRunner& run, const std::vector<HostCopy>& copies) {
-  if (run) {
-    run(copies);
-  } else {
-    CopySerially(copies);
-  }
-}
-
-}  // namespace
-
 AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& run) const {
   char* q = static_cast<char*>(buffers.q);
   char* k = static_cast<char*>(buffers.k);
@@ -61,7 +48,7 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& r
     copies.push_back({q, p.q, size_t(q_bytes())});
     copies.push_back({k, p.k, size_t(kv_bytes())});
     copies.push_back({v, p.v, size_t(kv_bytes())});
-    Run(run, copies);
+    RunCopies(run, copies);
     if (IsVarlen(p)) {
       std::memcpy(buffers.cu_seqlens_q, p.cu_seqlens_q, cu_seqlens_bytes());
       std::memcpy(buffers.cu_seqlens_k, p.cu_seqlens_k, cu_seqlens_bytes());
@@ -95,7 +82,7 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& r
     q_off += m->total_q;
     k_off += m->total_k;
   }
-  Run(run, copies);
+  RunCopies(run, copies);
   AttnParams p = *members_.front();
   p.q = q;
   p.k = k;
@@ -120,7 +107,7 @@ void PackedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run
     copies.push_back({m->o, packed_o + off * q_row_bytes_, size_t(m->total_q * q_row_bytes_)});
     off += m->total_q;
   }
-  Run(run, copies);
+  RunCopies(run, copies);
   if (members_.size() == 1) {
     const AttnParams& m = *members_.front();
     if (m.lse != nullptr && lse_bytes() > 0) std::memcpy(m.lse, lse, lse_bytes());

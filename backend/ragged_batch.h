@@ -14,8 +14,8 @@
 #include <memory>
 #include <vector>
 
-#include "backend/host_copy.h"
 #include "backend/params.h"
+#include "common/host_copy.h"
 
 namespace attnserve {
 
@@ -51,7 +51,7 @@ class PackedBatch {
   bool wants_lse() const { return members_.front()->lse != nullptr; }
 
   // Bytes of each packed tensor.
-  int64_t q_bytes() const { return total_q_ * q_row_bytes_; }  // also O's
+  int64_t q_bytes() const { return total_q_ * q_row_bytes_; }    // also O's
   int64_t kv_bytes() const { return total_k_ * kv_row_bytes_; }  // each of K and V
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each of cu_seqlens_q/k; 0 for one dense member

@@ -1,5 +1,5 @@
-// AttentionClient: channel construction, per-call contexts, the gRPC-to-absl
-// status conversion and the typed Forward (and Echo) built on the raw one.
+// AttentionClient: channel construction, per-call contexts and the typed Forward (and Echo) built
+// on the raw one.
 #include "client/attention_client.h"
 
 #include <grpcpp/create_channel.h>
@@ -11,18 +11,25 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "backend/dtype.h"
+#include "client/async_unary.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 
-absl::Status ToAbslStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  const int code = static_cast<int>(status.error_code());
+absl::Status StatusFromRpcCode(int code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
   // A code outside google.rpc.Code (a misbehaving peer) must not become an
   // absl::StatusCode that no switch handles.
   const absl::StatusCode absl_code =
       code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
-  return absl::Status(absl_code, status.error_message());
+  return absl::Status(absl_code, message);
+}
+
+ForwardTiming ServerTimingFromProto(const v1::ServerTiming& t) {
+  // A server without batching leaves batch_size 0: it ran alone.
+  return {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
+          t.total_us(), std::max(1, t.batch_size())};
 }
 
 namespace {
@@ -40,14 +47,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
   SetTensor(std::forward<Inputs>(inputs).v, request.mutable_v());
   request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
   request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
-  const AttentionOptions& from = inputs.options;
-  v1::AttentionOptions* to = request.mutable_options();
-  if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
-  to->set_causal(from.causal);
-  if (from.window_left) to->set_window_left(*from.window_left);
-  if (from.window_right) to->set_window_right(*from.window_right);
-  to->set_softcap(from.softcap);
-  to->set_return_lse(from.return_lse);
+  AttentionOptionsToProto(inputs.options, request.mutable_options());
   return request;
 }
 
@@ -60,7 +60,7 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
     return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
                                             ", expected ", std::string(DTypeName(want_dtype)),
-                                            ShapeToString(want_o)));
+                                            ShapeString(want_o)));
   }
   if (!request.options().return_lse()) return absl::OkStatus();
   if (!result.lse) return absl::InternalError("return_lse was set but the response has no lse");
@@ -74,12 +74,21 @@ absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardR
   }
   if (result.lse->shape() != want_lse || result.lse->dtype() != DType::kFP32) {
     return absl::InternalError(absl::StrCat("server returned lse ", result.lse->DebugString(),
-                                            ", expected FP32", ShapeToString(want_lse)));
+                                            ", expected FP32", ShapeString(want_lse)));
   }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+void AttentionOptionsToProto(const ForwardOptions& from, v1::AttentionOptions* to) {
+  if (from.softmax_scale) to->set_softmax_scale(*from.softmax_scale);
+  to->set_causal(from.causal);
+  if (from.window_left) to->set_window_left(*from.window_left);
+  if (from.window_right) to->set_window_right(*from.window_right);
+  to->set_softcap(from.softcap);
+  to->set_return_lse(from.return_lse);
+}
 
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) {
   return BuildRequest(inputs);
@@ -88,37 +97,40 @@ v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs) {
   return BuildRequest(std::move(inputs));
 }
 
+absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
+                              std::optional<HostTensor>* out_lse) {
+  absl::StatusOr<HostTensor> decoded = HostTensor::FromProto(std::move(*o));
+  if (!decoded.ok()) {
+    return absl::InternalError(absl::StrCat("response o: ", decoded.status().message()));
+  }
+  *out_o = *std::move(decoded);
+  if (lse == nullptr) return absl::OkStatus();
+  decoded = HostTensor::FromProto(std::move(*lse));
+  if (!decoded.ok()) {
+    return absl::InternalError(absl::StrCat("response lse: ", decoded.status().message()));
+  }
+  *out_lse = *std::move(decoded);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response) {
   ForwardResult result;
   result.request_id = response.request_id();
-  absl::StatusOr<HostTensor> o = HostTensor::FromProto(std::move(*response.mutable_o()));
-  if (!o.ok()) return absl::InternalError(absl::StrCat("response o: ", o.status().message()));
-  result.o = *std::move(o);
-  if (response.has_lse()) {
-    absl::StatusOr<HostTensor> lse = HostTensor::FromProto(std::move(*response.mutable_lse()));
-    if (!lse.ok()) {
-      return absl::InternalError(absl::StrCat("response lse: ", lse.status().message()));
-    }
-    result.lse = *std::move(lse);
-  }
-  const v1::ServerTiming& t = response.timing();
-  // A server without batching leaves batch_size 0: it ran alone.
-  result.timing = {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-                   t.total_us(), std::max(1, t.batch_size())};
+  const absl::Status outputs =
+      OutputsFromProto(response.mutable_o(), response.has_lse() ? response.mutable_lse() : nullptr,
+                       &result.o, &result.lse);
+  if (!outputs.ok()) return outputs;
+  result.timing = ServerTimingFromProto(response.timing());
   result.backend = response.backend();
   return result;
 }
 
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kServing:
-      return "SERVING";
-    case HealthStatus::kNotServing:
-      return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown:
-      return "SERVICE_UNKNOWN";
-    case HealthStatus::kUnknown:
-      break;
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown: break;
   }
   return "UNKNOWN";
 }
@@ -215,40 +227,25 @@ absl::StatusOr<ForwardResult> AttentionClient::CallUnaryTyped(Unary rpc,
   if (!response.ok()) return response.status();
   absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
   if (!result.ok()) return result.status();
-  const absl::Status shapes = CheckResultShapes(request, *result);
-  if (!shapes.ok()) return shapes;
+  RETURN_IF_ERROR(CheckResultShapes(request, *result));
   return result;
 }
 
 void AttentionClient::CallUnaryAsync(
     Unary rpc, const v1::ForwardRequest& request, const CallOptions& call,
     std::function<void(absl::StatusOr<v1::ForwardResponse>)> done) {
-  // The callback API needs context, request and response alive until the
-  // reaction runs; they live together on the heap and die in it.
-  struct Pending {
-    grpc::ClientContext context;
-    v1::ForwardRequest request;
-    v1::ForwardResponse response;
-    std::function<void(absl::StatusOr<v1::ForwardResponse>)> done;
-  };
-  auto* pending = new Pending;
-  pending->request = request;
-  pending->done = std::move(done);
-  Prepare(call, &pending->context);
-  auto reaction = [pending](grpc::Status status) {
-    std::unique_ptr<Pending> owned(pending);
-    if (status.ok()) {
-      owned->done(std::move(owned->response));
-    } else {
-      owned->done(ToAbslStatus(status));
-    }
-  };
   auto* async = Next().attention->async();
-  if (rpc == Unary::kEcho) {
-    async->Echo(&pending->context, &pending->request, &pending->response, std::move(reaction));
-  } else {
-    async->Forward(&pending->context, &pending->request, &pending->response, std::move(reaction));
-  }
+  StartAsyncUnary<v1::ForwardRequest, v1::ForwardResponse>(
+      request, [&](grpc::ClientContext* context) { Prepare(call, context); },
+      [&](grpc::ClientContext* context, const v1::ForwardRequest* req, v1::ForwardResponse* resp,
+          std::function<void(grpc::Status)> reaction) {
+        if (rpc == Unary::kEcho) {
+          async->Echo(context, req, resp, std::move(reaction));
+        } else {
+          async->Forward(context, req, resp, std::move(reaction));
+        }
+      },
+      std::move(done));
 }
 
 absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRequest& request,
@@ -302,14 +299,10 @@ absl::StatusOr<HealthStatus> AttentionClient::HealthCheck(const std::string& ser
   if (!status.ok()) return ToAbslStatus(status);
   using Proto = grpc::health::v1::HealthCheckResponse;
   switch (response.status()) {
-    case Proto::SERVING:
-      return HealthStatus::kServing;
-    case Proto::NOT_SERVING:
-      return HealthStatus::kNotServing;
-    case Proto::SERVICE_UNKNOWN:
-      return HealthStatus::kServiceUnknown;
-    default:
-      break;
+    case Proto::SERVING: return HealthStatus::kServing;
+    case Proto::NOT_SERVING: return HealthStatus::kNotServing;
+    case Proto::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
+    default: break;
   }
   return HealthStatus::kUnknown;
 }

@@ -1,8 +1,7 @@
 // AttentionClient: the C++ client of the attnserve.v1 Attention service and the
 // standard gRPC health service. Every call returns absl::Status(Or); gRPC
-// statuses become absl ones in exactly one place on the client side
-// (ToAbslStatus; the server has its own mapping in server/status_mapping.h, and
-// this library does not link the server).
+// statuses become absl ones through ToAbslStatus (common/grpc_status.h, the
+// conversion the server uses the other way).
 //
 //   auto client = AttentionClient::Create("127.0.0.1:50051");
 //   AttentionInputs in;  // q, k, v as HostTensor, optional cu_seqlens, options
@@ -28,15 +27,17 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "backend/make_params.h"
 #include "client/host_tensor.h"
+#include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attnserve {
 
-// The one conversion from a gRPC status to an absl::Status on the client side.
-// The numeric codes are the same (both are google.rpc.Code); the message is
-// kept verbatim so server-side field names reach the caller intact.
-absl::Status ToAbslStatus(const grpc::Status& status);
+// ToAbslStatus (common/grpc_status.h) for a google.rpc.Code carried in a
+// message (a stream response's
+// error_code): 0 is OK, a code outside google.rpc.Code becomes UNKNOWN.
+absl::Status StatusFromRpcCode(int code, const std::string& message);
 
 struct ClientOptions {
   // Deadline of a call that does not set its own. absl::InfiniteDuration():
@@ -64,15 +65,14 @@ struct CallOptions {
   std::optional<bool> wait_for_ready;
 };
 
-// Mirrors attnserve.v1.AttentionOptions (DESIGN.md §2).
-struct AttentionOptions {
-  std::optional<float> softmax_scale;  // unset: 1/sqrt(D)
-  bool causal = false;                 // bottom-right aligned
-  std::optional<int32_t> window_left;  // unset: unlimited
-  std::optional<int32_t> window_right;
-  float softcap = 0.0f;  // 0: off
+// attnserve.v1.AttentionOptions on the client side: the mask, scale and
+// softcap options (AttnOptions, the ones MakeAttnParams normalises, so the
+// verifier reads them exactly as the server does) plus whether to return LSE.
+struct ForwardOptions : AttnOptions {
   bool return_lse = false;
 };
+
+void AttentionOptionsToProto(const ForwardOptions& from, v1::AttentionOptions* to);
 
 // One attention call. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and empty
 // cu_seqlens. Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D] and both cu_seqlens.
@@ -82,12 +82,12 @@ struct AttentionInputs {
   HostTensor v;
   std::vector<int32_t> cu_seqlens_q;
   std::vector<int32_t> cu_seqlens_k;
-  AttentionOptions options;
+  ForwardOptions options;
   std::string request_id;  // optional; echoed by the server
 };
 
-// ServerTiming of the response, in microseconds.
-struct ServerTiming {
+// attnserve.v1.ServerTiming of a response, in microseconds.
+struct ForwardTiming {
   int64_t queue_us = 0;
   int64_t host_to_device_us = 0;
   int64_t compute_us = 0;
@@ -96,11 +96,13 @@ struct ServerTiming {
   int batch_size = 1;  // requests that shared the backend launch
 };
 
+ForwardTiming ServerTimingFromProto(const v1::ServerTiming& timing);
+
 struct ForwardResult {
   std::string request_id;
   HostTensor o;                   // like q, in q's dtype
   std::optional<HostTensor> lse;  // FP32; set only when return_lse was asked for
-  ServerTiming timing;
+  ForwardTiming timing;
   std::string backend;  // "cpu" or "cuda"
 };
 
@@ -109,6 +111,12 @@ struct ForwardResult {
 // build it once and use the raw Forward).
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs);
 v1::ForwardRequest MakeForwardRequest(AttentionInputs&& inputs);
+
+// Decodes a response's o and, when `lse` is not null, its lse (Forward's and
+// AppendAttend's alike), checking each tensor's dtype and byte length:
+// INTERNAL naming the tensor when the server sent a malformed one.
+absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
+                              std::optional<HostTensor>* out_lse);
 
 // Decodes a response, checking every tensor's dtype and byte length.
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response);
@@ -163,6 +171,9 @@ class AttentionClient {
   int num_channels() const { return static_cast<int>(channels_.size()); }
   // For callers that need the channel itself (connectivity state, own stubs).
   const std::shared_ptr<grpc::Channel>& channel(int i) const { return channels_[i].channel; }
+  // Applies the deadline and wait-for-ready of `call` (or of the client's
+  // options) to a fresh context; for callers with their own stubs.
+  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
 
  private:
   struct Channel {
@@ -172,8 +183,6 @@ class AttentionClient {
   };
 
   AttentionClient(std::string target, ClientOptions options);
-  // Applies deadline and wait-for-ready to a fresh context.
-  void Prepare(const CallOptions& call, grpc::ClientContext* context) const;
   // The next channel in rotation.
   Channel& Next();
   // Forward or Echo: the two unary RPCs share a request and response type.

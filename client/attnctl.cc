@@ -21,21 +21,21 @@
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
+#include "client/cli/kv_flags.h"
+#include "client/cli/load_flags.h"
 
 namespace attnserve {
 namespace cli {
 namespace {
-
-constexpr char kGlobalFlagsFile[] = "client/cli/common.cc";
 
 const Command kCommands[] = {
     {"health", "Ask the gRPC health service whether the server is SERVING (exit 0 only then).",
      "attnctl [--target=host:port] health [--service=NAME]\n\n"
      "Prints SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN. Exit code 0 only for SERVING,\n"
      "1 otherwise (also when the server cannot be reached).",
-     "client/cli/health.cc", nullptr, RunHealth},
+     "client/cli/health.cc", nullptr, RunHealth, {}},
     {"info", "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
-     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", nullptr, RunInfo},
+     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", nullptr, RunInfo, {}},
     {"forward", "Run one attention call on random or .npy inputs; --verify checks it locally.",
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
@@ -48,10 +48,10 @@ const Command kCommands[] = {
      "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n\n"
      "Prints the request, the backend, client latency and the server's timing breakdown.\n"
      "With --verify: the float64 reference is computed locally and O (and LSE) are held to\n"
-     "DESIGN.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
+     "docs/design.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
      "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * max|ref of its row| + 1e-6.\n"
      "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
-     "client/cli/forward.cc", kAttentionFlagsFile, RunForward},
+     "client/cli/forward.cc", kAttentionFlagsFile, RunForward, {}},
     {"load", "Load-test the server: closed-loop concurrency sweep or open-loop Poisson rate.",
      "attnctl [--target=host:port] load [--concurrency=1,4,16 | --rate=R[,R...]]\n"
      "        [--warmup=2s] [--duration=10s] [--channels=N] [--stream] [--inputs=4] [--check]\n"
@@ -69,7 +69,57 @@ const Command kCommands[] = {
      "errors by status code (only requests completing inside the window count). A live progress\n"
      "line goes to stderr once a second. Exit code 0; 1 if no request succeeded, or with --check\n"
      "if any request failed or mismatched; 2 on bad flags.",
-     "client/cli/load.cc", kAttentionFlagsFile, RunLoad},
+     kLoadFlagsFile, kAttentionFlagsFile, RunLoad, {}},
+    {"kv", "K/V caches on the server: create, info, drop; sequences: create-seq, free-seq, truncate.",
+     "attnctl [--target=host:port] kv <operation> [flags]\n\n"
+     "Operations:\n"
+     "  create      --heads_kv=H [--layers=L] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
+     "              (--capacity_tokens=N | --capacity_bytes=N) [--cache=ID] [--device=I] [--reserve]\n"
+     "  info        --cache=ID [--seq=1,2]     (also: stats) statistics and sequence lengths\n"
+     "  drop        --cache=ID                 frees every page of the cache\n"
+     "  create-seq  --cache=ID --seq=1,2 [--fork_from=S [--fork_length=N]]\n"
+     "  free-seq    --cache=ID --seq=1,2\n"
+     "  truncate    --cache=ID --seq=S --length=N [--layer=L]\n"
+     "create, info and the sequence operations print the cache's statistics (--json: as JSON).\n\n"
+     "Example:\n"
+     "  attnctl kv create --cache=demo --layers=2 --heads_kv=2 --head_dim=64 --dtype=fp16 \\\n"
+     "      --page_size=16 --capacity_tokens=4096\n"
+     "  attnctl kv create-seq --cache=demo --seq=1,2\n"
+     "  attnctl kv info --cache=demo --seq=1,2\n"
+     "  attnctl kv drop --cache=demo\n\n"
+     "Every call carries the header x-attnserve-cache-id: ID, so an affinity proxy routes it to\n"
+     "the replica that holds the cache. NOT_FOUND: the cache or sequence is not on this server\n"
+     "(restart, expiry, another replica): create it again and re-prefill.\n"
+     "Exit code 0 on success, 1 on a server error (its code and message are printed), 2 on bad\n"
+     "flags.",
+     kKvFlagsFile, nullptr, RunKv, {"heads_kv", "head_dim", "dtype", "json"}},
+    {"load-kv", "Decode-loop load test of the K/V cache: prefill, then per-layer steps per token.",
+     "attnctl [--target=host:port] load-kv [--sequences=N] [--prompt=N] [--tokens=N] [--layers=L]\n"
+     "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
+     "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
+     "        [--warmup_tokens=N] [--csv=FILE] [--label=TEXT]\n\n"
+     "Examples:\n"
+     "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
+     "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
+     "  attnctl load-kv --sequences=64 --prompt=8192 --tokens=32 --warmup_tokens=2 --layers=32 \\\n"
+     "      --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --stream --channels=4 \\\n"
+     "      --concurrency=1,4 --csv=kv.csv\n"
+     "  attnctl load-kv --stateless --sequences=16 --prompt=4096 ... --csv=kv.csv\n\n"
+     "Creates a cache and --sequences sequences, prefills each with --prompt tokens (append\n"
+     "with Q, causal, in --prefill_chunk pieces), then for each of --tokens generated tokens and\n"
+     "each layer sends one append-and-attend step per group of sequences (Sq = 1, one new K/V\n"
+     "token each). --concurrency=G splits the sequences into G groups in flight at once (one\n"
+     "thread each; with --stream they share min(G, --channels) streams round-robin). Frees the\n"
+     "sequences and drops the cache at the end. --stateless sends the whole context with\n"
+     "Forward at every step instead. Reports generated tokens/s, K/V bytes attended per second,\n"
+     "per-step (one call) p50/p99 and the server's queue/h2d/compute/d2h; --csv appends one row\n"
+     "per --concurrency value (scenario=loop, impl=attnserve_kv|attnserve_stateless, ...).\n"
+     "--check keeps every sequence's K/V per layer on the client and holds every output\n"
+     "(prefill and decode) to the float64 reference over the whole context.\n"
+     "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
+     "client/cli/load_kv.cc", nullptr, RunLoadKv,
+     {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
+      "concurrency", "channels", "stream", "check", "csv", "label"}},
 };
 
 const Command* FindCommand(absl::string_view name) {
@@ -103,14 +153,16 @@ std::string Wrap(const std::string& text, size_t indent, size_t width) {
   return out;
 }
 
+void PrintFlag(const absl::CommandLineFlag& f) {
+  std::cout << "  --" << f.Name();
+  const std::string def = f.DefaultValue();
+  if (!def.empty()) std::cout << " (default: " << def << ")";
+  std::cout << "\n" << Wrap(f.Help(), 6, 88);
+}
+
 void PrintFlags(absl::string_view title, absl::string_view file) {
   std::cout << "\n" << title << ":\n";
-  for (const absl::CommandLineFlag* f : FlagsOf(file)) {
-    std::cout << "  --" << f->Name();
-    const std::string def = f->DefaultValue();
-    if (!def.empty()) std::cout << " (default: " << def << ")";
-    std::cout << "\n" << Wrap(f->Help(), 6, 88);
-  }
+  for (const absl::CommandLineFlag* f : FlagsOf(file)) PrintFlag(*f);
 }
 
 void PrintHelp(const Command* command) {
@@ -119,6 +171,12 @@ void PrintHelp(const Command* command) {
     PrintFlags(absl::StrCat(command->name, " flags"), command->flags_file);
     if (command->shared_flags_file != nullptr) {
       PrintFlags("Attention call flags (shared by forward and load)", command->shared_flags_file);
+    }
+    if (!command->borrowed_flags.empty()) {
+      std::cout << "\nFlags shared with other commands:\n";
+      for (const char* name : command->borrowed_flags) {
+        PrintFlag(*absl::FindCommandLineFlag(name));
+      }
     }
   } else {
     std::cout << "attnctl: command-line client of the attnserve attention service.\n\n"
@@ -210,7 +268,7 @@ int Main(int argc, char** argv) {
   if (!name.empty() && command == nullptr) {
     return UsageError(
         "", absl::StrCat("unknown command '", name,
-                         "' (commands: health, info, forward, load, help)"));
+                         "' (commands: health, info, forward, load, kv, load-kv, help)"));
   }
   if (help) {
     PrintHelp(command);
@@ -222,8 +280,11 @@ int Main(int argc, char** argv) {
     const std::string file = flag->Filename();
     const bool shared = command->shared_flags_file != nullptr &&
                         absl::EndsWith(file, command->shared_flags_file);
+    const bool borrowed =
+        std::find_if(command->borrowed_flags.begin(), command->borrowed_flags.end(),
+                     [&](const char* b) { return set == b; }) != command->borrowed_flags.end();
     if (!absl::EndsWith(file, kGlobalFlagsFile) && !absl::EndsWith(file, command->flags_file) &&
-        !shared) {
+        !shared && !borrowed) {
       return UsageError(command->name,
                         absl::StrCat("flag --", set, " does not apply to '", command->name, "'"));
     }

@@ -3,6 +3,7 @@
 // little-endian), so encoding is a plain copy.
 #include "client/host_tensor.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -10,7 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 
@@ -25,14 +26,10 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
   switch (dtype) {
-    case v1::FP16:
-      return DType::kFP16;
-    case v1::BF16:
-      return DType::kBF16;
-    case v1::FP32:
-      return DType::kFP32;
-    default:
-      break;
+    case v1::FP16: return DType::kFP16;
+    case v1::BF16: return DType::kBF16;
+    case v1::FP32: return DType::kFP32;
+    default: break;
   }
   return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16 or FP32, got ",
                                                  v1::DType_Name(dtype).empty()
@@ -48,19 +45,15 @@ absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape) {
     const int64_t d = shape[i];
     if (d < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), ": dimension ", i, " is negative"));
+          absl::StrCat("shape ", ShapeString(shape), ": dimension ", i, " is negative"));
     }
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
       return absl::InvalidArgumentError(
-          absl::StrCat("shape ", ShapeToString(shape), " has more elements than int64 holds"));
+          absl::StrCat("shape ", ShapeString(shape), " has more elements than int64 holds"));
     }
     n *= d;
   }
   return n;
-}
-
-std::string ShapeToString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64_t> shape,
@@ -68,8 +61,8 @@ absl::StatusOr<HostTensor> HostTensor::FromFloats(DType dtype, std::vector<int64
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return n.status();
   if (static_cast<int64_t>(values.size()) != *n) {
-    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " needs ", *n,
-                                                   " values, got ", values.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape ", ShapeString(shape), " needs ", *n, " values, got ", values.size()));
   }
   std::string bytes(static_cast<size_t>(*n * DTypeSize(dtype)), '\0');
   for (int64_t i = 0; i < *n; ++i) StoreFromFloat(bytes.data(), dtype, i, values[i]);
@@ -83,7 +76,7 @@ absl::StatusOr<HostTensor> HostTensor::FromBytes(DType dtype, std::vector<int64_
   if (*n > std::numeric_limits<int64_t>::max() / DTypeSize(dtype) ||
       static_cast<int64_t>(bytes.size()) != *n * DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(DTypeName(dtype)),
-                                                   ShapeToString(shape), " needs ", *n, " * ",
+                                                   ShapeString(shape), " needs ", *n, " * ",
                                                    DTypeSize(dtype), " bytes, got ", bytes.size()));
   }
   return HostTensor(dtype, std::move(shape), *n, std::move(bytes));
@@ -131,7 +124,51 @@ HostTensor HostTensor::ConvertTo(DType dtype) const {
 }
 
 std::string HostTensor::DebugString() const {
-  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeToString(shape_));
+  return absl::StrCat(std::string(DTypeName(dtype_)), ShapeString(shape_));
+}
+
+absl::StatusOr<HostTensor> HostTensor::SliceRows(int64_t begin, int64_t count) const {
+  if (shape_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot slice rows of ", DebugString()));
+  }
+  if (begin < 0 || count < 0 || begin > shape_[0] || count > shape_[0] - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [", begin, ", ", begin + count,
+                                                   ") are outside ", DebugString()));
+  }
+  const int64_t row_bytes = shape_[0] == 0 ? 0 : static_cast<int64_t>(bytes_.size()) / shape_[0];
+  std::vector<int64_t> shape = shape_;
+  shape[0] = count;
+  return FromBytes(dtype_, std::move(shape), bytes_.substr(begin * row_bytes, count * row_bytes));
+}
+
+absl::StatusOr<HostTensor> ConcatRows(absl::Span<const HostTensor> parts, DType empty_dtype,
+                                      std::vector<int64_t> empty_shape) {
+  if (parts.empty()) {
+    if (!empty_shape.empty()) empty_shape[0] = 0;
+    return HostTensor::FromBytes(empty_dtype, std::move(empty_shape), "");
+  }
+  const HostTensor& first = parts[0];
+  if (first.rank() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot stack rows of ", first.DebugString()));
+  }
+  std::vector<int64_t> shape = first.shape();
+  shape[0] = 0;
+  size_t bytes = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const HostTensor& p = parts[i];
+    if (p.dtype() != first.dtype() || p.rank() != first.rank() ||
+        !std::equal(p.shape().begin() + 1, p.shape().end(), first.shape().begin() + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("part ", i, " is ", p.DebugString(),
+                                                     ", expected ", first.DebugString(),
+                                                     " in all but the first dimension"));
+    }
+    shape[0] += p.dim(0);
+    bytes += p.bytes().size();
+  }
+  std::string out;
+  out.reserve(bytes);
+  for (const HostTensor& p : parts) out += p.bytes();
+  return HostTensor::FromBytes(first.dtype(), std::move(shape), std::move(out));
 }
 
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
+#include "common/shape_string.h"
 
 namespace attnserve {
 
@@ -27,9 +28,6 @@ v1::DType DTypeToProto(DType dtype);
 // Elements of a tensor of this shape; INVALID_ARGUMENT for a negative dimension
 // or a product that does not fit in int64.
 absl::StatusOr<int64_t> NumElementsOf(absl::Span<const int64_t> shape);
-
-// "[2, 128, 8, 64]".
-std::string ShapeToString(absl::Span<const int64_t> shape);
 
 class HostTensor {
  public:
@@ -68,6 +66,11 @@ class HostTensor {
 
   std::string DebugString() const;  // "FP16[2, 128, 8, 64]"
 
+  // Rows [begin, begin + count) of the first dimension, e.g. one sequence's
+  // part of a varlen [T, H, D] tensor. INVALID_ARGUMENT for rank 0 or a range
+  // outside [0, dim(0)].
+  absl::StatusOr<HostTensor> SliceRows(int64_t begin, int64_t count) const;
+
  private:
   HostTensor(DType dtype, std::vector<int64_t> shape, int64_t num_elements, std::string bytes)
       : dtype_(dtype),
@@ -80,5 +83,13 @@ class HostTensor {
   int64_t num_elements_ = 0;
   std::string bytes_;
 };
+
+// The varlen layout from per-sequence tensors: `parts` (same dtype, same
+// dimensions after the first) stacked along the first dimension, e.g. the
+// [n_i, H, D] rows of each sequence into one [sum n_i, H, D]. With no parts:
+// an empty tensor of `empty_shape`'s trailing dimensions and `empty_dtype`.
+// INVALID_ARGUMENT naming the first part that disagrees.
+absl::StatusOr<HostTensor> ConcatRows(absl::Span<const HostTensor> parts, DType empty_dtype,
+                                      std::vector<int64_t> empty_shape);
 
 }  // namespace attnserve

@@ -8,23 +8,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
-
-HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> values(static_cast<size_t>(n));
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& x : values) {
-    do {
-      x = RoundTo(dtype, dist(*rng));
-    } while (std::fabs(x) < 1e-3f);
-  }
-  return *HostTensor::FromFloats(dtype, std::move(shape), values);
-}
 
 absl::Status CheckCuSeqlens(const std::vector<int32_t>& cu, int64_t total, const char* name,
                             const char* tensor) {
@@ -46,6 +34,19 @@ absl::Status CheckCuSeqlens(const std::vector<int32_t>& cu, int64_t total, const
 }
 
 }  // namespace
+
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> values(static_cast<size_t>(n));
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& x : values) {
+    do {
+      x = RoundTo(dtype, dist(*rng));
+    } while (std::fabs(x) < 1e-3f);
+  }
+  return *HostTensor::FromFloats(dtype, std::move(shape), values);
+}
 
 std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths) {
   std::vector<int32_t> cu(lengths.size() + 1, 0);
@@ -159,10 +160,8 @@ absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
     s.batch = static_cast<int64_t>(in.cu_seqlens_q.size()) - 1;
     s.total_q = in.q.dim(0);
     s.total_k = in.k.dim(0);
-    absl::Status st = CheckCuSeqlens(in.cu_seqlens_q, s.total_q, "cu_seqlens_q", "q");
-    if (!st.ok()) return st;
-    st = CheckCuSeqlens(in.cu_seqlens_k, s.total_k, "cu_seqlens_k", "k");
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(CheckCuSeqlens(in.cu_seqlens_q, s.total_q, "cu_seqlens_q", "q"));
+    RETURN_IF_ERROR(CheckCuSeqlens(in.cu_seqlens_k, s.total_k, "cu_seqlens_k", "k"));
     for (int64_t b = 0; b < s.batch; ++b) {
       s.seqlen_q = std::max<int64_t>(s.seqlen_q, in.cu_seqlens_q[b + 1] - in.cu_seqlens_q[b]);
       s.seqlen_k = std::max<int64_t>(s.seqlen_k, in.cu_seqlens_k[b + 1] - in.cu_seqlens_k[b]);

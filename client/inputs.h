@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,10 @@ struct AttentionShape {
   std::vector<int> seqlens_q;
   std::vector<int> seqlens_k;
 };
+
+// A tensor of `shape` with fresh normal(0, 1) values rounded to the dtype,
+// none of magnitude below 1e-3 (zeros hide indexing bugs), drawn from `rng`.
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng);
 
 // Offsets 0, l0, l0+l1, ... (B+1 entries).
 std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths);

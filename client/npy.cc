@@ -17,7 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -55,8 +56,7 @@ class HeaderReader {
         }
         have_order = true;
       } else if (key == "shape") {
-        absl::Status s = ReadShape(shape);
-        if (!s.ok()) return s;
+        RETURN_IF_ERROR(ReadShape(shape));
         have_shape = true;
       } else {
         return Error(absl::StrCat("unexpected key '", key, "'"));
@@ -169,8 +169,7 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
   std::string descr;
   bool fortran_order = false;
   std::vector<int64_t> shape;
-  absl::Status s = HeaderReader(header, name).Read(&descr, &fortran_order, &shape);
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(HeaderReader(header, name).Read(&descr, &fortran_order, &shape));
   if (fortran_order) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, ": Fortran-order arrays are not supported; save with np.ascontiguousarray(x)"));
@@ -200,7 +199,7 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
                      "' is not supported (expected '<f2', '<f4', '<f8', or '<u2' for BF16 bits)"));
   }
   if (*n > static_cast<int64_t>(data_len) / elem || static_cast<int64_t>(data_len) != *n * elem) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeToString(shape), " of '",
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(shape), " of '",
                                                    descr, "' needs ", *n, " * ", elem,
                                                    " bytes of data, the file has ", data_len));
   }

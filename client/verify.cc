@@ -10,10 +10,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
+#include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
 #include "client/inputs.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {
@@ -26,33 +27,25 @@ using tolerance::kLowpLseFloor;
 using tolerance::OutputFloor;
 
 AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
-  AttnParams p{};
-  p.dtype = s.dtype;
-  p.q = in.q.data();
-  p.k = in.k.data();
-  p.v = in.v.data();
-  p.o = nullptr;
-  p.lse = nullptr;
-  p.batch = static_cast<int32_t>(s.batch);
-  p.num_heads_q = static_cast<int32_t>(s.heads_q);
-  p.num_heads_kv = static_cast<int32_t>(s.heads_kv);
-  p.head_dim = static_cast<int32_t>(s.head_dim);
-  p.seqlen_q = static_cast<int32_t>(s.seqlen_q);
-  p.seqlen_k = static_cast<int32_t>(s.seqlen_k);
-  p.total_q = s.total_q;
-  p.total_k = s.total_k;
-  p.cu_seqlens_q = s.varlen ? in.cu_seqlens_q.data() : nullptr;
-  p.cu_seqlens_k = s.varlen ? in.cu_seqlens_k.data() : nullptr;
-  const AttentionOptions& o = in.options;
-  p.softmax_scale =
-      o.softmax_scale ? *o.softmax_scale : static_cast<float>(1.0 / std::sqrt(double(s.head_dim)));
-  p.softmax_scale_log2 = static_cast<float>(double{p.softmax_scale} * 1.4426950408889634);
-  p.softcap = o.softcap;
-  p.is_causal = o.causal;
-  p.window_left = o.window_left ? *o.window_left : kNoWindow;
-  // As the server's FillParams: causal is the right window bound 0.
-  p.window_right = o.causal ? 0 : (o.window_right ? *o.window_right : kNoWindow);
-  return p;
+  AttnShape shape;
+  shape.dtype = s.dtype;
+  shape.batch = static_cast<int32_t>(s.batch);
+  shape.num_heads_q = static_cast<int32_t>(s.heads_q);
+  shape.num_heads_kv = static_cast<int32_t>(s.heads_kv);
+  shape.head_dim = static_cast<int32_t>(s.head_dim);
+  shape.seqlen_q = static_cast<int32_t>(s.seqlen_q);
+  shape.seqlen_k = static_cast<int32_t>(s.seqlen_k);
+  if (s.varlen) {
+    shape.cu_seqlens_q = in.cu_seqlens_q.data();
+    shape.cu_seqlens_k = in.cu_seqlens_k.data();
+  }
+  AttnPointers pointers;
+  pointers.q = in.q.data();
+  pointers.k = in.k.data();
+  pointers.v = in.v.data();
+  // The same function as the server's FillParams: --verify cannot agree with
+  // a server whose defaults or mask normalisation drifted.
+  return MakeAttnParams(shape, in.options, pointers);
 }
 
 // Index into ReferenceOutput::lse of the row that o element `idx` belongs to.
@@ -194,16 +187,15 @@ absl::StatusOr<VerifyReport> ForwardVerifier::Check(const ForwardResult& result)
   if (result.o.shape() != st.o_shape || result.o.dtype() != st.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("o is ", result.o.DebugString(), ", expected ",
                                                    std::string(DTypeName(st.dtype)),
-                                                   ShapeToString(st.o_shape)));
+                                                   ShapeString(st.o_shape)));
   }
   const ReferenceOutput* lowp = st.lowp ? &*st.lowp : nullptr;
   VerifyReport r;
   CheckO(st.params, st.ref, lowp, result.o.ToFloats(), &r);
   if (result.lse) {
     if (result.lse->num_elements() != static_cast<int64_t>(st.ref.lse.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("lse is ", result.lse->DebugString(),
-                                                     ", expected ", st.ref.lse.size(),
-                                                     " elements"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lse is ", result.lse->DebugString(), ", expected ", st.ref.lse.size(), " elements"));
     }
     CheckLse(st.ref, lowp, result.lse->ToFloats(), &r);
   }

@@ -1,5 +1,5 @@
 // Client-side verification of a Forward result against the float64 reference,
-// with DESIGN.md §4's tolerance policy. Used by `attnctl forward --verify` and
+// with docs/design.md §4's tolerance policy. Used by `attnctl forward --verify` and
 // by `attnctl load --check`, which computes each input's reference once
 // (ForwardVerifier) and checks every response against it.
 //

@@ -91,11 +91,13 @@ check "compose schema deploy/docker-compose.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.yml
 check "compose schema docker-compose.yml + docker-compose.cpu.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$tmp/compose-cpu.json"
+check "compose schema deploy/docker-compose.kv-proxy.yml" \
+  "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.kv-proxy.yml
 
-check "hadolint deploy/Dockerfile deploy/Dockerfile.cpu" \
-  "$venv/bin/hadolint" deploy/Dockerfile deploy/Dockerfile.cpu
+check "hadolint deploy/Dockerfile deploy/Dockerfile.cpu deploy/proxy/Dockerfile" \
+  "$venv/bin/hadolint" deploy/Dockerfile deploy/Dockerfile.cpu deploy/proxy/Dockerfile
 shopt -s nullglob
-scripts=(deploy/*.sh scripts/make-base-image.sh scripts/container-smoke.sh scripts/lb-demo.sh)
+scripts=(deploy/*.sh deploy/proxy/*.sh scripts/make-base-image.sh scripts/container-smoke.sh scripts/lb-demo.sh)
 present=()
 for s in "${scripts[@]}"; do [ -f "$s" ] && present+=("$s"); done
 check "shellcheck ${present[*]}" "$venv/bin/shellcheck" "${present[@]}"

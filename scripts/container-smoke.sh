@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command that builds the CPU container image with podman and smoke-tests
 # it the way a `docker run` user would use it, on a machine with no registry
-# and no Docker engine (../shared/PLATFORM.md, "Containers"):
+# and no Docker engine (docs/containers.md):
 #   1. installs podman, debootstrap, runc, uidmap, iptables when missing and
 #      points CONTAINERS_CONF at a containers.conf that uses runc;
 #   2. makes the base image localhost/debian:bookworm with debootstrap
@@ -11,8 +11,10 @@
 #      runs the image's own HEALTHCHECK, checks the non-root user, runs
 #      `attnctl forward --verify` (FP16, BF16 causal GQA, FP32 windowed, varlen)
 #      and a short load through the published port, then sends SIGTERM while a
-#      request is in flight and checks that the request finished and the
-#      container exited 0 before any SIGKILL;
+#      request is in flight (two requests that cannot share a launch: the
+#      /metrics pending-request gauge shows the second queued behind the first)
+#      and checks that both finished and the container exited 0 before any
+#      SIGKILL;
 #   5. with --gpu-build-stage, also builds the GPU image's build stage
 #      (deploy/Dockerfile --target build) on the Debian base with the CUDA
 #      toolkit copied in from /usr/local/cuda. It cannot run here (no GPU).
@@ -48,6 +50,7 @@ EOF
 
 cd "$(dirname "$0")/.."
 repo=$(pwd)
+. scripts/lib/common.sh
 port=""
 load_seconds=3
 jobs=""
@@ -166,10 +169,8 @@ if [ "$cpu_smoke" -eq 1 ]; then
   fi
   podman image exists "$cpu_image" || die "$cpu_image does not exist (drop --no-build)"
 
-  if [ -z "$port" ]; then
-    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  fi
-  metrics_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  [ -n "$port" ] || port=$(free_port)
+  metrics_port=$(free_port)
   ctr=attnserve-smoke-$$
   cleanup() {
     if [ "$keep" -eq 0 ]; then podman rm -f "$ctr" >/dev/null 2>&1 || true; fi
@@ -191,13 +192,7 @@ if [ "$cpu_smoke" -eq 1 ]; then
   podman run -d --name "$ctr" -p "127.0.0.1:$port:50051" -p "127.0.0.1:$metrics_port:8002" \
     --no-healthcheck \
     -e ATTNSERVE_LOG_LEVEL=info "$cpu_image" >/dev/null 2>"$work/run.log"
-  serving=0
-  for _ in $(seq 1 120); do
-    if podman exec "$ctr" attnctl health --timeout=2s >/dev/null 2>&1; then serving=1; break; fi
-    [ "$(podman inspect --format '{{.State.Running}}' "$ctr")" = true ] || break
-    sleep 0.5
-  done
-  if [ "$serving" -eq 1 ]; then
+  if wait_serving 60 podman exec "$ctr" attnctl --timeout=2s; then
     pass "health SERVING inside the container"
   else
     podman logs "$ctr" | tail -n 20
@@ -267,39 +262,51 @@ print(shlex.join(argv))')
 
   # Prometheus metrics through the published port 8002: the requests above
   # must show up as successes.
-  scrape=$(python3 -c 'import sys, urllib.request
-print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
-             "http://127.0.0.1:$metrics_port/metrics" 2>&1) || true
-  successes=$(echo "$scrape" | awk '/^nv_inference_request_success[{ ]/ {print $NF; exit}')
+  metrics_url=http://127.0.0.1:$metrics_port/metrics
+  successes=$(metric_value "$metrics_url" nv_inference_request_success) || true
   if [ -n "$successes" ] && [ "${successes%.*}" -gt 0 ] 2>/dev/null; then
     pass "/metrics on published port 8002: nv_inference_request_success $successes"
   else
-    echo "$scrape" | head -n 5
+    scrape_metrics "$metrics_url" 2>&1 | head -n 5 || true
     fail "/metrics on published port 8002 (no nv_inference_request_success > 0)"
   fi
   timed "attnctl load (${load_seconds} s, 4 callers)" "$load_s"
 
-  # SIGTERM with a request in flight: the request must finish (drain) and the
-  # server must exit 0 by itself, before podman's SIGKILL at 30 s. The request
-  # is sized to take about 5 s here: one calibration call at Sq = Sk = 2048,
-  # then Sq scaled by sqrt(5 s / its time), as the work grows with Sq * Sk.
+  # SIGTERM with requests in flight: they must finish (drain) and the server
+  # must exit 0 by itself, before podman's SIGKILL at 30 s. Each of the two
+  # requests is sized to take about 3 s here (about 6 s of drain in all): one
+  # calibration call at Sq = Sk = 2048, then Sq scaled by sqrt(3 s / its
+  # time), as the work grows with Sq * Sk.
   calib_ms=$(ctl forward --dtype=bf16 --batch=1 --seqlen_q=2048 --heads_q=16 --head_dim=128 \
                2>/dev/null | grep -o 'server total [0-9.]*' | awk '{print $3}')
   inflight_sq=$(awk -v ms="${calib_ms:-1000}" 'BEGIN {
-    sq = 2048 * sqrt(5000 / (ms > 1 ? ms : 1)); sq = int(sq / 128) * 128
+    sq = 2048 * sqrt(3000 / (ms > 1 ? ms : 1)); sq = int(sq / 128) * 128
     print (sq < 2048 ? 2048 : (sq > 32768 ? 32768 : sq)) }')
-  log "in-flight request: Sq = Sk = $inflight_sq (calibration at 2048: ${calib_ms:-?} ms)"
+  log "in-flight requests: Sq = Sk = $inflight_sq (calibration at 2048: ${calib_ms:-?} ms)"
+  # SIGTERM goes out only once the server holds the requests, shown by its
+  # own /metrics: two requests of different dtypes (which never share a
+  # launch) sent at once, so while one computes the other waits in the queue
+  # and nv_inference_pending_request_count reads 1. A request that has not
+  # reached the server yet would be refused with UNAVAILABLE (correctly), so
+  # a fixed delay before SIGTERM fails on a loaded machine.
   client_ctr=$ctr-client
-  podman run -d --name "$client_ctr" --network host --no-healthcheck "$cpu_image" \
-    attnctl --target="127.0.0.1:$port" forward --dtype=bf16 --batch=1 \
-    --seqlen_q="$inflight_sq" --heads_q=16 --head_dim=128 --request_id=smoke-inflight >/dev/null
-  for _ in $(seq 1 40); do
-    [ "$(podman inspect --format '{{.State.Running}}' "$client_ctr")" = true ] && break
-    sleep 0.1
-  done
-  # The server logs a request only when it completes, so give the client a
-  # moment to connect and send (milliseconds on loopback) before stopping.
-  sleep 1.5
+  inflight_args="--seqlen_q=$inflight_sq --batch=1 --heads_q=16 --head_dim=128"
+  podman run -d --name "$client_ctr" --network host --no-healthcheck "$cpu_image" sh -c "
+    attnctl --target=127.0.0.1:$port forward --dtype=bf16 $inflight_args \
+      --request_id=smoke-inflight-bf16 & first=\$!
+    attnctl --target=127.0.0.1:$port forward --dtype=fp16 $inflight_args \
+      --request_id=smoke-inflight-fp16; second=\$?
+    wait \$first && exit \$second" >/dev/null
+  # Two readings 0.2 s apart: a request that finds the launcher idle is queued
+  # for microseconds only, so a lasting 1 means one computes and one waits.
+  queued() { [ "$(metric_value "$metrics_url" nv_inference_pending_request_count)" = 1 ]; }
+  queued_twice() { queued && sleep 0.2 && queued; }
+  t0=$(now)
+  if wait_until 60 0.1 queued_twice; then
+    log "both requests held by the server after $(took "$t0") s (pending-request gauge: 1)"
+  else
+    fail "the server did not show a queued request within 60 s (nv_inference_pending_request_count)"
+  fi
   t0=$(now)
   podman stop -t 30 "$ctr" >/dev/null 2>>"$work/run.log"
   stop_s=$(took "$t0")
@@ -307,10 +314,10 @@ print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
   podman logs "$client_ctr" >"$work/inflight.log" 2>&1 || true
   podman rm -f "$client_ctr" >/dev/null 2>&1 || true
   if [ "$client_rc" = 0 ]; then
-    pass "in-flight request finished across SIGTERM ($(grep -o 'server total [0-9.]* ms' "$work/inflight.log"))"
+    pass "in-flight requests finished across SIGTERM ($(grep -o 'server total [0-9.]* ms' "$work/inflight.log" | tr '\n' ' '))"
   else
     tail -n 3 "$work/inflight.log"
-    fail "in-flight request finished across SIGTERM (attnctl exit $client_rc)"
+    fail "in-flight requests finished across SIGTERM (attnctl exit $client_rc)"
   fi
   # Exit code 0 means attnserve ended by itself; podman's SIGKILL after the
   # 30 s stop timeout would show as 137.
@@ -323,10 +330,11 @@ print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
     tail -n 10 "$work/server.log"
     fail "SIGTERM: exit code $exit_code after $stop_s s"
   fi
-  timed "stop (SIGTERM with a request in flight)" "$stop_s"
-  # Order in the server's log: draining starts, then the request completes.
-  drain_line=$(grep -n -m1 'draining' "$work/server.log" | cut -d: -f1)
-  req_line=$(grep -n -m1 'smoke-inflight' "$work/server.log" | cut -d: -f1)
+  timed "stop (SIGTERM with two requests in flight)" "$stop_s"
+  # Order in the server's log: draining starts, then the queued request (the
+  # last of the two to complete) completes.
+  drain_line=$(grep -n -m1 'draining' "$work/server.log" | cut -d: -f1) || true
+  req_line=$(grep -n 'smoke-inflight' "$work/server.log" | tail -n 1 | cut -d: -f1) || true
   if [ -n "$drain_line" ] && [ -n "$req_line" ] && [ "$drain_line" -lt "$req_line" ]; then
     pass "server log: drain began (line $drain_line) before the in-flight request completed (line $req_line)"
   else

@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # On the GPU machine: attn_bench (standard, FA1 loop order, ours) and PyTorch
-# SDPA (FLASH, CUDNN, EFFICIENT) on DESIGN.md §5's grids in one run, merged
+# SDPA (FLASH, CUDNN, EFFICIENT) on docs/design.md §5's grids in one run, merged
 # into $OUT/<gpu>-<date>.csv (copy it to bench/results/) with ratios printed.
 # Expects build-gpu from scripts/gpu-check.sh (or builds it).
 # Usage: [DTYPES=bf16] scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
 # quick = the reduced grid: D 64/128/256 at N 1k and 8k, causal and not, plus
 # the decode grid (with DTYPES=bf16: ~1 minute on an H100).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-bench-out}
 mkdir -p "$OUT"
 GRID=${1:-all}; IMPLS=${2:-ours,standard,kvread,fa1}; DTYPES=${DTYPES:-bf16,fp16}
 B=build-gpu
 # The test binaries link the carried Abseil shared libraries.
-export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+use_carried_libs absl
 if [ ! -x $B/bench/cuda/attn_bench ]; then
   cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/bconfigure.log" 2>&1
   ninja -C $B -j16 attn_bench >"$OUT/bbuild.log" 2>&1 || { tail -20 "$OUT/bbuild.log"; exit 1; }
 fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-slug=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
+slug=$(echo "$gpu" | tr '[:upper:]' '[:lower:]' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 date=$(date +%Y-%m-%d)
 hdr="$OUT/header.txt"
 {

@@ -6,8 +6,11 @@
 # `attnctl forward --verify` round over loopback against --backend=cuda.
 # Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
 # Usage: scripts/gpu-check.sh [--no-sanitizer] [--no-e2e]
+# Shape and flag lists ($args, $shape, $C) are split into words on purpose.
+# shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 SAN=1; E2E=1
@@ -19,8 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,me
 B=build-gpu
 # The test binaries link the carried Abseil shared libraries; a carried
 # shared-library server brings its own (scripts/pack-device-deps.sh --server).
-export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib:$LD_LIBRARY_PATH
+use_carried_libs absl lib
 t0=$(date +%s)
 if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
      -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/configure.log" 2>&1 &&
@@ -32,7 +34,7 @@ fi
 
 T=$B/tests/cuda/cuda_backend_test
 $T >"$OUT/tests.log" 2>&1; rc=$?
-pass=$(grep -c '^\[       OK \]' "$OUT/tests.log"); fail=$(grep -c '^\[  FAILED  \]' "$OUT/tests.log")
+fail=$(grep -c '^\[  FAILED  \]' "$OUT/tests.log")
 summ=$(grep -E '^\[  (PASSED|SKIPPED) ' "$OUT/tests.log" | tr '\n' ' ')
 note "cuda_backend_test" "rc=$rc $summ failed_lines=$fail"
 grep -E '^\[  FAILED  \]|Failure|error' "$OUT/tests.log" | head -30
@@ -49,10 +51,11 @@ fi
 
 if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/attnctl ]; then
   port=50917
-  .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port >"$OUT/server.log" 2>&1 &
-  spid=$!
   C=".device-carry/bin/attnctl --target=127.0.0.1:$port"
-  for i in $(seq 1 30); do $C health >/dev/null 2>&1 && break; sleep 1; done
+  # Goes on after a timeout: the e2e rows below then report the failure.
+  start_server "$OUT/server.log" 30 $C -- \
+    .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port
+  spid=$SERVER_PID
   $C info >"$OUT/e2e-info.log" 2>&1
   if grep -qE '^backend: +cuda' "$OUT/e2e-info.log" && grep -qE '^device 0: ' "$OUT/e2e-info.log"; then
     note "e2e info" "PASS ($(grep -E '^device 0: ' "$OUT/e2e-info.log" | sed -E 's/^device 0: +//'))"

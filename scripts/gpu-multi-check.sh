@@ -5,19 +5,22 @@
 # response is checked against the float64 reference, and the report must
 # show requests on every device; then SIGTERM with load running must drain
 # and exit 0. A short table is printed last.
+# Shape and flag lists ($args, $shape, $C) are split into words on purpose.
+# shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-multi-check-out}
 mkdir -p "$OUT"
 bin=.device-carry/bin
-[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+use_carried_libs lib
 ngpu=$(nvidia-smi -L | grep -c '^GPU')
 port=50931
 C="$bin/attnctl --target=127.0.0.1:$port --timeout=60s"
-"$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0 \
-  >"$OUT/server.log" 2>&1 &
-spid=$!
-for _ in $(seq 1 150); do $C health >/dev/null 2>&1 && break; sleep 0.2; done
+# Goes on after a timeout: the checks below then fail and say so.
+start_server "$OUT/server.log" 30 $C -- \
+  "$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0
+spid=$SERVER_PID
 $C info >"$OUT/info.txt" 2>&1
 shape="--batch=4 --seqlen_q=512 --heads_q=8 --heads_kv=2 --head_dim=64 --dtype=fp16 --causal"
 $C load --concurrency=32 --warmup=0s --duration=3s --channels=4 --check $shape >"$OUT/check.log" 2>&1

@@ -17,15 +17,18 @@
 # scenario/impl/batching); bench/gpu/serving_report.py turns them into the
 # committed CSV and prints the table last.
 # Usage: [SECS_LARGE=10] scripts/gpu-serving.sh [SECONDS_PER_STEP]   (default 4)
+# Shape and flag lists ($args, $shape, $C) are split into words on purpose.
+# shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-serving-out}
 mkdir -p "$OUT"
 secs=${1:-4}
 secs_large=${SECS_LARGE:-10}  # large requests take ~0.6 s each: longer windows
 bin=.device-carry/bin
 # A shared-library build carries its libraries (scripts/pack-device-deps.sh --server).
-[ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+use_carried_libs lib
 raw=$OUT/serving-raw.csv
 rm -f "$raw"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -36,27 +39,24 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 } >"$OUT/env.txt" 2>&1
 
 pids=()
+# shellcheck disable=SC2154  # p is the trap's own loop variable
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait' EXIT
-wait_healthy() {  # wait_healthy PORT NAME
-  for _ in $(seq 1 150); do
-    "$bin/attnctl" --target="127.0.0.1:$1" health >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "$2 on port $1 did not become SERVING"; tail -20 "$OUT/$2.log"; exit 1
+serve() {  # serve PORT NAME SERVER...: starts it, waits for SERVING, else exits
+  local port=$1 name=$2; shift 2
+  start_server "$OUT/$name.log" 30 "$bin/attnctl" --target="127.0.0.1:$port" -- "$@"
+  local rc=$?
+  pids+=("$SERVER_PID")
+  [ "$rc" = 0 ] || { echo "$name on port $port did not become SERVING"; exit 1; }
 }
 start_attnserve() {  # start_attnserve PORT NAME FLAGS...
   local port=$1 name=$2; shift 2
-  "$bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" --log_level=warn "$@" \
-    >"$OUT/$name.log" 2>&1 &
-  pids+=($!)
-  wait_healthy "$port" "$name"
+  serve "$port" "$name" "$bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" \
+    --log_level=warn "$@"
 }
 start_attnserve 50061 attnserve-on --batching=true --devices=0 --metrics_port=50081
 start_attnserve 50062 attnserve-off --batching=false --devices=0 --metrics_port=0
-python3 bench/baselines/sdpa_server.py --port=50071 --device=0 --log_level=WARNING \
-  >"$OUT/python_sdpa.log" 2>&1 &
-pids+=($!)
-wait_healthy 50071 python_sdpa
+serve 50071 python_sdpa python3 bench/baselines/sdpa_server.py --port=50071 --device=0 \
+  --log_level=WARNING
 if [ "$ngpu" -ge 2 ]; then
   start_attnserve 50063 attnserve-multi --batching=true --devices=all --metrics_port=50083
 fi
@@ -103,9 +103,8 @@ load 50071 large/python_sdpa/off 1,4,8 "$large"
 [ "$ngpu" -ge 2 ] && load 50063 "large/attnserve-${ngpu}gpu/on" 4,8 "$large"
 
 # The metrics endpoint under load's aftermath: Triton's names, GPU gauges.
-curl -s http://127.0.0.1:50081/metrics >"$OUT/metrics-on.txt" 2>&1 ||
-  python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:50081/metrics").read().decode())' >"$OUT/metrics-on.txt" 2>&1
-[ "$ngpu" -ge 2 ] && python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:50083/metrics").read().decode())' >"$OUT/metrics-multi.txt" 2>&1
+scrape_metrics http://127.0.0.1:50081/metrics >"$OUT/metrics-on.txt" 2>&1
+[ "$ngpu" -ge 2 ] && scrape_metrics http://127.0.0.1:50083/metrics >"$OUT/metrics-multi.txt" 2>&1
 
 echo "==== steps"
 printf '%s\n' "${SUMMARY[@]}"

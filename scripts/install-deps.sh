@@ -10,6 +10,8 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libcpp-httplib-dev nlohmann-json3-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
+  # perf_analyzer (inside the tritonclient wheel, requirements/triton.txt) links libb64.
+  libb64-0d python3-venv
 )
 
 missing=()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes a local Debian 12 base image (localhost/debian:bookworm by default)
 # with debootstrap, because no container registry is reachable here
-# (../shared/PLATFORM.md, "Containers"). The CPU image and the GPU image's
+# (docs/containers.md). The CPU image and the GPU image's
 # build stage are then built FROM it with --build-arg BASE=... .
 # Skips the work when the image already exists (--force rebuilds it).
 #

@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# Makes (or updates) the project's Python environment at .venv from the pinned
-# lists in requirements/*.txt, so tests that use Python clients (the attnserve
-# package, tritonclient, perf_analyzer, transformers) run the same on every
-# machine. Prints the interpreter's path last.
-# Usage: scripts/python-env.sh [VENV_DIR]   (default: .venv)
+# Makes (or updates) one of the project's Python environments from the pinned
+# lists in requirements/, so tests that use Python clients run the same on
+# every machine. Each SET is a venv of its own, because the clients pin
+# incompatible versions (tritonclient 2.50 needs protobuf < 5, the attnserve
+# package's generated stubs protobuf >= 7.35):
+#   python  .venv         requirements/python-*.txt (attnserve package, transformers)
+#   triton  .venv-triton  requirements/triton*.txt  (tritonclient, perf_analyzer)
+# Prints the interpreter's path last.
+# Usage: scripts/python-env.sh [SET]   (default: python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${1:-.venv}
+set_name=${1:-python}
+case "$set_name" in
+  python) venv=.venv ;;
+  *) venv=.venv-$set_name ;;
+esac
+shopt -s nullglob
+req_files=(requirements/"$set_name"*.txt)
+[ ${#req_files[@]} -gt 0 ] || { echo "python-env: no requirements/$set_name*.txt" >&2; exit 2; }
 python=${PYTHON:-python3}
 if ! "$python" -m venv --help >/dev/null 2>&1; then
   echo "python-env: $python has no venv module (apt-get install python3-venv)" >&2
@@ -14,12 +25,11 @@ if ! "$python" -m venv --help >/dev/null 2>&1; then
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.requirements.sha256"
-want=$(cat requirements/*.txt 2>/dev/null | sha256sum | cut -d' ' -f1)
+want=$(cat "${req_files[@]}" | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   start=$(date +%s)
   "$venv/bin/python" -m pip install -q --upgrade pip
-  for r in requirements/*.txt; do
-    [ -e "$r" ] || continue
+  for r in "${req_files[@]}"; do
     echo "python-env: installing $r" >&2
     "$venv/bin/python" -m pip install -q -r "$r"
   done

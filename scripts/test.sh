@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${1:-build}
 scripts/install-deps.sh
+# The Python clients' tests run from .venv (tests/python) and .venv-triton (tests/kserve).
+scripts/python-env.sh python >/dev/null
+scripts/python-env.sh triton >/dev/null
 jobs=$(nproc)
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 start=$(date +%s)

@@ -2,29 +2,21 @@
 #include "server/attention_service.h"
 
 #include <atomic>
-#include <chrono>
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
+#include "server/call_deadline.h"
 #include "server/request_validation.h"
-#include "server/status_mapping.h"
+#include "server/stream_reactor.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
-  const auto deadline = context->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
 
 // Unary Forward: the handler's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
@@ -102,211 +94,26 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
   InFlightCounter* const in_flight_;
 };
 
-// ForwardStream: keeps reading while earlier requests run, writes responses as
-// they complete (so possibly out of order), one write in flight and the rest
-// queued. A failed request becomes a response with error_code/error_message.
-// The RPC finishes once the client has half-closed (or the call is gone) and
-// every admitted request has completed and been written (or can no longer be).
-//
-// Flow control (stream_flow_control.h): the next read starts only while the
-// stream's ledger is under its limits; otherwise reading pauses and resumes
-// when a written response frees room. A paused stream learns of a cancelled
-// call from OnCancel (no read is outstanding to fail), and treats it as the
-// end of its requests. An answered request's input is released at once: only
-// its response waits for the client.
-//
-// Lifetime: gRPC calls OnDone only after Finish, and Finish is called only
-// when no request is pending in the executor, so no completion callback can
-// outlive the reactor. Decisions are made under mu_; StartWrite and Finish are
-// called after releasing it, and nothing touches `this` after Finish.
-class ForwardStreamReactor final
-    : public grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse> {
- public:
-  ForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
-                       const grpc::CallbackServerContext* context, const StreamLimits& limits,
-                       StreamGauge* gauge)
-      : handler_(handler),
-        in_flight_(in_flight),
-        deadline_(DeadlineOf(context)),
-        cancelled_(std::make_shared<std::atomic<bool>>(false)),
-        ledger_(limits, gauge) {
-    StartRead(&incoming_);
-  }
+using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
 
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      // Half-close, cancellation or a broken stream: no more requests.
-      bool finish;
-      {
-        absl::MutexLock lock(&mu_);
-        reads_done_ = true;
-        finish = ShouldFinishLocked();
-      }
-      if (finish) FinishStream();
-      return;
-    }
-    auto call = std::make_unique<Call>();
-    call->request.Swap(&incoming_);
-    call->held_bytes = static_cast<int64_t>(call->request.ByteSizeLong());
-    Call* raw = call.get();
-    in_flight_->Add();  // until its response is written or dropped
-    bool read_next;
-    {
-      absl::MutexLock lock(&mu_);
-      ++pending_;
-      ledger_.AddRequest(raw->held_bytes);
-      calls_.push_back(std::move(call));
-      read_next = !ledger_.Full();
-      if (!read_next) ledger_.SetPaused(true);
-    }
-    // Read the next request while this one runs (pipelining is the point),
-    // unless the stream already holds all it may.
-    if (read_next) StartRead(&incoming_);
-    handler_->Start(&raw->request, &raw->response, deadline_, cancelled_,
-                    [this, raw](const absl::Status& status) { OnRequestDone(raw, status); });
-  }
-
-  void OnWriteDone(bool ok) override {
-    v1::ForwardResponse* next = nullptr;
-    bool finish;
-    bool resume;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      in_flight_->Done();
-      RemoveCallLocked(ready_.front());
-      ready_.pop_front();
-      // A failed write means the stream is gone; what is left cannot be sent.
-      if (!ok) write_failed_ = true;
-      next = NextWriteLocked();
-      resume = ResumeReadingLocked();
-      finish = next == nullptr && ShouldFinishLocked();
-    }
-    Proceed(resume, next, finish);
-  }
-
-  void OnCancel() override {
-    cancelled_->store(true, std::memory_order_release);
-    bool finish = false;
-    {
-      absl::MutexLock lock(&mu_);
-      // No read is outstanding to report the end: this is it.
-      if (ledger_.paused() && !reads_done_) {
-        ledger_.SetPaused(false);
-        reads_done_ = true;
-        finish = ShouldFinishLocked();
-      }
-    }
-    if (finish) FinishStream();
-  }
-  void OnDone() override { delete this; }
-
- private:
-  struct Call {
-    v1::ForwardRequest request;
-    v1::ForwardResponse response;
-    int64_t held_bytes = 0;  // what the ledger counts for it now
+// ForwardStream (server/stream_reactor.h): every request goes to the handler;
+// a failed one becomes a response with error_code/error_message. The stream
+// is bounded by `limits` (stream_flow_control.h).
+ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
+                                              const grpc::CallbackServerContext* context,
+                                              const StreamLimits& limits, StreamGauge* gauge) {
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  auto start = [handler, cancelled, deadline = DeadlineOf(context)](
+                   ForwardStreamReactor::Call* call, ForwardStreamReactor::Done done) {
+    handler->Start(&call->request, &call->response, deadline, cancelled, std::move(done));
   };
-
-  // The handler's completion, on the executor's thread or inside OnReadDone.
-  void OnRequestDone(Call* call, const absl::Status& status) {
-    if (!status.ok()) {
-      call->response.set_error_code(ToRpcCode(status));
-      call->response.set_error_message(std::string(status.message()));
-    }
-    // `done` is the handler's last use of the request: free its tensors now
-    // (Swap with an empty message releases the buffers; Clear would keep them).
-    v1::ForwardRequest().Swap(&call->request);
-    const int64_t response_bytes = static_cast<int64_t>(call->response.ByteSizeLong());
-    v1::ForwardResponse* next = nullptr;
-    bool finish;
-    bool resume;
-    {
-      absl::MutexLock lock(&mu_);
-      --pending_;
-      ledger_.Resize(response_bytes - call->held_bytes);
-      call->held_bytes = response_bytes;
-      ready_.push_back(call);
-      next = NextWriteLocked();
-      resume = ResumeReadingLocked();
-      finish = next == nullptr && ShouldFinishLocked();
-    }
-    Proceed(resume, next, finish);
-  }
-
-  // Acts on what a reaction decided under mu_, after releasing it: the
-  // resumed read, the next write, or the end of the stream.
-  void Proceed(bool resume, v1::ForwardResponse* next, bool finish) {
-    if (resume) StartRead(&incoming_);
-    if (next != nullptr) {
-      StartWrite(next);
-    } else if (finish) {
-      FinishStream();
-    }
-  }
-
-  // True (and reading marked resumed) when reading was paused and the ledger
-  // has room again; the caller then starts the read after unlocking.
-  bool ResumeReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!ledger_.paused() || reads_done_ || ledger_.Full()) return false;
-    ledger_.SetPaused(false);
-    return true;
-  }
-
-  // The response to write now, marking a write in flight, or null.
-  v1::ForwardResponse* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (write_failed_) {
-      for (Call* c : ready_) {
-        in_flight_->Done();
-        RemoveCallLocked(c);
-      }
-      ready_.clear();
-    }
-    if (writing_ || ready_.empty()) return nullptr;
-    writing_ = true;
-    return &ready_.front()->response;
-  }
-
-  bool ShouldFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) return false;
-    finished_ = true;
-    return true;
-  }
-
-  void RemoveCallLocked(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (auto it = calls_.begin(); it != calls_.end(); ++it) {
-      if (it->get() == call) {
-        ledger_.RemoveRequest(call->held_bytes);
-        calls_.erase(it);
-        return;
-      }
-    }
-  }
-
-  void FinishStream() {
-    // Per-request errors travel in responses; the stream itself succeeded
-    // unless the client went away.
-    Finish(cancelled_->load(std::memory_order_acquire)
-               ? grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled")
-               : grpc::Status::OK);
-  }
-
-  ForwardHandler* const handler_;
-  InFlightCounter* const in_flight_;
-  const absl::Time deadline_;
-  const std::shared_ptr<std::atomic<bool>> cancelled_;
-  v1::ForwardRequest incoming_;  // the buffer of the one read in flight
-
-  absl::Mutex mu_;
-  std::deque<std::unique_ptr<Call>> calls_ ABSL_GUARDED_BY(mu_);  // owns every live call
-  std::deque<Call*> ready_ ABSL_GUARDED_BY(mu_);  // completed, not yet written; front is in flight
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;          // handed to the handler, not completed
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  StreamLedger ledger_ ABSL_GUARDED_BY(mu_);
-};
+  auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {
+    call->response.set_error_code(ToRpcCode(status));
+    call->response.set_error_message(std::string(status.message()));
+  };
+  return new ForwardStreamReactor(in_flight, std::move(cancelled), std::move(start),
+                                  std::move(fail), limits, gauge);
+}
 
 }  // namespace
 
@@ -329,15 +136,14 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
-  return new ForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
-                                  info_.stream_gauge);
+  return NewForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
+                                 info_.stream_gauge);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request,
-                         response);
+  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request, response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
@@ -365,6 +171,14 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_stream_pending_requests(info_.stream_limits.max_pending_requests);
   limits->set_max_stream_pending_bytes(info_.stream_limits.max_pending_bytes);
   for (const std::string& f : ServerFeatures()) response->add_features(f);
+  if (info_.kv_cache) {
+    response->add_features("kv_cache");
+    v1::KvInfo* kv = response->mutable_kv();
+    for (int size = kMinPageSize; size <= kMaxPageSize; size *= 2) kv->add_page_sizes(size);
+    kv->set_default_page_size(info_.kv_default_page_size);
+    kv->set_cache_bytes_per_device(info_.kv_cache_bytes);
+    kv->set_idle_timeout_ms(info_.kv_idle_timeout_ms);
+  }
   response->set_cpu_threads(d.cpu_threads);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -20,6 +20,11 @@ struct ServiceInfo {
   int max_queue_size = 0;
   StreamLimits stream_limits;
   StreamGauge* stream_gauge = nullptr;  // server-wide totals; may be null
+  // The K/V cache service (GetServerInfo's kv and the "kv_cache" feature).
+  bool kv_cache = false;
+  int kv_default_page_size = 0;
+  int64_t kv_cache_bytes = 0;
+  int64_t kv_idle_timeout_ms = 0;
 };
 
 class AttentionService final : public v1::Attention::CallbackService {

@@ -12,6 +12,14 @@ namespace {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
+// Whether two queued items may be collected into one launch before their
+// outputs are bound: plain calls by their params, K/V calls by cache and layer.
+bool MayShareLaunch(const WorkItem& a, const WorkItem& b) {
+  if ((a.paged == nullptr) != (b.paged == nullptr)) return false;
+  if (a.paged != nullptr) return a.paged->cache == b.paged->cache && a.paged->layer == b.paged->layer;
+  return CanShareLaunch(a.params, b.params);
+}
+
 absl::Status DroppedAtShutdown() {
   return absl::UnavailableError("server is shutting down: request dropped before compute");
 }
@@ -32,7 +40,7 @@ Executor::~Executor() { Shutdown(); }
 
 absl::Status Executor::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
-  if (!admitting_) return absl::UnavailableError(refusal_);
+  if (!admitting_ && (stopping_ || !item.follows_admitted)) return absl::UnavailableError(refusal_);
   if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_size) {
     return absl::ResourceExhaustedError(
         absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
@@ -77,6 +85,11 @@ void Executor::Shutdown() {
   for (std::thread* t : {&launcher_, &completer_}) {
     if (t->joinable()) t->join();
   }
+}
+
+absl::Status Executor::Admitting() const {
+  absl::MutexLock lock(&mu_);
+  return admitting_ ? absl::OkStatus() : absl::UnavailableError(refusal_);
 }
 
 int Executor::queued() const {
@@ -133,14 +146,14 @@ void Executor::LauncherLoop() {
 
 void Executor::CollectBatch(std::vector<Queued>* batch) {
   // A copy: pushing onto `batch` may move its elements.
-  const AttnParams head = batch->front().item.params;
-  int64_t tokens = BatchTokens(head);
+  const WorkItem head = batch->front().item;
+  int64_t tokens = BatchTokens(head.params);
   if (tokens >= options_.batch_max_tokens) return;
   const absl::Time wait_until = batch->front().admitted + options_.batch_max_delay;
   while (true) {
     for (auto it = queue_.begin(); it != queue_.end();) {
       const int64_t t = BatchTokens(it->item.params);
-      if (!it->item.internal && !it->rerun_alone && CanShareLaunch(head, it->item.params) &&
+      if (!it->item.internal && !it->rerun_alone && MayShareLaunch(head, it->item) &&
           tokens + t <= options_.batch_max_tokens) {
         tokens += t;
         batch->push_back(std::move(*it));
@@ -191,17 +204,41 @@ void Executor::Dispatch(std::vector<Queued> picked) {
       Fail(std::move(q), prepared);
       continue;
     }
-    // After binding: CanImplement checks the whole params, output pointers
-    // included. UNIMPLEMENTED here names what this build lacks.
-    const absl::Status supported = backend_->CanImplement(q.item.params);
-    if (!supported.ok()) {
-      Fail(std::move(q), supported);
+    if (q.item.paged != nullptr) {
+      // Reserved now, in arrival order: the pool checks lengths and takes
+      // pages only for calls that are about to run. The backend checks the
+      // filled params (CheckPagedParams) in the launch.
+      const absl::Status reserved = q.item.paged->reserve(&q.item.paged->params);
+      if (!reserved.ok()) {
+        Fail(std::move(q), reserved);
+        continue;
+      }
+      auto same = [&](const std::vector<Queued>& g) {
+        return g.front().item.paged != nullptr &&
+               CanSharePagedLaunch(g.front().item.paged->params, q.item.paged->params);
+      };
+      auto g = std::find_if(groups.begin(), groups.end(), same);
+      if (g == groups.end()) {
+        groups.emplace_back();
+        g = groups.end() - 1;
+      }
+      g->push_back(std::move(q));
       continue;
     }
+    // After binding: CanImplement checks the whole params, output pointers
+    // included, once per request, and plans the launch. UNIMPLEMENTED here
+    // names what this build lacks.
+    absl::StatusOr<Plan> plan = backend_->CanImplement(q.item.params);
+    if (!plan.ok()) {
+      Fail(std::move(q), plan.status());
+      continue;
+    }
+    q.plan = *plan;
     // Collection compared params before outputs were bound; LSE is known only
     // now, so the ready items are split into groups that can share a launch.
     auto fits = [&](const std::vector<Queued>& g) {
-      return !g.front().rerun_alone && CanShareLaunch(g.front().item.params, q.item.params);
+      return !g.front().rerun_alone && g.front().item.paged == nullptr &&
+             CanShareLaunch(g.front().item.params, q.item.params);
     };
     auto g = std::find_if(groups.begin(), groups.end(), fits);
     if (g == groups.end()) {
@@ -229,12 +266,18 @@ void Executor::StartLaunch(std::vector<Queued> group) {
     for (Queued& q : group) Fail(std::move(q), DroppedAtShutdown());
     return;
   }
-  std::vector<const AttnParams*> members;
-  for (const Queued& q : group) members.push_back(&q.item.params);
   const bool internal = group.front().item.internal;
   const absl::Time started = absl::Now();
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch =
-      backend_->StartForward(PackedBatch(std::move(members)));
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch;
+  if (group.front().item.paged != nullptr) {
+    std::vector<const PagedAttnParams*> members;
+    for (const Queued& q : group) members.push_back(&q.item.paged->params);
+    launch = backend_->StartPagedForward(PagedBatch(std::move(members)));
+  } else {
+    std::vector<const AttnParams*> members;
+    for (const Queued& q : group) members.push_back(&q.item.params);
+    launch = backend_->StartForward(group.front().plan, PackedBatch(std::move(members)));
+  }
   if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
   if (!launch.ok()) {
     if (group.size() == 1) {
@@ -313,9 +356,10 @@ void Executor::CompleterLoop() {
       q.timings.device_to_host_us = bt.device_to_host_us;
       // A backend that does not time itself still gets the wall time of its
       // launch reported as compute.
-      q.timings.compute_us = bt.compute_us > 0 ? bt.compute_us
-                                               : std::max<int64_t>(0, wall_us - bt.host_to_device_us -
-                                                                          bt.device_to_host_us);
+      q.timings.compute_us =
+          bt.compute_us > 0
+              ? bt.compute_us
+              : std::max<int64_t>(0, wall_us - bt.host_to_device_us - bt.device_to_host_us);
       q.timings.batch_size = static_cast<int>(done.members.size());
       Complete(q, status);
     }

@@ -39,6 +39,20 @@ struct WorkTimings {
   int device = 0;        // ExecutorOptions::device of the executor that ran it
 };
 
+// An append-and-attend call on server-side K/V (server/kv): instead of
+// bind_outputs and CanImplement, the launcher calls `reserve` just before the
+// launch, in arrival order; it reserves the call's pages (all or nothing),
+// binds its outputs and fills `params` (host memory but the pages). The launch
+// runs through StartPagedForward; calls of one cache and layer may share it.
+// The item's `done` commits (OK) or rolls back (any error, including a
+// refusal before `reserve` ran).
+struct PagedWork {
+  const void* cache = nullptr;  // with layer: which calls may share a launch
+  int32_t layer = 0;
+  std::function<absl::Status(PagedAttnParams* params)> reserve;
+  PagedAttnParams params{};
+};
+
 // One attention call. Before compute the worker checks cancellation and the
 // deadline, binds outputs and asks the backend's CanImplement (UNIMPLEMENTED
 // for a valid combination this build lacks). Input pointers in `params` must stay valid until
@@ -61,6 +75,12 @@ struct WorkItem {
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
   // The server's own work (the start-up warm-up): left out of the metrics.
   bool internal = false;
+  // Set for a K/V append-and-attend call (params then only sizes it: dtype,
+  // heads, totals, for the token accounting).
+  std::shared_ptr<PagedWork> paged;
+  // Accepted by the front-end before a drain began (a K/V call that waited
+  // for an earlier call on its sequence): StopAdmitting does not refuse it.
+  bool follows_admitted = false;
 };
 
 struct ExecutorOptions {
@@ -113,6 +133,9 @@ class Executor {
   // a callback must not destroy the executor.
   void Shutdown();
 
+  // False once StopAdmitting or Shutdown has been called, with the reason.
+  absl::Status Admitting() const;
+
   // Items queued, and whether anything is being launched or in flight (for
   // tests, logs and metrics).
   int queued() const;
@@ -126,8 +149,13 @@ class Executor {
     WorkItem item;
     absl::Time admitted;
     WorkTimings timings;
+    // CanImplement's plan, once outputs are bound (the one check of the
+    // request): the launch runs it without checking again. Unused for paged
+    // work: the paged path has one launch form, and StartPagedForward checks
+    // its params (CheckPagedParams) itself.
+    Plan plan;
     // Set for the members of a packed launch that failed: they come back to
-    // the front of the queue, outputs already bound, to run one by one.
+    // the front of the queue, outputs already bound and planned, to run one by one.
     bool rerun_alone = false;
   };
   // A launch the backend has started and the completer has yet to finish, or

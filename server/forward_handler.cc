@@ -1,48 +1,56 @@
 // One ForwardRequest from receipt to a filled ForwardResponse; see forward_handler.h.
 #include "server/forward_handler.h"
 
+#include <new>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/shape_string.h"
+#include "server/server_timing.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
-
-std::string ShapeString(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ","), "]");
-}
 
 // Client errors are routine for a server; only its own failures are errors.
 spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
   switch (status.code()) {
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kDataLoss:
-      return spdlog::level::err;
-    default:
-      return spdlog::level::info;
+    case absl::StatusCode::kDataLoss: return spdlog::level::err;
+    default: return spdlog::level::info;
   }
 }
 
 // Binds freshly allocated O (like Q) and LSE into `response` and `params`.
 // The response owns the buffers, so the backend writes straight into the
-// bytes that go on the wire.
+// bytes that go on the wire. Runs on the executor's launcher thread, where a
+// throw would take the server down: an allocation failure is
+// RESOURCE_EXHAUSTED (DESIGN §1) and leaves nothing bound.
 absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                          AttnParams* params) {
   const v1::Tensor& q = request.q();
-  v1::Tensor* o = response->mutable_o();
-  o->set_dtype(q.dtype());
-  *o->mutable_shape() = q.shape();
-  o->mutable_data()->resize(q.data().size());
-  params->o = o->mutable_data()->data();
-  params->lse = nullptr;
-  if (request.options().return_lse()) {
-    v1::Tensor* lse = response->mutable_lse();
-    ShapeLseTensor(request, *params, lse);
-    params->lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+  try {
+    v1::Tensor* o = response->mutable_o();
+    o->set_dtype(q.dtype());
+    *o->mutable_shape() = q.shape();
+    o->mutable_data()->resize(q.data().size());
+    params->o = o->mutable_data()->data();
+    params->lse = nullptr;
+    if (request.options().return_lse()) {
+      v1::Tensor* lse = response->mutable_lse();
+      ShapeLseTensor(request, *params, lse);
+      params->lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    }
+  } catch (const std::bad_alloc&) {
+    response->clear_o();
+    response->clear_lse();
+    params->o = nullptr;
+    params->lse = nullptr;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("o: cannot allocate ", q.data().size(), " bytes of host memory for the output",
+                     request.options().return_lse() ? " and lse" : ""));
   }
   return absl::OkStatus();
 }
@@ -97,17 +105,10 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
     response->clear_o();
     response->clear_lse();
   }
-  v1::ServerTiming* t = response->mutable_timing();
-  t->set_queue_us(timings.queue_us);
-  t->set_host_to_device_us(timings.host_to_device_us);
-  t->set_compute_us(timings.compute_us);
-  t->set_device_to_host_us(timings.device_to_host_us);
-  t->set_total_us(timings.total_us);
-  t->set_batch_size(timings.batch_size);
-  t->set_device(timings.device);
+  FillServerTiming(timings, response->mutable_timing());
   if (metrics_ != nullptr) {
-    metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
-                            timings.compute_us, timings.device_to_host_us, timings.total_us);
+    metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us, timings.compute_us,
+                            timings.device_to_host_us, timings.total_us);
   }
 
   // Shapes, dtype and outcome only: tensor bytes never reach the log.
@@ -115,10 +116,11 @@ void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResp
       LogLevelFor(status),
       "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
       "device={} batch={} queue_us={} compute_us={} total_us={}",
-      request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q()),
-      ShapeString(request.k()), ShapeString(request.v()), v1::DType_Name(request.q().dtype()),
-      request.cu_seqlens_q_size() > 0 ? "varlen" : "dense", request.options().causal(),
-      request.options().return_lse(), absl::StatusCodeToString(status.code()),
+      request.request_id().substr(0, kMaxLoggedIdChars), ShapeString(request.q().shape(), ","),
+      ShapeString(request.k().shape(), ","), ShapeString(request.v().shape(), ","),
+      v1::DType_Name(request.q().dtype()), request.cu_seqlens_q_size() > 0 ? "varlen" : "dense",
+      request.options().causal(), request.options().return_lse(),
+      absl::StatusCodeToString(status.code()),
       status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),
       timings.device, timings.batch_size, timings.queue_us, timings.compute_us, timings.total_us);
   done(status);

@@ -26,10 +26,6 @@ class InFlightCounter {
     auto zero = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return count_ == 0; };
     return mu_.AwaitWithTimeout(absl::Condition(&zero), timeout);
   }
-  int64_t count() {
-    absl::MutexLock lock(&mu_);
-    return count_;
-  }
 
  private:
   absl::Mutex mu_;

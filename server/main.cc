@@ -40,16 +40,34 @@ ABSL_FLAG(int64_t, batch_max_tokens, 65536,
 ABSL_FLAG(int, metrics_port, 8002,
           "Port of the Prometheus /metrics HTTP endpoint (Triton's metric names); 0 = off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
+ABSL_FLAG(int, http_port, 8000,
+          "Port of the KServe v2 / Triton HTTP/REST endpoints (/v2/...; Triton's default 8000), "
+          "on --host; 0 = off. The v2 gRPC service is always on --port");
+ABSL_FLAG(bool, allow_client_shm, false,
+          "Let KServe v2 clients register shared-memory regions (system: a POSIX shm key; CUDA: "
+          "an IPC handle) for tensors. Off by default because a client then makes this server "
+          "map and write memory it names by key, which only makes sense for trusted clients on "
+          "the same host");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, stream_max_pending_requests, 64,
-          "ForwardStream flow control: requests one stream may hold (read and not yet answered, "
-          "or answered and not yet sent to the client); at this many the server stops reading "
-          "the stream until responses have gone out");
+          "Stream flow control (ForwardStream, ModelStreamInfer, AppendAttendStream): requests "
+          "one stream may hold (read and not yet answered, or answered and not yet sent to the "
+          "client); at this many the server stops reading the stream until responses have gone "
+          "out");
 ABSL_FLAG(int64_t, stream_max_pending_bytes, int64_t{256} << 20,
-          "ForwardStream flow control: bytes one stream may hold (its unanswered requests and "
+          "Stream flow control: bytes one stream may hold (its unanswered requests and "
           "unsent responses, serialized); at this many the server stops reading the stream. "
           "One stream holds at most this plus one request and its response");
+ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{1} << 30,
+          "K/V caches (KvCache service): bytes of K/V pages each device may hold over all its "
+          "caches; a cache's capacity is a maximum drawn from this on demand");
+ABSL_FLAG(int, kv_page_size, 64,
+          "K/V caches: tokens per page when CreateCache leaves page_size 0 (a power of two in "
+          "[16, 256])");
+ABSL_FLAG(absl::Duration, kv_idle_timeout, absl::Minutes(10),
+          "K/V caches: sequences and caches unused this long are removed (counted as expired; "
+          "clients then see NOT_FOUND and re-prefill); 0 = never");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
 ABSL_FLAG(std::string, log_level, "info",
@@ -117,6 +135,9 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
+  options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);
   options.batching = absl::GetFlag(FLAGS_batching);
   options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
   options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);
@@ -125,6 +146,10 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.stream.max_pending_requests = absl::GetFlag(FLAGS_stream_max_pending_requests);
   options.stream.max_pending_bytes = absl::GetFlag(FLAGS_stream_max_pending_bytes);
+  options.kserve.http_enabled = absl::GetFlag(FLAGS_http_port) != 0;
+  options.kserve.http_host = absl::GetFlag(FLAGS_host);
+  options.kserve.http_port = absl::GetFlag(FLAGS_http_port);
+  options.kserve.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
 
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {

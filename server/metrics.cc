@@ -5,20 +5,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace attnserve {
 namespace {
 
 constexpr char kModelLabels[] = "model=\"attention\",version=\"1\"";
-
-// "# HELP", "# TYPE" and one sample line per label set.
-void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
-                  const std::vector<std::pair<std::string, std::string>>& samples) {
-  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
-  for (const auto& [labels, value] : samples) {
-    absl::StrAppend(out, name, "{", labels, "} ", value, "\n");
-  }
-}
 
 void AppendModelCounter(std::string* out, const char* name, const char* help,
                         const std::atomic<int64_t>& value) {
@@ -27,6 +20,19 @@ void AppendModelCounter(std::string* out, const char* name, const char* help,
 }
 
 }  // namespace
+
+void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
+                  const std::vector<std::pair<std::string, std::string>>& samples) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  for (const auto& [labels, value] : samples) {
+    absl::StrAppend(out, name, "{", labels, "} ", value, "\n");
+  }
+}
+
+void ServerMetrics::SetExtraSource(std::function<std::string()> source) {
+  absl::MutexLock lock(&sources_mu_);
+  extra_source_ = std::move(source);
+}
 
 const char* ServerMetrics::FailureReasonName(FailureReason reason) {
   switch (reason) {
@@ -65,6 +71,7 @@ ServerMetrics::FailureReason ServerMetrics::ReasonFor(const absl::Status& status
 void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
                                   int64_t host_to_device_us, int64_t compute_us,
                                   int64_t device_to_host_us, int64_t total_us) {
+  last_request_ms_.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
   if (!status.ok()) {
     failure_[static_cast<int>(ReasonFor(status))].fetch_add(1, std::memory_order_relaxed);
     return;
@@ -75,6 +82,20 @@ void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
   compute_input_duration_us_.fetch_add(host_to_device_us, std::memory_order_relaxed);
   compute_infer_duration_us_.fetch_add(compute_us, std::memory_order_relaxed);
   compute_output_duration_us_.fetch_add(device_to_host_us, std::memory_order_relaxed);
+}
+
+ServerMetrics::Counters ServerMetrics::Snapshot() const {
+  Counters c;
+  c.success = success_.load(std::memory_order_relaxed);
+  for (const auto& f : failure_) c.failure += f.load(std::memory_order_relaxed);
+  c.executions = exec_count_.load(std::memory_order_relaxed);
+  c.request_us = request_duration_us_.load(std::memory_order_relaxed);
+  c.queue_us = queue_duration_us_.load(std::memory_order_relaxed);
+  c.compute_input_us = compute_input_duration_us_.load(std::memory_order_relaxed);
+  c.compute_infer_us = compute_infer_duration_us_.load(std::memory_order_relaxed);
+  c.compute_output_us = compute_output_duration_us_.load(std::memory_order_relaxed);
+  c.last_request_ms = last_request_ms_.load(std::memory_order_relaxed);
+  return c;
 }
 
 void ServerMetrics::SetPendingSource(std::function<int64_t()> source) {
@@ -127,7 +148,8 @@ std::string ServerMetrics::RenderPrometheus() const {
                      "host)",
                      compute_output_duration_us_);
 
-  // Not Triton's: ForwardStream flow control (stream_flow_control.h).
+  // Not Triton's: stream flow control (stream_flow_control.h) over every
+  // streaming RPC: ForwardStream, ModelStreamInfer and AppendAttendStream.
   const struct {
     const char* name;
     const char* type;
@@ -135,17 +157,17 @@ std::string ServerMetrics::RenderPrometheus() const {
     int64_t value;
   } stream_samples[] = {
       {"attnserve_stream_held_requests", "gauge",
-       "Requests that open ForwardStreams hold (read, not yet answered and sent)",
+       "Requests that open streams hold (read, not yet answered and sent)",
        streams_.held_requests()},
       {"attnserve_stream_held_bytes", "gauge",
-       "Bytes of requests and unsent responses that open ForwardStreams hold",
+       "Bytes of requests and unsent responses that open streams hold",
        streams_.held_bytes()},
-      {"attnserve_stream_paused", "gauge", "ForwardStreams whose reading is paused at their limits",
+      {"attnserve_stream_paused", "gauge", "Streams whose reading is paused at their limits",
        streams_.paused_streams()},
       {"attnserve_stream_pauses_total", "counter",
-       "Times a ForwardStream's reading paused at its limits", streams_.pauses_total()},
+       "Times a stream's reading paused at its limits", streams_.pauses_total()},
       {"attnserve_stream_peak_bytes", "gauge",
-       "The most bytes one ForwardStream has held at once since start",
+       "The most bytes one stream has held at once since start",
        streams_.peak_stream_bytes()},
   };
   for (const auto& m : stream_samples) {
@@ -156,6 +178,7 @@ std::string ServerMetrics::RenderPrometheus() const {
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",
                "Instantaneous number of pending requests awaiting execution per-model.",
                {{kModelLabels, absl::StrCat(pending_source_ ? pending_source_() : 0)}});
+  if (extra_source_) out += extra_source_();
   if (devices_.empty()) return out;
   // Triton labels GPUs by UUID; the backend description has none, so the
   // label carries the device index.

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -53,13 +54,32 @@ class ServerMetrics {
   // Live device readings (nv_gpu_memory_used_bytes, nv_gpu_utilization).
   void SetDeviceUsageSource(std::function<std::vector<DeviceUsage>()> source);
 
+  // More families, rendered at scrape time after the request metrics (the K/V
+  // pool's gauges: server/kv_service.cc).
+  void SetExtraSource(std::function<std::string()> source);
+
   // The Prometheus text exposition format (version 0.0.4).
   std::string RenderPrometheus() const;
 
-  // ForwardStream flow control: what the streams hold now (the ledgers update
+  // Stream flow control (every streaming RPC): what the streams hold now (the ledgers update
   // it), rendered as attnserve_stream_* gauges.
   StreamGauge& streams() { return streams_; }
   const StreamGauge& streams() const { return streams_; }
+  // The request counters and summed durations (µs) as they stand, for the
+  // KServe v2 ModelStatistics call (server/kserve), which reports the same
+  // numbers as /metrics.
+  struct Counters {
+    int64_t success = 0;
+    int64_t failure = 0;  // all reasons
+    int64_t executions = 0;
+    int64_t request_us = 0;
+    int64_t queue_us = 0;
+    int64_t compute_input_us = 0;
+    int64_t compute_infer_us = 0;
+    int64_t compute_output_us = 0;
+    int64_t last_request_ms = 0;  // Unix time of the last finished request; 0: none yet
+  };
+  Counters Snapshot() const;
 
   int64_t success_count() const { return success_.load(std::memory_order_relaxed); }
   int64_t exec_count() const { return exec_count_.load(std::memory_order_relaxed); }
@@ -74,6 +94,7 @@ class ServerMetrics {
   std::atomic<int64_t> compute_input_duration_us_{0};
   std::atomic<int64_t> compute_infer_duration_us_{0};
   std::atomic<int64_t> compute_output_duration_us_{0};
+  std::atomic<int64_t> last_request_ms_{0};
 
   // Set once at start-up, read at scrape time: a mutex keeps them simple and
   // stays off the request path.
@@ -81,6 +102,12 @@ class ServerMetrics {
   std::function<int64_t()> pending_source_ ABSL_GUARDED_BY(sources_mu_);
   std::vector<DeviceDescription> devices_ ABSL_GUARDED_BY(sources_mu_);
   std::function<std::vector<DeviceUsage>()> usage_source_ ABSL_GUARDED_BY(sources_mu_);
+  std::function<std::string()> extra_source_ ABSL_GUARDED_BY(sources_mu_);
 };
+
+// One metric family in the Prometheus text format: "# HELP", "# TYPE" and one
+// sample line per (labels, value).
+void AppendFamily(std::string* out, const char* name, const char* type, const char* help,
+                  const std::vector<std::pair<std::string, std::string>>& samples);
 
 }  // namespace attnserve

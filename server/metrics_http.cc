@@ -3,13 +3,13 @@
 // that says so.
 #include "server/metrics_http.h"
 
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
-#include <httplib.h>
+#include "server/http_listener.h"
 #endif
 
 namespace attnserve {
@@ -33,30 +33,16 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
   ~MetricsHttpServerImpl() override { Stop(); }
 
   absl::Status Bind(const std::string& host, int port) {
-    if (port == 0) {
-      port_ = http_.bind_to_any_port(host);
-    } else if (http_.bind_to_port(host, port)) {
-      port_ = port;
-    }
-    if (port_ <= 0) {
-      return absl::UnavailableError(absl::StrCat("metrics: could not listen on ", host, ":", port,
-                                                 " (address in use or not available?)"));
-    }
-    listener_ = std::thread([this] { http_.listen_after_bind(); });
-    return absl::OkStatus();
+    return listener_.Start("metrics", host, port);
   }
 
-  int port() const override { return port_; }
+  int port() const override { return listener_.port(); }
 
-  void Stop() override {
-    http_.stop();
-    if (listener_.joinable()) listener_.join();
-  }
+  void Stop() override { listener_.Stop(); }
 
  private:
   httplib::Server http_;
-  int port_ = 0;
-  std::thread listener_;
+  HttpListener listener_{&http_};
 };
 
 }  // namespace
@@ -64,18 +50,18 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& host, int port, const ServerMetrics* metrics) {
   auto server = std::make_unique<MetricsHttpServerImpl>(metrics);
-  absl::Status bound = server->Bind(host, port);
-  if (!bound.ok()) return bound;
+  RETURN_IF_ERROR(server->Bind(host, port));
   return server;
 }
 
 #else  // !ATTNSERVE_HAVE_HTTPLIB
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, const ServerMetrics*) {
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& host,
+                                                                            int port,
+                                                                            const ServerMetrics*) {
   return absl::UnimplementedError(
-      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":",
-                   port, "/metrics is not served"));
+      absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":", port,
+                   "/metrics is not served"));
 }
 
 #endif  // ATTNSERVE_HAVE_HTTPLIB

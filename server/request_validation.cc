@@ -10,9 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backend/dtype.h"
+#include "backend/make_params.h"
 #include "backend/score_range.h"
-#include "backend/status_macros.h"
+#include "common/dtype.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -21,10 +23,6 @@ constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
 constexpr int64_t kSaturated = std::numeric_limits<int64_t>::max();
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
-
-std::string ShapeString(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
-}
 
 std::string WireDTypeName(int value) {
   const std::string& name = v1::DType_Name(static_cast<v1::DType>(value));
@@ -60,7 +58,7 @@ absl::Status CheckDims(const char* name, const v1::Tensor& t) {
   for (int i = 0; i < t.shape_size(); ++i) {
     if (t.shape(i) < 0 || t.shape(i) > kMaxDim) {
       return Invalid(absl::StrCat(name, ".shape[", i, "]: expected 0 <= size <= ", kMaxDim,
-                                  ", got ", t.shape(i), " (shape ", ShapeString(t), ")"));
+                                  ", got ", t.shape(i), " (shape ", ShapeString(t.shape()), ")"));
     }
   }
   return absl::OkStatus();
@@ -72,14 +70,15 @@ absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
   const int64_t actual = static_cast<int64_t>(t.data().size());
   if (elements > kSaturated / elem_size) {
     return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t), "), got ", actual,
-                                " bytes"));
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), "), got ",
+                                actual, " bytes"));
   }
   const int64_t expected = elements * elem_size;
   if (actual != expected) {
     return Invalid(absl::StrCat(name, ".data: expected ", expected, " bytes (",
-                                WireDTypeName(t.dtype()), " ", ShapeString(t), " = ", elements,
-                                " elements x ", elem_size, " bytes), got ", actual, " bytes"));
+                                WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), " = ",
+                                elements, " elements x ", elem_size, " bytes), got ", actual,
+                                " bytes"));
   }
   return absl::OkStatus();
 }
@@ -111,17 +110,17 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
   if (rank != 4 && rank != 3) {
     return Invalid(absl::StrCat(
         "q.shape: expected rank 4 (dense [B, Sq, Hq, D]) or 3 (varlen [Tq, Hq, D]), got rank ",
-        rank, " ", ShapeString(q)));
+        rank, " ", ShapeString(q.shape())));
   }
   const bool dense = rank == 4;
   const char* kv_layout = dense ? "[B, Sk, Hkv, D]" : "[Tk, Hkv, D]";
   if (k.shape_size() != rank) {
     return Invalid(absl::StrCat("k.shape: expected rank ", rank, " like q (", kv_layout,
-                                "), got rank ", k.shape_size(), " ", ShapeString(k)));
+                                "), got rank ", k.shape_size(), " ", ShapeString(k.shape())));
   }
   if (v.shape_size() != rank) {
     return Invalid(absl::StrCat("v.shape: expected rank ", rank, " like q (", kv_layout,
-                                "), got rank ", v.shape_size(), " ", ShapeString(v)));
+                                "), got rank ", v.shape_size(), " ", ShapeString(v.shape())));
   }
   RETURN_IF_ERROR(CheckDims("q", q));
   RETURN_IF_ERROR(CheckDims("k", k));
@@ -132,8 +131,8 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
 
   for (int i = 0; i < rank; ++i) {
     if (v.shape(i) != k.shape(i)) {
-      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k), " (the shape of k), got ",
-                                  ShapeString(v)));
+      return Invalid(absl::StrCat("v.shape: expected ", ShapeString(k.shape()),
+                                  " (the shape of k), got ", ShapeString(v.shape())));
     }
   }
   const int h_axis = rank - 2;
@@ -245,14 +244,6 @@ absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim) {
   return absl::OkStatus();
 }
 
-absl::Status CheckRequestId(const std::string& id) {
-  if (id.size() > kMaxRequestIdBytes) {
-    return Invalid(absl::StrCat("request_id: expected at most ", kMaxRequestIdBytes,
-                                " bytes, got ", id.size(), " bytes"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
@@ -263,7 +254,7 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
                                                      limits.max_request_bytes,
                                                      " bytes (--max_request_bytes), got ", bytes));
   }
-  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  RETURN_IF_ERROR(ValidateRequestId(request.request_id()));
   RETURN_IF_ERROR(CheckDType("q", request.q(), request.q()));
   RETURN_IF_ERROR(CheckDType("k", request.k(), request.q()));
   RETURN_IF_ERROR(CheckDType("v", request.v(), request.q()));
@@ -278,57 +269,58 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
 AttnParams FillParams(const v1::ForwardRequest& request) {
   const v1::Tensor& q = request.q();
   const v1::Tensor& k = request.k();
-  const bool dense = q.shape_size() == 4;
   const int h_axis = q.shape_size() - 2;
-  const int d_axis = q.shape_size() - 1;
-
-  AttnParams p{};
-  p.dtype = static_cast<DType>(q.dtype());
-  p.q = q.data().data();
-  p.k = k.data().data();
-  p.v = request.v().data().data();
-  p.o = nullptr;
-  p.lse = nullptr;
-  p.num_heads_q = static_cast<int32_t>(q.shape(h_axis));
-  p.num_heads_kv = static_cast<int32_t>(k.shape(h_axis));
-  p.head_dim = static_cast<int32_t>(q.shape(d_axis));
-  if (dense) {
-    p.batch = static_cast<int32_t>(q.shape(0));
-    p.seqlen_q = static_cast<int32_t>(q.shape(1));
-    p.seqlen_k = static_cast<int32_t>(k.shape(1));
-    p.total_q = q.shape(0) * q.shape(1);
-    p.total_k = k.shape(0) * k.shape(1);
-    p.cu_seqlens_q = nullptr;
-    p.cu_seqlens_k = nullptr;
+  AttnShape shape;
+  shape.dtype = static_cast<DType>(q.dtype());
+  shape.num_heads_q = static_cast<int32_t>(q.shape(h_axis));
+  shape.num_heads_kv = static_cast<int32_t>(k.shape(h_axis));
+  shape.head_dim = static_cast<int32_t>(q.shape(h_axis + 1));
+  if (q.shape_size() == 4) {
+    shape.batch = static_cast<int32_t>(q.shape(0));
+    shape.seqlen_q = static_cast<int32_t>(q.shape(1));
+    shape.seqlen_k = static_cast<int32_t>(k.shape(1));
   } else {
-    const auto& cu_q = request.cu_seqlens_q();
-    const auto& cu_k = request.cu_seqlens_k();
-    p.batch = cu_q.size() - 1;
-    p.total_q = q.shape(0);
-    p.total_k = k.shape(0);
-    p.cu_seqlens_q = cu_q.data();
-    p.cu_seqlens_k = cu_k.data();
-    // Varlen kernels size per-sequence work by the longest sequence.
-    p.seqlen_q = 0;
-    p.seqlen_k = 0;
-    for (int b = 0; b < p.batch; ++b) {
-      p.seqlen_q = std::max(p.seqlen_q, cu_q[b + 1] - cu_q[b]);
-      p.seqlen_k = std::max(p.seqlen_k, cu_k[b + 1] - cu_k[b]);
-    }
+    // Validation checked that the offsets end at the tensors' row counts.
+    shape.batch = request.cu_seqlens_q_size() - 1;
+    shape.cu_seqlens_q = request.cu_seqlens_q().data();
+    shape.cu_seqlens_k = request.cu_seqlens_k().data();
   }
+  AttnPointers pointers;
+  pointers.q = q.data().data();
+  pointers.k = k.data().data();
+  pointers.v = request.v().data().data();
+  return MakeAttnParams(shape, OptionsFromWire(request.options()), pointers);
+}
 
-  const v1::AttentionOptions& o = request.options();
-  p.softmax_scale =
-      o.has_softmax_scale() ? o.softmax_scale() : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-  // log2(e): kernels use exp2, so the scale carries the change of base.
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.softcap = o.softcap();
-  p.is_causal = o.causal();
-  p.window_left = o.has_window_left() ? o.window_left() : kNoWindow;
-  // Causal is the window's right bound at the diagonal (params.h), whatever
-  // window_right says: the contract makes the causal bound win.
-  p.window_right = o.causal() ? 0 : (o.has_window_right() ? o.window_right() : kNoWindow);
-  return p;
+AttnOptions OptionsFromWire(const v1::AttentionOptions& o) {
+  AttnOptions options;
+  if (o.has_softmax_scale()) options.softmax_scale = o.softmax_scale();
+  options.causal = o.causal();
+  if (o.has_window_left()) options.window_left = o.window_left();
+  if (o.has_window_right()) options.window_right = o.window_right();
+  options.softcap = o.softcap();
+  return options;
+}
+
+absl::Status ValidateRequestId(const std::string& id) {
+  if (id.size() > kMaxRequestIdBytes) {
+    return Invalid(absl::StrCat("request_id: expected at most ", kMaxRequestIdBytes,
+                                " bytes, got ", id.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim) {
+  return CheckOptions(options, head_dim);
+}
+
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
+  if (!IsKnownDType(tensor.dtype())) {
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
+                                WireDTypeName(tensor.dtype())));
+  }
+  RETURN_IF_ERROR(CheckDims(name, tensor));
+  return CheckByteLength(name, tensor);
 }
 
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
@@ -336,8 +328,6 @@ absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& reque
   RETURN_IF_ERROR(ValidateForwardRequest(request, limits));
   return FillParams(request);
 }
-
-int64_t OutputElements(const AttnParams& p) { return p.total_q * p.num_heads_q * p.head_dim; }
 
 int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 

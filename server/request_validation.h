@@ -5,10 +5,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
+#include "backend/make_params.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -20,7 +22,8 @@ struct RequestLimits {
 };
 
 // request_id is echoed in every response and logged (cut to kMaxLoggedIdChars):
-// longer is INVALID_ARGUMENT for Forward, ForwardStream and Echo alike.
+// longer is INVALID_ARGUMENT for Forward, ForwardStream, Echo and the K/V
+// AppendAttend calls alike.
 inline constexpr size_t kMaxRequestIdBytes = 1024;
 
 // Head dims the contract accepts (DESIGN.md §2); a backend may support fewer
@@ -33,18 +36,31 @@ inline constexpr int kHeadDimMultiple = 8;
 // RESOURCE_EXHAUSTED for one over `limits`.
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const RequestLimits& limits);
 
-// Params for a request that passed ValidateForwardRequest: sizes from the
-// shapes, input pointers into `request` (which must outlive the params), o and
-// lse null (the caller binds output buffers), softmax_scale defaulting to
-// 1/sqrt(D), causal folded into window_right = 0, unset windows kNoWindow.
+// Params for a request that passed ValidateForwardRequest, through
+// MakeAttnParams (defaults and normalisation): input pointers into `request`
+// (which must outlive the params), o and lse null (the caller binds outputs).
 AttnParams FillParams(const v1::ForwardRequest& request);
+
+// The wire options as MakeAttnParams takes them (which normalises them), for
+// FillParams and the K/V front-end (kv_request.cc), whose calls carry the same
+// options.
+AttnOptions OptionsFromWire(const v1::AttentionOptions& options);
+// The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
+// options.<field>), including the softmax_scale/softcap ranges of
+// backend/score_range.h; `head_dim` is the validated D (the default scale
+// depends on it).
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim);
+// request_id: at most kMaxRequestIdBytes (INVALID_ARGUMENT naming it).
+absl::Status ValidateRequestId(const std::string& id);
+// A tensor's dtype is known, its dims are in range and its data has exactly
+// prod(shape) * sizeof(dtype) bytes; errors name `name`.<field>.
+absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);
 
 // ValidateForwardRequest, then FillParams.
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
                                                  const RequestLimits& limits);
 
-// Elements of O (like Q) and of LSE (Hq per query row) for filled params.
-int64_t OutputElements(const AttnParams& params);
+// Elements of LSE (Hq per query row) for filled params.
 int64_t LseElements(const AttnParams& params);
 
 // Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):

@@ -18,7 +18,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "backend/dtype.h"
+#include "backend/make_params.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -29,6 +31,8 @@
 #include "server/executor_pool.h"
 #include "server/forward_handler.h"
 #include "server/gpu_monitor.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "spdlog/spdlog.h"
@@ -71,14 +75,24 @@ absl::Status CheckOptions(const ServerOptions& o) {
         absl::StrCat("metrics_port: expected 0..65535, got ", o.metrics_port));
   }
   if (o.batching && (o.batch_max_tokens <= 0 || o.batch_max_delay < absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch_max_tokens: expected > 0 (got ", o.batch_max_tokens,
+        ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay), ")"));
+  }
+  if (o.kserve.http_enabled && (o.kserve.http_port < 0 || o.kserve.http_port > 65535)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("batch_max_tokens: expected > 0 (got ", o.batch_max_tokens,
-                     ") and batch_max_delay >= 0 (got ", absl::FormatDuration(o.batch_max_delay),
-                     ")"));
+        absl::StrCat("http_port: expected 0..65535, got ", o.kserve.http_port));
   }
   if (o.max_queue_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_size: expected > 0, got ", o.max_queue_size));
+  }
+  if (o.kv_cache_bytes <= 0 || o.kv_page_size < kMinPageSize || o.kv_page_size > kMaxPageSize ||
+      (o.kv_page_size & (o.kv_page_size - 1)) != 0 || o.kv_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_bytes: expected > 0 (got ", o.kv_cache_bytes,
+        "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
+        "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
   }
   return CheckStreamLimits(o.stream);
 }
@@ -100,25 +114,14 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
   std::vector<uint8_t> inputs(3 * kRows * dim * DTypeSize(dtype), 0);
   std::vector<uint8_t> o(kRows * dim * DTypeSize(dtype));
   std::vector<float> lse(kRows);
-  AttnParams p{};
-  p.dtype = dtype;
-  p.q = inputs.data();
-  p.k = inputs.data() + kRows * dim * DTypeSize(dtype);
-  p.v = inputs.data() + 2 * kRows * dim * DTypeSize(dtype);
-  p.o = o.data();
-  p.lse = lse.data();
-  p.batch = 1;
-  p.num_heads_q = 1;
-  p.num_heads_kv = 1;
-  p.head_dim = dim;
-  p.seqlen_q = kRows;
-  p.seqlen_k = kRows;
-  p.total_q = kRows;
-  p.total_k = kRows;
-  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.window_left = kNoWindow;
-  p.window_right = kNoWindow;
+  const AttnShape shape = DenseShape(dtype, 1, kRows, kRows, 1, 1, dim);
+  AttnPointers pointers;
+  pointers.q = inputs.data();
+  pointers.k = inputs.data() + kRows * dim * DTypeSize(dtype);
+  pointers.v = inputs.data() + 2 * kRows * dim * DTypeSize(dtype);
+  pointers.o = o.data();
+  pointers.lse = lse.data();
+  const AttnParams p = MakeAttnParams(shape, AttnOptions(), pointers);
 
   absl::Notification done;
   absl::Status result;
@@ -129,8 +132,7 @@ absl::Status WarmUp(Executor* executor, const BackendDescription& d) {
     result = status;
     done.Notify();
   };
-  absl::Status admitted = executor->Submit(std::move(item));
-  if (!admitted.ok()) return admitted;
+  RETURN_IF_ERROR(executor->Submit(std::move(item)));
   done.WaitForNotification();
   if (absl::IsUnimplemented(result)) {
     spdlog::warn("backend warm-up{} skipped: {}", where, std::string(result.message()));
@@ -160,6 +162,33 @@ BackendDescription Combined(const std::vector<std::unique_ptr<AttentionBackend>>
   return d;
 }
 
+// Each backend with its executor, for the K/V pool (a cache's calls go to its
+// device's executor only).
+std::vector<KvDevice> KvDevices(const std::vector<std::unique_ptr<AttentionBackend>>& backends,
+                                ExecutorPool* executors) {
+  std::vector<KvDevice> devices;
+  for (size_t i = 0; i < backends.size(); ++i) {
+    const BackendDescription& d = backends[i]->Describe();
+    devices.push_back({backends[i].get(), &executors->executor(static_cast<int>(i)),
+                       d.devices.empty() ? static_cast<int>(i) : d.devices.front().index});
+  }
+  return devices;
+}
+
+// What the KServe v2 front-end reports of this server's set-up. Metadata lists
+// q, k, v and o as FP16 when the backend runs it (tools such as perf_analyzer
+// generate that type); requests may use any dtype the backend lists.
+KserveServerInfo KserveInfo(const ServerOptions& o, const BackendDescription& d) {
+  KserveServerInfo info;
+  info.backend = d.name;
+  const bool fp16 = std::find(d.dtypes.begin(), d.dtypes.end(), DType::kFP16) != d.dtypes.end();
+  info.advertised_dtype = fp16 || d.dtypes.empty() ? DType::kFP16 : d.dtypes.front();
+  info.batching = o.batching;
+  info.batch_max_delay = o.batch_max_delay;
+  info.max_request_bytes = o.max_request_bytes;
+  return info;
+}
+
 class AttnServerImpl final : public AttnServer {
  public:
   AttnServerImpl(const ServerOptions& options,
@@ -172,110 +201,37 @@ class AttnServerImpl final : public AttnServer {
                                    options.batch_max_delay, options.batch_max_tokens}),
         handler_(&executors_, description_.name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(
-            &handler_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
-                        options.stream, &metrics_.streams()}) {}
+        service_(&handler_, description_,
+                 ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
+                             options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
+                             absl::ToInt64Milliseconds(options.kv_idle_timeout)}),
+        kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
+                               options.kv_idle_timeout},
+                 KvDevices(backends_, &executors_)),
+        kv_service_(&kv_pool_, description_.name,
+                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
+                    options.stream),
+        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve,
+                options.stream, [this] {
+          absl::MutexLock lock(&mu_);
+          return state_ == State::kServing;
+        }) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());
     Wait();
   }
 
+  // Listen, warm every backend up, start the metrics sources and endpoint,
+  // then turn health SERVING. Shutdown may run at any point meanwhile.
   absl::Status Start() override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (state_ != State::kNew) return absl::FailedPreconditionError("Start: already called");
-      state_ = State::kStarting;
-    }
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-
-    grpc::ServerBuilder builder;
-    const std::string address = ListenAddress(options_.host, options_.port);
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &selected_port_);
-    // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
-    // would start and silently split the traffic; fail instead.
-    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.SetMaxReceiveMessageSize(static_cast<int>(
-        std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
-    // Responses are as large as their requests' Q; the client sets its own limit.
-    builder.SetMaxSendMessageSize(-1);
-    builder.RegisterService(&service_);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    if (server == nullptr || selected_port_ == 0) {
-      absl::MutexLock lock(&mu_);
-      state_ = State::kStopped;
-      stopped_.Notify();
-      return absl::UnavailableError(
-          absl::StrCat("could not listen on ", address, " (address in use or not available?)"));
-    }
-    port_.store(selected_port_, std::memory_order_release);
-    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-    health->SetServingStatus("", false);
-    health->SetServingStatus(kServiceName, false);
-    grpc::Server* raw_server = server.get();
-    bool stopped_meanwhile;
-    {
-      absl::MutexLock lock(&mu_);
-      server_ = std::move(server);
-      stopped_meanwhile = state_ != State::kStarting;
-    }
-    if (stopped_meanwhile) {
-      // Shutdown ran before there was a gRPC server to stop; stop it now.
-      raw_server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
-      return absl::CancelledError("Start: Shutdown was called while starting");
-    }
-
-    for (int i = 0; i < executors_.size(); ++i) {
-      absl::Status warm = WarmUp(&executors_.executor(i), backends_[i]->Describe());
-      if (!warm.ok()) {
-        Shutdown(absl::ZeroDuration());
-        return warm;
-      }
-    }
-    metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
-    metrics_.SetDevices(description_.devices);
-    if (!description_.devices.empty()) {
-      absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor = NvmlMonitor::Create(description_.devices);
-      if (monitor.ok()) {
-        metrics_.SetDeviceUsageSource(
-            [mon = std::shared_ptr<NvmlMonitor>(*std::move(monitor))] { return mon->Read(); });
-      } else {
-        spdlog::warn("no GPU memory-used or utilisation metrics: {}",
-                     std::string(monitor.status().message()));
-      }
-    }
-    if (options_.metrics_enabled) {
-      absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-          MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
-      if (http.ok()) {
-        metrics_http_port_.store((*http)->port(), std::memory_order_release);
-        absl::MutexLock lock(&mu_);
-        metrics_http_ = *std::move(http);
-      } else {
-        // Serving matters more than its metrics: several replicas on one host
-        // (scripts/lb-demo.sh) would otherwise all fight over port 8002.
-        spdlog::error("serving without /metrics: {}", std::string(http.status().message()));
-      }
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      // Shutdown may have begun meanwhile; then health stays NOT_SERVING.
-      if (state_ != State::kStarting) return absl::OkStatus();
-      state_ = State::kServing;
-      health->SetServingStatus(true);
-    }
-    const BackendDescription& d = description_;
-    std::vector<std::string> devices;
-    for (const DeviceDescription& dev : d.devices) devices.push_back(absl::StrCat(dev.index, ":", dev.name));
-    spdlog::info("attnserve {} listening on {}:{} backend={} devices=[{}] cpu_threads={}",
-                 ATTNSERVE_VERSION, options_.host, port(), d.name,
-                 d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
-                 d.cpu_threads);
-    if (metrics_port() != 0) {
-      spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
-    }
+    RETURN_IF_ERROR(BeginStart());
+    ASSIGN_OR_RETURN(grpc::Server * server, Listen());
+    RETURN_IF_ERROR(WarmUpBackends());
+    StartDeviceMetrics();
+    StartMetricsEndpoint();
+    StartKserveHttp();
+    if (MarkServing(server)) LogListening();
     return absl::OkStatus();
   }
 
@@ -302,9 +258,12 @@ class AttnServerImpl final : public AttnServer {
     // Health first: load balancers that poll it stop routing new work here.
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executors_.StopAdmitting();
+    kv_service_.StopAdmitting();
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
+        kv_service_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
+        kserve_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
@@ -314,6 +273,9 @@ class AttnServerImpl final : public AttnServer {
     // clients that poll rarely to acknowledge the GOAWAY.
     if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
     spdlog::info("stopped after {}", absl::FormatDuration(absl::Now() - begin));
+    // Outside mu_: a v2 HTTP readiness probe being answered takes mu_, and
+    // stopping waits for it.
+    kserve_.StopHttp();
     absl::MutexLock lock(&mu_);
     // Metrics stay scrapeable through the drain, so its end is visible.
     if (metrics_http_ != nullptr) metrics_http_->Stop();
@@ -325,12 +287,146 @@ class AttnServerImpl final : public AttnServer {
 
   int queued_requests() const override { return executors_.queued(); }
 
-  int metrics_port() const override {
-    return metrics_http_port_.load(std::memory_order_acquire);
-  }
+  int metrics_port() const override { return metrics_http_port_.load(std::memory_order_acquire); }
+
+  int http_port() const override { return kserve_.http_port(); }
 
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
+
+  // kNew -> kStarting, or FAILED_PRECONDITION on a second Start.
+  absl::Status BeginStart() {
+    absl::MutexLock lock(&mu_);
+    if (state_ != State::kNew) return absl::FailedPreconditionError("Start: already called");
+    state_ = State::kStarting;
+    return absl::OkStatus();
+  }
+
+  // Builds the gRPC server and binds the port, health NOT_SERVING until
+  // MarkServing. UNAVAILABLE when the address cannot be bound; CANCELLED when
+  // Shutdown ran meanwhile (the server is stopped again).
+  absl::StatusOr<grpc::Server*> Listen() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+    grpc::ServerBuilder builder;
+    const std::string address = ListenAddress(options_.host, options_.port);
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &selected_port_);
+    // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
+    // would start and silently split the traffic; fail instead.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(
+        std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
+    // Responses are as large as their requests' Q; the client sets its own limit.
+    builder.SetMaxSendMessageSize(-1);
+    builder.RegisterService(&service_);
+    builder.RegisterService(&kv_service_);
+    builder.RegisterService(kserve_.grpc_service());
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (server == nullptr || selected_port_ == 0) {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kStopped;
+      stopped_.Notify();
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on ", address, " (address in use or not available?)"));
+    }
+    port_.store(selected_port_, std::memory_order_release);
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    health->SetServingStatus("", false);
+    health->SetServingStatus(kServiceName, false);
+    grpc::Server* raw_server = server.get();
+    bool stopped_meanwhile;
+    {
+      absl::MutexLock lock(&mu_);
+      server_ = std::move(server);
+      stopped_meanwhile = state_ != State::kStarting;
+    }
+    if (stopped_meanwhile) {
+      // Shutdown ran before there was a gRPC server to stop; stop it now.
+      raw_server->Shutdown(absl::ToChronoTime(absl::Now() + kMinStopTime));
+      return absl::CancelledError("Start: Shutdown was called while starting");
+    }
+    return raw_server;
+  }
+
+  // One tiny request through each executor (WarmUp); on failure the server
+  // shuts down and Start returns the error.
+  absl::Status WarmUpBackends() {
+    for (int i = 0; i < executors_.size(); ++i) {
+      absl::Status warm = WarmUp(&executors_.executor(i), backends_[i]->Describe());
+      if (!warm.ok()) {
+        Shutdown(absl::ZeroDuration());
+        return warm;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The gauges' sources: the executors' queues, the K/V pool, and NVML for
+  // GPU devices (serving goes on without them when NVML is missing).
+  void StartDeviceMetrics() {
+    metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
+    metrics_.SetExtraSource([this] { return KvService::RenderMetrics(kv_pool_.Stats()); });
+    metrics_.SetDevices(description_.devices);
+    if (description_.devices.empty()) return;
+    absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor =
+        NvmlMonitor::Create(description_.devices);
+    if (monitor.ok()) {
+      metrics_.SetDeviceUsageSource(
+          [mon = std::shared_ptr<NvmlMonitor>(*std::move(monitor))] { return mon->Read(); });
+    } else {
+      spdlog::warn("no GPU memory-used or utilisation metrics: {}",
+                   std::string(monitor.status().message()));
+    }
+  }
+
+  // The /metrics endpoint, when enabled.
+  void StartMetricsEndpoint() {
+    if (!options_.metrics_enabled) return;
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
+    if (http.ok()) {
+      metrics_http_port_.store((*http)->port(), std::memory_order_release);
+      absl::MutexLock lock(&mu_);
+      metrics_http_ = *std::move(http);
+    } else {
+      // Serving matters more than its metrics: several replicas on one host
+      // (scripts/lb-demo.sh) would otherwise all fight over port 8002.
+      spdlog::error("serving without /metrics: {}", std::string(http.status().message()));
+    }
+  }
+
+  // The KServe v2 HTTP port; as with /metrics, the gRPC port (native and v2)
+  // serves regardless of whether it could bind.
+  void StartKserveHttp() {
+    if (absl::Status http = kserve_.StartHttp(); !http.ok()) {
+      spdlog::error("serving without KServe v2 HTTP: {}", std::string(http.message()));
+    }
+  }
+
+  // kStarting -> kServing and health SERVING; false when Shutdown has begun
+  // meanwhile (health then stays NOT_SERVING).
+  bool MarkServing(grpc::Server* server) {
+    absl::MutexLock lock(&mu_);
+    if (state_ != State::kStarting) return false;
+    state_ = State::kServing;
+    server->GetHealthCheckService()->SetServingStatus(true);
+    return true;
+  }
+
+  void LogListening() {
+    const BackendDescription& d = description_;
+    std::vector<std::string> devices;
+    for (const DeviceDescription& dev : d.devices)
+      devices.push_back(absl::StrCat(dev.index, ":", dev.name));
+    spdlog::info("attnserve {} listening on {}:{} backend={} devices=[{}] cpu_threads={}",
+                 ATTNSERVE_VERSION, options_.host, port(), d.name,
+                 d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
+                 d.cpu_threads);
+    if (metrics_port() != 0) {
+      spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
+    }
+  }
 
   const ServerOptions options_;
   const std::vector<std::unique_ptr<AttentionBackend>> backends_;
@@ -340,6 +436,9 @@ class AttnServerImpl final : public AttnServer {
   ExecutorPool executors_;
   ForwardHandler handler_;
   AttentionService service_;
+  KvPool kv_pool_;  // after the executors its calls run on
+  KvService kv_service_;
+  KserveFrontend kserve_;
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;
@@ -352,15 +451,24 @@ class AttnServerImpl final : public AttnServer {
   std::atomic<int> metrics_http_port_{0};
 };
 
+// AttnServer::Create's common part, for options CheckOptions accepted.
+absl::StatusOr<std::unique_ptr<AttnServer>> CreateChecked(
+    const ServerOptions& options, std::vector<std::unique_ptr<AttentionBackend>> backends) {
+  if (backends.empty()) return absl::InvalidArgumentError("backend: expected a backend, got none");
+  for (const auto& b : backends) {
+    if (b == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
+  }
+  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backends)));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
-  absl::Status valid = CheckOptions(options);
-  if (!valid.ok()) return valid;
-  absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> backends =
-      MakeBackends(options.backend);
-  if (!backends.ok()) return backends.status();
-  return Create(options, *std::move(backends));
+  // Options first: a bad flag should not wait for (or fail as) a GPU's start-up.
+  RETURN_IF_ERROR(CheckOptions(options));
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<AttentionBackend>> backends,
+                   MakeBackends(options.backend));
+  return CreateChecked(options, std::move(backends));
 }
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
@@ -372,13 +480,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(
     const ServerOptions& options, std::vector<std::unique_ptr<AttentionBackend>> backends) {
-  absl::Status valid = CheckOptions(options);
-  if (!valid.ok()) return valid;
-  if (backends.empty()) return absl::InvalidArgumentError("backend: expected a backend, got none");
-  for (const auto& b : backends) {
-    if (b == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
-  }
-  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backends)));
+  RETURN_IF_ERROR(CheckOptions(options));
+  return CreateChecked(options, std::move(backends));
 }
 
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
+#include "server/kserve/frontend.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {
@@ -34,12 +35,23 @@ struct ServerOptions {
   bool batching = true;
   absl::Duration batch_max_delay = absl::Microseconds(500);
   int64_t batch_max_tokens = 65536;
+  // K/V caches (kv.proto, docs/kv-cache.md): each device's K/V byte budget,
+  // shared by its caches; the page size when CreateCache leaves it 0; idle
+  // sequences and caches expire after kv_idle_timeout (zero: never).
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+  int kv_page_size = 64;
+  absl::Duration kv_idle_timeout = absl::Minutes(10);
   bool metrics_enabled = false;
-  // What one ForwardStream may hold before the server stops reading it
+  // What one stream (ForwardStream, ModelStreamInfer, AppendAttendStream) may
+  // hold before the server stops reading it
   // (stream_flow_control.h; --stream_max_pending_requests/_bytes).
   StreamLimits stream;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;
+  // The KServe v2 / Triton front-end (server/kserve/frontend.h): its gRPC
+  // service is always on the native port; shared memory and HTTP/REST are
+  // opt-in.
+  KserveOptions kserve;
 };
 
 class AttnServer {
@@ -70,6 +82,8 @@ class AttnServer {
   virtual int queued_requests() const = 0;
   // The bound metrics port after Start, or 0 when metrics are off.
   virtual int metrics_port() const = 0;
+  // The bound KServe v2 HTTP port after Start, or 0 when it is off.
+  virtual int http_port() const { return 0; }
 };
 
 }  // namespace attnserve

@@ -1,6 +1,8 @@
-// Flow control for ForwardStream: how much one stream may hold (requests read
-// but not yet answered, and answers not yet sent), the per-stream ledger the
-// stream's reactor keeps, and the server-wide gauge /metrics reports.
+// Flow control for every streaming RPC (ForwardStream, KServe ModelStreamInfer,
+// K/V AppendAttendStream; all run PipelinedStreamReactor, stream_reactor.h):
+// how much one stream may hold (requests read but not yet answered, and
+// answers not yet sent), the per-stream ledger the stream's reactor keeps, and
+// the server-wide gauge /metrics reports.
 //
 // Why: a client that sends many large requests and never reads its responses
 // made the server hold every request and response (5.8 GB from one stream in a
@@ -21,7 +23,7 @@
 namespace attnserve {
 
 struct StreamLimits {
-  // Requests one ForwardStream may hold (read, and not yet answered or not yet
+  // Requests one stream may hold (read, and not yet answered or not yet
   // sent); reading pauses at this many.
   int max_pending_requests = 64;
   // Bytes of those requests and responses (serialized sizes); reading pauses

@@ -16,13 +16,12 @@
 #include <immintrin.h>
 #endif
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace cpu {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -179,12 +178,16 @@ std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
   return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim));
 }
 
-void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+// The tile loop of AttentionTask over any K/V row source: kv.LoadK(j, hk,
+// dst) and kv.LoadV(j, hk, dst) load key j (0-based within the sequence,
+// j < sk) of KV head hk as floats. The contiguous path reads the request's
+// K/V; the paged path reads in place through a block table.
+template <class KvRows>
+void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, const KvRows& kv,
+                       Scratch* scratch) {
   const int d = p.head_dim;
   const int sq = SeqLenQ(p, b);
-  const int sk = SeqLenK(p, b);
   const int64_t q_start = SeqStartQ(p, b);
-  const int64_t k_start = SeqStartK(p, b);
   const int hk = KVHead(p, h);
   const int i0 = m_block * kBlockM;
   const int rows = std::min(kBlockM, sq - i0);
@@ -231,12 +234,12 @@ void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scra
       const int nc = std::min(kBlockN, span_hi + 1 - j0);
       // K rows land in the V tile first, then are transposed into kt.
       for (int j = 0; j < nc; ++j)
-        LoadRow(p.k, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+        kv.LoadK(j0 + j, hk, v + j * d);
       for (int j = 0; j < nc; ++j) {
         for (int c = 0; c < d; ++c) kt[c * kBlockN + j] = v[j * d + c];
       }
       for (int j = 0; j < nc; ++j)
-        LoadRow(p.v, p.dtype, KVOffset(p, k_start + j0 + j, hk), d, v + j * d);
+        kv.LoadV(j0 + j, hk, v + j * d);
 
       ScoreTile(q, kt, d, rows_pad, s);
 
@@ -281,6 +284,47 @@ void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scra
       p.lse[LseOffset(p, b, h, i0 + r)] = l[r] > 0.0f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
     }
   }
+}
+
+namespace {
+
+// K/V rows of sequence b, contiguous in the request (p.k, p.v).
+struct ContiguousKvRows {
+  const AttnParams& p;
+  int64_t k_start;
+  void LoadK(int j, int hk, float* dst) const {
+    LoadRow(p.k, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst);
+  }
+  void LoadV(int j, int hk, float* dst) const {
+    LoadRow(p.v, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst);
+  }
+};
+
+// K/V rows of sequence b of a paged launch, read in place through its block
+// table (no contiguous copy of the context is ever made).
+struct PagedKvRows {
+  const PagedAttnParams& p;
+  const int32_t* table;  // sequence b's row of the block table
+  void Load(void* const* slabs, int j, int hk, float* dst) const {
+    const int32_t page = table[j >> p.pages.page_shift];
+    const int64_t offset = PageRowOffset(p.pages, page, j & (p.pages.page_size - 1),
+                                         p.attn.num_heads_kv, p.attn.head_dim, hk);
+    LoadRow(slabs[PageSlab(p.pages, page)], p.attn.dtype, offset, p.attn.head_dim, dst);
+  }
+  void LoadK(int j, int hk, float* dst) const { Load(p.pages.k_slabs, j, hk, dst); }
+  void LoadV(int j, int hk, float* dst) const { Load(p.pages.v_slabs, j, hk, dst); }
+};
+
+}  // namespace
+
+void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+  AttentionTaskOver(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)},
+                    scratch);
+}
+
+void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+  AttentionTaskOver(p.attn, b, h, m_block, p.seqlens_k[b],
+                    PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride}, scratch);
 }
 
 }  // namespace cpu

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 
+#include "backend/paged_kv.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -98,6 +99,11 @@ class Scratch {
 // head h: writes o (in p.dtype) and, when p.lse is set, lse. `p` must have
 // passed CheckParams.
 void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch);
+
+// The same for sequence b of a paged launch (paged_kv.h): its keys are the
+// p.seqlens_k[b] tokens its block table names (new rows already appended),
+// read in place from the pages, with p.attn's q, o, lse and options.
+void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch);
 
 }  // namespace cpu
 }  // namespace attnserve

@@ -1,4 +1,4 @@
-// CpuBackend (see cpu_backend.h) and MakeCpuBackend: checks params, splits
+// CpuBackend (see cpu_backend.h) and MakeCpuBackend: splits
 // the call into (sequence, head, query-block) tasks and runs them on the pool.
 #include "backend/cpu/cpu_backend.h"
 
@@ -13,7 +13,7 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cpu/cpu_attention_kernel.h"
-#include "backend/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 
@@ -23,21 +23,28 @@ CpuBackend::CpuBackend(int threads) : pool_(std::max(1, threads)) {
   description_.cpu_threads = pool_.num_threads();
 }
 
-absl::Status CpuBackend::CanImplement(const AttnParams& params) const {
+absl::StatusOr<Plan> CpuBackend::CanImplement(const AttnParams& params) const {
   // Every valid combination runs here: the checks are the contract's.
-  return CheckParams(params);
-}
-
-int64_t CpuBackend::ScratchBytes(int head_dim) const {
-  return pool_.num_threads() *
-         (cpu::Scratch::BytesFor(head_dim) + static_cast<int64_t>(sizeof(cpu::Scratch)));
-}
-
-absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timings) {
   RETURN_IF_ERROR(CheckParams(params));
+  return Plan();
+}
+
+absl::Status CpuBackend::Forward(const Plan& /*plan*/, const AttnParams& params,
+                                 BackendTimings* timings) {
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(RunTasks(params, [&params](int b, int h, int m_block, cpu::Scratch* scratch) {
+    cpu::AttentionTask(params, b, h, m_block, scratch);
+  }));
+  if (timings != nullptr) {
+    timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                              std::chrono::steady_clock::now() - start)
+                              .count();
+  }
+  return absl::OkStatus();
+}
 
+absl::Status CpuBackend::RunTasks(const AttnParams& params, const Task& run_task) {
   // tasks_before[b]: tasks of sequences < b; sequence b has
   // Hq × ceil(Sq_b / kBlockM) tasks (none for an empty query sequence).
   const int batch = params.batch;
@@ -75,18 +82,12 @@ absl::Status CpuBackend::Forward(const AttnParams& params, BackendTimings* timin
     // Last query blocks first: under a causal mask they see the most keys, and
     // starting the longest tasks first evens out the threads' finishing times.
     const int m_block = static_cast<int>(m_blocks - 1 - rem % m_blocks);
-    cpu::AttentionTask(params, b, h, m_block, mine.get());
+    run_task(b, h, m_block, mine.get());
   });
   if (out_of_memory.load()) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ",
                                                      cpu::Scratch::BytesFor(params.head_dim),
                                                      " bytes of per-thread scratch"));
-  }
-
-  if (timings != nullptr) {
-    timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                              std::chrono::steady_clock::now() - start)
-                              .count();
   }
   return absl::OkStatus();
 }

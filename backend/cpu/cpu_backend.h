@@ -3,14 +3,18 @@
 // embedded default where no GPU is usable, and the baseline of bench/cpu.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 
 #include "absl/status/status.h"
 #include "backend/backend.h"
-#include "backend/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace attnserve {
+namespace cpu {
+class Scratch;
+}  // namespace cpu
 
 class CpuBackend : public AttentionBackend {
  public:
@@ -18,14 +22,22 @@ class CpuBackend : public AttentionBackend {
   explicit CpuBackend(int threads);
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams& params) const override;
-  absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
+  // Every valid combination runs here: the plan is the default (trivial) one.
+  absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
+  absl::Status Forward(const Plan& plan, const AttnParams& params,
+                       BackendTimings* timings) override;
 
-  // Working memory one Forward call allocates for head dim d (per-thread
-  // tiles; independent of sequence lengths), for memory accounting.
-  int64_t ScratchBytes(int head_dim) const;
+  // The paged K/V path (cpu_paged.cc): pages in host memory, read in place.
+  absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
+  void FreeKvMemory(void* memory) override;
+  absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
 
  private:
+  // Splits a call into (sequence, query head, query block) tasks and runs
+  // `task` for each on the pool; the caller holds forward_mu_.
+  using Task = std::function<void(int b, int h, int m_block, cpu::Scratch* scratch)>;
+  absl::Status RunTasks(const AttnParams& params, const Task& task);
+
   BackendDescription description_;
   std::mutex forward_mu_;  // the pool runs one Forward at a time
   ThreadPool pool_;

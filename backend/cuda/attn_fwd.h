@@ -1,7 +1,7 @@
 // Host-visible interface of the CUDA forward kernels: the launch struct the
-// kernels read, the tile table (host code plans splits from it), the plan
-// (which kernel, how many KV splits, GQA packing, workspace) and the launch
-// entry points. nvcc-safe and free of Abseil so .cu files include it; the
+// kernels read and the launch entry points. The tile tables and the planner
+// are in attn_fwd_plan.h (plain C++), the compiled set of head dims in
+// generated/kernel_set.h. nvcc-safe and free of Abseil so .cu files include it; the
 // CUDA backend (.cc) maps the cudaError_t results to absl::Status.
 #pragma once
 
@@ -9,112 +9,37 @@
 
 #include <cstdint>
 
+#include "backend/cuda/attn_fwd_plan.h"
 #include "backend/params.h"
+#include "backend/plan.h"
 
 namespace attnserve {
 namespace cuda {
 
-// Tile table of the portable mma.sync kernel, one row per instantiated head
-// dim. Every warp owns kBlockM / kNWarps query rows (16 per m16n8k16 tile) and
-// the whole kBlockN-wide score tile for them; Q, K and V tiles live in shared
-// memory with rows padded by 16 bytes (conflict-free ldmatrix without swizzle).
-//  - 64:  128x64, 4 warps (32 rows each). O = 64 + S = 64 fp32 regs; a
-//         128-wide N tile (S = 128 regs) spilled at the 255-register limit.
-//  - 96:  128x64, 4 warps. O = 96 + S = 64 regs.
-//  - 128: 128x64, 4 warps. O = 128 + S = 64 regs: the FA2 sm80 choice; two
-//         m16 tiles per warp let every K/V fragment loaded from smem feed two
-//         MMAs, which keeps shared-memory bandwidth under the tensor-core rate.
-//         Smem 70 KB; two CTAs per SM (register-bound).
-//  - 192: 128x64, 8 warps (16 rows each). O = 96 regs; 2 m-tiles would need
-//         192 + 64 regs and spill. Smem 102 KB: 2 CTAs per SM on sm90/sm80.
-//  - 256: 128x64, 8 warps (16 rows each). O = 128 regs. Smem 135 KB: fits
-//         sm80's 164 KB and sm90's 227 KB. sm86/89 (99 KB per CTA) run only
-//         the head dims whose tiles fit (CanImplement checks).
-// Stages: 2 = K and V double-buffered (the next tile's K and V load while
-// this one is computed: twice the bytes in flight, which decode needs, and one
-// barrier per tile); 1 = single K and V buffers, V loading during Q.K^T and the
-// next K during softmax and P.V (FA2's scheme) where smem is short.
-//  - 64: 2 stages (52 KB): measured +3..6% over 1 stage on the H100.
-//  - 96, 128: 1 stage. 2 stages (104 KB at 128) measured 4-8% slower in
-//    prefill and 10-15% slower in decode on the H100 (bench/NOTES-cuda.md).
-//  - 192, 256: 1 stage (102, 135 KB; 2 stages would be 153/203 KB: one CTA
-//    per SM at best, and over sm80's 164 KB for 256).
-struct TileConfig {
-  int head_dim;
-  int block_m;
-  int block_n;
-  int num_warps;
-  int stages;
-  int regs;  // registers per thread the split planner assumes (ptxas -v; 255 = at the cap)
-};
-constexpr TileConfig kTileTable[] = {
-    {64, 128, 64, 4, 2, 255}, {96, 128, 64, 4, 1, 255}, {128, 128, 64, 4, 1, 255},
-    {192, 128, 64, 8, 1, 255}, {256, 128, 64, 8, 1, 255},
-};
-// Decode tile (used when the whole M extent, seqlen_q x packed GQA heads, is
-// at most 16 rows): one 16-row m tile, computed by warp 0; all 4 warps load.
-// The prefill tile wastes 7/8 of its Q tile and registers here: 255 registers
-// x 128 threads allow 2 CTAs per SM, each with one 16 KB K or V tile in flight
-// (1 stage), i.e. 8 dependent DRAM round trips per 4-tile split. This one:
-// O = D/2 + S = 32 fp32 registers (~130 in all, no spill), K and V double
-// buffered (the next tile's K and V both in flight during this tile, one round
-// trip per tile), smem (16 + 4 x 64) x (D + 8) x 2 = 74 KB at D=128: 3 CTAs per
-// SM, 105 KB in flight per SM. Head dims 192/256 (143+ KB) keep the prefill tile.
-constexpr TileConfig kDecodeTileTable[] = {
-    {64, 16, 64, 4, 2, 168}, {96, 16, 64, 4, 2, 168}, {128, 16, 64, 4, 2, 168},
-};
-// Banded (causal / sliding-window) instantiations that use a different tile.
-//  - 128: 128x32, 2 stages (same 70 KB smem as 128x64 x 1 stage): S = 32
-//         registers instead of 64 (spills 176 -> 16 B) and the next K and V in
-//         flight during the whole tile. Measured on the H100 (bf16, quick
-//         grid): causal 1k +8%, 8k +5%; noncausal 1k -1%, 8k -6% (Q fragments
-//         re-read from smem twice as often), so noncausal keeps 128x64.
-// Tried and rejected for 256 (both masks): 128x32, 2 stages, 8 warps, 135 KB:
-// 7-12% slower than 128x64 x 1 stage on the quick grid.
-constexpr TileConfig kCausalTileTable[] = {
-    {128, 128, 32, 4, 2, 255},
-};
-constexpr int kDecodeMaxRows = 16;
-constexpr int SmemBytes(const TileConfig& t) {
-  return (t.block_m + 2 * t.stages * t.block_n) * (t.head_dim + 8) * 2;
-}
-
 // Everything a forward kernel reads. `p` holds DEVICE pointers here.
 struct FwdLaunch {
   AttnParams p;
-  int num_splits;       // 1: write p.o / p.lse; > 1: write the fp32 partials below
-  float* o_accum;       // [num_splits, Hq, total_q, D], each split normalised by its own sum
-  float* lse_accum;     // [num_splits, Hq, total_q], natural log; -inf for an empty split
-  int pack_gqa;         // query heads of one KV head packed into M (1 = off)
-  int num_m_blocks;     // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
-  float scale_log2;     // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
-  float softcap_in;     // softmax_scale / softcap: raw Q.K -> argument of tanh
-  float softcap_out;    // softcap * log2(e): tanh -> log2-domain score
-  int tile_kind;        // 0: kTileTable, 1: kDecodeTileTable, 2: kCausalTileTable
+  int num_splits;      // 1: write p.o / p.lse; > 1: write the fp32 partials below
+  float* o_accum;      // [num_splits, Hq, total_q, D], each split normalised by its own sum
+  float* lse_accum;    // [num_splits, Hq, total_q], natural log; -inf for an empty split
+  int pack_gqa;        // query heads of one KV head packed into M (1 = off)
+  int num_m_blocks;    // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
+  float scale_log2;    // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
+  float softcap_in;    // softmax_scale / softcap: raw Q.K -> argument of tanh
+  float softcap_out;   // softcap * log2(e): tanh -> log2-domain score
+  TileKind tile_kind;  // the plan's tile table (TileFor)
 };
-
-// What Forward will launch for a request.
-struct LaunchPlan {
-  int kernel_head_dim = 0;  // the instantiated head dim serving params.head_dim (0: none)
-  TileConfig tile{};
-  int tile_kind = 0;         // as FwdLaunch::tile_kind
-  int num_splits = 1;
-  int pack_gqa = 1;
-  int64_t workspace_bytes = 0;  // fp32 partials when num_splits > 1
-};
-
-// True when this build compiled kernels for `kernel_head_dim` (the CMake
-// option ATTNSERVE_CUDA_KERNELS limits the set).
-bool HaveKernels(int kernel_head_dim);
-
-// Chooses the kernel, the split count and GQA packing for FP16/BF16 params
-// (host memory is fine: only sizes are read). num_sms: the device's SM count.
-LaunchPlan PlanForward(const AttnParams& p, int num_sms);
 
 // Launches the forward (and the combine kernel when split) on `stream`.
 // `dev` holds device pointers; `workspace` has plan.workspace_bytes.
-cudaError_t LaunchForward(const AttnParams& dev, const LaunchPlan& plan, void* workspace,
+cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
                           cudaStream_t stream);
+
+// The launch struct of `plan` over device params `dev` (workspace: the
+// plan's split partials), and the exact combine of its splits (nothing when
+// unsplit). Shared by LaunchForward and the paged launch (paged_attn.h).
+FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace);
+cudaError_t LaunchCombine(const FwdLaunch& launch, cudaStream_t stream);
 
 // The FP32 path: a SIMT online-softmax kernel (one warp per query row and
 // head) in fp32 throughout, for the contract's 1e-5 FP32 tolerance.
@@ -122,8 +47,9 @@ cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream);
 
 // Per-instantiation launcher, defined in attn_fwd_kernel.cuh and explicitly
 // instantiated in the generated files (one per head dim x dtype x mask x arch
-// set). T is __half or __nv_bfloat16.
-template <int kHeadDim, typename T, bool kIsCausal>
+// set). T is __half or __nv_bfloat16; kIsBanded: the call has a causal and/or
+// sliding-window band (IsBanded).
+template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream);
 
 }  // namespace cuda

@@ -14,6 +14,8 @@
 #include <cstdint>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/kv_rows.cuh"
+#include "backend/cuda/paged_attn.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -30,6 +32,9 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pre
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's newest commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -96,23 +101,332 @@ __device__ __forceinline__ float QuadSum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---- Mask policies (as CUTLASS's FMHA does): which key tiles a CTA visits,
+// which of those need the per-element test, and the grid order of m blocks.
+// The per-element test itself is one rule for both (VisibleKeys' [lo, hi]).
+// Banded = a causal and/or sliding-window band (causal is window_right = 0
+// after FillParams); not banded = only the end of the sequence limits keys.
+template <bool kBanded>
+struct MaskPolicy;
+
+template <>
+struct MaskPolicy<false> {
+  __device__ __forceinline__ static int MBlock(int x, int) { return x; }
+  // Key tiles [*begin, *end) rows with visible keys [lo_first.., ..hi_last] need.
+  __device__ __forceinline__ static void KeyTiles(int, int, int sk, int block_n, int* begin, int* end) {
+    *begin = 0;
+    *end = (sk + block_n - 1) / block_n;
+  }
+  // Only the tile across the end of the sequence is masked.
+  __device__ __forceinline__ static bool TileNeedsMask(int key0, int block_n, int sk, int, int) {
+    return key0 + block_n > sk;
+  }
+};
+
+template <>
+struct MaskPolicy<true> {
+  // CTAs with the most tiles first, so the tail of the grid is short ones.
+  __device__ __forceinline__ static int MBlock(int x, int num) { return num - 1 - x; }
+  // Tiles outside the band of every row of the CTA are skipped.
+  __device__ __forceinline__ static void KeyTiles(int lo_first, int hi_last, int sk, int block_n, int* begin,
+                                                  int* end) {
+    *begin = max(lo_first, 0) / block_n;
+    *end = hi_last < 0 ? 0 : min((sk + block_n - 1) / block_n, hi_last / block_n + 1);
+  }
+  // Band-interior tiles ([lo(last row), hi(first row)]) need no test.
+  __device__ __forceinline__ static bool TileNeedsMask(int key0, int block_n, int sk, int lo_last, int hi_first) {
+    return key0 + block_n > sk || !(key0 >= lo_last && key0 + block_n - 1 <= hi_first);
+  }
+};
+
+// The thread's rows of an m16 x n8 fragment set: r = mt * 2 + half is CTA-
+// external row row0 + mt * 16 + half * 8 (row0 = m0 + warp_row0 + group).
+__device__ __forceinline__ int FragmentRow(int row0, int r) { return row0 + (r / 2) * 16 + (r % 2) * 8; }
+
+// Scores of keys outside a row's [lo, hi] become -inf. Row bounds are
+// recomputed here rather than kept in registers: the main loop is at the
+// 255-register limit and this runs on few tiles.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void MaskScores(float (&s)[kMTiles][kNTiles][4], const AttnParams& p, int key0,
+                                           int row0, int rows, int G, int sq, int sk, int quad) {
+#pragma unroll
+  for (int r = 0; r < kMTiles * 2; ++r) {
+    int lo, hi;
+    VisibleKeys(p, min(FragmentRow(row0, r), rows - 1) / G, sq, sk, &lo, &hi);
+    const int mt = r / 2, half = r % 2;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = key0 + nt * 8 + quad * 2 + e;
+        if (j < lo || j > hi) s[mt][nt][half * 2 + e] = -INFINITY;
+      }
+  }
+}
+
+// softcap * tanh(s * scale / softcap), in the log2 domain.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void SoftcapScores(float (&s)[kMTiles][kNTiles][4], float in, float out) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = tanhf(s[mt][nt][e] * in) * out;
+}
+
+// One online-softmax step over a score tile: new row max, O and the sums
+// rescaled, S replaced by P = exp2(S * score_log2 - max). row_max is in raw-
+// score units; row_sum is this thread's partial sum (quad-reduced at the end).
+template <int kMTiles, int kNTiles, int kDTiles>
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles * 2],
+                                              float (&row_sum)[kMTiles * 2], float (&acc_o)[kMTiles][kDTiles][4],
+                                              float score_log2) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
+      mx = QuadMax(mx);
+      // A row that has seen only masked keys keeps max -inf; subtracting 0
+      // instead keeps exp2(-inf - -inf) from turning into NaN.
+      const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+      const float corr = Exp2(row_max[r] * score_log2 - mx_log2);
+      row_max[r] = mx;
+      row_sum[r] *= corr;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[mt][dt][half * 2] *= corr;
+        acc_o[mt][dt][half * 2 + 1] *= corr;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = Exp2(fmaf(s[mt][nt][half * 2 + e], score_log2, -mx_log2));
+          s[mt][nt][half * 2 + e] = pv;
+          row_sum[r] += pv;
+        }
+    }
+}
+
+// End of the scan: O normalised once, LSE (natural log; -inf for a row that
+// saw no key) per fragment row.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4], const float (&row_max)[kMTiles * 2],
+                                              const float (&row_sum)[kMTiles * 2], float score_log2,
+                                              float (&lse)[kMTiles * 2]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
+      const float sum = QuadSum(row_sum[r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      lse[r] = sum > 0.f ? (row_max[r] * score_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[mt][dt][half * 2] *= inv;
+        acc_o[mt][dt][half * 2 + 1] *= inv;
+      }
+    }
+}
+
+// CTA-external row m (of the M extent sq x G) -> its query head and row of q/o.
+struct QueryRows {
+  int G;
+  int head;  // the CTA's head (a KV head when packed)
+  int64_t q_start;
+  __device__ __forceinline__ int64_t Row(int m, int* head_out) const {
+    *head_out = G > 1 ? head * G + m % G : head;
+    return q_start + m / G;
+  }
+};
+
+// Index of (split, query head h, global row) in the fp32 partials.
+__device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, int h, int64_t row) {
+  return (int64_t{split} * p.num_heads_q + h) * p.total_q + row;
+}
+
+// Epilogue of a CTA whose key range is empty (fully masked rows, Sk = 0, or an
+// empty split): O = 0 and LSE = -inf, written directly.
+template <typename T, int kBlockM, int kThreads>
+__device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRows& qr, int b, int split, int m0,
+                                               int rows, int tid) {
+  const AttnParams& p = L.p;
+  for (int idx = tid; idx < kBlockM; idx += kThreads) {
+    const int m = m0 + idx;
+    if (m >= rows) break;
+    int h;
+    const int64_t row = qr.Row(m, &h);
+    if (L.num_splits > 1) {
+      const int64_t acc = PartialIndex(p, split, h, row);
+      for (int d = 0; d < p.head_dim; ++d) L.o_accum[acc * p.head_dim + d] = 0.f;
+      L.lse_accum[acc] = -INFINITY;
+    } else {
+      T* o = static_cast<T*>(p.o) + QOffset(p, row, h);
+      for (int d = 0; d < p.head_dim; ++d) o[d] = T(0.f);
+      if (p.lse != nullptr) p.lse[LseOffset(p, b, h, m / qr.G)] = -INFINITY;
+    }
+  }
+}
+
+// Split epilogue: fp32 partials (each normalised by its own sum) and LSE
+// straight from the fragments (decode-sized outputs); the combine kernel
+// merges the splits.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const QueryRows& qr, int split,
+                                                   const float (&acc_o)[kMTiles][kDTiles][4],
+                                                   const float (&lse)[kMTiles * 2], int row0, int rows, int quad) {
+  const AttnParams& p = L.p;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = row0 + mt * 16 + half * 8;
+      if (m >= rows) continue;
+      int h;
+      const int64_t row = qr.Row(m, &h);
+      const int64_t acc = PartialIndex(p, split, h, row);
+      float* dst = L.o_accum + acc * p.head_dim;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + quad * 2;
+        if (d < p.head_dim) {
+          *reinterpret_cast<float2*>(dst + d) = make_float2(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
+        }
+      }
+      if (quad == 0) L.lse_accum[acc] = lse[mt * 2 + half];
+    }
+}
+
+// Direct epilogue: stage this warp's rows of O through its own rows of sQ (no
+// other warp reads them any more), then write 16-byte chunks coalesced along
+// D, and LSE. The first __syncwarp orders the warp's last ldmatrix reads of
+// these rows before the writes (racecheck flagged it with 2 stages, where no
+// CTA barrier follows the last Q.K^T).
+template <typename T, int kMTiles, int kDTiles, int kStride, int kChunks>
+__device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows& qr, int b,
+                                            const float (&acc_o)[kMTiles][kDTiles][4],
+                                            const float (&lse)[kMTiles * 2], T* sQ, int m0, int warp_row0,
+                                            int rows, int lane) {
+  const int group = lane / 4, quad = lane % 4;
+  const int d_chunks = p.head_dim / 8;
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int rr = warp_row0 + mt * 16 + half * 8 + group;
+        *reinterpret_cast<uint32_t*>(sQ + rr * kStride + dt * 8 + quad * 2) =
+            PackPair<T>(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
+      }
+  __syncwarp();
+  T* o_ptr = static_cast<T*>(p.o);
+  for (int idx = lane; idx < kMTiles * 16 * kChunks; idx += 32) {
+    const int rr = idx / kChunks, c = idx % kChunks;
+    const int m = m0 + warp_row0 + rr;
+    if (m >= rows || c >= d_chunks) continue;
+    int h;
+    const int64_t row = qr.Row(m, &h);
+    *reinterpret_cast<uint4*>(o_ptr + QOffset(p, row, h) + c * 8) =
+        *reinterpret_cast<const uint4*>(sQ + (warp_row0 + rr) * kStride + c * 8);
+  }
+  if (p.lse != nullptr && quad == 0) {
+    const int row0 = m0 + warp_row0 + group;
+#pragma unroll
+    for (int r = 0; r < kMTiles * 2; ++r) {
+      const int m = FragmentRow(row0, r);
+      if (m >= rows) continue;
+      int h;
+      qr.Row(m, &h);
+      p.lse[LseOffset(p, b, h, m / qr.G)] = lse[r];
+    }
+  }
+}
+
+// Key-split (decode) tiles: warps 1..kNWarps-1 hand their online-softmax
+// state (one m16 tile: O fragments, row max, thread-partial row sums) to warp
+// 0 through `exchange` (smem, stored [warp][value][lane] so each access is
+// one conflict-free 128-byte row); warp 0 rescales every state to the common
+// row max and adds them. Returns true for warp 0, which holds the merged
+// state; the caller's barrier must precede the call (the buffers are reused).
+template <int kComputeWarps, int kDTiles>
+__device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
+                                                float (&row_sum)[2], float score_log2, int warp, int lane) {
+  constexpr int kValues = kDTiles * 4 + 4;
+  if (warp > 0 && warp < kComputeWarps) {
+    float* dst = exchange + (warp - 1) * kValues * 32 + lane;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[(dt * 4 + e) * 32] = acc_o[0][dt][e];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      dst[(kDTiles * 4 + h) * 32] = row_max[h];
+      dst[(kDTiles * 4 + 2 + h) * 32] = row_sum[h];
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return false;
+#pragma unroll
+  for (int w = 1; w < kComputeWarps; ++w) {
+    const float* src = exchange + (w - 1) * kValues * 32 + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other_max = src[(kDTiles * 4 + h) * 32];
+      const float mx = fmaxf(row_max[h], other_max);
+      // As in OnlineSoftmax: a row no warp has seen a key for stays at -inf
+      // without turning the factors into NaN.
+      const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+      const float mine = Exp2(row_max[h] * score_log2 - mx_log2);
+      const float theirs = Exp2(other_max * score_log2 - mx_log2);
+      row_max[h] = mx;
+      row_sum[h] = row_sum[h] * mine + src[(kDTiles * 4 + 2 + h) * 32] * theirs;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          acc_o[0][dt][h * 2 + e] = acc_o[0][dt][h * 2 + e] * mine + src[(dt * 4 + h * 2 + e) * 32] * theirs;
+        }
+    }
+  }
+  return true;
+}
+
 }  // namespace detail
 
-// kHeadDim: instantiated head dim (params.head_dim <= kHeadDim, zero-padded).
-// kIsCausal: the request has a causal and/or sliding-window band (causal is
-// window_right = 0 after FillParams); tiles outside the band are skipped and
-// band-boundary tiles masked. Without it only the last, partial key tile is
-// masked (by the same per-row [lo, hi] test, hi = Sk - 1).
-// A 16-row (decode) tile is capped to 3 CTAs per SM (<= 168 registers): its
-// 74 KB of smem allow 3, and 172 registers would allow only 2.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
+// The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
+// kHeadDim, zero-padded). kIsBanded: banded mask policy (MaskPolicy<true>):
+// tiles outside the band are skipped and band-boundary tiles masked; without
+// it only the last, partial key tile is masked. Rows: where K/V rows are read
+// from (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
+// cache's pages); Rows::Launch is the kernel's argument.
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded,
+          typename Rows>
+__device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch) {
   using namespace detail;
+  using Mask = MaskPolicy<kIsBanded>;
   constexpr int kThreads = kNWarps * 32;
-  // m16 tiles per warp; a 16-row (decode) tile gives warp 0 the one m tile
-  // and the other warps only load.
+  // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
+  // warps hold the same 16 rows, warp w < kComputeWarps computes keys
+  // [w, w + 1) x kWarpKeys of every tile with its own online softmax, and the
+  // warps' states are merged once at the end (MergeWarpStates); every warp
+  // loads. A tile's math is then spread over several warps' issue slots
+  // instead of one warp's dependent chain.
+  constexpr bool kKeySplit = kBlockM == 16 && kNWarps > 1;
+  constexpr int kComputeWarps = !kKeySplit ? kNWarps : kBlockN / 16 < kNWarps ? kBlockN / 16 : kNWarps;
   constexpr int kMTiles = kBlockM >= 16 * kNWarps ? kBlockM / (16 * kNWarps) : 1;
-  constexpr int kNTiles = kBlockN / 8;               // n8 tiles of S per row block
+  constexpr int kWarpKeys = kKeySplit ? kBlockN / kComputeWarps : kBlockN;  // keys of a tile this warp computes
+  constexpr int kNTiles = kWarpKeys / 8;             // n8 tiles of S per row block
+  static_assert(kWarpKeys % 16 == 0, "a warp's key slice must be whole k16 steps");
+  static_assert(!kKeySplit || (kComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kBlockN * (kHeadDim + 8) * 2,
+                "the warps' states must fit the K buffers they are merged through");
   constexpr int kDTiles = kHeadDim / 8;              // n8 tiles of O
   constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
   constexpr int kStride = kHeadDim + 8;              // smem row pitch (elements), +16 B pad
@@ -123,26 +437,24 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   T* sK = sQ + kBlockM * kStride;
   T* sV = sK + kStages * kBlockN * kStride;  // sK: [kStages][kBlockN][kStride], sV likewise
 
+  const FwdLaunch& L = Rows::Fwd(launch);
   const AttnParams& p = L.p;
   const int G = L.pack_gqa;
   // Grid x enumerates (batch, split, m block); y the head (a KV head when packed).
   const int splits = L.num_splits;
-  int m_block = blockIdx.x % L.num_m_blocks;
   const int bs = blockIdx.x / L.num_m_blocks;
   const int b = bs / splits;
   const int split = bs % splits;
-  // Causal CTAs with the most tiles first, so the tail of the grid is short ones.
-  if (kIsCausal) m_block = L.num_m_blocks - 1 - m_block;
+  const int m_block = Mask::MBlock(blockIdx.x % L.num_m_blocks, L.num_m_blocks);
   const int head = blockIdx.y;
 
   const int sq = SeqLenQ(p, b);
-  const int sk = SeqLenK(p, b);
+  const int sk = Rows::SeqLen(launch, b);
   const int rows = sq * G;  // M extent of this (batch, head) problem
   const int m0 = m_block * kBlockM;
   if (m0 >= rows) return;
-  const int64_t q_start = SeqStartQ(p, b);
-  const int64_t k_start = SeqStartK(p, b);
   const int kv_head = G > 1 ? head : KVHead(p, head);
+  const QueryRows qr{G, head, SeqStartQ(p, b)};
 
   // Keys any row of this CTA can see: [lo(first row), hi(last row)], as both
   // bounds grow with the query index. Band-interior tiles: [lo(last), hi(first)].
@@ -151,12 +463,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   int lo_first, hi_first, lo_last, hi_last;
   VisibleKeys(p, i_first, sq, sk, &lo_first, &hi_first);
   VisibleKeys(p, i_last, sq, sk, &lo_last, &hi_last);
-  int n_begin = 0;
-  int n_end = (sk + kBlockN - 1) / kBlockN;
-  if (kIsCausal) {
-    n_begin = max(lo_first, 0) / kBlockN;
-    n_end = hi_last < 0 ? 0 : min(n_end, hi_last / kBlockN + 1);
-  }
+  int n_begin, n_end;
+  Mask::KeyTiles(lo_first, hi_last, sk, kBlockN, &n_begin, &n_end);
   if (splits > 1) {
     const int per_split = (max(n_end - n_begin, 0) + splits - 1) / splits;
     n_begin += split * per_split;
@@ -168,45 +476,21 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   const int lane = tid % 32;
   const int group = lane / 4;  // row within an 8-row half of a fragment
   const int quad = lane % 4;   // column pair within an n8 tile
-  const int warp_row0 = warp * kMTiles * 16;
-  // Warps whose rows all lie past the problem (decode: M of 1..16 rows) only
-  // help load tiles; they skip the math.
-  const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows;
+  const int warp_row0 = kKeySplit ? 0 : warp * kMTiles * 16;
+  const int warp_key0 = kKeySplit ? warp * kWarpKeys : 0;  // first key of this warp's slice of a tile
+  const int row0 = m0 + warp_row0 + group;  // the thread's first fragment row
+  // Warps whose rows all lie past the problem, or past the key split, skip
+  // the math (they still load).
+  const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows && warp < kComputeWarps;
 
-  // The thread's rows: r = mt * 2 + half -> CTA row warp_row0 + mt*16 + half*8 + group.
-  auto thread_row = [&](int r) { return m0 + warp_row0 + (r / 2) * 16 + (r % 2) * 8 + group; };
-
-  auto q_row = [&](int m, int* head_out) -> int64_t {  // CTA-external row m -> global row
-    *head_out = G > 1 ? head * G + m % G : head;
-    return q_start + m / G;
-  };
-
-  // ---- Output of a CTA whose key range is empty (fully masked rows, Sk = 0,
-  // or an empty split): O = 0 and LSE = -inf, written directly.
   if (n_begin >= n_end) {
-    for (int idx = tid; idx < kBlockM; idx += kThreads) {
-      const int m = m0 + idx;
-      if (m >= rows) break;
-      int h;
-      const int64_t row = q_row(m, &h);
-      if (splits > 1) {
-        const int64_t acc = (int64_t{split} * p.num_heads_q + h) * p.total_q + row;
-        for (int d = 0; d < p.head_dim; ++d) L.o_accum[acc * p.head_dim + d] = 0.f;
-        L.lse_accum[acc] = -INFINITY;
-      } else {
-        T* o = static_cast<T*>(p.o) + QOffset(p, row, h);
-        for (int d = 0; d < p.head_dim; ++d) o[d] = T(0.f);
-        if (p.lse != nullptr) p.lse[LseOffset(p, b, h, m / G)] = -INFINITY;
-      }
-    }
+    StoreEmptyRows<T, kBlockM, kThreads>(L, qr, b, split, m0, rows, tid);
     return;
   }
 
   // ---- Tile loads (cp.async, 16 B per thread per step, zero-filled padding).
   const T* q_ptr = static_cast<const T*>(p.q);
-  const T* k_base = static_cast<const T*>(p.k) + KVOffset(p, k_start, kv_head);
-  const T* v_base = static_cast<const T*>(p.v) + KVOffset(p, k_start, kv_head);
-  const int64_t kv_row_stride = int64_t{p.num_heads_kv} * p.head_dim;
+  const Rows kv(launch, b, kv_head);
   const int d_chunks = p.head_dim / 8;
 
   auto load_q = [&]() {
@@ -217,28 +501,47 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
       const T* src = q_ptr;
       if (ok) {
         int h;
-        const int64_t row = q_row(m, &h);
+        const int64_t row = qr.Row(m, &h);
         src = q_ptr + QOffset(p, row, h) + c * 8;
       }
       CpAsync16(sQ + r * kStride + c * 8, src, ok);
     }
   };
   // When the threads cover whole rows (kThreads % kChunks == 0) a thread
-  // keeps one column chunk and steps down kRowsPerIt rows per copy from one
-  // running pointer: the general form below let the compiler hoist one 64-bit
-  // address per copy out of the tile loop, which spilled at D=128.
+  // keeps one column chunk and steps down rows from one running pointer: the
+  // general form below let the compiler hoist one 64-bit address per copy out
+  // of the tile loop, which spilled at D=128. Contiguous rows: the thread's
+  // rows are ld_r + it * kRowsPerIt (interleaved). Paged rows: the thread
+  // owns kRowsPerThread consecutive rows (blocked), which lie in one page
+  // (kRowsPerThread divides every page size), so one block-table lookup per
+  // tile serves all its copies.
   constexpr bool kRowSteps = kThreads % kChunks == 0 && kBlockN % (kThreads / kChunks) == 0;
   constexpr int kRowsPerIt = kRowSteps ? kThreads / kChunks : 1;
+  constexpr int kRowsPerThread = kBlockN / kRowsPerIt;
+  static_assert(!kRowSteps || kMinPageSize % kRowsPerThread == 0, "a thread's rows must share a page");
   const int ld_r = tid / kChunks, ld_c = tid % kChunks;
   const bool ld_c_ok = ld_c < d_chunks;
-  auto load_kv = [&](T* dst, const T* base, int n) {
-    if constexpr (kRowSteps) {
-      const int j0 = n * kBlockN + ld_r;
-      const T* src = base + int64_t{j0} * kv_row_stride + ld_c * 8;
-      T* d = dst + ld_r * kStride + ld_c * 8;
-      const int64_t step = kRowsPerIt * kv_row_stride;
+  // which: 0 = K, 1 = V.
+  auto load_kv = [&](T* dst, int which, int n) {
+    if constexpr (kRowSteps && Rows::kPaged) {
+      const int j0 = n * kBlockN + ld_r * kRowsPerThread;
+      const T* src = kv.Row(which, min(j0, sk - 1)) + ld_c * 8;
+      const T* valid = src;
+      T* d = dst + ld_r * kRowsPerThread * kStride + ld_c * 8;
 #pragma unroll
-      for (int it = 0; it < kBlockN / kRowsPerIt; ++it) {
+      for (int it = 0; it < kRowsPerThread; ++it) {
+        const bool ok = ld_c_ok && j0 + it < sk;
+        CpAsync16(d + it * kStride, ok ? src : valid, ok);
+        src += kv.stride;
+      }
+    } else if constexpr (kRowSteps) {
+      const T* base = kv.Row(which, 0);
+      const int j0 = n * kBlockN + ld_r;
+      const T* src = base + int64_t{j0} * kv.stride + ld_c * 8;
+      T* d = dst + ld_r * kStride + ld_c * 8;
+      const int64_t step = kRowsPerIt * kv.stride;
+#pragma unroll
+      for (int it = 0; it < kRowsPerThread; ++it) {
         const bool ok = ld_c_ok && j0 + it * kRowsPerIt < sk;
         CpAsync16(d + it * kRowsPerIt * kStride, ok ? src : base, ok);
         src += step;
@@ -250,7 +553,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
         const int r = idx / kChunks, c = idx % kChunks;
         const int j = n * kBlockN + r;
         const bool ok = idx < kBlockN * kChunks && j < sk && c < d_chunks;
-        const T* src = ok ? base + j * kv_row_stride + c * 8 : base;
+        const T* src = ok ? kv.Row(which, j) + c * 8 : q_ptr;
         if (idx < kBlockN * kChunks) CpAsync16(dst + r * kStride + c * 8, src, ok);
       }
     }
@@ -284,25 +587,48 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
   const int bv_off = ((lane % 8) + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
 
   load_q();
-  load_kv(sK, k_base, n_end - 1);
-  if (kStages == 2) load_kv(sV, v_base, n_end - 1);
+  load_kv(sK, 0, n_end - 1);
+  if (kStages >= 2) load_kv(sV, 1, n_end - 1);
   CpAsyncCommit();
+  // A ring of kStages >= 3: the next kStages - 2 tiles are requested up front
+  // too, one commit group per tile (empty groups keep the count uniform).
+#pragma unroll
+  for (int i = 1; i + 1 < kStages; ++i) {
+    if (n_end - 1 - i >= n_begin) {
+      load_kv(sK + i * kBlockN * kStride, 0, n_end - 1 - i);
+      load_kv(sV + i * kBlockN * kStride, 1, n_end - 1 - i);
+    }
+    CpAsyncCommit();
+  }
 
   // Tiles right to left: the first one is the partial (or band-edge) tile.
   for (int n = n_end - 1; n >= n_begin; --n) {
-    const int stage = kStages == 2 ? (n_end - 1 - n) % 2 : 0;
-    const T* tK = sK + stage * kBlockN * kStride;
-    const T* tV = sV + stage * kBlockN * kStride;
-    CpAsyncWaitAll();  // K[n] (with kStages 2 also V[n]; and Q) landed
-    __syncthreads();   // ... for every thread; and all warps are done with the buffers reloaded next
-    if (kStages == 2) {
+    const int stage = kStages >= 2 ? (n_end - 1 - n) % kStages : 0;
+    const T* tK = sK + (stage * kBlockN + warp_key0) * kStride;  // this warp's key slice
+    const T* tV = sV + (stage * kBlockN + warp_key0) * kStride;
+    // K[n] (with kStages >= 2 also V[n]; and Q) landed ...
+    if constexpr (kStages >= 3) {
+      CpAsyncWait<kStages - 2>();
+    } else {
+      CpAsyncWaitAll();
+    }
+    __syncthreads();  // ... for every thread; and all warps are done with the buffers reloaded next
+    if constexpr (kStages >= 3) {
+      const int next = n - (kStages - 1);
+      if (next >= n_begin) {
+        const int ring = (n_end - 1 - n + kStages - 1) % kStages;
+        load_kv(sK + ring * kBlockN * kStride, 0, next);
+        load_kv(sV + ring * kBlockN * kStride, 1, next);
+      }
+      CpAsyncCommit();
+    } else if (kStages == 2) {
       if (n > n_begin) {
-        load_kv(sK + (stage ^ 1) * kBlockN * kStride, k_base, n - 1);
-        load_kv(sV + (stage ^ 1) * kBlockN * kStride, v_base, n - 1);
+        load_kv(sK + (stage ^ 1) * kBlockN * kStride, 0, n - 1);
+        load_kv(sV + (stage ^ 1) * kBlockN * kStride, 1, n - 1);
         CpAsyncCommit();
       }
     } else {
-      load_kv(sV, v_base, n);
+      load_kv(sV, 1, n);
       CpAsyncCommit();
     }
 
@@ -337,78 +663,23 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
       CpAsyncWaitAll();  // V[n] landed
       __syncthreads();   // ... for every thread; and all warps are done with sK
       if (n > n_begin) {
-        load_kv(sK, k_base, n - 1);
+        load_kv(sK, 0, n - 1);
         CpAsyncCommit();
       }
     }
     if (!warp_active) continue;
 
-    if (use_softcap) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = tanhf(s[mt][nt][e] * L.softcap_in) * L.softcap_out;
+    if (use_softcap) SoftcapScores(s, L.softcap_in, L.softcap_out);
+    const int key0 = n * kBlockN + warp_key0;
+    if (Mask::TileNeedsMask(key0, kWarpKeys, sk, lo_last, hi_first)) {
+      MaskScores(s, p, key0, row0, rows, G, sq, sk, quad);
     }
-
-    // Mask only tiles that straddle the Sk end or a band edge.
-    const int key0 = n * kBlockN;
-    const bool need_mask =
-        key0 + kBlockN > sk || (kIsCausal && !(key0 >= lo_last && key0 + kBlockN - 1 <= hi_first));
-    if (need_mask) {
-      // Row bounds are recomputed here rather than kept in registers: the
-      // main loop is at the 255-register limit and this runs on few tiles.
-#pragma unroll
-      for (int r = 0; r < kMTiles * 2; ++r) {
-        int lo, hi;
-        VisibleKeys(p, min(thread_row(r), rows - 1) / G, sq, sk, &lo, &hi);
-        const int mt = r / 2, half = r % 2;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = key0 + nt * 8 + quad * 2 + e;
-            if (j < lo || j > hi) s[mt][nt][half * 2 + e] = -INFINITY;
-          }
-      }
-    }
-
-    // Online softmax: new row max, rescale O and the sums, P = exp2(S - max).
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 2 + half;
-        float mx = row_max[r];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
-        mx = QuadMax(mx);
-        // A row that has seen only masked keys keeps max -inf; subtracting 0
-        // instead keeps exp2(-inf - -inf) from turning into NaN.
-        const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
-        const float corr = Exp2(row_max[r] * score_log2 - mx_log2);
-        row_max[r] = mx;
-        row_sum[r] *= corr;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          acc_o[mt][dt][half * 2] *= corr;
-          acc_o[mt][dt][half * 2 + 1] *= corr;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = Exp2(fmaf(s[mt][nt][half * 2 + e], score_log2, -mx_log2));
-            s[mt][nt][half * 2 + e] = pv;
-            row_sum[r] += pv;
-          }
-      }
+    OnlineSoftmax(s, row_max, row_sum, acc_o, score_log2);
 
     // O += P V: the S accumulators of two n8 tiles are exactly the A fragment
     // of one k16 step, so P never leaves registers.
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -430,144 +701,103 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKe
     }
   }
 
+  if constexpr (kKeySplit) {
+    // Every warp is done with the K/V buffers, which now carry the states.
+    __syncthreads();
+    float* exchange = reinterpret_cast<float*>(sK);
+    if (!MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane)) return;
+  }
   if (!warp_active) return;
 
-  // ---- Epilogue: normalise once, LSE in natural log, store.
   float lse[kMTiles * 2];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = mt * 2 + half;
-      const float sum = QuadSum(row_sum[r]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      lse[r] = sum > 0.f ? (row_max[r] * score_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        acc_o[mt][dt][half * 2] *= inv;
-        acc_o[mt][dt][half * 2 + 1] *= inv;
-      }
-    }
-
+  NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
   if (splits > 1) {
-    // fp32 partials straight from the fragments (decode-sized outputs).
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int m = m0 + warp_row0 + mt * 16 + half * 8 + group;
-        if (m >= rows) continue;
-        int h;
-        const int64_t row = q_row(m, &h);
-        const int64_t acc = (int64_t{split} * p.num_heads_q + h) * p.total_q + row;
-        float* dst = L.o_accum + acc * p.head_dim;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int d = dt * 8 + quad * 2;
-          if (d < p.head_dim) {
-            *reinterpret_cast<float2*>(dst + d) = make_float2(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
-          }
-        }
-        if (quad == 0) L.lse_accum[acc] = lse[mt * 2 + half];
-      }
-    return;
-  }
-
-  // Stage this warp's rows of O through its own rows of sQ (no other warp
-  // reads them any more), then write 16-byte chunks coalesced along D. The
-  // __syncwarp orders the warp's last ldmatrix reads of these rows before the
-  // writes (racecheck flagged it with 2 stages, where no CTA barrier follows
-  // the last Q.K^T).
-  __syncwarp();
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int rr = warp_row0 + mt * 16 + half * 8 + group;
-        *reinterpret_cast<uint32_t*>(sQ + rr * kStride + dt * 8 + quad * 2) =
-            PackPair<T>(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
-      }
-  __syncwarp();
-  T* o_ptr = static_cast<T*>(p.o);
-  for (int idx = lane; idx < kMTiles * 16 * kChunks; idx += 32) {
-    const int rr = idx / kChunks, c = idx % kChunks;
-    const int m = m0 + warp_row0 + rr;
-    if (m >= rows || c >= d_chunks) continue;
-    int h;
-    const int64_t row = q_row(m, &h);
-    *reinterpret_cast<uint4*>(o_ptr + QOffset(p, row, h) + c * 8) =
-        *reinterpret_cast<const uint4*>(sQ + (warp_row0 + rr) * kStride + c * 8);
-  }
-  if (p.lse != nullptr && quad == 0) {
-#pragma unroll
-    for (int r = 0; r < kMTiles * 2; ++r) {
-      const int m = thread_row(r);
-      if (m >= rows) continue;
-      int h;
-      q_row(m, &h);
-      p.lse[LseOffset(p, b, h, m / G)] = lse[r];
-    }
+    StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
+  } else {
+    StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
   }
 }
 
-template <int kHeadDim>
-constexpr TileConfig TileFor() {
-  for (const TileConfig& t : kTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+// The kernels: one body, two row sources. A 16-row (decode) tile is capped to
+// 3 CTAs per SM (<= 168 registers): its 74 KB of smem allow 3, and 172
+// registers would allow only 2. The paged launch is a __grid_constant__ so
+// its slab tables are indexed in place (no local copy of the argument).
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
+__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>>(L);
 }
-template <int kHeadDim>
-constexpr TileConfig CausalTileFor() {
-  for (const TileConfig& t : kCausalTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
-}
-template <int kHeadDim>
-constexpr TileConfig DecodeTileFor() {
-  for (const TileConfig& t : kDecodeTileTable) {
-    if (t.head_dim == kHeadDim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
+__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
+    PagedAttnFwdKernel(const __grid_constant__ PagedFwdLaunch L) {
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>>(L);
 }
 
-template <int kHeadDim, typename T, bool kIsCausal, int kKind>
-cudaError_t RunAttnFwdTile(const FwdLaunch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile =
-      kKind == 1   ? DecodeTileFor<kHeadDim>()
-      : kKind == 2 ? CausalTileFor<kHeadDim>()
-                   : TileFor<kHeadDim>();
-  static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
-  auto kernel =
-      AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsCausal>;
-  constexpr int kSmem = SmemBytes(kTile);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+// Launches `kernel` (either row source's) with `tile`'s grid and smem.
+template <typename Kernel, typename Launch>
+cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, const FwdLaunch& fwd, const Launch& launch,
+                             cudaStream_t stream) {
+  const int smem = SmemBytes(tile);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const int64_t blocks_x = int64_t{launch.num_m_blocks} * launch.p.batch * launch.num_splits;
-  const int heads = launch.pack_gqa > 1 ? launch.p.num_heads_kv : launch.p.num_heads_q;
+  const int64_t blocks_x = int64_t{fwd.num_m_blocks} * fwd.p.batch * fwd.num_splits;
+  const int heads = fwd.pack_gqa > 1 ? fwd.p.num_heads_kv : fwd.p.num_heads_q;
   if (blocks_x == 0) return cudaSuccess;
   if (blocks_x > 0x7fffffff || heads > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), kTile.num_warps * 32, kSmem, stream>>>(launch);
+  kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), tile.num_warps * 32, smem, stream>>>(launch);
   return cudaGetLastError();
 }
 
-template <int kHeadDim, typename T, bool kIsCausal>
-cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
-  if constexpr (DecodeTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (launch.tile_kind == 1) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 1>(launch, stream);
-  }
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
-    if (launch.tile_kind == 2) return RunAttnFwdTile<kHeadDim, T, kIsCausal, 2>(launch, stream);
-  }
-  if (launch.tile_kind != 0) return cudaErrorInvalidValue;
-  if constexpr (kIsCausal && CausalTileFor<kHeadDim>().head_dim == kHeadDim) {
-    return cudaErrorInvalidValue;  // PlanForward gives banded requests tile_kind 2
+template <int kHeadDim, typename T, bool kIsBanded, TileKind kKind, typename Rows>
+cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
+  if constexpr (Rows::kPaged) {
+    return LaunchTileKernel(
+        PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>,
+        kTile, Rows::Fwd(launch), launch, stream);
   } else {
-    return RunAttnFwdTile<kHeadDim, T, kIsCausal, 0>(launch, stream);
+    return LaunchTileKernel(
+        AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>, kTile,
+        Rows::Fwd(launch), launch, stream);
   }
+}
+
+// True when `kind`'s table has a tile for kHeadDim (only kPrefill covers every head dim).
+template <int kHeadDim>
+constexpr bool HasTile(TileKind kind) {
+  return TileFor(kind, kHeadDim).head_dim == kHeadDim;
+}
+
+// Picks the tile the plan chose (FwdLaunch::tile_kind) for either row source.
+template <int kHeadDim, typename T, bool kIsBanded, typename Rows>
+cudaError_t RunAttnFwdRows(const typename Rows::Launch& launch, cudaStream_t stream) {
+  const TileKind tile_kind = Rows::Fwd(launch).tile_kind;
+  if constexpr (HasTile<kHeadDim>(TileKind::kDecode)) {
+    if (tile_kind == TileKind::kDecode) {
+      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kDecode, Rows>(launch, stream);
+    }
+  }
+  if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
+    if (tile_kind == TileKind::kBanded) {
+      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kBanded, Rows>(launch, stream);
+    }
+  }
+  if (tile_kind != TileKind::kPrefill) return cudaErrorInvalidValue;
+  if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
+    return cudaErrorInvalidValue;  // PlanForward gives these banded requests TileKind::kBanded
+  } else {
+    return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kPrefill, Rows>(launch, stream);
+  }
+}
+
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
+  return RunAttnFwdRows<kHeadDim, T, kIsBanded, ContiguousRows<T>>(launch, stream);
+}
+
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream) {
+  return RunAttnFwdRows<kHeadDim, T, kIsBanded, PagedRows<T>>(launch, stream);
 }
 
 }  // namespace cuda

@@ -4,6 +4,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <iterator>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -14,101 +15,14 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
-#include "backend/dtype.h"
-#include "backend/host_copy.h"
+#include "backend/cuda/cuda_staging.h"
+#include "backend/cuda/generated/kernel_set.h"
 #include "backend/ragged_batch.h"
+#include "common/dtype.h"
+#include "common/host_copy.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
-namespace {
-
-absl::Status CudaError(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();  // not sticky: clear it so the next request runs
-    return absl::ResourceExhaustedError(absl::StrCat("cuda: ", what, ": out of device memory"));
-  }
-  return absl::InternalError(absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
-}
-
-#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)                    \
-  do {                                                           \
-    const absl::Status _st = CudaError((expr), what);            \
-    if (!_st.ok()) return _st;                                   \
-  } while (0)
-
-int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
-
-// A slowly growing launch size should not reallocate each time, so buffers
-// grow by at least 1.5x.
-int64_t GrowTo(int64_t have, int64_t need) { return std::max(need, have + have / 2); }
-
-// A grow-only buffer reused across launches, in device memory or in
-// page-locked host memory. Pinned memory is what the copy engines read and
-// write directly, so copies are asynchronous and run at full PCIe/NVLink-C2C
-// speed. (From pageable memory the driver stages through its own pinned
-// buffer, which costs the same host copy and serialises it with the host
-// thread.)
-class StagingBuffer {
- public:
-  enum class Kind { kDevice, kPinnedHost };
-  explicit StagingBuffer(Kind kind) : kind_(kind) {}
-  StagingBuffer(const StagingBuffer&) = delete;
-  StagingBuffer& operator=(const StagingBuffer&) = delete;
-  ~StagingBuffer() { Free(); }
-
-  char* ptr() const { return ptr_; }
-
-  // Makes room for `need` bytes (contents are not kept). `what` names the
-  // buffer in an out-of-memory error.
-  absl::Status Reserve(int64_t need, const char* what) {
-    if (need <= bytes_) return absl::OkStatus();
-    const int64_t want = GrowTo(bytes_, need);
-    Free();
-    void* p = nullptr;
-    ATTN_CUDA_RETURN_IF_ERROR(kind_ == Kind::kDevice
-                                  ? cudaMalloc(&p, static_cast<size_t>(want))
-                                  : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
-                              what);
-    ptr_ = static_cast<char*>(p);
-    bytes_ = want;
-    return absl::OkStatus();
-  }
-
- private:
-  void Free() {
-    if (ptr_ != nullptr) kind_ == Kind::kDevice ? cudaFree(ptr_) : cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-  }
-
-  const Kind kind_;
-  char* ptr_ = nullptr;
-  int64_t bytes_ = 0;
-};
-
-int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
-  float ms = 0.f;
-  if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) return 0;
-  return static_cast<int64_t>(ms * 1000.0f);
-}
-
-}  // namespace
-
-// One pipeline stage's resources. A slot is busy from StartForward until its
-// launch is finished (or abandoned); nothing else touches it meanwhile.
-struct CudaBackend::Slot {
-  cudaStream_t stream = nullptr;
-  // Recorded around the phases: start, inputs on device, kernels done,
-  // outputs in pinned memory.
-  cudaEvent_t events[4] = {nullptr, nullptr, nullptr, nullptr};
-  // The same layout in both: inputs (q | k | v | cu_q | cu_k) then outputs
-  // (o | lse), so each direction is one copy.
-  StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
-  StagingBuffer device{StagingBuffer::Kind::kDevice};
-  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV partials
-  bool busy = false;
-};
 
 // Offsets of a launch's tensors in a slot's buffers, each 256-byte aligned.
 struct StagingLayout {
@@ -163,63 +77,11 @@ AttnParams Rebase(const AttnParams& p, const char* from, char* to) {
   return d;
 }
 
-// A launch queued on a slot's stream. Finish waits for it and scatters the
-// outputs; destroying an unfinished launch waits for the stream, so the slot
-// never goes back to the pool with copies in flight.
-class CudaBackend::Launch final : public PendingLaunch {
- public:
-  Launch(CudaBackend* backend, Slot* slot, PackedBatch batch, StagingLayout layout, int64_t gather_us)
-      : backend_(backend), slot_(slot), batch_(std::move(batch)), layout_(layout), gather_us_(gather_us) {}
-
-  ~Launch() override {
-    if (slot_ == nullptr) return;
-    cudaSetDevice(backend_->device_);
-    cudaStreamSynchronize(slot_->stream);
-    backend_->ReleaseSlot(slot_);
-  }
-
-  absl::Status Finish(BackendTimings* timings) override {
-    absl::Status st = Wait(timings);
-    // After an error the copies may still be running: the slot's buffers go
-    // back to the pool only once its stream is idle.
-    if (!st.ok()) cudaStreamSynchronize(slot_->stream);
-    backend_->ReleaseSlot(slot_);
-    slot_ = nullptr;
-    return st;
-  }
-
- private:
-  absl::Status Wait(BackendTimings* timings) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(backend_->device_), "set device");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot_->events[3]), "forward");
-    const absl::Time scatter_start = absl::Now();
-    const char* host = slot_->host.ptr();
-    ThreadPool* pool = backend_->scatter_pool_.get();
-    batch_.Scatter(host + layout_.o, reinterpret_cast<const float*>(host + layout_.lse),
-                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
-    const int64_t scatter_us = absl::ToInt64Microseconds(absl::Now() - scatter_start);
-    if (timings != nullptr) {
-      // The host copies into and out of the staging buffer are part of the
-      // transfers: they are what moving the bytes costs beyond the wire.
-      timings->host_to_device_us = gather_us_ + ElapsedUs(slot_->events[0], slot_->events[1]);
-      timings->compute_us = ElapsedUs(slot_->events[1], slot_->events[2]);
-      timings->device_to_host_us = ElapsedUs(slot_->events[2], slot_->events[3]) + scatter_us;
-    }
-    return absl::OkStatus();
-  }
-
-  CudaBackend* const backend_;
-  Slot* slot_;
-  const PackedBatch batch_;
-  const StagingLayout layout_;
-  const int64_t gather_us_;
-};
-
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
-  const absl::StatusOr<int> count = CudaDeviceCount();
-  if (!count.ok()) return count.status();
-  if (device < 0 || device >= *count) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " requested, ", *count, " present"));
+  ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(
+        absl::StrCat("cuda: device ", device, " requested, ", count, " present"));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->device_ = device;
@@ -227,22 +89,26 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   cudaError_t err = cudaGetDeviceProperties(&prop, device);
   if (err == cudaSuccess) err = cudaSetDevice(device);
   if (err != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, ": ", cudaGetErrorString(err)));
+    return absl::UnavailableError(
+        absl::StrCat("cuda: device ", device, ": ", cudaGetErrorString(err)));
   }
   if (prop.major < 8) {
-    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " (", prop.name, ") is sm", prop.major,
-                                               prop.minor, "; the kernels need sm80 or later"));
+    return absl::UnavailableError(absl::StrCat("cuda: device ", device, " (", prop.name, ") is sm",
+                                               prop.major, prop.minor,
+                                               "; the kernels need sm80 or later"));
   }
   b->num_sms_ = prop.multiProcessorCount;
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
   // One thread packed 72 MB in 15 ms on the H200 host (bench/NOTES-serving.md):
   // a few threads share the copies; more would compete with gRPC's threads.
-  const int copy_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
+  const int copy_threads =
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
   b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);
   b->scatter_pool_ = std::make_unique<ThreadPool>(copy_threads);
   for (std::unique_ptr<Slot>& slot : b->slots_) {
     slot = std::make_unique<Slot>();
-    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking), "stream");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking),
+                              "stream");
     for (cudaEvent_t& e : slot->events) ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "event");
   }
   BackendDescription& d = b->description_;
@@ -258,7 +124,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   d.devices.push_back(dev);
   d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
   d.min_head_dim = 8;
-  d.max_head_dim = cuda::HaveKernels(256) ? 256 : cuda::HaveKernels(192) ? 192 : 128;
+  d.max_head_dim =
+      *std::max_element(std::begin(cuda::kCompiledHeadDims), std::end(cuda::kCompiledHeadDims));
   d.head_dim_multiple = 8;
   return b;
 }
@@ -275,27 +142,32 @@ CudaBackend::~CudaBackend() {
     }
     if (slot->stream != nullptr) cudaStreamDestroy(slot->stream);
   }
+  if (paged_done_ != nullptr) cudaEventDestroy(paged_done_);
 }
 
-absl::Status CudaBackend::CanImplement(const AttnParams& params) const {
-  const absl::Status st = CheckParams(params);
-  if (!st.ok()) return st;
-  if (params.dtype == DType::kFP32) return absl::OkStatus();
-  const cuda::LaunchPlan plan = cuda::PlanForward(params, num_sms_);
+absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
+  RETURN_IF_ERROR(CheckParams(params));
+  if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  return PlanFor(params);
+}
+
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+  const Plan plan = cuda::PlanForward(params, num_sms_);
   if (plan.kernel_head_dim == 0) {
-    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim,
-                                                 " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
-                                                 "compiles head dim 128 only)"));
+    return absl::UnimplementedError(
+        absl::StrCat("cuda: head_dim ", params.head_dim,
+                     " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
+                     "compiles head dim 128 only)"));
   }
-  if (cuda::SmemBytes(plan.tile) > max_smem_per_block_) {
+  const int smem = cuda::SmemBytes(cuda::TileFor(plan.tile_kind, plan.kernel_head_dim));
+  if (smem > max_smem_per_block_) {
     const DeviceDescription& dev = description_.devices[0];
-    return absl::UnimplementedError(absl::StrCat("cuda: head_dim ", params.head_dim, " uses the ",
-                                                 plan.kernel_head_dim, " tile, which needs ",
-                                                 cuda::SmemBytes(plan.tile), " bytes of shared memory; sm",
-                                                 dev.compute_capability_major, dev.compute_capability_minor,
-                                                 " allows ", max_smem_per_block_));
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda: head_dim ", params.head_dim, " uses the ", plan.kernel_head_dim,
+        " tile, which needs ", smem, " bytes of shared memory; sm", dev.compute_capability_major,
+        dev.compute_capability_minor, " allows ", max_smem_per_block_));
   }
-  return absl::OkStatus();
+  return plan;
 }
 
 CudaBackend::Slot* CudaBackend::AcquireSlot() {
@@ -319,72 +191,38 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
   slot_freed_.notify_one();
 }
 
-absl::Status CudaBackend::LaunchKernels(const AttnParams& dev, Slot* slot) {
+absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP32) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();
   }
-  const cuda::LaunchPlan plan = cuda::PlanForward(dev, num_sms_);
-  if (plan.kernel_head_dim == 0) return absl::UnimplementedError("cuda: no kernel for this head_dim");
-  const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
-  if (!st.ok()) return st;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream), "forward kernel");
+  RETURN_IF_ERROR(slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace"));
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream),
+                            "forward kernel");
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const PackedBatch& batch) {
-  // The members share dtype, head dims and options (CanShareLaunch), which is
-  // all CanImplement depends on beyond each member's own invariants.
-  for (const AttnParams* m : batch.members()) {
-    const absl::Status can = CanImplement(*m);
-    if (!can.ok()) return can;
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
-  Slot* slot = AcquireSlot();
-  // Until the Launch owns the slot, an error must hand it back with nothing
-  // in flight.
-  auto fail = [this, slot](absl::Status st) {
-    cudaStreamSynchronize(slot->stream);
-    ReleaseSlot(slot);
-    return st;
-  };
-  const StagingLayout layout(batch);
-  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
-  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
-  if (!st.ok()) return fail(st);
-
-  const absl::Time gather_start = absl::Now();
-  ThreadPool* pool = gather_pool_.get();
-  const AttnParams staged = batch.Gather(
-      layout.In(slot->host.ptr()), [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
-  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-  const AttnParams dev = Rebase(staged, slot->host.ptr(), slot->device.ptr());
-
-  auto queue = [&]() -> absl::Status {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(layout.inputs_end),
-                                              cudaMemcpyHostToDevice, slot->stream),
-                              "copy inputs to device");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
-    absl::Status kernels = LaunchKernels(dev, slot);
-    if (!kernels.ok()) return kernels;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
-    const int64_t out_bytes = layout.end - layout.o;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot->host.ptr() + layout.o, slot->device.ptr() + layout.o,
-                                              static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost, slot->stream),
-                              "copy outputs to host");
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
-    return absl::OkStatus();
-  };
-  st = queue();
-  if (!st.ok()) return fail(st);
-  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, batch, layout, gather_us));
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
+                                                                         const PackedBatch& batch) {
+  return StartStaged<StagingLayout>(batch, Rebase,
+                                    [this, &plan, &batch](const AttnParams& dev, Slot* slot) {
+                                      // One member: its plan. Several: the members were checked and
+                                      // planned one by one and share everything but sizes
+                                      // (CanShareLaunch), so the packed params only need their own
+                                      // split and tile decision (PlanForward reads sizes only, so
+                                      // the device params do).
+                                      if (batch.size() == 1 || dev.dtype == DType::kFP32)
+                                        return LaunchKernels(plan, dev, slot);
+                                      ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
+                                      return LaunchKernels(packed_plan, dev, slot);
+                                    });
 }
 
-absl::Status CudaBackend::Forward(const AttnParams& params, BackendTimings* timings) {
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartForward(PackedBatch({&params}));
-  if (!launch.ok()) return launch.status();
-  return (*launch)->Finish(timings);
+absl::Status CudaBackend::Forward(const Plan& plan, const AttnParams& params,
+                                  BackendTimings* timings) {
+  ASSIGN_OR_RETURN(std::unique_ptr<PendingLaunch> launch,
+                   StartForward(plan, PackedBatch({&params})));
+  return launch->Finish(timings);
 }
 
 absl::StatusOr<int> CudaDeviceCount() {
@@ -392,16 +230,15 @@ absl::StatusOr<int> CudaDeviceCount() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     cudaGetLastError();
-    return absl::UnavailableError(
-        absl::StrCat("cuda: no usable GPU (", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
+    return absl::UnavailableError(absl::StrCat(
+        "cuda: no usable GPU (", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
   }
   return count;
 }
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(int device) {
-  auto b = CudaBackend::Create(device);
-  if (!b.ok()) return b.status();
-  return std::unique_ptr<AttentionBackend>(std::move(*b));
+  ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, CudaBackend::Create(device));
+  return std::unique_ptr<AttentionBackend>(std::move(b));
 }
 
 }  // namespace attnserve

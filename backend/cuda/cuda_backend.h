@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
-#include "backend/thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace attnserve {
 
@@ -38,23 +38,58 @@ class CudaBackend final : public AttentionBackend {
   ~CudaBackend() override;
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams& params) const override;
+  // CheckParams, then PlanForward's plan (FP32: the SIMT kernel, any head
+  // dim). UNIMPLEMENTED in two documented cases: no compiled kernel at or
+  // above params.head_dim (ATTNSERVE_CUDA_KERNELS=dev builds 128 only), or a
+  // tile that needs more shared memory than this device allows per CTA
+  // (head dims 192/256 on sm86/sm89).
+  absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
   // One launch of `params` through the pipeline, waited for.
-  absl::Status Forward(const AttnParams& params, BackendTimings* timings) override;
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override;
+  absl::Status Forward(const Plan& plan, const AttnParams& params,
+                       BackendTimings* timings) override;
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan& plan,
+                                                              const PackedBatch& batch) override;
   int max_launches_in_flight() const override { return kPipelineDepth; }
 
- private:
+  // Paged K/V (cuda_paged.cc). Paged launches share the slots with Forward's;
+  // each queues its H2D copy on its slot's stream, then waits (an event) for
+  // the previous paged launch's kernels before its own page copies, append
+  // and attention, so paged kernels run in start order while copies overlap.
+  absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
+  void FreeKvMemory(void* memory) override;
+  absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
+      const PagedBatch& batch) override;
+
+  // A pipeline slot and a launch queued on one (cuda_staging.h; internal to
+  // the backend's .cc files).
   struct Slot;
   class Launch;
 
+ private:
   CudaBackend() = default;
   // Blocks until a slot is free (the executor keeps at most kPipelineDepth
   // launches open, so in the server this does not wait).
   Slot* AcquireSlot();
   void ReleaseSlot(Slot* slot);
+  // The staging pipeline of StartForward and StartPagedForward (defined in
+  // cuda_staging.h): a free slot, Layout(batch)'s buffers, the members
+  // gathered into pinned memory, one H2D copy, kernels(device params, slot),
+  // one D2H copy; the Launch's Finish scatters. rebase(params, host, device)
+  // moves the gathered params' pointers from the pinned to the device buffer.
+  template <typename Layout, typename Batch, typename Rebase, typename Kernels>
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(const Batch& batch, Rebase rebase,
+                                                             Kernels kernels);
+  // The plan for FP16/BF16 params (PlanForward), or UNIMPLEMENTED when this
+  // build or this device has no kernel for them. Checks nothing else.
+  absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
-  absl::Status LaunchKernels(const AttnParams& dev, Slot* slot);
+  absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
+  // The paged path's checks: CheckPagedParams (keeps the kernels inside the
+  // cache's memory), then a kernel for params.attn (PlanFor); and its
+  // kernels on a slot.
+  absl::Status CheckPaged(const PagedAttnParams& params) const;
+  absl::Status LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot);
 
   int device_ = 0;
   int num_sms_ = 0;
@@ -67,6 +102,10 @@ class CudaBackend final : public AttentionBackend {
   std::unique_ptr<ThreadPool> scatter_pool_;
   std::mutex slots_mu_;
   std::condition_variable slot_freed_;
+  // Recorded after each paged launch's kernels; the next paged launch's
+  // stream waits for it (StartPagedForward is called from one thread at a
+  // time, so "the previous" is well defined). Created on first use.
+  cudaEvent_t paged_done_ = nullptr;
 };
 
 }  // namespace attnserve

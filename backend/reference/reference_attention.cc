@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: checks and measures the python_sdpa baseline server.
-#  1. the wire codec tests and the server's end-to-end tests on GPU 0;
+#  1. the server's end-to-end tests on GPU 0;
 #  2. starts sdpa_server.py on GPU 0 and runs `attnctl forward --verify` on a set
 #     of shapes (GQA, causal with Sq != Sk, windows, varlen, all dtypes);
 #  3. `attnctl load --check` briefly, unary and ForwardStream;
@@ -16,6 +16,14 @@
 #   build-baseline-static/client/attnctl: a static build carried over)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# The generated message classes: the attnserve wheel and a matching protobuf
+# (and grpcio-health-checking) carried as wheels in $WHEELS (README.md).
+WHEELS=${WHEELS:-.device-carry/wheels}
+if [[ -d $WHEELS ]]; then
+  pylib=$PWD/.pylib
+  ${PYTHON:-python3} -m pip install -q --no-deps --no-index --target "$pylib" "$WHEELS"/*.whl || exit 2
+  export PYTHONPATH=$pylib${PYTHONPATH:+:$PYTHONPATH}
+fi
 OUT=${OUT:-$PWD/baseline-out}
 mkdir -p "$OUT"
 secs=${1:-5}
@@ -37,7 +45,7 @@ fail=0
 $py -c 'import sys, torch, grpc, numpy; print("python", sys.version.split()[0], "torch", torch.__version__, "grpcio", grpc.__version__, "numpy", numpy.__version__, "cuda", torch.cuda.is_available())'
 
 echo "== unit tests"
-$py bench/baselines/test_attention_wire.py 2>&1 | tail -3 || fail=1
+$py -c 'import google.protobuf, attnserve.v1.attention_pb2; print("protobuf", google.protobuf.__version__)' || exit 2
 SDPA_TEST_DEVICE=$dev $py -W ignore bench/baselines/test_sdpa_server.py -v 2>&1 | tail -15
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 

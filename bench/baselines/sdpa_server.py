@@ -10,9 +10,10 @@ without copies, one H2D copy per tensor, one SDPA call (PyTorch picks the
 FlashAttention-2 / cuDNN / memory-efficient kernel), one D2H copy. No request
 batching, no CUDA graphs, no pinned staging buffers, no per-thread streams.
 
-Runs with grpcio, torch (and its numpy-free paths) only: messages are encoded
-by the hand-written wire codec in attention_wire.py, because the GPU machine
-has no google.protobuf / grpc_tools. See README.md next to this file.
+Messages are the generated classes of the attnserve Python package
+(`pip install ./python`: attnserve.v1.attention_pb2, made from proto/ by
+grpcio-tools) and grpcio-health-checking's; they need protobuf >= 7.35.1 < 8
+and grpcio >= 1.84.0 at run time. See README.md next to this file.
 
     python3 bench/baselines/sdpa_server.py --port=50071 --device=0
     python3 bench/baselines/sdpa_server.py --port=50071 --device=cpu   # for testing
@@ -21,7 +22,6 @@ has no google.protobuf / grpc_tools. See README.md next to this file.
 import argparse
 import logging
 import math
-import os
 import signal
 import sys
 import threading
@@ -38,8 +38,9 @@ try:  # torch >= 2.3: bottom-right aligned causal masks that keep the fused kern
 except ImportError:  # pragma: no cover
     causal_lower_right = None
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_wire as pb  # noqa: E402
+from attnserve.v1 import attention_pb2 as pb
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 BACKEND = "python_sdpa"
 VERSION = "sdpa_server 1.0"
@@ -58,6 +59,20 @@ DTYPE_SIZES = {pb.FP16: 2, pb.BF16: 2, pb.FP32: 4}
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 8, 256, 8
 
 log = logging.getLogger("sdpa_server")
+
+
+def dtype_name(value):
+    """The enum's name, or what an unknown value is (proto3 enums are open)."""
+    return pb.DType.Name(value) if value in pb.DType.values() else f"unknown dtype {value}"
+
+
+class Received:
+    """A decoded request and when it arrived (queue_us starts there); `error` if undecodable."""
+
+    __slots__ = ("req", "received_ns", "error")
+
+    def __init__(self, req, received_ns, error=None):
+        self.req, self.received_ns, self.error = req, received_ns, error
 
 
 class RequestError(Exception):
@@ -94,16 +109,16 @@ def validate(req, compute=True):
     compute=False (Echo) skips the UNIMPLEMENTED checks: nothing is computed.
     """
     for name in ("q", "k", "v"):
-        if getattr(req, name) is None:
+        if not req.HasField(name):
             raise invalid(f"{name}: expected a tensor, got none")
     q, k, v = req.q, req.k, req.v
     if q.dtype not in TORCH_DTYPES:
         raise invalid(f"q.dtype: expected FP16, BF16 or FP32, got "
-                      f"{pb.DTYPE_NAMES.get(q.dtype, f'unknown dtype {q.dtype}')}")
+                      f"{dtype_name(q.dtype)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise invalid(f"{name}.dtype: expected {pb.DTYPE_NAMES[q.dtype]} (q.dtype), got "
-                          f"{pb.DTYPE_NAMES.get(t.dtype, f'unknown dtype {t.dtype}')}")
+            raise invalid(f"{name}.dtype: expected {dtype_name(q.dtype)} (q.dtype), got "
+                          f"{dtype_name(t.dtype)}")
     s = Spec()
     s.varlen = bool(req.cu_seqlens_q) or bool(req.cu_seqlens_k)
     if s.varlen and not (req.cu_seqlens_q and req.cu_seqlens_k):
@@ -145,10 +160,10 @@ def validate(req, compute=True):
     size = DTYPE_SIZES[q.dtype]
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = math.prod(t.shape) * size
-        got = memoryview(t.data).nbytes
+        got = len(t.data)
         if got != want:
             raise invalid(f"{name}.data: expected {want} bytes (shape {_shape(t)} x {size}-byte "
-                          f"{pb.DTYPE_NAMES[t.dtype]}), got {got}")
+                          f"{dtype_name(t.dtype)}), got {got}")
     if s.varlen:
         for name, cu, total in (("cu_seqlens_q", req.cu_seqlens_q, q.shape[0]),
                                 ("cu_seqlens_k", req.cu_seqlens_k, k.shape[0])):
@@ -174,14 +189,14 @@ def validate(req, compute=True):
     s.dtype = TORCH_DTYPES[q.dtype]
 
     o = req.options
-    if o.softmax_scale is not None:
+    if o.HasField("softmax_scale"):
         if not (math.isfinite(o.softmax_scale) and o.softmax_scale > 0):
             raise invalid(f"options.softmax_scale: expected finite and > 0, got {o.softmax_scale}")
         s.scale = o.softmax_scale
     else:
         s.scale = 1.0 / math.sqrt(d)
     for name in ("window_left", "window_right"):
-        w = getattr(o, name)
+        w = getattr(o, name) if o.HasField(name) else None
         if w is not None and w < 0:
             raise invalid(f"options.{name}: expected >= 0 (unset = unlimited), got {w}")
     if not (math.isfinite(o.softcap) and o.softcap >= 0):
@@ -194,9 +209,9 @@ def validate(req, compute=True):
         raise unimplemented("options.return_lse: not supported by the python_sdpa baseline "
                             "(torch SDPA does not return the log-sum-exp); send return_lse = false")
     s.causal = o.causal
-    s.window_left = o.window_left
+    s.window_left = o.window_left if o.HasField("window_left") else None
     # With causal the right bound is the causal one (DESIGN.md §2).
-    s.window_right = None if o.causal else o.window_right
+    s.window_right = o.window_right if o.HasField("window_right") and not o.causal else None
     return s
 
 
@@ -275,9 +290,9 @@ class SdpaAttention:
 
     def _to_device(self, t, dtype):
         if math.prod(t.shape) == 0:
-            return torch.empty(t.shape, dtype=dtype, device=self.device)
+            return torch.empty(tuple(t.shape), dtype=dtype, device=self.device)
         # A view of the received message (no copy), then one copy to the device.
-        host = torch.frombuffer(t.data, dtype=dtype).view(t.shape)
+        host = torch.frombuffer(t.data, dtype=dtype).view(tuple(t.shape))
         return host.to(self.device, non_blocking=True)
 
     def _attend(self, q, k, v, s):
@@ -323,10 +338,11 @@ class SdpaAttention:
             return o_host, 0, (t3 - t0) // 1000, 0
         return o_host, (t1 - t0) // 1000, (t2 - t1) // 1000, (t3 - t2) // 1000
 
-    def _run(self, req, context):
+    def _run(self, received, context):
         """One request → ForwardResponse; raises RequestError."""
-        if isinstance(req, pb.WireError):
-            raise invalid(f"request: not a valid attnserve.v1.ForwardRequest ({req})")
+        if received.error is not None:
+            raise invalid(f"request: not a valid attnserve.v1.ForwardRequest ({received.error})")
+        req = received.req
         start_ns = time.perf_counter_ns()
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining for shutdown")
@@ -340,22 +356,23 @@ class SdpaAttention:
         except torch.cuda.OutOfMemoryError as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"device memory exhausted: {str(e).splitlines()[0]}") from e
-        # Bytes view of the result; the response serializer copies it once.
-        data = memoryview(o.view(torch.uint8).numpy()) if o.numel() else b""
+        # protobuf takes only bytes: one copy here, one more when it is stored.
+        data = o.view(torch.uint8).numpy().tobytes() if o.numel() else b""
         end_ns = time.perf_counter_ns()
         timing = pb.ServerTiming(
-            queue_us=max(0, start_ns - req.received_ns) // 1000,
+            queue_us=max(0, start_ns - received.received_ns) // 1000,
             host_to_device_us=h2d_us, compute_us=compute_us, device_to_host_us=d2h_us,
-            total_us=max(0, end_ns - req.received_ns) // 1000, batch_size=1)
+            total_us=max(0, end_ns - received.received_ns) // 1000, batch_size=1)
         return pb.ForwardResponse(
             request_id=req.request_id,
             o=pb.Tensor(dtype=req.q.dtype, shape=list(req.q.shape), data=data),
             timing=timing, backend=BACKEND)
 
-    def _echo(self, req):
+    def _echo(self, received):
         """Echo: Forward's validation, then q's bytes back as o; no device, no compute."""
-        if isinstance(req, pb.WireError):
-            raise invalid(f"request: not a valid attnserve.v1.ForwardRequest ({req})")
+        if received.error is not None:
+            raise invalid(f"request: not a valid attnserve.v1.ForwardRequest ({received.error})")
+        req = received.req
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining for shutdown")
         s = validate(req, compute=False)
@@ -364,11 +381,14 @@ class SdpaAttention:
             shape = ([s.heads_q, s.seqlen_q] if s.varlen
                      else [s.batch, s.heads_q, s.seqlen_q])
             lse = pb.Tensor(dtype=pb.FP32, shape=shape, data=bytes(4 * math.prod(shape)))
-        total_us = max(0, time.perf_counter_ns() - req.received_ns) // 1000
-        return pb.ForwardResponse(
+        total_us = max(0, time.perf_counter_ns() - received.received_ns) // 1000
+        resp = pb.ForwardResponse(
             request_id=req.request_id,
-            o=pb.Tensor(dtype=req.q.dtype, shape=list(req.q.shape), data=req.q.data), lse=lse,
+            o=pb.Tensor(dtype=req.q.dtype, shape=list(req.q.shape), data=req.q.data),
             timing=pb.ServerTiming(total_us=total_us, batch_size=1), backend=BACKEND)
+        if lse is not None:
+            resp.lse.CopyFrom(lse)
+        return resp
 
     # ---- RPCs ----------------------------------------------------------
 
@@ -391,7 +411,7 @@ class SdpaAttention:
         # Pipelined on the wire, processed in order on this worker thread; a
         # failed request yields a response with error_code and the stream goes on.
         for req in requests:
-            request_id = getattr(req, "request_id", "")
+            request_id = req.req.request_id if req.error is None else ""
             try:
                 yield self._run(req, context)
             except RequestError as e:
@@ -423,25 +443,24 @@ class SdpaAttention:
     def health_check(self, req, context):
         if req.service not in ("", SERVICE):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{req.service}'")
-        return pb.HealthCheckResponse(pb.NOT_SERVING if self.draining else pb.SERVING)
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.NOT_SERVING if self.draining else status.SERVING)
 
 
 def _request_decoder(data):
     """Request deserializer: never raises, so a malformed message becomes INVALID_ARGUMENT."""
     received = time.perf_counter_ns()
     try:
-        req = pb.decode_forward_request(data)
-    except pb.WireError as e:
-        return e
-    req.received_ns = received
-    return req
+        return Received(pb.ForwardRequest.FromString(data), received)
+    except DecodeError as e:
+        return Received(None, received, e)
 
 
 def _lenient(decode):
     def wrapped(data):
         try:
             return decode(data)
-        except pb.WireError:
+        except DecodeError:
             return decode(b"")
     return wrapped
 
@@ -451,22 +470,22 @@ def make_server(service, port, bind, workers, max_message_bytes):
     attention = grpc.method_handlers_generic_handler(SERVICE, {
         "Forward": grpc.unary_unary_rpc_method_handler(
             service.forward, request_deserializer=_request_decoder,
-            response_serializer=pb.encode_forward_response),
+            response_serializer=pb.ForwardResponse.SerializeToString),
         "ForwardStream": grpc.stream_stream_rpc_method_handler(
             service.forward_stream, request_deserializer=_request_decoder,
-            response_serializer=pb.encode_forward_response),
+            response_serializer=pb.ForwardResponse.SerializeToString),
         "Echo": grpc.unary_unary_rpc_method_handler(
             service.echo, request_deserializer=_request_decoder,
-            response_serializer=pb.encode_forward_response),
+            response_serializer=pb.ForwardResponse.SerializeToString),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
             service.get_server_info,
-            request_deserializer=_lenient(pb.decode_get_server_info_request),
-            response_serializer=pb.encode_get_server_info_response),
+            request_deserializer=_lenient(pb.GetServerInfoRequest.FromString),
+            response_serializer=pb.GetServerInfoResponse.SerializeToString),
     })
     health = grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
         "Check": grpc.unary_unary_rpc_method_handler(
-            service.health_check, request_deserializer=_lenient(pb.decode_health_check_request),
-            response_serializer=pb.encode_health_check_response),
+            service.health_check, request_deserializer=_lenient(health_pb2.HealthCheckRequest.FromString),
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
     })
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),

@@ -4,8 +4,9 @@
     python3 bench/baselines/test_sdpa_server.py -v
     SDPA_TEST_DEVICE=0 python3 bench/baselines/test_sdpa_server.py -v   # on GPU 0
 
-Needs grpcio, torch and numpy (skipped, and said so, without them). The client
-side uses the same wire codec through generic grpcio stubs; results are
+Needs the attnserve package (`pip install ./python`: the generated
+attnserve.v1 classes), grpcio-health-checking, torch and numpy (skipped, and
+said so, without them). The client side uses the generated AttentionStub; results are
 checked against a float64 numpy reference that applies DESIGN.md's masking
 rules itself (bottom-right causal, windows, GQA, varlen, empty rows = 0).
 `attnctl forward --verify` / `attnctl load --check` are the other half of the
@@ -19,19 +20,24 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import attention_wire as pb  # noqa: E402
 
 try:
     import grpc
     import numpy as np
     import torch  # noqa: F401  (the server needs it; a clear skip reason if missing)
+    from attnserve.v1 import attention_pb2 as pb
+    from attnserve.v1 import attention_pb2_grpc as pb_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     import sdpa_server
     MISSING = ""
 except ImportError as e:  # pragma: no cover
     MISSING = str(e)
 
 NP_DTYPES = {}
-if not MISSING:
+if MISSING:  # names the decorators below use
+    class pb:  # noqa: N801
+        FP16 = BF16 = FP32 = 0
+else:
     NP_DTYPES = {pb.FP16: np.float16, pb.FP32: np.float32}
 
 
@@ -47,8 +53,8 @@ def to_bytes(x, dtype):
 def from_bytes(b, dtype, shape):
     if dtype == pb.BF16:
         u = np.frombuffer(b, dtype=np.uint16).astype(np.uint32) << 16
-        return u.view(np.float32).reshape(shape).astype(np.float64)
-    return np.frombuffer(b, dtype=NP_DTYPES[dtype]).reshape(shape).astype(np.float64)
+        return u.view(np.float32).reshape(tuple(shape)).astype(np.float64)
+    return np.frombuffer(b, dtype=NP_DTYPES[dtype]).reshape(tuple(shape)).astype(np.float64)
 
 
 def reference(q, k, v, scale, causal, wl, wr):
@@ -74,6 +80,17 @@ def reference(q, k, v, scale, causal, wl, wr):
     return o
 
 
+def set_field(msg, name, value):
+    """msg.name = value, for the generated classes: None clears, a list replaces a repeated field."""
+    if value is None:
+        msg.ClearField(name)
+    elif isinstance(value, list):
+        msg.ClearField(name)
+        getattr(msg, name).extend(value)
+    else:
+        setattr(msg, name, value)
+
+
 def tensor(x, dtype):
     return pb.Tensor(dtype=dtype, shape=list(x.shape), data=to_bytes(x, dtype))
 
@@ -89,22 +106,15 @@ class ServerTest(unittest.TestCase):
         cls.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
             ("grpc.max_receive_message_length", 1 << 28),
             ("grpc.max_send_message_length", 1 << 28)])
-        svc = "/attnserve.v1.Attention/"
+        stub = pb_grpc.AttentionStub(cls.channel)
+        # Raw bytes in, for the malformed-message case; generated classes otherwise.
         cls.forward_raw = cls.channel.unary_unary(
-            svc + "Forward", request_serializer=lambda b: b,
-            response_deserializer=pb.decode_forward_response)
-        cls.stream = cls.channel.stream_stream(
-            svc + "ForwardStream", request_serializer=pb.encode_forward_request,
-            response_deserializer=pb.decode_forward_response)
-        cls.echo = cls.channel.unary_unary(
-            svc + "Echo", request_serializer=pb.encode_forward_request,
-            response_deserializer=pb.decode_forward_response)
-        cls.info = cls.channel.unary_unary(
-            svc + "GetServerInfo", request_serializer=pb.encode_get_server_info_request,
-            response_deserializer=pb.decode_get_server_info_response)
-        cls.health = cls.channel.unary_unary(
-            "/grpc.health.v1.Health/Check", request_serializer=pb.encode_health_check_request,
-            response_deserializer=pb.decode_health_check_response)
+            "/attnserve.v1.Attention/Forward", request_serializer=lambda b: b,
+            response_deserializer=pb.ForwardResponse.FromString)
+        cls.stream = stub.ForwardStream
+        cls.echo = stub.Echo
+        cls.info = stub.GetServerInfo
+        cls.health = health_pb2_grpc.HealthStub(cls.channel).Check
 
     @classmethod
     def tearDownClass(cls):
@@ -112,7 +122,7 @@ class ServerTest(unittest.TestCase):
         cls.server.stop(None)
 
     def forward(self, req):
-        return self.forward_raw(pb.encode_forward_request(req), timeout=60)
+        return self.forward_raw(req.SerializeToString(), timeout=60)
 
     def make(self, rng, dtype, b, sq, sk, hq, hkv, d, varlen=None, **opts):
         """A random request and its float64 reference output."""
@@ -133,7 +143,8 @@ class ServerTest(unittest.TestCase):
         if varlen:
             cq = np.concatenate([[0], np.cumsum(lq)]).tolist()
             ck = np.concatenate([[0], np.cumsum(lk)]).tolist()
-            req.cu_seqlens_q, req.cu_seqlens_k = cq, ck
+            req.cu_seqlens_q.extend(cq)
+            req.cu_seqlens_k.extend(ck)
             ref = np.zeros(q.shape)
             for i in range(len(lq)):
                 ref[cq[i]:cq[i + 1]] = reference(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]],
@@ -148,8 +159,8 @@ class ServerTest(unittest.TestCase):
         req, ref = self.make(rng, dtype, *shape, varlen=varlen, **opts)
         r = self.forward(req)
         self.assertEqual((r.request_id, r.backend, r.error_code), ("t", "python_sdpa", 0))
-        self.assertEqual((r.o.dtype, r.o.shape), (req.q.dtype, req.q.shape))
-        self.assertIsNone(r.lse)
+        self.assertEqual((r.o.dtype, list(r.o.shape)), (req.q.dtype, list(req.q.shape)))
+        self.assertFalse(r.HasField("lse"))
         self.assertGreaterEqual(r.timing.total_us, r.timing.compute_us)
         out = from_bytes(r.o.data, dtype, r.o.shape)
         self.assertTrue(np.isfinite(out).all())
@@ -184,7 +195,7 @@ class ServerTest(unittest.TestCase):
 
     def assert_status(self, req, code, *words, raw=None):
         with self.assertRaises(grpc.RpcError) as cm:
-            self.forward_raw(raw if raw is not None else pb.encode_forward_request(req))
+            self.forward_raw(raw if raw is not None else req.SerializeToString(), timeout=60)
         self.assertEqual(cm.exception.code(), code, cm.exception.details())
         for w in words:
             self.assertIn(w, cm.exception.details())
@@ -199,7 +210,7 @@ class ServerTest(unittest.TestCase):
             for key, value in changes.items():
                 obj, attr = (r, key) if "__" not in key else (getattr(r, key.split("__")[0]),
                                                               key.split("__")[1])
-                setattr(obj, attr, value)
+                set_field(obj, attr, value)
             return r
 
         self.assert_status(None, inv, "not a valid", raw=b"\x0a\x09ab")
@@ -234,9 +245,9 @@ class ServerTest(unittest.TestCase):
                                  ([0, 5, 3, 7], [0, 5, 5, 11], "cu_seqlens_q[2]"),
                                  ([0, 3, 6], None, "cu_seqlens_q[2]"),
                                  (None, [0, 11], "cu_seqlens_k")):
-            bad = pb.decode_forward_request(pb.encode_forward_request(r))
-            bad.cu_seqlens_q = cu_q or r.cu_seqlens_q
-            bad.cu_seqlens_k = cu_k or r.cu_seqlens_k
+            bad = pb.ForwardRequest.FromString(r.SerializeToString())
+            set_field(bad, "cu_seqlens_q", cu_q or list(r.cu_seqlens_q))
+            set_field(bad, "cu_seqlens_k", cu_k or list(r.cu_seqlens_k))
             self.assert_status(bad, grpc.StatusCode.INVALID_ARGUMENT, word)
 
     def test_stream_goes_on_after_errors(self):
@@ -254,19 +265,19 @@ class ServerTest(unittest.TestCase):
             if i % 3 == 1:
                 self.assertEqual(o.error_code, grpc.StatusCode.INVALID_ARGUMENT.value[0])
                 self.assertIn("k.dtype", o.error_message)
-                self.assertIsNone(o.o)
+                self.assertFalse(o.HasField("o"))
             else:
                 self.assertEqual(o.error_code, 0)
-                self.assertEqual(o.o.shape, [1, 16, 4, 64])
+                self.assertEqual(list(o.o.shape), [1, 16, 4, 64])
 
     def test_echo(self):
         req, _ = self.make(np.random.default_rng(3), pb.BF16, 2, 16, 24, 4, 2, 64, causal=True)
         req.options.softcap = 30.0    # UNIMPLEMENTED for Forward, fine for Echo
         req.options.return_lse = True
         r = self.echo(req, timeout=10)
-        self.assertEqual((r.o.dtype, r.o.shape, bytes(r.o.data)),
-                         (req.q.dtype, req.q.shape, bytes(req.q.data)))
-        self.assertEqual((r.lse.dtype, r.lse.shape, bytes(r.lse.data)),
+        self.assertEqual((r.o.dtype, list(r.o.shape), r.o.data),
+                         (req.q.dtype, list(req.q.shape), req.q.data))
+        self.assertEqual((r.lse.dtype, list(r.lse.shape), r.lse.data),
                          (pb.FP32, [2, 4, 16], bytes(4 * 2 * 4 * 16)))
         self.assertEqual((r.backend, r.timing.compute_us), ("python_sdpa", 0))
         req.k.dtype = pb.FP16
@@ -278,15 +289,16 @@ class ServerTest(unittest.TestCase):
     def test_info_and_health(self):
         info = self.info(pb.GetServerInfoRequest(), timeout=10)
         self.assertEqual(info.backend, "python_sdpa")
-        self.assertEqual(info.dtypes, [pb.FP16, pb.BF16, pb.FP32])
+        self.assertEqual(list(info.dtypes), [pb.FP16, pb.BF16, pb.FP32])
         self.assertEqual((info.min_head_dim, info.max_head_dim, info.head_dim_multiple),
                          (8, 256, 8))
         self.assertIn("forward_stream", info.features)
         for service in ("", "attnserve.v1.Attention"):
-            self.assertEqual(self.health(pb.HealthCheckRequest(service), timeout=10).status,
-                             pb.SERVING)
+            self.assertEqual(self.health(health_pb2.HealthCheckRequest(service=service),
+                                         timeout=10).status,
+                             health_pb2.HealthCheckResponse.SERVING)
         with self.assertRaises(grpc.RpcError) as cm:
-            self.health(pb.HealthCheckRequest("nope"), timeout=10)
+            self.health(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
 
 

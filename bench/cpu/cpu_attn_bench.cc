@@ -24,8 +24,8 @@
 
 #include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
-#include "backend/thread_pool.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
+#include "common/thread_pool.h"
 #include "tests/common/attn_test_util.h"
 
 // ---------------------------------------------------------------------------
@@ -312,7 +312,7 @@ TestCase BenchCase(int n, int heads, int d, bool causal) {
 // take minutes); the timed all-head outputs are cross-checked afterwards.
 bool Validate(CpuBackend* ours, NaiveAttention* naive, int n, int d, bool causal) {
   HostBuffers buf(BenchCase(n, 1, d, causal));
-  if (!ours->Forward(buf.params(), nullptr).ok()) return false;
+  if (!PlanAndForward(*ours, buf.params(), nullptr).ok()) return false;
   std::string err = testing_util::CheckOutputError(buf, buf.o(), buf.lse());
   if (!err.empty()) {
     std::fprintf(stderr, "ours failed validation: %s\n", err.c_str());
@@ -386,6 +386,11 @@ int Main(int argc, char** argv) {
       if (opt.validate && !Validate(&ours, &naive, n, opt.head_dim, causal)) return 1;
       HostBuffers buf(BenchCase(n, opt.heads, opt.head_dim, causal));
       const AttnParams& p = buf.params();
+      const absl::StatusOr<Plan> plan = ours.CanImplement(p);
+      if (!plan.ok()) {
+        std::fprintf(stderr, "ours: %s\n", std::string(plan.status().message()).c_str());
+        return 1;
+      }
       std::vector<float> ours_out;
       double flops =
           4.0 * p.batch * p.num_heads_q * static_cast<double>(p.seqlen_q) * p.seqlen_k * p.head_dim;
@@ -394,7 +399,7 @@ int Main(int argc, char** argv) {
         const bool is_ours = std::strcmp(impl, "ours") == 0;
         auto call = [&] {
           if (is_ours) {
-            absl::Status s = ours.Forward(p, nullptr);
+            absl::Status s = ours.Forward(*plan, p, nullptr);
             if (!s.ok()) std::fprintf(stderr, "ours: %s\n", std::string(s.message()).c_str());
           } else {
             naive.Run(p);

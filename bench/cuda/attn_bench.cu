@@ -8,6 +8,14 @@
 //             step. Simple fp32 SIMT code: it shows the loop order's traffic,
 //             not FA1's tensor-core speed. Run at N <= 1k only (slow).
 //   ours:     the production fused kernel (backend/cuda), split-KV for decode.
+//   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
+//             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
+//             over several slabs), read by the paged decode kernel through the
+//             block tables.
+// --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
+// benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
+// context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms), timed over 100
+// runs instead of 25.
 // Timing: CUDA events around each run, L2 flushed (a 256 MB memset) before
 // every run, 5 warm-ups, median of 25 runs; random inputs. Prints CSV rows in
 // DESIGN.md §5's format: kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,
@@ -29,19 +37,22 @@
 #include <vector>
 
 #include "backend/cuda/attn_fwd.h"
-#include "backend/dtype.h"
+#include "backend/cuda/paged_attn.h"
+#include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {
 
-#define CK(x)                                                                           \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return false;                                                                     \
-    }                                                                                   \
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, \
+                   __LINE__);                                                            \
+      return false;                                                                      \
+    }                                                                                    \
   } while (0)
 
 struct Shape {
@@ -50,6 +61,16 @@ struct Shape {
   int d, b, hq, hkv, sq, sk;
   bool causal;
 };
+
+// The params' sizes and options for a shape (dense, default scale).
+AttnShape BenchShape(const Shape& s) {
+  return DenseShape(s.dtype, s.b, s.sq, s.sk, s.hq, s.hkv, s.d);
+}
+AttnOptions BenchOptions(const Shape& s) {
+  AttnOptions options;
+  options.causal = s.causal;
+  return options;
+}
 
 // Tracked device allocations (peak_mem_bytes of a version).
 struct Arena {
@@ -72,9 +93,14 @@ struct Arena {
 
 template <typename T>
 __global__ void FillRandom(T* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
     uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    h *= 3266489917u;
+    h ^= h >> 16;
     const float u = (h & 0xffffff) / float(1 << 24) * 2.f - 1.f;  // (-1, 1), never all zero
     x[i] = T(u);
   }
@@ -113,12 +139,12 @@ __global__ void SoftmaxRows(T* s, int sq, int sk, float scale, bool causal) {
 // K/V tile (outer), for each Q tile (inner): read O, m, l from global, update
 // with this K/V tile, write them back. 64-key tiles, 4 query rows per warp step.
 template <typename T>
-__global__ void Fa1Kernel(const T* q, const T* k, const T* v, float* o, float* m, float* l, int sq, int sk,
-                          int hq, int hkv, int d, float scale, bool causal) {
+__global__ void Fa1Kernel(const T* q, const T* k, const T* v, float* o, float* m, float* l, int sq,
+                          int sk, int hq, int hkv, int d, float scale, bool causal) {
   extern __shared__ float sm[];
   constexpr int kBc = 64;
-  float* sk_t = sm;             // [kBc][d]
-  float* sv_t = sm + kBc * d;   // [kBc][d]
+  float* sk_t = sm;            // [kBc][d]
+  float* sv_t = sm + kBc * d;  // [kBc][d]
   const int bh = blockIdx.x;
   const int b = bh / hq, h = bh % hq, kvh = h / (hq / hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
@@ -196,38 +222,32 @@ struct Impl {
 // --decode_splits=N (0: the planner's choice) overrides the split count of
 // decode shapes, for sweeping the split heuristic.
 int g_decode_splits = 0;
+FILE* g_kv_csv = nullptr;  // --kv_csv
 
 struct Ours : Impl {
   AttnParams p{};
-  cuda::LaunchPlan plan;
+  Plan plan;
   Arena arena;
   void* ws = nullptr;
   int num_sms = 0;
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
-    p.dtype = s.dtype;
-    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = nullptr;
-    p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
-    p.seqlen_q = s.sq; p.seqlen_k = s.sk;
-    p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
-    p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
-    p.softmax_scale = 1.f / std::sqrt(float(s.d));
-    p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    p.softcap = 0.f;
-    p.is_causal = s.causal;
-    p.window_left = kNoWindow;
-    p.window_right = s.causal ? 0 : kNoWindow;
+    p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
     plan = cuda::PlanForward(p, num_sms);
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
       plan.num_splits = g_decode_splits;
-      plan.workspace_bytes = g_decode_splits > 1
-          ? int64_t{g_decode_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4 : 0;
+      plan.workspace_bytes = g_decode_splits > 1 ? int64_t{g_decode_splits} * p.num_heads_q *
+                                                       p.total_q * (int64_t{p.head_dim} + 1) * 4
+                                                 : 0;
     }
     if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
     return plan.workspace_bytes == 0 || ws != nullptr;
   }
-  bool Run() override { CK(cuda::LaunchForward(p, plan, ws, nullptr)); return true; }
+  bool Run() override {
+    CK(cuda::LaunchForward(p, plan, ws, nullptr));
+    return true;
+  }
   int64_t ExtraBytes() const override { return arena.bytes; }
 };
 
@@ -240,14 +260,19 @@ struct Standard : Impl {
   Arena arena;
   cublasHandle_t handle = nullptr;
   bool Setup(const Shape& sh, const void* q_, const void* k_, const void* v_, void* o_) override {
-    s = sh; q = static_cast<const T*>(q_); k = static_cast<const T*>(k_); v = static_cast<const T*>(v_);
+    s = sh;
+    q = static_cast<const T*>(q_);
+    k = static_cast<const T*>(k_);
+    v = static_cast<const T*>(v_);
     o = static_cast<T*>(o_);
     if (s.hq != s.hkv) return false;  // the simple baseline has no GQA
     sbuf = static_cast<T*>(arena.Alloc(int64_t{s.b} * s.hq * s.sq * s.sk * sizeof(T)));
     if (sbuf == nullptr) return false;
     return cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS;
   }
-  ~Standard() override { if (handle) cublasDestroy(handle); }
+  ~Standard() override {
+    if (handle) cublasDestroy(handle);
+  }
   bool Run() override {
     const cudaDataType dt = s.dtype == DType::kFP16 ? CUDA_R_16F : CUDA_R_16BF;
     const float one = 1.f, zero = 0.f;
@@ -258,20 +283,22 @@ struct Standard : Impl {
       const T* vb = v + int64_t{b} * s.sk * ld;
       T* sb = sbuf + int64_t{b} * s.hq * s.sq * s.sk;
       // S^T (col-major Sk x Sq) = K Q^T, per head.
-      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.sk, s.sq, s.d, &one, kb, dt, ld, s.d, qb,
-                                     dt, ld, s.d, &zero, sb, dt, s.sk, int64_t{s.sq} * s.sk, s.hq,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.sk, s.sq, s.d, &one, kb,
+                                     dt, ld, s.d, qb, dt, ld, s.d, &zero, sb, dt, s.sk,
+                                     int64_t{s.sq} * s.sk, s.hq, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
         return false;
     }
-    SoftmaxRows<T><<<static_cast<unsigned>(int64_t{s.b} * s.hq * s.sq), 256>>>(sbuf, s.sq, s.sk,
-                                                                               1.f / std::sqrt(float(s.d)), s.causal);
+    SoftmaxRows<T><<<static_cast<unsigned>(int64_t{s.b} * s.hq * s.sq), 256>>>(
+        sbuf, s.sq, s.sk, 1.f / std::sqrt(float(s.d)), s.causal);
     for (int b = 0; b < s.b; ++b) {
       const T* vb = v + int64_t{b} * s.sk * ld;
       T* ob = o + int64_t{b} * s.sq * ld;
       T* sb = sbuf + int64_t{b} * s.hq * s.sq * s.sk;
       // O^T (col-major D x Sq) = V^T P^T, per head.
-      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, s.d, s.sq, s.sk, &one, vb, dt, ld, s.d, sb, dt,
-                                     s.sk, int64_t{s.sq} * s.sk, &zero, ob, dt, ld, s.d, s.hq, CUBLAS_COMPUTE_32F,
+      if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, s.d, s.sq, s.sk, &one, vb,
+                                     dt, ld, s.d, sb, dt, s.sk, int64_t{s.sq} * s.sk, &zero, ob, dt,
+                                     ld, s.d, s.hq, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
         return false;
     }
@@ -289,21 +316,24 @@ struct Fa1 : Impl {
   float *oa = nullptr, *m = nullptr, *l = nullptr;
   Arena arena;
   bool Setup(const Shape& sh, const void* q_, const void* k_, const void* v_, void* o_) override {
-    s = sh; q = static_cast<const T*>(q_); k = static_cast<const T*>(k_); v = static_cast<const T*>(v_);
+    s = sh;
+    q = static_cast<const T*>(q_);
+    k = static_cast<const T*>(k_);
+    v = static_cast<const T*>(v_);
     o = static_cast<T*>(o_);
     const int64_t rows = int64_t{s.b} * s.sq * s.hq;
     oa = static_cast<float*>(arena.Alloc(rows * s.d * 4));
     m = static_cast<float*>(arena.Alloc(rows * 4));
     l = static_cast<float*>(arena.Alloc(rows * 4));
     if (!oa || !m || !l) return false;
-    return cudaFuncSetAttribute(Fa1Kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 64 * 256 * 4) ==
-           cudaSuccess;
+    return cudaFuncSetAttribute(Fa1Kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                2 * 64 * 256 * 4) == cudaSuccess;
   }
   bool Run() override {
     const int64_t rows = int64_t{s.b} * s.sq * s.hq;
     Fa1Init<<<1024, 256>>>(oa, m, l, rows, s.d);
-    Fa1Kernel<T><<<s.b * s.hq, 256, 2 * 64 * s.d * 4>>>(q, k, v, oa, m, l, s.sq, s.sk, s.hq, s.hkv, s.d,
-                                                         1.f / std::sqrt(float(s.d)), s.causal);
+    Fa1Kernel<T><<<s.b * s.hq, 256, 2 * 64 * s.d * 4>>>(q, k, v, oa, m, l, s.sq, s.sk, s.hq, s.hkv,
+                                                        s.d, 1.f / std::sqrt(float(s.d)), s.causal);
     Fa1Finish<T><<<1024, 256>>>(oa, l, o, rows, s.d);
     CK(cudaGetLastError());
     return true;
@@ -316,7 +346,8 @@ struct Fa1 : Impl {
 // SM, 4 loads in flight per thread) with no attention math, timed the same
 // way (after the same 256 MB memset flush). Its TB/s is what any decode
 // kernel could reach in this measurement.
-__global__ void __launch_bounds__(256) KvReadKernel(const uint4* k, const uint4* v, int64_t n16, unsigned* out) {
+__global__ void __launch_bounds__(256)
+    KvReadKernel(const uint4* k, const uint4* v, int64_t n16, unsigned* out) {
   unsigned acc = 0;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (const uint4* src : {k, v}) {
@@ -344,7 +375,9 @@ struct KvRead : Impl {
     if (std::string(s.kind) != "decode") return false;
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-    k = static_cast<const uint4*>(k_); v = static_cast<const uint4*>(v_); out = static_cast<unsigned*>(o);
+    k = static_cast<const uint4*>(k_);
+    v = static_cast<const uint4*>(v_);
+    out = static_cast<unsigned*>(o);
     n16 = int64_t{s.b} * s.sk * s.hkv * s.d * 2 / 16;
     blocks = sms * 8;
     return true;
@@ -357,9 +390,79 @@ struct KvRead : Impl {
   int64_t ExtraBytes() const override { return 0; }
 };
 
+// The decode problem with K/V in pages: Setup appends the contiguous K/V into
+// the pages on the GPU (LaunchKvAppend), Run is the paged decode launch.
+struct Paged : Impl {
+  explicit Paged(int ps) : page_size(ps) {}
+  int page_size;
+  PagedAttnParams pp{};
+  Plan plan;
+  Arena arena;
+  void* ws = nullptr;
+  bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+    if (std::string(s.kind) != "decode") return false;
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    std::vector<int32_t> cu_q(s.b + 1), cu_k(s.b + 1), lens(s.b, s.sk);
+    for (int b = 0; b <= s.b; ++b) {
+      cu_q[b] = b * s.sq;
+      cu_k[b] = b * s.sk;
+    }
+    // Varlen: the append reads the new rows (all of them) by cu_seqlens_k.
+    AttnShape shape = BenchShape(s);
+    shape.cu_seqlens_q = cu_q.data();
+    shape.cu_seqlens_k = cu_k.data();
+    AttnParams& p = pp.attn;
+    p = MakeAttnParams(shape, BenchOptions(s), {q, k, v, o, nullptr});
+    KvPages& kv = pp.pages;
+    kv.page_size = page_size;
+    while ((1 << kv.page_shift) < page_size) ++kv.page_shift;
+    const int per_seq = (s.sk + page_size - 1) / page_size;
+    const int64_t pages = int64_t{s.b} * per_seq;
+    while ((int64_t{1} << kv.slab_shift) * 4 < pages) ++kv.slab_shift;  // >= 4 slabs
+    kv.num_slabs = static_cast<int>((pages + (1 << kv.slab_shift) - 1) >> kv.slab_shift);
+    const int64_t slab_bytes = (int64_t{1} << kv.slab_shift) * page_size * s.hkv * s.d * 2;
+    for (int i = 0; i < kv.num_slabs; ++i) {
+      kv.k_slabs[i] = arena.Alloc(slab_bytes);
+      kv.v_slabs[i] = arena.Alloc(slab_bytes);
+      if (kv.k_slabs[i] == nullptr || kv.v_slabs[i] == nullptr) return false;
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(int64_t{kv.num_slabs} << kv.slab_shift));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
+    ids.resize(static_cast<size_t>(pages));
+    pp.block_table_stride = per_seq;
+    auto upload = [&](const std::vector<int32_t>& h) -> int32_t* {
+      void* d = arena.Alloc(int64_t(h.size()) * 4);
+      if (d == nullptr ||
+          cudaMemcpy(d, h.data(), h.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+        return nullptr;
+      return static_cast<int32_t*>(d);
+    };
+    p.cu_seqlens_q = upload(cu_q);
+    p.cu_seqlens_k = upload(cu_k);
+    pp.block_table = upload(ids);
+    pp.seqlens_k = upload(lens);
+    if (!p.cu_seqlens_q || !p.cu_seqlens_k || !pp.block_table || !pp.seqlens_k) return false;
+    CK(cuda::LaunchKvAppend(pp, nullptr));
+    CK(cudaDeviceSynchronize());
+    plan = cuda::PlanForward(p, num_sms);
+    if (plan.kernel_head_dim == 0) return false;
+    if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
+    return plan.workspace_bytes == 0 || ws != nullptr;
+  }
+  bool Run() override {
+    CK(cuda::LaunchPagedForward(pp, plan, ws, nullptr));
+    return true;
+  }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
 template <typename T>
 std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "ours") return std::make_unique<Ours>();
+  if (name == "paged16") return std::make_unique<Paged>(16);
+  if (name == "paged64") return std::make_unique<Paged>(64);
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
@@ -371,10 +474,13 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
 bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   Shape s = big;
   if (std::string(s.kind) == "decode") {
-    s.b = 1; s.sk = 1000;
+    s.b = 1;
+    s.sk = 1000;
   } else {
-    s.b = 1; s.sq = s.sk = 200;
-    s.hq = std::min(s.hq, 4); s.hkv = std::min(s.hkv, s.hq);
+    s.b = 1;
+    s.sq = s.sk = 200;
+    s.hq = std::min(s.hq, 4);
+    s.hkv = std::min(s.hkv, s.hq);
   }
   const int64_t nq = int64_t{s.b} * s.sq * s.hq * s.d, nk = int64_t{s.b} * s.sk * s.hkv * s.d;
   std::vector<uint16_t> hq(nq), hk(nk), hv(nk), ho(nq);
@@ -383,9 +489,14 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   auto fill = [&](std::vector<uint16_t>& x) {
     for (auto& e : x) e = s.dtype == DType::kFP16 ? FloatToFp16(nd(rng)) : FloatToBf16(nd(rng));
   };
-  fill(hq); fill(hk); fill(hv);
+  fill(hq);
+  fill(hk);
+  fill(hv);
   Arena a;
-  void* dq = a.Alloc(nq * 2); void* dk = a.Alloc(nk * 2); void* dv = a.Alloc(nk * 2); void* dout = a.Alloc(nq * 2);
+  void* dq = a.Alloc(nq * 2);
+  void* dk = a.Alloc(nk * 2);
+  void* dv = a.Alloc(nk * 2);
+  void* dout = a.Alloc(nq * 2);
   CK(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
@@ -394,17 +505,16 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   if (!impl->Setup(s, dq, dk, dv, dout) || !impl->Run()) return false;
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
-  AttnParams p{};
-  p.dtype = s.dtype; p.q = hq.data(); p.k = hk.data(); p.v = hv.data();
-  p.batch = s.b; p.num_heads_q = s.hq; p.num_heads_kv = s.hkv; p.head_dim = s.d;
-  p.seqlen_q = s.sq; p.seqlen_k = s.sk; p.total_q = int64_t{s.b} * s.sq; p.total_k = int64_t{s.b} * s.sk;
-  p.softmax_scale = 1.f / std::sqrt(float(s.d)); p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.is_causal = s.causal; p.window_left = kNoWindow; p.window_right = s.causal ? 0 : kNoWindow;
+  const AttnParams p = MakeAttnParams(BenchShape(s), BenchOptions(s),
+                                      {hq.data(), hk.data(), hv.data(), nullptr, nullptr});
   const ReferenceOutput ref = ReferenceAttention(p);
   double num = 0, den = 0;
   for (int64_t i = 0; i < nq; ++i) {
     const double x = LoadAsFloat(ho.data(), s.dtype, i);
-    if (!std::isfinite(x)) { *rel_err = INFINITY; return false; }
+    if (!std::isfinite(x)) {
+      *rel_err = INFINITY;
+      return false;
+    }
     num += (x - ref.o[i]) * (x - ref.o[i]);
     den += ref.o[i] * ref.o[i];
   }
@@ -415,14 +525,19 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
 bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
   double err = 0;
   if (name != "kvread" && !Validate(name, s, &err)) {
-    std::fprintf(stderr, "SKIP/FAIL validate %s d=%d causal=%d err=%g\n", name.c_str(), s.d, s.causal, err);
+    std::fprintf(stderr, "SKIP/FAIL validate %s d=%d causal=%d err=%g\n", name.c_str(), s.d,
+                 s.causal, err);
     return false;
   }
   const int64_t nq = int64_t{s.b} * s.sq * s.hq * s.d, nk = int64_t{s.b} * s.sk * s.hkv * s.d;
   Arena io;
-  void* q = io.Alloc(nq * 2); void* k = io.Alloc(nk * 2); void* v = io.Alloc(nk * 2); void* o = io.Alloc(nq * 2);
+  void* q = io.Alloc(nq * 2);
+  void* k = io.Alloc(nk * 2);
+  void* v = io.Alloc(nk * 2);
+  void* o = io.Alloc(nq * 2);
   if (!q || !k || !v || !o) return false;
-  FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(q), nq, 1);  // bit patterns valid for both 16-bit types
+  FillRandom<__half>
+      <<<1024, 256>>>(static_cast<__half*>(q), nq, 1);  // bit patterns valid for both 16-bit types
   FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(k), nk, 2);
   FillRandom<__half><<<1024, 256>>>(static_cast<__half*>(v), nk, 3);
   auto impl = s.dtype == DType::kFP16 ? MakeImpl<__half>(name) : MakeImpl<__nv_bfloat16>(name);
@@ -431,8 +546,10 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
     return false;
   }
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const int warm = 5, reps = name == "fa1" ? 20 : 25;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const bool decode = std::string(s.kind) == "decode";
+  const int warm = 5, reps = name == "fa1" ? 20 : (g_kv_csv != nullptr && decode) ? 100 : 25;
   std::vector<float> ms;
   for (int it = 0; it < warm + reps; ++it) {
     CK(cudaMemsetAsync(flush, it & 0xff, 256 << 20));
@@ -448,14 +565,24 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
   const double med = ms[ms.size() / 2];
   double flops = 4.0 * s.b * s.hq * double(s.sq) * s.sk * s.d;
   if (s.causal && s.sq == s.sk) flops /= 2;
-  const bool decode = std::string(s.kind) == "decode";
   const double bytes = decode ? 2.0 * nk * 2 : 2.0 * (2 * nq + 2 * nk);
   std::fprintf(csv, "%s,%s,%d,%d,%d,%d,%d,%d,%d,%s,%.4f,%.2f,%.3f,%lld\n", s.kind,
-               s.dtype == DType::kFP16 ? "fp16" : "bf16", s.d, s.b, s.hq, s.hkv, s.sq, s.sk, s.causal ? 1 : 0,
-               name.c_str(), med, flops / med * 1e-9, bytes / med * 1e-9,
+               s.dtype == DType::kFP16 ? "fp16" : "bf16", s.d, s.b, s.hq, s.hkv, s.sq, s.sk,
+               s.causal ? 1 : 0, name.c_str(), med, flops / med * 1e-9, bytes / med * 1e-9,
                static_cast<long long>(io.bytes + impl->ExtraBytes()));
   std::fflush(csv);
-  cudaEventDestroy(e0); cudaEventDestroy(e1);
+  if (g_kv_csv != nullptr && decode && name != "kvread") {
+    const bool paged = name.rfind("paged", 0) == 0;
+    const double p99 =
+        ms[std::min(ms.size() - 1, static_cast<size_t>(std::ceil(0.99 * ms.size())) - 1)];
+    std::fprintf(g_kv_csv, "kernel,%s,%d,%d,1,%s,%.0f,%.3f,%.4f,%.4f\n",
+                 paged ? "ours_paged" : "ours_contiguous", s.b, s.sk,
+                 paged ? name.substr(5).c_str() : "", s.b / (med * 1e-3), bytes / med * 1e-9, med,
+                 p99);
+    std::fflush(g_kv_csv);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   return true;
 }
 
@@ -468,12 +595,19 @@ int main(int argc, char** argv) {
   std::string dtypes = "bf16,fp16";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto val = [&](const char* f) { return a.rfind(f, 0) == 0 ? a.substr(std::strlen(f)) : std::string(); };
+    auto val = [&](const char* f) {
+      return a.rfind(f, 0) == 0 ? a.substr(std::strlen(f)) : std::string();
+    };
     if (!val("--grid=").empty()) grid = val("--grid=");
     if (!val("--impls=").empty()) impls = val("--impls=");
     if (!val("--dtypes=").empty()) dtypes = val("--dtypes=");
     if (!val("--csv=").empty()) out = val("--csv=");
-    if (!val("--decode_splits=").empty()) g_decode_splits = std::atoi(val("--decode_splits=").c_str());
+    if (!val("--decode_splits=").empty())
+      g_decode_splits = std::atoi(val("--decode_splits=").c_str());
+    if (!val("--kv_csv=").empty()) {
+      g_kv_csv = std::fopen(val("--kv_csv=").c_str(), "w");
+      if (g_kv_csv == nullptr) return 1;
+    }
   }
   FILE* csv = out.empty() ? stdout : std::fopen(out.c_str(), "w");
   if (csv == nullptr) return 1;
@@ -486,12 +620,14 @@ int main(int argc, char** argv) {
       for (int d : {64, 128, 256}) {
         for (int n : {512, 1024, 2048, 4096, 8192, 16384}) {
           if (grid == "quick" && n != 1024 && n != 8192) continue;
-          for (bool c : {false, true}) shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
+          for (bool c : {false, true})
+            shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
         }
       }
     }
     if (grid == "decode" || grid == "all" || grid == "quick") {
-      for (auto [b, sk] : std::vector<std::pair<int, int>>{{1, 8192}, {16, 8192}, {64, 4096}, {8, 65536}}) {
+      for (auto [b, sk] :
+           std::vector<std::pair<int, int>>{{1, 8192}, {16, 8192}, {64, 4096}, {8, 65536}}) {
         shapes.push_back({"decode", t, 128, b, 32, 8, 1, sk, false});
       }
     }
@@ -500,9 +636,12 @@ int main(int argc, char** argv) {
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0;
   for (const Shape& s : shapes) {
-    for (const char* name : {"ours", "standard", "fa1", "kvread"}) {
+    for (const char* name : {"ours", "paged16", "paged64", "standard", "fa1", "kvread"}) {
       if (impls.find(name) == std::string::npos) continue;
-      if (std::string(name) == "kvread" && std::string(s.kind) != "decode") continue;
+      if ((std::string(name) == "kvread" || std::string(name).rfind("paged", 0) == 0) &&
+          std::string(s.kind) != "decode") {
+        continue;
+      }
       if (std::string(name) == "fa1" && (s.sq > 1024 || std::string(s.kind) == "decode")) continue;
       if (std::string(name) == "standard" && s.hq != s.hkv) continue;
       if (!Bench(name, s, flush, csv)) ++failed;
@@ -510,6 +649,7 @@ int main(int argc, char** argv) {
   }
   cudaFree(flush);
   if (csv != stdout) std::fclose(csv);
+  if (g_kv_csv != nullptr) std::fclose(g_kv_csv);
   std::fprintf(stderr, "attn_bench: %d version/shape pairs skipped or failed\n", failed);
   return 0;
 }

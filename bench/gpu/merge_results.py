@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Merges attn_bench and sdpa_bench CSVs into bench/results/<gpu>-<date>.csv
-(DESIGN.md §5: '#' header lines with GPU, clocks, versions, then rows) and
+(docs/design.md §5: '#' header lines with GPU, clocks, versions, then rows) and
 prints ours against the best of FLASH/CUDNN per configuration, plus the
 standard-attention speedup and memory ratio (the FlashAttention paper's claim)."""
 import csv

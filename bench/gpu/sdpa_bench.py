@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Times PyTorch scaled_dot_product_attention (FLASH, CUDNN, EFFICIENT) on
-DESIGN.md §5's anchor and decode grids, the same way attn_bench times ours:
+docs/design.md §5's anchor and decode grids, the same way attn_bench times ours:
 CUDA events, L2 flushed (256 MB write) before each run, 5 warm-ups, median of
 25 runs, random inputs. Writes CSV rows in the §5 format (impl = sdpa_flash,
-sdpa_cudnn, sdpa_efficient); a backend that refuses a shape is skipped."""
+sdpa_cudnn, sdpa_efficient); a backend that refuses a shape is skipped.
+--kv_csv=FILE also writes the decode rows of FLASH and CUDNN in the K/V
+benchmark's format (as attn_bench --kv_csv), timed over 100 runs."""
 import argparse
 import math
 import sys
@@ -37,7 +39,9 @@ def main():
     ap.add_argument("--grid", default="all")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--csv", default="-")
+    ap.add_argument("--kv_csv", default="")
     a = ap.parse_args()
+    kv = open(a.kv_csv, "w") if a.kv_csv else None
     f = sys.stdout if a.csv == "-" else open(a.csv, "w")
     f.write("kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,tbps,peak_mem_bytes\n")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -56,7 +60,8 @@ def main():
                     ref = run()
                     torch.cuda.synchronize()
                     times = []
-                    for it in range(30):
+                    runs = 105 if kv and kind == "decode" else 30
+                    for it in range(runs):
                         flush.fill_(it & 0xff)
                         e0 = torch.cuda.Event(enable_timing=True)
                         e1 = torch.cuda.Event(enable_timing=True)
@@ -79,6 +84,11 @@ def main():
             f.write(f"{kind},{dn},{d},{b},{hq},{hkv},{sq},{sk},{int(causal)},{name},{ms:.4f},"
                     f"{flops / ms * 1e-9:.2f},{nbytes / ms * 1e-9:.3f},{peak}\n")
             f.flush()
+            if kv and kind == "decode" and name in ("sdpa_cudnn", "sdpa_flash"):
+                p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
+                kv.write(f"kernel,{name},{b},{sk},1,,{b / (ms * 1e-3):.0f},{nbytes / ms * 1e-9:.3f},"
+                         f"{ms:.4f},{p99:.4f}\n")
+                kv.flush()
         del q, k, v
         torch.cuda.empty_cache()
 

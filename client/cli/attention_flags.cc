@@ -37,7 +37,7 @@ ABSL_FLAG(std::string, dtype, "fp16",
           "Element type: fp16, bf16 or fp32. With --q/--k/--v files the default is the files' type "
           "and an explicit --dtype converts them.");
 
-// Attention options (DESIGN.md §2).
+// Attention options (docs/design.md §2).
 ABSL_FLAG(bool, causal, false,
           "Causal mask, aligned bottom-right: query i sees key j <= i + Sk - Sq.");
 ABSL_FLAG(std::optional<int>, window_left, std::nullopt,
@@ -123,7 +123,7 @@ absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags() {
   return std::optional<VarlenLengths>(VarlenLengths{*std::move(lq), *std::move(lk)});
 }
 
-absl::Status OptionsFromFlags(AttentionOptions* o) {
+absl::Status OptionsFromFlags(ForwardOptions* o) {
   o->causal = absl::GetFlag(FLAGS_causal);
   o->window_left = absl::GetFlag(FLAGS_window_left);
   o->window_right = absl::GetFlag(FLAGS_window_right);
@@ -150,7 +150,7 @@ absl::Status OptionsFromFlags(AttentionOptions* o) {
   return absl::OkStatus();
 }
 
-std::string OptionsString(const AttentionOptions& o) {
+std::string OptionsString(const ForwardOptions& o) {
   std::vector<std::string> parts;
   if (o.causal) parts.push_back("causal");
   if (o.window_left) parts.push_back(absl::StrCat("window_left=", *o.window_left));

@@ -48,10 +48,10 @@ absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags();
 
 // The option flags into `o` (return_lse from --return_lse only).
 // INVALID_ARGUMENT naming the flag for a bad value.
-absl::Status OptionsFromFlags(AttentionOptions* o);
+absl::Status OptionsFromFlags(ForwardOptions* o);
 
 // "causal window_left=4 return_lse", or "no mask".
-std::string OptionsString(const AttentionOptions& o);
+std::string OptionsString(const ForwardOptions& o);
 
 }  // namespace cli
 }  // namespace attnserve

@@ -30,12 +30,19 @@ struct Command {
   // Runs with the flags already parsed; `args` are the positional arguments
   // after the command name.
   int (*run)(const std::vector<std::string>& args);
+  // Single flags of other files that this command also takes (e.g. kv takes
+  // --heads_kv, --head_dim and --dtype of the attention flags, load-kv
+  // load's --concurrency and --check), so one name keeps one meaning across
+  // commands without the command taking every flag of that file.
+  std::vector<const char*> borrowed_flags;
 };
 
 int RunHealth(const std::vector<std::string>& args);
 int RunInfo(const std::vector<std::string>& args);
 int RunForward(const std::vector<std::string>& args);
 int RunLoad(const std::vector<std::string>& args);
+int RunKv(const std::vector<std::string>& args);
+int RunLoadKv(const std::vector<std::string>& args);
 
 }  // namespace cli
 }  // namespace attnserve

@@ -1,11 +1,16 @@
 // Global attnctl flags and the helpers every command uses (see common.h).
 #include "client/cli/common.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include <cstdlib>
 #include <iostream>
 #include <set>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -69,6 +74,20 @@ int PrintError(absl::string_view what, const absl::Status& status) {
   return kExitFailure;
 }
 
+int PrintJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    return PrintError("encoding JSON", absl::InternalError(std::string(status.message())));
+  }
+  std::cout << json;
+  return kExitOk;
+}
+
 int UsageError(absl::string_view command, absl::string_view message) {
   std::cerr << "attnctl: " << message << "\n"
             << "Run 'attnctl help" << (command.empty() ? "" : " ") << command << "' for usage.\n";
@@ -78,6 +97,11 @@ int UsageError(absl::string_view command, absl::string_view message) {
 void MarkFlagSet(absl::string_view name) { SetFlags().insert(std::string(name)); }
 bool FlagWasSet(absl::string_view name) { return SetFlags().count(std::string(name)) > 0; }
 std::vector<std::string> FlagsSet() { return {SetFlags().begin(), SetFlags().end()}; }
+
+bool IsGlobalFlag(absl::string_view name) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr && absl::EndsWith(flag->Filename(), kGlobalFlagsFile);
+}
 
 absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::string_view text) {
   std::vector<int> out;

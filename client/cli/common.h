@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/attention_client.h"
+#include "google/protobuf/message.h"
 
 ABSL_DECLARE_FLAG(std::string, target);
 ABSL_DECLARE_FLAG(absl::Duration, timeout);
@@ -29,6 +30,11 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_cha
 // Prints "attnctl: <what>: <CODE_NAME>: <message>" to stderr, keeping the
 // server's message verbatim, and returns kExitFailure.
 int PrintError(absl::string_view what, const absl::Status& status);
+// Prints `message` as JSON (proto field names, every field, indented) to
+// stdout and returns kExitOk, or prints the encoding error and returns
+// kExitFailure. For --json output meant for scripts.
+int PrintJson(const google::protobuf::Message& message);
+
 // Prints "attnctl: <message>" and a pointer to the help to stderr and returns
 // kExitUsage.
 int UsageError(absl::string_view command, absl::string_view message);
@@ -38,6 +44,9 @@ int UsageError(absl::string_view command, absl::string_view message);
 void MarkFlagSet(absl::string_view name);
 bool FlagWasSet(absl::string_view name);
 std::vector<std::string> FlagsSet();
+// Whether `name` is one of the global flags above (every command takes them).
+bool IsGlobalFlag(absl::string_view name);
+inline constexpr char kGlobalFlagsFile[] = "client/cli/common.cc";
 
 // "3,0,17" -> {3, 0, 17}. INVALID_ARGUMENT naming `flag` for an empty item,
 // a non-integer or a negative value.

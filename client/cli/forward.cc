@@ -34,7 +34,7 @@ ABSL_FLAG(std::string, out, "",
 ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
 
 ABSL_FLAG(bool, verify, false,
-          "Compute the float64 reference locally and check O (and LSE) with DESIGN.md's tolerance; "
+          "Compute the float64 reference locally and check O (and LSE) with docs/design.md's tolerance; "
           "exit 1 on FAIL.");
 ABSL_FLAG(std::string, request_id, "", "request_id to send (echoed by the server and in its log).");
 
@@ -166,7 +166,7 @@ int RunForward(const std::vector<std::string>& args) {
   const int64_t client_us = absl::ToInt64Microseconds(absl::Now() - start);
   if (!result.ok()) return PrintError("Forward failed", result.status());
 
-  const ServerTiming& t = result->timing;
+  const ForwardTiming& t = result->timing;
   std::cout << "backend:  " << result->backend << "\n"
             << "latency:  client " << Ms(client_us) << " ms; server total " << Ms(t.total_us)
             << " ms (queue " << Ms(t.queue_us) << ", host_to_device " << Ms(t.host_to_device_us)

@@ -1,7 +1,5 @@
 // `attnctl info`: GetServerInfo as readable text, or as JSON (proto field
 // names) with --json for scripts.
-#include <google/protobuf/util/json_util.h>
-
 #include <iostream>
 #include <string>
 
@@ -48,6 +46,14 @@ void PrintText(const v1::GetServerInfoResponse& info) {
             << info.limits().max_tokens() << " tokens, queue " << info.limits().max_queue_size()
             << "\n"
             << "features:   " << absl::StrJoin(info.features(), ", ") << "\n";
+  if (info.has_kv()) {
+    const v1::KvInfo& kv = info.kv();
+    std::cout << "kv cache:   pages of " << absl::StrJoin(kv.page_sizes(), "/")
+              << " tokens (default " << kv.default_page_size() << "), "
+              << Bytes(kv.cache_bytes_per_device()) << " per device, idle timeout "
+              << (kv.idle_timeout_ms() > 0 ? absl::StrCat(kv.idle_timeout_ms(), " ms") : "none")
+              << "\n";
+  }
 }
 
 }  // namespace
@@ -62,17 +68,7 @@ int RunInfo(const std::vector<std::string>& args) {
     PrintText(*info);
     return kExitOk;
   }
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.always_print_primitive_fields = true;
-  options.preserve_proto_field_names = true;
-  std::string json;
-  const auto status = google::protobuf::util::MessageToJsonString(*info, &json, options);
-  if (!status.ok()) {
-    return PrintError("encoding JSON", absl::InternalError(std::string(status.message())));
-  }
-  std::cout << json;
-  return kExitOk;
+  return PrintJson(*info);
 }
 
 }  // namespace cli

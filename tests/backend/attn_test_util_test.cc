@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 
 namespace attnserve {

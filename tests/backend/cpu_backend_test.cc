@@ -9,7 +9,7 @@
 #include <set>
 
 #include "backend/backend_factory.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -31,9 +31,10 @@ class CpuBackendGridTest : public ::testing::TestWithParam<TestCase> {};
 
 TEST_P(CpuBackendGridTest, MatchesReference) {
   HostBuffers buf(GetParam());
-  ASSERT_TRUE(Backend().CanImplement(buf.params()).ok());
+  const absl::StatusOr<Plan> plan = Backend().CanImplement(buf.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
   BackendTimings timings;
-  const absl::Status status = Backend().Forward(buf.params(), &timings);
+  const absl::Status status = Backend().Forward(*plan, buf.params(), &timings);
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_GE(timings.compute_us, 0);
   EXPECT_TRUE(CheckOutput(buf));
@@ -68,8 +69,8 @@ TEST(CpuBackendTest, RejectsInvalidParams) {
   AttnParams p = buf.params();
   p.head_dim = 12;
   auto backend = MakeCpuBackend(2);
-  EXPECT_EQ(backend->CanImplement(p).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(backend->Forward(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend->CanImplement(p).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanAndForward(*backend, p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Thread counts that do not divide the task count, more threads than tasks,
@@ -87,7 +88,7 @@ TEST(CpuBackendTest, AnyThreadCount) {
   for (int threads : {1, 2, 5, 16}) {
     auto backend = MakeCpuBackend(threads);
     buf.Poison();
-    ASSERT_TRUE(backend->Forward(buf.params(), nullptr).ok());
+    ASSERT_TRUE(PlanAndForward(*backend, buf.params(), nullptr).ok());
     EXPECT_TRUE(CheckOutput(buf)) << "threads=" << threads;
   }
 }
@@ -105,7 +106,7 @@ TEST(CpuBackendTest, RepeatedCallsOnOneInstance) {
       tc.head_dim = d;
       tc.seed = 100 + round;
       HostBuffers buf(tc);
-      ASSERT_TRUE(backend->Forward(buf.params(), nullptr).ok());
+      ASSERT_TRUE(PlanAndForward(*backend, buf.params(), nullptr).ok());
       EXPECT_TRUE(CheckOutput(buf));
     }
   }
@@ -119,7 +120,7 @@ TEST(CpuBackendTest, FullyMaskedRowsAreExactlyZero) {
   tc.num_heads_q = 2;
   tc.causal = true;  // rows i < 64 see no key (i + 16 - 80 < 0)
   HostBuffers buf(tc);
-  ASSERT_TRUE(Backend().Forward(buf.params(), nullptr).ok());
+  ASSERT_TRUE(PlanAndForward(Backend(), buf.params(), nullptr).ok());
   const float* o = static_cast<const float*>(buf.o());
   for (int i = 0; i < 64; ++i) {
     for (int h = 0; h < 2; ++h) {
@@ -141,7 +142,7 @@ TEST(CpuBackendTest, LargeScoresStayFinite) {
     tc.softmax_scale = 40.0f;
     tc.seed = 7;
     HostBuffers buf(tc);
-    ASSERT_TRUE(Backend().Forward(buf.params(), nullptr).ok());
+    ASSERT_TRUE(PlanAndForward(Backend(), buf.params(), nullptr).ok());
     EXPECT_TRUE(CheckOutput(buf));
   }
 }

@@ -1,6 +1,6 @@
-// FP16/BF16 <-> float conversions of backend/dtype.h: exact round trips,
+// FP16/BF16 <-> float conversions of common/dtype.h: exact round trips,
 // round-to-nearest-even ties, subnormals, overflow, infinities and NaN.
-#include "backend/dtype.h"
+#include "common/dtype.h"
 
 #include <cmath>
 #include <cstdint>

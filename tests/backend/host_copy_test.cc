@@ -1,6 +1,6 @@
 // CopyInParallel gives the same bytes as memcpy whatever the chunking: copies
 // of odd sizes, empty ones, and lists below and above the parallel threshold.
-#include "backend/host_copy.h"
+#include "common/host_copy.h"
 
 #include <cstdint>
 #include <vector>
@@ -22,11 +22,13 @@ TEST(HostCopyTest, ParallelCopiesMatchSerialOnes) {
       for (size_t j = 0; j < sizes[i]; ++j) src.back()[j] = static_cast<uint8_t>(j * 31 + i);
       dst.emplace_back(sizes[i] + 16, 0xAB);  // tail guards against overruns
     }
-    for (size_t i = 0; i < sizes.size(); ++i) copies.push_back({dst[i].data(), src[i].data(), sizes[i]});
+    for (size_t i = 0; i < sizes.size(); ++i)
+      copies.push_back({dst[i].data(), src[i].data(), sizes[i]});
     CopyInParallel(copies, &pool, min_chunk);
     for (size_t i = 0; i < sizes.size(); ++i) {
       for (size_t j = 0; j < sizes[i]; ++j) ASSERT_EQ(dst[i][j], src[i][j]) << i << " " << j;
-      for (size_t j = sizes[i]; j < dst[i].size(); ++j) ASSERT_EQ(dst[i][j], 0xAB) << "overrun " << i;
+      for (size_t j = sizes[i]; j < dst[i].size(); ++j)
+        ASSERT_EQ(dst[i][j], 0xAB) << "overrun " << i;
     }
   }
 }

@@ -5,8 +5,8 @@
 #include <limits>
 #include <vector>
 
-#include "backend/dtype.h"
 #include "backend/reference/reference_attention.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 

@@ -13,8 +13,8 @@
 
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
-#include "backend/dtype.h"
 #include "backend/reference/reference_attention.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -105,7 +105,7 @@ TEST(ScoreRangeTest, CpuMatchesReferenceAtTheEdges) {
       AttnParams p = buf.params();
       std::vector<float> lse(static_cast<size_t>(p.total_q * p.num_heads_q));
       if (huge) p.lse = lse.data();
-      ASSERT_TRUE(Backend().Forward(p, nullptr).ok());
+      ASSERT_TRUE(PlanAndForward(Backend(), p, nullptr).ok());
       EXPECT_TRUE(CheckOutput(buf));
       if (!huge) continue;
       const ReferenceOutput& ref = buf.Reference();
@@ -164,7 +164,7 @@ TEST(ScoreRangeTest, LargestFp16InputsAtLargestScaleStayFinite) {
     p.window_right = kNoWindow;
     SCOPED_TRACE(softcap);
     ASSERT_TRUE(CheckParams(p).ok()) << CheckParams(p);
-    ASSERT_TRUE(Backend().Forward(p, nullptr).ok());
+    ASSERT_TRUE(PlanAndForward(Backend(), p, nullptr).ok());
     const ReferenceOutput ref = ReferenceAttention(p);
     for (int c = 0; c < d; ++c) {
       const double expected =

@@ -8,9 +8,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "backend/dtype.h"
 #include "client/inputs.h"
 #include "client/verify.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/loopback_server.h"
@@ -41,7 +41,7 @@ class AttentionClientTest : public ::testing::Test {
   }
 
   // Runs `shape` with `options` and checks the result against the reference.
-  void RunAndVerify(const AttentionShape& shape, const AttentionOptions& options, uint64_t seed) {
+  void RunAndVerify(const AttentionShape& shape, const ForwardOptions& options, uint64_t seed) {
     auto inputs = MakeRandomInputs(shape, seed);
     ASSERT_TRUE(inputs.ok()) << inputs.status();
     inputs->options = options;
@@ -81,7 +81,7 @@ TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
   for (DType dtype : {DType::kFP16, DType::kBF16, DType::kFP32}) {
     for (bool causal : {false, true}) {
       SCOPED_TRACE(absl::StrCat(std::string(DTypeName(dtype)), causal ? " causal" : ""));
-      AttentionOptions o;
+      ForwardOptions o;
       o.causal = causal;
       RunAndVerify(Dense(dtype, 2, 17, 33, 4, 4, 64), o, ++seed);
     }
@@ -89,7 +89,7 @@ TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
 }
 
 TEST_F(AttentionClientTest, ForwardGqaWithLseWindowAndSoftcap) {
-  AttentionOptions o;
+  ForwardOptions o;
   o.return_lse = true;
   RunAndVerify(Dense(DType::kBF16, 1, 40, 40, 8, 2, 32), o, 1);  // GQA 4:1
   RunAndVerify(Dense(DType::kFP16, 1, 9, 20, 4, 1, 16), o, 2);   // MQA
@@ -108,7 +108,7 @@ TEST_F(AttentionClientTest, ForwardVarlenWithZeroLengthSequence) {
   s.head_dim = 32;
   s.seqlens_q = {3, 0, 17, 5};
   s.seqlens_k = {3, 6, 17, 0};  // the last sequence sees no key: O = 0, LSE = -inf
-  AttentionOptions o;
+  ForwardOptions o;
   o.return_lse = true;
   RunAndVerify(s, o, 4);
   o.causal = true;

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/dtype.h"
 #include "client/attention_client.h"
 #include "client/inputs.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -75,6 +75,32 @@ TEST(HostTensorTest, ProtoRoundTripAndChecks) {
   EXPECT_THAT(HostTensor::FromProto(proto).status().message(), HasSubstr("DTYPE_UNSPECIFIED"));
   proto.set_dtype(v1::FP32);  // 32 bytes are 8 FP32 values, not 16
   EXPECT_THAT(HostTensor::FromProto(proto).status().message(), HasSubstr("needs 16 * 4 bytes"));
+}
+
+TEST(HostTensorTest, ConcatRowsAndSliceRowsBuildAndSplitTheVarlenLayout) {
+  auto a = HostTensor::FromFloats(DType::kFP16, {1, 2, 2}, {1, 2, 3, 4});
+  auto b = HostTensor::FromFloats(DType::kFP16, {2, 2, 2}, {5, 6, 7, 8, 9, 10, 11, 12});
+  auto empty = HostTensor::FromFloats(DType::kFP16, {0, 2, 2}, {});
+  ASSERT_TRUE(a.ok() && b.ok() && empty.ok());
+  auto all = ConcatRows({*a, *empty, *b}, DType::kFP32, {});
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->shape(), (std::vector<int64_t>{3, 2, 2}));
+  EXPECT_EQ(all->ToFloats(), (std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
+  auto second = all->SliceRows(1, 2);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->bytes(), b->bytes());
+  EXPECT_EQ(all->SliceRows(3, 0)->shape(), (std::vector<int64_t>{0, 2, 2}));
+  EXPECT_EQ(all->SliceRows(2, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(all->SliceRows(-1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  // No parts: an empty tensor of the given trailing shape.
+  auto none = ConcatRows({}, DType::kBF16, {7, 4, 8});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->DebugString(), "BF16[0, 4, 8]");
+  // Parts must agree beyond the first dimension.
+  auto c = HostTensor::FromFloats(DType::kFP16, {1, 4}, {1, 2, 3, 4});
+  const auto mixed = ConcatRows({*a, *c}, DType::kFP16, {});
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(mixed.status().message()), ::testing::HasSubstr("part 1 is FP16[1, 4]"));
 }
 
 TEST(HostTensorTest, ParseDType) {

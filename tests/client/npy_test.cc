@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

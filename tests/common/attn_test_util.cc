@@ -8,8 +8,9 @@
 #include <random>
 #include <sstream>
 
-#include "backend/dtype.h"
+#include "backend/make_params.h"
 #include "backend/reference/tolerance.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace testing_util {
@@ -222,15 +223,9 @@ double OutputFloor(DType t) { return tolerance::OutputFloor(t); }
 std::string TestCase::Name() const {
   std::string s;
   switch (dtype) {
-    case DType::kFP16:
-      s = "fp16";
-      break;
-    case DType::kBF16:
-      s = "bf16";
-      break;
-    case DType::kFP32:
-      s = "fp32";
-      break;
+    case DType::kFP16: s = "fp16"; break;
+    case DType::kBF16: s = "bf16"; break;
+    case DType::kFP32: s = "fp32"; break;
   }
   if (varlen()) {
     s += "_varlen_q" + JoinInts(seqlens_q) + "_k" + JoinInts(seqlens_k);
@@ -251,45 +246,35 @@ std::string TestCase::Name() const {
 }
 
 HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
-  std::memset(&params_, 0, sizeof(params_));
-  AttnParams& p = params_;
-  p.dtype = tc.dtype;
-  p.num_heads_q = tc.num_heads_q;
-  p.num_heads_kv = tc.num_heads_kv;
-  p.head_dim = tc.head_dim;
+  AttnShape shape;
+  shape.dtype = tc.dtype;
+  shape.num_heads_q = tc.num_heads_q;
+  shape.num_heads_kv = tc.num_heads_kv;
+  shape.head_dim = tc.head_dim;
   if (tc.varlen()) {
-    p.batch = static_cast<int32_t>(tc.seqlens_q.size());
+    shape.batch = static_cast<int32_t>(tc.seqlens_q.size());
     cu_q_.assign(1, 0);
     cu_k_.assign(1, 0);
-    int max_q = 0, max_k = 0;
     for (size_t b = 0; b < tc.seqlens_q.size(); ++b) {
       cu_q_.push_back(cu_q_.back() + tc.seqlens_q[b]);
       cu_k_.push_back(cu_k_.back() + (b < tc.seqlens_k.size() ? tc.seqlens_k[b] : 0));
-      max_q = std::max(max_q, tc.seqlens_q[b]);
-      if (b < tc.seqlens_k.size()) max_k = std::max(max_k, tc.seqlens_k[b]);
     }
-    p.seqlen_q = max_q;
-    p.seqlen_k = max_k;
-    p.total_q = cu_q_.back();
-    p.total_k = cu_k_.back();
-    p.cu_seqlens_q = cu_q_.data();
-    p.cu_seqlens_k = cu_k_.data();
+    shape.cu_seqlens_q = cu_q_.data();
+    shape.cu_seqlens_k = cu_k_.data();
   } else {
-    p.batch = tc.batch;
-    p.seqlen_q = tc.seqlen_q;
-    p.seqlen_k = tc.seqlen_k;
-    p.total_q = int64_t{tc.batch} * tc.seqlen_q;
-    p.total_k = int64_t{tc.batch} * tc.seqlen_k;
+    shape.batch = tc.batch;
+    shape.seqlen_q = tc.seqlen_q;
+    shape.seqlen_k = tc.seqlen_k;
   }
-  p.softmax_scale = tc.softmax_scale != 0.0f
-                        ? tc.softmax_scale
-                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(tc.head_dim)));
-  p.softmax_scale_log2 = static_cast<float>(double{p.softmax_scale} * 1.4426950408889634);
-  p.softcap = tc.softcap;
-  p.is_causal = tc.causal;
-  p.window_left = tc.window_left;
-  // As FillParams: causal is the right bound 0, so kernels test windows only.
-  p.window_right = tc.causal ? 0 : tc.window_right;
+  AttnOptions options;
+  if (tc.softmax_scale != 0.0f) options.softmax_scale = tc.softmax_scale;
+  options.causal = tc.causal;
+  if (tc.window_left != kNoWindow) options.window_left = tc.window_left;
+  if (tc.window_right != kNoWindow) options.window_right = tc.window_right;
+  options.softcap = tc.softcap;
+  // Pointers are set below, once the buffers are filled.
+  params_ = MakeAttnParams(shape, options, AttnPointers());
+  AttnParams& p = params_;
 
   std::mt19937 rng(tc.seed != 0 ? tc.seed : Fnv1a(tc.Name()));
   FillRandom(&q_, tc.dtype, p.total_q * p.num_heads_q * p.head_dim, &rng);

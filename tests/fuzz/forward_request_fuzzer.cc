@@ -23,7 +23,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/backend_factory.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "server/executor_pool.h"
 #include "server/forward_handler.h"
 #include "spdlog/spdlog.h"

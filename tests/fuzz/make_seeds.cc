@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "client/npy.h"
 
 namespace attnserve {

@@ -95,7 +95,8 @@ TEST(AttnserveBinaryTest, HelpListsFlags) {
   EXPECT_EQ(code, 1) << "absl's --help exits 1";
   for (const char* flag :
        {"--host", "--port", "--backend", "--threads", "--devices", "--max_request_bytes",
-        "--max_tokens", "--max_queue_size", "--log_level", "--shutdown_grace"}) {
+        "--max_tokens", "--max_queue_size", "--log_level", "--shutdown_grace", "--http_port",
+        "--allow_client_shm"}) {
     EXPECT_NE(child.output().find(flag), std::string::npos) << flag << "\n" << child.output();
   }
 }

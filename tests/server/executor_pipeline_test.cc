@@ -19,13 +19,14 @@ class GatedPipelineBackend : public AttentionBackend {
   explicit GatedPipelineBackend(int depth) : depth_(depth) { description_.name = "gated"; }
 
   const BackendDescription& Describe() const override { return description_; }
-  absl::Status CanImplement(const AttnParams&) const override { return absl::OkStatus(); }
-  absl::Status Forward(const AttnParams&, BackendTimings*) override {
+  absl::StatusOr<Plan> CanImplement(const AttnParams&) const override { return Plan(); }
+  absl::Status Forward(const Plan&, const AttnParams&, BackendTimings*) override {
     return absl::InternalError("the executor must use StartForward");
   }
   int max_launches_in_flight() const override { return depth_; }
 
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const PackedBatch& batch) override {
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan&,
+                                                              const PackedBatch& batch) override {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(&start_open_));
     std::vector<int> tags;

@@ -24,12 +24,12 @@ class ScriptedBackend : public AttentionBackend {
 
   const BackendDescription& Describe() const override { return description_; }
 
-  absl::Status CanImplement(const AttnParams& p) const override {
+  absl::StatusOr<Plan> CanImplement(const AttnParams& p) const override {
     if (p.head_dim == 200) return absl::UnimplementedError("head_dim 200: not in this build");
-    return absl::OkStatus();
+    return Plan();
   }
 
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
+  absl::Status Forward(const Plan&, const AttnParams& p, BackendTimings* timings) override {
     {
       absl::MutexLock lock(&mu_);
       started_.push_back(p.batch);

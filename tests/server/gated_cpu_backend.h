@@ -5,6 +5,7 @@
 // out-of-memory would.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -23,14 +24,14 @@ class GatedCpuBackend : public AttentionBackend {
 
   const BackendDescription& Describe() const override { return inner_->Describe(); }
 
-  absl::Status CanImplement(const AttnParams& p) const override {
+  absl::StatusOr<Plan> CanImplement(const AttnParams& p) const override {
     if (softcap_unimplemented_ && p.softcap != 0.0f) {
       return absl::UnimplementedError("softcap: not supported by this backend build");
     }
     return inner_->CanImplement(p);
   }
 
-  absl::Status Forward(const AttnParams& p, BackendTimings* timings) override {
+  absl::Status Forward(const Plan& plan, const AttnParams& p, BackendTimings* timings) override {
     {
       absl::MutexLock lock(&mu_);
       ++calls_;
@@ -39,11 +40,28 @@ class GatedCpuBackend : public AttentionBackend {
     if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
       return absl::ResourceExhaustedError("device out of memory (simulated)");
     }
-    return inner_->Forward(p, timings);
+    return inner_->Forward(plan, p, timings);
+  }
+
+  // The paged path: the inner backend's memory; launches gated and counted
+  // like Forward, failing as an out-of-memory would when paged_fail is set.
+  absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override {
+    return inner_->AllocateKvMemory(bytes);
+  }
+  void FreeKvMemory(void* memory) override { inner_->FreeKvMemory(memory); }
+  absl::Status PagedForward(const PagedAttnParams& p, BackendTimings* timings) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++calls_;
+      mu_.Await(absl::Condition(&open_));
+    }
+    if (paged_fail) return absl::ResourceExhaustedError("device out of memory (simulated)");
+    return inner_->PagedForward(p, timings);
   }
 
   // Launches over this many query rows fail with RESOURCE_EXHAUSTED; -1: never.
   int64_t oom_over_rows = -1;
+  std::atomic<bool> paged_fail{false};
 
   void Close() {
     absl::MutexLock lock(&mu_);

@@ -3,7 +3,9 @@
 // and an 8 MiB request_id are refused by Forward, ForwardStream and Echo alike;
 // and a ForwardStream whose client sends many large requests and never reads
 // is held to its flow-control bound (stream_flow_control.h), measured by the
-// server's own /metrics gauges, and gives everything back when it cancels.
+// server's own /metrics gauges, and gives everything back when it cancels. The
+// bound lives in the one streaming reactor (stream_reactor.h), so KServe's
+// ModelStreamInfer is checked against it too.
 #include <httplib.h>
 
 #include <atomic>
@@ -14,6 +16,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -28,6 +31,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "server/malloc_tuning.h"
 #include "server/request_validation.h"
 #include "server/server.h"
@@ -69,8 +73,10 @@ class HostileClientTest : public ::testing::Test {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);
-    stub_ = v1::Attention::NewStub(grpc::CreateCustomChannel(
-        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(), args));
+    auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                             grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::Attention::NewStub(channel);
+    v2_ = inference::GRPCInferenceService::NewStub(channel);
   }
 
   // The value of an attnserve_stream_* gauge from a /metrics scrape.
@@ -113,16 +119,26 @@ class HostileClientTest : public ::testing::Test {
   // never reads; returns once the server has paused reading it and the client
   // has stopped getting further (its Write blocks on HTTP/2 flow control). The
   // caller asserts on the gauges, then cancels.
+  template <typename Req, typename Resp>
   struct NonReadingStream {
     grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::ForwardRequest, v1::ForwardResponse>> stream;
+    std::unique_ptr<grpc::ClientReaderWriter<Req, Resp>> stream;
     std::atomic<int> written{0};
     std::thread writer;
   };
-  std::unique_ptr<NonReadingStream> OpenNonReading(const v1::ForwardRequest& request, int count) {
-    auto s = std::make_unique<NonReadingStream>();
-    s->stream = stub_->ForwardStream(&s->ctx);
-    NonReadingStream* raw = s.get();
+  using NonReadingForwardStream = NonReadingStream<v1::ForwardRequest, v1::ForwardResponse>;
+  std::unique_ptr<NonReadingForwardStream> OpenNonReading(const v1::ForwardRequest& request,
+                                                          int count) {
+    return OpenNonReading<v1::ForwardRequest, v1::ForwardResponse>(
+        [this](grpc::ClientContext* ctx) { return stub_->ForwardStream(ctx); }, request, count);
+  }
+  // The same for any streaming RPC: `open` starts it on a context.
+  template <typename Req, typename Resp, typename Open>
+  std::unique_ptr<NonReadingStream<Req, Resp>> OpenNonReading(Open open, const Req& request,
+                                                              int count) {
+    auto s = std::make_unique<NonReadingStream<Req, Resp>>();
+    s->stream = open(&s->ctx);
+    NonReadingStream<Req, Resp>* raw = s.get();
     s->writer = std::thread([raw, request, count] {
       for (int i = 0; i < count; ++i) {
         if (!raw->stream->Write(request)) return;  // cancelled
@@ -145,7 +161,8 @@ class HostileClientTest : public ::testing::Test {
   }
 
   // Cancels, waits for the server to give back everything the stream held.
-  void CancelAndExpectReleased(NonReadingStream* s) {
+  template <typename Req, typename Resp>
+  void CancelAndExpectReleased(NonReadingStream<Req, Resp>* s) {
     s->ctx.TryCancel();
     s->writer.join();
     s->stream->Finish();
@@ -155,6 +172,20 @@ class HostileClientTest : public ::testing::Test {
              Gauge("attnserve_stream_paused") == 0;
     })) << "held bytes " << Gauge("attnserve_stream_held_bytes") << ", requests "
         << Gauge("attnserve_stream_held_requests");
+  }
+
+  // The count bound (max_pending_requests = 4) on a stream of `count`
+  // requests of `request_bytes` each whose ~1 MiB answers are never read:
+  // the gauges stay within it, the client blocks, cancelling frees it all,
+  // and a reading client is then served in full.
+  template <typename Req, typename Resp>
+  void ExpectHeldToFourRequests(NonReadingStream<Req, Resp>* s, int64_t request_bytes, int count) {
+    EXPECT_LE(Gauge("attnserve_stream_held_requests"), 4);
+    EXPECT_LT(s->written.load(), count) << "the client's writes should block";
+    EXPECT_LE(Gauge("attnserve_stream_peak_bytes"), 4 * request_bytes + 4 * (1 << 20) + 4096);
+    EXPECT_GE(Gauge("attnserve_stream_pauses_total"), 1);
+    CancelAndExpectReleased(s);
+    ExpectStreamServesAll(24);
   }
 
   // A reading client on a fresh stream gets every answer, in spite of the
@@ -182,6 +213,7 @@ class HostileClientTest : public ::testing::Test {
 
   std::unique_ptr<AttnServer> server_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> v2_;
 };
 
 // Sanitizers replace malloc (ASan keeps freed memory in quarantine), so RSS
@@ -280,13 +312,7 @@ TEST_F(HostileClientTest, NonReadingStreamHeldToRequestLimit) {
   const v1::ForwardRequest request = Request(1024, 64, "big");
   const int kCount = 200;  // 220 MiB if the server read them all
   auto s = OpenNonReading(request, kCount);
-  EXPECT_LE(Gauge("attnserve_stream_held_requests"), 4);
-  EXPECT_LT(s->written.load(), kCount) << "the client's writes should block";
-  const int64_t per_request = static_cast<int64_t>(request.ByteSizeLong());
-  EXPECT_LE(Gauge("attnserve_stream_peak_bytes"), 4 * per_request + 4 * (1 << 20) + 4096);
-  EXPECT_GE(Gauge("attnserve_stream_pauses_total"), 1);
-  CancelAndExpectReleased(s.get());
-  ExpectStreamServesAll(24);
+  ExpectHeldToFourRequests(s.get(), static_cast<int64_t>(request.ByteSizeLong()), kCount);
 }
 
 // The byte bound: held bytes never pass the budget by more than one request
@@ -306,6 +332,32 @@ TEST_F(HostileClientTest, NonReadingStreamHeldToByteBudget) {
   EXPECT_LT(s->written.load(), kCount) << "the client's writes should block";
   CancelAndExpectReleased(s.get());
   ExpectStreamServesAll(24);
+}
+
+// KServe's ModelStreamInfer runs the same reactor, so the same bound holds
+// there: 4 held requests at most from a client that never reads.
+TEST_F(HostileClientTest, NonReadingKserveStreamHeldToRequestLimit) {
+  StreamLimits limits;
+  limits.max_pending_requests = 4;
+  limits.max_pending_bytes = int64_t{1} << 30;
+  Start(limits);
+  const v1::ForwardRequest native = Request(1024, 64, "big");
+  inference::ModelInferRequest request;
+  request.set_model_name("attention");
+  request.set_id("big");
+  for (const auto& [name, t] : {std::pair<const char*, const v1::Tensor*>{"q", &native.q()},
+                                {"k", &native.k()},
+                                {"v", &native.v()}}) {
+    inference::ModelInferRequest::InferInputTensor* in = request.add_inputs();
+    in->set_name(name);
+    in->set_datatype("FP32");
+    *in->mutable_shape() = t->shape();
+    *request.add_raw_input_contents() = t->data();
+  }
+  const int kCount = 200;
+  auto s = OpenNonReading<inference::ModelInferRequest, inference::ModelStreamInferResponse>(
+      [this](grpc::ClientContext* ctx) { return v2_->ModelStreamInfer(ctx); }, request, kCount);
+  ExpectHeldToFourRequests(s.get(), static_cast<int64_t>(request.ByteSizeLong()), kCount);
 }
 
 // With generous limits a stream may hold a lot; once its client cancels, the

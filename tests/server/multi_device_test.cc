@@ -33,15 +33,15 @@ class LabelledBackend : public AttentionBackend {
   }
   const BackendDescription& Describe() const override { return description_; }
   // Items without tensors (the pool test's) are accepted and not computed.
-  absl::Status CanImplement(const AttnParams& p) const override {
-    return p.q == nullptr ? absl::OkStatus() : inner_->CanImplement(p);
+  absl::StatusOr<Plan> CanImplement(const AttnParams& p) const override {
+    return p.q == nullptr ? absl::StatusOr<Plan>(Plan()) : inner_->CanImplement(p);
   }
-  absl::Status Forward(const AttnParams& p, BackendTimings* t) override {
+  absl::Status Forward(const Plan& plan, const AttnParams& p, BackendTimings* t) override {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(&open_));
     }
-    return p.q == nullptr ? absl::OkStatus() : inner_->Forward(p, t);
+    return p.q == nullptr ? absl::OkStatus() : inner_->Forward(plan, p, t);
   }
   void SetOpen(bool open) {
     absl::MutexLock lock(&mu_);
@@ -186,7 +186,9 @@ TEST(ExecutorPoolTest, SendsWorkToTheLeastLoadedDevice) {
   }
   ASSERT_TRUE(long_device == 3 || long_device == 7) << long_device;
   for (auto [tag, device] : done) {
-    if (tag != 0) EXPECT_NE(device, long_device) << "request " << tag;
+    if (tag != 0) {
+      EXPECT_NE(device, long_device) << "request " << tag;
+    }
   }
 }
 
@@ -202,7 +204,8 @@ TEST(MultiDeviceServerTest, SpreadsRequestsAndStaysCorrect) {
   // A launch's worth is a couple of these requests (24..54 rows each), so
   // with both devices held the queue spills over to the second.
   options.batch_max_tokens = 64;
-  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options, std::move(backends));
+  absl::StatusOr<std::unique_ptr<AttnServer>> server =
+      AttnServer::Create(options, std::move(backends));
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->Start().ok());
   auto client = AttentionClient::Create(absl::StrCat("127.0.0.1:", (*server)->port()));

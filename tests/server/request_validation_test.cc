@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 
 namespace attnserve {
@@ -454,7 +454,7 @@ TEST(FillParamsTest, DenseDefaults) {
   EXPECT_FALSE(p->is_causal);
   EXPECT_EQ(p->window_left, kNoWindow);
   EXPECT_EQ(p->window_right, kNoWindow);
-  EXPECT_EQ(OutputElements(*p), 10 * 4 * 16);
+  EXPECT_EQ(p->total_q * p->num_heads_q * p->head_dim, 10 * 4 * 16);  // O elements
   EXPECT_EQ(LseElements(*p), 10 * 4);
 }
 

@@ -21,7 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend_factory.h"
-#include "backend/dtype.h"
+#include "common/dtype.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"

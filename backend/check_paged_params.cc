@@ -1,0 +1,76 @@
+// CheckPagedParams; see check_paged_params.h.
+#include "backend/check_paged_params.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "backend/check_params.h"
+#include "common/status_macros.h"
+
+namespace attnserve {
+
+absl::Status CheckPagedParams(const PagedAttnParams& p) {
+  RETURN_IF_ERROR(CheckParams(p.attn));
+  if (p.attn.cu_seqlens_q == nullptr || p.attn.cu_seqlens_k == nullptr) {
+    return absl::InvalidArgumentError("paged params: cu_seqlens_q and cu_seqlens_k must be set");
+  }
+  const KvPages& kv = p.pages;
+  if (kv.page_size < kMinPageSize || kv.page_size > kMaxPageSize ||
+      (kv.page_size & (kv.page_size - 1)) != 0 || (1 << kv.page_shift) != kv.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged params: page_size expected a power of two in [", kMinPageSize, ", ", kMaxPageSize,
+        "] equal to 1 << page_shift, got page_size ", kv.page_size, " page_shift ", kv.page_shift));
+  }
+  if (kv.num_slabs < 1 || kv.num_slabs > kMaxKvSlabs || kv.slab_shift < 0 || kv.slab_shift > 24) {
+    return absl::InvalidArgumentError(absl::StrCat("paged params: num_slabs expected in [1, ",
+                                                   kMaxKvSlabs, "], got ", kv.num_slabs,
+                                                   " (slab_shift ", kv.slab_shift, ")"));
+  }
+  const int64_t num_pages = int64_t{kv.num_slabs} << kv.slab_shift;
+  auto check_page = [&](const char* what, int64_t i, int32_t page) -> absl::Status {
+    if (page < 0 || page >= num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat("paged params: ", what, "[", i,
+                                                     "] expected a page id in [0, ", num_pages,
+                                                     "), got ", page));
+    }
+    return absl::OkStatus();
+  };
+  if (p.num_page_copies < 0 ||
+      (p.num_page_copies > 0 && (p.copy_src == nullptr || p.copy_dst == nullptr))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged params: num_page_copies ", p.num_page_copies, " without copy lists"));
+  }
+  for (int i = 0; i < p.num_page_copies; ++i) {
+    RETURN_IF_ERROR(check_page("copy_src", i, p.copy_src[i]));
+    RETURN_IF_ERROR(check_page("copy_dst", i, p.copy_dst[i]));
+  }
+  if (p.attn.batch > 0 && (p.seqlens_k == nullptr || p.block_table == nullptr)) {
+    return absl::InvalidArgumentError("paged params: seqlens_k and block_table must be set");
+  }
+  int32_t longest = 0;
+  for (int b = 0; b < p.attn.batch; ++b) {
+    const int32_t len = p.seqlens_k[b];
+    const int32_t added = SeqLenK(p.attn, b);
+    if (len < added || int64_t{len} > int64_t{p.block_table_stride} * kv.page_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "paged params: seqlens_k[", b, "] expected in [", added, " (new rows), ",
+          int64_t{p.block_table_stride} * kv.page_size, " (block_table_stride * page_size)], got ",
+          len));
+    }
+    longest = std::max(longest, len);
+    const int32_t pages = (len + kv.page_size - 1) >> kv.page_shift;
+    for (int i = 0; i < pages; ++i) {
+      RETURN_IF_ERROR(
+          check_page("block_table", int64_t{b} * p.block_table_stride + i,
+                     p.block_table[int64_t{b} * p.block_table_stride + i]));
+    }
+  }
+  if (p.attn.batch > 0 && longest != p.attn.seqlen_k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged params: attn.seqlen_k expected the longest seqlens_k ", longest, ", got ",
+        p.attn.seqlen_k));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,110 @@
+// PlanForward: the CUDA forward path's choice of kernel, tile, split-KV and
+// GQA packing for a call; see attn_fwd_plan.h. Plain C++ (no CUDA headers).
+#include "backend/cuda/attn_fwd_plan.h"
+
+#include <algorithm>
+
+#include "backend/cuda/generated/kernel_set.h"
+
+namespace attnserve {
+namespace cuda {
+namespace {
+
+// Resident CTAs of `t` per SM, estimated from its threads at t.regs registers
+// each (64K registers per SM) and its shared memory (227 KB per SM on sm90,
+// plus 1 KB the runtime reserves per CTA).
+int64_t CtasPerSm(const TileConfig& t) {
+  const int threads = t.num_warps * 32;
+  return std::max(1, std::min(65536 / (t.regs * threads), (227 * 1024) / (SmemBytes(t) + 1024)));
+}
+
+// Decode: the fewest splits whose CTAs fill >= 90% of the waves they take,
+// else the fullest; splits of at least 2 key tiles, at most 128.
+int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave) {
+  const int64_t max_splits = std::min<int64_t>(n_blocks / 2, 128);
+  int64_t best = 1;
+  double best_eff = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t ctas = base * s;
+    const double eff =
+        static_cast<double>(ctas) / (static_cast<double>((ctas + wave - 1) / wave) * wave);
+    if (eff > best_eff + 1e-9) {
+      best = s;
+      best_eff = eff;
+    }
+    if (eff >= 0.9) break;
+  }
+  return best;
+}
+
+}  // namespace
+
+// Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
+// num_sms x resident CTAs per SM (CtasPerSm). A second, partial wave costs as
+// much as a full one, so splitting the key range aims at whole waves, with at
+// least 2 key tiles per split (a split's fixed cost, Q load + epilogue +
+// combine traffic, stays small against its tiles) and at most 128 splits.
+//  - Decode tile (M extent, seqlen_q x packed GQA heads, <= 16 rows): the
+//    fewest splits that fill >= 90% of their waves (DecodeSplits).
+//  - Otherwise, when base fills at most half a wave: splits = wave / base.
+// Worked examples on an H100 (132 SMs), D=128, tests/backend/plan_forward_test.cc
+// checks each:
+//  - Decode, B=1, Hq=32, Hkv=8, Sq=1, Sk=8192: the 4 query heads of a KV head
+//    pack into M (4 rows: the decode tile, 16x64, 168 registers x 128 threads
+//    and 74 KB smem -> 3 CTAs/SM, a wave of 396); base = 1 m block x 8 KV
+//    heads = 8 CTAs; 45 splits are the first to fill 90% of a wave (360/396);
+//    128 key tiles / 45 -> 3 tiles each -> 43 splits of 192 keys, 344 CTAs.
+//  - Decode, B=64, Hq=32, Hkv=8, Sq=1, Sk=4096: base 512 CTAs are 1.29 waves;
+//    3 splits make 1536 CTAs = 3.88 waves (97%) -> 3 splits of 22 tiles.
+//  - Prefill tile, B=1, Hq=Hkv=8, Sq=128, Sk=8192, no mask: 128x64 x 255
+//    registers -> 2 CTAs/SM, a wave of 264; base = 8; 264 / 8 = 33 splits;
+//    128 tiles / 33 -> 4 tiles each -> 32 splits of 256 keys.
+//  - Prefill, B=1, Hq=32, Sq=Sk=1024: base 8 x 32 = 256 CTAs, over half a
+//    wave: no split.
+Plan PlanForward(const AttnParams& p, int num_sms) {
+  Plan plan;
+  for (const TileConfig& t : kTileTable) {
+    if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {
+      plan.kernel_head_dim = t.head_dim;
+      break;
+    }
+  }
+  if (plan.kernel_head_dim == 0) return plan;
+  plan.banded = IsBanded(p);
+  if (plan.banded && TileFor(TileKind::kBanded, plan.kernel_head_dim).head_dim != 0) {
+    plan.tile_kind = TileKind::kBanded;
+  }
+  const int group = p.num_heads_q / std::max(p.num_heads_kv, 1);
+  // Pack GQA heads into M for short query runs (decode, speculative steps):
+  // otherwise each query head's CTA would stream the same K/V for 1..16 rows.
+  plan.pack_gqa = (group > 1 && p.seqlen_q <= 16) ? group : 1;
+  const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
+  if (rows <= kDecodeMaxRows && TileFor(TileKind::kDecode, plan.kernel_head_dim).head_dim != 0) {
+    plan.tile_kind = TileKind::kDecode;
+  }
+  const TileConfig tile = TileFor(plan.tile_kind, plan.kernel_head_dim);
+  const int64_t m_blocks = (rows + tile.block_m - 1) / tile.block_m;
+  const int64_t heads = plan.pack_gqa > 1 ? p.num_heads_kv : p.num_heads_q;
+  const int64_t base = m_blocks * heads * p.batch;
+  const int64_t n_blocks = (int64_t{p.seqlen_k} + tile.block_n - 1) / tile.block_n;
+  const int64_t wave = int64_t{num_sms} * CtasPerSm(tile);
+  int64_t splits = 1;
+  if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
+    splits = DecodeSplits(base, n_blocks, wave);
+  } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
+    splits = std::min<int64_t>({wave / base, n_blocks / 2, 128});
+  }
+  if (splits > 1) {
+    // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
+    const int64_t per = (n_blocks + splits - 1) / splits;
+    plan.num_splits = static_cast<int>((n_blocks + per - 1) / per);
+  }
+  if (plan.num_splits > 1) {
+    const int64_t partial_rows = int64_t{plan.num_splits} * p.num_heads_q * p.total_q;
+    plan.workspace_bytes = partial_rows * (int64_t{p.head_dim} + 1) * 4;
+  }
+  return plan;
+}
+
+}  // namespace cuda
+}  // namespace attnserve

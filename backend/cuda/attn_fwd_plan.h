@@ -1,0 +1,112 @@
+// The CUDA forward path's planning, in plain C++ (no CUDA headers, so it
+// builds and is unit-tested on any machine): the tile tables of the portable
+// kernel, one lookup into them, and PlanForward, which turns params into the
+// Plan the launch follows.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/params.h"
+#include "backend/plan.h"
+
+namespace attnserve {
+namespace cuda {
+
+// Tile table of the portable mma.sync kernel, one row per instantiated head
+// dim. Every warp owns kBlockM / kNWarps query rows (16 per m16n8k16 tile) and
+// the whole kBlockN-wide score tile for them; Q, K and V tiles live in shared
+// memory with rows padded by 16 bytes (conflict-free ldmatrix without swizzle).
+//  - 64:  128x64, 4 warps (32 rows each). O = 64 + S = 64 fp32 regs; a
+//         128-wide N tile (S = 128 regs) spilled at the 255-register limit.
+//  - 96:  128x64, 4 warps. O = 96 + S = 64 regs.
+//  - 128: 128x64, 4 warps. O = 128 + S = 64 regs: the FA2 sm80 choice; two
+//         m16 tiles per warp let every K/V fragment loaded from smem feed two
+//         MMAs, which keeps shared-memory bandwidth under the tensor-core rate.
+//         Smem 70 KB; two CTAs per SM (register-bound).
+//  - 192: 128x64, 8 warps (16 rows each). O = 96 regs; 2 m-tiles would need
+//         192 + 64 regs and spill. Smem 102 KB: 2 CTAs per SM on sm90/sm80.
+//  - 256: 128x64, 8 warps (16 rows each). O = 128 regs. Smem 135 KB: fits
+//         sm80's 164 KB and sm90's 227 KB. sm86/89 (99 KB per CTA) run only
+//         the head dims whose tiles fit (CanImplement checks).
+// Stages: 2 = K and V double-buffered (the next tile's K and V load while
+// this one is computed: twice the bytes in flight, which decode needs, and one
+// barrier per tile); 1 = single K and V buffers, V loading during Q.K^T and the
+// next K during softmax and P.V (FA2's scheme) where smem is short.
+//  - 64: 2 stages (52 KB): measured +3..6% over 1 stage on the H100.
+//  - 96, 128: 1 stage. 2 stages (104 KB at 128) measured 4-8% slower in
+//    prefill and 10-15% slower in decode on the H100 (bench/NOTES-cuda.md).
+//  - 192, 256: 1 stage (102, 135 KB; 2 stages would be 153/203 KB: one CTA
+//    per SM at best, and over sm80's 164 KB for 256).
+struct TileConfig {
+  int head_dim;
+  int block_m;
+  int block_n;
+  int num_warps;
+  int stages;
+  int regs;  // registers per thread the split planner assumes (ptxas -v; 255 = at the cap)
+};
+constexpr TileConfig kTileTable[] = {
+    {64, 128, 64, 4, 2, 255},  {96, 128, 64, 4, 1, 255},  {128, 128, 64, 4, 1, 255},
+    {192, 128, 64, 8, 1, 255}, {256, 128, 64, 8, 1, 255},
+};
+// Decode tile (used when the whole M extent, seqlen_q x packed GQA heads, is
+// at most 16 rows): one 16-row m tile; all 4 warps load and compute.
+// The prefill tile wastes 7/8 of its Q tile and registers here: 255 registers
+// x 128 threads allow 2 CTAs per SM, each with one 16 KB K or V tile in flight
+// (1 stage), i.e. 8 dependent DRAM round trips per 4-tile split. This one:
+// O = D/2 = 64 and S = 8 fp32 registers per thread (168 at the launch bound,
+// no spill), K and V double buffered (the next tile's K and V both in flight
+// during this tile, one round trip per tile), smem (16 + 4 x 64) x (D + 8) x 2
+// = 74 KB at D=128: 3 CTAs per SM, 105 KB in flight per SM. Head dims 192/256
+// (143+ KB) keep the prefill tile.
+// The 4 warps split each tile's 64 keys (16 each, merged at the end): measured
+// neutral against warp 0 computing alone (bench/NOTES-cuda.md, round 3), as
+// was a 16 x 32 x 4-stage cp.async ring (the kernel body supports kStages >= 3).
+constexpr TileConfig kDecodeTileTable[] = {
+    {64, 16, 64, 4, 2, 168},
+    {96, 16, 64, 4, 2, 168},
+    {128, 16, 64, 4, 2, 168},
+};
+// Banded (causal / sliding-window) instantiations that use a different tile.
+//  - 128: 128x32, 2 stages (same 70 KB smem as 128x64 x 1 stage): S = 32
+//         registers instead of 64 (spills 176 -> 16 B) and the next K and V in
+//         flight during the whole tile. Measured on the H100 (bf16, quick
+//         grid): causal 1k +8%, 8k +5%; noncausal 1k -1%, 8k -6% (Q fragments
+//         re-read from smem twice as often), so noncausal keeps 128x64.
+// Tried and rejected for 256 (both masks): 128x32, 2 stages, 8 warps, 135 KB:
+// 7-12% slower than 128x64 x 1 stage on the quick grid.
+constexpr TileConfig kBandedTileTable[] = {
+    {128, 128, 32, 4, 2, 255},
+};
+constexpr int kDecodeMaxRows = 16;
+constexpr int SmemBytes(const TileConfig& t) {
+  return (t.block_m + 2 * t.stages * t.block_n) * (t.head_dim + 8) * 2;
+}
+
+// The row of `kind`'s table for `head_dim`; head_dim 0 when that table has
+// none (only kPrefill covers every head dim).
+constexpr TileConfig TileFor(TileKind kind, int head_dim) {
+  const TileConfig* begin = kTileTable;
+  const TileConfig* end = kTileTable + sizeof(kTileTable) / sizeof(kTileTable[0]);
+  if (kind == TileKind::kDecode) {
+    begin = kDecodeTileTable;
+    end = kDecodeTileTable + sizeof(kDecodeTileTable) / sizeof(kDecodeTileTable[0]);
+  } else if (kind == TileKind::kBanded) {
+    begin = kBandedTileTable;
+    end = kBandedTileTable + sizeof(kBandedTileTable) / sizeof(kBandedTileTable[0]);
+  }
+  for (const TileConfig* t = begin; t != end; ++t) {
+    if (t->head_dim == head_dim) return *t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
+
+// Chooses the kernel, the tile, the split count and GQA packing for
+// FP16/BF16 params (host memory is fine: only sizes are read); num_sms: the
+// device's SM count. kernel_head_dim is 0 when this build compiled no kernel
+// for params.head_dim. A pure host function (attn_fwd_plan.cc, compiled by the
+// host compiler in every build), unit-tested without a GPU.
+Plan PlanForward(const AttnParams& p, int num_sms);
+
+}  // namespace cuda
+}  // namespace attnserve

@@ -1,0 +1,165 @@
+// CudaBackend's paged K/V path (paged_kv.h, DESIGN §6): K/V slabs in device
+// memory, and append-and-attend launches staged like Forward's (one H2D copy
+// of every host input, the kernels, one D2H copy) on the pipeline's slots.
+// Order on the device for one launch: page copies (copy-on-write), append of
+// the new rows into their pages, attention over the pages (+ split combine).
+// Paged launches of one backend run in start order: each waits, on its slot's
+// stream, for the event the previous paged launch recorded after its kernels
+// (so its H2D copy still overlaps the previous launch's compute).
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "backend/check_paged_params.h"
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_staging.h"
+#include "backend/cuda/paged_attn.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+// Offsets of a paged launch's tensors in a slot's buffers, 256-byte aligned:
+// inputs (q | k_new | v_new | cu_q | cu_k | block table | seqlens | copy
+// src | copy dst), then outputs (o | lse).
+struct PagedLayout {
+  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0,
+          copy_dst = 0;
+  int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
+
+  explicit PagedLayout(const PagedBatch& batch) {
+    int64_t off = 0;
+    auto take = [&off](int64_t bytes) {
+      const int64_t at = off;
+      off += Align256(bytes);
+      return at;
+    };
+    q = take(batch.q_bytes());
+    k = take(batch.kv_new_bytes());
+    v = take(batch.kv_new_bytes());
+    cu_q = take(batch.cu_seqlens_bytes());
+    cu_k = take(batch.cu_seqlens_bytes());
+    table = take(batch.block_table_bytes());
+    seqlens = take(batch.seqlens_bytes());
+    copy_src = take(batch.copies_bytes());
+    copy_dst = take(batch.copies_bytes());
+    inputs_end = off;
+    o = take(batch.q_bytes());
+    lse = take(batch.lse_bytes());
+    end = std::max<int64_t>(off, 256);
+  }
+
+  PagedBuffers In(char* base) const {
+    PagedBuffers b;
+    b.q = base + q;
+    b.k_new = base + k;
+    b.v_new = base + v;
+    b.o = base + o;
+    b.lse = reinterpret_cast<float*>(base + lse);
+    b.cu_seqlens_q = reinterpret_cast<int32_t*>(base + cu_q);
+    b.cu_seqlens_k = reinterpret_cast<int32_t*>(base + cu_k);
+    b.block_table = reinterpret_cast<int32_t*>(base + table);
+    b.seqlens_k = reinterpret_cast<int32_t*>(base + seqlens);
+    b.copy_src = reinterpret_cast<int32_t*>(base + copy_src);
+    b.copy_dst = reinterpret_cast<int32_t*>(base + copy_dst);
+    return b;
+  }
+};
+
+// The same params with every staged pointer moved from `from` to `to`.
+PagedAttnParams RebasePaged(const PagedAttnParams& p, const char* from, char* to) {
+  auto move = [from, to](const void* ptr) -> char* {
+    return ptr == nullptr ? nullptr : to + (static_cast<const char*>(ptr) - from);
+  };
+  PagedAttnParams d = p;
+  d.attn.q = move(p.attn.q);
+  d.attn.k = move(p.attn.k);
+  d.attn.v = move(p.attn.v);
+  d.attn.o = move(p.attn.o);
+  d.attn.lse = reinterpret_cast<float*>(move(p.attn.lse));
+  d.attn.cu_seqlens_q = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_q));
+  d.attn.cu_seqlens_k = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_k));
+  d.block_table = reinterpret_cast<const int32_t*>(move(p.block_table));
+  d.seqlens_k = reinterpret_cast<const int32_t*>(move(p.seqlens_k));
+  d.copy_src = reinterpret_cast<const int32_t*>(move(p.copy_src));
+  d.copy_dst = reinterpret_cast<const int32_t*>(move(p.copy_dst));
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<void*> CudaBackend::AllocateKvMemory(int64_t bytes) {
+  if (bytes <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("kv memory bytes: expected > 0, got ", bytes));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  void* p = nullptr;
+  // CudaError maps cudaErrorMemoryAllocation to RESOURCE_EXHAUSTED and clears it.
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, static_cast<size_t>(bytes)), "K/V slab");
+  return p;
+}
+
+void CudaBackend::FreeKvMemory(void* memory) {
+  if (memory == nullptr) return;
+  cudaSetDevice(device_);
+  cudaFree(memory);  // synchronises the device: no launch reads the slab any more
+}
+
+absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
+  // The launch's invariants (page geometry, lengths, every page id it reads,
+  // writes or copies), then whether this build and device have its kernel.
+  RETURN_IF_ERROR(CheckPagedParams(p));
+  if (p.attn.dtype == DType::kFP32) return absl::OkStatus();  // the SIMT kernel takes any head dim
+  return PlanFor(p.attn).status();
+}
+
+absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
+  if (paged_done_ == nullptr) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&paged_done_, cudaEventDisableTiming),
+                              "event");
+  } else {
+    // Start order: the previous paged launch may have appended rows this one
+    // reads (or written pages this one copies).
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0),
+                              "order paged launches");
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppend(dev, slot->stream), "page copies and append");
+  if (dev.attn.dtype == DType::kFP32) {
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream),
+                              "paged fp32 forward kernel");
+  } else {
+    // Planned on the launch's (packed) params: PlanFor reads sizes only.
+    const absl::StatusOr<Plan> planned = PlanFor(dev.attn);
+    if (!planned.ok()) return planned.status();
+    const Plan& plan = *planned;
+    const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
+    if (!st.ok()) return st;
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),
+        "paged forward kernel");
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
+    const PagedBatch& batch) {
+  for (const PagedAttnParams* m : batch.members()) {
+    const absl::Status st = CheckPaged(*m);
+    if (!st.ok()) return st;
+  }
+  return StartStaged<PagedLayout>(
+      batch, RebasePaged,
+      [this](const PagedAttnParams& dev, Slot* slot) { return LaunchPagedKernels(dev, slot); });
+}
+
+absl::Status CudaBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartPagedForward(PagedBatch({&params}));
+  if (!launch.ok()) return launch.status();
+  return (*launch)->Finish(timings);
+}
+
+}  // namespace attnserve

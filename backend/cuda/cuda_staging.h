@@ -1,0 +1,225 @@
+// Internal to the CUDA backend's .cc files (cuda_backend.cc: the contiguous
+// pipeline; cuda_paged.cc: the paged one): CUDA error mapping, the grow-only
+// staging buffers and a pipeline slot's resources.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "backend/cuda/cuda_backend.h"
+#include "common/host_copy.h"
+
+namespace attnserve {
+
+// cudaSuccess -> OK; out of memory -> RESOURCE_EXHAUSTED (the error cleared);
+// anything else -> INTERNAL naming `what`.
+inline absl::Status CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // not sticky: clear it so the next request runs
+    return absl::ResourceExhaustedError(absl::StrCat("cuda: ", what, ": out of device memory"));
+  }
+  return absl::InternalError(absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(err), " (",
+                                          cudaGetErrorString(err), ")"));
+}
+
+#define ATTN_CUDA_RETURN_IF_ERROR(expr, what)         \
+  do {                                                \
+    const absl::Status _st = CudaError((expr), what); \
+    if (!_st.ok()) return _st;                        \
+  } while (0)
+
+inline int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+// A slowly growing launch size should not reallocate each time, so buffers
+// grow by at least 1.5x.
+inline int64_t GrowTo(int64_t have, int64_t need) { return std::max(need, have + have / 2); }
+
+// A grow-only buffer reused across launches, in device memory or in
+// page-locked host memory. Pinned memory is what the copy engines read and
+// write directly, so copies are asynchronous and run at full PCIe/NVLink-C2C
+// speed. (From pageable memory the driver stages through its own pinned
+// buffer, which costs the same host copy and serialises it with the host
+// thread.)
+class StagingBuffer {
+ public:
+  enum class Kind { kDevice, kPinnedHost };
+  explicit StagingBuffer(Kind kind) : kind_(kind) {}
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  ~StagingBuffer() { Free(); }
+
+  char* ptr() const { return ptr_; }
+
+  // Makes room for `need` bytes (contents are not kept). `what` names the
+  // buffer in an out-of-memory error.
+  absl::Status Reserve(int64_t need, const char* what) {
+    if (need <= bytes_) return absl::OkStatus();
+    const int64_t want = GrowTo(bytes_, need);
+    Free();
+    void* p = nullptr;
+    ATTN_CUDA_RETURN_IF_ERROR(
+        kind_ == Kind::kDevice ? cudaMalloc(&p, static_cast<size_t>(want))
+                               : cudaHostAlloc(&p, static_cast<size_t>(want), cudaHostAllocDefault),
+        what);
+    ptr_ = static_cast<char*>(p);
+    bytes_ = want;
+    return absl::OkStatus();
+  }
+
+ private:
+  void Free() {
+    if (ptr_ != nullptr) kind_ == Kind::kDevice ? cudaFree(ptr_) : cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+
+  const Kind kind_;
+  char* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+inline int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.f;
+  if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) return 0;
+  return static_cast<int64_t>(ms * 1000.0f);
+}
+
+// One pipeline stage's resources. A slot is busy from StartForward until its
+// launch is finished (or abandoned); nothing else touches it meanwhile.
+struct CudaBackend::Slot {
+  cudaStream_t stream = nullptr;
+  // Recorded around the phases: start, inputs on device, kernels done,
+  // outputs in pinned memory.
+  cudaEvent_t events[4] = {nullptr, nullptr, nullptr, nullptr};
+  // The same layout in both: inputs (q | k | v | cu_q | cu_k) then outputs
+  // (o | lse), so each direction is one copy.
+  StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
+  StagingBuffer device{StagingBuffer::Kind::kDevice};
+  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV partials
+  bool busy = false;
+};
+
+// Queues one staged launch on the slot's stream: inputs [0, inputs_end) of
+// the pinned buffer to the device, `kernels`, outputs [out_begin, out_end)
+// back, with the slot's four events around the phases.
+inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int64_t inputs_end,
+                                      int64_t out_begin, int64_t out_end,
+                                      const std::function<absl::Status()>& kernels) {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(inputs_end),
+                      cudaMemcpyHostToDevice, slot->stream),
+      "copy inputs to device");
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
+  const absl::Status st = kernels();
+  if (!st.ok()) return st;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(slot->host.ptr() + out_begin, slot->device.ptr() + out_begin,
+                      static_cast<size_t>(out_end - out_begin), cudaMemcpyDeviceToHost,
+                      slot->stream),
+      "copy outputs to host");
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
+  return absl::OkStatus();
+}
+
+// A launch queued on a slot's stream. Finish waits for it and scatters the
+// outputs; destroying an unfinished launch waits for the stream, so the slot
+// never goes back to the pool with copies in flight.
+class CudaBackend::Launch final : public PendingLaunch {
+ public:
+  // scatter(host, run) copies the outputs from the slot's pinned buffer
+  // `host` to the members, its bulk copies through `run`.
+  using Scatter = std::function<void(const char* host, const CopyRunner& run)>;
+  Launch(CudaBackend* backend, Slot* slot, Scatter scatter, int64_t gather_us)
+      : backend_(backend), slot_(slot), scatter_(std::move(scatter)), gather_us_(gather_us) {}
+
+  ~Launch() override {
+    if (slot_ == nullptr) return;
+    cudaSetDevice(backend_->device_);
+    cudaStreamSynchronize(slot_->stream);
+    backend_->ReleaseSlot(slot_);
+  }
+
+  absl::Status Finish(BackendTimings* timings) override {
+    absl::Status st = Wait(timings);
+    // After an error the copies may still be running: the slot's buffers go
+    // back to the pool only once its stream is idle.
+    if (!st.ok()) cudaStreamSynchronize(slot_->stream);
+    backend_->ReleaseSlot(slot_);
+    slot_ = nullptr;
+    return st;
+  }
+
+ private:
+  absl::Status Wait(BackendTimings* timings) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(backend_->device_), "set device");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot_->events[3]), "forward");
+    const absl::Time scatter_start = absl::Now();
+    const char* host = slot_->host.ptr();
+    ThreadPool* pool = backend_->scatter_pool_.get();
+    scatter_(host, [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+    const int64_t scatter_us = absl::ToInt64Microseconds(absl::Now() - scatter_start);
+    if (timings != nullptr) {
+      // The host copies into and out of the staging buffer are part of the
+      // transfers: they are what moving the bytes costs beyond the wire.
+      timings->host_to_device_us = gather_us_ + ElapsedUs(slot_->events[0], slot_->events[1]);
+      timings->compute_us = ElapsedUs(slot_->events[1], slot_->events[2]);
+      timings->device_to_host_us = ElapsedUs(slot_->events[2], slot_->events[3]) + scatter_us;
+    }
+    return absl::OkStatus();
+  }
+
+  CudaBackend* const backend_;
+  Slot* slot_;
+  const Scatter scatter_;
+  const int64_t gather_us_;
+};
+
+template <typename Layout, typename Batch, typename Rebase, typename Kernels>
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Batch& batch,
+                                                                        Rebase rebase,
+                                                                        Kernels kernels) {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  Slot* slot = AcquireSlot();
+  // Until the Launch owns the slot, an error must hand it back with nothing
+  // in flight.
+  auto fail = [this, slot](absl::Status st) {
+    cudaStreamSynchronize(slot->stream);
+    ReleaseSlot(slot);
+    return st;
+  };
+  const Layout layout(batch);
+  absl::Status st = slot->host.Reserve(layout.end, "pinned staging buffer");
+  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
+  if (!st.ok()) return fail(st);
+
+  const absl::Time gather_start = absl::Now();
+  ThreadPool* pool = gather_pool_.get();
+  const auto staged =
+      batch.Gather(layout.In(slot->host.ptr()),
+                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+  const auto dev = rebase(staged, slot->host.ptr(), slot->device.ptr());
+
+  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end,
+                         [&]() { return kernels(dev, slot); });
+  if (!st.ok()) return fail(st);
+  Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
+    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);
+  };
+  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,52 @@
+// MakeAttnParams; see make_params.h.
+#include "backend/make_params.h"
+
+#include <algorithm>
+
+#include "backend/score_range.h"
+
+namespace attnserve {
+
+AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
+                          const AttnPointers& pointers) {
+  AttnParams p{};
+  p.dtype = shape.dtype;
+  p.q = pointers.q;
+  p.k = pointers.k;
+  p.v = pointers.v;
+  p.o = pointers.o;
+  p.lse = pointers.lse;
+  p.batch = shape.batch;
+  p.num_heads_q = shape.num_heads_q;
+  p.num_heads_kv = shape.num_heads_kv;
+  p.head_dim = shape.head_dim;
+  if (shape.cu_seqlens_q != nullptr) {
+    p.cu_seqlens_q = shape.cu_seqlens_q;
+    p.cu_seqlens_k = shape.cu_seqlens_k;
+    p.total_q = shape.cu_seqlens_q[shape.batch];
+    p.total_k = shape.cu_seqlens_k[shape.batch];
+    // Varlen kernels size per-sequence work by the longest sequence.
+    for (int b = 0; b < shape.batch; ++b) {
+      p.seqlen_q = std::max(p.seqlen_q, shape.cu_seqlens_q[b + 1] - shape.cu_seqlens_q[b]);
+      p.seqlen_k = std::max(p.seqlen_k, shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b]);
+    }
+  } else {
+    p.seqlen_q = shape.seqlen_q;
+    p.seqlen_k = shape.seqlen_k;
+    p.total_q = int64_t{shape.batch} * shape.seqlen_q;
+    p.total_k = int64_t{shape.batch} * shape.seqlen_k;
+  }
+  p.softmax_scale = options.softmax_scale.has_value()
+                        ? *options.softmax_scale
+                        : DefaultSoftmaxScale(shape.head_dim);
+  p.softmax_scale_log2 = p.softmax_scale * kLog2e;
+  p.softcap = options.softcap;
+  p.is_causal = options.causal;
+  p.window_left = options.window_left.value_or(kNoWindow);
+  // Causal is the window's right bound at the diagonal (params.h), whatever
+  // window_right says: the contract makes the causal bound win.
+  p.window_right = options.causal ? 0 : options.window_right.value_or(kNoWindow);
+  return p;
+}
+
+}  // namespace attnserve

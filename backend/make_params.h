@@ -1,0 +1,74 @@
+// MakeAttnParams: the one place an AttnParams is filled. The server (from a
+// request), the client's verifier, tests and benchmarks all describe a call as
+// a shape, options and pointers and get the same params back, so the default
+// scale, the log2(e) factor and the causal/window normalisation are written
+// once and --verify cannot agree with a server that drifted.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "backend/params.h"
+
+namespace attnserve {
+
+// The sizes of a call. Dense: `batch` sequences of seqlen_q queries and
+// seqlen_k keys each, cu_seqlens null. Varlen: cu_seqlens_q/k hold batch+1
+// offsets in HOST memory (read here: the totals are their last entries and
+// seqlen_q/k the longest sequences; the seqlen fields are ignored).
+struct AttnShape {
+  DType dtype = DType::kFP16;
+  int32_t batch = 0;
+  int32_t num_heads_q = 0;
+  int32_t num_heads_kv = 0;
+  int32_t head_dim = 0;
+  int32_t seqlen_q = 0;
+  int32_t seqlen_k = 0;
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+};
+
+// A dense shape: `batch` sequences of seqlen_q queries and seqlen_k keys.
+inline AttnShape DenseShape(DType dtype, int32_t batch, int32_t seqlen_q, int32_t seqlen_k,
+                            int32_t num_heads_q, int32_t num_heads_kv, int32_t head_dim) {
+  AttnShape s;
+  s.dtype = dtype;
+  s.batch = batch;
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.num_heads_q = num_heads_q;
+  s.num_heads_kv = num_heads_kv;
+  s.head_dim = head_dim;
+  return s;
+}
+
+// The call's options as the wire has them (attnserve.v1.AttentionOptions
+// without return_lse, which is a question of outputs: set pointers.lse).
+struct AttnOptions {
+  std::optional<float> softmax_scale;  // unset: DefaultSoftmaxScale(D) = 1/sqrt(D) (score_range.h)
+  bool causal = false;                 // bottom-right aligned
+  std::optional<int32_t> window_left;  // unset: unlimited
+  std::optional<int32_t> window_right;
+  float softcap = 0.0f;  // 0: off
+};
+
+// The tensors (host or device memory, as the consumer of the params says).
+// o and lse may be null until the caller binds outputs.
+struct AttnPointers {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+// Sizes and totals from `shape`; softmax_scale defaulting to 1/sqrt(D) and
+// softmax_scale_log2 = softmax_scale * kLog2e (params.h); causal folded into
+// window_right = 0 (the causal bound wins over a wider right window); unset
+// windows kNoWindow. Checks nothing: callers validate first (the server's
+// request validation) or build valid calls (tests), and CheckParams
+// (CanImplement) guards the backends.
+AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
+                          const AttnPointers& pointers);
+
+}  // namespace attnserve

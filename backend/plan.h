@@ -1,0 +1,33 @@
+// Plan: what a backend decided it will launch for one call, returned by
+// CanImplement and handed back to Forward/StartForward, so a launch is planned
+// (and its params checked) once per request and never re-derived on the way.
+// POD and nvcc-safe like params.h: the CUDA launch code reads it.
+#pragma once
+
+#include <cstdint>
+
+namespace attnserve {
+
+// Which tile table of the CUDA kernel a launch uses (backend/cuda/attn_fwd.h).
+enum class TileKind : int32_t {
+  kPrefill = 0,  // kTileTable: the general 128-row tiles
+  kDecode = 1,   // kDecodeTileTable: one 16-row tile for short query runs
+  kBanded = 2,   // kBandedTileTable: banded requests with a tile of their own
+};
+
+struct Plan {
+  // The kernel's head dim serving params.head_dim: the smallest compiled one
+  // >= D (a D=80 call runs the 96 kernel). 0 for a backend without
+  // instantiations (the CPU backend) or a dtype served by a generic kernel
+  // (the CUDA FP32 path).
+  int32_t kernel_head_dim = 0;
+  TileKind tile_kind = TileKind::kPrefill;
+  // True when the call has a causal and/or sliding-window band: the kernel
+  // then skips key tiles outside it and masks the boundary tiles.
+  bool banded = false;
+  int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
+  int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
+  int64_t workspace_bytes = 0;  // fp32 partials when num_splits > 1
+};
+
+}  // namespace attnserve

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Benchmarks the Python client (issue 12's targets) on one server, writing CSV rows.
+
+(a) client throughput: the Python Client (NumPy BF16 inputs, unary forward()
+    from N threads, and a ForwardStream with N in flight) beside `attnctl load`
+    on the same server, for small (B=1, N=256, H=16, D=128) and large (B=4,
+    N=4096) requests at concurrency 1 and 16. ratio = Python req/s over
+    attnctl's (the target is >= 0.9).
+(b) transformers generate(): tokens/s with local SDPA, with the stateless
+    "attnserve" attention and with K/V on the server (attnserve.hf_cache), for
+    the small test Llama and a ~1.1B-parameter Llama config (random weights,
+    BF16), batch 1 and 32. Where the time goes: the seconds spent inside
+    attnserve calls (client side), the server's total and compute time of those
+    calls (ServerTiming), and the rest (the model's own layers, in this process).
+
+Usage (GPU machine; one command):
+  python3 bench/gpu/python_bench.py --server .device-carry/bin/attnserve \\
+      --attnctl .device-carry/bin/attnctl --csv bench/results/python-h100-2026-11-23.csv
+  ... --quick             a few seconds per point, fewer tokens (smoke run)
+  ... --target HOST:PORT  use a running server instead of starting one
+  ... --parts client      or "generate": only one part
+
+Needs on its PYTHONPATH: the attnserve package (a wheel built here:
+`.venv/bin/python -m pip wheel --no-deps -w WHEELS ./python`) and protobuf
+7.x / grpcio-health-checking wheels, installed with `pip install --no-deps
+--no-index --target .pylib WHEELS/*.whl` as bench/baselines/gpu_check.sh does;
+torch and transformers from the machine. The started server runs
+--backend=cuda with its defaults (K/V budget: --kv_cache_bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional
+
+import ml_dtypes
+import numpy as np
+
+import attnserve
+from attnserve import Client
+
+FIELDS = ["part", "scenario", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
+          "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
+          "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "attn_call_s",
+          "server_total_s", "server_compute_s", "other_s", "device", "notes"]
+
+SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
+             "large": dict(batch=4, seqlen=4096, heads=16, head_dim=128)}
+
+
+class Writer:
+    def __init__(self, path: str, device: str):
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self.f = open(path, "a", newline="")
+        self.w = csv.DictWriter(self.f, FIELDS)
+        self.device = device
+        if new:
+            self.w.writeheader()
+
+    def row(self, **kw) -> None:
+        kw.setdefault("device", self.device)
+        self.w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in kw.items()})
+        self.f.flush()
+        print(" ".join(f"{k}={v}" for k, v in kw.items() if v not in ("", None)), flush=True)
+
+
+# -- the server ----------------------------------------------------------------
+def start_server(binary: str, extra: List[str]) -> subprocess.Popen:
+    proc = subprocess.Popen([binary, "--host=127.0.0.1", "--port=0", "--metrics_port=0",
+                             "--backend=cuda", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        sys.stderr.write("server: " + line)
+        m = re.search(r"listening on [^ ]*:(\d+) ", line)
+        if m:
+            proc.target = f"127.0.0.1:{m.group(1)}"
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            with Client(proc.target, timeout=5) as c:
+                deadline = time.monotonic() + 120
+                while c.health() != "SERVING":  # poll interval, not a readiness guess
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("server never became SERVING")
+                    time.sleep(0.1)
+            return proc
+    raise RuntimeError("attnserve exited before listening")
+
+
+# -- (a) client throughput -----------------------------------------------------
+def attnctl_load(attnctl: str, target: str, sc: Dict, concurrency: int, warmup: float,
+                 duration: float) -> Dict[str, float]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "load.csv")
+        subprocess.run([attnctl, f"--target={target}", "load", f"--concurrency={concurrency}",
+                        f"--batch={sc['batch']}", f"--seqlen_q={sc['seqlen']}",
+                        f"--heads_q={sc['heads']}", f"--head_dim={sc['head_dim']}",
+                        "--dtype=bf16", f"--warmup={warmup}s", f"--duration={duration}s",
+                        f"--csv={path}"], check=True, stdout=subprocess.DEVNULL)
+        with open(path) as f:
+            row = list(csv.DictReader(f))[-1]
+    return dict(requests=int(row["requests"]), req_per_s=float(row["req_per_s"]),
+                tokens_per_s=float(row["tokens_per_s"]), p50_ms=float(row["p50_ms"]),
+                p99_ms=float(row["p99_ms"]))
+
+
+def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, duration: float,
+                stream: bool) -> Dict[str, float]:
+    """Closed loop like attnctl load: `concurrency` callers, each sending its next
+    request when the last returns; only requests completing inside the window count."""
+    rng = np.random.default_rng(0)
+    shape = (sc["batch"], sc["seqlen"], sc["heads"], sc["head_dim"])
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+               for _ in range(3))
+    start = time.monotonic() + warmup
+    end = start + duration
+    latencies: List[float] = []
+    lock = threading.Lock()
+
+    def caller(s=None):
+        while True:
+            t0 = time.monotonic()
+            if t0 >= end:
+                return
+            if s is None:
+                client.forward(q, k, v)
+            else:
+                s.submit(q, k, v).result()
+            t1 = time.monotonic()
+            if start <= t1 <= end:
+                with lock:
+                    latencies.append(t1 - t0)
+
+    if stream:  # one ForwardStream, `concurrency` requests in flight on it
+        with client.stream() as s:
+            threads = [threading.Thread(target=caller, args=(s,)) for _ in range(concurrency)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+    else:
+        threads = [threading.Thread(target=caller) for _ in range(concurrency)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    lat = np.array(latencies) * 1e3
+    n = len(latencies)
+    return dict(requests=n, req_per_s=n / duration, tokens_per_s=n * sc["batch"] * sc["seqlen"]
+                / duration, p50_ms=float(np.percentile(lat, 50)) if n else 0.0,
+                p99_ms=float(np.percentile(lat, 99)) if n else 0.0)
+
+
+def bench_client(out: Writer, target: str, attnctl: str, quick: bool,
+                 scenarios: List[str]) -> None:
+    warmup, duration = (1.0, 3.0) if quick else (3.0, 15.0)
+    with Client(target, timeout=600) as client:
+        for name in scenarios:
+            sc = SCENARIOS[name]
+            for conc in (1, 16):
+                base = attnctl_load(attnctl, target, sc, conc, warmup, duration)
+                common = dict(part="client", scenario=name, dtype="bf16", batch=sc["batch"],
+                              seqlen=sc["seqlen"], heads_q=sc["heads"], heads_kv=sc["heads"],
+                              head_dim=sc["head_dim"], concurrency=conc, seconds=duration)
+                out.row(**common, impl="attnctl_load", **base, ratio_vs_attnctl=1.0)
+                for impl, stream in (("python_unary", False), ("python_stream", True)):
+                    r = python_load(client, sc, conc, warmup, duration, stream)
+                    out.row(**common, impl=impl, **r,
+                            ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
+                            if base["req_per_s"] else 0.0)
+
+
+# -- (b) transformers generate() -------------------------------------------------
+def model_configs(transformers):
+    small = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
+    # Llama-3.2-1B's shape with a 32k vocabulary: ~1.1e9 parameters.
+    one_b = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+        rope_theta=500000.0, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        tie_word_embeddings=False)
+    return {"llama-small": small, "llama-1b": one_b}
+
+
+class CallTimer:
+    """Wraps a method so its wall time and the server's timing are summed."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self.call_s = self.server_total_s = self.server_compute_s = 0.0
+        timer = self
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            result = timer.original(*a, **kw)
+            timer.call_s += time.perf_counter() - t0
+            timer.server_total_s += result.timing.total_us * 1e-6
+            timer.server_compute_s += result.timing.compute_us * 1e-6
+            return result
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
+def bench_generate(out: Writer, target: str, quick: bool, model_names: List[str],
+                   batches: List[int]) -> None:
+    import torch
+    import transformers
+    import attnserve.hf
+    from attnserve.hf_cache import ServerCache
+    from attnserve.kv import Cache
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompt, new = (64, 16) if quick else (128, 128)
+    client = attnserve.hf.register(Client(target, timeout=600))
+    configs = model_configs(transformers)
+    for model_name in model_names:
+        cfg = configs[model_name]
+        torch.manual_seed(0)
+        models = {}
+        for impl in ("sdpa", "attnserve"):
+            c = cfg.__class__.from_dict(cfg.to_dict())  # from_config records the impl in it
+            with torch.device(device):
+                models[impl] = transformers.AutoModelForCausalLM.from_config(
+                    c, attn_implementation=impl, dtype=torch.bfloat16).eval()
+        models["attnserve"].load_state_dict(models["sdpa"].state_dict())
+        params = sum(p.numel() for p in models["sdpa"].parameters())
+        for batch in batches:
+            g = torch.Generator(device="cpu").manual_seed(1)
+            ids = torch.randint(2, cfg.vocab_size, (batch, prompt), generator=g).to(device)
+            mask = torch.ones_like(ids)
+            for impl in ("sdpa", "attnserve", "attnserve_kv"):
+                model = models["sdpa" if impl == "sdpa" else "attnserve"]
+                timer = (CallTimer(Client, "forward_result") if impl == "attnserve" else
+                         CallTimer(Cache, "append_attend_result") if impl == "attnserve_kv"
+                         else None)
+
+                def run():
+                    kwargs = {}
+                    cache = None
+                    if impl == "attnserve_kv":
+                        cache = ServerCache(client, cfg, max_tokens=prompt + new)
+                        kwargs["past_key_values"] = cache
+                    try:
+                        with torch.no_grad():
+                            model.generate(input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=new, min_new_tokens=new,
+                                           do_sample=False, pad_token_id=0, **kwargs)
+                    finally:
+                        if cache is not None:
+                            cache.close()
+                try:
+                    run()  # warm-up (CUDA kernels, connections)
+                    if timer:
+                        timer.call_s = timer.server_total_s = timer.server_compute_s = 0.0
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    run()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    seconds = time.perf_counter() - t0
+                except Exception as e:  # a point that fails is reported, the rest runs
+                    out.row(part="generate", impl=impl, model=model_name, batch=batch,
+                            notes=f"FAILED: {type(e).__name__}: {e}"[:300])
+                    continue
+                finally:
+                    if timer:
+                        timer.restore()
+                call_s = timer.call_s if timer else 0.0
+                out.row(part="generate", scenario=f"prompt{prompt}", impl=impl, model=model_name,
+                        dtype="bf16", batch=batch, seqlen=prompt,
+                        heads_q=cfg.num_attention_heads, heads_kv=cfg.num_key_value_heads,
+                        head_dim=cfg.hidden_size // cfg.num_attention_heads, new_tokens=new,
+                        seconds=seconds, tokens_per_s=batch * new / seconds,
+                        attn_call_s=call_s,
+                        server_total_s=timer.server_total_s if timer else 0.0,
+                        server_compute_s=timer.server_compute_s if timer else 0.0,
+                        other_s=seconds - call_s, notes=f"params={params}")
+        del models
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    client.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", required=True, help="append rows here (header if new)")
+    ap.add_argument("--server", help="attnserve binary to start (--backend=cuda, free port)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra flag for the started server (repeatable)")
+    ap.add_argument("--target", help="a running server instead of --server")
+    ap.add_argument("--attnctl", default="attnctl", help="attnctl binary for part (a)")
+    ap.add_argument("--parts", default="client,generate")
+    ap.add_argument("--quick", action="store_true", help="short windows, fewer tokens")
+    ap.add_argument("--scenarios", default="small,large", help="part (a): of " + ",".join(SCENARIOS))
+    ap.add_argument("--models", default="llama-small,llama-1b", help="part (b)")
+    ap.add_argument("--batches", default="1,32", help="part (b): generate() batch sizes")
+    a = ap.parse_args()
+    if bool(a.server) == bool(a.target):
+        ap.error("give exactly one of --server and --target")
+    proc = start_server(a.server, a.server_arg) if a.server else None
+    target = proc.target if proc else a.target
+    try:
+        with Client(target) as c:
+            info = c.info()
+        device = f"{info.backend}:{info.devices[0].name}" if info.devices else info.backend
+        out = Writer(a.csv, device)
+        print(f"attnserve {attnserve.__version__} client, server {target} ({device})", flush=True)
+        parts = a.parts.split(",")
+        if "client" in parts:
+            bench_client(out, target, a.attnctl, a.quick, a.scenarios.split(","))
+        if "generate" in parts:
+            bench_generate(out, target, a.quick, a.models.split(","),
+                           [int(b) for b in a.batches.split(",")])
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+// The decode loop of `attnctl load-kv`: what a serving stack's generation loop
+// asks of the K/V service, measured. One run creates a cache, prefills every
+// sequence (append with Q, causal), then for each generated token and each
+// layer sends one append-and-attend step per group of sequences (Sq = 1 and
+// one new K/V token per sequence), frees the sequences and drops the cache.
+// Groups run at once (as serving stacks pipeline micro-batches), each on its
+// own thread, over unary calls or streams shared round-robin by the groups.
+//
+// With check, the loop keeps each sequence's K/V per layer on the client and
+// holds every output to the float64 reference over the whole context. The
+// stateless variant sends that whole context with Forward at every step
+// instead (no cache): the baseline the K/V service is measured against.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+#include "client/kv_client.h"
+
+namespace attnserve {
+namespace cli {
+
+struct DecodeLoopConfig {
+  int sequences = 4;
+  int prompt = 64;          // tokens of each sequence before the first generated one
+  int tokens = 8;           // generated tokens per sequence
+  int warmup_tokens = 0;    // the first ones are run but not measured
+  int layers = 1;
+  int heads_q = 8;
+  int heads_kv = 8;
+  int head_dim = 64;
+  DType dtype = DType::kFP16;
+  int page_size = 0;        // 0: the server's default
+  std::optional<int> device;
+  int groups = 1;           // groups of sequences in flight at once
+  bool stream = false;      // AppendAttendStream instead of unary AppendAttend
+  bool check = false;       // verify every output against the float64 reference
+  bool stateless = false;   // Forward with the whole context, no cache
+  int prefill_chunk = 1024;  // most prompt tokens of one sequence in one prefill call
+  uint64_t seed = 0;
+};
+
+// What one run measured.
+struct DecodeLoopResult {
+  std::string impl;  // "attnserve_kv" or "attnserve_stateless"
+  std::string cache_id;
+  int page_size = 0;  // as the server chose it (0 for stateless)
+  double prefill_s = 0.0;
+  double decode_s = 0.0;           // wall time of the measured tokens
+  int64_t generated = 0;           // measured generated tokens over all sequences
+  int64_t steps = 0;               // measured layer-steps (one call each)
+  double tokens_per_s = 0.0;       // generated / decode_s
+  double tbps = 0.0;               // K+V bytes attended per second / 1e12
+  double p50_ms = 0.0, p99_ms = 0.0, max_ms = 0.0;  // per layer-step, client side
+  // Means over the measured steps of the server's timing, in ms.
+  double queue_ms = 0.0, h2d_ms = 0.0, compute_ms = 0.0, d2h_ms = 0.0;
+  double mean_batch_size = 0.0;
+  int64_t checked = 0;  // outputs held to the reference
+  int64_t errors = 0;
+  std::map<std::string, int64_t> errors_by_code;  // CHECK_FAILED for a mismatch
+  std::string first_error;
+  // The cache after the sequences were freed, before the drop: pages_used
+  // should be 0 (-1 when not read).
+  int64_t pages_used_after_free = -1;
+};
+
+// Live counters for the progress line.
+struct DecodeLoopProgress {
+  std::atomic<int64_t> prefilled{0};  // sequences whose prompt is in
+  std::atomic<int64_t> tokens{0};     // generated tokens (all sequences)
+  std::atomic<int64_t> steps{0};      // layer-steps completed
+  std::atomic<int64_t> errors{0};
+  std::atomic<bool> decoding{false};
+};
+
+// INVALID_ARGUMENT naming the flag for a value out of range (a usage error).
+absl::Status ValidateDecodeLoopConfig(const DecodeLoopConfig& config);
+
+// Runs the whole loop. A failed step stops its group (the later steps would
+// only repeat the error) and is counted; the status is an error only when the
+// run could not start (cache creation, or cleanup) and says which call failed.
+absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client,
+                                               const DecodeLoopConfig& config,
+                                               DecodeLoopProgress* progress);
+
+}  // namespace cli
+}  // namespace attnserve

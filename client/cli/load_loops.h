@@ -1,0 +1,26 @@
+// The two ways `attnctl load` drives a Workload for one step: a closed loop
+// (N callers, each sending its next request when the last returns) and an
+// open loop (Poisson arrivals, latency from the scheduled arrival), each over
+// unary calls or ForwardStream. Both report every call to a Recorder.
+#pragma once
+
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+#include "client/cli/load_flags.h"
+#include "client/cli/load_recorder.h"
+#include "client/cli/load_workload.h"
+
+namespace attnserve {
+namespace cli {
+
+// `callers` threads, each with at most one request in flight, until `stop`.
+void RunClosedLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
+                   int callers, absl::Time stop, Recorder& rec);
+
+// Poisson arrivals at `rate` req/s until `stop` (at most
+// config.max_outstanding in flight), then waits for the requests in flight.
+void RunOpenLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
+                 double rate, absl::Time stop, Recorder& rec);
+
+}  // namespace cli
+}  // namespace attnserve

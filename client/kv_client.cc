@@ -1,0 +1,428 @@
+// KvClient and AppendAttendStream: request building, the cache-id header, the
+// typed append-and-attend call with its shape checks, and the stream's
+// request_id matching (see kv_client.h).
+#include "client/kv_client.h"
+
+#include <grpcpp/support/status.h>
+
+#include <random>
+#include <type_traits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/dtype.h"
+#include "common/shape_string.h"
+#include "client/async_unary.h"
+
+namespace attnserve {
+namespace {
+
+// Shared by both MakeAppendAttendRequest overloads; `Inputs` is const& or &&.
+template <typename Inputs>
+v1::AppendAttendRequest BuildRequest(Inputs&& in) {
+  v1::AppendAttendRequest request;
+  request.set_request_id(in.request_id);
+  request.set_cache_id(in.cache_id);
+  request.set_layer(in.layer);
+  for (const KvStep& s : in.sequences) {
+    v1::SequenceStep* step = request.add_sequences();
+    step->set_sequence_id(s.sequence_id);
+    step->set_expected_length(s.expected_length);
+    step->set_num_new_tokens(s.num_new_tokens);
+    step->set_num_queries(s.num_queries);
+  }
+  // A default HostTensor (FP32 [0]) stands for "no rows" and stays unset on
+  // the wire, so an append-only or attend-only call needs no placeholder of
+  // the right dtype and heads.
+  // (mutable_* would create the field, so it is only called for a tensor.)
+  auto set = [](auto&& from, auto mutable_field) {
+    if (from.rank() == 1 && from.num_elements() == 0) return;
+    if constexpr (std::is_rvalue_reference_v<Inputs&&>) {
+      std::move(from).MoveToProto(mutable_field());
+    } else {
+      from.CopyToProto(mutable_field());
+    }
+  };
+  set(std::forward<Inputs>(in).q, [&] { return request.mutable_q(); });
+  set(std::forward<Inputs>(in).k, [&] { return request.mutable_k(); });
+  set(std::forward<Inputs>(in).v, [&] { return request.mutable_v(); });
+  AttentionOptionsToProto(in.options, request.mutable_options());
+  return request;
+}
+
+// O must be [sum num_queries, Hq, D] in q's dtype and LSE FP32 [Hq, sum
+// num_queries]; anything else is a server bug, INTERNAL rather than read past.
+absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAttendResult& r) {
+  const auto& q_shape = request.q().shape();
+  if (q_shape.empty()) {
+    // No queries were sent (append only): O must hold no rows.
+    if (r.o.num_elements() != 0) {
+      return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(),
+                                              " for a call without queries"));
+    }
+  }
+  const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  absl::StatusOr<DType> want_dtype = DTypeFromProto(request.q().dtype());
+  if (!q_shape.empty() && want_dtype.ok() &&
+      (r.o.shape() != want_o || r.o.dtype() != *want_dtype)) {
+    return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(), ", expected ",
+                                            std::string(DTypeName(*want_dtype)),
+                                            ShapeString(want_o)));
+  }
+  if (r.lengths.size() != static_cast<size_t>(request.sequences_size())) {
+    return absl::InternalError(absl::StrCat("server returned ", r.lengths.size(),
+                                            " lengths for ", request.sequences_size(),
+                                            " sequences"));
+  }
+  if (!request.options().return_lse()) return absl::OkStatus();
+  if (!r.lse) return absl::InternalError("return_lse was set but the response has no lse");
+  if (want_o.size() == 3) {
+    const std::vector<int64_t> want_lse = {want_o[1], want_o[0]};
+    if (r.lse->shape() != want_lse || r.lse->dtype() != DType::kFP32) {
+      return absl::InternalError(absl::StrCat("server returned lse ", r.lse->DebugString(),
+                                              ", expected FP32", ShapeString(want_lse)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// What AppendAttendResultFromProto reads of a request, without the bytes.
+v1::AppendAttendRequest ShapesOf(const v1::AppendAttendRequest& r) {
+  v1::AppendAttendRequest out;
+  out.mutable_q()->set_dtype(r.q().dtype());
+  *out.mutable_q()->mutable_shape() = r.q().shape();
+  *out.mutable_sequences() = r.sequences();
+  *out.mutable_options() = r.options();
+  return out;
+}
+
+}  // namespace
+
+v1::KvGeometry KvGeometryToProto(const KvGeometry& g) {
+  v1::KvGeometry out;
+  out.set_num_layers(g.num_layers);
+  out.set_num_heads_kv(g.num_heads_kv);
+  out.set_head_dim(g.head_dim);
+  out.set_dtype(DTypeToProto(g.dtype));
+  return out;
+}
+
+v1::CreateCacheRequest MakeCreateCacheRequest(const CacheSpec& spec) {
+  v1::CreateCacheRequest request;
+  *request.mutable_geometry() = KvGeometryToProto(spec.geometry);
+  request.set_page_size(spec.page_size);
+  request.set_capacity_tokens(spec.capacity_tokens);
+  request.set_capacity_bytes(spec.capacity_bytes);
+  request.set_cache_id(spec.cache_id);
+  if (spec.device) request.set_device(*spec.device);
+  request.set_reserve(spec.reserve);
+  return request;
+}
+
+v1::AppendAttendRequest MakeAppendAttendRequest(const AppendAttendInputs& inputs) {
+  return BuildRequest(inputs);
+}
+v1::AppendAttendRequest MakeAppendAttendRequest(AppendAttendInputs&& inputs) {
+  return BuildRequest(std::move(inputs));
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
+    const v1::AppendAttendRequest& request, v1::AppendAttendResponse&& response) {
+  const absl::Status error = StatusFromRpcCode(response.error_code(), response.error_message());
+  if (!error.ok()) return error;
+  AppendAttendResult result;
+  result.request_id = response.request_id();
+  const absl::Status outputs =
+      OutputsFromProto(response.mutable_o(), response.has_lse() ? response.mutable_lse() : nullptr,
+                       &result.o, &result.lse);
+  if (!outputs.ok()) return outputs;
+  result.lengths.assign(response.lengths().begin(), response.lengths().end());
+  result.timing = ServerTimingFromProto(response.timing());
+  result.backend = response.backend();
+  const absl::Status shapes = CheckShapes(request, result);
+  if (!shapes.ok()) return shapes;
+  return result;
+}
+
+// --- KvClient ---
+
+KvClient::KvClient(AttentionClient& client) : client_(client) {
+  for (int i = 0; i < client.num_channels(); ++i) {
+    stubs_.push_back(v1::KvCache::NewStub(client.channel(i)));
+  }
+}
+
+void KvClient::Prepare(const CallOptions& call, const std::string& cache_id,
+                       grpc::ClientContext* context) const {
+  client_.Prepare(call, context);
+  if (!cache_id.empty()) context->AddMetadata(kCacheIdHeader, cache_id);
+}
+
+v1::KvCache::Stub& KvClient::Next() {
+  if (stubs_.size() == 1) return *stubs_[0];
+  return *stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()];
+}
+
+absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const CacheSpec& spec,
+                                                     const CallOptions& call) {
+  v1::CreateCacheRequest request = MakeCreateCacheRequest(spec);
+  if (request.cache_id().empty()) {
+    // An id the server chose would be unknown to the proxy when it routes
+    // CreateCache, which could then land on a replica other than the one the
+    // id hashes to; an id chosen here routes every call, the first included.
+    std::random_device entropy;
+    request.set_cache_id(
+        absl::StrCat("c-", absl::Hex(entropy(), absl::kZeroPad8), absl::Hex(entropy(), absl::kZeroPad8)));
+  }
+  return CreateCache(request, call);
+}
+
+absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const v1::CreateCacheRequest& request,
+                                                     const CallOptions& call) {
+  grpc::ClientContext context;
+  // Without an id (the server chooses one) the call carries no header.
+  Prepare(call, request.cache_id(), &context);
+  v1::CreateCacheResponse response;
+  const grpc::Status status = Next().CreateCache(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::move(*response.mutable_stats());
+}
+
+absl::Status KvClient::DropCache(const std::string& cache_id, const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, cache_id, &context);
+  v1::DropCacheRequest request;
+  request.set_cache_id(cache_id);
+  v1::DropCacheResponse response;
+  return ToAbslStatus(Next().DropCache(&context, request, &response));
+}
+
+absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(
+    const std::string& cache_id, const std::vector<SequenceSpec>& sequences,
+    const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, cache_id, &context);
+  v1::CreateSequencesRequest request;
+  request.set_cache_id(cache_id);
+  for (const SequenceSpec& s : sequences) {
+    v1::SequenceSpec* spec = request.add_sequences();
+    spec->set_sequence_id(s.sequence_id);
+    if (s.fork_from) spec->set_fork_from(*s.fork_from);
+    if (s.fork_length) spec->set_fork_length(*s.fork_length);
+  }
+  v1::CreateSequencesResponse response;
+  const grpc::Status status = Next().CreateSequences(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::move(*response.mutable_stats());
+}
+
+absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id,
+                                                  uint64_t sequence_id, int32_t length,
+                                                  std::optional<int32_t> layer,
+                                                  const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, cache_id, &context);
+  v1::TruncateRequest request;
+  request.set_cache_id(cache_id);
+  request.set_sequence_id(sequence_id);
+  if (layer) request.set_layer(*layer);
+  request.set_length(length);
+  v1::TruncateResponse response;
+  const grpc::Status status = Next().Truncate(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::move(*response.mutable_stats());
+}
+
+absl::StatusOr<v1::CacheStats> KvClient::FreeSequences(const std::string& cache_id,
+                                                       const std::vector<uint64_t>& sequence_ids,
+                                                       const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, cache_id, &context);
+  v1::FreeSequencesRequest request;
+  request.set_cache_id(cache_id);
+  request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
+  v1::FreeSequencesResponse response;
+  const grpc::Status status = Next().FreeSequences(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::move(*response.mutable_stats());
+}
+
+absl::StatusOr<v1::GetCacheStatsResponse> KvClient::GetCacheStats(
+    const std::string& cache_id, const std::vector<uint64_t>& sequence_ids,
+    const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, cache_id, &context);
+  v1::GetCacheStatsRequest request;
+  request.set_cache_id(cache_id);
+  request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
+  v1::GetCacheStatsResponse response;
+  const grpc::Status status = Next().GetCacheStats(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(
+    const v1::AppendAttendRequest& request, const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(call, request.cache_id(), &context);
+  v1::AppendAttendResponse response;
+  const grpc::Status status = Next().AppendAttend(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<AppendAttendResult> KvClient::AppendAttend(const AppendAttendInputs& inputs,
+                                                          const CallOptions& call) {
+  const v1::AppendAttendRequest request = MakeAppendAttendRequest(inputs);
+  absl::StatusOr<v1::AppendAttendResponse> response = AppendAttend(request, call);
+  if (!response.ok()) return response.status();
+  return AppendAttendResultFromProto(request, *std::move(response));
+}
+
+void KvClient::AppendAttendAsync(
+    const v1::AppendAttendRequest& request, const CallOptions& call,
+    std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done) {
+  StartAsyncUnary<v1::AppendAttendRequest, v1::AppendAttendResponse>(
+      request, [&](grpc::ClientContext* context) { Prepare(call, request.cache_id(), context); },
+      [&](grpc::ClientContext* context, const v1::AppendAttendRequest* req,
+          v1::AppendAttendResponse* resp, std::function<void(grpc::Status)> reaction) {
+        Next().async()->AppendAttend(context, req, resp, std::move(reaction));
+      },
+      std::move(done));
+}
+
+absl::StatusOr<std::unique_ptr<AppendAttendStream>> KvClient::OpenStream(
+    const std::string& cache_id, int channel, const CallOptions& call) {
+  if (cache_id.empty()) return absl::InvalidArgumentError("cache_id is empty");
+  if (channel < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("channel must be >= 0, got ", channel));
+  }
+  auto stub = v1::KvCache::NewStub(client_.channel(channel % client_.num_channels()));
+  std::unique_ptr<AppendAttendStream> stream(
+      new AppendAttendStream(cache_id, std::move(stub), call, client_.options()));
+  return stream;
+}
+
+// --- AppendAttendStream ---
+
+AppendAttendStream::AppendAttendStream(std::string cache_id,
+                                       std::unique_ptr<v1::KvCache::Stub> stub,
+                                       const CallOptions& call, const ClientOptions& options)
+    : cache_id_(std::move(cache_id)), stub_(std::move(stub)) {
+  if (call.timeout && *call.timeout != absl::InfiniteDuration()) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + *call.timeout));
+  }
+  context_.set_wait_for_ready(call.wait_for_ready.value_or(options.wait_for_ready));
+  context_.AddMetadata(kCacheIdHeader, cache_id_);
+  stream_ = stub_->AppendAttendStream(&context_);
+  reader_ = std::thread([this] { ReadLoop(); });
+}
+
+AppendAttendStream::~AppendAttendStream() { Finish().IgnoreError(); }
+
+int64_t AppendAttendStream::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(pending_.size());
+}
+
+absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done) {
+  if (request.cache_id() != cache_id_) {
+    return absl::InvalidArgumentError(absl::StrCat("request cache_id '", request.cache_id(),
+                                                   "' is not the stream's cache '", cache_id_,
+                                                   "'"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::FailedPreconditionError("the stream is closed");
+    if (request.request_id().empty()) {
+      // A prefix no caller-chosen id is likely to use.
+      request.set_request_id(absl::StrCat("s", next_id_++));
+    }
+    if (pending_.count(request.request_id()) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request_id '", request.request_id(), "' is already in flight on this stream"));
+    }
+    pending_.emplace(request.request_id(), std::move(done));
+  }
+  bool written = false;
+  {
+    absl::MutexLock lock(&write_mu_);
+    written = stream_->Write(request);
+  }
+  if (!written) {
+    // The stream broke: the reader fails everything pending with the stream's
+    // status, this request included (unless it already did).
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(const AppendAttendInputs& inputs) {
+  return Call(MakeAppendAttendRequest(inputs));
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(v1::AppendAttendRequest request) {
+  // The request's bytes move into the stream; its shapes stay for the check.
+  const v1::AppendAttendRequest shapes = ShapesOf(request);
+  absl::Notification done;
+  absl::StatusOr<v1::AppendAttendResponse> response;
+  const absl::Status sent =
+      Send(std::move(request), [&](absl::StatusOr<v1::AppendAttendResponse> r) {
+        response = std::move(r);
+        done.Notify();
+      });
+  if (!sent.ok()) return sent;
+  done.WaitForNotification();
+  if (!response.ok()) return response.status();
+  return AppendAttendResultFromProto(shapes, *std::move(response));
+}
+
+void AppendAttendStream::ReadLoop() {
+  v1::AppendAttendResponse response;
+  while (stream_->Read(&response)) {
+    Done done;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pending_.find(response.request_id());
+      if (it == pending_.end()) continue;  // not ours: nothing waits for it
+      done = std::move(it->second);
+      pending_.erase(it);
+    }
+    done(std::move(response));
+    response.Clear();
+  }
+  // The server closed the stream (or it broke): whatever is still pending
+  // will never be answered.
+  absl::Status status = ToAbslStatus(stream_->Finish());
+  std::map<std::string, Done> orphans;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    orphans.swap(pending_);
+  }
+  const absl::Status orphan_status =
+      status.ok() ? absl::UnavailableError("the stream ended before this request was answered")
+                  : status;
+  for (auto& [id, done] : orphans) done(orphan_status);
+  final_status_ = status;
+}
+
+absl::Status AppendAttendStream::Finish() {
+  if (finished_) return final_status_;
+  finished_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  {
+    absl::MutexLock lock(&write_mu_);
+    stream_->WritesDone();
+  }
+  reader_.join();
+  return final_status_;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,237 @@
+// KvClient: the C++ client of the attnserve.v1 KvCache service (kv.proto,
+// docs/kv-cache.md): K/V that stay on the server, so a decode step sends only
+// its new tokens. A KvClient borrows the channels of an AttentionClient (one
+// connection set serves both services) and follows its deadlines and
+// wait-for-ready settings.
+//
+//   auto client = AttentionClient::Create("127.0.0.1:50051");
+//   KvClient kv(**client);
+//   CacheSpec spec;
+//   spec.geometry = {/*num_layers=*/1, /*num_heads_kv=*/2, /*head_dim=*/64, DType::kFP16};
+//   spec.capacity_tokens = 4096;
+//   absl::StatusOr<v1::CacheStats> cache = kv.CreateCache(spec);
+//   kv.CreateSequences(cache->cache_id(), {{/*sequence_id=*/1}});
+//   AppendAttendInputs step;  // sequences, q, k, v (varlen rows), options
+//   absl::StatusOr<AppendAttendResult> out = kv.AppendAttend(step);
+//
+// Every call carries the cache id in the metadata header kCacheIdHeader so an
+// affinity proxy (deploy/proxy) sends all calls of a cache to the replica that
+// holds it. Errors are absl::Status with the server's code and message; on
+// NOT_FOUND the cache or sequence is gone (server restart, expiry, another
+// replica): create it again and re-prefill.
+//
+// A separate class rather than more AttentionClient methods: the stateless
+// Attention client stays what a serving stack without a cache links against,
+// and the K/V types (geometry, steps, the stream object) live in one place.
+#pragma once
+
+#include <grpcpp/client_context.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "attnserve/v1/kv.grpc.pb.h"
+#include "client/attention_client.h"
+#include "client/host_tensor.h"
+
+namespace attnserve {
+
+// The gRPC metadata key that names a call's cache (kv.proto's header comment).
+inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
+
+// Mirrors attnserve.v1.KvGeometry.
+struct KvGeometry {
+  int num_layers = 1;
+  int num_heads_kv = 1;
+  int head_dim = 64;
+  DType dtype = DType::kFP16;
+};
+
+// Mirrors CreateCacheRequest: exactly one of capacity_tokens and
+// capacity_bytes is > 0.
+struct CacheSpec {
+  KvGeometry geometry;
+  int page_size = 0;  // 0: the server's default
+  int64_t capacity_tokens = 0;
+  int64_t capacity_bytes = 0;
+  // Empty: KvClient::CreateCache picks a random one ("c-" and 16 hex digits)
+  // so that even CreateCache carries the affinity header (a server-chosen id
+  // would be unknown to the proxy until the reply). The raw CreateCache with
+  // an empty id lets the server choose.
+  std::string cache_id;
+  std::optional<int> device;  // unset: the server chooses
+  bool reserve = false;
+};
+
+// Mirrors SequenceSpec: empty, or a fork of the first fork_length tokens of
+// fork_from (unset length: the source's whole length).
+struct SequenceSpec {
+  // So {7} and {8, 7, 16} read as "new sequence 7" and "8 forked from the
+  // first 16 tokens of 7".
+  SequenceSpec(uint64_t id = 0, std::optional<uint64_t> from = std::nullopt,
+               std::optional<int32_t> length = std::nullopt)
+      : sequence_id(id), fork_from(from), fork_length(length) {}
+
+  uint64_t sequence_id = 0;
+  std::optional<uint64_t> fork_from;
+  std::optional<int32_t> fork_length;
+};
+
+// One sequence's part of an append-and-attend call (SequenceStep).
+struct KvStep {
+  uint64_t sequence_id = 0;
+  int32_t expected_length = 0;  // the sequence's length at the layer before the append
+  int32_t num_new_tokens = 0;   // its rows of k/v
+  int32_t num_queries = 0;      // its rows of q
+};
+
+// One append-and-attend call: q [sum num_queries, Hq, D] and k/v
+// [sum num_new_tokens, Hkv, D], rows concatenated in `sequences` order
+// (ConcatRows builds them from per-sequence tensors).
+struct AppendAttendInputs {
+  std::string cache_id;
+  int layer = 0;
+  std::vector<KvStep> sequences;
+  HostTensor q;
+  HostTensor k;
+  HostTensor v;
+  ForwardOptions options;
+  std::string request_id;  // optional; the stream fills in one when empty
+};
+
+struct AppendAttendResult {
+  std::string request_id;
+  HostTensor o;                   // [sum num_queries, Hq, D]; SliceRows splits it
+  std::optional<HostTensor> lse;  // FP32 [Hq, sum num_queries], with return_lse
+  std::vector<int32_t> lengths;   // each sequence's length after the append
+  ForwardTiming timing;
+  std::string backend;
+};
+
+v1::KvGeometry KvGeometryToProto(const KvGeometry& geometry);
+v1::CreateCacheRequest MakeCreateCacheRequest(const CacheSpec& spec);
+// Copies the tensors' bytes; the && overload moves them.
+v1::AppendAttendRequest MakeAppendAttendRequest(const AppendAttendInputs& inputs);
+v1::AppendAttendRequest MakeAppendAttendRequest(AppendAttendInputs&& inputs);
+// Decodes a response to `request`, checking O's dtype and shape, LSE's, and
+// the number of lengths (INTERNAL: a server that breaks the contract), and
+// turning a stream response's error_code into its status.
+absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
+    const v1::AppendAttendRequest& request, v1::AppendAttendResponse&& response);
+
+// A bidirectional AppendAttendStream bound to one cache: a whole generation
+// loop on one HTTP/2 stream, many requests in flight at once, each response
+// matched to its request by request_id. Send may be called from many threads;
+// callbacks run on the stream's reader thread, one at a time, so they must not
+// block on another Send's completion. Obtain one from KvClient::OpenStream.
+class AppendAttendStream {
+ public:
+  using Done = std::function<void(absl::StatusOr<v1::AppendAttendResponse>)>;
+
+  ~AppendAttendStream();  // Finish() if not done yet
+  AppendAttendStream(const AppendAttendStream&) = delete;
+  AppendAttendStream& operator=(const AppendAttendStream&) = delete;
+
+  // Writes `request` (a fresh request_id is set when it has none, or when its
+  // id is already in flight: INVALID_ARGUMENT then) and returns at once;
+  // `done` runs once with the response (a failed request: its status, and the
+  // stream goes on) or, when the stream breaks, with the stream's status.
+  // The cache_id must be the stream's (INVALID_ARGUMENT otherwise).
+  absl::Status Send(v1::AppendAttendRequest request, Done done);
+  // Sends and waits for that request's result, decoded and checked.
+  absl::StatusOr<AppendAttendResult> Call(const AppendAttendInputs& inputs);
+  absl::StatusOr<AppendAttendResult> Call(v1::AppendAttendRequest request);
+  // Half-closes, waits for every response and returns the stream's status;
+  // requests still unanswered then complete with it (or UNAVAILABLE).
+  absl::Status Finish();
+
+  const std::string& cache_id() const { return cache_id_; }
+  int64_t in_flight() const;
+
+ private:
+  friend class KvClient;
+  AppendAttendStream(std::string cache_id, std::unique_ptr<v1::KvCache::Stub> stub,
+                     const CallOptions& call, const ClientOptions& options);
+  void ReadLoop();
+
+  const std::string cache_id_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AppendAttendRequest, v1::AppendAttendResponse>>
+      stream_;
+  absl::Mutex write_mu_;  // one Write at a time (gRPC's rule for a sync stream)
+  mutable absl::Mutex mu_;
+  std::map<std::string, Done> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // writes done or the stream broke
+  bool finished_ = false;
+  absl::Status final_status_;
+  std::thread reader_;
+};
+
+class KvClient {
+ public:
+  // Borrows `client`'s channels; `client` must outlive this object.
+  explicit KvClient(AttentionClient& client);
+
+  // Returns the new cache's statistics (its id in cache_id()). See
+  // CacheSpec::cache_id for how an empty id is filled.
+  absl::StatusOr<v1::CacheStats> CreateCache(const CacheSpec& spec,
+                                             const CallOptions& call = CallOptions());
+  absl::StatusOr<v1::CacheStats> CreateCache(const v1::CreateCacheRequest& request,
+                                             const CallOptions& call = CallOptions());
+  absl::Status DropCache(const std::string& cache_id, const CallOptions& call = CallOptions());
+  absl::StatusOr<v1::CacheStats> CreateSequences(const std::string& cache_id,
+                                                 const std::vector<SequenceSpec>& sequences,
+                                                 const CallOptions& call = CallOptions());
+  // Truncates one layer, or every layer when `layer` is unset.
+  absl::StatusOr<v1::CacheStats> Truncate(const std::string& cache_id, uint64_t sequence_id,
+                                          int32_t length, std::optional<int32_t> layer,
+                                          const CallOptions& call = CallOptions());
+  absl::StatusOr<v1::CacheStats> FreeSequences(const std::string& cache_id,
+                                               const std::vector<uint64_t>& sequence_ids,
+                                               const CallOptions& call = CallOptions());
+  // The cache's statistics and the per-layer lengths of `sequence_ids`.
+  absl::StatusOr<v1::GetCacheStatsResponse> GetCacheStats(
+      const std::string& cache_id, const std::vector<uint64_t>& sequence_ids = {},
+      const CallOptions& call = CallOptions());
+
+  // The raw RPC, and the typed call that builds the request and checks the
+  // response's shapes.
+  absl::StatusOr<v1::AppendAttendResponse> AppendAttend(const v1::AppendAttendRequest& request,
+                                                        const CallOptions& call = CallOptions());
+  absl::StatusOr<AppendAttendResult> AppendAttend(const AppendAttendInputs& inputs,
+                                                  const CallOptions& call = CallOptions());
+  // Non-blocking AppendAttend on gRPC's callback API: `done` runs once, on a
+  // gRPC thread. `request` is copied.
+  void AppendAttendAsync(const v1::AppendAttendRequest& request, const CallOptions& call,
+                         std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done);
+
+  // Opens an AppendAttendStream for `cache_id` on channel `channel` (modulo
+  // the number of channels). The stream has no deadline unless
+  // `call.timeout` sets one: a generation loop outlives any one call.
+  absl::StatusOr<std::unique_ptr<AppendAttendStream>> OpenStream(
+      const std::string& cache_id, int channel = 0, const CallOptions& call = CallOptions());
+
+ private:
+  // A context with the client's deadline and wait-for-ready and the cache id
+  // header.
+  void Prepare(const CallOptions& call, const std::string& cache_id,
+               grpc::ClientContext* context) const;
+  v1::KvCache::Stub& Next();
+
+  AttentionClient& client_;
+  std::vector<std::unique_ptr<v1::KvCache::Stub>> stubs_;
+  std::atomic<uint64_t> next_{0};
+};
+
+}  // namespace attnserve

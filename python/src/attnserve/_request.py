@@ -1,0 +1,106 @@
+"""One forward call's arguments to a ForwardRequest, and a ForwardResponse to a result.
+
+Shared by the sync and asyncio clients and both streaming forms, so the mapping
+from Python arguments to wire fields is written once. The server validates
+everything (DESIGN.md §2); the client only refuses what it cannot encode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from typing import Any, Optional, Tuple
+
+from attnserve import _tensors
+from attnserve.errors import AttnServeError, invalid_argument
+from attnserve.v1 import attention_pb2 as pb
+
+# Window sides: None or -1 = unlimited (FlashAttention's window_size=(-1, -1)).
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+_ids = itertools.count(1)
+_id_prefix = f"py{os.getpid()}-"
+
+
+def next_request_id() -> str:
+    """A process-unique request id (ForwardStream matches responses on it)."""
+    return f"{_id_prefix}{next(_ids)}"
+
+
+@dataclasses.dataclass
+class ServerTiming:
+    """Server-side microseconds for one request (ForwardResponse.timing)."""
+    queue_us: int
+    host_to_device_us: int
+    compute_us: int
+    device_to_host_us: int
+    total_us: int
+    batch_size: int
+    device: int
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    """A successful call: O (like Q), LSE (FP32, only with return_lse), and what ran it."""
+    o: Any
+    lse: Optional[Any]
+    timing: ServerTiming
+    backend: str
+    request_id: str
+
+
+def fill_options(opts: pb.AttentionOptions, *, causal: bool, window: Window, softcap: float,
+                 scale: Optional[float], return_lse: bool) -> None:
+    """AttentionOptions from forward()'s keyword arguments (also the K/V API's AppendAttend)."""
+    opts.causal = bool(causal)
+    opts.softcap = float(softcap)
+    opts.return_lse = bool(return_lse)
+    if scale is not None:
+        opts.softmax_scale = float(scale)
+    if window is not None:
+        if len(window) != 2:
+            raise invalid_argument(f"window: expected (left, right), got {window!r}")
+        left, right = window
+        # -1 is FlashAttention's "unlimited"; other negatives go to the server,
+        # which names the field in its INVALID_ARGUMENT.
+        if left is not None and left != -1:
+            opts.window_left = int(left)
+        if right is not None and right != -1:
+            opts.window_right = int(right)
+
+
+def server_timing(t: pb.ServerTiming) -> ServerTiming:
+    """The wire's ServerTiming as the dataclass."""
+    return ServerTiming(t.queue_us, t.host_to_device_us, t.compute_us, t.device_to_host_us,
+                        t.total_us, t.batch_size, t.device)
+
+
+def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Window = None,
+                  softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
+                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                  request_id: Optional[str] = None) -> pb.ForwardRequest:
+    """The ForwardRequest for forward()'s arguments (see Client.forward)."""
+    req = pb.ForwardRequest(request_id=request_id or next_request_id())
+    _tensors.to_wire("q", q, req.q)
+    _tensors.to_wire("k", k, req.k)
+    _tensors.to_wire("v", v, req.v)
+    for name, cu, field in (("cu_seqlens_q", cu_seqlens_q, req.cu_seqlens_q),
+                            ("cu_seqlens_k", cu_seqlens_k, req.cu_seqlens_k)):
+        offsets = _tensors.to_offsets(name, cu)
+        if offsets is not None:
+            field.extend(offsets)
+    fill_options(req.options, causal=causal, window=window, softcap=softcap, scale=scale,
+                 return_lse=return_lse)
+    return req
+
+
+def parse_response(resp: pb.ForwardResponse, like: Any) -> ForwardResult:
+    """A ForwardResponse as a ForwardResult, O and LSE of like's kind (ndarray or torch)."""
+    if resp.error_code != 0:
+        raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
+                                              resp.request_id)
+    o = _tensors.from_wire("o", resp.o, like)
+    lse = _tensors.from_wire("lse", resp.lse, like) if resp.HasField("lse") else None
+    return ForwardResult(o=o, lse=lse, timing=server_timing(resp.timing), backend=resp.backend,
+                         request_id=resp.request_id)

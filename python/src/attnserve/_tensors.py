@@ -1,0 +1,114 @@
+"""NumPy arrays and PyTorch tensors to and from the wire's Tensor message.
+
+Copies, per tensor (the numbers docs/python.md quotes):
+  to the wire:   a CUDA tensor is first copied to host memory (.cpu(), the one
+                 transfer that cannot be avoided); then 1 copy into a `bytes`
+                 (a non-contiguous input is made contiguous in that same copy),
+                 1 copy when protobuf stores it in the message and 1 when the
+                 message is serialized (protobuf's upb runtime accepts only
+                 `bytes` and owns its storage).
+  from the wire: protobuf copies the field out of the parsed message once
+                 (`Tensor.data`); the array or CPU tensor is a zero-copy view of
+                 those bytes; a CUDA result is one host-to-device copy of it.
+gRPC's own buffers (serialized message to HTTP/2 frames and back) come on top.
+torch is imported only when a torch tensor is passed in.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from attnserve.errors import invalid_argument
+from attnserve.v1 import attention_pb2 as pb
+
+_NUMPY_TO_WIRE = {np.dtype(np.float16): pb.FP16, np.dtype(ml_dtypes.bfloat16): pb.BF16,
+                  np.dtype(np.float32): pb.FP32}
+_WIRE_TO_NUMPY = {wire: dtype for dtype, wire in _NUMPY_TO_WIRE.items()}
+
+
+def is_torch(x: Any) -> bool:
+    """True for a torch.Tensor, without importing torch for NumPy users."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_torch_dtype(x: Any) -> bool:
+    """True for a torch.dtype, without importing torch for NumPy users."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.dtype)
+
+
+def _torch_wire_dtypes() -> dict:
+    import torch
+    return {torch.float16: pb.FP16, torch.bfloat16: pb.BF16, torch.float32: pb.FP32}
+
+
+def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
+    """Fills `out` (q, k or v of a request) from an ndarray or a torch tensor."""
+    if is_torch(x):
+        wire = _torch_wire_dtypes().get(x.dtype)
+        if wire is None:
+            raise invalid_argument(f"{name}.dtype: expected torch.float16, torch.bfloat16 or "
+                                   f"torch.float32, got {x.dtype}")
+        host = x.detach().cpu()  # a CPU tensor stays as it is; CUDA: the device-to-host copy
+        # An integer view of the same width keeps the strides (NumPy has no
+        # bfloat16 of torch's); tobytes() then gathers a strided tensor in its one copy.
+        data = host.view(_same_width_int(host.dtype)).numpy().tobytes()
+        shape = tuple(host.shape)
+    else:
+        arr = np.asarray(x)
+        wire = _NUMPY_TO_WIRE.get(arr.dtype)
+        if wire is None:
+            raise invalid_argument(f"{name}.dtype: expected float16, bfloat16 (ml_dtypes) or "
+                                   f"float32, got {arr.dtype}")
+        data = arr.tobytes(order="C")  # little-endian: the dtypes above are native on x86/Arm
+        shape = arr.shape
+    out.dtype = wire
+    out.shape.extend(shape)
+    out.data = data
+
+
+def _same_width_int(dtype):
+    import torch
+    return torch.int32 if dtype == torch.float32 else torch.int16
+
+
+def from_wire(name: str, t: pb.Tensor, like: Any) -> Any:
+    """The response tensor `t` as the kind of `like` (ndarray, or torch on like's device)."""
+    dtype = _WIRE_TO_NUMPY.get(t.dtype)
+    if dtype is None:
+        raise invalid_argument(f"{name}.dtype: the server sent {pb.DType.Name(t.dtype)}")
+    shape = tuple(t.shape)
+    data = t.data  # the one copy out of the parsed message
+    arr = np.frombuffer(data, dtype=dtype).reshape(shape) if data else np.zeros(shape, dtype)
+    if not is_torch(like):
+        return arr
+    import torch
+    wire_to_torch = {v: k for k, v in _torch_wire_dtypes().items()}
+    if arr.size == 0:
+        out = torch.empty(shape, dtype=wire_to_torch[t.dtype])
+    else:
+        with warnings.catch_warnings():
+            # The bytes are ours alone (nobody else holds them), so a writable
+            # view of an immutable buffer is harmless here.
+            warnings.simplefilter("ignore", UserWarning)
+            out = torch.frombuffer(data, dtype=wire_to_torch[t.dtype]).view(shape)
+    return out.to(like.device) if like.device.type != "cpu" else out
+
+
+def to_offsets(name: str, cu: Optional[Any]) -> Optional[Sequence[int]]:
+    """cu_seqlens as Python ints, from a list, an ndarray or a torch tensor (any device)."""
+    if cu is None:
+        return None
+    if is_torch(cu):
+        cu = cu.detach().cpu().numpy()
+    arr = np.asarray(cu)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise invalid_argument(f"{name}: expected a 1-D sequence of integer offsets, got "
+                               f"shape {arr.shape} of {arr.dtype}")
+    return arr.astype(np.int64).tolist()

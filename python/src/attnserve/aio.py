@@ -1,0 +1,151 @@
+"""The asyncio attnserve client (grpc.aio): AsyncClient and AsyncForwardStream.
+
+Same methods and arguments as attnserve.Client, as coroutines:
+
+    async with AsyncClient("127.0.0.1:50051") as c:
+        o = await c.forward(q, k, v, causal=True)
+        outs = await asyncio.gather(*(c.forward(q, k, v) for q, k, v in batches))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, Optional
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2
+
+from attnserve import _channel, _request
+from attnserve._request import ForwardResult, Window
+from attnserve.errors import AttnServeError
+from attnserve.v1 import attention_pb2 as pb
+
+
+class AsyncClient(_channel.ChannelOwner):
+    """attnserve.Client for asyncio: one grpc.aio channel; see Client for the arguments."""
+
+    _grpc = grpc.aio
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _call(self, rpc: Any, request: Any, timeout: Optional[float]) -> Any:
+        try:
+            return await rpc(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as e:
+            raise AttnServeError.from_rpc_error(e) from None
+
+    async def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False,
+                      window: Window = None, softcap: float = 0.0, scale: Optional[float] = None,
+                      return_lse: bool = False, cu_seqlens_q: Any = None,
+                      cu_seqlens_k: Any = None, timeout: Optional[float] = None) -> Any:
+        """Client.forward as a coroutine: O, or (O, LSE) with return_lse."""
+        result = await self.forward_result(q, k, v, causal=causal, window=window,
+                                           softcap=softcap, scale=scale, return_lse=return_lse,
+                                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                           timeout=timeout)
+        return (result.o, result.lse) if return_lse else result.o
+
+    async def forward_result(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,
+                             **options: Any) -> ForwardResult:
+        """Client.forward_result as a coroutine."""
+        req = _request.build_request(q, k, v, **options)
+        return _request.parse_response(await self._call(self._stub.Forward, req, timeout), q)
+
+    async def echo(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,
+                   **options: Any) -> ForwardResult:
+        """Client.echo as a coroutine."""
+        req = _request.build_request(q, k, v, **options)
+        return _request.parse_response(await self._call(self._stub.Echo, req, timeout), q)
+
+    def stream(self, *, timeout: Optional[float] = None) -> "AsyncForwardStream":
+        """An AsyncForwardStream (use `async with`, or await close())."""
+        return AsyncForwardStream(self, timeout=timeout)
+
+    async def info(self, *, timeout: Optional[float] = None) -> pb.GetServerInfoResponse:
+        return await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+
+    async def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
+        resp = await self._call(self._health.Check,
+                                health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+class AsyncForwardStream:
+    """ForwardStream for asyncio: `await submit(...)` sends and returns an
+    asyncio.Future of the ForwardResult; responses are matched on request_id.
+
+        async with client.stream() as s:
+            futures = [await s.submit(q, k, v) for q, k, v in batches]
+            results = await asyncio.gather(*futures)
+    """
+
+    def __init__(self, client: AsyncClient, *, timeout: Optional[float] = None):
+        self._call = client._stub.ForwardStream(timeout=timeout)
+        self._pending: Dict[str, tuple] = {}
+        self._error: Optional[AttnServeError] = None
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def submit(self, q: Any, k: Any, v: Any, **options: Any) -> "asyncio.Future":
+        """Sends one request (forward()'s arguments); returns the future of its result."""
+        if self._closed or self._error is not None:
+            raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                                "AsyncForwardStream: already closed")
+        req = _request.build_request(q, k, v, **options)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[req.request_id] = (future, q)
+        try:
+            await self._call.write(req)
+        except grpc.RpcError as e:
+            self._pending.pop(req.request_id, None)
+            raise AttnServeError.from_rpc_error(e) from None
+        return future
+
+    async def _read(self) -> None:
+        error: Optional[AttnServeError] = None
+        try:
+            while True:
+                resp = await self._call.read()
+                if resp is grpc.aio.EOF:
+                    break
+                future, like = self._pending.pop(resp.request_id, (None, None))
+                if future is None or future.done():
+                    continue
+                try:
+                    future.set_result(_request.parse_response(resp, like))
+                except AttnServeError as e:
+                    future.set_exception(e)
+        except grpc.RpcError as e:
+            error = AttnServeError.from_rpc_error(e)
+        self._error = error or AttnServeError(
+            grpc.StatusCode.INTERNAL, "ForwardStream: the server ended the stream with "
+            "requests unanswered")
+        pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            if not future.done():
+                future.set_exception(self._error)
+
+    async def close(self) -> None:
+        """Stops sending and waits for the outstanding responses."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._call.done_writing()
+        except grpc.RpcError:
+            pass  # the reader reports the stream's error to the pending futures
+        await self._reader
+
+    async def __aenter__(self) -> "AsyncForwardStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,588 @@
+"""K/V that stay on the server (attnserve.v1.KvCache): caches, sequences, append-and-attend.
+
+    from attnserve import Client
+    from attnserve.kv import Cache
+
+    with Client("127.0.0.1:50051") as client, \\
+         Cache(client, num_layers=4, num_heads_kv=2, head_dim=64, dtype="float32",
+               capacity_tokens=1 << 16) as cache, \\
+         cache.sequences(2) as seqs:
+        for layer in range(4):                          # prefill: 2 x 7 tokens
+            o = cache.append_attend(layer, seqs, q, k, v, causal=True)   # q [2, 7, Hq, D]
+        ...                                             # then 1 token per step
+
+A Cache is one model's attention geometry on one server device; a Sequence is
+one token history in it (one K/V history per layer). Each step sends only the
+new tokens' K/V; the server appends them to the sequences' pages and attends
+the new queries over everything the sequences hold at that layer.
+
+Ownership: closing a Cache drops it on the server (every page at once);
+closing a Sequence or a Sequences group frees its sequences. Both are context
+managers, so `with` frees what it made even when the body raises.
+
+Lengths and retries: the client tracks each sequence's length per layer and
+sends it as `expected_length` with every append. The server refuses a call
+whose expected length is not the sequence's actual one (FAILED_PRECONDITION,
+naming the actual length) and changes nothing, so an append can never be
+applied twice: retrying after UNAVAILABLE (done by the channel, see
+attnserve._channel) is safe. If a response was lost after the server applied
+the call, the retry answers FAILED_PRECONDITION; sync() re-reads the lengths.
+
+Affinity: every call carries the gRPC metadata header x-attnserve-cache-id
+(kv.proto), so a proxy can route all calls of a cache to the replica holding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as Seq, Tuple,
+                    Union)
+
+import grpc
+import numpy as np
+
+from attnserve import _request, _tensors
+from attnserve._request import ServerTiming, Window
+from attnserve._stream import BidiStream
+from attnserve.client import Client
+from attnserve.errors import AttnServeError, invalid_argument
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import kv_pb2
+
+CACHE_ID_HEADER = "x-attnserve-cache-id"
+
+_DTYPES = {"float16": pb.FP16, "fp16": pb.FP16, "bfloat16": pb.BF16, "bf16": pb.BF16,
+           "float32": pb.FP32, "fp32": pb.FP32}
+
+
+def wire_dtype(dtype: Any) -> int:
+    """attnserve.v1.DType of "bfloat16"/"float16"/"float32", a NumPy or a torch dtype."""
+    if isinstance(dtype, str) or _tensors.is_torch_dtype(dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        name = np.dtype(dtype).name  # np.float32, ml_dtypes.bfloat16, np.dtype(...)
+    if name not in _DTYPES:
+        raise invalid_argument(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass
+class AppendAttendResult:
+    """A successful append-and-attend: O (like q), LSE (FP32, only with return_lse),
+    each sequence's length at the layer after the call, and what ran it."""
+    o: Any
+    lse: Optional[Any]
+    lengths: List[int]
+    timing: ServerTiming
+    backend: str
+    request_id: str
+
+
+# One operation of the K/V API as a generator: it yields (method, request,
+# timeout) for each RPC, receives the response (or the AttnServeError, thrown
+# in) and returns the result. Cache runs them with blocking calls and
+# attnserve.kv_aio.AsyncCache with awaited ones, so the bookkeeping (tracked
+# lengths, ids, what a failure undoes) is written once for both.
+Op = Generator[Tuple[str, Any, Optional[float]], Any, Any]
+
+
+class CacheBase:
+    """What Cache and AsyncCache share: the cache's identity, its sequences, the operations."""
+
+    def _init(self, client: Any, num_layers: int, num_heads_kv: int, head_dim: int,
+              dtype: Any, capacity_tokens: Optional[int], capacity_bytes: Optional[int],
+              page_size: int, cache_id: Optional[str], device: Optional[int], reserve: bool,
+              timeout: Optional[float]) -> kv_pb2.CreateCacheRequest:
+        self.client = client
+        self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
+        self.timeout = timeout
+        self._metadata = ((CACHE_ID_HEADER, self.cache_id),)
+        self._lock = threading.Lock()
+        self._next_id = itertools.count(1)
+        self._sequences: Dict[int, "Sequence"] = {}
+        self._closed = False
+        req = kv_pb2.CreateCacheRequest(
+            geometry=kv_pb2.KvGeometry(num_layers=num_layers, num_heads_kv=num_heads_kv,
+                                       head_dim=head_dim, dtype=wire_dtype(dtype)),
+            page_size=page_size, capacity_tokens=capacity_tokens or 0,
+            capacity_bytes=capacity_bytes or 0, cache_id=self.cache_id, reserve=reserve)
+        if device is not None:
+            req.device = device
+        return req
+
+    def _deadline_of(self, timeout: Optional[float]) -> Optional[float]:
+        return self.client._deadline(timeout if timeout is not None else self.timeout)
+
+    # -- operations ------------------------------------------------------------
+    def _op_create_cache(self, req: kv_pb2.CreateCacheRequest) -> Op:
+        stats = (yield "CreateCache", req, None).stats
+        self.num_layers = stats.geometry.num_layers
+        self.page_size = stats.page_size
+        self.device = stats.device
+
+    def _op_close(self) -> Op:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sequences.clear()
+        yield "DropCache", kv_pb2.DropCacheRequest(cache_id=self.cache_id), None
+
+    def _op_stats(self, timeout: Optional[float]) -> Op:
+        req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id)
+        return (yield "GetCacheStats", req, timeout).stats
+
+    def _op_server_lengths(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id,
+                                          sequence_ids=[s.id for s in sequences])
+        resp = yield "GetCacheStats", req, timeout
+        return {s.sequence_id: list(s.lengths) for s in resp.sequences}
+
+    def _op_sync(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        sequences = list(sequences)
+        lengths = yield from self._op_server_lengths(sequences, timeout)
+        with self._lock:
+            for s in sequences:
+                s._lengths = lengths[s.id]
+
+    def _op_sequences(self, count_or_ids: Union[int, Iterable[int]],
+                      timeout: Optional[float]) -> Op:
+        if isinstance(count_or_ids, int):
+            specs = [kv_pb2.SequenceSpec(sequence_id=self._id(None)) for _ in range(count_or_ids)]
+        else:
+            specs = [kv_pb2.SequenceSpec(sequence_id=int(i)) for i in count_or_ids]
+        return Sequences(self, (yield from self._op_create(specs, timeout)))
+
+    def _op_fork(self, source: "Sequence", length: Optional[int], count: int,
+                 timeout: Optional[float]) -> Op:
+        spec = dict(fork_from=source.id)
+        if length is not None:
+            spec["fork_length"] = length
+        specs = [kv_pb2.SequenceSpec(sequence_id=self._id(None), **spec) for _ in range(count)]
+        return Sequences(self, (yield from self._op_create(specs, timeout)))
+
+    def _op_fork_one(self, source: "Sequence", length: Optional[int],
+                     timeout: Optional[float]) -> Op:
+        return (yield from self._op_fork(source, length, 1, timeout))[0]
+
+    def _id(self, wanted: Optional[int]) -> int:
+        if wanted is not None:
+            return int(wanted)
+        with self._lock:
+            while True:
+                candidate = next(self._next_id)
+                if candidate not in self._sequences:
+                    return candidate
+
+    def _op_create(self, specs: List[kv_pb2.SequenceSpec], timeout: Optional[float]) -> Op:
+        req = kv_pb2.CreateSequencesRequest(cache_id=self.cache_id, sequences=specs)
+        yield "CreateSequences", req, timeout
+        made = []
+        with self._lock:
+            for spec in specs:
+                if spec.HasField("fork_from"):
+                    source = self._sequences.get(spec.fork_from)
+                    lengths = list(source._lengths) if source else None
+                    if lengths is not None and spec.HasField("fork_length"):
+                        lengths = [min(n, spec.fork_length) for n in lengths]
+                else:
+                    lengths = [0] * self.num_layers
+                seq = Sequence(self, spec.sequence_id, lengths)
+                self._sequences[seq.id] = seq
+                made.append(seq)
+        unknown = [s for s in made if s._lengths is None]  # forked from a sequence not ours
+        if unknown:
+            yield from self._op_sync(unknown, timeout)
+        return made
+
+    def _op_free(self, sequences: Iterable["Sequence"], timeout: Optional[float]) -> Op:
+        live = [s for s in sequences if not s._freed]
+        if not live or self._closed:
+            return
+        yield "FreeSequences", kv_pb2.FreeSequencesRequest(
+            cache_id=self.cache_id, sequence_ids=[s.id for s in live]), timeout
+        with self._lock:
+            for s in live:
+                s._freed = True
+                self._sequences.pop(s.id, None)
+
+    def _op_truncate(self, seq: "Sequence", length: int, layer: Optional[int],
+                     timeout: Optional[float]) -> Op:
+        req = kv_pb2.TruncateRequest(cache_id=self.cache_id, sequence_id=seq.id, length=length)
+        if layer is not None:
+            req.layer = layer
+        stats = (yield "Truncate", req, timeout).stats
+        with self._lock:
+            for i in range(len(seq._lengths)) if layer is None else [layer]:
+                seq._lengths[i] = length
+        return stats
+
+    def _op_append_attend(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any, v: Any,
+                          timeout: Optional[float], options: Dict[str, Any]) -> Op:
+        call = _AppendCall(self, layer, sequences, q, k, v, **options)
+        try:
+            resp = yield "AppendAttend", call.request, timeout
+        except AttnServeError:
+            call.roll_back()
+            raise
+        return call.parse(resp)
+
+
+class Cache(CacheBase):
+    """One attnserve K/V cache (CreateCache on construction, DropCache on close()).
+
+    Args:
+      client: the attnserve.Client whose channel the calls use.
+      num_layers, num_heads_kv, head_dim, dtype: the geometry (KvGeometry);
+        dtype is that of K, V, Q and O ("bfloat16", "float16", "float32", or a
+        NumPy/torch dtype).
+      capacity_tokens / capacity_bytes: exactly one: the cache's maximum size
+        (tokens over all sequences and layers, or K+V bytes). A maximum, not a
+        reservation unless `reserve`.
+      page_size: tokens per page (a power of two in [16, 256]); 0 = the server's.
+      cache_id: the cache's name; None = a fresh random one chosen here (so the
+        affinity header is known from the first call on).
+      device: the server device; None = the one with the most free K/V budget.
+      reserve: take the whole capacity from the device's budget now.
+      timeout: default deadline of this cache's calls (None = the client's).
+    """
+
+    def __init__(self, client: Client, *, num_layers: int, num_heads_kv: int, head_dim: int,
+                 dtype: Any, capacity_tokens: Optional[int] = None,
+                 capacity_bytes: Optional[int] = None, page_size: int = 0,
+                 cache_id: Optional[str] = None, device: Optional[int] = None,
+                 reserve: bool = False, timeout: Optional[float] = None):
+        req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
+                         capacity_bytes, page_size, cache_id, device, reserve, timeout)
+        self._run(self._op_create_cache(req))
+
+    def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
+        rpc = getattr(self.client._kv, method)
+        try:
+            return rpc(request, timeout=self._deadline_of(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttnServeError.from_rpc_error(e) from None
+
+    def _run(self, op: Op) -> Any:
+        """Runs an operation's RPCs one after another (see Op)."""
+        try:
+            step = next(op)
+            while True:
+                try:
+                    resp = self._call(*step)
+                except AttnServeError as e:
+                    step = op.throw(e)
+                else:
+                    step = op.send(resp)
+        except StopIteration as done:
+            return done.value
+
+    _go = _run  # how Sequence runs its operations on this cache
+
+    # -- lifetime ------------------------------------------------------------
+    def close(self) -> None:
+        """Drops the cache on the server (all its sequences and pages); idempotent."""
+        self._run(self._op_close())
+
+    drop = close
+
+    def __enter__(self) -> "Cache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- statistics ----------------------------------------------------------
+    def stats(self, *, timeout: Optional[float] = None) -> kv_pb2.CacheStats:
+        """GetCacheStats: pages used/free, live sequences, tokens, ..."""
+        return self._run(self._op_stats(timeout))
+
+    def server_lengths(self, sequences: Iterable["Sequence"], *,
+                       timeout: Optional[float] = None) -> Dict[int, List[int]]:
+        """Each sequence's per-layer lengths as the server has them, by sequence id."""
+        return self._run(self._op_server_lengths(sequences, timeout))
+
+    def sync(self, sequences: Iterable["Sequence"], *, timeout: Optional[float] = None) -> None:
+        """Re-reads the sequences' lengths from the server (after a failed or lost call)."""
+        self._run(self._op_sync(sequences, timeout))
+
+    # -- sequences -----------------------------------------------------------
+    def sequence(self, sequence_id: Optional[int] = None, *,
+                 timeout: Optional[float] = None) -> "Sequence":
+        """One new empty sequence (close it, or use it as a context manager)."""
+        ids = 1 if sequence_id is None else [sequence_id]
+        return self._run(self._op_sequences(ids, timeout))[0]
+
+    def sequences(self, count_or_ids: Union[int, Iterable[int]], *,
+                  timeout: Optional[float] = None) -> "Sequences":
+        """New empty sequences, all or none: a count (ids chosen here) or explicit ids."""
+        return self._run(self._op_sequences(count_or_ids, timeout))
+
+    def fork(self, source: "Sequence", length: Optional[int] = None, *, count: int = 1,
+             timeout: Optional[float] = None) -> "Sequences":
+        """`count` new sequences starting as the first `length` tokens of `source`
+        (None: its whole length, which must be the same at every layer). They
+        share the prefix's pages on the server (a partial last page copy-on-write)."""
+        return self._run(self._op_fork(source, length, count, timeout))
+
+    def truncate(self, sequence: "Sequence", length: int, layer: Optional[int] = None, *,
+                 timeout: Optional[float] = None) -> kv_pb2.CacheStats:
+        """Cuts `sequence` to `length` tokens at `layer` (None: every layer), e.g. to
+        roll back rejected speculative tokens; pages past it return to the pool."""
+        return self._run(self._op_truncate(sequence, length, layer, timeout))
+
+    def free(self, sequences: Iterable["Sequence"], *, timeout: Optional[float] = None) -> None:
+        """Frees sequences on the server, all or none (FreeSequences); their pages
+        not shared with another sequence return to the pool. Idempotent."""
+        self._run(self._op_free(sequences, timeout))
+
+    # -- append and attend ---------------------------------------------------
+    def append_attend(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
+                      v: Any = None, *, causal: bool = True, window: Window = None,
+                      softcap: float = 0.0, scale: Optional[float] = None,
+                      return_lse: bool = False, cu_seqlens_q: Any = None,
+                      cu_seqlens_k: Any = None, timeout: Optional[float] = None) -> Any:
+        """Appends the new tokens' K/V to each sequence at `layer`, then attends the
+        new queries over everything the sequence holds there. Returns O like q,
+        or (O, LSE) with return_lse.
+
+        Layout (the rows of the sequences in the order given):
+          dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], B = len(sequences): Sq
+            queries and Sk new tokens for each sequence;
+          packed: q [Tq, Hq, D], k/v [Tk, Hkv, D], split by cu_seqlens_q/k
+            (B+1 offsets; not needed for one sequence).
+          k = v = None: attend only (no new tokens); q = None: append only.
+        causal (the default here) is bottom-right against each sequence's length
+        after the append: the new tokens see the prefix and the causal part of
+        themselves. window, softcap, scale as Client.forward.
+
+        Safe to retry after UNAVAILABLE: the call carries each sequence's
+        expected length, so the server never appends twice (see the module doc).
+        On failure nothing changed on the server and the tracked lengths stay.
+
+        Raises:
+          AttnServeError: FAILED_PRECONDITION (a length differs from the server's:
+            the message names the actual one; sync() re-reads them), NOT_FOUND
+            (cache or sequence gone: re-create and re-prefill), INVALID_ARGUMENT
+            (naming the field), RESOURCE_EXHAUSTED (pages needed and free).
+        """
+        result = self.append_attend_result(
+            layer, sequences, q, k, v, causal=causal, window=window, softcap=softcap,
+            scale=scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, timeout=timeout)
+        return (result.o, result.lse) if return_lse else result.o
+
+    def append_attend_result(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
+                             v: Any = None, *, timeout: Optional[float] = None,
+                             **options: Any) -> AppendAttendResult:
+        """append_attend(), returning an AppendAttendResult (O, LSE, lengths, timing)."""
+        return self._run(self._op_append_attend(layer, sequences, q, k, v, timeout, options))
+
+    def stream(self, *, timeout: Optional[float] = None) -> "AppendAttendStream":
+        """An AppendAttendStream on this cache (close it, or use it as a context manager)."""
+        return AppendAttendStream(self, timeout=timeout)
+
+
+class _FreedOnExit:
+    """`with` / `async with` (for an AsyncCache's) that free() on the way out."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.free()
+
+
+class Sequence(_FreedOnExit):
+    """One sequence of a Cache: its id and its length at each layer as tracked here.
+
+    Made by Cache.sequence()/sequences()/fork(); close() (or free()) frees it on
+    the server. `lengths` is the client's view: what the next append expects.
+    """
+
+    def __init__(self, cache: CacheBase, sequence_id: int, lengths: Optional[List[int]]):
+        self.cache = cache
+        self.id = sequence_id
+        self._lengths = lengths
+        self._freed = False
+
+    @property
+    def lengths(self) -> List[int]:
+        """The sequence's length at each layer (a copy)."""
+        return list(self._lengths or [])
+
+    def length(self, layer: int = 0) -> int:
+        return self._lengths[layer]
+
+    # Each method runs through the cache's driver: a value for a Cache, an
+    # awaitable for an AsyncCache (then `await seq.truncate(...)`, `async with`).
+    def fork(self, length: Optional[int] = None, *, timeout: Optional[float] = None) -> "Sequence":
+        """A new sequence starting as this one's first `length` tokens (see Cache.fork)."""
+        return self.cache._go(self.cache._op_fork_one(self, length, timeout))
+
+    def truncate(self, length: int, layer: Optional[int] = None, *,
+                 timeout: Optional[float] = None) -> kv_pb2.CacheStats:
+        """Cuts the sequence to `length` tokens at `layer` (None: every layer), e.g.
+        to roll back rejected speculative tokens; pages past it return to the pool."""
+        return self.cache._go(self.cache._op_truncate(self, length, layer, timeout))
+
+    def free(self, *, timeout: Optional[float] = None) -> None:
+        """Frees the sequence on the server; idempotent."""
+        return self.cache._go(self.cache._op_free([self], timeout))
+
+    close = free
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id}, lengths={self._lengths})"
+
+
+class Sequences(_FreedOnExit, list):
+    """A list of Sequences that frees them all in one call when closed."""
+
+    def __init__(self, cache: CacheBase, items: Iterable[Sequence]):
+        super().__init__(items)
+        self.cache = cache
+
+    def free(self, *, timeout: Optional[float] = None) -> None:
+        return self.cache._go(self.cache._op_free(self, timeout))
+
+    close = free
+
+
+class _AppendCall:
+    """One AppendAttend request: built from the arguments, the sequences' tracked
+    lengths advanced at once (so calls pipelined on a stream expect the right
+    lengths), and undone when the call fails."""
+
+    def __init__(self, cache: CacheBase, layer: int, sequences: Seq[Sequence], q: Any, k: Any,
+                 v: Any, *, causal: bool = True, window: Window = None, softcap: float = 0.0,
+                 scale: Optional[float] = None, return_lse: bool = False,
+                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                 request_id: Optional[str] = None):
+        if not 0 <= layer < cache.num_layers:
+            raise invalid_argument(f"layer: expected in [0, {cache.num_layers}), got {layer}")
+        if (k is None) != (v is None):
+            raise invalid_argument("k, v: give both (append) or neither (attend only)")
+        self.cache = cache
+        self.layer = layer
+        self.sequences = list(sequences)
+        self.like = q if q is not None else k
+        self.q_shape = None if q is None else tuple(q.shape)
+        batch = len(self.sequences)
+        q, nq = _packed("q", q, "cu_seqlens_q", cu_seqlens_q, batch)
+        k, nk = _packed("k", k, "cu_seqlens_k", cu_seqlens_k, batch)
+        v, _ = _packed("v", v, "cu_seqlens_k", cu_seqlens_k, batch)
+        req = kv_pb2.AppendAttendRequest(request_id=request_id or _request.next_request_id(),
+                                         cache_id=cache.cache_id, layer=layer)
+        for name, x, field in (("q", q, req.q), ("k", k, req.k), ("v", v, req.v)):
+            if x is not None:
+                _tensors.to_wire(name, x, field)
+        _request.fill_options(req.options, causal=causal, window=window, softcap=softcap,
+                              scale=scale, return_lse=return_lse)
+        self.after: List[int] = []
+        with cache._lock:
+            for i, s in enumerate(self.sequences):
+                if s._freed:
+                    raise invalid_argument(f"sequences[{i}]: sequence {s.id} was freed")
+                if s.cache is not cache:
+                    raise invalid_argument(f"sequences[{i}]: sequence {s.id} belongs to "
+                                           f"cache {s.cache.cache_id}, not {cache.cache_id}")
+            for s, n_q, n_new in zip(self.sequences, nq, nk):
+                expected = s._lengths[layer]
+                req.sequences.add(sequence_id=s.id, expected_length=expected,
+                                  num_new_tokens=n_new, num_queries=n_q)
+                s._lengths[layer] = expected + n_new
+                self.after.append(expected + n_new)
+        self.request = req
+
+    def roll_back(self) -> None:
+        """Undoes this call's advance of each tracked length, unless a later call
+        on the same (sequence, layer) moved it on (that one rolls back itself)."""
+        with self.cache._lock:
+            for s, step, after in zip(self.sequences, self.request.sequences, self.after):
+                if s._lengths is not None and s._lengths[self.layer] == after:
+                    s._lengths[self.layer] = step.expected_length
+
+    def parse(self, resp: kv_pb2.AppendAttendResponse) -> AppendAttendResult:
+        if resp.error_code != 0:
+            raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
+                                                  resp.request_id)
+        o = lse = None
+        if self.q_shape is not None:
+            o = _tensors.from_wire("o", resp.o, self.like).reshape(self.q_shape)
+            if resp.HasField("lse"):
+                lse = _tensors.from_wire("lse", resp.lse, self.like)
+        return AppendAttendResult(o=o, lse=lse, lengths=list(resp.lengths),
+                                  timing=_request.server_timing(resp.timing),
+                                  backend=resp.backend, request_id=resp.request_id)
+
+
+def _packed(name: str, x: Any, cu_name: str, cu_seqlens: Any,
+            batch: int) -> Tuple[Any, List[int]]:
+    """x in the packed layout [T, H, D] and its rows per sequence."""
+    if x is None:
+        return None, [0] * batch
+    if x.ndim == 4:  # dense [B, S, H, D]
+        if x.shape[0] != batch:
+            raise invalid_argument(f"{name}.shape[0]: expected {batch} (one row per sequence), "
+                                   f"got {x.shape[0]}")
+        return x.reshape(batch * x.shape[1], *x.shape[2:]), [int(x.shape[1])] * batch
+    if x.ndim != 3:
+        raise invalid_argument(f"{name}: expected [B, S, H, D] or packed [T, H, D], got shape "
+                               f"{tuple(x.shape)}")
+    offsets = _tensors.to_offsets(cu_name, cu_seqlens)
+    if offsets is None:
+        if batch != 1:
+            raise invalid_argument(f"{cu_name}: required for a packed {name} of {batch} "
+                                   "sequences")
+        return x, [int(x.shape[0])]
+    if len(offsets) != batch + 1 or offsets[0] != 0 or offsets[-1] != x.shape[0] or any(
+            b < a for a, b in zip(offsets, offsets[1:])):
+        raise invalid_argument(f"{cu_name}: expected {batch + 1} non-decreasing "
+                               f"offsets from 0 to {x.shape[0]}, got {offsets}")
+    return x, [b - a for a, b in zip(offsets, offsets[1:])]
+
+
+class AppendAttendStream(BidiStream):
+    """A generation loop on one AppendAttendStream RPC: many calls in flight.
+
+    submit() takes append_attend()'s arguments and returns a
+    concurrent.futures.Future of its AppendAttendResult at once. Calls on the
+    same (sequence, layer) apply in submission order on the server, and each
+    expects the length the previous one leaves, so a decode step's layers can
+    be pipelined. A failed call fails only its own future (later calls on the
+    same (sequence, layer) then fail with FAILED_PRECONDITION: nothing is
+    applied out of order); the stream goes on.
+
+        with cache.stream() as s:
+            futures = [s.submit(layer, seqs, q[layer], k[layer], v[layer]) for layer in ...]
+            outs = [f.result().o for f in futures]
+    """
+
+    def __init__(self, cache: Cache, *, timeout: Optional[float] = None):
+        self.cache = cache
+        super().__init__("AppendAttendStream", lambda requests: cache.client._kv.AppendAttendStream(
+            requests, timeout=timeout, metadata=cache._metadata))
+
+    def submit(self, layer: int, sequences: Seq[Sequence], q: Any, k: Any = None, v: Any = None,
+               **options: Any) -> "Future[AppendAttendResult]":
+        """Sends one call (append_attend()'s arguments); returns the future of its result."""
+        call = _AppendCall(self.cache, layer, sequences, q, k, v, **options)
+        try:
+            return self._submit(call.request, call.parse, on_error=call.roll_back)
+        except AttnServeError:
+            call.roll_back()
+            raise
+
+    def __enter__(self) -> "AppendAttendStream":
+        return self

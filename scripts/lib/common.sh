@@ -1,0 +1,97 @@
+# shellcheck shell=bash
+# What the scripts under scripts/ and bench/ share: polling for a condition
+# with a deadline, starting a server and waiting until it answers SERVING, a
+# free loopback port, reading one Prometheus metric, and the GPU machine's
+# library path for the carried libraries. Source it:
+#   . "$(dirname "$0")/lib/common.sh"            (from scripts/)
+# Nothing here exits the caller: functions return non-zero and the caller
+# decides.
+
+# wait_until TIMEOUT_S INTERVAL_S CMD...: runs CMD (output discarded) every
+# INTERVAL_S seconds until it succeeds (returns 0) or TIMEOUT_S seconds have
+# passed (returns 1). CMD runs at least once.
+wait_until() {
+  local timeout=$1 interval=$2
+  shift 2
+  local deadline=$((SECONDS + timeout))
+  while :; do
+    "$@" >/dev/null 2>&1 && return 0
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep "$interval"
+  done
+}
+
+# wait_serving TIMEOUT_S CLIENT...: waits until `CLIENT... health` exits 0
+# (grpc.health.v1 says SERVING). CLIENT is an attnctl command line with its
+# target, e.g. `attnctl --target=127.0.0.1:50051` or
+# `podman exec CTR attnctl --timeout=2s`. Polls every 0.2 s; 1 on timeout.
+wait_serving() {
+  local timeout=$1
+  shift
+  wait_until "$timeout" 0.2 "$@" health
+}
+
+# start_server LOG TIMEOUT_S CLIENT... -- SERVER...: starts SERVER... in the
+# background with stdout and stderr to LOG, sets SERVER_PID, and waits up to
+# TIMEOUT_S seconds for it to answer SERVING through CLIENT... (as
+# wait_serving). On timeout prints LOG's last 20 lines and returns 1 (the
+# server is left running: SERVER_PID is set for the caller's cleanup).
+start_server() {
+  local log=$1 timeout=$2
+  shift 2
+  local client=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    client+=("$1")
+    shift
+  done
+  [ $# -gt 0 ] && shift  # the --
+  "$@" >"$log" 2>&1 &
+  # shellcheck disable=SC2034  # read by the caller
+  SERVER_PID=$!
+  if ! wait_serving "$timeout" "${client[@]}"; then
+    echo "server ($*) did not become SERVING within ${timeout} s; last lines of $log:" >&2
+    tail -n 20 "$log" >&2
+    return 1
+  fi
+}
+
+# free_port: prints a TCP port on 127.0.0.1 that was free a moment ago.
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# scrape_metrics URL: prints the Prometheus text at URL (e.g.
+# http://127.0.0.1:8002/metrics); non-zero when it cannot be read.
+scrape_metrics() {
+  python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"
+}
+
+# metric_value URL NAME: prints the value of the first sample of metric NAME
+# (with or without labels) at the Prometheus endpoint URL; prints nothing and
+# returns 1 when the endpoint cannot be read or has no such sample.
+metric_value() {
+  local text value
+  text=$(scrape_metrics "$1" 2>/dev/null) || return 1
+  value=$(printf '%s\n' "$text" | awk -v name="$2" \
+    'index($0, name) == 1 && substr($0, length(name) + 1, 1) ~ /[{ ]/ {print $NF; exit}')
+  [ -n "$value" ] || return 1
+  printf '%s\n' "$value"
+}
+
+# use_carried_libs WHAT...: on the GPU machine (from the repository root),
+# prepends to LD_LIBRARY_PATH, in order, the libraries that
+# scripts/pack-device-deps.sh carried: `absl` (the Abseil the backend tests
+# and benchmarks link) and `lib` (a shared-library server's, when
+# .device-carry/lib exists). The last one named comes first on the path.
+use_carried_libs() {
+  local what
+  for what in "$@"; do
+    case $what in
+      absl) export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;;
+      lib) [ -d .device-carry/lib ] && export LD_LIBRARY_PATH=$PWD/.device-carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;;
+      *) echo "use_carried_libs: expected absl or lib, got '$what'" >&2; return 2 ;;
+    esac
+  done
+  return 0
+}

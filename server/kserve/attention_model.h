@@ -1,0 +1,61 @@
+// The KServe v2 model `attention` (and `attention_dense`, see below): one ModelInferRequest becomes one native
+// attnserve.v1.ForwardRequest and runs through the ForwardHandler, so it gets
+// Forward's validation, limits, executor, batcher, backends, metrics and
+// error messages. Inputs q, k, v (FP16, BF16 or FP32) and optionally
+// cu_seqlens_q, cu_seqlens_k (INT32, varlen); request parameters causal,
+// window_left, window_right, softcap, softmax_scale, return_lse; outputs o
+// and, when return_lse is set or lse is requested, lse. docs/kserve.md.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/params.h"
+#include "server/forward_handler.h"
+#include "server/kserve/model.h"
+#include "server/kserve/shm_registry.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+struct AttentionModelInfo {
+  // "attention" takes the optional varlen inputs cu_seqlens_q/k;
+  // "attention_dense" (varlen_inputs false) is the same model without them,
+  // because perf_analyzer 2.50 refuses shared memory for a model with optional
+  // inputs.
+  std::string name = "attention";
+  bool varlen_inputs = true;
+  std::string backend;             // "cpu" or "cuda"
+  DType advertised = DType::kFP16;  // the datatype metadata and config list for q, k, v and o
+  bool batching = false;
+  int64_t batch_max_delay_us = 0;
+};
+
+class AttentionModel final : public KserveModel {
+ public:
+  // Everything passed must outlive the model.
+  AttentionModel(ForwardHandler* handler, const ShmRegistry* shm, const ServerMetrics* metrics,
+                 AttentionModelInfo info);
+
+  const std::string& name() const override { return name_; }
+  bool ready() const override { return true; }
+  void FillMetadata(inference::ModelMetadataResponse* out) const override;
+  void FillConfig(inference::ModelConfig* out) const override;
+  void FillStatistics(inference::ModelStatistics* out) const override;
+  void Infer(InferCall call) override;
+
+ private:
+  struct Call;
+  // Turns the v2 request into call->forward and plans the outputs.
+  absl::Status Prepare(Call* call) const;
+  // Moves the handler's results into the v2 response (or shared memory).
+  absl::Status Deliver(Call* call) const;
+
+  ForwardHandler* const handler_;
+  const ShmRegistry* const shm_;
+  const ServerMetrics* const metrics_;
+  const AttentionModelInfo info_;
+  const std::string& name_ = info_.name;
+};
+
+}  // namespace attnserve

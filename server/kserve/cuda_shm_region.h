@@ -1,0 +1,26 @@
+// CUDA shared memory (Triton's cuda_shared_memory extension): a client's
+// device allocation, opened from its cudaIpcMemHandle_t on the device it
+// names. Only a CUDA build implements it; elsewhere Open answers UNIMPLEMENTED.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/kserve/shm_region.h"
+
+namespace attnserve {
+
+// True in a CUDA build that sees a GPU (then the cuda_shared_memory extension
+// is offered).
+bool CudaShmAvailable();
+
+// Opens `raw_handle` (the bytes of a cudaIpcMemHandle_t) on `device_id`;
+// `byte_size` bytes of it become the region. `name` is for messages.
+absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
+                                                             const std::string& raw_handle,
+                                                             int64_t device_id,
+                                                             uint64_t byte_size);
+
+}  // namespace attnserve

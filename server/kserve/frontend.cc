@@ -1,0 +1,52 @@
+// KserveFrontend: builds the models and both transports; see frontend.h.
+#include "server/kserve/frontend.h"
+
+#include <utility>
+
+#include "server/kserve/attention_model.h"
+#include "server/kserve/grpc_service.h"
+#include "server/kserve/http_service.h"
+
+namespace attnserve {
+
+KserveFrontend::KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics,
+                               const KserveServerInfo& info, const KserveOptions& options,
+                               const StreamLimits& stream_limits, std::function<bool()> ready)
+    : options_(options),
+      max_request_bytes_(info.max_request_bytes),
+      context_(options.allow_client_shm) {
+  context_.ready = std::move(ready);
+  context_.stream_limits = stream_limits;
+  context_.stream_gauge = metrics != nullptr ? &metrics->streams() : nullptr;
+  AttentionModelInfo model_info;
+  model_info.backend = info.backend;
+  model_info.advertised = info.advertised_dtype;
+  model_info.batching = info.batching;
+  model_info.batch_max_delay_us = absl::ToInt64Microseconds(info.batch_max_delay);
+  context_.models.Add(std::make_unique<AttentionModel>(handler, &context_.shm, metrics, model_info));
+  model_info.name = "attention_dense";
+  model_info.varlen_inputs = false;
+  context_.models.Add(
+      std::make_unique<AttentionModel>(handler, &context_.shm, metrics, std::move(model_info)));
+  grpc_ = std::make_unique<KserveGrpcService>(&context_);
+}
+
+KserveFrontend::~KserveFrontend() { StopHttp(); }
+
+grpc::Service* KserveFrontend::grpc_service() { return grpc_.get(); }
+
+absl::Status KserveFrontend::StartHttp() {
+  if (!options_.http_enabled) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<KserveHttpServer>> http = KserveHttpServer::Start(
+      options_.http_host, options_.http_port, max_request_bytes_, &context_);
+  if (!http.ok()) return http.status();
+  http_ = *std::move(http);
+  http_port_.store(http_->port(), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+void KserveFrontend::StopHttp() {
+  if (http_ != nullptr) http_->Stop();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,77 @@
+// The KServe v2 / Triton front-end as one object for AttnServer to own: the
+// model registry (with `attention`), the shared-memory registry, the gRPC
+// service (registered on the native port) and the HTTP/REST server on a port
+// of its own.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "grpcpp/impl/service_type.h"
+#include "server/forward_handler.h"
+#include "server/kserve/context.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+class KserveGrpcService;
+class KserveHttpServer;
+
+struct KserveOptions {
+  // Lets clients register shared-memory regions (--allow_client_shm).
+  bool allow_client_shm = false;
+  // HTTP/REST on http_host:http_port (0 picks a free one). Off by default
+  // here so in-process servers bind nothing extra; main.cc turns it on
+  // (--http_port, default 8000 as in Triton).
+  bool http_enabled = false;
+  std::string http_host = "0.0.0.0";
+  int http_port = 8000;
+};
+
+// What the `attention` model reports of the server's set-up.
+struct KserveServerInfo {
+  std::string backend;
+  DType advertised_dtype = DType::kFP16;
+  bool batching = false;
+  absl::Duration batch_max_delay;
+  int64_t max_request_bytes = 0;  // also the HTTP body limit
+};
+
+class KserveFrontend {
+ public:
+  // `handler` and `metrics` (may be null) must outlive the front-end;
+  // `stream_limits` bound each ModelStreamInfer stream like every other
+  // stream (stream_flow_control.h); `ready` says whether the server serves.
+  KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics, const KserveServerInfo& info,
+                 const KserveOptions& options, const StreamLimits& stream_limits,
+                 std::function<bool()> ready);
+  ~KserveFrontend();
+
+  // For grpc::ServerBuilder::RegisterService.
+  grpc::Service* grpc_service();
+  // Starts HTTP/REST when enabled. A port that cannot be bound is an error;
+  // the caller decides whether to serve without it.
+  absl::Status StartHttp();
+  // The bound HTTP port, 0 when off.
+  int http_port() const { return http_port_.load(std::memory_order_acquire); }
+  // Until every v2 call received so far has been answered; true when none is left.
+  bool WaitForResponses(absl::Duration timeout) {
+    return context_.in_flight.WaitForZero(timeout);
+  }
+  void StopHttp();
+
+ private:
+  const KserveOptions options_;
+  const int64_t max_request_bytes_;
+  KserveContext context_;
+  std::unique_ptr<KserveGrpcService> grpc_;
+  std::unique_ptr<KserveHttpServer> http_;
+  std::atomic<int> http_port_{0};
+};
+
+}  // namespace attnserve

@@ -1,0 +1,27 @@
+// A client's shared-memory region as the KServe v2 front-end uses it: bytes
+// another process put in memory the server mapped (POSIX shm) or opened (a
+// CUDA IPC handle), read for inputs and written for outputs. A region is
+// unmapped when its last reference goes, so unregistering one that a running
+// request still holds frees nothing under it (ShmRegistry hands out
+// shared_ptrs).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace attnserve {
+
+class ShmRegion {
+ public:
+  virtual ~ShmRegion() = default;
+  // Bytes usable from the region's start (after the registered offset).
+  virtual uint64_t byte_size() const = 0;
+  // Copy [offset, offset + size) out of / into the region. The caller has
+  // checked the bounds (ShmRegistry::Acquire).
+  virtual absl::Status Read(uint64_t offset, uint64_t size, void* dst) const = 0;
+  virtual absl::Status Write(uint64_t offset, const void* src, uint64_t size) = 0;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,63 @@
+// Tensors of the KServe v2 protocol as attnserve reads and writes them: data
+// type names, the bytes of an input (raw_input_contents, typed contents or a
+// shared-memory region) and where an output goes (the response or a region).
+// Shared by every model of the front-end (model.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "backend/params.h"
+#include "google/protobuf/map.h"
+#include "inference/grpc_service.pb.h"
+#include "server/kserve/shm_registry.h"
+
+namespace attnserve {
+
+using V2Parameters = google::protobuf::Map<std::string, inference::InferParameter>;
+
+// "FP16", "BF16", "FP32" -> DType; INVALID_ARGUMENT naming `where` otherwise.
+absl::StatusOr<DType> ParseFloatDatatype(const std::string& where, const std::string& datatype);
+
+// A tensor's place in a shared-memory region (the shared_memory_region,
+// shared_memory_offset and shared_memory_byte_size parameters).
+struct ShmRef {
+  std::string region;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+};
+// The reference in `params`, if any; INVALID_ARGUMENT naming `where` when the
+// parameters are incomplete or of the wrong type.
+absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where, const V2Parameters& params);
+
+// Where a request's tensors come from.
+struct InputSource {
+  inference::ModelInferRequest* request = nullptr;
+  const ShmRegistry* shm = nullptr;
+  std::string tenant;
+};
+
+// raw_input_contents holds one entry per input whose data is neither in its
+// typed `contents` nor in shared memory, in the order of `inputs` (as
+// tritonclient sends them); INVALID_ARGUMENT when the counts differ.
+absl::Status CheckRawInputCount(const inference::ModelInferRequest& request);
+
+// The bytes of input `index` of `source.request`: a copy of its shared-memory
+// bytes, its fp32_contents (FP32) or int_contents (INT32) packed
+// little-endian, or its raw_input_contents entry (moved out, not copied).
+absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index);
+
+// The int64 value of request parameter `name` given as int64, uint64, or a
+// decimal string; `where` names it in errors.
+absl::StatusOr<int64_t> IntParameter(const std::string& where, const inference::InferParameter& p);
+// A float parameter given as double, int64, uint64 or a decimal string.
+absl::StatusOr<double> DoubleParameter(const std::string& where,
+                                       const inference::InferParameter& p);
+// A bool parameter given as bool or "true"/"false".
+absl::StatusOr<bool> BoolParameter(const std::string& where, const inference::InferParameter& p);
+
+}  // namespace attnserve

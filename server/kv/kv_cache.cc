@@ -1,0 +1,364 @@
+// One K/V cache's sequences, claims, reservations and expiry; see kv_cache.h.
+#include "server/kv/kv_cache.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+
+namespace attnserve {
+namespace {
+
+int64_t PagesFor(int64_t tokens, int page_size) { return (tokens + page_size - 1) / page_size; }
+
+absl::Status SequenceNotFound(uint64_t id) {
+  return absl::NotFoundError(absl::StrCat("sequence ", id,
+                                          " not found in this cache (never created, freed or "
+                                          "expired): create it again and re-prefill"));
+}
+
+}  // namespace
+
+KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
+                 int64_t capacity_pages, int device, AttentionBackend* backend,
+                 DeviceBudget* budget)
+    : tenant_(std::move(tenant)),
+      id_(std::move(id)),
+      geometry_(geometry),
+      page_size_(page_size),
+      device_(device),
+      allocator_(backend, budget, page_size,
+                 int64_t{page_size} * geometry.num_heads_kv * geometry.head_dim *
+                     DTypeSize(geometry.dtype),
+                 capacity_pages),
+      last_used_(absl::Now()) {}
+
+int64_t KvCache::page_bytes() const {
+  return 2 * int64_t{page_size_} * geometry_.num_heads_kv * geometry_.head_dim *
+         DTypeSize(geometry_.dtype);
+}
+
+absl::Status KvCache::ReserveAll() {
+  absl::MutexLock lock(&mu_);
+  return allocator_.ReserveAll();
+}
+
+void KvCache::Touch() {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+}
+
+absl::StatusOr<KvCache::Sequence*> KvCache::Find(uint64_t id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return SequenceNotFound(id);
+  return &it->second;
+}
+
+absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  // Check everything first: all or nothing.
+  std::set<uint64_t> new_ids;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KvSequenceSpec& s = specs[i];
+    if (sequences_.count(s.sequence_id) > 0 || !new_ids.insert(s.sequence_id).second) {
+      return absl::AlreadyExistsError(absl::StrCat("sequences[", i, "].sequence_id ",
+                                                   s.sequence_id, " already exists in the cache"));
+    }
+    if (!s.fork_from.has_value()) continue;
+    auto src = sequences_.find(*s.fork_from);
+    if (src == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("sequences[", i, "].fork_from: sequence ",
+                                              *s.fork_from, " not found in this cache"));
+    }
+    const std::vector<int32_t>& lens = src->second.lengths;
+    const int32_t shortest = *std::min_element(lens.begin(), lens.end());
+    const int32_t longest = *std::max_element(lens.begin(), lens.end());
+    if (s.fork_length.has_value() ? (*s.fork_length < 0 || *s.fork_length > shortest)
+                                  : shortest != longest) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequences[", i, "].fork_length: expected ",
+          s.fork_length.has_value() ? "a value in [0, " : "to be set (the source's lengths differ "
+                                                          "by layer: [",
+          shortest, s.fork_length.has_value() ? "]" : absl::StrCat(", ", longest, "])"),
+          ", got ", s.fork_length.has_value() ? absl::StrCat(*s.fork_length) : "unset"));
+    }
+  }
+  const absl::Time now = absl::Now();
+  for (const KvSequenceSpec& s : specs) {
+    Sequence seq;
+    seq.pages.resize(size_t(geometry_.num_layers));
+    seq.lengths.assign(size_t(geometry_.num_layers), 0);
+    seq.last_used = now;
+    if (s.fork_from.has_value()) {
+      Sequence& src = sequences_.at(*s.fork_from);
+      src.last_used = now;
+      for (int l = 0; l < geometry_.num_layers; ++l) {
+        const int32_t len = s.fork_length.value_or(src.lengths[l]);
+        // Shares every page the prefix touches, the partial last one too: the
+        // first append that writes into it copies it (Reserve).
+        const int64_t n = PagesFor(len, page_size_);
+        seq.pages[l].assign(src.pages[l].begin(), src.pages[l].begin() + n);
+        for (int32_t p : seq.pages[l]) allocator_.AddRef(p);
+        seq.lengths[l] = len;
+      }
+    }
+    sequences_.emplace(s.sequence_id, std::move(seq));
+  }
+  return absl::OkStatus();
+}
+
+void KvCache::TruncateLayer(Sequence& s, int layer, int32_t length) {
+  std::vector<int32_t>& pages = s.pages[layer];
+  const int64_t keep = PagesFor(length, page_size_);
+  for (size_t i = size_t(keep); i < pages.size(); ++i) allocator_.Release(pages[i]);
+  pages.resize(size_t(keep));
+  s.lengths[layer] = length;
+}
+
+absl::Status KvCache::Truncate(uint64_t sequence_id, std::optional<int32_t> layer,
+                               int32_t length) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  Sequence& s = **found;
+  if (layer.has_value() && (*layer < 0 || *layer >= geometry_.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: expected [0, ", geometry_.num_layers,
+                                                   "), got ", *layer));
+  }
+  if (s.active_calls > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", sequence_id, " has ", s.active_calls,
+                     " append-and-attend call(s) in flight; truncate after they complete"));
+  }
+  const int first = layer.value_or(0);
+  const int last = layer.has_value() ? *layer + 1 : geometry_.num_layers;
+  for (int l = first; l < last; ++l) {
+    if (length < 0 || length > s.lengths[l]) {
+      return absl::InvalidArgumentError(absl::StrCat("length: expected [0, ", s.lengths[l],
+                                                     "] (the length at layer ", l, "), got ",
+                                                     length));
+    }
+  }
+  for (int l = first; l < last; ++l) TruncateLayer(s, l, length);
+  s.last_used = absl::Now();
+  return absl::OkStatus();
+}
+
+void KvCache::ReleaseSequence(Sequence& s) {
+  for (std::vector<int32_t>& layer : s.pages) {
+    for (int32_t p : layer) allocator_.Release(p);
+    layer.clear();
+  }
+}
+
+absl::Status KvCache::Free(const std::vector<uint64_t>& sequence_ids) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  std::set<uint64_t> seen;
+  for (size_t i = 0; i < sequence_ids.size(); ++i) {
+    auto found = Find(sequence_ids[i]);
+    if (!found.ok()) return found.status();
+    if (!seen.insert(sequence_ids[i]).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_ids[", i, "]: ", sequence_ids[i], " is listed twice"));
+    }
+    if ((*found)->active_calls > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", sequence_ids[i], " has ", (*found)->active_calls,
+                       " append-and-attend call(s) in flight; free it after they complete"));
+    }
+  }
+  for (uint64_t id : sequence_ids) {
+    ReleaseSequence(sequences_.at(id));
+    sequences_.erase(id);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> KvCache::Lengths(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  return (*found)->lengths;
+}
+
+KvCacheStats KvCache::Stats() {
+  absl::MutexLock lock(&mu_);
+  KvCacheStats s;
+  s.cache_id = id_;
+  s.geometry = geometry_;
+  s.page_size = page_size_;
+  s.device = device_;
+  s.capacity_pages = allocator_.capacity_pages();
+  s.pages_used = allocator_.pages_used();
+  s.page_bytes = allocator_.page_bytes();
+  s.sequences = static_cast<int64_t>(sequences_.size());
+  s.expired_sequences = expired_;
+  s.bytes_allocated = allocator_.bytes_allocated();
+  for (const auto& [id, seq] : sequences_) {
+    for (int32_t len : seq.lengths) s.tokens += len;
+  }
+  return s;
+}
+
+absl::StatusOr<bool> KvCache::Admit(const std::shared_ptr<Ticket>& ticket) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  for (uint64_t id : ticket->sequence_ids) {
+    if (sequences_.count(id) == 0) return SequenceNotFound(id);
+  }
+  for (uint64_t id : ticket->sequence_ids) ++sequences_.at(id).active_calls;
+  ++active_calls_;
+  // It may go unless an earlier call (running or waiting) holds one of its pairs.
+  std::set<Key> blocked = claimed_;
+  for (const std::shared_ptr<Ticket>& w : waiting_) {
+    for (uint64_t id : w->sequence_ids) blocked.insert({id, w->layer});
+  }
+  for (uint64_t id : ticket->sequence_ids) {
+    if (blocked.count({id, ticket->layer}) > 0) {
+      waiting_.push_back(ticket);
+      return false;
+    }
+  }
+  for (uint64_t id : ticket->sequence_ids) claimed_.insert({id, ticket->layer});
+  return true;
+}
+
+std::vector<std::shared_ptr<KvCache::Ticket>> KvCache::Release(const Ticket& ticket) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  --active_calls_;
+  for (uint64_t id : ticket.sequence_ids) {
+    claimed_.erase({id, ticket.layer});
+    auto it = sequences_.find(id);
+    if (it != sequences_.end()) {
+      --it->second.active_calls;
+      it->second.last_used = last_used_;
+    }
+  }
+  // Waiting calls go in arrival order: one may pass another only when they
+  // share no pair.
+  std::vector<std::shared_ptr<Ticket>> ready;
+  std::set<Key> blocked = claimed_;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const Ticket& w = **it;
+    bool free = true;
+    for (uint64_t id : w.sequence_ids) free = free && blocked.count({id, w.layer}) == 0;
+    for (uint64_t id : w.sequence_ids) blocked.insert({id, w.layer});
+    if (free) {
+      for (uint64_t id : w.sequence_ids) claimed_.insert({id, w.layer});
+      ready.push_back(*it);
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return ready;
+}
+
+absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
+                              KvReservation* r) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  last_used_ = now;
+  // First pass: lengths and the number of pages, so allocation is all or nothing.
+  int64_t needed = 0;
+  int64_t widest = 1;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const KvStep& st = steps[i];
+    auto found = Find(st.sequence_id);
+    if (!found.ok()) return found.status();
+    const Sequence& s = **found;
+    const int32_t len = s.lengths[layer];
+    if (st.expected_length != len) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequences[", i, "].expected_length: sequence ", st.sequence_id, " has ", len,
+          " tokens at layer ", layer, ", the call expected ", st.expected_length,
+          " (a retry of a call that already applied, or a call out of order); nothing was "
+          "appended"));
+    }
+    const int64_t after = int64_t{len} + st.num_new;
+    needed += PagesFor(after, page_size_) - static_cast<int64_t>(s.pages[layer].size());
+    const bool partial = len % page_size_ != 0;
+    if (st.num_new > 0 && partial && allocator_.refs(s.pages[layer].back()) > 1) ++needed;
+    widest = std::max(widest, PagesFor(after, page_size_));
+  }
+  std::vector<int32_t> fresh;
+  absl::Status allocated = allocator_.Allocate(needed, &fresh);
+  if (!allocated.ok()) return allocated;
+  r->fresh = fresh;
+  r->stride = static_cast<int32_t>(widest);
+  r->block_table.assign(steps.size() * size_t(widest), 0);
+  r->seqlens.clear();
+  r->tables.clear();
+  r->copy_src.clear();
+  r->copy_dst.clear();
+  r->replaced.clear();
+  size_t next = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const KvStep& st = steps[i];
+    Sequence& s = sequences_.at(st.sequence_id);
+    s.last_used = now;
+    const int32_t len = s.lengths[layer];
+    std::vector<int32_t> table = s.pages[layer];
+    if (st.num_new > 0 && len % page_size_ != 0 && allocator_.refs(table.back()) > 1) {
+      // Copy-on-write: the shared partial last page is copied by the launch
+      // itself (paged_kv.h step 1) into a page of this sequence's own.
+      r->copy_src.push_back(table.back());
+      r->copy_dst.push_back(fresh[next]);
+      r->replaced.push_back(table.back());
+      table.back() = fresh[next++];
+    }
+    const int64_t after = int64_t{len} + st.num_new;
+    while (static_cast<int64_t>(table.size()) < PagesFor(after, page_size_)) {
+      table.push_back(fresh[next++]);
+    }
+    std::copy(table.begin(), table.end(), r->block_table.begin() + i * size_t(widest));
+    r->seqlens.push_back(static_cast<int32_t>(after));
+    r->tables.push_back(std::move(table));
+  }
+  r->pages = allocator_.pages();
+  r->active = true;
+  return absl::OkStatus();
+}
+
+void KvCache::Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r) {
+  absl::MutexLock lock(&mu_);
+  if (!r->active) return;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    Sequence& s = sequences_.at(steps[i].sequence_id);  // held by the call's claim
+    s.pages[layer] = std::move(r->tables[i]);
+    s.lengths[layer] = r->seqlens[i];
+  }
+  for (int32_t p : r->replaced) allocator_.Release(p);
+  r->active = false;
+}
+
+void KvCache::Rollback(KvReservation* r) {
+  absl::MutexLock lock(&mu_);
+  if (!r->active) return;
+  for (int32_t p : r->fresh) allocator_.Release(p);
+  r->active = false;
+}
+
+int64_t KvCache::ExpireIdle(absl::Time cutoff, bool* idle) {
+  absl::MutexLock lock(&mu_);
+  int64_t removed = 0;
+  for (auto it = sequences_.begin(); it != sequences_.end();) {
+    if (it->second.active_calls == 0 && it->second.last_used < cutoff) {
+      ReleaseSequence(it->second);
+      it = sequences_.erase(it);
+      ++removed;
+    } else {
+      ++it;
+    }
+  }
+  expired_ += removed;
+  *idle = active_calls_ == 0 && last_used_ < cutoff;
+  return removed;
+}
+
+}  // namespace attnserve

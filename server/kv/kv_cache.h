@@ -1,0 +1,172 @@
+// One K/V cache (DESIGN §6, docs/kv-cache.md): a geometry on one device, its
+// pages (PageAllocator), its sequences with a block table and a length per
+// layer, and the bookkeeping that makes append-and-attend calls all-or-nothing
+// and ordered:
+//  - Admit/Release: a call claims its (sequence, layer) pairs; a call naming
+//    a pair that an earlier call still holds waits, in arrival order, until
+//    that call completes (Release hands back the calls that may go now).
+//  - Reserve (at launch): checks each sequence's length, allocates the pages
+//    the append needs and a copy-on-write page for a shared partial last page,
+//    and builds the launch's block tables; nothing the sequence holds changes.
+//  - Commit (the launch succeeded) makes the reservation the sequence's state;
+//    Rollback (it failed) frees what Reserve allocated. A failed call changes
+//    no sequence.
+// Thread-safe: one mutex per cache.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "server/kv/page_allocator.h"
+
+namespace attnserve {
+
+struct KvGeometry {
+  int32_t num_layers = 0;
+  int32_t num_heads_kv = 0;
+  int32_t head_dim = 0;
+  DType dtype = DType::kFP32;
+};
+
+// A new sequence, optionally forked from a prefix of another (all layers).
+struct KvSequenceSpec {
+  uint64_t sequence_id = 0;
+  std::optional<uint64_t> fork_from;
+  std::optional<int32_t> fork_length;  // unset: the source's whole length
+};
+
+// One sequence's part of an append-and-attend call.
+struct KvStep {
+  uint64_t sequence_id = 0;
+  int32_t expected_length = 0;
+  int32_t num_new = 0;
+  int32_t num_queries = 0;
+};
+
+// What Reserve set aside for one call: the launch's tables (host memory the
+// PagedAttnParams point at) and each sequence's page list after the call.
+struct KvReservation {
+  KvPages pages{};
+  std::vector<int32_t> block_table;  // [steps, stride]
+  int32_t stride = 1;
+  std::vector<int32_t> seqlens;  // after the append
+  std::vector<int32_t> copy_src, copy_dst;
+  std::vector<std::vector<int32_t>> tables;  // per step: the page list after commit
+  std::vector<int32_t> fresh;                // pages allocated (freed on rollback)
+  std::vector<int32_t> replaced;             // shared pages a copy replaced (released on commit)
+  bool active = false;
+};
+
+struct KvCacheStats {
+  std::string cache_id;
+  KvGeometry geometry;
+  int32_t page_size = 0;
+  int32_t device = 0;
+  int64_t capacity_pages = 0;
+  int64_t pages_used = 0;
+  int64_t page_bytes = 0;
+  int64_t sequences = 0;
+  int64_t expired_sequences = 0;
+  int64_t tokens = 0;
+  int64_t bytes_allocated = 0;
+};
+
+class KvCache {
+ public:
+  // A call that may wait for another on one of its (sequence, layer) pairs.
+  struct Ticket {
+    int32_t layer = 0;
+    std::vector<uint64_t> sequence_ids;
+    // Run by whoever Release returned the ticket to, outside the lock, when
+    // the call may go (the ticket is passed in, so `go` need not hold it).
+    std::function<void(const std::shared_ptr<Ticket>& self)> go;
+  };
+
+  KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
+          int64_t capacity_pages, int device, AttentionBackend* backend, DeviceBudget* budget);
+
+  const std::string& tenant() const { return tenant_; }
+  const std::string& id() const { return id_; }
+  const KvGeometry& geometry() const { return geometry_; }
+  int page_size() const { return page_size_; }
+  int device() const { return device_; }
+  // Bytes of one page's K plus V.
+  int64_t page_bytes() const;
+
+  // Allocates the whole capacity now (CreateCache's reserve).
+  absl::Status ReserveAll();
+
+  // All or nothing: ALREADY_EXISTS, NOT_FOUND (fork source), INVALID_ARGUMENT
+  // (fork_length) for any spec creates none.
+  absl::Status CreateSequences(const std::vector<KvSequenceSpec>& specs);
+  // New length at one layer or every layer; FAILED_PRECONDITION while the
+  // sequence has calls in flight.
+  absl::Status Truncate(uint64_t sequence_id, std::optional<int32_t> layer, int32_t length);
+  // All or nothing.
+  absl::Status Free(const std::vector<uint64_t>& sequence_ids);
+  absl::StatusOr<std::vector<int32_t>> Lengths(uint64_t sequence_id);
+  KvCacheStats Stats();
+
+  // NOT_FOUND for an unknown sequence (nothing claimed); otherwise the call is
+  // claimed (true: it may go now) or queued behind an earlier one (false: its
+  // `go` runs from a later Release).
+  absl::StatusOr<bool> Admit(const std::shared_ptr<Ticket>& ticket);
+  // The call is over: its claims go, and the calls that may go now are
+  // claimed and returned (run their `go`).
+  std::vector<std::shared_ptr<Ticket>> Release(const Ticket& ticket);
+
+  absl::Status Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r);
+  void Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r);
+  void Rollback(KvReservation* r);
+
+  // Removes sequences idle since before `cutoff` with no call in flight;
+  // returns how many. True in *idle when the cache itself is idle (no call
+  // since before cutoff, none in flight).
+  int64_t ExpireIdle(absl::Time cutoff, bool* idle);
+  void Touch();
+
+ private:
+  struct Sequence {
+    std::vector<std::vector<int32_t>> pages;  // per layer: the block table
+    std::vector<int32_t> lengths;             // per layer, committed
+    int active_calls = 0;                     // admitted and not released
+    absl::Time last_used;
+  };
+  using Key = std::pair<uint64_t, int32_t>;
+
+  absl::StatusOr<Sequence*> Find(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSequence(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TruncateLayer(Sequence& s, int layer, int32_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string tenant_;
+  const std::string id_;
+  const KvGeometry geometry_;
+  const int page_size_;
+  const int device_;
+
+  absl::Mutex mu_;
+  PageAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Sequence> sequences_ ABSL_GUARDED_BY(mu_);
+  std::set<Key> claimed_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Ticket>> waiting_ ABSL_GUARDED_BY(mu_);
+  int64_t expired_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t active_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_used_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnserve

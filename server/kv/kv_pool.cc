@@ -1,0 +1,345 @@
+// The server's K/V caches and the append-and-attend path; see kv_pool.h.
+#include "server/kv/kv_pool.h"
+
+#include <algorithm>
+#include <new>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+bool ValidCacheId(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+absl::Status CheckGeometry(const KvGeometry& g) {
+  if (g.num_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.num_layers: expected >= 1, got ", g.num_layers));
+  }
+  if (g.num_heads_kv < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.num_heads_kv: expected >= 1, got ", g.num_heads_kv));
+  }
+  if (g.head_dim < 8 || g.head_dim > 256 || g.head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
+  }
+  if (g.dtype != DType::kFP16 && g.dtype != DType::kBF16 && g.dtype != DType::kFP32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.dtype: expected FP16, BF16 or FP32, got ", static_cast<int>(g.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+KvPool::KvPool(const KvPoolOptions& options, std::vector<KvDevice> devices)
+    : options_(options), devices_(std::move(devices)) {
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    budgets_.push_back(std::make_unique<DeviceBudget>(options_.cache_bytes_per_device));
+  }
+  if (options_.idle_timeout > absl::ZeroDuration()) {
+    expiry_ = std::thread([this] { ExpiryLoop(); });
+  }
+}
+
+KvPool::~KvPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (expiry_.joinable()) expiry_.join();
+}
+
+void KvPool::ExpiryLoop() {
+  // A quarter of the timeout (at most a second): an idle sequence goes at
+  // most 25% late.
+  const absl::Duration period =
+      std::max(std::min(options_.idle_timeout / 4, absl::Seconds(1)), absl::Milliseconds(5));
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), period)) return;
+    }
+    ExpireIdle(absl::Now());
+  }
+}
+
+void KvPool::ExpireIdle(absl::Time now) {
+  if (options_.idle_timeout <= absl::ZeroDuration()) return;
+  const absl::Time cutoff = now - options_.idle_timeout;
+  std::vector<std::shared_ptr<KvCache>> caches;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, cache] : caches_) caches.push_back(cache);
+  }
+  for (const std::shared_ptr<KvCache>& cache : caches) {
+    bool idle = false;
+    cache->ExpireIdle(cutoff, &idle);
+    if (!idle) continue;
+    absl::MutexLock lock(&mu_);
+    auto it = caches_.find({cache->tenant(), cache->id()});
+    if (it != caches_.end() && it->second == cache) {
+      expired_sequences_gone_ += cache->Stats().expired_sequences;
+      ++expired_caches_;
+      caches_.erase(it);  // memory goes when the last holder lets go
+    }
+  }
+}
+
+absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& tenant,
+                                                             const KvCreateCache& r) {
+  RETURN_IF_ERROR(CheckGeometry(r.geometry));
+  const int page_size = r.page_size == 0 ? options_.default_page_size : r.page_size;
+  if (page_size < kMinPageSize || page_size > kMaxPageSize || (page_size & (page_size - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size: expected 0 (default ",
+                                                   options_.default_page_size,
+                                                   ") or a power of two in [16, 256], got ",
+                                                   r.page_size));
+  }
+  if ((r.capacity_tokens > 0) == (r.capacity_bytes > 0) || r.capacity_tokens < 0 ||
+      r.capacity_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "capacity_tokens, capacity_bytes: expected exactly one of them > 0, got ",
+        r.capacity_tokens, " and ", r.capacity_bytes));
+  }
+  const int64_t page_bytes =
+      2 * int64_t{page_size} * r.geometry.num_heads_kv * r.geometry.head_dim *
+      DTypeSize(r.geometry.dtype);
+  const int64_t capacity_pages = r.capacity_tokens > 0
+                                     ? (r.capacity_tokens + page_size - 1) / page_size
+                                     : r.capacity_bytes / page_bytes;
+  if (capacity_pages < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("capacity_bytes: expected at least one page (",
+                                                   page_bytes, " bytes), got ", r.capacity_bytes));
+  }
+  if (capacity_pages * page_bytes > options_.cache_bytes_per_device ||
+      capacity_pages > (int64_t{1} << 30)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "capacity: ", capacity_pages, " pages of ", page_bytes, " bytes exceed the device's K/V "
+        "budget (--kv_cache_bytes ", options_.cache_bytes_per_device, ")"));
+  }
+  if (devices_.empty()) return absl::UnimplementedError("K/V caches: the server has no device");
+  int device = 0;
+  if (r.device.has_value()) {
+    auto it = std::find_if(devices_.begin(), devices_.end(),
+                           [&](const KvDevice& d) { return d.index == *r.device; });
+    if (it == devices_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: expected one of the server's devices (GetServerInfo), got ", *r.device));
+    }
+    device = static_cast<int>(it - devices_.begin());
+  } else {
+    // The device with the most budget left.
+    for (size_t i = 1; i < devices_.size(); ++i) {
+      if (budgets_[i]->used() < budgets_[size_t(device)]->used()) device = static_cast<int>(i);
+    }
+  }
+  if (!r.cache_id.empty() && !ValidCacheId(r.cache_id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cache_id: expected 1..128 characters of [A-Za-z0-9._-], got '", r.cache_id.substr(0, 64),
+        "'"));
+  }
+  std::string id = r.cache_id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (id.empty()) {
+      do {
+        id = absl::StrCat("kv-", next_id_++);
+      } while (caches_.count({tenant, id}) > 0);
+    } else if (caches_.count({tenant, id}) > 0) {
+      return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
+    }
+  }
+  const KvDevice& d = devices_[size_t(device)];
+  auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages,
+                                         d.index, d.backend, budgets_[size_t(device)].get());
+  if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
+  absl::MutexLock lock(&mu_);
+  if (!caches_.emplace(std::make_pair(tenant, id), cache).second) {
+    return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
+  }
+  return cache;
+}
+
+absl::Status KvPool::DropCache(const std::string& tenant, const std::string& cache_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = caches_.find({tenant, cache_id});
+  if (it == caches_.end()) {
+    return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
+  }
+  expired_sequences_gone_ += it->second->Stats().expired_sequences;
+  // Calls in flight hold the cache: its memory goes when the last one ends.
+  caches_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<KvCache>> KvPool::Find(const std::string& tenant,
+                                                      const std::string& cache_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = caches_.find({tenant, cache_id});
+  // Another tenant's cache reads exactly like a missing one.
+  if (it == caches_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "cache '", cache_id.substr(0, 128),
+        "' not found (never created, dropped, expired, or held by another replica): create it "
+        "and re-prefill"));
+  }
+  it->second->Touch();
+  return it->second;
+}
+
+Executor* KvPool::ExecutorOf(const KvCache& cache) const {
+  for (const KvDevice& d : devices_) {
+    if (d.index == cache.device()) return d.executor;
+  }
+  return nullptr;
+}
+
+absl::Status KvPool::AppendAttend(const std::shared_ptr<KvCache>& cache,
+                                  std::shared_ptr<KvAppendAttend> call, Done done) {
+  // Refused now during a drain, even when it would wait for another call
+  // (those already waiting still run).
+  Executor* executor = ExecutorOf(*cache);
+  if (executor == nullptr) return absl::InternalError("the cache's device has no executor");
+  RETURN_IF_ERROR(executor->Admitting());
+  KvAppendAttend& c = *call;
+  c.cu_q.assign(1, 0);
+  c.cu_k.assign(1, 0);
+  int32_t max_q = 0;
+  for (const KvStep& st : c.steps) {
+    c.cu_q.push_back(c.cu_q.back() + st.num_queries);
+    c.cu_k.push_back(c.cu_k.back() + st.num_new);
+    max_q = std::max(max_q, st.num_queries);
+  }
+  c.attn.batch = static_cast<int32_t>(c.steps.size());
+  c.attn.seqlen_q = max_q;
+  c.attn.total_q = c.cu_q.back();
+  c.attn.total_k = c.cu_k.back();
+  c.attn.cu_seqlens_q = c.cu_q.data();
+  c.attn.cu_seqlens_k = c.cu_k.data();
+  auto ticket = std::make_shared<KvCache::Ticket>();
+  ticket->layer = c.layer;
+  for (const KvStep& st : c.steps) ticket->sequence_ids.push_back(st.sequence_id);
+  ticket->go = [this, cache, call, done](const std::shared_ptr<KvCache::Ticket>& self) {
+    Submit(cache, call, done, self, /*waited=*/true);
+  };
+  ASSIGN_OR_RETURN(const bool now, cache->Admit(ticket));
+  // A call that waits is submitted by the Release of the call it waits for.
+  if (now) Submit(cache, call, done, ticket, /*waited=*/false);
+  return absl::OkStatus();
+}
+
+void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
+                    const std::shared_ptr<KvAppendAttend>& call, const Done& done,
+                    const std::shared_ptr<KvCache::Ticket>& ticket, bool waited) {
+  WorkItem item;
+  item.params = call->attn;  // the executor's token accounting
+  item.received = call->received;
+  item.deadline = call->deadline;
+  item.cancelled = call->cancelled;
+  // A call that waited was admitted before a drain that began meanwhile: it
+  // still runs (a drain finishes what it accepted).
+  item.follows_admitted = waited;
+  auto work = std::make_shared<PagedWork>();
+  work->cache = cache.get();
+  work->layer = call->layer;
+  KvCache* raw_cache = cache.get();
+  KvAppendAttend* c = call.get();
+  work->reserve = [raw_cache, c](PagedAttnParams* p) -> absl::Status {
+    const int64_t o_bytes =
+        c->attn.total_q * c->attn.num_heads_q * c->attn.head_dim * DTypeSize(c->attn.dtype);
+    try {
+      c->o.resize(size_t(o_bytes));
+      c->lse.resize(c->return_lse ? size_t(c->attn.total_q * c->attn.num_heads_q * 4) : 0);
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", o_bytes, " bytes for the output"));
+    }
+    RETURN_IF_ERROR(raw_cache->Reserve(c->layer, c->steps, &c->reservation));
+    const KvReservation& r = c->reservation;
+    p->attn = c->attn;
+    p->attn.o = c->o.data();
+    p->attn.lse = c->return_lse ? reinterpret_cast<float*>(c->lse.data()) : nullptr;
+    p->attn.seqlen_k = r.seqlens.empty() ? 0 : *std::max_element(r.seqlens.begin(), r.seqlens.end());
+    p->pages = r.pages;
+    p->block_table = r.block_table.data();
+    p->block_table_stride = r.stride;
+    p->seqlens_k = r.seqlens.data();
+    p->copy_src = r.copy_src.data();
+    p->copy_dst = r.copy_dst.data();
+    p->num_page_copies = static_cast<int32_t>(r.copy_src.size());
+    return absl::OkStatus();
+  };
+  item.paged = std::move(work);
+  item.done = [this, cache, call, done, ticket](const absl::Status& status,
+                                                const WorkTimings& timings) {
+    if (status.ok()) {
+      cache->Commit(call->layer, call->steps, &call->reservation);
+      call->lengths = call->reservation.seqlens;
+    } else {
+      cache->Rollback(&call->reservation);
+    }
+    // The next call on these sequences may go before this one's response is
+    // sent: its state is committed.
+    Finish(cache, *ticket);
+    done(status, timings);
+  };
+  Executor* executor = ExecutorOf(*cache);
+  // Only the cache's device holds its pages: never another executor.
+  const absl::Status admitted = executor != nullptr
+                                    ? executor->Submit(std::move(item))
+                                    : absl::InternalError("the cache's device has no executor");
+  if (!admitted.ok()) {
+    Finish(cache, *ticket);
+    done(admitted, WorkTimings{});
+  }
+}
+
+void KvPool::Finish(const std::shared_ptr<KvCache>& cache, const KvCache::Ticket& ticket) {
+  for (const std::shared_ptr<KvCache::Ticket>& next : cache->Release(ticket)) next->go(next);
+}
+
+KvPoolStats KvPool::Stats() {
+  KvPoolStats s;
+  std::vector<std::shared_ptr<KvCache>> caches;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, cache] : caches_) caches.push_back(cache);
+    s.expired_caches = expired_caches_;
+    s.expired_sequences = expired_sequences_gone_;
+  }
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    KvPoolStats::Device d;
+    d.index = devices_[i].index;
+    d.bytes_used = budgets_[i]->used();
+    d.bytes_limit = budgets_[i]->limit();
+    s.devices.push_back(d);
+  }
+  s.caches = static_cast<int64_t>(caches.size());
+  for (const std::shared_ptr<KvCache>& cache : caches) {
+    const KvCacheStats cs = cache->Stats();
+    s.sequences += cs.sequences;
+    s.expired_sequences += cs.expired_sequences;
+    for (KvPoolStats::Device& d : s.devices) {
+      if (d.index != cs.device) continue;
+      d.pages_used += cs.pages_used;
+      d.pages_capacity += cs.capacity_pages;
+    }
+  }
+  return s;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,153 @@
+// The server's K/V caches (DESIGN §6): per-device budgets, the caches of every
+// tenant, idle expiry, and the append-and-attend path through the cache's
+// device executor. Protocol-independent: the gRPC front-end
+// (server/kv_service.cc) decodes and validates, then calls this.
+//
+// Ordering: a call claims its (sequence, layer) pairs when it arrives
+// (KvCache::Admit); one that names a pair an earlier call still holds waits
+// for it, so calls on one sequence and layer apply in arrival order. A call
+// that may go is submitted to the executor of the cache's device (never
+// another), where the pool reserves its pages just before the launch and
+// commits or rolls back when the launch is over.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "backend/backend.h"
+#include "server/executor.h"
+#include "server/kv/kv_cache.h"
+#include "server/kv/page_allocator.h"
+
+namespace attnserve {
+
+struct KvPoolOptions {
+  // K/V bytes each device may hold over all its caches (--kv_cache_bytes).
+  int64_t cache_bytes_per_device = int64_t{1} << 30;
+  // Page size when CreateCache leaves it 0 (--kv_page_size).
+  int default_page_size = 64;
+  // Sequences and caches unused this long are removed (--kv_idle_timeout);
+  // zero = never.
+  absl::Duration idle_timeout = absl::Minutes(10);
+};
+
+// One device's backend and executor (both outlive the pool).
+struct KvDevice {
+  AttentionBackend* backend;
+  Executor* executor;
+  int index;  // reported as the cache's device
+};
+
+struct KvCreateCache {
+  KvGeometry geometry;
+  int32_t page_size = 0;
+  int64_t capacity_tokens = 0;
+  int64_t capacity_bytes = 0;
+  std::string cache_id;
+  std::optional<int32_t> device;
+  bool reserve = false;
+};
+
+// One append-and-attend call, owned by the front-end until `done`.
+struct KvAppendAttend {
+  std::string cache_id;
+  int32_t layer = 0;
+  std::vector<KvStep> steps;
+  // dtype, heads, head dim, options, q/k/v (host pointers to the request),
+  // totals; cu_seqlens are filled by the pool.
+  AttnParams attn{};
+  bool return_lse = false;
+  absl::Time received = absl::Now();
+  absl::Time deadline = absl::InfiniteFuture();
+  std::shared_ptr<const std::atomic<bool>> cancelled;
+  // Outputs: o [Tq, Hq, D] bytes, lse [Hq, Tq] FP32 bytes, lengths after.
+  std::string o;
+  std::string lse;
+  std::vector<int32_t> lengths;
+  // The pool's working state.
+  std::vector<int32_t> cu_q, cu_k;
+  KvReservation reservation;
+};
+
+struct KvPoolStats {
+  int64_t caches = 0;
+  int64_t sequences = 0;
+  int64_t expired_sequences = 0;  // since start, all caches
+  int64_t expired_caches = 0;
+  struct Device {
+    int index = 0;
+    int64_t pages_used = 0;
+    int64_t pages_capacity = 0;  // sum of the caches' capacities
+    int64_t bytes_used = 0;      // allocated slabs
+    int64_t bytes_limit = 0;
+  };
+  std::vector<Device> devices;
+};
+
+class KvPool {
+ public:
+  KvPool(const KvPoolOptions& options, std::vector<KvDevice> devices);
+  // Stops the expiry thread; caches free their memory.
+  ~KvPool();
+
+  const KvPoolOptions& options() const { return options_; }
+
+  absl::StatusOr<std::shared_ptr<KvCache>> CreateCache(const std::string& tenant,
+                                                       const KvCreateCache& request);
+  absl::Status DropCache(const std::string& tenant, const std::string& cache_id);
+  // NOT_FOUND for an unknown cache, or another tenant's.
+  absl::StatusOr<std::shared_ptr<KvCache>> Find(const std::string& tenant,
+                                                const std::string& cache_id);
+
+  using Done = std::function<void(const absl::Status& status, const WorkTimings& timings)>;
+  // Admits `call` on `cache`: OK means `done` will be called exactly once
+  // (after commit or rollback); an error means it will not and nothing changed.
+  absl::Status AppendAttend(const std::shared_ptr<KvCache>& cache,
+                            std::shared_ptr<KvAppendAttend> call, Done done);
+
+  // Removes what has been idle for the timeout (the expiry thread calls it;
+  // tests may too).
+  void ExpireIdle(absl::Time now);
+  KvPoolStats Stats();
+
+ private:
+  // Submits an admitted call to its device's executor; on refusal completes
+  // it with the error (and releases it). `waited`: it queued behind another
+  // call, so it was accepted before any drain that began since.
+  void Submit(const std::shared_ptr<KvCache>& cache, const std::shared_ptr<KvAppendAttend>& call,
+              const Done& done, const std::shared_ptr<KvCache::Ticket>& ticket, bool waited);
+  void Finish(const std::shared_ptr<KvCache>& cache, const KvCache::Ticket& ticket);
+  // The executor of the cache's device: its calls go there only.
+  Executor* ExecutorOf(const KvCache& cache) const;
+  void ExpiryLoop();
+
+  const KvPoolOptions options_;
+  const std::vector<KvDevice> devices_;
+  std::vector<std::unique_ptr<DeviceBudget>> budgets_;
+
+  absl::Mutex mu_;
+  // (tenant, cache id) -> cache.
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<KvCache>> caches_
+      ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t expired_caches_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sequences of caches that are gone (dropped or expired) still count.
+  int64_t expired_sequences_gone_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread expiry_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,267 @@
+// Reactors of the K/V front-end; see kv_service.h.
+#include "server/kv_service.h"
+
+#include <atomic>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "server/call_deadline.h"
+#include "server/kv_request.h"
+#include "server/server_timing.h"
+#include "server/stream_reactor.h"
+#include "server/tenant.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace {
+
+// A call answered on the spot.
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// Unary AppendAttend: the pool's completion finishes the RPC.
+class AppendAttendReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit AppendAttendReactor(InFlightCounter* in_flight)
+      : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    in_flight_->Add();
+  }
+  std::shared_ptr<const std::atomic<bool>> cancelled() const { return cancelled_; }
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  void OnDone() override {
+    in_flight_->Done();
+    delete this;
+  }
+
+ private:
+  InFlightCounter* const in_flight_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
+}  // namespace
+
+KvService::KvService(KvPool* pool, std::string backend_name, const RequestLimits& limits,
+                     ServerMetrics* metrics, const StreamLimits& stream_limits)
+    : pool_(pool),
+      backend_name_(std::move(backend_name)),
+      limits_(limits),
+      stream_limits_(stream_limits),
+      metrics_(metrics) {}
+
+absl::Status KvService::Draining() const {
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("server is draining: not accepting new requests");
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* context,
+                                                 const v1::CreateCacheRequest* request,
+                                                 v1::CreateCacheResponse* response) {
+  absl::Status status = Draining();
+  if (status.ok()) {
+    absl::StatusOr<std::shared_ptr<KvCache>> cache =
+        pool_->CreateCache(TenantOf(context), DecodeCreateCache(*request));
+    status = cache.status();
+    if (cache.ok()) {
+      FillCacheStats((*cache)->Stats(), response->mutable_stats());
+      spdlog::info("kv cache created id={} device={} page_size={} capacity_pages={}",
+                   (*cache)->id(), (*cache)->device(), (*cache)->page_size(),
+                   response->stats().capacity_pages());
+    }
+  }
+  return Answer(context, status);
+}
+
+grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* context,
+                                               const v1::DropCacheRequest* request,
+                                               v1::DropCacheResponse*) {
+  absl::Status status = Draining();
+  if (status.ok()) status = pool_->DropCache(TenantOf(context), request->cache_id());
+  return Answer(context, status);
+}
+
+grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext* context,
+                                                     const v1::CreateSequencesRequest* request,
+                                                     v1::CreateSequencesResponse* response) {
+  absl::Status status = Draining();
+  if (status.ok()) {
+    absl::StatusOr<std::shared_ptr<KvCache>> cache =
+        pool_->Find(TenantOf(context), request->cache_id());
+    status = cache.ok() ? (*cache)->CreateSequences(DecodeSequences(*request)) : cache.status();
+    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+  }
+  return Answer(context, status);
+}
+
+grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* context,
+                                              const v1::TruncateRequest* request,
+                                              v1::TruncateResponse* response) {
+  absl::Status status = Draining();
+  if (status.ok()) {
+    absl::StatusOr<std::shared_ptr<KvCache>> cache =
+        pool_->Find(TenantOf(context), request->cache_id());
+    status = cache.ok() ? (*cache)->Truncate(request->sequence_id(),
+                                             request->has_layer()
+                                                 ? std::optional<int32_t>(request->layer())
+                                                 : std::nullopt,
+                                             request->length())
+                        : cache.status();
+    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+  }
+  return Answer(context, status);
+}
+
+grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* context,
+                                                   const v1::FreeSequencesRequest* request,
+                                                   v1::FreeSequencesResponse* response) {
+  absl::Status status = Draining();
+  if (status.ok()) {
+    absl::StatusOr<std::shared_ptr<KvCache>> cache =
+        pool_->Find(TenantOf(context), request->cache_id());
+    status = cache.ok() ? (*cache)->Free(std::vector<uint64_t>(request->sequence_ids().begin(),
+                                                               request->sequence_ids().end()))
+                        : cache.status();
+    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+  }
+  return Answer(context, status);
+}
+
+grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* context,
+                                                   const v1::GetCacheStatsRequest* request,
+                                                   v1::GetCacheStatsResponse* response) {
+  // Statistics stay readable during a drain: they change nothing.
+  absl::StatusOr<std::shared_ptr<KvCache>> cache =
+      pool_->Find(TenantOf(context), request->cache_id());
+  absl::Status status = cache.status();
+  if (cache.ok()) {
+    FillCacheStats((*cache)->Stats(), response->mutable_stats());
+    for (uint64_t id : request->sequence_ids()) {
+      absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
+      if (!lengths.ok()) {
+        status = lengths.status();
+        response->Clear();
+        break;
+      }
+      v1::SequenceLengths* out = response->add_sequences();
+      out->set_sequence_id(id);
+      for (int32_t len : *lengths) out->add_lengths(len);
+    }
+  }
+  return Answer(context, status);
+}
+
+void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline,
+                                  const v1::AppendAttendRequest* request,
+                                  v1::AppendAttendResponse* response,
+                                  std::shared_ptr<const std::atomic<bool>> cancelled, Done done) {
+  const absl::Time received = absl::Now();
+  // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
+  response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
+  response->set_backend(backend_name_);
+  auto finish = [this, response, done](const absl::Status& status, const WorkTimings& timings) {
+    FillServerTiming(timings, response->mutable_timing());
+    if (metrics_ != nullptr) {
+      metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
+                              timings.compute_us, timings.device_to_host_us, timings.total_us);
+    }
+    if (!status.ok()) {
+      spdlog::debug("kv append_attend id=\"{}\" status={} error={}",
+                    response->request_id().substr(0, 64),
+                    absl::StatusCodeToString(status.code()), std::string(status.message()));
+    }
+    done(status);
+  };
+  absl::Status status = Draining();
+  absl::StatusOr<std::shared_ptr<KvCache>> cache =
+      status.ok() ? pool_->Find(tenant, request->cache_id()) : status;
+  absl::StatusOr<std::shared_ptr<KvAppendAttend>> call =
+      cache.ok() ? DecodeAppendAttend(*request, **cache, limits_) : cache.status();
+  if (!call.ok()) {
+    WorkTimings timings;
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - received);
+    finish(call.status(), timings);
+    return;
+  }
+  std::shared_ptr<KvAppendAttend> c = *std::move(call);
+  c->received = received;
+  c->deadline = deadline;
+  c->cancelled = std::move(cancelled);
+  status = pool_->AppendAttend(*cache, c, [c, response, finish](const absl::Status& s,
+                                                              const WorkTimings& timings) {
+    if (s.ok()) FillAppendAttendResponse(c.get(), response);
+    finish(s, timings);
+  });
+  if (!status.ok()) finish(status, WorkTimings{});
+}
+
+grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* context,
+                                                  const v1::AppendAttendRequest* request,
+                                                  v1::AppendAttendResponse* response) {
+  auto* reactor = new AppendAttendReactor(&in_flight_);
+  // Finish may run before this returns (a refused call); the callback API
+  // holds it until the reactor is bound to the call.
+  StartAppendAttend(TenantOf(context), DeadlineOf(context), request, response,
+                    reactor->cancelled(),
+                    [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>*
+KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
+  using Reactor = PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>;
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  auto start = [this, cancelled, tenant = TenantOf(context), deadline = DeadlineOf(context)](
+                   Reactor::Call* call, Reactor::Done done) {
+    StartAppendAttend(tenant, deadline, &call->request, &call->response, cancelled,
+                      std::move(done));
+  };
+  // A failed call is answered in-band and the stream goes on.
+  auto fail = [](Reactor::Call* call, const absl::Status& status) {
+    call->response.set_error_code(ToRpcCode(status));
+    call->response.set_error_message(std::string(status.message()));
+  };
+  return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail),
+                     stream_limits_, metrics_ != nullptr ? &metrics_->streams() : nullptr);
+}
+
+std::string KvService::RenderMetrics(const KvPoolStats& s) {
+  std::string out;
+  std::vector<std::pair<std::string, std::string>> used, free, util, bytes, limit;
+  for (const KvPoolStats::Device& d : s.devices) {
+    const std::string label = absl::StrCat("device=\"", d.index, "\"");
+    used.emplace_back(label, absl::StrCat(d.pages_used));
+    free.emplace_back(label, absl::StrCat(d.pages_capacity - d.pages_used));
+    util.emplace_back(label, absl::StrCat(d.bytes_limit > 0 ? double(d.bytes_used) / d.bytes_limit
+                                                            : 0.0));
+    bytes.emplace_back(label, absl::StrCat(d.bytes_used));
+    limit.emplace_back(label, absl::StrCat(d.bytes_limit));
+  }
+  // Triton's response-cache gauge is nv_cache_util; this is its K/V twin.
+  AppendFamily(&out, "nv_kv_cache_util", "gauge",
+               "K/V pool utilization [0.0 - 1.0]: bytes allocated / --kv_cache_bytes", util);
+  AppendFamily(&out, "attnserve_kv_pages_used", "gauge",
+               "K/V pages held by sequences (a shared page counts once)", used);
+  AppendFamily(&out, "attnserve_kv_pages_free", "gauge",
+               "K/V pages the caches may still take (capacity minus used)", free);
+  AppendFamily(&out, "attnserve_kv_bytes_allocated", "gauge",
+               "K/V slab bytes allocated on the device", bytes);
+  AppendFamily(&out, "attnserve_kv_bytes_limit", "gauge", "K/V byte budget (--kv_cache_bytes)",
+               limit);
+  AppendFamily(&out, "attnserve_kv_caches", "gauge", "Live K/V caches", {{"", absl::StrCat(s.caches)}});
+  AppendFamily(&out, "attnserve_kv_sequences", "gauge", "Live K/V sequences",
+               {{"", absl::StrCat(s.sequences)}});
+  AppendFamily(&out, "attnserve_kv_expired_sequences_total", "counter",
+               "Sequences removed after --kv_idle_timeout", {{"", absl::StrCat(s.expired_sequences)}});
+  AppendFamily(&out, "attnserve_kv_expired_caches_total", "counter",
+               "Caches removed after --kv_idle_timeout", {{"", absl::StrCat(s.expired_caches)}});
+  return out;
+}
+
+}  // namespace attnserve

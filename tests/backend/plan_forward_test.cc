@@ -1,0 +1,131 @@
+// PlanForward (backend/cuda/attn_fwd_plan.h), the CUDA path's decision table,
+// on the host: which kernel head dim serves a head dim in this build's set,
+// which tile (prefill, decode, banded), GQA packing, split-KV counts (the
+// worked examples of attn_fwd_plan.cc on an H100's 132 SMs) and the
+// workspace. Plain C++: runs in every build, GPU or not.
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/generated/kernel_set.h"
+#include "backend/make_params.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using cuda::PlanForward;
+
+constexpr int kH100Sms = 132;
+
+AttnParams Dense(int b, int sq, int sk, int hq, int hkv, int d, bool causal = false) {
+  AttnOptions o;
+  o.causal = causal;
+  return MakeAttnParams(DenseShape(DType::kBF16, b, sq, sk, hq, hkv, d), o, AttnPointers());
+}
+
+TEST(PlanForwardTest, HeadDimIsServedByTheSmallestCompiledKernelAtOrAboveIt) {
+  struct Row {
+    int head_dim;
+    int all_set;  // kernel head dim with every kernel compiled
+    int dev_set;  // with ATTNSERVE_CUDA_KERNELS=dev (128 only); 0: none
+  };
+  const Row rows[] = {{8, 64, 128},    {64, 64, 128}, {72, 96, 128}, {96, 96, 128}, {104, 128, 128},
+                      {128, 128, 128}, {136, 192, 0}, {192, 192, 0}, {200, 256, 0}, {256, 256, 0}};
+  for (const Row& r : rows) {
+#if defined(ATTNSERVE_CUDA_DEV_KERNELS)
+    const int want = r.dev_set;
+#else
+    const int want = r.all_set;
+#endif
+    EXPECT_EQ(PlanForward(Dense(2, 300, 300, 4, 4, r.head_dim), kH100Sms).kernel_head_dim, want)
+        << "head_dim " << r.head_dim;
+  }
+}
+
+TEST(PlanForwardTest, CompiledSetMatchesTheTileTable) {
+  for (int d : cuda::kCompiledHeadDims) {
+    EXPECT_EQ(cuda::TileFor(TileKind::kPrefill, d).head_dim, d) << d;
+  }
+  EXPECT_EQ(cuda::TileFor(TileKind::kDecode, 192).head_dim, 0) << "no decode tile at 192";
+  EXPECT_EQ(cuda::TileFor(TileKind::kBanded, 128).block_n, 32);
+  EXPECT_EQ(cuda::TileFor(TileKind::kBanded, 64).head_dim, 0);
+}
+
+TEST(PlanForwardTest, TileKindAndBand) {
+  // Causal prefill at 128: the banded table's 128x32 tile.
+  Plan p = PlanForward(Dense(1, 1024, 1024, 2, 2, 128, /*causal=*/true), kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kBanded);
+  EXPECT_TRUE(p.banded);
+  // No mask: the prefill tile, not banded.
+  p = PlanForward(Dense(1, 1024, 1024, 2, 2, 128), kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
+  EXPECT_FALSE(p.banded);
+  // A window without causal is a band too.
+  AttnParams w = Dense(1, 1024, 1024, 2, 2, 128);
+  w.window_left = 100;
+  EXPECT_TRUE(PlanForward(w, kH100Sms).banded);
+  // Decode (<= 16 rows after GQA packing) takes the decode tile, banded or not.
+  p = PlanForward(Dense(1, 1, 4096, 32, 8, 128, /*causal=*/true), kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kDecode);
+  EXPECT_TRUE(p.banded);
+}
+
+#if !defined(ATTNSERVE_CUDA_DEV_KERNELS)
+TEST(PlanForwardTest, HeadDimsWithoutTheirOwnTilesKeepThePrefillTile) {
+  // 64 has no banded tile; 192 has no decode tile.
+  EXPECT_EQ(PlanForward(Dense(1, 512, 512, 2, 2, 64, true), kH100Sms).tile_kind,
+            TileKind::kPrefill);
+  const Plan p = PlanForward(Dense(1, 1, 4096, 8, 8, 192), kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
+  EXPECT_EQ(p.kernel_head_dim, 192);
+}
+#endif
+
+TEST(PlanForwardTest, GqaHeadsPackIntoMOnlyForShortQueryRuns) {
+  EXPECT_EQ(PlanForward(Dense(1, 1, 512, 32, 8, 128), kH100Sms).pack_gqa, 4);
+  EXPECT_EQ(PlanForward(Dense(1, 16, 512, 32, 8, 128), kH100Sms).pack_gqa, 4);
+  EXPECT_EQ(PlanForward(Dense(1, 17, 512, 32, 8, 128), kH100Sms).pack_gqa, 1);
+  EXPECT_EQ(PlanForward(Dense(1, 1, 512, 8, 8, 128), kH100Sms).pack_gqa, 1);  // no group
+}
+
+// The worked examples in attn_fwd_plan.cc.
+TEST(PlanForwardTest, DecodeB1FillsNinetyPercentOfAWave) {
+  const AttnParams a = Dense(1, 1, 8192, 32, 8, 128);
+  const Plan p = PlanForward(a, kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kDecode);
+  EXPECT_EQ(p.pack_gqa, 4);
+  EXPECT_EQ(p.num_splits, 43);  // 45 splits of a 396-CTA wave, equalised to 3 tiles each
+  EXPECT_EQ(p.workspace_bytes, int64_t{43} * 32 * 1 * (128 + 1) * 4);
+}
+
+TEST(PlanForwardTest, DecodeB64TakesFewSplitsOverWholeWaves) {
+  EXPECT_EQ(PlanForward(Dense(64, 1, 4096, 32, 8, 128), kH100Sms).num_splits, 3);
+}
+
+TEST(PlanForwardTest, PrefillUnderHalfAWaveSplits) {
+  const Plan p = PlanForward(Dense(1, 128, 8192, 8, 8, 128), kH100Sms);
+  EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
+  EXPECT_EQ(p.num_splits, 32);
+  EXPECT_EQ(p.workspace_bytes, int64_t{32} * 8 * 128 * (128 + 1) * 4);
+}
+
+TEST(PlanForwardTest, PrefillOverHalfAWaveDoesNotSplit) {
+  const Plan p = PlanForward(Dense(1, 1024, 1024, 32, 32, 128), kH100Sms);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_EQ(p.workspace_bytes, 0);
+}
+
+TEST(PlanForwardTest, FewKeyTilesNeverSplit) {
+  // 3 key tiles: a split needs at least 2 of them, so 1 split.
+  EXPECT_EQ(PlanForward(Dense(1, 1, 192, 32, 8, 128), kH100Sms).num_splits, 1);
+  EXPECT_EQ(PlanForward(Dense(1, 64, 192, 2, 2, 128), kH100Sms).num_splits, 1);
+  EXPECT_EQ(PlanForward(Dense(1, 1, 0, 32, 8, 128), kH100Sms).num_splits, 1);  // Sk = 0
+}
+
+TEST(PlanForwardTest, SplitsAreCappedAt128) {
+  // One CTA of base on a large GPU, 1M keys: 128 splits at most.
+  EXPECT_LE(PlanForward(Dense(1, 1, 1 << 20, 1, 1, 128), 1000).num_splits, 128);
+}
+
+}  // namespace
+}  // namespace attnserve

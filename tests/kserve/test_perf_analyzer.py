@@ -1,0 +1,70 @@
+# perf_analyzer, the binary inside the tritonclient 2.50.0 wheel, drives a
+# real CPU attnserve for a short run over gRPC and HTTP, with tensors in the
+# messages and in system shared memory; every run must end with zero errors,
+# by perf_analyzer's exit status and by the server's own failure count.
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+REQUESTS = 40
+SHAPE = [1, 32, 2, 64]
+
+
+def perf_analyzer():
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    # Newer perf-analyzer wheels install a placeholder without a binary on
+    # glibc < 2.38; the pinned tritonclient 2.50.0 ships the real one.
+    assert binary.is_file() and binary.stat().st_size > 1_000_000, f"no perf_analyzer at {binary}"
+    import nvidia.cuda_runtime  # noqa: the wheel that supplies libcudart.so.12
+    libs = [str(Path(p) / "lib") for p in nvidia.cuda_runtime.__path__]
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    return binary, env
+
+
+@pytest.fixture(scope="module")
+def input_data(tmp_path_factory):
+    """q, k, v as FP16 (perf_analyzer takes FP16 only as base64)."""
+    rng = np.random.default_rng(30)
+    step = {n: {"b64": base64.b64encode(rng.standard_normal(SHAPE).astype(np.float16).tobytes())
+                .decode(), "shape": SHAPE} for n in ("q", "k", "v")}
+    path = tmp_path_factory.mktemp("perf") / "qkv.json"
+    path.write_text(json.dumps({"data": [step]}))
+    return path
+
+
+def counts(server):
+    stats = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics(
+        "attention_dense", as_json=True)["model_stats"][0]
+    return (int(stats["inference_stats"]["success"].get("count", 0)),
+            int(stats["inference_stats"]["fail"].get("count", 0)))
+
+
+@pytest.mark.parametrize("protocol, shared_memory", [
+    ("grpc", "none"), ("grpc", "system"), ("http", "none"), ("http", "system")])
+def test_perf_analyzer_runs_without_errors(server, input_data, protocol, shared_memory):
+    binary, env = perf_analyzer()
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    # attention_dense: perf_analyzer 2.50 refuses shared memory for a model
+    # with optional inputs (attention's cu_seqlens_q/k).
+    args = [str(binary), "-m", "attention_dense", "-u", url, "-i", protocol,
+            "--input-data", str(input_data), "--concurrency-range", "2",
+            "--request-count", str(REQUESTS), f"--shared-memory={shared_memory}"]
+    if shared_memory != "none":
+        args.append(f"--output-shared-memory-size={int(np.prod(SHAPE)) * 2}")
+    success_before, fail_before = counts(server)
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "error" not in output.lower(), output
+    assert "throughput:" in output, output
+    success_after, fail_after = counts(server)
+    assert fail_after == fail_before, output
+    assert success_after - success_before >= REQUESTS, output

@@ -1,0 +1,459 @@
+// The K/V pool (server/kv): the page allocator (O(1) free list, slabs on
+// demand, the device budget), a cache's sequences against a simple model over
+// random operation sequences (forks, copy-on-write, truncate, free, rollback),
+// and the pool's rules through a real executor and the CPU backend: tenants,
+// ordering of calls on one sequence, all-or-nothing on failure, expiry.
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "absl/strings/str_replace.h"
+#include "absl/synchronization/notification.h"
+#include "backend/backend_factory.h"
+#include "backend/make_params.h"
+#include "common/dtype.h"
+#include "gtest/gtest.h"
+#include "server/executor.h"
+#include "server/kv/kv_cache.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv/page_allocator.h"
+#include "tests/server/gated_cpu_backend.h"
+
+namespace attnserve {
+namespace {
+
+TEST(PageAllocatorTest, SlabsOnDemandAndFreeList) {
+  auto backend = MakeCpuBackend(1);
+  DeviceBudget budget(1 << 20);
+  // 100 pages of 64 bytes: 4 pages per slab (100 / 32 rounded up to 4).
+  PageAllocator a(backend.get(), &budget, 16, 64, 100);
+  EXPECT_EQ(a.pages().slab_shift, 2);
+  EXPECT_EQ(a.pages().num_slabs, 0);
+  EXPECT_EQ(budget.used(), 0);  // a maximum, not a reservation
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(a.Allocate(5, &pages).ok());
+  EXPECT_EQ(a.pages().num_slabs, 2);
+  EXPECT_EQ(budget.used(), 2 * a.slab_bytes());
+  EXPECT_EQ(a.pages_used(), 5);
+  std::set<int32_t> distinct(pages.begin(), pages.end());
+  EXPECT_EQ(distinct.size(), 5u);
+  a.AddRef(pages[0]);
+  a.Release(pages[0]);
+  EXPECT_EQ(a.pages_used(), 5);  // still referenced once
+  a.Release(pages[0]);
+  EXPECT_EQ(a.pages_used(), 4);
+  std::vector<int32_t> again;
+  ASSERT_TRUE(a.Allocate(1, &again).ok());
+  EXPECT_EQ(again[0], pages[0]);  // the free list hands it back first
+  // Capacity: 100 pages at most, named in the error.
+  std::vector<int32_t> more;
+  const absl::Status full = a.Allocate(96, &more);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("needs 96 pages, 95 are free"), std::string::npos) << full;
+  EXPECT_TRUE(more.empty());
+  ASSERT_TRUE(a.Allocate(95, &more).ok());
+  EXPECT_EQ(a.pages_free(), 0);
+  for (int32_t p : more) EXPECT_LT(p, 100);
+}
+
+TEST(PageAllocatorTest, SharedBudgetAndReserve) {
+  auto backend = MakeCpuBackend(1);
+  DeviceBudget budget(3 * 2 * 64 * 4);  // three slabs of 4 pages of 64 + 64 bytes
+  PageAllocator a(backend.get(), &budget, 16, 64, 128);
+  PageAllocator b(backend.get(), &budget, 16, 64, 128);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(a.Allocate(8, &pages).ok());
+  const absl::Status s = b.Allocate(8, &pages);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--kv_cache_bytes"), std::string::npos) << s;
+  EXPECT_EQ(b.pages_used(), 0);
+  PageAllocator c(backend.get(), &budget, 16, 64, 8);
+  EXPECT_EQ(c.ReserveAll().code(), absl::StatusCode::kResourceExhausted);
+}
+
+// A cache driven the way the executor drives it, with the backend's copy and
+// append emulated here, checked against a model: every sequence's tokens per
+// layer (one float per token: D = 8, Hkv = 1, FP32, value in lane 0).
+class CacheModelTest : public ::testing::Test {
+ protected:
+  static constexpr int kLayers = 2;
+  static constexpr int kPageSize = 16;
+  CacheModelTest()
+      : backend_(MakeCpuBackend(1)),
+        budget_(int64_t{1} << 24),
+        cache_("t", "c", KvGeometry{kLayers, 1, 8, DType::kFP32}, kPageSize, 48, 0,
+               backend_.get(), &budget_) {}
+
+  float* Row(const KvPages& kv, void* const* slabs, int32_t page, int token) {
+    return static_cast<float*>(slabs[PageSlab(kv, page)]) + PageRowOffset(kv, page, token, 1, 8, 0);
+  }
+
+  // What the backend does with a reservation: copies, then the new rows.
+  void Emulate(const KvReservation& r, const std::vector<KvStep>& steps,
+               const std::vector<std::vector<float>>& values) {
+    const int64_t page_floats = kPageSize * 8;
+    for (size_t i = 0; i < r.copy_src.size(); ++i) {
+      std::memcpy(Row(r.pages, r.pages.k_slabs, r.copy_dst[i], 0),
+                  Row(r.pages, r.pages.k_slabs, r.copy_src[i], 0), page_floats * 4);
+    }
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const int32_t first = r.seqlens[i] - steps[i].num_new;
+      for (int t = 0; t < steps[i].num_new; ++t) {
+        const int pos = first + t;
+        const int32_t page = r.block_table[i * r.stride + pos / kPageSize];
+        Row(r.pages, r.pages.k_slabs, page, pos % kPageSize)[0] = values[i][t];
+      }
+    }
+  }
+
+  // Every sequence's content and length equal the model's; pages_used counts
+  // the distinct pages the sequences hold.
+  void Verify() {
+    std::set<int32_t> held;
+    for (const auto& [id, layers] : model_) {
+      for (int l = 0; l < kLayers; ++l) {
+        KvReservation r;
+        std::vector<KvStep> steps = {{id, int32_t(layers[l].size()), 0, 0}};
+        ASSERT_TRUE(cache_.Reserve(l, steps, &r).ok());
+        ASSERT_EQ(r.seqlens[0], int32_t(layers[l].size()));
+        for (size_t t = 0; t < layers[l].size(); ++t) {
+          const int32_t page = r.block_table[t / kPageSize];
+          ASSERT_EQ(Row(r.pages, r.pages.k_slabs, page, int(t % kPageSize))[0], layers[l][t])
+              << "sequence " << id << " layer " << l << " token " << t;
+        }
+        for (size_t p = 0; p < (layers[l].size() + kPageSize - 1) / kPageSize; ++p)
+          held.insert(r.block_table[p]);
+        cache_.Rollback(&r);
+      }
+    }
+    EXPECT_EQ(cache_.Stats().pages_used, int64_t(held.size()));
+    EXPECT_EQ(cache_.Stats().sequences, int64_t(model_.size()));
+  }
+
+  std::unique_ptr<AttentionBackend> backend_;
+  DeviceBudget budget_;
+  KvCache cache_;
+  std::map<uint64_t, std::vector<std::vector<float>>> model_;
+  float next_value_ = 1.0f;
+};
+
+TEST_F(CacheModelTest, RandomOperations) {
+  std::mt19937 rng(5);
+  uint64_t next_id = 1;
+  int appended = 0, exhausted = 0, forks = 0, cows = 0;
+  for (int iter = 0; iter < 600; ++iter) {
+    const int op = int(rng() % 10);
+    std::vector<uint64_t> ids;
+    for (const auto& [id, unused] : model_) ids.push_back(id);
+    auto pick = [&] { return ids[rng() % ids.size()]; };
+    if (op == 0 || ids.empty()) {
+      const uint64_t id = next_id++;
+      ASSERT_TRUE(cache_.CreateSequences({{id, {}, {}}}).ok());
+      model_[id] = std::vector<std::vector<float>>(kLayers);
+    } else if (op == 1) {
+      const uint64_t src = pick();
+      int32_t shortest = INT32_MAX;
+      for (const auto& l : model_[src]) shortest = std::min<int32_t>(shortest, int32_t(l.size()));
+      const int32_t len = int32_t(rng() % (shortest + 1));
+      const uint64_t id = next_id++;
+      ASSERT_TRUE(cache_.CreateSequences({{id, src, len}}).ok());
+      model_[id] = model_[src];
+      for (auto& l : model_[id]) l.resize(size_t(len));
+      ++forks;
+    } else if (op <= 6) {
+      // An append over 1..3 distinct sequences at one layer.
+      const int layer = int(rng() % kLayers);
+      std::set<uint64_t> chosen;
+      const int n = 1 + int(rng() % 3);
+      for (int i = 0; i < n; ++i) chosen.insert(pick());
+      std::vector<KvStep> steps;
+      std::vector<std::vector<float>> values;
+      for (uint64_t id : chosen) {
+        const int added = int(rng() % 40);
+        steps.push_back({id, int32_t(model_[id][layer].size()), added, 0});
+        values.emplace_back();
+        for (int t = 0; t < added; ++t) values.back().push_back(next_value_++);
+      }
+      const int64_t used_before = cache_.Stats().pages_used;
+      KvReservation r;
+      const absl::Status s = cache_.Reserve(layer, steps, &r);
+      if (!s.ok()) {
+        ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+        EXPECT_EQ(cache_.Stats().pages_used, used_before);
+        ++exhausted;
+      } else {
+        cows += int(r.copy_src.size());
+        Emulate(r, steps, values);
+        if (rng() % 8 == 0) {
+          cache_.Rollback(&r);  // a failed launch: nothing changes
+        } else {
+          cache_.Commit(layer, steps, &r);
+          for (size_t i = 0; i < steps.size(); ++i) {
+            auto& l = model_[steps[i].sequence_id][layer];
+            l.insert(l.end(), values[i].begin(), values[i].end());
+          }
+          ++appended;
+        }
+      }
+    } else if (op == 7) {
+      const uint64_t id = pick();
+      const bool all = rng() % 2 == 0;
+      const int layer = int(rng() % kLayers);
+      int32_t limit = INT32_MAX;
+      for (int l = 0; l < kLayers; ++l) {
+        if (all || l == layer) limit = std::min<int32_t>(limit, int32_t(model_[id][l].size()));
+      }
+      const int32_t len = int32_t(rng() % (limit + 1));
+      ASSERT_TRUE(cache_.Truncate(id, all ? std::nullopt : std::optional<int32_t>(layer), len).ok());
+      for (int l = 0; l < kLayers; ++l) {
+        if (all || l == layer) model_[id][l].resize(size_t(len));
+      }
+    } else {
+      const uint64_t id = pick();
+      ASSERT_TRUE(cache_.Free({id}).ok());
+      model_.erase(id);
+    }
+    Verify();
+    if (HasFatalFailure()) return;
+  }
+  // The run exercised what it is meant to.
+  EXPECT_GT(appended, 100);
+  EXPECT_GT(forks, 20);
+  EXPECT_GT(cows, 5);
+  EXPECT_GT(exhausted, 0);
+}
+
+TEST_F(CacheModelTest, StaleLengthNamesActualAndChangesNothing) {
+  ASSERT_TRUE(cache_.CreateSequences({{7, {}, {}}}).ok());
+  KvReservation r;
+  ASSERT_TRUE(cache_.Reserve(0, {{7, 0, 20, 0}}, &r).ok());
+  cache_.Commit(0, {{7, 0, 20, 0}}, &r);
+  const absl::Status s = cache_.Reserve(0, {{7, 0, 20, 0}}, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("has 20 tokens at layer 0, the call expected 0"), std::string::npos)
+      << s;
+  EXPECT_EQ((*cache_.Lengths(7))[0], 20);
+  EXPECT_EQ(cache_.Stats().pages_used, 2);
+}
+
+TEST_F(CacheModelTest, CreateErrorsAreAllOrNothing) {
+  ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}}).ok());
+  EXPECT_EQ(cache_.CreateSequences({{2, {}, {}}, {1, {}, {}}}).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(cache_.CreateSequences({{3, {}, {}}, {4, 99, {}}}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.CreateSequences({{5, 1, 3}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_.Stats().sequences, 1);
+  EXPECT_EQ(cache_.Free({1, 2}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.Stats().sequences, 1);
+  EXPECT_EQ(cache_.Truncate(1, std::nullopt, 1).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CacheModelTest, ClaimsOrderCallsOnOneSequenceLayer) {
+  ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
+  auto ticket = [](int layer, std::vector<uint64_t> ids) {
+    auto t = std::make_shared<KvCache::Ticket>();
+    t->layer = layer;
+    t->sequence_ids = std::move(ids);
+    return t;
+  };
+  auto a = ticket(0, {1});
+  auto b = ticket(0, {1, 2});  // waits for a (sequence 1)
+  auto c = ticket(0, {2});     // waits for b (arrival order on sequence 2)
+  auto d = ticket(1, {1});     // another layer: goes
+  EXPECT_TRUE(*cache_.Admit(a));
+  EXPECT_FALSE(*cache_.Admit(b));
+  EXPECT_FALSE(*cache_.Admit(c));
+  EXPECT_TRUE(*cache_.Admit(d));
+  EXPECT_EQ(cache_.Admit(ticket(0, {9})).status().code(), absl::StatusCode::kNotFound);
+  // Busy sequences cannot be freed or truncated.
+  EXPECT_EQ(cache_.Free({1}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_.Truncate(2, 0, 0).code(), absl::StatusCode::kFailedPrecondition);
+  auto ready = cache_.Release(*a);
+  ASSERT_EQ(ready.size(), 1u);
+  EXPECT_EQ(ready[0], b);
+  EXPECT_TRUE(cache_.Release(*d).empty());
+  ready = cache_.Release(*b);
+  ASSERT_EQ(ready.size(), 1u);
+  EXPECT_EQ(ready[0], c);
+  EXPECT_TRUE(cache_.Release(*c).empty());
+  EXPECT_TRUE(cache_.Free({1, 2}).ok());
+}
+
+// The pool over a real executor and the (gated) CPU backend.
+class PoolTest : public ::testing::Test {
+ protected:
+  PoolTest() : executor_(&backend_, ExecutorOptions{}) {}
+  void MakePool(absl::Duration idle = absl::ZeroDuration()) {
+    KvPoolOptions o;
+    o.cache_bytes_per_device = int64_t{1} << 24;
+    o.idle_timeout = idle;
+    pool_ = std::make_unique<KvPool>(o, std::vector<KvDevice>{{&backend_, &executor_, 0}});
+  }
+  std::shared_ptr<KvCache> Cache(const std::string& tenant = "t") {
+    KvCreateCache r;
+    r.geometry = {1, 1, 8, DType::kFP32};
+    r.capacity_tokens = 4096;
+    auto cache = pool_->CreateCache(tenant, r);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    return *cache;
+  }
+  // An append of `n` rows (and one query) to sequence `id` expecting `len`.
+  std::shared_ptr<KvAppendAttend> Call(uint64_t id, int32_t len, int32_t n) {
+    auto c = std::make_shared<KvAppendAttend>();
+    c->steps = {{id, len, n, 1}};
+    data_.emplace_back(size_t(8 * (n + 1)), 0.5f);
+    AttnShape shape;  // sizes and totals: the pool fills them
+    shape.dtype = DType::kFP32;
+    shape.num_heads_q = 1;
+    shape.num_heads_kv = 1;
+    shape.head_dim = 8;
+    AttnOptions options;
+    options.softmax_scale = 0.35f;
+    AttnPointers pointers;
+    pointers.q = pointers.k = pointers.v = data_.back().data();
+    c->attn = MakeAttnParams(shape, options, pointers);
+    return c;
+  }
+  struct Result {
+    absl::Notification done;
+    absl::Status status;
+  };
+  std::shared_ptr<Result> Run(const std::shared_ptr<KvCache>& cache,
+                              const std::shared_ptr<KvAppendAttend>& call) {
+    auto result = std::make_shared<Result>();
+    const absl::Status s =
+        pool_->AppendAttend(cache, call, [result](const absl::Status& st, const WorkTimings&) {
+          result->status = st;
+          result->done.Notify();
+        });
+    if (!s.ok()) {
+      result->status = s;
+      result->done.Notify();
+    }
+    return result;
+  }
+
+  GatedCpuBackend backend_;
+  Executor executor_;
+  std::unique_ptr<KvPool> pool_;
+  std::deque<std::vector<float>> data_;
+};
+
+TEST_F(PoolTest, TenantsAndNames) {
+  MakePool();
+  auto cache = Cache("alice");
+  EXPECT_EQ(pool_->Find("bob", cache->id()).status().code(), absl::StatusCode::kNotFound);
+  // Word for word what a never-created id gets.
+  EXPECT_EQ(absl::StrReplaceAll(pool_->Find("bob", "never").status().message(),
+                                {{"never", cache->id()}}),
+            absl::StrReplaceAll(pool_->Find("bob", cache->id()).status().message(),
+                                {{"never", cache->id()}}));
+  EXPECT_EQ(pool_->DropCache("bob", cache->id()).code(), absl::StatusCode::kNotFound);
+  KvCreateCache r;
+  r.geometry = {1, 1, 8, DType::kFP32};
+  r.capacity_tokens = 64;
+  r.cache_id = cache->id();
+  EXPECT_EQ(pool_->CreateCache("alice", r).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(pool_->CreateCache("bob", r).ok());  // names are per tenant
+  r.page_size = 24;
+  EXPECT_EQ(pool_->CreateCache("carol", r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.page_size = 0;
+  r.capacity_bytes = 10;
+  EXPECT_EQ(pool_->CreateCache("carol", r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.capacity_bytes = 0;
+  r.capacity_tokens = int64_t{1} << 40;
+  EXPECT_EQ(pool_->CreateCache("carol", r).status().code(), absl::StatusCode::kResourceExhausted);
+  r.capacity_tokens = 64;
+  r.device = 3;
+  EXPECT_EQ(pool_->CreateCache("carol", r).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(pool_->DropCache("alice", cache->id()).ok());
+  EXPECT_EQ(pool_->Find("alice", cache->id()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(PoolTest, CallsOnOneSequenceApplyInArrivalOrder) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}}).ok());
+  backend_.Close();
+  auto first = Run(cache, Call(1, 0, 20));
+  backend_.AwaitCalls(1);
+  // Sent while the first is in flight, naming the length after it.
+  auto second = Run(cache, Call(1, 20, 5));
+  auto stale = Run(cache, Call(1, 0, 20));  // a retry of the first
+  backend_.Open();
+  first->done.WaitForNotification();
+  second->done.WaitForNotification();
+  stale->done.WaitForNotification();
+  EXPECT_TRUE(first->status.ok()) << first->status;
+  EXPECT_TRUE(second->status.ok()) << second->status;
+  EXPECT_EQ(stale->status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(stale->status.message().find("has 25 tokens"), std::string::npos) << stale->status;
+  EXPECT_EQ((*cache->Lengths(1))[0], 25);
+}
+
+TEST_F(PoolTest, FailedLaunchChangesNothing) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}}).ok());
+  auto ok = Run(cache, Call(1, 0, 10));
+  ok->done.WaitForNotification();
+  ASSERT_TRUE(ok->status.ok());
+  const int64_t pages = cache->Stats().pages_used;
+  backend_.paged_fail = true;
+  auto failed = Run(cache, Call(1, 10, 30));
+  failed->done.WaitForNotification();
+  EXPECT_EQ(failed->status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*cache->Lengths(1))[0], 10);
+  EXPECT_EQ(cache->Stats().pages_used, pages);
+  backend_.paged_fail = false;
+  auto retry = Run(cache, Call(1, 10, 30));
+  retry->done.WaitForNotification();
+  EXPECT_TRUE(retry->status.ok()) << retry->status;
+  EXPECT_EQ((*cache->Lengths(1))[0], 40);
+}
+
+TEST_F(PoolTest, IdleSequencesAndCachesExpire) {
+  MakePool(absl::Hours(1));  // the thread never fires; ExpireIdle is driven here
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
+  auto call = Run(cache, Call(1, 0, 10));
+  call->done.WaitForNotification();
+  pool_->ExpireIdle(absl::Now());
+  EXPECT_EQ(cache->Stats().sequences, 2);  // nothing idle for an hour yet
+  pool_->ExpireIdle(absl::Now() + absl::Hours(2));
+  EXPECT_EQ(cache->Stats().sequences, 0);
+  EXPECT_EQ(cache->Stats().pages_used, 0);
+  const KvPoolStats s = pool_->Stats();
+  EXPECT_EQ(s.caches, 0);
+  EXPECT_EQ(s.expired_caches, 1);
+  EXPECT_EQ(s.expired_sequences, 2);
+  EXPECT_EQ(pool_->Find("t", cache->id()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(PoolTest, DrainRunsCallsThatWaited) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}}).ok());
+  backend_.Close();
+  auto first = Run(cache, Call(1, 0, 1));
+  backend_.AwaitCalls(1);
+  auto second = Run(cache, Call(1, 1, 1));  // accepted, waiting for the first
+  executor_.StopAdmitting();
+  auto late = Run(cache, Call(1, 2, 1));  // after the drain began: refused
+  backend_.Open();
+  first->done.WaitForNotification();
+  second->done.WaitForNotification();
+  late->done.WaitForNotification();
+  EXPECT_TRUE(first->status.ok());
+  EXPECT_TRUE(second->status.ok()) << second->status;
+  EXPECT_EQ(late->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*cache->Lengths(1))[0], 2);
+}
+
+}  // namespace
+}  // namespace attnserve
