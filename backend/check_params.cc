@@ -5,13 +5,15 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "backend/score_range.h"
 #include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
 
 template <typename T>
-absl::Status Invalid(const char* field, const char* expected, const T& actual) {
+absl::Status Invalid(const char* field, absl::string_view expected, const T& actual) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", actual));
 }
 
@@ -63,8 +65,9 @@ absl::Status CheckParams(const AttnParams& p) {
   }
   if (p.seqlen_q < 0) return Invalid("seqlen_q", ">= 0", p.seqlen_q);
   if (p.seqlen_k < 0) return Invalid("seqlen_k", ">= 0", p.seqlen_k);
-  if (!std::isfinite(p.softmax_scale) || !(p.softmax_scale > 0.0f)) {
-    return Invalid("softmax_scale", "finite and > 0", p.softmax_scale);
+  if (!SoftmaxScaleInRange(p.softmax_scale)) {
+    return Invalid("softmax_scale", absl::StrCat("finite and in (0, ", kMaxSoftmaxScale, "]"),
+                   p.softmax_scale);
   }
   const float expected_log2 = p.softmax_scale * 1.4426950408889634f;
   if (!(std::fabs(p.softmax_scale_log2 - expected_log2) <= 1e-6f * expected_log2)) {
@@ -72,8 +75,11 @@ absl::Status CheckParams(const AttnParams& p) {
         absl::StrCat("softmax_scale_log2: expected softmax_scale * log2(e) = ", expected_log2,
                      ", got ", p.softmax_scale_log2));
   }
-  if (!std::isfinite(p.softcap) || p.softcap < 0.0f) {
-    return Invalid("softcap", "finite and >= 0 (0 = off)", p.softcap);
+  if (!SoftcapInRange(p.softcap, p.softmax_scale)) {
+    return Invalid("softcap",
+                   absl::StrCat("0 (off) or in [softmax_scale / ", kMaxSoftcapFactor, ", ",
+                                kMaxSoftcap, "] (score_range.h)"),
+                   p.softcap);
   }
   if (p.window_left < kNoWindow)
     return Invalid("window_left", ">= -1 (-1 = unlimited)", p.window_left);

@@ -2,7 +2,8 @@
 #include "backend/make_params.h"
 
 #include <algorithm>
-#include <cmath>
+
+#include "backend/score_range.h"
 
 namespace attnserve {
 
@@ -37,7 +38,7 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   }
   p.softmax_scale = options.softmax_scale.has_value()
                         ? *options.softmax_scale
-                        : 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+                        : DefaultSoftmaxScale(shape.head_dim);
   p.softmax_scale_log2 = p.softmax_scale * kLog2e;
   p.softcap = options.softcap;
   p.is_causal = options.causal;

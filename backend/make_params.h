@@ -45,7 +45,7 @@ inline AttnShape DenseShape(DType dtype, int32_t batch, int32_t seqlen_q, int32_
 // The call's options as the wire has them (attnserve.v1.AttentionOptions
 // without return_lse, which is a question of outputs: set pointers.lse).
 struct AttnOptions {
-  std::optional<float> softmax_scale;  // unset: 1/sqrt(D)
+  std::optional<float> softmax_scale;  // unset: DefaultSoftmaxScale(D) = 1/sqrt(D) (score_range.h)
   bool causal = false;                 // bottom-right aligned
   std::optional<int32_t> window_left;  // unset: unlimited
   std::optional<int32_t> window_right;

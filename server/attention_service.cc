@@ -69,7 +69,8 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
     in_flight_->Add();
     const absl::Time received = absl::Now();
     const absl::Status status = FillEcho(*request, limits, response);
-    response->set_request_id(request->request_id());
+    // At most kMaxRequestIdBytes back, as Forward does (forward_handler.cc).
+    response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
     response->set_backend(backend_name);  // FillEcho sets o and lse only on success
     const int64_t total_us = absl::ToInt64Microseconds(absl::Now() - received);
     response->mutable_timing()->set_total_us(total_us);
@@ -96,9 +97,11 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
 using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
 
 // ForwardStream (server/stream_reactor.h): every request goes to the handler;
-// a failed one becomes a response with error_code/error_message.
+// a failed one becomes a response with error_code/error_message. The stream
+// is bounded by `limits` (stream_flow_control.h).
 ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
-                                              const grpc::CallbackServerContext* context) {
+                                              const grpc::CallbackServerContext* context,
+                                              const StreamLimits& limits, StreamGauge* gauge) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [handler, cancelled, deadline = DeadlineOf(context)](
                    ForwardStreamReactor::Call* call, ForwardStreamReactor::Done done) {
@@ -109,7 +112,7 @@ ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightC
     call->response.set_error_message(std::string(status.message()));
   };
   return new ForwardStreamReactor(in_flight, std::move(cancelled), std::move(start),
-                                  std::move(fail));
+                                  std::move(fail), limits, gauge);
 }
 
 }  // namespace
@@ -133,7 +136,8 @@ grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext*
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
-  return NewForwardStreamReactor(handler_, &in_flight_, context);
+  return NewForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
+                                 info_.stream_gauge);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
@@ -164,6 +168,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_request_bytes(info_.max_request_bytes);
   limits->set_max_tokens(info_.max_tokens);
   limits->set_max_queue_size(info_.max_queue_size);
+  limits->set_max_stream_pending_requests(info_.stream_limits.max_pending_requests);
+  limits->set_max_stream_pending_bytes(info_.stream_limits.max_pending_bytes);
   for (const std::string& f : ServerFeatures()) response->add_features(f);
   if (info_.kv_cache) {
     response->add_features("kv_cache");

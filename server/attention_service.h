@@ -8,14 +8,18 @@
 #include "backend/backend.h"
 #include "server/forward_handler.h"
 #include "server/in_flight.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
-// What GetServerInfo reports besides the backend's own description.
+// What GetServerInfo reports besides the backend's own description, and how
+// much one ForwardStream may hold (stream_flow_control.h).
 struct ServiceInfo {
   int64_t max_request_bytes = 0;
   int64_t max_tokens = 0;
   int max_queue_size = 0;
+  StreamLimits stream_limits;
+  StreamGauge* stream_gauge = nullptr;  // server-wide totals; may be null
   // The K/V cache service (GetServerInfo's kv and the "kv_cache" feature).
   bool kv_cache = false;
   int kv_default_page_size = 0;

@@ -96,7 +96,9 @@ void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardRespons
 void ForwardHandler::Complete(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                               const absl::Status& status, const WorkTimings& timings,
                               const Done& done) const {
-  response->set_request_id(request.request_id());
+  // An over-long id was refused (kMaxRequestIdBytes); its answer carries only
+  // the allowed prefix, so refusing it costs no more than serving a valid one.
+  response->set_request_id(request.request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(backend_name_);
   if (!status.ok()) {
     // Partial outputs are meaningless and may be large: never send them.

@@ -74,6 +74,7 @@ absl::StatusOr<std::shared_ptr<KvAppendAttend>> DecodeAppendAttend(
                                                      limits.max_request_bytes,
                                                      " bytes (--max_request_bytes), got ", bytes));
   }
+  RETURN_IF_ERROR(ValidateRequestId(r.request_id()));
   const KvGeometry& g = cache.geometry();
   if (r.layer() < 0 || r.layer() >= g.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer: expected [0, ", g.num_layers,
@@ -110,7 +111,7 @@ absl::StatusOr<std::shared_ptr<KvAppendAttend>> DecodeAppendAttend(
   RETURN_IF_ERROR(CheckRows("q", r.q(), g, total_q, 0, g.num_heads_kv));
   RETURN_IF_ERROR(CheckRows("k", r.k(), g, total_new, g.num_heads_kv, 1));
   RETURN_IF_ERROR(CheckRows("v", r.v(), g, total_new, g.num_heads_kv, 1));
-  RETURN_IF_ERROR(ValidateOptions(r.options()));
+  RETURN_IF_ERROR(ValidateOptions(r.options(), g.head_dim));
   // Sizes and totals stay zero here: the pool fills them with the
   // sequences' offsets when it reserves the call's rows.
   AttnShape shape;

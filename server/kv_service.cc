@@ -47,8 +47,12 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
 }  // namespace
 
 KvService::KvService(KvPool* pool, std::string backend_name, const RequestLimits& limits,
-                     ServerMetrics* metrics)
-    : pool_(pool), backend_name_(std::move(backend_name)), limits_(limits), metrics_(metrics) {}
+                     ServerMetrics* metrics, const StreamLimits& stream_limits)
+    : pool_(pool),
+      backend_name_(std::move(backend_name)),
+      limits_(limits),
+      stream_limits_(stream_limits),
+      metrics_(metrics) {}
 
 absl::Status KvService::Draining() const {
   if (draining_.load(std::memory_order_acquire)) {
@@ -158,7 +162,8 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
                                   v1::AppendAttendResponse* response,
                                   std::shared_ptr<const std::atomic<bool>> cancelled, Done done) {
   const absl::Time received = absl::Now();
-  response->set_request_id(request->request_id());
+  // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
+  response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(backend_name_);
   auto finish = [this, response, done](const absl::Status& status, const WorkTimings& timings) {
     FillServerTiming(timings, response->mutable_timing());
@@ -222,7 +227,8 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
     call->response.set_error_code(ToRpcCode(status));
     call->response.set_error_message(std::string(status.message()));
   };
-  return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail));
+  return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail),
+                     stream_limits_, metrics_ != nullptr ? &metrics_->streams() : nullptr);
 }
 
 std::string KvService::RenderMetrics(const KvPoolStats& s) {

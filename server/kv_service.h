@@ -13,6 +13,7 @@
 #include "server/kv/kv_pool.h"
 #include "server/metrics.h"
 #include "server/request_validation.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -22,9 +23,10 @@ inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
 
 class KvService final : public v1::KvCache::CallbackService {
  public:
-  // `pool` and `metrics` (may be null) must outlive the service.
+  // `pool` and `metrics` (may be null) must outlive the service;
+  // `stream_limits` bound each AppendAttendStream (stream_flow_control.h).
   KvService(KvPool* pool, std::string backend_name, const RequestLimits& limits,
-            ServerMetrics* metrics);
+            ServerMetrics* metrics, const StreamLimits& stream_limits);
 
   grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
                                         const v1::CreateCacheRequest* request,
@@ -71,6 +73,7 @@ class KvService final : public v1::KvCache::CallbackService {
   KvPool* const pool_;
   const std::string backend_name_;
   const RequestLimits limits_;
+  const StreamLimits stream_limits_;
   ServerMetrics* const metrics_;
   std::atomic<bool> draining_{false};
   InFlightCounter in_flight_;

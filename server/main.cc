@@ -14,6 +14,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
+#include "server/malloc_tuning.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -49,6 +50,15 @@ ABSL_FLAG(bool, allow_client_shm, false,
           "the same host");
 ABSL_FLAG(int, max_queue_size, 256,
           "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, stream_max_pending_requests, 64,
+          "Stream flow control (ForwardStream, ModelStreamInfer, AppendAttendStream): requests "
+          "one stream may hold (read and not yet answered, or answered and not yet sent to the "
+          "client); at this many the server stops reading the stream until responses have gone "
+          "out");
+ABSL_FLAG(int64_t, stream_max_pending_bytes, int64_t{256} << 20,
+          "Stream flow control: bytes one stream may hold (its unanswered requests and "
+          "unsent responses, serialized); at this many the server stops reading the stream. "
+          "One stream holds at most this plus one request and its response");
 ABSL_FLAG(int64_t, kv_cache_bytes, int64_t{1} << 30,
           "K/V caches (KvCache service): bytes of K/V pages each device may hold over all its "
           "caches; a cache's capacity is a maximum drawn from this on demand");
@@ -86,6 +96,7 @@ bool ParseLogLevel(const std::string& name, spdlog::level::level_enum* level) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  attnserve::KeepLargeAllocationsOnMmap();  // before any thread starts
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = IsOurFlagFile;
   usage.contains_helpshort_flags = IsOurFlagFile;
@@ -133,6 +144,8 @@ int main(int argc, char** argv) {
   options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.stream.max_pending_requests = absl::GetFlag(FLAGS_stream_max_pending_requests);
+  options.stream.max_pending_bytes = absl::GetFlag(FLAGS_stream_max_pending_bytes);
   options.kserve.http_enabled = absl::GetFlag(FLAGS_http_port) != 0;
   options.kserve.http_host = absl::GetFlag(FLAGS_host);
   options.kserve.http_port = absl::GetFlag(FLAGS_http_port);

@@ -148,6 +148,32 @@ std::string ServerMetrics::RenderPrometheus() const {
                      "host)",
                      compute_output_duration_us_);
 
+  // Not Triton's: stream flow control (stream_flow_control.h) over every
+  // streaming RPC: ForwardStream, ModelStreamInfer and AppendAttendStream.
+  const struct {
+    const char* name;
+    const char* type;
+    const char* help;
+    int64_t value;
+  } stream_samples[] = {
+      {"attnserve_stream_held_requests", "gauge",
+       "Requests that open streams hold (read, not yet answered and sent)",
+       streams_.held_requests()},
+      {"attnserve_stream_held_bytes", "gauge",
+       "Bytes of requests and unsent responses that open streams hold",
+       streams_.held_bytes()},
+      {"attnserve_stream_paused", "gauge", "Streams whose reading is paused at their limits",
+       streams_.paused_streams()},
+      {"attnserve_stream_pauses_total", "counter",
+       "Times a stream's reading paused at its limits", streams_.pauses_total()},
+      {"attnserve_stream_peak_bytes", "gauge",
+       "The most bytes one stream has held at once since start",
+       streams_.peak_stream_bytes()},
+  };
+  for (const auto& m : stream_samples) {
+    AppendFamily(&out, m.name, m.type, m.help, {{"", absl::StrCat(m.value)}});
+  }
+
   absl::MutexLock lock(&sources_mu_);
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",
                "Instantaneous number of pending requests awaiting execution per-model.",

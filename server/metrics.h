@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "backend/backend.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -60,6 +61,10 @@ class ServerMetrics {
   // The Prometheus text exposition format (version 0.0.4).
   std::string RenderPrometheus() const;
 
+  // Stream flow control (every streaming RPC): what the streams hold now (the ledgers update
+  // it), rendered as attnserve_stream_* gauges.
+  StreamGauge& streams() { return streams_; }
+  const StreamGauge& streams() const { return streams_; }
   // The request counters and summed durations (µs) as they stand, for the
   // KServe v2 ModelStatistics call (server/kserve), which reports the same
   // numbers as /metrics.
@@ -83,6 +88,7 @@ class ServerMetrics {
   std::atomic<int64_t> success_{0};  // also nv_inference_count: one inference each
   std::atomic<int64_t> failure_[kNumFailureReasons] = {};
   std::atomic<int64_t> exec_count_{0};
+  StreamGauge streams_;
   std::atomic<int64_t> request_duration_us_{0};
   std::atomic<int64_t> queue_duration_us_{0};
   std::atomic<int64_t> compute_input_duration_us_{0};

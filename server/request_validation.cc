@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "backend/make_params.h"
+#include "backend/score_range.h"
 #include "common/dtype.h"
 #include "common/shape_string.h"
 #include "common/status_macros.h"
@@ -215,7 +216,9 @@ absl::Status CheckSeqlens(const v1::ForwardRequest& r) {
   return absl::OkStatus();
 }
 
-absl::Status CheckOptions(const v1::AttentionOptions& o) {
+// `head_dim` is the validated D (the default scale depends on it). The ranges
+// of softmax_scale and softcap are backend/score_range.h's.
+absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim) {
   if (o.has_window_left() && o.window_left() < 0) {
     return Invalid(absl::StrCat(
         "options.window_left: expected >= 0 (leave unset for unlimited), got ", o.window_left()));
@@ -224,14 +227,19 @@ absl::Status CheckOptions(const v1::AttentionOptions& o) {
     return Invalid(absl::StrCat(
         "options.window_right: expected >= 0 (leave unset for unlimited), got ", o.window_right()));
   }
-  if (o.has_softmax_scale() && (!std::isfinite(o.softmax_scale()) || !(o.softmax_scale() > 0))) {
-    return Invalid(absl::StrCat(
-        "options.softmax_scale: expected finite and > 0 (leave unset for 1/sqrt(D)), got ",
-        o.softmax_scale()));
+  if (o.has_softmax_scale() && !SoftmaxScaleInRange(o.softmax_scale())) {
+    return Invalid(absl::StrCat("options.softmax_scale: expected finite and in (0, ",
+                                kMaxSoftmaxScale,
+                                "] (larger overflows the scores; leave unset for 1/sqrt(D)), got ",
+                                o.softmax_scale()));
   }
-  if (!std::isfinite(o.softcap()) || o.softcap() < 0) {
-    return Invalid(
-        absl::StrCat("options.softcap: expected finite and >= 0 (0 = off), got ", o.softcap()));
+  const float scale = o.has_softmax_scale() ? o.softmax_scale()
+                                            : DefaultSoftmaxScale(static_cast<int>(head_dim));
+  if (!SoftcapInRange(o.softcap(), scale)) {
+    return Invalid(absl::StrCat("options.softcap: expected 0 (off) or in [softmax_scale / ",
+                                kMaxSoftcapFactor, ", ", kMaxSoftcap, "] = [", MinSoftcap(scale),
+                                ", ", kMaxSoftcap, "] with softmax_scale = ", scale, ", got ",
+                                o.softcap()));
   }
   return absl::OkStatus();
 }
@@ -246,13 +254,15 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
                                                      limits.max_request_bytes,
                                                      " bytes (--max_request_bytes), got ", bytes));
   }
+  RETURN_IF_ERROR(ValidateRequestId(request.request_id()));
   RETURN_IF_ERROR(CheckDType("q", request.q(), request.q()));
   RETURN_IF_ERROR(CheckDType("k", request.k(), request.q()));
   RETURN_IF_ERROR(CheckDType("v", request.v(), request.q()));
   RETURN_IF_ERROR(CheckShapes(request));
   RETURN_IF_ERROR(CheckTokens(request, limits));
   RETURN_IF_ERROR(CheckSeqlens(request));
-  RETURN_IF_ERROR(CheckOptions(request.options()));
+  const int64_t head_dim = request.q().shape(request.q().shape_size() - 1);
+  RETURN_IF_ERROR(CheckOptions(request.options(), head_dim));
   return absl::OkStatus();
 }
 
@@ -292,7 +302,17 @@ AttnOptions OptionsFromWire(const v1::AttentionOptions& o) {
   return options;
 }
 
-absl::Status ValidateOptions(const v1::AttentionOptions& options) { return CheckOptions(options); }
+absl::Status ValidateRequestId(const std::string& id) {
+  if (id.size() > kMaxRequestIdBytes) {
+    return Invalid(absl::StrCat("request_id: expected at most ", kMaxRequestIdBytes,
+                                " bytes, got ", id.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim) {
+  return CheckOptions(options, head_dim);
+}
 
 absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
   if (!IsKnownDType(tensor.dtype())) {

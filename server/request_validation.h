@@ -3,6 +3,7 @@
 // the wire field, the expected value and the actual one (docs/design.md §2).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -19,6 +20,11 @@ struct RequestLimits {
   int64_t max_request_bytes = int64_t{1} << 30;  // the serialised ForwardRequest
   int64_t max_tokens = int64_t{1} << 22;         // B*Sq + B*Sk (dense) or Tq + Tk (varlen)
 };
+
+// request_id is echoed in every response and logged (cut to kMaxLoggedIdChars):
+// longer is INVALID_ARGUMENT for Forward, ForwardStream, Echo and the K/V
+// AppendAttend calls alike.
+inline constexpr size_t kMaxRequestIdBytes = 1024;
 
 // Head dims the contract accepts (docs/design.md §2); a backend may support fewer
 // and says so through CanImplement (UNIMPLEMENTED).
@@ -40,8 +46,12 @@ AttnParams FillParams(const v1::ForwardRequest& request);
 // options.
 AttnOptions OptionsFromWire(const v1::AttentionOptions& options);
 // The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
-// options.<field>).
-absl::Status ValidateOptions(const v1::AttentionOptions& options);
+// options.<field>), including the softmax_scale/softcap ranges of
+// backend/score_range.h; `head_dim` is the validated D (the default scale
+// depends on it).
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim);
+// request_id: at most kMaxRequestIdBytes (INVALID_ARGUMENT naming it).
+absl::Status ValidateRequestId(const std::string& id);
 // A tensor's dtype is known, its dims are in range and its data has exactly
 // prod(shape) * sizeof(dtype) bytes; errors name `name`.<field>.
 absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);

@@ -94,7 +94,7 @@ absl::Status CheckOptions(const ServerOptions& o) {
         "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
         "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
   }
-  return absl::OkStatus();
+  return CheckStreamLimits(o.stream);
 }
 
 // Runs one tiny request through the executor, so health turns SERVING only
@@ -203,14 +203,16 @@ class AttnServerImpl final : public AttnServer {
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(&handler_, description_,
                  ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
-                             true, options.kv_page_size, options.kv_cache_bytes,
+                             options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
                              absl::ToInt64Milliseconds(options.kv_idle_timeout)}),
         kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
                                options.kv_idle_timeout},
                  KvDevices(backends_, &executors_)),
         kv_service_(&kv_pool_, description_.name,
-                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve, [this] {
+                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
+                    options.stream),
+        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve,
+                options.stream, [this] {
           absl::MutexLock lock(&mu_);
           return state_ == State::kServing;
         }) {}

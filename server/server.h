@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
 #include "server/kserve/frontend.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -41,6 +42,10 @@ struct ServerOptions {
   int kv_page_size = 64;
   absl::Duration kv_idle_timeout = absl::Minutes(10);
   bool metrics_enabled = false;
+  // What one stream (ForwardStream, ModelStreamInfer, AppendAttendStream) may
+  // hold before the server stops reading it
+  // (stream_flow_control.h; --stream_max_pending_requests/_bytes).
+  StreamLimits stream;
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 8002;
   // The KServe v2 / Triton front-end (server/kserve/frontend.h): its gRPC

@@ -1,11 +1,19 @@
 // A pipelined bidirectional-streaming reactor for gRPC's callback API, shared
-// by the native ForwardStream and KServe v2's ModelStreamInfer: it keeps
+// by the native ForwardStream, KServe v2's ModelStreamInfer and the K/V
+// service's AppendAttendStream: it keeps
 // reading while earlier requests run, writes responses as they complete (so
 // possibly out of order), one write in flight and the rest queued. A failed
 // request becomes an in-band error response (the protocol's `fail` hook) and
 // the stream goes on. The RPC finishes once the client has half-closed (or the
 // call is gone) and every started request has completed and been written (or
 // can no longer be).
+//
+// Flow control (stream_flow_control.h), the same for every stream: the next
+// read starts only while the stream's ledger is under its limits; otherwise
+// reading pauses and resumes when a written response frees room. A paused
+// stream learns of a cancelled call from OnCancel (no read is outstanding to
+// fail), and treats it as the end of its requests. An answered request's
+// input is released at once: only its response waits for the client.
 //
 // Lifetime: gRPC calls OnDone only after Finish, and Finish is called only
 // when no request is pending, so no completion callback can outlive the
@@ -14,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -24,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/in_flight.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -33,6 +43,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   struct Call {
     Request request;
     Response response;
+    int64_t held_bytes = 0;  // what the ledger counts for it now
   };
   using Done = std::function<void(const absl::Status&)>;
   // Starts `call`; must call its Done exactly once (on any thread, possibly
@@ -42,13 +53,16 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   using Fail = std::function<void(Call* call, const absl::Status& status)>;
 
   // `in_flight` counts every request until its response is written or dropped;
-  // `cancelled` is set when the RPC is cancelled (the requests see it).
+  // `cancelled` is set when the RPC is cancelled (the requests see it);
+  // `limits` bound what the stream holds, `gauge` (may be null; must outlive
+  // the reactor) sums it over the server's streams.
   PipelinedStreamReactor(InFlightCounter* in_flight, std::shared_ptr<std::atomic<bool>> cancelled,
-                         Start start, Fail fail)
+                         Start start, Fail fail, const StreamLimits& limits, StreamGauge* gauge)
       : in_flight_(in_flight),
         cancelled_(std::move(cancelled)),
         start_(std::move(start)),
-        fail_(std::move(fail)) {
+        fail_(std::move(fail)),
+        ledger_(limits, gauge) {
     this->StartRead(&incoming_);
   }
 
@@ -66,21 +80,28 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
     }
     auto owned = std::make_unique<Call>();
     owned->request.Swap(&incoming_);
+    owned->held_bytes = static_cast<int64_t>(owned->request.ByteSizeLong());
     Call* call = owned.get();
     in_flight_->Add();
+    bool read_next;
     {
       absl::MutexLock lock(&mu_);
       ++pending_;
+      ledger_.AddRequest(call->held_bytes);
       calls_.push_back(std::move(owned));
+      read_next = !ledger_.Full();
+      if (!read_next) ledger_.SetPaused(true);
     }
-    // Read the next request while this one runs: pipelining is the point.
-    this->StartRead(&incoming_);
+    // Read the next request while this one runs (pipelining is the point),
+    // unless the stream already holds all it may.
+    if (read_next) this->StartRead(&incoming_);
     start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
   }
 
   void OnWriteDone(bool ok) override {
     Response* next;
     bool finish;
+    bool resume;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
@@ -90,8 +111,55 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
       // A failed write means the stream is gone; what is left cannot be sent.
       if (!ok) write_failed_ = true;
       next = NextWriteLocked();
+      resume = ResumeReadingLocked();
       finish = next == nullptr && ShouldFinishLocked();
     }
+    Proceed(resume, next, finish);
+  }
+
+  void OnCancel() override {
+    cancelled_->store(true, std::memory_order_release);
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // No read is outstanding to report the end: this is it.
+      if (ledger_.paused() && !reads_done_) {
+        ledger_.SetPaused(false);
+        reads_done_ = true;
+        finish = ShouldFinishLocked();
+      }
+    }
+    if (finish) FinishStream();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void OnRequestDone(Call* call, const absl::Status& status) {
+    if (!status.ok()) fail_(call, status);
+    // `done` (and `fail`) were the last uses of the request: free it now (Swap
+    // with an empty message releases the buffers; Clear would keep them).
+    Request().Swap(&call->request);
+    const int64_t response_bytes = static_cast<int64_t>(call->response.ByteSizeLong());
+    Response* next;
+    bool finish;
+    bool resume;
+    {
+      absl::MutexLock lock(&mu_);
+      --pending_;
+      ledger_.Resize(response_bytes - call->held_bytes);
+      call->held_bytes = response_bytes;
+      ready_.push_back(call);
+      next = NextWriteLocked();
+      resume = ResumeReadingLocked();
+      finish = next == nullptr && ShouldFinishLocked();
+    }
+    Proceed(resume, next, finish);
+  }
+
+  // Acts on what a reaction decided under mu_, after releasing it: the
+  // resumed read, the next write, or the end of the stream.
+  void Proceed(bool resume, Response* next, bool finish) {
+    if (resume) this->StartRead(&incoming_);
     if (next != nullptr) {
       this->StartWrite(next);
     } else if (finish) {
@@ -99,26 +167,12 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
     }
   }
 
-  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
-  void OnDone() override { delete this; }
-
- private:
-  void OnRequestDone(Call* call, const absl::Status& status) {
-    if (!status.ok()) fail_(call, status);
-    Response* next;
-    bool finish;
-    {
-      absl::MutexLock lock(&mu_);
-      --pending_;
-      ready_.push_back(call);
-      next = NextWriteLocked();
-      finish = next == nullptr && ShouldFinishLocked();
-    }
-    if (next != nullptr) {
-      this->StartWrite(next);
-    } else if (finish) {
-      FinishStream();
-    }
+  // True (and reading marked resumed) when reading was paused and the ledger
+  // has room again; the caller then starts the read after unlocking.
+  bool ResumeReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!ledger_.paused() || reads_done_ || ledger_.Full()) return false;
+    ledger_.SetPaused(false);
+    return true;
   }
 
   // The response to write now, marking a write in flight, or null.
@@ -144,6 +198,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   void RemoveLocked(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto it = calls_.begin(); it != calls_.end(); ++it) {
       if (it->get() == call) {
+        ledger_.RemoveRequest(call->held_bytes);
         calls_.erase(it);
         return;
       }
@@ -172,6 +227,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  StreamLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve

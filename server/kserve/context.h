@@ -12,6 +12,7 @@
 #include "server/in_flight.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -25,6 +26,10 @@ struct KserveContext {
   std::function<bool()> ready;
   // v2 calls still owed a response, so a drain waits for them.
   InFlightCounter in_flight;
+  // What one ModelStreamInfer stream may hold, and the server-wide gauge
+  // (may be null) its ledger updates: the same flow control as every stream.
+  StreamLimits stream_limits;
+  StreamGauge* stream_gauge = nullptr;
 
   // ServerMetadata: name "attnserve", the version and the extensions offered.
   void FillServerMetadata(inference::ServerMetadataResponse* out) const;

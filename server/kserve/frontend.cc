@@ -9,13 +9,15 @@
 
 namespace attnserve {
 
-KserveFrontend::KserveFrontend(ForwardHandler* handler, const ServerMetrics* metrics,
+KserveFrontend::KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics,
                                const KserveServerInfo& info, const KserveOptions& options,
-                               std::function<bool()> ready)
+                               const StreamLimits& stream_limits, std::function<bool()> ready)
     : options_(options),
       max_request_bytes_(info.max_request_bytes),
       context_(options.allow_client_shm) {
   context_.ready = std::move(ready);
+  context_.stream_limits = stream_limits;
+  context_.stream_gauge = metrics != nullptr ? &metrics->streams() : nullptr;
   AttentionModelInfo model_info;
   model_info.backend = info.backend;
   model_info.advertised = info.advertised_dtype;

@@ -44,10 +44,12 @@ struct KserveServerInfo {
 
 class KserveFrontend {
  public:
-  // `handler` and `metrics` must outlive the front-end; `ready` says whether
-  // the server serves.
-  KserveFrontend(ForwardHandler* handler, const ServerMetrics* metrics, const KserveServerInfo& info,
-                 const KserveOptions& options, std::function<bool()> ready);
+  // `handler` and `metrics` (may be null) must outlive the front-end;
+  // `stream_limits` bound each ModelStreamInfer stream like every other
+  // stream (stream_flow_control.h); `ready` says whether the server serves.
+  KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics, const KserveServerInfo& info,
+                 const KserveOptions& options, const StreamLimits& stream_limits,
+                 std::function<bool()> ready);
   ~KserveFrontend();
 
   // For grpc::ServerBuilder::RegisterService.

@@ -87,7 +87,7 @@ StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerCont
     r->set_id(call->request.id());
   };
   return new StreamReactor(&context->in_flight, std::move(cancelled), std::move(start),
-                           std::move(fail));
+                           std::move(fail), context->stream_limits, context->stream_gauge);
 }
 
 }  // namespace

@@ -117,7 +117,7 @@ TEST(CheckParamsTest, Scale) {
                     std::numeric_limits<float>::quiet_NaN()}) {
     AttnParams p = buf.params();
     p.softmax_scale = bad;
-    ExpectInvalid(p, {"softmax_scale", "finite and > 0"});
+    ExpectInvalid(p, {"softmax_scale", "finite and in (0, 1e+26]"});
   }
   AttnParams p = buf.params();
   p.softmax_scale_log2 = p.softmax_scale;  // forgot the log2(e) factor
@@ -130,7 +130,7 @@ TEST(CheckParamsTest, Softcap) {
        {-1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     AttnParams p = buf.params();
     p.softcap = bad;
-    ExpectInvalid(p, {"softcap", ">= 0"});
+    ExpectInvalid(p, {"softcap", "0 (off) or in [softmax_scale / 1e+26, 1e+26]"});
   }
 }
 

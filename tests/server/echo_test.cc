@@ -23,32 +23,19 @@
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/server/gated_cpu_backend.h"
+#include "tests/server/random_tensor.h"
 
 namespace attnserve {
 namespace {
-
-// FP32 random values (finite, so a valid request also runs through Forward).
-void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937* rng) {
-  t->set_dtype(v1::FP32);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (float& v : values) v = dist(*rng);
-  t->mutable_data()->assign(reinterpret_cast<const char*>(values.data()), values.size() * 4);
-}
 
 // Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D].
 v1::ForwardRequest Dense(int b, int sq, int sk, int hq, int hkv, int d, uint32_t seed) {
   std::mt19937 rng(seed);
   v1::ForwardRequest r;
   r.set_request_id(absl::StrCat("dense-", seed));
-  SetTensor(r.mutable_q(), {b, sq, hq, d}, &rng);
-  SetTensor(r.mutable_k(), {b, sk, hkv, d}, &rng);
-  SetTensor(r.mutable_v(), {b, sk, hkv, d}, &rng);
+  SetRandomTensor(r.mutable_q(), {b, sq, hq, d}, &rng);
+  SetRandomTensor(r.mutable_k(), {b, sk, hkv, d}, &rng);
+  SetRandomTensor(r.mutable_v(), {b, sk, hkv, d}, &rng);
   return r;
 }
 
@@ -57,9 +44,9 @@ v1::ForwardRequest Varlen(uint32_t seed) {
   std::mt19937 rng(seed);
   v1::ForwardRequest r;
   r.set_request_id(absl::StrCat("varlen-", seed));
-  SetTensor(r.mutable_q(), {8, 4, 16}, &rng);   // Tq = 3 + 0 + 5
-  SetTensor(r.mutable_k(), {10, 2, 16}, &rng);  // Tk = 4 + 2 + 4
-  SetTensor(r.mutable_v(), {10, 2, 16}, &rng);
+  SetRandomTensor(r.mutable_q(), {8, 4, 16}, &rng);   // Tq = 3 + 0 + 5
+  SetRandomTensor(r.mutable_k(), {10, 2, 16}, &rng);  // Tk = 4 + 2 + 4
+  SetRandomTensor(r.mutable_v(), {10, 2, 16}, &rng);
   for (int x : {0, 3, 3, 8}) r.add_cu_seqlens_q(x);
   for (int x : {0, 4, 6, 10}) r.add_cu_seqlens_k(x);
   return r;

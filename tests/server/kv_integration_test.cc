@@ -23,6 +23,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "server/kv_service.h"
+#include "server/request_validation.h"
 #include "server/server.h"
 #include "tests/server/gated_cpu_backend.h"
 
@@ -344,6 +345,20 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.mutable_options()->set_softcap(-1);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
+  // The score ranges of backend/score_range.h hold here as for Forward: these
+  // values made the kernels' scores overflow to NaN (issue 15).
+  r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
+  r.mutable_options()->set_softmax_scale(2e38f);
+  expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softmax_scale");
+  r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
+  r.mutable_options()->set_softcap(1e-39f);
+  expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
+  r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
+  r.mutable_options()->set_softcap(3e38f);
+  expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
+  r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
+  r.set_request_id(std::string(kMaxRequestIdBytes + 1, 'x'));
+  expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "request_id");
   ctx = Context{};
   r = MakeCall(cache, 0, {Step(1, &ctx, 65, 0)});  // capacity is 64 tokens (4 pages)
   expect(Call(r, &resp), grpc::StatusCode::RESOURCE_EXHAUSTED, "needs 5 pages, 4 are free");

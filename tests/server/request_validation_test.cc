@@ -369,6 +369,63 @@ TEST(RequestValidationTest, BadSoftcap) {
   }
 }
 
+// Issue 15's findings: these were accepted and answered with an all-NaN O.
+TEST(RequestValidationTest, SoftmaxScaleBeyondFloatSafeRange) {
+  for (float scale : {2e38f, 1.0001e26f, std::numeric_limits<float>::max()}) {
+    v1::ForwardRequest r = Dense();
+    r.mutable_options()->set_softmax_scale(scale);
+    SCOPED_TRACE(scale);
+    ExpectRejected(r, "options.softmax_scale");
+    EXPECT_NE(std::string(Validate(r).message()).find("1e+26"), std::string::npos)
+        << "the message states the accepted range: " << Validate(r).message();
+  }
+}
+
+TEST(RequestValidationTest, SoftcapBeyondFloatSafeRange) {
+  // Default scale 1/sqrt(16) = 0.25: the smallest softcap is 0.25 / 1e26.
+  for (float cap : {1e-45f, 1e-39f, 2e-27f, 3e38f, 1.0001e26f}) {
+    v1::ForwardRequest r = Dense();
+    r.mutable_options()->set_softcap(cap);
+    SCOPED_TRACE(cap);
+    ExpectRejected(r, "options.softcap");
+    const std::string message(Validate(r).message());
+    EXPECT_NE(message.find("2.5e-27"), std::string::npos) << message;
+    EXPECT_NE(message.find("1e+26"), std::string::npos) << message;
+  }
+  // The lower bound follows the scale in use.
+  v1::ForwardRequest r = Dense();
+  r.mutable_options()->set_softmax_scale(1e-20f);
+  r.mutable_options()->set_softcap(1e-39f);
+  EXPECT_TRUE(Validate(r).ok()) << Validate(r);
+}
+
+TEST(RequestValidationTest, AcceptsScaleAndSoftcapAtTheirBounds) {
+  struct Case {
+    float scale;  // 0: unset (1/sqrt(16) = 0.25)
+    float softcap;
+  };
+  for (const Case& c : {Case{1e26f, 0.0f}, Case{1e26f, 1.0f}, Case{1e26f, 1e26f},
+                        Case{0.0f, 0.25f / 1e26f}, Case{0.0f, 1e26f},
+                        Case{std::numeric_limits<float>::denorm_min(), 0.0f}}) {
+    v1::ForwardRequest r = Dense();
+    if (c.scale != 0.0f) r.mutable_options()->set_softmax_scale(c.scale);
+    r.mutable_options()->set_softcap(c.softcap);
+    SCOPED_TRACE(::testing::Message() << "scale " << c.scale << " softcap " << c.softcap);
+    EXPECT_TRUE(Validate(r).ok()) << Validate(r);
+  }
+}
+
+TEST(RequestValidationTest, RequestIdLongerThanTheLimit) {
+  v1::ForwardRequest r = Dense();
+  r.set_request_id(std::string(kMaxRequestIdBytes, 'x'));
+  EXPECT_TRUE(Validate(r).ok()) << Validate(r);
+  r.set_request_id(std::string(kMaxRequestIdBytes + 1, 'x'));
+  ExpectRejected(r, "request_id");
+  EXPECT_NE(std::string(Validate(r).message()).find("1024"), std::string::npos);
+  r.set_request_id(std::string(8 << 20, 'x'));  // the 8 MiB id of the finding
+  ExpectRejected(r, "request_id");
+}
+
 // --- FillParams -------------------------------------------------------------------
 
 TEST(FillParamsTest, DenseDefaults) {

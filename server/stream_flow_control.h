@@ -1,0 +1,101 @@
+// Flow control for every streaming RPC (ForwardStream, KServe ModelStreamInfer,
+// K/V AppendAttendStream; all run PipelinedStreamReactor, stream_reactor.h):
+// how much one stream may hold (requests read but not yet answered, and
+// answers not yet sent), the per-stream ledger the stream's reactor keeps, and
+// the server-wide gauge /metrics reports.
+//
+// Why: a client that sends many large requests and never reads its responses
+// made the server hold every request and response (5.8 GB from one stream in a
+// minute, issue 15). With a ledger, the reactor stops reading a stream's next
+// request while the stream holds `max_pending_requests` requests or
+// `max_pending_bytes` bytes, and reads again once responses have gone out. The
+// client's further messages then wait in gRPC's HTTP/2 flow-control window (a
+// few MiB at most), so what one stream holds is bounded by
+//   max_pending_bytes + one request (the read that crossed the budget) + its response,
+// and at most max_pending_requests requests.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace attnserve {
+
+struct StreamLimits {
+  // Requests one stream may hold (read, and not yet answered or not yet
+  // sent); reading pauses at this many.
+  int max_pending_requests = 64;
+  // Bytes of those requests and responses (serialized sizes); reading pauses
+  // at this many. A request is released once it has been answered, so an
+  // answered-but-unsent request counts only its response.
+  int64_t max_pending_bytes = int64_t{256} << 20;
+};
+
+// INVALID_ARGUMENT naming the option unless both limits are > 0.
+absl::Status CheckStreamLimits(const StreamLimits& limits);
+
+// Totals over every stream of one server, updated by the ledgers (lock-free)
+// and read by /metrics and tests.
+class StreamGauge {
+ public:
+  int64_t held_requests() const { return held_requests_.load(std::memory_order_relaxed); }
+  int64_t held_bytes() const { return held_bytes_.load(std::memory_order_relaxed); }
+  // Streams whose reading is paused now, and pauses ever.
+  int64_t paused_streams() const { return paused_streams_.load(std::memory_order_relaxed); }
+  int64_t pauses_total() const { return pauses_total_.load(std::memory_order_relaxed); }
+  // The most bytes one stream has held at once since the server started.
+  int64_t peak_stream_bytes() const { return peak_stream_bytes_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class StreamLedger;
+  void Add(int64_t requests, int64_t bytes) {
+    held_requests_.fetch_add(requests, std::memory_order_relaxed);
+    held_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  void NotePeak(int64_t stream_bytes);
+
+  std::atomic<int64_t> held_requests_{0};
+  std::atomic<int64_t> held_bytes_{0};
+  std::atomic<int64_t> paused_streams_{0};
+  std::atomic<int64_t> pauses_total_{0};
+  std::atomic<int64_t> peak_stream_bytes_{0};
+};
+
+// One stream's ledger. Not thread-safe: the reactor calls it under its mutex.
+// Every byte added is taken away again by the time the ledger is destroyed
+// (the destructor gives back whatever is left, so the gauge never drifts).
+class StreamLedger {
+ public:
+  // `gauge` may be null (no server-wide totals) and must outlive the ledger.
+  StreamLedger(const StreamLimits& limits, StreamGauge* gauge);
+  ~StreamLedger();
+  StreamLedger(const StreamLedger&) = delete;
+  StreamLedger& operator=(const StreamLedger&) = delete;
+
+  // A request of `bytes` was read.
+  void AddRequest(int64_t bytes);
+  // A held request's bytes changed by `delta` (its request was released, its
+  // response filled).
+  void Resize(int64_t delta);
+  // A request was answered and sent (or dropped); `bytes` is what it still held.
+  void RemoveRequest(int64_t bytes);
+
+  // Whether the stream holds as much as its limits allow: read no more.
+  bool Full() const;
+  // Records that reading paused (true) or resumed (false), for the gauge.
+  void SetPaused(bool paused);
+  bool paused() const { return paused_; }
+
+  int64_t requests() const { return requests_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  const StreamLimits limits_;
+  StreamGauge* const gauge_;
+  int64_t requests_ = 0;
+  int64_t bytes_ = 0;
+  bool paused_ = false;
+};
+
+}  // namespace attnserve
