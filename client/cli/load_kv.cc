@@ -50,6 +50,10 @@ ABSL_FLAG(int, warmup_tokens, 0,
 ABSL_FLAG(int, prefill_chunk, 1024,
           "Most prompt tokens of one sequence in one prefill call (keeps requests under the "
           "server's size limits).");
+ABSL_FLAG(bool, prefill_attend, true,
+          "Prefill calls attend as well as append (a real prefill). false: prompts are "
+          "appended without queries, moving only K/V (fills many layers of long contexts "
+          "quickly; the decode steps and --check are unchanged).");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -201,6 +205,7 @@ int RunLoadKv(const std::vector<std::string>& args) {
   c.check = absl::GetFlag(FLAGS_check);
   c.stateless = absl::GetFlag(FLAGS_stateless);
   c.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  c.prefill_attend = absl::GetFlag(FLAGS_prefill_attend);
   c.seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));

@@ -43,6 +43,10 @@ struct DecodeLoopConfig {
   bool check = false;       // verify every output against the float64 reference
   bool stateless = false;   // Forward with the whole context, no cache
   int prefill_chunk = 1024;  // most prompt tokens of one sequence in one prefill call
+  // False: prompts are appended without queries (num_queries = 0), so a
+  // prefill moves only K/V: how a benchmark fills 32 layers x 64 x 8k without
+  // sending Q and receiving O three times the cache's size over loopback.
+  bool prefill_attend = true;
   uint64_t seed = 0;
 };
 

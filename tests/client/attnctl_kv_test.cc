@@ -83,7 +83,7 @@ TEST_F(AttnctlKvTest, HelpListsTheOperationsAndFlags) {
   const CliResult load = RunCli({"help", "load-kv"});
   EXPECT_EQ(load.exit_code, 0) << Describe(load);
   for (const char* s : {"--sequences", "--prompt", "--tokens", "--stateless", "--concurrency",
-                        "--check", "--page_size"}) {
+                        "--check", "--page_size", "--prefill_attend"}) {
     EXPECT_THAT(load.out, HasSubstr(s));
   }
 }
@@ -150,6 +150,19 @@ TEST_F(AttnctlKvTest, DecodeLoopCheckUnaryAndStream) {
     EXPECT_THAT(r.out, HasSubstr("pages used after free 0"));
     EXPECT_THAT(r.out, HasSubstr("server means: queue"));
   }
+}
+
+// An append-only prefill (no Q on the wire) leaves the same cache behind: the
+// decode steps that follow are still held to the reference over the whole
+// context, and only they are checked.
+TEST_F(AttnctlKvTest, AppendOnlyPrefillThenCheckedDecode) {
+  SKIP_WITHOUT_KV();
+  const CliResult r = Run(LoadKv({"--page_size=16", "--prefill_attend=false", "--check"}));
+  SCOPED_TRACE(Describe(r));
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, HasSubstr("check: 8 outputs held to the reference"));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+  EXPECT_THAT(r.out, HasSubstr("pages used after free 0"));
 }
 
 TEST_F(AttnctlKvTest, CacheLifecycleFromTheShell) {
