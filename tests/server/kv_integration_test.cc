@@ -21,6 +21,7 @@
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
 #include "server/kv_service.h"
 #include "server/request_validation.h"
@@ -466,6 +467,60 @@ TEST_F(KvServerTest, ConcurrentClientsOnSeparateAndSharedCaches) {
   for (std::thread& t : clients) t.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(Stats(shared).stats().sequences(), 2);
+}
+
+// Decode steps of different clients (separate connections, separate
+// sequences) for one cache and layer that meet in the executor's queue run as
+// one paged launch, and each client gets its own rows back.
+TEST_F(KvServerTest, DifferentClientsCoalesceIntoOnePagedLaunch) {
+  auto gated = std::make_unique<GatedCpuBackend>();
+  GatedCpuBackend* backend = gated.get();
+  StartServer(absl::ZeroDuration(), std::move(gated));
+  const std::string cache = CreateCache(1);
+  constexpr int kClients = 4;
+  ASSERT_TRUE(CreateSequences(cache, {1, 2, 3, 4}).ok());
+  Context ctx[kClients];
+  for (int c = 0; c < kClients; ++c) {
+    v1::AppendAttendResponse resp;
+    ASSERT_TRUE(Call(MakeCall(cache, 0, {Step(1 + c, &ctx[c], 9 + c, 1)}), &resp).ok());
+  }
+  std::vector<Part> parts;
+  for (int c = 0; c < kClients; ++c) parts.push_back(Step(1 + c, &ctx[c], 1, 1));
+
+  backend->Close();
+  const int before = backend->calls();
+  std::vector<grpc::Status> status(kClients);
+  std::vector<v1::AppendAttendResponse> resp(kClients);
+  auto send = [&](int c) {
+    // Its own connection: a local subchannel pool keeps channels apart.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto stub = v1::KvCache::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext cctx;
+    cctx.AddMetadata(kCacheIdHeader, cache);
+    status[c] = stub->AppendAttend(&cctx, MakeCall(cache, 0, {parts[c]}), &resp[c]);
+  };
+  std::vector<std::thread> clients;
+  clients.emplace_back(send, 0);
+  backend->AwaitCalls(before + 1);  // the first client's launch is held
+  for (int c = 1; c < kClients; ++c) clients.emplace_back(send, c);
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (server_->queued_requests() < kClients - 1) {
+    ASSERT_LT(absl::Now(), give_up) << "the other clients' steps never queued";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  backend->Open();
+  for (std::thread& t : clients) t.join();
+  // One launch for the held step, one for the three that queued behind it.
+  EXPECT_EQ(backend->calls() - before, 2);
+  for (int c = 0; c < kClients; ++c) {
+    SCOPED_TRACE(c);
+    ASSERT_TRUE(status[c].ok()) << status[c].error_message();
+    EXPECT_EQ(resp[c].timing().batch_size(), c == 0 ? 1 : kClients - 1);
+    EXPECT_TRUE(Matches(resp[c], 0, parts[c].q, ctx[c]));
+    EXPECT_EQ(resp[c].lengths(0), 10 + c);
+  }
 }
 
 TEST_F(KvServerTest, StreamRunsAGenerationLoop) {

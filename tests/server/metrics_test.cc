@@ -15,9 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "attnserve/v1/kv.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/inputs.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "server/kv_service.h"
 #include "server/server.h"
 
 namespace attnserve {
@@ -160,6 +163,114 @@ TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
   httplib::Result missing = http.Get("/nothing");
   ASSERT_TRUE(missing);
   EXPECT_EQ(missing->status, 404);
+  (*server)->Shutdown(absl::Seconds(5));
+}
+
+// The K/V pool's gauges follow what the caches hold: a cache with two
+// sequences of 20 and 5 tokens in pages of 16 holds 3 pages; freeing the
+// sequences gives them back, dropping the cache removes it.
+TEST(MetricsHttpTest, KvGaugesFollowTheCaches) {
+  ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.backend.kind = "cpu";
+  options.backend.cpu_threads = 1;
+  options.metrics_enabled = true;
+  options.metrics_host = "127.0.0.1";
+  options.metrics_port = 0;
+  options.kv_cache_bytes = int64_t{8} << 20;
+  options.kv_page_size = 16;
+  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  httplib::Client http("127.0.0.1", (*server)->metrics_port());
+  auto scrape = [&] {
+    httplib::Result res = http.Get("/metrics");
+    EXPECT_TRUE(res && res->status == 200);
+    return res ? ParseExposition(res->body) : std::map<std::string, double>{};
+  };
+  const std::string dev = "{device=\"0\"}";
+  std::map<std::string, double> s = scrape();
+  EXPECT_EQ(s["attnserve_kv_caches{}"], 0);
+  EXPECT_EQ(s["attnserve_kv_pages_used" + dev], 0);
+  EXPECT_EQ(s["attnserve_kv_bytes_limit" + dev], double(int64_t{8} << 20));
+  EXPECT_EQ(s["nv_kv_cache_util" + dev], 0);
+
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
+  constexpr int kHkv = 2, kD = 32;
+  {
+    grpc::ClientContext ctx;
+    v1::CreateCacheRequest r;
+    r.set_cache_id("metrics");
+    r.mutable_geometry()->set_num_layers(1);
+    r.mutable_geometry()->set_num_heads_kv(kHkv);
+    r.mutable_geometry()->set_head_dim(kD);
+    r.mutable_geometry()->set_dtype(v1::FP32);
+    r.set_capacity_tokens(1024);
+    v1::CreateCacheResponse resp;
+    ASSERT_TRUE(stub->CreateCache(&ctx, r, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CreateSequencesRequest r;
+    r.set_cache_id("metrics");
+    r.add_sequences()->set_sequence_id(1);
+    r.add_sequences()->set_sequence_id(2);
+    v1::CreateSequencesResponse resp;
+    ASSERT_TRUE(stub->CreateSequences(&ctx, r, &resp).ok());
+  }
+  {
+    // Append-only: 20 tokens to sequence 1, 5 to sequence 2.
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(kCacheIdHeader, "metrics");
+    v1::AppendAttendRequest r;
+    r.set_cache_id("metrics");
+    r.set_layer(0);
+    for (auto [id, n] : {std::pair<uint64_t, int>{1, 20}, {2, 5}}) {
+      v1::SequenceStep* step = r.add_sequences();
+      step->set_sequence_id(id);
+      step->set_num_new_tokens(n);
+    }
+    for (v1::Tensor* t : {r.mutable_k(), r.mutable_v()}) {
+      t->set_dtype(v1::FP32);
+      for (int d : {25, kHkv, kD}) t->add_shape(d);
+      t->set_data(std::string(size_t(25) * kHkv * kD * 4, '\0'));
+    }
+    v1::AppendAttendResponse resp;
+    const grpc::Status st = stub->AppendAttend(&ctx, r, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  s = scrape();
+  EXPECT_EQ(s["attnserve_kv_caches{}"], 1);
+  EXPECT_EQ(s["attnserve_kv_sequences{}"], 2);
+  EXPECT_EQ(s["attnserve_kv_pages_used" + dev], 3);
+  EXPECT_GT(s["nv_kv_cache_util" + dev], 0);
+  EXPECT_GT(s["attnserve_kv_bytes_allocated" + dev], 0);
+  EXPECT_EQ(s["attnserve_kv_expired_sequences_total{}"], 0);
+  const double free_before = s["attnserve_kv_pages_free" + dev];
+
+  {
+    grpc::ClientContext ctx;
+    v1::FreeSequencesRequest r;
+    r.set_cache_id("metrics");
+    r.add_sequence_ids(1);
+    r.add_sequence_ids(2);
+    v1::FreeSequencesResponse resp;
+    ASSERT_TRUE(stub->FreeSequences(&ctx, r, &resp).ok());
+  }
+  s = scrape();
+  EXPECT_EQ(s["attnserve_kv_sequences{}"], 0);
+  EXPECT_EQ(s["attnserve_kv_pages_used" + dev], 0);
+  EXPECT_EQ(s["attnserve_kv_pages_free" + dev], free_before + 3);
+  {
+    grpc::ClientContext ctx;
+    v1::DropCacheRequest r;
+    r.set_cache_id("metrics");
+    v1::DropCacheResponse resp;
+    ASSERT_TRUE(stub->DropCache(&ctx, r, &resp).ok());
+  }
+  EXPECT_EQ(scrape()["attnserve_kv_caches{}"], 0);
   (*server)->Shutdown(absl::Seconds(5));
 }
 
