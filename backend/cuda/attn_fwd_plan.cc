@@ -21,7 +21,7 @@ int64_t CtasPerSm(const TileConfig& t) {
 // Decode: the fewest splits whose CTAs fill >= 90% of the waves they take,
 // else the fullest; splits of at least 2 key tiles, at most 128.
 int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave) {
-  const int64_t max_splits = std::min<int64_t>(n_blocks / 2, 128);
+  const int64_t max_splits = std::min<int64_t>(n_blocks / 2, kMaxSplits);
   int64_t best = 1;
   double best_eff = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -44,6 +44,8 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave) {
 // much as a full one, so splitting the key range aims at whole waves, with at
 // least 2 key tiles per split (a split's fixed cost, Q load + epilogue +
 // combine traffic, stays small against its tiles) and at most 128 splits.
+// Launches of more than kMaxSplitGroups CTAs of base (one ticket counter
+// each) never split; past about 10 waves none would anyway.
 //  - Decode tile (M extent, seqlen_q x packed GQA heads, <= 16 rows): the
 //    fewest splits that fill >= 90% of their waves (DecodeSplits).
 //  - Otherwise, when base fills at most half a wave: splits = wave / base.
@@ -89,10 +91,12 @@ Plan PlanForward(const AttnParams& p, int num_sms) {
   const int64_t n_blocks = (int64_t{p.seqlen_k} + tile.block_n - 1) / tile.block_n;
   const int64_t wave = int64_t{num_sms} * CtasPerSm(tile);
   int64_t splits = 1;
-  if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
+  if (base > kMaxSplitGroups) {
+    // No split: one ticket counter per group would not fit the workspace's block.
+  } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
     splits = DecodeSplits(base, n_blocks, wave);
   } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
-    splits = std::min<int64_t>({wave / base, n_blocks / 2, 128});
+    splits = std::min<int64_t>({wave / base, n_blocks / 2, kMaxSplits});
   }
   if (splits > 1) {
     // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
@@ -100,8 +104,11 @@ Plan PlanForward(const AttnParams& p, int num_sms) {
     plan.num_splits = static_cast<int>((n_blocks + per - 1) / per);
   }
   if (plan.num_splits > 1) {
-    const int64_t partial_rows = int64_t{plan.num_splits} * p.num_heads_q * p.total_q;
-    plan.workspace_bytes = partial_rows * (int64_t{p.head_dim} + 1) * 4;
+    // The decode tile's last split CTA combines its group (a few rows); the
+    // prefill tiles' groups (128 rows) go to the combine kernel, whose CTAs
+    // spread them over the GPU (attn_fwd_kernel.cuh, FinishSplit).
+    plan.fused_combine = plan.tile_kind == TileKind::kDecode;
+    plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
   return plan;
 }
