@@ -44,13 +44,6 @@ run_test() {  # run_test NAME LOG ARGS...
 }
 run_test cuda_backend_test backend.log $TESTS/cuda_backend_test --gtest_filter='Shapes/*:Split/*:CudaSplitWorkspace.*'
 run_test cuda_paged_test paged.log $TESTS/cuda_paged_test
-SAN='Split/*b16_q1_k1024*:Split/*b1_q1_k5000_h8x8*:CudaSplitWorkspace.*'
-for tool in memcheck racecheck; do
-  timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $TESTS/cuda_backend_test --gtest_filter="$SAN" \
-    >"$OUT/$tool.log" 2>&1; rc=$?
-  note "$tool (split decode)" "rc=$rc tests_ok=$(grep -c '^\[       OK \]' "$OUT/$tool.log") $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | head -1)"
-done
-
 # attn_bench rows with impl renamed (a variant of "ours") and without the header.
 bench() {  # bench BINARY NEW_NAME ARGS...
   local bin=$1 name=$2; shift 2
@@ -71,7 +64,7 @@ grep -E "SKIP|FAIL|error" "$OUT/attn_bench.log" | head -5
 t1=$(date +%s)
 python3 bench/gpu/sdpa_bench.py --grid=decodesweep --dtypes=bf16 --csv="$OUT/sdpa.csv" --kv_csv="$OUT/kv-sdpa.csv" \
   2>"$OUT/sdpa.log" && tail -n +2 "$OUT/sdpa.csv" >>"$rows"
-note "sdpa_bench" "$(( $(date +%s) - t1 )) s, rc of tail: $?"
+note "sdpa_bench" "$(( $(date +%s) - t1 )) s, $(grep -c , "$OUT/sdpa.csv" 2>/dev/null) lines"
 
 slug=$(echo "$gpu" | tr '[:upper:]' '[:lower:]' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 csv="$OUT/decode-$slug-$(date +%Y-%m-%d).csv"
@@ -88,6 +81,17 @@ csv="$OUT/decode-$slug-$(date +%Y-%m-%d).csv"
   cat "$rows"
 } >"$csv"
 python3 bench/gpu/decode_table.py "$csv" >"$OUT/decode-table.txt" 2>&1
+cat "$OUT/decode-table.txt"
+# Sanitizers last (slowest): memcheck on B=16 and the workspace test, racecheck
+# (shared memory: the combine's weights and tickets) on two small B=1 cases.
+for tool in memcheck racecheck; do
+  filter='Split/*b16_q1_k1024*:CudaSplitWorkspace.*'
+  [ $tool = racecheck ] && filter='Split/*b1_q1_k5000_h8x8*:Split/*bf16_b1_q1_k1000_*'
+  timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 $TESTS/cuda_backend_test --gtest_filter="$filter" \
+    >"$OUT/$tool.log" 2>&1; rc=$?
+  note "$tool (split decode)" "rc=$rc tests_ok=$(grep -c '^\[       OK \]' "$OUT/$tool.log") $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | head -1)"
+done
+
 echo "==== gpu-decode summary ($gpu)"
 printf '%s\n' "${SUMMARY[@]}"
 cat "$OUT/decode-table.txt"

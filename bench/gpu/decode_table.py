@@ -9,6 +9,7 @@ rows (kind prefill) are compared in TFLOP/s. Then the split-count sweep
 (ours_s<N>: --decode_splits=N) as TB/s per shape.
 Usage: decode_table.py MERGED.csv"""
 import csv
+import re
 import sys
 
 
@@ -30,7 +31,7 @@ def main():
         cells = " ".join(f"{v[n]:9.3f}" if v[n] else f"{'-':>9s}" for n in impls)
         print(f"{kind[:3]} b{b:<3d} q{sq:<4d} k{sk:<6d} {cells}  {ratio(v['ours'], v['ours_separate'])} "
               f"{ratio(v['ours'], v['ours_base'])} {ratio(v['ours'], best)} {ratio(v['paged16'], best)}")
-    sweep = sorted({int(n[6:]) for r in by.values() for n in r if n.startswith("ours_s")})
+    sweep = sorted({int(m.group(1)) for r in by.values() for n in r for m in [re.fullmatch(r"ours_s(\d+)", n)] if m})
     if sweep:
         print("\nsplit sweep (TB/s; planner's choice = ours):")
         print(f"{'shape':22s} " + " ".join(f"{'s' + str(s):>7s}" for s in sweep) + f" {'ours':>7s}")
