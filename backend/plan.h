@@ -26,9 +26,6 @@ struct Plan {
   // then skips key tiles outside it and masks the boundary tiles.
   bool banded = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
-  // Split launches: the last split CTA of each tile combines the partials in
-  // the same launch (true), or a second kernel does (false).
-  bool fused_combine = false;
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
 };

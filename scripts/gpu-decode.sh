@@ -5,8 +5,8 @@
 # CudaSplitWorkspace cases; all of cuda_paged_test), compute-sanitizer
 # memcheck and racecheck on split-decode cases, then attn_bench
 # --grid=decodesweep (B = 1 and 16 x Sk 1k..32k, and chunked prefill): ours
-# (fused combine), ours with --combine=separate, paged16, the branch point's
-# attn_bench when given (before/after), a --decode_splits sweep, and SDPA
+# (fused combine), paged16, an older attn_bench when given (attn_bench_base:
+# before/after), a --decode_splits sweep, and SDPA
 # FLASH and cuDNN on the same grid. Merges everything into
 # $OUT/decode-<gpu>-<date>.csv ('#' lines: GPU, clocks, versions, commit) and
 # prints bench/gpu/decode_table.py's table last.
@@ -55,7 +55,6 @@ t1=$(date +%s)
 {
   $BENCH/attn_bench --grid=decodesweep --dtypes=bf16 --impls=ours,paged16 --kv_csv=/dev/null --csv="$OUT/b-ours.csv" \
     2>>"$OUT/attn_bench.log" && tail -n +2 "$OUT/b-ours.csv"
-  bench $BENCH/attn_bench ours_separate --impls=ours --combine=separate
   [ -x $BENCH/attn_bench_base ] && bench $BENCH/attn_bench_base ours_base --impls=ours
   for n in ${SWEEP:-8 16 32 64 128}; do bench $BENCH/attn_bench "ours_s$n" --impls=ours --decode_splits="$n"; done
 } >"$rows"
@@ -74,8 +73,8 @@ csv="$OUT/decode-$slug-$(date +%Y-%m-%d).csv"
   echo "# driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); nvcc: $(nvcc --version 2>/dev/null | tail -2 | head -1)"
   echo "# torch: $(python3 -c 'import torch; print(torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null)"
   echo "# commit: ${COMMIT:-unknown}; date: $(date +%Y-%m-%d); grid decodesweep: decode Hq=32 Hkv=8 D=128 Sq=1 bf16, chunked prefill Sq=128"
-  echo "# impls: ours = fused combine (this commit), ours_separate = --combine=separate, ours_base = the branch point"
-  echo "#   (separate combine kernel), ours_s<N> = --decode_splits=N, paged16 = paged decode, 16-token pages"
+  echo "# impls: ours = this commit, ours_base = attn_bench_base (an older tree), ours_s<N> = --decode_splits=N,"
+  echo "#   paged16 = paged decode, 16-token pages"
   echo "# timing: CUDA events, L2 flushed (256 MB) before each run, 5 warm-ups, median of 100 (ours) / 100 (sdpa)"
   echo "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,tbps,peak_mem_bytes"
   cat "$rows"

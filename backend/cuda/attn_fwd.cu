@@ -1,8 +1,7 @@
 // Host side of the CUDA forward path: launches the instantiation a Plan
-// (attn_fwd_plan.h) chose and, for a split launch that does not combine in
-// the kernel itself (prefill tiles; attn_fwd_kernel.cuh's FinishSplit
-// combines decode tiles), the exact combine kernel. Also the FP32 path (a
-// SIMT kernel).
+// (attn_fwd_plan.h) chose and, for a split launch of the prefill tiles, the
+// exact combine kernel (decode tiles combine in the forward kernel:
+// attn_fwd_kernel.cuh's FinishSplit). Also the FP32 path (a SIMT kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,37 +12,92 @@
 #include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
 #include "backend/cuda/kv_rows.cuh"
-#include "backend/cuda/split_combine.cuh"
 
 namespace attnserve {
 namespace cuda {
 namespace {
 
-// Combine kernel (split launches of the prefill tiles, and decode with
-// --combine=separate in attn_bench): one 256-thread CTA per (query row,
-// head), running the same exact combine as the decode kernels' last split
-// CTA (CombineSplitRows) over that one row: warp 0 computes the LSE and the
-// split weights, then the threads split the row's 4-float chunks x the
-// splits (8 threads per chunk at D = 128), so each thread has only a few
-// independent 16-byte loads in its chain (one warp per row looping over
-// every split was latency bound: 100 us at B=1 decode).
+// Combine kernel of prefill-tile splits (decode tiles combine in the forward
+// kernel: split_combine.cuh): one 256-thread CTA per (query row, head).
+// LSE = log sum_s exp(lse_s); O = sum_s exp(lse_s - LSE) * O_s: exact up to
+// fp32 rounding; a
+// row whose splits are all empty gets O = 0, LSE = -inf. Threads are laid out
+// as (split group) x (4-float chunk of D) so each thread has only
+// num_splits / groups independent 16-byte loads in its chain (the first
+// version, one warp per row looping over every split, was latency bound:
+// 100 us at B=1 decode).
 constexpr int kCombineThreads = 256;
-constexpr int kCombineSmemFloats = 4 * kCombineThreads + kMaxSplits;  // a float4 per thread, a weight per split
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(const FwdLaunch L) {
-  __shared__ float4 smem[kCombineSmemFloats / 4];
-  const AttnParams& p = L.p;
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineSplitsKernel(const AttnParams p, int num_splits, const float* o_accum,
+                        const float* lse_accum) {
+  __shared__ float weight[128];
+  __shared__ float4 part[kCombineThreads];
+  __shared__ float lse_row;
   const int64_t idx = blockIdx.x;  // = h * total_q + row, the partials' order
   const int h = static_cast<int>(idx / p.total_q);
   const int64_t row = idx % p.total_q;
-  // Varlen LSE is [Hq, Tq]: LseOffset(b = 0, i = global row) is that index,
-  // since cu_seqlens_q[0] = 0. Dense: split the row into (b, i).
-  const int b = IsVarlen(p) ? 0 : static_cast<int>(row / p.seqlen_q);
-  const int i = IsVarlen(p) ? static_cast<int>(row) : static_cast<int>(row % p.seqlen_q);
-  // Row m = i of a one-head, unpacked query run that starts at row - i.
-  const detail::QueryRows qr{1, h, row - i};
-  detail::CombineSplitRows<T, 1, kCombineThreads>(L, qr, b, i, i + 1, reinterpret_cast<float*>(smem),
-                                                  kCombineSmemFloats, threadIdx.x);
+  const int64_t stride = int64_t{p.num_heads_q} * p.total_q;  // between splits
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    float mx = -INFINITY;
+    for (int s = tid; s < num_splits; s += 32) mx = fmaxf(mx, lse_accum[s * stride + idx]);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int s = tid; s < num_splits; s += 32) {
+      const float l = lse_accum[s * stride + idx];
+      if (l != -INFINITY) sum += expf(l - mx);
+    }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+    for (int s = tid; s < num_splits; s += 32) {
+      const float l = lse_accum[s * stride + idx];
+      weight[s] = l == -INFINITY ? 0.f : expf(l - lse);
+    }
+    if (tid == 0) lse_row = lse;
+  }
+  __syncthreads();
+  // D <= 256 is at most 64 float4 chunks, so one pass covers the row.
+  const int chunks = p.head_dim / 4;
+  const int groups = kCombineThreads / chunks;
+  const int c = tid % chunks;
+  const int g = tid / chunks;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (g < groups) {
+    for (int s = g; s < num_splits; s += groups) {
+      const float w = weight[s];
+      if (w == 0.f) continue;
+      const float4 x =
+          *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
+    }
+  }
+  part[tid] = acc;
+  __syncthreads();
+  if (g == 0) {
+    for (int gg = 1; gg < groups; ++gg) {
+      const float4 x = part[gg * chunks + c];
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * c;
+    out[0] = T(acc.x);
+    out[1] = T(acc.y);
+    out[2] = T(acc.z);
+    out[3] = T(acc.w);
+  }
+  if (tid == 0 && p.lse != nullptr) {
+    // Varlen LSE is [Hq, Tq]: LseOffset(b = 0, i = global row) is that index,
+    // since cu_seqlens_q[0] = 0. Dense: split the row into (b, i).
+    const int b = IsVarlen(p) ? 0 : static_cast<int>(row / p.seqlen_q);
+    const int i = IsVarlen(p) ? static_cast<int>(row) : static_cast<int>(row % p.seqlen_q);
+    p.lse[LseOffset(p, b, h, i)] = lse_row;
+  }
 }
 
 // FP32: one warp per (query row, head), attn_fwd_fp32.cuh's row loop over
@@ -73,8 +127,9 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes)
                     : nullptr;
   l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
-  // Only the decode tile's kernels fuse the combine (attn_fwd_kernel.cuh).
-  l.fused_combine = split && plan.fused_combine && plan.tile_kind == TileKind::kDecode;
+  // Decode tiles combine in the forward kernel (FinishSplit): never slower
+  // than the combine kernel on the decode grid (bench/NOTES-cuda.md, round 4).
+  l.fused_combine = split && plan.tile_kind == TileKind::kDecode;
   l.scale_log2 = dev.softmax_scale * kLog2e;
   l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
@@ -91,9 +146,11 @@ cudaError_t LaunchCombine(const FwdLaunch& l, cudaStream_t stream) {
   const AttnParams& dev = l.p;
   const unsigned blocks = static_cast<unsigned>(int64_t{dev.num_heads_q} * dev.total_q);
   if (dev.dtype == DType::kFP16) {
-    CombineSplitsKernel<__half><<<blocks, kCombineThreads, 0, stream>>>(l);
+    CombineSplitsKernel<__half>
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, l.num_splits, l.o_accum, l.lse_accum);
   } else {
-    CombineSplitsKernel<__nv_bfloat16><<<blocks, kCombineThreads, 0, stream>>>(l);
+    CombineSplitsKernel<__nv_bfloat16>
+        <<<blocks, kCombineThreads, 0, stream>>>(dev, l.num_splits, l.o_accum, l.lse_accum);
   }
   return cudaGetLastError();
 }

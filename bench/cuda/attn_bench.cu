@@ -12,9 +12,7 @@
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
 //             block tables.
-// --combine=separate runs split launches with the second combine kernel
-// instead of the fused one (the ablation); --decode_splits=N overrides the
-// decode split count.
+// --decode_splits=N overrides the decode split count (a sweep).
 // --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
 // benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
 // context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms), timed over 100
@@ -226,14 +224,9 @@ struct Impl {
 // decode shapes, for sweeping the split heuristic.
 int g_decode_splits = 0;
 FILE* g_kv_csv = nullptr;  // --kv_csv
-// --combine=separate: split launches combine in a second kernel (the
-// ablation of the fused combine); default: the planner's choice.
-bool g_separate_combine = false;
-
 // The plan's split workspace (counters zeroed, as the backend does at
-// allocation), with --combine applied; false when it cannot be allocated.
+// allocation); false when it cannot be allocated.
 bool AllocWorkspace(Plan* plan, Arena* arena, void** ws) {
-  if (g_separate_combine) plan->fused_combine = false;
   if (plan->workspace_bytes == 0) return true;
   *ws = arena->Alloc(plan->workspace_bytes);
   return *ws != nullptr && cuda::ClearSplitCounters(*ws, nullptr) == cudaSuccess &&
@@ -253,7 +246,6 @@ struct Ours : Impl {
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
       plan.num_splits = g_decode_splits;
-      plan.fused_combine = g_decode_splits > 1;
       plan.workspace_bytes = g_decode_splits > 1 ? cuda::SplitWorkspaceBytes(p, g_decode_splits) : 0;
     }
     return AllocWorkspace(&plan, &arena, &ws);
@@ -617,7 +609,6 @@ int main(int argc, char** argv) {
     if (!val("--csv=").empty()) out = val("--csv=");
     if (!val("--decode_splits=").empty())
       g_decode_splits = std::atoi(val("--decode_splits=").c_str());
-    if (val("--combine=") == "separate") g_separate_combine = true;
     if (!val("--kv_csv=").empty()) {
       g_kv_csv = std::fopen(val("--kv_csv=").c_str(), "w");
       if (g_kv_csv == nullptr) return 1;

@@ -170,8 +170,9 @@ std::vector<TestCase> ShapeGrid() {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaTest, ::testing::ValuesIn(ShapeGrid()), CaseName);
 
 // Split-KV launches: each case must plan more than one split (asserted, so a
-// planner change cannot quietly drop the coverage), combined in the launch
-// (fused), LSE returned and checked. Contexts 1k..32k at B = 1 and B = 16
+// planner change cannot quietly drop the coverage); LSE returned and checked.
+// Decode tiles combine in the forward kernel, prefill tiles in the combine
+// kernel. Contexts 1k..32k at B = 1 and B = 16
 // with GQA 4:1 packed into the decode tile; one query head per KV head (a
 // row of fewer output chunks than threads: the combine splits the splits);
 // GQA 8:1 (8 packed rows); and chunked prefill (Sq 128), whose prefill tile
@@ -187,7 +188,6 @@ TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_GT(plan->num_splits, 1) << GetParam().Name();
-  EXPECT_TRUE(plan->fused_combine);
   RunAndCheck(GetParam());
 }
 
@@ -281,7 +281,6 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
     Plan plan = cuda::PlanForward(st.dev->params(), num_sms);
     ASSERT_EQ(plan.tile_kind, TileKind::kDecode);
     plan.num_splits = st.splits;
-    plan.fused_combine = true;
     plan.workspace_bytes = cuda::SplitWorkspaceBytes(st.dev->params(), st.splits);
     st.dev->Poison();
     ASSERT_EQ(cuda::LaunchForward(st.dev->params(), plan, ws, nullptr), cudaSuccess);
