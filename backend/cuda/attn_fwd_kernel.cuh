@@ -496,7 +496,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // the math (they still load).
   const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows && warp < kComputeWarps;
 
-  // Fused combine (FinishSplit), decode tiles only (PlanForward): a 128-row
+  // Fused combine (FinishSplit), decode tiles only (MakeFwdLaunch): a 128-row
   // tile's group holds up to 128 rows x 128 splits of partials, too much for
   // one CTA to combine quickly, and the epilogue below is kept as it was for
   // the prefill tiles (any change to it added spills at D = 128). `finish`:

@@ -79,13 +79,14 @@ class StagingBuffer {
     return absl::OkStatus();
   }
 
- private:
+  // Gives the memory back (bytes() is 0 until the next Reserve).
   void Free() {
     if (ptr_ != nullptr) kind_ == Kind::kDevice ? cudaFree(ptr_) : cudaFreeHost(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
 
+ private:
   const Kind kind_;
   char* ptr_ = nullptr;
   int64_t bytes_ = 0;
@@ -108,7 +109,7 @@ struct CudaBackend::Slot {
   // (o | lse), so each direction is one copy.
   StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
   StagingBuffer device{StagingBuffer::Kind::kDevice};
-  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV partials
+  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV tickets and partials
   bool busy = false;
 };
 
@@ -123,8 +124,11 @@ inline absl::Status ReserveSplitWorkspace(CudaBackend::Slot* slot, const Plan& p
   const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
   if (!st.ok()) return st;
   if (slot->workspace.bytes() != had) {
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::ClearSplitCounters(slot->workspace.ptr(), slot->stream),
-                              "clear split counters");
+    const absl::Status cleared = CudaError(
+        cuda::ClearSplitCounters(slot->workspace.ptr(), slot->stream), "clear split counters");
+    // Not cleared: drop the buffer, so the next call allocates and clears again.
+    if (!cleared.ok()) slot->workspace.Free();
+    return cleared;
   }
   return absl::OkStatus();
 }
