@@ -27,7 +27,8 @@ struct QueryRows {
 };
 
 // Index of (split, query head h, global row) in the fp32 partials.
-__device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, int h, int64_t row) {
+__device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, int h,
+                                                int64_t row) {
   return (int64_t{split} * p.num_heads_q + h) * p.total_q + row;
 }
 
@@ -44,8 +45,9 @@ __device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, 
 // read with ld.cg (L2 only): other SMs wrote them during this launch.
 // Needs smem_floats >= 4 * kThreads + L.num_splits.
 template <typename T, int kBlockM, int kThreads>
-__device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const QueryRows& qr, int b, int m0, int rows,
-                                                 float* smem, int smem_floats, int tid) {
+__device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const QueryRows& qr, int b,
+                                                 int m0, int rows, float* smem, int smem_floats,
+                                                 int tid) {
   const AttnParams& p = L.p;
   const int splits = L.num_splits;
   const int warp = tid / 32, lane = tid % 32;

@@ -246,7 +246,8 @@ struct Ours : Impl {
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
       plan.num_splits = g_decode_splits;
-      plan.workspace_bytes = g_decode_splits > 1 ? cuda::SplitWorkspaceBytes(p, g_decode_splits) : 0;
+      plan.workspace_bytes =
+          g_decode_splits > 1 ? cuda::SplitWorkspaceBytes(p, g_decode_splits) : 0;
     }
     return AllocWorkspace(&plan, &arena, &ws);
   }
@@ -634,7 +635,8 @@ int main(int argc, char** argv) {
       // The split-KV sweep: B = 1 and 16 over contexts 1k..32k, and chunked
       // prefill (Sq = 128, GQA 4:1) whose prefill tile also splits.
       for (int b : {1, 16})
-        for (int sk = 1024; sk <= 32768; sk *= 2) shapes.push_back({"decode", t, 128, b, 32, 8, 1, sk, false});
+        for (int sk = 1024; sk <= 32768; sk *= 2)
+          shapes.push_back({"decode", t, 128, b, 32, 8, 1, sk, false});
       for (int sk : {8192, 32768}) shapes.push_back({"prefill", t, 128, 1, 32, 8, 128, sk, false});
     }
     if (grid == "decode" || grid == "all" || grid == "quick") {

@@ -182,8 +182,7 @@ class CudaSplitTest : public CudaTest {};
 TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
   HostBuffers buf(GetParam());
   const absl::StatusOr<Plan> plan = backend_->CanImplement(buf.params());
-  if (plan.status().code() == absl::StatusCode::kUnimplemented &&
-      DocumentedRefusal(buf.params())) {
+  if (plan.status().code() == absl::StatusCode::kUnimplemented && DocumentedRefusal(buf.params())) {
     GTEST_SKIP() << plan.status().message();
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -193,12 +192,13 @@ TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
 
 std::vector<TestCase> SplitGrid() {
   std::vector<TestCase> g;
-  for (int sk : {1000, 4096, 16384, 32768}) g.push_back(Make(DType::kBF16, 1, 1, sk, 32, 8, 128, false));
+  for (int sk : {1000, 4096, 16384, 32768})
+    g.push_back(Make(DType::kBF16, 1, 1, sk, 32, 8, 128, false));
   g.push_back(Make(DType::kFP16, 1, 1, 8192, 32, 8, 128, false));
   for (int sk : {1024, 2500}) g.push_back(Make(DType::kBF16, 16, 1, sk, 32, 8, 128, false));
   g.push_back(Make(DType::kFP16, 16, 1, 2048, 32, 8, 128, true));
-  g.push_back(Make(DType::kBF16, 1, 1, 5000, 8, 8, 128, false));   // no GQA: 1 row per tile
-  g.push_back(Make(DType::kBF16, 2, 1, 7000, 64, 8, 128, false));  // GQA 8:1
+  g.push_back(Make(DType::kBF16, 1, 1, 5000, 8, 8, 128, false));    // no GQA: 1 row per tile
+  g.push_back(Make(DType::kBF16, 2, 1, 7000, 64, 8, 128, false));   // GQA 8:1
   g.push_back(Make(DType::kBF16, 1, 128, 4096, 8, 2, 128, false));  // chunked prefill
   g.push_back(Make(DType::kFP16, 1, 128, 3000, 8, 2, 128, true));
   g.push_back(Make(DType::kBF16, 1, 128, 16384, 1, 1, 64, false));  // 128 splits, rows in passes
@@ -229,8 +229,8 @@ class DeviceCase {
     ok_ &= cudaMemset(dev_.lse, 0xff, static_cast<size_t>(buf_->lse_elements() * 4)) == cudaSuccess;
   }
   void Download() {
-    ok_ &= cudaMemcpy(buf_->o(), dev_.o, static_cast<size_t>(buf_->o_bytes()), cudaMemcpyDeviceToHost) ==
-           cudaSuccess;
+    ok_ &= cudaMemcpy(buf_->o(), dev_.o, static_cast<size_t>(buf_->o_bytes()),
+                      cudaMemcpyDeviceToHost) == cudaSuccess;
     ok_ &= cudaMemcpy(buf_->lse(), dev_.lse, static_cast<size_t>(buf_->lse_elements() * 4),
                       cudaMemcpyDeviceToHost) == cudaSuccess;
   }
@@ -275,7 +275,7 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
     DeviceCase* dev;
     int splits;  // 40 over 47 tiles: 16 splits without keys; 40 over 24: 16 too
   };
-  const Step steps[] = {{&a, &da, 7}, {&b, &db, 3}, {&a, &da, 40}, {&b, &db, 40},
+  const Step steps[] = {{&a, &da, 7}, {&b, &db, 3},  {&a, &da, 40}, {&b, &db, 40},
                         {&a, &da, 2}, {&b, &db, 13}, {&a, &da, 7}};
   for (const Step& st : steps) {
     Plan plan = cuda::PlanForward(st.dev->params(), num_sms);
