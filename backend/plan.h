@@ -27,7 +27,7 @@ struct Plan {
   bool banded = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
-  int64_t workspace_bytes = 0;  // fp32 partials when num_splits > 1
+  int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
 };
 
 }  // namespace attnserve

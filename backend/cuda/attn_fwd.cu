@@ -1,6 +1,7 @@
 // Host side of the CUDA forward path: launches the instantiation a Plan
-// (attn_fwd_plan.h) chose and, when split, the exact combine kernel. Also the
-// FP32 path (a SIMT kernel).
+// (attn_fwd_plan.h) chose and, for a split launch of the prefill tiles, the
+// exact combine kernel (decode tiles combine in the forward kernel:
+// attn_fwd_kernel.cuh's FinishSplit). Also the FP32 path (a SIMT kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -16,8 +17,10 @@ namespace attnserve {
 namespace cuda {
 namespace {
 
-// Combine: one 256-thread CTA per (query row, head). LSE = log sum_s
-// exp(lse_s); O = sum_s exp(lse_s - LSE) * O_s: exact up to fp32 rounding; a
+// Combine kernel of prefill-tile splits (decode tiles combine in the forward
+// kernel: split_combine.cuh): one 256-thread CTA per (query row, head).
+// LSE = log sum_s exp(lse_s); O = sum_s exp(lse_s - LSE) * O_s: exact up to
+// fp32 rounding; a
 // row whose splits are all empty gets O = 0, LSE = -inf. Threads are laid out
 // as (split group) x (4-float chunk of D) so each thread has only
 // num_splits / groups independent 16-byte loads in its chain (the first
@@ -119,8 +122,14 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   l.num_m_blocks =
       static_cast<int>((int64_t{dev.seqlen_q} * plan.pack_gqa + tile.block_m - 1) / tile.block_m);
   const int64_t partial_rows = int64_t{plan.num_splits} * dev.num_heads_q * dev.total_q;
-  l.o_accum = static_cast<float*>(workspace);
-  l.lse_accum = plan.num_splits > 1 ? l.o_accum + partial_rows * dev.head_dim : nullptr;
+  const bool split = plan.num_splits > 1;
+  l.split_tickets = split ? static_cast<int*>(workspace) : nullptr;
+  l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes)
+                    : nullptr;
+  l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
+  // Decode tiles combine in the forward kernel (FinishSplit): never slower
+  // than the combine kernel on the decode grid (bench/NOTES-cuda.md, round 4).
+  l.fused_combine = split && plan.tile_kind == TileKind::kDecode;
   l.scale_log2 = dev.softmax_scale * kLog2e;
   l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
@@ -128,8 +137,12 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   return l;
 }
 
+cudaError_t ClearSplitCounters(void* workspace, cudaStream_t stream) {
+  return cudaMemsetAsync(workspace, 0, kSplitCounterBytes, stream);
+}
+
 cudaError_t LaunchCombine(const FwdLaunch& l, cudaStream_t stream) {
-  if (l.num_splits == 1) return cudaSuccess;
+  if (l.num_splits == 1 || l.fused_combine) return cudaSuccess;
   const AttnParams& dev = l.p;
   const unsigned blocks = static_cast<unsigned>(int64_t{dev.num_heads_q} * dev.total_q);
   if (dev.dtype == DType::kFP16) {

@@ -22,6 +22,8 @@ struct FwdLaunch {
   int num_splits;      // 1: write p.o / p.lse; > 1: write the fp32 partials below
   float* o_accum;      // [num_splits, Hq, total_q, D], each split normalised by its own sum
   float* lse_accum;    // [num_splits, Hq, total_q], natural log; -inf for an empty split
+  int* split_tickets;  // one counter per tile group, zero at rest (attn_fwd_plan.h)
+  bool fused_combine;  // split decode tile: the last split CTA of a group combines
   int pack_gqa;        // query heads of one KV head packed into M (1 = off)
   int num_m_blocks;    // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences
   float scale_log2;    // softmax_scale * log2(e): raw Q.K -> log2-domain score (no softcap)
@@ -30,16 +32,22 @@ struct FwdLaunch {
   TileKind tile_kind;  // the plan's tile table (TileFor)
 };
 
-// Launches the forward (and the combine kernel when split) on `stream`.
-// `dev` holds device pointers; `workspace` has plan.workspace_bytes.
+// Launches the forward (and, for a split plan of the prefill tiles, the
+// combine kernel) on `stream`. `dev` holds device pointers; `workspace` has
+// plan.workspace_bytes and its split counters are zero (ClearSplitCounters).
 cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
                           cudaStream_t stream);
 
 // The launch struct of `plan` over device params `dev` (workspace: the
-// plan's split partials), and the exact combine of its splits (nothing when
-// unsplit). Shared by LaunchForward and the paged launch (paged_attn.h).
+// plan's split counters and partials), and the exact combine kernel of its
+// splits (nothing when unsplit or when the kernel combined them:
+// fused_combine). Shared by LaunchForward and the paged launch (paged_attn.h).
 FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace);
 cudaError_t LaunchCombine(const FwdLaunch& launch, cudaStream_t stream);
+
+// Zeroes the split ticket counters at the start of a split-KV workspace
+// (kSplitCounterBytes). Once per allocation: every launch leaves them zero.
+cudaError_t ClearSplitCounters(void* workspace, cudaStream_t stream);
 
 // The FP32 path: a SIMT online-softmax kernel (one warp per query row and
 // head) in fp32 throughout, for the contract's 1e-5 FP32 tolerance.

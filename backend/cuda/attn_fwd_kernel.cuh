@@ -16,6 +16,7 @@
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/kv_rows.cuh"
 #include "backend/cuda/paged_attn.h"
+#include "backend/cuda/split_combine.cuh"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -235,22 +236,6 @@ __device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4
     }
 }
 
-// CTA-external row m (of the M extent sq x G) -> its query head and row of q/o.
-struct QueryRows {
-  int G;
-  int head;  // the CTA's head (a KV head when packed)
-  int64_t q_start;
-  __device__ __forceinline__ int64_t Row(int m, int* head_out) const {
-    *head_out = G > 1 ? head * G + m % G : head;
-    return q_start + m / G;
-  }
-};
-
-// Index of (split, query head h, global row) in the fp32 partials.
-__device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, int h, int64_t row) {
-  return (int64_t{split} * p.num_heads_q + h) * p.total_q + row;
-}
-
 // Epilogue of a CTA whose key range is empty (fully masked rows, Sk = 0, or an
 // empty split): O = 0 and LSE = -inf, written directly.
 template <typename T, int kBlockM, int kThreads>
@@ -275,8 +260,8 @@ __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRo
 }
 
 // Split epilogue: fp32 partials (each normalised by its own sum) and LSE
-// straight from the fragments (decode-sized outputs); the combine kernel
-// merges the splits.
+// straight from the fragments (decode-sized outputs); the group's last CTA
+// (FinishSplit) or the combine kernel merges the splits.
 template <int kMTiles, int kDTiles>
 __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const QueryRows& qr, int split,
                                                    const float (&acc_o)[kMTiles][kDTiles][4],
@@ -301,6 +286,34 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
       }
       if (quad == 0) L.lse_accum[acc] = lse[mt * 2 + half];
     }
+}
+
+// End of every CTA of a fused-combine split launch (all threads call it).
+// The CTA's partials are fenced device-wide, then it takes one ticket on its
+// group's counter; the CTA holding the last ticket (splits - 1) knows every
+// other split's partials are visible, resets the counter to zero (no other
+// CTA touches it again this launch; the next launch on the stream starts
+// after this one ends) and combines. No second launch and no idle GPU
+// between the splits and the combine: the combines of finished groups run
+// while other groups' splits still stream K/V.
+template <typename T, int kBlockM, int kThreads>
+__device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows& qr, int b, int group, int m0,
+                                            int rows, float* smem, int smem_floats, int tid) {
+  __shared__ int is_last;
+  __threadfence();  // this thread's partial stores, before the ticket below
+  __syncthreads();
+  if (tid == 0) {
+    int* counter = L.split_tickets + group;
+    const int ticket = atomicAdd(counter, 1);
+    is_last = ticket == L.num_splits - 1;
+    if (is_last) {
+      *counter = 0;
+      __threadfence();  // the other splits' partials are read after their tickets
+    }
+  }
+  __syncthreads();
+  if (!is_last) return;
+  CombineSplitRows<T, kBlockM, kThreads>(L, qr, b, m0, rows, smem, smem_floats, tid);
 }
 
 // Direct epilogue: stage this warp's rows of O through its own rows of sQ (no
@@ -483,8 +496,23 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // the math (they still load).
   const bool warp_active = warp_row0 < kBlockM && m0 + warp_row0 < rows && warp < kComputeWarps;
 
+  // Fused combine (FinishSplit), decode tiles only (MakeFwdLaunch): a 128-row
+  // tile's group holds up to 128 rows x 128 splits of partials, too much for
+  // one CTA to combine quickly, and the epilogue below is kept as it was for
+  // the prefill tiles (any change to it added spills at D = 128). `finish`:
+  // the group of this CTA's query tile (its split siblings) takes tickets;
+  // the combine may use all of the (by then dead) dynamic smem.
+  constexpr bool kCanFuse = kBlockM == 16;
+  const bool fused = kCanFuse && splits > 1 && L.fused_combine;
+  auto finish = [&]() {
+    constexpr int kSmemFloats = (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
+    FinishSplit<T, kBlockM, kThreads>(L, qr, b, (head * p.batch + b) * L.num_m_blocks + m_block, m0, rows,
+                                      reinterpret_cast<float*>(smem_raw), kSmemFloats, tid);
+  };
+
   if (n_begin >= n_end) {
     StoreEmptyRows<T, kBlockM, kThreads>(L, qr, b, split, m0, rows, tid);
+    if (fused) finish();
     return;
   }
 
@@ -701,20 +729,35 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     }
   }
 
-  if constexpr (kKeySplit) {
-    // Every warp is done with the K/V buffers, which now carry the states.
-    __syncthreads();
-    float* exchange = reinterpret_cast<float*>(sK);
-    if (!MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane)) return;
-  }
-  if (!warp_active) return;
-
-  float lse[kMTiles * 2];
-  NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
-  if (splits > 1) {
-    StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
+  if constexpr (kCanFuse) {
+    // Warps holding a finished state: with the key split, only warp 0 after
+    // the merge. Nobody returns before FinishSplit's barriers.
+    bool holds = warp_active;
+    if constexpr (kKeySplit) {
+      // Every warp is done with the K/V buffers, which now carry the states.
+      __syncthreads();
+      float* exchange = reinterpret_cast<float*>(sK);
+      holds = MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane) &&
+              warp_active;
+    }
+    if (!holds && !fused) return;
+    float lse[kMTiles * 2];
+    if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
+    if (splits > 1) {
+      if (holds) StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
+      if (fused) finish();
+    } else {
+      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
+    }
   } else {
-    StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
+    if (!warp_active) return;
+    float lse[kMTiles * 2];
+    NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
+    if (splits > 1) {
+      StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
+    } else {
+      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
+    }
   }
 }
 
@@ -743,6 +786,12 @@ cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, const FwdLau
   const int heads = fwd.pack_gqa > 1 ? fwd.p.num_heads_kv : fwd.p.num_heads_q;
   if (blocks_x == 0) return cudaSuccess;
   if (blocks_x > 0x7fffffff || heads > 65535) return cudaErrorInvalidConfiguration;
+  // One ticket counter per group and one combine weight per split
+  // (PlanForward keeps split launches within both).
+  if (fwd.num_splits > kMaxSplits ||
+      (fwd.fused_combine && int64_t{fwd.num_m_blocks} * fwd.p.batch * heads > kMaxSplitGroups)) {
+    return cudaErrorInvalidValue;
+  }
   kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), tile.num_warps * 32, smem, stream>>>(launch);
   return cudaGetLastError();
 }

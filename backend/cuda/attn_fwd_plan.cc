@@ -18,10 +18,22 @@ int64_t CtasPerSm(const TileConfig& t) {
   return std::max(1, std::min(65536 / (t.regs * threads), (227 * 1024) / (SmemBytes(t) + 1024)));
 }
 
-// Decode: the fewest splits whose CTAs fill >= 90% of the waves they take,
-// else the fullest; splits of at least 2 key tiles, at most 128.
-int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave) {
-  const int64_t max_splits = std::min<int64_t>(n_blocks / 2, 128);
+// CTAs per SM a split decode launch aims at when base alone is fewer. The
+// decode tile fits 3 per SM, but fewer, longer splits measured faster than a
+// full 3-per-SM wave (bench/NOTES-cuda.md, round 4: --decode_splits sweep on
+// the H100, B=1 and 16 x Sk 1k..32k): at B=16 2 splits (256 CTAs) beat 3
+// (384, 97% of a wave) by 1-3% at every Sk; at B=1 24-32 splits beat 43 by
+// 4-8% from Sk 8k up.
+constexpr int64_t kDecodeCtasPerSm = 2;
+
+// Decode: splits of at least 2 key tiles, at most kMaxSplits. Base under
+// kDecodeCtasPerSm per SM: as many splits as reach that. Otherwise the fewest
+// splits whose CTAs fill >= 90% of the waves they take, else the fullest.
+int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms) {
+  const int64_t max_splits = std::min<int64_t>(n_blocks / 2, kMaxSplits);
+  if (base <= kDecodeCtasPerSm * num_sms) {
+    return std::max<int64_t>(1, std::min<int64_t>(kDecodeCtasPerSm * num_sms / base, max_splits));
+  }
   int64_t best = 1;
   double best_eff = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -44,16 +56,20 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave) {
 // much as a full one, so splitting the key range aims at whole waves, with at
 // least 2 key tiles per split (a split's fixed cost, Q load + epilogue +
 // combine traffic, stays small against its tiles) and at most 128 splits.
-//  - Decode tile (M extent, seqlen_q x packed GQA heads, <= 16 rows): the
-//    fewest splits that fill >= 90% of their waves (DecodeSplits).
+// Launches of more than kMaxSplitGroups CTAs of base (one ticket counter
+// each) never split; past about 10 waves none would anyway.
+//  - Decode tile (M extent, seqlen_q x packed GQA heads, <= 16 rows): up to
+//    kDecodeCtasPerSm CTAs per SM when base is fewer, else the fewest splits
+//    that fill >= 90% of their waves (DecodeSplits).
 //  - Otherwise, when base fills at most half a wave: splits = wave / base.
 // Worked examples on an H100 (132 SMs), D=128, tests/backend/plan_forward_test.cc
 // checks each:
 //  - Decode, B=1, Hq=32, Hkv=8, Sq=1, Sk=8192: the 4 query heads of a KV head
 //    pack into M (4 rows: the decode tile, 16x64, 168 registers x 128 threads
 //    and 74 KB smem -> 3 CTAs/SM, a wave of 396); base = 1 m block x 8 KV
-//    heads = 8 CTAs; 45 splits are the first to fill 90% of a wave (360/396);
-//    128 key tiles / 45 -> 3 tiles each -> 43 splits of 192 keys, 344 CTAs.
+//    heads = 8 CTAs, under 2 per SM: 264 / 8 = 33 splits; 128 key tiles / 33
+//    -> 4 tiles each -> 32 splits of 256 keys, 256 CTAs.
+//  - Decode, B=16, same heads, Sk=8192: base 128 CTAs; 264 / 128 = 2 splits.
 //  - Decode, B=64, Hq=32, Hkv=8, Sq=1, Sk=4096: base 512 CTAs are 1.29 waves;
 //    3 splits make 1536 CTAs = 3.88 waves (97%) -> 3 splits of 22 tiles.
 //  - Prefill tile, B=1, Hq=Hkv=8, Sq=128, Sk=8192, no mask: 128x64 x 255
@@ -89,10 +105,12 @@ Plan PlanForward(const AttnParams& p, int num_sms) {
   const int64_t n_blocks = (int64_t{p.seqlen_k} + tile.block_n - 1) / tile.block_n;
   const int64_t wave = int64_t{num_sms} * CtasPerSm(tile);
   int64_t splits = 1;
-  if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
-    splits = DecodeSplits(base, n_blocks, wave);
+  if (base > kMaxSplitGroups) {
+    // No split: one ticket counter per group would not fit the workspace's block.
+  } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
+    splits = DecodeSplits(base, n_blocks, wave, num_sms);
   } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
-    splits = std::min<int64_t>({wave / base, n_blocks / 2, 128});
+    splits = std::min<int64_t>({wave / base, n_blocks / 2, kMaxSplits});
   }
   if (splits > 1) {
     // Equalise: with per = ceil(n_blocks / splits) tiles each, fewer splits may do.
@@ -100,8 +118,7 @@ Plan PlanForward(const AttnParams& p, int num_sms) {
     plan.num_splits = static_cast<int>((n_blocks + per - 1) / per);
   }
   if (plan.num_splits > 1) {
-    const int64_t partial_rows = int64_t{plan.num_splits} * p.num_heads_q * p.total_q;
-    plan.workspace_bytes = partial_rows * (int64_t{p.head_dim} + 1) * 4;
+    plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
   return plan;
 }

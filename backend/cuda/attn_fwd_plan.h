@@ -101,6 +101,24 @@ constexpr TileConfig TileFor(TileKind kind, int head_dim) {
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
 
+// Split-KV workspace: a fixed block of ticket counters (one int32 per tile
+// group = (m block, head, batch), the CTAs that share a query tile), then the
+// fp32 partials. The counters are zero at rest: zeroed once when the
+// workspace is allocated (ClearSplitCounters, attn_fwd.h), and every split
+// launch leaves them zero (the last CTA of a group resets its counter). Fixed
+// size and first, so calls of any split count and shape find them in the
+// same place; the planner splits only launches with at most kMaxSplitGroups
+// groups (more than about 10 waves never split: DecodeSplits).
+constexpr int64_t kMaxSplitGroups = 8192;
+// Splits of one launch at most (the combine's smem holds one weight each).
+constexpr int kMaxSplits = 128;
+constexpr int64_t kSplitCounterBytes = kMaxSplitGroups * 4;
+// Workspace bytes of a launch of `p` with `num_splits` > 1 splits.
+inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
+  return kSplitCounterBytes +
+         int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4;
+}
+
 // Chooses the kernel, the tile, the split count and GQA packing for
 // FP16/BF16 params (host memory is fine: only sizes are read); num_sms: the
 // device's SM count. kernel_head_dim is 0 when this build compiled no kernel

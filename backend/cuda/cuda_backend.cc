@@ -196,7 +196,7 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace"));
+  RETURN_IF_ERROR(ReserveSplitWorkspace(slot, plan));
   ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForward(dev, plan, slot->workspace.ptr(), slot->stream),
                             "forward kernel");
   return absl::OkStatus();

@@ -2,7 +2,7 @@
 // memory, and append-and-attend launches staged like Forward's (one H2D copy
 // of every host input, the kernels, one D2H copy) on the pipeline's slots.
 // Order on the device for one launch: page copies (copy-on-write), append of
-// the new rows into their pages, attention over the pages (+ split combine).
+// the new rows into their pages, attention over the pages (split-KV combined in the same launch).
 // Paged launches of one backend run in start order: each waits, on its slot's
 // stream, for the event the previous paged launch recorded after its kernels
 // (so its H2D copy still overlaps the previous launch's compute).
@@ -135,7 +135,7 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
     const absl::StatusOr<Plan> planned = PlanFor(dev.attn);
     if (!planned.ok()) return planned.status();
     const Plan& plan = *planned;
-    const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
+    const absl::Status st = ReserveSplitWorkspace(slot, plan);
     if (!st.ok()) return st;
     ATTN_CUDA_RETURN_IF_ERROR(
         cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
 #include "common/host_copy.h"
 
@@ -60,6 +61,7 @@ class StagingBuffer {
   ~StagingBuffer() { Free(); }
 
   char* ptr() const { return ptr_; }
+  int64_t bytes() const { return bytes_; }
 
   // Makes room for `need` bytes (contents are not kept). `what` names the
   // buffer in an out-of-memory error.
@@ -77,13 +79,14 @@ class StagingBuffer {
     return absl::OkStatus();
   }
 
- private:
+  // Gives the memory back (bytes() is 0 until the next Reserve).
   void Free() {
     if (ptr_ != nullptr) kind_ == Kind::kDevice ? cudaFree(ptr_) : cudaFreeHost(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
 
+ private:
   const Kind kind_;
   char* ptr_ = nullptr;
   int64_t bytes_ = 0;
@@ -106,9 +109,29 @@ struct CudaBackend::Slot {
   // (o | lse), so each direction is one copy.
   StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
   StagingBuffer device{StagingBuffer::Kind::kDevice};
-  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV partials
+  StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV tickets and partials
   bool busy = false;
 };
+
+// Makes the slot's split-KV workspace hold `plan`'s, and zeroes its split
+// ticket counters (queued on the slot's stream) whenever it was
+// (re)allocated: fresh device memory is garbage, and from then on every
+// launch leaves the counters zero (attn_fwd_plan.h). A launch that fails to
+// start touches no counter; one that faults leaves the context unusable.
+inline absl::Status ReserveSplitWorkspace(CudaBackend::Slot* slot, const Plan& plan) {
+  if (plan.workspace_bytes == 0) return absl::OkStatus();
+  const int64_t had = slot->workspace.bytes();
+  const absl::Status st = slot->workspace.Reserve(plan.workspace_bytes, "split-KV workspace");
+  if (!st.ok()) return st;
+  if (slot->workspace.bytes() != had) {
+    const absl::Status cleared = CudaError(
+        cuda::ClearSplitCounters(slot->workspace.ptr(), slot->stream), "clear split counters");
+    // Not cleared: drop the buffer, so the next call allocates and clears again.
+    if (!cleared.ok()) slot->workspace.Free();
+    return cleared;
+  }
+  return absl::OkStatus();
+}
 
 // Queues one staged launch on the slot's stream: inputs [0, inputs_end) of
 // the pinned buffer to the device, `kernels`, outputs [out_begin, out_end)

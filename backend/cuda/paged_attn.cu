@@ -1,7 +1,7 @@
 // Host side and small kernels of the paged CUDA path (paged_attn.h): the page
 // copies and the append of new K/V rows into their pages, the paged attention
-// launch (the fused kernel with the paged row source, then the same exact
-// combine as the contiguous path), and the paged FP32 kernel.
+// launch (the fused kernel with the paged row source, split-KV combined as
+// on the contiguous path), and the paged FP32 kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -45,10 +45,10 @@ struct PagedFwdLaunch {
 // there is nothing to do. `dev` holds device pointers.
 cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream);
 
-// Attention of dev.attn.q over the sequences' pages, FP16/BF16: the fused
-// kernel (tile, splits, GQA packing as `plan` = PlanForward(dev.attn, ...)
-// says) and, when split, the exact combine. `workspace` has
-// plan.workspace_bytes.
+// Attention of dev.attn.q over the sequences' pages, FP16/BF16: the kernel as
+// `plan` = PlanForward(dev.attn, ...) says (decode splits combine in it; the
+// prefill tiles' in the combine kernel). `workspace` has plan.workspace_bytes,
+// its split counters zero (ClearSplitCounters once per allocation).
 cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                                cudaStream_t stream);
 

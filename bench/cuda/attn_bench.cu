@@ -12,6 +12,7 @@
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
 //             block tables.
+// --decode_splits=N overrides the decode split count (a sweep).
 // --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
 // benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
 // context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms), timed over 100
@@ -223,6 +224,14 @@ struct Impl {
 // decode shapes, for sweeping the split heuristic.
 int g_decode_splits = 0;
 FILE* g_kv_csv = nullptr;  // --kv_csv
+// The plan's split workspace (counters zeroed, as the backend does at
+// allocation); false when it cannot be allocated.
+bool AllocWorkspace(Plan* plan, Arena* arena, void** ws) {
+  if (plan->workspace_bytes == 0) return true;
+  *ws = arena->Alloc(plan->workspace_bytes);
+  return *ws != nullptr && cuda::ClearSplitCounters(*ws, nullptr) == cudaSuccess &&
+         cudaDeviceSynchronize() == cudaSuccess;
+}
 
 struct Ours : Impl {
   AttnParams p{};
@@ -237,12 +246,10 @@ struct Ours : Impl {
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
       plan.num_splits = g_decode_splits;
-      plan.workspace_bytes = g_decode_splits > 1 ? int64_t{g_decode_splits} * p.num_heads_q *
-                                                       p.total_q * (int64_t{p.head_dim} + 1) * 4
-                                                 : 0;
+      plan.workspace_bytes =
+          g_decode_splits > 1 ? cuda::SplitWorkspaceBytes(p, g_decode_splits) : 0;
     }
-    if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
-    return plan.workspace_bytes == 0 || ws != nullptr;
+    return AllocWorkspace(&plan, &arena, &ws);
   }
   bool Run() override {
     CK(cuda::LaunchForward(p, plan, ws, nullptr));
@@ -448,8 +455,7 @@ struct Paged : Impl {
     CK(cudaDeviceSynchronize());
     plan = cuda::PlanForward(p, num_sms);
     if (plan.kernel_head_dim == 0) return false;
-    if (plan.workspace_bytes > 0) ws = arena.Alloc(plan.workspace_bytes);
-    return plan.workspace_bytes == 0 || ws != nullptr;
+    return AllocWorkspace(&plan, &arena, &ws);
   }
   bool Run() override {
     CK(cuda::LaunchPagedForward(pp, plan, ws, nullptr));
@@ -624,6 +630,14 @@ int main(int argc, char** argv) {
             shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
         }
       }
+    }
+    if (grid == "decodesweep") {
+      // The split-KV sweep: B = 1 and 16 over contexts 1k..32k, and chunked
+      // prefill (Sq = 128, GQA 4:1) whose prefill tile also splits.
+      for (int b : {1, 16})
+        for (int sk = 1024; sk <= 32768; sk *= 2)
+          shapes.push_back({"decode", t, 128, b, 32, 8, 1, sk, false});
+      for (int sk : {8192, 32768}) shapes.push_back({"prefill", t, 128, 1, 32, 8, 128, sk, false});
     }
     if (grid == "decode" || grid == "all" || grid == "quick") {
       for (auto [b, sk] :

@@ -28,6 +28,12 @@ def shapes(grid, dtypes):
                         continue
                     for c in (False, True):
                         out.append(("prefill", dn, d, 16384 // n, 2048 // d, 2048 // d, n, n, c))
+        if grid == "decodesweep":
+            for b in (1, 16):
+                for sk in (1024, 2048, 4096, 8192, 16384, 32768):
+                    out.append(("decode", dn, 128, b, 32, 8, 1, sk, False))
+            for sk in (8192, 32768):
+                out.append(("prefill", dn, 128, 1, 32, 8, 128, sk, False))
         if grid in ("decode", "all", "quick"):
             for b, sk in ((1, 8192), (16, 8192), (64, 4096), (8, 65536)):
                 out.append(("decode", dn, 128, b, 32, 8, 1, sk, False))

@@ -89,13 +89,20 @@ TEST(PlanForwardTest, GqaHeadsPackIntoMOnlyForShortQueryRuns) {
 }
 
 // The worked examples in attn_fwd_plan.cc.
-TEST(PlanForwardTest, DecodeB1FillsNinetyPercentOfAWave) {
+TEST(PlanForwardTest, DecodeB1AimsAtTwoCtasPerSm) {
   const AttnParams a = Dense(1, 1, 8192, 32, 8, 128);
   const Plan p = PlanForward(a, kH100Sms);
   EXPECT_EQ(p.tile_kind, TileKind::kDecode);
   EXPECT_EQ(p.pack_gqa, 4);
-  EXPECT_EQ(p.num_splits, 43);  // 45 splits of a 396-CTA wave, equalised to 3 tiles each
-  EXPECT_EQ(p.workspace_bytes, int64_t{43} * 32 * 1 * (128 + 1) * 4);
+  EXPECT_EQ(p.num_splits, 32);  // 264 / 8 = 33 splits, equalised to 4 tiles each
+  EXPECT_EQ(p.workspace_bytes, cuda::kSplitCounterBytes + int64_t{32} * 32 * 1 * (128 + 1) * 4);
+  // Short contexts: at least 2 key tiles per split (1024 keys: 16 tiles).
+  EXPECT_EQ(PlanForward(Dense(1, 1, 1024, 32, 8, 128), kH100Sms).num_splits, 8);
+}
+
+TEST(PlanForwardTest, DecodeB16TakesTwoSplits) {
+  EXPECT_EQ(PlanForward(Dense(16, 1, 8192, 32, 8, 128), kH100Sms).num_splits, 2);
+  EXPECT_EQ(PlanForward(Dense(16, 1, 1024, 32, 8, 128), kH100Sms).num_splits, 2);
 }
 
 TEST(PlanForwardTest, DecodeB64TakesFewSplitsOverWholeWaves) {
@@ -106,7 +113,7 @@ TEST(PlanForwardTest, PrefillUnderHalfAWaveSplits) {
   const Plan p = PlanForward(Dense(1, 128, 8192, 8, 8, 128), kH100Sms);
   EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
   EXPECT_EQ(p.num_splits, 32);
-  EXPECT_EQ(p.workspace_bytes, int64_t{32} * 8 * 128 * (128 + 1) * 4);
+  EXPECT_EQ(p.workspace_bytes, cuda::kSplitCounterBytes + int64_t{32} * 8 * 128 * (128 + 1) * 4);
 }
 
 TEST(PlanForwardTest, PrefillOverHalfAWaveDoesNotSplit) {
@@ -120,6 +127,14 @@ TEST(PlanForwardTest, FewKeyTilesNeverSplit) {
   EXPECT_EQ(PlanForward(Dense(1, 1, 192, 32, 8, 128), kH100Sms).num_splits, 1);
   EXPECT_EQ(PlanForward(Dense(1, 64, 192, 2, 2, 128), kH100Sms).num_splits, 1);
   EXPECT_EQ(PlanForward(Dense(1, 1, 0, 32, 8, 128), kH100Sms).num_splits, 1);  // Sk = 0
+}
+
+TEST(PlanForwardTest, MoreGroupsThanTicketCountersNeverSplit) {
+  // 64 KV heads x 256 sequences = 16384 groups > kMaxSplitGroups, on a GPU
+  // large enough that they would otherwise split.
+  const Plan p = PlanForward(Dense(256, 1, 8192, 256, 64, 128), 100000);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_EQ(p.workspace_bytes, 0);
 }
 
 TEST(PlanForwardTest, SplitsAreCappedAt128) {

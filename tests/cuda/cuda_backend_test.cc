@@ -2,19 +2,23 @@
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
 // plus GPU-specific cases: every instantiated head dim and the sizes served by
 // the next one up, tile-boundary sizes, split-KV decode with GQA packing
-// (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
+// (dense, varlen, windows), long causal prefill, and buffer reuse; split-KV
+// with its fused combine (planned splits, and split counts alternating on one
+// workspace: the ticket counters' reset). Inputs are
 // fresh random numbers per case, outputs NaN-poisoned before every run.
 // Without a GPU each test calls GTEST_SKIP with the reason.
 #include "backend/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
+#include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/generated/kernel_set.h"
 #include "gtest/gtest.h"
@@ -164,6 +168,134 @@ std::vector<TestCase> ShapeGrid() {
   return g;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaTest, ::testing::ValuesIn(ShapeGrid()), CaseName);
+
+// Split-KV launches: each case must plan more than one split (asserted, so a
+// planner change cannot quietly drop the coverage); LSE returned and checked.
+// Decode tiles combine in the forward kernel, prefill tiles in the combine
+// kernel. Contexts 1k..32k at B = 1 and B = 16
+// with GQA 4:1 packed into the decode tile; one query head per KV head (a
+// row of fewer output chunks than threads: the combine splits the splits);
+// GQA 8:1 (8 packed rows); and chunked prefill (Sq 128), whose prefill tile
+// also splits.
+class CudaSplitTest : public CudaTest {};
+
+TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
+  HostBuffers buf(GetParam());
+  const absl::StatusOr<Plan> plan = backend_->CanImplement(buf.params());
+  if (plan.status().code() == absl::StatusCode::kUnimplemented && DocumentedRefusal(buf.params())) {
+    GTEST_SKIP() << plan.status().message();
+  }
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_GT(plan->num_splits, 1) << GetParam().Name();
+  RunAndCheck(GetParam());
+}
+
+std::vector<TestCase> SplitGrid() {
+  std::vector<TestCase> g;
+  for (int sk : {1000, 4096, 16384, 32768})
+    g.push_back(Make(DType::kBF16, 1, 1, sk, 32, 8, 128, false));
+  g.push_back(Make(DType::kFP16, 1, 1, 8192, 32, 8, 128, false));
+  for (int sk : {1024, 2500}) g.push_back(Make(DType::kBF16, 16, 1, sk, 32, 8, 128, false));
+  g.push_back(Make(DType::kFP16, 16, 1, 2048, 32, 8, 128, true));
+  g.push_back(Make(DType::kBF16, 1, 1, 5000, 8, 8, 128, false));    // no GQA: 1 row per tile
+  g.push_back(Make(DType::kBF16, 2, 1, 7000, 64, 8, 128, false));   // GQA 8:1
+  g.push_back(Make(DType::kBF16, 1, 128, 4096, 8, 2, 128, false));  // chunked prefill
+  g.push_back(Make(DType::kFP16, 1, 128, 3000, 8, 2, 128, true));
+  g.push_back(Make(DType::kBF16, 1, 128, 16384, 1, 1, 64, false));  // 128 splits, rows in passes
+  return g;
+}
+INSTANTIATE_TEST_SUITE_P(Split, CudaSplitTest, ::testing::ValuesIn(SplitGrid()), CaseName);
+
+// A device copy of a HostBuffers case (q, k, v in; o, lse out) and its
+// params with device pointers.
+class DeviceCase {
+ public:
+  explicit DeviceCase(HostBuffers* buf) : buf_(buf) {
+    dev_ = buf->params();
+    dev_.q = Upload(buf->q(), buf->q_bytes());
+    dev_.k = Upload(buf->k(), buf->kv_bytes());
+    dev_.v = Upload(buf->v(), buf->kv_bytes());
+    dev_.o = Upload(nullptr, buf->o_bytes());
+    dev_.lse = static_cast<float*>(Upload(nullptr, buf->lse_elements() * 4));
+  }
+  ~DeviceCase() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  bool ok() const { return ok_; }
+  const AttnParams& params() const { return dev_; }
+  // o and lse back into the host buffers (poisoned first on the device).
+  void Poison() {
+    ok_ &= cudaMemset(dev_.o, 0xff, static_cast<size_t>(buf_->o_bytes())) == cudaSuccess;
+    ok_ &= cudaMemset(dev_.lse, 0xff, static_cast<size_t>(buf_->lse_elements() * 4)) == cudaSuccess;
+  }
+  void Download() {
+    ok_ &= cudaMemcpy(buf_->o(), dev_.o, static_cast<size_t>(buf_->o_bytes()),
+                      cudaMemcpyDeviceToHost) == cudaSuccess;
+    ok_ &= cudaMemcpy(buf_->lse(), dev_.lse, static_cast<size_t>(buf_->lse_elements() * 4),
+                      cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+
+ private:
+  void* Upload(const void* src, int64_t bytes) {
+    void* p = nullptr;
+    ok_ &= cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 16))) == cudaSuccess;
+    if (p != nullptr) ptrs_.push_back(p);
+    if (src != nullptr && p != nullptr)
+      ok_ &= cudaMemcpy(p, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice) == cudaSuccess;
+    return p;
+  }
+  HostBuffers* buf_;
+  AttnParams dev_;
+  std::vector<void*> ptrs_;
+  bool ok_ = true;
+};
+
+// The ticket counters' reset: launches of two shapes with different split
+// counts (and so different tile groups, and splits with no keys at all)
+// alternate on ONE workspace whose counters were zeroed once. Each must
+// match the reference, and every counter must be zero after each launch.
+TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
+  std::string why;
+  if (SharedBackend(&why) == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  HostBuffers a(Make(DType::kBF16, 1, 1, 3000, 32, 8, 128, false));   // 47 key tiles, 8 groups
+  HostBuffers b(Make(DType::kBF16, 16, 1, 1500, 16, 4, 128, false));  // 24 key tiles, 64 groups
+  DeviceCase da(&a), db(&b);
+  ASSERT_TRUE(da.ok() && db.ok());
+  int num_sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr int kMaxSplits = 40;
+  const int64_t ws_bytes = std::max(cuda::SplitWorkspaceBytes(da.params(), kMaxSplits),
+                                    cuda::SplitWorkspaceBytes(db.params(), kMaxSplits));
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, static_cast<size_t>(ws_bytes)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(ws, 0x5a, static_cast<size_t>(ws_bytes)), cudaSuccess);  // garbage partials
+  ASSERT_EQ(cuda::ClearSplitCounters(ws, nullptr), cudaSuccess);
+  struct Step {
+    HostBuffers* buf;
+    DeviceCase* dev;
+    int splits;  // 40 over 47 tiles: 16 splits without keys; 40 over 24: 16 too
+  };
+  const Step steps[] = {{&a, &da, 7}, {&b, &db, 3},  {&a, &da, 40}, {&b, &db, 40},
+                        {&a, &da, 2}, {&b, &db, 13}, {&a, &da, 7}};
+  for (const Step& st : steps) {
+    Plan plan = cuda::PlanForward(st.dev->params(), num_sms);
+    ASSERT_EQ(plan.tile_kind, TileKind::kDecode);
+    plan.num_splits = st.splits;
+    plan.workspace_bytes = cuda::SplitWorkspaceBytes(st.dev->params(), st.splits);
+    st.dev->Poison();
+    ASSERT_EQ(cuda::LaunchForward(st.dev->params(), plan, ws, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    st.dev->Download();
+    ASSERT_TRUE(st.dev->ok());
+    EXPECT_TRUE(CheckOutput(*st.buf)) << st.buf->test_case().Name() << " splits " << st.splits;
+    std::vector<int32_t> counters(cuda::kMaxSplitGroups, -1);
+    ASSERT_EQ(cudaMemcpy(counters.data(), ws, cuda::kSplitCounterBytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::count(counters.begin(), counters.end(), 0), cuda::kMaxSplitGroups)
+        << "a ticket counter was left non-zero after " << st.splits << " splits";
+  }
+  cudaFree(ws);
+}
 
 TEST(CudaBackendInfo, DescribesDevice) {
   auto b = MakeCudaBackend(0);

@@ -369,6 +369,12 @@ std::vector<PagedCase> PagedGrid() {
     g.push_back(Case(t, {1}, {8192}, {1}, 32, 8, 128, 16));
     g.push_back(Case(t, {1}, {8192}, {1}, 32, 8, 128, 64));
     g.push_back(Case(t, {1, 1, 1}, {4097, 300, 1}, {1, 1, 1}, 32, 8, 128, ps()));
+    // B = 16 decode, GQA 4:1, ragged contexts: split-KV over several waves.
+    {
+      std::vector<int> q(16, 1), k(16);
+      for (int b = 0; b < 16; ++b) k[b] = 1200 + 97 * b;
+      g.push_back(Case(t, q, k, q, 32, 8, 128, ps()));
+    }
     // MQA decode; speculative decode (4 new tokens, causal).
     g.push_back(Case(t, {1, 1}, {3000, 77}, {1, 1}, 8, 1, 128, ps()));
     g.push_back(Case(t, {4, 4}, {3000, 900}, {4, 4}, 16, 4, 128, ps(), true));
