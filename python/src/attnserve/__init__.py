@@ -10,7 +10,7 @@ Public API:
   AttnServeError                the one exception: .code (grpc.StatusCode), .message
   ForwardResult, ServerTiming   what forward_result()/echo()/streams return
   attnserve.kv                  K/V on the server: Cache, Sequence(s), append_attend, streams
-  attnserve.kv_aio              AsyncCache: the K/V API for asyncio
+  attnserve.kv_aio              AsyncCache, AsyncAppendAttendStream: the K/V API for asyncio
   attnserve.hf                  the transformers attention implementation ("attnserve")
   attnserve.hf_cache            ServerCache: a transformers Cache with K/V on the server
   attnserve.v1                  the generated stubs (attention_pb2(_grpc), kv_pb2(_grpc))
