@@ -218,11 +218,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N")
     ap.add_argument("--modes", default="stateless,kv", help="stateless, kv or both")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads (0 = torch's default; 1 on a loaded machine)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-vs-sdpa baseline")
     ap.add_argument("--expect-identical", action="store_true",
                     help="exit 1 unless every attnserve mode gives sdpa's tokens")
     a = ap.parse_args(argv)
-    torch.set_num_threads(min(torch.get_num_threads(), 8))
+    if a.threads:
+        torch.set_num_threads(a.threads)
     results, _ = run_comparison(a.target, a.dtype, a.device, a.modes.split(","), a.new_tokens,
                                 with_eager=not a.no_eager)
     for comparison in results:
