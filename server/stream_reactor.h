@@ -92,10 +92,17 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
       read_next = !ledger_.Full();
       if (!read_next) ledger_.SetPaused(true);
     }
-    // Read the next request while this one runs (pipelining is the point),
-    // unless the stream already holds all it may.
-    if (read_next) this->StartRead(&incoming_);
+    // Start this request, then read the next while it runs (pipelining is the
+    // point), unless the stream already holds all it may. In that order: the
+    // next OnReadDone may run on another thread at once, and requests must
+    // start in arrival order (the K/V stream's calls on one sequence and layer
+    // apply in the order they were sent; reading first let a later call be
+    // admitted before an earlier one, which then failed its expected length).
+    // start_ only decodes and queues the request, so the read waits little;
+    // with no read outstanding and the stream not paused, nothing in start_'s
+    // completion starts a read or finishes the stream.
     start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
+    if (read_next) this->StartRead(&incoming_);
   }
 
   void OnWriteDone(bool ok) override {

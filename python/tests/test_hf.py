@@ -12,6 +12,8 @@ difference (attnserve.hf_compare, which scripts/gpu-python.sh runs on the GPU).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,6 +27,9 @@ from attnserve.kv import Cache  # noqa: E402
 
 NEW_TOKENS = hf_compare.NEW_TOKENS
 PROMPT_LENGTHS = hf_compare.PROMPT_LENGTHS
+# Where the model runs: the CPU here; scripts/gpu-python.sh sets "cuda" (with
+# the CUDA server as ATTNSERVE_TARGET), the same device as the server's.
+DEVICE = os.environ.get("ATTNSERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +49,9 @@ def generate(model, ids, mask, **kwargs):
 @pytest.fixture(scope="module")
 def sdpa_run():
     """transformers' own "sdpa" model and its greedy tokens: built and run once for both modes."""
+    hf_compare.no_tf32()
     reference = hf_compare.build_model(hf_compare.small_llama_config(), "sdpa", torch.float32,
-                                       "cpu")
+                                       DEVICE)
     ids, mask = hf_compare.prompt_batch()
     want = generate(reference, ids, mask)
     assert want.shape == (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + NEW_TOKENS)
@@ -55,7 +61,7 @@ def sdpa_run():
 def attnserve_model(reference):
     """The same weights with attn_implementation="attnserve"."""
     return hf_compare.build_model(hf_compare.small_llama_config(), "attnserve", torch.float32,
-                                  "cpu", reference.state_dict())
+                                  DEVICE, reference.state_dict())
 
 
 def assert_same_tokens(want, got):
@@ -125,7 +131,7 @@ def test_server_cache_refuses_another_attention(server, sdpa_run):
     with Client(server.target, timeout=120) as client:
         with ServerCache(client, reference.config, max_tokens=64) as cache:
             with pytest.raises(RuntimeError, match="attn_implementation"), torch.no_grad():
-                reference(input_ids=ids[:, -4:], past_key_values=cache, use_cache=True)
+                reference(input_ids=ids[:, -4:].to(DEVICE), past_key_values=cache, use_cache=True)
             assert cache.cache.stats().tokens == 0  # nothing reached the server
 
 
@@ -138,7 +144,7 @@ def test_bf16_first_differing_token(server, capsys):
     difference), and a token flips only where sdpa's margin between the two
     candidates is within that gap (a near-tie)."""
     with Client(server.target, timeout=120) as client:
-        results, _ = hf_compare.run_comparison(client, "bfloat16", "cpu", ("stateless", "kv"))
+        results, _ = hf_compare.run_comparison(client, "bfloat16", DEVICE, ("stateless", "kv"))
     with capsys.disabled():
         print()
         for comparison in results:
