@@ -22,10 +22,18 @@
 # the GPU run: the server with --backend=cpu, the model on the CPU (one torch
 # thread), small sizes (--quick bench, small scenario and model only).
 # Binaries: .device-carry/bin (scripts/pack-device-deps.sh --server BUILD; a
-# CPU build for --cpu). PYTHON (default python3) runs the Python parts.
+# CPU build for --cpu). Environment: PYTHON (default python3) runs the Python
+# parts; CARRY names the carried folder when it is not this tree's
+# .device-carry (e.g. the script runs from a copy of a branch under
+# .device-carry/NAME: CARRY=.device-carry); BUDGET_S (default 570) is the
+# whole run's time: the benchmark gets what the steps before it left.
 # Usage: scripts/gpu-python.sh [--cpu]
 set -uo pipefail
+if [ -n "${CARRY:-}" ]; then CARRY=$(cd "$CARRY" && pwd) || exit 2; fi
 cd "$(dirname "$0")/.." || exit 1
+carry=${CARRY:-$PWD/.device-carry}
+budget=${BUDGET_S:-570}
+# shellcheck source=scripts/lib/common.sh
 . scripts/lib/common.sh
 cpu=0
 [ "${1:-}" = --cpu ] && cpu=1
@@ -37,29 +45,31 @@ started=$SECONDS
 step() { echo "== $* ($((SECONDS - started)) s)"; }
 
 step "wheels"
-[ -d .device-carry/wheels ] ||
-  { echo "no .device-carry/wheels: run scripts/pack-python-carry.sh here and carry it"; exit 2; }
-rm -rf .device-carry/pylib
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .device-carry/pylib \
-  .device-carry/wheels/*.whl || exit 2
-export PYTHONPATH=$PWD/.device-carry/pylib${PYTHONPATH:+:$PYTHONPATH}
-commit=$(cat .device-carry/wheels/COMMIT 2>/dev/null || echo unknown)
+[ -d "$carry"/wheels ] ||
+  { echo "no $carry/wheels: run scripts/pack-python-carry.sh here and carry it"; exit 2; }
+rm -rf "$carry"/pylib
+"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
+  "$carry"/wheels/*.whl || exit 2
+export PYTHONPATH=$carry/pylib${PYTHONPATH:+:$PYTHONPATH}
+commit=$(cat "$carry"/wheels/COMMIT 2>/dev/null || echo unknown)
 
-if [ ! -x .device-carry/bin/attnserve ] && [ -f .device-carry/server.tgz ]; then
-  step "unpacking .device-carry/server.tgz"
-  tar -C .device-carry -xzf .device-carry/server.tgz || exit 2
+if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
+  step "unpacking $carry/server.tgz"
+  tar -C "$carry" -xzf "$carry"/server.tgz || exit 2
 fi
-[ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/attnctl ] ||
-  { echo "no .device-carry/bin/attnserve and attnctl: scripts/pack-device-deps.sh --server BUILD"; exit 2; }
+if [ ! -x "$carry"/bin/attnserve ] || [ ! -x "$carry"/bin/attnctl ]; then
+  echo "no $carry/bin/attnserve and attnctl: scripts/pack-device-deps.sh --server BUILD"; exit 2
+fi
 # The carried libraries (Debian's gRPC, protobuf, Abseil, OpenSSL...) go on the
 # library path of the server and attnctl only, through these wrappers, not on
 # Python's: the machine's own Python modules load the machine's libraries.
-bin=$PWD/.device-carry/pybin
+bin="$carry"/pybin
 rm -rf "$bin"
 mkdir -p "$bin"
 for tool in attnserve attnctl; do
+  # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and "$@" are the wrapper's, not ours
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-    "$PWD/.device-carry/lib" "$PWD/.device-carry/bin/$tool" >"$bin/$tool"
+    "$carry/lib" "$carry/bin/$tool" >"$bin/$tool"
   chmod +x "$bin/$tool"
 done
 
@@ -68,14 +78,14 @@ if [ "$cpu" = 1 ]; then
   server_flags=(--backend=cpu --threads=2)
   export ATTNSERVE_TEST_DEVICE=cpu
   torch_threads=(--threads=1)
-  bench_flags=(--quick --scenarios=small --models=llama-small --batches=1,4 --torch-threads=1)
+  bench_flags=(--quick --scenarios=small --models=llama-small "--batches=1,4" --torch-threads=1)
 else
   backend=cuda; device=cuda; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 |
     tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
   server_flags=(--backend=cuda --devices=0 --kv_cache_bytes=$((16 << 30)))
   export ATTNSERVE_TEST_DEVICE=cuda
   torch_threads=()
-  bench_flags=(--seconds=2,6)
+  bench_flags=("--seconds=2,6")
 fi
 csv=$OUT/python-$gpu-$(date -u +%Y-%m-%d).csv
 rm -f "$csv"
@@ -111,19 +121,25 @@ pid=$SERVER_PID
 
 step "identical tokens (FP32, both modes, model on $device, $backend server)"
 fail=0
-ATTNSERVE_TARGET=$target timeout 300 "$py" -m pytest -q -p no:cacheprovider \
+ATTNSERVE_TARGET=$target timeout 200 "$py" -m pytest -q -p no:cacheprovider \
   python/tests/test_hf.py -k "fp32 or refuses" 2>&1 | tee "$OUT/test-hf.txt" | tail -15
 if [ "${PIPESTATUS[0]}" = 0 ]; then result=PASS; else result=FAIL; fail=1; fi
 echo "# identical tokens, FP32, 64 greedy tokens, both modes (test_hf.py -k 'fp32 or refuses'): $result ($(tail -1 "$OUT/test-hf.txt"))" >>"$csv"
+if [ "$result" = FAIL ]; then  # where, and at what margin
+  timeout 200 "$py" -m attnserve.hf_compare --target="$target" --dtype=float32 --no-eager \
+    --device="$device" "${torch_threads[@]}" 2>&1 | tee "$OUT/hf-fp32.txt"
+  sed 's/^/# fp32: /' "$OUT/hf-fp32.txt" >>"$csv"
+fi
 
 step "BF16: first differing token and logit margin"
-timeout 300 "$py" -m attnserve.hf_compare --target="$target" --dtype=bfloat16 \
+timeout 200 "$py" -m attnserve.hf_compare --target="$target" --dtype=bfloat16 \
   --device="$device" "${torch_threads[@]}" 2>&1 | tee "$OUT/hf-bf16.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "hf_compare failed"; fail=1; }
 sed 's/^/# bf16: /' "$OUT/hf-bf16.txt" >>"$csv"
 
-step "benchmark"
-timeout 420 "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
+left=$((budget - (SECONDS - started) - 15))
+step "benchmark (at most $left s)"
+timeout "$left" "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
   --csv="$csv" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] || { echo "python_bench.py exited $rc; its last lines:"; tail -20 "$OUT/bench.txt"; fail=1; }
