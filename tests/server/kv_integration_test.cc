@@ -508,8 +508,10 @@ TEST_F(KvServerTest, StreamRunsAGenerationLoop) {
 
 // Calls on one (sequence, layer) pipelined on a stream apply in the order
 // sent: each expects the length the previous one leaves. The stream reactor
-// used to read the next request before starting the current one, so under
-// load a later call could be admitted first and fail its expected length.
+// used to start the next read before (or, resuming after a flow-control
+// pause, while) the current request started, so a later call could be
+// admitted first and fail its expected length (64 queries a call make the
+// start slow enough for that to show).
 TEST_F(KvServerTest, StreamAppliesPipelinedCallsOnOnePairInOrder) {
   StartServer();
   constexpr int kCalls = 300;
