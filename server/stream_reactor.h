@@ -91,11 +91,31 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
       calls_.push_back(std::move(owned));
       read_next = !ledger_.Full();
       if (!read_next) ledger_.SetPaused(true);
+      starting_ = true;
     }
-    // Read the next request while this one runs (pipelining is the point),
-    // unless the stream already holds all it may.
-    if (read_next) this->StartRead(&incoming_);
+    // Start this request, then read the next while it runs (pipelining is the
+    // point), unless the stream already holds all it may. Requests start in
+    // arrival order: the K/V stream's calls on one sequence and layer apply in
+    // the order they were sent. So no read starts while start_ runs (the next
+    // OnReadDone could run on another thread at once and start a later
+    // request first): a resume that comes meanwhile (a response written, or
+    // this request answered at once) is deferred to here. start_ only decodes
+    // and queues the request, so the read waits little.
     start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
+    bool read;
+    bool finish;
+    {
+      absl::MutexLock lock(&mu_);
+      starting_ = false;
+      read = (read_next || resume_after_start_) && !reads_done_;
+      resume_after_start_ = false;
+      finish = !read && ShouldFinishLocked();
+    }
+    if (read) {
+      this->StartRead(&incoming_);
+    } else if (finish) {
+      FinishStream();
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -169,9 +189,14 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
 
   // True (and reading marked resumed) when reading was paused and the ledger
   // has room again; the caller then starts the read after unlocking.
+  // While a request is starting, the read waits for it (OnReadDone starts it).
   bool ResumeReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!ledger_.paused() || reads_done_ || ledger_.Full()) return false;
     ledger_.SetPaused(false);
+    if (starting_) {
+      resume_after_start_ = true;
+      return false;
+    }
     return true;
   }
 
@@ -189,8 +214,11 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
     return &ready_.front()->response;
   }
 
+  // Never while a request is starting: OnReadDone still uses `this` after start_.
   bool ShouldFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) return false;
+    if (finished_ || starting_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) {
+      return false;
+    }
     finished_ = true;
     return true;
   }
@@ -227,6 +255,8 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool starting_ ABSL_GUARDED_BY(mu_) = false;            // OnReadDone is in start_
+  bool resume_after_start_ ABSL_GUARDED_BY(mu_) = false;  // a resume came meanwhile
   StreamLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -17,6 +17,7 @@ Usage (GPU machine; one command):
   python3 bench/gpu/python_bench.py --server .device-carry/bin/attnserve \\
       --attnctl .device-carry/bin/attnctl --csv bench/results/python-h100-2026-11-23.csv
   ... --quick             a few seconds per point, fewer tokens (smoke run)
+  ... --seconds 2,6 --concurrency 1,16 --prompt 128 --new-tokens 128   (the defaults' knobs)
   ... --target HOST:PORT  use a running server instead of starting one
   ... --parts client      or "generate": only one part
 
@@ -58,7 +59,12 @@ SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
 
 class Writer:
     def __init__(self, path: str, device: str):
-        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        # A file may start with `#` lines (scripts/gpu-python.sh writes the
+        # environment and the token comparisons there): the header goes after them.
+        new = True
+        if os.path.exists(path):
+            with open(path) as f:
+                new = not any(line.strip() and not line.startswith("#") for line in f)
         self.f = open(path, "a", newline="")
         self.w = csv.DictWriter(self.f, FIELDS)
         self.device = device
@@ -153,13 +159,12 @@ def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, durat
                 p99_ms=float(np.percentile(lat, 99)) if n else 0.0)
 
 
-def bench_client(out: Writer, target: str, attnctl: str, quick: bool,
-                 scenarios: List[str]) -> None:
-    warmup, duration = (1.0, 3.0) if quick else (3.0, 15.0)
+def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
+                 scenarios: List[str], concurrencies: List[int]) -> None:
     with Client(target, timeout=600) as client:
         for name in scenarios:
             sc = SCENARIOS[name]
-            for conc in (1, 16):
+            for conc in concurrencies:
                 base = attnctl_load(attnctl, target, sc, conc, warmup, duration)
                 common = dict(part="client", scenario=name, dtype="bf16", batch=sc["batch"],
                               seqlen=sc["seqlen"], heads_q=sc["heads"], heads_kv=sc["heads"],
@@ -209,7 +214,13 @@ class CallTimer:
         setattr(self.owner, self.name, self.original)
 
 
-def bench_generate(out: Writer, target: str, quick: bool, model_names: List[str],
+# Stateless generate() resends every layer's whole K/V each step: for the 1B
+# model at batch 32 that is ~68 GB through Python gRPC per run, minutes for a
+# number the K/V mode exists to avoid; it runs at batch 1 there.
+STATELESS_MAX_BATCH = {"llama-1b": 1}
+
+
+def bench_generate(out: Writer, target: str, prompt: int, new: int, model_names: List[str],
                    batches: List[int]) -> None:
     import torch
     import transformers
@@ -218,7 +229,6 @@ def bench_generate(out: Writer, target: str, quick: bool, model_names: List[str]
     from attnserve.kv import Cache
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    prompt, new = (64, 16) if quick else (128, 128)
     client = attnserve.hf.register(Client(target, timeout=600))
     configs = model_configs(transformers)
     for model_name in model_names:
@@ -237,6 +247,11 @@ def bench_generate(out: Writer, target: str, quick: bool, model_names: List[str]
             ids = torch.randint(2, cfg.vocab_size, (batch, prompt), generator=g).to(device)
             mask = torch.ones_like(ids)
             for impl in ("sdpa", "attnserve", "attnserve_kv"):
+                if impl == "attnserve" and batch > STATELESS_MAX_BATCH.get(model_name, batch):
+                    out.row(part="generate", impl=impl, model=model_name, batch=batch,
+                            notes="skipped: stateless resends the whole K/V every step "
+                                  "(STATELESS_MAX_BATCH)")
+                    continue
                 model = models["sdpa" if impl == "sdpa" else "attnserve"]
                 timer = (CallTimer(Client, "forward_result") if impl == "attnserve" else
                          CallTimer(Cache, "append_attend_result") if impl == "attnserve_kv"
@@ -290,6 +305,41 @@ def bench_generate(out: Writer, target: str, quick: bool, model_names: List[str]
     client.close()
 
 
+def print_summary(path: str) -> None:
+    """The CSV's rows as two short tables (the last row of each point wins)."""
+    with open(path) as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    client = {}
+    for r in rows:
+        if r["part"] == "client" and r["req_per_s"]:
+            client[(r["scenario"], r["concurrency"], r["impl"])] = r
+    def num(r: Dict[str, str], col: str, fmt: str) -> str:
+        return format(float(r[col]), fmt) if r.get(col) else "-"
+
+    if client:
+        print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9)")
+        print(f"{'scenario':<8} {'conc':>4} {'attnctl':>9} {'py unary':>9} {'ratio':>6} "
+              f"{'py stream':>9} {'ratio':>6}")
+        for sc, conc in dict.fromkeys((k[0], k[1]) for k in client):
+            base, unary, stream = (client.get((sc, conc, impl), {}) for impl in
+                                   ("attnctl_load", "python_unary", "python_stream"))
+            print(f"{sc:<8} {conc:>4} {num(base, 'req_per_s', '.1f'):>9} "
+                  f"{num(unary, 'req_per_s', '.1f'):>9} {num(unary, 'ratio_vs_attnctl', '.2f'):>6} "
+                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6}")
+    gen = [r for r in rows if r["part"] == "generate"]
+    if gen:
+        print("generate(): tokens/s, and where the measured run's seconds go: inside attnserve "
+              "calls (client wall; of it, the server's total and compute) + the rest (the model)")
+        for r in gen:
+            head = f"{r['model']:<11} b={r['batch']:<3} {r['impl']:<13}"
+            if not r["tokens_per_s"]:
+                print(f"{head} {r['notes']}")
+                continue
+            print(f"{head} {num(r, 'tokens_per_s', '9.1f')} tok/s {num(r, 'seconds', '7.3f')} s = "
+                  f"attn {num(r, 'attn_call_s', '.3f')} (server {num(r, 'server_total_s', '.3f')}, "
+                  f"compute {num(r, 'server_compute_s', '.3f')}) + other {num(r, 'other_s', '.3f')}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", required=True, help="append rows here (header if new)")
@@ -299,11 +349,22 @@ def main() -> int:
     ap.add_argument("--target", help="a running server instead of --server")
     ap.add_argument("--attnctl", default="attnctl", help="attnctl binary for part (a)")
     ap.add_argument("--parts", default="client,generate")
-    ap.add_argument("--quick", action="store_true", help="short windows, fewer tokens")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: --seconds=1,3 --prompt=64 --new-tokens=16")
+    ap.add_argument("--seconds", default="3,15",
+                    help="part (a): warm-up and measured seconds per point")
+    ap.add_argument("--concurrency", default="1,16", help="part (a): closed-loop callers")
+    ap.add_argument("--prompt", type=int, default=128, help="part (b): prompt tokens")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="part (b): torch CPU threads (0 = torch's default)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="part (b): generated tokens")
     ap.add_argument("--scenarios", default="small,large", help="part (a): of " + ",".join(SCENARIOS))
     ap.add_argument("--models", default="llama-small,llama-1b", help="part (b)")
     ap.add_argument("--batches", default="1,32", help="part (b): generate() batch sizes")
     a = ap.parse_args()
+    if a.quick:
+        a.seconds, a.prompt, a.new_tokens = "1,3", 64, 16
+    warmup, duration = (float(x) for x in a.seconds.split(","))
     if bool(a.server) == bool(a.target):
         ap.error("give exactly one of --server and --target")
     proc = start_server(a.server, a.server_arg) if a.server else None
@@ -316,14 +377,19 @@ def main() -> int:
         print(f"attnserve {attnserve.__version__} client, server {target} ({device})", flush=True)
         parts = a.parts.split(",")
         if "client" in parts:
-            bench_client(out, target, a.attnctl, a.quick, a.scenarios.split(","))
+            bench_client(out, target, a.attnctl, warmup, duration, a.scenarios.split(","),
+                         [int(c) for c in a.concurrency.split(",")])
         if "generate" in parts:
-            bench_generate(out, target, a.quick, a.models.split(","),
+            if a.torch_threads:
+                import torch
+                torch.set_num_threads(a.torch_threads)
+            bench_generate(out, target, a.prompt, a.new_tokens, a.models.split(","),
                            [int(b) for b in a.batches.split(",")])
     finally:
         if proc:
             proc.terminate()
             proc.wait(timeout=60)
+    print_summary(a.csv)
     return 0
 
 

@@ -1,7 +1,8 @@
 """pytest fixtures: a real attnserve server (CPU backend) on a free port, and clients of it.
 
 The server binary comes from $ATTNSERVE_SERVER (ctest sets it to the build's
-server/attnserve). The fixture waits for evidence, never a fixed time: the
+server/attnserve). With $ATTNSERVE_TARGET (host:port) the suites use that
+running server instead (scripts/gpu-python.sh: the CUDA server). The fixture waits for evidence, never a fixed time: the
 "listening on HOST:PORT" log line, then grpc.health.v1 answering SERVING.
 """
 
@@ -78,8 +79,23 @@ def _binary() -> str:
     return binary
 
 
+class Running:
+    """A server someone else started ($ATTNSERVE_TARGET), once it answers SERVING."""
+
+    def __init__(self, target: str):
+        self.target = target
+        with Client(target, timeout=30) as c:
+            status = c.health()
+        if status != "SERVING":
+            pytest.fail(f"ATTNSERVE_TARGET={target} answers {status}, not SERVING")
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
+    target = os.environ.get("ATTNSERVE_TARGET", "")
+    if target:
+        yield Running(target)
+        return
     s = Server(_binary(), [])
     yield s
     s.stop()

@@ -5,9 +5,14 @@ query heads, 2 KV heads, RoPE), a left-padded batch of prompts of mixed
 lengths, 64 greedy tokens each, every attention call through the server: in
 both modes, stateless (whole K/V each call) and K/V on the server
 (attnserve.hf_cache.ServerCache). The sdpa reference runs once for both.
+In BF16 tokens may flip at near-ties: test_bf16_first_differing_token reports
+where, with the logit margin there, beside transformers' own eager-vs-sdpa
+difference (attnserve.hf_compare, which scripts/gpu-python.sh runs on the GPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -16,51 +21,38 @@ transformers = pytest.importorskip("transformers")
 
 import attnserve.hf  # noqa: E402
 from attnserve import AttnServeError, Client  # noqa: E402
+from attnserve import hf_compare  # noqa: E402
 from attnserve.hf_cache import ServerCache  # noqa: E402
 from attnserve.kv import Cache  # noqa: E402
 
-NEW_TOKENS = 64
-PROMPT_LENGTHS = [5, 17, 11, 1]
-PAD = 0
+NEW_TOKENS = hf_compare.NEW_TOKENS
+PROMPT_LENGTHS = hf_compare.PROMPT_LENGTHS
+# Where the model runs: the CPU here; scripts/gpu-python.sh sets "cuda" (with
+# the CUDA server as ATTNSERVE_TARGET), the same device as the server's.
+DEVICE = os.environ.get("ATTNSERVE_TEST_DEVICE", "cpu")
 
 
-def small_llama_config():
-    return transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-        rope_theta=10000.0, pad_token_id=PAD, bos_token_id=1, eos_token_id=None,
-        tie_word_embeddings=False)
-
-
-def prompt_batch():
-    """Left-padded prompts (token ids 2..511) and their attention mask."""
-    g = torch.Generator().manual_seed(1234)
-    width = max(PROMPT_LENGTHS)
-    ids = torch.full((len(PROMPT_LENGTHS), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(PROMPT_LENGTHS):
-        ids[row, width - n:] = torch.randint(2, 512, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return ids, mask
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # On a loaded 2-core machine, torch's OpenMP threads spin against the other
+    # processes: one thread generated 10 to 25 times faster than two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def generate(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD,
-                              **kwargs)
+    return hf_compare.greedy(model, ids, mask, NEW_TOKENS, **kwargs).tokens
 
 
 @pytest.fixture(scope="module")
 def sdpa_run():
     """transformers' own "sdpa" model and its greedy tokens: built and run once for both modes."""
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    # Each model gets its own config: from_config records the implementation in it.
-    reference = transformers.AutoModelForCausalLM.from_config(
-        small_llama_config(), attn_implementation="sdpa", dtype=torch.float32).eval()
-    assert reference.config._attn_implementation == "sdpa"
-    ids, mask = prompt_batch()
+    hf_compare.no_tf32()
+    reference = hf_compare.build_model(hf_compare.small_llama_config(), "sdpa", torch.float32,
+                                       DEVICE)
+    ids, mask = hf_compare.prompt_batch()
     want = generate(reference, ids, mask)
     assert want.shape == (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + NEW_TOKENS)
     return reference, ids, mask, want
@@ -68,11 +60,8 @@ def sdpa_run():
 
 def attnserve_model(reference):
     """The same weights with attn_implementation="attnserve"."""
-    ours = transformers.AutoModelForCausalLM.from_config(
-        small_llama_config(), attn_implementation="attnserve", dtype=torch.float32).eval()
-    ours.load_state_dict(reference.state_dict())
-    assert ours.config._attn_implementation == "attnserve"
-    return ours
+    return hf_compare.build_model(hf_compare.small_llama_config(), "attnserve", torch.float32,
+                                  DEVICE, reference.state_dict())
 
 
 def assert_same_tokens(want, got):
@@ -142,5 +131,29 @@ def test_server_cache_refuses_another_attention(server, sdpa_run):
     with Client(server.target, timeout=120) as client:
         with ServerCache(client, reference.config, max_tokens=64) as cache:
             with pytest.raises(RuntimeError, match="attn_implementation"), torch.no_grad():
-                reference(input_ids=ids[:, -4:], past_key_values=cache, use_cache=True)
+                reference(input_ids=ids[:, -4:].to(DEVICE), past_key_values=cache, use_cache=True)
             assert cache.cache.stats().tokens == 0  # nothing reached the server
+
+
+def test_bf16_first_differing_token(server, capsys):
+    """BF16, both modes: where tokens first differ from sdpa's, and the logit margin there.
+
+    Printed for the log (ctest --output-on-failure -V shows it). What must hold:
+    while a row's inputs are the same, attnserve's logits stay within twice the
+    gap between transformers' own eager and sdpa kernels (the legitimate BF16
+    difference), and a token flips only where sdpa's margin between the two
+    candidates is within that gap (a near-tie)."""
+    with Client(server.target, timeout=120) as client:
+        results, _ = hf_compare.run_comparison(client, "bfloat16", DEVICE, ("stateless", "kv"))
+    with capsys.disabled():
+        print()
+        for comparison in results:
+            print("\n".join(comparison.lines()))
+    *ours, eager = results
+    noise = max(d.max_logit_gap for d in eager.rows)
+    assert noise > 0  # BF16 eager and sdpa do round differently
+    for comparison in ours:
+        for d in comparison.rows:
+            assert d.max_logit_gap <= 2 * noise, (comparison.name, d.line(), noise)
+            if d.first_diff is not None:
+                assert abs(d.want_margin) <= noise, (comparison.name, d.line(), noise)

@@ -1,6 +1,6 @@
 """attnserve.kv against a real CPU server: caches, sequences, append-and-attend, fork,
 truncate, stale lengths, NOT_FOUND, errors, the stream, what closing frees, the
-affinity header, and the asyncio twin (attnserve.kv_aio).
+affinity header, and the asyncio twin (attnserve.kv_aio), unary and on a stream.
 
 Outputs are checked against the float64 reference over the sequence's whole
 history and against a stateless forward() of that history (the paged path
@@ -377,3 +377,93 @@ def test_asyncio_twin(server):
             assert e.value.code == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(main())
+
+
+def test_asyncio_stream_generation_loop_equals_unary(server, client):
+    """A toy decode loop on AsyncAppendAttendStream (each step's Q/K/V made from the
+    last step's O, the three sequences' calls in flight at once, then whole steps
+    pipelined) gives bit for bit the outputs of the same loop run with unary calls
+    on a second cache; `async with` drops, frees and closes what it made."""
+    rng = np.random.default_rng(13)
+    batch, prompt, steps = 3, 6, 5
+    mix = rand(rng, (HQ * D, (HQ + 2 * HKV) * D)) / 16  # the toy "model": O -> next Q, K, V
+
+    def next_qkv(o):  # a layer's O [n, HQ, D] -> the next one's q [n, HQ, D], k, v [n, HKV, D]
+        x = np.tanh(o.reshape(o.shape[0], -1) @ mix)
+        q, k, v = np.split(x, [HQ * D, (HQ + HKV) * D], axis=-1)
+        n = o.shape[0]
+        return q.reshape(n, HQ, D), k.reshape(n, HKV, D), v.reshape(n, HKV, D)
+
+    first = [tokens(rng, prompt) for _ in range(batch)]
+
+    def unary_loop():
+        outs = []
+        with make_cache(client) as cache, cache.sequences(batch) as seqs:
+            x = list(first)
+            for step in range(steps):
+                for layer in range(LAYERS):
+                    o = [cache.append_attend(layer, [seq], *x[b]) for b, seq in enumerate(seqs)]
+                    outs.append(o)
+                    x = [next_qkv(ob) for ob in o]  # the next layer's input
+                x = [tuple(t[-1:] for t in xb) for xb in x]  # the next step: the last token
+            lengths = [s.lengths for s in seqs]
+        return outs, lengths
+
+    async def stream_loop():
+        outs = []
+        async with AsyncClient(server.target) as aclient:
+            async with AsyncCache.create(aclient, num_layers=LAYERS, num_heads_kv=HKV,
+                                         head_dim=D, dtype="float32",
+                                         capacity_tokens=1 << 14) as cache, \
+                    cache.sequences(batch) as seqs, cache.stream() as stream:
+                x = list(first)
+                hist = [History() for _ in range(LAYERS)]  # what seqs[0] holds
+                for step in range(steps):
+                    for layer in range(LAYERS):
+                        hist[layer].add(*x[0][1:])
+                        futures = [await stream.submit(layer, [seq], *x[b])
+                                   for b, seq in enumerate(seqs)]
+                        o = [r.o for r in await asyncio.gather(*futures)]
+                        outs.append(o)
+                        x = [next_qkv(ob) for ob in o]
+                    x = [tuple(t[-1:] for t in xb) for xb in x]
+                lengths = [s.lengths for s in seqs]
+                assert await cache.server_lengths(seqs) == {s.id: s.lengths for s in seqs}
+
+                # Whole steps in flight: 3 steps x 2 layers submitted before any result,
+                # then one bad call, which fails alone and rolls its lengths back.
+                piped = [(layer, tokens(rng, 1)) for _ in range(3) for layer in range(LAYERS)]
+                futures = [await stream.submit(layer, seqs[:1], *x) for layer, x in piped]
+                bad = await stream.submit(0, seqs[1:2], *tokens(rng, 1), window=(-5, 0))
+                results = await asyncio.gather(*futures)
+                assert [r.lengths for r in results] == [
+                    [lengths[0][layer] + 1 + i // LAYERS] for i, (layer, _) in enumerate(piped)]
+                for (layer, (q, k, v)), r in zip(piped, results):
+                    hist[layer].add(k, v)
+                    want, _ = reference.attention(q[None], hist[layer].k[None],
+                                                  hist[layer].v[None], causal=True)
+                    assert np.max(np.abs(r.o - want[0])) <= 1e-5
+                with pytest.raises(AttnServeError) as e:
+                    await bad
+                assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.request_id
+                assert seqs[1].lengths == lengths[1]
+                # The stream goes on after the failure.
+                o = await stream.append_attend(0, seqs[1:2], *tokens(rng, 1))
+                assert o.shape == (1, HQ, D) and seqs[1].lengths[0] == lengths[1][0] + 1
+                stats = await cache.stats()
+                assert stats.sequences == batch
+                cache_id, kept = cache.cache_id, cache
+            # Leaving `async with` closed the stream, freed the sequences, dropped the cache.
+            assert stream._closed and all(s._freed for s in seqs)
+            with pytest.raises(AttnServeError) as e:
+                await kept.stats()
+            assert e.value.code == grpc.StatusCode.NOT_FOUND, cache_id
+        return outs, lengths
+
+    want, want_lengths = unary_loop()
+    got, got_lengths = asyncio.run(stream_loop())
+    assert got_lengths == want_lengths == [[prompt + steps - 1] * LAYERS] * batch
+    assert len(got) == len(want) == steps * LAYERS
+    for step_layer, (g, w) in enumerate(zip(got, want)):
+        for b in range(batch):
+            np.testing.assert_array_equal(g[b], w[b], err_msg=f"call {step_layer}, row {b}")

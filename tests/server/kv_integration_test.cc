@@ -561,6 +561,42 @@ TEST_F(KvServerTest, StreamRunsAGenerationLoop) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// Calls on one (sequence, layer) pipelined on a stream apply in the order
+// sent: each expects the length the previous one leaves. The stream reactor
+// used to start the next read before (or, resuming after a flow-control
+// pause, while) the current request started, so a later call could be
+// admitted first and fail its expected length (64 queries a call make the
+// start slow enough for that to show).
+TEST_F(KvServerTest, StreamAppliesPipelinedCallsOnOnePairInOrder) {
+  StartServer();
+  constexpr int kCalls = 300;
+  const std::string cache = CreateCache(1, 2 * kCalls);
+  ASSERT_TRUE(CreateSequences(cache, {1}).ok());
+  grpc::ClientContext sctx;
+  sctx.AddMetadata(kCacheIdHeader, cache);
+  auto stream = stub_->AppendAttendStream(&sctx);
+  std::vector<v1::AppendAttendResponse> responses;
+  std::thread reader([&] {  // reads while the writes go on: the stream's flow control
+    v1::AppendAttendResponse resp;
+    while (stream->Read(&resp)) responses.push_back(resp);
+  });
+  Context ctx;
+  for (int i = 0; i < kCalls; ++i) {
+    v1::AppendAttendRequest r = MakeCall(cache, 0, {Step(1, &ctx, 1, 64)});
+    r.set_request_id(absl::StrCat(i));
+    if (!stream->Write(r)) break;
+  }
+  stream->WritesDone();
+  reader.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(responses.size(), size_t{kCalls});
+  for (const v1::AppendAttendResponse& resp : responses) {
+    ASSERT_EQ(resp.error_code(), 0) << resp.request_id() << ": " << resp.error_message();
+    ASSERT_EQ(resp.lengths_size(), 1);
+    EXPECT_EQ(resp.lengths(0), std::stoi(resp.request_id()) + 1) << resp.request_id();
+  }
+}
+
 TEST_F(KvServerTest, DrainFinishesACallInFlight) {
   auto gated = std::make_unique<GatedCpuBackend>();
   GatedCpuBackend* backend = gated.get();

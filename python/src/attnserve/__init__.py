@@ -10,9 +10,11 @@ Public API:
   AttnServeError                the one exception: .code (grpc.StatusCode), .message
   ForwardResult, ServerTiming   what forward_result()/echo()/streams return
   attnserve.kv                  K/V on the server: Cache, Sequence(s), append_attend, streams
-  attnserve.kv_aio              AsyncCache: the K/V API for asyncio
+  attnserve.kv_aio              AsyncCache, AsyncAppendAttendStream: the K/V API for asyncio
   attnserve.hf                  the transformers attention implementation ("attnserve")
   attnserve.hf_cache            ServerCache: a transformers Cache with K/V on the server
+  attnserve.hf_compare          greedy tokens through attnserve vs transformers' "sdpa":
+                                the first differing step and the logit margins there
   attnserve.v1                  the generated stubs (attention_pb2(_grpc), kv_pb2(_grpc))
 See docs/python.md.
 """

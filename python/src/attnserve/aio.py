@@ -10,13 +10,14 @@ Same methods and arguments as attnserve.Client, as coroutines:
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
 from attnserve import _channel, _request
+from attnserve._aio_stream import AsyncBidiStream
 from attnserve._request import ForwardResult, Window
 from attnserve.errors import AttnServeError
 from attnserve.v1 import attention_pb2 as pb
@@ -78,9 +79,10 @@ class AsyncClient(_channel.ChannelOwner):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-class AsyncForwardStream:
+class AsyncForwardStream(AsyncBidiStream):
     """ForwardStream for asyncio: `await submit(...)` sends and returns an
     asyncio.Future of the ForwardResult; responses are matched on request_id.
+    A failed request fails only its own future; the stream goes on.
 
         async with client.stream() as s:
             futures = [await s.submit(q, k, v) for q, k, v in batches]
@@ -88,64 +90,12 @@ class AsyncForwardStream:
     """
 
     def __init__(self, client: AsyncClient, *, timeout: Optional[float] = None):
-        self._call = client._stub.ForwardStream(timeout=timeout)
-        self._pending: Dict[str, tuple] = {}
-        self._error: Optional[AttnServeError] = None
-        self._closed = False
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        super().__init__("ForwardStream", client._stub.ForwardStream(timeout=timeout))
 
     async def submit(self, q: Any, k: Any, v: Any, **options: Any) -> "asyncio.Future":
         """Sends one request (forward()'s arguments); returns the future of its result."""
-        if self._closed or self._error is not None:
-            raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                                "AsyncForwardStream: already closed")
         req = _request.build_request(q, k, v, **options)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[req.request_id] = (future, q)
-        try:
-            await self._call.write(req)
-        except grpc.RpcError as e:
-            self._pending.pop(req.request_id, None)
-            raise AttnServeError.from_rpc_error(e) from None
-        return future
-
-    async def _read(self) -> None:
-        error: Optional[AttnServeError] = None
-        try:
-            while True:
-                resp = await self._call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                future, like = self._pending.pop(resp.request_id, (None, None))
-                if future is None or future.done():
-                    continue
-                try:
-                    future.set_result(_request.parse_response(resp, like))
-                except AttnServeError as e:
-                    future.set_exception(e)
-        except grpc.RpcError as e:
-            error = AttnServeError.from_rpc_error(e)
-        self._error = error or AttnServeError(
-            grpc.StatusCode.INTERNAL, "ForwardStream: the server ended the stream with "
-            "requests unanswered")
-        pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
-            if not future.done():
-                future.set_exception(self._error)
-
-    async def close(self) -> None:
-        """Stops sending and waits for the outstanding responses."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._call.done_writing()
-        except grpc.RpcError:
-            pass  # the reader reports the stream's error to the pending futures
-        await self._reader
+        return await self._submit(req, lambda resp: _request.parse_response(resp, q))
 
     async def __aenter__(self) -> "AsyncForwardStream":
         return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()

@@ -1,0 +1,125 @@
+"""The asyncio twin of attnserve._stream: a grpc.aio bidirectional stream, many requests in flight.
+
+What AsyncForwardStream and the K/V API's AsyncAppendAttendStream share: one
+reader task matching responses to asyncio futures on request_id, the write of
+each request, and the rule for a stream that ends early (every pending future
+gets the stream's error, and its on_error runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Dict, Optional
+
+import grpc
+import grpc.aio
+
+from attnserve.errors import AttnServeError
+
+# Turns one response into the future's result; raises AttnServeError for a
+# failed request (the future then fails, the stream goes on).
+Parse = Callable[[Any], Any]
+
+
+class AsyncBidiStream:
+    """Base of the asyncio streams: subclasses build requests and await _submit().
+
+    `call` is the grpc.aio stream-stream call, opened without a request
+    iterator (requests go out with call.write()). Construct it inside a
+    running event loop.
+    """
+
+    def __init__(self, name: str, call: Any):
+        self._name = name
+        self._call = call
+        self._pending: Dict[str, tuple] = {}
+        self._error: Optional[AttnServeError] = None
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _submit(self, request: Any, parse: Parse,
+                      on_error: Optional[Callable[[], None]] = None) -> "asyncio.Future":
+        """Sends `request`; returns the future of parse(response). on_error runs when the
+        request fails after it was sent. If it cannot be sent, raises AttnServeError
+        and on_error does not run (the caller undoes what it prepared)."""
+        if self._closed or self._error is not None:
+            raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                                f"{self._name}: already closed")
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = (future, parse, on_error)
+        try:
+            await self._call.write(request)
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            # The stream is over; the reader tells the other pending futures.
+            self._pending.pop(request.request_id, None)
+            if isinstance(e, grpc.RpcError):
+                raise AttnServeError.from_rpc_error(e) from None
+            raise AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"{self._name}: the stream has ended") from None
+        return future
+
+    @staticmethod
+    def _fail(entry: tuple, error: BaseException) -> None:
+        future, _, on_error = entry
+        if on_error is not None:
+            on_error()
+        if not future.done():
+            future.set_exception(error)
+
+    async def _read(self) -> None:
+        error: Optional[AttnServeError] = None
+        try:
+            while True:
+                resp = await self._call.read()
+                if resp is grpc.aio.EOF:
+                    break
+                entry = self._pending.pop(resp.request_id, None)
+                if entry is None or entry[0].done():
+                    continue  # not ours, or its caller cancelled the future
+                try:
+                    entry[0].set_result(entry[1](resp))
+                except AttnServeError as e:
+                    self._fail(entry, e)
+                except Exception as e:  # a response we could not read: the server applied it
+                    entry[0].set_exception(e)
+        except grpc.RpcError as e:
+            error = AttnServeError.from_rpc_error(e)
+        except asyncio.CancelledError:
+            # grpc.aio raises this from read() once the call is cancelled (cancel());
+            # if this task itself was cancelled, the pending futures still get told.
+            self._end(AttnServeError(grpc.StatusCode.CANCELLED, f"{self._name}: cancelled"))
+            if not self._call.cancelled():
+                raise
+            return
+        self._end(error or AttnServeError(
+            grpc.StatusCode.INTERNAL, f"{self._name}: the server ended the stream with "
+            "requests unanswered"))
+
+    def _end(self, error: AttnServeError) -> None:
+        """The stream is over: later submits raise `error`, pending futures get it."""
+        self._error = error
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            self._fail(entry, error)
+
+    async def close(self) -> None:
+        """Stops sending and waits for the outstanding responses."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the reader reports the stream's error to the pending futures
+        await self._reader
+
+    async def cancel(self) -> None:
+        """Cancels the stream; pending futures fail with CANCELLED."""
+        self._call.cancel()
+        await self.close()
+
+    async def __aenter__(self) -> "AsyncBidiStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
