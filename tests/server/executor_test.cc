@@ -251,8 +251,11 @@ TEST(ExecutorTest, ShutdownCompletesQueuedWithUnavailable) {
       executor.Shutdown();
       shut_down.Notify();
     });
+    // Evidence that Shutdown has begun (it stops admitting and marks the
+    // queue in one step), not a fixed sleep: otherwise the held item could
+    // finish first and item 1 start on a loaded machine.
+    while (executor.Admitting().ok()) absl::SleepFor(absl::Milliseconds(1));
     // Shutdown waits for the running item; let it finish.
-    absl::SleepFor(absl::Milliseconds(20));
     EXPECT_FALSE(shut_down.HasBeenNotified());
     backend.Open();
     stopper.join();
