@@ -1,6 +1,6 @@
 // CudaBackend against the float64 reference with docs/design.md §4's tolerance
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
-// plus GPU-specific cases: every instantiated head dim and the sizes served by
+// and Fp8Grid (FP8 inputs with descales), plus GPU-specific cases: every instantiated head dim and the sizes served by
 // the next one up, tile-boundary sizes, split-KV decode with GQA packing
 // (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
 // fresh random numbers per case, outputs NaN-poisoned before every run.
@@ -84,6 +84,9 @@ TEST_P(CudaTest, MatchesReference) { RunAndCheck(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Standard, CudaTest, ::testing::ValuesIn(testing_util::StandardGrid()),
                          CaseName);
+// FP8_E4M3 with descales: dequantised on the device to BF16, then the BF16
+// kernel; O (BF16) against the float64 reference on the dequantised inputs.
+INSTANTIATE_TEST_SUITE_P(Fp8, CudaTest, ::testing::ValuesIn(testing_util::Fp8Grid()), CaseName);
 
 TestCase Make(DType t, int b, int sq, int sk, int hq, int hkv, int d, bool causal) {
   TestCase tc;
