@@ -217,6 +217,18 @@ std::string CheckLse(const HostBuffers& buf, const float* lse) {
   return os.str();
 }
 
+// A dense case of these sizes, every other field at its default.
+TestCase DenseCase(int b, int sq, int sk, int hq, int hkv, int d) {
+  TestCase tc;
+  tc.batch = b;
+  tc.seqlen_q = sq;
+  tc.seqlen_k = sk;
+  tc.num_heads_q = hq;
+  tc.num_heads_kv = hkv;
+  tc.head_dim = d;
+  return tc;
+}
+
 }  // namespace
 
 double OutputFloor(DType t) { return tolerance::OutputFloor(t); }
@@ -350,14 +362,7 @@ std::string CheckOutputError(const HostBuffers& buf, const void* o, const float*
 std::vector<TestCase> StandardGrid() {
   std::vector<TestCase> shapes;
   auto add = [&shapes](int b, int sq, int sk, int hq, int hkv, int d) -> TestCase& {
-    TestCase tc;
-    tc.batch = b;
-    tc.seqlen_q = sq;
-    tc.seqlen_k = sk;
-    tc.num_heads_q = hq;
-    tc.num_heads_kv = hkv;
-    tc.head_dim = d;
-    shapes.push_back(tc);
+    shapes.push_back(DenseCase(b, sq, sk, hq, hkv, d));
     return shapes.back();
   };
   // Awkward sizes: 1, 17, 97, 1025 (one past a power of two, so every tile
@@ -463,14 +468,8 @@ std::vector<TestCase> Fp8Grid() {
   std::vector<TestCase> grid;
   auto add = [&grid](int b, int sq, int sk, int hq, int hkv, int d, float dq, float dk,
                      float dv) -> TestCase& {
-    TestCase tc;
+    TestCase tc = DenseCase(b, sq, sk, hq, hkv, d);
     tc.dtype = DType::kFP8E4M3;
-    tc.batch = b;
-    tc.seqlen_q = sq;
-    tc.seqlen_k = sk;
-    tc.num_heads_q = hq;
-    tc.num_heads_kv = hkv;
-    tc.head_dim = d;
     tc.q_descale = dq;
     tc.k_descale = dk;
     tc.v_descale = dv;
