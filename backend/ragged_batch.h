@@ -52,7 +52,7 @@ class PackedBatch {
 
   // Bytes of each packed tensor.
   int64_t q_bytes() const { return total_q_ * q_row_bytes_; }
-  int64_t o_bytes() const { return total_q_ * o_row_bytes_; }  // OutputDType (BF16 for FP8)
+  int64_t o_bytes() const { return total_q_ * o_row_bytes_; }    // OutputDType (BF16 for FP8)
   int64_t kv_bytes() const { return total_k_ * kv_row_bytes_; }  // each of K and V
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each of cu_seqlens_q/k; 0 for one dense member

@@ -33,10 +33,10 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
     case v1::FP8_E4M3: return DType::kFP8E4M3;
     default: break;
   }
-  return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16, FP32 or FP8_E4M3, got ",
-                                                 v1::DType_Name(dtype).empty()
-                                                     ? absl::StrCat(static_cast<int>(dtype))
-                                                     : v1::DType_Name(dtype)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor dtype must be FP16, BF16, FP32 or FP8_E4M3, got ",
+                   v1::DType_Name(dtype).empty() ? absl::StrCat(static_cast<int>(dtype))
+                                                 : v1::DType_Name(dtype)));
 }
 
 v1::DType DTypeToProto(DType dtype) { return static_cast<v1::DType>(static_cast<int32_t>(dtype)); }

@@ -17,7 +17,8 @@
 namespace attnserve {
 
 // "fp16"/"float16"/"half", "bf16"/"bfloat16", "fp32"/"float32"/"float",
-// "fp8_e4m3"/"float8_e4m3fn"/"e4m3", case-insensitive. INVALID_ARGUMENT naming the accepted spellings otherwise.
+// "fp8_e4m3"/"float8_e4m3fn"/"e4m3", case-insensitive. INVALID_ARGUMENT naming the accepted
+// spellings otherwise.
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 
 // The wire enum and back. DTYPE_UNSPECIFIED and unknown values are

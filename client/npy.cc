@@ -240,8 +240,8 @@ std::string EncodeNpy(const HostTensor& tensor) {
   const char* descr = out.dtype() == DType::kFP16      ? "<f2"
                       : out.dtype() == DType::kFP8E4M3 ? "|u1"
                                                        : "<f4";
-  std::string header = absl::StrCat("{'descr': '", descr,
-                                    "', 'fortran_order': False, 'shape': ", shape, ", }");
+  std::string header =
+      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ", shape, ", }");
   // Version 1.0 has a 2-byte header length; longer headers need 2.0.
   size_t preamble = kMagicLen + 2 + 2;
   if (header.size() + 1 + kAlign > 0xffff) preamble = kMagicLen + 2 + 4;

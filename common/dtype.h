@@ -102,7 +102,7 @@ inline uint8_t FloatToFp8E4M3(float f) {
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return sign | kFp8E4M3NaN;
   if (abs >= 0x43e00000u) return sign | kFp8E4M3Max;  // >= 448
-  if (abs < 0x3c800000u) {                             // below 2^-6: subnormal or zero
+  if (abs < 0x3c800000u) {                            // below 2^-6: subnormal or zero
     // m = a * 2^9 rounded to even; m = 8 is the smallest normal, whose code is 8 too.
     return sign | static_cast<uint8_t>(std::nearbyint(BitsFloat(abs) * 512.0f));
   }

@@ -46,9 +46,8 @@ int64_t Elements(const v1::Tensor& t) {
 
 absl::Status CheckDType(const char* name, const v1::Tensor& t, const v1::Tensor& q) {
   if (!IsKnownDType(t.dtype())) {
-    return Invalid(
-        absl::StrCat(name, ".dtype: expected FP16, BF16, FP32 or FP8_E4M3, got ",
-                     WireDTypeName(t.dtype())));
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16, FP32 or FP8_E4M3, got ",
+                                WireDTypeName(t.dtype())));
   }
   if (t.dtype() != q.dtype()) {
     return Invalid(absl::StrCat(name, ".dtype: expected ", WireDTypeName(q.dtype()),

@@ -27,8 +27,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // dst[0, n) = row at `offset` of `base` (n elements of dtype t) as float;
 // FP8 codes are decoded and multiplied by `descale` (1 for other dtypes).
-inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst,
-                    float descale) {
+inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst, float descale) {
   switch (t) {
     case DType::kFP8E4M3: {
       const uint8_t* src = static_cast<const uint8_t*>(base) + offset;

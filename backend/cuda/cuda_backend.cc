@@ -200,11 +200,11 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
   if (dev.dtype == DType::kFP8E4M3) {
     // FP8 hook: BF16 copies of q/k/v in the slot's scratch, then the BF16
     // kernel of `plan` (PlanFor planned the BF16 view), O written as BF16.
-    RETURN_IF_ERROR(
-        slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev), "FP8 dequantise buffer"));
+    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev), "FP8 dequantise buffer"));
     AttnParams bf16;
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::DequantiseFp8(dev, slot->fp8_scratch.ptr(), slot->stream, &bf16),
-                              "fp8 dequantise kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::DequantiseFp8(dev, slot->fp8_scratch.ptr(), slot->stream, &bf16),
+        "fp8 dequantise kernel");
     return LaunchKernels(plan, bf16, slot);
   }
   if (dev.dtype == DType::kFP32) {

@@ -1,12 +1,12 @@
 // FP8 E4M3 -> BF16 dequantisation of an FP8 call's inputs (see fp8_dequant.h).
 // A memory-bound elementwise kernel: each thread turns 8 codes (one 8-byte
 // load) into 8 BF16 values (one 16-byte store), grid-stride over the tensor.
-#include "backend/cuda/fp8_dequant.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
+
+#include "backend/cuda/fp8_dequant.h"
 
 namespace attnserve {
 namespace cuda {

@@ -114,8 +114,8 @@ TEST(CpuBackendTest, Describe) {
   const BackendDescription& d = backend->Describe();
   EXPECT_EQ(d.name, "cpu");
   EXPECT_EQ(d.cpu_threads, 3);
-  EXPECT_EQ(d.dtypes, (std::vector<DType>{DType::kFP16, DType::kBF16, DType::kFP32,
-                                           DType::kFP8E4M3}));
+  EXPECT_EQ(d.dtypes,
+            (std::vector<DType>{DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3}));
   EXPECT_EQ(d.min_head_dim, 8);
   EXPECT_EQ(d.max_head_dim, 256);
   EXPECT_GE(MakeCpuBackend(0)->Describe().cpu_threads, 1);

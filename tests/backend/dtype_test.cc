@@ -54,13 +54,13 @@ TEST(DTypeTest, Fp8E4M3DecodesAll256Codes) {
   }
   EXPECT_EQ(nans, 2);  // 0x7f and 0xff
   // Landmarks of the spec's table.
-  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);             // largest finite
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);  // largest finite
   EXPECT_EQ(Fp8E4M3ToFloat(0xfe), -448.0f);
-  EXPECT_EQ(Fp8E4M3ToFloat(0x08), 0.015625f);          // smallest normal 2^-6
-  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);       // smallest subnormal 2^-9
-  EXPECT_EQ(Fp8E4M3ToFloat(0x07), 0.013671875f);       // largest subnormal 7 * 2^-9
+  EXPECT_EQ(Fp8E4M3ToFloat(0x08), 0.015625f);     // smallest normal 2^-6
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);  // smallest subnormal 2^-9
+  EXPECT_EQ(Fp8E4M3ToFloat(0x07), 0.013671875f);  // largest subnormal 7 * 2^-9
   EXPECT_EQ(Fp8E4M3ToFloat(0x38), 1.0f);
-  EXPECT_EQ(Fp8E4M3ToFloat(0x78), 256.0f);             // E = 15 is finite in E4M3
+  EXPECT_EQ(Fp8E4M3ToFloat(0x78), 256.0f);  // E = 15 is finite in E4M3
 }
 
 // Every code except NaN survives decode -> encode, and the float view agrees.

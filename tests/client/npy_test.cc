@@ -134,11 +134,11 @@ TEST(NpyTest, ReadsUint8AsFp8Codes) {
   const std::string codes("\x38\xc2\x7e\x01", 4);  // 1, -2.5, 448, 2^-9
   for (const char* descr : {"|u1", "<u1", "|V1"}) {
     SCOPED_TRACE(descr);
-    auto t = ParseNpy(MakeFile(1,
-                               absl::StrCat("{'descr': '", descr,
-                                            "', 'fortran_order': False, 'shape': (2, 2), }"),
-                               codes),
-                      "fp8");
+    auto t = ParseNpy(
+        MakeFile(
+            1, absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (2, 2), }"),
+            codes),
+        "fp8");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(t->dtype(), DType::kFP8E4M3);
     EXPECT_EQ(t->bytes(), codes);

@@ -481,8 +481,8 @@ std::vector<TestCase> Fp8Grid() {
   add(1, 97, 97, 4, 1, 64, 0.037f, 1.7f, 3.3f).causal = true;  // GQA 4:1
   add(1, 17, 97, 2, 2, 64, 1.0f, 0.1f, 10.0f).causal = true;
   add(2, 97, 17, 2, 1, 64, 0.75f, 0.75f, 0.02f).causal = true;  // fully masked rows
-  add(1, 33, 65, 8, 1, 64, 0.3f, 0.3f, 1.0f);                     // MQA
-  add(2, 1, 1025, 8, 2, 128, 0.05f, 0.2f, 0.6f).causal = true;    // decode shape
+  add(1, 33, 65, 8, 1, 64, 0.3f, 0.3f, 1.0f);                   // MQA
+  add(2, 1, 1025, 8, 2, 128, 0.05f, 0.2f, 0.6f).causal = true;  // decode shape
   add(1, 1025, 1025, 2, 1, 128, 0.09f, 0.11f, 1.3f).causal = true;
   add(1, 97, 97, 2, 1, 64, 1.0f, 1.0f, 1.0f).window_left = 8;
   {

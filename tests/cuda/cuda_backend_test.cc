@@ -1,7 +1,7 @@
 // CudaBackend against the float64 reference with docs/design.md §4's tolerance
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
-// and Fp8Grid (FP8 inputs with descales), plus GPU-specific cases: every instantiated head dim and the sizes served by
-// the next one up, tile-boundary sizes, split-KV decode with GQA packing
+// and Fp8Grid (FP8 inputs with descales), plus GPU-specific cases: every instantiated head dim and
+// the sizes served by the next one up, tile-boundary sizes, split-KV decode with GQA packing
 // (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
 // fresh random numbers per case, outputs NaN-poisoned before every run.
 // Without a GPU each test calls GTEST_SKIP with the reason.

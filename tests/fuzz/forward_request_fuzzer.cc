@@ -69,8 +69,8 @@ void CheckAnswer(const v1::ForwardRequest& request, const v1::ForwardResponse& r
   const v1::Tensor& q = request.q();
   // O is shaped like Q, in Q's dtype except BF16 for FP8 inputs.
   const DType o_dtype = OutputDType(static_cast<DType>(q.dtype()));
-  const size_t o_bytes = q.data().size() / static_cast<size_t>(DTypeSize(static_cast<DType>(
-                                               q.dtype()))) *
+  const size_t o_bytes = q.data().size() /
+                         static_cast<size_t>(DTypeSize(static_cast<DType>(q.dtype()))) *
                          static_cast<size_t>(DTypeSize(o_dtype));
   if (response.o().data().size() != o_bytes ||
       response.o().dtype() != static_cast<v1::DType>(o_dtype)) {
