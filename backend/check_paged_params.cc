@@ -11,6 +11,12 @@ namespace attnserve {
 
 absl::Status CheckPagedParams(const PagedAttnParams& p) {
   RETURN_IF_ERROR(CheckParams(p.attn));
+  if (p.attn.dtype == DType::kFP8E4M3) {
+    // The K/V cache refuses FP8 geometries (kv_pool.cc); this keeps it so.
+    return absl::InvalidArgumentError(
+        "paged params: attn.dtype expected FP16, BF16 or FP32 (K/V caches have no FP8 path), got "
+        "FP8_E4M3");
+  }
   if (p.attn.cu_seqlens_q == nullptr || p.attn.cu_seqlens_k == nullptr) {
     return absl::InvalidArgumentError("paged params: cu_seqlens_q and cu_seqlens_k must be set");
   }

@@ -46,12 +46,28 @@ absl::Status CheckCuSeqlens(const char* field, const int32_t* cu, int32_t batch,
   return absl::OkStatus();
 }
 
+// FP8: finite and in (0, kMaxDescale]; any other dtype: exactly 1 (no scaling).
+absl::Status CheckDescale(const char* field, float descale, DType dtype) {
+  if (dtype != DType::kFP8E4M3) {
+    if (descale == 1.0f) return absl::OkStatus();
+    return Invalid(field, "1 (descales apply to FP8_E4M3 inputs only)", descale);
+  }
+  if (DescaleInRange(descale)) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("finite and in (0, ", kMaxDescale, "] (score_range.h)"),
+                 descale);
+}
+
 }  // namespace
 
 absl::Status CheckParams(const AttnParams& p) {
-  if (p.dtype != DType::kFP16 && p.dtype != DType::kBF16 && p.dtype != DType::kFP32) {
-    return Invalid("dtype", "one of FP16 (1), BF16 (2), FP32 (3)", static_cast<int32_t>(p.dtype));
+  if (p.dtype != DType::kFP16 && p.dtype != DType::kBF16 && p.dtype != DType::kFP32 &&
+      p.dtype != DType::kFP8E4M3) {
+    return Invalid("dtype", "one of FP16 (1), BF16 (2), FP32 (3), FP8_E4M3 (4)",
+                   static_cast<int32_t>(p.dtype));
   }
+  RETURN_IF_ERROR(CheckDescale("q_descale", p.q_descale, p.dtype));
+  RETURN_IF_ERROR(CheckDescale("k_descale", p.k_descale, p.dtype));
+  RETURN_IF_ERROR(CheckDescale("v_descale", p.v_descale, p.dtype));
   if (p.batch < 0) return Invalid("batch", ">= 0", p.batch);
   if (p.num_heads_q <= 0) return Invalid("num_heads_q", "> 0", p.num_heads_q);
   if (p.num_heads_kv <= 0) return Invalid("num_heads_kv", "> 0", p.num_heads_kv);

@@ -10,7 +10,8 @@
 namespace attnserve {
 
 // OK, or INVALID_ARGUMENT naming the field, the expected and the actual value.
-// Checks: dtype known; batch >= 0; heads > 0 and Hq % Hkv == 0; head_dim a
+// Checks: dtype known; q/k/v_descale finite and in (0, kMaxDescale] for
+// FP8_E4M3 and exactly 1 for any other dtype; batch >= 0; heads > 0 and Hq % Hkv == 0; head_dim a
 // multiple of 8 in [8, 256]; sequence lengths >= 0; softmax_scale finite and
 // positive; softcap finite and >= 0; windows >= -1 and window_right == 0 when
 // causal (FillParams normalises it so kernels test only the window bounds);

@@ -46,6 +46,9 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   // Causal is the window's right bound at the diagonal (params.h), whatever
   // window_right says: the contract makes the causal bound win.
   p.window_right = options.causal ? 0 : options.window_right.value_or(kNoWindow);
+  p.q_descale = options.q_descale.value_or(1.0f);
+  p.k_descale = options.k_descale.value_or(1.0f);
+  p.v_descale = options.v_descale.value_or(1.0f);
   return p;
 }
 

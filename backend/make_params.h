@@ -50,6 +50,10 @@ struct AttnOptions {
   std::optional<int32_t> window_left;  // unset: unlimited
   std::optional<int32_t> window_right;
   float softcap = 0.0f;  // 0: off
+  // FP8 inputs' per-tensor descales; unset: 1 (AttnParams never holds an unset 0).
+  std::optional<float> q_descale;
+  std::optional<float> k_descale;
+  std::optional<float> v_descale;
 };
 
 // The tensors (host or device memory, as the consumer of the params says).
@@ -65,7 +69,7 @@ struct AttnPointers {
 // Sizes and totals from `shape`; softmax_scale defaulting to 1/sqrt(D) and
 // softmax_scale_log2 = softmax_scale * kLog2e (params.h); causal folded into
 // window_right = 0 (the causal bound wins over a wider right window); unset
-// windows kNoWindow. Checks nothing: callers validate first (the server's
+// windows kNoWindow; unset descales 1. Checks nothing: callers validate first (the server's
 // request validation) or build valid calls (tests), and CheckParams
 // (CanImplement) guards the backends.
 AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,

@@ -13,8 +13,13 @@
 
 namespace attnserve {
 
-// Values match attnserve.v1.DType on the wire.
-enum class DType : int32_t { kFP16 = 1, kBF16 = 2, kFP32 = 3 };
+// Values match attnserve.v1.DType on the wire. kFP8E4M3: OCP FP8 E4M3 codes
+// (1 byte), each tensor with its own descale factor (AttnParams::q_descale..).
+enum class DType : int32_t { kFP16 = 1, kBF16 = 2, kFP32 = 3, kFP8E4M3 = 4 };
+
+// O's dtype: the inputs' dtype, except FP8 inputs, whose O is BF16 (FP8 has
+// too little precision for an output; docs/design.md §2).
+ATTN_HOST_DEVICE DType OutputDType(DType t) { return t == DType::kFP8E4M3 ? DType::kBF16 : t; }
 
 // log2(e): kernels use exp2, so their scales carry the change of base
 // (AttnParams::softmax_scale_log2 and the CUDA launch's derived scales).
@@ -64,6 +69,14 @@ struct AttnParams {
   // kernels test only the two window bounds. kNoWindow = unlimited.
   int32_t window_left;
   int32_t window_right;
+
+  // FP8 only: the value of an input element is its decoded code times its
+  // tensor's descale (finite, in (0, kMaxDescale], score_range.h). Every other
+  // dtype has 1 here (CheckParams), so a kernel may ignore them. Defaulted so
+  // params built field by field never carry a silent 0.
+  float q_descale = 1.0f;
+  float k_descale = 1.0f;
+  float v_descale = 1.0f;
 };
 
 ATTN_HOST_DEVICE bool IsVarlen(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }

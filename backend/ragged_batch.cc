@@ -13,13 +13,16 @@ bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
   return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q && a.num_heads_kv == b.num_heads_kv &&
          a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
          a.is_causal == b.is_causal && a.window_left == b.window_left &&
-         a.window_right == b.window_right && (a.lse != nullptr) == (b.lse != nullptr);
+         a.window_right == b.window_right && a.q_descale == b.q_descale &&
+         a.k_descale == b.k_descale && a.v_descale == b.v_descale &&
+         (a.lse != nullptr) == (b.lse != nullptr);
 }
 
 PackedBatch::PackedBatch(std::vector<const AttnParams*> members) : members_(std::move(members)) {
   const AttnParams& first = *members_.front();
   const int64_t elem = DTypeSize(first.dtype);
   q_row_bytes_ = int64_t{first.num_heads_q} * first.head_dim * elem;
+  o_row_bytes_ = int64_t{first.num_heads_q} * first.head_dim * DTypeSize(OutputDType(first.dtype));
   kv_row_bytes_ = int64_t{first.num_heads_kv} * first.head_dim * elem;
   for (const AttnParams* m : members_) {
     total_q_ += m->total_q;
@@ -104,7 +107,7 @@ void PackedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run
   std::vector<HostCopy> copies;
   int64_t off = 0;  // first packed q row of the member
   for (const AttnParams* m : members_) {
-    copies.push_back({m->o, packed_o + off * q_row_bytes_, size_t(m->total_q * q_row_bytes_)});
+    copies.push_back({m->o, packed_o + off * o_row_bytes_, size_t(m->total_q * o_row_bytes_)});
     off += m->total_q;
   }
   RunCopies(run, copies);
@@ -132,7 +135,7 @@ void PackedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run
 HostPackedBatch::HostPackedBatch(std::vector<const AttnParams*> members)
     : packed_(std::move(members)) {
   q_.reset(new char[packed_.q_bytes()]);
-  o_.reset(new char[packed_.q_bytes()]);
+  o_.reset(new char[packed_.o_bytes()]);
   k_.reset(new char[packed_.kv_bytes()]);
   v_.reset(new char[packed_.kv_bytes()]);
   lse_.resize(static_cast<size_t>(packed_.lse_bytes() / 4));

@@ -20,7 +20,7 @@
 namespace attnserve {
 
 // True when `a` and `b` can run in one packed launch: the same dtype, heads,
-// head dim and options (scale, softcap, causal, windows, whether LSE is
+// head dim and options (scale, softcap, causal, windows, FP8 descales, whether LSE is
 // wanted, which is known only once outputs are bound). Sequence lengths and
 // layouts may differ.
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b);
@@ -51,7 +51,8 @@ class PackedBatch {
   bool wants_lse() const { return members_.front()->lse != nullptr; }
 
   // Bytes of each packed tensor.
-  int64_t q_bytes() const { return total_q_ * q_row_bytes_; }    // also O's
+  int64_t q_bytes() const { return total_q_ * q_row_bytes_; }
+  int64_t o_bytes() const { return total_q_ * o_row_bytes_; }    // OutputDType (BF16 for FP8)
   int64_t kv_bytes() const { return total_k_ * kv_row_bytes_; }  // each of K and V
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each of cu_seqlens_q/k; 0 for one dense member
@@ -67,6 +68,7 @@ class PackedBatch {
  private:
   std::vector<const AttnParams*> members_;
   int64_t q_row_bytes_ = 0;
+  int64_t o_row_bytes_ = 0;
   int64_t kv_row_bytes_ = 0;
   int64_t total_q_ = 0;
   int64_t total_k_ = 0;

@@ -21,6 +21,14 @@
 // near-uniform weights. BF16 and FP32 inputs can hold products beyond 1.1e12
 // (up to inf); for them the same bounds hold while |q·k| <= 1.1e12, and
 // larger products are a matter of the data (Inf/NaN in, Inf/NaN out).
+//
+// FP8 (E4M3) inputs: an element is its code (|code| <= 448) times its tensor's
+// descale. Descales are bounded by kMaxDescale = 128 so that every dequantised
+// value, 448 * 128 = 57344, lies inside FP16's range (65504): the FP16
+// analysis above then covers FP8 unchanged, with no rule of its own. 128 is
+// far above practical descales (amax / 448: an amax of 57344). No lower bound
+// beyond > 0: a tiny descale makes tiny values (underflowing to 0 in BF16
+// staging), which is a valid, near-uniform attention, never a NaN.
 // Header-only and free of Abseil so CUDA code can include it.
 #pragma once
 
@@ -35,6 +43,9 @@ inline constexpr float kMaxSoftcap = 1e26f;
 // The factor softmax_scale / softcap applied before tanh: at most this.
 inline constexpr float kMaxSoftcapFactor = 1e26f;
 
+// q_descale, k_descale, v_descale (FP8 only): finite, > 0 and at most this.
+inline constexpr float kMaxDescale = 128.0f;
+
 // The contract's default when the request leaves softmax_scale unset.
 inline float DefaultSoftmaxScale(int head_dim) {
   return 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -46,6 +57,10 @@ inline float MinSoftcap(float softmax_scale) { return softmax_scale / kMaxSoftca
 inline bool SoftmaxScaleInRange(float softmax_scale) {
   return std::isfinite(softmax_scale) && softmax_scale > 0.0f &&
          softmax_scale <= kMaxSoftmaxScale;
+}
+
+inline bool DescaleInRange(float descale) {
+  return std::isfinite(descale) && descale > 0.0f && descale <= kMaxDescale;
 }
 
 // For a softmax_scale that is in range.

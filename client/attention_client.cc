@@ -56,7 +56,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
 absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardResult& result) {
   const auto& q_shape = request.q().shape();
   const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
-  const DType want_dtype = *DTypeFromProto(request.q().dtype());
+  const DType want_dtype = OutputDType(*DTypeFromProto(request.q().dtype()));
   if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
     return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
                                             ", expected ", std::string(DTypeName(want_dtype)),
@@ -88,6 +88,9 @@ void AttentionOptionsToProto(const ForwardOptions& from, v1::AttentionOptions* t
   if (from.window_right) to->set_window_right(*from.window_right);
   to->set_softcap(from.softcap);
   to->set_return_lse(from.return_lse);
+  if (from.q_descale) to->set_q_descale(*from.q_descale);
+  if (from.k_descale) to->set_k_descale(*from.k_descale);
+  if (from.v_descale) to->set_v_descale(*from.v_descale);
 }
 
 v1::ForwardRequest MakeForwardRequest(const AttentionInputs& inputs) {

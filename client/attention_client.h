@@ -65,8 +65,8 @@ struct CallOptions {
   std::optional<bool> wait_for_ready;
 };
 
-// attnserve.v1.AttentionOptions on the client side: the mask, scale and
-// softcap options (AttnOptions, the ones MakeAttnParams normalises, so the
+// attnserve.v1.AttentionOptions on the client side: the mask, scale,
+// softcap and FP8 descale options (AttnOptions, the ones MakeAttnParams normalises, so the
 // verifier reads them exactly as the server does) plus whether to return LSE.
 struct ForwardOptions : AttnOptions {
   bool return_lse = false;
@@ -100,7 +100,7 @@ ForwardTiming ServerTimingFromProto(const v1::ServerTiming& timing);
 
 struct ForwardResult {
   std::string request_id;
-  HostTensor o;                   // like q, in q's dtype
+  HostTensor o;                   // like q, in q's dtype (BF16 for FP8_E4M3 q)
   std::optional<HostTensor> lse;  // FP32; set only when return_lse was asked for
   ForwardTiming timing;
   std::string backend;  // "cpu" or "cuda"

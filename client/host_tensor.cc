@@ -20,8 +20,9 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (lower == "fp16" || lower == "float16" || lower == "half") return DType::kFP16;
   if (lower == "bf16" || lower == "bfloat16") return DType::kBF16;
   if (lower == "fp32" || lower == "float32" || lower == "float") return DType::kFP32;
+  if (lower == "fp8_e4m3" || lower == "float8_e4m3fn" || lower == "e4m3") return DType::kFP8E4M3;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "': expected fp16, bf16 or fp32"));
+      absl::StrCat("unknown dtype '", name, "': expected fp16, bf16, fp32 or fp8_e4m3"));
 }
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
@@ -29,12 +30,13 @@ absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
     case v1::FP16: return DType::kFP16;
     case v1::BF16: return DType::kBF16;
     case v1::FP32: return DType::kFP32;
+    case v1::FP8_E4M3: return DType::kFP8E4M3;
     default: break;
   }
-  return absl::InvalidArgumentError(absl::StrCat("tensor dtype must be FP16, BF16 or FP32, got ",
-                                                 v1::DType_Name(dtype).empty()
-                                                     ? absl::StrCat(static_cast<int>(dtype))
-                                                     : v1::DType_Name(dtype)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor dtype must be FP16, BF16, FP32 or FP8_E4M3, got ",
+                   v1::DType_Name(dtype).empty() ? absl::StrCat(static_cast<int>(dtype))
+                                                 : v1::DType_Name(dtype)));
 }
 
 v1::DType DTypeToProto(DType dtype) { return static_cast<v1::DType>(static_cast<int32_t>(dtype)); }

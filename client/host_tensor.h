@@ -17,7 +17,8 @@
 namespace attnserve {
 
 // "fp16"/"float16"/"half", "bf16"/"bfloat16", "fp32"/"float32"/"float",
-// case-insensitive. INVALID_ARGUMENT naming the accepted spellings otherwise.
+// "fp8_e4m3"/"float8_e4m3fn"/"e4m3", case-insensitive. INVALID_ARGUMENT naming the accepted
+// spellings otherwise.
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 
 // The wire enum and back. DTYPE_UNSPECIFIED and unknown values are
@@ -50,7 +51,8 @@ class HostTensor {
   // Leaves this tensor's bytes empty; use when the request is built once.
   void MoveToProto(v1::Tensor* tensor) &&;
 
-  // Every element widened to float (exact for FP16 and BF16).
+  // Every element widened to float (exact for FP16, BF16 and FP8; FP8 values
+  // are the decoded codes, without any descale).
   std::vector<float> ToFloats() const;
   // The same values rounded to another dtype.
   HostTensor ConvertTo(DType dtype) const;

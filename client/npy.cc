@@ -179,15 +179,20 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
                                                    "' is not supported; use x.astype('<f4')"));
   }
   // '=' is native order, which is little-endian on every supported host.
+  // '|' is "byte order not applicable" (one-byte types).
   const std::string type =
-      (descr.size() >= 2 && (descr[0] == '<' || descr[0] == '=')) ? descr.substr(1) : descr;
+      (descr.size() >= 2 && (descr[0] == '<' || descr[0] == '=' || descr[0] == '|'))
+          ? descr.substr(1)
+          : descr;
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", n.status().message()));
 
   const size_t data_at = header_at + header_len;
   const size_t data_len = contents.size() - data_at;
   int64_t elem = 0;
-  if (type == "f2" || type == "u2") {
+  if (type == "u1" || type == "V1") {
+    elem = 1;  // FP8 E4M3 codes (npy.h)
+  } else if (type == "f2" || type == "u2") {
     elem = 2;
   } else if (type == "f4") {
     elem = 4;
@@ -196,7 +201,8 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": element type '", descr,
-                     "' is not supported (expected '<f2', '<f4', '<f8', or '<u2' for BF16 bits)"));
+                     "' is not supported (expected '<f2', '<f4', '<f8', '<u2' for BF16 bits, or "
+                     "'|u1' for FP8 E4M3 codes)"));
   }
   if (*n > static_cast<int64_t>(data_len) / elem || static_cast<int64_t>(data_len) != *n * elem) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(shape), " of '",
@@ -213,7 +219,10 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
     }
     return HostTensor::FromFloats(DType::kFP32, std::move(shape), values);
   }
-  const DType dtype = type == "f2" ? DType::kFP16 : type == "u2" ? DType::kBF16 : DType::kFP32;
+  const DType dtype = type == "f2"   ? DType::kFP16
+                      : type == "u2" ? DType::kBF16
+                      : elem == 1    ? DType::kFP8E4M3
+                                     : DType::kFP32;
   return HostTensor::FromBytes(dtype, std::move(shape), std::move(data));
 }
 
@@ -228,8 +237,11 @@ std::string EncodeNpy(const HostTensor& tensor) {
   } else {
     shape = absl::StrCat("(", absl::StrJoin(out.shape(), ", "), ")");
   }
-  std::string header = absl::StrCat("{'descr': '", out.dtype() == DType::kFP16 ? "<f2" : "<f4",
-                                    "', 'fortran_order': False, 'shape': ", shape, ", }");
+  const char* descr = out.dtype() == DType::kFP16      ? "<f2"
+                      : out.dtype() == DType::kFP8E4M3 ? "|u1"
+                                                       : "<f4";
+  std::string header =
+      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ", shape, ", }");
   // Version 1.0 has a 2-byte header length; longer headers need 2.0.
   size_t preamble = kMagicLen + 2 + 2;
   if (header.size() + 1 + kAlign > 0xffff) preamble = kMagicLen + 2 + 4;

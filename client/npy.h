@@ -12,7 +12,13 @@
 //                      np.random.randn output works as is)
 //   '<u2'           -> BF16 bit patterns (NumPy has no bfloat16; these are the
 //                      upper 16 bits of each float32, as on the wire)
-// Written: FP16 as '<f2', FP32 as '<f4', and BF16 as '<f4': widening BF16 to
+//   '|u1' ('<u1', '|V1')
+//                   -> FP8 E4M3 codes (NumPy has no float8; a uint8 array of
+//                      the codes, e.g. torch_fp8.view(torch.uint8).numpy() or
+//                      an ml_dtypes float8_e4m3fn array .view(np.uint8)). The
+//                      file holds codes only: the descale is a separate flag
+//                      (attnctl --q_descale/--k_descale/--v_descale).
+// Written: FP16 as '<f2', FP32 as '<f4', FP8 as '|u1' codes, and BF16 as '<f4': widening BF16 to
 // float32 is exact, and a float32 file is what a NumPy user can use directly.
 // Reading that file back with dtype BF16 requested restores the same bits.
 //

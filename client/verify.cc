@@ -156,9 +156,9 @@ struct ForwardVerifier::State {
   AttnParams params;
   std::vector<int32_t> cu_seqlens_q, cu_seqlens_k;
   std::vector<int64_t> o_shape;
-  DType dtype;
+  DType dtype;  // O's (BF16 for FP8 inputs)
   ReferenceOutput ref;
-  std::optional<ReferenceOutput> lowp;  // FP16/BF16 only
+  std::optional<ReferenceOutput> lowp;  // FP16/BF16/FP8 only
 };
 
 absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& inputs) {
@@ -167,7 +167,7 @@ absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& i
   auto state = std::make_shared<State>();
   state->params = MakeParams(inputs, *s);
   state->o_shape = inputs.q.shape();
-  state->dtype = inputs.q.dtype();
+  state->dtype = OutputDType(inputs.q.dtype());
   state->ref = ReferenceAttention(state->params);
   if (state->params.dtype != DType::kFP32) {
     state->lowp = ReferenceAttentionLowPrecision(state->params);

@@ -5,7 +5,9 @@
 //
 // The policy and its constants are backend/reference/tolerance.h's, shared
 // with the tests' checker (tests/common/attn_test_util.cc): FP16/BF16 O within
-// 2 * max|ref_lowp - ref| + a floor of about one ulp at 1.0; FP32 O within a
+// 2 * max|ref_lowp - ref| + a floor of about one ulp at 1.0; FP8 inputs are
+// checked like BF16 (their O is BF16) against the references on the
+// dequantised inputs (code * descale); FP32 O within a
 // relative error per output vector; LSE checked separately; rows that see no
 // key must give O exactly 0 and LSE exactly -inf. NaN or inf in O fails.
 #pragma once

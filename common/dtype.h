@@ -1,5 +1,5 @@
-// Host-side element types: sizes, names, and conversions between FP16/BF16 bit
-// patterns and float. Used by the CPU backend, the reference, tests and clients.
+// Host-side element types: sizes, names, and conversions between FP16/BF16/FP8
+// bit patterns and float. Used by the CPU backend, the reference, tests and clients.
 #pragma once
 
 #include <cmath>
@@ -11,13 +11,22 @@
 
 namespace attnserve {
 
-inline constexpr int64_t DTypeSize(DType t) { return t == DType::kFP32 ? 4 : 2; }
+inline constexpr int64_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kFP32: return 4;
+    case DType::kFP8E4M3: return 1;
+    case DType::kFP16:
+    case DType::kBF16: return 2;
+  }
+  return 2;
+}
 
 inline constexpr std::string_view DTypeName(DType t) {
   switch (t) {
     case DType::kFP16: return "FP16";
     case DType::kBF16: return "BF16";
     case DType::kFP32: return "FP32";
+    case DType::kFP8E4M3: return "FP8_E4M3";
   }
   return "UNKNOWN";
 }
@@ -69,12 +78,49 @@ inline uint16_t FloatToFp16(float f) {
   return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
 }
 
-// Reads element i of a buffer holding `t` values, as float.
+// OCP FP8 E4M3 (the "fn" variant: no infinities): 1 sign bit, 4 exponent bits
+// with bias 7, 3 mantissa bits. Exponent 0 is subnormal (m * 2^-9); S.1111.111
+// is NaN, so the largest finite value is S.1111.110 = 1.75 * 2^8 = 448.
+inline constexpr uint8_t kFp8E4M3Max = 0x7e;  // +448
+inline constexpr uint8_t kFp8E4M3NaN = 0x7f;
+
+inline float Fp8E4M3ToFloat(uint8_t code) {
+  const int e = (code >> 3) & 0xf;
+  const int m = code & 0x7;
+  if (e == 0xf && m == 0x7) return BitsFloat(((code & 0x80u) << 24) | 0x7fc00000u);
+  // Normal: (1 + m/8) * 2^(e-7) = (8 + m) * 2^(e-10); subnormal: m * 2^-9 =
+  // 2m * 2^-10. The integer part is exact and so is the power-of-two scaling.
+  const float mag = static_cast<float>(e == 0 ? 2 * m : (8 + m) << e) * (1.0f / 1024.0f);
+  return (code & 0x80u) ? -mag : mag;
+}
+
+// Round to nearest even, saturating: finite values past 448 and infinities
+// become +-448 (what FP8 quantisers do: E4M3 has no infinity), NaN stays NaN.
+inline uint8_t FloatToFp8E4M3(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | kFp8E4M3NaN;
+  if (abs >= 0x43e00000u) return sign | kFp8E4M3Max;  // >= 448
+  if (abs < 0x3c800000u) {                            // below 2^-6: subnormal or zero
+    // m = a * 2^9 rounded to even; m = 8 is the smallest normal, whose code is 8 too.
+    return sign | static_cast<uint8_t>(std::nearbyint(BitsFloat(abs) * 512.0f));
+  }
+  // Round the 23-bit mantissa to 3 bits (ties to even); a carry moves into the
+  // exponent, which is what the encoding wants. Rebias 127 -> 7.
+  const uint32_t rounded = abs + 0x7ffffu + ((abs >> 20) & 1u);
+  const uint32_t code = (rounded >> 20) - (120u << 3);
+  return sign | static_cast<uint8_t>(code > kFp8E4M3Max ? kFp8E4M3Max : code);
+}
+
+// Reads element i of a buffer holding `t` values, as float (FP8: the decoded
+// code, without its tensor's descale).
 inline float LoadAsFloat(const void* data, DType t, int64_t i) {
   switch (t) {
     case DType::kFP16: return Fp16ToFloat(static_cast<const uint16_t*>(data)[i]);
     case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
     case DType::kFP32: return static_cast<const float*>(data)[i];
+    case DType::kFP8E4M3: return Fp8E4M3ToFloat(static_cast<const uint8_t*>(data)[i]);
   }
   return 0.0f;
 }
@@ -84,6 +130,7 @@ inline void StoreFromFloat(void* data, DType t, int64_t i, float x) {
     case DType::kFP16: static_cast<uint16_t*>(data)[i] = FloatToFp16(x); return;
     case DType::kBF16: static_cast<uint16_t*>(data)[i] = FloatToBf16(x); return;
     case DType::kFP32: static_cast<float*>(data)[i] = x; return;
+    case DType::kFP8E4M3: static_cast<uint8_t*>(data)[i] = FloatToFp8E4M3(x); return;
   }
 }
 // x rounded to the precision of t and back (for low-precision references).
@@ -92,6 +139,7 @@ inline float RoundTo(DType t, float x) {
     case DType::kFP16: return Fp16ToFloat(FloatToFp16(x));
     case DType::kBF16: return Bf16ToFloat(FloatToBf16(x));
     case DType::kFP32: return x;
+    case DType::kFP8E4M3: return Fp8E4M3ToFloat(FloatToFp8E4M3(x));
   }
   return x;
 }

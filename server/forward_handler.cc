@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/shape_string.h"
 #include "server/server_timing.h"
 #include "spdlog/spdlog.h"
@@ -23,7 +24,8 @@ spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
   }
 }
 
-// Binds freshly allocated O (like Q) and LSE into `response` and `params`.
+// Binds freshly allocated O (Q's shape, OutputDType: BF16 for FP8 inputs) and
+// LSE into `response` and `params`.
 // The response owns the buffers, so the backend writes straight into the
 // bytes that go on the wire. Runs on the executor's launcher thread, where a
 // throw would take the server down: an allocation failure is
@@ -31,11 +33,14 @@ spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
 absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                          AttnParams* params) {
   const v1::Tensor& q = request.q();
+  const DType o_dtype = OutputDType(params->dtype);
+  const size_t o_bytes = static_cast<size_t>(params->total_q * params->num_heads_q *
+                                             params->head_dim * DTypeSize(o_dtype));
   try {
     v1::Tensor* o = response->mutable_o();
-    o->set_dtype(q.dtype());
+    o->set_dtype(static_cast<v1::DType>(o_dtype));
     *o->mutable_shape() = q.shape();
-    o->mutable_data()->resize(q.data().size());
+    o->mutable_data()->resize(o_bytes);
     params->o = o->mutable_data()->data();
     params->lse = nullptr;
     if (request.options().return_lse()) {
@@ -49,7 +54,7 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse*
     params->o = nullptr;
     params->lse = nullptr;
     return absl::ResourceExhaustedError(
-        absl::StrCat("o: cannot allocate ", q.data().size(), " bytes of host memory for the output",
+        absl::StrCat("o: cannot allocate ", o_bytes, " bytes of host memory for the output",
                      request.options().return_lse() ? " and lse" : ""));
   }
   return absl::OkStatus();

@@ -111,7 +111,8 @@ absl::StatusOr<std::shared_ptr<KvAppendAttend>> DecodeAppendAttend(
   RETURN_IF_ERROR(CheckRows("q", r.q(), g, total_q, 0, g.num_heads_kv));
   RETURN_IF_ERROR(CheckRows("k", r.k(), g, total_new, g.num_heads_kv, 1));
   RETURN_IF_ERROR(CheckRows("v", r.v(), g, total_new, g.num_heads_kv, 1));
-  RETURN_IF_ERROR(ValidateOptions(r.options(), g.head_dim));
+  // The cache's dtype is never FP8 (kv_pool.cc), so descales are refused here.
+  RETURN_IF_ERROR(ValidateOptions(r.options(), g.head_dim, static_cast<int>(g.dtype)));
   // Sizes and totals stay zero here: the pool fills them with the
   // sequences' offsets when it reserves the call's rows.
   AttnShape shape;

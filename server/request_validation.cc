@@ -29,7 +29,9 @@ std::string WireDTypeName(int value) {
   return name.empty() ? absl::StrCat("unknown dtype ", value) : name;
 }
 
-bool IsKnownDType(int value) { return value == v1::FP16 || value == v1::BF16 || value == v1::FP32; }
+bool IsKnownDType(int value) {
+  return value == v1::FP16 || value == v1::BF16 || value == v1::FP32 || value == v1::FP8_E4M3;
+}
 
 // prod(shape), saturating at kSaturated: dims are already bounded by kMaxDim,
 // but four of them can still overflow int64.
@@ -44,8 +46,8 @@ int64_t Elements(const v1::Tensor& t) {
 
 absl::Status CheckDType(const char* name, const v1::Tensor& t, const v1::Tensor& q) {
   if (!IsKnownDType(t.dtype())) {
-    return Invalid(
-        absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ", WireDTypeName(t.dtype())));
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16, FP32 or FP8_E4M3, got ",
+                                WireDTypeName(t.dtype())));
   }
   if (t.dtype() != q.dtype()) {
     return Invalid(absl::StrCat(name, ".dtype: expected ", WireDTypeName(q.dtype()),
@@ -216,9 +218,25 @@ absl::Status CheckSeqlens(const v1::ForwardRequest& r) {
   return absl::OkStatus();
 }
 
-// `head_dim` is the validated D (the default scale depends on it). The ranges
-// of softmax_scale and softcap are backend/score_range.h's.
-absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim) {
+// One descale option: only for FP8 inputs, and then finite in (0, kMaxDescale].
+absl::Status CheckDescale(const char* field, bool has, float value, int dtype) {
+  if (!has) return absl::OkStatus();
+  if (dtype != v1::FP8_E4M3) {
+    return Invalid(absl::StrCat("options.", field,
+                                ": expected unset (descales apply to FP8_E4M3 inputs only), got ",
+                                value, " with ", WireDTypeName(dtype), " inputs"));
+  }
+  if (!DescaleInRange(value)) {
+    return Invalid(absl::StrCat("options.", field, ": expected finite and in (0, ", kMaxDescale,
+                                "] (leave unset for 1), got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// `head_dim` is the validated D (the default scale depends on it), `dtype`
+// the inputs' (descales are FP8-only). The ranges of softmax_scale, softcap
+// and the descales are backend/score_range.h's.
+absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim, int dtype) {
   if (o.has_window_left() && o.window_left() < 0) {
     return Invalid(absl::StrCat(
         "options.window_left: expected >= 0 (leave unset for unlimited), got ", o.window_left()));
@@ -241,6 +259,9 @@ absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim) {
                                 ", ", kMaxSoftcap, "] with softmax_scale = ", scale, ", got ",
                                 o.softcap()));
   }
+  RETURN_IF_ERROR(CheckDescale("q_descale", o.has_q_descale(), o.q_descale(), dtype));
+  RETURN_IF_ERROR(CheckDescale("k_descale", o.has_k_descale(), o.k_descale(), dtype));
+  RETURN_IF_ERROR(CheckDescale("v_descale", o.has_v_descale(), o.v_descale(), dtype));
   return absl::OkStatus();
 }
 
@@ -262,7 +283,7 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
   RETURN_IF_ERROR(CheckTokens(request, limits));
   RETURN_IF_ERROR(CheckSeqlens(request));
   const int64_t head_dim = request.q().shape(request.q().shape_size() - 1);
-  RETURN_IF_ERROR(CheckOptions(request.options(), head_dim));
+  RETURN_IF_ERROR(CheckOptions(request.options(), head_dim, request.q().dtype()));
   return absl::OkStatus();
 }
 
@@ -299,6 +320,9 @@ AttnOptions OptionsFromWire(const v1::AttentionOptions& o) {
   if (o.has_window_left()) options.window_left = o.window_left();
   if (o.has_window_right()) options.window_right = o.window_right();
   options.softcap = o.softcap();
+  if (o.has_q_descale()) options.q_descale = o.q_descale();
+  if (o.has_k_descale()) options.k_descale = o.k_descale();
+  if (o.has_v_descale()) options.v_descale = o.v_descale();
   return options;
 }
 
@@ -310,13 +334,13 @@ absl::Status ValidateRequestId(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim) {
-  return CheckOptions(options, head_dim);
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim, int dtype) {
+  return CheckOptions(options, head_dim, dtype);
 }
 
 absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
   if (!IsKnownDType(tensor.dtype())) {
-    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16 or FP32, got ",
+    return Invalid(absl::StrCat(name, ".dtype: expected FP16, BF16, FP32 or FP8_E4M3, got ",
                                 WireDTypeName(tensor.dtype())));
   }
   RETURN_IF_ERROR(CheckDims(name, tensor));

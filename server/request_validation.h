@@ -47,9 +47,10 @@ AttnParams FillParams(const v1::ForwardRequest& request);
 AttnOptions OptionsFromWire(const v1::AttentionOptions& options);
 // The options' checks of ValidateForwardRequest (INVALID_ARGUMENT naming
 // options.<field>), including the softmax_scale/softcap ranges of
-// backend/score_range.h; `head_dim` is the validated D (the default scale
-// depends on it).
-absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim);
+// backend/score_range.h, and q/k/v_descale (set only for FP8_E4M3 `dtype`,
+// a v1::DType value, and then finite in (0, kMaxDescale]); `head_dim` is the
+// validated D (the default scale depends on it).
+absl::Status ValidateOptions(const v1::AttentionOptions& options, int64_t head_dim, int dtype);
 // request_id: at most kMaxRequestIdBytes (INVALID_ARGUMENT naming it).
 absl::Status ValidateRequestId(const std::string& id);
 // A tensor's dtype is known, its dims are in range and its data has exactly

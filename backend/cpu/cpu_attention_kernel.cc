@@ -25,9 +25,15 @@ namespace {
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// dst[0, n) = row at `offset` of `base` (n elements of dtype t) as float.
-inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst) {
+// dst[0, n) = row at `offset` of `base` (n elements of dtype t) as float;
+// FP8 codes are decoded and multiplied by `descale` (1 for other dtypes).
+inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst, float descale) {
   switch (t) {
+    case DType::kFP8E4M3: {
+      const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = Fp8E4M3ToFloat(src[i]) * descale;
+      return;
+    }
     case DType::kFP32:
       std::memcpy(dst, static_cast<const float*>(base) + offset, sizeof(float) * n);
       return;
@@ -58,6 +64,7 @@ inline void LoadRow(const void* base, DType t, int64_t offset, int n, float* dst
 // Row at `offset` of `base` (dtype t) = src[0, n) rounded to nearest even.
 inline void StoreRow(const float* src, int n, DType t, void* base, int64_t offset) {
   switch (t) {
+    case DType::kFP8E4M3: return;  // never an output dtype (OutputDType)
     case DType::kFP32:
       std::memcpy(static_cast<float*>(base) + offset, src, sizeof(float) * n);
       return;
@@ -225,7 +232,7 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
   if (span_lo <= span_hi) {
     for (int r = 0; r < rows; ++r) {
       float* q_row = q + r * d;
-      LoadRow(p.q, p.dtype, QOffset(p, q_start + i0 + r, h), d, q_row);
+      LoadRow(p.q, p.dtype, QOffset(p, q_start + i0 + r, h), d, q_row, p.q_descale);
       for (int c = 0; c < d; ++c) q_row[c] *= q_scale;
     }
     std::fill(q + rows * d, q + rows_pad * d, 0.0f);
@@ -279,7 +286,7 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
     float* o_row = o + r * d;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     for (int c = 0; c < d; ++c) o_row[c] *= inv;
-    StoreRow(o_row, d, p.dtype, p.o, QOffset(p, q_start + i0 + r, h));
+    StoreRow(o_row, d, OutputDType(p.dtype), p.o, QOffset(p, q_start + i0 + r, h));
     if (p.lse != nullptr) {
       p.lse[LseOffset(p, b, h, i0 + r)] = l[r] > 0.0f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
     }
@@ -293,10 +300,10 @@ struct ContiguousKvRows {
   const AttnParams& p;
   int64_t k_start;
   void LoadK(int j, int hk, float* dst) const {
-    LoadRow(p.k, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst);
+    LoadRow(p.k, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst, p.k_descale);
   }
   void LoadV(int j, int hk, float* dst) const {
-    LoadRow(p.v, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst);
+    LoadRow(p.v, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst, p.v_descale);
   }
 };
 
@@ -309,7 +316,8 @@ struct PagedKvRows {
     const int32_t page = table[j >> p.pages.page_shift];
     const int64_t offset = PageRowOffset(p.pages, page, j & (p.pages.page_size - 1),
                                          p.attn.num_heads_kv, p.attn.head_dim, hk);
-    LoadRow(slabs[PageSlab(p.pages, page)], p.attn.dtype, offset, p.attn.head_dim, dst);
+    // Caches are never FP8 (CheckPagedParams): no descale.
+    LoadRow(slabs[PageSlab(p.pages, page)], p.attn.dtype, offset, p.attn.head_dim, dst, 1.0f);
   }
   void LoadK(int j, int hk, float* dst) const { Load(p.pages.k_slabs, j, hk, dst); }
   void LoadV(int j, int hk, float* dst) const { Load(p.pages.v_slabs, j, hk, dst); }

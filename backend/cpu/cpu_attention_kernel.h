@@ -96,7 +96,8 @@ class Scratch {
 };
 
 // Computes rows [m_block * kBlockM, min(+kBlockM, Sq)) of sequence b, query
-// head h: writes o (in p.dtype) and, when p.lse is set, lse. `p` must have
+// head h: writes o (in OutputDType(p.dtype)) and, when p.lse is set, lse; FP8
+// rows are dequantised (code x descale) as they load. `p` must have
 // passed CheckParams.
 void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch);
 

@@ -19,7 +19,8 @@ namespace attnserve {
 
 CpuBackend::CpuBackend(int threads) : pool_(std::max(1, threads)) {
   description_.name = "cpu";
-  description_.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
+  // FP8_E4M3 codes are dequantised (code x descale) as the rows are loaded.
+  description_.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3};
   description_.cpu_threads = pool_.num_threads();
 }
 

@@ -16,6 +16,7 @@
 #include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_staging.h"
+#include "backend/cuda/fp8_dequant.h"
 #include "backend/cuda/generated/kernel_set.h"
 #include "backend/ragged_batch.h"
 #include "common/dtype.h"
@@ -42,7 +43,7 @@ struct StagingLayout {
     cu_q = take(batch.cu_seqlens_bytes());
     cu_k = take(batch.cu_seqlens_bytes());
     inputs_end = off;
-    o = take(batch.q_bytes());
+    o = take(batch.o_bytes());  // BF16 for FP8 inputs
     lse = take(batch.lse_bytes());
     end = std::max<int64_t>(off, 256);
   }
@@ -122,7 +123,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   char bus_id[32] = {};
   if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device) == cudaSuccess) dev.pci_bus_id = bus_id;
   d.devices.push_back(dev);
-  d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32};
+  // FP8_E4M3: dequantised to BF16 on the device, then the BF16 kernels
+  // (fp8_dequant.h; the hooks are in PlanFor and LaunchKernels).
+  d.dtypes = {DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3};
   d.min_head_dim = 8;
   d.max_head_dim =
       *std::max_element(std::begin(cuda::kCompiledHeadDims), std::end(cuda::kCompiledHeadDims));
@@ -152,6 +155,8 @@ absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
 }
 
 absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+  // FP8 hook: the kernel that runs is the BF16 one (fp8_dequant.h).
+  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params));
   const Plan plan = cuda::PlanForward(params, num_sms_);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
@@ -192,6 +197,16 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
 }
 
 absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
+  if (dev.dtype == DType::kFP8E4M3) {
+    // FP8 hook: BF16 copies of q/k/v in the slot's scratch, then the BF16
+    // kernel of `plan` (PlanFor planned the BF16 view), O written as BF16.
+    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev), "FP8 dequantise buffer"));
+    AttnParams bf16;
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::DequantiseFp8(dev, slot->fp8_scratch.ptr(), slot->stream, &bf16),
+        "fp8 dequantise kernel");
+    return LaunchKernels(plan, bf16, slot);
+  }
   if (dev.dtype == DType::kFP32) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchForwardFp32(dev, slot->stream), "fp32 forward kernel");
     return absl::OkStatus();

@@ -80,7 +80,8 @@ class CudaBackend final : public AttentionBackend {
   template <typename Layout, typename Batch, typename Rebase, typename Kernels>
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(const Batch& batch, Rebase rebase,
                                                              Kernels kernels);
-  // The plan for FP16/BF16 params (PlanForward), or UNIMPLEMENTED when this
+  // The plan for FP16/BF16 params (PlanForward; FP8 params are planned as
+  // their BF16 view, the kernel that runs them), or UNIMPLEMENTED when this
   // build or this device has no kernel for them. Checks nothing else.
   absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.

@@ -110,6 +110,8 @@ struct CudaBackend::Slot {
   StagingBuffer host{StagingBuffer::Kind::kPinnedHost};
   StagingBuffer device{StagingBuffer::Kind::kDevice};
   StagingBuffer workspace{StagingBuffer::Kind::kDevice};  // split-KV tickets and partials
+  // FP8 calls only: BF16 copies of q, k, v (fp8_dequant.h).
+  StagingBuffer fp8_scratch{StagingBuffer::Kind::kDevice};
   bool busy = false;
 };
 

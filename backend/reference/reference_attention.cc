@@ -25,7 +25,19 @@ inline double Round(Precision prec, DType t, double x) {
   return prec == Precision::kExact ? x : RoundTo(t, static_cast<float>(x));
 }
 
+// Input element i of `data` (q, k or v of p) as a value: FP8 codes times the
+// tensor's descale, in float64; rounded to BF16 in the low-precision run,
+// where FP8 inputs are computed as BF16.
+inline double Input(Precision prec, const AttnParams& p, const void* data, float descale,
+                    int64_t i) {
+  const double x = static_cast<double>(LoadAsFloat(data, p.dtype, i)) * descale;
+  if (prec == Precision::kExact || p.dtype != DType::kFP8E4M3) return x;
+  return RoundTo(DType::kBF16, static_cast<float>(x));
+}
+
 ReferenceOutput Run(const AttnParams& p, Precision prec) {
+  // The dtype intermediates are rounded to: O's (BF16 for FP8 inputs).
+  const DType t = OutputDType(p.dtype);
   const int hq = p.num_heads_q;
   const int d = p.head_dim;
   const int64_t total_q = p.total_q;
@@ -51,14 +63,14 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
       for (int j = 0; j < sk; ++j) {
         const int64_t off = KVOffset(p, k0 + j, hk);
         for (int c = 0; c < d; ++c) {
-          krows[static_cast<size_t>(j) * d + c] = LoadAsFloat(p.k, p.dtype, off + c);
-          vrows[static_cast<size_t>(j) * d + c] = LoadAsFloat(p.v, p.dtype, off + c);
+          krows[static_cast<size_t>(j) * d + c] = Input(prec, p, p.k, p.k_descale, off + c);
+          vrows[static_cast<size_t>(j) * d + c] = Input(prec, p, p.v, p.v_descale, off + c);
         }
       }
       scores.assign(static_cast<size_t>(sq) * sk, 0.0);
       for (int i = 0; i < sq; ++i) {
         const int64_t qoff = QOffset(p, q0 + i, h);
-        for (int c = 0; c < d; ++c) qrow[c] = LoadAsFloat(p.q, p.dtype, qoff + c);
+        for (int c = 0; c < d; ++c) qrow[c] = Input(prec, p, p.q, p.q_descale, qoff + c);
         int lo, hi;
         VisibleKeys(p, i, sq, sk, &lo, &hi);
         double* srow = scores.data() + static_cast<size_t>(i) * sk;
@@ -77,8 +89,8 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
             }
             s = sf;
           }
-          s = Round(prec, p.dtype, s * scale);
-          if (cap > 0.0) s = Round(prec, p.dtype, cap * std::tanh(s / cap));
+          s = Round(prec, t, s * scale);
+          if (cap > 0.0) s = Round(prec, t, cap * std::tanh(s / cap));
           srow[j] = s;
           m = std::max(m, s);
         }
@@ -92,14 +104,14 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
         if (prec == Precision::kLow) sum = static_cast<float>(sum);
         double* orow = out.o.data() + QOffset(p, q0 + i, h);
         for (int j = lo; j <= hi; ++j) {
-          const double pj = Round(prec, p.dtype, srow[j] / sum);
+          const double pj = Round(prec, t, srow[j] / sum);
           const double* vr = vrows.data() + static_cast<size_t>(j) * d;
           for (int c = 0; c < d; ++c) orow[c] += pj * vr[c];
           if (prec == Precision::kLow) {
             for (int c = 0; c < d; ++c) orow[c] = static_cast<float>(orow[c]);
           }
         }
-        for (int c = 0; c < d; ++c) orow[c] = Round(prec, p.dtype, orow[c]);
+        for (int c = 0; c < d; ++c) orow[c] = Round(prec, t, orow[c]);
         const double lse = std::log(sum) + m;
         out.lse[static_cast<size_t>(LseOffset(p, b, h, i))] =
             prec == Precision::kExact ? lse : static_cast<float>(lse);

@@ -15,13 +15,16 @@ struct ReferenceOutput {
 };
 
 // Exact attention in float64 over the inputs in `p` (host pointers, read as
-// p.dtype and widened). p.o and p.lse are ignored.
+// p.dtype and widened; FP8 codes dequantised exactly: decode(code) * descale
+// in float64). p.o and p.lse are ignored.
 ReferenceOutput ReferenceAttention(const AttnParams& p);
 
 // The same function evaluated the way a framework does it in p.dtype: scores
 // and probabilities rounded to p.dtype, output rounded to p.dtype, float
 // accumulation. Its distance from ReferenceAttention sets the FP16/BF16
 // tolerance (docs/design.md §4). For FP32 it equals ReferenceAttention rounded to float.
+// For FP8_E4M3 it is the BF16 computation on the dequantised inputs rounded to
+// BF16 (what the CUDA path runs: dequantise to BF16, then the BF16 kernel).
 ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p);
 
 }  // namespace attnserve

@@ -7,9 +7,12 @@
 // The policy (FlashAttention's), with ref the float64 reference and ref_lowp
 // the same function evaluated in the input dtype (reference_attention.h):
 //   O, FP16/BF16:   max|out - ref| <= 2 * max|ref_lowp - ref| + OutputFloor(dtype).
+//   O, FP8_E4M3:    the BF16 rule: ref is float64 on the dequantised inputs
+//                   (code * descale), ref_lowp the BF16 computation on them
+//                   rounded to BF16 (O is BF16), floor kBf16OutputFloor.
 //   O, FP32:        every element |out - ref| <= kFp32Rtol * max|ref of its vector| + kFp32Atol,
 //                   a vector being one query row of one head.
-//   LSE, FP16/BF16: max|lse - ref| <= 2 * max|lse_lowp - ref| + kLowpLseFloor.
+//   LSE, FP16/BF16 (and FP8_E4M3): max|lse - ref| <= 2 * max|lse_lowp - ref| + kLowpLseFloor.
 //   LSE, FP32:      every element |lse - ref| <= kFp32Rtol * |ref| + kFp32LseAtol.
 //   Rows that see no key: O exactly 0 and LSE exactly -inf.
 #pragma once
@@ -52,6 +55,7 @@ inline constexpr double OutputFloor(DType t) {
     case DType::kFP16:
       return kFp16OutputFloor;
     case DType::kBF16:
+    case DType::kFP8E4M3:  // O is BF16
       return kBf16OutputFloor;
     case DType::kFP32:
       return kFp32Atol;

@@ -34,8 +34,9 @@ ABSL_FLAG(
 ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
           "Seed of the random inputs (default: a fresh one, printed so a run can be repeated).");
 ABSL_FLAG(std::string, dtype, "fp16",
-          "Element type: fp16, bf16 or fp32. With --q/--k/--v files the default is the files' type "
-          "and an explicit --dtype converts them.");
+          "Element type: fp16, bf16, fp32 or fp8_e4m3 (FP8 E4M3 codes; O comes back as BF16). "
+          "With --q/--k/--v files the default is the files' type and an explicit --dtype converts "
+          "them (uint8 .npy files hold FP8 codes: pass --dtype=fp8_e4m3).");
 
 // Attention options (docs/design.md §2).
 ABSL_FLAG(bool, causal, false,
@@ -49,6 +50,12 @@ ABSL_FLAG(float, softcap, 0.0f,
 ABSL_FLAG(std::optional<float>, softmax_scale, std::nullopt,
           "Multiplies Q*K^T before the softmax (default: 1/sqrt(D)).");
 ABSL_FLAG(bool, return_lse, false, "Also return the log-sum-exp of each query row.");
+ABSL_FLAG(std::optional<float>, q_descale, std::nullopt,
+          "FP8 inputs: q's value is its code times this, in (0, 128] (default: 1).");
+ABSL_FLAG(std::optional<float>, k_descale, std::nullopt,
+          "FP8 inputs: k's value is its code times this, in (0, 128] (default: 1).");
+ABSL_FLAG(std::optional<float>, v_descale, std::nullopt,
+          "FP8 inputs: v's value is its code times this, in (0, 128] (default: 1).");
 
 namespace attnserve {
 namespace cli {
@@ -147,6 +154,11 @@ absl::Status OptionsFromFlags(ForwardOptions* o) {
         absl::StrCat("--softmax_scale must be finite and > 0, got ", *o->softmax_scale));
   }
   o->return_lse = absl::GetFlag(FLAGS_return_lse);
+  // Range and dtype are the server's to check (INVALID_ARGUMENT naming
+  // options.q_descale etc.): the same rule for every client.
+  o->q_descale = absl::GetFlag(FLAGS_q_descale);
+  o->k_descale = absl::GetFlag(FLAGS_k_descale);
+  o->v_descale = absl::GetFlag(FLAGS_v_descale);
   return absl::OkStatus();
 }
 
@@ -158,6 +170,9 @@ std::string OptionsString(const ForwardOptions& o) {
   if (o.softcap != 0.0f) parts.push_back(absl::StrCat("softcap=", o.softcap));
   if (o.softmax_scale) parts.push_back(absl::StrCat("softmax_scale=", *o.softmax_scale));
   if (o.return_lse) parts.push_back("return_lse");
+  if (o.q_descale) parts.push_back(absl::StrCat("q_descale=", *o.q_descale));
+  if (o.k_descale) parts.push_back(absl::StrCat("k_descale=", *o.k_descale));
+  if (o.v_descale) parts.push_back(absl::StrCat("v_descale=", *o.v_descale));
   return parts.empty() ? "no mask" : absl::StrJoin(parts, " ");
 }
 

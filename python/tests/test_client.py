@@ -229,3 +229,42 @@ def test_torch_tensors_in_and_out(client):
         kn = k.float().numpy().astype(as_np)
         check("o", o.float().numpy().astype(as_np),
               reference.attention(qn, kn, kn, causal=True)[0], name)
+
+
+def test_fp8_inputs_with_descales(client):
+    """FP8 E4M3 codes (ml_dtypes.float8_e4m3fn) with per-tensor descales: O is bfloat16,
+    checked like BF16 against the float64 reference on the dequantised inputs."""
+    rng = np.random.default_rng(13)
+    fp8 = ml_dtypes.float8_e4m3fn
+    q = rng.normal(size=(2, 17, 4, 64)).astype(np.float32).astype(fp8)
+    k = rng.normal(size=(2, 30, 2, 64)).astype(np.float32).astype(fp8)
+    v = rng.normal(size=(2, 30, 2, 64)).astype(np.float32).astype(fp8)
+    descales = dict(q_descale=0.5, k_descale=1.25, v_descale=0.2)
+    o, lse = client.forward(q, k, v, causal=True, return_lse=True, **descales)
+    assert o.dtype == np.dtype(ml_dtypes.bfloat16) and o.shape == q.shape
+    deq = [x.astype(np.float64) * descales[n] for x, n in
+           ((q, "q_descale"), (k, "k_descale"), (v, "v_descale"))]
+    ref_o, ref_lse = reference.attention(*deq, causal=True)
+    check("o", o, ref_o, "bf16")
+    finite = np.isfinite(ref_lse)
+    assert np.allclose(lse[finite], ref_lse[finite], atol=1e-3)
+    # Descales are FP8-only, and must be in (0, 128]: the server names the field.
+    with pytest.raises(AttnServeError, match="options.k_descale"):
+        client.forward(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                       k_descale=2.0)
+    with pytest.raises(AttnServeError, match=r"options.v_descale: expected finite and in \(0, 128\]"):
+        client.forward(q, k, v, v_descale=0.0)
+
+
+def test_fp8_torch_tensors(client):
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn((1, 9, 2, 32), generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn((1, 12, 2, 32), generator=g).to(torch.float8_e4m3fn)
+    o = client.forward(q, k, k, q_descale=2.0, k_descale=0.5, v_descale=0.5)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
+    qn, kn = q.float().numpy() * 2.0, k.float().numpy() * 0.5
+    check("o", o.float().numpy().astype(ml_dtypes.bfloat16),
+          reference.attention(qn, kn, kn)[0], "bf16")

@@ -48,6 +48,7 @@ inference::DataType ConfigType(DType t) {
     case DType::kFP16: return inference::TYPE_FP16;
     case DType::kBF16: return inference::TYPE_BF16;
     case DType::kFP32: return inference::TYPE_FP32;
+    case DType::kFP8E4M3: break;  // not a v2 datatype (v2_tensors.cc refuses it)
   }
   return inference::TYPE_INVALID;
 }

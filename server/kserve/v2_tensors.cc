@@ -42,8 +42,10 @@ absl::StatusOr<DType> ParseFloatDatatype(const std::string& where, const std::st
   if (datatype == "FP16") return DType::kFP16;
   if (datatype == "BF16") return DType::kBF16;
   if (datatype == "FP32") return DType::kFP32;
-  return absl::InvalidArgumentError(
-      absl::StrCat(where, ": expected FP16, BF16 or FP32, got \"", datatype, "\""));
+  // The v2 protocol has no FP8 datatype; FP8 inputs go through attnserve.v1.
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, ": expected FP16, BF16 or FP32, got \"", datatype,
+      "\" (FP8_E4M3 is not a KServe v2 datatype: send FP8 inputs to attnserve.v1.Attention)"));
 }
 
 absl::StatusOr<int64_t> IntParameter(const std::string& where,

@@ -35,6 +35,13 @@ absl::Status CheckGeometry(const KvGeometry& g) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
   }
+  if (g.dtype == DType::kFP8E4M3) {
+    // FP8 is a Forward-only input for now: the paged kernels read FP16, BF16
+    // and FP32 pages, and a cache would also need per-tensor descales.
+    return absl::InvalidArgumentError(
+        "geometry.dtype: expected FP16, BF16 or FP32 (K/V caches do not support FP8 yet), got "
+        "FP8_E4M3");
+  }
   if (g.dtype != DType::kFP16 && g.dtype != DType::kBF16 && g.dtype != DType::kFP32) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.dtype: expected FP16, BF16 or FP32, got ", static_cast<int>(g.dtype)));

@@ -72,8 +72,41 @@ TEST(CheckParamsTest, Dtype) {
   AttnParams p = buf.params();
   p.dtype = static_cast<DType>(0);
   ExpectInvalid(p, {"dtype", "got 0"});
-  p.dtype = static_cast<DType>(4);
-  ExpectInvalid(p, {"dtype", "got 4"});
+  p.dtype = static_cast<DType>(5);
+  ExpectInvalid(p, {"dtype", "FP8_E4M3 (4)", "got 5"});
+}
+
+TEST(CheckParamsTest, Descales) {
+  TestCase tc = Dense();
+  tc.dtype = DType::kFP8E4M3;
+  tc.q_descale = 0.5f;
+  tc.k_descale = 128.0f;  // the largest accepted
+  tc.v_descale = 1e-30f;  // tiny is fine
+  HostBuffers buf(tc);
+  ASSERT_TRUE(CheckParams(buf.params()).ok()) << CheckParams(buf.params());
+  AttnParams p = buf.params();
+  for (float bad : {0.0f, -1.0f, 128.5f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    p = buf.params();
+    p.q_descale = bad;
+    ExpectInvalid(p, {"q_descale", "(0, 128]"});
+    p = buf.params();
+    p.k_descale = bad;
+    ExpectInvalid(p, {"k_descale", "(0, 128]"});
+    p = buf.params();
+    p.v_descale = bad;
+    ExpectInvalid(p, {"v_descale", "(0, 128]"});
+  }
+  // Any other dtype: exactly 1 (params built field by field default to it).
+  HostBuffers bf16(Dense());
+  p = bf16.params();
+  EXPECT_EQ(p.q_descale, 1.0f);
+  p.v_descale = 2.0f;
+  ExpectInvalid(p, {"v_descale", "FP8_E4M3 inputs only", "got 2"});
+  AttnParams fresh{};
+  EXPECT_EQ(fresh.q_descale, 1.0f);
+  EXPECT_EQ(fresh.k_descale, 1.0f);
+  EXPECT_EQ(fresh.v_descale, 1.0f);
 }
 
 TEST(CheckParamsTest, BatchAndHeads) {

@@ -4,9 +4,11 @@
 #include "backend/cpu/cpu_backend.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <set>
+#include <vector>
 
 #include "backend/backend_factory.h"
 #include "common/dtype.h"
@@ -44,9 +46,65 @@ INSTANTIATE_TEST_SUITE_P(Grid, CpuBackendGridTest, ::testing::ValuesIn(StandardG
                          [](const ::testing::TestParamInfo<TestCase>& info) {
                            return info.param.Name();
                          });
+// FP8 inputs: O (BF16) within the BF16 rule of the float64 reference on the
+// dequantised inputs (code x descale), tolerance.h.
+INSTANTIATE_TEST_SUITE_P(Fp8, CpuBackendGridTest, ::testing::ValuesIn(testing_util::Fp8Grid()),
+                         [](const ::testing::TestParamInfo<TestCase>& info) {
+                           return info.param.Name();
+                         });
+
+// FP8 is dequantise-then-compute: with power-of-two descales every
+// code x descale is exact in BF16, so the FP8 call must give bit for bit the
+// output of the BF16 call on those values (same algorithm, same inputs).
+TEST(CpuBackendTest, Fp8EqualsBf16OnDequantisedValues) {
+  TestCase tc;
+  tc.dtype = DType::kFP8E4M3;
+  tc.batch = 2;
+  tc.seqlen_q = 37;
+  tc.seqlen_k = 70;
+  tc.num_heads_q = 4;
+  tc.num_heads_kv = 2;
+  tc.head_dim = 64;
+  tc.causal = true;
+  tc.q_descale = 0.5f;
+  tc.k_descale = 4.0f;
+  tc.v_descale = 0.125f;
+  HostBuffers fp8(tc);
+  const AttnParams& p = fp8.params();
+  auto widen = [](const void* codes, int64_t n, float descale) {
+    std::vector<uint16_t> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = LoadAsFloat(codes, DType::kFP8E4M3, i) * descale;
+      out[i] = FloatToBf16(x);
+      EXPECT_EQ(Bf16ToFloat(out[i]), x) << "not exact in BF16: " << x;
+    }
+    return out;
+  };
+  const int64_t nq = p.total_q * p.num_heads_q * p.head_dim;
+  const int64_t nkv = p.total_k * p.num_heads_kv * p.head_dim;
+  const std::vector<uint16_t> q = widen(p.q, nq, p.q_descale);
+  const std::vector<uint16_t> k = widen(p.k, nkv, p.k_descale);
+  const std::vector<uint16_t> v = widen(p.v, nkv, p.v_descale);
+  std::vector<uint16_t> o_bf16(static_cast<size_t>(nq));
+  std::vector<float> lse_bf16(static_cast<size_t>(p.total_q * p.num_heads_q));
+  AttnParams bf16 = p;
+  bf16.dtype = DType::kBF16;
+  bf16.q_descale = bf16.k_descale = bf16.v_descale = 1.0f;
+  bf16.q = q.data();
+  bf16.k = k.data();
+  bf16.v = v.data();
+  bf16.o = o_bf16.data();
+  bf16.lse = lse_bf16.data();
+  ASSERT_TRUE(PlanAndForward(Backend(), p, nullptr).ok());
+  ASSERT_TRUE(PlanAndForward(Backend(), bf16, nullptr).ok());
+  ASSERT_EQ(std::memcmp(fp8.o(), o_bf16.data(), o_bf16.size() * 2), 0);
+  ASSERT_EQ(std::memcmp(fp8.lse(), lse_bf16.data(), lse_bf16.size() * 4), 0);
+  EXPECT_TRUE(CheckOutput(fp8));
+}
 
 TEST(CpuBackendTest, GridNamesAreUnique) {
   std::set<std::string> names;
+  for (const TestCase& tc : testing_util::Fp8Grid()) EXPECT_TRUE(names.insert(tc.Name()).second);
   for (const TestCase& tc : StandardGrid())
     EXPECT_TRUE(names.insert(tc.Name()).second) << tc.Name();
 }
@@ -56,7 +114,8 @@ TEST(CpuBackendTest, Describe) {
   const BackendDescription& d = backend->Describe();
   EXPECT_EQ(d.name, "cpu");
   EXPECT_EQ(d.cpu_threads, 3);
-  EXPECT_EQ(d.dtypes.size(), 3u);
+  EXPECT_EQ(d.dtypes,
+            (std::vector<DType>{DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3}));
   EXPECT_EQ(d.min_head_dim, 8);
   EXPECT_EQ(d.max_head_dim, 256);
   EXPECT_GE(MakeCpuBackend(0)->Describe().cpu_threads, 1);

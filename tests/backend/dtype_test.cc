@@ -1,10 +1,13 @@
-// FP16/BF16 <-> float conversions of common/dtype.h: exact round trips,
-// round-to-nearest-even ties, subnormals, overflow, infinities and NaN.
+// FP16/BF16/FP8 E4M3 <-> float conversions of common/dtype.h: exact round
+// trips, round-to-nearest-even ties, subnormals, overflow, infinities and NaN.
+// FP8's decode is checked on all 256 codes against values computed here from
+// the OCP spec's definition, not from the code under test.
 #include "common/dtype.h"
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -21,7 +24,106 @@ TEST(DTypeTest, SizesAndNames) {
   EXPECT_EQ(DTypeName(DType::kFP16), "FP16");
   EXPECT_EQ(DTypeName(DType::kBF16), "BF16");
   EXPECT_EQ(DTypeName(DType::kFP32), "FP32");
+  EXPECT_EQ(DTypeSize(DType::kFP8E4M3), 1);
+  EXPECT_EQ(DTypeName(DType::kFP8E4M3), "FP8_E4M3");
   EXPECT_EQ(DTypeName(static_cast<DType>(9)), "UNKNOWN");
+}
+
+// The OCP FP8 E4M3 value of `code` straight from the spec: sign, biased
+// exponent E (bias 7), mantissa M; E = 0 is subnormal, (-1)^S * 2^-6 * M/8;
+// otherwise (-1)^S * 2^(E-7) * (1 + M/8); S.1111.111 is NaN; no infinities.
+double SpecE4M3(int code) {
+  const int s = code >> 7, e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return s ? -mag : mag;
+}
+
+TEST(DTypeTest, Fp8E4M3DecodesAll256Codes) {
+  int nans = 0;
+  for (int code = 0; code < 256; ++code) {
+    const double want = SpecE4M3(code);
+    const float got = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << "code " << code;
+      ++nans;
+      continue;
+    }
+    EXPECT_EQ(static_cast<double>(got), want) << "code " << code;
+    EXPECT_EQ(std::signbit(got), code >= 128) << "code " << code;  // -0 for 0x80
+  }
+  EXPECT_EQ(nans, 2);  // 0x7f and 0xff
+  // Landmarks of the spec's table.
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);  // largest finite
+  EXPECT_EQ(Fp8E4M3ToFloat(0xfe), -448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x08), 0.015625f);     // smallest normal 2^-6
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);  // smallest subnormal 2^-9
+  EXPECT_EQ(Fp8E4M3ToFloat(0x07), 0.013671875f);  // largest subnormal 7 * 2^-9
+  EXPECT_EQ(Fp8E4M3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x78), 256.0f);  // E = 15 is finite in E4M3
+}
+
+// Every code except NaN survives decode -> encode, and the float view agrees.
+TEST(DTypeTest, Fp8E4M3RoundTripsEveryCode) {
+  for (int code = 0; code < 256; ++code) {
+    const float f = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    if (std::isnan(f)) {
+      EXPECT_EQ(FloatToFp8E4M3(f) & 0x7f, 0x7f) << code;
+      continue;
+    }
+    EXPECT_EQ(FloatToFp8E4M3(f), code) << "code " << code << " = " << f;
+    EXPECT_EQ(RoundTo(DType::kFP8E4M3, f), f) << code;
+  }
+}
+
+// Encoding any float picks the nearest code (ties to the even mantissa) and
+// saturates: checked against a brute-force search over the finite codes.
+TEST(DTypeTest, Fp8E4M3EncodeIsNearestEvenAndSaturates) {
+  std::vector<float> probes;
+  for (int code = 0; code < 0x7f; ++code) {  // positive finite codes
+    const float a = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    const float b = code + 1 < 0x7f ? Fp8E4M3ToFloat(static_cast<uint8_t>(code + 1)) : 480.0f;
+    const float mid = 0.5f * (a + b);  // the tie (exact in float)
+    for (float x : {a, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f),
+                    a + 0.25f * (b - a), a + 0.75f * (b - a)}) {
+      probes.push_back(x);
+      probes.push_back(-x);
+    }
+  }
+  for (float x : probes) {
+    // Brute force: the finite code of least distance; on a tie, the even mantissa.
+    int best = -1;
+    double best_d = 0;
+    for (int code = 0; code < 256; ++code) {
+      const double v = SpecE4M3(code);
+      if (std::isnan(v) || (std::signbit(v) != std::signbit(x))) continue;
+      const double d = std::fabs(v - x);
+      if (best < 0 || d < best_d || (d == best_d && (code & 1) == 0)) {
+        best = code;
+        best_d = d;
+      }
+    }
+    EXPECT_EQ(FloatToFp8E4M3(x), best) << "x = " << x;
+  }
+  EXPECT_EQ(FloatToFp8E4M3(448.0f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(470.0f), 0x7e);  // saturates instead of NaN
+  EXPECT_EQ(FloatToFp8E4M3(1e30f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-1e30f), 0xfe);
+  EXPECT_EQ(FloatToFp8E4M3(std::numeric_limits<float>::infinity()), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-std::numeric_limits<float>::infinity()), 0xfe);
+  EXPECT_EQ(FloatToFp8E4M3(std::numeric_limits<float>::quiet_NaN()), 0x7f);
+  EXPECT_EQ(FloatToFp8E4M3(0.0009765625f), 0x00);  // 2^-10: tie between 0 and 2^-9 -> even 0
+  EXPECT_EQ(FloatToFp8E4M3(0.0029296875f), 0x02);  // 1.5 * 2^-9: tie -> even mantissa 2
+  EXPECT_EQ(FloatToFp8E4M3(1e-20f), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-1e-20f), 0x80);
+}
+
+TEST(DTypeTest, Fp8E4M3BufferAccess) {
+  uint8_t buf[3] = {};
+  StoreFromFloat(buf, DType::kFP8E4M3, 1, -2.5f);
+  EXPECT_EQ(buf[1], 0xc2);  // -1.25 * 2^1: S=1, E=8, M=2
+  EXPECT_EQ(LoadAsFloat(buf, DType::kFP8E4M3, 1), -2.5f);
+  EXPECT_EQ(RoundTo(DType::kFP8E4M3, 0.3f), 0.3125f);  // nearest code: 1.25 * 2^-2
 }
 
 // Every non-NaN fp16 bit pattern survives fp16 -> float -> fp16.

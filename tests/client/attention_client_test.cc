@@ -48,7 +48,7 @@ class AttentionClientTest : public ::testing::Test {
     auto result = Client()->Forward(*inputs);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->backend, "cpu");
-    EXPECT_EQ(result->o.dtype(), shape.dtype);
+    EXPECT_EQ(result->o.dtype(), OutputDType(shape.dtype));  // BF16 for FP8
     EXPECT_EQ(result->o.shape(), inputs->q.shape());
     EXPECT_EQ(result->lse.has_value(), options.return_lse);
     auto report = VerifyForward(*inputs, *result);
@@ -98,6 +98,19 @@ TEST_F(AttentionClientTest, ForwardGqaWithLseWindowAndSoftcap) {
   o.softcap = 30.0f;
   o.softmax_scale = 0.2f;
   RunAndVerify(Dense(DType::kFP32, 2, 24, 24, 4, 2, 8), o, 3);
+}
+
+// FP8 codes with descales through the C++ client: O comes back BF16 and the
+// verifier checks it against the float64 reference on the dequantised inputs.
+TEST_F(AttentionClientTest, ForwardFp8WithDescales) {
+  ForwardOptions o;
+  o.return_lse = true;
+  o.q_descale = 0.5f;
+  o.k_descale = 2.5f;
+  o.v_descale = 0.07f;
+  RunAndVerify(Dense(DType::kFP8E4M3, 2, 17, 33, 4, 2, 64), o, 11);
+  o.causal = true;
+  RunAndVerify(Dense(DType::kFP8E4M3, 1, 40, 40, 8, 2, 32), o, 12);
 }
 
 TEST_F(AttentionClientTest, ForwardVarlenWithZeroLengthSequence) {
@@ -187,7 +200,7 @@ TEST_F(AttentionClientTest, GetServerInfo) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->backend(), "cpu");
   EXPECT_FALSE(info->version().empty());
-  EXPECT_EQ(info->dtypes_size(), 3);
+  EXPECT_EQ(info->dtypes_size(), 4);  // FP16, BF16, FP32, FP8_E4M3
   EXPECT_EQ(info->min_head_dim(), 8);
   EXPECT_EQ(info->max_head_dim(), 256);
   EXPECT_GT(info->limits().max_request_bytes(), 0);

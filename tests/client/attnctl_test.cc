@@ -97,7 +97,7 @@ TEST_F(AttnctlTest, Info) {
   const CliResult r = Run({"info"});
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("backend:    cpu"));
-  EXPECT_THAT(r.out, HasSubstr("FP16, BF16, FP32"));
+  EXPECT_THAT(r.out, HasSubstr("FP16, BF16, FP32, FP8_E4M3"));
   const CliResult json = Run({"info", "--json"});
   EXPECT_EQ(json.exit_code, 0) << Describe(json);
   EXPECT_THAT(json.out, HasSubstr("\"backend\": \"cpu\""));
@@ -116,6 +116,10 @@ TEST_F(AttnctlTest, ForwardVerifyPasses) {
       {"--dtype=bf16", "--seqlen_q=24", "--heads_q=8", "--heads_kv=2", "--causal", "--return_lse"},
       {"--dtype=fp16", "--seqlen_q=24", "--heads_q=4", "--heads_kv=1", "--window_left=4",
        "--window_right=2", "--softcap=20", "--softmax_scale=0.3"},
+      // FP8 codes: O is BF16, checked on the dequantised inputs.
+      {"--dtype=fp8_e4m3", "--seqlen_q=33", "--heads_q=4", "--heads_kv=2", "--causal",
+       "--return_lse", "--q_descale=0.5", "--k_descale=1.5", "--v_descale=0.25"},
+      {"--dtype=fp8_e4m3", "--varlen_q=3,0,17", "--varlen_k=5,4,17", "--heads_q=2"},
   };
   for (std::vector<std::string> args : cases) {
     args.insert(args.begin(), "forward");
@@ -212,6 +216,66 @@ TEST_F(AttnctlTest, ForwardNpyInAndOut) {
   EXPECT_THAT(varlen.out, HasSubstr("PASS"));
 }
 
+// FP8 from .npy: uint8 codes ('|u1'), descales from flags; O comes back BF16
+// and is written as float32 ('<f4', exact).
+TEST_F(AttnctlTest, ForwardFp8NpyIn) {
+  AttentionShape s;
+  s.dtype = DType::kFP8E4M3;
+  s.seqlen_q = 9;
+  s.seqlen_k = 13;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.head_dim = 16;
+  auto inputs = MakeRandomInputs(s, 31);
+  ASSERT_TRUE(inputs.ok());
+  const std::string dir = ::testing::TempDir();
+  const std::string q = dir + "/attnctl_fp8_q.npy", k = dir + "/attnctl_fp8_k.npy",
+                    v = dir + "/attnctl_fp8_v.npy", o = dir + "/attnctl_fp8_o.npy";
+  ASSERT_TRUE(WriteNpy(q, inputs->q).ok());
+  ASSERT_TRUE(WriteNpy(k, inputs->k).ok());
+  ASSERT_TRUE(WriteNpy(v, inputs->v).ok());
+  auto q_back = ReadNpy(q);
+  ASSERT_TRUE(q_back.ok()) << q_back.status();
+  EXPECT_EQ(q_back->dtype(), DType::kFP8E4M3);  // '|u1' reads back as codes
+  EXPECT_EQ(q_back->bytes(), inputs->q.bytes());
+
+  const CliResult r = Run({"forward", "--q=" + q, "--k=" + k, "--v=" + v, "--q_descale=0.25",
+                           "--k_descale=3", "--v_descale=0.5", "--out=" + o, "--verify"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("dense B=1 Sq=9 Sk=13 Hq=4 Hkv=2 D=16 FP8_E4M3"));
+  EXPECT_THAT(r.out, HasSubstr("q_descale=0.25 k_descale=3 v_descale=0.5"));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+
+  // The written O is the BF16 answer for the dequantised inputs.
+  AttentionInputs sent = *inputs;
+  sent.options.q_descale = 0.25f;
+  sent.options.k_descale = 3.0f;
+  sent.options.v_descale = 0.5f;
+  auto o_back = ReadNpy(o);
+  ASSERT_TRUE(o_back.ok()) << o_back.status();
+  ForwardResult result;
+  result.o = o_back->ConvertTo(DType::kBF16);  // exact: the file holds widened BF16
+  auto report = VerifyForward(sent, result);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->passed) << report->failure;
+  // Without the descales the same codes mean other values: the check must fail.
+  sent.options.v_descale = 1.0f;
+  report = VerifyForward(sent, result);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_FALSE(report->passed);
+}
+
+// Descale rules are the server's: its INVALID_ARGUMENT names the field.
+TEST_F(AttnctlTest, Fp8DescaleErrorsNameTheField) {
+  CliResult r = Run({"forward", "--dtype=fp16", "--seqlen_q=4", "--q_descale=2"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: options.q_descale"));
+  EXPECT_THAT(r.err, HasSubstr("FP8_E4M3 inputs only"));
+  r = Run({"forward", "--dtype=fp8_e4m3", "--seqlen_q=4", "--v_descale=0"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("options.v_descale: expected finite and in (0, 128]"));
+}
+
 TEST_F(AttnctlTest, ServerErrorsAreNamedAndNonzero) {
   // D = 12: the server's INVALID_ARGUMENT, code name and message.
   const CliResult r = Run({"forward", "--head_dim=12", "--seqlen_q=4"});
@@ -278,6 +342,14 @@ TEST_F(AttnctlTest, LoadClosedLoopChecksEveryResponse) {
 }
 
 // Open loop over ForwardStream, varlen inputs with a zero-length sequence.
+TEST_F(AttnctlTest, LoadFp8ChecksEveryResponse) {
+  const CliResult r = Run({"load", "--concurrency=2", "--warmup=100ms", "--duration=500ms",
+                           "--seqlen_q=16", "--heads_q=2", "--head_dim=32", "--dtype=fp8_e4m3",
+                           "--k_descale=0.5", "--v_descale=2", "--causal", "--check"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, Not(HasSubstr("errors by code")));
+}
+
 TEST_F(AttnctlTest, LoadOpenLoopStreamChecksEveryResponse) {
   const CliResult r = Run({"load", "--rate=200", "--stream", "--channels=2", "--warmup=200ms",
                            "--duration=1s", "--varlen_q=5,0,17", "--heads_q=4", "--heads_kv=2",

@@ -107,6 +107,8 @@ TEST(HostTensorTest, ParseDType) {
   EXPECT_EQ(*ParseDType("fp16"), DType::kFP16);
   EXPECT_EQ(*ParseDType("BF16"), DType::kBF16);
   EXPECT_EQ(*ParseDType("float32"), DType::kFP32);
+  EXPECT_EQ(*ParseDType("fp8_e4m3"), DType::kFP8E4M3);
+  EXPECT_EQ(*ParseDType("float8_e4m3fn"), DType::kFP8E4M3);
   auto bad = ParseDType("fp8");
   EXPECT_THAT(bad.status().message(), HasSubstr("unknown dtype 'fp8'"));
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -125,6 +126,37 @@ TEST(NpyTest, ReadsFloat64NarrowedAndUint16AsBf16Bits) {
   ASSERT_TRUE(u2.ok()) << u2.status();
   EXPECT_EQ(u2->dtype(), DType::kBF16);
   EXPECT_EQ(u2->ToFloats(), (std::vector<float>{1.5f, -2.0f}));
+}
+
+// NumPy has no float8: a uint8 array ('|u1', '<u1', or the void '|V1' some
+// float8 libraries write) holds FP8 E4M3 codes, read byte for byte.
+TEST(NpyTest, ReadsUint8AsFp8Codes) {
+  const std::string codes("\x38\xc2\x7e\x01", 4);  // 1, -2.5, 448, 2^-9
+  for (const char* descr : {"|u1", "<u1", "|V1"}) {
+    SCOPED_TRACE(descr);
+    auto t = ParseNpy(
+        MakeFile(
+            1, absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (2, 2), }"),
+            codes),
+        "fp8");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->dtype(), DType::kFP8E4M3);
+    EXPECT_EQ(t->bytes(), codes);
+    EXPECT_EQ(t->ToFloats(), (std::vector<float>{1.0f, -2.5f, 448.0f, 0.001953125f}));
+  }
+  // Written back as '|u1' codes.
+  auto t = HostTensor::FromBytes(DType::kFP8E4M3, {4}, codes);
+  ASSERT_TRUE(t.ok());
+  const std::string file = EncodeNpy(*t);
+  EXPECT_NE(file.find("'descr': '|u1'"), std::string::npos);
+  auto back = ParseNpy(file, "back");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->dtype(), DType::kFP8E4M3);
+  EXPECT_EQ(back->bytes(), codes);
+  // A length that does not match the shape is still refused.
+  auto short_file = ParseNpy(
+      MakeFile(1, "{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }", codes), "short");
+  EXPECT_FALSE(short_file.ok());
 }
 
 TEST(NpyTest, FileRoundTripAndMissingFile) {

@@ -114,6 +114,7 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   if (n == 0) return "";
   const ReferenceOutput& ref = buf.Reference();
   const bool lowp = p.dtype != DType::kFP32;
+  const DType o_dtype = OutputDType(p.dtype);  // BF16 for FP8 inputs
   // Low precision: docs/design.md §4, max|out - ref| <= 2 * max|ref_lowp - ref| + floor.
   double lowp_err = 0.0;
   if (lowp) {
@@ -130,7 +131,7 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   int64_t worst = -1;
   double max_err = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const float out = LoadAsFloat(o, p.dtype, i);
+    const float out = LoadAsFloat(o, o_dtype, i);
     if (!std::isfinite(out)) {
       std::ostringstream os;
       os << OCoord(p, i) << " = " << out
@@ -150,8 +151,8 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   if (worst_excess <= 1.0) return "";
   std::ostringstream os;
   os.precision(9);
-  os << OCoord(p, worst) << " = " << LoadAsFloat(o, p.dtype, worst) << ", reference "
-     << ref.o[worst] << ", |err| " << std::fabs(LoadAsFloat(o, p.dtype, worst) - ref.o[worst]);
+  os << OCoord(p, worst) << " = " << LoadAsFloat(o, o_dtype, worst) << ", reference "
+     << ref.o[worst] << ", |err| " << std::fabs(LoadAsFloat(o, o_dtype, worst) - ref.o[worst]);
   if (lowp) {
     os << " (max |err| " << max_err << ") > allowed 2 * " << lowp_err << " + "
        << OutputFloor(p.dtype) << " = " << 2.0 * lowp_err + OutputFloor(p.dtype);
@@ -216,6 +217,18 @@ std::string CheckLse(const HostBuffers& buf, const float* lse) {
   return os.str();
 }
 
+// A dense case of these sizes, every other field at its default.
+TestCase DenseCase(int b, int sq, int sk, int hq, int hkv, int d) {
+  TestCase tc;
+  tc.batch = b;
+  tc.seqlen_q = sq;
+  tc.seqlen_k = sk;
+  tc.num_heads_q = hq;
+  tc.num_heads_kv = hkv;
+  tc.head_dim = d;
+  return tc;
+}
+
 }  // namespace
 
 double OutputFloor(DType t) { return tolerance::OutputFloor(t); }
@@ -226,6 +239,7 @@ std::string TestCase::Name() const {
     case DType::kFP16: s = "fp16"; break;
     case DType::kBF16: s = "bf16"; break;
     case DType::kFP32: s = "fp32"; break;
+    case DType::kFP8E4M3: s = "fp8"; break;
   }
   if (varlen()) {
     s += "_varlen_q" + JoinInts(seqlens_q) + "_k" + JoinInts(seqlens_k);
@@ -240,6 +254,9 @@ std::string TestCase::Name() const {
   if (window_right != kNoWindow) s += "_wr" + std::to_string(window_right);
   if (softcap != 0.0f) s += "_cap" + FloatTag(softcap);
   if (softmax_scale != 0.0f) s += "_scale" + FloatTag(softmax_scale);
+  if (q_descale != 1.0f || k_descale != 1.0f || v_descale != 1.0f) {
+    s += "_dq" + FloatTag(q_descale) + "_dk" + FloatTag(k_descale) + "_dv" + FloatTag(v_descale);
+  }
   s += return_lse ? "_lse" : "_nolse";
   if (seed != 0) s += "_seed" + std::to_string(seed);
   return s;
@@ -272,6 +289,11 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
   if (tc.window_left != kNoWindow) options.window_left = tc.window_left;
   if (tc.window_right != kNoWindow) options.window_right = tc.window_right;
   options.softcap = tc.softcap;
+  if (tc.dtype == DType::kFP8E4M3) {
+    options.q_descale = tc.q_descale;
+    options.k_descale = tc.k_descale;
+    options.v_descale = tc.v_descale;
+  }
   // Pointers are set below, once the buffers are filled.
   params_ = MakeAttnParams(shape, options, AttnPointers());
   AttnParams& p = params_;
@@ -280,7 +302,9 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
   FillRandom(&q_, tc.dtype, p.total_q * p.num_heads_q * p.head_dim, &rng);
   FillRandom(&k_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
   FillRandom(&v_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
-  o_.assign(q_.size(), 0);
+  o_.assign(static_cast<size_t>(p.total_q * p.num_heads_q * p.head_dim *
+                                DTypeSize(OutputDType(tc.dtype))),
+            0);
   lse_.assign(static_cast<size_t>(p.total_q * p.num_heads_q), 0.0f);
   Poison();
   p.q = q_.data();
@@ -338,14 +362,7 @@ std::string CheckOutputError(const HostBuffers& buf, const void* o, const float*
 std::vector<TestCase> StandardGrid() {
   std::vector<TestCase> shapes;
   auto add = [&shapes](int b, int sq, int sk, int hq, int hkv, int d) -> TestCase& {
-    TestCase tc;
-    tc.batch = b;
-    tc.seqlen_q = sq;
-    tc.seqlen_k = sk;
-    tc.num_heads_q = hq;
-    tc.num_heads_kv = hkv;
-    tc.head_dim = d;
-    shapes.push_back(tc);
+    shapes.push_back(DenseCase(b, sq, sk, hq, hkv, d));
     return shapes.back();
   };
   // Awkward sizes: 1, 17, 97, 1025 (one past a power of two, so every tile
@@ -444,6 +461,54 @@ std::vector<TestCase> StandardGrid() {
       grid.push_back(tc);
     }
   }
+  return grid;
+}
+
+std::vector<TestCase> Fp8Grid() {
+  std::vector<TestCase> grid;
+  auto add = [&grid](int b, int sq, int sk, int hq, int hkv, int d, float dq, float dk,
+                     float dv) -> TestCase& {
+    TestCase tc = DenseCase(b, sq, sk, hq, hkv, d);
+    tc.dtype = DType::kFP8E4M3;
+    tc.q_descale = dq;
+    tc.k_descale = dk;
+    tc.v_descale = dv;
+    grid.push_back(tc);
+    return grid.back();
+  };
+  add(1, 1, 1, 1, 1, 64, 1.0f, 1.0f, 1.0f);
+  add(2, 17, 17, 2, 2, 64, 0.5f, 2.0f, 0.25f);
+  add(1, 97, 97, 4, 1, 64, 0.037f, 1.7f, 3.3f).causal = true;  // GQA 4:1
+  add(1, 17, 97, 2, 2, 64, 1.0f, 0.1f, 10.0f).causal = true;
+  add(2, 97, 17, 2, 1, 64, 0.75f, 0.75f, 0.02f).causal = true;  // fully masked rows
+  add(1, 33, 65, 8, 1, 64, 0.3f, 0.3f, 1.0f);                   // MQA
+  add(2, 1, 1025, 8, 2, 128, 0.05f, 0.2f, 0.6f).causal = true;  // decode shape
+  add(1, 1025, 1025, 2, 1, 128, 0.09f, 0.11f, 1.3f).causal = true;
+  add(1, 97, 97, 2, 1, 64, 1.0f, 1.0f, 1.0f).window_left = 8;
+  {
+    TestCase& tc = add(1, 97, 130, 2, 2, 64, 0.6f, 0.5f, 2.0f);
+    tc.window_left = 16;
+    tc.window_right = 3;
+  }
+  add(1, 97, 97, 2, 1, 64, 0.8f, 1.25f, 1.0f).softcap = 2.0f;
+  add(1, 65, 65, 2, 2, 64, 1.0f, 1.0f, 0.5f).softmax_scale = 0.03f;
+  add(1, 33, 47, 2, 1, 256, 0.125f, 0.0625f, 4.0f).causal = true;
+  add(1, 97, 97, 2, 1, 64, 1.0f, 1.0f, 1.0f).return_lse = false;
+  {
+    TestCase tc;  // varlen with zero-length sequences
+    tc.dtype = DType::kFP8E4M3;
+    tc.seqlens_q = {5, 0, 17, 64, 3};
+    tc.seqlens_k = {9, 0, 3, 70, 0};
+    tc.num_heads_q = 4;
+    tc.num_heads_kv = 2;
+    tc.causal = true;
+    tc.q_descale = 0.4f;
+    tc.k_descale = 0.9f;
+    tc.v_descale = 1.5f;
+    grid.push_back(tc);
+  }
+  add(0, 17, 17, 2, 1, 64, 1.0f, 1.0f, 1.0f);  // B = 0
+  add(2, 7, 0, 2, 1, 64, 2.0f, 2.0f, 2.0f);    // Sk = 0: every row masked
   return grid;
 }
 

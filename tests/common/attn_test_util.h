@@ -48,6 +48,11 @@ struct TestCase {
   std::vector<int> seqlens_q;  // varlen when non-empty (with seqlens_k)
   std::vector<int> seqlens_k;
   bool return_lse = true;
+  // FP8_E4M3 only (1 otherwise): the inputs are random codes, their values
+  // code x descale.
+  float q_descale = 1.0f;
+  float k_descale = 1.0f;
+  float v_descale = 1.0f;
   uint32_t seed = 0;  // 0: derived from Name(), so every case gets its own inputs
 
   bool varlen() const { return !seqlens_q.empty(); }
@@ -65,8 +70,10 @@ inline void PrintTo(const TestCase& tc, std::ostream* os) { *os << tc.Name(); }
 double OutputFloor(DType t);
 
 // Buffers for one TestCase: q/k/v filled with fresh random values (normal,
-// rounded to the dtype, never zero), o and lse poisoned with an all-ones bit
-// pattern (NaN in FP16, BF16 and FP32) so unwritten elements are caught.
+// rounded to the dtype, never zero; FP8: codes of such values, scaled by the
+// case's descales), o (OutputDType: BF16 for FP8) and lse poisoned with an
+// all-ones bit pattern (NaN in FP16, BF16 and FP32) so unwritten elements are
+// caught.
 // Not copyable or movable: params() points into it.
 class HostBuffers {
  public:
@@ -113,7 +120,7 @@ class HostBuffers {
   mutable std::unique_ptr<ReferenceOutput> ref_lowp_;
 };
 
-// Compares an output (o in the case's dtype, layout of params.o; lse FP32,
+// Compares an output (o in OutputDType of the case's dtype, layout of params.o; lse FP32,
 // may be null only when the case has return_lse off) with the reference.
 // Empty string when it passes; otherwise what failed, with the worst element's
 // coordinates, its value, the reference and the tolerance.
@@ -130,6 +137,14 @@ std::string CheckOutputError(const HostBuffers& buf, const void* o, const float*
 // Sk = 0; fully masked rows; all dtypes; head dims 8..256. Sized so the CPU
 // backend runs it in well under a minute on two cores.
 std::vector<TestCase> StandardGrid();
+
+// FP8_E4M3 inputs with descales (O is BF16, checked with the BF16 rule on the
+// dequantised inputs, tolerance.h): a subset of StandardGrid's shapes (dense,
+// GQA/MQA, causal with fully masked rows, windows, softcap, head dims 64, 128,
+// 256, varlen with zero-length sequences, empty calls) with descales of 1,
+// powers of two and non-powers of two. Kept apart from StandardGrid so the
+// other dtypes' grid stays the size CI budgets for.
+std::vector<TestCase> Fp8Grid();
 
 }  // namespace testing_util
 }  // namespace attnserve

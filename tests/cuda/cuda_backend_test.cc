@@ -1,11 +1,12 @@
 // CudaBackend against the float64 reference with docs/design.md §4's tolerance
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
-// plus GPU-specific cases: every instantiated head dim and the sizes served by
-// the next one up, tile-boundary sizes, split-KV decode with GQA packing
-// (dense, varlen, windows), long causal prefill, and buffer reuse; split-KV
-// with its fused combine (planned splits, and split counts alternating on one
-// workspace: the ticket counters' reset). Inputs are
-// fresh random numbers per case, outputs NaN-poisoned before every run.
+// and Fp8Grid (FP8 inputs with descales), plus GPU-specific cases: every
+// instantiated head dim and the sizes served by the next one up, tile-boundary
+// sizes, split-KV decode with GQA packing (dense, varlen, windows), long causal
+// prefill, and buffer reuse; split-KV with its fused combine (planned splits,
+// and split counts alternating on one workspace: the ticket counters' reset).
+// Inputs are fresh random numbers per case, outputs NaN-poisoned before every
+// run.
 // Without a GPU each test calls GTEST_SKIP with the reason.
 #include "backend/cuda/cuda_backend.h"
 
@@ -88,6 +89,9 @@ TEST_P(CudaTest, MatchesReference) { RunAndCheck(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Standard, CudaTest, ::testing::ValuesIn(testing_util::StandardGrid()),
                          CaseName);
+// FP8_E4M3 with descales: dequantised on the device to BF16, then the BF16
+// kernel; O (BF16) against the float64 reference on the dequantised inputs.
+INSTANTIATE_TEST_SUITE_P(Fp8, CudaTest, ::testing::ValuesIn(testing_util::Fp8Grid()), CaseName);
 
 TestCase Make(DType t, int b, int sq, int sk, int hq, int hkv, int d, bool causal) {
   TestCase tc;

@@ -51,12 +51,14 @@ struct Harness {
   std::abort();
 }
 
-double MaxAbs(const v1::Tensor& t, bool* finite) {
+// max |value| of a tensor; FP8 values are code x descale (unset: 1).
+double MaxAbs(const v1::Tensor& t, bool has_descale, float descale, bool* finite) {
   const DType dtype = static_cast<DType>(t.dtype());
   const int64_t n = static_cast<int64_t>(t.data().size()) / DTypeSize(dtype);
+  const double scale = has_descale ? descale : 1.0;
   double m = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const float x = LoadAsFloat(t.data().data(), dtype, i);
+    const double x = LoadAsFloat(t.data().data(), dtype, i) * scale;
     if (!std::isfinite(x)) *finite = false;
     m = std::fmax(m, std::fabs(x));
   }
@@ -65,19 +67,26 @@ double MaxAbs(const v1::Tensor& t, bool* finite) {
 
 void CheckAnswer(const v1::ForwardRequest& request, const v1::ForwardResponse& response) {
   const v1::Tensor& q = request.q();
-  if (response.o().data().size() != q.data().size() || response.o().dtype() != q.dtype()) {
-    Fail("OK answer whose O is not shaped like Q");
+  // O is shaped like Q, in Q's dtype except BF16 for FP8 inputs.
+  const DType o_dtype = OutputDType(static_cast<DType>(q.dtype()));
+  const size_t o_bytes = q.data().size() /
+                         static_cast<size_t>(DTypeSize(static_cast<DType>(q.dtype()))) *
+                         static_cast<size_t>(DTypeSize(o_dtype));
+  if (response.o().data().size() != o_bytes ||
+      response.o().dtype() != static_cast<v1::DType>(o_dtype)) {
+    Fail("OK answer whose O is not shaped like Q (in OutputDType)");
   }
   if (request.options().return_lse() != response.has_lse()) Fail("LSE presence differs");
   bool finite = true;
   const double head_dim = static_cast<double>(q.shape(q.shape_size() - 1));
-  const double bound = MaxAbs(q, &finite) * MaxAbs(request.k(), &finite) * head_dim;
-  MaxAbs(request.v(), &finite);
+  const v1::AttentionOptions& o = request.options();
+  const double bound = MaxAbs(q, o.has_q_descale(), o.q_descale(), &finite) *
+                       MaxAbs(request.k(), o.has_k_descale(), o.k_descale(), &finite) * head_dim;
+  MaxAbs(request.v(), o.has_v_descale(), o.v_descale(), &finite);
   if (!finite || bound > 1.1e12) return;  // the data's own range: not promised
-  const DType dtype = static_cast<DType>(q.dtype());
-  const int64_t n = static_cast<int64_t>(response.o().data().size()) / DTypeSize(dtype);
+  const int64_t n = static_cast<int64_t>(response.o().data().size()) / DTypeSize(o_dtype);
   for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(LoadAsFloat(response.o().data().data(), dtype, i))) {
+    if (!std::isfinite(LoadAsFloat(response.o().data().data(), o_dtype, i))) {
       Fail("non-finite O for finite inputs inside the documented range");
     }
   }

@@ -85,10 +85,23 @@ int main(int argc, char** argv) {
   r = Dense(v1::FP16, 1, 2, 2, 1, 1, 8);
   r.mutable_q()->mutable_data()->resize(3);  // wrong byte length
   seeds.emplace_back("short_q", r);
+  r = Dense(v1::FP8_E4M3, 1, 3, 5, 2, 1, 16);
+  r.mutable_options()->set_q_descale(0.5f);
+  r.mutable_options()->set_k_descale(2.0f);
+  r.mutable_options()->set_v_descale(0.25f);
+  r.mutable_options()->set_causal(true);
+  r.mutable_options()->set_return_lse(true);
+  seeds.emplace_back("dense_fp8_descale", r);
+  r = Dense(v1::FP8_E4M3, 1, 2, 2, 1, 1, 8);
+  r.mutable_options()->set_k_descale(0.0f);  // out of range: refused
+  seeds.emplace_back("fp8_zero_descale", r);
+  r = Dense(v1::BF16, 1, 2, 2, 1, 1, 8);
+  r.mutable_options()->set_v_descale(2.0f);  // descale on BF16: refused
+  seeds.emplace_back("bf16_descale", r);
   for (const auto& [name, request] : seeds) Write(fwd + name + ".pb", request.SerializeAsString());
 
   const std::vector<float> values = {1.0f, -2.5f, 0.125f, 65504.0f, -0.0f, 3.0f};
-  for (DType t : {DType::kFP16, DType::kBF16, DType::kFP32}) {
+  for (DType t : {DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3}) {
     absl::StatusOr<HostTensor> tensor = HostTensor::FromFloats(t, {2, 3}, values);
     if (!tensor.ok()) return 1;
     Write(npy + std::string(DTypeName(t)) + "_2x3.npy", EncodeNpy(*tensor));

@@ -210,6 +210,23 @@ TEST_F(KserveGrpcTest, SameErrorsAsForward) {
   }
 }
 
+// v2 has no FP8 datatype: the front-end refuses it, naming the input and
+// pointing at attnserve.v1, and nothing reaches the executor.
+TEST_F(KserveGrpcTest, Fp8IsRefusedWithAClearError) {
+  v1::ForwardRequest request = Dense(DType::kFP32, 1, 8, 8, 2, 2, 32);
+  ModelInferRequest v2 = ToV2(request);
+  v2.mutable_inputs(0)->set_datatype("FP8_E4M3");
+  ModelInferResponse response;
+  const grpc::Status got = Infer(v2, &response);
+  EXPECT_EQ(got.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(got.error_message().find("inputs['q'].datatype: expected FP16, BF16 or FP32, got "
+                                     "\"FP8_E4M3\""),
+            std::string::npos)
+      << got.error_message();
+  EXPECT_NE(got.error_message().find("attnserve.v1.Attention"), std::string::npos)
+      << got.error_message();
+}
+
 TEST_F(KserveGrpcTest, RegionUnregisteredMidRequestIsNotUnmapped) {
   const v1::ForwardRequest request = Dense(DType::kFP32, 1, 16, 16, 2, 2, 32);
   v1::ForwardResponse native;

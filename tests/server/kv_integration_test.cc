@@ -357,6 +357,10 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.mutable_options()->set_softcap(3e38f);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
+  // Descales are FP8-only, and caches are never FP8.
+  r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
+  r.mutable_options()->set_q_descale(0.5f);
+  expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.q_descale");
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.set_request_id(std::string(kMaxRequestIdBytes + 1, 'x'));
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "request_id");
@@ -376,8 +380,14 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   v1::CreateCacheResponse cresp;
   expect(stub_->CreateCache(&c1, cr, &cresp), grpc::StatusCode::INVALID_ARGUMENT,
          "geometry.head_dim");
-  grpc::ClientContext c2;
+  grpc::ClientContext c1b;
   cr.mutable_geometry()->set_head_dim(8);
+  cr.mutable_geometry()->set_dtype(v1::FP8_E4M3);  // K/V caches refuse FP8
+  expect(stub_->CreateCache(&c1b, cr, &cresp), grpc::StatusCode::INVALID_ARGUMENT,
+         "geometry.dtype: expected FP16, BF16 or FP32 (K/V caches do not support FP8 yet), got "
+         "FP8_E4M3");
+  cr.mutable_geometry()->set_dtype(v1::FP32);
+  grpc::ClientContext c2;
   cr.set_page_size(100);
   expect(stub_->CreateCache(&c2, cr, &cresp), grpc::StatusCode::INVALID_ARGUMENT, "page_size");
   grpc::ClientContext c3;

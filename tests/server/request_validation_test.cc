@@ -67,7 +67,9 @@ void ExpectRejected(const v1::ForwardRequest& r, const std::string& field,
 }
 
 TEST(RequestValidationTest, AcceptsDenseInEveryDType) {
-  for (v1::DType t : {v1::FP16, v1::BF16, v1::FP32}) EXPECT_TRUE(Validate(Dense(t)).ok());
+  for (v1::DType t : {v1::FP16, v1::BF16, v1::FP32, v1::FP8_E4M3}) {
+    EXPECT_TRUE(Validate(Dense(t)).ok()) << v1::DType_Name(t);
+  }
 }
 
 TEST(RequestValidationTest, AcceptsVarlenWithZeroLengthSequences) {
@@ -138,6 +140,48 @@ TEST(RequestValidationTest, UnknownDTypeValue) {
   v1::ForwardRequest r = Dense();
   r.mutable_v()->set_dtype(static_cast<v1::DType>(7));
   ExpectRejected(r, "v.dtype");
+}
+
+TEST(RequestValidationTest, Fp8DataIsOneBytePerElement) {
+  v1::ForwardRequest r = Dense(v1::FP8_E4M3);
+  EXPECT_EQ(r.q().data().size(), 2u * 5 * 4 * 16);
+  r.mutable_k()->mutable_data()->append(1, '\0');
+  ExpectRejected(r, "k.data");
+}
+
+TEST(RequestValidationTest, Fp8DescalesInRange) {
+  v1::ForwardRequest r = Dense(v1::FP8_E4M3);
+  r.mutable_options()->set_q_descale(0.01f);
+  r.mutable_options()->set_k_descale(128.0f);  // the bound is inclusive
+  r.mutable_options()->set_v_descale(1e-30f);
+  EXPECT_TRUE(Validate(r).ok()) << Validate(r);
+  const float bad[] = {0.0f, -0.5f, 128.01f, std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN()};
+  for (float value : bad) {
+    for (const char* field : {"q_descale", "k_descale", "v_descale"}) {
+      v1::ForwardRequest b = Dense(v1::FP8_E4M3);
+      v1::AttentionOptions* o = b.mutable_options();
+      if (std::string(field) == "q_descale") o->set_q_descale(value);
+      if (std::string(field) == "k_descale") o->set_k_descale(value);
+      if (std::string(field) == "v_descale") o->set_v_descale(value);
+      SCOPED_TRACE(std::string(field) + " = " + std::to_string(value));
+      ExpectRejected(b, std::string("options.") + field);
+      EXPECT_NE(std::string(Validate(b).message()).find("(0, 128]"), std::string::npos)
+          << Validate(b);
+    }
+  }
+}
+
+// Descales mean nothing for other dtypes: setting one (even to 1) is refused.
+TEST(RequestValidationTest, DescaleOnNonFp8Inputs) {
+  for (v1::DType t : {v1::FP16, v1::BF16, v1::FP32}) {
+    v1::ForwardRequest r = Dense(t);
+    r.mutable_options()->set_v_descale(1.0f);
+    ExpectRejected(r, "options.v_descale");
+    const std::string message(Validate(r).message());
+    EXPECT_NE(message.find("FP8_E4M3 inputs only"), std::string::npos) << message;
+    EXPECT_NE(message.find(v1::DType_Name(t)), std::string::npos) << message;
+  }
 }
 
 TEST(RequestValidationTest, MixedDTypes) {
@@ -427,6 +471,26 @@ TEST(RequestValidationTest, RequestIdLongerThanTheLimit) {
 }
 
 // --- FillParams -------------------------------------------------------------------
+
+TEST(FillParamsTest, Fp8Descales) {
+  v1::ForwardRequest r = Dense(v1::FP8_E4M3);
+  absl::StatusOr<AttnParams> p = ValidateAndFillParams(r, {});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->dtype, DType::kFP8E4M3);
+  EXPECT_EQ(OutputDType(p->dtype), DType::kBF16);
+  // Unset means 1, never 0.
+  EXPECT_EQ(p->q_descale, 1.0f);
+  EXPECT_EQ(p->k_descale, 1.0f);
+  EXPECT_EQ(p->v_descale, 1.0f);
+  r.mutable_options()->set_q_descale(0.5f);
+  r.mutable_options()->set_k_descale(3.0f);
+  r.mutable_options()->set_v_descale(0.125f);
+  p = ValidateAndFillParams(r, {});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->q_descale, 0.5f);
+  EXPECT_EQ(p->k_descale, 3.0f);
+  EXPECT_EQ(p->v_descale, 0.125f);
+}
 
 TEST(FillParamsTest, DenseDefaults) {
   const v1::ForwardRequest r = Dense(v1::BF16);

@@ -87,6 +87,11 @@ v1::ForwardRequest MakeRequest(const HostBuffers& buf, const std::string& id) {
   o->set_softcap(tc.softcap);
   if (tc.softmax_scale != 0.0f) o->set_softmax_scale(tc.softmax_scale);
   o->set_return_lse(tc.return_lse);
+  if (tc.dtype == DType::kFP8E4M3) {
+    o->set_q_descale(tc.q_descale);
+    o->set_k_descale(tc.k_descale);
+    o->set_v_descale(tc.v_descale);
+  }
   return r;
 }
 
@@ -99,7 +104,9 @@ void ExpectMatchesReference(const HostBuffers& buf, const v1::ForwardRequest& re
   EXPECT_EQ(response.error_code(), 0) << response.error_message();
   EXPECT_EQ(response.request_id(), request.request_id());
   EXPECT_EQ(response.backend(), "cpu");
-  EXPECT_EQ(response.o().dtype(), request.q().dtype());
+  // O has the inputs' dtype, except BF16 for FP8 inputs.
+  EXPECT_EQ(response.o().dtype(),
+            static_cast<v1::DType>(OutputDType(static_cast<DType>(request.q().dtype()))));
   EXPECT_EQ(std::vector<int64_t>(response.o().shape().begin(), response.o().shape().end()),
             std::vector<int64_t>(request.q().shape().begin(), request.q().shape().end()));
   ASSERT_EQ(static_cast<int64_t>(response.o().data().size()), buf.o_bytes());
@@ -276,6 +283,20 @@ std::vector<TestCase> WireCases() {
   window.softmax_scale = 0.2f;
   cases.push_back(window);
 
+  // FP8 inputs with descales: O comes back BF16, checked against the float64
+  // reference on the dequantised inputs.
+  TestCase fp8 = cases.front();
+  fp8.dtype = DType::kFP8E4M3;
+  fp8.q_descale = 0.5f;
+  fp8.k_descale = 1.75f;
+  fp8.v_descale = 0.3f;
+  cases.push_back(fp8);
+  TestCase fp8_varlen = cases[2];
+  fp8_varlen.dtype = DType::kFP8E4M3;
+  fp8_varlen.causal = true;
+  fp8_varlen.v_descale = 4.0f;  // q/k descales left at 1
+  cases.push_back(fp8_varlen);
+
   TestCase no_lse;
   no_lse.dtype = DType::kFP16;
   no_lse.seqlen_q = 7;
@@ -417,6 +438,35 @@ std::vector<BadRequest> BadRequests() {
        }},
       {"negative softcap", "options.softcap",
        [](v1::ForwardRequest* r) { r->mutable_options()->set_softcap(-2.0f); }},
+      {"descale on FP16 inputs", "options.k_descale",
+       [](v1::ForwardRequest* r) { r->mutable_options()->set_k_descale(1.0f); }},
+  };
+}
+
+// ValidDense as FP8: the same shapes with one-byte codes.
+v1::ForwardRequest ValidDenseFp8() {
+  v1::ForwardRequest r = ValidDense();
+  for (v1::Tensor* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+    t->set_dtype(v1::FP8_E4M3);
+    t->mutable_data()->resize(t->data().size() / 2);
+  }
+  return r;
+}
+
+std::vector<BadRequest> BadFp8Requests() {
+  return {
+      {"zero descale", "options.q_descale",
+       [](v1::ForwardRequest* r) { r->mutable_options()->set_q_descale(0.0f); }},
+      {"negative descale", "options.k_descale",
+       [](v1::ForwardRequest* r) { r->mutable_options()->set_k_descale(-1.0f); }},
+      {"descale over 128", "options.v_descale",
+       [](v1::ForwardRequest* r) { r->mutable_options()->set_v_descale(200.0f); }},
+      {"NaN descale", "options.v_descale",
+       [](v1::ForwardRequest* r) {
+         r->mutable_options()->set_v_descale(std::numeric_limits<float>::quiet_NaN());
+       }},
+      {"FP8 byte length", "q.data",
+       [](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->append(1, '\0'); }},
   };
 }
 
@@ -456,6 +506,7 @@ TEST_F(ServerTest, EveryInvalidFieldIsInvalidArgumentAndServerKeepsServing) {
   };
   run(ValidDense(), BadRequests());
   run(ValidVarlen(), BadVarlenRequests());
+  run(ValidDenseFp8(), BadFp8Requests());
 }
 
 TEST_F(ServerTest, EmptyRequestIsInvalidArgument) {
@@ -585,7 +636,8 @@ TEST_F(ServerTest, GetServerInfo) {
   EXPECT_FALSE(info.version().empty());
   EXPECT_EQ(info.backend(), "cpu");
   EXPECT_EQ(info.devices_size(), 0);
-  EXPECT_EQ(info.dtypes_size(), 3);
+  const std::vector<int> dtypes(info.dtypes().begin(), info.dtypes().end());
+  EXPECT_EQ(dtypes, (std::vector<int>{v1::FP16, v1::BF16, v1::FP32, v1::FP8_E4M3}));
   EXPECT_EQ(info.min_head_dim(), 8);
   EXPECT_EQ(info.max_head_dim(), 256);
   EXPECT_EQ(info.head_dim_multiple(), 8);

@@ -79,7 +79,9 @@ def server_timing(t: pb.ServerTiming) -> ServerTiming:
 def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Window = None,
                   softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
                   cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-                  request_id: Optional[str] = None) -> pb.ForwardRequest:
+                  request_id: Optional[str] = None, q_descale: Optional[float] = None,
+                  k_descale: Optional[float] = None,
+                  v_descale: Optional[float] = None) -> pb.ForwardRequest:
     """The ForwardRequest for forward()'s arguments (see Client.forward)."""
     req = pb.ForwardRequest(request_id=request_id or next_request_id())
     _tensors.to_wire("q", q, req.q)
@@ -92,6 +94,14 @@ def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Windo
             field.extend(offsets)
     fill_options(req.options, causal=causal, window=window, softcap=softcap, scale=scale,
                  return_lse=return_lse)
+    # FP8 inputs' descales: only sent when given (unset means 1 on the server,
+    # and the server refuses them for other dtypes, naming the field).
+    if q_descale is not None:
+        req.options.q_descale = float(q_descale)
+    if k_descale is not None:
+        req.options.k_descale = float(k_descale)
+    if v_descale is not None:
+        req.options.v_descale = float(v_descale)
     return req
 
 

@@ -26,8 +26,10 @@ import numpy as np
 from attnserve.errors import invalid_argument
 from attnserve.v1 import attention_pb2 as pb
 
+# FP8: ml_dtypes' float8_e4m3fn holds the wire's E4M3 codes byte for byte.
 _NUMPY_TO_WIRE = {np.dtype(np.float16): pb.FP16, np.dtype(ml_dtypes.bfloat16): pb.BF16,
-                  np.dtype(np.float32): pb.FP32}
+                  np.dtype(np.float32): pb.FP32,
+                  np.dtype(ml_dtypes.float8_e4m3fn): pb.FP8_E4M3}
 _WIRE_TO_NUMPY = {wire: dtype for dtype, wire in _NUMPY_TO_WIRE.items()}
 
 
@@ -45,7 +47,10 @@ def is_torch_dtype(x: Any) -> bool:
 
 def _torch_wire_dtypes() -> dict:
     import torch
-    return {torch.float16: pb.FP16, torch.bfloat16: pb.BF16, torch.float32: pb.FP32}
+    wire = {torch.float16: pb.FP16, torch.bfloat16: pb.BF16, torch.float32: pb.FP32}
+    if hasattr(torch, "float8_e4m3fn"):  # torch >= 2.1
+        wire[torch.float8_e4m3fn] = pb.FP8_E4M3
+    return wire
 
 
 def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
@@ -53,8 +58,8 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
     if is_torch(x):
         wire = _torch_wire_dtypes().get(x.dtype)
         if wire is None:
-            raise invalid_argument(f"{name}.dtype: expected torch.float16, torch.bfloat16 or "
-                                   f"torch.float32, got {x.dtype}")
+            raise invalid_argument(f"{name}.dtype: expected torch.float16, torch.bfloat16, "
+                                   f"torch.float32 or torch.float8_e4m3fn, got {x.dtype}")
         host = x.detach().cpu()  # a CPU tensor stays as it is; CUDA: the device-to-host copy
         # An integer view of the same width keeps the strides (NumPy has no
         # bfloat16 of torch's); tobytes() then gathers a strided tensor in its one copy.
@@ -64,8 +69,8 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
         arr = np.asarray(x)
         wire = _NUMPY_TO_WIRE.get(arr.dtype)
         if wire is None:
-            raise invalid_argument(f"{name}.dtype: expected float16, bfloat16 (ml_dtypes) or "
-                                   f"float32, got {arr.dtype}")
+            raise invalid_argument(f"{name}.dtype: expected float16, bfloat16 (ml_dtypes), "
+                                   f"float32 or float8_e4m3fn (ml_dtypes), got {arr.dtype}")
         data = arr.tobytes(order="C")  # little-endian: the dtypes above are native on x86/Arm
         shape = arr.shape
     out.dtype = wire
@@ -75,7 +80,8 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
 
 def _same_width_int(dtype):
     import torch
-    return torch.int32 if dtype == torch.float32 else torch.int16
+    size = dtype.itemsize
+    return torch.int32 if size == 4 else torch.int16 if size == 2 else torch.uint8
 
 
 def from_wire(name: str, t: pb.Tensor, like: Any) -> Any:

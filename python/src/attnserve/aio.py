@@ -46,12 +46,15 @@ class AsyncClient(_channel.ChannelOwner):
     async def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False,
                       window: Window = None, softcap: float = 0.0, scale: Optional[float] = None,
                       return_lse: bool = False, cu_seqlens_q: Any = None,
-                      cu_seqlens_k: Any = None, timeout: Optional[float] = None) -> Any:
+                      cu_seqlens_k: Any = None, timeout: Optional[float] = None,
+                      q_descale: Optional[float] = None, k_descale: Optional[float] = None,
+                      v_descale: Optional[float] = None) -> Any:
         """Client.forward as a coroutine: O, or (O, LSE) with return_lse."""
         result = await self.forward_result(q, k, v, causal=causal, window=window,
                                            softcap=softcap, scale=scale, return_lse=return_lse,
                                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                           timeout=timeout)
+                                           timeout=timeout, q_descale=q_descale,
+                                           k_descale=k_descale, v_descale=v_descale)
         return (result.o, result.lse) if return_lse else result.o
 
     async def forward_result(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,

@@ -58,13 +58,15 @@ class Client(_channel.ChannelOwner):
     def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, window: Window = None,
                 softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-                timeout: Optional[float] = None) -> Any:
+                timeout: Optional[float] = None, q_descale: Optional[float] = None,
+                k_descale: Optional[float] = None, v_descale: Optional[float] = None) -> Any:
         """One attention call (docs/design.md §2), FlashAttention's conventions.
 
         Args:
           q, k, v: dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]; or packed varlen
             q [Tq, Hq, D], k/v [Tk, Hkv, D] with cu_seqlens_q/k. One dtype:
-            float16, bfloat16 or float32 (NumPy with ml_dtypes, or torch).
+            float16, bfloat16, float32 or float8_e4m3fn (NumPy with ml_dtypes,
+            or torch). FP8 inputs give a bfloat16 O.
           causal: bottom-right aligned: query i sees key j iff j <= i + Sk - Sq.
           window: (left, right) sliding window; None or -1 on a side = unlimited.
           softcap: 0 = off, else scores -> softcap * tanh(scores / softcap).
@@ -72,9 +74,12 @@ class Client(_channel.ChannelOwner):
           return_lse: also return the log-sum-exp (FP32, [B, Hq, Sq] or [Hq, Tq]).
           cu_seqlens_q, cu_seqlens_k: B+1 int offsets (list, ndarray or tensor).
           timeout: this call's deadline in seconds (default: the client's).
+          q_descale, k_descale, v_descale: FP8 inputs only: each tensor's value
+            is its code times this, in (0, 128]; None = 1.
 
         Returns:
-          O like q (same kind, dtype and device), or (O, LSE) with return_lse.
+          O like q (same kind and device; q's dtype, bfloat16 for FP8 q), or
+          (O, LSE) with return_lse.
 
         Raises:
           AttnServeError: with the gRPC code and the server's message.
@@ -82,7 +87,8 @@ class Client(_channel.ChannelOwner):
         result = self.forward_result(q, k, v, causal=causal, window=window, softcap=softcap,
                                      scale=scale, return_lse=return_lse,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     timeout=timeout)
+                                     timeout=timeout, q_descale=q_descale, k_descale=k_descale,
+                                     v_descale=v_descale)
         return (result.o, result.lse) if return_lse else result.o
 
     def forward_result(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,

@@ -1,0 +1,83 @@
+// FP8 E4M3 -> BF16 dequantisation of an FP8 call's inputs (see fp8_dequant.h).
+// A memory-bound elementwise kernel: each thread turns 8 codes (one 8-byte
+// load) into 8 BF16 values (one 16-byte store), grid-stride over the tensor.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "backend/cuda/fp8_dequant.h"
+
+namespace attnserve {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Enough CTAs to fill any current GPU several times over; the grid-stride
+// loop covers larger tensors.
+constexpr int64_t kMaxBlocks = 4096;
+
+int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+__device__ __forceinline__ float DecodeE4M3(uint32_t code) {
+  __nv_fp8_e4m3 x;
+  x.__x = static_cast<__nv_fp8_storage_t>(code);
+  return static_cast<float>(x);
+}
+
+// dst[i] = bf16(decode(src[i]) * descale) for i < 8 * n8.
+__global__ void DequantE4M3ToBf16(const uint2* __restrict__ src, int64_t n8, float descale,
+                                  uint4* __restrict__ dst) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n8; i += stride) {
+    const uint2 codes = src[i];
+    uint32_t out[4];
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t word = w < 2 ? codes.x : codes.y;
+      const int shift = (w % 2) * 16;
+      const float lo = DecodeE4M3((word >> shift) & 0xffu) * descale;
+      const float hi = DecodeE4M3((word >> (shift + 8)) & 0xffu) * descale;
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo: little-endian order
+      out[w] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    dst[i] = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+cudaError_t Dequant(const void* src, int64_t elements, float descale, void* dst,
+                    cudaStream_t stream) {
+  const int64_t n8 = elements / 8;  // head_dim is a multiple of 8, so elements is too
+  if (n8 == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((n8 + kThreads - 1) / kThreads, kMaxBlocks);
+  DequantE4M3ToBf16<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint2*>(src), n8, descale, static_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t Fp8ScratchBytes(const AttnParams& p) {
+  const int64_t q = p.total_q * p.num_heads_q * p.head_dim * 2;
+  const int64_t kv = p.total_k * p.num_heads_kv * p.head_dim * 2;
+  return Align256(q) + 2 * Align256(kv);
+}
+
+cudaError_t DequantiseFp8(const AttnParams& dev, void* scratch, cudaStream_t stream,
+                          AttnParams* bf16) {
+  const int64_t q_elems = dev.total_q * dev.num_heads_q * dev.head_dim;
+  const int64_t kv_elems = dev.total_k * dev.num_heads_kv * dev.head_dim;
+  char* q = static_cast<char*>(scratch);
+  char* k = q + Align256(q_elems * 2);
+  char* v = k + Align256(kv_elems * 2);
+  cudaError_t err = Dequant(dev.q, q_elems, dev.q_descale, q, stream);
+  if (err == cudaSuccess) err = Dequant(dev.k, kv_elems, dev.k_descale, k, stream);
+  if (err == cudaSuccess) err = Dequant(dev.v, kv_elems, dev.v_descale, v, stream);
+  *bf16 = Bf16View(dev);
+  bf16->q = q;
+  bf16->k = k;
+  bf16->v = v;
+  return err;
+}
+
+}  // namespace cuda
+}  // namespace attnserve
