@@ -30,6 +30,12 @@ struct FwdLaunch {
   TileKind tile_kind;  // the plan's tile table (TileFor)
 };
 
+// True when `device` is compute capability 9.0, this build has the Hopper
+// kernels (ATTNSERVE_CUDA_SM90) and ATTNSERVE_CUDA_PORTABLE is not "1" (the
+// override that keeps every launch on the portable kernel, so tests and
+// benchmarks can compare both families on one GPU). PlanForward's allow_sm90.
+bool DeviceRunsSm90Kernels(int device);
+
 // Launches the forward (and the combine kernel when split) on `stream`.
 // `dev` holds device pointers; `workspace` has plan.workspace_bytes.
 cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspace,
