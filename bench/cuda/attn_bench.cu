@@ -11,7 +11,8 @@
 //             on an sm90 GPU the planner's choice (the Hopper family where it
 //             covers the shape; ATTNSERVE_CUDA_PORTABLE=1 turns it off).
 //   portable: the portable mma.sync kernel on any GPU (the plan without sm90).
-//   sm90_tma, sm90_ws, sm90_pp, sm90_ppo (D=128 BF16 unbanded prefill only):
+//   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist (D=128 BF16 unbanded
+//             prefill only):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
 //             the ablation of bench/NOTES-cuda.md.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
@@ -501,6 +502,7 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "sm90_ws") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kWarpSpecialized);
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
   if (name == "sm90_ppo") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
+  if (name == "sm90_persist") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistent);
   if (name == "paged16") return std::make_unique<Paged>(16);
   if (name == "paged64") return std::make_unique<Paged>(64);
   if (name == "kvread") return std::make_unique<KvRead>();
@@ -688,7 +690,7 @@ int main(int argc, char** argv) {
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0;
   for (const Shape& s : shapes) {
-    for (const char* name : {"ours", "portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "paged16",
+    for (const char* name : {"ours", "portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "sm90_persist", "paged16",
                              "paged64", "standard", "fa1", "kvread"}) {
       if (!ListHas(impls, name)) continue;
       if ((std::string(name) == "kvread" || std::string(name).rfind("paged", 0) == 0) &&

@@ -46,7 +46,7 @@ def main():
         po = float(impls["portable"][metric]) if "portable" in impls else float("nan")
         print(f"{name:38s} {o:8.2f} {po:8.2f} {fl:8.2f} {cu:8.2f} {o / fl:6.2f} {o / cu:6.2f} {o / po:6.2f} {stdx:6.2f} {memx:6.2f} {fa1x:6.1f}")
     for k, impls in by.items():
-        for name in ("portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "ours"):
+        for name in ("portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "sm90_persist", "ours"):
             if "sm90_tma" in impls and name in impls:
                 print(f"ablation d{k[2]} {k[1]} {k[6]}x{k[7]}{' c' if k[8] == '1' else ''} {name:10s} "
                       f"{float(impls[name]['tflops']):8.1f} TFLOP/s")

@@ -25,8 +25,17 @@ namespace cuda {
 //    warpgroup's softmax runs while the other's GEMM does.
 //  - kPingPongOverlap: + inside a warpgroup, the softmax of tile j runs while
 //    the P V GEMM of tile j-1 is in flight (both GEMMs issued in one turn).
-enum class Sm90Schedule : int { kTmaSync = 0, kWarpSpecialized = 1, kPingPong = 2, kPingPongOverlap = 3 };
-constexpr Sm90Schedule kDefaultSm90Schedule = Sm90Schedule::kPingPongOverlap;
+//  - kPersistent: + one CTA per SM walks the work items (m block, batch,
+//    head; banded: most key tiles first within a head), its producer loading
+//    the next item's Q and K/V during this one's last tiles and epilogue.
+enum class Sm90Schedule : int {
+  kTmaSync = 0,
+  kWarpSpecialized = 1,
+  kPingPong = 2,
+  kPingPongOverlap = 3,
+  kPersistent = 4,
+};
+constexpr Sm90Schedule kDefaultSm90Schedule = Sm90Schedule::kPersistent;
 
 // What the Hopper kernel reads: the launch of the portable path (params,
 // derived scales, m blocks) and one 4-d tensor map per input over its

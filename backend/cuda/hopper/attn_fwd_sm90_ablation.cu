@@ -22,6 +22,8 @@ cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan, S
       return RunAttnFwdSm90<128, __nv_bfloat16, false, Sm90Schedule::kPingPong>(l, stream);
     case Sm90Schedule::kPingPongOverlap:
       return RunAttnFwdSm90<128, __nv_bfloat16, false, Sm90Schedule::kPingPongOverlap>(l, stream);
+    case Sm90Schedule::kPersistent:
+      return RunAttnFwdSm90<128, __nv_bfloat16, false, Sm90Schedule::kPersistent>(l, stream);
   }
   return cudaErrorInvalidValue;
 }
