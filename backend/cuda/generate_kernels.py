@@ -41,13 +41,13 @@ SOURCES = {
 }
 
 SM90_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {dtype},
-// {mask}, with the default warpgroup schedule.
+// {mask}, with its default warpgroup schedule (DefaultSm90Schedule).
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
 
 namespace attnserve {{
 namespace cuda {{
-template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule>(const FwdLaunch&,
-                                                                              cudaStream_t);
+template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, DefaultSm90Schedule({is_banded})>(
+    const FwdLaunch&, cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
 """
@@ -70,7 +70,7 @@ def dims_list(ds):
 
 def sm90_dispatch_cases(ds):
     return "".join(
-        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule>(launch, stream);\n"
+        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);\n"
         for d in ds)
 
 

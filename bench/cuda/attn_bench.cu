@@ -544,6 +544,10 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   CK(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
   CK(cudaMemset(dout, 0xff, nq * 2));
   auto impl = s.dtype == DType::kFP16 ? MakeImpl<__half>(name) : MakeImpl<__nv_bfloat16>(name);
+  if (impl == nullptr) {
+    std::fprintf(stderr, "attn_bench: unknown version %s\n", name.c_str());
+    return false;
+  }
   if (!impl->Setup(s, dq, dk, dv, dout) || !impl->Run()) return false;
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
@@ -631,16 +635,16 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
 }  // namespace
 }  // namespace attnserve
 
-// True when the comma-separated `list` names `name` exactly ("sm90_pp" is
-// not "sm90_ppo").
-bool ListHas(const std::string& list, const std::string& name) {
+// The comma-separated names of `list`, in order.
+std::vector<std::string> SplitList(const std::string& list) {
+  std::vector<std::string> out;
   size_t at = 0;
   while (at <= list.size()) {
     const size_t end = std::min(list.find(',', at), list.size());
-    if (list.compare(at, end - at, name) == 0) return true;
+    if (end > at) out.push_back(list.substr(at, end - at));
     at = end + 1;
   }
-  return false;
+  return out;
 }
 
 int main(int argc, char** argv) {
@@ -690,9 +694,10 @@ int main(int argc, char** argv) {
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0;
   for (const Shape& s : shapes) {
-    for (const char* name : {"ours", "portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "sm90_persist", "paged16",
-                             "paged64", "standard", "fa1", "kvread"}) {
-      if (!ListHas(impls, name)) continue;
+    // In --impls order: each shape's versions run back to back, and later ones
+    // run on a warmer GPU, so an A/B can be repeated in reverse order.
+    for (const std::string& impl : SplitList(impls)) {
+      const char* name = impl.c_str();
       if ((std::string(name) == "kvread" || std::string(name).rfind("paged", 0) == 0) &&
           std::string(s.kind) != "decode") {
         continue;
