@@ -2,8 +2,11 @@
 // policy: the shared StandardGrid (every feature of the contract, all dtypes)
 // plus GPU-specific cases: every instantiated head dim and the sizes served by
 // the next one up, tile-boundary sizes, split-KV decode with GQA packing
-// (dense, varlen, windows), long causal prefill, and buffer reuse. Inputs are
-// fresh random numbers per case, outputs NaN-poisoned before every run.
+// (dense, varlen, windows), long causal prefill, the Hopper family's cases
+// (Sm90Grid; on an sm90 GPU the planner gives them to it, with
+// ATTNSERVE_CUDA_PORTABLE=1 the portable kernel runs every case), and buffer
+// reuse. Inputs are fresh random numbers per case, outputs NaN-poisoned
+// before every run.
 // Without a GPU each test calls GTEST_SKIP with the reason.
 #include "backend/cuda/cuda_backend.h"
 

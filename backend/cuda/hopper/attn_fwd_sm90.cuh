@@ -32,7 +32,9 @@ constexpr int kProducerRegs = 24;      // setmaxnreg: 24 x 128 + 240 x 256 <= 64
 constexpr int kConsumerRegs = 240;
 
 constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
-constexpr int ThreadsOf(Sm90Schedule s) { return WarpSpecialized(s) ? kConsumerThreads + 128 : kConsumerThreads; }
+constexpr int ThreadsOf(Sm90Schedule s) {
+  return WarpSpecialized(s) ? kConsumerThreads + 128 : kConsumerThreads;
+}
 
 // One online-softmax step over this thread's two rows of an S tile (in place:
 // S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
@@ -40,13 +42,15 @@ constexpr int ThreadsOf(Sm90Schedule s) { return WarpSpecialized(s) ? kConsumerT
 // to O by the caller, which may do it later: the P V of the previous tile can
 // still be in flight). row_max in raw-score units; row_sum thread-partial.
 template <int kNTiles>
-__device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2], float (&row_sum)[2],
-                                            float (&corr)[2], float score_log2) {
+__device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
+                                            float (&row_sum)[2], float (&corr)[2],
+                                            float score_log2) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = row_max[half];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[0][nt][half * 2], s[0][nt][half * 2 + 1]));
+    for (int nt = 0; nt < kNTiles; ++nt)
+      mx = fmaxf(mx, fmaxf(s[0][nt][half * 2], s[0][nt][half * 2 + 1]));
     mx = detail::QuadMax(mx);
     // A row that has seen only masked keys keeps max -inf; subtracting 0
     // instead keeps exp2(-inf - -inf) from turning into NaN.
@@ -80,7 +84,8 @@ __device__ __forceinline__ void RescaleO(float (&o)[1][kDTiles][4], const float 
 // P (fp32 S fragments) -> wgmma A fragments, one per k16 step of keys: the
 // S accumulators of n8 tiles 2kk and 2kk+1 are exactly that A fragment.
 template <typename T, int kNTiles>
-__device__ __forceinline__ void ConvertP(const float (&s)[1][kNTiles][4], uint32_t (&pa)[kNTiles / 2][4]) {
+__device__ __forceinline__ void ConvertP(const float (&s)[1][kNTiles][4],
+                                         uint32_t (&pa)[kNTiles / 2][4]) {
 #pragma unroll
   for (int kk = 0; kk < kNTiles / 2; ++kk) {
     pa[kk][0] = detail::PackPair<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -120,7 +125,8 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
   t->kv_head = KVHead(p, t->head);
   int lo_first, hi_last;
   VisibleKeys(p, t->m0, p.seqlen_q, p.seqlen_k, &lo_first, &t->hi_first);
-  VisibleKeys(p, min(p.seqlen_q, t->m0 + kBlockM) - 1, p.seqlen_q, p.seqlen_k, &t->lo_last, &hi_last);
+  VisibleKeys(p, min(p.seqlen_q, t->m0 + kBlockM) - 1, p.seqlen_q, p.seqlen_k, &t->lo_last,
+              &hi_last);
   Mask::KeyTiles(lo_first, hi_last, p.seqlen_k, kBlockN, &t->n_begin, &t->n_end);
   return true;
 }
@@ -129,13 +135,17 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
 // items). kPersistent: one CTA per SM walks items blockIdx.x, + gridDim.x, ...
 // while its producer already loads the next item's Q and K/V during this
 // one's last tiles and epilogue.
-template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded, Sm90Schedule kSchedule>
-__global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded,
+          Sm90Schedule kSchedule>
+__global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
+    AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Mask = detail::MaskPolicy<kIsBanded>;
   constexpr bool kWS = WarpSpecialized(kSchedule);
-  constexpr bool kPingPong = kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
-  constexpr bool kOverlap = kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent;
+  constexpr bool kPingPong =
+      kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
+  constexpr bool kOverlap =
+      kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent;
   constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent;
   constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a row
   constexpr int kNTiles = kBlockN / 8;
@@ -202,13 +212,15 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(con
     MbarArriveExpectTx(&k_full[stage], kKvBytes);
 #pragma unroll
     for (int db = 0; db < kDBlocks; ++db) {
-      TmaLoad4d(sK + (stage * kDBlocks + db) * kBlockN * 64, &L.k, &k_full[stage], db * 64, t.kv_head, key0, t.b);
+      TmaLoad4d(sK + (stage * kDBlocks + db) * kBlockN * 64, &L.k, &k_full[stage], db * 64,
+                t.kv_head, key0, t.b);
     }
     if (g >= kStages) MbarWait(&v_empty[stage], parity);
     MbarArriveExpectTx(&v_full[stage], kKvBytes);
 #pragma unroll
     for (int db = 0; db < kDBlocks; ++db) {
-      TmaLoad4d(sV + (stage * kDBlocks + db) * kBlockN * 64, &L.v, &v_full[stage], db * 64, t.kv_head, key0, t.b);
+      TmaLoad4d(sV + (stage * kDBlocks + db) * kBlockN * 64, &L.v, &v_full[stage], db * 64,
+                t.kv_head, key0, t.b);
     }
   };
 
@@ -277,7 +289,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(con
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kNTiles / 2; ++kk) {
-      const uint64_t bd = SmemDesc(sV + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64, kBlockN * 128, 1024);
+      const uint64_t bd =
+          SmemDesc(sV + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64, kBlockN * 128, 1024);
       Wgmma<kHeadDim, T>::RS(Flat(o), pa[kk], bd);
     }
     WgmmaCommit();
@@ -307,7 +320,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(con
       detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, sq, ctid);
       continue;
     }
-    const int num_tiles = t.n_end - t.n_begin;  // tile it is key tile n_end - 1 - it
+    const int num_tiles = t.n_end - t.n_begin;               // tile it is key tile n_end - 1 - it
     const int row0 = t.m0 + wg * 64 + warp * 16 + lane / 4;  // the thread's first row (second: + 8)
     // Without a producer warpgroup, thread 0 loads Q and the first kStages
     // tiles, then refills the stage tile it - 1 used once both warpgroups
@@ -421,7 +434,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(con
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + quad * 2;
         if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(dst + col) = detail::PackPair<T>(o[0][dt][half * 2], o[0][dt][half * 2 + 1]);
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              detail::PackPair<T>(o[0][dt][half * 2], o[0][dt][half * 2 + 1]);
         }
       }
       if (p.lse != nullptr && quad == 0) p.lse[LseOffset(p, t.b, t.head, m)] = lse[half];
@@ -435,7 +449,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1) AttnFwdSm90Kernel(con
 
 // Launches the instantiation: tensor maps over the request's dense Q, K and
 // V (one box = 64 columns x the tile's rows); a CTA per work item (m block,
-// batch, query head), or one per SM for kPersistent. launch.num_splits must be 1 (the planner never splits here).
+// batch, query head), or one per SM for kPersistent. launch.num_splits must be 1 (the planner never
+// splits here).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
@@ -448,16 +463,19 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   }
   Sm90FwdLaunch l;
   l.fwd = launch;
-  cudaError_t err =
-      EncodeRowsTensorMap(&l.q, p.q, p.dtype, p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, sm90::kBlockM);
+  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, p.dtype, p.batch, p.seqlen_q, p.num_heads_q,
+                                        p.head_dim, sm90::kBlockM);
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim, kTile.block_n);
+    err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
   }
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim, kTile.block_n);
+    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
   }
   if (err != cudaSuccess) return err;
-  auto kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded, kSchedule>;
+  auto kernel =
+      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded, kSchedule>;
   constexpr int kSmem = Sm90SmemBytes(kTile);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -469,7 +487,8 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
     // One CTA per SM (the tiles' smem allows no second one).
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     grid = dim3(static_cast<unsigned>(items < sms ? items : sms));
   } else {

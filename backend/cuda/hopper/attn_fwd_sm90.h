@@ -59,8 +59,8 @@ struct Sm90FwdLaunch {
 // is looked up through the runtime (cudaGetDriverEntryPointByVersion), so
 // nothing links libcuda. cudaErrorInvalidValue when the driver lacks it or
 // rejects the shape.
-cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch, int64_t rows,
-                                int64_t heads, int64_t head_dim, int box_rows);
+cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
+                                int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
 
 // One instantiation (generated/*_sm90.cu): kHeadDim 64/128/256, T __half or
 // __nv_bfloat16, kIsBanded as the portable kernel's.
@@ -69,8 +69,8 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // For the ablation in attn_bench only: D = 128, BF16, no band, with a chosen
 // schedule (DefaultSm90Schedule is what the planner's launches use).
-cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan, Sm90Schedule schedule,
-                                      cudaStream_t stream);
+cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
+                                      Sm90Schedule schedule, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

@@ -6,8 +6,8 @@
 namespace attnserve {
 namespace cuda {
 
-cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan, Sm90Schedule schedule,
-                                      cudaStream_t stream) {
+cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
+                                      Sm90Schedule schedule, cudaStream_t stream) {
   if (plan.kernel_family != KernelFamily::kSm90 || plan.kernel_head_dim != 128 || plan.banded ||
       dev.dtype != DType::kBF16) {
     return cudaErrorInvalidValue;

@@ -33,7 +33,8 @@ __device__ __forceinline__ void FenceBarrierInit() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
                : "memory");
 }
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
@@ -54,8 +55,8 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 
 // ---- TMA: one box of a 4-d tensor map into shared memory, completing
 // `bytes` (the whole box, zero-filled where out of bounds) on `bar`.
-__device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                          int c3) {
+__device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                          int c1, int c2, int c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(SmemAddr(dst)),
@@ -78,7 +79,8 @@ __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
 //  - MN-major operand (V as B of O = P V, keys x 64 d-columns per block):
 //    SBO = 1024 (8 keys to the next 8), LBO = the distance between 64-column
 //    blocks (keys of the tile x 128 bytes). A k16 step is +16 rows = 2048 bytes.
-__device__ __forceinline__ uint64_t SmemDesc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+__device__ __forceinline__ uint64_t SmemDesc(const void* smem, uint32_t lbo_bytes,
+                                             uint32_t sbo_bytes) {
   uint64_t d = (SmemAddr(smem) & 0x3FFFFu) >> 4;
   d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFFu) << 16;
   d |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFFu) << 32;
@@ -89,8 +91,12 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* smem, uint32_t lbo_byte
 // ---- wgmma ordering. Fence: prior register writes (accumulators, A
 // fragments) are visible to the next wgmma. Commit: the wgmmas issued since
 // the last commit form a group. Wait<N>: at most N groups still in flight.
-__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int kPending>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
