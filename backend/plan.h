@@ -15,6 +15,14 @@ enum class TileKind : int32_t {
   kBanded = 2,   // kBandedTileTable: banded requests with a tile of their own
 };
 
+// Which kernel family runs a launch (backend/cuda): the portable mma.sync
+// kernel (sm80+, every feature) or the Hopper wgmma/TMA kernels (sm_90a,
+// dense prefill; backend/cuda/hopper/).
+enum class KernelFamily : int32_t {
+  kPortable = 0,
+  kSm90 = 1,
+};
+
 struct Plan {
   // The kernel's head dim serving params.head_dim: the smallest compiled one
   // >= D (a D=80 call runs the 96 kernel). 0 for a backend without
@@ -22,6 +30,7 @@ struct Plan {
   // (the CUDA FP32 path).
   int32_t kernel_head_dim = 0;
   TileKind tile_kind = TileKind::kPrefill;
+  KernelFamily kernel_family = KernelFamily::kPortable;
   // True when the call has a causal and/or sliding-window band: the kernel
   // then skips key tiles outside it and masks the boundary tiles.
   bool banded = false;

@@ -3,7 +3,8 @@
 # SDPA (FLASH, CUDNN, EFFICIENT) on docs/design.md §5's grids in one run, merged
 # into $OUT/<gpu>-<date>.csv (copy it to bench/results/) with ratios printed.
 # Expects build-gpu from scripts/gpu-check.sh (or builds it).
-# Usage: [DTYPES=bf16] scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+# Usage: [DTYPES=bf16] [ATTNSERVE_COMMIT=sha] scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+# (ATTNSERVE_COMMIT: the tree's commit when it was carried without .git.)
 # quick = the reduced grid: D 64/128/256 at N 1k and 8k, causal and not, plus
 # the decode grid (with DTYPES=bf16: ~1 minute on an H100).
 set -uo pipefail
@@ -29,7 +30,7 @@ hdr="$OUT/header.txt"
   echo "# clocks (sm, max sm, mem MHz): $(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | head -1)"
   echo "# driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); nvcc: $(nvcc --version | tail -2 | head -1)"
   echo "# torch: $(python3 -c 'import torch; print(torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null)"
-  echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); date: $date; timing: CUDA events, L2 flushed, median of 25 (ours/standard) 25 (sdpa) 20 (fa1)"
+  echo "# commit: ${ATTNSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; date: $date; timing: CUDA events, L2 flushed, median of 25 (ours/standard) 25 (sdpa) 20 (fa1)"
 } >"$hdr"
 # ours + standard first, then SDPA, then the slow FA1-order version (BF16, N <= 1k) last.
 $B/bench/cuda/attn_bench --grid="$GRID" --dtypes="$DTYPES" --impls="${IMPLS/,fa1/}" --csv="$OUT/ours.csv" 2>"$OUT/attn_bench.log"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`, with .device-carry carried): configure and
-# build the backend, its CUDA tests and attn_bench (server off), run the tests,
-# compute-sanitizer memcheck/racecheck/synccheck on a representative subset,
+# build the backend, its CUDA tests and attn_bench (server off), run the tests
+# twice (the planner's choice: on sm90 the Hopper kernels; then
+# ATTNSERVE_CUDA_PORTABLE=1: the portable kernel only), check the Hopper
+# kernels' SASS (HGMMA, UTMALDG, no local memory), compute-sanitizer
+# memcheck/racecheck/synccheck on a representative subset (both families),
 # and, when .device-carry/bin/attnserve and attnctl exist, an end-to-end
 # `attnctl forward --verify` round over loopback against --backend=cuda.
 # Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
@@ -33,16 +36,45 @@ else
 fi
 
 T=$B/tests/cuda/cuda_backend_test
-$T >"$OUT/tests.log" 2>&1; rc=$?
-fail=$(grep -c '^\[  FAILED  \]' "$OUT/tests.log")
-summ=$(grep -E '^\[  (PASSED|SKIPPED) ' "$OUT/tests.log" | tr '\n' ' ')
-note "cuda_backend_test" "rc=$rc $summ failed_lines=$fail"
-grep -E '^\[  FAILED  \]|Failure|error' "$OUT/tests.log" | head -30
+# Four gtest shards at once: the float64 reference of the long cases is the
+# slow part, and the GPU is shared fine. rc is the worst shard's.
+run_shards() {
+  local log=$1 rc=0 i
+  local pids=()
+  for i in 0 1 2 3; do
+    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 400 $T >"$log.$i" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1 2 3; do wait "${pids[$i]}" || rc=$?; done
+  cat "$log".[0-3] >"$log"; rm -f "$log".[0-3]
+  return $rc
+}
+for fam in default portable; do
+  log="$OUT/tests-$fam.log"
+  if [ $fam = portable ]; then ATTNSERVE_CUDA_PORTABLE=1 run_shards "$log"; rc=$?; else run_shards "$log"; rc=$?; fi
+  fail=$(grep -c '^\[  FAILED  \]' "$log")
+  passed=$(awk '/^\[  PASSED  \] [0-9]+/ {n += $4} END {print n + 0}' "$log")
+  skipped=$(awk '/^\[  SKIPPED \] [0-9]+ test/ {n += $4} END {print n + 0}' "$log")
+  note "cuda_backend_test ($fam)" "rc=$rc passed=${passed:-0} skipped=${skipped:-0} failed_lines=$fail"
+  grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -30
+done
+
+# The Hopper kernels' machine code: wgmma (HGMMA) and TMA (UTMALDG) present,
+# no local-memory traffic (LDL/STL: spills or a runtime-indexed array).
+sm90_objs=$(find $B/backend/cuda/CMakeFiles/attn_cuda_sm90.dir -name '*sm90.cu.o' 2>/dev/null)
+if [ -n "$sm90_objs" ]; then
+  for o in $sm90_objs; do cuobjdump --dump-sass "$o"; done >"$OUT/sm90.sass" 2>&1
+  note "sm90 SASS" "HGMMA=$(grep -c HGMMA "$OUT/sm90.sass") UTMALDG=$(grep -c UTMALDG "$OUT/sm90.sass") LDL/STL=$(grep -cE '\b(LDL|STL)\b' "$OUT/sm90.sass")"
+else
+  note "sm90 SASS" "no attn_cuda_sm90 objects"
+fi
 
 if [ $SAN = 1 ]; then
   FILTER='Standard/*bf16_b1_q97_k97*:Standard/*fp16_varlen*:Standard/*fp32_b2_q17*:Shapes/*bf16_b3_q1_k4097*:Shapes/*fp16_varlen*:Shapes/*b2_q1_k6000*:HeadDims/*fp16_b2_q97_k130_h4x2_d72_*'
+  # Hopper cases (portable on other GPUs): each head dim, masked rows, window + softcap.
+  FILTER="$FILTER:Sm90/*bf16_b2_q333_k333_h4x2_d64_*:Sm90/*fp16_b1_q257_k700_h2x1_d256_causal*:Sm90/*bf16_b2_q80_k17_*:Sm90/*fp16_b1_q700_k700_h4x2_d64_causal*"
   for tool in memcheck racecheck synccheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter="$FILTER" \
+    timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter="$FILTER" \
       >"$OUT/sanitizer-$tool.log" 2>&1; rc=$?
     n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool.log")
     note "sanitizer $tool" "rc=$rc tests_ok=$n $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | head -1)"

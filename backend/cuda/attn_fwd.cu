@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_fp32.cuh"
@@ -113,12 +115,28 @@ __global__ void __launch_bounds__(128) AttnFwdFp32Kernel(const FwdLaunch L) {
 
 }  // namespace
 
+bool DeviceRunsSm90Kernels(int device) {
+#if defined(ATTNSERVE_CUDA_SM90)
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const char* portable = std::getenv("ATTNSERVE_CUDA_PORTABLE");
+  return major == 9 && minor == 0 && !(portable != nullptr && std::strcmp(portable, "1") == 0);
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace) {
   FwdLaunch l;
   l.p = dev;
   l.num_splits = plan.num_splits;
   l.pack_gqa = plan.pack_gqa;
-  const TileConfig tile = TileFor(plan.tile_kind, plan.kernel_head_dim);
+  const TileConfig tile = TileForPlan(plan);
   l.num_m_blocks =
       static_cast<int>((int64_t{dev.seqlen_q} * plan.pack_gqa + tile.block_m - 1) / tile.block_m);
   const int64_t partial_rows = int64_t{plan.num_splits} * dev.num_heads_q * dev.total_q;

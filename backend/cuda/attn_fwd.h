@@ -32,6 +32,12 @@ struct FwdLaunch {
   TileKind tile_kind;  // the plan's tile table (TileFor)
 };
 
+// True when `device` is compute capability 9.0, this build has the Hopper
+// kernels (ATTNSERVE_CUDA_SM90) and ATTNSERVE_CUDA_PORTABLE is not "1" (the
+// override that keeps every launch on the portable kernel, so tests and
+// benchmarks can compare both families on one GPU). PlanForward's allow_sm90.
+bool DeviceRunsSm90Kernels(int device);
+
 // Launches the forward (and, for a split plan of the prefill tiles, the
 // combine kernel) on `stream`. `dev` holds device pointers; `workspace` has
 // plan.workspace_bytes and its split counters are zero (ClearSplitCounters).

@@ -49,7 +49,38 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms) 
   return best;
 }
 
+// The Hopper kernel for `p` (its head dim), or 0 when the family does not
+// cover the call: it runs dense (not varlen) FP16/BF16 prefill with one KV
+// tile loop per CTA (no split-KV, no GQA packing into M) and reads Q/K/V
+// through TMA boxes of 64 columns, so the head dim must reach into the last
+// box of its kernel (64 exactly; 72..128; 200..256: 96/192-sized calls and
+// D < 64 stay on the portable kernel). Sk = 0 (no keys) stays portable too: a
+// tensor map cannot have an empty dimension.
+int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
+  if (IsVarlen(p) || p.seqlen_k == 0 || portable.pack_gqa != 1 || portable.tile_kind == TileKind::kDecode) {
+    return 0;
+  }
+  // Prefill that the portable plan would split: taken when the query run is
+  // long enough to fill 64-row warpgroup tiles; shorter ones keep split-KV.
+  if (portable.num_splits > 1 && p.seqlen_q < 64) return 0;
+  for (const TileConfig& t : kSm90TileTable) {
+    if (t.head_dim < p.head_dim || !CompiledSm90HeadDim(t.head_dim)) continue;
+    return p.head_dim >= 64 && p.head_dim > t.head_dim - 64 ? t.head_dim : 0;
+  }
+  return 0;
+}
+
 }  // namespace
+
+TileConfig TileForPlan(const Plan& plan) {
+  return plan.kernel_family == KernelFamily::kSm90 ? Sm90TileFor(plan.kernel_head_dim)
+                                                   : TileFor(plan.tile_kind, plan.kernel_head_dim);
+}
+
+int PlanSmemBytes(const Plan& plan) {
+  return plan.kernel_family == KernelFamily::kSm90 ? Sm90SmemBytes(TileForPlan(plan))
+                                                   : SmemBytes(TileForPlan(plan));
+}
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
 // num_sms x resident CTAs per SM (CtasPerSm). A second, partial wave costs as
@@ -77,7 +108,7 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms) 
 //    128 tiles / 33 -> 4 tiles each -> 32 splits of 256 keys.
 //  - Prefill, B=1, Hq=32, Sq=Sk=1024: base 8 x 32 = 256 CTAs, over half a
 //    wave: no split.
-Plan PlanForward(const AttnParams& p, int num_sms) {
+Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90) {
   Plan plan;
   for (const TileConfig& t : kTileTable) {
     if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {
@@ -119,6 +150,14 @@ Plan PlanForward(const AttnParams& p, int num_sms) {
   }
   if (plan.num_splits > 1) {
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
+  }
+  const int sm90_head_dim = allow_sm90 ? Sm90HeadDimFor(p, plan) : 0;
+  if (sm90_head_dim != 0) {
+    plan.kernel_family = KernelFamily::kSm90;
+    plan.kernel_head_dim = sm90_head_dim;
+    plan.tile_kind = TileKind::kPrefill;
+    plan.num_splits = 1;
+    plan.workspace_bytes = 0;
   }
   return plan;
 }

@@ -78,6 +78,39 @@ constexpr TileConfig kDecodeTileTable[] = {
 constexpr TileConfig kBandedTileTable[] = {
     {128, 128, 32, 4, 2, 255},
 };
+// Tile table of the Hopper kernel family (backend/cuda/hopper/, sm_90a),
+// one row per head dim it covers. Every CTA has 128 query rows: two consumer
+// warpgroups of 64 rows (the wgmma M) plus one producer warpgroup that only
+// issues TMA (12 warps; setmaxnreg gives consumers 240 registers, the
+// producer 24). Tiles live in smem unpadded, 128-byte swizzled in blocks of
+// 64 columns (what TMA writes and wgmma reads), so smem is
+// (128 + 2 x stages x block_n) x D x 2 bytes (Sm90SmemBytes).
+//  - 64:  128x128, 3 stages (112 KB). S = 64 + O = 32 fp32 registers; a
+//         64-wide K tile is little math per byte, so one more tile in flight.
+//  - 128: 128x128, 2 stages (160 KB). S 64 + O 64 + P 32 registers (the P
+//         fragments of tile j live while S of j+1 is computed: 160 + row
+//         state and addresses, under 240). 3 stages would be 224 KB + the
+//         barriers: over the 227 KB limit with the alignment slack.
+//  - 256: 128x64, 2 stages (192 KB). O alone is 128 registers; a 128-key
+//         tile would add S 64 + P 32 and spill at 240.
+// Head dims 96 and 192 (and D < 64) are served by the portable kernel (a
+// 96-column tile needs a 64-byte-swizzle block: not written yet).
+constexpr TileConfig kSm90TileTable[] = {
+    {64, 128, 128, 12, 3, 240},
+    {128, 128, 128, 12, 2, 240},
+    {256, 128, 64, 12, 2, 240},
+};
+// Dynamic smem of a Hopper tile: Q, the K and V rings, 1 KB to align the
+// tiles to 1024 bytes (the swizzle atom) and the mbarriers.
+constexpr int Sm90SmemBytes(const TileConfig& t) {
+  return (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2 + 1024 + 256;
+}
+constexpr TileConfig Sm90TileFor(int head_dim) {
+  for (const TileConfig& t : kSm90TileTable) {
+    if (t.head_dim == head_dim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
 constexpr int kDecodeMaxRows = 16;
 constexpr int SmemBytes(const TileConfig& t) {
   return (t.block_m + 2 * t.stages * t.block_n) * (t.head_dim + 8) * 2;
@@ -119,12 +152,19 @@ inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
          int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4;
 }
 
+// The tile of a plan (either family) and its dynamic shared memory.
+TileConfig TileForPlan(const Plan& plan);
+int PlanSmemBytes(const Plan& plan);
+
 // Chooses the kernel, the tile, the split count and GQA packing for
 // FP16/BF16 params (host memory is fine: only sizes are read); num_sms: the
 // device's SM count. kernel_head_dim is 0 when this build compiled no kernel
-// for params.head_dim. A pure host function (attn_fwd_plan.cc, compiled by the
-// host compiler in every build), unit-tested without a GPU.
-Plan PlanForward(const AttnParams& p, int num_sms);
+// for params.head_dim. allow_sm90: the device is sm90 and the caller allows
+// the Hopper family (CudaBackend: unless ATTNSERVE_CUDA_PORTABLE=1); the plan
+// then takes it for what it covers (SupportsSm90). A pure host function
+// (attn_fwd_plan.cc, compiled by the host compiler in every build),
+// unit-tested without a GPU.
+Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90 = false);
 
 }  // namespace cuda
 }  // namespace attnserve

@@ -25,6 +25,7 @@
 
 namespace attnserve {
 
+
 // Offsets of a launch's tensors in a slot's buffers, each 256-byte aligned.
 struct StagingLayout {
   int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, inputs_end = 0;
@@ -99,6 +100,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
                                                "; the kernels need sm80 or later"));
   }
   b->num_sms_ = prop.multiProcessorCount;
+  b->allow_sm90_ = cuda::DeviceRunsSm90Kernels(device);
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
   // One thread packed 72 MB in 15 ms on the H200 host (bench/NOTES-serving.md):
   // a few threads share the copies; more would compete with gRPC's threads.
@@ -151,20 +153,20 @@ CudaBackend::~CudaBackend() {
 absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
   RETURN_IF_ERROR(CheckParams(params));
   if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
-  return PlanFor(params);
+  return PlanFor(params, /*allow_sm90=*/true);
 }
 
-absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params, bool allow_sm90) const {
   // FP8 hook: the kernel that runs is the BF16 one (fp8_dequant.h).
-  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params));
-  const Plan plan = cuda::PlanForward(params, num_sms_);
+  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params), allow_sm90);
+  const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90 && allow_sm90_);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
         absl::StrCat("cuda: head_dim ", params.head_dim,
                      " has no kernel in this build (ATTNSERVE_CUDA_KERNELS=dev "
                      "compiles head dim 128 only)"));
   }
-  const int smem = cuda::SmemBytes(cuda::TileFor(plan.tile_kind, plan.kernel_head_dim));
+  const int smem = cuda::PlanSmemBytes(plan);
   if (smem > max_smem_per_block_) {
     const DeviceDescription& dev = description_.devices[0];
     return absl::UnimplementedError(absl::StrCat(
@@ -228,7 +230,8 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
                                       // the device params do).
                                       if (batch.size() == 1 || dev.dtype == DType::kFP32)
                                         return LaunchKernels(plan, dev, slot);
-                                      ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
+                                      ASSIGN_OR_RETURN(const Plan packed_plan,
+                                                       PlanFor(dev, /*allow_sm90=*/true));
                                       return LaunchKernels(packed_plan, dev, slot);
                                     });
 }

@@ -83,7 +83,9 @@ class CudaBackend final : public AttentionBackend {
   // The plan for FP16/BF16 params (PlanForward; FP8 params are planned as
   // their BF16 view, the kernel that runs them), or UNIMPLEMENTED when this
   // build or this device has no kernel for them. Checks nothing else.
-  absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
+  // allow_sm90: the Hopper family may serve them (dense requests; the paged
+  // path passes false) when the device has it (allow_sm90_).
+  absl::StatusOr<Plan> PlanFor(const AttnParams& params, bool allow_sm90) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
   // The paged path's checks: CheckPagedParams (keeps the kernels inside the
@@ -95,6 +97,9 @@ class CudaBackend final : public AttentionBackend {
   int device_ = 0;
   int num_sms_ = 0;
   int max_smem_per_block_ = 0;  // opt-in dynamic shared memory per CTA
+  // cuda::DeviceRunsSm90Kernels: dense FP16/BF16 prefill plans may take the
+  // Hopper kernels.
+  bool allow_sm90_ = false;
   BackendDescription description_;
   std::unique_ptr<Slot> slots_[kPipelineDepth];
   // Packing into and unpacking out of the pinned buffers, in parallel: one

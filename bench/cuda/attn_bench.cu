@@ -7,7 +7,14 @@
 //             O, m and l read from and written back to device memory every
 //             step. Simple fp32 SIMT code: it shows the loop order's traffic,
 //             not FA1's tensor-core speed. Run at N <= 1k only (slow).
-//   ours:     the production fused kernel (backend/cuda), split-KV for decode.
+//   ours:     the production fused kernel (backend/cuda), split-KV for decode;
+//             on an sm90 GPU the planner's choice (the Hopper family where it
+//             covers the shape; ATTNSERVE_CUDA_PORTABLE=1 turns it off).
+//   portable: the portable mma.sync kernel on any GPU (the plan without sm90).
+//   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist (D=128 BF16 unbanded
+//             prefill only):
+//             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
+//             the ablation of bench/NOTES-cuda.md.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
@@ -38,6 +45,7 @@
 #include <vector>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
@@ -234,6 +242,10 @@ bool AllocWorkspace(Plan* plan, Arena* arena, void** ws) {
 }
 
 struct Ours : Impl {
+  // allow_sm90: as CudaBackend (the device's and the environment's say);
+  // false: the portable kernel only.
+  explicit Ours(bool allow_sm90) : allow_sm90(allow_sm90) {}
+  bool allow_sm90;
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -242,7 +254,7 @@ struct Ours : Impl {
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
     p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
-    plan = cuda::PlanForward(p, num_sms);
+    plan = cuda::PlanForward(p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
       plan.num_splits = g_decode_splits;
@@ -464,9 +476,39 @@ struct Paged : Impl {
   int64_t ExtraBytes() const override { return arena.bytes; }
 };
 
+// One Hopper schedule (attn_fwd_sm90.h) on D=128 BF16 unbanded prefill.
+struct Sm90Variant : Impl {
+  explicit Sm90Variant(cuda::Sm90Schedule s) : schedule(s) {}
+  cuda::Sm90Schedule schedule;
+  AttnParams p{};
+  Plan plan;
+  bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+    if (std::string(s.kind) != "prefill" || s.d != 128 || s.causal || s.dtype != DType::kBF16 ||
+        !cuda::DeviceRunsSm90Kernels(0)) {
+      return false;
+    }
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
+    plan = cuda::PlanForward(p, num_sms, /*allow_sm90=*/true);
+    return plan.kernel_family == KernelFamily::kSm90;
+  }
+  bool Run() override {
+    CK(cuda::LaunchForwardSm90Schedule(p, plan, schedule, nullptr));
+    return true;
+  }
+  int64_t ExtraBytes() const override { return 0; }
+};
+
 template <typename T>
 std::unique_ptr<Impl> MakeImpl(const std::string& name) {
-  if (name == "ours") return std::make_unique<Ours>();
+  if (name == "ours") return std::make_unique<Ours>(true);
+  if (name == "portable") return std::make_unique<Ours>(false);
+  if (name == "sm90_tma") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kTmaSync);
+  if (name == "sm90_ws") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kWarpSpecialized);
+  if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
+  if (name == "sm90_ppo") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
+  if (name == "sm90_persist") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistent);
   if (name == "paged16") return std::make_unique<Paged>(16);
   if (name == "paged64") return std::make_unique<Paged>(64);
   if (name == "kvread") return std::make_unique<KvRead>();
@@ -508,6 +550,10 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   CK(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
   CK(cudaMemset(dout, 0xff, nq * 2));
   auto impl = s.dtype == DType::kFP16 ? MakeImpl<__half>(name) : MakeImpl<__nv_bfloat16>(name);
+  if (impl == nullptr) {
+    std::fprintf(stderr, "attn_bench: unknown version %s\n", name.c_str());
+    return false;
+  }
   if (!impl->Setup(s, dq, dk, dv, dout) || !impl->Run()) return false;
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
@@ -595,6 +641,18 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
 }  // namespace
 }  // namespace attnserve
 
+// The comma-separated names of `list`, in order.
+std::vector<std::string> SplitList(const std::string& list) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    if (end > at) out.push_back(list.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
   using namespace attnserve;
   std::string grid = "anchor", impls = "ours,standard,fa1", out;
@@ -650,8 +708,10 @@ int main(int argc, char** argv) {
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0;
   for (const Shape& s : shapes) {
-    for (const char* name : {"ours", "paged16", "paged64", "standard", "fa1", "kvread"}) {
-      if (impls.find(name) == std::string::npos) continue;
+    // In --impls order: each shape's versions run back to back, and later ones
+    // run on a warmer GPU, so an A/B can be repeated in reverse order.
+    for (const std::string& impl : SplitList(impls)) {
+      const char* name = impl.c_str();
       if ((std::string(name) == "kvread" || std::string(name).rfind("paged", 0) == 0) &&
           std::string(s.kind) != "decode") {
         continue;

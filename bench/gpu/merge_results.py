@@ -2,7 +2,9 @@
 """Merges attn_bench and sdpa_bench CSVs into bench/results/<gpu>-<date>.csv
 (docs/design.md §5: '#' header lines with GPU, clocks, versions, then rows) and
 prints ours against the best of FLASH/CUDNN per configuration, plus the
-standard-attention speedup and memory ratio (the FlashAttention paper's claim)."""
+standard-attention speedup and memory ratio (the FlashAttention paper's claim),
+ours over the portable kernel (on sm90: the Hopper family's gain) and the
+Hopper schedule ablation rows (sm90_*) when present."""
 import csv
 import sys
 
@@ -26,7 +28,7 @@ def main():
     by = {}
     for r in rows:
         by.setdefault(key(r), {})[r["impl"]] = r
-    print(f"{'config':38s} {'ours':>8s} {'flash':>8s} {'cudnn':>8s} {'o/fl':>6s} {'o/cu':>6s} {'std_x':>6s} {'mem_x':>6s} {'fa1_x':>6s}")
+    print(f"{'config':38s} {'ours':>8s} {'port':>8s} {'flash':>8s} {'cudnn':>8s} {'o/fl':>6s} {'o/cu':>6s} {'o/port':>6s} {'std_x':>6s} {'mem_x':>6s} {'fa1_x':>6s}")
     for k, impls in by.items():
         if "ours" not in impls:
             continue
@@ -41,7 +43,13 @@ def main():
             memx = float(impls["standard"]["peak_mem_bytes"]) / float(impls["ours"]["peak_mem_bytes"])
         name = f"{kind[:3]} {k[1]} d{k[2]} b{k[3]} h{k[4]}/{k[5]} {k[6]}x{k[7]}{' c' if k[8] == '1' else ''}"
         fa1x = float(impls["fa1"]["ms"]) / float(impls["ours"]["ms"]) if "fa1" in impls else float("nan")
-        print(f"{name:38s} {o:8.2f} {fl:8.2f} {cu:8.2f} {o / fl:6.2f} {o / cu:6.2f} {stdx:6.2f} {memx:6.2f} {fa1x:6.1f}")
+        po = float(impls["portable"][metric]) if "portable" in impls else float("nan")
+        print(f"{name:38s} {o:8.2f} {po:8.2f} {fl:8.2f} {cu:8.2f} {o / fl:6.2f} {o / cu:6.2f} {o / po:6.2f} {stdx:6.2f} {memx:6.2f} {fa1x:6.1f}")
+    for k, impls in by.items():
+        for name in ("portable", "sm90_tma", "sm90_ws", "sm90_pp", "sm90_ppo", "sm90_persist", "ours"):
+            if "sm90_tma" in impls and name in impls:
+                print(f"ablation d{k[2]} {k[1]} {k[6]}x{k[7]}{' c' if k[8] == '1' else ''} {name:10s} "
+                      f"{float(impls[name]['tflops']):8.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -142,5 +142,45 @@ TEST(PlanForwardTest, SplitsAreCappedAt128) {
   EXPECT_LE(PlanForward(Dense(1, 1, 1 << 20, 1, 1, 128), 1000).num_splits, 128);
 }
 
+// The Hopper family (kSm90TileTable) when the caller allows it: dense
+// prefill at the head dims it covers, the portable kernel for the rest.
+TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
+  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
+  Plan p = PlanForward(Dense(2, 1024, 1024, 8, 2, 128, /*causal=*/true), kH100Sms, /*allow_sm90=*/true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.kernel_head_dim, 128);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_TRUE(p.banded);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128)));
+  // Not allowed (another GPU, ATTNSERVE_CUDA_PORTABLE=1): portable.
+  EXPECT_EQ(PlanForward(Dense(2, 1024, 1024, 8, 2, 128), kH100Sms).kernel_family, KernelFamily::kPortable);
+  // D = 72 reads into the second 64-column box of the 128 kernel.
+  p = PlanForward(Dense(2, 512, 512, 4, 4, 72), kH100Sms, true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.kernel_head_dim, 128);
+  // A long prefill the portable plan would split runs unsplit on sm90.
+  p = PlanForward(Dense(1, 128, 8192, 8, 8, 128), kH100Sms, true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_EQ(p.workspace_bytes, 0);
+}
+
+TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
+  // Decode (GQA packed, split-KV), short split prefill, Sk = 0, varlen, D < 64.
+  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  AttnParams varlen = Dense(2, 512, 512, 4, 4, 128);
+  const int32_t cu[3] = {0, 300, 512};
+  varlen.cu_seqlens_q = cu;
+  varlen.cu_seqlens_k = cu;
+  EXPECT_EQ(PlanForward(varlen, kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  if (cuda::CompiledHeadDim(192)) {
+    // 136..192 keep the portable 192 kernel (no 96/192-wide Hopper tile yet).
+    EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 160), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -3,10 +3,12 @@
 // and Fp8Grid (FP8 inputs with descales), plus GPU-specific cases: every
 // instantiated head dim and the sizes served by the next one up, tile-boundary
 // sizes, split-KV decode with GQA packing (dense, varlen, windows), long causal
-// prefill, and buffer reuse; split-KV with its fused combine (planned splits,
-// and split counts alternating on one workspace: the ticket counters' reset).
-// Inputs are fresh random numbers per case, outputs NaN-poisoned before every
-// run.
+// prefill, split-KV with its fused combine (planned splits, and split counts
+// alternating on one workspace: the ticket counters' reset), the Hopper
+// family's cases (Sm90Grid; on an sm90 GPU the planner gives them to it, with
+// ATTNSERVE_CUDA_PORTABLE=1 the portable kernel runs every case), and buffer
+// reuse. Inputs are fresh random numbers per case, outputs NaN-poisoned before
+// every run.
 // Without a GPU each test calls GTEST_SKIP with the reason.
 #include "backend/cuda/cuda_backend.h"
 
@@ -48,6 +50,8 @@ bool DocumentedRefusal(const AttnParams& p) {
   if (kernel_head_dim == 0) return true;
   int optin = 0;
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+  // The portable tile: a Hopper tile is planned only on sm90, where every one
+  // fits (227 KB).
   return cuda::SmemBytes(cuda::TileFor(TileKind::kPrefill, kernel_head_dim)) > optin;
 }
 
@@ -299,6 +303,68 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
         << "a ticket counter was left non-zero after " << st.splits << " splits";
   }
   cudaFree(ws);
+
+// The Hopper family's coverage (kSm90TileTable; on sm90 the planner picks it
+// for all of these, on other GPUs and with ATTNSERVE_CUDA_PORTABLE=1 the
+// portable kernel runs them): every head dim it serves (64, 72..128,
+// 200..256), lengths off the 128-row and 64/128-key tiles, long sequences
+// (32k keys; 32k queries), causal bottom-right with Sq > Sk (fully masked
+// rows: O = 0, LSE = -inf), sliding windows, softcap, GQA and MQA.
+std::vector<TestCase> Sm90Grid() {
+  std::vector<TestCase> g;
+  for (DType t : {DType::kFP16, DType::kBF16}) {
+    for (int d : {64, 72, 120, 128, 200, 256}) {
+      g.push_back(Make(t, 2, 333, 333, 4, 2, d, false));
+      g.push_back(Make(t, 1, 257, 700, 2, 1, d, true));
+    }
+    for (int s : {1, 17, 64, 127, 129, 191, 385})
+      g.push_back(Make(t, 2, s + 63, s, 2, 2, 128, s % 2 == 1));  // Sq > Sk: masked rows when causal
+    g.push_back(Make(t, 1, 256, 32768, 2, 1, 128, false));
+    g.push_back(Make(t, 1, 1024, 32768, 1, 1, 64, true));
+    g.push_back(Make(t, 1, 32768, 300, 2, 2, 256, false));
+    {
+      TestCase tc = Make(t, 2, 1000, 1200, 8, 1, 128, false);  // MQA, window both sides
+      tc.window_left = 150;
+      tc.window_right = 40;
+      g.push_back(tc);
+    }
+    {
+      TestCase tc = Make(t, 1, 700, 700, 4, 2, 64, true);  // causal + window + softcap
+      tc.window_left = 200;
+      tc.softcap = 30.0f;
+      g.push_back(tc);
+    }
+    {
+      TestCase tc = Make(t, 2, 300, 5000, 4, 4, 256, false);
+      tc.softcap = 10.0f;
+      tc.return_lse = false;
+      g.push_back(tc);
+    }
+  }
+  return g;
+}
+INSTANTIATE_TEST_SUITE_P(Sm90, CudaTest, ::testing::ValuesIn(Sm90Grid()), CaseName);
+
+// On an sm90 GPU (without ATTNSERVE_CUDA_PORTABLE=1) the Hopper family must
+// really be what runs the grids above: a dense BF16 prefill plans onto it,
+// and what it does not cover stays portable.
+TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
+  std::string why;
+  AttentionBackend* backend = SharedBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  if (!cuda::DeviceRunsSm90Kernels(0)) {
+    GTEST_SKIP() << "not an sm90 device, a build without ATTNSERVE_CUDA_SM90, or ATTNSERVE_CUDA_PORTABLE=1";
+  }
+  TestCase dense = Make(DType::kBF16, 2, 1024, 1024, 8, 2, 128, true);
+  HostBuffers a(dense);
+  absl::StatusOr<Plan> plan = backend->CanImplement(a.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+  TestCase decode = Make(DType::kBF16, 2, 1, 4096, 32, 8, 128, false);
+  HostBuffers c(decode);
+  plan = backend->CanImplement(c.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
 }
 
 TEST(CudaBackendInfo, DescribesDevice) {

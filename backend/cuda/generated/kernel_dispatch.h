@@ -8,11 +8,37 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 
 namespace attnserve {
 namespace cuda {
+
+// The Hopper family's instantiation for `kernel_head_dim`, or
+// cudaErrorInvalidValue (also in builds without it).
+template <typename T, bool kIsBanded>
+cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
+  switch (kernel_head_dim) {
+#if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
+    case 128:
+      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+#elif defined(ATTNSERVE_CUDA_SM90)
+    case 64:
+      return RunAttnFwdSm90<64, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+    case 128:
+      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+    case 256:
+      return RunAttnFwdSm90<256, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+#endif
+    default:
+      (void)launch;
+      (void)stream;
+      return cudaErrorInvalidValue;
+  }
+}
 
 // Runs the instantiation for `kernel_head_dim` (a compiled one), or returns
 // cudaErrorInvalidValue.
@@ -44,6 +70,17 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
 template <typename Launch>
 cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cudaStream_t stream) {
   const int d = plan.kernel_head_dim;
+  if constexpr (std::is_same_v<Launch, FwdLaunch>) {
+    if (plan.kernel_family == KernelFamily::kSm90) {
+      if (dtype == DType::kFP16) {
+        return plan.banded ? RunSm90ForHeadDim<__half, true>(d, launch, stream)
+                           : RunSm90ForHeadDim<__half, false>(d, launch, stream);
+      }
+      return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true>(d, launch, stream)
+                         : RunSm90ForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+    }
+  }
+  if (plan.kernel_family != KernelFamily::kPortable) return cudaErrorInvalidValue;
   if (dtype == DType::kFP16) {
     return plan.banded ? RunForHeadDim<__half, true>(d, launch, stream)
                        : RunForHeadDim<__half, false>(d, launch, stream);

@@ -1,0 +1,503 @@
+// The Hopper (sm_90a) forward kernel: FlashAttention's loop with wgmma for
+// both GEMMs (S = Q K^T from shared memory, O += P V with P from registers),
+// Q/K/V tiles brought in by TMA into 128-byte-swizzled shared memory and a
+// multi-stage K/V ring completing on mbarriers, a producer warpgroup and two
+// consumer warpgroups of 64 query rows each (Sm90Schedule says how they
+// overlap). The mask rules, softcap, the empty-row epilogue and the final
+// normalisation are the portable kernel's (attn_fwd_kernel.cuh, detail::).
+// Included only by the generated *_sm90.cu files (built for sm_90a only).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_kernel.cuh"
+#include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/generated/sm90_wgmma.h"
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
+#include "backend/cuda/hopper/sm90_primitives.cuh"
+
+namespace attnserve {
+namespace cuda {
+namespace sm90 {
+
+constexpr int kBlockM = 128;           // query rows per CTA: two consumer warpgroups x 64
+constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
+constexpr int kProducerRegs = 24;      // setmaxnreg: 24 x 128 + 240 x 256 <= 64K registers
+constexpr int kConsumerRegs = 240;
+
+constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
+constexpr int ThreadsOf(Sm90Schedule s) {
+  return WarpSpecialized(s) ? kConsumerThreads + 128 : kConsumerThreads;
+}
+
+// One online-softmax step over this thread's two rows of an S tile (in place:
+// S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
+// row's O and sum must be scaled by for the new max (applied to the sum here,
+// to O by the caller, which may do it later: the P V of the previous tile can
+// still be in flight). row_max in raw-score units; row_sum thread-partial.
+template <int kNTiles>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
+                                            float (&row_sum)[2], float (&corr)[2],
+                                            float score_log2) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = row_max[half];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+      mx = fmaxf(mx, fmaxf(s[0][nt][half * 2], s[0][nt][half * 2 + 1]));
+    mx = detail::QuadMax(mx);
+    // A row that has seen only masked keys keeps max -inf; subtracting 0
+    // instead keeps exp2(-inf - -inf) from turning into NaN.
+    const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+    corr[half] = detail::Exp2(row_max[half] * score_log2 - mx_log2);
+    row_max[half] = mx;
+    float sum = row_sum[half] * corr[half];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, -mx_log2));
+        s[0][nt][half * 2 + e] = pv;
+        sum += pv;
+      }
+    row_sum[half] = sum;
+  }
+}
+
+template <int kDTiles>
+__device__ __forceinline__ void RescaleO(float (&o)[1][kDTiles][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+    o[0][dt][0] *= corr[0];
+    o[0][dt][1] *= corr[0];
+    o[0][dt][2] *= corr[1];
+    o[0][dt][3] *= corr[1];
+  }
+}
+
+// P (fp32 S fragments) -> wgmma A fragments, one per k16 step of keys: the
+// S accumulators of n8 tiles 2kk and 2kk+1 are exactly that A fragment.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void ConvertP(const float (&s)[1][kNTiles][4],
+                                         uint32_t (&pa)[kNTiles / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    pa[kk][0] = detail::PackPair<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    pa[kk][1] = detail::PackPair<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    pa[kk][2] = detail::PackPair<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    pa[kk][3] = detail::PackPair<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+template <int kA, int kB, int kC>
+__device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
+  return reinterpret_cast<float(&)[kA * kB * kC]>(x);
+}
+
+// A CTA's work item: 128 query rows (m block) of one query head of one
+// sequence, and the key tiles [n_begin, n_end) they can see (scanned right
+// to left: the partial / band-edge tile first, as the portable kernel does).
+struct Sm90Tile {
+  int b, head, kv_head, m0;
+  int n_begin, n_end;
+  int lo_last, hi_first;  // band-interior tiles: [lo(last row), hi(first row)]
+};
+
+// Work item `index` of num_m_blocks x batch x heads: m blocks fastest (the
+// CTAs running together share one head's K/V in L2), in MaskPolicy's order
+// (banded: the most key tiles first). False when its rows lie past Sq.
+template <int kBlockN, bool kIsBanded>
+__device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Tile* t) {
+  using Mask = detail::MaskPolicy<kIsBanded>;
+  const AttnParams& p = F.p;
+  const int per_head = F.num_m_blocks * p.batch;
+  t->head = index / per_head;
+  const int rest = index % per_head;
+  t->b = rest / F.num_m_blocks;
+  t->m0 = Mask::MBlock(rest % F.num_m_blocks, F.num_m_blocks) * kBlockM;
+  if (t->m0 >= p.seqlen_q) return false;
+  t->kv_head = KVHead(p, t->head);
+  int lo_first, hi_last;
+  VisibleKeys(p, t->m0, p.seqlen_q, p.seqlen_k, &lo_first, &t->hi_first);
+  VisibleKeys(p, min(p.seqlen_q, t->m0 + kBlockM) - 1, p.seqlen_q, p.seqlen_k, &t->lo_last,
+              &hi_last);
+  Mask::KeyTiles(lo_first, hi_last, p.seqlen_k, kBlockN, &t->n_begin, &t->n_end);
+  return true;
+}
+
+// The kernel. Non-persistent schedules: one CTA per work item (grid x =
+// items). kPersistent: one CTA per SM walks items blockIdx.x, + gridDim.x, ...
+// while its producer already loads the next item's Q and K/V during this
+// one's last tiles and epilogue.
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded,
+          Sm90Schedule kSchedule>
+__global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
+    AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Mask = detail::MaskPolicy<kIsBanded>;
+  constexpr bool kWS = WarpSpecialized(kSchedule);
+  constexpr bool kPingPong =
+      kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
+  constexpr bool kOverlap =
+      kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent;
+  constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent;
+  constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a row
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+
+  // ---- Shared memory: Q [kDBlocks][128][64], K and V rings
+  // [kStages][kDBlocks][kBlockN][64], each block 1024-byte aligned (the
+  // 128-byte swizzle repeats every 8 rows), then the mbarriers.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = reinterpret_cast<T*>(smem + kQBytes);
+  T* sV = reinterpret_cast<T*>(smem + kQBytes + kStages * kKvBytes);
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kQBytes + 2 * kStages * kKvBytes);
+  uint64_t* q_empty = q_full + 1;         // every consumer warp is done with Q (persistent)
+  uint64_t* k_full = q_empty + 1;         // [kStages]: K tile landed
+  uint64_t* v_full = k_full + kStages;    // [kStages]: V tile landed
+  uint64_t* k_empty = v_full + kStages;   // [kStages]: every consumer warp is done with the K tile
+  uint64_t* v_empty = k_empty + kStages;  // [kStages]: ... with the V tile
+
+  const FwdLaunch& F = L.fwd;
+  const AttnParams& p = F.p;
+  const int sq = p.seqlen_q;
+  const int sk = p.seqlen_k;
+  const int num_items = F.num_m_blocks * p.batch * p.num_heads_q;
+  const int first_item = kPersistent ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
+  const int item_step = kPersistent ? gridDim.x : num_items;
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
+    MbarInit(q_full, 1);
+    MbarInit(q_empty, kConsumerWarps);
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&k_full[s], 1);
+      MbarInit(&v_full[s], 1);
+      MbarInit(&k_empty[s], kConsumerWarps);
+      MbarInit(&v_empty[s], kConsumerWarps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+
+  // ---- Producer side (one thread): TMA boxes of 64 columns. K and V of a
+  // tile are released separately (K once S = Q K^T is done, V after P V), so
+  // the next K can load while this tile's P V still reads V. g: the tile's
+  // index in the CTA's whole sequence of K/V tiles (ring slot and phase).
+  auto load_q = [&](const Sm90Tile& t) {
+    MbarArriveExpectTx(q_full, kQBytes);
+#pragma unroll
+    for (int db = 0; db < kDBlocks; ++db) {
+      TmaLoad4d(sQ + db * kBlockM * 64, &L.q, q_full, db * 64, t.head, t.m0, t.b);
+    }
+  };
+  auto load_kv = [&](const Sm90Tile& t, int g, int it) {
+    const int stage = g % kStages;
+    const int key0 = (t.n_end - 1 - it) * kBlockN;
+    // The stage's previous tiles (g - kStages) must be consumed first.
+    const uint32_t parity = ((g / kStages) - 1) & 1;
+    if (g >= kStages) MbarWait(&k_empty[stage], parity);
+    MbarArriveExpectTx(&k_full[stage], kKvBytes);
+#pragma unroll
+    for (int db = 0; db < kDBlocks; ++db) {
+      TmaLoad4d(sK + (stage * kDBlocks + db) * kBlockN * 64, &L.k, &k_full[stage], db * 64,
+                t.kv_head, key0, t.b);
+    }
+    if (g >= kStages) MbarWait(&v_empty[stage], parity);
+    MbarArriveExpectTx(&v_full[stage], kKvBytes);
+#pragma unroll
+    for (int db = 0; db < kDBlocks; ++db) {
+      TmaLoad4d(sV + (stage * kDBlocks + db) * kBlockN * 64, &L.v, &v_full[stage], db * 64,
+                t.kv_head, key0, t.b);
+    }
+  };
+
+  int ctid = tid;  // thread index among the consumers
+  if constexpr (kWS) {
+    if (tid < 128) {
+      SetMaxRegsDec<kProducerRegs>();
+      if (tid == 0) {
+        PrefetchTensorMap(&L.q);
+        PrefetchTensorMap(&L.k);
+        PrefetchTensorMap(&L.v);
+        int g = 0, items_done = 0;
+        for (int item = first_item; item < num_items; item += item_step) {
+          Sm90Tile t;
+          if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t) || t.n_begin >= t.n_end) continue;
+          // Q of the previous item must be consumed before it is overwritten.
+          if (items_done > 0) MbarWait(q_empty, (items_done - 1) & 1);
+          load_q(t);
+          for (int it = 0; it < t.n_end - t.n_begin; ++it) load_kv(t, g + it, it);
+          g += t.n_end - t.n_begin;
+          ++items_done;
+        }
+      }
+      return;
+    }
+    SetMaxRegsInc<kConsumerRegs>();
+    ctid = tid - 128;
+  }
+
+  // ---- Consumers: warpgroup wg owns rows m0 + 64 wg .. + 63 of each item.
+  const int wg = ctid / 128;
+  const int warp = (ctid / 32) % 4;
+  const int lane = ctid % 32;
+  const int quad = lane % 4;
+  const bool use_softcap = p.softcap > 0.f;
+  const float score_log2 = use_softcap ? 1.f : F.scale_log2;
+  const T* q_wg = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each Q block
+
+  float o[1][kDTiles][4];
+  float row_max[2], row_sum[2];
+  float corr[2] = {1.f, 1.f};
+  float s[1][kNTiles][4];
+  uint32_t pa[kNTiles / 2][4];
+
+  // S = Q K^T for the stage's K tile: D/16 k-steps, each a K-major descriptor
+  // pair advanced 32 bytes inside the 128-byte rows, 64-column blocks apart.
+  auto gemm_qk = [&](int stage) {
+    FenceRegs(Flat(s));
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const int db = kk / 4, kin = (kk % 4) * 16;
+      const uint64_t a = SmemDesc(q_wg + db * kBlockM * 64 + kin, 16, 1024);
+      const uint64_t bd = SmemDesc(sK + (stage * kDBlocks + db) * kBlockN * 64 + kin, 16, 1024);
+      Wgmma<kBlockN, T>::SS(Flat(s), a, bd, kk > 0 ? 1 : 0);
+    }
+    WgmmaCommit();
+    FenceRegs(Flat(s));
+  };
+  // O += P V: V is the MN-major B operand (keys x 64 d-columns per block,
+  // blocks kBlockN x 128 bytes apart = LBO); a k16 step is 16 keys = 2048 B.
+  auto gemm_pv = [&](int stage) {
+    FenceRegs(Flat(o));
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) FenceRegs(pa[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
+      const uint64_t bd =
+          SmemDesc(sV + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64, kBlockN * 128, 1024);
+      Wgmma<kHeadDim, T>::RS(Flat(o), pa[kk], bd);
+    }
+    WgmmaCommit();
+    FenceRegs(Flat(o));
+  };
+  auto release = [&](uint64_t* bar) {
+    if (lane == 0) MbarArrive(bar);
+  };
+  // Ping-pong turns: warpgroup wg issues its GEMMs between NamedBarSync on
+  // its barrier (1 + wg) and NamedBarArrive on the other's; warpgroup 1
+  // grants the first turn, and warpgroup 0 takes a last, empty one, so every
+  // arrival is matched. Both warpgroups take the same turns (same items).
+  auto turn_begin = [&]() {
+    if constexpr (kPingPong) NamedBarSync(1 + wg, kConsumerThreads);
+  };
+  auto turn_end = [&]() {
+    if constexpr (kPingPong) NamedBarArrive(1 + (wg ^ 1), kConsumerThreads);
+  };
+  if (kPingPong && wg == 1) NamedBarArrive(1, kConsumerThreads);
+
+  int g = 0, items_done = 0;
+  for (int item = first_item; item < num_items; item += item_step) {
+    Sm90Tile t;
+    if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t)) continue;
+    const detail::QueryRows qr{1, t.head, SeqStartQ(p, t.b)};
+    if (t.n_begin >= t.n_end) {
+      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, sq, ctid);
+      continue;
+    }
+    const int num_tiles = t.n_end - t.n_begin;               // tile it is key tile n_end - 1 - it
+    const int row0 = t.m0 + wg * 64 + warp * 16 + lane / 4;  // the thread's first row (second: + 8)
+    // Without a producer warpgroup, thread 0 loads Q and the first kStages
+    // tiles, then refills the stage tile it - 1 used once both warpgroups
+    // released it (load_kv waits for that). Non-persistent: one item.
+    if constexpr (!kWS) {
+      if (ctid == 0) {
+        load_q(t);
+        for (int it = 0; it < kStages && it < num_tiles; ++it) load_kv(t, it, it);
+      }
+    }
+    auto refill = [&](int it) {
+      if constexpr (!kWS) {
+        const int next = it - 1 + kStages;
+        if (ctid == 0 && it >= 1 && next < num_tiles) load_kv(t, next, next);
+      }
+    };
+    // Softcap, mask and the online-softmax step of key tile n, S -> P.
+    auto softmax = [&](int n) {
+      if (use_softcap) detail::SoftcapScores(s, F.softcap_in, F.softcap_out);
+      const int key0 = n * kBlockN;
+      if (Mask::TileNeedsMask(key0, kBlockN, sk, t.lo_last, t.hi_first)) {
+        detail::MaskScores(s, p, key0, row0, sq, 1, sq, sk, quad);
+      }
+      SoftmaxStep(s, row_max, row_sum, corr, score_log2);
+    };
+
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+    MbarWait(q_full, items_done & 1);
+    if constexpr (!kOverlap) {
+      for (int it = 0; it < num_tiles; ++it) {
+        const int stage = (g + it) % kStages;
+        const uint32_t parity = ((g + it) / kStages) & 1;
+        refill(it);
+        MbarWait(&k_full[stage], parity);
+        turn_begin();
+        gemm_qk(stage);
+        turn_end();
+        WgmmaWait<0>();
+        FenceRegs(Flat(s));
+        release(&k_empty[stage]);
+        softmax(t.n_end - 1 - it);
+        RescaleO(o, corr);
+        ConvertP<T>(s, pa);
+        MbarWait(&v_full[stage], parity);
+        gemm_pv(stage);
+        WgmmaWait<0>();
+        FenceRegs(Flat(o));
+        release(&v_empty[stage]);
+      }
+    } else {
+      // Tile 0: S and P only (O is still zero).
+      const int first = g % kStages;
+      MbarWait(&k_full[first], (g / kStages) & 1);
+      turn_begin();
+      gemm_qk(first);
+      turn_end();
+      WgmmaWait<0>();
+      FenceRegs(Flat(s));
+      release(&k_empty[first]);
+      softmax(t.n_end - 1);
+      ConvertP<T>(s, pa);
+      for (int it = 1; it < num_tiles; ++it) {
+        const int stage = (g + it) % kStages;
+        const int prev = (g + it - 1) % kStages;
+        MbarWait(&k_full[stage], ((g + it) / kStages) & 1);
+        MbarWait(&v_full[prev], ((g + it - 1) / kStages) & 1);
+        turn_begin();
+        gemm_qk(stage);  // S of tile it ...
+        RescaleO(o, corr);
+        gemm_pv(prev);  // ... while O += P V of tile it - 1
+        turn_end();
+        WgmmaWait<1>();  // S landed; P V may still run during the softmax
+        FenceRegs(Flat(s));
+        release(&k_empty[stage]);
+        softmax(t.n_end - 1 - it);
+        WgmmaWait<0>();
+        FenceRegs(Flat(o));
+        release(&v_empty[prev]);
+        ConvertP<T>(s, pa);
+      }
+      const int last = (g + num_tiles - 1) % kStages;
+      MbarWait(&v_full[last], ((g + num_tiles - 1) / kStages) & 1);
+      turn_begin();
+      RescaleO(o, corr);
+      gemm_pv(last);
+      turn_end();
+      WgmmaWait<0>();
+      FenceRegs(Flat(o));
+      release(&v_empty[last]);
+    }
+    // Q is free for the next item's load while this one's epilogue runs.
+    release(q_empty);
+    g += num_tiles;
+    ++items_done;
+
+    // ---- Epilogue: O normalised once, LSE, straight from the fragments.
+    float lse[2];
+    detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
+    T* o_ptr = static_cast<T*>(p.o);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = row0 + half * 8;
+      if (m >= sq) continue;
+      T* dst = o_ptr + QOffset(p, qr.q_start + m, t.head);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = dt * 8 + quad * 2;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              detail::PackPair<T>(o[0][dt][half * 2], o[0][dt][half * 2 + 1]);
+        }
+      }
+      if (p.lse != nullptr && quad == 0) p.lse[LseOffset(p, t.b, t.head, m)] = lse[half];
+    }
+  }
+  if (kPingPong && wg == 0) NamedBarSync(1, kConsumerThreads);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace sm90
+
+// Launches the instantiation: tensor maps over the request's dense Q, K and
+// V (one box = 64 columns x the tile's rows); a CTA per work item (m block,
+// batch, query head), or one per SM for kPersistent. launch.num_splits must be 1 (the planner never
+// splits here).
+template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
+cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
+  const AttnParams& p = launch.p;
+  if (launch.num_splits != 1 || launch.pack_gqa != 1 || IsVarlen(p)) return cudaErrorInvalidValue;
+  // TMA needs 16-byte aligned bases (the staging buffers are 256-aligned).
+  for (const void* ptr : {p.q, p.k, p.v}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorMisalignedAddress;
+  }
+  Sm90FwdLaunch l;
+  l.fwd = launch;
+  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, p.dtype, p.batch, p.seqlen_q, p.num_heads_q,
+                                        p.head_dim, sm90::kBlockM);
+  if (err == cudaSuccess) {
+    err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
+  }
+  if (err == cudaSuccess) {
+    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
+  }
+  if (err != cudaSuccess) return err;
+  auto kernel =
+      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded, kSchedule>;
+  constexpr int kSmem = Sm90SmemBytes(kTile);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int64_t items = int64_t{launch.num_m_blocks} * p.batch * p.num_heads_q;
+  if (items == 0) return cudaSuccess;
+  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  dim3 grid;
+  if constexpr (kSchedule == Sm90Schedule::kPersistent) {
+    // One CTA per SM (the tiles' smem allows no second one).
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    grid = dim3(static_cast<unsigned>(items < sms ? items : sms));
+  } else {
+    if (p.num_heads_q > 65535) return cudaErrorInvalidConfiguration;
+    grid = dim3(static_cast<unsigned>(items / p.num_heads_q), p.num_heads_q);
+  }
+  kernel<<<grid, sm90::ThreadsOf(kSchedule), kSmem, stream>>>(l);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace attnserve

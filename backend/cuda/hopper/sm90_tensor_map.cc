@@ -1,0 +1,60 @@
+// EncodeRowsTensorMap (attn_fwd_sm90.h): TMA tensor maps for the Hopper
+// kernels, encoded by the driver's cuTensorMapEncodeTiled found at run time
+// through the CUDA runtime, so the binary needs no libcuda at link or start.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
+
+namespace attnserve {
+namespace cuda {
+namespace {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's entry point, looked up once (12.0: the first version with it).
+EncodeTiledFn EncodeTiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
+                                int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
+  const EncodeTiledFn encode = EncodeTiled();
+  if (encode == nullptr) return cudaErrorInvalidValue;
+  constexpr int64_t kElem = 2;
+  // Dims innermost first: head_dim, heads, rows, batch. Rows past a
+  // sequence's end and columns past head_dim read as zeros (out of bounds).
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElem),
+                                 static_cast<cuuint64_t>(heads * head_dim * kElem),
+                                 static_cast<cuuint64_t>(rows * heads * head_dim * kElem)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(
+      map,
+      dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+      const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace attnserve
