@@ -165,7 +165,8 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(backend_name_);
-  auto finish = [this, response, done](const absl::Status& status, const WorkTimings& timings) {
+  std::function<void(const absl::Status&, const WorkTimings&)> finish =
+      [this, response, done](const absl::Status& status, const WorkTimings& timings) {
     FillServerTiming(timings, response->mutable_timing());
     if (metrics_ != nullptr) {
       metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
@@ -179,6 +180,10 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
     done(status);
   };
   absl::Status status = Draining();
+  if (status.ok()) {
+    status = HoldInFlight(pool_->tenants(), tenant, static_cast<int64_t>(request->ByteSizeLong()),
+                          &finish);
+  }
   absl::StatusOr<std::shared_ptr<KvCache>> cache =
       status.ok() ? pool_->Find(tenant, request->cache_id()) : status;
   absl::StatusOr<std::shared_ptr<KvAppendAttend>> call =

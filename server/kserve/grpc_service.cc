@@ -45,6 +45,12 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     call.deadline = DeadlineOf(ctx);
     call.cancelled = cancelled_;
     call.done = [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); };
+    const absl::Status held = HoldInFlight(context->tenants, call.tenant,
+                                           static_cast<int64_t>(request->ByteSizeLong()), &call.done);
+    if (!held.ok()) {
+      call.done(held);
+      return;
+    }
     (*model)->Infer(std::move(call));
   }
 
@@ -77,6 +83,10 @@ StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerCont
     infer.deadline = deadline;
     infer.cancelled = cancelled;
     infer.done = std::move(done);
+    const absl::Status held = HoldInFlight(context->tenants, tenant,
+                                           static_cast<int64_t>(call->request.ByteSizeLong()),
+                                           &infer.done);
+    if (!held.ok()) return infer.done(held);
     (*model)->Infer(std::move(infer));
   };
   auto fail = [](StreamReactor::Call* call, const absl::Status& status) {
