@@ -23,7 +23,7 @@ namespace {
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
   ForwardReactor(ForwardHandler* handler, InFlightCounter* in_flight, TenantDirectory* tenants,
-                 const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+                 const Authenticator* auth, const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
                  v1::ForwardResponse* response)
       : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     in_flight_->Add();
@@ -34,7 +34,7 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
     };
     const absl::Status held =
         tenants == nullptr ? absl::OkStatus()
-                           : HoldInFlight(tenants, TenantOf(context),
+                           : HoldInFlight(tenants, TenantOf(auth, context),
                                           static_cast<int64_t>(request->ByteSizeLong()), &done);
     if (!held.ok()) {
       done(held);
@@ -117,10 +117,10 @@ using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::Forw
 ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
                                               const grpc::CallbackServerContext* context,
                                               const StreamLimits& limits, StreamGauge* gauge,
-                                              TenantDirectory* tenants) {
+                                              TenantDirectory* tenants, const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [handler, cancelled, deadline = DeadlineOf(context), tenants,
-                tenant = tenants != nullptr ? TenantOf(context) : std::string()](ForwardStreamReactor::Call* call,
+                tenant = tenants != nullptr ? TenantOf(auth, context) : std::string()](ForwardStreamReactor::Call* call,
                                             ForwardStreamReactor::Done done) {
     const absl::Status held = HoldInFlight(
         tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &done);
@@ -151,20 +151,21 @@ AttentionService::AttentionService(ForwardHandler* handler, BackendDescription b
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
-  return new ForwardReactor(handler_, &in_flight_, info_.tenants, context, request, response);
+  return new ForwardReactor(handler_, &in_flight_, info_.tenants, info_.auth, context, request,
+                            response);
 }
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
   return NewForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
-                                 info_.stream_gauge, info_.tenants);
+                                 info_.stream_gauge, info_.tenants, info_.auth);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* context,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
   return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, info_.tenants,
-                         info_.tenants != nullptr ? TenantOf(context) : std::string(), request,
+                         info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(), request,
                          response);
 }
 

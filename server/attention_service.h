@@ -6,6 +6,7 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend.h"
+#include "server/auth/authenticator.h"
 #include "server/auth/tenants.h"
 #include "server/forward_handler.h"
 #include "server/in_flight.h"
@@ -29,6 +30,8 @@ struct ServiceInfo {
   // Per-tenant quotas (server/auth/tenants.h): each request's bytes are
   // charged to its tenant while it runs. Null: authentication off.
   TenantDirectory* tenants = nullptr;
+  // Who the calls are (server/tenant.h); null when authentication is off.
+  const Authenticator* auth = nullptr;
 };
 
 class AttentionService final : public v1::Attention::CallbackService {

@@ -221,7 +221,8 @@ class AttnServerImpl final : public AttnServer {
         service_(&handler_, description_,
                  ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
                              options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
-                             absl::ToInt64Milliseconds(options.kv_idle_timeout), tenants_.get()}),
+                             absl::ToInt64Milliseconds(options.kv_idle_timeout), tenants_.get(),
+                             auth_.get()}),
         kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
                                options.kv_idle_timeout},
                  KvDevices(backends_, &executors_)),
@@ -234,6 +235,7 @@ class AttnServerImpl final : public AttnServer {
           return state_ == State::kServing;
         }) {
     kv_pool_.set_tenants(tenants_.get());
+    kv_service_.set_auth(auth_.get());
     kserve_.SetAuth(auth_.get(), tenants_.get());
   }
 

@@ -2,10 +2,10 @@
 // call acts for. K/V caches (server/kv/) and KServe v2 shared-memory regions
 // (server/kserve/shm_registry.h) are scoped to it; another tenant's cache or
 // region answers exactly as one that never existed. With --auth_tokens_file
-// the gRPC port's auth processor (server/security/grpc_credentials.h) puts
-// the verified tenant in the call's auth context before any service runs,
-// and the HTTP side authenticates in its pre-routing handler; without it
-// everyone is the tenant "default".
+// the gRPC port's auth processor (server/security/grpc_credentials.h) and
+// the HTTP side's pre-routing handler refuse calls without a valid token
+// before any service runs, and the services map the token to its tenant
+// here; without it everyone is the tenant "default".
 #pragma once
 
 #include <string>
@@ -14,7 +14,6 @@
 #include "absl/strings/string_view.h"
 #include "grpcpp/server_context.h"
 #include "server/auth/authenticator.h"
-#include "server/security/grpc_credentials.h"
 
 namespace attnserve {
 
@@ -30,16 +29,25 @@ inline absl::StatusOr<std::string> TenantForCall(const Authenticator* auth,
   return auth->Authenticate(authorization, count);
 }
 
-// The tenant a gRPC call was authenticated as. A call that reached a service
-// without one ran with authentication off (or on an open method, which uses
-// no tenant state): "default".
-inline std::string TenantOf(const grpc::CallbackServerContext* context) {
-  const std::shared_ptr<const grpc::AuthContext> auth = context->auth_context();
-  if (auth != nullptr) {
-    const std::vector<grpc::string_ref> values = auth->FindPropertyValues(kTenantProperty);
-    if (!values.empty()) return std::string(values.front().data(), values.front().size());
-  }
-  return kDefaultTenant;
+// The tenant of a call whose token was withdrawn (a reloaded tokens file)
+// between the check at the door and the lookup: a name no tokens file can
+// hold, so it owns nothing and sees nothing.
+inline constexpr char kWithdrawnTenant[] = "\n(token withdrawn)";
+
+// The tenant a gRPC call acts for: "default" when authentication is off
+// (`auth` null); otherwise the tenant of the call's own bearer token. The
+// port's auth processor (server/security/grpc_credentials.h) has already
+// refused calls without a valid token; the lookup is repeated here rather
+// than carried over, because gRPC 1.51 hands that processor the
+// connection's auth context, which calls with different tokens share.
+inline std::string TenantOf(const Authenticator* auth, const grpc::CallbackServerContext* context) {
+  if (auth == nullptr) return kDefaultTenant;
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return kWithdrawnTenant;
+  absl::StatusOr<std::string> tenant =
+      auth->Authenticate(absl::string_view(it->second.data(), it->second.size()), /*count=*/false);
+  return tenant.ok() ? *tenant : std::string(kWithdrawnTenant);
 }
 
 }  // namespace attnserve

@@ -493,13 +493,12 @@ class KserveHttpServerImpl final : public KserveHttpServer {
     });
   }
 
-  // The tenant of a call the pre-routing handler let through. Should the
-  // tokens file change in between and drop its token, the call gets a tenant
-  // name no tokens file can hold, which owns nothing.
+  // The tenant of a call the pre-routing handler let through
+  // (kWithdrawnTenant should the tokens file drop its token in between).
   std::string TenantOf(const httplib::Request& req) const {
     absl::StatusOr<std::string> tenant =
         TenantForCall(context_->auth, req.get_header_value("Authorization"), /*count=*/false);
-    return tenant.ok() ? *tenant : std::string("\n(token withdrawn)");
+    return tenant.ok() ? *tenant : std::string(kWithdrawnTenant);
   }
 
   void Routes() {

@@ -29,7 +29,7 @@ absl::string_view View(const grpc_slice& slice) {
 // ":path" pseudo-header included) before any service sees the call. It runs
 // on a transport thread and answers at once: Authenticate is a hash and a few
 // comparisons, no I/O.
-void ProcessAuthMetadata(void* state, grpc_auth_context* context, const grpc_metadata* md,
+void ProcessAuthMetadata(void* state, grpc_auth_context* /*connection*/, const grpc_metadata* md,
                          size_t num_md, grpc_process_auth_metadata_done_cb done, void* user_data) {
   const auto* auth = static_cast<const Authenticator*>(state);
   absl::string_view path;
@@ -50,9 +50,10 @@ void ProcessAuthMetadata(void* state, grpc_auth_context* context, const grpc_met
     done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_UNAUTHENTICATED, message.c_str());
     return;
   }
-  grpc_auth_context_add_cstring_property(context, kTenantProperty, tenant->c_str());
-  // The token goes no further than here: services and their logs never see it.
-  done(user_data, authorization, 1, nullptr, 0, GRPC_STATUS_OK, nullptr);
+  // Nothing is added to `context`: in gRPC 1.51 it is the connection's, shared
+  // by every call on it whatever its token (server/tenant.h looks the tenant
+  // up per call instead).
+  done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
 }
 
 // grpc::ServerCredentials over C-core credentials we built ourselves. gRPC

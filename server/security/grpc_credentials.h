@@ -4,9 +4,8 @@
 // the certificate, key and client CA every reload interval, so rotated files
 // are served without a restart. Authentication runs as gRPC's server auth
 // metadata processor, before any service sees the call: a refused call ends
-// with UNAUTHENTICATED and reaches no handler, and an accepted one carries
-// its tenant in the call's auth context (server/tenant.h reads it), with the
-// token itself removed from the metadata the services see.
+// with UNAUTHENTICATED and reaches no handler; an accepted one goes on to
+// its service, which maps the same token to its tenant (server/tenant.h).
 #pragma once
 
 #include <memory>
@@ -18,9 +17,6 @@
 #include "server/security/tls_files.h"
 
 namespace attnserve {
-
-// The auth-context property that carries an authenticated call's tenant.
-inline constexpr char kTenantProperty[] = "attnserve_tenant";
 
 // Methods any caller may use without a token: the standard health service
 // (Kubernetes probes), server reflection (the schema only) and KServe's

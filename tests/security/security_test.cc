@@ -421,6 +421,10 @@ const std::string kTwoTenants =
     absl::StrCat(kTokenA, " team-a kv_pages=4 shm_regions=1 bytes_in_flight=4096\n", kTokenB,
                  " team-b\n");
 
+// a_ and b_ have equal channel arguments, so gRPC's global subchannel pool
+// gives them one TCP connection: calls with different tokens share it, which
+// is what a per-connection identity would get wrong (it did, once: gRPC 1.51
+// hands the auth processor the connection's auth context).
 TEST_F(TenantTest, AnotherTenantsCacheAnswersExactlyAsANeverExistingOne) {
   Start(kTwoTenants);
   ASSERT_TRUE(CreateCache(a_, "shared-name", 32).ok());
