@@ -8,7 +8,8 @@
 #   scripts/tls-bench.sh [BUILD_DIR] [ROUNDS] [OUT_CSV]
 # RPC: Echo (validation and a copy of q, no compute), so the transport is
 # what is measured: the worst case for TLS. ATTNSERVE_TLS_BENCH_RPC=forward
-# measures Forward instead.
+# measures Forward instead (end to end with the CPU backend's compute; its
+# large request is smaller, 12 MiB, so that a call takes seconds, not minutes).
 set -euo pipefail
 build=${1:-build}
 rounds=${2:-3}
@@ -46,6 +47,11 @@ tls_port=$(start tls --tls_cert="$dir/server.pem" --tls_key="$dir/server.key" \
 declare -A shape=(
   [large]="--batch=1 --seqlen_q=4096 --heads_q=16 --heads_kv=16 --head_dim=128 --dtype=fp16"
   [small]="--batch=1 --seqlen_q=16 --heads_q=2 --heads_kv=2 --head_dim=32 --dtype=fp16")
+duration=5s
+if [[ $rpc == forward ]]; then
+  shape[large]="--batch=1 --seqlen_q=1024 --heads_q=16 --heads_kv=16 --head_dim=128 --dtype=fp16"
+  duration=10s
+fi
 declare -A conc=([large]=2 [small]=8)
 mkdir -p "$(dirname "$out")"
 rm -f "$out"
@@ -57,10 +63,11 @@ for round in $(seq 1 "$rounds"); do
       else
         sec=(--target="localhost:$tls_port" --tls_ca="$dir/ca.pem" --token="$token")
       fi
+      rm -f "$dir/run.csv"  # attnctl appends
       # shellcheck disable=SC2086
       "$build/client/attnctl" "${sec[@]}" load --rpc="$rpc" --concurrency="${conc[$size]}" \
-        --warmup=1s --duration=5s ${shape[$size]} --label="$mode-$size-$round" \
-        --csv="$dir/run.csv" >/dev/null
+        --warmup=1s --duration="$duration" ${shape[$size]} --label="$mode-$size-$round" \
+        --csv="$dir/run.csv" >/dev/null 2>&1
       if [[ ! -f $out ]]; then head -1 "$dir/run.csv" >"$out"; fi
       tail -n +2 "$dir/run.csv" >>"$out"
     done
@@ -70,6 +77,7 @@ done
 python3 - "$out" <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
+print("rounds (req/s):", ", ".join(f"{r['label']} {float(r['req_per_s']):.1f}" for r in rows))
 med = {}
 for size in ("large", "small"):
     for mode in ("plain", "tls"):
