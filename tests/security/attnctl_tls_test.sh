@@ -12,7 +12,7 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*"; [[ -f $dir/server.log ]] && tail -20 "$dir/server.log"; exit 1; }
 
 "$make_certs" "$dir" || fail "make_test_certs"
-token=attnctl-test-token-0123456789
+token="attnctl-test-token-0123456789"
 echo "$token attnctl-tests" >"$dir/tokens"
 
 # Starts attnserve with extra flags and sets $port from its "listening on"
