@@ -31,8 +31,9 @@ inline absl::StatusOr<std::string> TenantForCall(const Authenticator* auth,
 
 // The tenant of a call whose token was withdrawn (a reloaded tokens file)
 // between the check at the door and the lookup: a name no tokens file can
-// hold, so it owns nothing and sees nothing.
-inline constexpr char kWithdrawnTenant[] = "\n(token withdrawn)";
+// hold (parentheses and a space), so it owns nothing and sees nothing; it
+// stays printable because /metrics renders tenant names as labels.
+inline constexpr char kWithdrawnTenant[] = "(token withdrawn)";
 
 // The tenant a gRPC call acts for: "default" when authentication is off
 // (`auth` null); otherwise the tenant of the call's own bearer token. The

@@ -92,8 +92,9 @@ void TenantDirectory::RecordUnauthenticated() {
 
 std::string TenantDirectory::RenderPrometheus() const {
   absl::MutexLock lock(&mu_);
-  // Tenant names come from the operator's tokens file and are checked to be
-  // [A-Za-z0-9._-] there, so they need no escaping in a label.
+  // Tenant names come from the operator's tokens file, checked to be
+  // [A-Za-z0-9._-] there (or are server/tenant.h's kWithdrawnTenant), so
+  // they need no escaping in a label.
   std::string calls =
       "# HELP attnserve_tenant_calls_total Authenticated calls per tenant.\n"
       "# TYPE attnserve_tenant_calls_total counter\n";
