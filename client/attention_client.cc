@@ -164,10 +164,10 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     }
     Channel c;
-    c.channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-    if (c.channel == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", target, "'"));
-    }
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        MakeSecureChannel(target, options.security, args);
+    if (!channel.ok()) return channel.status();
+    c.channel = *std::move(channel);
     c.attention = v1::Attention::NewStub(c.channel);
     c.health = grpc::health::v1::Health::NewStub(c.channel);
     client->channels_.push_back(std::move(c));

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/make_params.h"
+#include "client/channel_security.h"
 #include "client/host_tensor.h"
 #include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -57,6 +58,8 @@ struct ClientOptions {
   // Wait for the channel to become ready instead of failing fast with
   // UNAVAILABLE while the server is starting.
   bool wait_for_ready = false;
+  // TLS, mutual TLS and a bearer token (client/channel_security.h).
+  ChannelSecurity security;
 };
 
 // Per-call settings; unset fields fall back to ClientOptions.

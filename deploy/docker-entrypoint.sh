@@ -40,6 +40,10 @@ set -- \
   ${ATTNSERVE_METRICS_PORT:+"--metrics_port=$ATTNSERVE_METRICS_PORT"} \
   ${ATTNSERVE_SHUTDOWN_GRACE:+"--shutdown_grace=$ATTNSERVE_SHUTDOWN_GRACE"} \
   ${ATTNSERVE_LOG_LEVEL:+"--log_level=$ATTNSERVE_LOG_LEVEL"} \
+  ${ATTNSERVE_TLS_CERT:+"--tls_cert=$ATTNSERVE_TLS_CERT"} \
+  ${ATTNSERVE_TLS_KEY:+"--tls_key=$ATTNSERVE_TLS_KEY"} \
+  ${ATTNSERVE_TLS_CLIENT_CA:+"--tls_client_ca=$ATTNSERVE_TLS_CLIENT_CA"} \
+  ${ATTNSERVE_AUTH_TOKENS_FILE:+"--auth_tokens_file=$ATTNSERVE_AUTH_TOKENS_FILE"} \
   "$@"
 
 exec /usr/local/bin/attnserve "$@"

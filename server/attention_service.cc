@@ -13,6 +13,7 @@
 #include "server/call_deadline.h"
 #include "server/request_validation.h"
 #include "server/stream_reactor.h"
+#include "server/tenant.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -21,15 +22,25 @@ namespace {
 // Unary Forward: the handler's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
-  ForwardReactor(ForwardHandler* handler, InFlightCounter* in_flight,
-                 const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+  ForwardReactor(ForwardHandler* handler, InFlightCounter* in_flight, TenantDirectory* tenants,
+                 const Authenticator* auth, const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
                  v1::ForwardResponse* response)
       : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     in_flight_->Add();
     // Finish may run before this constructor returns (a refused request);
     // the callback API holds it until the reactor is bound to the call.
-    handler->Start(request, response, DeadlineOf(context), cancelled_,
-                   [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
+    std::function<void(const absl::Status&)> done = [this](const absl::Status& status) {
+      Finish(ToGrpcStatus(status));
+    };
+    const absl::Status held =
+        tenants == nullptr ? absl::OkStatus()
+                           : HoldInFlight(tenants, TenantOf(auth, context),
+                                          static_cast<int64_t>(request->ByteSizeLong()), &done);
+    if (!held.ok()) {
+      done(held);
+      return;
+    }
+    handler->Start(request, response, DeadlineOf(context), cancelled_, std::move(done));
   }
 
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
@@ -63,12 +74,16 @@ absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& li
 class EchoReactor final : public grpc::ServerUnaryReactor {
  public:
   EchoReactor(const RequestLimits& limits, const std::string& backend_name,
-              InFlightCounter* in_flight, const v1::ForwardRequest* request,
-              v1::ForwardResponse* response)
+              InFlightCounter* in_flight, TenantDirectory* tenants, const std::string& tenant,
+              const v1::ForwardRequest* request, v1::ForwardResponse* response)
       : in_flight_(in_flight) {
     in_flight_->Add();
     const absl::Time received = absl::Now();
-    const absl::Status status = FillEcho(*request, limits, response);
+    // Echo holds nothing past this constructor: the quota is checked, not held.
+    std::function<void()> nothing = [] {};
+    absl::Status status = HoldInFlight(tenants, tenant,
+                                       static_cast<int64_t>(request->ByteSizeLong()), &nothing);
+    if (status.ok()) status = FillEcho(*request, limits, response);
     // At most kMaxRequestIdBytes back, as Forward does (forward_handler.cc).
     response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
     response->set_backend(backend_name);  // FillEcho sets o and lse only on success
@@ -101,10 +116,15 @@ using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::Forw
 // is bounded by `limits` (stream_flow_control.h).
 ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
                                               const grpc::CallbackServerContext* context,
-                                              const StreamLimits& limits, StreamGauge* gauge) {
+                                              const StreamLimits& limits, StreamGauge* gauge,
+                                              TenantDirectory* tenants, const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [handler, cancelled, deadline = DeadlineOf(context)](
-                   ForwardStreamReactor::Call* call, ForwardStreamReactor::Done done) {
+  auto start = [handler, cancelled, deadline = DeadlineOf(context), tenants,
+                tenant = tenants != nullptr ? TenantOf(auth, context) : std::string()](ForwardStreamReactor::Call* call,
+                                            ForwardStreamReactor::Done done) {
+    const absl::Status held = HoldInFlight(
+        tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &done);
+    if (!held.ok()) return done(held);
     handler->Start(&call->request, &call->response, deadline, cancelled, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {
@@ -131,19 +151,22 @@ AttentionService::AttentionService(ForwardHandler* handler, BackendDescription b
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
-  return new ForwardReactor(handler_, &in_flight_, context, request, response);
+  return new ForwardReactor(handler_, &in_flight_, info_.tenants, info_.auth, context, request,
+                            response);
 }
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
   return NewForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
-                                 info_.stream_gauge);
+                                 info_.stream_gauge, info_.tenants, info_.auth);
 }
 
-grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext*,
+grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* context,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, request, response);
+  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, info_.tenants,
+                         info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(), request,
+                         response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -6,6 +6,8 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend.h"
+#include "server/auth/authenticator.h"
+#include "server/auth/tenants.h"
 #include "server/forward_handler.h"
 #include "server/in_flight.h"
 #include "server/stream_flow_control.h"
@@ -25,6 +27,11 @@ struct ServiceInfo {
   int kv_default_page_size = 0;
   int64_t kv_cache_bytes = 0;
   int64_t kv_idle_timeout_ms = 0;
+  // Per-tenant quotas (server/auth/tenants.h): each request's bytes are
+  // charged to its tenant while it runs. Null: authentication off.
+  TenantDirectory* tenants = nullptr;
+  // Who the calls are (server/tenant.h); null when authentication is off.
+  const Authenticator* auth = nullptr;
 };
 
 class AttentionService final : public v1::Attention::CallbackService {

@@ -10,6 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 
 namespace attnserve {
 
@@ -31,22 +33,33 @@ class HttpListener {
       return absl::UnavailableError(absl::StrCat(what, ": could not listen on ", host, ":", port,
                                                  " (address in use or not available?)"));
     }
-    thread_ = std::thread([this] { server_->listen_after_bind(); });
+    thread_ = std::thread([this] {
+      server_->listen_after_bind();
+      finished_.Notify();
+    });
     return absl::OkStatus();
   }
 
   int port() const { return port_; }
 
-  // Stops listening and waits for the accept loop; idempotent.
+  // Stops listening and waits for the accept loop; idempotent. httplib's
+  // stop() does nothing until the loop has started, so a Stop right after
+  // Start (a server shut down at once, on a loaded machine) would leave the
+  // loop to start afterwards and block in accept() for ever: ask again until
+  // the loop has ended.
   void Stop() {
-    server_->stop();
-    if (thread_.joinable()) thread_.join();
+    if (!thread_.joinable()) return;
+    do {
+      server_->stop();
+    } while (!finished_.WaitForNotificationWithTimeout(absl::Milliseconds(10)));
+    thread_.join();
   }
 
  private:
   httplib::Server* const server_;
   int port_ = 0;
   std::thread thread_;
+  absl::Notification finished_;  // the accept loop has returned
 };
 
 }  // namespace attnserve

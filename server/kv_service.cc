@@ -67,7 +67,7 @@ grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* co
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->CreateCache(TenantOf(context), DecodeCreateCache(*request));
+        pool_->CreateCache(TenantOf(auth_, context), DecodeCreateCache(*request));
     status = cache.status();
     if (cache.ok()) {
       FillCacheStats((*cache)->Stats(), response->mutable_stats());
@@ -83,7 +83,7 @@ grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* cont
                                                const v1::DropCacheRequest* request,
                                                v1::DropCacheResponse*) {
   absl::Status status = Draining();
-  if (status.ok()) status = pool_->DropCache(TenantOf(context), request->cache_id());
+  if (status.ok()) status = pool_->DropCache(TenantOf(auth_, context), request->cache_id());
   return Answer(context, status);
 }
 
@@ -93,7 +93,7 @@ grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(context), request->cache_id());
+        pool_->Find(TenantOf(auth_, context), request->cache_id());
     status = cache.ok() ? (*cache)->CreateSequences(DecodeSequences(*request)) : cache.status();
     if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
   }
@@ -106,7 +106,7 @@ grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* conte
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(context), request->cache_id());
+        pool_->Find(TenantOf(auth_, context), request->cache_id());
     status = cache.ok() ? (*cache)->Truncate(request->sequence_id(),
                                              request->has_layer()
                                                  ? std::optional<int32_t>(request->layer())
@@ -124,7 +124,7 @@ grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* 
   absl::Status status = Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(context), request->cache_id());
+        pool_->Find(TenantOf(auth_, context), request->cache_id());
     status = cache.ok() ? (*cache)->Free(std::vector<uint64_t>(request->sequence_ids().begin(),
                                                                request->sequence_ids().end()))
                         : cache.status();
@@ -138,7 +138,7 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
                                                    v1::GetCacheStatsResponse* response) {
   // Statistics stay readable during a drain: they change nothing.
   absl::StatusOr<std::shared_ptr<KvCache>> cache =
-      pool_->Find(TenantOf(context), request->cache_id());
+      pool_->Find(TenantOf(auth_, context), request->cache_id());
   absl::Status status = cache.status();
   if (cache.ok()) {
     FillCacheStats((*cache)->Stats(), response->mutable_stats());
@@ -165,7 +165,8 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(backend_name_);
-  auto finish = [this, response, done](const absl::Status& status, const WorkTimings& timings) {
+  std::function<void(const absl::Status&, const WorkTimings&)> finish =
+      [this, response, done](const absl::Status& status, const WorkTimings& timings) {
     FillServerTiming(timings, response->mutable_timing());
     if (metrics_ != nullptr) {
       metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
@@ -179,6 +180,10 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
     done(status);
   };
   absl::Status status = Draining();
+  if (status.ok()) {
+    status = HoldInFlight(pool_->tenants(), tenant, static_cast<int64_t>(request->ByteSizeLong()),
+                          &finish);
+  }
   absl::StatusOr<std::shared_ptr<KvCache>> cache =
       status.ok() ? pool_->Find(tenant, request->cache_id()) : status;
   absl::StatusOr<std::shared_ptr<KvAppendAttend>> call =
@@ -207,7 +212,7 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  StartAppendAttend(TenantOf(context), DeadlineOf(context), request, response,
+  StartAppendAttend(TenantOf(auth_, context), DeadlineOf(context), request, response,
                     reactor->cancelled(),
                     [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
@@ -217,7 +222,7 @@ grpc::ServerBidiReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>*
 KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
   using Reactor = PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>;
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [this, cancelled, tenant = TenantOf(context), deadline = DeadlineOf(context)](
+  auto start = [this, cancelled, tenant = TenantOf(auth_, context), deadline = DeadlineOf(context)](
                    Reactor::Call* call, Reactor::Done done) {
     StartAppendAttend(tenant, deadline, &call->request, &call->response, cancelled,
                       std::move(done));

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "attnserve/v1/kv.grpc.pb.h"
+#include "server/auth/authenticator.h"
 #include "server/in_flight.h"
 #include "server/kv/kv_pool.h"
 #include "server/metrics.h"
@@ -52,6 +53,10 @@ class KvService final : public v1::KvCache::CallbackService {
                                           const v1::GetCacheStatsRequest* request,
                                           v1::GetCacheStatsResponse* response) override;
 
+  // Who the calls are (server/tenant.h); null (the default) when
+  // authentication is off. Set before serving.
+  void set_auth(const Authenticator* auth) { auth_ = auth; }
+
   // New calls answer UNAVAILABLE from now on; admitted ones finish.
   void StopAdmitting() { draining_.store(true, std::memory_order_release); }
   // Waits until every admitted AppendAttend (unary or stream request) has had
@@ -75,6 +80,7 @@ class KvService final : public v1::KvCache::CallbackService {
   const RequestLimits limits_;
   const StreamLimits stream_limits_;
   ServerMetrics* const metrics_;
+  const Authenticator* auth_ = nullptr;
   std::atomic<bool> draining_{false};
   InFlightCounter in_flight_;
 };

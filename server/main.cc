@@ -68,6 +68,24 @@ ABSL_FLAG(int, kv_page_size, 64,
 ABSL_FLAG(absl::Duration, kv_idle_timeout, absl::Minutes(10),
           "K/V caches: sequences and caches unused this long are removed (counted as expired; "
           "clients then see NOT_FOUND and re-prefill); 0 = never");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TLS: PEM certificate chain (leaf first) served on every port: gRPC, KServe v2 HTTP "
+          "and /metrics. Empty: plain text. Re-read when the file changes "
+          "(--tls_reload_interval), so a rotated certificate needs no restart");
+ABSL_FLAG(std::string, tls_key, "", "TLS: PEM private key of --tls_cert (re-read with it)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "Mutual TLS: PEM CA bundle; every client must present a certificate it signed "
+          "(needs --tls_cert). Re-read when the file changes");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
+          "How often the TLS files are checked for a new version (gRPC checks in whole seconds)");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "Bearer tokens: a file of lines '<token> <tenant> [bytes_in_flight=N] [kv_pages=N] "
+          "[shm_regions=N]'. Every call then needs 'authorization: Bearer <token>' (gRPC "
+          "metadata or HTTP header) or is refused UNAUTHENTICATED (HTTP 401); health, reflection "
+          "and KServe ServerLive/ServerReady stay open. The token's tenant scopes K/V caches and "
+          "shared-memory regions and is held to its quotas. Re-read when the file changes");
+ABSL_FLAG(absl::Duration, auth_reload_interval, absl::Seconds(10),
+          "How often --auth_tokens_file is checked for changes");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
 ABSL_FLAG(std::string, log_level, "info",
@@ -150,6 +168,12 @@ int main(int argc, char** argv) {
   options.kserve.http_host = absl::GetFlag(FLAGS_host);
   options.kserve.http_port = absl::GetFlag(FLAGS_http_port);
   options.kserve.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  options.auth.tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
 
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {

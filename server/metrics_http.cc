@@ -10,6 +10,7 @@
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 #include "server/http_listener.h"
+#include "server/security/http_tls.h"
 #endif
 
 namespace attnserve {
@@ -23,9 +24,10 @@ constexpr size_t kHttpThreads = 2;
 
 class MetricsHttpServerImpl final : public MetricsHttpServer {
  public:
-  explicit MetricsHttpServerImpl(const ServerMetrics* metrics) {
-    http_.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
-    http_.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
+  MetricsHttpServerImpl(HttpServerWithTls http, const ServerMetrics* metrics)
+      : http_(std::move(http)), listener_(http_.server.get()) {
+    http_.server->new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+    http_.server->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
       res.set_content(metrics->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8");
     });
   }
@@ -41,15 +43,16 @@ class MetricsHttpServerImpl final : public MetricsHttpServer {
   void Stop() override { listener_.Stop(); }
 
  private:
-  httplib::Server http_;
-  HttpListener listener_{&http_};
+  HttpServerWithTls http_;
+  HttpListener listener_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, const ServerMetrics* metrics) {
-  auto server = std::make_unique<MetricsHttpServerImpl>(metrics);
+    const std::string& host, int port, const ServerMetrics* metrics, const TlsFiles& tls) {
+  ASSIGN_OR_RETURN(HttpServerWithTls http, MakeHttpServer(tls));
+  auto server = std::make_unique<MetricsHttpServerImpl>(std::move(http), metrics);
   RETURN_IF_ERROR(server->Bind(host, port));
   return server;
 }
@@ -58,7 +61,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& host,
                                                                             int port,
-                                                                            const ServerMetrics*) {
+                                                                            const ServerMetrics*,
+                                                                            const TlsFiles&) {
   return absl::UnimplementedError(
       absl::StrCat("metrics: this build has no HTTP library (a static build), so ", host, ":", port,
                    "/metrics is not served"));

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/metrics.h"
+#include "server/security/tls_files.h"
 
 namespace attnserve {
 
@@ -16,8 +17,10 @@ class MetricsHttpServer {
  public:
   // Binds host:port (0 picks a free port) and starts serving `metrics`, which
   // must outlive the server. UNAVAILABLE when the address cannot be bound.
+  // HTTPS when `tls` is set (server/security/http_tls.h).
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& host, int port,
-                                                                  const ServerMetrics* metrics);
+                                                                  const ServerMetrics* metrics,
+                                                                  const TlsFiles& tls = {});
   // Stop(), then waits for the listener thread.
   virtual ~MetricsHttpServer() = default;
 

@@ -35,6 +35,7 @@
 #include "server/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/security/grpc_credentials.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -94,7 +95,20 @@ absl::Status CheckOptions(const ServerOptions& o) {
         "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
         "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
   }
+  RETURN_IF_ERROR(CheckTlsFiles(o.tls));
   return CheckStreamLimits(o.stream);
+}
+
+// Loopback addresses only this host can reach.
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
+
+// The KServe options with the server's TLS files (every port shares them).
+KserveOptions KserveOptionsOf(const ServerOptions& o) {
+  KserveOptions k = o.kserve;
+  k.tls = o.tls;
+  return k;
 }
 
 // Runs one tiny request through the executor, so health turns SERVING only
@@ -192,10 +206,13 @@ KserveServerInfo KserveInfo(const ServerOptions& o, const BackendDescription& d)
 class AttnServerImpl final : public AttnServer {
  public:
   AttnServerImpl(const ServerOptions& options,
-                 std::vector<std::unique_ptr<AttentionBackend>> backends)
+                 std::vector<std::unique_ptr<AttentionBackend>> backends,
+                 std::unique_ptr<TenantDirectory> tenants, std::unique_ptr<Authenticator> auth)
       : options_(options),
         backends_(std::move(backends)),
         description_(Combined(backends_)),
+        tenants_(std::move(tenants)),
+        auth_(std::move(auth)),
         executors_(Pointers(backends_),
                    ExecutorOptions{options.max_queue_size, &metrics_, options.batching,
                                    options.batch_max_delay, options.batch_max_tokens}),
@@ -204,18 +221,23 @@ class AttnServerImpl final : public AttnServer {
         service_(&handler_, description_,
                  ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
                              options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
-                             absl::ToInt64Milliseconds(options.kv_idle_timeout)}),
+                             absl::ToInt64Milliseconds(options.kv_idle_timeout), tenants_.get(),
+                             auth_.get()}),
         kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
                                options.kv_idle_timeout},
                  KvDevices(backends_, &executors_)),
         kv_service_(&kv_pool_, description_.name,
                     RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
                     options.stream),
-        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve,
+        kserve_(&handler_, &metrics_, KserveInfo(options, description_), KserveOptionsOf(options),
                 options.stream, [this] {
           absl::MutexLock lock(&mu_);
           return state_ == State::kServing;
-        }) {}
+        }) {
+    kv_pool_.set_tenants(tenants_.get());
+    kv_service_.set_auth(auth_.get());
+    kserve_.SetAuth(auth_.get(), tenants_.get());
+  }
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());
@@ -311,7 +333,15 @@ class AttnServerImpl final : public AttnServer {
 
     grpc::ServerBuilder builder;
     const std::string address = ListenAddress(options_.host, options_.port);
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &selected_port_);
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+        MakeGrpcServerCredentials(options_.tls, auth_.get());
+    if (!credentials.ok()) {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kStopped;
+      stopped_.Notify();
+      return credentials.status();
+    }
+    builder.AddListeningPort(address, *credentials, &selected_port_);
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
     // would start and silently split the traffic; fail instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -366,7 +396,11 @@ class AttnServerImpl final : public AttnServer {
   // GPU devices (serving goes on without them when NVML is missing).
   void StartDeviceMetrics() {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
-    metrics_.SetExtraSource([this] { return KvService::RenderMetrics(kv_pool_.Stats()); });
+    metrics_.SetExtraSource([this] {
+      std::string text = KvService::RenderMetrics(kv_pool_.Stats());
+      if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
+      return text;
+    });
     metrics_.SetDevices(description_.devices);
     if (description_.devices.empty()) return;
     absl::StatusOr<std::unique_ptr<NvmlMonitor>> monitor =
@@ -384,7 +418,8 @@ class AttnServerImpl final : public AttnServer {
   void StartMetricsEndpoint() {
     if (!options_.metrics_enabled) return;
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_);
+        MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_,
+                                 options_.tls);
     if (http.ok()) {
       metrics_http_port_.store((*http)->port(), std::memory_order_release);
       absl::MutexLock lock(&mu_);
@@ -424,13 +459,39 @@ class AttnServerImpl final : public AttnServer {
                  d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
                  d.cpu_threads);
     if (metrics_port() != 0) {
-      spdlog::info("metrics on http://{}:{}/metrics", options_.metrics_host, metrics_port());
+      spdlog::info("metrics on {}://{}:{}/metrics", options_.tls.enabled() ? "https" : "http",
+                   options_.metrics_host, metrics_port());
+    }
+    LogSecurity();
+  }
+
+  // What protects the ports, and a warning when a port others can reach has
+  // neither encryption nor authentication (SECURITY.md).
+  void LogSecurity() {
+    const TlsFiles& tls = options_.tls;
+    spdlog::info("security: {}, {}", tls.enabled() ? (tls.mutual() ? "mutual TLS" : "TLS")
+                                                    : "plain text",
+                 auth_ != nullptr ? "bearer tokens from " + options_.auth.tokens_file
+                                  : std::string("no authentication"));
+    if (tls.enabled() || auth_ != nullptr) return;
+    for (const std::string& host : {options_.host, options_.metrics_host}) {
+      if (!IsLoopback(host)) {
+        spdlog::warn(
+            "listening on {} in plain text without authentication: anyone who can reach this "
+            "host can call every RPC and read every tensor in transit; set --tls_cert/--tls_key "
+            "and --auth_tokens_file, or --host=127.0.0.1 (SECURITY.md)",
+            host);
+        return;
+      }
     }
   }
 
   const ServerOptions options_;
   const std::vector<std::unique_ptr<AttentionBackend>> backends_;
   const BackendDescription description_;
+  // Both null when authentication is off; before the services that use them.
+  const std::unique_ptr<TenantDirectory> tenants_;
+  const std::unique_ptr<Authenticator> auth_;
   // Before the executors and handler, which record into it.
   ServerMetrics metrics_;
   ExecutorPool executors_;
@@ -458,7 +519,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> CreateChecked(
   for (const auto& b : backends) {
     if (b == nullptr) return absl::InvalidArgumentError("backend: expected a backend, got null");
   }
-  return std::unique_ptr<AttnServer>(new AttnServerImpl(options, std::move(backends)));
+  std::unique_ptr<TenantDirectory> tenants;
+  std::unique_ptr<Authenticator> auth;
+  if (!options.auth.tokens_file.empty()) {
+    tenants = std::make_unique<TenantDirectory>();
+    ASSIGN_OR_RETURN(auth, Authenticator::Create(options.auth, tenants.get()));
+  }
+  return std::unique_ptr<AttnServer>(
+      new AttnServerImpl(options, std::move(backends), std::move(tenants), std::move(auth)));
 }
 
 }  // namespace

@@ -12,7 +12,9 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
+#include "server/auth/authenticator.h"
 #include "server/kserve/frontend.h"
+#include "server/security/tls_files.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {
@@ -52,6 +54,11 @@ struct ServerOptions {
   // service is always on the native port; shared memory and HTTP/REST are
   // opt-in.
   KserveOptions kserve;
+  // Transport security (server/security/): TLS on every port (gRPC, KServe
+  // HTTP, /metrics) when tls.cert_file is set, mutual with a client CA.
+  TlsFiles tls;
+  // Bearer tokens and tenants (server/auth/): off when tokens_file is empty.
+  AuthOptions auth;
 };
 
 class AttnServer {

@@ -37,6 +37,16 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(120),
 ABSL_FLAG(std::string, lb_policy, "",
           "gRPC load-balancing policy: pick_first (gRPC's default) or round_robin (spread calls "
           "over every resolved address).");
+ABSL_FLAG(bool, tls, false,
+          "Connect with TLS, verifying the server against the system's roots (or --tls_ca).");
+ABSL_FLAG(std::string, tls_ca, "",
+          "Connect with TLS, verifying the server's certificate against this PEM CA file.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "Mutual TLS: this client's PEM certificate chain (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: the PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token sent as 'authorization: Bearer <token>' on every call. Default: "
+          "$ATTNSERVE_TOKEN (preferred: a flag shows in the process list).");
 ABSL_FLAG(bool, wait_for_ready, false,
           "Wait (up to --timeout) for the server to come up instead of failing at once with "
           "UNAVAILABLE.");
@@ -58,12 +68,21 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_cha
   options.default_timeout = absl::GetFlag(FLAGS_timeout);
   options.load_balancing_policy = absl::GetFlag(FLAGS_lb_policy);
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  options.security.tls = absl::GetFlag(FLAGS_tls);
+  options.security.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.security.token = absl::GetFlag(FLAGS_token);
+  if (options.security.token.empty()) {
+    const char* env = std::getenv("ATTNSERVE_TOKEN");
+    if (env != nullptr) options.security.token = env;
+  }
   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
       AttentionClient::Create(absl::GetFlag(FLAGS_target), options);
   if (!client.ok() && client.status().code() == absl::StatusCode::kInvalidArgument) {
-    // Both possible causes are flags; say which.
+    // The possible causes are flags; say which.
     return absl::InvalidArgumentError(
-        absl::StrCat("--target/--lb_policy: ", client.status().message()));
+        absl::StrCat("--target/--lb_policy/--tls_*: ", client.status().message()));
   }
   return client;
 }

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "inference/grpc_service.pb.h"
+#include "server/auth/authenticator.h"
 #include "server/in_flight.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
@@ -30,6 +31,9 @@ struct KserveContext {
   // (may be null) its ledger updates: the same flow control as every stream.
   StreamLimits stream_limits;
   StreamGauge* stream_gauge = nullptr;
+  // Authentication and tenant quotas (server/auth/); both null when off.
+  const Authenticator* auth = nullptr;
+  TenantDirectory* tenants = nullptr;
 
   // ServerMetadata: name "attnserve", the version and the extensions offered.
   void FillServerMetadata(inference::ServerMetadataResponse* out) const;

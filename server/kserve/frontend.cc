@@ -38,7 +38,7 @@ grpc::Service* KserveFrontend::grpc_service() { return grpc_.get(); }
 absl::Status KserveFrontend::StartHttp() {
   if (!options_.http_enabled) return absl::OkStatus();
   absl::StatusOr<std::unique_ptr<KserveHttpServer>> http = KserveHttpServer::Start(
-      options_.http_host, options_.http_port, max_request_bytes_, &context_);
+      options_.http_host, options_.http_port, max_request_bytes_, &context_, options_.tls);
   if (!http.ok()) return http.status();
   http_ = *std::move(http);
   http_port_.store(http_->port(), std::memory_order_release);

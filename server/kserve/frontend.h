@@ -16,6 +16,7 @@
 #include "server/forward_handler.h"
 #include "server/kserve/context.h"
 #include "server/metrics.h"
+#include "server/security/tls_files.h"
 
 namespace attnserve {
 
@@ -31,6 +32,8 @@ struct KserveOptions {
   bool http_enabled = false;
   std::string http_host = "0.0.0.0";
   int http_port = 8000;
+  // HTTPS when set (server/security/tls_files.h); the server's TLS files.
+  TlsFiles tls;
 };
 
 // What the `attention` model reports of the server's set-up.
@@ -51,6 +54,15 @@ class KserveFrontend {
                  const KserveOptions& options, const StreamLimits& stream_limits,
                  std::function<bool()> ready);
   ~KserveFrontend();
+
+  // Bearer-token authentication and tenant quotas for both transports (the
+  // gRPC port authenticates before the services; HTTP in its pre-routing
+  // handler). Both may be null; call before serving.
+  void SetAuth(const Authenticator* auth, TenantDirectory* tenants) {
+    context_.auth = auth;
+    context_.tenants = tenants;
+    context_.shm.set_tenants(tenants);
+  }
 
   // For grpc::ServerBuilder::RegisterService.
   grpc::Service* grpc_service();

@@ -41,10 +41,16 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     // instead of copying them.
     call.request = const_cast<ModelInferRequest*>(request);
     call.response = response;
-    call.tenant = TenantOf(ctx);
+    call.tenant = TenantOf(context->auth, ctx);
     call.deadline = DeadlineOf(ctx);
     call.cancelled = cancelled_;
     call.done = [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); };
+    const absl::Status held = HoldInFlight(context->tenants, call.tenant,
+                                           static_cast<int64_t>(request->ByteSizeLong()), &call.done);
+    if (!held.ok()) {
+      call.done(held);
+      return;
+    }
     (*model)->Infer(std::move(call));
   }
 
@@ -65,7 +71,7 @@ using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInfer
 // with error_message set (and its id), and the stream goes on.
 StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [context, cancelled, tenant = TenantOf(ctx), deadline = DeadlineOf(ctx)](
+  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx), deadline = DeadlineOf(ctx)](
                    StreamReactor::Call* call, StreamReactor::Done done) {
     absl::StatusOr<KserveModel*> model =
         context->models.Find(call->request.model_name(), call->request.model_version());
@@ -77,6 +83,10 @@ StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerCont
     infer.deadline = deadline;
     infer.cancelled = cancelled;
     infer.done = std::move(done);
+    const absl::Status held = HoldInFlight(context->tenants, tenant,
+                                           static_cast<int64_t>(call->request.ByteSizeLong()),
+                                           &infer.done);
+    if (!held.ok()) return infer.done(held);
     (*model)->Infer(std::move(infer));
   };
   auto fail = [](StreamReactor::Call* call, const absl::Status& status) {
@@ -168,7 +178,7 @@ grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryStatus(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* request,
     inference::SystemSharedMemoryStatusResponse* response) {
   absl::StatusOr<std::vector<ShmRegionInfo>> regions =
-      context_->shm.List(TenantOf(ctx), ShmKind::kSystem, request->name());
+      context_->shm.List(TenantOf(context_->auth, ctx), ShmKind::kSystem, request->name());
   if (!regions.ok()) return Answer(ctx, regions.status());
   for (const ShmRegionInfo& r : *regions) {
     auto& out = (*response->mutable_regions())[r.name];
@@ -183,21 +193,21 @@ grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryStatus(
 grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* request,
     inference::SystemSharedMemoryRegisterResponse*) {
-  return Answer(ctx, context_->shm.RegisterSystem(TenantOf(ctx), request->name(), request->key(),
+  return Answer(ctx, context_->shm.RegisterSystem(TenantOf(context_->auth, ctx), request->name(), request->key(),
                                                   request->offset(), request->byte_size()));
 }
 
 grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* request,
     inference::SystemSharedMemoryUnregisterResponse*) {
-  return Answer(ctx, context_->shm.Unregister(TenantOf(ctx), ShmKind::kSystem, request->name()));
+  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kSystem, request->name()));
 }
 
 grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryStatus(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* request,
     inference::CudaSharedMemoryStatusResponse* response) {
   absl::StatusOr<std::vector<ShmRegionInfo>> regions =
-      context_->shm.List(TenantOf(ctx), ShmKind::kCuda, request->name());
+      context_->shm.List(TenantOf(context_->auth, ctx), ShmKind::kCuda, request->name());
   if (!regions.ok()) return Answer(ctx, regions.status());
   for (const ShmRegionInfo& r : *regions) {
     auto& out = (*response->mutable_regions())[r.name];
@@ -211,7 +221,7 @@ grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryStatus(
 grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* request,
     inference::CudaSharedMemoryRegisterResponse*) {
-  return Answer(ctx, context_->shm.RegisterCuda(TenantOf(ctx), request->name(),
+  return Answer(ctx, context_->shm.RegisterCuda(TenantOf(context_->auth, ctx), request->name(),
                                                 request->raw_handle(), request->device_id(),
                                                 request->byte_size()));
 }
@@ -219,7 +229,7 @@ grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryRegister(
 grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* request,
     inference::CudaSharedMemoryUnregisterResponse*) {
-  return Answer(ctx, context_->shm.Unregister(TenantOf(ctx), ShmKind::kCuda, request->name()));
+  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kCuda, request->name()));
 }
 
 }  // namespace attnserve

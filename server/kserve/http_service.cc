@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/http_listener.h"
+#include "server/security/http_tls.h"
 #endif
 
 namespace attnserve {
@@ -68,9 +69,6 @@ void Reply(httplib::Response& res, const absl::Status& status, const Json& body 
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
-std::string TenantOf(const httplib::Request& req) {
-  return TenantForCall(req.get_header_value("Authorization"));
-}
 
 // ---- JSON -> messages ----
 
@@ -442,11 +440,13 @@ absl::StatusOr<uint64_t> UintField(const Json& j, const char* name) {
 
 class KserveHttpServerImpl final : public KserveHttpServer {
  public:
-  KserveHttpServerImpl(KserveContext* context, int64_t max_request_bytes) : context_(context) {
+  KserveHttpServerImpl(KserveContext* context, int64_t max_request_bytes, HttpServerWithTls http)
+      : context_(context), holder_(std::move(http)), http_(*holder_.server) {
     http_.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
     // Small requests and responses must not wait for Nagle's algorithm.
     http_.set_tcp_nodelay(true);
     http_.set_payload_max_length(static_cast<size_t>(max_request_bytes + kBodySlackBytes));
+    Authenticate();
     Routes();
   }
   ~KserveHttpServerImpl() override { Stop(); }
@@ -474,6 +474,31 @@ class KserveHttpServerImpl final : public KserveHttpServer {
                                                        const httplib::ContentReader&) {
       handler(req, res);
     });
+  }
+
+  // With bearer tokens on, every call but the health probes needs one: a
+  // missing or unknown token is answered 401 before any route runs.
+  void Authenticate() {
+    http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (context_->auth == nullptr || req.path == "/v2/health/live" ||
+          req.path == "/v2/health/ready") {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      absl::StatusOr<std::string> tenant =
+          context_->auth->Authenticate(req.get_header_value("Authorization"));
+      if (tenant.ok()) return httplib::Server::HandlerResponse::Unhandled;
+      res.set_header("WWW-Authenticate", "Bearer");
+      Reply(res, tenant.status());
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
+
+  // The tenant of a call the pre-routing handler let through
+  // (kWithdrawnTenant should the tokens file drop its token in between).
+  std::string TenantOf(const httplib::Request& req) const {
+    absl::StatusOr<std::string> tenant =
+        TenantForCall(context_->auth, req.get_header_value("Authorization"), /*count=*/false);
+    return tenant.ok() ? *tenant : std::string(kWithdrawnTenant);
   }
 
   void Routes() {
@@ -556,7 +581,13 @@ class KserveHttpServerImpl final : public KserveHttpServer {
         status = s;
         done.Notify();
       };
-      (*model)->Infer(std::move(call));
+      const absl::Status held = HoldInFlight(context_->tenants, call.tenant,
+                                             static_cast<int64_t>(req.body.size()), &call.done);
+      if (held.ok()) {
+        (*model)->Infer(std::move(call));
+      } else {
+        call.done(held);
+      }
       done.WaitForNotification();
     }
     if (status.ok()) {
@@ -630,15 +661,19 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   }
 
   KserveContext* const context_;
-  httplib::Server http_;
+  HttpServerWithTls holder_;
+  httplib::Server& http_;
   HttpListener listener_{&http_};
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(
-    const std::string& host, int port, int64_t max_request_bytes, KserveContext* context) {
-  auto server = std::make_unique<KserveHttpServerImpl>(context, max_request_bytes);
+    const std::string& host, int port, int64_t max_request_bytes, KserveContext* context,
+    const TlsFiles& tls) {
+  absl::StatusOr<HttpServerWithTls> http = MakeHttpServer(tls);
+  if (!http.ok()) return http.status();
+  auto server = std::make_unique<KserveHttpServerImpl>(context, max_request_bytes, *std::move(http));
   absl::Status bound = server->Bind(host, port);
   if (!bound.ok()) return bound;
   return server;
@@ -648,7 +683,8 @@ absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(
 
 absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(const std::string& host,
                                                                           int port, int64_t,
-                                                                          KserveContext*) {
+                                                                          KserveContext*,
+                                                                          const TlsFiles&) {
   return absl::UnimplementedError(absl::StrCat(
       "KServe v2 HTTP: this build has no HTTP library (a static build), so ", host, ":", port,
       " is not served"));

@@ -15,17 +15,19 @@
 
 #include "absl/status/statusor.h"
 #include "server/kserve/context.h"
+#include "server/security/tls_files.h"
 
 namespace attnserve {
 
 class KserveHttpServer {
  public:
   // Binds host:port (0 picks a free one) and serves `context`, which must
-  // outlive the server. Bodies over `max_request_bytes` (plus the same slack
+  // outlive the server; HTTPS when `tls` is set. Bodies over `max_request_bytes` (plus the same slack
   // the gRPC limit has) are refused with 413. UNAVAILABLE when it cannot bind.
   static absl::StatusOr<std::unique_ptr<KserveHttpServer>> Start(const std::string& host, int port,
                                                                  int64_t max_request_bytes,
-                                                                 KserveContext* context);
+                                                                 KserveContext* context,
+                                                                 const TlsFiles& tls = {});
   virtual ~KserveHttpServer() = default;
   virtual int port() const = 0;
   // Stops listening and waits for the listener; idempotent.

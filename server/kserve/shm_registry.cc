@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "server/kserve/cuda_shm_region.h"
 
@@ -100,6 +101,11 @@ absl::Status ShmRegistry::Add(const std::string& tenant, ShmKind kind, ShmRegion
   if (regions_.count(key) > 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("shared memory region '", info.name, "' is already registered"));
+  }
+  if (tenants_ != nullptr) {
+    int64_t held = 0;
+    for (const auto& [k, entry] : regions_) held += k.first == tenant ? 1 : 0;
+    RETURN_IF_ERROR(tenants_->CheckShmRegions(tenant, held));
   }
   regions_.emplace(std::move(key), Entry{kind, std::move(info), std::move(region)});
   return absl::OkStatus();

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/auth/tenants.h"
 #include "server/kserve/shm_region.h"
 
 namespace attnserve {
@@ -36,6 +37,9 @@ class ShmRegistry {
   explicit ShmRegistry(bool allowed) : allowed_(allowed) {}
 
   bool allowed() const { return allowed_; }
+  // Per-tenant quotas (shm_regions); null (the default) when authentication
+  // is off. Set before serving.
+  void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
 
   // Maps [offset, offset + byte_size) of the POSIX shared-memory object `key`.
   // ALREADY_EXISTS when the tenant already has a region called `name`.
@@ -71,6 +75,7 @@ class ShmRegistry {
                    std::unique_ptr<ShmRegion> region);
 
   const bool allowed_;
+  TenantDirectory* tenants_ = nullptr;
   mutable absl::Mutex mu_;
   std::map<Key, Entry> regions_ ABSL_GUARDED_BY(mu_);
 };

@@ -104,6 +104,10 @@ class KvCache {
   const std::string& id() const { return id_; }
   const KvGeometry& geometry() const { return geometry_; }
   int page_size() const { return page_size_; }
+  // Pages the cache may grow to (fixed at creation; no lock needed).
+  int64_t capacity_pages() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return allocator_.capacity_pages();
+  }
   int device() const { return device_; }
   // Bytes of one page's K plus V.
   int64_t page_bytes() const;

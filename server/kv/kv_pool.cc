@@ -175,6 +175,15 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
                                          d.index, d.backend, budgets_[size_t(device)].get());
   if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
   absl::MutexLock lock(&mu_);
+  if (tenants_ != nullptr) {
+    // Checked where the cache joins the table, so two concurrent creates
+    // cannot both fit under the quota.
+    int64_t held = 0;
+    for (const auto& [key, c] : caches_) {
+      if (key.first == tenant) held += c->capacity_pages();
+    }
+    RETURN_IF_ERROR(tenants_->CheckKvPages(tenant, held, capacity_pages));
+  }
   if (!caches_.emplace(std::make_pair(tenant, id), cache).second) {
     return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
   }

@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backend/backend.h"
+#include "server/auth/tenants.h"
 #include "server/executor.h"
 #include "server/kv/kv_cache.h"
 #include "server/kv/page_allocator.h"
@@ -105,6 +106,12 @@ class KvPool {
 
   const KvPoolOptions& options() const { return options_; }
 
+  // Per-tenant quotas (kv_pages: the capacities of a tenant's caches, summed)
+  // and in-flight charges; null (the default) when authentication is off.
+  // Set before serving.
+  void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
+  TenantDirectory* tenants() const { return tenants_; }
+
   absl::StatusOr<std::shared_ptr<KvCache>> CreateCache(const std::string& tenant,
                                                        const KvCreateCache& request);
   absl::Status DropCache(const std::string& tenant, const std::string& cache_id);
@@ -137,6 +144,7 @@ class KvPool {
   const KvPoolOptions options_;
   const std::vector<KvDevice> devices_;
   std::vector<std::unique_ptr<DeviceBudget>> budgets_;
+  TenantDirectory* tenants_ = nullptr;
 
   absl::Mutex mu_;
   // (tenant, cache id) -> cache.

@@ -19,6 +19,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from attnserve import _security
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import kv_pb2_grpc
 
@@ -85,12 +86,26 @@ class ChannelOwner:
     def __init__(self, target: str, *, timeout: Optional[float] = DEFAULT_TIMEOUT_S,
                  max_attempts: int = 3, options: Optional[ChannelOptions] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: bool = False, root_certificates: _security.Pem = None,
+                 certificate_chain: _security.Pem = None, private_key: _security.Pem = None,
+                 token: Optional[str] = None):
         opts = channel_options(options, max_attempts, max_message_bytes)
         self.target = target
         self.timeout = timeout
-        self.channel = (self._grpc.secure_channel(target, credentials, opts) if credentials
-                        else self._grpc.insecure_channel(target, opts))
+        token = _security.resolve_token(token)
+        credentials = _security.channel_credentials(
+            credentials, tls, root_certificates, certificate_chain, private_key, token)
+        if credentials is not None:
+            self.channel = self._grpc.secure_channel(target, credentials, opts)
+        elif token and self._grpc is grpc:
+            self.channel = grpc.intercept_channel(self._grpc.insecure_channel(target, opts),
+                                                  _security.BearerInterceptor(token))
+        elif token:
+            self.channel = self._grpc.insecure_channel(
+                target, opts, interceptors=_security.aio_interceptors(token))
+        else:
+            self.channel = self._grpc.insecure_channel(target, opts)
         self._stub = pb_grpc.AttentionStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._kv = kv_pb2_grpc.KvCacheStub(self.channel)  # attnserve.kv uses it

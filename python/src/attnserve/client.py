@@ -33,8 +33,16 @@ class Client(_channel.ChannelOwner):
       max_attempts: tries per call when the server answers UNAVAILABLE (1 = no
         retry); only for calls that cannot apply twice, see attnserve._channel.
       options: extra gRPC channel options, e.g. [("grpc.keepalive_time_ms", 10000)].
-      credentials: grpc.ChannelCredentials for TLS; None = plaintext.
+      credentials: grpc.ChannelCredentials for TLS; None = plaintext unless the
+        arguments below ask for TLS.
       max_message_bytes: the channel's send/receive limit.
+      tls: TLS with the system's roots (implied by root_certificates).
+      root_certificates: PEM bytes or file path of the CA that signed the server's
+        certificate (the server's --tls_cert).
+      certificate_chain, private_key: this client's certificate and key for mutual
+        TLS (the server's --tls_client_ca), PEM bytes or file paths.
+      token: bearer token sent on every call (the server's --auth_tokens_file);
+        None = $ATTNSERVE_TOKEN if set.
     """
 
     # -- lifetime ------------------------------------------------------------
