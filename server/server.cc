@@ -186,6 +186,7 @@ KserveServerInfo KserveInfo(const ServerOptions& o, const BackendDescription& d)
   info.batching = o.batching;
   info.batch_max_delay = o.batch_max_delay;
   info.max_request_bytes = o.max_request_bytes;
+  info.kv_idle_timeout = o.kv_idle_timeout;
   return info;
 }
 
@@ -211,7 +212,7 @@ class AttnServerImpl final : public AttnServer {
         kv_service_(&kv_pool_, description_.name,
                     RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
                     options.stream),
-        kserve_(&handler_, &metrics_, KserveInfo(options, description_), options.kserve,
+        kserve_(&handler_, &kv_service_, &kv_pool_, &metrics_, KserveInfo(options, description_), options.kserve,
                 options.stream, [this] {
           absl::MutexLock lock(&mu_);
           return state_ == State::kServing;

@@ -53,6 +53,8 @@ std::vector<Column> Columns(const StepResult& r, const Workload& w, const LoadCo
           {"rate", r.rate},
           {"channels", I{config.channels}},
           {"stream", config.stream},
+          {"protocol", std::string(config.protocol.v2 ? "v2" : "native")},
+          {"shm", std::string(V2ShmName(config.protocol.shm))},
           {"layout", std::string(s.varlen ? "varlen" : "dense")},
           {"dtype", std::string(DTypeName(s.dtype))},
           {"batch", I{s.batch}},
