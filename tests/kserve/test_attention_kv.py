@@ -237,3 +237,23 @@ def test_errors_name_the_input_and_change_nothing(server, client):
                                  "causal": True, "return_lse": True}, sequence_id=401,
                      sequence_end=True)
     check(r, o, lse, 2)
+
+
+def test_http_with_the_cache_header(server):
+    """The HTTP/REST side: the cache named by the x-attnserve-cache-id header."""
+    import tritonclient.http as httpclient
+    cache_id = make_cache(server, layers=1)
+    client = httpclient.InferenceServerClient(server.http_url)
+    seq = Sequence(np.random.default_rng(5), 501)
+    for t, tokens in enumerate((9, 1, 1)):
+        q, k, v, o, lse = seq.step(0, tokens)
+        r = client.infer(MODEL, tensors(q, k, v, httpclient), sequence_id=501,
+                         sequence_start=t == 0, sequence_end=t == 2,
+                         parameters={"causal": True, "return_lse": True},
+                         headers={"x-attnserve-cache-id": cache_id})
+        assert np.abs(r.as_numpy("o") - o).max() < TOLERANCE
+        assert np.abs(r.as_numpy("lse") - lse).max() < TOLERANCE
+    with pytest.raises(InferenceServerException) as e:
+        client.infer(MODEL, tensors(q, k, v, httpclient), sequence_id=501,
+                     headers={"x-attnserve-cache-id": cache_id})
+    assert "sequence 501" in e.value.message()
