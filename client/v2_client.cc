@@ -7,8 +7,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -43,12 +43,16 @@ std::vector<V2Input> InputsOf(const v1::ForwardRequest& r) {
   const std::pair<const char*, const v1::Tensor*> tensors[] = {
       {"q", &r.q()}, {"k", &r.k()}, {"v", &r.v()}};
   for (const auto& [name, t] : tensors) {
-    inputs.push_back({name, std::string(DTypeName(static_cast<DType>(t->dtype()))),
-                      {t->shape().begin(), t->shape().end()}, t->data()});
+    inputs.push_back({name,
+                      std::string(DTypeName(static_cast<DType>(t->dtype()))),
+                      {t->shape().begin(), t->shape().end()},
+                      t->data()});
   }
   if (r.cu_seqlens_q_size() > 0 || r.cu_seqlens_k_size() > 0) {
-    inputs.push_back({"cu_seqlens_q", "INT32", {r.cu_seqlens_q_size()}, Int32Bytes(r.cu_seqlens_q())});
-    inputs.push_back({"cu_seqlens_k", "INT32", {r.cu_seqlens_k_size()}, Int32Bytes(r.cu_seqlens_k())});
+    inputs.push_back(
+        {"cu_seqlens_q", "INT32", {r.cu_seqlens_q_size()}, Int32Bytes(r.cu_seqlens_q())});
+    inputs.push_back(
+        {"cu_seqlens_k", "INT32", {r.cu_seqlens_k_size()}, Int32Bytes(r.cu_seqlens_k())});
   }
   return inputs;
 }
@@ -77,9 +81,8 @@ absl::StatusOr<v1::Tensor> TensorOf(const inference::ModelInferResponse::InferOu
   const std::string& type = out.datatype();
   const DType dtype = type == "FP16" ? DType::kFP16 : type == "BF16" ? DType::kBF16 : DType::kFP32;
   if (type != "FP16" && type != "BF16" && type != "FP32") {
-    return absl::InternalError(absl::StrCat("outputs['", out.name(),
-                                            "'].datatype: expected FP16, BF16 or FP32, got \"",
-                                            type, "\""));
+    return absl::InternalError(absl::StrCat(
+        "outputs['", out.name(), "'].datatype: expected FP16, BF16 or FP32, got \"", type, "\""));
   }
   t.set_dtype(static_cast<v1::DType>(dtype));
   *t.mutable_shape() = out.shape();
@@ -219,9 +222,8 @@ absl::StatusOr<std::unique_ptr<V2Client::Region>> MakeSystemRegion(const std::st
   const int error = errno;
   close(fd);
   if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("--shm=system: cannot map ", size,
-                                                     " bytes of /", name, ": ",
-                                                     std::strerror(error)));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--shm=system: cannot map ", size, " bytes of /", name, ": ", std::strerror(error)));
   }
   region->data = static_cast<char*>(p);
   return std::unique_ptr<V2Client::Region>(std::move(region));
@@ -307,10 +309,10 @@ absl::Status V2Client::Register(Region* region) {
   }
   if (st.ok()) return absl::OkStatus();
   const absl::Status status = ToAbslStatus(st);
-  return absl::Status(status.code(),
-                      absl::StrCat("--shm=", V2ShmName(shm_), ": registering region '",
-                                   region->name, "': ", status.message(),
-                                   " (does the server run with --allow_client_shm?)"));
+  return absl::Status(
+      status.code(),
+      absl::StrCat("--shm=", V2ShmName(shm_), ": registering region '", region->name,
+                   "': ", status.message(), " (does the server run with --allow_client_shm?)"));
 }
 
 absl::StatusOr<std::unique_ptr<V2Client>> V2Client::Create(AttentionClient* client, V2Shm shm,
@@ -360,8 +362,7 @@ V2Client::~V2Client() {
   }
 }
 
-absl::StatusOr<v1::ForwardResponse> V2Client::Forward(const v1::ForwardRequest& request,
-                                                      int slot) {
+absl::StatusOr<v1::ForwardResponse> V2Client::Forward(const v1::ForwardRequest& request, int slot) {
   if (regions_.empty()) return Infer(ToModelInferRequest(request));
   return InferThroughRegion(request, regions_[static_cast<size_t>(slot) % regions_.size()].get());
 }
@@ -375,12 +376,12 @@ absl::StatusOr<v1::ForwardResponse> V2Client::Infer(const inference::ModelInferR
   return FromModelInferResponse(std::move(response));
 }
 
-absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(
-    const v1::ForwardRequest& request, Region* region) {
+absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::ForwardRequest& request,
+                                                                 Region* region) {
   if (V2SlotBytes(request) > region->size) {
     return absl::InvalidArgumentError(absl::StrCat("--shm: the request needs ",
-                                                   V2SlotBytes(request),
-                                                   " bytes, the region has ", region->size));
+                                                   V2SlotBytes(request), " bytes, the region has ",
+                                                   region->size));
   }
   // Inputs, then o and lse, packed from the start of the region.
   inference::ModelInferRequest v2;

@@ -69,15 +69,13 @@ class KvService final : public v1::KvCache::CallbackService {
   // passes check_lengths false when its request names no expected_length (the
   // steps then append at whatever length arrival order left, kAnyLength).
   void StartAppendAttend(const std::string& tenant, absl::Time deadline,
-                         const v1::AppendAttendRequest* request,
-                         v1::AppendAttendResponse* response,
+                         const v1::AppendAttendRequest* request, v1::AppendAttendResponse* response,
                          std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
                          bool check_lengths = true);
   // UNAVAILABLE while draining, else OK.
   absl::Status Draining() const;
 
  private:
-
   KvPool* const pool_;
   const std::string backend_name_;
   const RequestLimits limits_;

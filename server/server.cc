@@ -212,11 +212,11 @@ class AttnServerImpl final : public AttnServer {
         kv_service_(&kv_pool_, description_.name,
                     RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
                     options.stream),
-        kserve_(&handler_, &kv_service_, &kv_pool_, &metrics_, KserveInfo(options, description_), options.kserve,
-                options.stream, [this] {
-          absl::MutexLock lock(&mu_);
-          return state_ == State::kServing;
-        }) {}
+        kserve_(&handler_, &kv_service_, &kv_pool_, &metrics_, KserveInfo(options, description_),
+                options.kserve, options.stream, [this] {
+                  absl::MutexLock lock(&mu_);
+                  return state_ == State::kServing;
+                }) {}
 
   ~AttnServerImpl() override {
     Shutdown(absl::ZeroDuration());

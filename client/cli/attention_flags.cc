@@ -88,8 +88,8 @@ absl::StatusOr<ProtocolChoice> ProtocolFromFlags() {
 
 std::string ProtocolChoice::ToString() const {
   if (!v2) return "native (attnserve.v1.Attention)";
-  return absl::StrCat("v2 (KServe ModelInfer, model ", kV2AttentionModel, ", shm ",
-                      V2ShmName(shm), ")");
+  return absl::StrCat("v2 (KServe ModelInfer, model ", kV2AttentionModel, ", shm ", V2ShmName(shm),
+                      ")");
 }
 
 absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed) {

@@ -21,7 +21,7 @@
 namespace attnserve {
 namespace {
 
-const std::vector<std::string> kInputs = {"q", "k", "v"};
+constexpr const char* kInputs[] = {"q", "k", "v"};
 constexpr char kControlNames[] =
     "cache_id, layer, sequence_id, sequence_start, sequence_end, expected_length, fork_from, "
     "fork_length";
@@ -94,7 +94,7 @@ void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const
   out->set_name(name_);
   out->add_versions(kModelVersion);
   out->set_platform("attnserve");
-  for (const std::string& n : kInputs) AddTensorMetadata(n.c_str(), type, 3, out->mutable_inputs());
+  for (const char* n : kInputs) AddTensorMetadata(n, type, 3, out->mutable_inputs());
   AddTensorMetadata("o", type, 3, out->mutable_outputs());
   AddTensorMetadata("lse", "FP32", 2, out->mutable_outputs());
 }
@@ -105,7 +105,7 @@ void AttentionKvModel::FillConfig(inference::ModelConfig* out) const {
   out->set_backend("attnserve");
   out->set_max_batch_size(0);  // one sequence per request; its rows are the first dimension
   const inference::DataType type = ConfigType(info_.advertised);
-  for (const std::string& n : kInputs) AddConfigInput(n.c_str(), type, 3, false, out);
+  for (const char* n : kInputs) AddConfigInput(n, type, 3, false, out);
   AddConfigOutput("o", type, 3, out);
   AddConfigOutput("lse", inference::TYPE_FP32, 2, out);
   // Stateful: tools that read the config (perf_analyzer) then send
@@ -158,8 +158,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
       if (v.ok() && (*v < 0 || *v > INT_MAX)) {
         status = Invalid(absl::StrCat(where, ": expected 0..", INT_MAX, ", got ", *v));
       }
-      if (status.ok()) (name == "layer" ? layer : name == "expected_length" ? expected_length
-                                                                            : fork_length) = *v;
+      if (status.ok())
+        (name == "layer" ? layer : name == "expected_length" ? expected_length : fork_length) = *v;
     } else {
       status = Invalid(absl::StrCat(where, ": expected one of ", kControlNames, ", ",
                                     kAttentionOptionNames, ", got '", name, "'"));
@@ -185,7 +185,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
                                 request.parameters().count("sequence_id") > 0 ? "0" : "none"));
   }
   if ((c->fork_from.has_value() || fork_length.has_value()) && !c->start) {
-    return Invalid(absl::StrCat("parameters['", c->fork_from.has_value() ? "fork_from" : "fork_length",
+    return Invalid(absl::StrCat("parameters['",
+                                c->fork_from.has_value() ? "fork_from" : "fork_length",
                                 "']: only with sequence_start (a fork creates the sequence)"));
   }
   if (fork_length.has_value() && !c->fork_from.has_value()) {
@@ -203,8 +204,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   c->cache = *std::move(cache);
   if (!layer.has_value() && c->cache->geometry().num_layers > 1) {
     return Invalid(absl::StrCat("parameters['layer']: cache '", cache_id, "' has ",
-                                c->cache->geometry().num_layers,
-                                " layers; name one in [0, ", c->cache->geometry().num_layers, ")"));
+                                c->cache->geometry().num_layers, " layers; name one in [0, ",
+                                c->cache->geometry().num_layers, ")"));
   }
 
   absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, kInputs);
@@ -212,8 +213,9 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   v1::Tensor* tensors[] = {append.mutable_q(), append.mutable_k(), append.mutable_v()};
   for (int which = 0; which < 3; ++which) {
     if ((*index_of)[which] < 0) {
-      return Invalid(absl::StrCat("inputs: model '", name_, "' needs q, k and v (zero rows allowed); '",
-                                  kInputs[which], "' is missing"));
+      return Invalid(absl::StrCat("inputs: model '", name_,
+                                  "' needs q, k and v (zero rows allowed); '", kInputs[which],
+                                  "' is missing"));
     }
     absl::Status taken = TakeFloatTensor(source, (*index_of)[which], tensors[which]);
     if (!taken.ok()) return taken;
@@ -243,8 +245,9 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   if (!dtype.ok() || q.shape(1) < 0 || q.shape(2) < 0) return absl::OkStatus();
   const uint64_t rows_heads = uint64_t(q.shape(0)) * uint64_t(q.shape(1));
   for (const V2Output& out : c->outputs) {
-    absl::Status fits = CheckOutputFits(
-        out, out.name == "o" ? rows_heads * uint64_t(q.shape(2)) * DTypeSize(*dtype) : rows_heads * 4);
+    absl::Status fits =
+        CheckOutputFits(out, out.name == "o" ? rows_heads * uint64_t(q.shape(2)) * DTypeSize(*dtype)
+                                             : rows_heads * 4);
     if (!fits.ok()) return fits;
   }
   return absl::OkStatus();
@@ -264,11 +267,11 @@ absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status) con
   if (c->end) {
     absl::Status freed = c->cache->Free({c->sequence_id});
     if (!freed.ok()) {
-      return absl::Status(freed.code(),
-                          absl::StrCat("parameters['sequence_end']: the append applied (sequence ",
-                                       c->sequence_id, " has ", length, " tokens at layer ",
-                                       c->append.layer(), ") but the sequence was not freed: ",
-                                       freed.message()));
+      return absl::Status(
+          freed.code(),
+          absl::StrCat("parameters['sequence_end']: the append applied (sequence ", c->sequence_id,
+                       " has ", length, " tokens at layer ", c->append.layer(),
+                       ") but the sequence was not freed: ", freed.message()));
     }
   }
   response.set_model_name(name_);
@@ -295,10 +298,9 @@ void AttentionKvModel::Infer(InferCall call) {
     if (prepared.ok()) {
       c->created = true;
     } else if (prepared.code() == absl::StatusCode::kAlreadyExists) {
-      prepared = absl::AlreadyExistsError(
-          absl::StrCat("parameters['sequence_start']: sequence ", c->sequence_id,
-                       " already exists in cache '", c->cache->id(),
-                       "' (end it with sequence_end, or continue it without sequence_start)"));
+      prepared = absl::AlreadyExistsError(absl::StrCat(
+          "parameters['sequence_start']: sequence ", c->sequence_id, " already exists in cache '",
+          c->cache->id(), "' (end it with sequence_end, or continue it without sequence_start)"));
     }
   }
   if (!prepared.ok()) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -20,8 +21,8 @@
 namespace attnserve {
 namespace {
 
-const std::vector<std::string> kVarlenInputs = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
-const std::vector<std::string> kDenseInputs = {"q", "k", "v"};
+constexpr const char* kInputNames[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
+constexpr size_t kNumDenseInputs = 3;
 
 // An INT32 cu_seqlens input -> the repeated int32 of the ForwardRequest.
 absl::Status FillSeqlens(const inference::ModelInferRequest::InferInputTensor& input,
@@ -109,7 +110,9 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   forward.set_request_id(request.id());
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
 
-  const std::vector<std::string>& names = info_.varlen_inputs ? kVarlenInputs : kDenseInputs;
+  const absl::Span<const char* const> names =
+      absl::MakeConstSpan(kInputNames)
+          .subspan(0, info_.varlen_inputs ? std::size(kInputNames) : kNumDenseInputs);
   absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, names);
   if (!index_of.ok()) return index_of.status();
   v1::Tensor* tensors[] = {forward.mutable_q(), forward.mutable_k(), forward.mutable_v()};

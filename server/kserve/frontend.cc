@@ -7,6 +7,8 @@
 #include "server/kserve/attention_model.h"
 #include "server/kserve/grpc_service.h"
 #include "server/kserve/http_service.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
 
 namespace attnserve {
 

@@ -15,8 +15,6 @@
 #include "backend/backend.h"
 #include "grpcpp/impl/service_type.h"
 #include "server/forward_handler.h"
-#include "server/kv/kv_pool.h"
-#include "server/kv_service.h"
 #include "server/kserve/context.h"
 #include "server/metrics.h"
 
@@ -24,6 +22,10 @@ namespace attnserve {
 
 class KserveGrpcService;
 class KserveHttpServer;
+// Forward-declared: server.h includes this header, and clients that include
+// server.h (tests) have K/V types of the same names (client/kv_client.h).
+class KvPool;
+class KvService;
 
 struct KserveOptions {
   // Lets clients register shared-memory regions (--allow_client_shm).

@@ -10,9 +10,9 @@ uint64_t Ns(int64_t us) { return static_cast<uint64_t>(us) * 1000; }
 
 }  // namespace
 
-void AddTensorMetadata(const char* name, const char* datatype, int rank,
-                       google::protobuf::RepeatedPtrField<
-                           inference::ModelMetadataResponse::TensorMetadata>* out) {
+void AddTensorMetadata(
+    const char* name, const char* datatype, int rank,
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* out) {
   auto* t = out->Add();
   t->set_name(name);
   t->set_datatype(datatype);

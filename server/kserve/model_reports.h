@@ -11,9 +11,9 @@
 namespace attnserve {
 
 // A metadata tensor entry with `rank` dimensions of -1.
-void AddTensorMetadata(const char* name, const char* datatype, int rank,
-                       google::protobuf::RepeatedPtrField<
-                           inference::ModelMetadataResponse::TensorMetadata>* out);
+void AddTensorMetadata(
+    const char* name, const char* datatype, int rank,
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* out);
 // The config's data type for a float dtype.
 inference::DataType ConfigType(DType t);
 // Config input / output entries with `rank` dimensions of -1.

@@ -44,10 +44,10 @@ absl::Status PlanOutputs(const InputSource& source, const std::string& model, bo
 
 absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes) {
   if (!out.shm.has_value() || bytes <= out.shm->byte_size) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "outputs['", out.name, "']: shared memory region '", out.shm->region,
-      "' was given shared_memory_byte_size ", out.shm->byte_size, " for an output of ", bytes,
-      " bytes"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("outputs['", out.name, "']: shared memory region '", out.shm->region,
+                   "' was given shared_memory_byte_size ", out.shm->byte_size, " for an output of ",
+                   bytes, " bytes"));
 }
 
 absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,

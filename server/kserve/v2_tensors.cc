@@ -173,7 +173,7 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request) {
 
 absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest& request,
                                              const std::string& model,
-                                             const std::vector<std::string>& names) {
+                                             absl::Span<const char* const> names) {
   std::vector<int> index_of(names.size(), -1);
   for (int i = 0; i < request.inputs_size(); ++i) {
     const std::string& name = request.inputs(i).name();

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
 #include "google/protobuf/map.h"
@@ -58,7 +59,7 @@ absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index)
 // given twice.
 absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest& request,
                                              const std::string& model,
-                                             const std::vector<std::string>& names);
+                                             absl::Span<const char* const> names);
 
 // Input `index` as a native tensor: its FP16/BF16/FP32 datatype, shape and
 // bytes (TakeInputBytes). INVALID_ARGUMENT naming the input otherwise.

@@ -52,20 +52,20 @@ std::vector<std::string> Lines(const std::string& text) {
 
 TEST_F(AttnctlV2Test, ForwardOverV2Verifies) {
   for (const char* shm : {"none", "system"}) {
-    const CliResult r = Run({"forward", "--protocol=v2", absl::StrCat("--shm=", shm),
-                             "--batch=2", "--seqlen_q=24", "--seqlen_k=40", "--heads_q=4",
-                             "--heads_kv=2", "--head_dim=32", "--causal", "--return_lse",
-                             "--verify"});
+    const CliResult r = Run({"forward", "--protocol=v2", absl::StrCat("--shm=", shm), "--batch=2",
+                             "--seqlen_q=24", "--seqlen_k=40", "--heads_q=4", "--heads_kv=2",
+                             "--head_dim=32", "--causal", "--return_lse", "--verify"});
     ASSERT_EQ(r.exit_code, 0) << shm << "\n" << Describe(r);
     EXPECT_THAT(r.out, HasSubstr(absl::StrCat("protocol: v2 (KServe ModelInfer, model attention, "
-                                              "shm ", shm, ")")));
+                                              "shm ",
+                                              shm, ")")));
     EXPECT_THAT(r.out, HasSubstr("backend:  cpu"));
     EXPECT_THAT(r.out, HasSubstr("PASS"));
   }
   // Varlen through shared memory too (cu_seqlens travel in the region).
-  const CliResult r = Run({"forward", "--protocol=v2", "--shm=system", "--varlen_q=5,0,17",
-                           "--heads_q=4", "--heads_kv=2", "--head_dim=16", "--dtype=bf16",
-                           "--verify"});
+  const CliResult r =
+      Run({"forward", "--protocol=v2", "--shm=system", "--varlen_q=5,0,17", "--heads_q=4",
+           "--heads_kv=2", "--head_dim=16", "--dtype=bf16", "--verify"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("PASS"));
 }
