@@ -92,10 +92,14 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
       read_next = !ledger_.Full();
       if (!read_next) ledger_.SetPaused(true);
     }
+    // Start this request before reading the next: the next read's OnReadDone
+    // may run on another thread at once, and requests must be started in
+    // arrival order (K/V calls on one sequence and layer apply in the order
+    // they were sent). start_ does not block; it only admits and submits.
+    start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
     // Read the next request while this one runs (pipelining is the point),
     // unless the stream already holds all it may.
     if (read_next) this->StartRead(&incoming_);
-    start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
   }
 
   void OnWriteDone(bool ok) override {
