@@ -160,7 +160,8 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
 void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline,
                                   const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
-                                  std::shared_ptr<const std::atomic<bool>> cancelled, Done done) {
+                                  std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
+                                  bool check_lengths) {
   const absl::Time received = absl::Now();
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
@@ -195,6 +196,9 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
     return;
   }
   std::shared_ptr<KvAppendAttend> c = *std::move(call);
+  if (!check_lengths) {
+    for (KvStep& step : c->steps) step.expected_length = kAnyLength;
+  }
   c->received = received;
   c->deadline = deadline;
   c->cancelled = std::move(cancelled);

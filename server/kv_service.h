@@ -66,15 +66,21 @@ class KvService final : public v1::KvCache::CallbackService {
   // The pool's gauges in Prometheus text (ServerMetrics::SetExtraSource).
   static std::string RenderMetrics(const KvPoolStats& stats);
 
- private:
   using Done = std::function<void(const absl::Status& status)>;
   // Decode, validate, submit one append-and-attend; `done` exactly once.
+  // `request` and `response` must stay valid until then. The KServe v2 model
+  // attention_kv (server/kserve/attention_kv_model.h) calls it too, so both
+  // protocols share validation, limits, draining, metrics and messages; it
+  // passes check_lengths false when its request names no expected_length (the
+  // steps then append at whatever length arrival order left, kAnyLength).
   void StartAppendAttend(const std::string& tenant, absl::Time deadline,
-                         const v1::AppendAttendRequest* request,
-                         v1::AppendAttendResponse* response,
-                         std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
+                         const v1::AppendAttendRequest* request, v1::AppendAttendResponse* response,
+                         std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
+                         bool check_lengths = true);
+  // UNAVAILABLE while draining, else OK.
   absl::Status Draining() const;
 
+ private:
   KvPool* const pool_;
   const std::string backend_name_;
   const RequestLimits limits_;

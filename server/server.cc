@@ -200,6 +200,7 @@ KserveServerInfo KserveInfo(const ServerOptions& o, const BackendDescription& d)
   info.batching = o.batching;
   info.batch_max_delay = o.batch_max_delay;
   info.max_request_bytes = o.max_request_bytes;
+  info.kv_idle_timeout = o.kv_idle_timeout;
   return info;
 }
 
@@ -229,11 +230,11 @@ class AttnServerImpl final : public AttnServer {
         kv_service_(&kv_pool_, description_.name,
                     RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
                     options.stream),
-        kserve_(&handler_, &metrics_, KserveInfo(options, description_), KserveOptionsOf(options),
-                options.stream, [this] {
-          absl::MutexLock lock(&mu_);
-          return state_ == State::kServing;
-        }) {
+        kserve_(&handler_, &kv_service_, &kv_pool_, &metrics_, KserveInfo(options, description_),
+                KserveOptionsOf(options), options.stream, [this] {
+                  absl::MutexLock lock(&mu_);
+                  return state_ == State::kServing;
+                }) {
     kv_pool_.set_tenants(tenants_.get());
     kv_service_.set_auth(auth_.get());
     kserve_.SetAuth(auth_.get(), tenants_.get());

@@ -57,6 +57,17 @@ ABSL_FLAG(std::optional<float>, k_descale, std::nullopt,
 ABSL_FLAG(std::optional<float>, v_descale, std::nullopt,
           "FP8 inputs: v's value is its code times this, in (0, 128] (default: 1).");
 
+// Which protocol carries the call (docs/kserve.md).
+ABSL_FLAG(std::string, protocol, "native",
+          "native: attnserve.v1.Attention/Forward. v2: KServe v2 / Triton ModelInfer of the model "
+          "'attention' (inference.GRPCInferenceService on the same port), so the two paths "
+          "compare side by side.");
+ABSL_FLAG(std::string, shm, "none",
+          "With --protocol=v2: none (tensors in the message), system (a POSIX shared-memory "
+          "region per caller, registered with the server, which must run with "
+          "--allow_client_shm; inputs and outputs go through it), or cuda (CUDA IPC memory; "
+          "this attnctl has no CUDA client and says so).");
+
 namespace attnserve {
 namespace cli {
 namespace {
@@ -64,6 +75,29 @@ namespace {
 absl::Status UsageStatus(std::string message) { return absl::InvalidArgumentError(message); }
 
 }  // namespace
+
+absl::StatusOr<ProtocolChoice> ProtocolFromFlags() {
+  ProtocolChoice choice;
+  const std::string protocol = absl::GetFlag(FLAGS_protocol);
+  if (protocol != "native" && protocol != "v2") {
+    return UsageStatus(absl::StrCat("--protocol: expected native or v2, got '", protocol, "'"));
+  }
+  choice.v2 = protocol == "v2";
+  absl::StatusOr<V2Shm> shm = ParseV2Shm(absl::GetFlag(FLAGS_shm));
+  if (!shm.ok()) return shm.status();
+  choice.shm = *shm;
+  if (choice.shm != V2Shm::kNone && !choice.v2) {
+    return UsageStatus(absl::StrCat("--shm=", V2ShmName(choice.shm),
+                                    " needs --protocol=v2 (the native API has no shared memory)"));
+  }
+  return choice;
+}
+
+std::string ProtocolChoice::ToString() const {
+  if (!v2) return "native (attnserve.v1.Attention)";
+  return absl::StrCat("v2 (KServe ModelInfer, model ", kV2AttentionModel, ", shm ", V2ShmName(shm),
+                      ")");
+}
 
 absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed) {
   AttentionShape s;

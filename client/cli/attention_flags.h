@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/attention_client.h"
+#include "client/v2_client.h"
 
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::optional<uint64_t>, seed);
@@ -49,6 +50,17 @@ absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags();
 // The option flags into `o` (return_lse from --return_lse only).
 // INVALID_ARGUMENT naming the flag for a bad value.
 absl::Status OptionsFromFlags(ForwardOptions* o);
+
+// --protocol and --shm: which protocol carries the attention calls.
+struct ProtocolChoice {
+  bool v2 = false;  // KServe v2 ModelInfer instead of Forward
+  V2Shm shm = V2Shm::kNone;
+  // "native (attnserve.v1.Attention)" or "v2 (KServe ModelInfer, model attention, shm system)".
+  std::string ToString() const;
+};
+// INVALID_ARGUMENT naming the flag for a bad value, or --shm without
+// --protocol=v2.
+absl::StatusOr<ProtocolChoice> ProtocolFromFlags();
 
 // "causal window_left=4 return_lse", or "no mask".
 std::string OptionsString(const ForwardOptions& o);

@@ -148,12 +148,25 @@ int RunForward(const std::vector<std::string>& args) {
   absl::StatusOr<InputsSummary> summary = SummarizeInputs(*inputs);
   if (!summary.ok()) return UsageError(kCmd, summary.status().message());
 
+  absl::StatusOr<ProtocolChoice> protocol = ProtocolFromFlags();
+  if (!protocol.ok()) return UsageError(kCmd, protocol.status().message());
   absl::StatusOr<std::unique_ptr<AttentionClient>> client = MakeClientFromFlags();
   if (!client.ok()) return UsageError(kCmd, client.status().message());
 
   std::cout << "request:  " << summary->ToString() << ", " << OptionsString(inputs->options);
   if (!from_files) std::cout << ", seed " << seed;
   std::cout << "\n";
+  // The v2 path sends the same native request, converted (v2_client.h).
+  v1::ForwardRequest request;
+  std::unique_ptr<V2Client> v2;
+  if (protocol->v2) {
+    std::cout << "protocol: " << protocol->ToString() << "\n";
+    request = MakeForwardRequest(*inputs);
+    absl::StatusOr<std::unique_ptr<V2Client>> made =
+        V2Client::Create(client->get(), protocol->shm, 1, V2SlotBytes(request));
+    if (!made.ok()) return PrintError("--protocol=v2", made.status());
+    v2 = *std::move(made);
+  }
 
   // Client latency covers the RPC and decoding, not building the inputs or
   // opening the connection. A failed connect is left for Forward to report
@@ -162,9 +175,17 @@ int RunForward(const std::vector<std::string>& args) {
     (*client)->Connect(std::min(absl::GetFlag(FLAGS_timeout), absl::Seconds(10))).IgnoreError();
   }
   const absl::Time start = absl::Now();
-  absl::StatusOr<ForwardResult> result = (*client)->Forward(*inputs);
+  absl::StatusOr<ForwardResult> result;
+  if (v2 != nullptr) {
+    absl::StatusOr<v1::ForwardResponse> response = v2->Forward(request);
+    result = response.ok() ? ForwardResultFromProto(*std::move(response)) : response.status();
+  } else {
+    result = (*client)->Forward(*inputs);
+  }
   const int64_t client_us = absl::ToInt64Microseconds(absl::Now() - start);
-  if (!result.ok()) return PrintError("Forward failed", result.status());
+  if (!result.ok()) {
+    return PrintError(v2 != nullptr ? "ModelInfer failed" : "Forward failed", result.status());
+  }
 
   const ForwardTiming& t = result->timing;
   std::cout << "backend:  " << result->backend << "\n"

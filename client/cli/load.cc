@@ -44,9 +44,11 @@ constexpr char kCmd[] = "load";
 
 void PrintPreamble(const LoadConfig& config, const Workload& w, const AttentionClient& client,
                    absl::Duration build_time) {
-  const char* calls = config.echo     ? "unary Echo (no compute)"
-                      : config.stream ? "ForwardStream"
-                                      : "unary Forward";
+  const std::string calls = config.protocol.v2 ? absl::StrCat("unary ModelInfer, protocol ",
+                                                              config.protocol.ToString())
+                            : config.echo      ? "unary Echo (no compute), protocol native"
+                            : config.stream    ? "ForwardStream, protocol native"
+                                               : "unary Forward, protocol native";
   std::cout << "load:     " << w.summary.ToString() << ", " << w.options << ", seed "
             << config.seed << ", " << w.requests.size() << " inputs\n"
             << "          " << calls << ", " << client.num_channels()
@@ -62,7 +64,7 @@ void PrintPreamble(const LoadConfig& config, const Workload& w, const AttentionC
 }
 
 // Runs step `r` (its mode and level set) and fills in its measurements.
-void RunStep(AttentionClient& client, const Workload& w, const LoadConfig& config,
+void RunStep(AttentionClient& client, V2Client* v2, const Workload& w, const LoadConfig& config,
              StepResult* r) {
   const absl::Time start = absl::Now();
   const absl::Time window_start = start + config.warmup;
@@ -71,9 +73,9 @@ void RunStep(AttentionClient& client, const Workload& w, const LoadConfig& confi
   {
     Progress progress(StepLabel(*r), rec, start, window_start, stop);
     if (r->mode == "closed") {
-      RunClosedLoop(client, w, config, r->concurrency, stop, rec);
+      RunClosedLoop(client, v2, w, config, r->concurrency, stop, rec);
     } else {
-      RunOpenLoop(client, w, config, r->rate, stop, rec);
+      RunOpenLoop(client, v2, w, config, r->rate, stop, rec);
     }
   }
   rec.Summarize(r);
@@ -95,6 +97,18 @@ int RunLoad(const std::vector<std::string>& args) {
   if (!config->wait_for_ready) {
     (*client)->Connect(std::min(config->timeout, absl::Seconds(10))).IgnoreError();
   }
+  // --protocol=v2: one shared-memory slot per caller of the largest step.
+  std::unique_ptr<V2Client> v2;
+  if (config->protocol.v2) {
+    const int slots = config->concurrency.empty()
+                          ? 0
+                          : *std::max_element(config->concurrency.begin(),
+                                              config->concurrency.end());
+    absl::StatusOr<std::unique_ptr<V2Client>> made = V2Client::Create(
+        client->get(), config->protocol.shm, slots, V2SlotBytes(w->requests.front()));
+    if (!made.ok()) return PrintError("--protocol=v2", made.status());
+    v2 = *std::move(made);
+  }
   PrintPreamble(*config, *w, **client, absl::Now() - build_start);
   PrintHeader();
 
@@ -110,7 +124,7 @@ int RunLoad(const std::vector<std::string>& args) {
     } else {
       r.rate = config->rates[i];
     }
-    RunStep(**client, *w, *config, &r);
+    RunStep(**client, v2.get(), *w, *config, &r);
     PrintRow(r);
     // A --check run is a correctness run: any error fails it.
     check_failed |= config->check && r.errors > 0;

@@ -139,6 +139,19 @@ absl::StatusOr<LoadConfig> LoadConfigFromFlags() {
     return absl::InvalidArgumentError(
         "--stream does not apply to --rpc=echo: Echo is unary only (there is no streaming echo)");
   }
+  absl::StatusOr<ProtocolChoice> protocol = ProtocolFromFlags();
+  if (!protocol.ok()) return protocol.status();
+  c.protocol = *protocol;
+  if (c.protocol.v2 && (c.echo || c.stream)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.echo ? "--rpc=echo" : "--stream",
+        " does not apply to --protocol=v2: the load test sends unary ModelInfer calls"));
+  }
+  if (c.protocol.shm != V2Shm::kNone && !c.rates.empty()) {
+    return absl::InvalidArgumentError(
+        "--shm needs the closed loop (--concurrency): each caller owns one region, and the "
+        "open loop has no bound on the calls in flight but --max_outstanding");
+  }
   c.csv = absl::GetFlag(FLAGS_csv);
   c.jsonl = absl::GetFlag(FLAGS_jsonl);
   c.label = absl::GetFlag(FLAGS_label);

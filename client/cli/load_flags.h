@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/cli/attention_flags.h"
 #include "common/dtype.h"
 
 namespace attnserve {
@@ -33,6 +34,9 @@ struct LoadConfig {
   bool check = false;
   bool stream = false;
   bool echo = false;  // --rpc=echo
+  // --protocol and --shm (shared with forward): v2 sends ModelInfer of the
+  // model `attention` instead of Forward.
+  ProtocolChoice protocol;
   std::string csv;
   std::string jsonl;
   std::string label;

@@ -49,18 +49,24 @@ struct OpenStream {
 
 }  // namespace
 
-void RunClosedLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
-                   int callers, absl::Time stop, Recorder& rec) {
+void RunClosedLoop(AttentionClient& client, V2Client* v2, const Workload& w,
+                   const LoadConfig& config, int callers, absl::Time stop, Recorder& rec) {
   const int n = static_cast<int>(w.requests.size());
   std::vector<std::thread> threads;
   for (int c = 0; c < callers; ++c) {
     threads.emplace_back([&, c] {
       int input = c % n;
+      auto call = [&]() -> absl::StatusOr<v1::ForwardResponse> {
+        if (v2 != nullptr) {
+          return v2->shm() == V2Shm::kNone ? v2->Infer(w.v2_requests[input])
+                                           : v2->Forward(w.requests[input], c);
+        }
+        return w.echo ? client.Echo(w.requests[input]) : client.Forward(w.requests[input]);
+      };
       if (!config.stream) {
         while (absl::Now() < stop) {
           const absl::Time sent = absl::Now();
-          absl::StatusOr<v1::ForwardResponse> r =
-              w.echo ? client.Echo(w.requests[input]) : client.Forward(w.requests[input]);
+          absl::StatusOr<v1::ForwardResponse> r = call();
           RecordCall(rec, w, input, sent, r.status(), r.ok() ? &*r : nullptr);
           input = (input + 1) % n;
         }
@@ -88,8 +94,8 @@ void RunClosedLoop(AttentionClient& client, const Workload& w, const LoadConfig&
   for (std::thread& t : threads) t.join();
 }
 
-void RunOpenLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
-                 double rate, absl::Time stop, Recorder& rec) {
+void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w,
+                 const LoadConfig& config, double rate, absl::Time stop, Recorder& rec) {
   const int n = static_cast<int>(w.requests.size());
   std::atomic<int> outstanding{0};
   std::vector<std::unique_ptr<OpenStream>> streams;
@@ -137,7 +143,9 @@ void RunOpenLoop(AttentionClient& client, const Workload& w, const LoadConfig& c
         RecordCall(rec, w, input, sent, r.status(), r.ok() ? &*r : nullptr);
         outstanding.fetch_sub(1);
       };
-      if (w.echo) {
+      if (v2 != nullptr) {
+        v2->InferAsync(w.v2_requests[input], std::move(done));
+      } else if (w.echo) {
         client.EchoAsync(w.requests[input], CallOptions(), std::move(done));
       } else {
         client.ForwardAsync(w.requests[input], CallOptions(), std::move(done));

@@ -9,18 +9,22 @@
 #include "client/cli/load_flags.h"
 #include "client/cli/load_recorder.h"
 #include "client/cli/load_workload.h"
+#include "client/v2_client.h"
 
 namespace attnserve {
 namespace cli {
 
 // `callers` threads, each with at most one request in flight, until `stop`.
-void RunClosedLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
-                   int callers, absl::Time stop, Recorder& rec);
+// With `v2` (--protocol=v2; null otherwise) the calls are its ModelInfer,
+// caller c using shared-memory slot c.
+void RunClosedLoop(AttentionClient& client, V2Client* v2, const Workload& w,
+                   const LoadConfig& config, int callers, absl::Time stop, Recorder& rec);
 
 // Poisson arrivals at `rate` req/s until `stop` (at most
 // config.max_outstanding in flight), then waits for the requests in flight.
-void RunOpenLoop(AttentionClient& client, const Workload& w, const LoadConfig& config,
-                 double rate, absl::Time stop, Recorder& rec);
+// With `v2`: its ModelInfer, tensors in the message.
+void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w,
+                 const LoadConfig& config, double rate, absl::Time stop, Recorder& rec);
 
 }  // namespace cli
 }  // namespace attnserve

@@ -81,7 +81,10 @@ std::vector<Column> Columns(const StepResult& r, const Workload& w, const LoadCo
           {"device_to_host_ms", r.d2h_ms},
           {"mean_batch_size", r.mean_batch_size},
           {"requests_by_device", DevicesString(r)},
-          {"check", config.check}};
+          {"check", config.check},
+          // Last, so the columns before them keep their places in older files.
+          {"protocol", std::string(config.protocol.v2 ? "v2" : "native")},
+          {"shm", std::string(V2ShmName(config.protocol.shm))}};
 }
 
 // A CSV cell. Text is quoted, and a '"' in free text (--label) becomes '\''.

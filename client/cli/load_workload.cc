@@ -64,6 +64,9 @@ absl::StatusOr<Workload> BuildWorkload(const LoadConfig& config) {
       w.verifiers.push_back(*std::move(v));
     }
     w.requests.push_back(MakeForwardRequest(*std::move(in)));
+    if (config.protocol.v2 && config.protocol.shm == V2Shm::kNone) {
+      w.v2_requests.push_back(ToModelInferRequest(w.requests.back()));
+    }
   }
   return w;
 }

@@ -14,6 +14,7 @@
 #include "client/cli/load_flags.h"
 #include "client/cli/load_recorder.h"
 #include "client/inputs.h"
+#include "client/v2_client.h"
 #include "client/verify.h"
 
 namespace attnserve {
@@ -23,6 +24,9 @@ namespace cli {
 // request is worth is one number each.
 struct Workload {
   std::vector<v1::ForwardRequest> requests;
+  // --protocol=v2 without shared memory: `requests` converted once
+  // (ToModelInferRequest), so a call costs the same client work as Forward's.
+  std::vector<inference::ModelInferRequest> v2_requests;
   std::vector<ForwardVerifier> verifiers;  // one per request with --check
   InputsSummary summary;
   std::string options;

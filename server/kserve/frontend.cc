@@ -3,15 +3,19 @@
 
 #include <utility>
 
+#include "server/kserve/attention_kv_model.h"
 #include "server/kserve/attention_model.h"
 #include "server/kserve/grpc_service.h"
 #include "server/kserve/http_service.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
 
 namespace attnserve {
 
-KserveFrontend::KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics,
-                               const KserveServerInfo& info, const KserveOptions& options,
-                               const StreamLimits& stream_limits, std::function<bool()> ready)
+KserveFrontend::KserveFrontend(ForwardHandler* handler, KvService* kv_service, KvPool* kv_pool,
+                               ServerMetrics* metrics, const KserveServerInfo& info,
+                               const KserveOptions& options, const StreamLimits& stream_limits,
+                               std::function<bool()> ready)
     : options_(options),
       max_request_bytes_(info.max_request_bytes),
       context_(options.allow_client_shm) {
@@ -28,6 +32,9 @@ KserveFrontend::KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics,
   model_info.varlen_inputs = false;
   context_.models.Add(
       std::make_unique<AttentionModel>(handler, &context_.shm, metrics, std::move(model_info)));
+  context_.models.Add(std::make_unique<AttentionKvModel>(
+      kv_service, kv_pool, &context_.shm, metrics,
+      AttentionKvModelInfo{info.backend, info.advertised_dtype, info.kv_idle_timeout}));
   grpc_ = std::make_unique<KserveGrpcService>(&context_);
 }
 

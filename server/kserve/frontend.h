@@ -1,5 +1,6 @@
 // The KServe v2 / Triton front-end as one object for AttnServer to own: the
-// model registry (with `attention`), the shared-memory registry, the gRPC
+// model registry (`attention`, `attention_dense`, and `attention_kv` over the
+// K/V service), the shared-memory registry, the gRPC
 // service (registered on the native port) and the HTTP/REST server on a port
 // of its own.
 #pragma once
@@ -22,6 +23,10 @@ namespace attnserve {
 
 class KserveGrpcService;
 class KserveHttpServer;
+// Forward-declared: server.h includes this header, and clients that include
+// server.h (tests) have K/V types of the same names (client/kv_client.h).
+class KvPool;
+class KvService;
 
 struct KserveOptions {
   // Lets clients register shared-memory regions (--allow_client_shm).
@@ -43,14 +48,17 @@ struct KserveServerInfo {
   bool batching = false;
   absl::Duration batch_max_delay;
   int64_t max_request_bytes = 0;  // also the HTTP body limit
+  absl::Duration kv_idle_timeout;  // attention_kv's config (--kv_idle_timeout)
 };
 
 class KserveFrontend {
  public:
-  // `handler` and `metrics` (may be null) must outlive the front-end;
-  // `stream_limits` bound each ModelStreamInfer stream like every other
-  // stream (stream_flow_control.h); `ready` says whether the server serves.
-  KserveFrontend(ForwardHandler* handler, ServerMetrics* metrics, const KserveServerInfo& info,
+  // `handler`, `kv_service`, `kv_pool` and `metrics` must outlive the
+  // front-end; `stream_limits` bound each ModelStreamInfer stream like every
+  // other stream (stream_flow_control.h); `ready` says whether the server
+  // serves.
+  KserveFrontend(ForwardHandler* handler, KvService* kv_service, KvPool* kv_pool,
+                 ServerMetrics* metrics, const KserveServerInfo& info,
                  const KserveOptions& options, const StreamLimits& stream_limits,
                  std::function<bool()> ready);
   ~KserveFrontend();

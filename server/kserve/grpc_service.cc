@@ -7,6 +7,7 @@
 
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
+#include "server/kv_service.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 
@@ -15,6 +16,13 @@ namespace {
 
 using inference::ModelInferRequest;
 using inference::ModelStreamInferResponse;
+
+// The call's x-attnserve-cache-id metadata (attention_kv), empty without it.
+std::string CacheIdHeaderOf(const grpc::CallbackServerContext* ctx) {
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find(kCacheIdHeader);
+  return it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
 
 grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
@@ -42,6 +50,7 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     call.request = const_cast<ModelInferRequest*>(request);
     call.response = response;
     call.tenant = TenantOf(context->auth, ctx);
+    call.cache_id_header = CacheIdHeaderOf(ctx);
     call.deadline = DeadlineOf(ctx);
     call.cancelled = cancelled_;
     call.done = [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); };
@@ -71,7 +80,8 @@ using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInfer
 // with error_message set (and its id), and the stream goes on.
 StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx), deadline = DeadlineOf(ctx)](
+  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx), deadline = DeadlineOf(ctx),
+                cache_id = CacheIdHeaderOf(ctx)](
                    StreamReactor::Call* call, StreamReactor::Done done) {
     absl::StatusOr<KserveModel*> model =
         context->models.Find(call->request.model_name(), call->request.model_version());
@@ -80,6 +90,7 @@ StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerCont
     infer.request = &call->request;
     infer.response = call->response.mutable_infer_response();
     infer.tenant = tenant;
+    infer.cache_id_header = cache_id;
     infer.deadline = deadline;
     infer.cancelled = cancelled;
     infer.done = std::move(done);

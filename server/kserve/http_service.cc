@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/dtype.h"
+#include "server/kv_service.h"
 #include "server/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
@@ -576,6 +577,7 @@ class KserveHttpServerImpl final : public KserveHttpServer {
       call.request = &request;
       call.response = &response;
       call.tenant = TenantOf(req);
+      call.cache_id_header = req.get_header_value(kCacheIdHeader);
       call.cancelled = std::make_shared<std::atomic<bool>>(false);
       call.done = [&](const absl::Status& s) {
         status = s;

@@ -29,6 +29,9 @@ struct InferCall {
   inference::ModelInferRequest* request = nullptr;
   inference::ModelInferResponse* response = nullptr;
   std::string tenant;  // tenant.h
+  // The call's x-attnserve-cache-id header (gRPC metadata or HTTP header),
+  // empty without one: attention_kv's cache when no cache_id parameter names it.
+  std::string cache_id_header;
   absl::Time deadline = absl::InfiniteFuture();
   std::shared_ptr<const std::atomic<bool>> cancelled;
   std::function<void(const absl::Status&)> done;

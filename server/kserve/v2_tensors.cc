@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace attnserve {
 namespace {
@@ -63,6 +64,31 @@ absl::StatusOr<int64_t> IntParameter(const std::string& where,
     default: break;
   }
   return WrongType(where, "an integer", p);
+}
+
+absl::StatusOr<uint64_t> Uint64Parameter(const std::string& where,
+                                         const inference::InferParameter& p) {
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kUint64Param: return p.uint64_param();
+    case inference::InferParameter::kInt64Param:
+      if (p.int64_param() < 0) break;
+      return static_cast<uint64_t>(p.int64_param());
+    case inference::InferParameter::kStringParam: {
+      uint64_t v;
+      if (absl::SimpleAtoi(p.string_param(), &v)) return v;
+      break;
+    }
+    default: break;
+  }
+  return WrongType(where, "an unsigned integer", p);
+}
+
+absl::StatusOr<std::string> StringParameter(const std::string& where,
+                                            const inference::InferParameter& p) {
+  if (p.parameter_choice_case() == inference::InferParameter::kStringParam) {
+    return p.string_param();
+  }
+  return WrongType(where, "a string", p);
 }
 
 absl::StatusOr<double> DoubleParameter(const std::string& where,
@@ -144,6 +170,40 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request) {
         " entries (one per input not given in contents or shared memory), got ",
         request.raw_input_contents_size()));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest& request,
+                                             const std::string& model,
+                                             absl::Span<const char* const> names) {
+  std::vector<int> index_of(names.size(), -1);
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const std::string& name = request.inputs(i).name();
+    size_t which = 0;
+    while (which < names.size() && name != names[which]) ++which;
+    if (which == names.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("inputs['", name, "']: model '", model,
+                                                     "' has no such input (inputs: ",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    if (index_of[which] != -1) {
+      return absl::InvalidArgumentError(absl::StrCat("inputs['", name, "']: given twice"));
+    }
+    index_of[which] = i;
+  }
+  return index_of;
+}
+
+absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out) {
+  const auto& input = source.request->inputs(index);
+  absl::StatusOr<DType> dtype =
+      ParseFloatDatatype(absl::StrCat("inputs['", input.name(), "'].datatype"), input.datatype());
+  if (!dtype.ok()) return dtype.status();
+  absl::StatusOr<std::string> bytes = TakeInputBytes(source, index);
+  if (!bytes.ok()) return bytes.status();
+  out->set_dtype(static_cast<v1::DType>(*dtype));
+  *out->mutable_shape() = input.shape();
+  *out->mutable_data() = *std::move(bytes);
   return absl::OkStatus();
 }
 

@@ -8,9 +8,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
 #include "google/protobuf/map.h"
 #include "inference/grpc_service.pb.h"
@@ -51,9 +54,27 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request);
 // little-endian, or its raw_input_contents entry (moved out, not copied).
 absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index);
 
+// The index in request.inputs of each of `names` (-1 for one not given);
+// INVALID_ARGUMENT for an input of model `model` with another name, or one
+// given twice.
+absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest& request,
+                                             const std::string& model,
+                                             absl::Span<const char* const> names);
+
+// Input `index` as a native tensor: its FP16/BF16/FP32 datatype, shape and
+// bytes (TakeInputBytes). INVALID_ARGUMENT naming the input otherwise.
+absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out);
+
 // The int64 value of request parameter `name` given as int64, uint64, or a
 // decimal string; `where` names it in errors.
 absl::StatusOr<int64_t> IntParameter(const std::string& where, const inference::InferParameter& p);
+// A uint64 parameter (ids) given as uint64, a non-negative int64, or a
+// decimal string.
+absl::StatusOr<uint64_t> Uint64Parameter(const std::string& where,
+                                         const inference::InferParameter& p);
+// A string parameter.
+absl::StatusOr<std::string> StringParameter(const std::string& where,
+                                            const inference::InferParameter& p);
 // A float parameter given as double, int64, uint64 or a decimal string.
 absl::StatusOr<double> DoubleParameter(const std::string& where,
                                        const inference::InferParameter& p);

@@ -273,7 +273,7 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
     if (!found.ok()) return found.status();
     const Sequence& s = **found;
     const int32_t len = s.lengths[layer];
-    if (st.expected_length != len) {
+    if (st.expected_length != kAnyLength && st.expected_length != len) {
       return absl::FailedPreconditionError(absl::StrCat(
           "sequences[", i, "].expected_length: sequence ", st.sequence_id, " has ", len,
           " tokens at layer ", layer, ", the call expected ", st.expected_length,

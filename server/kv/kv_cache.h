@@ -50,6 +50,11 @@ struct KvSequenceSpec {
   std::optional<int32_t> fork_length;  // unset: the source's whole length
 };
 
+// KvStep::expected_length that checks nothing: the call appends at whatever
+// length its earlier calls on the pair left (KServe v2's attention_kv without
+// an expected_length parameter; arrival order still applies).
+inline constexpr int32_t kAnyLength = -1;
+
 // One sequence's part of an append-and-attend call.
 struct KvStep {
   uint64_t sequence_id = 0;

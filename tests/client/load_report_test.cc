@@ -152,6 +152,9 @@ TEST_F(LoadReportTest, CsvWritesTheHeaderOnceAndQuotesText) {
   EXPECT_THAT(rows[1], HasSubstr(",1766,2,\"CANCELLED:2\",883,"));
   EXPECT_THAT(rows[1], HasSubstr(",0.333333,"));  // six significant digits
   EXPECT_THAT(rows[1], HasSubstr(",\"0:500;1:383\",true"));
+  // The protocol columns come last (--protocol, --shm).
+  EXPECT_THAT(rows[0], testing::EndsWith(",check,protocol,shm"));
+  EXPECT_THAT(rows[1], testing::EndsWith(",true,\"native\",\"none\""));
 }
 
 TEST_F(LoadReportTest, JsonLinesHoldTheCsvNumbersAndEscapeText) {

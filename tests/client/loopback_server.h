@@ -17,13 +17,15 @@ namespace attnserve {
 
 class LoopbackServer {
  public:
-  // A started server, or why it could not start.
-  static absl::StatusOr<std::unique_ptr<LoopbackServer>> Start() {
+  // A started server, or why it could not start. `allow_client_shm`: KServe
+  // v2 shared-memory registration (--allow_client_shm).
+  static absl::StatusOr<std::unique_ptr<LoopbackServer>> Start(bool allow_client_shm = false) {
     ServerOptions options;
     options.host = "127.0.0.1";
     options.port = 0;
     options.backend.kind = "cpu";
     options.backend.cpu_threads = 2;
+    options.kserve.allow_client_shm = allow_client_shm;
     absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options);
     if (!server.ok()) return server.status();
     std::unique_ptr<LoopbackServer> loopback(new LoopbackServer(*std::move(server)));

@@ -61,7 +61,7 @@ def test_server_and_model_metadata(client):
     assert int(config.get("max_batch_size", 0)) == 0  # proto3 JSON leaves zeros out
     assert [i.get("optional", False) for i in config["input"]] == [False] * 3 + [True] * 2
     index = client.get_model_repository_index(as_json=True)["models"]
-    assert {m["name"] for m in index} == {"attention", "attention_dense"}
+    assert {m["name"] for m in index} == {"attention", "attention_dense", "attention_kv"}
     assert all(m["state"] == "READY" for m in index)
 
 

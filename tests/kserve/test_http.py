@@ -45,8 +45,8 @@ def test_probes_and_metadata(server, client):
     assert config["max_batch_size"] == 0 and config["input"][3]["optional"] is True
     stats = client.get_inference_statistics("attention")["model_stats"][0]
     assert stats["name"] == "attention" and stats["version"] == "1"
-    assert {m["name"] for m in client.get_model_repository_index()} == {"attention",
-                                                                        "attention_dense"}
+    assert {m["name"] for m in client.get_model_repository_index()} == {
+        "attention", "attention_dense", "attention_kv"}
 
 
 @pytest.mark.parametrize("datatype", ["FP32", "FP16", "BF16"])

@@ -68,3 +68,38 @@ def test_perf_analyzer_runs_without_errors(server, input_data, protocol, shared_
     success_after, fail_after = counts(server)
     assert fail_after == fail_before, output
     assert success_after - success_before >= REQUESTS, output
+
+
+@pytest.mark.parametrize("shared_memory", ["none", "system"])
+def test_perf_analyzer_sequence_mode_drives_attention_kv(server, tmp_path, shared_memory):
+    """attention_kv's config reports sequence_batching, so perf_analyzer sends
+    sequence_id / sequence_start / sequence_end: each of its sequences is a
+    decode loop on a cache made with the native API, ended (freed) at its end."""
+    binary, env = perf_analyzer()
+    cache_id = f"pa-{shared_memory}"
+    subprocess.run([os.environ["ATTNCTL_BIN"], f"--target={server.grpc_url}", "kv", "create",
+                    f"--cache={cache_id}", "--layers=1", "--heads_kv=2", "--head_dim=64",
+                    "--dtype=fp16", "--page_size=16", "--capacity_tokens=65536"], check=True,
+                   capture_output=True)
+    rng = np.random.default_rng(31)
+    step = {n: {"b64": base64.b64encode(rng.standard_normal((1, h, 64)).astype(np.float16)
+                                        .tobytes()).decode(), "shape": [1, h, 64]}
+            for n, h in (("q", 4), ("k", 2), ("v", 2))}
+    data = tmp_path / "kv.json"
+    data.write_text(json.dumps({"data": [step]}))
+    args = [str(binary), "-m", "attention_kv", "-u", server.grpc_url, "-i", "grpc",
+            "--input-data", str(data), "--concurrency-range", "2", "--request-count",
+            str(REQUESTS), "--sequence-length", "5", "--request-parameter",
+            f"cache_id:{cache_id}:string", f"--shared-memory={shared_memory}"]
+    if shared_memory != "none":
+        args.append("--output-shared-memory-size=1024")
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "error" not in output.lower(), output
+    assert "Sequence count:" in output, output
+    # Every sequence perf_analyzer ended was freed (it may stop mid-sequence).
+    info = subprocess.run([os.environ["ATTNCTL_BIN"], f"--target={server.grpc_url}", "kv",
+                           "info", f"--cache={cache_id}", "--json"], check=True,
+                          capture_output=True, text=True).stdout
+    assert int(json.loads(info)["stats"]["sequences"]) <= 2, info

@@ -1,0 +1,320 @@
+// The `attention_kv` model: v2 request -> v1::AppendAttendRequest ->
+// KvService::StartAppendAttend -> v2 response; see attention_kv_model.h.
+#include "server/kserve/attention_kv_model.h"
+
+#include <algorithm>
+#include <climits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/dtype.h"
+#include "common/shape_string.h"
+#include "server/kserve/model_reports.h"
+#include "server/kserve/v2_options.h"
+#include "server/kserve/v2_outputs.h"
+#include "server/kserve/v2_tensors.h"
+
+namespace attnserve {
+namespace {
+
+constexpr const char* kInputs[] = {"q", "k", "v"};
+constexpr char kControlNames[] =
+    "cache_id, layer, sequence_id, sequence_start, sequence_end, expected_length, fork_from, "
+    "fork_length";
+
+// The native messages name AppendAttendRequest's fields; a v2 client sent
+// inputs and parameters. The one table from one to the other.
+absl::Status InV2Terms(const absl::Status& status) {
+  static const std::pair<const char*, const char*> kRenames[] = {
+      {"q.", "inputs['q']."},
+      {"k.", "inputs['k']."},
+      {"v.", "inputs['v']."},
+      {"layer:", "parameters['layer']:"},
+      {"sequences[0].expected_length", "parameters['expected_length']"},
+      {"sequences[0].fork_length", "parameters['fork_length']"},
+      {"sequences[0].fork_from", "parameters['fork_from']"},
+      {"sequences[0].sequence_id", "parameters['sequence_id']"},
+  };
+  const absl::string_view message = status.message();
+  absl::string_view rest = message;
+  if (absl::ConsumePrefix(&rest, "options.")) {
+    // options.window_left: ... -> parameters['window_left']: ...
+    const size_t end = rest.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
+    return absl::Status(status.code(), absl::StrCat("parameters['", rest.substr(0, end), "']",
+                                                    end == rest.npos ? "" : rest.substr(end)));
+  }
+  for (const auto& [native, v2] : kRenames) {
+    if (absl::StartsWith(message, native)) {
+      return absl::Status(status.code(),
+                          absl::StrCat(v2, message.substr(std::string_view(native).size())));
+    }
+  }
+  return status;
+}
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+// Rows of a [rows, H, D] input; INVALID_ARGUMENT naming it for another rank.
+absl::StatusOr<int32_t> RowsOf(const char* name, const v1::Tensor& t, const char* layout) {
+  if (t.shape_size() != 3 || t.shape(0) < 0 || t.shape(0) > INT_MAX) {
+    return Invalid(absl::StrCat("inputs['", name, "'].shape: expected ", layout,
+                                " (the new tokens of one sequence), got ", ShapeString(t.shape())));
+  }
+  return static_cast<int32_t>(t.shape(0));
+}
+
+}  // namespace
+
+// One request in flight.
+struct AttentionKvModel::Call {
+  InferCall call;
+  v1::AppendAttendRequest append;
+  v1::AppendAttendResponse result;
+  std::vector<V2Output> outputs;
+  std::shared_ptr<KvCache> cache;
+  uint64_t sequence_id = 0;
+  bool start = false;
+  bool end = false;
+  bool check_lengths = false;
+  std::optional<uint64_t> fork_from;
+  std::optional<int32_t> fork_length;
+  bool created = false;  // this call's sequence_start created the sequence
+};
+
+AttentionKvModel::AttentionKvModel(KvService* service, KvPool* pool, const ShmRegistry* shm,
+                                   const ServerMetrics* metrics, AttentionKvModelInfo info)
+    : service_(service), pool_(pool), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
+
+void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const {
+  const char* type = DTypeName(info_.advertised).data();
+  out->set_name(name_);
+  out->add_versions(kModelVersion);
+  out->set_platform("attnserve");
+  for (const char* n : kInputs) AddTensorMetadata(n, type, 3, out->mutable_inputs());
+  AddTensorMetadata("o", type, 3, out->mutable_outputs());
+  AddTensorMetadata("lse", "FP32", 2, out->mutable_outputs());
+}
+
+void AttentionKvModel::FillConfig(inference::ModelConfig* out) const {
+  out->set_name(name_);
+  out->set_platform("attnserve");
+  out->set_backend("attnserve");
+  out->set_max_batch_size(0);  // one sequence per request; its rows are the first dimension
+  const inference::DataType type = ConfigType(info_.advertised);
+  for (const char* n : kInputs) AddConfigInput(n, type, 3, false, out);
+  AddConfigOutput("o", type, 3, out);
+  AddConfigOutput("lse", inference::TYPE_FP32, 2, out);
+  // Stateful: tools that read the config (perf_analyzer) then send
+  // sequence_id / sequence_start / sequence_end.
+  out->mutable_sequence_batching()->set_max_sequence_idle_microseconds(
+      static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(info_.idle_timeout))));
+  (*out->mutable_parameters())["attnserve_backend"].set_string_value(info_.backend);
+}
+
+void AttentionKvModel::FillStatistics(inference::ModelStatistics* out) const {
+  FillModelStatistics(name_, *metrics_, out);
+}
+
+absl::Status AttentionKvModel::Prepare(Call* c) const {
+  inference::ModelInferRequest& request = *c->call.request;
+  const InputSource source{&request, shm_, c->call.tenant};
+  v1::AppendAttendRequest& append = c->append;
+  append.set_request_id(request.id());
+  if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
+
+  // Sorted, so the first bad parameter named is the same on every call.
+  std::vector<std::string> names;
+  for (const auto& [name, value] : request.parameters()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  std::optional<std::string> cache_param;
+  std::optional<int64_t> layer, expected_length, fork_length;
+  for (const std::string& name : names) {
+    const inference::InferParameter& p = request.parameters().at(name);
+    const std::string where = absl::StrCat("parameters['", name, "']");
+    absl::StatusOr<bool> option = ApplyAttentionOption(name, p, append.mutable_options());
+    if (!option.ok()) return option.status();
+    if (*option || IsProtocolParameter(name)) continue;
+    absl::Status status;
+    if (name == "cache_id") {
+      absl::StatusOr<std::string> v = StringParameter(where, p);
+      status = v.status();
+      if (v.ok()) cache_param = *v;
+    } else if (name == "sequence_id" || name == "fork_from") {
+      absl::StatusOr<uint64_t> v = Uint64Parameter(where, p);
+      status = v.status();
+      if (v.ok() && name == "sequence_id") c->sequence_id = *v;
+      if (v.ok() && name == "fork_from") c->fork_from = *v;
+    } else if (name == "sequence_start" || name == "sequence_end") {
+      absl::StatusOr<bool> v = BoolParameter(where, p);
+      status = v.status();
+      if (v.ok()) (name == "sequence_start" ? c->start : c->end) = *v;
+    } else if (name == "layer" || name == "expected_length" || name == "fork_length") {
+      absl::StatusOr<int64_t> v = IntParameter(where, p);
+      status = v.status();
+      if (v.ok() && (*v < 0 || *v > INT_MAX)) {
+        status = Invalid(absl::StrCat(where, ": expected 0..", INT_MAX, ", got ", *v));
+      }
+      if (status.ok())
+        (name == "layer" ? layer : name == "expected_length" ? expected_length : fork_length) = *v;
+    } else {
+      status = Invalid(absl::StrCat(where, ": expected one of ", kControlNames, ", ",
+                                    kAttentionOptionNames, ", got '", name, "'"));
+    }
+    if (!status.ok()) return status;
+  }
+
+  // The cache: the parameter, else the header the native API carries.
+  if (cache_param.has_value() && !c->call.cache_id_header.empty() &&
+      *cache_param != c->call.cache_id_header) {
+    return Invalid(absl::StrCat("parameters['cache_id']: '", *cache_param, "' differs from the ",
+                                kCacheIdHeader, " header '", c->call.cache_id_header, "'"));
+  }
+  const std::string cache_id = cache_param.value_or(c->call.cache_id_header);
+  if (cache_id.empty()) {
+    return Invalid(absl::StrCat("parameters['cache_id']: model '", name_,
+                                "' needs a K/V cache: the cache_id parameter or the ",
+                                kCacheIdHeader, " header (a cache made with KvCache.CreateCache)"));
+  }
+  if (c->sequence_id == 0) {
+    return Invalid(absl::StrCat("parameters['sequence_id']: model '", name_,
+                                "' needs a non-zero sequence_id (the K/V sequence), got ",
+                                request.parameters().count("sequence_id") > 0 ? "0" : "none"));
+  }
+  if ((c->fork_from.has_value() || fork_length.has_value()) && !c->start) {
+    return Invalid(absl::StrCat("parameters['",
+                                c->fork_from.has_value() ? "fork_from" : "fork_length",
+                                "']: only with sequence_start (a fork creates the sequence)"));
+  }
+  if (fork_length.has_value() && !c->fork_from.has_value()) {
+    return Invalid("parameters['fork_length']: only with fork_from");
+  }
+  if (fork_length.has_value()) c->fork_length = static_cast<int32_t>(*fork_length);
+
+  absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->Find(c->call.tenant, cache_id);
+  if (!cache.ok()) {
+    return absl::Status(cache.status().code(),
+                        absl::StrCat(cache_param.has_value() ? "parameters['cache_id']: "
+                                                             : absl::StrCat(kCacheIdHeader, ": "),
+                                     cache.status().message()));
+  }
+  c->cache = *std::move(cache);
+  if (!layer.has_value() && c->cache->geometry().num_layers > 1) {
+    return Invalid(absl::StrCat("parameters['layer']: cache '", cache_id, "' has ",
+                                c->cache->geometry().num_layers, " layers; name one in [0, ",
+                                c->cache->geometry().num_layers, ")"));
+  }
+
+  absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, kInputs);
+  if (!index_of.ok()) return index_of.status();
+  v1::Tensor* tensors[] = {append.mutable_q(), append.mutable_k(), append.mutable_v()};
+  for (int which = 0; which < 3; ++which) {
+    if ((*index_of)[which] < 0) {
+      return Invalid(absl::StrCat("inputs: model '", name_,
+                                  "' needs q, k and v (zero rows allowed); '", kInputs[which],
+                                  "' is missing"));
+    }
+    absl::Status taken = TakeFloatTensor(source, (*index_of)[which], tensors[which]);
+    if (!taken.ok()) return taken;
+  }
+  absl::StatusOr<int32_t> queries = RowsOf("q", append.q(), "[Tq, Hq, D]");
+  if (!queries.ok()) return queries.status();
+  absl::StatusOr<int32_t> new_tokens = RowsOf("k", append.k(), "[Tk, Hkv, D]");
+  if (!new_tokens.ok()) return new_tokens.status();
+
+  append.set_cache_id(cache_id);
+  append.set_layer(static_cast<int32_t>(layer.value_or(0)));
+  v1::SequenceStep* step = append.add_sequences();
+  step->set_sequence_id(c->sequence_id);
+  step->set_expected_length(static_cast<int32_t>(expected_length.value_or(0)));
+  step->set_num_new_tokens(*new_tokens);
+  step->set_num_queries(*queries);
+  c->check_lengths = expected_length.has_value();
+
+  bool return_lse = append.options().return_lse();
+  absl::Status planned = PlanOutputs(source, name_, &return_lse, &c->outputs);
+  append.mutable_options()->set_return_lse(return_lse);
+  if (!planned.ok()) return planned;
+  // A region too small must fail before the append, which cannot be undone.
+  // The cache checks the shapes later; these sizes need only q's.
+  absl::StatusOr<DType> dtype = ParseFloatDatatype("q", request.inputs((*index_of)[0]).datatype());
+  const v1::Tensor& q = append.q();
+  if (!dtype.ok() || q.shape(1) < 0 || q.shape(2) < 0) return absl::OkStatus();
+  const uint64_t rows_heads = uint64_t(q.shape(0)) * uint64_t(q.shape(1));
+  for (const V2Output& out : c->outputs) {
+    absl::Status fits =
+        CheckOutputFits(out, out.name == "o" ? rows_heads * uint64_t(q.shape(2)) * DTypeSize(*dtype)
+                                             : rows_heads * 4);
+    if (!fits.ok()) return fits;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status) const {
+  if (!status.ok()) {
+    // A failed call changes nothing: not even the sequence its start created.
+    if (c->created) c->cache->Free({c->sequence_id}).IgnoreError();
+    return InV2Terms(status);
+  }
+  inference::ModelInferResponse& response = *c->call.response;
+  absl::Status delivered =
+      DeliverOutputs(&c->outputs, c->result.mutable_o(), c->result.mutable_lse(), &response);
+  if (!delivered.ok()) return delivered;
+  const int32_t length = c->result.lengths_size() > 0 ? c->result.lengths(0) : 0;
+  if (c->end) {
+    absl::Status freed = c->cache->Free({c->sequence_id});
+    if (!freed.ok()) {
+      return absl::Status(
+          freed.code(),
+          absl::StrCat("parameters['sequence_end']: the append applied (sequence ", c->sequence_id,
+                       " has ", length, " tokens at layer ", c->append.layer(),
+                       ") but the sequence was not freed: ", freed.message()));
+    }
+  }
+  response.set_model_name(name_);
+  response.set_model_version(kModelVersion);
+  response.set_id(c->call.request->id());
+  SetTimingParameters(c->result.timing(), c->result.backend(), &response);
+  auto& params = *response.mutable_parameters();
+  params["sequence_id"].set_uint64_param(c->sequence_id);
+  params["sequence_length"].set_int64_param(length);
+  return absl::OkStatus();
+}
+
+void AttentionKvModel::Infer(InferCall call) {
+  auto c = std::make_shared<Call>();
+  c->call = std::move(call);
+  absl::Status prepared = Prepare(c.get());
+  if (prepared.ok()) prepared = service_->Draining();
+  if (prepared.ok() && c->start) {
+    KvSequenceSpec spec;
+    spec.sequence_id = c->sequence_id;
+    spec.fork_from = c->fork_from;
+    spec.fork_length = c->fork_length;
+    prepared = InV2Terms(c->cache->CreateSequences({spec}));
+    if (prepared.ok()) {
+      c->created = true;
+    } else if (prepared.code() == absl::StatusCode::kAlreadyExists) {
+      prepared = absl::AlreadyExistsError(absl::StrCat(
+          "parameters['sequence_start']: sequence ", c->sequence_id, " already exists in cache '",
+          c->cache->id(), "' (end it with sequence_end, or continue it without sequence_start)"));
+    }
+  }
+  if (!prepared.ok()) {
+    c->call.done(prepared);
+    return;
+  }
+  service_->StartAppendAttend(
+      c->call.tenant, c->call.deadline, &c->append, &c->result, c->call.cancelled,
+      [this, c](const absl::Status& status) {
+        absl::Status completed = Complete(c.get(), status);
+        if (!completed.ok()) c->call.response->Clear();
+        c->call.done(completed);
+      },
+      c->check_lengths);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,72 @@
+// The KServe v2 model `attention_kv`: the K/V cache's append-and-attend call
+// (kv.proto's AppendAttend, docs/kv-cache.md) on the protocol's sequence
+// semantics, so tritonclient and perf_analyzer's sequence mode drive a decode
+// loop whose K/V stay on the server. One request = one sequence at one layer:
+//   - the cache: request parameter `cache_id`, else the x-attnserve-cache-id
+//     header (as the native API carries it); a cache made with the native API.
+//   - `layer` (required when the cache has more than one layer);
+//   - `sequence_id` (non-zero; the native API's id space in that cache);
+//     `sequence_start` creates it (empty, or forked with `fork_from` /
+//     `fork_length`) before the call; `sequence_end` frees it after a call
+//     that succeeded;
+//   - optional `expected_length` (the native retry guard); without it the
+//     call appends at whatever length the calls before it left;
+//   - inputs q [Tq, Hq, D], k and v [Tk, Hkv, D] (the new tokens; zero rows
+//     allowed), outputs o [Tq, Hq, D] and lse [Hq, Tq], attention options as
+//     for `attention`.
+// Each request becomes one native v1::AppendAttendRequest and runs through
+// KvService::StartAppendAttend: the native call's validation, limits, pool,
+// ordering, metrics and messages (field names rewritten to the v2 ones).
+// docs/kserve.md has the mapping.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/params.h"
+#include "server/kserve/model.h"
+#include "server/kserve/shm_registry.h"
+#include "server/kv/kv_pool.h"
+#include "server/kv_service.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+inline constexpr char kAttentionKvModelName[] = "attention_kv";
+
+struct AttentionKvModelInfo {
+  std::string backend;              // "cpu" or "cuda"
+  DType advertised = DType::kFP16;  // the datatype metadata and config list
+  absl::Duration idle_timeout;      // the pool's --kv_idle_timeout (config)
+};
+
+class AttentionKvModel final : public KserveModel {
+ public:
+  // Everything passed must outlive the model.
+  AttentionKvModel(KvService* service, KvPool* pool, const ShmRegistry* shm,
+                   const ServerMetrics* metrics, AttentionKvModelInfo info);
+
+  const std::string& name() const override { return name_; }
+  bool ready() const override { return true; }
+  void FillMetadata(inference::ModelMetadataResponse* out) const override;
+  void FillConfig(inference::ModelConfig* out) const override;
+  void FillStatistics(inference::ModelStatistics* out) const override;
+  void Infer(InferCall call) override;
+
+ private:
+  struct Call;
+  // The v2 request -> call->append, the sequence controls and the outputs.
+  absl::Status Prepare(Call* call) const;
+  // After the native call: frees the sequence on sequence_end (or undoes a
+  // sequence_start when the call failed) and delivers the outputs.
+  absl::Status Complete(Call* call, const absl::Status& status) const;
+
+  KvService* const service_;
+  KvPool* const pool_;
+  const ShmRegistry* const shm_;
+  const ServerMetrics* const metrics_;
+  const AttentionKvModelInfo info_;
+  const std::string name_ = kAttentionKvModelName;
+};
+
+}  // namespace attnserve

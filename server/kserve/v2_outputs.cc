@@ -1,0 +1,91 @@
+// KServe v2 output delivery; see v2_outputs.h.
+#include "server/kserve/v2_outputs.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+
+namespace attnserve {
+
+absl::Status PlanOutputs(const InputSource& source, const std::string& model, bool* return_lse,
+                         std::vector<V2Output>* outputs) {
+  const inference::ModelInferRequest& request = *source.request;
+  if (request.outputs_size() == 0) {
+    outputs->push_back({"o", std::nullopt, nullptr});
+    if (*return_lse) outputs->push_back({"lse", std::nullopt, nullptr});
+    return absl::OkStatus();
+  }
+  for (const auto& requested : request.outputs()) {
+    const std::string where = absl::StrCat("outputs['", requested.name(), "']");
+    if (requested.name() != "o" && requested.name() != "lse") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": model '", model, "' has no such output (outputs: o, lse)"));
+    }
+    for (const V2Output& seen : *outputs) {
+      if (seen.name == requested.name()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": requested twice"));
+      }
+    }
+    if (requested.name() == "lse") *return_lse = true;
+    absl::StatusOr<std::optional<ShmRef>> shm = ShmRefOf(where, requested.parameters());
+    if (!shm.ok()) return shm.status();
+    V2Output out{requested.name(), *shm, nullptr};
+    if (out.shm.has_value()) {
+      absl::StatusOr<std::shared_ptr<ShmRegion>> region =
+          source.shm->Acquire(source.tenant, out.shm->region, out.shm->offset, out.shm->byte_size);
+      if (!region.ok()) return region.status();
+      out.region = *std::move(region);
+    }
+    outputs->push_back(std::move(out));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes) {
+  if (!out.shm.has_value() || bytes <= out.shm->byte_size) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("outputs['", out.name, "']: shared memory region '", out.shm->region,
+                   "' was given shared_memory_byte_size ", out.shm->byte_size, " for an output of ",
+                   bytes, " bytes"));
+}
+
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
+                            inference::ModelInferResponse* response) {
+  auto tensor_of = [&](const std::string& name) { return name == "o" ? o : lse; };
+  for (const V2Output& out : *outputs) {
+    absl::Status fits = CheckOutputFits(out, tensor_of(out.name)->data().size());
+    if (!fits.ok()) return fits;
+  }
+  for (V2Output& out : *outputs) {
+    v1::Tensor* tensor = tensor_of(out.name);
+    auto* meta = response->add_outputs();
+    meta->set_name(out.name);
+    meta->set_datatype(DTypeName(static_cast<DType>(tensor->dtype())).data());
+    *meta->mutable_shape() = tensor->shape();
+    std::string* raw = response->add_raw_output_contents();
+    if (out.region != nullptr) {
+      // Empty, so raw_output_contents stays aligned with outputs.
+      absl::Status written =
+          out.region->Write(out.shm->offset, tensor->data().data(), tensor->data().size());
+      if (!written.ok()) return written;
+      out.region.reset();
+    } else {
+      raw->swap(*tensor->mutable_data());
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SetTimingParameters(const v1::ServerTiming& t, const std::string& backend,
+                         inference::ModelInferResponse* response) {
+  auto& params = *response->mutable_parameters();
+  params["queue_us"].set_int64_param(t.queue_us());
+  params["compute_us"].set_int64_param(t.compute_us());
+  params["total_us"].set_int64_param(t.total_us());
+  params["batch_size"].set_int64_param(t.batch_size());
+  params["device"].set_int64_param(t.device());
+  params["backend"].set_string_param(backend);
+}
+
+}  // namespace attnserve

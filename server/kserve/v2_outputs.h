@@ -1,0 +1,49 @@
+// Where a KServe v2 model's outputs o and lse go (the response, or a
+// shared-memory region a request names), and the response parameters every
+// model adds: one planning step before the call and one delivery step after
+// it, shared by attention and attention_kv (model.h).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attnserve/v1/attention.pb.h"
+#include "inference/grpc_service.pb.h"
+#include "server/kserve/v2_tensors.h"
+
+namespace attnserve {
+
+// One output to deliver.
+struct V2Output {
+  std::string name;  // "o" or "lse"
+  std::optional<ShmRef> shm;
+  // Held until the output is written, so an unregister cannot unmap it.
+  std::shared_ptr<ShmRegion> region;
+};
+
+// The outputs of `source.request`: those it lists (o and lse only, each at
+// most once, their regions acquired now), or o plus lse when *return_lse
+// without a list. Listing lse sets *return_lse. INVALID_ARGUMENT naming the
+// output for anything else; `model` names the model in errors.
+absl::Status PlanOutputs(const InputSource& source, const std::string& model, bool* return_lse,
+                         std::vector<V2Output>* outputs);
+
+// INVALID_ARGUMENT naming the output and its region when `out` goes to a
+// region given fewer than `bytes` bytes.
+absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes);
+
+// Moves o and lse (a native response's tensors) into `response` or writes them
+// into their regions. Every region must fit before any is written, so a failed
+// delivery writes nothing.
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
+                            inference::ModelInferResponse* response);
+
+// The native API's ServerTiming and backend as response parameters
+// (queue_us, compute_us, total_us, batch_size, device, backend).
+void SetTimingParameters(const v1::ServerTiming& timing, const std::string& backend,
+                         inference::ModelInferResponse* response);
+
+}  // namespace attnserve
