@@ -303,6 +303,7 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
         << "a ticket counter was left non-zero after " << st.splits << " splits";
   }
   cudaFree(ws);
+}
 
 // The Hopper family's coverage (kSm90TileTable; on sm90 the planner picks it
 // for all of these, on other GPUs and with ATTNSERVE_CUDA_PORTABLE=1 the
