@@ -45,6 +45,7 @@
 #include "server/kserve/v2_tensors.h"
 #include "server/metrics.h"
 #include "spdlog/spdlog.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace attnserve {
 namespace {
@@ -53,10 +54,7 @@ constexpr RequestLimits kLimits{int64_t{1} << 20, 512};
 constexpr char kTenant[] = "fuzz";
 constexpr char kIntruder[] = "intruder";
 
-[[noreturn]] void Fail(const std::string& what) {
-  std::fprintf(stderr, "kserve_infer_fuzzer: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void Fail(const std::string& what) { FuzzFail("kserve_infer_fuzzer", what); }
 
 void Expect(bool ok, const std::string& what) {
   if (!ok) Fail(what);

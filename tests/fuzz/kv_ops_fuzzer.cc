@@ -40,6 +40,7 @@
 #include "server/kv/kv_pool.h"
 #include "server/kv_request.h"
 #include "spdlog/spdlog.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace attnserve {
 namespace {
@@ -69,10 +70,7 @@ struct Harness {
   KvPool pool;
 };
 
-[[noreturn]] void Fail(const std::string& what) {
-  std::fprintf(stderr, "kv_ops_fuzzer: %s\n", what.c_str());
-  std::abort();
-}
+[[noreturn]] void Fail(const std::string& what) { FuzzFail("kv_ops_fuzzer", what); }
 
 void Expect(bool ok, const std::string& what) {
   if (!ok) Fail(what);

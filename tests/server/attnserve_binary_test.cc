@@ -248,13 +248,8 @@ TEST(AttnserveBinaryTest, SigtermUnderLoadWithKvLoopsDrains) {
   std::vector<std::thread> load;
   for (int w = 0; w < 3; ++w) {  // Forward workers, until a call fails
     load.emplace_back([&, w] {
-      AttentionShape shape;
-      shape.dtype = DType::kBF16;
-      shape.seqlen_q = shape.seqlen_k = 192;
-      shape.heads_q = 8;
-      shape.heads_kv = 2;
-      shape.head_dim = 64;
-      AttentionInputs in = *MakeRandomInputs(shape, 100 + uint64_t(w));
+      AttentionInputs in = *MakeRandomInputs(
+          DenseAttentionShape(DType::kBF16, 1, 192, 192, 8, 2, 64), 100 + uint64_t(w));
       in.options.causal = w % 2 == 0;
       const ForwardVerifier verifier = *ForwardVerifier::Create(in);
       const v1::ForwardRequest request = MakeForwardRequest(in);

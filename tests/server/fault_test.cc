@@ -161,12 +161,7 @@ std::string GrpcMessage(const std::string& payload, uint32_t declared) {
 }
 
 AttentionInputs SmallInputs(uint64_t seed) {
-  AttentionShape shape;
-  shape.dtype = DType::kFP16;
-  shape.seqlen_q = shape.seqlen_k = 32;
-  shape.heads_q = shape.heads_kv = 2;
-  shape.head_dim = 64;
-  return *MakeRandomInputs(shape, seed);
+  return *MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 32, 32, 2, 2, 64), seed);
 }
 
 class FaultTest : public ::testing::Test {
@@ -244,13 +239,9 @@ TEST_F(FaultTest, ClientsDisconnectingMidResponseLeaveNothingBehind) {
   constexpr int kClients = 40;
   // 32 x 8 x 64 FP16 q (k, v with one head): a 32 KB answer, which a 1-byte
   // window stalls.
-  AttentionShape shape;
-  shape.dtype = DType::kFP16;
-  shape.seqlen_q = shape.seqlen_k = 32;
-  shape.heads_q = 8;
-  shape.heads_kv = 1;
-  shape.head_dim = 64;
-  const std::string request = MakeForwardRequest(*MakeRandomInputs(shape, 5)).SerializeAsString();
+  const std::string request =
+      MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 32, 32, 8, 1, 64), 5))
+          .SerializeAsString();
   ASSERT_LT(request.size(), 65535u - 5) << "must fit the server's initial window";
   for (int i = 0; i < kClients; ++i) {
     RawHttp2 c(server_->port(), /*initial_window=*/1);
@@ -270,12 +261,8 @@ TEST_F(FaultTest, ClientsDisconnectingMidResponseLeaveNothingBehind) {
 
 TEST_F(FaultTest, CancellationStormEndsEveryCallAndServingResumes) {
   constexpr int kCalls = 2000;
-  AttentionShape shape;
-  shape.dtype = DType::kBF16;
-  shape.seqlen_q = shape.seqlen_k = 128;
-  shape.heads_q = shape.heads_kv = 4;
-  shape.head_dim = 64;
-  const v1::ForwardRequest request = MakeForwardRequest(*MakeRandomInputs(shape, 9));
+  const v1::ForwardRequest request =
+      MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kBF16, 1, 128, 128, 4, 4, 64), 9));
   auto stub = v1::Attention::NewStub(client_->channel(0));
   struct Call {
     grpc::ClientContext context;

@@ -114,17 +114,7 @@ std::vector<Prepared> ValidCases() {
     AttentionShape shape;
     void (*options)(ForwardOptions*);
   };
-  auto dense = [](DType t, int b, int sq, int sk, int hq, int hkv, int d) {
-    AttentionShape s;
-    s.dtype = t;
-    s.batch = b;
-    s.seqlen_q = sq;
-    s.seqlen_k = sk;
-    s.heads_q = hq;
-    s.heads_kv = hkv;
-    s.head_dim = d;
-    return s;
-  };
+  const auto dense = DenseAttentionShape;
   AttentionShape varlen = dense(DType::kBF16, 1, 0, 0, 4, 2, 64);
   varlen.seqlens_q = {17, 1, 40};
   varlen.seqlens_k = {33, 70, 40};
@@ -195,13 +185,7 @@ class Soak {
       : client_(client), kv_(*client), end_(end), tally_(tally),
         valid_(ValidCases()), invalid_(InvalidCases(valid_)) {
     // A larger request, so cancellation and deadlines meet it queued or running.
-    AttentionShape big;
-    big.dtype = DType::kFP16;
-    big.batch = 2;
-    big.seqlen_q = big.seqlen_k = 384;
-    big.heads_q = big.heads_kv = 8;
-    big.head_dim = 64;
-    big_ = MakeForwardRequest(*MakeRandomInputs(big, 99));
+    big_ = MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kFP16, 2, 384, 384, 8, 8, 64), 99));
   }
 
   void ForwardWorker(uint64_t seed, bool peak) {
