@@ -44,7 +44,7 @@ client=("$build/client/attnctl" --target="127.0.0.1:$port")
 start_server "$out/server.log" 60 "${client[@]}" -- \
   "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend=cpu \
   --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port=0 \
-  --kv_idle_timeout=5s --log_level=warn
+  --kv_idle_timeout=30s --log_level=warn
 pid=$SERVER_PID
 cleanup() { kill "$pid" 2>/dev/null || true; }
 trap cleanup EXIT
