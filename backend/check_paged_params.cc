@@ -27,8 +27,11 @@ absl::Status CheckPagedParams(const PagedAttnParams& p) {
         "paged params: page_size expected a power of two in [", kMinPageSize, ", ", kMaxPageSize,
         "] equal to 1 << page_shift, got page_size ", kv.page_size, " page_shift ", kv.page_shift));
   }
-  if (kv.num_slabs < 1 || kv.num_slabs > kMaxKvSlabs || kv.slab_shift < 0 || kv.slab_shift > 24) {
-    return absl::InvalidArgumentError(absl::StrCat("paged params: num_slabs expected in [1, ",
+  // No slab at all is a cache that has never held a token (slabs come with
+  // the first append): a query-only call on its empty sequences is valid, and
+  // with no pages every page id below is refused, so nothing can be touched.
+  if (kv.num_slabs < 0 || kv.num_slabs > kMaxKvSlabs || kv.slab_shift < 0 || kv.slab_shift > 24) {
+    return absl::InvalidArgumentError(absl::StrCat("paged params: num_slabs expected in [0, ",
                                                    kMaxKvSlabs, "], got ", kv.num_slabs,
                                                    " (slab_shift ", kv.slab_shift, ")"));
   }

@@ -132,6 +132,10 @@ void PagedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run)
   off = 0;
   for (const PagedAttnParams* m : members_) {
     const AttnParams& a = m->attn;
+    // A member without queries has no LSE rows; when no member has any, the
+    // packed LSE is empty (null), and memcpy from null is undefined even for
+    // 0 bytes (kv_ops_fuzzer under UBSan).
+    if (a.total_q == 0) continue;
     for (int h = 0; h < a.num_heads_q; ++h) {
       std::memcpy(a.lse + int64_t{h} * a.total_q, lse + int64_t{h} * total_q_ + off,
                   size_t(a.total_q) * 4);

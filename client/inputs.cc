@@ -48,6 +48,19 @@ HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64
   return *HostTensor::FromFloats(dtype, std::move(shape), values);
 }
 
+AttentionShape DenseAttentionShape(DType dtype, int batch, int seqlen_q, int seqlen_k, int heads_q,
+                                   int heads_kv, int head_dim) {
+  AttentionShape s;
+  s.dtype = dtype;
+  s.batch = batch;
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.heads_q = heads_q;
+  s.heads_kv = heads_kv;
+  s.head_dim = head_dim;
+  return s;
+}
+
 std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths) {
   std::vector<int32_t> cu(lengths.size() + 1, 0);
   for (size_t i = 0; i < lengths.size(); ++i) cu[i + 1] = cu[i] + lengths[i];

@@ -29,6 +29,11 @@ struct AttentionShape {
   std::vector<int> seqlens_k;
 };
 
+// A dense shape (no varlen lists): q [batch, seqlen_q, heads_q, head_dim],
+// k and v [batch, seqlen_k, heads_kv, head_dim].
+AttentionShape DenseAttentionShape(DType dtype, int batch, int seqlen_q, int seqlen_k, int heads_q,
+                                   int heads_kv, int head_dim);
+
 // A tensor of `shape` with fresh normal(0, 1) values rounded to the dtype,
 // none of magnitude below 1e-3 (zeros hide indexing bugs), drawn from `rng`.
 HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64* rng);

@@ -16,9 +16,10 @@ if(ATTNSERVE_SANITIZE)
   if(ATTNSERVE_SANITIZE MATCHES "thread" AND ATTNSERVE_SANITIZE MATCHES "address")
     message(FATAL_ERROR "ATTNSERVE_SANITIZE: thread and address cannot be combined")
   endif()
-  # Frame pointers and line tables make the reports readable; -O1 keeps the
-  # sanitized tests fast enough for CI while leaving stack traces intact.
-  set(attnserve_sanitize_flags -fsanitize=${ATTNSERVE_SANITIZE} -fno-omit-frame-pointer -g)
+  # Frame pointers make the reports' stacks whole; the optimisation level and
+  # line tables come from the build type (scripts/lib-sanitized-build.sh:
+  # -O1 -gline-tables-only, file:line in every report).
+  set(attnserve_sanitize_flags -fsanitize=${ATTNSERVE_SANITIZE} -fno-omit-frame-pointer)
   if(ATTNSERVE_SANITIZE MATCHES "undefined")
     # UBSan only prints by default; make every report fail the process.
     list(APPEND attnserve_sanitize_flags -fno-sanitize-recover=undefined)

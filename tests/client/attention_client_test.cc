@@ -64,18 +64,6 @@ class AttentionClientTest : public ::testing::Test {
 LoopbackServer* AttentionClientTest::server_ = nullptr;
 std::string AttentionClientTest::target_;
 
-AttentionShape Dense(DType dtype, int b, int sq, int sk, int hq, int hkv, int d) {
-  AttentionShape s;
-  s.dtype = dtype;
-  s.batch = b;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  return s;
-}
-
 TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
   uint64_t seed = 100;
   for (DType dtype : {DType::kFP16, DType::kBF16, DType::kFP32}) {
@@ -83,7 +71,7 @@ TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
       SCOPED_TRACE(absl::StrCat(std::string(DTypeName(dtype)), causal ? " causal" : ""));
       ForwardOptions o;
       o.causal = causal;
-      RunAndVerify(Dense(dtype, 2, 17, 33, 4, 4, 64), o, ++seed);
+      RunAndVerify(DenseAttentionShape(dtype, 2, 17, 33, 4, 4, 64), o, ++seed);
     }
   }
 }
@@ -91,13 +79,13 @@ TEST_F(AttentionClientTest, ForwardEveryDtypeCausalAndNot) {
 TEST_F(AttentionClientTest, ForwardGqaWithLseWindowAndSoftcap) {
   ForwardOptions o;
   o.return_lse = true;
-  RunAndVerify(Dense(DType::kBF16, 1, 40, 40, 8, 2, 32), o, 1);  // GQA 4:1
-  RunAndVerify(Dense(DType::kFP16, 1, 9, 20, 4, 1, 16), o, 2);   // MQA
+  RunAndVerify(DenseAttentionShape(DType::kBF16, 1, 40, 40, 8, 2, 32), o, 1);  // GQA 4:1
+  RunAndVerify(DenseAttentionShape(DType::kFP16, 1, 9, 20, 4, 1, 16), o, 2);   // MQA
   o.causal = true;
   o.window_left = 5;
   o.softcap = 30.0f;
   o.softmax_scale = 0.2f;
-  RunAndVerify(Dense(DType::kFP32, 2, 24, 24, 4, 2, 8), o, 3);
+  RunAndVerify(DenseAttentionShape(DType::kFP32, 2, 24, 24, 4, 2, 8), o, 3);
 }
 
 // FP8 codes with descales through the C++ client: O comes back BF16 and the
@@ -129,7 +117,7 @@ TEST_F(AttentionClientTest, ForwardVarlenWithZeroLengthSequence) {
 }
 
 TEST_F(AttentionClientTest, RawForwardEchoesRequestIdAndReportsTiming) {
-  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 64, 64, 2, 2, 64), 6);
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 64, 64, 2, 2, 64), 6);
   ASSERT_TRUE(inputs.ok());
   inputs->request_id = "client-test-42";
   auto response = Client()->Forward(MakeForwardRequest(*inputs));
@@ -141,7 +129,7 @@ TEST_F(AttentionClientTest, RawForwardEchoesRequestIdAndReportsTiming) {
 }
 
 TEST_F(AttentionClientTest, ForwardAsync) {
-  auto inputs = MakeRandomInputs(Dense(DType::kBF16, 1, 16, 16, 2, 2, 64), 7);
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kBF16, 1, 16, 16, 2, 2, 64), 7);
   ASSERT_TRUE(inputs.ok());
   std::promise<absl::StatusOr<v1::ForwardResponse>> done;
   Client()->ForwardAsync(
@@ -158,7 +146,7 @@ TEST_F(AttentionClientTest, ForwardAsync) {
 
 // Echo: q's bytes back as o, a zero LSE of Forward's shape, no compute.
 TEST_F(AttentionClientTest, EchoReturnsQ) {
-  auto inputs = MakeRandomInputs(Dense(DType::kBF16, 2, 9, 13, 4, 2, 16), 11);
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kBF16, 2, 9, 13, 4, 2, 16), 11);
   ASSERT_TRUE(inputs.ok());
   inputs->options.return_lse = true;
   inputs->request_id = "echo-1";
@@ -184,7 +172,7 @@ TEST_F(AttentionClientTest, EchoReturnsQ) {
 }
 
 TEST_F(AttentionClientTest, EchoRefusesWhatForwardRefuses) {
-  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 12), 12);  // D = 12
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 4, 4, 2, 2, 12), 12);  // D = 12
   ASSERT_TRUE(inputs.ok());
   const v1::ForwardRequest request = MakeForwardRequest(*inputs);
   auto echo = Client()->Echo(request);
@@ -214,7 +202,7 @@ TEST_F(AttentionClientTest, HealthCheck) {
 }
 
 TEST_F(AttentionClientTest, DeadlineExceeded) {
-  auto inputs = MakeRandomInputs(Dense(DType::kFP32, 1, 256, 256, 8, 8, 64), 8);
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kFP32, 1, 256, 256, 8, 8, 64), 8);
   ASSERT_TRUE(inputs.ok());
   CallOptions call;
   call.timeout = absl::Microseconds(1);
@@ -232,7 +220,7 @@ TEST_F(AttentionClientTest, DeadlineExceeded) {
 
 TEST_F(AttentionClientTest, InvalidArgumentMessageArrivesIntact) {
   // D = 12 is not a multiple of 8: the server names the value.
-  auto inputs = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 12), 9);
+  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 4, 4, 2, 2, 12), 9);
   ASSERT_TRUE(inputs.ok());
   auto result = Client()->Forward(*inputs);
   ASSERT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
@@ -240,7 +228,7 @@ TEST_F(AttentionClientTest, InvalidArgumentMessageArrivesIntact) {
 
   // A byte length that disagrees with the shape: the message is the server's,
   // not a client-side rewrite.
-  auto good = MakeRandomInputs(Dense(DType::kFP16, 1, 4, 4, 2, 2, 8), 10);
+  auto good = MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 4, 4, 2, 2, 8), 10);
   v1::ForwardRequest request = MakeForwardRequest(*good);
   request.mutable_k()->mutable_data()->resize(10);
   auto raw = Client()->Forward(request);

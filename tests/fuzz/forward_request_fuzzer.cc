@@ -27,6 +27,7 @@
 #include "server/executor_pool.h"
 #include "server/forward_handler.h"
 #include "spdlog/spdlog.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace attnserve {
 namespace {
@@ -46,10 +47,7 @@ struct Harness {
   ForwardHandler handler;
 };
 
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "forward_request_fuzzer: %s\n", what);
-  std::abort();
-}
+[[noreturn]] void Fail(const std::string& what) { FuzzFail("forward_request_fuzzer", what); }
 
 // max |value| of a tensor; FP8 values are code x descale (unset: 1).
 double MaxAbs(const v1::Tensor& t, bool has_descale, float descale, bool* finite) {

@@ -1,15 +1,20 @@
 // Writes the fuzzers' seed corpora (tests/fuzz/corpus/<target>/): small valid
-// and invalid ForwardRequests covering every layout and option, and .npy files
-// of every dtype the reader takes. The committed files came from this program;
-// rerun it after a wire change: make_seeds <corpus dir>.
+// and invalid ForwardRequests covering every layout and option, .npy files of
+// every dtype the reader takes, KServe v2 requests (raw, typed and
+// shared-memory tensors, varlen, parameters) and K/V operation programs. The
+// committed files came from this program; rerun it after a wire change:
+// make_seeds <corpus dir>.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
-#include "common/dtype.h"
 #include "client/npy.h"
+#include "common/dtype.h"
+#include "inference/grpc_service.pb.h"
 
 namespace attnserve {
 namespace {
@@ -37,7 +42,113 @@ v1::ForwardRequest Dense(v1::DType dtype, int b, int sq, int sk, int hq, int hkv
 }
 
 void Write(const std::string& path, const std::string& bytes) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// ---- KServe v2 (kserve_infer_fuzzer) ----
+
+using V2Input = inference::ModelInferRequest::InferInputTensor;
+
+V2Input* AddInput(inference::ModelInferRequest* r, const char* name, const char* datatype,
+                  std::vector<int64_t> shape) {
+  V2Input* in = r->add_inputs();
+  in->set_name(name);
+  in->set_datatype(datatype);
+  for (int64_t d : shape) in->add_shape(d);
+  return in;
+}
+
+// Raw little-endian bytes of n values of `dtype`.
+std::string RawValues(DType dtype, int64_t n) {
+  std::string bytes(static_cast<size_t>(n * DTypeSize(dtype)), '\0');
+  for (int64_t i = 0; i < n; ++i) StoreFromFloat(bytes.data(), dtype, i, 0.25f * ((i * 5) % 7 - 3));
+  return bytes;
+}
+
+void SetShm(google::protobuf::Map<std::string, inference::InferParameter>* p, const char* region,
+            int64_t offset, int64_t size) {
+  (*p)["shared_memory_region"].set_string_param(region);
+  (*p)["shared_memory_offset"].set_int64_param(offset);
+  (*p)["shared_memory_byte_size"].set_int64_param(size);
+}
+
+// The fuzzer reads its registry program from the input's end: one zero byte
+// there is "no registry operations", and the rest is the request.
+std::string V2Seed(const inference::ModelInferRequest& r) { return r.SerializeAsString() + '\0'; }
+
+std::vector<std::pair<std::string, std::string>> KserveSeeds() {
+  std::vector<std::pair<std::string, std::string>> seeds;
+  {  // raw FP16, dense, causal
+    inference::ModelInferRequest r;
+    r.set_model_name("attention");
+    r.set_id("raw");
+    AddInput(&r, "q", "FP16", {1, 3, 2, 8});
+    AddInput(&r, "k", "FP16", {1, 5, 1, 8});
+    AddInput(&r, "v", "FP16", {1, 5, 1, 8});
+    r.add_raw_input_contents(RawValues(DType::kFP16, 48));
+    r.add_raw_input_contents(RawValues(DType::kFP16, 40));
+    r.add_raw_input_contents(RawValues(DType::kFP16, 40));
+    (*r.mutable_parameters())["causal"].set_bool_param(true);
+    seeds.emplace_back("raw_fp16_causal", V2Seed(r));
+  }
+  {  // typed FP32 contents, both outputs asked for
+    inference::ModelInferRequest r;
+    for (const char* name : {"q", "k", "v"}) {
+      V2Input* in = AddInput(&r, name, "FP32", {1, 2, 1, 8});
+      for (int i = 0; i < 16; ++i) in->mutable_contents()->add_fp32_contents(0.5f * (i % 3 - 1));
+    }
+    (*r.mutable_parameters())["return_lse"].set_string_param("true");
+    r.add_outputs()->set_name("o");
+    r.add_outputs()->set_name("lse");
+    seeds.emplace_back("typed_fp32_lse", V2Seed(r));
+  }
+  {  // inputs from the "in" region, o into the "out" region
+    inference::ModelInferRequest r;
+    SetShm(AddInput(&r, "q", "FP16", {1, 2, 1, 8})->mutable_parameters(), "in", 0, 32);
+    SetShm(AddInput(&r, "k", "FP16", {1, 4, 1, 8})->mutable_parameters(), "in", 64, 64);
+    SetShm(AddInput(&r, "v", "FP16", {1, 4, 1, 8})->mutable_parameters(), "in", 256, 64);
+    SetShm(r.add_outputs()->mutable_parameters(), "out", 0, 2048);
+    r.mutable_outputs(0)->set_name("o");
+    seeds.emplace_back("shm_in_out", V2Seed(r));
+  }
+  {  // an output region too small for o: refused, nothing written
+    inference::ModelInferRequest r;
+    SetShm(AddInput(&r, "q", "FP16", {1, 8, 1, 8})->mutable_parameters(), "in", 0, 128);
+    SetShm(AddInput(&r, "k", "FP16", {1, 8, 1, 8})->mutable_parameters(), "in", 128, 128);
+    SetShm(AddInput(&r, "v", "FP16", {1, 8, 1, 8})->mutable_parameters(), "in", 256, 128);
+    SetShm(r.add_outputs()->mutable_parameters(), "out", 2000, 48);
+    r.mutable_outputs(0)->set_name("o");
+    seeds.emplace_back("shm_out_too_small", V2Seed(r));
+  }
+  {  // varlen with INT32 typed cu_seqlens, window and softcap as strings
+    inference::ModelInferRequest r;
+    AddInput(&r, "q", "BF16", {5, 2, 8});
+    AddInput(&r, "k", "BF16", {4, 1, 8});
+    AddInput(&r, "v", "BF16", {4, 1, 8});
+    r.add_raw_input_contents(RawValues(DType::kBF16, 80));
+    r.add_raw_input_contents(RawValues(DType::kBF16, 32));
+    r.add_raw_input_contents(RawValues(DType::kBF16, 32));
+    for (const char* name : {"cu_seqlens_q", "cu_seqlens_k"}) {
+      V2Input* in = AddInput(&r, name, "INT32", {3});
+      for (int x : {0, 2, name[10] == 'q' ? 5 : 4}) in->mutable_contents()->add_int_contents(x);
+    }
+    (*r.mutable_parameters())["window_left"].set_string_param("2");
+    (*r.mutable_parameters())["softcap"].set_double_param(20.0);
+    (*r.mutable_parameters())["softmax_scale"].set_int64_param(1);
+    seeds.emplace_back("varlen_params", V2Seed(r));
+  }
+  {  // an unknown parameter and a protocol one
+    inference::ModelInferRequest r;
+    AddInput(&r, "q", "FP16", {1, 1, 1, 8});
+    AddInput(&r, "k", "FP16", {1, 1, 1, 8});
+    AddInput(&r, "v", "FP16", {1, 1, 1, 8});
+    for (int i = 0; i < 3; ++i) r.add_raw_input_contents(RawValues(DType::kFP16, 8));
+    (*r.mutable_parameters())["priority"].set_int64_param(1);
+    (*r.mutable_parameters())["temperature"].set_double_param(0.7);
+    seeds.emplace_back("unknown_parameter", V2Seed(r));
+  }
+  return seeds;
 }
 
 }  // namespace
@@ -46,7 +157,7 @@ void Write(const std::string& path, const std::string& bytes) {
 int main(int argc, char** argv) {
   using namespace attnserve;
   if (argc != 2) {
-    std::fprintf(stderr, "usage: make_seeds CORPUS_DIR (holding forward_request_fuzzer/ and npy_fuzzer/)\n");
+    std::fprintf(stderr, "usage: make_seeds CORPUS_DIR (holding one directory per fuzz target)\n");
     return 2;
   }
   const std::string fwd = std::string(argv[1]) + "/forward_request_fuzzer/";
@@ -121,5 +232,18 @@ int main(int argc, char** argv) {
   const double two[2] = {1.5, -3.0};
   f8.append(reinterpret_cast<const char*>(two), sizeof(two));
   Write(npy + "f8_2.npy", f8);
+
+  for (const auto& [name, bytes] : KserveSeeds()) {
+    Write(std::string(argv[1]) + "/kserve_infer_fuzzer/" + name + ".bin", bytes);
+  }
+  // K/V programs: every byte string is a program (FuzzedDataProvider), so
+  // seeds of a few lengths from a fixed generator start the search at
+  // caches with several sequences, forks and appends.
+  std::mt19937 rng(15);
+  for (int len : {48, 96, 160, 256, 400, 640}) {
+    std::string program(static_cast<size_t>(len), '\0');
+    for (char& c : program) c = static_cast<char>(rng() & 0xff);
+    Write(std::string(argv[1]) + "/kv_ops_fuzzer/program_" + std::to_string(len) + ".bin", program);
+  }
   return 0;
 }

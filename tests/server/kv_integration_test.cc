@@ -304,6 +304,28 @@ TEST_F(KvServerTest, TruncateThenReappend) {
   EXPECT_EQ(resp.lengths(0), 25);
 }
 
+// kv_ops_fuzzer's finding (crash-a88e91d5): a query-only call on the empty
+// sequences of a cache that has never held a token (no slab allocated yet)
+// was refused with INVALID_ARGUMENT "paged params: num_slabs expected in [1,
+// 32], got 0". Rows that see no key: O exactly 0, LSE -inf; nothing appended.
+TEST_F(KvServerTest, QueriesOnAFreshCacheSeeNoKeys) {
+  StartServer();
+  const std::string cache = CreateCache(1);
+  ASSERT_TRUE(CreateSequences(cache, {1, 2}).ok());
+  Context empty;
+  v1::AppendAttendResponse resp;
+  const grpc::Status s = Call(MakeCall(cache, 0, {Step(1, &empty, 0, 2), Step(2, &empty, 0, 1)}), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const float* o = reinterpret_cast<const float*>(resp.o().data().data());
+  for (int64_t i = 0; i < 3 * kHq * kD; ++i) ASSERT_EQ(o[i], 0.0f) << i;
+  const float* lse = reinterpret_cast<const float*>(resp.lse().data().data());
+  for (int64_t i = 0; i < 3 * kHq; ++i) ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << i;
+  ASSERT_EQ(resp.lengths_size(), 2);
+  EXPECT_EQ(resp.lengths(0), 0);
+  EXPECT_EQ(resp.lengths(1), 0);
+  EXPECT_EQ(Stats(cache).stats().pages_used(), 0);
+}
+
 TEST_F(KvServerTest, StaleLengthRetryChangesNothing) {
   StartServer();
   const std::string cache = CreateCache(1);

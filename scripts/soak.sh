@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The soak test (issue 15): runs a CPU server under mixed traffic
+# (tests/soak/soak_load.cc: valid requests of every option checked against the
+# reference on a sample, invalid ones, cancellations, deadlines that expire in
+# the queue, abandoned streams, K/V cache lifetimes) for DURATION, samples the
+# server every second (RSS, open fds, threads, queue depth from /metrics) into
+# a CSV, and fails when
+#   - any of them grows after warm-up: the run is cut in fifths; the first is
+#     warm-up; the median of the last fifth must be <= 1.05 x the median of the
+#     second fifth (scripts/soak_check.py);
+#   - fds and threads are not back to their warm-up level (the second fifth's
+#     median) within 60 s after the traffic stops;
+#   - the load generator saw a wrong answer, an invalid request accepted or a
+#     status no call of its kind may end with;
+#   - the server does not exit 0 on SIGTERM.
+# First a 10 s closed loop of valid requests only measures the peak
+# throughput the soak is compared with.
+# Usage: scripts/soak.sh DURATION [OUT_DIR] [BUILD_DIR]
+#   DURATION: seconds, or with an s/m suffix (120, 2m, 30m).
+#   OUT_DIR (default build-soak/): soak.csv, soak.svg, summary.txt, server.log.
+#   BUILD_DIR (default build): a configured CPU build; the needed targets are built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/common.sh
+
+duration=${1:?usage: scripts/soak.sh DURATION [OUT_DIR] [BUILD_DIR]}
+out=${2:-build-soak}
+build=${3:-build}
+case "$duration" in
+  *m) seconds=$(( ${duration%m} * 60 )) ;;
+  *s) seconds=${duration%s} ;;
+  *) seconds=$duration ;;
+esac
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+[ -f "$build/CMakeCache.txt" ] || cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$build" -j "$(nproc)" --target attnserve attnctl soak_load >/dev/null
+
+port=$(free_port)
+metrics_port=$(free_port)
+client=("$build/client/attnctl" --target="127.0.0.1:$port")
+# --kv_idle_timeout: the caches soak_load leaves behind expire during the run.
+start_server "$out/server.log" 60 "${client[@]}" -- \
+  "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend=cpu \
+  --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port=0 \
+  --kv_idle_timeout=30s --log_level=warn
+pid=$SERVER_PID
+cleanup() { kill "$pid" 2>/dev/null || true; }
+trap cleanup EXIT
+metrics="http://127.0.0.1:$metrics_port/metrics"
+
+sample() {  # phase: one CSV row of the server's state now
+  local rss threads fds queue
+  rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status")
+  threads=$(awk '/^Threads:/ {print $2}' "/proc/$pid/status")
+  fds=$(find "/proc/$pid/fd" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+  queue=$(metric_value "$metrics" nv_inference_pending_request_count || echo "")
+  echo "$(date +%s.%N | cut -c1-14),$1,$rss,$fds,$threads,$queue"
+}
+
+echo "soak.sh: peak: 10 s of valid requests only" | tee "$out/summary.txt"
+"$build/tests/soak/soak_load" --target="127.0.0.1:$port" --mode=peak --duration=10s \
+  | tail -n 1 | tee -a "$out/summary.txt"
+
+echo "time_s,phase,rss_kb,fds,threads,queue_depth" >"$out/soak.csv"
+phase_file="$out/.phase"
+echo traffic >"$phase_file"
+# The sampler: one row a second until the phase file is gone.
+python3 scripts/soak_sample.py "$pid" "$metrics" "$out/soak.csv" "$phase_file" &
+sampler=$!
+
+echo "soak.sh: mixed traffic for ${seconds} s" | tee -a "$out/summary.txt"
+load_status=0
+"$build/tests/soak/soak_load" --target="127.0.0.1:$port" --duration="${seconds}s" \
+  >"$out/load.txt" 2>&1 || load_status=$?
+echo after >"$phase_file"
+cat "$out/load.txt" >>"$out/summary.txt"
+
+# fds and threads back to the warm-up level (the second fifth's median).
+levels=$(python3 scripts/soak_check.py --levels "$out/soak.csv")
+back() {
+  local now
+  now=$(sample after)
+  python3 scripts/soak_check.py --back "$levels" "$now"
+}
+back_status=0
+if ! wait_until 60 1 back; then
+  back_status=1
+fi
+echo "soak.sh: after the traffic: $(sample after) (levels fds,threads $levels)" | tee -a "$out/summary.txt"
+# Which threads the server has now (names), to tell a pool from a leak.
+echo "soak.sh: server threads after the traffic: $(cat /proc/"$pid"/task/*/comm | sort | uniq -c | tr -s ' \n' ' ')" \
+  | tee -a "$out/summary.txt"
+# At least one row of the "after" phase in the CSV before the sampler stops.
+wait_until 10 0.2 grep -q ',after,' "$out/soak.csv" || true
+rm -f "$phase_file"
+wait "$sampler" || true
+
+# A clean drain: SIGTERM, exit 0.
+kill -TERM "$pid"
+drain_status=0
+wait "$pid" || drain_status=$?
+trap - EXIT
+
+check_status=0
+python3 scripts/soak_check.py --check "$out/soak.csv" | tee -a "$out/summary.txt" || check_status=1
+python3 scripts/plot-soak.py "$out/soak.csv" -o "$out/soak.svg" || true
+
+fail=0
+[ "$load_status" -eq 0 ] || { echo "soak.sh: FAIL: the load generator reported failures (exit $load_status)" | tee -a "$out/summary.txt"; fail=1; }
+[ "$back_status" -eq 0 ] || { echo "soak.sh: FAIL: fds or threads not back to the warm-up level 60 s after the traffic" | tee -a "$out/summary.txt"; fail=1; }
+[ "$check_status" -eq 0 ] || { echo "soak.sh: FAIL: a sampled quantity grew after warm-up" | tee -a "$out/summary.txt"; fail=1; }
+[ "$drain_status" -eq 0 ] || { echo "soak.sh: FAIL: the server exited $drain_status on SIGTERM" | tee -a "$out/summary.txt"; fail=1; }
+[ "$fail" -eq 0 ] && echo "soak.sh: PASS (${seconds} s; $out)" | tee -a "$out/summary.txt"
+exit "$fail"
