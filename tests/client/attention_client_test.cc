@@ -96,9 +96,9 @@ TEST_F(AttentionClientTest, ForwardFp8WithDescales) {
   o.q_descale = 0.5f;
   o.k_descale = 2.5f;
   o.v_descale = 0.07f;
-  RunAndVerify(Dense(DType::kFP8E4M3, 2, 17, 33, 4, 2, 64), o, 11);
+  RunAndVerify(DenseAttentionShape(DType::kFP8E4M3, 2, 17, 33, 4, 2, 64), o, 11);
   o.causal = true;
-  RunAndVerify(Dense(DType::kFP8E4M3, 1, 40, 40, 8, 2, 32), o, 12);
+  RunAndVerify(DenseAttentionShape(DType::kFP8E4M3, 1, 40, 40, 8, 2, 32), o, 12);
 }
 
 TEST_F(AttentionClientTest, ForwardVarlenWithZeroLengthSequence) {
