@@ -115,7 +115,8 @@ TEST(ServerMetricsTest, GpuGaugesFromDevicesAndUsageHook) {
   EXPECT_EQ(s["nv_gpu_utilization{gpu_uuid=\"GPU-0\"}"], 0.25);
 }
 
-TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
+// A one-thread CPU server on loopback with /metrics on a free port.
+ServerOptions LoopbackCpuServerWithMetrics() {
   ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
@@ -124,6 +125,11 @@ TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
   options.metrics_enabled = true;
   options.metrics_host = "127.0.0.1";
   options.metrics_port = 0;
+  return options;
+}
+
+TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
+  ServerOptions options = LoopbackCpuServerWithMetrics();
   absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->Start().ok());
@@ -170,14 +176,7 @@ TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
 // sequences of 20 and 5 tokens in pages of 16 holds 3 pages; freeing the
 // sequences gives them back, dropping the cache removes it.
 TEST(MetricsHttpTest, KvGaugesFollowTheCaches) {
-  ServerOptions options;
-  options.host = "127.0.0.1";
-  options.port = 0;
-  options.backend.kind = "cpu";
-  options.backend.cpu_threads = 1;
-  options.metrics_enabled = true;
-  options.metrics_host = "127.0.0.1";
-  options.metrics_port = 0;
+  ServerOptions options = LoopbackCpuServerWithMetrics();
   options.kv_cache_bytes = int64_t{8} << 20;
   options.kv_page_size = 16;
   absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options);
