@@ -158,20 +158,29 @@ TEST(AttnserveBinaryTest, SigintDrainsAndExitsZero) { ServeThenSignal(SIGINT); }
 // reaches the server in the drain's last step (server.cc: gRPC's own
 // Shutdown, after every admitted call was answered) is cancelled by gRPC
 // rather than refused (issue 15 finding; UNAVAILABLE would be the clear answer).
+// So may a call the client started just before SIGTERM and sent after it: on
+// a loaded machine the thread can stall between reading `signalled` and
+// writing the request, and the drain of an idle server takes milliseconds.
+// Such a call is told apart from an admitted one that the drain cut short by
+// the server's log: the drain cancels nothing it admitted unless its grace
+// runs out ("grace period over"), which the test rules out.
 struct DrainTally {
   std::mutex mu;
   std::map<std::string, int> outcomes;
   std::vector<std::string> bad;
   std::atomic<int> ok{0};
   std::atomic<bool> signalled{false};
-  // `sent_after`: the call was sent after SIGTERM.
-  void Add(const std::string& who, const absl::Status& s, bool sent_after) {
+  // `sent_after`: the call was sent after SIGTERM; otherwise `overlapped`
+  // says whether SIGTERM was sent before the call returned.
+  void Add(const std::string& who, const absl::Status& s, bool sent_after, bool overlapped) {
     std::lock_guard<std::mutex> lock(mu);
-    const std::string when = sent_after ? "sent after SIGTERM" : "sent before SIGTERM";
+    const std::string when = sent_after   ? "sent after SIGTERM"
+                             : overlapped ? "sent around SIGTERM"
+                                          : "sent before SIGTERM";
     ++outcomes[absl::StrCat(who, " ", when, " ", absl::StatusCodeToString(s.code()))];
     if (s.ok()) ok.fetch_add(1);
     const bool allowed = s.ok() || s.code() == absl::StatusCode::kUnavailable ||
-                         (sent_after && s.code() == absl::StatusCode::kCancelled);
+                         ((sent_after || overlapped) && s.code() == absl::StatusCode::kCancelled);
     if (!allowed) bad.push_back(absl::StrCat(who, " ", when, ": ", s.ToString()));
   }
   void Wrong(const std::string& what) {
@@ -191,11 +200,11 @@ void KvLoop(AttentionClient* client, DrainTally* tally, uint64_t seed) {
   spec.capacity_tokens = 4096;
   bool after = tally->signalled.load();
   absl::StatusOr<v1::CacheStats> cache = kv.CreateCache(spec);
-  tally->Add("kv CreateCache", cache.status(), after);
+  tally->Add("kv CreateCache", cache.status(), after, tally->signalled.load());
   if (!cache.ok()) return;
   after = tally->signalled.load();
   const absl::Status created = kv.CreateSequences(cache->cache_id(), {{1}}).status();
-  tally->Add("kv CreateSequences", created, after);
+  tally->Add("kv CreateSequences", created, after, tally->signalled.load());
   if (!created.ok()) return;
   HostTensor k[kLayers], v[kLayers];
   for (int l = 0; l < kLayers; ++l) {
@@ -215,7 +224,7 @@ void KvLoop(AttentionClient* client, DrainTally* tally, uint64_t seed) {
       in.options.causal = true;
       after = tally->signalled.load();
       absl::StatusOr<AppendAttendResult> r = kv.AppendAttend(in);
-      tally->Add("kv AppendAttend", r.status(), after);
+      tally->Add("kv AppendAttend", r.status(), after, tally->signalled.load());
       if (!r.ok()) return;
       k[l] = *ConcatRows({k[l], in.k}, DType::kFP16, {0, kHkv, kD});
       v[l] = *ConcatRows({v[l], in.v}, DType::kFP16, {0, kHkv, kD});
@@ -256,7 +265,7 @@ TEST(AttnserveBinaryTest, SigtermUnderLoadWithKvLoopsDrains) {
       while (true) {
         const bool after = tally.signalled.load();
         absl::StatusOr<v1::ForwardResponse> r = (*client)->Forward(request);
-        tally.Add("forward", r.status(), after);
+        tally.Add("forward", r.status(), after, tally.signalled.load());
         if (!r.ok()) return;
         if (after) ok_after_signal.fetch_add(1);
         forward_ok.fetch_add(1);
@@ -279,6 +288,9 @@ TEST(AttnserveBinaryTest, SigtermUnderLoadWithKvLoopsDrains) {
   for (std::thread& t : load) t.join();  // each ends at its first failed call
   EXPECT_EQ(child.Wait(), 0) << child.output();
   EXPECT_NE(child.output().find("shutting down"), std::string::npos) << child.output();
+  // Every admitted call was answered (what makes CANCELLED for a call sent
+  // around SIGTERM mean "arrived after the drain"; see DrainTally).
+  EXPECT_EQ(child.output().find("grace period over"), std::string::npos) << child.output();
   std::lock_guard<std::mutex> lock(tally.mu);
   for (const auto& [what, n] : tally.outcomes) std::printf("drain under load: %s x%d\n", what.c_str(), n);
   std::printf("drain under load: %d Forward calls sent after SIGTERM answered OK\n",
