@@ -23,6 +23,7 @@
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
 #include "client/cli/load_flags.h"
+#include "common/malloc_tuning.h"
 
 namespace attnserve {
 namespace cli {
@@ -309,4 +310,8 @@ int Main(int argc, char** argv) {
 }  // namespace cli
 }  // namespace attnserve
 
-int main(int argc, char** argv) { return attnserve::cli::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // As the server does: a load test's messages are not faulted in anew every call.
+  attnserve::TuneMallocForTensors();
+  return attnserve::cli::Main(argc, argv);
+}

@@ -205,7 +205,12 @@ void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline
   status = pool_->AppendAttend(*cache, c, [c, response, finish](const absl::Status& s,
                                                               const WorkTimings& timings) {
     if (s.ok()) FillAppendAttendResponse(c.get(), response);
-    finish(s, timings);
+    // total_us runs to here, not to the executor's completion, so that the
+    // client can tell the server's whole share (response included) from the
+    // wire's: client latency - total_us is what happened outside the server.
+    WorkTimings answered = timings;
+    answered.total_us = absl::ToInt64Microseconds(absl::Now() - c->received);
+    finish(s, answered);
   });
   if (!status.ok()) finish(status, WorkTimings{});
 }

@@ -14,7 +14,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
-#include "server/malloc_tuning.h"
+#include "common/malloc_tuning.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -114,7 +114,7 @@ bool ParseLogLevel(const std::string& name, spdlog::level::level_enum* level) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  attnserve::KeepLargeAllocationsOnMmap();  // before any thread starts
+  attnserve::TuneMallocForTensors();  // before any thread starts
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = IsOurFlagFile;
   usage.contains_helpshort_flags = IsOurFlagFile;

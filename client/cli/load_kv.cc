@@ -136,6 +136,9 @@ std::vector<Column> Columns(const DecodeLoopConfig& c, const DecodeLoopResult& r
           {"host_to_device_ms", num(r.h2d_ms)},
           {"compute_ms", num(r.compute_ms)},
           {"device_to_host_ms", num(r.d2h_ms)},
+          {"server_total_ms", num(r.server_total_ms)},
+          {"outside_server_p50_ms", num(r.outside_p50_ms)},
+          {"client_ms", num(r.client_ms)},
           {"mean_batch_size", num(r.mean_batch_size)},
           {"prefill_s", num(r.prefill_s)},
           {"errors", absl::StrCat(r.errors)},
@@ -169,7 +172,11 @@ void PrintResult(const DecodeLoopConfig& c, const DecodeLoopResult& r) {
             << " ms, p99 " << Fixed(r.p99_ms, 3) << " ms, max " << Fixed(r.max_ms, 3) << " ms\n"
             << "  server means: queue " << Fixed(r.queue_ms, 3) << " ms, h2d " << Fixed(r.h2d_ms, 3)
             << " ms, compute " << Fixed(r.compute_ms, 3) << " ms, d2h " << Fixed(r.d2h_ms, 3)
-            << " ms, batch " << Fixed(r.mean_batch_size, 2) << "\n"
+            << " ms, batch " << Fixed(r.mean_batch_size, 2) << "; total " << Fixed(r.server_total_ms, 3)
+            << " ms (received to response built)\n"
+            << "  outside the server: p50 " << Fixed(r.outside_p50_ms, 3)
+            << " ms (wire, gRPC, this client; of it building and reading messages: mean "
+            << Fixed(r.client_ms, 3) << " ms)\n"
             << "  prefill " << Fixed(r.prefill_s, 3) << " s";
   if (!r.cache_id.empty()) {
     std::cout << "; cache " << r.cache_id << ", page size " << r.page_size

@@ -32,9 +32,14 @@ constexpr int kPoolSize = 4;
 // Measured steps, errors and the server's timing, from many threads.
 class Tally {
  public:
-  void Step(absl::Duration latency, const ForwardTiming& t, int64_t kv_bytes) {
+  // `client_us`: the part of `latency` this process spent building the
+  // request and reading the response (the rest is the wire and the server).
+  void Step(absl::Duration latency, const ForwardTiming& t, int64_t kv_bytes, int64_t client_us) {
     absl::MutexLock lock(&mu_);
     latencies_ms_.push_back(absl::ToDoubleMilliseconds(latency));
+    outside_ms_.push_back(absl::ToDoubleMilliseconds(latency) - t.total_us / 1e3);
+    total_us_ += t.total_us;
+    client_us_ += client_us;
     queue_us_ += t.queue_us;
     h2d_us_ += t.host_to_device_us;
     compute_us_ += t.compute_us;
@@ -73,12 +78,18 @@ class Tally {
     r->h2d_ms = h2d_us_ / 1e3 / n;
     r->compute_ms = compute_us_ / 1e3 / n;
     r->d2h_ms = d2h_us_ / 1e3 / n;
+    r->server_total_ms = total_us_ / 1e3 / n;
+    r->client_ms = client_us_ / 1e3 / n;
+    std::sort(outside_ms_.begin(), outside_ms_.end());
+    r->outside_p50_ms = NearestRank(outside_ms_, 0.50);
     r->mean_batch_size = static_cast<double>(batch_sum_) / n;
   }
 
  private:
   absl::Mutex mu_;
   std::vector<double> latencies_ms_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> outside_ms_ ABSL_GUARDED_BY(mu_);  // latency - server total
+  int64_t total_us_ ABSL_GUARDED_BY(mu_) = 0, client_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t queue_us_ ABSL_GUARDED_BY(mu_) = 0, h2d_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t compute_us_ ABSL_GUARDED_BY(mu_) = 0, d2h_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t batch_sum_ ABSL_GUARDED_BY(mu_) = 0, kv_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -184,6 +195,7 @@ class Group {
       v = p.v;
     }
     const absl::Time sent = absl::Now();
+    absl::Duration client_time;  // building the request and reading the answer
     absl::StatusOr<StepOutput> out;
     if (c_.stateless) {
       out = Stateless(client, layer, q);
@@ -196,8 +208,10 @@ class Group {
       in.k = std::move(k);
       in.v = std::move(v);
       v1::AppendAttendRequest request = MakeAppendAttendRequest(std::move(in));
-      absl::StatusOr<AppendAttendResult> r = stream != nullptr ? stream->Call(std::move(request))
-                                                               : Unary(kv, std::move(request));
+      client_time += absl::Now() - sent;
+      absl::StatusOr<AppendAttendResult> r = stream != nullptr
+                                                 ? stream->Call(std::move(request))
+                                                 : Unary(kv, std::move(request), &client_time);
       if (r.ok()) {
         out = StepOutput{std::move(r->o), r->timing};
       } else {
@@ -211,7 +225,8 @@ class Group {
     }
     if (measured) {
       const int64_t row_bytes = int64_t{2} * c_.heads_kv * c_.head_dim * DTypeSize(c_.dtype);
-      tally->Step(latency, out->timing, g * (before + 1) * row_bytes);
+      tally->Step(latency, out->timing, g * (before + 1) * row_bytes,
+                  absl::ToInt64Microseconds(client_time));
     }
     if (!c_.check) return true;
     std::vector<size_t> all(ids_.size());
@@ -238,10 +253,16 @@ class Group {
     h.length += n;
   }
 
-  absl::StatusOr<AppendAttendResult> Unary(KvClient* kv, v1::AppendAttendRequest request) {
+  // Adds the time spent reading the response to *client_time.
+  absl::StatusOr<AppendAttendResult> Unary(KvClient* kv, v1::AppendAttendRequest request,
+                                           absl::Duration* client_time) {
     absl::StatusOr<v1::AppendAttendResponse> r = kv->AppendAttend(request);
     if (!r.ok()) return r.status();
-    return AppendAttendResultFromProto(request, *std::move(r));
+    const absl::Time answered = absl::Now();
+    absl::StatusOr<AppendAttendResult> result =
+        AppendAttendResultFromProto(request, *std::move(r));
+    *client_time += absl::Now() - answered;
+    return result;
   }
 
   // The varlen call over the whole context of sequences `rows` at `layer`,

@@ -64,6 +64,11 @@ struct DecodeLoopResult {
   double p50_ms = 0.0, p99_ms = 0.0, max_ms = 0.0;  // per layer-step, client side
   // Means over the measured steps of the server's timing, in ms.
   double queue_ms = 0.0, h2d_ms = 0.0, compute_ms = 0.0, d2h_ms = 0.0;
+  // Mean of the server's total (request received until the response is
+  // built), the p50 of client latency minus that total (wire, gRPC and this
+  // client), and the mean time this client spent building requests and
+  // reading responses (unary; the stream's reading is not split out).
+  double server_total_ms = 0.0, outside_p50_ms = 0.0, client_ms = 0.0;
   double mean_batch_size = 0.0;
   int64_t checked = 0;  // outputs held to the reference
   int64_t errors = 0;

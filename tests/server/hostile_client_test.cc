@@ -32,7 +32,7 @@
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
-#include "server/malloc_tuning.h"
+#include "common/malloc_tuning.h"
 #include "server/request_validation.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -367,7 +367,7 @@ TEST_F(HostileClientTest, CancelledStreamGivesMemoryBack) {
 #ifdef ATTNSERVE_OWN_ALLOCATOR
   GTEST_SKIP() << "a sanitizer's allocator replaces glibc's here";
 #endif
-  KeepLargeAllocationsOnMmap();
+  TuneMallocForTensors();
   StreamLimits limits;
   limits.max_pending_requests = 1000;
   limits.max_pending_bytes = int64_t{160} << 20;
