@@ -475,15 +475,17 @@ class AttnServerImpl final : public AttnServer {
                  auth_ != nullptr ? "bearer tokens from " + options_.auth.tokens_file
                                   : std::string("no authentication"));
     if (tls.enabled() || auth_ != nullptr) return;
-    for (const std::string& host : {options_.host, options_.metrics_host}) {
-      if (!IsLoopback(host)) {
-        spdlog::warn(
-            "listening on {} in plain text without authentication: anyone who can reach this "
-            "host can call every RPC and read every tensor in transit; set --tls_cert/--tls_key "
-            "and --auth_tokens_file, or --host=127.0.0.1 (SECURITY.md)",
-            host);
-        return;
-      }
+    if (!IsLoopback(options_.host)) {
+      spdlog::warn(
+          "listening on {} (--host) in plain text without authentication: anyone who can reach "
+          "this host can call every RPC and read every tensor in transit; set "
+          "--tls_cert/--tls_key and --auth_tokens_file, or --host=127.0.0.1 (SECURITY.md)",
+          options_.host);
+    } else if (!IsLoopback(options_.metrics_host)) {
+      spdlog::warn(
+          "/metrics listens on {} (--metrics_host) in plain text: anyone who can reach this host "
+          "can read the server's counters; set --metrics_host=127.0.0.1 or TLS (SECURITY.md)",
+          options_.metrics_host);
     }
   }
 
