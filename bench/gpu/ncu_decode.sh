@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine, after scripts/gpu-kv.sh has built BUILD (default
+# build-gpu): Nsight Compute on one decode step at B = 16, Sk = 8k (Hq 32,
+# Hkv 8, D 128, BF16) for our contiguous kernel, our paged kernel (pages of
+# 16) and PyTorch SDPA's cuDNN kernel, same sections for all three, so the
+# gap to cuDNN can be read off the same counters (duration, DRAM throughput,
+# occupancy, stall reasons). Reports go to $OUT/ncu-decode-*.txt; a table of
+# the headline counters is printed last.
+# Usage: [BUILD=dir] bench/gpu/ncu_decode.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+OUT=${OUT:-$PWD/ncu-decode-out}
+mkdir -p "$OUT"
+B=${BUILD:-build-gpu}
+sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+  --section LaunchStats --section WarpStateStats --section SchedulerStats)
+export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# attn_bench --grid=decode runs B=1 (Sk 8k) first, then B=16 (Sk 8k); each
+# shape launches the timed kernel about 31 times (check, 5 warm-ups, 25 runs),
+# so the 41st launch is one of B=16's timed runs.
+for k in AttnFwdKernel PagedAttnFwdKernel; do
+  impl=$([ $k = AttnFwdKernel ] && echo ours || echo paged16)
+  timeout 150 ncu --clock-control none --kernel-name "regex:(^|:)$k(<|$)" --launch-skip 40 --launch-count 1 \
+    "${sections[@]}" "$B/bench/cuda/attn_bench" --grid=decode --dtypes=bf16 --impls="$impl" --csv=/dev/null \
+    >"$OUT/ncu-decode-$impl.txt" 2>&1
+done
+# cuDNN: only the calls between cudaProfilerStart/Stop are profiled (the
+# third one, after two warm-ups; a 256 MB write flushes L2 before each).
+timeout 150 ncu --clock-control none --profile-from-start off --launch-skip 0 --launch-count 1 \
+  "${sections[@]}" python3 - >"$OUT/ncu-decode-cudnn.txt" 2>&1 <<'EOF'
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+q = torch.randn(16, 1, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+k = torch.randn(16, 8192, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+v = torch.randn(16, 8192, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    for i in range(3):
+        flush.fill_(i)
+        torch.cuda.synchronize()
+        if i == 2:
+            torch.cuda.cudart().cudaProfilerStart()
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+EOF
+printf '%-10s %s\n' impl "kernel | duration | DRAM throughput | achieved occupancy | registers/thread | grid"
+for impl in ours paged16 cudnn; do
+  f=$OUT/ncu-decode-$impl.txt
+  name=$(grep -E '^ +[A-Za-z_].*\(.*\)x\(.*\)' "$f" | head -1 | sed -E 's/^ +//' | cut -c1-60)
+  get() { grep -E "^ +$1 " "$f" | head -1 | awk '{print $(NF-1), $NF}'; }
+  printf '%-10s %s | %s | %s | %s | %s | %s\n' "$impl" "${name:-?}" "$(get Duration)" "$(get 'DRAM Throughput')" \
+    "$(get 'Achieved Occupancy')" "$(get 'Registers Per Thread')" "$(get 'Grid Size')"
+done
