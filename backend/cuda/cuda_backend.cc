@@ -32,21 +32,16 @@ struct StagingLayout {
   int64_t o = 0, lse = 0, end = 0;
 
   explicit StagingLayout(const PackedBatch& batch) {
-    int64_t off = 0;
-    auto take = [&off](int64_t bytes) {
-      const int64_t at = off;
-      off += Align256(bytes);
-      return at;
-    };
-    q = take(batch.q_bytes());
-    k = take(batch.kv_bytes());
-    v = take(batch.kv_bytes());
-    cu_q = take(batch.cu_seqlens_bytes());
-    cu_k = take(batch.cu_seqlens_bytes());
-    inputs_end = off;
-    o = take(batch.o_bytes());  // BF16 for FP8 inputs
-    lse = take(batch.lse_bytes());
-    end = std::max<int64_t>(off, 256);
+    StagingOffsets off;
+    q = off.Take(batch.q_bytes());
+    k = off.Take(batch.kv_bytes());
+    v = off.Take(batch.kv_bytes());
+    cu_q = off.Take(batch.cu_seqlens_bytes());
+    cu_k = off.Take(batch.cu_seqlens_bytes());
+    inputs_end = off.end();
+    o = off.Take(batch.o_bytes());  // BF16 for FP8 inputs
+    lse = off.Take(batch.lse_bytes());
+    end = std::max<int64_t>(off.end(), 256);
   }
 
   PackedBuffers In(char* base) const {
@@ -61,23 +56,6 @@ struct StagingLayout {
     return b;
   }
 };
-
-// The same params with every pointer moved from `from` to `to`, both buffers
-// of the same layout.
-AttnParams Rebase(const AttnParams& p, const char* from, char* to) {
-  auto move = [from, to](const void* ptr) -> char* {
-    return ptr == nullptr ? nullptr : to + (static_cast<const char*>(ptr) - from);
-  };
-  AttnParams d = p;
-  d.q = move(p.q);
-  d.k = move(p.k);
-  d.v = move(p.v);
-  d.o = move(p.o);
-  d.lse = reinterpret_cast<float*>(move(p.lse));
-  d.cu_seqlens_q = reinterpret_cast<const int32_t*>(move(p.cu_seqlens_q));
-  d.cu_seqlens_k = reinterpret_cast<const int32_t*>(move(p.cu_seqlens_k));
-  return d;
-}
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
@@ -221,7 +199,7 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
                                                                          const PackedBatch& batch) {
-  return StartStaged<StagingLayout>(batch, Rebase,
+  return StartStaged<StagingLayout>(batch, RebaseAttnParams,
                                     [this, &plan, &batch](const AttnParams& dev, Slot* slot) {
                                       // One member: its plan. Several: the members were checked and
                                       // planned one by one and share everything but sizes

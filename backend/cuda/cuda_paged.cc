@@ -32,25 +32,20 @@ struct PagedLayout {
   int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
 
   explicit PagedLayout(const PagedBatch& batch) {
-    int64_t off = 0;
-    auto take = [&off](int64_t bytes) {
-      const int64_t at = off;
-      off += Align256(bytes);
-      return at;
-    };
-    q = take(batch.q_bytes());
-    k = take(batch.kv_new_bytes());
-    v = take(batch.kv_new_bytes());
-    cu_q = take(batch.cu_seqlens_bytes());
-    cu_k = take(batch.cu_seqlens_bytes());
-    table = take(batch.block_table_bytes());
-    seqlens = take(batch.seqlens_bytes());
-    copy_src = take(batch.copies_bytes());
-    copy_dst = take(batch.copies_bytes());
-    inputs_end = off;
-    o = take(batch.q_bytes());
-    lse = take(batch.lse_bytes());
-    end = std::max<int64_t>(off, 256);
+    StagingOffsets off;
+    q = off.Take(batch.q_bytes());
+    k = off.Take(batch.kv_new_bytes());
+    v = off.Take(batch.kv_new_bytes());
+    cu_q = off.Take(batch.cu_seqlens_bytes());
+    cu_k = off.Take(batch.cu_seqlens_bytes());
+    table = off.Take(batch.block_table_bytes());
+    seqlens = off.Take(batch.seqlens_bytes());
+    copy_src = off.Take(batch.copies_bytes());
+    copy_dst = off.Take(batch.copies_bytes());
+    inputs_end = off.end();
+    o = off.Take(batch.q_bytes());
+    lse = off.Take(batch.lse_bytes());
+    end = std::max<int64_t>(off.end(), 256);
   }
 
   PagedBuffers In(char* base) const {
@@ -72,21 +67,12 @@ struct PagedLayout {
 
 // The same params with every staged pointer moved from `from` to `to`.
 PagedAttnParams RebasePaged(const PagedAttnParams& p, const char* from, char* to) {
-  auto move = [from, to](const void* ptr) -> char* {
-    return ptr == nullptr ? nullptr : to + (static_cast<const char*>(ptr) - from);
-  };
   PagedAttnParams d = p;
-  d.attn.q = move(p.attn.q);
-  d.attn.k = move(p.attn.k);
-  d.attn.v = move(p.attn.v);
-  d.attn.o = move(p.attn.o);
-  d.attn.lse = reinterpret_cast<float*>(move(p.attn.lse));
-  d.attn.cu_seqlens_q = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_q));
-  d.attn.cu_seqlens_k = reinterpret_cast<const int32_t*>(move(p.attn.cu_seqlens_k));
-  d.block_table = reinterpret_cast<const int32_t*>(move(p.block_table));
-  d.seqlens_k = reinterpret_cast<const int32_t*>(move(p.seqlens_k));
-  d.copy_src = reinterpret_cast<const int32_t*>(move(p.copy_src));
-  d.copy_dst = reinterpret_cast<const int32_t*>(move(p.copy_dst));
+  d.attn = RebaseAttnParams(p.attn, from, to);
+  d.block_table = Rebased(p.block_table, from, to);
+  d.seqlens_k = Rebased(p.seqlens_k, from, to);
+  d.copy_src = Rebased(p.copy_src, from, to);
+  d.copy_dst = Rebased(p.copy_dst, from, to);
   return d;
 }
 

@@ -42,6 +42,44 @@ inline absl::Status CudaError(cudaError_t err, const char* what) {
 
 inline int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
 
+// Hands out consecutive 256-byte aligned regions of one staging buffer: the
+// launch layouts (StagingLayout, PagedLayout) take their tensors' offsets
+// from it in order.
+class StagingOffsets {
+ public:
+  // The offset of a new region of `bytes`.
+  int64_t Take(int64_t bytes) {
+    const int64_t at = end_;
+    end_ += Align256(bytes);
+    return at;
+  }
+  int64_t end() const { return end_; }
+
+ private:
+  int64_t end_ = 0;
+};
+
+// `ptr`, a pointer into the buffer at `from`, moved to the same offset in the
+// buffer at `to` (both of one layout); null stays null.
+template <typename T>
+T* Rebased(T* ptr, const char* from, char* to) {
+  if (ptr == nullptr) return nullptr;
+  return reinterpret_cast<T*>(to + (reinterpret_cast<const char*>(ptr) - from));
+}
+
+// The same params with every tensor pointer moved from `from` to `to`.
+inline AttnParams RebaseAttnParams(const AttnParams& p, const char* from, char* to) {
+  AttnParams d = p;
+  d.q = Rebased(p.q, from, to);
+  d.k = Rebased(p.k, from, to);
+  d.v = Rebased(p.v, from, to);
+  d.o = Rebased(p.o, from, to);
+  d.lse = Rebased(p.lse, from, to);
+  d.cu_seqlens_q = Rebased(p.cu_seqlens_q, from, to);
+  d.cu_seqlens_k = Rebased(p.cu_seqlens_k, from, to);
+  return d;
+}
+
 // A slowly growing launch size should not reallocate each time, so buffers
 // grow by at least 1.5x.
 inline int64_t GrowTo(int64_t have, int64_t need) { return std::max(need, have + have / 2); }
