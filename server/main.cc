@@ -114,7 +114,9 @@ bool ParseLogLevel(const std::string& name, spdlog::level::level_enum* level) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  attnserve::KeepLargeAllocationsOnMmap();  // before any thread starts
+  // Before any thread starts (malloc_tuning.h says why each).
+  attnserve::KeepLargeAllocationsOnMmap();
+  attnserve::UseBoundedMallocArenas();
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = IsOurFlagFile;
   usage.contains_helpshort_flags = IsOurFlagFile;
