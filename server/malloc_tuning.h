@@ -66,8 +66,11 @@ struct HeapUsage {
 // arena under its lock: cheap enough for a scrape, not for the request path.
 HeapUsage ReadHeapUsage();
 
-// How often HeapTrimmer gives the heap's free pages back.
-inline constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(10);
+// How often HeapTrimmer gives the heap's free pages back. Every 10 s made
+// RSS a 10-s sawtooth whose medians over 24 one-second samples moved by up
+// to 6% with no trend (soak runs 1.040, 1.058, 1.053); every 2 s averages
+// more periods per sample window.
+inline constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(2);
 
 // Every kHeapTrimPeriod, gives back to the system the free pages the heap
 // keeps: at its top (up to kKeepFreeHeapTopBytes between trims) and inside
