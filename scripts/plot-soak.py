@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots scripts/soak.sh's CSV as an SVG (standard library only: the CI machine
-has no matplotlib): one panel each for RSS, open fds, threads and queue depth
-against time, the warm-up fifth shaded, the second and last fifths (the windows
+has no matplotlib): one panel each for RSS, heap in use (the allocator's
+account), open fds, threads and queue depth against time, the warm-up fifth shaded, the second and last fifths (the windows
 the growth rule compares) marked, and the after-traffic samples in grey.
 
     scripts/plot-soak.py soak.csv [-o soak.svg] [--title TEXT]
@@ -9,7 +9,8 @@ the growth rule compares) marked, and the after-traffic samples in grey.
 import argparse
 import csv
 
-PANELS = (("rss_kb", "RSS (MB)", 1 / 1024.0), ("fds", "open fds", 1.0),
+PANELS = (("rss_kb", "RSS (MB)", 1 / 1024.0), ("heap_in_use_kb", "heap in use (MB)", 1 / 1024.0),
+          ("fds", "open fds", 1.0),
           ("threads", "threads", 1.0), ("queue_depth", "queue depth", 1.0))
 W, H, LEFT, RIGHT, TOP, GAP = 900, 170, 70, 20, 40, 30
 
@@ -37,7 +38,7 @@ def main():
     x = lambda t: LEFT + (W - LEFT - RIGHT) * t / t_end
     for i, (key, label, scale) in enumerate(PANELS):
         top = TOP + i * (H + GAP)
-        vals = [float(r[key]) * scale if r[key] else None for r in rows]
+        vals = [float(r[key]) * scale if r.get(key) else None for r in rows]
         present = [v for v in vals if v is not None] or [0.0]
         lo, hi = min(0.0, min(present)), max(present) * 1.1 or 1.0
         y = lambda v: top + H - H * (v - lo) / (hi - lo)

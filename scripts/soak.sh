@@ -40,30 +40,30 @@ cmake --build "$build" -j "$(nproc)" --target attnserve attnctl soak_load >/dev/
 port=$(free_port)
 metrics_port=$(free_port)
 client=("$build/client/attnctl" --target="127.0.0.1:$port")
-# --kv_idle_timeout: the caches soak_load leaves behind expire during the run.
+# --kv_idle_timeout: the caches soak_load leaves behind expire during the run,
+# the first of them within the warm-up fifth, so the measured fifths see the
+# steady number of abandoned caches: half the warm-up, at most 30 s (a live
+# sequence of a starved client on a loaded machine can sit idle for seconds).
+idle_timeout=$(( seconds / 10 < 30 ? seconds / 10 : 30 ))
+[ "$idle_timeout" -ge 1 ] || idle_timeout=1
 start_server "$out/server.log" 60 "${client[@]}" -- \
   "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend=cpu \
   --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port=0 \
-  --kv_idle_timeout=30s --log_level=warn
+  --kv_idle_timeout="${idle_timeout}s" --log_level=warn
 pid=$SERVER_PID
 cleanup() { kill "$pid" 2>/dev/null || true; }
 trap cleanup EXIT
 metrics="http://127.0.0.1:$metrics_port/metrics"
 
 sample() {  # phase: one CSV row of the server's state now
-  local rss threads fds queue
-  rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status")
-  threads=$(awk '/^Threads:/ {print $2}' "/proc/$pid/status")
-  fds=$(find "/proc/$pid/fd" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
-  queue=$(metric_value "$metrics" nv_inference_pending_request_count || echo "")
-  echo "$(date +%s.%N | cut -c1-14),$1,$rss,$fds,$threads,$queue"
+  python3 scripts/soak_sample.py --once "$pid" "$metrics" "$1"
 }
 
 echo "soak.sh: peak: 10 s of valid requests only" | tee "$out/summary.txt"
 "$build/tests/soak/soak_load" --target="127.0.0.1:$port" --mode=peak --duration=10s \
   | tail -n 1 | tee -a "$out/summary.txt"
 
-echo "time_s,phase,rss_kb,fds,threads,queue_depth" >"$out/soak.csv"
+python3 scripts/soak_sample.py --header >"$out/soak.csv"
 phase_file="$out/.phase"
 echo traffic >"$phase_file"
 # The sampler: one row a second until the phase file is gone.
@@ -88,7 +88,7 @@ back_status=0
 if ! wait_until 60 1 back; then
   back_status=1
 fi
-echo "soak.sh: after the traffic: $(sample after) (levels fds,threads $levels)" | tee -a "$out/summary.txt"
+echo "soak.sh: after the traffic: $(sample after) (levels fds,threads,grpc timer threads $levels)" | tee -a "$out/summary.txt"
 # Which threads the server has now (names), to tell a pool from a leak.
 echo "soak.sh: server threads after the traffic: $(cat /proc/"$pid"/task/*/comm | sort | uniq -c | tr -s ' \n' ' ')" \
   | tee -a "$out/summary.txt"

@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
 """scripts/soak.sh's sampler: once a second (on the clock, so slow reads do not
 stretch the interval) appends one CSV row of a process's state until
-PHASE_FILE is removed: time_s, phase (PHASE_FILE's contents), rss_kb, fds,
-threads, queue_depth (nv_inference_pending_request_count at METRICS_URL).
-One long-lived process, because a process per sample takes longer than the
-interval on a loaded 2-core machine.
+PHASE_FILE is removed. One long-lived process, because a process per sample
+takes longer than the interval on a loaded 2-core machine.
 
-    soak_sample.py PID METRICS_URL CSV PHASE_FILE
+    soak_sample.py PID METRICS_URL CSV PHASE_FILE   the loop
+    soak_sample.py --once PID METRICS_URL PHASE     prints one row (no header)
+    soak_sample.py --header                         prints the CSV header
+
+Columns (HEADER): time_s, phase; rss_kb, fds, threads from /proc; queue_depth
+(nv_inference_pending_request_count), heap_in_use_kb and heap_free_kb (the
+allocator's account: attnserve_heap_in_use_bytes, attnserve_heap_free_bytes)
+from METRICS_URL; grpc_timer_threads: threads named grpc_global_timer, gRPC's
+timer pool, which gRPC grows when all its timer threads are busy and never
+shrinks before shutdown (tests/soak/README.md).
 """
 import os
 import sys
 import time
 import urllib.request
+
+HEADER = ("time_s,phase,rss_kb,fds,threads,queue_depth,heap_in_use_kb,heap_free_kb,"
+          "grpc_timer_threads")
+METRICS = ("nv_inference_pending_request_count", "attnserve_heap_in_use_bytes",
+           "attnserve_heap_free_bytes")
+# /proc/PID/task/*/comm holds the first 15 bytes of a thread's name.
+GRPC_TIMER_COMM = "grpc_global_timer"[:15]
 
 
 def status_field(pid, name):
@@ -22,35 +36,69 @@ def status_field(pid, name):
     return -1
 
 
-def queue_depth(url):
+def scrape(url):
+    """The METRICS values at url ("" each when the scrape fails)."""
+    values = dict.fromkeys(METRICS, "")
     try:
         text = urllib.request.urlopen(url, timeout=0.8).read().decode()
     except OSError:
-        return ""
+        return values
     for line in text.splitlines():
-        if line.startswith("nv_inference_pending_request_count"):
-            return line.split()[-1]
-    return ""
+        name = line.split("{")[0].split(" ")[0]
+        if name in values:
+            values[name] = line.split()[-1]
+    return values
 
 
-def main():
-    pid, url, path, phase_file = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+def kb(text):
+    return "" if text == "" else "%d" % (int(float(text)) // 1024)
+
+
+def timer_threads(pid):
+    n = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                n += f.read().strip() == GRPC_TIMER_COMM
+        except OSError:
+            pass  # the thread ended meanwhile
+    return n
+
+
+def row(pid, url, phase):
+    m = scrape(url)
+    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d" % (
+        time.time(), phase, status_field(pid, "VmRSS"), len(os.listdir("/proc/%d/fd" % pid)),
+        status_field(pid, "Threads"), m["nv_inference_pending_request_count"],
+        kb(m["attnserve_heap_in_use_bytes"]), kb(m["attnserve_heap_free_bytes"]),
+        timer_threads(pid))
+
+
+def loop(pid, url, path, phase_file):
     next_tick = time.time()
     while os.path.exists(phase_file):
         try:
             with open(phase_file) as f:
                 phase = f.read().strip() or "after"
-            row = "%.3f,%s,%d,%d,%d,%s\n" % (
-                time.time(), phase, status_field(pid, "VmRSS"),
-                len(os.listdir("/proc/%d/fd" % pid)), status_field(pid, "Threads"),
-                queue_depth(url))
+            line = row(pid, url, phase)
         except OSError:
             break  # the process or the phase file is gone
         with open(path, "a") as f:
-            f.write(row)
+            f.write(line + "\n")
         next_tick += 1.0
         time.sleep(max(0.0, next_tick - time.time()))
 
 
+def main(argv):
+    if argv[1:] == ["--header"]:
+        print(HEADER)
+    elif len(argv) == 5 and argv[1] == "--once":
+        print(row(int(argv[2]), argv[3], argv[4]))
+    elif len(argv) == 5:
+        loop(int(argv[1]), argv[2], argv[3], argv[4])
+    else:
+        sys.exit(__doc__)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv)

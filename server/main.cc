@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
+#include "server/malloc_tuning.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -114,7 +115,9 @@ bool ParseLogLevel(const std::string& name, spdlog::level::level_enum* level) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  attnserve::TuneMallocForTensors();  // before any thread starts
+  // Before any thread starts (the two headers say why each).
+  attnserve::TuneMallocForTensors();
+  attnserve::UseBoundedMallocArenas();
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = IsOurFlagFile;
   usage.contains_helpshort_flags = IsOurFlagFile;
@@ -175,6 +178,9 @@ int main(int argc, char** argv) {
   options.auth.tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
 
+  // Gives back the free pages malloc's heap keeps (malloc_tuning.h says
+  // why); outlives the server.
+  attnserve::HeapTrimmer heap_trimmer;
   auto server = attnserve::AttnServer::Create(options);
   if (!server.ok()) {
     spdlog::critical("cannot create server: {}", server.status().ToString());

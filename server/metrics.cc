@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/malloc_tuning.h"
 
 namespace attnserve {
 namespace {
@@ -173,6 +174,16 @@ std::string ServerMetrics::RenderPrometheus() const {
   for (const auto& m : stream_samples) {
     AppendFamily(&out, m.name, m.type, m.help, {{"", absl::StrCat(m.value)}});
   }
+  // Not Triton's: the allocator's account of the heap, which tells a leak
+  // (in use grows) from memory the allocator keeps (free grows) when RSS
+  // rises (the soak test samples both; tests/soak/README.md).
+  const HeapUsage heap = ReadHeapUsage();
+  AppendFamily(&out, "attnserve_heap_in_use_bytes", "gauge",
+               "Heap bytes allocated and not yet freed (malloc arenas and mmap'd blocks)",
+               {{"", absl::StrCat(heap.in_use_bytes)}});
+  AppendFamily(&out, "attnserve_heap_free_bytes", "gauge",
+               "Freed heap bytes the allocator keeps in its arenas for reuse",
+               {{"", absl::StrCat(heap.free_bytes)}});
 
   absl::MutexLock lock(&sources_mu_);
   AppendFamily(&out, "nv_inference_pending_request_count", "gauge",

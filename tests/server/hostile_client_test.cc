@@ -36,6 +36,7 @@
 #include "server/request_validation.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/common/own_allocator.h"
 #include "tests/server/random_tensor.h"
 
 namespace attnserve {
@@ -215,17 +216,6 @@ class HostileClientTest : public ::testing::Test {
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<inference::GRPCInferenceService::Stub> v2_;
 };
-
-// Sanitizers replace malloc (ASan keeps freed memory in quarantine), so RSS
-// then says nothing about what glibc gives back.
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define ATTNSERVE_OWN_ALLOCATOR 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define ATTNSERVE_OWN_ALLOCATOR 1
-#endif
 
 // Resident memory of this process (server and client both live here).
 int64_t RssBytes() {
