@@ -70,11 +70,14 @@ echo "sanitize.sh: build took $(( $(date +%s) - start )) s on $jobs cores"
 
 # halt_on_error: the first report fails the test. detect_leaks: LeakSanitizer
 # is part of ASan; every leak is a finding. The suppression files name each
-# library frame they hide and why.
-export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0
+# library frame they hide and why. allocator_may_return_null: the tests of
+# allocation failure (K/V memory of 2^62 bytes, paged_test) expect what glibc
+# does, a null pointer that the code turns into RESOURCE_EXHAUSTED; the
+# sanitizers' allocators abort on such a request unless told to return null.
+export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0:allocator_may_return_null=1
 export LSAN_OPTIONS=suppressions=$repo/tests/lsan.supp:print_suppressions=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$repo/tests/tsan.supp
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$repo/tests/tsan.supp
 start=$(date +%s)
 if (( ${#tests[@]} == 0 )); then
   ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 900
