@@ -28,6 +28,59 @@ if(ATTNSERVE_SANITIZE)
   add_link_options(-fsanitize=${ATTNSERVE_SANITIZE})
 endif()
 
+# TSan and Debian's Abseil: libabsl_synchronization is not instrumented, so
+# TSan cannot see absl::Mutex, CondVar or Notification synchronise and reports
+# every access they guard. tests/tsan/absl_sync_annotations.cc wraps the
+# library's entry points that our code calls (-Wl,--wrap=SYMBOL, the symbols
+# below) and tells TSan what each did, as an Abseil built with TSan would.
+# attnserve_tsan_annotate_all_targets() (called at the end of the top-level
+# CMakeLists.txt, once every target exists) links that object into every
+# executable and shared library. Symbols are of Debian 12's Abseil (inline
+# namespace debian3); another Abseil fails at link time, loudly.
+if(ATTNSERVE_SANITIZE STREQUAL "thread")
+  set(attnserve_tsan_wrapped_absl
+    _ZN4absl7debian35Mutex4LockEv
+    _ZN4absl7debian35Mutex6UnlockEv
+    _ZN4absl7debian35Mutex10ReaderLockEv
+    _ZN4absl7debian35Mutex12ReaderUnlockEv
+    _ZN4absl7debian35Mutex7TryLockEv
+    _ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE
+    _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE
+    _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE
+    _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE
+    _ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE
+    _ZN4absl7debian37CondVar4WaitEPNS0_5MutexE
+    _ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE
+    _ZN4absl7debian35MutexD1Ev
+    _ZN4absl7debian312Notification6NotifyEv
+    _ZNK4absl7debian312Notification19WaitForNotificationEv
+    _ZNK4absl7debian312Notification30WaitForNotificationWithTimeoutENS0_8DurationE)
+  foreach(symbol IN LISTS attnserve_tsan_wrapped_absl)
+    add_link_options("LINKER:--wrap=${symbol}")
+  endforeach()
+  add_library(attn_tsan_absl OBJECT ${CMAKE_SOURCE_DIR}/tests/tsan/absl_sync_annotations.cc)
+  target_link_libraries(attn_tsan_absl PUBLIC absl::synchronization absl::time)
+endif()
+
+# Links attn_tsan_absl into every executable, shared library and module in
+# `dir` and below (no-op unless ATTNSERVE_SANITIZE is thread).
+function(attnserve_tsan_annotate_all_targets dir)
+  if(NOT TARGET attn_tsan_absl)
+    return()
+  endif()
+  get_property(targets DIRECTORY ${dir} PROPERTY BUILDSYSTEM_TARGETS)
+  foreach(target IN LISTS targets)
+    get_target_property(type ${target} TYPE)
+    if(type MATCHES "^(EXECUTABLE|SHARED_LIBRARY|MODULE_LIBRARY)$")
+      target_link_libraries(${target} PRIVATE attn_tsan_absl)
+    endif()
+  endforeach()
+  get_property(subdirs DIRECTORY ${dir} PROPERTY SUBDIRECTORIES)
+  foreach(subdir IN LISTS subdirs)
+    attnserve_tsan_annotate_all_targets(${subdir})
+  endforeach()
+endfunction()
+
 if(ATTNSERVE_FUZZ)
   if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
     message(FATAL_ERROR "ATTNSERVE_FUZZ needs clang++ (-DCMAKE_CXX_COMPILER=clang++): libFuzzer is part of clang")

@@ -22,13 +22,13 @@ absl::Status SequenceNotFound(uint64_t id) {
 
 KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
                  int64_t capacity_pages, int device, AttentionBackend* backend,
-                 DeviceBudget* budget)
+                 std::shared_ptr<DeviceBudget> budget)
     : tenant_(std::move(tenant)),
       id_(std::move(id)),
       geometry_(geometry),
       page_size_(page_size),
       device_(device),
-      allocator_(backend, budget, page_size,
+      allocator_(backend, std::move(budget), page_size,
                  int64_t{page_size} * geometry.num_heads_kv * geometry.head_dim *
                      DTypeSize(geometry.dtype),
                  capacity_pages),

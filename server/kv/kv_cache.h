@@ -103,7 +103,8 @@ class KvCache {
   };
 
   KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
-          int64_t capacity_pages, int device, AttentionBackend* backend, DeviceBudget* budget);
+          int64_t capacity_pages, int device, AttentionBackend* backend,
+          std::shared_ptr<DeviceBudget> budget);
 
   const std::string& tenant() const { return tenant_; }
   const std::string& id() const { return id_; }

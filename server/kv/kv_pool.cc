@@ -54,7 +54,7 @@ absl::Status CheckGeometry(const KvGeometry& g) {
 KvPool::KvPool(const KvPoolOptions& options, std::vector<KvDevice> devices)
     : options_(options), devices_(std::move(devices)) {
   for (size_t i = 0; i < devices_.size(); ++i) {
-    budgets_.push_back(std::make_unique<DeviceBudget>(options_.cache_bytes_per_device));
+    budgets_.push_back(std::make_shared<DeviceBudget>(options_.cache_bytes_per_device));
   }
   if (options_.idle_timeout > absl::ZeroDuration()) {
     expiry_ = std::thread([this] { ExpiryLoop(); });
@@ -172,7 +172,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   }
   const KvDevice& d = devices_[size_t(device)];
   auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages,
-                                         d.index, d.backend, budgets_[size_t(device)].get());
+                                         d.index, d.backend, budgets_[size_t(device)]);
   if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
   absl::MutexLock lock(&mu_);
   if (tenants_ != nullptr) {

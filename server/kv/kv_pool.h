@@ -143,7 +143,8 @@ class KvPool {
 
   const KvPoolOptions options_;
   const std::vector<KvDevice> devices_;
-  std::vector<std::unique_ptr<DeviceBudget>> budgets_;
+  // Shared with each cache's allocator: a cache may outlive the pool.
+  std::vector<std::shared_ptr<DeviceBudget>> budgets_;
   TenantDirectory* tenants_ = nullptr;
 
   absl::Mutex mu_;

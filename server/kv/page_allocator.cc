@@ -2,6 +2,7 @@
 #include "server/kv/page_allocator.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -15,9 +16,12 @@ bool DeviceBudget::TryTake(int64_t bytes) {
   return true;
 }
 
-PageAllocator::PageAllocator(AttentionBackend* backend, DeviceBudget* budget, int page_size,
+PageAllocator::PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget,
+                             int page_size,
                              int64_t page_bytes, int64_t capacity_pages)
-    : backend_(backend), budget_(budget), page_bytes_(page_bytes), capacity_pages_(capacity_pages) {
+    : backend_(backend),
+      budget_(std::move(budget)),
+      page_bytes_(page_bytes), capacity_pages_(capacity_pages) {
   kv_.page_size = page_size;
   while ((1 << kv_.page_shift) < page_size) ++kv_.page_shift;
   // Worked example: 100,000 pages over 32 slabs is 3,125 per slab, rounded up

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,8 +35,10 @@ class PageAllocator {
  public:
   // `page_bytes`: bytes of one page's K (V is the same again). The slab size
   // is capacity / kMaxKvSlabs rounded up to a power of two of pages.
-  // `backend` and `budget` must outlive the allocator.
-  PageAllocator(AttentionBackend* backend, DeviceBudget* budget, int page_size,
+  // `backend` must outlive the allocator. The budget is shared: a cache can
+  // outlive its pool (an executor's completion callback may hold the last
+  // reference after the pool is gone), and its pages go back on destruction.
+  PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget, int page_size,
                 int64_t page_bytes, int64_t capacity_pages);
   // Frees every slab and returns its bytes to the budget.
   ~PageAllocator();
@@ -66,7 +69,7 @@ class PageAllocator {
   absl::Status AddSlab();
 
   AttentionBackend* const backend_;
-  DeviceBudget* const budget_;
+  const std::shared_ptr<DeviceBudget> budget_;
   const int64_t page_bytes_;
   const int64_t capacity_pages_;
   KvPages kv_{};

@@ -29,16 +29,16 @@ namespace {
 
 TEST(PageAllocatorTest, SlabsOnDemandAndFreeList) {
   auto backend = MakeCpuBackend(1);
-  DeviceBudget budget(1 << 20);
+  auto budget = std::make_shared<DeviceBudget>(1 << 20);
   // 100 pages of 64 bytes: 4 pages per slab (100 / 32 rounded up to 4).
-  PageAllocator a(backend.get(), &budget, 16, 64, 100);
+  PageAllocator a(backend.get(), budget, 16, 64, 100);
   EXPECT_EQ(a.pages().slab_shift, 2);
   EXPECT_EQ(a.pages().num_slabs, 0);
-  EXPECT_EQ(budget.used(), 0);  // a maximum, not a reservation
+  EXPECT_EQ(budget->used(), 0);  // a maximum, not a reservation
   std::vector<int32_t> pages;
   ASSERT_TRUE(a.Allocate(5, &pages).ok());
   EXPECT_EQ(a.pages().num_slabs, 2);
-  EXPECT_EQ(budget.used(), 2 * a.slab_bytes());
+  EXPECT_EQ(budget->used(), 2 * a.slab_bytes());
   EXPECT_EQ(a.pages_used(), 5);
   std::set<int32_t> distinct(pages.begin(), pages.end());
   EXPECT_EQ(distinct.size(), 5u);
@@ -63,16 +63,16 @@ TEST(PageAllocatorTest, SlabsOnDemandAndFreeList) {
 
 TEST(PageAllocatorTest, SharedBudgetAndReserve) {
   auto backend = MakeCpuBackend(1);
-  DeviceBudget budget(3 * 2 * 64 * 4);  // three slabs of 4 pages of 64 + 64 bytes
-  PageAllocator a(backend.get(), &budget, 16, 64, 128);
-  PageAllocator b(backend.get(), &budget, 16, 64, 128);
+  auto budget = std::make_shared<DeviceBudget>(3 * 2 * 64 * 4);  // three slabs of 4 pages of 64 + 64 bytes
+  PageAllocator a(backend.get(), budget, 16, 64, 128);
+  PageAllocator b(backend.get(), budget, 16, 64, 128);
   std::vector<int32_t> pages;
   ASSERT_TRUE(a.Allocate(8, &pages).ok());
   const absl::Status s = b.Allocate(8, &pages);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("--kv_cache_bytes"), std::string::npos) << s;
   EXPECT_EQ(b.pages_used(), 0);
-  PageAllocator c(backend.get(), &budget, 16, 64, 8);
+  PageAllocator c(backend.get(), budget, 16, 64, 8);
   EXPECT_EQ(c.ReserveAll().code(), absl::StatusCode::kResourceExhausted);
 }
 
@@ -85,9 +85,9 @@ class CacheModelTest : public ::testing::Test {
   static constexpr int kPageSize = 16;
   CacheModelTest()
       : backend_(MakeCpuBackend(1)),
-        budget_(int64_t{1} << 24),
+        budget_(std::make_shared<DeviceBudget>(int64_t{1} << 24)),
         cache_("t", "c", KvGeometry{kLayers, 1, 8, DType::kFP32}, kPageSize, 48, 0,
-               backend_.get(), &budget_) {}
+               backend_.get(), budget_) {}
 
   float* Row(const KvPages& kv, void* const* slabs, int32_t page, int token) {
     return static_cast<float*>(slabs[PageSlab(kv, page)]) + PageRowOffset(kv, page, token, 1, 8, 0);
@@ -136,7 +136,7 @@ class CacheModelTest : public ::testing::Test {
   }
 
   std::unique_ptr<AttentionBackend> backend_;
-  DeviceBudget budget_;
+  std::shared_ptr<DeviceBudget> budget_;
   KvCache cache_;
   std::map<uint64_t, std::vector<std::vector<float>>> model_;
   float next_value_ = 1.0f;
@@ -394,6 +394,24 @@ TEST_F(PoolTest, CallsOnOneSequenceApplyInArrivalOrder) {
   EXPECT_EQ(stale->status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(stale->status.message().find("has 25 tokens"), std::string::npos) << stale->status;
   EXPECT_EQ((*cache->Lengths(1))[0], 25);
+}
+
+// ASan finding (scripts/sanitize.sh request-path, 2026-11-23): the executor's
+// completer thread may drop the last reference to a cache (held by a finished
+// call's callback) after the pool is gone; the cache then returned its pages
+// to a budget the pool had freed (heap-use-after-free in ~PageAllocator). The
+// budget is shared now. Here the cache outlives the pool deterministically;
+// ASan reports the old code every time.
+TEST_F(PoolTest, CacheOutlivesItsPool) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}}).ok());
+  auto call = Run(cache, Call(1, 0, 20));
+  call->done.WaitForNotification();
+  ASSERT_TRUE(call->status.ok()) << call->status;
+  EXPECT_GT(cache->Stats().pages_used, 0);
+  pool_.reset();
+  cache.reset();  // gives its pages back to the (still alive) device budget
 }
 
 TEST_F(PoolTest, FailedLaunchChangesNothing) {
