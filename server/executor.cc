@@ -29,7 +29,8 @@ absl::Status DroppedAtShutdown() {
 Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
     : backend_(backend),
       options_(options),
-      max_in_flight_(std::max(1, backend->max_launches_in_flight())) {
+      max_in_flight_(std::max(1, backend->max_launches_in_flight())),
+      queue_(options.fair_quantum) {
   launcher_ = std::thread([this] { LauncherLoop(); });
   completer_ = std::thread([this] { CompleterLoop(); });
   launcher_id_ = launcher_.get_id();
@@ -41,13 +42,16 @@ Executor::~Executor() { Shutdown(); }
 absl::Status Executor::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
   if (!admitting_ && (stopping_ || !item.follows_admitted)) return absl::UnavailableError(refusal_);
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_size) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
-                     options_.max_queue_size, " (--max_queue_size); retry later"));
+  if (!queue_.HasRoom(item.tenant, options_.max_queue_size)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", queue_.size(), " requests waiting, the limit is ", options_.max_queue_size,
+        " (--max_queue_size), and tenant \"", item.tenant,
+        "\" holds its fair share of it; retry later"));
   }
   outstanding_tokens_.fetch_add(BatchTokens(item.params), std::memory_order_relaxed);
-  queue_.push_back(Queued{std::move(item), absl::Now(), WorkTimings{}, false});
+  const std::string tenant = item.tenant;
+  const int64_t cost = RequestCost(item.params);
+  queue_.Push(tenant, cost, Queued{std::move(item), absl::Now(), WorkTimings{}, false});
   ++submitted_;
   return absl::OkStatus();
 }
@@ -97,6 +101,11 @@ int Executor::queued() const {
   return static_cast<int>(queue_.size());
 }
 
+std::map<std::string, int64_t> Executor::queued_by_tenant() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.Depths();
+}
+
 bool Executor::running() const {
   absl::MutexLock lock(&mu_);
   return launching_ || completing_ || !in_flight_.empty();
@@ -122,8 +131,7 @@ void Executor::LauncherLoop() {
         launcher_done_ = true;
         return;
       }
-      picked.push_back(std::move(queue_.front()));
-      queue_.pop_front();
+      picked.push_back(queue_.Pop());
       launching_ = true;
       stopping = stopping_;
       const Queued& head = picked.front();
@@ -151,17 +159,19 @@ void Executor::CollectBatch(std::vector<Queued>* batch) {
   if (tokens >= options_.batch_max_tokens) return;
   const absl::Time wait_until = batch->front().admitted + options_.batch_max_delay;
   while (true) {
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      const int64_t t = BatchTokens(it->item.params);
-      if (!it->item.internal && !it->rerun_alone && MayShareLaunch(head, it->item) &&
-          tokens + t <= options_.batch_max_tokens) {
-        tokens += t;
-        batch->push_back(std::move(*it));
-        it = queue_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    // Any tenant's compatible items may ride along (charged to their own
+    // tenant by the queue); the head was picked fairly.
+    queue_.TakeIf(
+        [&](const Queued& q) {
+          const int64_t t = BatchTokens(q.item.params);
+          if (q.item.internal || q.rerun_alone || !MayShareLaunch(head, q.item) ||
+              tokens + t > options_.batch_max_tokens) {
+            return false;
+          }
+          tokens += t;
+          return true;
+        },
+        batch);
     // Alone means no sign of concurrency: waiting would only add latency.
     if (batch->size() < 2 || stopping_ || absl::Now() >= wait_until) return;
     const int64_t seen = submitted_;
@@ -344,7 +354,7 @@ void Executor::CompleterLoop() {
       if (!launcher_done_) {
         for (auto it = done.members.rbegin(); it != done.members.rend(); ++it) {
           it->rerun_alone = true;
-          queue_.push_front(std::move(*it));
+          queue_.PushFront(std::move(*it));
         }
         ++submitted_;
         completing_ = false;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/params.h"
+#include "server/fair_queue.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -81,10 +83,14 @@ struct WorkItem {
   // Accepted by the front-end before a drain began (a K/V call that waited
   // for an earlier call on its sequence): StopAdmitting does not refuse it.
   bool follows_admitted = false;
+  // Who the call acts for (server/tenant.h): the device is shared fairly
+  // between tenants (fair_queue.h). Empty: the server's own work.
+  std::string tenant;
 };
 
 struct ExecutorOptions {
-  // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED.
+  // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED,
+  // except for a tenant below its fair share of it (FairQueue::HasRoom).
   int max_queue_size = 256;
   // Counts backend launches (nv_inference_exec_count) when set; must outlive
   // the executor.
@@ -103,6 +109,8 @@ struct ExecutorOptions {
   int64_t batch_max_tokens = 65536;
   // Reported in WorkTimings::device (the backend's device index).
   int device = 0;
+  // FairQueue's quantum: the cost (RequestCost) a tenant may run per turn.
+  int64_t fair_quantum = int64_t{1} << 20;
 };
 
 class Executor {
@@ -139,6 +147,8 @@ class Executor {
   // Items queued, and whether anything is being launched or in flight (for
   // tests, logs and metrics).
   int queued() const;
+  // Items queued per tenant (tenants with none left out).
+  std::map<std::string, int64_t> queued_by_tenant() const;
   bool running() const;
   // Tq + Tk rows of the requests admitted and not yet completed: what the
   // multi-device dispatcher balances.
@@ -193,7 +203,8 @@ class Executor {
   const int max_in_flight_;
 
   mutable absl::Mutex mu_;
-  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  // Admitted, not yet picked: per-tenant FIFOs under one fairness rule.
+  FairQueue<Queued> queue_ ABSL_GUARDED_BY(mu_);
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   // Launches started and not yet finished (those in in_flight_ plus the one
   // the completer is finishing): the bound of max_launches_in_flight.

@@ -2,7 +2,12 @@
 #include "server/executor_pool.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/metrics.h"
 
 namespace attnserve {
 
@@ -57,6 +62,22 @@ bool ExecutorPool::WaitIdle(absl::Duration timeout) {
 
 void ExecutorPool::Shutdown() {
   for (auto& e : executors_) e->Shutdown();
+}
+
+std::string ExecutorPool::RenderTenantQueueDepths() const {
+  std::vector<std::pair<std::string, std::string>> samples;
+  for (size_t d = 0; d < executors_.size(); ++d) {
+    // Tenant names are [A-Za-z0-9._-] (the tokens file checks) or server/tenant.h's
+    // fixed names: no escaping needed in a label.
+    for (const auto& [tenant, depth] : executors_[d]->queued_by_tenant()) {
+      samples.emplace_back(absl::StrCat("tenant=\"", tenant, "\",device=\"", d, "\""),
+                           absl::StrCat(depth));
+    }
+  }
+  std::string out;
+  AppendFamily(&out, "attnserve_tenant_queue_depth", "gauge",
+               "Requests a tenant has waiting for a device (fair-share queue).", samples);
+  return out;
 }
 
 int ExecutorPool::queued() const {

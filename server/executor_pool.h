@@ -41,6 +41,9 @@ class ExecutorPool {
   Executor& executor(int i) { return *executors_[i]; }
   // Requests queued on all executors.
   int queued() const;
+  // attnserve_tenant_queue_depth{tenant,device}: requests each tenant has
+  // waiting for each device (Prometheus text; tenants with none left out).
+  std::string RenderTenantQueueDepths() const;
 
  private:
   std::vector<std::unique_ptr<Executor>> executors_;

@@ -398,7 +398,8 @@ class AttnServerImpl final : public AttnServer {
   void StartDeviceMetrics() {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetExtraSource([this] {
-      std::string text = KvService::RenderMetrics(kv_pool_.Stats());
+      std::string text =
+          KvService::RenderMetrics(kv_pool_.Stats()) + executors_.RenderTenantQueueDepths();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       return text;
     });

@@ -4,6 +4,7 @@
 #include "server/executor.h"
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -268,6 +269,40 @@ TEST(ExecutorTest, ShutdownCompletesQueuedWithUnavailable) {
   EXPECT_EQ(results[1].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(results[2].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(backend.started(), std::vector<int>({0}));
+}
+
+// Fair share (fair_queue.h): a tenant's flood of large requests, queued
+// first, does not hold back another tenant's small ones, which start as soon
+// as the running launch ends; each tenant's own order is kept.
+TEST(ExecutorTest, SmallTenantRunsAheadOfAnotherTenantsFlood) {
+  ScriptedBackend backend;
+  ExecutorOptions options;
+  options.fair_quantum = 1 << 20;
+  Executor executor(&backend, options);
+  Completions c;
+  auto large = [&](int tag) {
+    WorkItem item = c.Item(tag);
+    item.tenant = "flood";
+    item.params.dtype = DType::kFP32;
+    item.params.num_heads_q = item.params.num_heads_kv = 1;
+    item.params.total_q = item.params.total_k = 4096;  // RequestCost ~4 MiB
+    return item;
+  };
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(large(0)).ok());
+  backend.AwaitStarted(1);  // the launcher is held in this launch
+  for (int i = 1; i < 10; ++i) ASSERT_TRUE(executor.Submit(large(i)).ok());
+  for (int i = 100; i < 103; ++i) {
+    WorkItem item = c.Item(i);
+    item.tenant = "small";
+    ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+  }
+  EXPECT_EQ(executor.queued_by_tenant(),
+            (std::map<std::string, int64_t>{{"flood", 9}, {"small", 3}}));
+  backend.Open();
+  c.Await(13);
+  EXPECT_EQ(backend.started(),
+            std::vector<int>({0, 100, 101, 102, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
 }
 
 }  // namespace
