@@ -111,6 +111,15 @@ struct ExecutorOptions {
   int device = 0;
   // FairQueue's quantum: the cost (RequestCost) a tenant may run per turn.
   int64_t fair_quantum = int64_t{1} << 20;
+  // A backend call (StartForward, or a launch's Finish) running longer than
+  // this means the device stopped answering: the executor turns unhealthy
+  // (Healthy()), fails its queued requests and refuses new ones with
+  // UNAVAILABLE, fails the stuck launch's requests when the launch can be
+  // abandoned (PendingLaunch::Abandon), and is healthy again as soon as the
+  // call returns. Infinite: never checked (no watchdog thread).
+  absl::Duration launch_timeout = absl::InfiniteDuration();
+  // Called (on an executor thread, no lock held) when Healthy() changes.
+  std::function<void()> on_health_change;
 };
 
 class Executor {
@@ -143,6 +152,10 @@ class Executor {
 
   // False once StopAdmitting or Shutdown has been called, with the reason.
   absl::Status Admitting() const;
+
+  // UNAVAILABLE naming the stuck call while the device has stopped answering
+  // (ExecutorOptions::launch_timeout); OK otherwise.
+  absl::Status Healthy() const;
 
   // Items queued, and whether anything is being launched or in flight (for
   // tests, logs and metrics).
@@ -180,6 +193,14 @@ class Executor {
 
   void LauncherLoop();
   void CompleterLoop();
+  // Watches the backend calls in progress (launch_timeout); see ExecutorOptions.
+  void WatchdogLoop();
+  // A backend call begins or ends on the launcher (slot 0) or the completer
+  // (slot 1). Ending one may end a stall: then on_health_change runs.
+  void CallBegins(int slot, PendingLaunch* launch = nullptr, std::vector<Queued>* members = nullptr);
+  void CallEnds(int slot);
+  // Whether a call in progress has run past launch_timeout at `now`.
+  bool CallOverdue(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Moves queued items that can share `batch`'s launch into it, waiting up to
   // batch_max_delay for more when the batch already has company.
   void CollectBatch(std::vector<Queued>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -216,14 +237,26 @@ class Executor {
   bool completing_ ABSL_GUARDED_BY(mu_) = false;     // the completer holds popped items
   bool launcher_done_ ABSL_GUARDED_BY(mu_) = false;  // it has exited: nothing more starts
   std::string refusal_ ABSL_GUARDED_BY(mu_);
+  // Backend calls in progress: when each began (InfiniteFuture: none), and
+  // the completer's launch and members (for the watchdog to abandon).
+  absl::Time call_since_[2] ABSL_GUARDED_BY(mu_) = {absl::InfiniteFuture(),
+                                                    absl::InfiniteFuture()};
+  int64_t call_changes_ ABSL_GUARDED_BY(mu_) = 0;
+  PendingLaunch* finishing_launch_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::vector<Queued>* finishing_members_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Non-empty while the device has stopped answering: why (Healthy()).
+  std::string stalled_ ABSL_GUARDED_BY(mu_);
+  bool watchdog_failing_ ABSL_GUARDED_BY(mu_) = false;  // it holds items to complete
   std::atomic<int64_t> outstanding_tokens_{0};
 
   absl::Mutex join_mu_;
   std::thread launcher_;  // both joined once, under join_mu_
   std::thread completer_;
+  std::thread watchdog_;  // only with a finite launch_timeout
   // Set once in the constructor: Shutdown compares them without a lock.
   std::thread::id launcher_id_;
   std::thread::id completer_id_;
+  std::thread::id watchdog_id_;
 };
 
 }  // namespace attnserve
