@@ -52,6 +52,12 @@ class PendingLaunch {
   // Blocks until the launch is done, writes every member's o (and lse) and
   // returns the launch's status and timings. Called once.
   virtual absl::Status Finish(BackendTimings* timings) = 0;
+  // Called from another thread while Finish blocks past the executor's
+  // launch timeout (a device that stopped answering): true when, from now
+  // on, the launch will touch no member's memory (its later Finish writes no
+  // o or lse), so the executor may fail the members at once and let their
+  // memory go. The default, false, keeps them until Finish returns.
+  virtual bool Abandon() { return false; }
 };
 
 class AttentionBackend {

@@ -32,15 +32,16 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
     std::function<void(const absl::Status&)> done = [this](const absl::Status& status) {
       Finish(ToGrpcStatus(status));
     };
+    const std::string tenant = TenantOf(auth, context);
     const absl::Status held =
         tenants == nullptr ? absl::OkStatus()
-                           : HoldInFlight(tenants, TenantOf(auth, context),
+                           : HoldInFlight(tenants, tenant,
                                           static_cast<int64_t>(request->ByteSizeLong()), &done);
     if (!held.ok()) {
       done(held);
       return;
     }
-    handler->Start(request, response, DeadlineOf(context), cancelled_, std::move(done));
+    handler->Start(request, response, tenant, DeadlineOf(context), cancelled_, std::move(done));
   }
 
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
@@ -120,12 +121,12 @@ ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightC
                                               TenantDirectory* tenants, const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [handler, cancelled, deadline = DeadlineOf(context), tenants,
-                tenant = tenants != nullptr ? TenantOf(auth, context) : std::string()](ForwardStreamReactor::Call* call,
+                tenant = TenantOf(auth, context)](ForwardStreamReactor::Call* call,
                                             ForwardStreamReactor::Done done) {
     const absl::Status held = HoldInFlight(
         tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &done);
     if (!held.ok()) return done(held);
-    handler->Start(&call->request, &call->response, deadline, cancelled, std::move(done));
+    handler->Start(&call->request, &call->response, tenant, deadline, cancelled, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {
     call->response.set_error_code(ToRpcCode(status));

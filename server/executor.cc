@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/ragged_batch.h"
+#include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
@@ -29,11 +30,16 @@ absl::Status DroppedAtShutdown() {
 Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
     : backend_(backend),
       options_(options),
-      max_in_flight_(std::max(1, backend->max_launches_in_flight())) {
+      max_in_flight_(std::max(1, backend->max_launches_in_flight())),
+      queue_(options.fair_quantum) {
   launcher_ = std::thread([this] { LauncherLoop(); });
   completer_ = std::thread([this] { CompleterLoop(); });
   launcher_id_ = launcher_.get_id();
   completer_id_ = completer_.get_id();
+  if (options_.launch_timeout != absl::InfiniteDuration()) {
+    watchdog_ = std::thread([this] { WatchdogLoop(); });
+    watchdog_id_ = watchdog_.get_id();
+  }
 }
 
 Executor::~Executor() { Shutdown(); }
@@ -41,13 +47,17 @@ Executor::~Executor() { Shutdown(); }
 absl::Status Executor::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
   if (!admitting_ && (stopping_ || !item.follows_admitted)) return absl::UnavailableError(refusal_);
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_size) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
-                     options_.max_queue_size, " (--max_queue_size); retry later"));
+  if (!stalled_.empty()) return absl::UnavailableError(stalled_);
+  if (!queue_.HasRoom(item.tenant, options_.max_queue_size)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", queue_.size(), " requests waiting, the limit is ", options_.max_queue_size,
+        " (--max_queue_size), and tenant \"", item.tenant,
+        "\" holds its fair share of it; retry later"));
   }
   outstanding_tokens_.fetch_add(BatchTokens(item.params), std::memory_order_relaxed);
-  queue_.push_back(Queued{std::move(item), absl::Now(), WorkTimings{}, false});
+  const std::string tenant = item.tenant;
+  const int64_t cost = RequestCost(item.params);
+  queue_.Push(tenant, cost, Queued{std::move(item), absl::Now(), WorkTimings{}, false});
   ++submitted_;
   return absl::OkStatus();
 }
@@ -64,7 +74,8 @@ bool Executor::WaitIdle(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   // Every open launch is in in_flight_ or held by the completer.
   auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return queue_.empty() && !launching_ && in_flight_.empty() && !completing_;
+    return queue_.empty() && !launching_ && in_flight_.empty() && !completing_ &&
+           !watchdog_failing_;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
@@ -80,9 +91,9 @@ void Executor::Shutdown() {
   // down: it must not join either thread, since the other may be waiting for
   // it. The flags are set; the owner's Shutdown or destructor joins.
   const std::thread::id self = std::this_thread::get_id();
-  if (self == launcher_id_ || self == completer_id_) return;
+  if (self == launcher_id_ || self == completer_id_ || self == watchdog_id_) return;
   absl::MutexLock lock(&join_mu_);
-  for (std::thread* t : {&launcher_, &completer_}) {
+  for (std::thread* t : {&launcher_, &completer_, &watchdog_}) {
     if (t->joinable()) t->join();
   }
 }
@@ -92,9 +103,19 @@ absl::Status Executor::Admitting() const {
   return admitting_ ? absl::OkStatus() : absl::UnavailableError(refusal_);
 }
 
+absl::Status Executor::Healthy() const {
+  absl::MutexLock lock(&mu_);
+  return stalled_.empty() ? absl::OkStatus() : absl::UnavailableError(stalled_);
+}
+
 int Executor::queued() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
+}
+
+std::map<std::string, int64_t> Executor::queued_by_tenant() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.Depths();
 }
 
 bool Executor::running() const {
@@ -122,8 +143,7 @@ void Executor::LauncherLoop() {
         launcher_done_ = true;
         return;
       }
-      picked.push_back(std::move(queue_.front()));
-      queue_.pop_front();
+      picked.push_back(queue_.Pop());
       launching_ = true;
       stopping = stopping_;
       const Queued& head = picked.front();
@@ -151,17 +171,19 @@ void Executor::CollectBatch(std::vector<Queued>* batch) {
   if (tokens >= options_.batch_max_tokens) return;
   const absl::Time wait_until = batch->front().admitted + options_.batch_max_delay;
   while (true) {
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      const int64_t t = BatchTokens(it->item.params);
-      if (!it->item.internal && !it->rerun_alone && MayShareLaunch(head, it->item) &&
-          tokens + t <= options_.batch_max_tokens) {
-        tokens += t;
-        batch->push_back(std::move(*it));
-        it = queue_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    // Any tenant's compatible items may ride along (charged to their own
+    // tenant by the queue); the head was picked fairly.
+    queue_.TakeIf(
+        [&](const Queued& q) {
+          const int64_t t = BatchTokens(q.item.params);
+          if (q.item.internal || q.rerun_alone || !MayShareLaunch(head, q.item) ||
+              tokens + t > options_.batch_max_tokens) {
+            return false;
+          }
+          tokens += t;
+          return true;
+        },
+        batch);
     // Alone means no sign of concurrency: waiting would only add latency.
     if (batch->size() < 2 || stopping_ || absl::Now() >= wait_until) return;
     const int64_t seen = submitted_;
@@ -252,23 +274,28 @@ void Executor::Dispatch(std::vector<Queued> picked) {
 
 void Executor::StartLaunch(std::vector<Queued> group) {
   bool stopping;
+  std::string stalled;
   {
     absl::MutexLock lock(&mu_);
     // Shutdown also ends the wait: a done callback that shuts the executor
     // down runs on the completer, which then cannot make room.
+    // So does a stall: the device is not answering, nothing more goes to it.
     auto has_room = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return open_launches_ < max_in_flight_ || stopping_;
+      return open_launches_ < max_in_flight_ || stopping_ || !stalled_.empty();
     };
     mu_.Await(absl::Condition(&has_room));
     stopping = stopping_;
+    stalled = stalled_;
   }
-  if (stopping) {
-    for (Queued& q : group) Fail(std::move(q), DroppedAtShutdown());
+  if (stopping || !stalled.empty()) {
+    const absl::Status why = stopping ? DroppedAtShutdown() : absl::UnavailableError(stalled);
+    for (Queued& q : group) Fail(std::move(q), why);
     return;
   }
   const bool internal = group.front().item.internal;
   const absl::Time started = absl::Now();
   absl::StatusOr<std::unique_ptr<PendingLaunch>> launch;
+  CallBegins(0);
   if (group.front().item.paged != nullptr) {
     std::vector<const PagedAttnParams*> members;
     for (const Queued& q : group) members.push_back(&q.item.paged->params);
@@ -278,6 +305,7 @@ void Executor::StartLaunch(std::vector<Queued> group) {
     for (const Queued& q : group) members.push_back(&q.item.params);
     launch = backend_->StartForward(group.front().plan, PackedBatch(std::move(members)));
   }
+  CallEnds(0);
   if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
   if (!launch.ok()) {
     if (group.size() == 1) {
@@ -326,7 +354,10 @@ void Executor::CompleterLoop() {
       continue;
     }
     BackendTimings bt;
+    CallBegins(1, done.launch.get(), &done.members);
     const absl::Status status = done.launch->Finish(&bt);
+    // Members the watchdog failed (an abandoned launch) are gone from `done`.
+    CallEnds(1);
     done.launch.reset();
     const int64_t wall_us = Micros(absl::Now() - done.started);
     {
@@ -344,7 +375,7 @@ void Executor::CompleterLoop() {
       if (!launcher_done_) {
         for (auto it = done.members.rbegin(); it != done.members.rend(); ++it) {
           it->rerun_alone = true;
-          queue_.push_front(std::move(*it));
+          queue_.PushFront(std::move(*it));
         }
         ++submitted_;
         completing_ = false;
@@ -369,6 +400,89 @@ void Executor::CompleterLoop() {
     done.members.clear();
     absl::MutexLock lock(&mu_);
     completing_ = false;
+  }
+}
+
+void Executor::CallBegins(int slot, PendingLaunch* launch, std::vector<Queued>* members) {
+  absl::MutexLock lock(&mu_);
+  call_since_[slot] = absl::Now();
+  if (slot == 1) {
+    finishing_launch_ = launch;
+    finishing_members_ = members;
+  }
+  ++call_changes_;
+}
+
+void Executor::CallEnds(int slot) {
+  bool recovered = false;
+  {
+    absl::MutexLock lock(&mu_);
+    call_since_[slot] = absl::InfiniteFuture();
+    if (slot == 1) {
+      finishing_launch_ = nullptr;
+      finishing_members_ = nullptr;
+    }
+    ++call_changes_;
+    if (!stalled_.empty() && !CallOverdue(absl::Now())) {
+      stalled_.clear();
+      recovered = true;
+    }
+  }
+  if (recovered) {
+    spdlog::warn("device {} answers again: serving", options_.device);
+    if (options_.on_health_change) options_.on_health_change();
+  }
+}
+
+bool Executor::CallOverdue(absl::Time now) const {
+  return std::min(call_since_[0], call_since_[1]) + options_.launch_timeout <= now;
+}
+
+void Executor::WatchdogLoop() {
+  while (true) {
+    std::vector<Queued> fail;
+    std::string reason;
+    {
+      absl::MutexLock lock(&mu_);
+      const int64_t seen = call_changes_;
+      // Once a stall is reported, only a change (the call returning) matters.
+      const absl::Time due = stalled_.empty()
+                                 ? std::min(call_since_[0], call_since_[1]) + options_.launch_timeout
+                                 : absl::InfiniteFuture();
+      auto changed = [this, seen]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stopping_ || call_changes_ != seen;
+      };
+      if (mu_.AwaitWithDeadline(absl::Condition(&changed), due)) {
+        if (stopping_) return;
+        continue;
+      }
+      // The same call is still running past the timeout.
+      const absl::Duration ran = absl::Now() - std::min(call_since_[0], call_since_[1]);
+      stalled_ = absl::StrCat("device ", options_.device,
+                              " stopped answering: a backend call has run for ",
+                              absl::FormatDuration(absl::Trunc(ran, absl::Milliseconds(1))),
+                              ", over the launch timeout of ",
+                              absl::FormatDuration(options_.launch_timeout),
+                              " (--launch_timeout); the request did not complete, retry");
+      reason = stalled_;
+      while (!queue_.empty()) fail.push_back(queue_.Pop());
+      // The stuck launch's own requests go too, if the backend can promise
+      // not to write into them any more; otherwise they wait for it.
+      if (finishing_launch_ != nullptr && finishing_launch_->Abandon()) {
+        for (Queued& q : *finishing_members_) fail.push_back(std::move(q));
+        finishing_members_->clear();
+      }
+      watchdog_failing_ = true;
+    }
+    spdlog::error("{}: {} requests failed, new ones refused until it answers", reason,
+                  fail.size());
+    for (Queued& q : fail) Complete(q, absl::UnavailableError(reason));
+    fail.clear();
+    {
+      absl::MutexLock lock(&mu_);
+      watchdog_failing_ = false;
+    }
+    if (options_.on_health_change) options_.on_health_change();
   }
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "backend/params.h"
+#include "server/fair_queue.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -81,10 +83,14 @@ struct WorkItem {
   // Accepted by the front-end before a drain began (a K/V call that waited
   // for an earlier call on its sequence): StopAdmitting does not refuse it.
   bool follows_admitted = false;
+  // Who the call acts for (server/tenant.h): the device is shared fairly
+  // between tenants (fair_queue.h). Empty: the server's own work.
+  std::string tenant;
 };
 
 struct ExecutorOptions {
-  // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED.
+  // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED,
+  // except for a tenant below its fair share of it (FairQueue::HasRoom).
   int max_queue_size = 256;
   // Counts backend launches (nv_inference_exec_count) when set; must outlive
   // the executor.
@@ -103,6 +109,17 @@ struct ExecutorOptions {
   int64_t batch_max_tokens = 65536;
   // Reported in WorkTimings::device (the backend's device index).
   int device = 0;
+  // FairQueue's quantum: the cost (RequestCost) a tenant may run per turn.
+  int64_t fair_quantum = int64_t{1} << 20;
+  // A backend call (StartForward, or a launch's Finish) running longer than
+  // this means the device stopped answering: the executor turns unhealthy
+  // (Healthy()), fails its queued requests and refuses new ones with
+  // UNAVAILABLE, fails the stuck launch's requests when the launch can be
+  // abandoned (PendingLaunch::Abandon), and is healthy again as soon as the
+  // call returns. Infinite: never checked (no watchdog thread).
+  absl::Duration launch_timeout = absl::InfiniteDuration();
+  // Called (on an executor thread, no lock held) when Healthy() changes.
+  std::function<void()> on_health_change;
 };
 
 class Executor {
@@ -136,9 +153,15 @@ class Executor {
   // False once StopAdmitting or Shutdown has been called, with the reason.
   absl::Status Admitting() const;
 
+  // UNAVAILABLE naming the stuck call while the device has stopped answering
+  // (ExecutorOptions::launch_timeout); OK otherwise.
+  absl::Status Healthy() const;
+
   // Items queued, and whether anything is being launched or in flight (for
   // tests, logs and metrics).
   int queued() const;
+  // Items queued per tenant (tenants with none left out).
+  std::map<std::string, int64_t> queued_by_tenant() const;
   bool running() const;
   // Tq + Tk rows of the requests admitted and not yet completed: what the
   // multi-device dispatcher balances.
@@ -170,6 +193,14 @@ class Executor {
 
   void LauncherLoop();
   void CompleterLoop();
+  // Watches the backend calls in progress (launch_timeout); see ExecutorOptions.
+  void WatchdogLoop();
+  // A backend call begins or ends on the launcher (slot 0) or the completer
+  // (slot 1). Ending one may end a stall: then on_health_change runs.
+  void CallBegins(int slot, PendingLaunch* launch = nullptr, std::vector<Queued>* members = nullptr);
+  void CallEnds(int slot);
+  // Whether a call in progress has run past launch_timeout at `now`.
+  bool CallOverdue(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Moves queued items that can share `batch`'s launch into it, waiting up to
   // batch_max_delay for more when the batch already has company.
   void CollectBatch(std::vector<Queued>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -193,7 +224,8 @@ class Executor {
   const int max_in_flight_;
 
   mutable absl::Mutex mu_;
-  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  // Admitted, not yet picked: per-tenant FIFOs under one fairness rule.
+  FairQueue<Queued> queue_ ABSL_GUARDED_BY(mu_);
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   // Launches started and not yet finished (those in in_flight_ plus the one
   // the completer is finishing): the bound of max_launches_in_flight.
@@ -205,14 +237,26 @@ class Executor {
   bool completing_ ABSL_GUARDED_BY(mu_) = false;     // the completer holds popped items
   bool launcher_done_ ABSL_GUARDED_BY(mu_) = false;  // it has exited: nothing more starts
   std::string refusal_ ABSL_GUARDED_BY(mu_);
+  // Backend calls in progress: when each began (InfiniteFuture: none), and
+  // the completer's launch and members (for the watchdog to abandon).
+  absl::Time call_since_[2] ABSL_GUARDED_BY(mu_) = {absl::InfiniteFuture(),
+                                                    absl::InfiniteFuture()};
+  int64_t call_changes_ ABSL_GUARDED_BY(mu_) = 0;
+  PendingLaunch* finishing_launch_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::vector<Queued>* finishing_members_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Non-empty while the device has stopped answering: why (Healthy()).
+  std::string stalled_ ABSL_GUARDED_BY(mu_);
+  bool watchdog_failing_ ABSL_GUARDED_BY(mu_) = false;  // it holds items to complete
   std::atomic<int64_t> outstanding_tokens_{0};
 
   absl::Mutex join_mu_;
   std::thread launcher_;  // both joined once, under join_mu_
   std::thread completer_;
+  std::thread watchdog_;  // only with a finite launch_timeout
   // Set once in the constructor: Shutdown compares them without a lock.
   std::thread::id launcher_id_;
   std::thread::id completer_id_;
+  std::thread::id watchdog_id_;
 };
 
 }  // namespace attnserve

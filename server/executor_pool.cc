@@ -2,7 +2,12 @@
 #include "server/executor_pool.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/metrics.h"
 
 namespace attnserve {
 
@@ -32,12 +37,19 @@ absl::Status ExecutorPool::Submit(WorkItem item) {
       best_load = load;
     }
   }
-  // A full queue on the chosen device is not the server's limit: the others
-  // are tried in order before the request is refused. (Small requests count
-  // as no load, so they all pick device 0 until its queue fills.)
+  // A full queue on the chosen device is not the server's limit, nor is a
+  // device that stopped answering (UNAVAILABLE while Healthy() says so): the
+  // others are tried in order before the request is refused. (Small requests
+  // count as no load, so they all pick device 0 until its queue fills.)
+  auto try_next = [](const absl::Status& s, const Executor& e) {
+    return absl::IsResourceExhausted(s) || (absl::IsUnavailable(s) && !e.Healthy().ok());
+  };
+  int last = best;
   absl::Status status = executors_[best]->Submit(item);
-  for (int i = 0; i < n && absl::IsResourceExhausted(status); ++i) {
-    if (i != best) status = executors_[i]->Submit(item);
+  for (int i = 0; i < n && try_next(status, *executors_[last]); ++i) {
+    if (i == best) continue;
+    status = executors_[i]->Submit(item);
+    last = i;
   }
   return status;
 }
@@ -57,6 +69,37 @@ bool ExecutorPool::WaitIdle(absl::Duration timeout) {
 
 void ExecutorPool::Shutdown() {
   for (auto& e : executors_) e->Shutdown();
+}
+
+int ExecutorPool::healthy() const {
+  int count = 0;
+  for (const auto& e : executors_) count += e->Healthy().ok() ? 1 : 0;
+  return count;
+}
+
+std::string ExecutorPool::RenderDeviceGauges() const {
+  std::vector<std::pair<std::string, std::string>> health;
+  for (size_t d = 0; d < executors_.size(); ++d) {
+    health.emplace_back(absl::StrCat("device=\"", d, "\""),
+                        executors_[d]->Healthy().ok() ? "1" : "0");
+  }
+  std::vector<std::pair<std::string, std::string>> samples;
+  for (size_t d = 0; d < executors_.size(); ++d) {
+    // Tenant names are [A-Za-z0-9._-] (the tokens file checks) or server/tenant.h's
+    // fixed names: no escaping needed in a label.
+    for (const auto& [tenant, depth] : executors_[d]->queued_by_tenant()) {
+      samples.emplace_back(absl::StrCat("tenant=\"", tenant, "\",device=\"", d, "\""),
+                           absl::StrCat(depth));
+    }
+  }
+  std::string out;
+  AppendFamily(&out, "attnserve_device_healthy", "gauge",
+               "1 while the device answers; 0 after a backend call ran past --launch_timeout, "
+               "until it returns.",
+               health);
+  AppendFamily(&out, "attnserve_tenant_queue_depth", "gauge",
+               "Requests a tenant has waiting for a device (fair-share queue).", samples);
+  return out;
 }
 
 int ExecutorPool::queued() const {

@@ -41,6 +41,12 @@ class ExecutorPool {
   Executor& executor(int i) { return *executors_[i]; }
   // Requests queued on all executors.
   int queued() const;
+  // Devices whose executor is Healthy() (answering).
+  int healthy() const;
+  // Prometheus text: attnserve_device_healthy{device} (1 answering, 0 stopped)
+  // and attnserve_tenant_queue_depth{tenant,device}: requests each tenant has
+  // waiting for each device (tenants with none left out).
+  std::string RenderDeviceGauges() const;
 
  private:
   std::vector<std::unique_ptr<Executor>> executors_;

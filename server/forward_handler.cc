@@ -70,7 +70,7 @@ ForwardHandler::ForwardHandler(ExecutorPool* executors, std::string backend_name
       metrics_(metrics) {}
 
 void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
-                           absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
+                           const std::string& tenant, absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
                            Done done) {
   const absl::Time received = absl::Now();
   auto refuse = [&](const absl::Status& status) {
@@ -87,6 +87,7 @@ void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardRespons
   item.received = received;
   item.deadline = deadline;
   item.cancelled = std::move(cancelled);
+  item.tenant = tenant;
   item.bind_outputs = [request, response](AttnParams* p) {
     return BindOutputs(*request, response, p);
   };

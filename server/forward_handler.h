@@ -38,8 +38,10 @@ class ForwardHandler {
 
   // Starts `request`. `request` and `response` must stay valid until `done`
   // runs, which may happen before Start returns (a refused request) or later on
-  // the executor's thread. Never blocks.
-  void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response, absl::Time deadline,
+  // the executor's thread. Never blocks. `tenant` (tenant.h) is whom the
+  // device's fair share is counted for.
+  void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
+             const std::string& tenant, absl::Time deadline,
              std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
 
   const RequestLimits& limits() const { return limits_; }

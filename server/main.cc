@@ -50,7 +50,13 @@ ABSL_FLAG(bool, allow_client_shm, false,
           "map and write memory it names by key, which only makes sense for trusted clients on "
           "the same host");
 ABSL_FLAG(int, max_queue_size, 256,
-          "Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED");
+          "Requests admitted but not yet started, per device; beyond it RESOURCE_EXHAUSTED "
+          "(a tenant below its share of the queue is still admitted)");
+ABSL_FLAG(absl::Duration, launch_timeout, absl::Minutes(5),
+          "A device call (a launch) running longer than this marks the device as not answering: "
+          "its queued requests fail with UNAVAILABLE, new ones go to the other devices, health "
+          "is NOT_SERVING when no device answers, and the device serves again as soon as the "
+          "call returns; 'inf' = never");
 ABSL_FLAG(int, stream_max_pending_requests, 64,
           "Stream flow control (ForwardStream, ModelStreamInfer, AppendAttendStream): requests "
           "one stream may hold (read and not yet answered, or answered and not yet sent to the "
@@ -156,6 +162,7 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.launch_timeout = absl::GetFlag(FLAGS_launch_timeout);
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
   options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);

@@ -214,9 +214,7 @@ class AttnServerImpl final : public AttnServer {
         description_(Combined(backends_)),
         tenants_(std::move(tenants)),
         auth_(std::move(auth)),
-        executors_(Pointers(backends_),
-                   ExecutorOptions{options.max_queue_size, &metrics_, options.batching,
-                                   options.batch_max_delay, options.batch_max_tokens}),
+        executors_(Pointers(backends_), MakeExecutorOptions(options)),
         handler_(&executors_, description_.name,
                  RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(&handler_, description_,
@@ -279,6 +277,10 @@ class AttnServerImpl final : public AttnServer {
     spdlog::info("draining: health NOT_SERVING, refusing new requests, grace {}",
                  absl::FormatDuration(grace));
     // Health first: load balancers that poll it stop routing new work here.
+    {
+      absl::MutexLock lock(&health_mu_);
+      health_server_ = nullptr;  // device health changes no longer turn it back on
+    }
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executors_.StopAdmitting();
     kv_service_.StopAdmitting();
@@ -398,7 +400,8 @@ class AttnServerImpl final : public AttnServer {
   void StartDeviceMetrics() {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetExtraSource([this] {
-      std::string text = KvService::RenderMetrics(kv_pool_.Stats());
+      std::string text =
+          KvService::RenderMetrics(kv_pool_.Stats()) + executors_.RenderDeviceGauges();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       return text;
     });
@@ -446,8 +449,37 @@ class AttnServerImpl final : public AttnServer {
     absl::MutexLock lock(&mu_);
     if (state_ != State::kStarting) return false;
     state_ = State::kServing;
-    server->GetHealthCheckService()->SetServingStatus(true);
+    absl::MutexLock health_lock(&health_mu_);
+    health_server_ = server;
+    server->GetHealthCheckService()->SetServingStatus(executors_.healthy() > 0);
     return true;
+  }
+
+  ExecutorOptions MakeExecutorOptions(const ServerOptions& options) {
+    ExecutorOptions e;
+    e.max_queue_size = options.max_queue_size;
+    e.metrics = &metrics_;
+    e.batching = options.batching;
+    e.batch_max_delay = options.batch_max_delay;
+    e.batch_max_tokens = options.batch_max_tokens;
+    e.launch_timeout = options.launch_timeout;
+    e.on_health_change = [this] { OnDeviceHealthChange(); };
+    return e;
+  }
+
+  // A device stopped or resumed answering (Executor::Healthy): health is
+  // SERVING while any device answers (the pool sends work to those), and
+  // NOT_SERVING when none does. Runs on an executor thread; health_mu_, not
+  // mu_, since Shutdown holds mu_ while it stops the executors.
+  void OnDeviceHealthChange() {
+    absl::MutexLock lock(&health_mu_);
+    const int healthy = executors_.healthy();
+    if (healthy < executors_.size()) {
+      spdlog::error("{} of {} devices answering", healthy, executors_.size());
+    }
+    if (health_server_ != nullptr) {
+      health_server_->GetHealthCheckService()->SetServingStatus(healthy > 0);
+    }
   }
 
   void LogListening() {
@@ -507,6 +539,9 @@ class AttnServerImpl final : public AttnServer {
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
+  // Set while serving: where device health changes go (OnDeviceHealthChange).
+  absl::Mutex health_mu_;
+  grpc::Server* health_server_ ABSL_GUARDED_BY(health_mu_) = nullptr;
   int selected_port_ = 0;  // written by BuildAndStart, in Start
   // Readable from any thread once bound (while Start still warms up).
   std::atomic<int> port_{0};

@@ -29,6 +29,9 @@ struct ServerOptions {
   int64_t max_tokens = int64_t{1} << 22;
   // Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED.
   int max_queue_size = 256;
+  // A backend call running longer than this marks its device as not
+  // answering (ExecutorOptions::launch_timeout); infinite: never.
+  absl::Duration launch_timeout = absl::Minutes(5);
   // Prometheus /metrics over HTTP (metrics.h) on metrics_host:metrics_port;
   // port 0 picks a free one (AttnServer::metrics_port() tells which). Off by
   // default here so in-process servers (tests) bind nothing extra; main.cc

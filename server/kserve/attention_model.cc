@@ -175,7 +175,7 @@ void AttentionModel::Infer(InferCall call) {
     c->call.done(prepared);
     return;
   }
-  handler_->Start(&c->forward, &c->result, c->call.deadline, c->call.cancelled,
+  handler_->Start(&c->forward, &c->result, c->call.tenant, c->call.deadline, c->call.cancelled,
                   [this, c](const absl::Status& status) {
                     absl::Status delivered = status.ok() ? Deliver(c.get()) : status;
                     if (!delivered.ok()) c->call.response->Clear();

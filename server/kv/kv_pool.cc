@@ -269,6 +269,7 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
   // A call that waited was admitted before a drain that began meanwhile: it
   // still runs (a drain finishes what it accepted).
   item.follows_admitted = waited;
+  item.tenant = cache->tenant();
   auto work = std::make_shared<PagedWork>();
   work->cache = cache.get();
   work->layer = call->layer;

@@ -108,7 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::Status result;
   absl::Notification done;
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  harness->handler.Start(&request, &response, absl::InfiniteFuture(), cancelled,
+  harness->handler.Start(&request, &response, "fuzz", absl::InfiniteFuture(), cancelled,
                          [&](const absl::Status& status) {
                            result = status;
                            done.Notify();

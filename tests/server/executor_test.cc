@@ -4,6 +4,7 @@
 #include "server/executor.h"
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -121,7 +122,9 @@ TEST(ExecutorTest, RunsAndReportsTimings) {
 
 TEST(ExecutorTest, QueueFullIsResourceExhausted) {
   ScriptedBackend backend;
-  Executor executor(&backend, ExecutorOptions{2});
+  ExecutorOptions options;
+  options.max_queue_size = 2;
+  Executor executor(&backend, options);
   Completions c;
   backend.Close();
   ASSERT_TRUE(executor.Submit(c.Item(0)).ok());
@@ -268,6 +271,103 @@ TEST(ExecutorTest, ShutdownCompletesQueuedWithUnavailable) {
   EXPECT_EQ(results[1].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(results[2].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(backend.started(), std::vector<int>({0}));
+}
+
+// Fair share (fair_queue.h): a tenant's flood of large requests, queued
+// first, does not hold back another tenant's small ones, which start as soon
+// as the running launch ends; each tenant's own order is kept.
+TEST(ExecutorTest, SmallTenantRunsAheadOfAnotherTenantsFlood) {
+  ScriptedBackend backend;
+  ExecutorOptions options;
+  options.fair_quantum = 1 << 20;
+  Executor executor(&backend, options);
+  Completions c;
+  auto large = [&](int tag) {
+    WorkItem item = c.Item(tag);
+    item.tenant = "flood";
+    item.params.dtype = DType::kFP32;
+    item.params.num_heads_q = item.params.num_heads_kv = 1;
+    item.params.total_q = item.params.total_k = 4096;  // RequestCost ~4 MiB
+    return item;
+  };
+  backend.Close();
+  ASSERT_TRUE(executor.Submit(large(0)).ok());
+  backend.AwaitStarted(1);  // the launcher is held in this launch
+  for (int i = 1; i < 10; ++i) ASSERT_TRUE(executor.Submit(large(i)).ok());
+  for (int i = 100; i < 103; ++i) {
+    WorkItem item = c.Item(i);
+    item.tenant = "small";
+    ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+  }
+  EXPECT_EQ(executor.queued_by_tenant(),
+            (std::map<std::string, int64_t>{{"flood", 9}, {"small", 3}}));
+  backend.Open();
+  c.Await(13);
+  EXPECT_EQ(backend.started(),
+            std::vector<int>({0, 100, 101, 102, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+}
+
+// A device that stops answering: a launch whose Finish blocks until Resume.
+// The watchdog (launch_timeout) fails the stuck launch's request (the launch
+// can be abandoned) and the queued one with UNAVAILABLE, refuses new ones,
+// reports Healthy() false, and the executor serves again once Finish returns.
+class StuckLaunch : public PendingLaunch {
+ public:
+  explicit StuckLaunch(absl::Notification* resume) : resume_(resume) {}
+  absl::Status Finish(BackendTimings*) override {
+    resume_->WaitForNotification();
+    return absl::UnavailableError("launch abandoned");
+  }
+  bool Abandon() override { return true; }  // it never writes outputs
+
+ private:
+  absl::Notification* resume_;
+};
+
+class HangingBackend : public ScriptedBackend {
+ public:
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan& plan,
+                                                               const PackedBatch& batch) override {
+    if (hang.exchange(false)) return std::make_unique<StuckLaunch>(&resume);
+    return ScriptedBackend::StartForward(plan, batch);
+  }
+  std::atomic<bool> hang{false};
+  absl::Notification resume;
+};
+
+TEST(ExecutorTest, DeviceThatStopsAnsweringIsTimedOutAndRecovers) {
+  HangingBackend backend;
+  ExecutorOptions options;
+  options.launch_timeout = absl::Milliseconds(50);
+  std::atomic<int> health_changes{0};
+  options.on_health_change = [&] { health_changes.fetch_add(1); };
+  Executor executor(&backend, options);
+  Completions c;
+  backend.hang = true;
+  ASSERT_TRUE(executor.Submit(c.Item(0)).ok());  // its launch never completes
+  auto first = c.Await(1);  // failed by the watchdog, not by the launch
+  EXPECT_EQ(first[0].status.code(), absl::StatusCode::kUnavailable) << first[0].status;
+  EXPECT_NE(first[0].status.message().find("stopped answering"), absl::string_view::npos);
+  const absl::Status health = executor.Healthy();
+  EXPECT_EQ(health.code(), absl::StatusCode::kUnavailable);
+  const absl::Status refused = executor.Submit(c.Item(1));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  backend.resume.Notify();  // the fault clears: Finish returns
+  const absl::Time cleared = absl::Now();
+  while (!executor.Healthy().ok()) {
+    ASSERT_LT(absl::Now() - cleared, absl::Seconds(1)) << "not serving again within 1 s";
+    absl::SleepFor(absl::Milliseconds(1));  // polling the state, not a fixed wait
+  }
+  ASSERT_TRUE(executor.Submit(c.Item(2)).ok());
+  auto all = c.Await(2);
+  EXPECT_TRUE(all[1].status.ok()) << all[1].status;
+  EXPECT_EQ(all[1].tag, 2);
+  // Down, then up (the watchdog's report may land after the recovery's).
+  const absl::Time since = absl::Now();
+  while (health_changes.load() < 2 && absl::Now() - since < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_GE(health_changes.load(), 2);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -35,6 +36,7 @@ class GatedCpuBackend : public AttentionBackend {
     {
       absl::MutexLock lock(&mu_);
       ++calls_;
+      launch_rows_.push_back(p.total_q);
       mu_.Await(absl::Condition(&open_));
     }
     if (oom_over_rows >= 0 && p.total_q > oom_over_rows) {
@@ -75,6 +77,11 @@ class GatedCpuBackend : public AttentionBackend {
     absl::MutexLock lock(&mu_);
     return calls_;
   }
+  // Query rows (total_q) of each Forward launch, in the order they began.
+  std::vector<int64_t> launch_rows() {
+    absl::MutexLock lock(&mu_);
+    return launch_rows_;
+  }
   // Waits until `n` Forward calls have begun (held ones included).
   void AwaitCalls(int n) {
     absl::MutexLock lock(&mu_);
@@ -88,6 +95,7 @@ class GatedCpuBackend : public AttentionBackend {
   absl::Mutex mu_;
   bool open_ ABSL_GUARDED_BY(mu_) = true;
   int calls_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int64_t> launch_rows_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve
