@@ -254,23 +254,25 @@ TEST_F(CacheModelTest, CreateErrorsAreAllOrNothing) {
   EXPECT_EQ(cache_.Truncate(1, std::nullopt, 1).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A call's claim on `ids` at `layer`, as the pool makes one.
+std::shared_ptr<KvCache::Ticket> MakeTicket(int layer, std::vector<uint64_t> ids) {
+  auto t = std::make_shared<KvCache::Ticket>();
+  t->layer = layer;
+  t->sequence_ids = std::move(ids);
+  return t;
+}
+
 TEST_F(CacheModelTest, ClaimsOrderCallsOnOneSequenceLayer) {
   ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
-  auto ticket = [](int layer, std::vector<uint64_t> ids) {
-    auto t = std::make_shared<KvCache::Ticket>();
-    t->layer = layer;
-    t->sequence_ids = std::move(ids);
-    return t;
-  };
-  auto a = ticket(0, {1});
-  auto b = ticket(0, {1, 2});  // waits for a (sequence 1)
-  auto c = ticket(0, {2});     // waits for b (arrival order on sequence 2)
-  auto d = ticket(1, {1});     // another layer: goes
+  auto a = MakeTicket(0, {1});
+  auto b = MakeTicket(0, {1, 2});  // waits for a (sequence 1)
+  auto c = MakeTicket(0, {2});     // waits for b (arrival order on sequence 2)
+  auto d = MakeTicket(1, {1});     // another layer: goes
   EXPECT_TRUE(*cache_.Admit(a));
   EXPECT_FALSE(*cache_.Admit(b));
   EXPECT_FALSE(*cache_.Admit(c));
   EXPECT_TRUE(*cache_.Admit(d));
-  EXPECT_EQ(cache_.Admit(ticket(0, {9})).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.Admit(MakeTicket(0, {9})).status().code(), absl::StatusCode::kNotFound);
   // Busy sequences cannot be freed or truncated.
   EXPECT_EQ(cache_.Free({1}).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cache_.Truncate(2, 0, 0).code(), absl::StatusCode::kFailedPrecondition);
@@ -290,22 +292,16 @@ TEST_F(CacheModelTest, ClaimsOrderCallsOnOneSequenceLayer) {
 // is gone once that call releases.
 TEST_F(CacheModelTest, FreeWhenIdleWaitsForTheLastCallInFlight) {
   ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
-  auto ticket = [](int layer, std::vector<uint64_t> ids) {
-    auto t = std::make_shared<KvCache::Ticket>();
-    t->layer = layer;
-    t->sequence_ids = std::move(ids);
-    return t;
-  };
-  auto running = ticket(0, {1});
-  auto queued = ticket(0, {1});  // waits behind `running`
-  auto other_layer = ticket(1, {1});
+  auto running = MakeTicket(0, {1});
+  auto queued = MakeTicket(0, {1});  // waits behind `running`
+  auto other_layer = MakeTicket(1, {1});
   EXPECT_TRUE(*cache_.Admit(running));
   EXPECT_FALSE(*cache_.Admit(queued));
   EXPECT_TRUE(*cache_.Admit(other_layer));
   absl::StatusOr<bool> freed = cache_.FreeWhenIdle(1);
   ASSERT_TRUE(freed.ok()) << freed.status();
   EXPECT_FALSE(*freed);  // deferred
-  const absl::Status late = cache_.Admit(ticket(2, {1})).status();
+  const absl::Status late = cache_.Admit(MakeTicket(2, {1})).status();
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(late.message().find("sequence 1 is ending"), std::string::npos) << late;
   ASSERT_EQ(cache_.Release(*running).size(), 1u);  // `queued` goes
