@@ -75,6 +75,13 @@ ABSL_FLAG(int, kv_page_size, 64,
 ABSL_FLAG(absl::Duration, kv_idle_timeout, absl::Minutes(10),
           "K/V caches: sequences and caches unused this long are removed (counted as expired; "
           "clients then see NOT_FOUND and re-prefill); 0 = never");
+ABSL_FLAG(std::string, kv_startup_cache, "",
+          "K/V caches to create at start-up, for clients that cannot call KvCache.CreateCache "
+          "(perf_analyzer, tritonclient driving attention_kv). ';'-separated "
+          "ID:layers=L,hkv=H,d=D,dtype=FP16|BF16|FP32,capacity_tokens=N (or capacity_bytes=N)"
+          "[,page_size=P][,device=I][,reserve=1][,tenant=T]; e.g. "
+          "kv0:layers=1,hkv=16,d=128,dtype=BF16,page_size=64,capacity_tokens=65536. Such a cache "
+          "never expires as a whole (its idle sequences do); a bad spec stops start-up");
 ABSL_FLAG(std::string, tls_cert, "",
           "TLS: PEM certificate chain (leaf first) served on every port: gRPC, KServe v2 HTTP "
           "and /metrics. Empty: plain text. Re-read when the file changes "
@@ -166,6 +173,13 @@ int main(int argc, char** argv) {
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
   options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);
+  absl::StatusOr<std::vector<attnserve::KvStartupCache>> startup_caches =
+      attnserve::ParseStartupCaches(absl::GetFlag(FLAGS_kv_startup_cache));
+  if (!startup_caches.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(startup_caches.status().message()).c_str());
+    return 2;
+  }
+  options.kv_startup_caches = *std::move(startup_caches);
   options.batching = absl::GetFlag(FLAGS_batching);
   options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
   options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);

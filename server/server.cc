@@ -36,6 +36,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/security/grpc_credentials.h"
+#include "server/tenant.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -247,6 +248,7 @@ class AttnServerImpl final : public AttnServer {
   // then turn health SERVING. Shutdown may run at any point meanwhile.
   absl::Status Start() override {
     RETURN_IF_ERROR(BeginStart());
+    RETURN_IF_ERROR(CreateStartupCaches());
     ASSIGN_OR_RETURN(grpc::Server * server, Listen());
     RETURN_IF_ERROR(WarmUpBackends());
     StartDeviceMetrics();
@@ -320,6 +322,23 @@ class AttnServerImpl final : public AttnServer {
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 
   // kNew -> kStarting, or FAILED_PRECONDITION on a second Start.
+  // --kv_startup_cache: before Listen, so no client sees the server without
+  // them.
+  absl::Status CreateStartupCaches() {
+    for (const KvStartupCache& c : options_.kv_startup_caches) {
+      const std::string tenant = c.tenant.empty() ? std::string(kDefaultTenant) : c.tenant;
+      absl::StatusOr<std::shared_ptr<KvCache>> made = kv_pool_.CreateCache(tenant, c.create);
+      if (!made.ok()) {
+        return absl::Status(made.status().code(),
+                            absl::StrCat("--kv_startup_cache: cache '", c.create.cache_id,
+                                         "': ", made.status().message()));
+      }
+      spdlog::info("K/V cache '{}' (tenant {}) created at start-up: {} pages of {} tokens",
+                   (*made)->id(), tenant, (*made)->capacity_pages(), (*made)->page_size());
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status BeginStart() {
     absl::MutexLock lock(&mu_);
     if (state_ != State::kNew) return absl::FailedPreconditionError("Start: already called");

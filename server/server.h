@@ -14,6 +14,7 @@
 #include "backend/backend_factory.h"
 #include "server/auth/authenticator.h"
 #include "server/kserve/frontend.h"
+#include "server/kv/startup_cache.h"
 #include "server/security/tls_files.h"
 #include "server/stream_flow_control.h"
 
@@ -46,6 +47,9 @@ struct ServerOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int kv_page_size = 64;
   absl::Duration kv_idle_timeout = absl::Minutes(10);
+  // Caches created before the server listens (--kv_startup_cache); a cache
+  // the pool refuses fails Start with the pool's message.
+  std::vector<KvStartupCache> kv_startup_caches;
   bool metrics_enabled = false;
   // What one stream (ForwardStream, ModelStreamInfer, AppendAttendStream) may
   // hold before the server stops reading it

@@ -265,13 +265,15 @@ absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status) con
   if (!delivered.ok()) return delivered;
   const int32_t length = c->result.lengths_size() > 0 ? c->result.lengths(0) : 0;
   if (c->end) {
-    absl::Status freed = c->cache->Free({c->sequence_id});
+    // sequence_end may race other calls on the sequence (perf_analyzer sends
+    // a sequence's requests without waiting): the last of them frees it.
+    absl::StatusOr<bool> freed = c->cache->FreeWhenIdle(c->sequence_id);
     if (!freed.ok()) {
       return absl::Status(
-          freed.code(),
+          freed.status().code(),
           absl::StrCat("parameters['sequence_end']: the append applied (sequence ", c->sequence_id,
                        " has ", length, " tokens at layer ", c->append.layer(),
-                       ") but the sequence was not freed: ", freed.message()));
+                       ") but the sequence was not freed: ", freed.status().message()));
     }
   }
   response.set_model_name(name_);

@@ -8,7 +8,7 @@
 //   - `sequence_id` (non-zero; the native API's id space in that cache);
 //     `sequence_start` creates it (empty, or forked with `fork_from` /
 //     `fork_length`) before the call; `sequence_end` frees it after a call
-//     that succeeded;
+//     that succeeded, or after the last call still in flight on it;
 //   - optional `expected_length` (the native retry guard); without it the
 //     call appends at whatever length the calls before it left;
 //   - inputs q [Tq, Hq, D], k and v [Tk, Hkv, D] (the new tokens; zero rows

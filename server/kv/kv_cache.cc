@@ -178,6 +178,20 @@ absl::Status KvCache::Free(const std::vector<uint64_t>& sequence_ids) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> KvCache::FreeWhenIdle(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  if ((*found)->active_calls > 0) {
+    (*found)->free_when_idle = true;
+    return false;
+  }
+  ReleaseSequence(**found);
+  sequences_.erase(sequence_id);
+  return true;
+}
+
 absl::StatusOr<std::vector<int32_t>> KvCache::Lengths(uint64_t sequence_id) {
   absl::MutexLock lock(&mu_);
   auto found = Find(sequence_id);
@@ -208,7 +222,14 @@ absl::StatusOr<bool> KvCache::Admit(const std::shared_ptr<Ticket>& ticket) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   for (uint64_t id : ticket->sequence_ids) {
-    if (sequences_.count(id) == 0) return SequenceNotFound(id);
+    auto found = sequences_.find(id);
+    if (found == sequences_.end()) return SequenceNotFound(id);
+    if (found->second.free_when_idle) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", id,
+                       " is ending (sequence_end arrived while calls were in flight); it is freed "
+                       "when they complete"));
+    }
   }
   for (uint64_t id : ticket->sequence_ids) ++sequences_.at(id).active_calls;
   ++active_calls_;
@@ -237,6 +258,11 @@ std::vector<std::shared_ptr<KvCache::Ticket>> KvCache::Release(const Ticket& tic
     if (it != sequences_.end()) {
       --it->second.active_calls;
       it->second.last_used = last_used_;
+      // The last call on a sequence whose end came while it ran frees it.
+      if (it->second.active_calls == 0 && it->second.free_when_idle) {
+        ReleaseSequence(it->second);
+        sequences_.erase(it);
+      }
     }
   }
   // Waiting calls go in arrival order: one may pass another only when they

@@ -115,6 +115,9 @@ class KvCache {
     return allocator_.capacity_pages();
   }
   int device() const { return device_; }
+  // KvCreateCache::keep: set once by the pool before the cache is shared.
+  void set_keep(bool keep) { keep_ = keep; }
+  bool keep() const { return keep_; }
   // Bytes of one page's K plus V.
   int64_t page_bytes() const;
 
@@ -129,6 +132,12 @@ class KvCache {
   absl::Status Truncate(uint64_t sequence_id, std::optional<int32_t> layer, int32_t length);
   // All or nothing.
   absl::Status Free(const std::vector<uint64_t>& sequence_ids);
+  // Frees the sequence now when no call on it is in flight (true); otherwise
+  // marks it so the last of those calls frees it on Release (false), and new
+  // calls on it fail with FAILED_PRECONDITION meanwhile. NOT_FOUND for an
+  // unknown sequence. This is v2's sequence_end, which may race the calls
+  // before it on the same sequence.
+  absl::StatusOr<bool> FreeWhenIdle(uint64_t sequence_id);
   absl::StatusOr<std::vector<int32_t>> Lengths(uint64_t sequence_id);
   KvCacheStats Stats();
 
@@ -155,6 +164,7 @@ class KvCache {
     std::vector<std::vector<int32_t>> pages;  // per layer: the block table
     std::vector<int32_t> lengths;             // per layer, committed
     int active_calls = 0;                     // admitted and not released
+    bool free_when_idle = false;              // FreeWhenIdle ran while busy
     absl::Time last_used;
   };
   using Key = std::pair<uint64_t, int32_t>;
@@ -164,6 +174,7 @@ class KvCache {
   void TruncateLayer(Sequence& s, int layer, int32_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string tenant_;
+  bool keep_ = false;
   const std::string id_;
   const KvGeometry geometry_;
   const int page_size_;

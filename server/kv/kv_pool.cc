@@ -95,7 +95,7 @@ void KvPool::ExpireIdle(absl::Time now) {
   for (const std::shared_ptr<KvCache>& cache : caches) {
     bool idle = false;
     cache->ExpireIdle(cutoff, &idle);
-    if (!idle) continue;
+    if (!idle || cache->keep()) continue;
     absl::MutexLock lock(&mu_);
     auto it = caches_.find({cache->tenant(), cache->id()});
     if (it != caches_.end() && it->second == cache) {
@@ -173,6 +173,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   const KvDevice& d = devices_[size_t(device)];
   auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages,
                                          d.index, d.backend, budgets_[size_t(device)]);
+  cache->set_keep(r.keep);
   if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
   absl::MutexLock lock(&mu_);
   if (tenants_ != nullptr) {

@@ -60,6 +60,9 @@ struct KvCreateCache {
   std::string cache_id;
   std::optional<int32_t> device;
   bool reserve = false;
+  // Never removed as a whole by idle expiry (--kv_startup_cache: clients
+  // that cannot create it again rely on it); its idle sequences still expire.
+  bool keep = false;
 };
 
 // One append-and-attend call, owned by the front-end until `done`.

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import Server
 
 REQUESTS = 40
 SHAPE = [1, 32, 2, 64]
@@ -70,17 +71,10 @@ def test_perf_analyzer_runs_without_errors(server, input_data, protocol, shared_
     assert success_after - success_before >= REQUESTS, output
 
 
-@pytest.mark.parametrize("shared_memory", ["none", "system"])
-def test_perf_analyzer_sequence_mode_drives_attention_kv(server, tmp_path, shared_memory):
-    """attention_kv's config reports sequence_batching, so perf_analyzer sends
-    sequence_id / sequence_start / sequence_end: each of its sequences is a
-    decode loop on a cache made with the native API, ended (freed) at its end."""
+def run_sequence_mode(server, tmp_path, cache_id, shared_memory):
+    """perf_analyzer in sequence mode on attention_kv against `cache_id`;
+    asserts a clean run and that the ended sequences were freed."""
     binary, env = perf_analyzer()
-    cache_id = f"pa-{shared_memory}"
-    subprocess.run([os.environ["ATTNCTL_BIN"], f"--target={server.grpc_url}", "kv", "create",
-                    f"--cache={cache_id}", "--layers=1", "--heads_kv=2", "--head_dim=64",
-                    "--dtype=fp16", "--page_size=16", "--capacity_tokens=65536"], check=True,
-                   capture_output=True)
     rng = np.random.default_rng(31)
     step = {n: {"b64": base64.b64encode(rng.standard_normal((1, h, 64)).astype(np.float16)
                                         .tobytes()).decode(), "shape": [1, h, 64]}
@@ -103,3 +97,43 @@ def test_perf_analyzer_sequence_mode_drives_attention_kv(server, tmp_path, share
                            "info", f"--cache={cache_id}", "--json"], check=True,
                           capture_output=True, text=True).stdout
     assert int(json.loads(info)["stats"]["sequences"]) <= 2, info
+
+
+@pytest.mark.parametrize("shared_memory", ["none", "system"])
+def test_perf_analyzer_sequence_mode_drives_attention_kv(server, tmp_path, shared_memory):
+    """attention_kv's config reports sequence_batching, so perf_analyzer sends
+    sequence_id / sequence_start / sequence_end: each of its sequences is a
+    decode loop on a cache made with the native API, ended (freed) at its end."""
+    cache_id = f"pa-{shared_memory}"
+    subprocess.run([os.environ["ATTNCTL_BIN"], f"--target={server.grpc_url}", "kv", "create",
+                    f"--cache={cache_id}", "--layers=1", "--heads_kv=2", "--head_dim=64",
+                    "--dtype=fp16", "--page_size=16", "--capacity_tokens=65536"], check=True,
+                   capture_output=True)
+    run_sequence_mode(server, tmp_path, cache_id, shared_memory)
+
+
+def test_perf_analyzer_alone_drives_a_startup_cache(tmp_path):
+    """The cache comes only from --kv_startup_cache: no native client runs."""
+    s = Server("--allow_client_shm", "--kv_startup_cache=boot:layers=1,hkv=2,d=64,dtype=FP16,"
+               "page_size=16,capacity_tokens=65536")
+    try:
+        assert any("K/V cache 'boot'" in line for line in s.log), "".join(s.log)
+        run_sequence_mode(s, tmp_path, "boot", "none")
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("boot:layers=1,hkv=2,d=64,dtype=FP8,capacity_tokens=64", "dtype: expected FP16, BF16"),
+    ("boot:layers=1,hkv=2,d=64,dtype=FP16", "exactly one of capacity_tokens"),
+    ("boot:layers=1,hkv=2,d=60,dtype=FP16,capacity_tokens=64", "head_dim: expected a multiple"),
+    ("boot:layers=1,hkv=2,d=64,dtype=FP16,page_size=24,capacity_tokens=64", "page_size"),
+])
+def test_bad_startup_cache_stops_startup(spec, message):
+    run = subprocess.run([os.environ["ATTNSERVE_BIN"], "--host=127.0.0.1", "--port=0",
+                          "--backend=cpu", "--metrics_port=0", "--http_port=0",
+                          f"--kv_startup_cache={spec}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "--kv_startup_cache: cache 'boot'" in run.stdout + run.stderr, run.stdout + run.stderr
+    assert message in run.stdout + run.stderr, run.stdout + run.stderr

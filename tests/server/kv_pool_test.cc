@@ -22,6 +22,7 @@
 #include "server/kv/kv_cache.h"
 #include "server/kv/kv_pool.h"
 #include "server/kv/page_allocator.h"
+#include "server/kv/startup_cache.h"
 #include "tests/server/gated_cpu_backend.h"
 
 namespace attnserve {
@@ -253,23 +254,25 @@ TEST_F(CacheModelTest, CreateErrorsAreAllOrNothing) {
   EXPECT_EQ(cache_.Truncate(1, std::nullopt, 1).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A call's claim on `ids` at `layer`, as the pool makes one.
+std::shared_ptr<KvCache::Ticket> MakeTicket(int layer, std::vector<uint64_t> ids) {
+  auto t = std::make_shared<KvCache::Ticket>();
+  t->layer = layer;
+  t->sequence_ids = std::move(ids);
+  return t;
+}
+
 TEST_F(CacheModelTest, ClaimsOrderCallsOnOneSequenceLayer) {
   ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
-  auto ticket = [](int layer, std::vector<uint64_t> ids) {
-    auto t = std::make_shared<KvCache::Ticket>();
-    t->layer = layer;
-    t->sequence_ids = std::move(ids);
-    return t;
-  };
-  auto a = ticket(0, {1});
-  auto b = ticket(0, {1, 2});  // waits for a (sequence 1)
-  auto c = ticket(0, {2});     // waits for b (arrival order on sequence 2)
-  auto d = ticket(1, {1});     // another layer: goes
+  auto a = MakeTicket(0, {1});
+  auto b = MakeTicket(0, {1, 2});  // waits for a (sequence 1)
+  auto c = MakeTicket(0, {2});     // waits for b (arrival order on sequence 2)
+  auto d = MakeTicket(1, {1});     // another layer: goes
   EXPECT_TRUE(*cache_.Admit(a));
   EXPECT_FALSE(*cache_.Admit(b));
   EXPECT_FALSE(*cache_.Admit(c));
   EXPECT_TRUE(*cache_.Admit(d));
-  EXPECT_EQ(cache_.Admit(ticket(0, {9})).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.Admit(MakeTicket(0, {9})).status().code(), absl::StatusCode::kNotFound);
   // Busy sequences cannot be freed or truncated.
   EXPECT_EQ(cache_.Free({1}).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cache_.Truncate(2, 0, 0).code(), absl::StatusCode::kFailedPrecondition);
@@ -282,6 +285,84 @@ TEST_F(CacheModelTest, ClaimsOrderCallsOnOneSequenceLayer) {
   EXPECT_EQ(ready[0], c);
   EXPECT_TRUE(cache_.Release(*c).empty());
   EXPECT_TRUE(cache_.Free({1, 2}).ok());
+}
+
+// v2's sequence_end racing other calls: the end is deferred to the last call
+// in flight (queued ones included), later calls are refused, and the sequence
+// is gone once that call releases.
+TEST_F(CacheModelTest, FreeWhenIdleWaitsForTheLastCallInFlight) {
+  ASSERT_TRUE(cache_.CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
+  auto running = MakeTicket(0, {1});
+  auto queued = MakeTicket(0, {1});  // waits behind `running`
+  auto other_layer = MakeTicket(1, {1});
+  EXPECT_TRUE(*cache_.Admit(running));
+  EXPECT_FALSE(*cache_.Admit(queued));
+  EXPECT_TRUE(*cache_.Admit(other_layer));
+  absl::StatusOr<bool> freed = cache_.FreeWhenIdle(1);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_FALSE(*freed);  // deferred
+  const absl::Status late = cache_.Admit(MakeTicket(2, {1})).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(late.message().find("sequence 1 is ending"), std::string::npos) << late;
+  ASSERT_EQ(cache_.Release(*running).size(), 1u);  // `queued` goes
+  EXPECT_TRUE(cache_.Lengths(1).ok());
+  EXPECT_TRUE(cache_.Release(*other_layer).empty());
+  EXPECT_TRUE(cache_.Lengths(1).ok());  // `queued` still in flight
+  EXPECT_TRUE(cache_.Release(*queued).empty());
+  EXPECT_EQ(cache_.Lengths(1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(cache_.Lengths(2).ok());
+  // An idle sequence is freed at once; an unknown one is NOT_FOUND.
+  freed = cache_.FreeWhenIdle(2);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_TRUE(*freed);
+  EXPECT_EQ(cache_.Lengths(2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.FreeWhenIdle(2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_.Stats().pages_used, 0);
+}
+
+// --kv_startup_cache: the spec syntax; what the pool checks (geometry,
+// budget) is tested with the pool.
+TEST(StartupCacheTest, ParsesSpecsAndNamesTheBadKey) {
+  absl::StatusOr<std::vector<KvStartupCache>> caches = ParseStartupCaches(
+      "a:layers=2,hkv=8,d=128,dtype=bf16,page_size=64,capacity_tokens=4096 ; "
+      "b:layers=1,hkv=1,d=64,dtype=FP32,capacity_bytes=1048576,device=0,reserve=1,tenant=t1");
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  ASSERT_EQ(caches->size(), 2u);
+  const KvCreateCache& a = (*caches)[0].create;
+  EXPECT_EQ(a.cache_id, "a");
+  EXPECT_EQ(a.geometry.num_layers, 2);
+  EXPECT_EQ(a.geometry.num_heads_kv, 8);
+  EXPECT_EQ(a.geometry.head_dim, 128);
+  EXPECT_EQ(a.geometry.dtype, DType::kBF16);
+  EXPECT_EQ(a.page_size, 64);
+  EXPECT_EQ(a.capacity_tokens, 4096);
+  EXPECT_TRUE(a.keep);
+  EXPECT_EQ((*caches)[0].tenant, "");
+  const KvCreateCache& b = (*caches)[1].create;
+  EXPECT_EQ(b.capacity_bytes, 1048576);
+  EXPECT_EQ(b.device, 0);
+  EXPECT_TRUE(b.reserve);
+  EXPECT_EQ((*caches)[1].tenant, "t1");
+  EXPECT_TRUE(ParseStartupCaches("")->empty());
+  const std::pair<const char*, const char*> bad[] = {
+      {"layers=1", "expected ID:key=value"},
+      {"a:layers=x,hkv=1,d=64,dtype=FP16,capacity_tokens=1",
+       "cache 'a': layers: expected an integer >= 1, got 'x'"},
+      {"a:layers=1,hkv=1,d=64,dtype=FP8,capacity_tokens=1",
+       "dtype: expected FP16, BF16 or FP32, got 'FP8'"},
+      {"a:layers=1,hkv=1,d=64,capacity_tokens=1", "missing key 'dtype'"},
+      {"a:layers=1,hkv=1,d=64,dtype=FP16", "exactly one of capacity_tokens and capacity_bytes"},
+      {"a:layers=1,layers=2", "key 'layers' given twice"},
+      {"a:layers=1,heads=2", "unknown key 'heads'"},
+      {"a:layers=1,hkv=1,d=64,dtype=FP16,capacity_tokens=1;a:layers=1,hkv=1,d=64,dtype=FP16,"
+       "capacity_tokens=1",
+       "named twice"},
+  };
+  for (const auto& [spec, message] : bad) {
+    const absl::Status st = ParseStartupCaches(spec).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << spec;
+    EXPECT_NE(st.message().find(message), std::string::npos) << spec << " -> " << st;
+  }
 }
 
 // The pool over a real executor and the (gated) CPU backend.
