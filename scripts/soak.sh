@@ -19,6 +19,10 @@
 #   DURATION: seconds, or with an s/m suffix (120, 2m, 30m).
 #   OUT_DIR (default build-soak/): soak.csv, soak.svg, summary.txt, server.log.
 #   BUILD_DIR (default build): a configured CPU build; the needed targets are built.
+# Environment: ATTNSERVE_SOAK_BACKEND=cuda serves from GPU 0 and samples its
+# memory as one more judged quantity (gpu_mem_mib); ATTNSERVE_SOAK_PREBUILT=1
+# uses BUILD_DIR's server/attnserve, client/attnctl and tests/soak/soak_load as
+# they are (the GPU machine, which cannot build the server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/common.sh
@@ -34,8 +38,13 @@ esac
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
-[ -f "$build/CMakeCache.txt" ] || cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
-cmake --build "$build" -j "$(nproc)" --target attnserve attnctl soak_load >/dev/null
+backend=${ATTNSERVE_SOAK_BACKEND:-cpu}
+if [ "${ATTNSERVE_SOAK_PREBUILT:-0}" != 1 ]; then
+  [ -f "$build/CMakeCache.txt" ] || cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  cmake --build "$build" -j "$(nproc)" --target attnserve attnctl soak_load >/dev/null
+fi
+device=()
+if [ "$backend" = cuda ]; then export ATTNSERVE_SOAK_GPU=0; device=(--devices=0); fi
 
 port=$(free_port)
 metrics_port=$(free_port)
@@ -47,7 +56,7 @@ client=("$build/client/attnctl" --target="127.0.0.1:$port")
 idle_timeout=$(( seconds / 10 < 30 ? seconds / 10 : 30 ))
 [ "$idle_timeout" -ge 1 ] || idle_timeout=1
 start_server "$out/server.log" 60 "${client[@]}" -- \
-  "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend=cpu \
+  "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend="$backend" "${device[@]}" \
   --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port=0 \
   --kv_idle_timeout="${idle_timeout}s" --log_level=warn
 pid=$SERVER_PID

@@ -31,7 +31,7 @@ import sys
 
 import soak_sample  # the CSV columns (same folder)
 
-QUANTITIES = ("rss_kb", "fds", "threads", "queue_depth")
+QUANTITIES = ("rss_kb", "fds", "threads", "queue_depth", "gpu_mem_mib")
 # The smallest growth that counts, per quantity, beside the 1.05x (see above).
 RESOLUTION = {"queue_depth": 1.0}
 SHOWN = ("heap_in_use_kb", "heap_free_kb", "grpc_timer_threads")
@@ -62,6 +62,8 @@ def check(path):
     rows = traffic_rows(path)
     grew = False
     for key in QUANTITIES + SHOWN:
+        if not any(r.get(key, "") != "" for r in rows):
+            continue  # not sampled in this run (gpu_mem_mib without a GPU)
         a, b, ratio = compare(rows, key)
         if key in QUANTITIES:
             ok = b <= 1.05 * a or b <= a + RESOLUTION.get(key, 0.0)

@@ -13,15 +13,18 @@ Columns (HEADER): time_s, phase; rss_kb, fds, threads from /proc; queue_depth
 allocator's account: attnserve_heap_in_use_bytes, attnserve_heap_free_bytes)
 from METRICS_URL; grpc_timer_threads: threads named grpc_global_timer, gRPC's
 timer pool, which gRPC grows when all its timer threads are busy and never
-shrinks before shutdown (tests/soak/README.md).
+shrinks before shutdown (tests/soak/README.md); gpu_mem_mib: memory used on
+GPU $ATTNSERVE_SOAK_GPU (nvidia-smi; empty when that is unset), for a server
+with the CUDA backend and the GPU to itself.
 """
 import os
+import subprocess
 import sys
 import time
 import urllib.request
 
 HEADER = ("time_s,phase,rss_kb,fds,threads,queue_depth,heap_in_use_kb,heap_free_kb,"
-          "grpc_timer_threads")
+          "grpc_timer_threads,gpu_mem_mib")
 METRICS = ("nv_inference_pending_request_count", "attnserve_heap_in_use_bytes",
            "attnserve_heap_free_bytes")
 # /proc/PID/task/*/comm holds the first 15 bytes of a thread's name.
@@ -65,13 +68,26 @@ def timer_threads(pid):
     return n
 
 
+def gpu_memory_mib():
+    gpu = os.environ.get("ATTNSERVE_SOAK_GPU", "")
+    if gpu == "":
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out if out.isdigit() else ""
+
+
 def row(pid, url, phase):
     m = scrape(url)
-    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d" % (
+    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d,%s" % (
         time.time(), phase, status_field(pid, "VmRSS"), len(os.listdir("/proc/%d/fd" % pid)),
         status_field(pid, "Threads"), m["nv_inference_pending_request_count"],
         kb(m["attnserve_heap_in_use_bytes"]), kb(m["attnserve_heap_free_bytes"]),
-        timer_threads(pid))
+        timer_threads(pid), gpu_memory_mib())
 
 
 def loop(pid, url, path, phase_file):
