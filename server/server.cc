@@ -532,7 +532,7 @@ class AttnServerImpl final : public AttnServer {
           "this host can call every RPC and read every tensor in transit; set "
           "--tls_cert/--tls_key and --auth_tokens_file, or --host=127.0.0.1 (SECURITY.md)",
           options_.host);
-    } else if (!IsLoopback(options_.metrics_host)) {
+    } else if (options_.metrics_enabled && !IsLoopback(options_.metrics_host)) {
       spdlog::warn(
           "/metrics listens on {} (--metrics_host) in plain text: anyone who can reach this host "
           "can read the server's counters; set --metrics_host=127.0.0.1 or TLS (SECURITY.md)",
