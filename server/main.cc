@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
+#include "server/kv/startup_cache.h"
 #include "server/malloc_tuning.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -179,7 +180,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(startup_caches.status().message()).c_str());
     return 2;
   }
-  options.kv_startup_caches = *std::move(startup_caches);
+  options.kv_startup_cache = absl::GetFlag(FLAGS_kv_startup_cache);  // parsed again at Start
   options.batching = absl::GetFlag(FLAGS_batching);
   options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
   options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);

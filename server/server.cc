@@ -32,6 +32,7 @@
 #include "server/forward_handler.h"
 #include "server/gpu_monitor.h"
 #include "server/kv/kv_pool.h"
+#include "server/kv/startup_cache.h"
 #include "server/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
@@ -321,11 +322,12 @@ class AttnServerImpl final : public AttnServer {
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
 
-  // kNew -> kStarting, or FAILED_PRECONDITION on a second Start.
   // --kv_startup_cache: before Listen, so no client sees the server without
   // them.
   absl::Status CreateStartupCaches() {
-    for (const KvStartupCache& c : options_.kv_startup_caches) {
+    ASSIGN_OR_RETURN(const std::vector<KvStartupCache> caches,
+                     ParseStartupCaches(options_.kv_startup_cache));
+    for (const KvStartupCache& c : caches) {
       const std::string tenant = c.tenant.empty() ? std::string(kDefaultTenant) : c.tenant;
       absl::StatusOr<std::shared_ptr<KvCache>> made = kv_pool_.CreateCache(tenant, c.create);
       if (!made.ok()) {
@@ -339,6 +341,7 @@ class AttnServerImpl final : public AttnServer {
     return absl::OkStatus();
   }
 
+  // kNew -> kStarting, or FAILED_PRECONDITION on a second Start.
   absl::Status BeginStart() {
     absl::MutexLock lock(&mu_);
     if (state_ != State::kNew) return absl::FailedPreconditionError("Start: already called");

@@ -14,7 +14,6 @@
 #include "backend/backend_factory.h"
 #include "server/auth/authenticator.h"
 #include "server/kserve/frontend.h"
-#include "server/kv/startup_cache.h"
 #include "server/security/tls_files.h"
 #include "server/stream_flow_control.h"
 
@@ -47,9 +46,12 @@ struct ServerOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int kv_page_size = 64;
   absl::Duration kv_idle_timeout = absl::Minutes(10);
-  // Caches created before the server listens (--kv_startup_cache); a cache
-  // the pool refuses fails Start with the pool's message.
-  std::vector<KvStartupCache> kv_startup_caches;
+  // Caches created before the server listens: --kv_startup_cache's text,
+  // parsed by ParseStartupCaches (server/kv/startup_cache.h). Kept as text so
+  // this header does not pull the K/V pool's types into every client of the
+  // server (the client library has its own KvGeometry and KvStep). A bad
+  // spec, or a cache the pool refuses, fails Start with its message.
+  std::string kv_startup_cache;
   bool metrics_enabled = false;
   // What one stream (ForwardStream, ModelStreamInfer, AppendAttendStream) may
   // hold before the server stops reading it
