@@ -55,7 +55,7 @@ from attnserve import Client
 
 FIELDS = ["part", "scenario", "rpc", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
           "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
-          "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "attn_call_s",
+          "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "client_cpu_ms", "attn_call_s",
           "server_total_s", "server_compute_s", "other_s", "device", "notes"]
 
 SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
@@ -150,20 +150,31 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
                 with lock:
                     latencies.append(t1 - t0)
 
+    def window_cpu_s() -> float:
+        """This process's CPU seconds (all threads, user + system) over the window:
+        the client's own cost, less sensitive than req/s to a loaded machine."""
+        time.sleep(max(0.0, start - time.monotonic()))
+        cpu0 = time.process_time()
+        time.sleep(max(0.0, end - time.monotonic()))
+        return time.process_time() - cpu0
+
     if stream:  # one ForwardStream, `concurrency` requests in flight on it
         with client.stream() as s:
             threads = [threading.Thread(target=caller, args=(s,)) for _ in range(concurrency)]
             [t.start() for t in threads]
+            cpu_s = window_cpu_s()
             [t.join() for t in threads]
     else:
         threads = [threading.Thread(target=caller) for _ in range(concurrency)]
         [t.start() for t in threads]
+        cpu_s = window_cpu_s()
         [t.join() for t in threads]
     lat = np.array(latencies) * 1e3
     n = len(latencies)
     return dict(requests=n, req_per_s=n / duration, tokens_per_s=n * sc["batch"] * sc["seqlen"]
                 / duration, p50_ms=float(np.percentile(lat, 50)) if n else 0.0,
-                p99_ms=float(np.percentile(lat, 99)) if n else 0.0)
+                p99_ms=float(np.percentile(lat, 99)) if n else 0.0,
+                client_cpu_ms=cpu_s * 1e3 / n if n else 0.0)
 
 
 def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
@@ -333,14 +344,16 @@ def print_summary(path: str) -> None:
     if client:
         print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9)")
         print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} {'attnctl':>9} {'py unary':>9} "
-              f"{'ratio':>6} {'py stream':>9} {'ratio':>6} label")
+              f"{'ratio':>6} {'cpu ms':>7} {'py stream':>9} {'ratio':>6} {'cpu ms':>7} label")
         for point in dict.fromkeys(k[:4] for k in client):
             base, unary, stream = (client.get(point + (impl,), {}) for impl in
                                    ("attnctl_load", "python_unary", "python_stream"))
             sc, rpc, conc, label = point
             print(f"{sc:<8} {rpc:<7} {conc:>4} {num(base, 'req_per_s', '.1f'):>9} "
                   f"{num(unary, 'req_per_s', '.1f'):>9} {num(unary, 'ratio_vs_attnctl', '.2f'):>6} "
-                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6}"
+                  f"{num(unary, 'client_cpu_ms', '.2f'):>7} "
+                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6} "
+                  f"{num(stream, 'client_cpu_ms', '.2f'):>7}"
                   f" {label}")
     gen = [r for r in rows if r["part"] == "generate"]
     if gen:
