@@ -10,7 +10,8 @@
 # Environment: PYTHON (default .venv/bin/python), TARGET (a running server,
 # host:port), ATTNCTL (default build/client/attnctl), SECONDS_ (warm-up,measured;
 # default 1,4), POINTS: space-separated scenario:rpc:concurrencies (default: the
-# CPU set: Echo small and large, Forward small and mid).
+# CPU set: Echo small and large, Forward small and mid), LABELS: the two
+# versions' names in the notes column (default "before after").
 # Usage: bench/gpu/python_client_ab.sh BEFORE AFTER CSV
 set -euo pipefail
 [ $# = 3 ] || { echo "usage: $0 BEFORE_SITE AFTER_SITE CSV" >&2; exit 2; }
@@ -23,9 +24,10 @@ points=${POINTS:-"small:echo:1,16 large:echo:1,4 small:forward:1,16 mid:forward:
 for point in $points; do
   IFS=: read -r scenario rpc concurrencies <<<"$point"
   for conc in ${concurrencies//,/ }; do
-    for label in before after; do
+    read -r first second <<<"${LABELS:-before after}"
+    for label in "$first" "$second"; do
       site=$before
-      [ "$label" = after ] && site=$after
+      [ "$label" = "$second" ] && site=$after
       echo "== $scenario $rpc concurrency $conc: $label ($site)"
       env -u PYTHONPATH PYTHONPATH="$site" "$py" bench/gpu/python_bench.py --target="$TARGET" \
         --attnctl="$attnctl" --csv="$csv" --parts=client --scenarios="$scenario" --rpcs="$rpc" \

@@ -8,8 +8,9 @@ large benchmark request (~200 MB) that is most of a call's time (issue 12).
 Requests: every field that is not a tensor (request_id, options, cu_seqlens,
 the K/V API's sequences) goes through the generated class as usual, into a
 small message; each Tensor field is then written after it by hand (tag,
-length, dtype, packed shape, data) from the array's buffer. bytes.join puts the
-pieces into the one `bytes` grpc sends: one copy of each tensor. Protobuf
+length, dtype, packed shape, data) from the array's buffer, and the pieces are
+copied into the one `bytes` grpc sends (attnserve._concat, outside the GIL):
+one copy of each tensor. Protobuf
 parsers take fields in any order, so the server parses exactly the message
 the generated class would have built (python/tests/test_wire.py holds the two
 to each other).
@@ -29,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from google.protobuf.message import DecodeError
 
+from attnserve import _concat
 from attnserve.v1 import attention_pb2 as pb
 
 # Wire types (protobuf encoding spec).
@@ -124,7 +126,8 @@ class Encoded:
 def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> Encoded:
     """`message` (its tensor fields unset) with each (field name, tensor) after it.
 
-    The one copy of each tensor's data is bytes.join's, into the result.
+    The one copy of each tensor's data is into the result (attnserve._concat: without
+    the GIL).
     """
     fields = message.DESCRIPTOR.fields_by_name
     pieces = [message.SerializeToString()]
@@ -134,7 +137,7 @@ def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> 
         if message.HasField(name):  # would merge with ours on the server: a bug here
             raise ValueError(f"attnserve._wire: {name} is set on the message as well")
         pieces += _tensor_pieces(fields[name].number, t)
-    return Encoded(message.request_id, b"".join(pieces))
+    return Encoded(message.request_id, _concat.concat(pieces))
 
 
 def serialize(request: Encoded) -> bytes:
