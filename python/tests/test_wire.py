@@ -131,9 +131,9 @@ def test_request_copies_the_data_once_at_build_time():
                   == np.ones(64, np.float32).tobytes())
 
 
-@pytest.mark.parametrize("size", [0, 1, 1000, (1 << 20) + 3, 5 << 20])
+@pytest.mark.parametrize("size", [0, 1, 1000, (8 << 20) - 1, (8 << 20) + 3, 20 << 20])
 def test_concat_equals_join(size):
-    """attnserve._concat (the GIL-free copy from 1 MiB of total on) == b"".join."""
+    """attnserve._concat (the GIL-free copy of pieces from 8 MiB on) == b"".join."""
     rng = np.random.default_rng(size)
     big = rng.integers(0, 256, size, dtype=np.uint8)
     pieces = [b"\x12\x07head", big, b"", np.zeros(0, np.uint8), memoryview(b"tail"),
@@ -144,7 +144,7 @@ def test_concat_equals_join(size):
 
 def test_large_request_over_the_gil_free_copy():
     rng = np.random.default_rng(7)
-    q = rand(rng, (2, 1024, 8, 64), ml_dtypes.bfloat16)  # 2 MiB each
+    q = rand(rng, (2, 1024, 32, 64), ml_dtypes.bfloat16)  # 8 MiB; k and v 4 MiB
     enc = _request.build_request(q, q[:, :512], q[:, :512], request_id="big")
     assert_same(enc, generated_request(q, q[:, :512], q[:, :512], request_id="big"))
 

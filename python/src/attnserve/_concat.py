@@ -1,4 +1,4 @@
-"""One `bytes` from a list of buffers, the copies made without holding the GIL.
+"""One `bytes` from a list of buffers, large pieces copied without holding the GIL.
 
 Why: grpcio sends only `bytes`, so a request's tensors must be copied into one.
 b"".join does that copy while holding the GIL whenever a piece is not itself a
@@ -6,10 +6,15 @@ b"".join does that copy while holding the GIL whenever a piece is not itself a
 concurrent callers (Client from many threads, issue 12) queue behind each
 other's copies. Here the result is created uninitialized through the C API
 (PyBytes_FromStringAndSize(NULL, n), whose documented use is to be filled before
-it is shared), and each piece is copied in with ctypes.memmove, a foreign call
-during which ctypes releases the GIL. Writing into the new object is safe
-because nothing else holds it yet; the caller keeps the pieces alive meanwhile.
-Outside CPython (no ctypes.pythonapi), or for small totals, b"".join is used.
+it is shared), and each piece is copied in with memmove called through ctypes:
+a CFUNCTYPE call (ctypes.memmove) releases the GIL, a PYFUNCTYPE one keeps it.
+Writing into the new object is safe because nothing else holds it yet; the
+caller keeps the pieces alive meanwhile.
+
+Only pieces of _GIL_FREE_MIN_BYTES or more are copied without the GIL: taking
+the GIL back can wait up to the interpreter's switch interval (5 ms) while
+another thread runs Python code, which a short copy does not repay. A request
+with no such piece, or outside CPython (no ctypes.pythonapi), uses b"".join.
 """
 
 from __future__ import annotations
@@ -19,30 +24,34 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# Below this many bytes the copy is too short for the GIL to matter.
-_GIL_FREE_MIN_BYTES = 1 << 20
+_GIL_FREE_MIN_BYTES = 8 << 20
 
+# Our own prototypes (setting argtypes on ctypes.pythonapi's shared function
+# objects could clash with another library's); PYFUNCTYPE keeps the GIL, as
+# C-API calls need.
 try:
-    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _new_bytes.restype = ctypes.py_object
-    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-    _bytes_address = ctypes.pythonapi.PyBytes_AsString
-    _bytes_address.restype = ctypes.c_void_p
-    _bytes_address.argtypes = (ctypes.py_object,)
+    _new_bytes = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
+        ("PyBytes_FromStringAndSize", ctypes.pythonapi))
+    _bytes_address = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(
+        ("PyBytes_AsString", ctypes.pythonapi))
 except AttributeError:  # not CPython
     _new_bytes = None
+_copy_without_gil = ctypes.memmove
+_copy_with_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_size_t)(
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
 
 
 def concat(pieces: Sequence[Any]) -> bytes:
     """b"".join(pieces) for C-contiguous buffers (bytes, NumPy arrays, memoryviews)."""
     views = [np.frombuffer(p, np.uint8) for p in pieces]  # no copies: views of the pieces
-    total = sum(v.nbytes for v in views)
-    if _new_bytes is None or total < _GIL_FREE_MIN_BYTES:
+    if _new_bytes is None or all(v.nbytes < _GIL_FREE_MIN_BYTES for v in views):
         return b"".join(pieces)
-    out = _new_bytes(None, total)
+    out = _new_bytes(None, sum(v.nbytes for v in views))
     at = _bytes_address(out)
     for v in views:
         if v.nbytes:
-            ctypes.memmove(at, v.ctypes.data, v.nbytes)
+            copy = _copy_without_gil if v.nbytes >= _GIL_FREE_MIN_BYTES else _copy_with_gil
+            copy(at, v.ctypes.data, v.nbytes)
             at += v.nbytes
     return out

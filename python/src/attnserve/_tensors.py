@@ -4,8 +4,8 @@ Copies, per tensor (the numbers docs/python.md quotes):
   to the wire:   a CUDA tensor is first copied to host memory (.cpu(), the one
                  transfer that cannot be avoided); a non-contiguous input is
                  made contiguous (one copy); then 1 copy into the request's
-                 `bytes` (attnserve._wire.encode; outside the GIL from 1 MiB,
-                 attnserve._concat), which grpc sends.
+                 `bytes` (attnserve._wire.encode; a tensor of 8 MiB or more
+                 without holding the GIL, attnserve._concat), which grpc sends.
   from the wire: none: the array or CPU tensor is a view of the response's
                  `bytes` as grpc delivered it (read-only for NumPy; its start
                  may be unaligned for the dtype, which NumPy and PyTorch on the

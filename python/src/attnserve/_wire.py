@@ -9,8 +9,8 @@ Requests: every field that is not a tensor (request_id, options, cu_seqlens,
 the K/V API's sequences) goes through the generated class as usual, into a
 small message; each Tensor field is then written after it by hand (tag,
 length, dtype, packed shape, data) from the array's buffer, and the pieces are
-copied into the one `bytes` grpc sends (attnserve._concat, outside the GIL):
-one copy of each tensor. Protobuf
+copied into the one `bytes` grpc sends (attnserve._concat; large ones outside
+the GIL): one copy of each tensor. Protobuf
 parsers take fields in any order, so the server parses exactly the message
 the generated class would have built (python/tests/test_wire.py holds the two
 to each other).
@@ -126,8 +126,7 @@ class Encoded:
 def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> Encoded:
     """`message` (its tensor fields unset) with each (field name, tensor) after it.
 
-    The one copy of each tensor's data is into the result (attnserve._concat: without
-    the GIL).
+    The one copy of each tensor's data is into the result (attnserve._concat).
     """
     fields = message.DESCRIPTOR.fields_by_name
     pieces = [message.SerializeToString()]
