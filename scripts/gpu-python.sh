@@ -26,7 +26,9 @@
 # parts; CARRY names the carried folder when it is not this tree's
 # .device-carry (e.g. the script runs from a copy of a branch under
 # .device-carry/NAME: CARRY=.device-carry); BUDGET_S (default 570) is the
-# whole run's time: the benchmark gets what the steps before it left.
+# whole run's time: the benchmark gets what the steps before it left. RPCS
+# (default forward; forward,echo adds Echo rows: the client and transport
+# without compute) is python_bench.py's --rpcs.
 # Usage: scripts/gpu-python.sh [--cpu]
 set -uo pipefail
 if [ -n "${CARRY:-}" ]; then CARRY=$(cd "$CARRY" && pwd) || exit 2; fi
@@ -140,7 +142,7 @@ sed 's/^/# bf16: /' "$OUT/hf-bf16.txt" >>"$csv"
 left=$((budget - (SECONDS - started) - 15))
 step "benchmark (at most $left s)"
 timeout "$left" "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
-  --csv="$csv" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
+  --csv="$csv" --rpcs="${RPCS:-forward}" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] || { echo "python_bench.py exited $rc; its last lines:"; tail -20 "$OUT/bench.txt"; fail=1; }
 kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""

@@ -5,7 +5,10 @@
     from N threads, and a ForwardStream with N in flight) beside `attnctl load`
     on the same server, for small (B=1, N=256, H=16, D=128) and large (B=4,
     N=4096) requests at concurrency 1 and 16. ratio = Python req/s over
-    attnctl's (the target is >= 0.9).
+    attnctl's (the target is >= 0.9). --rpcs=forward,echo adds the Echo RPC
+    (validated, q's bytes back, no compute: the transport and client cost
+    alone; unary only, so no stream row). "mid" (B=4, N=512) is a size the CPU
+    backend's Forward can do (scripts/gpu-python.sh --cpu).
 (b) transformers generate(): tokens/s with local SDPA, with the stateless
     "attnserve" attention and with K/V on the server (attnserve.hf_cache), for
     the small test Llama and a ~1.1B-parameter Llama config (random weights,
@@ -20,6 +23,8 @@ Usage (GPU machine; one command):
   ... --seconds 2,6 --concurrency 1,16 --prompt 128 --new-tokens 128   (the defaults' knobs)
   ... --target HOST:PORT  use a running server instead of starting one
   ... --parts client      or "generate": only one part
+  ... --label before      written to the rows' notes column (runs of two client
+                          versions, one PYTHONPATH each, into one CSV)
 
 Needs on its PYTHONPATH: the attnserve package (a wheel built here:
 `.venv/bin/python -m pip wheel --no-deps -w WHEELS ./python`) and protobuf
@@ -48,13 +53,14 @@ import numpy as np
 import attnserve
 from attnserve import Client
 
-FIELDS = ["part", "scenario", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
+FIELDS = ["part", "scenario", "rpc", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
           "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
-          "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "attn_call_s",
+          "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "client_cpu_ms", "attn_call_s",
           "server_total_s", "server_compute_s", "other_s", "device", "notes"]
 
 SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
-             "large": dict(batch=4, seqlen=4096, heads=16, head_dim=128)}
+             "large": dict(batch=4, seqlen=4096, heads=16, head_dim=128),
+             "mid": dict(batch=4, seqlen=512, heads=16, head_dim=128)}
 
 
 class Writer:
@@ -100,24 +106,29 @@ def start_server(binary: str, extra: List[str]) -> subprocess.Popen:
 
 
 # -- (a) client throughput -----------------------------------------------------
-def attnctl_load(attnctl: str, target: str, sc: Dict, concurrency: int, warmup: float,
-                 duration: float) -> Dict[str, float]:
+def attnctl_load(attnctl: str, target: str, sc: Dict, rpc: str, concurrency: int,
+                 warmup: float, duration: float) -> Dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "load.csv")
         subprocess.run([attnctl, f"--target={target}", "load", f"--concurrency={concurrency}",
                         f"--batch={sc['batch']}", f"--seqlen_q={sc['seqlen']}",
                         f"--heads_q={sc['heads']}", f"--head_dim={sc['head_dim']}",
-                        "--dtype=bf16", f"--warmup={warmup}s", f"--duration={duration}s",
-                        f"--csv={path}"], check=True, stdout=subprocess.DEVNULL)
-        with open(path) as f:
-            row = list(csv.DictReader(f))[-1]
+                        "--dtype=bf16", f"--rpc={rpc}", f"--warmup={warmup}s",
+                        f"--duration={duration}s", f"--csv={path}"],
+                       stdout=subprocess.DEVNULL)
+        # Exit code 1 with a row: no request completed inside the window (a slow
+        # machine); the row (0 req/s) is the result. No row: attnctl failed.
+        rows = list(csv.DictReader(open(path))) if os.path.exists(path) else []
+        if not rows:
+            raise RuntimeError(f"attnctl load wrote no result for {sc} {rpc} c{concurrency}")
+        row = rows[-1]
     return dict(requests=int(row["requests"]), req_per_s=float(row["req_per_s"]),
                 tokens_per_s=float(row["tokens_per_s"]), p50_ms=float(row["p50_ms"]),
                 p99_ms=float(row["p99_ms"]))
 
 
-def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, duration: float,
-                stream: bool) -> Dict[str, float]:
+def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: float,
+                duration: float, stream: bool) -> Dict[str, float]:
     """Closed loop like attnctl load: `concurrency` callers, each sending its next
     request when the last returns; only requests completing inside the window count."""
     rng = np.random.default_rng(0)
@@ -128,6 +139,7 @@ def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, durat
     end = start + duration
     latencies: List[float] = []
     lock = threading.Lock()
+    call = client.echo if rpc == "echo" else client.forward
 
     def caller(s=None):
         while True:
@@ -135,7 +147,7 @@ def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, durat
             if t0 >= end:
                 return
             if s is None:
-                client.forward(q, k, v)
+                call(q, k, v)
             else:
                 s.submit(q, k, v).result()
             t1 = time.monotonic()
@@ -143,38 +155,55 @@ def python_load(client: Client, sc: Dict, concurrency: int, warmup: float, durat
                 with lock:
                     latencies.append(t1 - t0)
 
+    def window_cpu_s() -> float:
+        """This process's CPU seconds (all threads, user + system) over the window:
+        the client's own cost, less sensitive than req/s to a loaded machine."""
+        time.sleep(max(0.0, start - time.monotonic()))
+        cpu0 = time.process_time()
+        time.sleep(max(0.0, end - time.monotonic()))
+        return time.process_time() - cpu0
+
     if stream:  # one ForwardStream, `concurrency` requests in flight on it
         with client.stream() as s:
             threads = [threading.Thread(target=caller, args=(s,)) for _ in range(concurrency)]
             [t.start() for t in threads]
+            cpu_s = window_cpu_s()
             [t.join() for t in threads]
     else:
         threads = [threading.Thread(target=caller) for _ in range(concurrency)]
         [t.start() for t in threads]
+        cpu_s = window_cpu_s()
         [t.join() for t in threads]
     lat = np.array(latencies) * 1e3
     n = len(latencies)
     return dict(requests=n, req_per_s=n / duration, tokens_per_s=n * sc["batch"] * sc["seqlen"]
                 / duration, p50_ms=float(np.percentile(lat, 50)) if n else 0.0,
-                p99_ms=float(np.percentile(lat, 99)) if n else 0.0)
+                p99_ms=float(np.percentile(lat, 99)) if n else 0.0,
+                client_cpu_ms=cpu_s * 1e3 / n if n else 0.0)
 
 
 def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
-                 scenarios: List[str], concurrencies: List[int]) -> None:
+                 scenarios: List[str], rpcs: List[str], concurrencies: List[int],
+                 label: str) -> None:
     with Client(target, timeout=600) as client:
         for name in scenarios:
             sc = SCENARIOS[name]
-            for conc in concurrencies:
-                base = attnctl_load(attnctl, target, sc, conc, warmup, duration)
-                common = dict(part="client", scenario=name, dtype="bf16", batch=sc["batch"],
-                              seqlen=sc["seqlen"], heads_q=sc["heads"], heads_kv=sc["heads"],
-                              head_dim=sc["head_dim"], concurrency=conc, seconds=duration)
-                out.row(**common, impl="attnctl_load", **base, ratio_vs_attnctl=1.0)
-                for impl, stream in (("python_unary", False), ("python_stream", True)):
-                    r = python_load(client, sc, conc, warmup, duration, stream)
-                    out.row(**common, impl=impl, **r,
-                            ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
-                            if base["req_per_s"] else 0.0)
+            for rpc in rpcs:
+                for conc in concurrencies:
+                    base = attnctl_load(attnctl, target, sc, rpc, conc, warmup, duration)
+                    common = dict(part="client", scenario=name, rpc=rpc, dtype="bf16",
+                                  batch=sc["batch"], seqlen=sc["seqlen"], heads_q=sc["heads"],
+                                  heads_kv=sc["heads"], head_dim=sc["head_dim"],
+                                  concurrency=conc, seconds=duration, notes=label)
+                    out.row(**common, impl="attnctl_load", **base, ratio_vs_attnctl=1.0)
+                    impls = [("python_unary", False)]
+                    if rpc == "forward":  # Echo has no stream form
+                        impls.append(("python_stream", True))
+                    for impl, stream in impls:
+                        r = python_load(client, sc, rpc, conc, warmup, duration, stream)
+                        out.row(**common, impl=impl, **r,
+                                ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
+                                if base["req_per_s"] else 0.0)
 
 
 # -- (b) transformers generate() -------------------------------------------------
@@ -312,20 +341,25 @@ def print_summary(path: str) -> None:
     client = {}
     for r in rows:
         if r["part"] == "client" and r["req_per_s"]:
-            client[(r["scenario"], r["concurrency"], r["impl"])] = r
+            point = (r["scenario"], r.get("rpc") or "forward", r["concurrency"], r["notes"])
+            client[point + (r["impl"],)] = r
     def num(r: Dict[str, str], col: str, fmt: str) -> str:
         return format(float(r[col]), fmt) if r.get(col) else "-"
 
     if client:
         print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9)")
-        print(f"{'scenario':<8} {'conc':>4} {'attnctl':>9} {'py unary':>9} {'ratio':>6} "
-              f"{'py stream':>9} {'ratio':>6}")
-        for sc, conc in dict.fromkeys((k[0], k[1]) for k in client):
-            base, unary, stream = (client.get((sc, conc, impl), {}) for impl in
+        print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} {'attnctl':>9} {'py unary':>9} "
+              f"{'ratio':>6} {'cpu ms':>7} {'py stream':>9} {'ratio':>6} {'cpu ms':>7} label")
+        for point in dict.fromkeys(k[:4] for k in client):
+            base, unary, stream = (client.get(point + (impl,), {}) for impl in
                                    ("attnctl_load", "python_unary", "python_stream"))
-            print(f"{sc:<8} {conc:>4} {num(base, 'req_per_s', '.1f'):>9} "
+            sc, rpc, conc, label = point
+            print(f"{sc:<8} {rpc:<7} {conc:>4} {num(base, 'req_per_s', '.1f'):>9} "
                   f"{num(unary, 'req_per_s', '.1f'):>9} {num(unary, 'ratio_vs_attnctl', '.2f'):>6} "
-                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6}")
+                  f"{num(unary, 'client_cpu_ms', '.2f'):>7} "
+                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6} "
+                  f"{num(stream, 'client_cpu_ms', '.2f'):>7}"
+                  f" {label}")
     gen = [r for r in rows if r["part"] == "generate"]
     if gen:
         print("generate(): tokens/s, and where the measured run's seconds go: inside attnserve "
@@ -359,6 +393,9 @@ def main() -> int:
                     help="part (b): torch CPU threads (0 = torch's default)")
     ap.add_argument("--new-tokens", type=int, default=128, help="part (b): generated tokens")
     ap.add_argument("--scenarios", default="small,large", help="part (a): of " + ",".join(SCENARIOS))
+    ap.add_argument("--rpcs", default="forward", help="part (a): forward and/or echo")
+    ap.add_argument("--label", default="", help="part (a): the rows' notes (e.g. the client "
+                    "version when comparing two)")
     ap.add_argument("--models", default="llama-small,llama-1b", help="part (b)")
     ap.add_argument("--batches", default="1,32", help="part (b): generate() batch sizes")
     a = ap.parse_args()
@@ -378,7 +415,7 @@ def main() -> int:
         parts = a.parts.split(",")
         if "client" in parts:
             bench_client(out, target, a.attnctl, warmup, duration, a.scenarios.split(","),
-                         [int(c) for c in a.concurrency.split(",")])
+                         a.rpcs.split(","), [int(c) for c in a.concurrency.split(",")], a.label)
         if "generate" in parts:
             if a.torch_threads:
                 import torch

@@ -87,7 +87,7 @@ def test_forward_result_reports_timing_and_backend(client):
 def test_non_contiguous_input(client):
     rng = np.random.default_rng(2)
     base = rand(rng, (1, 16, 4, 32), np.float32)
-    q = base[:, ::2]  # a strided view: the client makes it contiguous in its one copy
+    q = base[:, ::2]  # a strided view: the client gathers it (one copy) before sending
     o = client.forward(q, base, base)
     check("o", o, reference.attention(q, base, base)[0], "fp32")
 
@@ -217,7 +217,7 @@ def test_torch_tensors_in_and_out(client):
     g = torch.Generator().manual_seed(9)
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         q = torch.rand((2, 12, 4, 32), generator=g).to(dtype) * 2 - 1
-        # A strided view [B, Sk, Hkv, D] of a larger tensor: sent without an extra copy step.
+        # A strided view [B, Sk, Hkv, D] of a larger tensor: gathered, then sent.
         k = (torch.rand((2, 16, 8, 32), generator=g).to(dtype) * 2 - 1)[:, :, :2]
         assert not k.is_contiguous()
         o, lse = client.forward(q, k, k, causal=True, return_lse=True)

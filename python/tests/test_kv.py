@@ -21,7 +21,6 @@ import reference
 from attnserve import AsyncClient, AttnServeError
 from attnserve.kv import CACHE_ID_HEADER, Cache, Sequence
 from attnserve.kv_aio import AsyncCache
-from attnserve.v1 import kv_pb2_grpc
 
 LAYERS, HQ, HKV, D = 2, 4, 2, 32
 ATOL = {np.float32: 1e-5, ml_dtypes.bfloat16: 3e-2}
@@ -325,7 +324,8 @@ def test_every_call_carries_the_cache_id_header(client):
             seen.append((details.method, dict(details.metadata or ())))
             return continuation(details, requests)
 
-    client._kv = kv_pb2_grpc.KvCacheStub(grpc.intercept_channel(client.channel, Recorder()))
+    # The client's own stub class (the tensor-carrying methods on attnserve._wire).
+    client._kv = type(client._kv)(grpc.intercept_channel(client.channel, Recorder()))
     rng = np.random.default_rng(11)
     with make_cache(client, cache_id="header-test") as cache, cache.sequence() as seq:
         cache.append_attend(0, [seq], *tokens(rng, 2))

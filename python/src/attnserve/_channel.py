@@ -19,9 +19,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from attnserve import _security
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
-from attnserve.v1 import kv_pb2_grpc
+from attnserve import _security, _stubs
 
 ChannelOptions = Sequence[Tuple[str, object]]
 
@@ -106,9 +104,10 @@ class ChannelOwner:
                 target, opts, interceptors=_security.aio_interceptors(token))
         else:
             self.channel = self._grpc.insecure_channel(target, opts)
-        self._stub = pb_grpc.AttentionStub(self.channel)
+        # The tensor-carrying methods on attnserve._wire's codec (_stubs says which).
+        self._stub = _stubs.AttentionStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self._kv = kv_pb2_grpc.KvCacheStub(self.channel)  # attnserve.kv uses it
+        self._kv = _stubs.KvCacheStub(self.channel)  # attnserve.kv uses it
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout

@@ -12,7 +12,7 @@ import itertools
 import os
 from typing import Any, Optional, Tuple
 
-from attnserve import _tensors
+from attnserve import _tensors, _wire
 from attnserve.errors import AttnServeError, invalid_argument
 from attnserve.v1 import attention_pb2 as pb
 
@@ -81,12 +81,10 @@ def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Windo
                   cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                   request_id: Optional[str] = None, q_descale: Optional[float] = None,
                   k_descale: Optional[float] = None,
-                  v_descale: Optional[float] = None) -> pb.ForwardRequest:
-    """The ForwardRequest for forward()'s arguments (see Client.forward)."""
+                  v_descale: Optional[float] = None) -> _wire.Encoded:
+    """The ForwardRequest for forward()'s arguments (see Client.forward), encoded."""
+    tensors = [(name, _tensors.to_out(name, x)) for name, x in (("q", q), ("k", k), ("v", v))]
     req = pb.ForwardRequest(request_id=request_id or next_request_id())
-    _tensors.to_wire("q", q, req.q)
-    _tensors.to_wire("k", k, req.k)
-    _tensors.to_wire("v", v, req.v)
     for name, cu, field in (("cu_seqlens_q", cu_seqlens_q, req.cu_seqlens_q),
                             ("cu_seqlens_k", cu_seqlens_k, req.cu_seqlens_k)):
         offsets = _tensors.to_offsets(name, cu)
@@ -102,15 +100,25 @@ def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Windo
         req.options.k_descale = float(k_descale)
     if v_descale is not None:
         req.options.v_descale = float(v_descale)
-    return req
+    return _wire.encode(req, tensors)
 
 
-def parse_response(resp: pb.ForwardResponse, like: Any) -> ForwardResult:
+def parse_response(received: _wire.Received, like: Any) -> ForwardResult:
     """A ForwardResponse as a ForwardResult, O and LSE of like's kind (ndarray or torch)."""
+    resp: pb.ForwardResponse = received.message  # all but o and lse
     if resp.error_code != 0:
         raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
                                               resp.request_id)
-    o = _tensors.from_wire("o", resp.o, like)
-    lse = _tensors.from_wire("lse", resp.lse, like) if resp.HasField("lse") else None
+    o = _tensors.from_wire("o", tensor_or_empty(received, "o"), like)
+    lse = received.tensors.get("lse")
+    if lse is not None:
+        lse = _tensors.from_wire("lse", lse, like)
     return ForwardResult(o=o, lse=lse, timing=server_timing(resp.timing), backend=resp.backend,
                          request_id=resp.request_id)
+
+
+def tensor_or_empty(received: _wire.Received, name: str) -> Any:
+    """A response's tensor; an absent one reads as the generated class's default
+    (DTYPE_UNSPECIFIED, which from_wire refuses naming the field)."""
+    t = received.tensors.get(name)
+    return t if t is not None else pb.Tensor()

@@ -1,16 +1,18 @@
-"""NumPy arrays and PyTorch tensors to and from the wire's Tensor message.
+"""NumPy arrays and PyTorch tensors to and from the wire's Tensor (through attnserve._wire).
 
 Copies, per tensor (the numbers docs/python.md quotes):
   to the wire:   a CUDA tensor is first copied to host memory (.cpu(), the one
-                 transfer that cannot be avoided); then 1 copy into a `bytes`
-                 (a non-contiguous input is made contiguous in that same copy),
-                 1 copy when protobuf stores it in the message and 1 when the
-                 message is serialized (protobuf's upb runtime accepts only
-                 `bytes` and owns its storage).
-  from the wire: protobuf copies the field out of the parsed message once
-                 (`Tensor.data`); the array or CPU tensor is a zero-copy view of
-                 those bytes; a CUDA result is one host-to-device copy of it.
-gRPC's own buffers (serialized message to HTTP/2 frames and back) come on top.
+                 transfer that cannot be avoided); a non-contiguous input is
+                 made contiguous (one copy); then 1 copy into the request's
+                 `bytes` (attnserve._wire.encode; a tensor of 8 MiB or more
+                 without holding the GIL, attnserve._concat), which grpc sends.
+  from the wire: none: the array or CPU tensor is a view of the response's
+                 `bytes` as grpc delivered it (read-only for NumPy; its start
+                 may be unaligned for the dtype, which NumPy and PyTorch on the
+                 CPU handle); a CUDA result is one host-to-device copy of it.
+gRPC's own copies come on top: grpcio copies the request into its own buffer
+before sending, and copies a received message out of its buffers into the
+`bytes` handed to the deserializer.
 torch is imported only when a torch tensor is passed in.
 """
 
@@ -23,6 +25,7 @@ from typing import Any, Optional, Sequence
 import ml_dtypes
 import numpy as np
 
+from attnserve import _wire
 from attnserve.errors import invalid_argument
 from attnserve.v1 import attention_pb2 as pb
 
@@ -53,8 +56,9 @@ def _torch_wire_dtypes() -> dict:
     return wire
 
 
-def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
-    """Fills `out` (q, k or v of a request) from an ndarray or a torch tensor."""
+def to_out(name: str, x: Any) -> _wire.OutTensor:
+    """q, k or v of a request (an ndarray or a torch tensor) as its wire dtype, shape and
+    bytes: a view of the array's memory when it is C-contiguous on the host."""
     if is_torch(x):
         wire = _torch_wire_dtypes().get(x.dtype)
         if wire is None:
@@ -62,20 +66,20 @@ def to_wire(name: str, x: Any, out: pb.Tensor) -> None:
                                    f"torch.float32 or torch.float8_e4m3fn, got {x.dtype}")
         host = x.detach().cpu()  # a CPU tensor stays as it is; CUDA: the device-to-host copy
         # An integer view of the same width keeps the strides (NumPy has no
-        # bfloat16 of torch's); tobytes() then gathers a strided tensor in its one copy.
-        data = host.view(_same_width_int(host.dtype)).numpy().tobytes()
-        shape = tuple(host.shape)
+        # bfloat16 of torch's).
+        arr = host.view(_same_width_int(host.dtype)).numpy()
     else:
         arr = np.asarray(x)
         wire = _NUMPY_TO_WIRE.get(arr.dtype)
         if wire is None:
             raise invalid_argument(f"{name}.dtype: expected float16, bfloat16 (ml_dtypes), "
                                    f"float32 or float8_e4m3fn (ml_dtypes), got {arr.dtype}")
-        data = arr.tobytes(order="C")  # little-endian: the dtypes above are native on x86/Arm
-        shape = arr.shape
-    out.dtype = wire
-    out.shape.extend(shape)
-    out.data = data
+    shape = tuple(arr.shape)
+    # Bytes of a C-contiguous array: a view (little-endian: the dtypes above are
+    # native on x86/Arm); a strided one is gathered here, its one extra copy.
+    # uint8 because the buffer protocol does not export ml_dtypes' dtypes.
+    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return _wire.OutTensor(wire, shape, data)
 
 
 def _same_width_int(dtype):
@@ -84,14 +88,16 @@ def _same_width_int(dtype):
     return torch.int32 if size == 4 else torch.int16 if size == 2 else torch.uint8
 
 
-def from_wire(name: str, t: pb.Tensor, like: Any) -> Any:
-    """The response tensor `t` as the kind of `like` (ndarray, or torch on like's device)."""
+def from_wire(name: str, t: Any, like: Any) -> Any:
+    """A response tensor (attnserve._wire.InTensor, or the generated pb.Tensor) as the
+    kind of `like`: an ndarray viewing t.data, or torch on like's device."""
     dtype = _WIRE_TO_NUMPY.get(t.dtype)
     if dtype is None:
-        raise invalid_argument(f"{name}.dtype: the server sent {pb.DType.Name(t.dtype)}")
+        raise invalid_argument(f"{name}.dtype: the server sent {_dtype_name(t.dtype)}")
     shape = tuple(t.shape)
-    data = t.data  # the one copy out of the parsed message
-    arr = np.frombuffer(data, dtype=dtype).reshape(shape) if data else np.zeros(shape, dtype)
+    data = t.data
+    empty = memoryview(data).nbytes == 0
+    arr = np.zeros(shape, dtype) if empty else np.frombuffer(data, dtype=dtype).reshape(shape)
     if not is_torch(like):
         return arr
     import torch
@@ -100,11 +106,18 @@ def from_wire(name: str, t: pb.Tensor, like: Any) -> Any:
         out = torch.empty(shape, dtype=wire_to_torch[t.dtype])
     else:
         with warnings.catch_warnings():
-            # The bytes are ours alone (nobody else holds them), so a writable
-            # view of an immutable buffer is harmless here.
+            # The response's bytes are ours alone (nobody else holds them), so a
+            # writable view of that immutable buffer is harmless here.
             warnings.simplefilter("ignore", UserWarning)
             out = torch.frombuffer(data, dtype=wire_to_torch[t.dtype]).view(shape)
     return out.to(like.device) if like.device.type != "cpu" else out
+
+
+def _dtype_name(number: int) -> str:
+    try:
+        return pb.DType.Name(number)
+    except ValueError:  # a value this client's .proto does not know
+        return str(number)
 
 
 def to_offsets(name: str, cu: Optional[Any]) -> Optional[Sequence[int]]:

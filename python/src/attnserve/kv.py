@@ -45,7 +45,7 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as 
 import grpc
 import numpy as np
 
-from attnserve import _request, _tensors
+from attnserve import _request, _tensors, _wire
 from attnserve._request import ServerTiming, Window
 from attnserve._stream import BidiStream
 from attnserve.client import Client
@@ -482,11 +482,10 @@ class _AppendCall:
         q, nq = _packed("q", q, "cu_seqlens_q", cu_seqlens_q, batch)
         k, nk = _packed("k", k, "cu_seqlens_k", cu_seqlens_k, batch)
         v, _ = _packed("v", v, "cu_seqlens_k", cu_seqlens_k, batch)
+        tensors = [(name, None if x is None else _tensors.to_out(name, x))
+                   for name, x in (("q", q), ("k", k), ("v", v))]
         req = kv_pb2.AppendAttendRequest(request_id=request_id or _request.next_request_id(),
                                          cache_id=cache.cache_id, layer=layer)
-        for name, x, field in (("q", q, req.q), ("k", k, req.k), ("v", v, req.v)):
-            if x is not None:
-                _tensors.to_wire(name, x, field)
         _request.fill_options(req.options, causal=causal, window=window, softcap=softcap,
                               scale=scale, return_lse=return_lse)
         self.after: List[int] = []
@@ -503,25 +502,29 @@ class _AppendCall:
                                   num_new_tokens=n_new, num_queries=n_q)
                 s._lengths[layer] = expected + n_new
                 self.after.append(expected + n_new)
-        self.request = req
+        self.steps = req.sequences
+        # Encoded last: nothing raises after the lengths advanced above.
+        self.request = _wire.encode(req, tensors)
 
     def roll_back(self) -> None:
         """Undoes this call's advance of each tracked length, unless a later call
         on the same (sequence, layer) moved it on (that one rolls back itself)."""
         with self.cache._lock:
-            for s, step, after in zip(self.sequences, self.request.sequences, self.after):
+            for s, step, after in zip(self.sequences, self.steps, self.after):
                 if s._lengths is not None and s._lengths[self.layer] == after:
                     s._lengths[self.layer] = step.expected_length
 
-    def parse(self, resp: kv_pb2.AppendAttendResponse) -> AppendAttendResult:
+    def parse(self, received: _wire.Received) -> AppendAttendResult:
+        resp: kv_pb2.AppendAttendResponse = received.message  # all but o and lse
         if resp.error_code != 0:
             raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
                                                   resp.request_id)
         o = lse = None
         if self.q_shape is not None:
-            o = _tensors.from_wire("o", resp.o, self.like).reshape(self.q_shape)
-            if resp.HasField("lse"):
-                lse = _tensors.from_wire("lse", resp.lse, self.like)
+            o = _tensors.from_wire("o", _request.tensor_or_empty(received, "o"),
+                                   self.like).reshape(self.q_shape)
+            if "lse" in received.tensors:
+                lse = _tensors.from_wire("lse", received.tensors["lse"], self.like)
         return AppendAttendResult(o=o, lse=lse, lengths=list(resp.lengths),
                                   timing=_request.server_timing(resp.timing),
                                   backend=resp.backend, request_id=resp.request_id)

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Where one Python client call's time goes: cProfile over a loop of calls on one thread.
+
+Against a running server (any backend); Echo by default so the server's compute
+does not hide the client. Prints the wall time per call, then the functions by
+their own time (tottime), so protobuf (SerializeToString, FromString, field
+sets), NumPy conversion, attnserve's own encoding and grpc's blocking call
+(the C core, its copies and the network wait, which cProfile sees as one
+entry) stand apart.
+
+Usage:
+  python3 bench/gpu/python_profile.py --target=127.0.0.1:50051 [--scenario=large]
+      [--rpc=echo|forward] [--calls=50] [--top=25]
+  python3 bench/gpu/python_profile.py --gil [--scenario=large] [--calls=5]
+Run it with two client versions (PYTHONPATH) to compare them.
+--gil (no server): builds the scenario's request --calls times while a second
+Python thread counts; the count's rate during the builds against its rate alone
+says how much of building a request holds the GIL (other callers' threads wait
+that long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import threading
+
+import ml_dtypes
+import numpy as np
+
+import attnserve
+from attnserve import Client, _request
+
+SCENARIOS = {"small": (1, 256, 16, 128), "mid": (4, 512, 16, 128), "large": (4, 4096, 16, 128)}
+
+
+def spin_rate(seconds: float, work=None) -> tuple:
+    """(work's seconds, counts per second of a second thread meanwhile)."""
+    count, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            count[0] += 1
+    t = threading.Thread(target=spin)
+    t.start()
+    t0 = time.perf_counter()
+    if work is None:
+        time.sleep(seconds)
+    else:
+        work()
+    elapsed = time.perf_counter() - t0
+    stop[0] = True
+    t.join()
+    return elapsed, count[0] / elapsed
+
+
+def gil_probe(q, k, v, calls: int) -> None:
+    for _ in range(2):  # alternate, so a change in the machine's load shows
+        _, alone = spin_rate(1.0)
+        elapsed, during = spin_rate(0, lambda: [_request.build_request(q, k, v)
+                                                for _ in range(calls)])
+        print(f"build_request: {elapsed / calls * 1e3:.1f} ms each; a second thread ran at "
+              f"{during:.3g}/s meanwhile, {alone:.3g}/s alone ({during / alone:.0%})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target")
+    ap.add_argument("--gil", action="store_true", help="no server: the GIL probe above")
+    ap.add_argument("--scenario", default="small", choices=sorted(SCENARIOS))
+    ap.add_argument("--rpc", default="echo", choices=["echo", "forward"])
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=20)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    shape = SCENARIOS[a.scenario]
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+               for _ in range(3))
+    if a.gil:
+        print(f"attnserve {attnserve.__file__}: {a.scenario} {shape} bf16")
+        gil_probe(q, k, v, a.calls)
+        return 0
+    if not a.target:
+        ap.error("--target (or --gil)")
+    with Client(a.target, timeout=600) as c:
+        call = c.echo if a.rpc == "echo" else c.forward
+        for _ in range(3):  # connection, first-call setup
+            call(q, k, v)
+        t0 = time.perf_counter()
+        for _ in range(a.calls):
+            call(q, k, v)
+        plain = (time.perf_counter() - t0) / a.calls
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(a.calls):
+            call(q, k, v)
+        prof.disable()
+        profiled = (time.perf_counter() - t0) / a.calls
+    mb = 3 * q.nbytes / 1e6
+    print(f"attnserve {attnserve.__file__}: {a.rpc} {a.scenario} {shape} bf16 "
+          f"({mb:.1f} MB out): {plain * 1e3:.3f} ms/call ({profiled * 1e3:.3f} profiled), "
+          f"{a.calls} calls")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+    print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
