@@ -24,18 +24,21 @@
 namespace attnserve {
 namespace {
 
-std::string Int32Bytes(const google::protobuf::RepeatedField<int32_t>& values) {
-  std::string bytes(values.size() * sizeof(int32_t), '\0');
-  if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
-  return bytes;
+// INT32 values as the v2 protocol's little-endian bytes: their own memory on
+// this (little-endian) host.
+absl::string_view Int32Bytes(const google::protobuf::RepeatedField<int32_t>& values) {
+  return absl::string_view(reinterpret_cast<const char*>(values.data()),
+                           values.size() * sizeof(int32_t));
 }
 
-// The v2 tensors of a request, in order: name, datatype, shape, bytes.
+// The v2 tensors of a request, in order: name, datatype, shape, bytes (a view
+// of the request's own: a large request's tensors are never copied just to
+// be described).
 struct V2Input {
   const char* name;
   std::string datatype;
   std::vector<int64_t> shape;
-  std::string bytes;
+  absl::string_view bytes;
 };
 
 std::vector<V2Input> InputsOf(const v1::ForwardRequest& r) {
@@ -125,7 +128,7 @@ inference::ModelInferRequest ToModelInferRequest(const v1::ForwardRequest& reque
     t->set_name(in.name);
     t->set_datatype(in.datatype);
     for (int64_t d : in.shape) t->add_shape(d);
-    out.add_raw_input_contents(std::move(in.bytes));
+    out.add_raw_input_contents(std::string(in.bytes));
   }
   SetParameters(request.options(), &out);
   out.add_outputs()->set_name("o");
@@ -177,8 +180,9 @@ int64_t V2SlotBytes(const v1::ForwardRequest& request) {
 struct V2Client::Region {
   std::string name;  // the registered name
   int64_t size = 0;
+  int staged_input = -1;  // ForwardStaged's input whose bytes the region holds; -1: none
   virtual ~Region() = default;
-  virtual absl::Status Write(int64_t offset, const std::string& bytes) = 0;
+  virtual absl::Status Write(int64_t offset, absl::string_view bytes) = 0;
   virtual absl::Status Read(int64_t offset, int64_t bytes, std::string* out) = 0;
 };
 
@@ -192,8 +196,8 @@ struct SystemRegion final : V2Client::Region {
     if (data != nullptr) munmap(data, static_cast<size_t>(size));
     shm_unlink(key.c_str());
   }
-  absl::Status Write(int64_t offset, const std::string& bytes) override {
-    std::memcpy(data + offset, bytes.data(), bytes.size());
+  absl::Status Write(int64_t offset, absl::string_view bytes) override {
+    if (!bytes.empty()) std::memcpy(data + offset, bytes.data(), bytes.size());
     return absl::OkStatus();
   }
   absl::Status Read(int64_t offset, int64_t bytes, std::string* out) override {
@@ -245,7 +249,7 @@ struct CudaRegion final : V2Client::Region {
     return absl::InternalError(
         absl::StrCat("--shm=cuda: ", what, " failed: ", cudaGetErrorString(err)));
   }
-  absl::Status Write(int64_t offset, const std::string& bytes) override {
+  absl::Status Write(int64_t offset, absl::string_view bytes) override {
     return Check(cudaMemcpy(data + offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
                  "cudaMemcpy to the region");
   }
@@ -364,7 +368,18 @@ V2Client::~V2Client() {
 
 absl::StatusOr<v1::ForwardResponse> V2Client::Forward(const v1::ForwardRequest& request, int slot) {
   if (regions_.empty()) return Infer(ToModelInferRequest(request));
-  return InferThroughRegion(request, regions_[static_cast<size_t>(slot) % regions_.size()].get());
+  return InferThroughRegion(request, /*input=*/-1, /*read_outputs=*/true,
+                            regions_[static_cast<size_t>(slot) % regions_.size()].get());
+}
+
+absl::StatusOr<v1::ForwardResponse> V2Client::ForwardStaged(const v1::ForwardRequest& request,
+                                                            int input, int slot,
+                                                            bool read_outputs) {
+  if (regions_.empty()) {
+    return absl::FailedPreconditionError("ForwardStaged: the client has no shared memory");
+  }
+  return InferThroughRegion(request, input, read_outputs,
+                            regions_[static_cast<size_t>(slot) % regions_.size()].get());
 }
 
 absl::StatusOr<v1::ForwardResponse> V2Client::Infer(const inference::ModelInferRequest& request) {
@@ -377,6 +392,7 @@ absl::StatusOr<v1::ForwardResponse> V2Client::Infer(const inference::ModelInferR
 }
 
 absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::ForwardRequest& request,
+                                                                 int input, bool read_outputs,
                                                                  Region* region) {
   if (V2SlotBytes(request) > region->size) {
     return absl::InvalidArgumentError(absl::StrCat("--shm: the request needs ",
@@ -388,6 +404,8 @@ absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::Forwa
   v2.set_model_name(kV2AttentionModel);
   v2.set_id(request.request_id());
   int64_t offset = 0;
+  const bool write_inputs = input < 0 || region->staged_input != input;
+  region->staged_input = -1;  // until every input is written
   auto place = [&](google::protobuf::Map<std::string, inference::InferParameter>* p,
                    int64_t bytes) {
     (*p)["shared_memory_region"].set_string_param(region->name);
@@ -400,9 +418,10 @@ absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::Forwa
     t->set_name(in.name);
     t->set_datatype(in.datatype);
     for (int64_t d : in.shape) t->add_shape(d);
-    RETURN_IF_ERROR(region->Write(offset, in.bytes));
+    if (write_inputs) RETURN_IF_ERROR(region->Write(offset, in.bytes));
     place(t->mutable_parameters(), static_cast<int64_t>(in.bytes.size()));
   }
+  if (input >= 0) region->staged_input = input;
   SetParameters(request.options(), &v2);
   auto* o = v2.add_outputs();
   o->set_name("o");
@@ -430,7 +449,9 @@ absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::Forwa
                                                 " bytes do not fit the ", room, " placed"));
       }
       while (response.raw_output_contents_size() <= i) response.add_raw_output_contents();
-      RETURN_IF_ERROR(region->Read(at, bytes, response.mutable_raw_output_contents(i)));
+      if (read_outputs) {
+        RETURN_IF_ERROR(region->Read(at, bytes, response.mutable_raw_output_contents(i)));
+      }
     }
   }
   return FromModelInferResponse(std::move(response));

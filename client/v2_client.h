@@ -9,7 +9,8 @@
 // client creates one POSIX shm region per slot (a slot serves one call at a
 // time: one caller of the closed loop), registers it with
 // SystemSharedMemoryRegister, copies each request's inputs into it and reads
-// the outputs back from it. --shm=cuda does the same with device memory of GPU
+// the outputs back from it (ForwardStaged: only when it must, as a client
+// that produces and consumes its tensors in the region would). --shm=cuda does the same with device memory of GPU
 // 0 exported as a CUDA IPC handle (CudaSharedMemoryRegister); it needs a CUDA
 // build of attnctl, without one Create answers FAILED_PRECONDITION saying so.
 #pragma once
@@ -69,6 +70,14 @@ class V2Client {
   // ModelInfer of `request`; with shm, its tensors go through region `slot`
   // (one call per slot at a time).
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request, int slot = 0);
+  // Forward through region `slot` for a caller that sends the same inputs
+  // again and again (attnctl load): the inputs are written into the region
+  // only when it last held others (`input` names them: one number per distinct
+  // request), and the outputs are read back only with `read_outputs`;
+  // without, the response's o and lse have their dtype and shape but no
+  // bytes (they are in the region). Needs shared memory.
+  absl::StatusOr<v1::ForwardResponse> ForwardStaged(const v1::ForwardRequest& request, int input,
+                                                    int slot, bool read_outputs);
   // ModelInfer of a request already converted (ToModelInferRequest), so a load
   // test converts each input once; tensors in the message.
   absl::StatusOr<v1::ForwardResponse> Infer(const inference::ModelInferRequest& request);
@@ -80,7 +89,9 @@ class V2Client {
  private:
   V2Client(AttentionClient* client, V2Shm shm);
   absl::Status Register(Region* region);
+  // `input` < 0: always write the inputs.
   absl::StatusOr<v1::ForwardResponse> InferThroughRegion(const v1::ForwardRequest& request,
+                                                         int input, bool read_outputs,
                                                          Region* region);
   inference::GRPCInferenceService::Stub& Stub();
 

@@ -24,29 +24,42 @@ spdlog::level::level_enum LogLevelFor(const absl::Status& status) {
   }
 }
 
-// Binds freshly allocated O (Q's shape, OutputDType: BF16 for FP8 inputs) and
-// LSE into `response` and `params`.
-// The response owns the buffers, so the backend writes straight into the
+// Binds O (Q's shape, OutputDType: BF16 for FP8 inputs) and LSE into
+// `response` and `params`: where lent.place_outputs puts them, else in
+// freshly allocated response buffers, so the backend writes straight into the
 // bytes that go on the wire. Runs on the executor's launcher thread, where a
 // throw would take the server down: an allocation failure is
 // RESOURCE_EXHAUSTED (DESIGN §1) and leaves nothing bound.
-absl::Status BindOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
-                         AttnParams* params) {
+absl::Status BindOutputs(const v1::ForwardRequest& request, const LentMemory& lent,
+                         v1::ForwardResponse* response, AttnParams* params) {
   const v1::Tensor& q = request.q();
   const DType o_dtype = OutputDType(params->dtype);
   const size_t o_bytes = static_cast<size_t>(params->total_q * params->num_heads_q *
                                              params->head_dim * DTypeSize(o_dtype));
+  const bool want_lse = request.options().return_lse();
+  const int64_t lse_bytes = want_lse ? LseElements(*params) * int64_t{sizeof(float)} : 0;
+  void* placed_o = nullptr;
+  float* placed_lse = nullptr;
+  if (lent.place_outputs) {
+    absl::Status placed =
+        lent.place_outputs(static_cast<int64_t>(o_bytes), lse_bytes, &placed_o, &placed_lse);
+    if (!placed.ok()) return placed;
+  }
   try {
     v1::Tensor* o = response->mutable_o();
     o->set_dtype(static_cast<v1::DType>(o_dtype));
     *o->mutable_shape() = q.shape();
-    o->mutable_data()->resize(o_bytes);
-    params->o = o->mutable_data()->data();
+    if (placed_o == nullptr) {
+      o->mutable_data()->resize(o_bytes);
+      placed_o = o->mutable_data()->data();
+    }
+    params->o = placed_o;
     params->lse = nullptr;
-    if (request.options().return_lse()) {
+    if (want_lse) {
       v1::Tensor* lse = response->mutable_lse();
-      ShapeLseTensor(request, *params, lse);
-      params->lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+      ShapeLseTensor(request, *params, lse, /*with_data=*/placed_lse == nullptr);
+      params->lse =
+          placed_lse != nullptr ? placed_lse : reinterpret_cast<float*>(lse->mutable_data()->data());
     }
   } catch (const std::bad_alloc&) {
     response->clear_o();
@@ -71,7 +84,7 @@ ForwardHandler::ForwardHandler(ExecutorPool* executors, std::string backend_name
 
 void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
                            const std::string& tenant, absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
-                           Done done) {
+                           Done done, LentMemory lent) {
   const absl::Time received = absl::Now();
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
@@ -79,7 +92,7 @@ void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardRespons
     Complete(*request, response, status, timings, done);
   };
 
-  absl::StatusOr<AttnParams> params = ValidateAndFillParams(*request, limits_);
+  absl::StatusOr<AttnParams> params = ValidateAndFillParams(*request, limits_, lent.inputs);
   if (!params.ok()) return refuse(params.status());
 
   WorkItem item;
@@ -88,8 +101,8 @@ void ForwardHandler::Start(const v1::ForwardRequest* request, v1::ForwardRespons
   item.deadline = deadline;
   item.cancelled = std::move(cancelled);
   item.tenant = tenant;
-  item.bind_outputs = [request, response](AttnParams* p) {
-    return BindOutputs(*request, response, p);
+  item.bind_outputs = [request, response, lent = std::move(lent)](AttnParams* p) {
+    return BindOutputs(*request, lent, response, p);
   };
   item.done = [this, request, response, done](const absl::Status& status,
                                               const WorkTimings& timings) {

@@ -20,6 +20,22 @@
 
 namespace attnserve {
 
+// Memory outside the messages that a front-end lends one request (the
+// KServe v2 front-end's shared-memory regions): inputs read where they lie,
+// outputs written where the client asked for them, so a request's tensors are
+// never copied into or out of request-sized buffers. The lender keeps the
+// memory valid until the request's `done` has run.
+struct LentMemory {
+  LentInputs inputs;
+  // Runs on the executor once the request is valid, just before compute, with
+  // o's and lse's byte counts (lse 0 unless return_lse): sets *o and *lse to
+  // where the backend writes them, or leaves either null for the response's
+  // own buffer (the response's tensor then has its dtype and shape but no
+  // data). An error fails the request before compute. Unset: the response.
+  std::function<absl::Status(int64_t o_bytes, int64_t lse_bytes, void** o, float** lse)>
+      place_outputs;
+};
+
 // Request ids are client-chosen; a log line keeps at most this many of their
 // characters, so it stays one short line whatever they send.
 inline constexpr size_t kMaxLoggedIdChars = 128;
@@ -39,10 +55,12 @@ class ForwardHandler {
   // Starts `request`. `request` and `response` must stay valid until `done`
   // runs, which may happen before Start returns (a refused request) or later on
   // the executor's thread. Never blocks. `tenant` (tenant.h) is whom the
-  // device's fair share is counted for.
+  // device's fair share is counted for. `lent` (LentMemory) replaces the
+  // request's tensor bytes and the response's output buffers where it says.
   void Start(const v1::ForwardRequest* request, v1::ForwardResponse* response,
              const std::string& tenant, absl::Time deadline,
-             std::shared_ptr<const std::atomic<bool>> cancelled, Done done);
+             std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
+             LentMemory lent = {});
 
   const RequestLimits& limits() const { return limits_; }
 

@@ -66,10 +66,16 @@ absl::Status CheckDims(const char* name, const v1::Tensor& t) {
   return absl::OkStatus();
 }
 
-absl::Status CheckByteLength(const char* name, const v1::Tensor& t) {
+// A tensor's bytes: lent ones (LentInputs) when set, else its own data.
+absl::string_view BytesOf(const v1::Tensor& t, absl::string_view lent) {
+  return lent.data() != nullptr ? lent : absl::string_view(t.data());
+}
+
+// `bytes` are the tensor's data (BytesOf).
+absl::Status CheckByteLength(const char* name, const v1::Tensor& t, absl::string_view bytes) {
   const int64_t elements = Elements(t);
   const int64_t elem_size = DTypeSize(static_cast<DType>(t.dtype()));
-  const int64_t actual = static_cast<int64_t>(t.data().size());
+  const int64_t actual = static_cast<int64_t>(bytes.size());
   if (elements > kSaturated / elem_size) {
     return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
                                 WireDTypeName(t.dtype()), " ", ShapeString(t.shape()), "), got ",
@@ -104,7 +110,7 @@ absl::Status CheckCuSeqlens(const char* name, const google::protobuf::RepeatedFi
   return absl::OkStatus();
 }
 
-absl::Status CheckShapes(const v1::ForwardRequest& r) {
+absl::Status CheckShapes(const v1::ForwardRequest& r, const LentInputs& lent) {
   const v1::Tensor& q = r.q();
   const v1::Tensor& k = r.k();
   const v1::Tensor& v = r.v();
@@ -127,9 +133,9 @@ absl::Status CheckShapes(const v1::ForwardRequest& r) {
   RETURN_IF_ERROR(CheckDims("q", q));
   RETURN_IF_ERROR(CheckDims("k", k));
   RETURN_IF_ERROR(CheckDims("v", v));
-  RETURN_IF_ERROR(CheckByteLength("q", q));
-  RETURN_IF_ERROR(CheckByteLength("k", k));
-  RETURN_IF_ERROR(CheckByteLength("v", v));
+  RETURN_IF_ERROR(CheckByteLength("q", q, BytesOf(q, lent.q)));
+  RETURN_IF_ERROR(CheckByteLength("k", k, BytesOf(k, lent.k)));
+  RETURN_IF_ERROR(CheckByteLength("v", v, BytesOf(v, lent.v)));
 
   for (int i = 0; i < rank; ++i) {
     if (v.shape(i) != k.shape(i)) {
@@ -268,8 +274,11 @@ absl::Status CheckOptions(const v1::AttentionOptions& o, int64_t head_dim, int d
 }  // namespace
 
 absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
-                                    const RequestLimits& limits) {
-  const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+                                    const RequestLimits& limits, const LentInputs& lent) {
+  // Lent bytes count as if they were in the message: a request's size limit
+  // does not depend on how its tensors travel.
+  const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong() + lent.q.size() +
+                                             lent.k.size() + lent.v.size());
   if (bytes > limits.max_request_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("request: expected at most ",
                                                      limits.max_request_bytes,
@@ -279,7 +288,7 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
   RETURN_IF_ERROR(CheckDType("q", request.q(), request.q()));
   RETURN_IF_ERROR(CheckDType("k", request.k(), request.q()));
   RETURN_IF_ERROR(CheckDType("v", request.v(), request.q()));
-  RETURN_IF_ERROR(CheckShapes(request));
+  RETURN_IF_ERROR(CheckShapes(request, lent));
   RETURN_IF_ERROR(CheckTokens(request, limits));
   RETURN_IF_ERROR(CheckSeqlens(request));
   const int64_t head_dim = request.q().shape(request.q().shape_size() - 1);
@@ -287,7 +296,7 @@ absl::Status ValidateForwardRequest(const v1::ForwardRequest& request,
   return absl::OkStatus();
 }
 
-AttnParams FillParams(const v1::ForwardRequest& request) {
+AttnParams FillParams(const v1::ForwardRequest& request, const LentInputs& lent) {
   const v1::Tensor& q = request.q();
   const v1::Tensor& k = request.k();
   const int h_axis = q.shape_size() - 2;
@@ -307,9 +316,9 @@ AttnParams FillParams(const v1::ForwardRequest& request) {
     shape.cu_seqlens_k = request.cu_seqlens_k().data();
   }
   AttnPointers pointers;
-  pointers.q = q.data().data();
-  pointers.k = k.data().data();
-  pointers.v = request.v().data().data();
+  pointers.q = BytesOf(q, lent.q).data();
+  pointers.k = BytesOf(k, lent.k).data();
+  pointers.v = BytesOf(request.v(), lent.v).data();
   return MakeAttnParams(shape, OptionsFromWire(request.options()), pointers);
 }
 
@@ -344,18 +353,20 @@ absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor) {
                                 WireDTypeName(tensor.dtype())));
   }
   RETURN_IF_ERROR(CheckDims(name, tensor));
-  return CheckByteLength(name, tensor);
+  return CheckByteLength(name, tensor, tensor.data());
 }
 
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
-                                                 const RequestLimits& limits) {
-  RETURN_IF_ERROR(ValidateForwardRequest(request, limits));
-  return FillParams(request);
+                                                 const RequestLimits& limits,
+                                                 const LentInputs& lent) {
+  RETURN_IF_ERROR(ValidateForwardRequest(request, limits, lent));
+  return FillParams(request, lent);
 }
 
 int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 
-void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse) {
+void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse,
+                    bool with_data) {
   lse->set_dtype(v1::FP32);
   lse->clear_shape();
   if (request.q().shape_size() == 4) {
@@ -366,7 +377,11 @@ void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params,
     lse->add_shape(params.num_heads_q);
     lse->add_shape(params.total_q);
   }
-  lse->mutable_data()->resize(static_cast<size_t>(LseElements(params)) * sizeof(float));
+  if (with_data) {
+    lse->mutable_data()->resize(static_cast<size_t>(LseElements(params)) * sizeof(float));
+  } else {
+    lse->clear_data();
+  }
 }
 
 }  // namespace attnserve

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/make_params.h"
 #include "backend/params.h"
@@ -32,14 +33,25 @@ inline constexpr int kMinHeadDim = 8;
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
 
+// q, k and v bytes that lie outside the request's messages, in memory the
+// caller lends the request (the KServe v2 front-end's shared-memory regions,
+// read in place): a view whose data() is set stands for that tensor's `data`,
+// which is then empty; a default view means the tensor's own `data`. They are
+// validated and counted against max_request_bytes like bytes in the message.
+struct LentInputs {
+  absl::string_view q, k, v;
+};
+
 // OK, INVALID_ARGUMENT for a request that breaks the contract, or
 // RESOURCE_EXHAUSTED for one over `limits`.
-absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const RequestLimits& limits);
+absl::Status ValidateForwardRequest(const v1::ForwardRequest& request, const RequestLimits& limits,
+                                    const LentInputs& lent = {});
 
 // Params for a request that passed ValidateForwardRequest, through
 // MakeAttnParams (defaults and normalisation): input pointers into `request`
-// (which must outlive the params), o and lse null (the caller binds outputs).
-AttnParams FillParams(const v1::ForwardRequest& request);
+// or `lent` (which must outlive the params), o and lse null (the caller binds
+// outputs).
+AttnParams FillParams(const v1::ForwardRequest& request, const LentInputs& lent = {});
 
 // The wire options as MakeAttnParams takes them (which normalises them), for
 // FillParams and the K/V front-end (kv_request.cc), whose calls carry the same
@@ -59,13 +71,16 @@ absl::Status ValidateTensorBytes(const char* name, const v1::Tensor& tensor);
 
 // ValidateForwardRequest, then FillParams.
 absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& request,
-                                                 const RequestLimits& limits);
+                                                 const RequestLimits& limits,
+                                                 const LentInputs& lent = {});
 
 // Elements of LSE (Hq per query row) for filled params.
 int64_t LseElements(const AttnParams& params);
 
 // Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):
-// FP32, dense [B, Hq, Sq] or varlen [Hq, Tq], its data sized (zero-filled).
-void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse);
+// FP32, dense [B, Hq, Sq] or varlen [Hq, Tq], its data sized (zero-filled)
+// unless `with_data` is false (LSE written elsewhere: data left empty).
+void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse,
+                    bool with_data = true);
 
 }  // namespace attnserve

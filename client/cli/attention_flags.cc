@@ -66,7 +66,8 @@ ABSL_FLAG(std::string, shm, "none",
           "With --protocol=v2: none (tensors in the message), system (a POSIX shared-memory "
           "region per caller, registered with the server, which must run with "
           "--allow_client_shm; inputs and outputs go through it), or cuda (CUDA IPC memory; "
-          "this attnctl has no CUDA client and says so).");
+          "this attnctl has no CUDA client and says so). In `load`, each caller sends one "
+          "input, written into its region once, and reads outputs back only with --check.");
 
 namespace attnserve {
 namespace cli {

@@ -1,7 +1,8 @@
 // The `attention` model: v2 request -> ForwardRequest -> ForwardHandler ->
 // v2 response; see attention_model.h. Tensor bytes are moved, not copied,
-// between the two messages wherever the protocol lets them (docs/kserve.md
-// lists the copies that remain).
+// between the two messages wherever the protocol lets them, and q, k, v, o
+// and lse in a system shared-memory region are read and written where they
+// lie (LentMemory); docs/kserve.md lists the copies that remain.
 #include "server/kserve/attention_model.h"
 
 #include <algorithm>
@@ -55,6 +56,9 @@ struct AttentionModel::Call {
   v1::ForwardRequest forward;
   v1::ForwardResponse result;
   std::vector<V2Output> outputs;
+  // q, k and v when read in place from a region (each holds its region
+  // mapped until the call is done).
+  InPlaceBytes inputs[3];
 };
 
 AttentionModel::AttentionModel(ForwardHandler* handler, const ShmRegistry* shm,
@@ -121,7 +125,8 @@ absl::Status AttentionModel::Prepare(Call* c) const {
       return absl::InvalidArgumentError(absl::StrCat(
           "inputs: model '", name_, "' needs q, k and v; '", names[which], "' is missing"));
     }
-    absl::Status taken = TakeFloatTensor(source, (*index_of)[which], tensors[which]);
+    absl::Status taken =
+        TakeFloatTensor(source, (*index_of)[which], tensors[which], &c->inputs[which]);
     if (!taken.ok()) return taken;
   }
   google::protobuf::RepeatedField<int32_t>* seqlens[] = {forward.mutable_cu_seqlens_q(),
@@ -175,12 +180,23 @@ void AttentionModel::Infer(InferCall call) {
     c->call.done(prepared);
     return;
   }
-  handler_->Start(&c->forward, &c->result, c->call.tenant, c->call.deadline, c->call.cancelled,
-                  [this, c](const absl::Status& status) {
-                    absl::Status delivered = status.ok() ? Deliver(c.get()) : status;
-                    if (!delivered.ok()) c->call.response->Clear();
-                    c->call.done(delivered);
-                  });
+  LentMemory lent;
+  lent.inputs.q = c->inputs[0].view();
+  lent.inputs.k = c->inputs[1].view();
+  lent.inputs.v = c->inputs[2].view();
+  // The handler keeps this until `done`, which holds `c`.
+  lent.place_outputs = [outputs = &c->outputs](int64_t o_bytes, int64_t lse_bytes, void** o,
+                                               float** lse) {
+    return PlaceOutputs(outputs, o_bytes, lse_bytes, o, lse);
+  };
+  handler_->Start(
+      &c->forward, &c->result, c->call.tenant, c->call.deadline, c->call.cancelled,
+      [this, c](const absl::Status& status) {
+        absl::Status delivered = status.ok() ? Deliver(c.get()) : status;
+        if (!delivered.ok()) c->call.response->Clear();
+        c->call.done(delivered);
+      },
+      std::move(lent));
 }
 
 }  // namespace attnserve

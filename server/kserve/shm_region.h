@@ -1,6 +1,7 @@
 // A client's shared-memory region as the KServe v2 front-end uses it: bytes
 // another process put in memory the server mapped (POSIX shm) or opened (a
-// CUDA IPC handle), read for inputs and written for outputs. A region is
+// CUDA IPC handle), read for inputs and written for outputs (in place when
+// the region is mapped here, through Read and Write otherwise). A region is
 // unmapped when its last reference goes, so unregistering one that a running
 // request still holds frees nothing under it (ShmRegistry hands out
 // shared_ptrs).
@@ -18,6 +19,10 @@ class ShmRegion {
   virtual ~ShmRegion() = default;
   // Bytes usable from the region's start (after the registered offset).
   virtual uint64_t byte_size() const = 0;
+  // The region's bytes (from its start) as this process addresses them, for
+  // requests that read inputs and write outputs in place: a system region's
+  // mapping. Null where only Read and Write reach them (a CUDA region).
+  virtual char* mapped() const { return nullptr; }
   // Copy [offset, offset + size) out of / into the region. The caller has
   // checked the bounds (ShmRegistry::Acquire).
   virtual absl::Status Read(uint64_t offset, uint64_t size, void* dst) const = 0;

@@ -25,6 +25,7 @@ class SystemShmRegion final : public ShmRegion {
   ~SystemShmRegion() override { munmap(mapping_, mapped_size_); }
 
   uint64_t byte_size() const override { return byte_size_; }
+  char* mapped() const override { return base(); }
   absl::Status Read(uint64_t offset, uint64_t size, void* dst) const override {
     std::memcpy(dst, base() + offset, size);
     return absl::OkStatus();

@@ -50,6 +50,27 @@ absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes) {
                    bytes, " bytes"));
 }
 
+absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64_t lse_bytes,
+                          void** o, float** lse) {
+  for (const V2Output& out : *outputs) {
+    absl::Status fits =
+        CheckOutputFits(out, static_cast<uint64_t>(out.name == "o" ? o_bytes : lse_bytes));
+    if (!fits.ok()) return fits;
+  }
+  for (V2Output& out : *outputs) {
+    if (out.region == nullptr) continue;
+    const InPlaceBytes place = InPlace(out.region, *out.shm);
+    if (place.data == nullptr) continue;
+    out.in_place = true;
+    if (out.name == "o") {
+      *o = place.data;
+    } else {
+      *lse = reinterpret_cast<float*>(place.data);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
                             inference::ModelInferResponse* response) {
   auto tensor_of = [&](const std::string& name) { return name == "o" ? o : lse; };
@@ -66,9 +87,11 @@ absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::T
     std::string* raw = response->add_raw_output_contents();
     if (out.region != nullptr) {
       // Empty, so raw_output_contents stays aligned with outputs.
-      absl::Status written =
-          out.region->Write(out.shm->offset, tensor->data().data(), tensor->data().size());
-      if (!written.ok()) return written;
+      if (!out.in_place) {
+        absl::Status written =
+            out.region->Write(out.shm->offset, tensor->data().data(), tensor->data().size());
+        if (!written.ok()) return written;
+      }
       out.region.reset();
     } else {
       raw->swap(*tensor->mutable_data());

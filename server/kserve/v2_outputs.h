@@ -22,6 +22,9 @@ struct V2Output {
   std::optional<ShmRef> shm;
   // Held until the output is written, so an unregister cannot unmap it.
   std::shared_ptr<ShmRegion> region;
+  // The backend writes the output straight into the region (PlaceOutputs),
+  // so delivering it writes nothing.
+  bool in_place = false;
 };
 
 // The outputs of `source.request`: those it lists (o and lse only, each at
@@ -35,8 +38,19 @@ absl::Status PlanOutputs(const InputSource& source, const std::string& model, bo
 // region given fewer than `bytes` bytes.
 absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes);
 
+// Just before compute, given o's and lse's byte counts (lse 0 when not
+// wanted): checks that every output going to a region fits (CheckOutputFits),
+// then points *o and *lse at the place in their region of those the backend
+// can write in place (InPlace), marking them in_place; the others stay null
+// (the response's buffer, copied by DeliverOutputs). So a region too small
+// fails the request before it runs, and a system region's outputs are never
+// copied. The ForwardHandler's LentMemory::place_outputs.
+absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64_t lse_bytes,
+                          void** o, float** lse);
+
 // Moves o and lse (a native response's tensors) into `response` or writes them
-// into their regions. Every region must fit before any is written, so a failed
+// into their regions (outputs already written in place only get their
+// metadata). Every region must fit before any is written, so a failed
 // delivery writes nothing.
 absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
                             inference::ModelInferResponse* response);

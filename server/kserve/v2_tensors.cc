@@ -1,6 +1,7 @@
 // KServe v2 tensor bytes and parameters; see v2_tensors.h.
 #include "server/kserve/v2_tensors.h"
 
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -194,12 +195,13 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
   return index_of;
 }
 
-absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out) {
+absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out,
+                             InPlaceBytes* in_place) {
   const auto& input = source.request->inputs(index);
   absl::StatusOr<DType> dtype =
       ParseFloatDatatype(absl::StrCat("inputs['", input.name(), "'].datatype"), input.datatype());
   if (!dtype.ok()) return dtype.status();
-  absl::StatusOr<std::string> bytes = TakeInputBytes(source, index);
+  absl::StatusOr<std::string> bytes = TakeInputBytes(source, index, in_place);
   if (!bytes.ok()) return bytes.status();
   out->set_dtype(static_cast<v1::DType>(*dtype));
   *out->mutable_shape() = input.shape();
@@ -207,7 +209,20 @@ absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* o
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index) {
+InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref) {
+  InPlaceBytes bytes;
+  char* const base = region->mapped();
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base + ref.offset) % kInPlaceAlignment != 0) {
+    return bytes;
+  }
+  bytes.data = base + ref.offset;
+  bytes.size = ref.byte_size;
+  bytes.region = std::move(region);
+  return bytes;
+}
+
+absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
+                                           InPlaceBytes* in_place) {
   inference::ModelInferRequest& request = *source.request;
   const inference::ModelInferRequest::InferInputTensor& input = request.inputs(index);
   const std::string where = absl::StrCat("inputs['", input.name(), "']");
@@ -222,6 +237,10 @@ absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index)
     absl::StatusOr<std::shared_ptr<ShmRegion>> region =
         source.shm->Acquire(source.tenant, ref.region, ref.offset, ref.byte_size);
     if (!region.ok()) return region.status();
+    if (in_place != nullptr) {
+      *in_place = InPlace(*region, ref);
+      if (in_place->data != nullptr) return std::string();
+    }
     std::string bytes(ref.byte_size, '\0');
     absl::Status read = (*region)->Read(ref.offset, ref.byte_size, bytes.data());
     if (!read.ok()) return read;

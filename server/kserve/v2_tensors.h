@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
@@ -37,6 +38,27 @@ struct ShmRef {
 // parameters are incomplete or of the wrong type.
 absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where, const V2Parameters& params);
 
+// Tensor bytes in a shared-memory region that the server uses where they lie
+// (inputs read, outputs written, in place: no request-sized copy), and the
+// reference that keeps the region mapped while it does. `data` is null when
+// the bytes must be copied instead (InPlace says when).
+struct InPlaceBytes {
+  std::shared_ptr<ShmRegion> region;
+  char* data = nullptr;
+  uint64_t size = 0;
+  absl::string_view view() const { return absl::string_view(data, size); }
+};
+
+// Tensors in place start at a multiple of this: the widest element the
+// backends read or write (FP32, and LSE), so no kernel sees a misaligned one.
+inline constexpr uint64_t kInPlaceAlignment = 4;
+
+// `ref`'s bytes in `region` (acquired, so in bounds) in place when the region
+// is mapped here (system shared memory) and they are aligned to
+// kInPlaceAlignment; data null otherwise (a CUDA region, or a misaligned
+// offset: those go through ShmRegion::Read and Write).
+InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref);
+
 // Where a request's tensors come from.
 struct InputSource {
   inference::ModelInferRequest* request = nullptr;
@@ -52,7 +74,10 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request);
 // The bytes of input `index` of `source.request`: a copy of its shared-memory
 // bytes, its fp32_contents (FP32) or int_contents (INT32) packed
 // little-endian, or its raw_input_contents entry (moved out, not copied).
-absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index);
+// With `in_place`, shared-memory bytes that can be read in place (InPlace)
+// are not copied: *in_place holds them and the returned string is empty.
+absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
+                                           InPlaceBytes* in_place = nullptr);
 
 // The index in request.inputs of each of `names` (-1 for one not given);
 // INVALID_ARGUMENT for an input of model `model` with another name, or one
@@ -62,8 +87,10 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
                                              absl::Span<const char* const> names);
 
 // Input `index` as a native tensor: its FP16/BF16/FP32 datatype, shape and
-// bytes (TakeInputBytes). INVALID_ARGUMENT naming the input otherwise.
-absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out);
+// bytes (TakeInputBytes, `in_place` included: then out's data stays empty).
+// INVALID_ARGUMENT naming the input otherwise.
+absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out,
+                             InPlaceBytes* in_place = nullptr);
 
 // The int64 value of request parameter `name` given as int64, uint64, or a
 // decimal string; `where` names it in errors.

@@ -11,136 +11,14 @@
 #include <thread>
 #include <vector>
 
-#include "attnserve/v1/attention.grpc.pb.h"
-#include "common/dtype.h"
-#include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
-#include "gtest/gtest.h"
-#include "inference/grpc_service.grpc.pb.h"
-#include "server/server.h"
+#include "tests/kserve/kserve_test_server.h"
 #include "tests/kserve/shm_test_util.h"
-#include "tests/server/gated_cpu_backend.h"
 
 namespace attnserve {
 namespace {
 
-using inference::GRPCInferenceService;
-using inference::ModelInferRequest;
-using inference::ModelInferResponse;
-
-class KserveGrpcTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    ServerOptions options;
-    options.host = "127.0.0.1";
-    options.port = 0;
-    options.batching = false;  // one backend Forward per request, for the gate
-    options.kserve.allow_client_shm = true;
-    auto backend = std::make_unique<GatedCpuBackend>();
-    backend_ = backend.get();
-    absl::StatusOr<std::unique_ptr<AttnServer>> server =
-        AttnServer::Create(options, std::move(backend));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    ASSERT_TRUE(server_->Start().ok());
-    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                       grpc::InsecureChannelCredentials());
-    native_ = v1::Attention::NewStub(channel);
-    v2_ = GRPCInferenceService::NewStub(channel);
-  }
-
-  grpc::Status Forward(const v1::ForwardRequest& request, v1::ForwardResponse* response) {
-    grpc::ClientContext context;
-    return native_->Forward(&context, request, response);
-  }
-  grpc::Status Infer(const ModelInferRequest& request, ModelInferResponse* response) {
-    grpc::ClientContext context;
-    return v2_->ModelInfer(&context, request, response);
-  }
-
-  GatedCpuBackend* backend_ = nullptr;
-  std::unique_ptr<AttnServer> server_;
-  std::unique_ptr<v1::Attention::Stub> native_;
-  std::unique_ptr<GRPCInferenceService::Stub> v2_;
-};
-
-// Deterministic values in `dtype`'s bytes.
-std::string Values(DType dtype, int64_t count, int seed) {
-  std::string bytes(count * DTypeSize(dtype), '\0');
-  for (int64_t i = 0; i < count; ++i) {
-    const float f = static_cast<float>((i * 37 + seed * 11) % 29) / 14.0f - 1.0f;
-    if (dtype == DType::kFP32) {
-      std::memcpy(&bytes[i * 4], &f, 4);
-    } else {
-      const uint16_t h = dtype == DType::kFP16 ? FloatToFp16(f) : FloatToBf16(f);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-
-void SetTensor(v1::Tensor* t, DType dtype, std::vector<int64_t> shape, int seed) {
-  int64_t count = 1;
-  for (int64_t d : shape) count *= d;
-  t->set_dtype(static_cast<v1::DType>(dtype));
-  for (int64_t d : shape) t->add_shape(d);
-  *t->mutable_data() = Values(dtype, count, seed);
-}
-
-v1::ForwardRequest Dense(DType dtype, int b, int sq, int sk, int hq, int hkv, int d) {
-  v1::ForwardRequest r;
-  r.set_request_id("dense");
-  SetTensor(r.mutable_q(), dtype, {b, sq, hq, d}, 1);
-  SetTensor(r.mutable_k(), dtype, {b, sk, hkv, d}, 2);
-  SetTensor(r.mutable_v(), dtype, {b, sk, hkv, d}, 3);
-  return r;
-}
-
-v1::ForwardRequest Varlen() {
-  v1::ForwardRequest r;
-  r.set_request_id("varlen");
-  SetTensor(r.mutable_q(), DType::kFP32, {7, 2, 16}, 1);
-  SetTensor(r.mutable_k(), DType::kFP32, {10, 2, 16}, 2);
-  SetTensor(r.mutable_v(), DType::kFP32, {10, 2, 16}, 3);
-  for (int x : {0, 3, 7}) r.add_cu_seqlens_q(x);
-  for (int x : {0, 6, 10}) r.add_cu_seqlens_k(x);
-  return r;
-}
-
-// The v2 request a Triton client sends for the same call.
-ModelInferRequest ToV2(const v1::ForwardRequest& r) {
-  ModelInferRequest v2;
-  v2.set_model_name("attention");
-  v2.set_id(r.request_id());
-  for (const auto& [name, t] :
-       {std::pair<const char*, const v1::Tensor*>{"q", &r.q()}, {"k", &r.k()}, {"v", &r.v()}}) {
-    auto* in = v2.add_inputs();
-    in->set_name(name);
-    in->set_datatype(std::string(DTypeName(static_cast<DType>(t->dtype()))));
-    *in->mutable_shape() = t->shape();
-    *v2.add_raw_input_contents() = t->data();
-  }
-  for (const auto& [name, cu] : {std::pair<const char*, const google::protobuf::RepeatedField<int32_t>*>{
-                                     "cu_seqlens_q", &r.cu_seqlens_q()},
-                                 {"cu_seqlens_k", &r.cu_seqlens_k()}}) {
-    if (cu->empty()) continue;
-    auto* in = v2.add_inputs();
-    in->set_name(name);
-    in->set_datatype("INT32");
-    in->add_shape(cu->size());
-    v2.add_raw_input_contents(std::string(reinterpret_cast<const char*>(cu->data()), cu->size() * 4));
-  }
-  const v1::AttentionOptions& o = r.options();
-  auto& params = *v2.mutable_parameters();
-  if (o.causal()) params["causal"].set_bool_param(true);
-  if (o.has_window_left()) params["window_left"].set_int64_param(o.window_left());
-  if (o.has_window_right()) params["window_right"].set_int64_param(o.window_right());
-  if (o.softcap() != 0.0f) params["softcap"].set_double_param(o.softcap());
-  if (o.has_softmax_scale()) params["softmax_scale"].set_double_param(o.softmax_scale());
-  if (o.return_lse()) params["return_lse"].set_bool_param(true);
-  return v2;
-}
+// The tests here use the shared fixture under this file's name.
+using KserveGrpcTest = KserveServerTest;
 
 TEST_F(KserveGrpcTest, SameBytesAsForward) {
   std::vector<v1::ForwardRequest> cases;
@@ -238,27 +116,15 @@ TEST_F(KserveGrpcTest, RegionUnregisteredMidRequestIsNotUnmapped) {
   std::memcpy(object.data(), q.data(), q.size());
   std::memcpy(object.data() + q.size(), request.k().data().data(), q.size());
   std::memcpy(object.data() + 2 * q.size(), request.v().data().data(), q.size());
-  {
-    grpc::ClientContext context;
-    inference::SystemSharedMemoryRegisterRequest reg;
-    reg.set_name("all");
-    reg.set_key(object.key());
-    reg.set_byte_size(4 * q.size());
-    inference::SystemSharedMemoryRegisterResponse unused;
-    ASSERT_TRUE(v2_->SystemSharedMemoryRegister(&context, reg, &unused).ok());
-  }
+  ASSERT_TRUE(RegisterSystem("all", object.key(), 4 * q.size()).ok());
   ModelInferRequest v2 = ToV2(request);
   v2.clear_raw_input_contents();
-  auto place = [](google::protobuf::Map<std::string, inference::InferParameter>* p, int64_t offset,
-                  int64_t size) {
-    (*p)["shared_memory_region"].set_string_param("all");
-    (*p)["shared_memory_offset"].set_int64_param(offset);
-    (*p)["shared_memory_byte_size"].set_int64_param(size);
-  };
-  for (int i = 0; i < 3; ++i) place(v2.mutable_inputs(i)->mutable_parameters(), i * q.size(), q.size());
+  for (int i = 0; i < 3; ++i) {
+    PlaceInRegion(v2.mutable_inputs(i)->mutable_parameters(), "all", i * q.size(), q.size());
+  }
   auto* o = v2.add_outputs();
   o->set_name("o");
-  place(o->mutable_parameters(), 3 * q.size(), q.size());
+  PlaceInRegion(o->mutable_parameters(), "all", 3 * q.size(), q.size());
 
   const int calls = backend_->calls();
   backend_->Close();

@@ -71,6 +71,24 @@ TEST(ShmRegistryTest, UnregisteredRegionStaysMappedForItsHolder) {
   EXPECT_EQ(std::string(object.data() + 100, 9), "ATTENTION");
 }
 
+// What requests read and write in place: the region's bytes from its
+// registered offset, the client's own memory, mapped while a holder keeps it.
+TEST(ShmRegistryTest, MappedBytesStartAtTheRegisteredOffset) {
+  TestShmObject object(4096, "mapped");
+  ASSERT_TRUE(object.ok());
+  std::memcpy(object.data() + 100, "attention", 9);
+  ShmRegistry registry(true);
+  ASSERT_TRUE(registry.RegisterSystem("t", "r", object.key(), 100, 64).ok());
+  absl::StatusOr<std::shared_ptr<ShmRegion>> held = registry.Acquire("t", "r", 0, 64);
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE(registry.Unregister("t", ShmKind::kSystem, "r").ok());
+  char* mapped = (*held)->mapped();
+  ASSERT_NE(mapped, nullptr);
+  EXPECT_EQ(std::string(mapped, 9), "attention");
+  std::memcpy(mapped + 9, "SERVE", 5);
+  EXPECT_EQ(std::string(object.data() + 109, 5), "SERVE");
+}
+
 TEST(ShmRegistryTest, AnotherTenantsRegionLooksUnregistered) {
   TestShmObject object(4096, "tenants");
   ASSERT_TRUE(object.ok());
