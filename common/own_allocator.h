@@ -1,6 +1,7 @@
 // ATTNSERVE_OWN_ALLOCATOR: defined when a sanitizer replaces glibc's malloc
 // (ASan keeps freed memory in quarantine, TSan has its own allocator), so
-// tests of glibc's behaviour (RSS, arenas, mallinfo2) skip themselves.
+// tests of glibc's behaviour (RSS, arenas, mallinfo2) skip themselves and
+// the server keeps the standard operator new (server/large_buffer_new.cc).
 #pragma once
 
 #if defined(__has_feature)
