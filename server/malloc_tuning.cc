@@ -1,8 +1,6 @@
 // UseBoundedMallocArenas, ReadHeapUsage and HeapTrimmer; see malloc_tuning.h.
 #include "server/malloc_tuning.h"
 
-#include "server/large_buffer_pool.h"
-
 #if defined(__GLIBC__)
 #include <malloc.h>
 #include <pthread.h>
@@ -26,11 +24,6 @@ HeapUsage ReadHeapUsage() {
   usage.in_use_bytes = static_cast<int64_t>(m.uordblks + m.hblkhd);
   usage.free_bytes = static_cast<int64_t>(m.fordblks);
 #endif
-  if (const LargeBufferPool* pool = ProcessLargeBufferPool()) {
-    const LargeBufferPool::Usage large = pool->usage();
-    usage.in_use_bytes += large.in_use_bytes;
-    usage.free_bytes += large.kept_bytes;
-  }
   return usage;
 }
 
@@ -60,7 +53,6 @@ void HeapTrimmer::Loop() {
 #if defined(__GLIBC__)
     malloc_trim(0);
 #endif
-    if (LargeBufferPool* pool = ProcessLargeBufferPool()) pool->Trim();
   }
 }
 

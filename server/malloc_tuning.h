@@ -42,14 +42,13 @@ inline constexpr size_t kKeepFreeHeapTopBytes = size_t{64} << 20;
 // threads that miss glibc's per-thread cache. No-op with another C library.
 void UseBoundedMallocArenas();
 
-// The allocator's account of the heap (glibc's mallinfo2, over all arenas,
-// plus the server's LargeBufferPool where installed).
+// The allocator's account of the heap (glibc's mallinfo2, over all arenas).
 struct HeapUsage {
-  // Bytes handed out and not yet freed: chunks in the arenas, mmap'd
-  // allocations and pool blocks. Grows without bound only with a leak.
+  // Bytes handed out and not yet freed: chunks in the arenas plus mmap'd
+  // allocations. Grows without bound only with a leak.
   int64_t in_use_bytes = 0;
-  // Bytes freed into the arenas (or the pool) that the allocator keeps for
-  // reuse instead of returning them (part of RSS where touched).
+  // Bytes freed into the arenas that the allocator keeps for reuse instead
+  // of returning them (part of RSS where touched).
   int64_t free_bytes = 0;
 };
 
@@ -71,10 +70,7 @@ inline constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(2);
 // mark of the period's requests in flight, so it is bounded by that plus
 // the fragments no trim can free, and a leak still raises it. Costs a walk
 // of the heap each period and page faults when trimmed pages are used again.
-// Also trims the server's LargeBufferPool (server/large_buffer_pool.h: the
-// blocks no request took during the period), which is where the large
-// buffers live that fragmented this heap over long runs. No-op with another
-// C library.
+// No-op with another C library.
 class HeapTrimmer {
  public:
   HeapTrimmer();

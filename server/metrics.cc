@@ -179,10 +179,10 @@ std::string ServerMetrics::RenderPrometheus() const {
   // rises (the soak test samples both; tests/soak/README.md).
   const HeapUsage heap = ReadHeapUsage();
   AppendFamily(&out, "attnserve_heap_in_use_bytes", "gauge",
-               "Heap bytes allocated and not yet freed (malloc arenas, mmap'd blocks, large-buffer pool)",
+               "Heap bytes allocated and not yet freed (malloc arenas and mmap'd blocks)",
                {{"", absl::StrCat(heap.in_use_bytes)}});
   AppendFamily(&out, "attnserve_heap_free_bytes", "gauge",
-               "Freed heap bytes the allocator keeps for reuse (malloc arenas, large-buffer pool)",
+               "Freed heap bytes the allocator keeps in its arenas for reuse",
                {{"", absl::StrCat(heap.free_bytes)}});
 
   absl::MutexLock lock(&sources_mu_);

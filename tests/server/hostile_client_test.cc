@@ -36,7 +36,7 @@
 #include "server/request_validation.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
-#include "common/own_allocator.h"
+#include "tests/common/own_allocator.h"
 #include "tests/server/random_tensor.h"
 
 namespace attnserve {

@@ -16,7 +16,7 @@
 #include "common/malloc_tuning.h"
 #include "gtest/gtest.h"
 #include "server/malloc_tuning.h"
-#include "common/own_allocator.h"
+#include "tests/common/own_allocator.h"
 
 namespace attnserve {
 namespace {

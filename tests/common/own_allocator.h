@@ -1,7 +1,6 @@
 // ATTNSERVE_OWN_ALLOCATOR: defined when a sanitizer replaces glibc's malloc
 // (ASan keeps freed memory in quarantine, TSan has its own allocator), so
-// tests of glibc's behaviour (RSS, arenas, mallinfo2) skip themselves and
-// the server keeps the standard operator new (server/large_buffer_new.cc).
+// tests of glibc's behaviour (RSS, arenas, mallinfo2) skip themselves.
 #pragma once
 
 #if defined(__has_feature)
