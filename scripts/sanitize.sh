@@ -48,7 +48,7 @@ case "$sanitizers/$subset" in
     tests=(tests/server/request_validation_test tests/backend/cpu_backend_test
       tests/server/server_integration_test tests/server/executor_test tests/server/batching_test
       tests/server/kv_pool_test tests/kserve/kserve_grpc_test tests/kserve/kserve_shm_registry_test
-      tests/client/client_unit_test) ;;
+      tests/kserve/kserve_shm_test tests/client/client_unit_test) ;;
   thread/tsan)
     tests=(tests/tsan/absl_sync_annotations_test tests/backend/cpu_backend_test
       tests/backend/paged_test) ;;
