@@ -368,8 +368,7 @@ V2Client::~V2Client() {
 
 absl::StatusOr<v1::ForwardResponse> V2Client::Forward(const v1::ForwardRequest& request, int slot) {
   if (regions_.empty()) return Infer(ToModelInferRequest(request));
-  return InferThroughRegion(request, /*input=*/-1, /*read_outputs=*/true,
-                            regions_[static_cast<size_t>(slot) % regions_.size()].get());
+  return InferThroughRegion(request, /*input=*/-1, /*read_outputs=*/true, RegionFor(slot));
 }
 
 absl::StatusOr<v1::ForwardResponse> V2Client::ForwardStaged(const v1::ForwardRequest& request,
@@ -378,8 +377,11 @@ absl::StatusOr<v1::ForwardResponse> V2Client::ForwardStaged(const v1::ForwardReq
   if (regions_.empty()) {
     return absl::FailedPreconditionError("ForwardStaged: the client has no shared memory");
   }
-  return InferThroughRegion(request, input, read_outputs,
-                            regions_[static_cast<size_t>(slot) % regions_.size()].get());
+  return InferThroughRegion(request, input, read_outputs, RegionFor(slot));
+}
+
+V2Client::Region* V2Client::RegionFor(int slot) const {
+  return regions_[static_cast<size_t>(slot) % regions_.size()].get();
 }
 
 absl::StatusOr<v1::ForwardResponse> V2Client::Infer(const inference::ModelInferRequest& request) {

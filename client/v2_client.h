@@ -10,9 +10,10 @@
 // time: one caller of the closed loop), registers it with
 // SystemSharedMemoryRegister, copies each request's inputs into it and reads
 // the outputs back from it (ForwardStaged: only when it must, as a client
-// that produces and consumes its tensors in the region would). --shm=cuda does the same with device memory of GPU
-// 0 exported as a CUDA IPC handle (CudaSharedMemoryRegister); it needs a CUDA
-// build of attnctl, without one Create answers FAILED_PRECONDITION saying so.
+// that produces and consumes its tensors in the region would). --shm=cuda
+// does the same with device memory of GPU 0 exported as a CUDA IPC handle
+// (CudaSharedMemoryRegister); it needs a CUDA build of attnctl, without one
+// Create answers FAILED_PRECONDITION saying so.
 #pragma once
 
 #include <atomic>
@@ -89,6 +90,8 @@ class V2Client {
  private:
   V2Client(AttentionClient* client, V2Shm shm);
   absl::Status Register(Region* region);
+  // The region of `slot` (slots share regions round-robin); needs shared memory.
+  Region* RegionFor(int slot) const;
   // `input` < 0: always write the inputs.
   absl::StatusOr<v1::ForwardResponse> InferThroughRegion(const v1::ForwardRequest& request,
                                                          int input, bool read_outputs,

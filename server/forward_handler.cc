@@ -37,7 +37,7 @@ absl::Status BindOutputs(const v1::ForwardRequest& request, const LentMemory& le
   const size_t o_bytes = static_cast<size_t>(params->total_q * params->num_heads_q *
                                              params->head_dim * DTypeSize(o_dtype));
   const bool want_lse = request.options().return_lse();
-  const int64_t lse_bytes = want_lse ? LseElements(*params) * int64_t{sizeof(float)} : 0;
+  const int64_t lse_bytes = want_lse ? LseBytes(*params) : 0;
   void* placed_o = nullptr;
   float* placed_lse = nullptr;
   if (lent.place_outputs) {

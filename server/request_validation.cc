@@ -365,6 +365,8 @@ absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& reque
 
 int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 
+int64_t LseBytes(const AttnParams& p) { return LseElements(p) * int64_t{sizeof(float)}; }
+
 void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params, v1::Tensor* lse,
                     bool with_data) {
   lse->set_dtype(v1::FP32);
@@ -378,7 +380,7 @@ void ShapeLseTensor(const v1::ForwardRequest& request, const AttnParams& params,
     lse->add_shape(params.total_q);
   }
   if (with_data) {
-    lse->mutable_data()->resize(static_cast<size_t>(LseElements(params)) * sizeof(float));
+    lse->mutable_data()->resize(static_cast<size_t>(LseBytes(params)));
   } else {
     lse->clear_data();
   }

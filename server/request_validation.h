@@ -77,6 +77,9 @@ absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& reque
 // Elements of LSE (Hq per query row) for filled params.
 int64_t LseElements(const AttnParams& params);
 
+// Bytes of LSE (FP32 elements) for filled params.
+int64_t LseBytes(const AttnParams& params);
+
 // Makes `lse` the LSE tensor Forward returns for `request` (filled `params`):
 // FP32, dense [B, Hq, Sq] or varlen [Hq, Tq], its data sized (zero-filled)
 // unless `with_data` is false (LSE written elsewhere: data left empty).

@@ -109,16 +109,18 @@ def parse_response(received: _wire.Received, like: Any) -> ForwardResult:
     if resp.error_code != 0:
         raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
                                               resp.request_id)
-    o = _tensors.from_wire("o", tensor_or_empty(received, "o"), like)
-    lse = received.tensors.get("lse")
-    if lse is not None:
-        lse = _tensors.from_wire("lse", lse, like)
+    o, lse = outputs_of(received, like)
     return ForwardResult(o=o, lse=lse, timing=server_timing(resp.timing), backend=resp.backend,
                          request_id=resp.request_id)
 
 
-def tensor_or_empty(received: _wire.Received, name: str) -> Any:
-    """A response's tensor; an absent one reads as the generated class's default
-    (DTYPE_UNSPECIFIED, which from_wire refuses naming the field)."""
-    t = received.tensors.get(name)
-    return t if t is not None else pb.Tensor()
+def outputs_of(received: _wire.Received, like: Any) -> Tuple[Any, Optional[Any]]:
+    """A response's O and LSE (None when the server sent none) as like's kind.
+
+    An absent O reads as the generated class's default Tensor (DTYPE_UNSPECIFIED,
+    which from_wire refuses naming the field).
+    """
+    o = received.tensors.get("o")
+    lse = received.tensors.get("lse")
+    return (_tensors.from_wire("o", o if o is not None else pb.Tensor(), like),
+            None if lse is None else _tensors.from_wire("lse", lse, like))

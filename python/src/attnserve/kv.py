@@ -521,10 +521,8 @@ class _AppendCall:
                                                   resp.request_id)
         o = lse = None
         if self.q_shape is not None:
-            o = _tensors.from_wire("o", _request.tensor_or_empty(received, "o"),
-                                   self.like).reshape(self.q_shape)
-            if "lse" in received.tensors:
-                lse = _tensors.from_wire("lse", received.tensors["lse"], self.like)
+            o, lse = _request.outputs_of(received, self.like)
+            o = o.reshape(self.q_shape)
         return AppendAttendResult(o=o, lse=lse, lengths=list(resp.lengths),
                                   timing=_request.server_timing(resp.timing),
                                   backend=resp.backend, request_id=resp.request_id)
