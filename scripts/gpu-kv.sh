@@ -66,7 +66,8 @@ fi
 date_s=$(date +%Y-%m-%d)
 slug=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 csv="$OUT/kv-$slug-$date_s.csv"
-$B/bench/cuda/attn_bench --grid=decode --dtypes=bf16 --impls=ours,paged16,paged64,kvread --csv="$OUT/decode-ours.csv" \
+$B/bench/cuda/attn_bench --grid=decode --dtypes=bf16 --impls=${IMPLS:-ours,portable,paged16,paged64,kvread} \
+  --csv="$OUT/decode-ours.csv" \
   --kv_csv="$OUT/kv-ours.csv" 2>"$OUT/attn_bench.log"
 if [ -n "${SDPA_CSV:-}" ]; then
   cp "$SDPA_CSV" "$OUT/kv-sdpa.csv"
@@ -91,13 +92,18 @@ rows = list(csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith("#")
 by = {}
 for r in rows:
     by[(r["sequences"], r["context"], r["impl"], r["page_size"])] = float(r["tbps"])
-print(f"{'B':>3} {'Sk':>6} {'contig':>7} {'paged16':>8} {'paged64':>8} {'cudnn':>6} {'flash':>6} | p16/con p64/con p16/cud p64/cud")
+# TB/s of K+V; "port": the portable kernel over the request's K/V (on sm90
+# "contig" is the Hopper decode kernel; the paged path is portable everywhere).
+print(f"{'B':>3} {'Sk':>6} {'contig':>7} {'port':>6} {'paged16':>8} {'paged64':>8} {'cudnn':>6} {'flash':>6} | con/port con/cud p16/cud p64/cud con/max p16/port")
 for b, sk in (("1", "8192"), ("16", "8192"), ("64", "4096"), ("8", "65536")):
     c = by.get((b, sk, "ours_contiguous", "")); p16 = by.get((b, sk, "ours_paged", "16"))
+    cp = by.get((b, sk, "ours_portable_contiguous", ""))
     p64 = by.get((b, sk, "ours_paged", "64")); cu = by.get((b, sk, "sdpa_cudnn", "")); fl = by.get((b, sk, "sdpa_flash", ""))
     f = lambda x: f"{x:.2f}" if x else "-"
     r = lambda a, d: f"{a / d:.3f}" if a and d else "-"
-    print(f"{b:>3} {sk:>6} {f(c):>7} {f(p16):>8} {f(p64):>8} {f(cu):>6} {f(fl):>6} | {r(p16, c):>7} {r(p64, c):>7} {r(p16, cu):>7} {r(p64, cu):>7}")
+    best = max(cu or 0, fl or 0)
+    print(f"{b:>3} {sk:>6} {f(c):>7} {f(cp):>6} {f(p16):>8} {f(p64):>8} {f(cu):>6} {f(fl):>6} | "
+          f"{r(c, cp):>8} {r(c, cu):>7} {r(p16, cu):>7} {r(p64, cu):>7} {r(c, best):>7} {r(p16, cp):>8}")
 EOF
 grep -E "SKIP|FAIL" "$OUT/attn_bench.log" | head -5
 

@@ -412,6 +412,141 @@ __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[
   return true;
 }
 
+// One CTA of the forward grid (x: batch, split, m block; y: the head, a KV
+// head when GQA heads are packed into M): its sequence, its rows of the M
+// extent (sq x G) and the key tiles [n_begin, n_end) it scans, its split's
+// share of those its rows can see. Keys any row can see: [lo(first row),
+// hi(last row)], as both bounds grow with the query index; band-interior
+// tiles: [lo(last row), hi(first row)].
+struct CtaWork {
+  int b, split, m_block, head, kv_head;
+  int sq, sk, rows, m0;
+  int lo_last, hi_first;
+  int n_begin, n_end;
+};
+
+// False when the CTA's rows lie past its problem (nothing to do).
+template <int kBlockM, int kBlockN, bool kIsBanded, typename Rows>
+__device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, CtaWork* w) {
+  using Mask = MaskPolicy<kIsBanded>;
+  const FwdLaunch& L = Rows::Fwd(launch);
+  const AttnParams& p = L.p;
+  const int G = L.pack_gqa;
+  const int splits = L.num_splits;
+  const int bs = blockIdx.x / L.num_m_blocks;
+  w->b = bs / splits;
+  w->split = bs % splits;
+  w->m_block = Mask::MBlock(blockIdx.x % L.num_m_blocks, L.num_m_blocks);
+  w->head = blockIdx.y;
+  w->sq = SeqLenQ(p, w->b);
+  w->sk = Rows::SeqLen(launch, w->b);
+  w->rows = w->sq * G;
+  w->m0 = w->m_block * kBlockM;
+  if (w->m0 >= w->rows) return false;
+  w->kv_head = G > 1 ? w->head : KVHead(p, w->head);
+  const int i_first = w->m0 / G;
+  const int i_last = (min(w->rows, w->m0 + kBlockM) - 1) / G;
+  int lo_first, hi_last;
+  VisibleKeys(p, i_first, w->sq, w->sk, &lo_first, &w->hi_first);
+  VisibleKeys(p, i_last, w->sq, w->sk, &w->lo_last, &hi_last);
+  Mask::KeyTiles(lo_first, hi_last, w->sk, kBlockN, &w->n_begin, &w->n_end);
+  if (splits > 1) {
+    const int per_split = (max(w->n_end - w->n_begin, 0) + splits - 1) / splits;
+    w->n_begin += w->split * per_split;
+    w->n_end = min(w->n_end, w->n_begin + per_split);
+  }
+  return true;
+}
+
+// S += Q K^T for one warp's kMTiles m16 row tiles and kNTiles n8 key tiles
+// (the caller zeroes S: zeroing it here instead made the 128-row D = 128 tile
+// spill): q and k point at the warp's ldmatrix lane addresses in padded smem
+// tiles (rows kStride elements apart).
+template <typename T, int kMTiles, int kNTiles, int kHeadDim, int kStride>
+__device__ __forceinline__ void WarpScores(float (&s)[kMTiles][kNTiles][4], const T* q, const T* k) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) LdMatrixX4(a[mt], q + mt * 16 * kStride + kk * 16);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t bfrag[4];
+      LdMatrixX4(bfrag, k + np * 16 * kStride + kk * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        Mma16816<T>(s[mt][2 * np], a[mt], bfrag[0], bfrag[1]);
+        Mma16816<T>(s[mt][2 * np + 1], a[mt], bfrag[2], bfrag[3]);
+      }
+    }
+  }
+}
+
+// O += P V for one warp: the S accumulators of two n8 tiles are exactly the
+// A fragment of one k16 step, so P never leaves registers. v: the warp's
+// transposed-ldmatrix lane address in the padded V tile.
+template <typename T, int kMTiles, int kNTiles, int kDTiles, int kStride>
+__device__ __forceinline__ void WarpAccumulatePV(float (&acc_o)[kMTiles][kDTiles][4],
+                                                 const float (&s)[kMTiles][kNTiles][4], const T* v) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = PackPair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = PackPair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      a[mt][2] = PackPair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = PackPair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      uint32_t bfrag[4];
+      LdMatrixX4Trans(bfrag, v + kk * 16 * kStride + dp * 16);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        Mma16816<T>(acc_o[mt][2 * dp], a[mt], bfrag[0], bfrag[1]);
+        Mma16816<T>(acc_o[mt][2 * dp + 1], a[mt], bfrag[2], bfrag[3]);
+      }
+    }
+  }
+}
+
+// FinishSplit for the CTA `w` (its group: the split siblings of its query tile).
+template <typename T, int kBlockM, int kThreads>
+__device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRows& qr, const CtaWork& w,
+                                               float* smem, int smem_floats, int tid) {
+  FinishSplit<T, kBlockM, kThreads>(L, qr, w.b, (w.head * L.p.batch + w.b) * L.num_m_blocks + w.m_block, w.m0,
+                                    w.rows, smem, smem_floats, tid);
+}
+
+// End of a 16-row (decode) tile whose warps split the keys (every thread of
+// the CTA calls it: it has CTA barriers). The warps' states are merged into
+// warp 0 through `exchange` (the K/V buffers, dead by the first barrier),
+// then O and LSE are stored directly (sQ stages the rows), or the split's
+// partials and, with the fused combine, the CTA's ticket (FinishSplit, which
+// may use all `smem_floats` of `smem`).
+template <typename T, int kComputeWarps, int kDTiles, int kStride, int kThreads>
+__device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const QueryRows& qr, const CtaWork& w,
+                                                 float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
+                                                 float (&row_sum)[2], float score_log2, bool warp_active,
+                                                 float* exchange, T* sQ, float* smem, int smem_floats) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const bool fused = L.num_splits > 1 && L.fused_combine;
+  __syncthreads();
+  const bool holds =
+      MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane) &&
+      warp_active;
+  if (!holds && !fused) return;
+  float lse[2];
+  if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
+  if (L.num_splits > 1) {
+    if (holds) StoreSplitPartials(L, qr, w.split, acc_o, lse, w.m0 + lane / 4, w.rows, lane % 4);
+    if (fused) FinishCtaSplit<T, 16, kThreads>(L, qr, w, smem, smem_floats, tid);
+  } else {
+    StoreOutput<T, 1, kDTiles, kStride, kDTiles>(L.p, qr, w.b, acc_o, lse, sQ, w.m0, 0, w.rows, lane);
+  }
+}
+
 }  // namespace detail
 
 // The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
@@ -453,36 +588,13 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const FwdLaunch& L = Rows::Fwd(launch);
   const AttnParams& p = L.p;
   const int G = L.pack_gqa;
-  // Grid x enumerates (batch, split, m block); y the head (a KV head when packed).
   const int splits = L.num_splits;
-  const int bs = blockIdx.x / L.num_m_blocks;
-  const int b = bs / splits;
-  const int split = bs % splits;
-  const int m_block = Mask::MBlock(blockIdx.x % L.num_m_blocks, L.num_m_blocks);
-  const int head = blockIdx.y;
-
-  const int sq = SeqLenQ(p, b);
-  const int sk = Rows::SeqLen(launch, b);
-  const int rows = sq * G;  // M extent of this (batch, head) problem
-  const int m0 = m_block * kBlockM;
-  if (m0 >= rows) return;
-  const int kv_head = G > 1 ? head : KVHead(p, head);
+  CtaWork w;
+  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows>(launch, &w)) return;
+  const int b = w.b, split = w.split, head = w.head, kv_head = w.kv_head;
+  const int sq = w.sq, sk = w.sk, rows = w.rows, m0 = w.m0;
+  const int lo_last = w.lo_last, hi_first = w.hi_first, n_begin = w.n_begin, n_end = w.n_end;
   const QueryRows qr{G, head, SeqStartQ(p, b)};
-
-  // Keys any row of this CTA can see: [lo(first row), hi(last row)], as both
-  // bounds grow with the query index. Band-interior tiles: [lo(last), hi(first)].
-  const int i_first = m0 / G;
-  const int i_last = (min(rows, m0 + kBlockM) - 1) / G;
-  int lo_first, hi_first, lo_last, hi_last;
-  VisibleKeys(p, i_first, sq, sk, &lo_first, &hi_first);
-  VisibleKeys(p, i_last, sq, sk, &lo_last, &hi_last);
-  int n_begin, n_end;
-  Mask::KeyTiles(lo_first, hi_last, sk, kBlockN, &n_begin, &n_end);
-  if (splits > 1) {
-    const int per_split = (max(n_end - n_begin, 0) + splits - 1) / splits;
-    n_begin += split * per_split;
-    n_end = min(n_end, n_begin + per_split);
-  }
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -504,10 +616,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // the combine may use all of the (by then dead) dynamic smem.
   constexpr bool kCanFuse = kBlockM == 16;
   const bool fused = kCanFuse && splits > 1 && L.fused_combine;
+  constexpr int kSmemFloats = (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
   auto finish = [&]() {
-    constexpr int kSmemFloats = (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
-    FinishSplit<T, kBlockM, kThreads>(L, qr, b, (head * p.batch + b) * L.num_m_blocks + m_block, m0, rows,
-                                      reinterpret_cast<float*>(smem_raw), kSmemFloats, tid);
+    FinishCtaSplit<T, kBlockM, kThreads>(L, qr, w, reinterpret_cast<float*>(smem_raw), kSmemFloats, tid);
   };
 
   if (n_begin >= n_end) {
@@ -668,24 +779,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-    if (warp_active) {
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) LdMatrixX4(a[mt], sQ + a_off + mt * 16 * kStride + kk * 16);
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          uint32_t bfrag[4];
-          LdMatrixX4(bfrag, tK + bk_off + np * 16 * kStride + kk * 16);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            Mma16816<T>(s[mt][2 * np], a[mt], bfrag[0], bfrag[1]);
-            Mma16816<T>(s[mt][2 * np + 1], a[mt], bfrag[2], bfrag[3]);
-          }
-        }
-      }
-    }
+    if (warp_active) WarpScores<T, kMTiles, kNTiles, kHeadDim, kStride>(s, sQ + a_off, tK + bk_off);
 
     if (kStages == 1) {
       CpAsyncWaitAll();  // V[n] landed
@@ -704,51 +798,14 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     }
     OnlineSoftmax(s, row_max, row_sum, acc_o, score_log2);
 
-    // O += P V: the S accumulators of two n8 tiles are exactly the A fragment
-    // of one k16 step, so P never leaves registers.
-#pragma unroll
-    for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = PackPair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = PackPair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = PackPair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = PackPair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bfrag[4];
-        LdMatrixX4Trans(bfrag, tV + bv_off + kk * 16 * kStride + dp * 16);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          Mma16816<T>(acc_o[mt][2 * dp], a[mt], bfrag[0], bfrag[1]);
-          Mma16816<T>(acc_o[mt][2 * dp + 1], a[mt], bfrag[2], bfrag[3]);
-        }
-      }
-    }
+    WarpAccumulatePV<T, kMTiles, kNTiles, kDTiles, kStride>(acc_o, s, tV + bv_off);
   }
 
   if constexpr (kCanFuse) {
-    // Warps holding a finished state: with the key split, only warp 0 after
-    // the merge. Nobody returns before FinishSplit's barriers.
-    bool holds = warp_active;
-    if constexpr (kKeySplit) {
-      // Every warp is done with the K/V buffers, which now carry the states.
-      __syncthreads();
-      float* exchange = reinterpret_cast<float*>(sK);
-      holds = MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane) &&
-              warp_active;
-    }
-    if (!holds && !fused) return;
-    float lse[kMTiles * 2];
-    if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
-    if (splits > 1) {
-      if (holds) StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
-      if (fused) finish();
-    } else {
-      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
-    }
+    static_assert(kKeySplit, "the 16-row tile splits its keys over the warps");
+    FinishDecodeTile<T, kComputeWarps, kDTiles, kStride, kThreads>(
+        L, qr, w, acc_o, row_max, row_sum, score_log2, warp_active, reinterpret_cast<float*>(sK), sQ,
+        reinterpret_cast<float*>(smem_raw), kSmemFloats);
   } else {
     if (!warp_active) return;
     float lse[kMTiles * 2];
@@ -775,11 +832,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
   AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>>(L);
 }
 
-// Launches `kernel` (either row source's) with `tile`'s grid and smem.
+// Launches `kernel` (either row source's, or the Hopper decode kernel's) with
+// `tile`'s grid and `smem` bytes of dynamic shared memory.
 template <typename Kernel, typename Launch>
-cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, const FwdLaunch& fwd, const Launch& launch,
-                             cudaStream_t stream) {
-  const int smem = SmemBytes(tile);
+cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, int smem, const FwdLaunch& fwd,
+                             const Launch& launch, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t blocks_x = int64_t{fwd.num_m_blocks} * fwd.p.batch * fwd.num_splits;
@@ -803,11 +860,11 @@ cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t str
   if constexpr (Rows::kPaged) {
     return LaunchTileKernel(
         PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>,
-        kTile, Rows::Fwd(launch), launch, stream);
+        kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   } else {
     return LaunchTileKernel(
         AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>, kTile,
-        Rows::Fwd(launch), launch, stream);
+        SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   }
 }
 

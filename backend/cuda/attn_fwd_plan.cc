@@ -11,11 +11,11 @@ namespace cuda {
 namespace {
 
 // Resident CTAs of `t` per SM, estimated from its threads at t.regs registers
-// each (64K registers per SM) and its shared memory (227 KB per SM on sm90,
-// plus 1 KB the runtime reserves per CTA).
-int64_t CtasPerSm(const TileConfig& t) {
+// each (64K registers per SM) and its shared memory (smem_bytes; 227 KB per
+// SM on sm90, plus 1 KB the runtime reserves per CTA).
+int64_t CtasPerSm(const TileConfig& t, int smem_bytes) {
   const int threads = t.num_warps * 32;
-  return std::max(1, std::min(65536 / (t.regs * threads), (227 * 1024) / (SmemBytes(t) + 1024)));
+  return std::max(1, std::min(65536 / (t.regs * threads), (227 * 1024) / (smem_bytes + 1024)));
 }
 
 // CTAs per SM a split decode launch aims at when base alone is fewer. The
@@ -70,16 +70,31 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
   return 0;
 }
 
+// True when the Hopper decode kernel serves a decode-tile call of `p`: its
+// table has the head dim exactly (Q rows are copied whole, so no padding
+// columns), this build compiled it, and there are keys (a tensor map cannot
+// have an empty dimension). Everything else the portable decode tile serves
+// over the request's K/V (varlen, GQA packing, masks, softcap) it serves
+// too; a cache's pages stay portable (CudaPaged plans without sm90).
+bool Sm90DecodeCovers(const AttnParams& p) {
+  return Sm90DecodeTileFor(p.head_dim).head_dim == p.head_dim &&
+         CompiledSm90DecodeHeadDim(p.head_dim) && p.seqlen_k > 0;
+}
+
 }  // namespace
 
 TileConfig TileForPlan(const Plan& plan) {
-  return plan.kernel_family == KernelFamily::kSm90 ? Sm90TileFor(plan.kernel_head_dim)
-                                                   : TileFor(plan.tile_kind, plan.kernel_head_dim);
+  if (plan.kernel_family != KernelFamily::kSm90) {
+    return TileFor(plan.tile_kind, plan.kernel_head_dim);
+  }
+  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeTileFor(plan.kernel_head_dim)
+                                             : Sm90TileFor(plan.kernel_head_dim);
 }
 
 int PlanSmemBytes(const Plan& plan) {
-  return plan.kernel_family == KernelFamily::kSm90 ? Sm90SmemBytes(TileForPlan(plan))
-                                                   : SmemBytes(TileForPlan(plan));
+  const TileConfig tile = TileForPlan(plan);
+  if (plan.kernel_family != KernelFamily::kSm90) return SmemBytes(tile);
+  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeSmemBytes(tile) : Sm90SmemBytes(tile);
 }
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
@@ -93,6 +108,9 @@ int PlanSmemBytes(const Plan& plan) {
 //    kDecodeCtasPerSm CTAs per SM when base is fewer, else the fewest splits
 //    that fill >= 90% of their waves (DecodeSplits).
 //  - Otherwise, when base fills at most half a wave: splits = wave / base.
+// On sm90 (allow_sm90) a decode tile call the Hopper decode kernel covers
+// takes its tile (kSm90DecodeTileTable: 2 CTAs per SM, a wave of 264 on an
+// H100) by the same rules.
 // Worked examples on an H100 (132 SMs), D=128, tests/backend/plan_forward_test.cc
 // checks each:
 //  - Decode, B=1, Hq=32, Hkv=8, Sq=1, Sk=8192: the 4 query heads of a KV head
@@ -128,13 +146,14 @@ Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90) {
   const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
   if (rows <= kDecodeMaxRows && TileFor(TileKind::kDecode, plan.kernel_head_dim).head_dim != 0) {
     plan.tile_kind = TileKind::kDecode;
+    if (allow_sm90 && Sm90DecodeCovers(p)) plan.kernel_family = KernelFamily::kSm90;
   }
-  const TileConfig tile = TileFor(plan.tile_kind, plan.kernel_head_dim);
+  const TileConfig tile = TileForPlan(plan);
   const int64_t m_blocks = (rows + tile.block_m - 1) / tile.block_m;
   const int64_t heads = plan.pack_gqa > 1 ? p.num_heads_kv : p.num_heads_q;
   const int64_t base = m_blocks * heads * p.batch;
   const int64_t n_blocks = (int64_t{p.seqlen_k} + tile.block_n - 1) / tile.block_n;
-  const int64_t wave = int64_t{num_sms} * CtasPerSm(tile);
+  const int64_t wave = int64_t{num_sms} * CtasPerSm(tile, PlanSmemBytes(plan));
   int64_t splits = 1;
   if (base > kMaxSplitGroups) {
     // No split: one ticket counter per group would not fit the workspace's block.

@@ -111,6 +111,37 @@ constexpr TileConfig Sm90TileFor(int head_dim) {
   }
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
+// Decode tile of the Hopper family (hopper/attn_decode_sm90.cuh): the
+// portable decode tile's math (16 rows, 4 warps splitting a 64-key tile) plus
+// a producer warp (5 warps) whose TMA loads fill a ring of `stages` K/V
+// tiles (64 keys x 64-column boxes, 128-byte swizzled; D = 96 takes two
+// boxes, the second half zeros). Sized for two CTAs per SM (<= 113 KB of
+// smem each; 168 registers x 160 threads allow 2): about 100 KB of K/V
+// requested per CTA at any time, against the portable tile's 2 x 34 KB.
+//  - 64:  6 stages (6 x 16 KB + Q).
+//  - 96:  3 stages (3 x 32 KB + Q).
+//  - 128: 3 stages (3 x 32 KB + Q).
+// The head dim must be the kernel's exactly (Q rows are copied whole, with
+// no zero fill of padding columns); other decode calls stay portable.
+constexpr TileConfig kSm90DecodeTileTable[] = {
+    {64, 16, 64, 5, 6, 168},
+    {96, 16, 64, 5, 3, 168},
+    {128, 16, 64, 5, 3, 168},
+};
+constexpr TileConfig Sm90DecodeTileFor(int head_dim) {
+  for (const TileConfig& t : kSm90DecodeTileTable) {
+    if (t.head_dim == head_dim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
+// Its dynamic smem: Q in padded rows (1024-byte aligned block), the K and V
+// rings in 64-column boxes, 1 KB to align everything to the swizzle atom.
+constexpr int Sm90DecodeQBytes(const TileConfig& t) {
+  return (t.block_m * (t.head_dim + 8) * 2 + 1023) / 1024 * 1024;
+}
+constexpr int Sm90DecodeSmemBytes(const TileConfig& t) {
+  return Sm90DecodeQBytes(t) + 2 * t.stages * ((t.head_dim + 63) / 64) * t.block_n * 128 + 1024;
+}
 constexpr int kDecodeMaxRows = 16;
 constexpr int SmemBytes(const TileConfig& t) {
   return (t.block_m + 2 * t.stages * t.block_n) * (t.head_dim + 8) * 2;

@@ -18,8 +18,11 @@ export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_
 # attn_bench --grid=decode runs B=1 (Sk 8k) first, then B=16 (Sk 8k); each
 # shape launches the timed kernel about 31 times (check, 5 warm-ups, 25 runs),
 # so the 41st launch is one of B=16's timed runs.
-for k in AttnFwdKernel PagedAttnFwdKernel; do
-  impl=$([ $k = AttnFwdKernel ] && echo ours || echo paged16)
+# On sm90 ours is the Hopper decode kernel (else the portable one, as
+# `portable` always is); paged16 is the portable paged kernel.
+for pair in AttnDecodeSm90Kernel:ours AttnFwdKernel:ours AttnFwdKernel:portable PagedAttnFwdKernel:paged16; do
+  k=${pair%%:*} impl=${pair#*:}
+  [ -s "$OUT/ncu-decode-$impl.txt" ] && grep -q 'Duration' "$OUT/ncu-decode-$impl.txt" && continue
   timeout 150 ncu --clock-control none --kernel-name "regex:(^|:)$k(<|$)" --launch-skip 40 --launch-count 1 \
     "${sections[@]}" "$B/bench/cuda/attn_bench" --grid=decode --dtypes=bf16 --impls="$impl" --csv=/dev/null \
     >"$OUT/ncu-decode-$impl.txt" 2>&1
@@ -46,7 +49,7 @@ with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
     torch.cuda.cudart().cudaProfilerStop()
 EOF
 printf '%-10s %s\n' impl "kernel | duration | DRAM throughput | achieved occupancy | registers/thread | grid"
-for impl in ours paged16 cudnn; do
+for impl in ours paged16 portable cudnn; do
   f=$OUT/ncu-decode-$impl.txt
   name=$(grep -E '^ +[A-Za-z_].*\(.*\)x\(.*\)' "$f" | head -1 | sed -E 's/^ +//' | cut -c1-60)
   get() { grep -E "^ +$1 " "$f" | head -1 | awk '{print $(NF-1), $NF}'; }

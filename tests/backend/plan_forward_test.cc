@@ -165,9 +165,27 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
   EXPECT_EQ(p.workspace_bytes, 0);
 }
 
+// The Hopper decode kernel (kSm90DecodeTileTable) takes decode tiles at its
+// head dims exactly, with the portable tile's splits (the same 2-per-SM target).
+TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
+  if (!cuda::CompiledSm90DecodeHeadDim(128)) GTEST_SKIP() << "this build has no sm_90a decode kernel for 128";
+  const Plan portable = PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms);
+  Plan p = PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms, /*allow_sm90=*/true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.tile_kind, TileKind::kDecode);
+  EXPECT_EQ(p.pack_gqa, 4);
+  EXPECT_EQ(p.num_splits, portable.num_splits);
+  EXPECT_EQ(p.num_splits, 32);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90DecodeSmemBytes(cuda::Sm90DecodeTileFor(128)));
+  // B = 64 x Sk 4k: base 512 CTAs fill 97% of two 264-CTA waves: no split
+  // (the portable tile, 396 a wave, takes 3).
+  EXPECT_EQ(PlanForward(Dense(64, 1, 4096, 32, 8, 128), kH100Sms, true).num_splits, 1);
+  // A head dim the kernel does not have exactly stays portable.
+  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 72), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+}
+
 TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
-  // Decode (GQA packed, split-KV), short split prefill, Sk = 0, varlen, D < 64.
-  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  // Short split prefill, Sk = 0, varlen, D < 64.
   EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
   EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
   EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family, KernelFamily::kPortable);

@@ -194,10 +194,11 @@ TEST_P(CudaSplitTest, SplitsAndMatchesReference) {
     GTEST_SKIP() << plan.status().message();
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
-  if (plan->kernel_family == KernelFamily::kSm90) {
-    // On sm90 the Hopper family takes the dense chunked-prefill cases and
-    // never splits: checked here as they run; the split itself is covered by
-    // the same binary's portable run (ATTNSERVE_CUDA_PORTABLE=1, gpu-check.sh).
+  if (plan->kernel_family == KernelFamily::kSm90 && plan->tile_kind != TileKind::kDecode) {
+    // On sm90 the Hopper prefill family takes the dense chunked-prefill cases
+    // and never splits: checked here as they run; the split itself is covered
+    // by the same binary's portable run (ATTNSERVE_CUDA_PORTABLE=1,
+    // gpu-check.sh). The Hopper decode kernel splits as the portable one.
     RunAndCheck(GetParam());
     return;
   }
@@ -292,9 +293,14 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
   };
   const Step steps[] = {{&a, &da, 7}, {&b, &db, 3},  {&a, &da, 40}, {&b, &db, 40},
                         {&a, &da, 2}, {&b, &db, 13}, {&a, &da, 7}};
+  // The portable decode tile, then (on sm90) the Hopper decode kernel, on
+  // the same workspace.
+  const bool sm90 = cuda::DeviceRunsSm90Kernels(0);
+  for (int round = 0; round < (sm90 ? 2 : 1); ++round)
   for (const Step& st : steps) {
-    Plan plan = cuda::PlanForward(st.dev->params(), num_sms);
+    Plan plan = cuda::PlanForward(st.dev->params(), num_sms, /*allow_sm90=*/round == 1);
     ASSERT_EQ(plan.tile_kind, TileKind::kDecode);
+    ASSERT_EQ(plan.kernel_family, round == 1 ? KernelFamily::kSm90 : KernelFamily::kPortable);
     plan.num_splits = st.splits;
     plan.workspace_bytes = cuda::SplitWorkspaceBytes(st.dev->params(), st.splits);
     st.dev->Poison();
@@ -348,6 +354,17 @@ std::vector<TestCase> Sm90Grid() {
       tc.return_lse = false;
       g.push_back(tc);
     }
+    // The Hopper decode kernel (kSm90DecodeTileTable: head dims 64, 96 and 128
+    // exactly): GQA packed into the 16-row tile, split-KV with the fused
+    // combine, partial last tiles, speculative steps, a window with softcap.
+    for (int d : {64, 96, 128}) {
+      g.push_back(Make(t, 3, 1, 4999, 32, 8, d, false));
+      g.push_back(Make(t, 2, 3, 777, 8, 2, d, true));
+      TestCase tc = Make(t, 5, 1, 2100, 16, 16, d, false);
+      tc.window_left = 500;
+      tc.softcap = 20.0f;
+      g.push_back(tc);
+    }
   }
   return g;
 }
@@ -368,9 +385,15 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   absl::StatusOr<Plan> plan = backend->CanImplement(a.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
-  TestCase decode = Make(DType::kBF16, 2, 1, 4096, 32, 8, 128, false);
-  HostBuffers c(decode);
+  // Decode at a head dim of the Hopper decode kernel takes it ...
+  HostBuffers c(Make(DType::kBF16, 2, 1, 4096, 32, 8, 128, false));
   plan = backend->CanImplement(c.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(plan->tile_kind, TileKind::kDecode);
+  // ... and one it does not have exactly (72 runs the portable 96 tile) stays portable.
+  HostBuffers d(Make(DType::kBF16, 2, 1, 4096, 32, 8, 72, false));
+  plan = backend->CanImplement(d.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
 }

@@ -10,9 +10,11 @@ namespace cuda {
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
 inline constexpr int kCompiledHeadDims[] = {128};
 inline constexpr int kCompiledSm90HeadDims[] = {128};
+inline constexpr int kCompiledSm90DecodeHeadDims[] = {128};
 #else
 inline constexpr int kCompiledHeadDims[] = {64, 96, 128, 192, 256};
 inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 256};
+inline constexpr int kCompiledSm90DecodeHeadDims[] = {64, 96, 128};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -24,10 +26,20 @@ constexpr bool CompiledHeadDim(int kernel_head_dim) {
 }
 
 // True when this build compiled the Hopper kernels (ATTNSERVE_CUDA_SM90, set
-// by CMake on attn_cuda_plan) for `kernel_head_dim`.
+// by CMake on attn_cuda_plan) for `kernel_head_dim`: the prefill family, and
+// (CompiledSm90DecodeHeadDim) the decode kernel.
 constexpr bool CompiledSm90HeadDim(int kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90)
   for (int d : kCompiledSm90HeadDims) {
+    if (d == kernel_head_dim) return true;
+  }
+#endif
+  (void)kernel_head_dim;
+  return false;
+}
+constexpr bool CompiledSm90DecodeHeadDim(int kernel_head_dim) {
+#if defined(ATTNSERVE_CUDA_SM90)
+  for (int d : kCompiledSm90DecodeHeadDims) {
     if (d == kernel_head_dim) return true;
   }
 #endif

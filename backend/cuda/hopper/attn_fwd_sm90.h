@@ -67,6 +67,13 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
+// The Hopper decode kernel (attn_decode_sm90.cuh; generated/attn_decode_*_sm90.cu):
+// kHeadDim 64/96/128 (kSm90DecodeTileTable), over the request's K/V, dense
+// or varlen; the launch as the portable decode tile's (PlanForward's splits,
+// the fused combine), the K and V tensor maps as the prefill kernel's.
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream);
+
 // For the ablation in attn_bench only: D = 128, BF16, no band, with a chosen
 // schedule (DefaultSm90Schedule is what the planner's launches use).
 cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the forward kernels in this folder, each
 // a thin wrapper over one PTX instruction (PTX ISA 8.x): mbarriers, TMA tile
-// loads (cp.async.bulk.tensor), wgmma shared-memory descriptors, fences,
-// setmaxnreg and named barriers. The wgmma m64nNk16 instructions themselves
+// loads (cp.async.bulk.tensor) and bulk row copies (cp.async.bulk), wgmma
+// shared-memory descriptors, fences, setmaxnreg and named barriers. The wgmma m64nNk16 instructions themselves
 // are in generated/sm90_wgmma.h (their operand lists are long and regular).
 // Written here instead of taken from CUTLASS/CuTe: the whole Hopper path
 // compiles in seconds per instantiation on CI's 2 cores, every instruction
@@ -63,8 +63,26 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// ---- Bulk copy (TMA without a tensor map): `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) from global to shared memory, completing them on
+// `bar`. One row of a K/V tile each in the decode kernel, whose rows are
+// scattered (heads interleaved, or pages).
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
 __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later
+// async-proxy (TMA) accesses of the same bytes (a buffer the threads wrote
+// that TMA refills next).
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // ---- wgmma shared-memory descriptors, 128-byte swizzle only (what TMA

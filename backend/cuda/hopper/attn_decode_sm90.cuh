@@ -1,0 +1,280 @@
+// The Hopper (sm_90a) decode kernel: the portable decode tile's math (16
+// packed query rows, 4 warps splitting each 64-key tile, mma.sync, the fused
+// split combine) fed by a producer warp whose TMA loads bring whole K/V tiles
+// (64 keys x 64 columns a box, 128-byte swizzled) into a kStages-deep ring
+// completing on mbarriers. Why: decode only streams K/V, and the portable
+// kernel's cp.async loads (16 bytes per thread, issued by the warps that also
+// compute) reach 83% of DRAM bandwidth at B = 16 where cuDNN reaches 91%
+// (bench/NOTES-cuda.md, round 6: 9 of 14.6 cycles per issued instruction
+// waiting on L1TEX). One thread issues a tile in 2 x D/64 instructions, the
+// copy engine moves it without registers or LSU work, and the ring keeps
+// kStages tiles (about 100 KB per CTA) in flight while four warps compute.
+// A first version copied each 256-byte row with its own bulk copy
+// (cp.async.bulk, no tensor map): 128 copies per tile ran at 0.72-0.77x of
+// the portable kernel (round 8), so whole boxes it is; that is also why the
+// request's dense K/V only (a cache's pages would need a tensor map per slab).
+// Included only by the generated attn_decode_*_sm90.cu files (sm_90a only).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_kernel.cuh"
+#include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
+#include "backend/cuda/hopper/sm90_primitives.cuh"
+
+namespace attnserve {
+namespace cuda {
+namespace sm90 {
+
+constexpr int kDecodeComputeWarps = 4;
+constexpr int kDecodeThreads = (kDecodeComputeWarps + 1) * 32;  // + the producer warp
+constexpr int kMaxStages = 8;
+
+// Element offset of the 8-element chunk at (row, col) of a TMA tile of
+// kBlockN rows in 64-column blocks, 128-byte swizzled: chunk c of a row is
+// stored at c ^ (row % 8); row8 = row % 8 (the lane's, known up front).
+template <int kBlockN>
+__device__ __forceinline__ int SwizzledChunk(int row, int col, int row8) {
+  return (col / 64) * (kBlockN * 64) + row * 64 + ((((col % 64) / 8) ^ row8) * 8);
+}
+
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
+__device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace detail;
+  using Mask = MaskPolicy<kIsBanded>;
+  using Rows = ContiguousRows<T>;
+  constexpr int kBlockM = 16;
+  constexpr int kWarpKeys = kBlockN / kDecodeComputeWarps;  // keys of a tile one warp computes
+  constexpr int kNTiles = kWarpKeys / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kDBlocks = (kHeadDim + 63) / 64;  // 64-column TMA boxes per row
+  constexpr int kQStride = kHeadDim + 8;         // Q: padded rows (conflict-free ldmatrix)
+  constexpr uint32_t kQRowBytes = kHeadDim * sizeof(T);
+  constexpr int kTileElems = kDBlocks * kBlockN * 64;  // one K or V tile
+  constexpr TileConfig kTile{kHeadDim, kBlockM, kBlockN, kDecodeComputeWarps + 1, kStages, 0};
+  constexpr int kQBytes = Sm90DecodeQBytes(kTile);
+  constexpr int kSmemFloats = (Sm90DecodeSmemBytes(kTile) - 1024) / 4;  // past the alignment slack
+  static_assert(kWarpKeys == 16 && kQRowBytes % 16 == 0 && kStages <= kMaxStages, "tile shape");
+  static_assert((kDecodeComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kTileElems * 2,
+                "the warps' states must fit the K buffers they are merged through");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = reinterpret_cast<T*>(smem + kQBytes);  // [kStages][kDBlocks][kBlockN][64], swizzled
+  T* sV = sK + kStages * kTileElems;             // likewise
+  __shared__ uint64_t q_full;                    // Q rows landed
+  __shared__ uint64_t kv_full[kMaxStages];       // the stage's K and V tiles landed
+  __shared__ uint64_t kv_empty[kMaxStages];      // every compute warp is done with the stage
+
+  const FwdLaunch& L = launch.fwd;
+  const AttnParams& p = L.p;
+  CtaWork w;
+  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows>(L, &w)) return;
+  const QueryRows qr{L.pack_gqa, w.head, SeqStartQ(p, w.b)};
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const bool fused = L.num_splits > 1 && L.fused_combine;
+  if (w.n_begin >= w.n_end) {
+    StoreEmptyRows<T, kBlockM, kDecodeThreads>(L, qr, w.b, w.split, w.m0, w.rows, tid);
+    if (fused) {
+      FinishCtaSplit<T, kBlockM, kDecodeThreads>(L, qr, w, reinterpret_cast<float*>(smem),
+                                                 kSmemFloats, tid);
+    }
+    return;
+  }
+  if (tid == 0) {
+    MbarInit(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&kv_full[s], 1);
+      MbarInit(&kv_empty[s], kDecodeComputeWarps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+
+  const int num_tiles = w.n_end - w.n_begin;  // tile i is key tile n_end - 1 - i
+  const int q_rows = min(kBlockM, w.rows - w.m0);
+  float acc_o[1][kDTiles][4];
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  const bool producer = warp == kDecodeComputeWarps;
+  if (producer) {
+    // Q: one bulk copy per packed row (lanes), then thread 0 issues every
+    // tile's K and V boxes. Dense K/V: the map's batch coordinate is b;
+    // varlen: one [1, total_k] map and the sequence's first row. Rows past
+    // the map read as zeros, rows of the next sequence as finite values:
+    // both are masked (P = 0).
+    const T* q = static_cast<const T*>(p.q);
+    if (lane == 0) MbarArriveExpectTx(&q_full, q_rows * kQRowBytes);
+    __syncwarp();
+    if (lane < q_rows) {
+      int h;
+      const int64_t row = qr.Row(w.m0 + lane, &h);
+      BulkLoad(sQ + lane * kQStride, q + QOffset(p, row, h), kQRowBytes, &q_full);
+    }
+    if (lane == 0) {
+      PrefetchTensorMap(&launch.k);
+      PrefetchTensorMap(&launch.v);
+      const bool varlen = IsVarlen(p);
+      const int row_base = varlen ? SeqStartK(p, w.b) : 0;
+      const int batch = varlen ? 0 : w.b;
+      for (int i = 0; i < num_tiles; ++i) {
+        const int stage = i % kStages;
+        if (i >= kStages) MbarWait(&kv_empty[stage], ((i / kStages) - 1) & 1);
+        MbarArriveExpectTx(&kv_full[stage], 2 * kTileElems * sizeof(T));
+        const int row0 = row_base + (w.n_end - 1 - i) * kBlockN;
+#pragma unroll
+        for (int db = 0; db < kDBlocks; ++db) {
+          const int at = stage * kTileElems + db * kBlockN * 64;
+          TmaLoad4d(sK + at, &launch.k, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+          TmaLoad4d(sV + at, &launch.v, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+        }
+      }
+    }
+    // Reconverged before the CTA barriers below: lanes 1..31 must not reach
+    // them while lane 0 still issues loads (racecheck saw FinishSplit's
+    // ticket flag raced when they did).
+    __syncwarp();
+  } else {
+    // Q rows past the problem are zeroed (their results are never stored).
+    for (int idx = tid; idx < (kBlockM - q_rows) * kQStride; idx += kDecodeComputeWarps * 32) {
+      sQ[q_rows * kQStride + idx] = T(0.f);
+    }
+    NamedBarSync(1, kDecodeComputeWarps * 32);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    const bool use_softcap = p.softcap > 0.f;
+    const float score_log2 = use_softcap ? 1.f : L.scale_log2;
+    const int quad = lane % 4;
+    const int row0 = w.m0 + lane / 4;
+    const int warp_key0 = warp * kWarpKeys;
+    const int row8 = lane % 8;  // every row a lane addresses below is row8 mod 8
+    // ldmatrix lane addresses: Q (A) as the portable kernel's; K (B of
+    // Q K^T): key warp_key0 + lane % 8 + 8 (lane / 16), column 8 ((lane / 8)
+    // % 2) of each k16 step; V (B of P V, transposed): key warp_key0 + lane %
+    // 8 + 8 ((lane / 8) % 2), column 8 (lane / 16) of each n16 pair.
+    const T* q_lane = sQ + (lane % 16) * kQStride + (lane / 16) * 8;
+    const int k_row = warp_key0 + (lane % 8) + (lane / 16) * 8;
+    const int k_col = ((lane / 8) % 2) * 8;
+    const int v_row = warp_key0 + (lane % 8) + ((lane / 8) % 2) * 8;
+    const int v_col = (lane / 16) * 8;
+    MbarWait(&q_full, 0);
+    for (int i = 0; i < num_tiles; ++i) {
+      const int stage = i % kStages;
+      MbarWait(&kv_full[stage], (i / kStages) & 1);
+      const T* tK = sK + stage * kTileElems;
+      T* tV = sV + stage * kTileElems;
+      // V rows past the sequence hold the next sequence's values (varlen) or
+      // zeros: P is 0 there, but 0 x NaN is not, so this warp zeroes its own
+      // such rows (whole 128-byte rows of every box) before its P V reads them.
+      const int key0 = (w.n_end - 1 - i) * kBlockN + warp_key0;
+      const int past = w.sk - key0;  // this warp's rows >= past are past the sequence
+      const bool zeroed = past < kWarpKeys;
+      if (zeroed) {
+        for (int c = lane; c < kWarpKeys * kDBlocks * 8; c += 32) {
+          const int r = c / (kDBlocks * 8);
+          if (r < past) continue;
+          const int db = (c / 8) % kDBlocks;
+          *reinterpret_cast<uint4*>(tV + db * kBlockN * 64 + (warp_key0 + r) * 64 + (c % 8) * 8) =
+              make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+      }
+      // S = Q K^T over this warp's 16 keys (two n8 tiles).
+      float s[1][kNTiles][4];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t a[4], bfrag[4];
+        LdMatrixX4(a, q_lane + kk * 16);
+        LdMatrixX4(bfrag, tK + SwizzledChunk<kBlockN>(k_row, kk * 16 + k_col, row8));
+        Mma16816<T>(s[0][0], a, bfrag[0], bfrag[1]);
+        Mma16816<T>(s[0][1], a, bfrag[2], bfrag[3]);
+      }
+      if (use_softcap) SoftcapScores(s, L.softcap_in, L.softcap_out);
+      if (Mask::TileNeedsMask(key0, kWarpKeys, w.sk, w.lo_last, w.hi_first)) {
+        MaskScores(s, p, key0, row0, w.rows, L.pack_gqa, w.sq, w.sk, quad);
+      }
+      OnlineSoftmax(s, row_max, row_sum, acc_o, score_log2);
+      // O += P V: P (two n8 tiles of S) is one k16 A fragment.
+      uint32_t pa[4];
+      pa[0] = PackPair<T>(s[0][0][0], s[0][0][1]);
+      pa[1] = PackPair<T>(s[0][0][2], s[0][0][3]);
+      pa[2] = PackPair<T>(s[0][1][0], s[0][1][1]);
+      pa[3] = PackPair<T>(s[0][1][2], s[0][1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t bfrag[4];
+        LdMatrixX4Trans(bfrag, tV + SwizzledChunk<kBlockN>(v_row, dp * 16 + v_col, row8));
+        Mma16816<T>(acc_o[0][2 * dp], pa, bfrag[0], bfrag[1]);
+        Mma16816<T>(acc_o[0][2 * dp + 1], pa, bfrag[2], bfrag[3]);
+      }
+      if (zeroed) FenceProxyAsyncShared();  // the zeros, before TMA refills the stage
+      __syncwarp();
+      if (lane == 0) MbarArrive(&kv_empty[stage]);
+    }
+  }
+  // Every thread (the producer too: the merge and the combine have CTA barriers).
+  const float score_log2 = p.softcap > 0.f ? 1.f : L.scale_log2;
+  FinishDecodeTile<T, kDecodeComputeWarps, kDTiles, kQStride, kDecodeThreads>(
+      L, qr, w, acc_o, row_max, row_sum, score_log2, !producer, reinterpret_cast<float*>(sK), sQ,
+      reinterpret_cast<float*>(smem), kSmemFloats);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// Two CTAs per SM (kSm90DecodeTileTable sizes the ring for that).
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
+__global__ void __launch_bounds__(kDecodeThreads, 2)
+    AttnDecodeSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
+  AttnDecodeSm90Body<kHeadDim, kBlockN, kStages, T, kIsBanded>(L);
+}
+
+}  // namespace sm90
+
+// The portable decode grid: x = (batch, split, m block), y = KV heads when
+// packed, else query heads; tensor maps over the request's K and V (one box
+// = 64 columns x 64 keys of one head).
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile = Sm90DecodeTileFor(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim && kTile.num_warps * 32 == sm90::kDecodeThreads,
+                "head dim missing from kSm90DecodeTileTable");
+  const AttnParams& p = launch.p;
+  for (const void* ptr : {p.q, p.k, p.v}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorMisalignedAddress;
+  }
+  Sm90FwdLaunch l;
+  l.fwd = launch;
+  const bool varlen = IsVarlen(p);
+  const int64_t batch = varlen ? 1 : p.batch;
+  const int64_t rows = varlen ? p.total_k : p.seqlen_k;
+  if (rows == 0) return cudaErrorInvalidValue;  // PlanForward keeps Sk = 0 portable
+  cudaError_t err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, batch, rows, p.num_heads_kv,
+                                        p.head_dim, kTile.block_n);
+  if (err == cudaSuccess) {
+    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, rows, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
+  }
+  if (err != cudaSuccess) return err;
+  return LaunchTileKernel(
+      sm90::AttnDecodeSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded>, kTile,
+      Sm90DecodeSmemBytes(kTile), launch, l, stream);
+}
+
+}  // namespace cuda
+}  // namespace attnserve
