@@ -10,7 +10,7 @@
 # (ours only) for an A/B of the contiguous path. A summary is printed last.
 # BUILD names the build folder, CUDA_FLAGS adds nvcc flags (a variant),
 # SDPA_CSV=FILE reuses SDPA rows from an earlier run instead of timing again.
-# Usage: [KERNELS=dev|all] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/gpu-kv.sh
+# Usage: [KERNELS=dev|all] [TESTS="cuda_paged_test ..."] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/gpu-kv.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-kv-out}
@@ -34,7 +34,7 @@ else
   note build "FAILED"; grep -E 'error|FAILED' "$OUT/build.log" | head -30; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 
-for t in cuda_paged_test cuda_backend_test; do
+for t in ${TESTS:-cuda_paged_test cuda_backend_test}; do
   timeout 300 $B/tests/cuda/$t >"$OUT/$t.log" 2>&1; rc=$?
   note "$t" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$t.log" | tr '\n' ' ') failed=$(grep -c '^\[  FAILED  \]' "$OUT/$t.log")"
   grep -E '^\[  FAILED  \]|Failure|Expected|Which is|differs|error' "$OUT/$t.log" | head -20
@@ -66,7 +66,7 @@ fi
 date_s=$(date +%Y-%m-%d)
 slug=$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 csv="$OUT/kv-$slug-$date_s.csv"
-$B/bench/cuda/attn_bench --grid=decode --dtypes=bf16 --impls=${IMPLS:-ours,portable,paged16,paged64,kvread} \
+$B/bench/cuda/attn_bench --grid=decode --dtypes=bf16 --impls=${IMPLS:-ours,portable,paged16,paged64,paged16_portable,kvread} \
   --csv="$OUT/decode-ours.csv" \
   --kv_csv="$OUT/kv-ours.csv" 2>"$OUT/attn_bench.log"
 if [ -n "${SDPA_CSV:-}" ]; then
@@ -92,18 +92,18 @@ rows = list(csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith("#")
 by = {}
 for r in rows:
     by[(r["sequences"], r["context"], r["impl"], r["page_size"])] = float(r["tbps"])
-# TB/s of K+V; "port": the portable kernel over the request's K/V (on sm90
-# "contig" is the Hopper decode kernel; the paged path is portable everywhere).
-print(f"{'B':>3} {'Sk':>6} {'contig':>7} {'port':>6} {'paged16':>8} {'paged64':>8} {'cudnn':>6} {'flash':>6} | con/port con/cud p16/cud p64/cud con/max p16/port")
+# TB/s of K+V; "port", "p16port": the portable kernel (on sm90 the others
+# are the planner's choice, the Hopper decode kernel).
+print(f"{'B':>3} {'Sk':>6} {'contig':>7} {'port':>6} {'paged16':>8} {'p16port':>8} {'paged64':>8} {'cudnn':>6} {'flash':>6} | con/port p16/p16port p16/con p64/con con/cud p16/cud p64/cud con/max")
 for b, sk in (("1", "8192"), ("16", "8192"), ("64", "4096"), ("8", "65536")):
     c = by.get((b, sk, "ours_contiguous", "")); p16 = by.get((b, sk, "ours_paged", "16"))
-    cp = by.get((b, sk, "ours_portable_contiguous", ""))
+    cp = by.get((b, sk, "ours_portable_contiguous", "")); p16p = by.get((b, sk, "ours_portable_paged", "16"))
     p64 = by.get((b, sk, "ours_paged", "64")); cu = by.get((b, sk, "sdpa_cudnn", "")); fl = by.get((b, sk, "sdpa_flash", ""))
     f = lambda x: f"{x:.2f}" if x else "-"
     r = lambda a, d: f"{a / d:.3f}" if a and d else "-"
     best = max(cu or 0, fl or 0)
-    print(f"{b:>3} {sk:>6} {f(c):>7} {f(cp):>6} {f(p16):>8} {f(p64):>8} {f(cu):>6} {f(fl):>6} | "
-          f"{r(c, cp):>8} {r(c, cu):>7} {r(p16, cu):>7} {r(p64, cu):>7} {r(c, best):>7} {r(p16, cp):>8}")
+    print(f"{b:>3} {sk:>6} {f(c):>7} {f(cp):>6} {f(p16):>8} {f(p16p):>8} {f(p64):>8} {f(cu):>6} {f(fl):>6} | "
+          f"{r(c, cp):>8} {r(p16, p16p):>11} {r(p16, c):>7} {r(p64, c):>7} {r(c, cu):>7} {r(p16, cu):>7} {r(p64, cu):>7} {r(c, best):>7}")
 EOF
 grep -E "SKIP|FAIL" "$OUT/attn_bench.log" | head -5
 

@@ -299,20 +299,21 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
 template <typename T, int kBlockM, int kThreads>
 __device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows& qr, int b, int group, int m0,
                                             int rows, float* smem, int smem_floats, int tid) {
-  __shared__ int is_last;
   __threadfence();  // this thread's partial stores, before the ticket below
   __syncthreads();
+  int took_last = 0;
   if (tid == 0) {
     int* counter = L.split_tickets + group;
-    const int ticket = atomicAdd(counter, 1);
-    is_last = ticket == L.num_splits - 1;
-    if (is_last) {
+    took_last = atomicAdd(counter, 1) == L.num_splits - 1;
+    if (took_last) {
       *counter = 0;
       __threadfence();  // the other splits' partials are read after their tickets
     }
   }
-  __syncthreads();
-  if (!is_last) return;
+  // The verdict reaches every thread through the barrier itself (no shared
+  // flag written by one thread and read by all: racecheck flagged one in the
+  // Hopper decode kernel, whose fifth warp reaches here from a TMA loop).
+  if (!__syncthreads_or(took_last)) return;
   CombineSplitRows<T, kBlockM, kThreads>(L, qr, b, m0, rows, smem, smem_floats, tid);
 }
 

@@ -74,8 +74,7 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
 // table has the head dim exactly (Q rows are copied whole, so no padding
 // columns), this build compiled it, and there are keys (a tensor map cannot
 // have an empty dimension). Everything else the portable decode tile serves
-// over the request's K/V (varlen, GQA packing, masks, softcap) it serves
-// too; a cache's pages stay portable (CudaPaged plans without sm90).
+// (varlen, a cache's pages, GQA packing, masks, softcap) it serves too.
 bool Sm90DecodeCovers(const AttnParams& p) {
   return Sm90DecodeTileFor(p.head_dim).head_dim == p.head_dim &&
          CompiledSm90DecodeHeadDim(p.head_dim) && p.seqlen_k > 0;

@@ -131,13 +131,13 @@ CudaBackend::~CudaBackend() {
 absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
   RETURN_IF_ERROR(CheckParams(params));
   if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
-  return PlanFor(params, /*allow_sm90=*/true);
+  return PlanFor(params);
 }
 
-absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params, bool allow_sm90) const {
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
   // FP8 hook: the kernel that runs is the BF16 one (fp8_dequant.h).
-  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params), allow_sm90);
-  const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90 && allow_sm90_);
+  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params));
+  const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90_);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
         absl::StrCat("cuda: head_dim ", params.head_dim,
@@ -209,7 +209,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
                                       if (batch.size() == 1 || dev.dtype == DType::kFP32)
                                         return LaunchKernels(plan, dev, slot);
                                       ASSIGN_OR_RETURN(const Plan packed_plan,
-                                                       PlanFor(dev, /*allow_sm90=*/true));
+                                                       PlanFor(dev));
                                       return LaunchKernels(packed_plan, dev, slot);
                                     });
 }

@@ -83,9 +83,9 @@ class CudaBackend final : public AttentionBackend {
   // The plan for FP16/BF16 params (PlanForward; FP8 params are planned as
   // their BF16 view, the kernel that runs them), or UNIMPLEMENTED when this
   // build or this device has no kernel for them. Checks nothing else.
-  // allow_sm90: the Hopper family may serve them (dense requests; the paged
-  // path passes false) when the device has it (allow_sm90_).
-  absl::StatusOr<Plan> PlanFor(const AttnParams& params, bool allow_sm90) const;
+  // The Hopper family serves what it covers when the device has it
+  // (allow_sm90_).
+  absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
   // The paged path's checks: CheckPagedParams (keeps the kernels inside the

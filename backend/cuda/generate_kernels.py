@@ -32,7 +32,8 @@ DEV_HEAD_DIMS = [128]
 SM90_HEAD_DIMS = [64, 128, 256]
 DEV_SM90_HEAD_DIMS = [128]
 # The Hopper decode kernel (hopper/attn_decode_sm90.cuh, kSm90DecodeTileTable):
-# decode tiles over the request's K/V (a cache's pages stay portable).
+# both K/V sources (the request's tensors, a cache's pages) in one file per
+# head dim, dtype and mask.
 SM90_DECODE_HEAD_DIMS = [64, 96, 128]
 DEV_SM90_DECODE_HEAD_DIMS = [128]
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
@@ -46,12 +47,14 @@ SOURCES = {
 }
 
 SM90_DECODE_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) decode kernel for head dim {d}, {dtype},
-// {mask}.
+// {mask}, over the request's K/V and over a cache's pages.
 #include "backend/cuda/hopper/attn_decode_sm90.cuh"
 
 namespace attnserve {{
 namespace cuda {{
 template cudaError_t RunAttnDecodeSm90<{d}, {ctype}, {is_banded}>(const FwdLaunch&, cudaStream_t);
+template cudaError_t RunAttnDecodeSm90<{d}, {ctype}, {is_banded}>(const PagedFwdLaunch&,
+                                                              cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
 """
@@ -189,10 +192,10 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
   }}
 }}
 
-// The Hopper decode kernel's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it).
-template <typename T, bool kIsBanded>
-cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {{
+// The Hopper decode kernel's instantiation for `kernel_head_dim` over either
+// launch, or cudaErrorInvalidValue (also in builds without it).
+template <typename T, bool kIsBanded, typename Launch>
+cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_t stream) {{
   switch (kernel_head_dim) {{
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
 {sm90_decode_cases(DEV_SM90_DECODE_HEAD_DIMS)}#elif defined(ATTNSERVE_CUDA_SM90)
@@ -222,15 +225,15 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
 template <typename Launch>
 cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cudaStream_t stream) {{
   const int d = plan.kernel_head_dim;
-  if constexpr (std::is_same_v<Launch, FwdLaunch>) {{
-    if (plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind == TileKind::kDecode) {{
-      if (dtype == DType::kFP16) {{
-        return plan.banded ? RunSm90DecodeForHeadDim<__half, true>(d, launch, stream)
-                           : RunSm90DecodeForHeadDim<__half, false>(d, launch, stream);
-      }}
-      return plan.banded ? RunSm90DecodeForHeadDim<__nv_bfloat16, true>(d, launch, stream)
-                         : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+  if (plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind == TileKind::kDecode) {{
+    if (dtype == DType::kFP16) {{
+      return plan.banded ? RunSm90DecodeForHeadDim<__half, true>(d, launch, stream)
+                         : RunSm90DecodeForHeadDim<__half, false>(d, launch, stream);
     }}
+    return plan.banded ? RunSm90DecodeForHeadDim<__nv_bfloat16, true>(d, launch, stream)
+                       : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+  }}
+  if constexpr (std::is_same_v<Launch, FwdLaunch>) {{
     if (plan.kernel_family == KernelFamily::kSm90) {{
       if (dtype == DType::kFP16) {{
         return plan.banded ? RunSm90ForHeadDim<__half, true>(d, launch, stream)

@@ -18,7 +18,8 @@
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
-//             block tables.
+//             block tables; on sm90 the planner's choice (the Hopper decode
+//             kernel at D = 64/96/128). paged16_portable: the portable one.
 // --decode_splits=N overrides the decode split count (a sweep).
 // --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
 // benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
@@ -412,8 +413,10 @@ struct KvRead : Impl {
 // The decode problem with K/V in pages: Setup appends the contiguous K/V into
 // the pages on the GPU (LaunchKvAppend), Run is the paged decode launch.
 struct Paged : Impl {
-  explicit Paged(int ps) : page_size(ps) {}
+  // allow_sm90 as Ours: the Hopper decode kernel where the planner picks it.
+  Paged(int ps, bool allow) : page_size(ps), allow_sm90(allow) {}
   int page_size;
+  bool allow_sm90;
   PagedAttnParams pp{};
   Plan plan;
   Arena arena;
@@ -465,7 +468,7 @@ struct Paged : Impl {
     if (!p.cu_seqlens_q || !p.cu_seqlens_k || !pp.block_table || !pp.seqlens_k) return false;
     CK(cuda::LaunchKvAppend(pp, nullptr));
     CK(cudaDeviceSynchronize());
-    plan = cuda::PlanForward(p, num_sms);
+    plan = cuda::PlanForward(p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
     if (plan.kernel_head_dim == 0) return false;
     return AllocWorkspace(&plan, &arena, &ws);
   }
@@ -509,8 +512,9 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
   if (name == "sm90_ppo") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
   if (name == "sm90_persist") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistent);
-  if (name == "paged16") return std::make_unique<Paged>(16);
-  if (name == "paged64") return std::make_unique<Paged>(64);
+  if (name == "paged16") return std::make_unique<Paged>(16, true);
+  if (name == "paged64") return std::make_unique<Paged>(64, true);
+  if (name == "paged16_portable") return std::make_unique<Paged>(16, false);
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
@@ -624,15 +628,18 @@ bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
                static_cast<long long>(io.bytes + impl->ExtraBytes()));
   std::fflush(csv);
   if (g_kv_csv != nullptr && decode && name != "kvread") {
-    // ours -> ours_contiguous (on sm90 the Hopper decode kernel), portable ->
-    // ours_portable_contiguous, paged16 -> ours_paged with pages of 16.
+    // ours -> ours_contiguous, paged16 -> ours_paged with pages of 16 (on
+    // sm90 both the Hopper decode kernel); the portable kernel's variants
+    // (portable, paged16_portable) -> ours_portable_*.
     const bool paged = name.rfind("paged", 0) == 0;
-    const char* label = paged ? "ours_paged" : name == "portable" ? "ours_portable_contiguous" : "ours_contiguous";
+    const bool portable = name.find("portable") != std::string::npos;
+    const std::string label =
+        std::string(portable ? "ours_portable_" : "ours_") + (paged ? "paged" : "contiguous");
+    const std::string page = paged ? name.substr(5, name.find('_') - 5) : "";
     const double p99 =
         ms[std::min(ms.size() - 1, static_cast<size_t>(std::ceil(0.99 * ms.size())) - 1)];
-    std::fprintf(g_kv_csv, "kernel,%s,%d,%d,1,%s,%.0f,%.3f,%.4f,%.4f\n", label, s.b, s.sk,
-                 paged ? name.substr(5).c_str() : "", s.b / (med * 1e-3), bytes / med * 1e-9, med,
-                 p99);
+    std::fprintf(g_kv_csv, "kernel,%s,%d,%d,1,%s,%.0f,%.3f,%.4f,%.4f\n", label.c_str(), s.b, s.sk,
+                 page.c_str(), s.b / (med * 1e-3), bytes / med * 1e-9, med, p99);
     std::fflush(g_kv_csv);
   }
   cudaEventDestroy(e0);

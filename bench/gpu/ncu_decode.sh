@@ -18,9 +18,10 @@ export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_
 # attn_bench --grid=decode runs B=1 (Sk 8k) first, then B=16 (Sk 8k); each
 # shape launches the timed kernel about 31 times (check, 5 warm-ups, 25 runs),
 # so the 41st launch is one of B=16's timed runs.
-# On sm90 ours is the Hopper decode kernel (else the portable one, as
-# `portable` always is); paged16 is the portable paged kernel.
-for pair in AttnDecodeSm90Kernel:ours AttnFwdKernel:ours AttnFwdKernel:portable PagedAttnFwdKernel:paged16; do
+# On sm90 ours and paged16 are the Hopper decode kernel (else the portable
+# ones); portable is the portable kernel everywhere.
+for pair in AttnDecodeSm90Kernel:ours AttnFwdKernel:ours AttnFwdKernel:portable PagedAttnDecodeSm90Kernel:paged16 \
+            PagedAttnFwdKernel:paged16; do
   k=${pair%%:*} impl=${pair#*:}
   [ -s "$OUT/ncu-decode-$impl.txt" ] && grep -q 'Duration' "$OUT/ncu-decode-$impl.txt" && continue
   timeout 150 ncu --clock-control none --kernel-name "regex:(^|:)$k(<|$)" --launch-skip 40 --launch-count 1 \

@@ -40,10 +40,10 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
   }
 }
 
-// The Hopper decode kernel's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it).
-template <typename T, bool kIsBanded>
-cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
+// The Hopper decode kernel's instantiation for `kernel_head_dim` over either
+// launch, or cudaErrorInvalidValue (also in builds without it).
+template <typename T, bool kIsBanded, typename Launch>
+cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_t stream) {
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
     case 128:
@@ -93,15 +93,15 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
 template <typename Launch>
 cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cudaStream_t stream) {
   const int d = plan.kernel_head_dim;
-  if constexpr (std::is_same_v<Launch, FwdLaunch>) {
-    if (plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind == TileKind::kDecode) {
-      if (dtype == DType::kFP16) {
-        return plan.banded ? RunSm90DecodeForHeadDim<__half, true>(d, launch, stream)
-                           : RunSm90DecodeForHeadDim<__half, false>(d, launch, stream);
-      }
-      return plan.banded ? RunSm90DecodeForHeadDim<__nv_bfloat16, true>(d, launch, stream)
-                         : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+  if (plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind == TileKind::kDecode) {
+    if (dtype == DType::kFP16) {
+      return plan.banded ? RunSm90DecodeForHeadDim<__half, true>(d, launch, stream)
+                         : RunSm90DecodeForHeadDim<__half, false>(d, launch, stream);
     }
+    return plan.banded ? RunSm90DecodeForHeadDim<__nv_bfloat16, true>(d, launch, stream)
+                       : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+  }
+  if constexpr (std::is_same_v<Launch, FwdLaunch>) {
     if (plan.kernel_family == KernelFamily::kSm90) {
       if (dtype == DType::kFP16) {
         return plan.banded ? RunSm90ForHeadDim<__half, true>(d, launch, stream)

@@ -11,8 +11,9 @@
 // kStages tiles (about 100 KB per CTA) in flight while four warps compute.
 // A first version copied each 256-byte row with its own bulk copy
 // (cp.async.bulk, no tensor map): 128 copies per tile ran at 0.72-0.77x of
-// the portable kernel (round 8), so whole boxes it is; that is also why the
-// request's dense K/V only (a cache's pages would need a tensor map per slab).
+// the portable kernel (round 8), so whole boxes it is, which for a cache's
+// pages means a tensor map per slab and a box per page (pages of 16: 4 boxes
+// per 64-column block of a tile).
 // Included only by the generated attn_decode_*_sm90.cu files (sm_90a only).
 #pragma once
 
@@ -28,6 +29,8 @@
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
+#include "backend/cuda/kv_rows.cuh"
+#include "backend/cuda/paged_attn.h"
 
 namespace attnserve {
 namespace cuda {
@@ -45,12 +48,33 @@ __device__ __forceinline__ int SwizzledChunk(int row, int col, int row8) {
   return (col / 64) * (kBlockN * 64) + row * 64 + ((((col % 64) / 8) ^ row8) * 8);
 }
 
-template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
-__device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) {
+// The K/V sources: the request's tensors (Sm90FwdLaunch: one map each) or a
+// cache's pages (Sm90PagedDecodeLaunch: a map per slab), and the portable
+// row source of the same memory (for the sequence lengths and the grid).
+template <typename T, typename Launch>
+struct DecodeSource;
+template <typename T>
+struct DecodeSource<T, Sm90FwdLaunch> {
+  using Rows = ContiguousRows<T>;
+  static constexpr bool kPaged = false;
+  __device__ __forceinline__ static const FwdLaunch& RowsLaunch(const Sm90FwdLaunch& l) { return l.fwd; }
+};
+template <typename T>
+struct DecodeSource<T, Sm90PagedDecodeLaunch> {
+  using Rows = PagedRows<T>;
+  static constexpr bool kPaged = true;
+  __device__ __forceinline__ static const PagedFwdLaunch& RowsLaunch(const Sm90PagedDecodeLaunch& l) {
+    return l.paged;
+  }
+};
+
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded, typename Launch>
+__device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace detail;
   using Mask = MaskPolicy<kIsBanded>;
-  using Rows = ContiguousRows<T>;
+  using Source = DecodeSource<T, Launch>;
+  using Rows = typename Source::Rows;
   constexpr int kBlockM = 16;
   constexpr int kWarpKeys = kBlockN / kDecodeComputeWarps;  // keys of a tile one warp computes
   constexpr int kNTiles = kWarpKeys / 8;
@@ -75,10 +99,10 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) 
   __shared__ uint64_t kv_full[kMaxStages];       // the stage's K and V tiles landed
   __shared__ uint64_t kv_empty[kMaxStages];      // every compute warp is done with the stage
 
-  const FwdLaunch& L = launch.fwd;
+  const FwdLaunch& L = Rows::Fwd(Source::RowsLaunch(launch));
   const AttnParams& p = L.p;
   CtaWork w;
-  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows>(L, &w)) return;
+  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows>(Source::RowsLaunch(launch), &w)) return;
   const QueryRows qr{L.pack_gqa, w.head, SeqStartQ(p, w.b)};
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -111,9 +135,10 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) 
   if (producer) {
     // Q: one bulk copy per packed row (lanes), then thread 0 issues every
     // tile's K and V boxes. Dense K/V: the map's batch coordinate is b;
-    // varlen: one [1, total_k] map and the sequence's first row. Rows past
-    // the map read as zeros, rows of the next sequence as finite values:
-    // both are masked (P = 0).
+    // varlen: one [1, total_k] map and the sequence's first row. Pages: per
+    // box of min(page_size, 64) keys, the page's slab map and its row in the
+    // slab; a box past the sequence reloads its last one. Rows past the
+    // sequence are masked (P = 0) and their V rows zeroed below.
     const T* q = static_cast<const T*>(p.q);
     if (lane == 0) MbarArriveExpectTx(&q_full, q_rows * kQRowBytes);
     __syncwarp();
@@ -123,21 +148,41 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) 
       BulkLoad(sQ + lane * kQStride, q + QOffset(p, row, h), kQRowBytes, &q_full);
     }
     if (lane == 0) {
-      PrefetchTensorMap(&launch.k);
-      PrefetchTensorMap(&launch.v);
-      const bool varlen = IsVarlen(p);
-      const int row_base = varlen ? SeqStartK(p, w.b) : 0;
-      const int batch = varlen ? 0 : w.b;
       for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % kStages;
         if (i >= kStages) MbarWait(&kv_empty[stage], ((i / kStages) - 1) & 1);
         MbarArriveExpectTx(&kv_full[stage], 2 * kTileElems * sizeof(T));
-        const int row0 = row_base + (w.n_end - 1 - i) * kBlockN;
+        const int key0 = (w.n_end - 1 - i) * kBlockN;
+        T* k_dst = sK + stage * kTileElems;
+        T* v_dst = sV + stage * kTileElems;
+        if constexpr (Source::kPaged) {
+          const PagedKv& kv = launch.paged.kv;
+          const int32_t* table = kv.block_table + int64_t{w.b} * kv.block_table_stride;
+          const int page_size = kv.pages.page_size;
+          const int box = min(page_size, kBlockN);
+          for (int r = 0; r < kBlockN; r += box) {
+            const int key = min(key0 + r, w.sk - 1) & ~(box - 1);
+            const int32_t page = __ldg(table + (key >> kv.pages.page_shift));
+            const int slab = PageSlab(kv.pages, page);
+            const int row = ((page & ((1 << kv.pages.slab_shift) - 1)) << kv.pages.page_shift) +
+                            (key & (page_size - 1));
 #pragma unroll
-        for (int db = 0; db < kDBlocks; ++db) {
-          const int at = stage * kTileElems + db * kBlockN * 64;
-          TmaLoad4d(sK + at, &launch.k, &kv_full[stage], db * 64, w.kv_head, row0, batch);
-          TmaLoad4d(sV + at, &launch.v, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+            for (int db = 0; db < kDBlocks; ++db) {
+              const int at = db * kBlockN * 64 + r * 64;
+              TmaLoad4d(k_dst + at, &launch.k[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
+              TmaLoad4d(v_dst + at, &launch.v[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
+            }
+          }
+        } else {
+          const bool varlen = IsVarlen(p);
+          const int row0 = (varlen ? SeqStartK(p, w.b) : 0) + key0;
+          const int batch = varlen ? 0 : w.b;
+#pragma unroll
+          for (int db = 0; db < kDBlocks; ++db) {
+            const int at = db * kBlockN * 64;
+            TmaLoad4d(k_dst + at, &launch.k, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+            TmaLoad4d(v_dst + at, &launch.v, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+          }
         }
       }
     }
@@ -176,9 +221,10 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Sm90FwdLaunch& launch) 
       MbarWait(&kv_full[stage], (i / kStages) & 1);
       const T* tK = sK + stage * kTileElems;
       T* tV = sV + stage * kTileElems;
-      // V rows past the sequence hold the next sequence's values (varlen) or
-      // zeros: P is 0 there, but 0 x NaN is not, so this warp zeroes its own
-      // such rows (whole 128-byte rows of every box) before its P V reads them.
+      // V rows past the sequence hold the next sequence's values (varlen),
+      // a page's stale rows or zeros: P is 0 there, but 0 x NaN is not, so
+      // this warp zeroes its own such rows (whole 128-byte rows of every
+      // box) before its P V reads them.
       const int key0 = (w.n_end - 1 - i) * kBlockN + warp_key0;
       const int past = w.sk - key0;  // this warp's rows >= past are past the sequence
       const bool zeroed = past < kWarpKeys;
@@ -243,6 +289,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     AttnDecodeSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
   AttnDecodeSm90Body<kHeadDim, kBlockN, kStages, T, kIsBanded>(L);
 }
+template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
+__global__ void __launch_bounds__(kDecodeThreads, 2)
+    PagedAttnDecodeSm90Kernel(const __grid_constant__ Sm90PagedDecodeLaunch L) {
+  AttnDecodeSm90Body<kHeadDim, kBlockN, kStages, T, kIsBanded>(L);
+}
 
 }  // namespace sm90
 
@@ -274,6 +325,36 @@ cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream) {
   return LaunchTileKernel(
       sm90::AttnDecodeSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded>, kTile,
       Sm90DecodeSmemBytes(kTile), launch, l, stream);
+}
+
+// Over a cache's pages: one tensor map per slab for K and V (CachedRowsTensorMap:
+// encoded once per slab), boxes of min(page_size, 64) keys; the grid as above.
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile = Sm90DecodeTileFor(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim && kTile.num_warps * 32 == sm90::kDecodeThreads,
+                "head dim missing from kSm90DecodeTileTable");
+  const AttnParams& p = launch.fwd.p;
+  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return cudaErrorMisalignedAddress;
+  const KvPages& pages = launch.kv.pages;
+  static_assert(sizeof(Sm90PagedDecodeLaunch) <= 32000, "kernel parameters are limited to 32 KB");
+  Sm90PagedDecodeLaunch l;  // only num_slabs maps of each are encoded (and read)
+  Sm90PagedDecodeLaunch* lp = &l;
+  lp->paged = launch;
+  const int64_t rows = (int64_t{1} << pages.slab_shift) * pages.page_size;
+  const int box = pages.page_size < kTile.block_n ? pages.page_size : kTile.block_n;
+  for (int s = 0; s < pages.num_slabs; ++s) {
+    cudaError_t err = CachedRowsTensorMap(&lp->k[s], pages.k_slabs[s], p.dtype, rows,
+                                          p.num_heads_kv, p.head_dim, box);
+    if (err == cudaSuccess) {
+      err = CachedRowsTensorMap(&lp->v[s], pages.v_slabs[s], p.dtype, rows, p.num_heads_kv,
+                                p.head_dim, box);
+    }
+    if (err != cudaSuccess) return err;
+  }
+  return LaunchTileKernel(
+      sm90::PagedAttnDecodeSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded>, kTile,
+      Sm90DecodeSmemBytes(kTile), launch.fwd, *lp, stream);
 }
 
 }  // namespace cuda

@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/paged_attn.h"
+#include "backend/paged_kv.h"
 #include "backend/params.h"
 #include "backend/plan.h"
 
@@ -67,12 +69,33 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
+// What the Hopper decode kernel reads over a cache's pages: the portable
+// paged launch and one tensor map per slab for K and V (num_slabs of each),
+// each over the slab's rows (pages_per_slab x page_size rows of [Hkv, D]),
+// boxes of 64 columns x min(page_size, 64) rows. About 8 KB: a kernel
+// parameter (CUDA 12.1+ allows 32 KB).
+struct Sm90PagedDecodeLaunch {
+  PagedFwdLaunch paged;
+  CUtensorMap k[kMaxKvSlabs];
+  CUtensorMap v[kMaxKvSlabs];
+};
+
+// EncodeRowsTensorMap for a batch of one, remembered per (base, geometry):
+// a cache's slabs are encoded once, not on every decode step (the driver call
+// costs about a microsecond, and a step may read 64 slab maps per layer).
+// Thread-safe.
+cudaError_t CachedRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t rows,
+                                int64_t heads, int64_t head_dim, int box_rows);
+
 // The Hopper decode kernel (attn_decode_sm90.cuh; generated/attn_decode_*_sm90.cu):
-// kHeadDim 64/96/128 (kSm90DecodeTileTable), over the request's K/V, dense
-// or varlen; the launch as the portable decode tile's (PlanForward's splits,
-// the fused combine), the K and V tensor maps as the prefill kernel's.
+// kHeadDim 64/96/128 (kSm90DecodeTileTable), over the request's K/V (dense
+// or varlen; tensor maps as the prefill kernel's) or a cache's pages (one
+// tensor map per slab); the launch as the portable decode tile's
+// (PlanForward's splits, the fused combine).
 template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream);
+template <int kHeadDim, typename T, bool kIsBanded>
+cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream);
 
 // For the ablation in attn_bench only: D = 128, BF16, no band, with a chosen
 // schedule (DefaultSm90Schedule is what the planner's launches use).

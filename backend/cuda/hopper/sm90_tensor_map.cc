@@ -4,6 +4,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 
 namespace attnserve {
@@ -54,6 +59,54 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+namespace {
+
+// (base, dtype, rows, heads, head_dim, box_rows): everything a map encodes.
+struct MapKey {
+  const void* base;
+  int dtype;
+  int64_t rows, heads, head_dim;
+  int box_rows;
+  bool operator==(const MapKey& o) const {
+    return std::tie(base, dtype, rows, heads, head_dim, box_rows) ==
+           std::tie(o.base, o.dtype, o.rows, o.heads, o.head_dim, o.box_rows);
+  }
+};
+struct MapKeyHash {
+  size_t operator()(const MapKey& k) const {
+    size_t h = std::hash<const void*>()(k.base);
+    for (int64_t x : {int64_t{k.dtype}, k.rows, k.heads, k.head_dim, int64_t{k.box_rows}}) {
+      h = h * 1000003u ^ std::hash<int64_t>()(x);
+    }
+    return h;
+  }
+};
+// A slab freed and another allocated at its address with the same geometry
+// gets the same map, which is right: a map holds no more than the key.
+// Bounded: cleared when it reaches kMaxCachedMaps (a few caches' slabs).
+constexpr size_t kMaxCachedMaps = 4096;
+
+}  // namespace
+
+cudaError_t CachedRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t rows,
+                                int64_t heads, int64_t head_dim, int box_rows) {
+  static std::mutex mu;
+  static std::unordered_map<MapKey, CUtensorMap, MapKeyHash>* cache =
+      new std::unordered_map<MapKey, CUtensorMap, MapKeyHash>();
+  const MapKey key{base, static_cast<int>(dtype), rows, heads, head_dim, box_rows};
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache->find(key);
+  if (it != cache->end()) {
+    std::memcpy(map, &it->second, sizeof(CUtensorMap));
+    return cudaSuccess;
+  }
+  const cudaError_t err = EncodeRowsTensorMap(map, base, dtype, 1, rows, heads, head_dim, box_rows);
+  if (err != cudaSuccess) return err;
+  if (cache->size() >= kMaxCachedMaps) cache->clear();
+  cache->emplace(key, *map);
+  return cudaSuccess;
 }
 
 }  // namespace cuda
