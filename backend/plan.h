@@ -34,6 +34,11 @@ struct Plan {
   // True when the call has a causal and/or sliding-window band: the kernel
   // then skips key tiles outside it and masks the boundary tiles.
   bool banded = false;
+  // FP8 E4M3 calls on the Hopper prefill kernel: Q K^T runs on the FP8 codes
+  // (FP8 wgmma), the descales folded into the softmax scale; V is
+  // dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
+  // Q, K and V are all dequantised and the BF16 kernel of this plan runs.
+  bool fp8_qk = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1

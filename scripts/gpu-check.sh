@@ -59,12 +59,12 @@ for fam in default portable; do
   grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -30
 done
 
-# The Hopper kernels' machine code: wgmma (HGMMA) and TMA (UTMALDG) present,
+# The Hopper kernels' machine code: wgmma (HGMMA; QGMMA: FP8) and TMA (UTMALDG) present,
 # no local-memory traffic (LDL/STL: spills or a runtime-indexed array).
 sm90_objs=$(find $B/backend/cuda/CMakeFiles/attn_cuda_sm90.dir -name '*sm90.cu.o' 2>/dev/null)
 if [ -n "$sm90_objs" ]; then
   for o in $sm90_objs; do cuobjdump --dump-sass "$o"; done >"$OUT/sm90.sass" 2>&1
-  note "sm90 SASS" "HGMMA=$(grep -c HGMMA "$OUT/sm90.sass") UTMALDG=$(grep -c UTMALDG "$OUT/sm90.sass") LDL/STL=$(grep -cE '\b(LDL|STL)\b' "$OUT/sm90.sass")"
+  note "sm90 SASS" "HGMMA=$(grep -c HGMMA "$OUT/sm90.sass") QGMMA=$(grep -c QGMMA "$OUT/sm90.sass") UTMALDG=$(grep -c UTMALDG "$OUT/sm90.sass") LDL/STL=$(grep -cE '\b(LDL|STL)\b' "$OUT/sm90.sass")"
 else
   note "sm90 SASS" "no attn_cuda_sm90 objects"
 fi

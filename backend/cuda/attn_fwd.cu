@@ -148,8 +148,10 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   // Decode tiles combine in the forward kernel (FinishSplit): never slower
   // than the combine kernel on the decode grid (bench/NOTES-cuda.md, round 4).
   l.fused_combine = split && plan.tile_kind == TileKind::kDecode;
-  l.scale_log2 = dev.softmax_scale * kLog2e;
-  l.softcap_in = dev.softcap > 0.f ? dev.softmax_scale / dev.softcap : 0.f;
+  // The FP8 path's Q K^T runs on the codes: their descales join the scale.
+  const float qk_scale = dev.softmax_scale * (plan.fp8_qk ? dev.q_descale * dev.k_descale : 1.f);
+  l.scale_log2 = qk_scale * kLog2e;
+  l.softcap_in = dev.softcap > 0.f ? qk_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
   l.tile_kind = plan.tile_kind;
   return l;

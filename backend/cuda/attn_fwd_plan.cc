@@ -93,7 +93,8 @@ TileConfig TileForPlan(const Plan& plan) {
 int PlanSmemBytes(const Plan& plan) {
   const TileConfig tile = TileForPlan(plan);
   if (plan.kernel_family != KernelFamily::kSm90) return SmemBytes(tile);
-  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeSmemBytes(tile) : Sm90SmemBytes(tile);
+  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeSmemBytes(tile)
+                                             : Sm90SmemBytes(tile, plan.fp8_qk ? 1 : 2);
 }
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
@@ -125,7 +126,17 @@ int PlanSmemBytes(const Plan& plan) {
 //    128 tiles / 33 -> 4 tiles each -> 32 splits of 256 keys.
 //  - Prefill, B=1, Hq=32, Sq=Sk=1024: base 8 x 32 = 256 CTAs, over half a
 //    wave: no split.
-Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90) {
+Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90) {
+  if (params.dtype == DType::kFP8E4M3) {
+    // The BF16 view's plan (its kernels write O as BF16, the FP8 contract);
+    // on the Hopper prefill kernel Q K^T stays on the codes.
+    AttnParams bf16 = params;
+    bf16.dtype = DType::kBF16;
+    Plan plan = PlanForward(bf16, num_sms, allow_sm90);
+    plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
+    return plan;
+  }
+  const AttnParams& p = params;
   Plan plan;
   for (const TileConfig& t : kTileTable) {
     if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {

@@ -101,9 +101,13 @@ constexpr TileConfig kSm90TileTable[] = {
     {256, 128, 64, 12, 2, 240},
 };
 // Dynamic smem of a Hopper tile: Q, the K and V rings, 1 KB to align the
-// tiles to 1024 bytes (the swizzle atom) and the mbarriers.
-constexpr int Sm90SmemBytes(const TileConfig& t) {
-  return (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2 + 1024 + 256;
+// tiles to 1024 bytes (the swizzle atom) and the mbarriers. qk_bytes: bytes
+// of a Q/K element (2; 1 for the FP8 path's codes, whose rows round up to
+// whole 128-byte boxes); V is always 16-bit.
+constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
+  const int qk_row = (t.head_dim * qk_bytes + 127) / 128 * 128;
+  return (t.block_m + t.stages * t.block_n) * qk_row + t.stages * t.block_n * t.head_dim * 2 +
+         1024 + 256;
 }
 constexpr TileConfig Sm90TileFor(int head_dim) {
   for (const TileConfig& t : kSm90TileTable) {
@@ -188,7 +192,9 @@ TileConfig TileForPlan(const Plan& plan);
 int PlanSmemBytes(const Plan& plan);
 
 // Chooses the kernel, the tile, the split count and GQA packing for
-// FP16/BF16 params (host memory is fine: only sizes are read); num_sms: the
+// FP16/BF16 params, and FP8 E4M3 params as their BF16 view (the kernel that
+// runs) plus Plan::fp8_qk where the Hopper prefill kernel takes them (host
+// memory is fine: only sizes are read); num_sms: the
 // device's SM count. kernel_head_dim is 0 when this build compiled no kernel
 // for params.head_dim. allow_sm90: the device is sm90 and the caller allows
 // the Hopper family (CudaBackend: unless ATTNSERVE_CUDA_PORTABLE=1); the plan

@@ -135,8 +135,7 @@ absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
 }
 
 absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
-  // FP8 hook: the kernel that runs is the BF16 one (fp8_dequant.h).
-  if (params.dtype == DType::kFP8E4M3) return PlanFor(cuda::Bf16View(params));
+  // FP8 params are planned as the kernel that runs them (PlanForward).
   const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90_);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
@@ -178,12 +177,12 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
 
 absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP8E4M3) {
-    // FP8 hook: BF16 copies of q/k/v in the slot's scratch, then the BF16
-    // kernel of `plan` (PlanFor planned the BF16 view), O written as BF16.
+    // FP8: BF16 copies in the slot's scratch (of V alone when Q K^T runs on
+    // the codes: plan.fp8_qk), then the BF16 kernel of `plan`, O written as BF16.
     RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev), "FP8 dequantise buffer"));
     AttnParams bf16;
     ATTN_CUDA_RETURN_IF_ERROR(
-        cuda::DequantiseFp8(dev, slot->fp8_scratch.ptr(), slot->stream, &bf16),
+        cuda::DequantiseFp8(dev, plan.fp8_qk, slot->fp8_scratch.ptr(), slot->stream, &bf16),
         "fp8 dequantise kernel");
     return LaunchKernels(plan, bf16, slot);
   }

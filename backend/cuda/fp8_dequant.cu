@@ -62,20 +62,27 @@ int64_t Fp8ScratchBytes(const AttnParams& p) {
   return Align256(q) + 2 * Align256(kv);
 }
 
-cudaError_t DequantiseFp8(const AttnParams& dev, void* scratch, cudaStream_t stream,
+cudaError_t DequantiseFp8(const AttnParams& dev, bool fp8_qk, void* scratch, cudaStream_t stream,
                           AttnParams* bf16) {
   const int64_t q_elems = dev.total_q * dev.num_heads_q * dev.head_dim;
   const int64_t kv_elems = dev.total_k * dev.num_heads_kv * dev.head_dim;
   char* q = static_cast<char*>(scratch);
   char* k = q + Align256(q_elems * 2);
   char* v = k + Align256(kv_elems * 2);
-  cudaError_t err = Dequant(dev.q, q_elems, dev.q_descale, q, stream);
-  if (err == cudaSuccess) err = Dequant(dev.k, kv_elems, dev.k_descale, k, stream);
-  if (err == cudaSuccess) err = Dequant(dev.v, kv_elems, dev.v_descale, v, stream);
-  *bf16 = Bf16View(dev);
-  bf16->q = q;
-  bf16->k = k;
+  cudaError_t err = Dequant(dev.v, kv_elems, dev.v_descale, v, stream);
+  if (!fp8_qk) {
+    if (err == cudaSuccess) err = Dequant(dev.q, q_elems, dev.q_descale, q, stream);
+    if (err == cudaSuccess) err = Dequant(dev.k, kv_elems, dev.k_descale, k, stream);
+  }
+  *bf16 = dev;
+  bf16->dtype = DType::kBF16;
   bf16->v = v;
+  bf16->v_descale = 1.0f;
+  if (!fp8_qk) {
+    bf16->q = q;
+    bf16->k = k;
+    bf16->q_descale = bf16->k_descale = 1.0f;
+  }
   return err;
 }
 

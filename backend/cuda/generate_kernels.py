@@ -28,7 +28,8 @@ import os
 HEAD_DIMS = [64, 96, 128, 192, 256]
 DEV_HEAD_DIMS = [128]
 # The Hopper family (backend/cuda/hopper/, kSm90TileTable): dense prefill,
-# compiled for sm_90a only (target attn_cuda_sm90).
+# FP16/BF16 and the FP8 path's (Q K^T on E4M3 codes), compiled for sm_90a
+# only (target attn_cuda_sm90).
 SM90_HEAD_DIMS = [64, 128, 256]
 DEV_SM90_HEAD_DIMS = [128]
 # The Hopper decode kernel (hopper/attn_decode_sm90.cuh, kSm90DecodeTileTable):
@@ -71,6 +72,18 @@ template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, DefaultSm90Schedu
 }}  // namespace attnserve
 """
 
+SM90_FP8_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel of the FP8 path for head
+// dim {d}, {mask}: Q K^T on E4M3 codes, P V and O in BF16 (Plan::fp8_qk).
+#include "backend/cuda/hopper/attn_fwd_sm90.cuh"
+
+namespace attnserve {{
+namespace cuda {{
+template cudaError_t RunAttnFwdSm90<{d}, __nv_bfloat16, {is_banded}, DefaultSm90Schedule({is_banded}),
+                                    true>(const FwdLaunch&, cudaStream_t);
+}}  // namespace cuda
+}}  // namespace attnserve
+"""
+
 INSTANTIATION = GENERATED + """// Instantiates the portable forward kernel over {what} for head dim {d},
 // {dtype}, {mask}.
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -89,7 +102,8 @@ def dims_list(ds):
 
 def sm90_dispatch_cases(ds):
     return "".join(
-        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);\n"
+        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,\n"
+        f"                                                                                          stream);\n"
         for d in ds)
 
 
@@ -178,8 +192,9 @@ namespace attnserve {{
 namespace cuda {{
 
 // The Hopper family's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it).
-template <typename T, bool kIsBanded>
+// cudaErrorInvalidValue (also in builds without it). kFp8Qk (T BF16): the
+// FP8 path's kernel (Plan::fp8_qk).
+template <typename T, bool kIsBanded, bool kFp8Qk>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {{
   switch (kernel_head_dim) {{
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
@@ -235,12 +250,16 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
   }}
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {{
     if (plan.kernel_family == KernelFamily::kSm90) {{
-      if (dtype == DType::kFP16) {{
-        return plan.banded ? RunSm90ForHeadDim<__half, true>(d, launch, stream)
-                           : RunSm90ForHeadDim<__half, false>(d, launch, stream);
+      if (plan.fp8_qk) {{
+        return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
+                           : RunSm90ForHeadDim<__nv_bfloat16, false, true>(d, launch, stream);
       }}
-      return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true>(d, launch, stream)
-                         : RunSm90ForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+      if (dtype == DType::kFP16) {{
+        return plan.banded ? RunSm90ForHeadDim<__half, true, false>(d, launch, stream)
+                           : RunSm90ForHeadDim<__half, false, false>(d, launch, stream);
+      }}
+      return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, false>(d, launch, stream)
+                         : RunSm90ForHeadDim<__nv_bfloat16, false, false>(d, launch, stream);
     }}
   }}
   if (plan.kernel_family != KernelFamily::kPortable) return cudaErrorInvalidValue;
@@ -260,6 +279,8 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
 # wgmma m64nNk16 shapes the Hopper kernels use: N = the key tile of S = Q K^T
 # (64, 128) and the head dim of O = P V (64, 128, 256).
 WGMMA_N = [64, 128, 256]
+# FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path.
+WGMMA_E4M3_N = [64, 128]
 WGMMA_TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 
@@ -312,6 +333,31 @@ struct Wgmma<{n}, {ctype}> {{
 }};
 """)
     out.append("""
+// wgmma.mma_async m64nNk32 with FP8 E4M3 operands, both K-major in shared
+// memory (the only layout FP8 wgmma reads, and what Q and K are): S = Q K^T
+// of the FP8 path, whose k32 step is 32 bytes of the 128-byte swizzled rows,
+// as a 16-bit k16 step is.
+template <int kN>
+struct WgmmaE4m3;
+""")
+    for n in WGMMA_E4M3_N:
+        regs = n // 2
+        dlist = ", ".join(f"%{i}" for i in range(regs))
+        douts = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+        out.append(f"""
+template <>
+struct WgmmaE4m3<{n}> {{
+  // d = (accumulate ? d : 0) + A B, A [64 x 32] and B [32 x {n}] E4M3 in shared memory.
+  __device__ __forceinline__ static void SS(float (&d)[{regs}], uint64_t a, uint64_t b, int accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{dlist}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"
+        : {douts}
+        : "l"(a), "l"(b), "r"(accumulate));
+  }}
+}};
+""")
+    out.append("""
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace attnserve
@@ -349,6 +395,14 @@ def main():
                 sm90_all.append(f"generated/{name}")
                 if d in DEV_SM90_HEAD_DIMS:
                     sm90_dev.append(f"generated/{name}")
+    for d in SM90_HEAD_DIMS:
+        for mask, is_banded in MASKS.items():
+            name = f"attn_fwd_hdim{d}_fp8_{mask}_sm90.cu"
+            with open(os.path.join(out, name), "w") as f:
+                f.write(SM90_FP8_INSTANTIATION.format(d=d, mask=mask, is_banded=is_banded))
+            sm90_all.append(f"generated/{name}")
+            if d in DEV_SM90_HEAD_DIMS:
+                sm90_dev.append(f"generated/{name}")
     for d in SM90_DECODE_HEAD_DIMS:
         for dtype, ctype in DTYPES.items():
             for mask, is_banded in MASKS.items():

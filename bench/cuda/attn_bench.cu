@@ -15,6 +15,10 @@
 //             prefill only):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
 //             the ablation of bench/NOTES-cuda.md.
+//   fp8, fp8_dequant (BF16 prefill shapes): the shape's inputs as FP8 E4M3
+//             codes, run as CudaBackend runs an FP8 call (dequantisation
+//             included): fp8 the planner's choice (on sm90 Q K^T on the
+//             codes), fp8_dequant every input dequantised to BF16 first.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
@@ -33,6 +37,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +51,7 @@
 #include <vector>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/fp8_dequant.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 #include "backend/make_params.h"
@@ -479,6 +485,62 @@ struct Paged : Impl {
   int64_t ExtraBytes() const override { return arena.bytes; }
 };
 
+// BF16 -> FP8 E4M3 codes (descale 1), for the FP8 versions' inputs.
+__global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m3* dst) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = __nv_fp8_e4m3(__bfloat162float(src[i]));
+  }
+}
+
+// FP8 E4M3 inputs on the BF16 grid's prefill shapes: the shape's inputs
+// quantised to codes once in Setup (descale 1; Validate rounds the
+// reference's inputs to E4M3 the same way), then what CudaBackend runs for
+// an FP8 call, dequantisation included. native: the planner's choice (on
+// sm90 Q K^T on the codes, Plan::fp8_qk); otherwise every input dequantised
+// to BF16 first (the path before it). O is BF16.
+struct Fp8 : Impl {
+  explicit Fp8(bool n) : native(n) {}
+  bool native;
+  AttnParams p{};
+  Plan plan;
+  Arena arena;
+  void* ws = nullptr;
+  void* scratch = nullptr;
+  bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+    if (s.dtype != DType::kBF16 || std::string(s.kind) == "decode") return false;
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
+    const int64_t nq = p.total_q * p.num_heads_q * p.head_dim;
+    const int64_t nk = p.total_k * p.num_heads_kv * p.head_dim;
+    const void* src[3] = {q, k, v};
+    void* codes[3] = {arena.Alloc(nq), arena.Alloc(nk), arena.Alloc(nk)};
+    for (int i = 0; i < 3; ++i) {
+      if (codes[i] == nullptr) return false;
+      QuantiseToE4m3<<<1024, 256>>>(static_cast<const __nv_bfloat16*>(src[i]), i == 0 ? nq : nk,
+                                    static_cast<__nv_fp8_e4m3*>(codes[i]));
+    }
+    CK(cudaDeviceSynchronize());
+    p.dtype = DType::kFP8E4M3;
+    p.q = codes[0];
+    p.k = codes[1];
+    p.v = codes[2];
+    plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
+    if (!native) plan.fp8_qk = false;
+    if (plan.kernel_head_dim == 0) return false;
+    scratch = arena.Alloc(cuda::Fp8ScratchBytes(p));
+    return scratch != nullptr && AllocWorkspace(&plan, &arena, &ws);
+  }
+  bool Run() override {
+    AttnParams run;
+    CK(cuda::DequantiseFp8(p, plan.fp8_qk, scratch, nullptr, &run));
+    CK(cuda::LaunchForward(run, plan, ws, nullptr));
+    return true;
+  }
+  int64_t ExtraBytes() const override { return arena.bytes; }
+};
+
 // One Hopper schedule (attn_fwd_sm90.h) on D=128 BF16 unbanded prefill.
 struct Sm90Variant : Impl {
   explicit Sm90Variant(cuda::Sm90Schedule s) : schedule(s) {}
@@ -516,6 +578,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "paged64") return std::make_unique<Paged>(64, true);
   if (name == "paged16_portable") return std::make_unique<Paged>(16, false);
   if (name == "kvread") return std::make_unique<KvRead>();
+  if (name == "fp8") return std::make_unique<Fp8>(true);
+  if (name == "fp8_dequant") return std::make_unique<Fp8>(false);
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
   return nullptr;
@@ -544,6 +608,11 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
   fill(hq);
   fill(hk);
   fill(hv);
+  if (name.rfind("fp8", 0) == 0) {
+    // The FP8 versions quantise their inputs: the reference sees the same values.
+    for (auto* x : {&hq, &hk, &hv})
+      for (auto& e : *x) e = FloatToBf16(Fp8E4M3ToFloat(FloatToFp8E4M3(Bf16ToFloat(e))));
+  }
   Arena a;
   void* dq = a.Alloc(nq * 2);
   void* dk = a.Alloc(nk * 2);

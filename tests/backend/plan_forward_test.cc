@@ -184,6 +184,27 @@ TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
   EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 72), kH100Sms, true).kernel_family, KernelFamily::kPortable);
 }
 
+// FP8 E4M3 calls plan as their BF16 view; on the Hopper prefill kernel Q K^T
+// stays on the codes (fp8_qk), with smaller Q and K tiles in smem.
+TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
+  AttnParams fp8 = Dense(2, 1024, 1024, 8, 2, 128, /*causal=*/true);
+  fp8.dtype = DType::kFP8E4M3;
+  Plan p = PlanForward(fp8, kH100Sms);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+  EXPECT_FALSE(p.fp8_qk);
+  EXPECT_EQ(p.kernel_head_dim, 128);
+  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
+  p = PlanForward(fp8, kH100Sms, /*allow_sm90=*/true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_TRUE(p.fp8_qk);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1));
+  EXPECT_LT(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128)));
+  // A decode step dequantises all three (the decode kernel is BF16).
+  AttnParams step = Dense(2, 1, 4096, 32, 8, 128);
+  step.dtype = DType::kFP8E4M3;
+  EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_qk);
+}
+
 TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
   // Short split prefill, Sk = 0, varlen, D < 64.
   EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);

@@ -385,6 +385,13 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   absl::StatusOr<Plan> plan = backend->CanImplement(a.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+  // FP8 prefill runs Q K^T on the codes (QGMMA): the Fp8/ grid's prefill
+  // cases take that path here.
+  HostBuffers e(Make(DType::kFP8E4M3, 2, 1024, 1024, 8, 2, 128, true));
+  plan = backend->CanImplement(e.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+  EXPECT_TRUE(plan->fp8_qk);
   // Decode at a head dim of the Hopper decode kernel takes it ...
   HostBuffers c(Make(DType::kBF16, 2, 1, 4096, 32, 8, 128, false));
   plan = backend->CanImplement(c.params());

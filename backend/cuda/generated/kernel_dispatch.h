@@ -18,20 +18,25 @@ namespace attnserve {
 namespace cuda {
 
 // The Hopper family's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it).
-template <typename T, bool kIsBanded>
+// cudaErrorInvalidValue (also in builds without it). kFp8Qk (T BF16): the
+// FP8 path's kernel (Plan::fp8_qk).
+template <typename T, bool kIsBanded, bool kFp8Qk>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+                                                                                          stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
     case 64:
-      return RunAttnFwdSm90<64, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+      return RunAttnFwdSm90<64, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+                                                                                          stream);
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+                                                                                          stream);
     case 256:
-      return RunAttnFwdSm90<256, T, kIsBanded, DefaultSm90Schedule(kIsBanded)>(launch, stream);
+      return RunAttnFwdSm90<256, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+                                                                                          stream);
 #endif
     default:
       (void)launch;
@@ -103,12 +108,16 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
   }
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {
     if (plan.kernel_family == KernelFamily::kSm90) {
-      if (dtype == DType::kFP16) {
-        return plan.banded ? RunSm90ForHeadDim<__half, true>(d, launch, stream)
-                           : RunSm90ForHeadDim<__half, false>(d, launch, stream);
+      if (plan.fp8_qk) {
+        return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
+                           : RunSm90ForHeadDim<__nv_bfloat16, false, true>(d, launch, stream);
       }
-      return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true>(d, launch, stream)
-                         : RunSm90ForHeadDim<__nv_bfloat16, false>(d, launch, stream);
+      if (dtype == DType::kFP16) {
+        return plan.banded ? RunSm90ForHeadDim<__half, true, false>(d, launch, stream)
+                           : RunSm90ForHeadDim<__half, false, false>(d, launch, stream);
+      }
+      return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, false>(d, launch, stream)
+                         : RunSm90ForHeadDim<__nv_bfloat16, false, false>(d, launch, stream);
     }
   }
   if (plan.kernel_family != KernelFamily::kPortable) return cudaErrorInvalidValue;

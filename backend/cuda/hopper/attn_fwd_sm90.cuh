@@ -135,8 +135,11 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
 // items). kPersistent: one CTA per SM walks items blockIdx.x, + gridDim.x, ...
 // while its producer already loads the next item's Q and K/V during this
 // one's last tiles and epilogue.
+// kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
+// Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
+// step of 16-bit values is); V, P and O stay T (BF16).
 template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule>
+          Sm90Schedule kSchedule, bool kFp8Qk>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -147,23 +150,29 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   constexpr bool kOverlap =
       kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent;
   constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent;
-  constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a row
+  constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
-  constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  // Q and K rows: 128-byte boxes of kQKCols elements (64 16-bit or 128 FP8).
+  constexpr int kQKCols = kFp8Qk ? 128 : 64;
+  constexpr int kQKBlocks = (kHeadDim + kQKCols - 1) / kQKCols;
+  constexpr int kQKSteps = kHeadDim * (kFp8Qk ? 1 : 2) / 32;  // k16 (k32 FP8) steps of Q K^T
+  constexpr int kQBytes = kQKBlocks * kBlockM * 128;
+  constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
+  constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
   constexpr int kConsumerWarps = kConsumerThreads / 32;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
 
-  // ---- Shared memory: Q [kDBlocks][128][64], K and V rings
+  // ---- Shared memory: Q [kQKBlocks][128 rows][128 bytes], the K ring
+  // [kStages][kQKBlocks][kBlockN][128 bytes], the V ring
   // [kStages][kDBlocks][kBlockN][64], each block 1024-byte aligned (the
   // 128-byte swizzle repeats every 8 rows), then the mbarriers.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = reinterpret_cast<T*>(smem + kQBytes);
-  T* sV = reinterpret_cast<T*>(smem + kQBytes + kStages * kKvBytes);
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kQBytes + 2 * kStages * kKvBytes);
+  unsigned char* sQ = smem;
+  unsigned char* sK = smem + kQBytes;
+  T* sV = reinterpret_cast<T*>(smem + kQBytes + kStages * kKBytes);
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kQBytes + kStages * (kKBytes + kVBytes));
   uint64_t* q_empty = q_full + 1;         // every consumer warp is done with Q (persistent)
   uint64_t* k_full = q_empty + 1;         // [kStages]: K tile landed
   uint64_t* v_full = k_full + kStages;    // [kStages]: V tile landed
@@ -199,8 +208,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   auto load_q = [&](const Sm90Tile& t) {
     MbarArriveExpectTx(q_full, kQBytes);
 #pragma unroll
-    for (int db = 0; db < kDBlocks; ++db) {
-      TmaLoad4d(sQ + db * kBlockM * 64, &L.q, q_full, db * 64, t.head, t.m0, t.b);
+    for (int db = 0; db < kQKBlocks; ++db) {
+      TmaLoad4d(sQ + db * kBlockM * 128, &L.q, q_full, db * kQKCols, t.head, t.m0, t.b);
     }
   };
   auto load_kv = [&](const Sm90Tile& t, int g, int it) {
@@ -209,14 +218,14 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     // The stage's previous tiles (g - kStages) must be consumed first.
     const uint32_t parity = ((g / kStages) - 1) & 1;
     if (g >= kStages) MbarWait(&k_empty[stage], parity);
-    MbarArriveExpectTx(&k_full[stage], kKvBytes);
+    MbarArriveExpectTx(&k_full[stage], kKBytes);
 #pragma unroll
-    for (int db = 0; db < kDBlocks; ++db) {
-      TmaLoad4d(sK + (stage * kDBlocks + db) * kBlockN * 64, &L.k, &k_full[stage], db * 64,
+    for (int db = 0; db < kQKBlocks; ++db) {
+      TmaLoad4d(sK + stage * kKBytes + db * kBlockN * 128, &L.k, &k_full[stage], db * kQKCols,
                 t.kv_head, key0, t.b);
     }
     if (g >= kStages) MbarWait(&v_empty[stage], parity);
-    MbarArriveExpectTx(&v_full[stage], kKvBytes);
+    MbarArriveExpectTx(&v_full[stage], kVBytes);
 #pragma unroll
     for (int db = 0; db < kDBlocks; ++db) {
       TmaLoad4d(sV + (stage * kDBlocks + db) * kBlockN * 64, &L.v, &v_full[stage], db * 64,
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   const int quad = lane % 4;
   const bool use_softcap = p.softcap > 0.f;
   const float score_log2 = use_softcap ? 1.f : F.scale_log2;
-  const T* q_wg = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each Q block
+  const unsigned char* q_wg = sQ + wg * 64 * 128;  // this warpgroup's 64 rows of each Q block
 
   float o[1][kDTiles][4];
   float row_max[2], row_sum[2];
@@ -265,17 +274,22 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   float s[1][kNTiles][4];
   uint32_t pa[kNTiles / 2][4];
 
-  // S = Q K^T for the stage's K tile: D/16 k-steps, each a K-major descriptor
-  // pair advanced 32 bytes inside the 128-byte rows, 64-column blocks apart.
+  // S = Q K^T for the stage's K tile: kQKSteps k-steps, each a K-major
+  // descriptor pair advanced 32 bytes inside the 128-byte rows, 128-byte
+  // boxes apart.
   auto gemm_qk = [&](int stage) {
     FenceRegs(Flat(s));
     WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const int db = kk / 4, kin = (kk % 4) * 16;
-      const uint64_t a = SmemDesc(q_wg + db * kBlockM * 64 + kin, 16, 1024);
-      const uint64_t bd = SmemDesc(sK + (stage * kDBlocks + db) * kBlockN * 64 + kin, 16, 1024);
-      Wgmma<kBlockN, T>::SS(Flat(s), a, bd, kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < kQKSteps; ++kk) {
+      const int db = kk / 4, kin = (kk % 4) * 32;
+      const uint64_t a = SmemDesc(q_wg + db * kBlockM * 128 + kin, 16, 1024);
+      const uint64_t bd = SmemDesc(sK + stage * kKBytes + db * kBlockN * 128 + kin, 16, 1024);
+      if constexpr (kFp8Qk) {
+        WgmmaE4m3<kBlockN>::SS(Flat(s), a, bd, kk > 0 ? 1 : 0);
+      } else {
+        Wgmma<kBlockN, T>::SS(Flat(s), a, bd, kk > 0 ? 1 : 0);
+      }
     }
     WgmmaCommit();
     FenceRegs(Flat(s));
@@ -448,10 +462,12 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 }  // namespace sm90
 
 // Launches the instantiation: tensor maps over the request's dense Q, K and
-// V (one box = 64 columns x the tile's rows); a CTA per work item (m block,
-// batch, query head), or one per SM for kPersistent. launch.num_splits must be 1 (the planner never
-// splits here).
-template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
+// V (one box = one 128-byte row of 64 columns, 128 for FP8 codes, x the
+// tile's rows); a CTA per work item (m block, batch, query head), or one per
+// SM for kPersistent. launch.num_splits must be 1 (the planner never splits
+// here). kFp8Qk: p.q and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is
+// BF16.
+template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
@@ -461,22 +477,23 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   for (const void* ptr : {p.q, p.k, p.v}) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorMisalignedAddress;
   }
+  const DType qk_dtype = kFp8Qk ? DType::kFP8E4M3 : p.dtype;
   Sm90FwdLaunch l;
   l.fwd = launch;
-  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, p.dtype, p.batch, p.seqlen_q, p.num_heads_q,
+  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, qk_dtype, p.batch, p.seqlen_q, p.num_heads_q,
                                         p.head_dim, sm90::kBlockM);
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
-                              kTile.block_n);
+    err = EncodeRowsTensorMap(&l.k, p.k, qk_dtype, p.batch, p.seqlen_k, p.num_heads_kv,
+                              p.head_dim, kTile.block_n);
   }
   if (err == cudaSuccess) {
     err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
                               kTile.block_n);
   }
   if (err != cudaSuccess) return err;
-  auto kernel =
-      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded, kSchedule>;
-  constexpr int kSmem = Sm90SmemBytes(kTile);
+  auto kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded,
+                                        kSchedule, kFp8Qk>;
+  constexpr int kSmem = Sm90SmemBytes(kTile, kFp8Qk ? 1 : 2);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int64_t items = int64_t{launch.num_m_blocks} * p.batch * p.num_heads_q;

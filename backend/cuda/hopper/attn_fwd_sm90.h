@@ -55,9 +55,10 @@ struct Sm90FwdLaunch {
   CUtensorMap v;
 };
 
-// Fills `map` over a dense [batch, rows, heads, head_dim] FP16/BF16 tensor at
-// device address `base` with boxes of 64 columns x box_rows rows of one head,
-// 128-byte swizzled (what the wgmma descriptors expect). cuTensorMapEncodeTiled
+// Fills `map` over a dense [batch, rows, heads, head_dim] FP16/BF16 (or FP8
+// E4M3) tensor at device address `base` with boxes of 64 (FP8: 128) columns,
+// one 128-byte row, x box_rows rows of one head, 128-byte swizzled (what the
+// wgmma descriptors expect). cuTensorMapEncodeTiled
 // is looked up through the runtime (cudaGetDriverEntryPointByVersion), so
 // nothing links libcuda. cudaErrorInvalidValue when the driver lacks it or
 // rejects the shape.
@@ -65,8 +66,9 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
 
 // One instantiation (generated/*_sm90.cu): kHeadDim 64/128/256, T __half or
-// __nv_bfloat16, kIsBanded as the portable kernel's.
-template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule>
+// __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q and K
+// are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk).
+template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // What the Hopper decode kernel reads over a cache's pages: the portable

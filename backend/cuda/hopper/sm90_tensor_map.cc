@@ -42,20 +42,23 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
   const EncodeTiledFn encode = EncodeTiled();
   if (encode == nullptr) return cudaErrorInvalidValue;
-  constexpr int64_t kElem = 2;
+  // A box row is one 128-byte swizzle row: 64 16-bit or 128 FP8 elements.
+  const int64_t elem_bytes = dtype == DType::kFP8E4M3 ? 1 : 2;
+  const CUtensorMapDataType type = dtype == DType::kFP8E4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : dtype == DType::kFP16  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                            : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   // Dims innermost first: head_dim, heads, rows, batch. Rows past a
   // sequence's end and columns past head_dim read as zeros (out of bounds).
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElem),
-                                 static_cast<cuuint64_t>(heads * head_dim * kElem),
-                                 static_cast<cuuint64_t>(rows * heads * head_dim * kElem)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * elem_bytes),
+                                 static_cast<cuuint64_t>(heads * head_dim * elem_bytes),
+                                 static_cast<cuuint64_t>(rows * heads * head_dim * elem_bytes)};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / elem_bytes), 1,
+                             static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(
-      map,
-      dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-      const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
