@@ -11,7 +11,8 @@
 #  4. the BF16 report: python -m attnserve.hf_compare --dtype bfloat16 (first
 #     differing step and logit margins, both modes, and eager vs sdpa);
 #  5. bench/gpu/python_bench.py: Python client vs attnctl load (small B=1 N=256
-#     H=16 D=128 and large B=4 N=4096, concurrency 1 and 16), and generate()
+#     H=16 D=128 and large B=4 N=4096, concurrency 1 and 16; unary on each
+#     transport: attnserve._native, gRPC C++, and grpcio), and generate()
 #     with K/V on the server vs local SDPA (small Llama and a 1B-sized Llama,
 #     BF16, batch 1 and 32, where the time goes).
 # Everything lands in $OUT: python-<gpu>-<date>.csv (environment, test result
@@ -95,10 +96,13 @@ rm -f "$csv"
 step "environment"
 versions=$("$py" - <<'EOF'
 import sys, grpc, google.protobuf, numpy, ml_dtypes, torch, transformers, attnserve
+from attnserve import _transport
+native = (f"native (gRPC C++ {_transport._native.GRPC_VERSION})" if _transport._native
+          else f"grpcio only: attnserve._native does not import: {_transport._NATIVE_MISSING}")
 print(f"python {sys.version.split()[0]} torch {torch.__version__} (cuda {torch.version.cuda}) "
       f"transformers {transformers.__version__} grpcio {grpc.__version__} "
       f"protobuf {google.protobuf.__version__} numpy {numpy.__version__} "
-      f"ml_dtypes {ml_dtypes.__version__} attnserve {attnserve.__version__}")
+      f"ml_dtypes {ml_dtypes.__version__} attnserve {attnserve.__version__}, {native}")
 EOF
 ) || { echo "the Python packages do not import (see above)"; exit 2; }
 echo "$versions"

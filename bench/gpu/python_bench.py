@@ -214,12 +214,17 @@ def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration
                  scenarios: List[str], rpcs: List[str], concurrencies: List[int],
                  transports: List[str], stream: bool, label: str) -> None:
     clients = {}
+    asked = os.environ.get(_transport.ENV)
     for transport in transports:
         os.environ[_transport.ENV] = transport  # read when a Client is made
         clients[transport] = Client(target, timeout=600)
         if clients[transport].transport != transport:
             raise RuntimeError(f"asked for the {transport} transport, got "
                                f"{clients[transport].transport}")
+    if asked is None:  # part (b) uses the default again
+        del os.environ[_transport.ENV]
+    else:
+        os.environ[_transport.ENV] = asked
     try:
         for name in scenarios:
             sc = SCENARIOS[name]

@@ -104,6 +104,8 @@ def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
         except RuntimeError as e:  # native not built here
             print(f"{transport}: {e}")
             continue
+        finally:
+            del os.environ[_transport.ENV]
         call = c.echo if rpc == "echo" else c.forward
         req, small = _request.build_request(q, k, v), _request.build_request(tiny, tiny, tiny)
         if transport == "grpcio":
