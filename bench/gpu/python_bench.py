@@ -49,13 +49,13 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import ml_dtypes
 import numpy as np
 
 import attnserve
-from attnserve import Client, _transport
+from attnserve import Client, _request, _transport
 
 FIELDS = ["part", "scenario", "rpc", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
           "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
@@ -155,10 +155,22 @@ def attnctl_load(attnctl: str, target: str, sc: Dict, rpc: str, concurrency: int
                 client_cpu_ms=cpu_s * 1e3 / (rate * window_s) if rate and window_s else 0.0)
 
 
+def grpcio_floor(client: Client, rpc: str, q, k, v) -> Callable[..., Any]:
+    """grpcio with nothing of ours per call: the request's bytes built once, sent through
+    an identity serializer, the response's bytes not even parsed. What a Python client
+    on grpcio cannot beat (the --floor rows)."""
+    method = client.channel.unary_unary(f"/attnserve.v1.Attention/{rpc.capitalize()}",
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+    data = _request.build_request(q, k, v).data
+    return lambda *_: method(data)
+
+
 def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: float,
-                duration: float, stream: bool) -> Dict[str, float]:
+                duration: float, stream: bool, floor: bool = False) -> Dict[str, float]:
     """Closed loop like attnctl load: `concurrency` callers, each sending its next
-    request when the last returns; only requests completing inside the window count."""
+    request when the last returns; only requests completing inside the window count.
+    The arrays are made once, before the loop, as attnctl makes its inputs."""
     rng = np.random.default_rng(0)
     shape = (sc["batch"], sc["seqlen"], sc["heads"], sc["head_dim"])
     q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -167,7 +179,8 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
     end = start + duration
     latencies: List[float] = []
     lock = threading.Lock()
-    call = client.echo if rpc == "echo" else client.forward
+    call = (grpcio_floor(client, rpc, q, k, v) if floor else
+            client.echo if rpc == "echo" else client.forward)
 
     def caller(s=None):
         while True:
@@ -212,10 +225,10 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
 
 def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
                  scenarios: List[str], rpcs: List[str], concurrencies: List[int],
-                 transports: List[str], stream: bool, label: str) -> None:
+                 transports: List[str], stream: bool, floor: bool, label: str) -> None:
     clients = {}
     asked = os.environ.get(_transport.ENV)
-    for transport in transports:
+    for transport in transports + (["grpcio"] if floor else []):
         os.environ[_transport.ENV] = transport  # read when a Client is made
         clients[transport] = Client(target, timeout=600)
         if clients[transport].transport != transport:
@@ -239,10 +252,12 @@ def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration
                     runs = [("python_unary", t) for t in transports]
                     if rpc == "forward" and stream:  # Echo has no stream form
                         runs.append(("python_stream", "grpcio"))  # streams are grpcio's
+                    if floor:
+                        runs.append(("grpcio_floor", "grpcio"))
                     for impl, transport in runs:
                         client = clients.get(transport) or clients[transports[0]]
                         r = python_load(client, sc, rpc, conc, warmup, duration,
-                                        impl == "python_stream")
+                                        impl == "python_stream", impl == "grpcio_floor")
                         out.row(**common, impl=impl, transport=transport, **r,
                                 ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
                                 if base["req_per_s"] else 0.0)
@@ -398,7 +413,7 @@ def print_summary(path: str) -> None:
               "the client's CPU ms per request)")
         cols = [("attnctl_load", "attnctl"), ("python_unary/native", "unary native"),
                 ("python_unary/grpcio", "unary grpcio"), ("python_unary", "unary"),
-                ("python_stream", "stream")]
+                ("python_stream", "stream"), ("grpcio_floor", "grpcio floor")]
         present = [(impl, title) for impl, title in cols if any(k[4] == impl for k in client)]
         print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} " +
               " ".join(f"{title + ' req/s':>19} {'ratio':>5} {'cpu':>6}" for _, title in present)
@@ -450,6 +465,9 @@ def main() -> int:
                     help="part (a): unary rows per transport (attnserve._transport); native "
                          "is left out where attnserve._native does not import")
     ap.add_argument("--no-stream", action="store_true", help="part (a): no ForwardStream rows")
+    ap.add_argument("--floor", action="store_true",
+                    help="part (a): also grpcio_floor rows (grpcio with a request built once "
+                         "and nothing of ours per call: the best a client on grpcio can do)")
     ap.add_argument("--label", default="", help="part (a): the rows' notes (e.g. the client "
                     "version when comparing two)")
     ap.add_argument("--models", default="llama-small,llama-1b", help="part (b)")
@@ -477,7 +495,7 @@ def main() -> int:
                       f" transports {transports}", flush=True)
             bench_client(out, target, a.attnctl, warmup, duration, a.scenarios.split(","),
                          a.rpcs.split(","), [int(c) for c in a.concurrency.split(",")],
-                         transports, not a.no_stream, a.label)
+                         transports, not a.no_stream, a.floor, a.label)
         if "generate" in parts:
             if a.torch_threads:
                 import torch

@@ -22,8 +22,9 @@ that long).
 its minor page faults) for the steps of a call, each alone over --calls calls,
 on each transport (attnserve._transport): building the request; the transport
 with a request built once (grpcio: the joined bytes through an identity codec,
-so nothing of ours runs; native: the pieces); the whole echo()/forward(); and
-a tiny request (B 1, N 1, H 1, D 8: the fixed cost of a call). CPU per call,
+so nothing of ours runs; also on grpc.aio, the calls awaited one after another
+in one coroutine; native: the pieces); the whole echo()/forward(); and a tiny
+request (B 1, N 1, H 1, D 8: the fixed cost of a call). CPU per call,
 not wall time, because the 2-core development machine is shared and loaded.
 """
 
@@ -91,11 +92,40 @@ def cpu_per_call(fn, calls: int) -> str:
             f"faults {(r1.ru_minflt - r0.ru_minflt) / calls:6.0f}  wall {(t1 - t0) * 1e3 / calls:8.3f} ms")
 
 
+def aio_floor(target: str, path: str, data: bytes, calls: int) -> str:
+    """cpu_per_call's line for grpc.aio with data sent as is, awaited in one coroutine."""
+    import asyncio
+
+    import grpc.aio
+
+    async def run() -> str:
+        async with grpc.aio.insecure_channel(target, [("grpc.max_send_message_length", -1),
+                                                      ("grpc.max_receive_message_length", -1)]
+                                             ) as ch:
+            method = ch.unary_unary(path, request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+
+            async def loop(n: int) -> None:
+                for _ in range(n):
+                    await method(data)
+            await loop(3)
+            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
+            t0 = time.perf_counter()
+            await loop(calls)
+            c1, t1 = time.process_time(), time.perf_counter()
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return (f"cpu {(c1 - c0) * 1e3 / calls:8.3f} ms (user "
+                f"{(r1.ru_utime - r0.ru_utime) * 1e3 / calls:.3f} sys "
+                f"{(r1.ru_stime - r0.ru_stime) * 1e3 / calls:.3f}) faults "
+                f"{(r1.ru_minflt - r0.ru_minflt) / calls:6.0f}  wall {(t1 - t0) * 1e3 / calls:8.3f} ms")
+    return asyncio.run(run())
+
+
 def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
     method = "Echo" if rpc == "echo" else "Forward"
     path = f"/attnserve.v1.Attention/{method}"
     tiny = np.ones((1, 1, 1, 8), q.dtype)
-    print(f"{'build_request':<34} {cpu_per_call(lambda: _request.build_request(q, k, v), calls)}",
+    print(f"{'build_request':<40} {cpu_per_call(lambda: _request.build_request(q, k, v), calls)}",
           flush=True)
     for transport in ("grpcio", "native"):
         os.environ[_transport.ENV] = transport  # read when a Client is made
@@ -114,6 +144,8 @@ def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
             data, small_data = req.data, small.data
             steps = [("transport, request built once", lambda: raw(data)),
                      ("tiny request, transport only", lambda: raw(small_data))]
+            print(f"{'grpcio aio: transport, request built once':<40} "
+                  f"{aio_floor(target, path, data, calls)}", flush=True)
         else:
             steps = [("transport, request built once",
                       lambda: c._native.unary(path, req.pieces, None, None)),
@@ -121,7 +153,7 @@ def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
                       lambda: c._native.unary(path, small.pieces, None, None))]
         steps.append((f"{rpc}() (all of it)", lambda: call(q, k, v)))
         for name, fn in steps:
-            print(f"{transport:<7}{name:<27} {cpu_per_call(fn, calls)}", flush=True)
+            print(f"{transport + ': ' + name:<40} {cpu_per_call(fn, calls)}", flush=True)
         c.close()
 
 
