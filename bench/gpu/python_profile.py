@@ -24,7 +24,11 @@ on each transport (attnserve._transport): building the request; the transport
 with a request built once (grpcio: the joined bytes through an identity codec,
 so nothing of ours runs; also on grpc.aio, the calls awaited one after another
 in one coroutine; native: the pieces); the whole echo()/forward(); and a tiny
-request (B 1, N 1, H 1, D 8: the fixed cost of a call). CPU per call,
+request (B 1, N 1, H 1, D 8: the fixed cost of a call). --worker-thread runs
+each step's calls on a second thread, as python_bench.py's callers are: glibc
+gives such a thread its own malloc arena, which does not hand freed memory
+back to the system as the main thread's heap does (so grpcio's fresh multi-MB
+buffers are not faulted in anew on each call there). CPU per call,
 not wall time, because the 2-core development machine is shared and loaded.
 """
 
@@ -79,8 +83,14 @@ def gil_probe(q, k, v, calls: int) -> None:
               f"{during:.3g}/s meanwhile, {alone:.3g}/s alone ({during / alone:.0%})")
 
 
-def cpu_per_call(fn, calls: int) -> str:
+def cpu_per_call(fn, calls: int, worker_thread: bool = False) -> str:
     """fn's cost per call in this process: CPU ms (user + system, all threads), minor faults."""
+    if worker_thread:
+        out = []
+        t = threading.Thread(target=lambda: out.append(cpu_per_call(fn, calls)))
+        t.start()
+        t.join()
+        return out[0]
     for _ in range(3):
         fn()
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
@@ -121,7 +131,7 @@ def aio_floor(target: str, path: str, data: bytes, calls: int) -> str:
     return asyncio.run(run())
 
 
-def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
+def ladder(target: str, rpc: str, q, k, v, calls: int, worker_thread: bool) -> None:
     method = "Echo" if rpc == "echo" else "Forward"
     path = f"/attnserve.v1.Attention/{method}"
     tiny = np.ones((1, 1, 1, 8), q.dtype)
@@ -153,7 +163,8 @@ def ladder(target: str, rpc: str, q, k, v, calls: int) -> None:
                       lambda: c._native.unary(path, small.pieces, None, None))]
         steps.append((f"{rpc}() (all of it)", lambda: call(q, k, v)))
         for name, fn in steps:
-            print(f"{transport + ': ' + name:<40} {cpu_per_call(fn, calls)}", flush=True)
+            print(f"{transport + ': ' + name:<40} {cpu_per_call(fn, calls, worker_thread)}",
+                  flush=True)
         c.close()
 
 
@@ -162,6 +173,8 @@ def main() -> int:
     ap.add_argument("--target")
     ap.add_argument("--gil", action="store_true", help="no server: the GIL probe above")
     ap.add_argument("--ladder", action="store_true", help="CPU per call, step by step (above)")
+    ap.add_argument("--worker-thread", action="store_true", help="--ladder: calls on a second "
+                    "thread (above)")
     ap.add_argument("--scenario", default="small", choices=sorted(SCENARIOS))
     ap.add_argument("--rpc", default="echo", choices=["echo", "forward"])
     ap.add_argument("--calls", type=int, default=200)
@@ -179,8 +192,9 @@ def main() -> int:
         ap.error("--target (or --gil)")
     if a.ladder:
         print(f"attnserve {attnserve.__file__}: {a.rpc} {a.scenario} {shape} bf16, {a.calls} calls "
-              f"each, load average {os.getloadavg()[0]:.1f}")
-        ladder(a.target, a.rpc, q, k, v, a.calls)
+              f"each{' on a worker thread' if a.worker_thread else ''}, load average "
+              f"{os.getloadavg()[0]:.1f}")
+        ladder(a.target, a.rpc, q, k, v, a.calls, a.worker_thread)
         return 0
     with Client(a.target, timeout=600) as c:
         call = c.echo if a.rpc == "echo" else c.forward
