@@ -29,7 +29,9 @@
 # .device-carry/NAME: CARRY=.device-carry); BUDGET_S (default 570) is the
 # whole run's time: the benchmark gets what the steps before it left. RPCS
 # (default forward; forward,echo adds Echo rows: the client and transport
-# without compute) is python_bench.py's --rpcs.
+# without compute) is python_bench.py's --rpcs; FLOOR=1 adds its grpcio_floor
+# rows (grpcio with the request built once and nothing of ours per call: the
+# best any client on grpcio could do).
 # Usage: scripts/gpu-python.sh [--cpu]
 set -uo pipefail
 if [ -n "${CARRY:-}" ]; then CARRY=$(cd "$CARRY" && pwd) || exit 2; fi
@@ -144,9 +146,11 @@ timeout 200 "$py" -m attnserve.hf_compare --target="$target" --dtype=bfloat16 \
 sed 's/^/# bf16: /' "$OUT/hf-bf16.txt" >>"$csv"
 
 left=$((budget - (SECONDS - started) - 15))
+floor=()
+[ "${FLOOR:-0}" = 1 ] && floor=(--floor)
 step "benchmark (at most $left s)"
 timeout "$left" "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
-  --csv="$csv" --rpcs="${RPCS:-forward}" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
+  --csv="$csv" --rpcs="${RPCS:-forward}" "${floor[@]}" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] || { echo "python_bench.py exited $rc; its last lines:"; tail -20 "$OUT/bench.txt"; fail=1; }
 kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""

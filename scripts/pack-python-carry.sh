@@ -32,10 +32,20 @@ py=$(scripts/python-env.sh)   # .venv: downloads the runtime wheels
 wheels=.device-carry/wheels
 rm -rf "$wheels"
 mkdir -p "$wheels"
+device_py=${DEVICE_PYTHON:-}
+if [ -z "$device_py" ]; then  # python3.12 on PATH, else pyenv's
+  for candidate in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python; do
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      device_py=$candidate
+      break
+    fi
+  done
+  [ -n "$device_py" ] || { echo "no Python 3.12 here: set DEVICE_PYTHON" >&2; exit 1; }
+fi
 # shellcheck disable=SC2016  # $ORIGIN is the dynamic loader's, not the shell's
 env -u PYTHONPATH LDFLAGS='-Wl,--disable-new-dtags,-rpath,$ORIGIN/../../lib' \
-  "${DEVICE_PYTHON:-python3.12}" -m pip wheel -q --no-deps -w "$wheels" ./python
-ls "$wheels"/attnserve-*.whl | grep -q -- '-linux_x86_64\.whl$' ||
+  "$device_py" -m pip wheel -q --no-deps -w "$wheels" ./python
+compgen -G "$wheels/attnserve-*-linux_x86_64.whl" >/dev/null ||
   { echo "the attnserve wheel has no attnserve._native (no gRPC C++ here?)" >&2; exit 1; }
 # pip matches manylinux tags exactly: name the ones protobuf's wheels use.
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
