@@ -83,8 +83,27 @@ def gil_probe(q, k, v, calls: int) -> None:
               f"{during:.3g}/s meanwhile, {alone:.3g}/s alone ({during / alone:.0%})")
 
 
+class Usage:
+    """This process's CPU (user + system, all threads), minor faults and wall time from
+    construction to report()."""
+
+    def __init__(self):
+        self.r0, self.c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
+        self.t0 = time.perf_counter()
+
+    def report(self, calls: int) -> str:
+        c1, t1, r1 = time.process_time(), time.perf_counter(), resource.getrusage(
+            resource.RUSAGE_SELF)
+        per = 1e3 / calls
+        return (f"cpu {(c1 - self.c0) * per:8.3f} ms (user "
+                f"{(r1.ru_utime - self.r0.ru_utime) * per:.3f} sys "
+                f"{(r1.ru_stime - self.r0.ru_stime) * per:.3f}) faults "
+                f"{(r1.ru_minflt - self.r0.ru_minflt) / calls:6.0f}  wall "
+                f"{(t1 - self.t0) * per:8.3f} ms")
+
+
 def cpu_per_call(fn, calls: int, worker_thread: bool = False) -> str:
-    """fn's cost per call in this process: CPU ms (user + system, all threads), minor faults."""
+    """fn's cost per call in this process (Usage), after 3 calls of warm-up."""
     if worker_thread:
         out = []
         t = threading.Thread(target=lambda: out.append(cpu_per_call(fn, calls)))
@@ -93,13 +112,10 @@ def cpu_per_call(fn, calls: int, worker_thread: bool = False) -> str:
         return out[0]
     for _ in range(3):
         fn()
-    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
+    usage = Usage()
     for _ in range(calls):
         fn()
-    c1, t1, r1 = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-    return (f"cpu {(c1 - c0) * 1e3 / calls:8.3f} ms (user {(r1.ru_utime - r0.ru_utime) * 1e3 / calls:.3f}"
-            f" sys {(r1.ru_stime - r0.ru_stime) * 1e3 / calls:.3f}) "
-            f"faults {(r1.ru_minflt - r0.ru_minflt) / calls:6.0f}  wall {(t1 - t0) * 1e3 / calls:8.3f} ms")
+    return usage.report(calls)
 
 
 def aio_floor(target: str, path: str, data: bytes, calls: int) -> str:
@@ -109,25 +125,16 @@ def aio_floor(target: str, path: str, data: bytes, calls: int) -> str:
     import grpc.aio
 
     async def run() -> str:
-        async with grpc.aio.insecure_channel(target, [("grpc.max_send_message_length", -1),
-                                                      ("grpc.max_receive_message_length", -1)]
-                                             ) as ch:
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        async with grpc.aio.insecure_channel(target, options) as ch:
             method = ch.unary_unary(path, request_serializer=lambda b: b,
                                     response_deserializer=lambda b: b)
-
-            async def loop(n: int) -> None:
-                for _ in range(n):
-                    await method(data)
-            await loop(3)
-            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
-            t0 = time.perf_counter()
-            await loop(calls)
-            c1, t1 = time.process_time(), time.perf_counter()
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-        return (f"cpu {(c1 - c0) * 1e3 / calls:8.3f} ms (user "
-                f"{(r1.ru_utime - r0.ru_utime) * 1e3 / calls:.3f} sys "
-                f"{(r1.ru_stime - r0.ru_stime) * 1e3 / calls:.3f}) faults "
-                f"{(r1.ru_minflt - r0.ru_minflt) / calls:6.0f}  wall {(t1 - t0) * 1e3 / calls:8.3f} ms")
+            for _ in range(3):
+                await method(data)
+            usage = Usage()
+            for _ in range(calls):
+                await method(data)
+            return usage.report(calls)
     return asyncio.run(run())
 
 

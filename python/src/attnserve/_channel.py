@@ -94,6 +94,11 @@ class ChannelOwner:
         token = _security.resolve_token(token)
         credentials = _security.channel_credentials(
             credentials, tls, root_certificates, certificate_chain, private_key, token)
+        # The synchronous client's tensor-carrying unary calls on gRPC C++ where
+        # attnserve._transport says so (its own connection); None: all on grpcio.
+        self._native = (_transport.native_channel(target, opts, plain_text=credentials is None
+                                                  and not token)
+                        if self._grpc is grpc else None)
         if credentials is not None:
             self.channel = self._grpc.secure_channel(target, credentials, opts)
         elif token and self._grpc is grpc:
@@ -104,11 +109,6 @@ class ChannelOwner:
                 target, opts, interceptors=_security.aio_interceptors(token))
         else:
             self.channel = self._grpc.insecure_channel(target, opts)
-        # The synchronous client's tensor-carrying unary calls on gRPC C++ where
-        # attnserve._transport says so (its own connection); None: all on grpcio.
-        self._native = (_transport.native_channel(target, opts, plain_text=credentials is None
-                                                  and not token)
-                        if self._grpc is grpc else None)
         # The tensor-carrying methods on attnserve._wire's codec (_stubs says which).
         self._stub = _stubs.AttentionStub(self.channel, self._native)
         self._health = health_pb2_grpc.HealthStub(self.channel)

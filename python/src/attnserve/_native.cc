@@ -24,17 +24,17 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/slice.h>
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
-#include <climits>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -273,9 +273,9 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
   self->state->calls.fetch_add(1, std::memory_order_relaxed);
   if (!status.ok()) {
     const std::string& message = status.error_message();
-    return Py_BuildValue("(iN)", static_cast<int>(status.error_code()),
-                         PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
-                                              "replace"));
+    return Py_BuildValue(
+        "(iN)", static_cast<int>(status.error_code()),
+        PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "replace"));
   }
   size_t total = 0;
   for (const grpc::Slice& s : parts) total += s.size();

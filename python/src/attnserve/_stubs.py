@@ -35,8 +35,9 @@ def _install(stub: Any, channel: Any, native: Optional[Any], service: Any, reque
 class AttentionStub(pb_grpc.AttentionStub):
     def __init__(self, channel: Any, native: Optional[Any] = None):
         super().__init__(channel)
-        _install(self, channel, native, pb.DESCRIPTOR.services_by_name["Attention"], pb.ForwardRequest,
-                 pb.ForwardResponse, unary=("Forward", "Echo"), streams=("ForwardStream",))
+        _install(self, channel, native, pb.DESCRIPTOR.services_by_name["Attention"],
+                 pb.ForwardRequest, pb.ForwardResponse, unary=("Forward", "Echo"),
+                 streams=("ForwardStream",))
 
 
 class KvCacheStub(kv_pb2_grpc.KvCacheStub):
