@@ -26,9 +26,9 @@ so nothing of ours runs; also on grpc.aio, the calls awaited one after another
 in one coroutine; native: the pieces); the whole echo()/forward(); and a tiny
 request (B 1, N 1, H 1, D 8: the fixed cost of a call). --worker-thread runs
 each step's calls on a second thread, as python_bench.py's callers are: glibc
-gives such a thread its own malloc arena, which does not hand freed memory
-back to the system as the main thread's heap does (so grpcio's fresh multi-MB
-buffers are not faulted in anew on each call there). CPU per call,
+gives such a thread its own malloc arena, which hands freed memory back to the
+system less eagerly than the main thread's heap (so grpcio's fresh multi-MB
+buffers are mostly not faulted in anew on each call there). CPU per call,
 not wall time, because the 2-core development machine is shared and loaded.
 """
 
