@@ -6,6 +6,12 @@ every proto/attnserve/v1/*.proto and writes attnserve/v1/<name>_pb2.py,
 _pb2.pyi and _pb2_grpc.py into the build tree, so a new .proto (the K/V API's
 kv.proto) becomes attnserve.v1.kv_pb2 without touching this file.
 
+It also builds attnserve._native (src/attnserve/_native.cc: the tensor-carrying
+unary calls through gRPC C++) when `pkg-config grpc++` finds gRPC C++'s
+development files (scripts/install-deps.sh installs them) and $ATTNSERVE_NATIVE
+is not 0. Without them the package is pure Python and every call goes through
+grpcio; attnserve._transport is where the client chooses at run time.
+
 Where the .proto files are found, first hit wins:
   1. $ATTNSERVE_PROTO_DIR (a folder holding attnserve/v1/*.proto);
   2. python/proto/ (an sdist made by `sdist` below vendors them there);
@@ -14,9 +20,11 @@ Where the .proto files are found, first hit wins:
 
 import glob
 import os
+import shlex
 import shutil
+import subprocess
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -73,4 +81,22 @@ class SdistWithProtos(sdist):
             shutil.copyfile(proto, dest)
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos})
+def native_extensions() -> list:
+    """[attnserve._native] where gRPC C++ can be compiled against, else [] (see above)."""
+    if os.environ.get("ATTNSERVE_NATIVE", "") == "0":
+        return []
+    try:
+        cflags, libs = (shlex.split(subprocess.run(
+            ["pkg-config", flag, "grpc++"], check=True, capture_output=True, text=True).stdout)
+            for flag in ("--cflags", "--libs"))
+    except (OSError, subprocess.CalledProcessError):
+        print("attnserve: no gRPC C++ development files (pkg-config grpc++): building without "
+              "attnserve._native; every call goes through grpcio")
+        return []
+    return [Extension("attnserve._native", sources=["src/attnserve/_native.cc"], language="c++",
+                      extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *cflags],
+                      extra_link_args=libs)]
+
+
+setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos},
+      ext_modules=native_extensions())

@@ -11,7 +11,8 @@
 #  4. the BF16 report: python -m attnserve.hf_compare --dtype bfloat16 (first
 #     differing step and logit margins, both modes, and eager vs sdpa);
 #  5. bench/gpu/python_bench.py: Python client vs attnctl load (small B=1 N=256
-#     H=16 D=128 and large B=4 N=4096, concurrency 1 and 16), and generate()
+#     H=16 D=128 and large B=4 N=4096, concurrency 1 and 16; unary on each
+#     transport: attnserve._native, gRPC C++, and grpcio), and generate()
 #     with K/V on the server vs local SDPA (small Llama and a 1B-sized Llama,
 #     BF16, batch 1 and 32, where the time goes).
 # Everything lands in $OUT: python-<gpu>-<date>.csv (environment, test result
@@ -28,7 +29,9 @@
 # .device-carry/NAME: CARRY=.device-carry); BUDGET_S (default 570) is the
 # whole run's time: the benchmark gets what the steps before it left. RPCS
 # (default forward; forward,echo adds Echo rows: the client and transport
-# without compute) is python_bench.py's --rpcs.
+# without compute) is python_bench.py's --rpcs; FLOOR=1 adds its grpcio_floor
+# rows (grpcio with the request built once and nothing of ours per call: the
+# best any client on grpcio could do).
 # Usage: scripts/gpu-python.sh [--cpu]
 set -uo pipefail
 if [ -n "${CARRY:-}" ]; then CARRY=$(cd "$CARRY" && pwd) || exit 2; fi
@@ -95,10 +98,13 @@ rm -f "$csv"
 step "environment"
 versions=$("$py" - <<'EOF'
 import sys, grpc, google.protobuf, numpy, ml_dtypes, torch, transformers, attnserve
+from attnserve import _transport
+native = (f"native (gRPC C++ {_transport._native.GRPC_VERSION})" if _transport._native
+          else f"grpcio only: attnserve._native does not import: {_transport._NATIVE_MISSING}")
 print(f"python {sys.version.split()[0]} torch {torch.__version__} (cuda {torch.version.cuda}) "
       f"transformers {transformers.__version__} grpcio {grpc.__version__} "
       f"protobuf {google.protobuf.__version__} numpy {numpy.__version__} "
-      f"ml_dtypes {ml_dtypes.__version__} attnserve {attnserve.__version__}")
+      f"ml_dtypes {ml_dtypes.__version__} attnserve {attnserve.__version__}, {native}")
 EOF
 ) || { echo "the Python packages do not import (see above)"; exit 2; }
 echo "$versions"
@@ -140,9 +146,11 @@ timeout 200 "$py" -m attnserve.hf_compare --target="$target" --dtype=bfloat16 \
 sed 's/^/# bf16: /' "$OUT/hf-bf16.txt" >>"$csv"
 
 left=$((budget - (SECONDS - started) - 15))
+floor=()
+[ "${FLOOR:-0}" = 1 ] && floor=(--floor)
 step "benchmark (at most $left s)"
 timeout "$left" "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
-  --csv="$csv" --rpcs="${RPCS:-forward}" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
+  --csv="$csv" --rpcs="${RPCS:-forward}" "${floor[@]}" "${bench_flags[@]}" >"$OUT/bench.txt" 2>&1
 rc=$?
 [ "$rc" = 0 ] || { echo "python_bench.py exited $rc; its last lines:"; tail -20 "$OUT/bench.txt"; fail=1; }
 kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""

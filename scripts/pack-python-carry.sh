@@ -5,7 +5,14 @@
 #  - .device-carry/wheels: the attnserve package as a wheel (stubs generated
 #    here from proto/), protobuf 7.36.2 (the generated code needs >= 7.35.1, < 8)
 #    and grpcio-health-checking 1.84.0, for Python 3.12 on manylinux x86-64;
-#    the commit they were built from in .device-carry/wheels/COMMIT.
+#    the commit they were built from in .device-carry/wheels/COMMIT. The
+#    attnserve wheel is built by DEVICE_PYTHON (default python3.12, the GPU
+#    machine's; .venv/bin/python for a `gpu-python.sh --cpu` trial here) with
+#    attnserve._native (gRPC C++), which finds the carried gRPC libraries
+#    (.device-carry/lib) from where gpu-python.sh installs it
+#    (.device-carry/pylib/attnserve): an RPATH of $ORIGIN/../../lib, DT_RPATH so
+#    that it also serves libgrpc++'s own dependencies. pip fetches the build
+#    requirements (setuptools, grpcio-tools) for that Python.
 #  - with --bundle: .device-carry/server.tgz, the server binaries and libraries
 #    (.device-carry/bin and lib, from scripts/pack-device-deps.sh --server)
 #    compressed into one file, for when bin + lib + wheels + the tree exceed
@@ -21,11 +28,25 @@ case ${1:-} in
   "") ;;
   *) echo "usage: scripts/pack-python-carry.sh [--bundle]" >&2; exit 2 ;;
 esac
-py=$(scripts/python-env.sh)   # .venv: grpcio-tools builds the stubs
+py=$(scripts/python-env.sh)   # .venv: downloads the runtime wheels
 wheels=.device-carry/wheels
 rm -rf "$wheels"
 mkdir -p "$wheels"
-env -u PYTHONPATH "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$wheels" ./python
+device_py=${DEVICE_PYTHON:-}
+if [ -z "$device_py" ]; then  # python3.12 on PATH, else pyenv's
+  for candidate in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python; do
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      device_py=$candidate
+      break
+    fi
+  done
+  [ -n "$device_py" ] || { echo "no Python 3.12 here: set DEVICE_PYTHON" >&2; exit 1; }
+fi
+# shellcheck disable=SC2016  # $ORIGIN is the dynamic loader's, not the shell's
+env -u PYTHONPATH LDFLAGS='-Wl,--disable-new-dtags,-rpath,$ORIGIN/../../lib' \
+  "$device_py" -m pip wheel -q --no-deps -w "$wheels" ./python
+compgen -G "$wheels/attnserve-*-linux_x86_64.whl" >/dev/null ||
+  { echo "the attnserve wheel has no attnserve._native (no gRPC C++ here?)" >&2; exit 1; }
 # pip matches manylinux tags exactly: name the ones protobuf's wheels use.
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -5,7 +5,11 @@
     from N threads, and a ForwardStream with N in flight) beside `attnctl load`
     on the same server, for small (B=1, N=256, H=16, D=128) and large (B=4,
     N=4096) requests at concurrency 1 and 16. ratio = Python req/s over
-    attnctl's (the target is >= 0.9). --rpcs=forward,echo adds the Echo RPC
+    attnctl's (the target is >= 0.9). Unary rows per transport of the
+    tensor-carrying calls (--transports, attnserve._transport: "native" is gRPC
+    C++ through attnserve._native, "grpcio" grpcio; the stream is grpcio either
+    way). client_cpu_ms: the client process's CPU (user + system, all threads)
+    over the window per request, attnctl's too. --rpcs=forward,echo adds the Echo RPC
     (validated, q's bytes back, no compute: the transport and client cost
     alone; unary only, so no stream row). "mid" (B=4, N=512) is a size the CPU
     backend's Forward can do (scripts/gpu-python.sh --cpu).
@@ -45,18 +49,18 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import ml_dtypes
 import numpy as np
 
 import attnserve
-from attnserve import Client
+from attnserve import Client, _request, _transport
 
 FIELDS = ["part", "scenario", "rpc", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
           "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
           "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "client_cpu_ms", "attn_call_s",
-          "server_total_s", "server_compute_s", "other_s", "device", "notes"]
+          "server_total_s", "server_compute_s", "other_s", "device", "notes", "transport"]
 
 SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
              "large": dict(batch=4, seqlen=4096, heads=16, head_dim=128),
@@ -106,31 +110,67 @@ def start_server(binary: str, extra: List[str]) -> subprocess.Popen:
 
 
 # -- (a) client throughput -----------------------------------------------------
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process pid so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def attnctl_load(attnctl: str, target: str, sc: Dict, rpc: str, concurrency: int,
                  warmup: float, duration: float) -> Dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "load.csv")
-        subprocess.run([attnctl, f"--target={target}", "load", f"--concurrency={concurrency}",
-                        f"--batch={sc['batch']}", f"--seqlen_q={sc['seqlen']}",
-                        f"--heads_q={sc['heads']}", f"--head_dim={sc['head_dim']}",
-                        "--dtype=bf16", f"--rpc={rpc}", f"--warmup={warmup}s",
-                        f"--duration={duration}s", f"--csv={path}"],
-                       stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [attnctl, f"--target={target}", "load", f"--concurrency={concurrency}",
+             f"--batch={sc['batch']}", f"--seqlen_q={sc['seqlen']}",
+             f"--heads_q={sc['heads']}", f"--head_dim={sc['head_dim']}",
+             "--dtype=bf16", f"--rpc={rpc}", f"--warmup={warmup}s",
+             f"--duration={duration}s", f"--csv={path}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its CPU over the measured window, as python_load's. Where the window
+        # starts: attnctl's progress line (stderr, unbuffered) comes once a
+        # second from 1 s after the step started.
+        cpu_s = window_s = 0.0
+        for line in proc.stderr:
+            if line.startswith("["):
+                start = time.monotonic() - 1.0 + warmup
+                time.sleep(max(0.0, start + 0.1 - time.monotonic()))
+                cpu0, t0 = process_cpu_s(proc.pid), time.monotonic()
+                time.sleep(max(0.0, start + duration - 0.1 - time.monotonic()))
+                cpu_s, window_s = process_cpu_s(proc.pid) - cpu0, time.monotonic() - t0
+                break
+        proc.stderr.read()
+        proc.wait()
         # Exit code 1 with a row: no request completed inside the window (a slow
         # machine); the row (0 req/s) is the result. No row: attnctl failed.
         rows = list(csv.DictReader(open(path))) if os.path.exists(path) else []
         if not rows:
             raise RuntimeError(f"attnctl load wrote no result for {sc} {rpc} c{concurrency}")
         row = rows[-1]
-    return dict(requests=int(row["requests"]), req_per_s=float(row["req_per_s"]),
+    rate = float(row["req_per_s"])
+    return dict(requests=int(row["requests"]), req_per_s=rate,
                 tokens_per_s=float(row["tokens_per_s"]), p50_ms=float(row["p50_ms"]),
-                p99_ms=float(row["p99_ms"]))
+                p99_ms=float(row["p99_ms"]),
+                client_cpu_ms=cpu_s * 1e3 / (rate * window_s) if rate and window_s else 0.0)
+
+
+def grpcio_floor(client: Client, rpc: str, q, k, v) -> Callable[..., Any]:
+    """grpcio with nothing of ours per call: the request's bytes built once, sent through
+    an identity serializer, the response's bytes not even parsed. What a Python client
+    on grpcio cannot beat (the --floor rows)."""
+    method = client.channel.unary_unary(f"/attnserve.v1.Attention/{rpc.capitalize()}",
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+    data = _request.build_request(q, k, v).data
+    return lambda *_: method(data)
 
 
 def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: float,
-                duration: float, stream: bool) -> Dict[str, float]:
+                duration: float, stream: bool, floor: bool = False) -> Dict[str, float]:
     """Closed loop like attnctl load: `concurrency` callers, each sending its next
-    request when the last returns; only requests completing inside the window count."""
+    request when the last returns; only requests completing inside the window count.
+    The arrays are made once, before the loop, as attnctl makes its inputs."""
     rng = np.random.default_rng(0)
     shape = (sc["batch"], sc["seqlen"], sc["heads"], sc["head_dim"])
     q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -139,7 +179,8 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
     end = start + duration
     latencies: List[float] = []
     lock = threading.Lock()
-    call = client.echo if rpc == "echo" else client.forward
+    call = (grpcio_floor(client, rpc, q, k, v) if floor else
+            client.echo if rpc == "echo" else client.forward)
 
     def caller(s=None):
         while True:
@@ -184,8 +225,20 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
 
 def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
                  scenarios: List[str], rpcs: List[str], concurrencies: List[int],
-                 label: str) -> None:
-    with Client(target, timeout=600) as client:
+                 transports: List[str], stream: bool, floor: bool, label: str) -> None:
+    clients = {}
+    asked = os.environ.get(_transport.ENV)
+    for transport in transports + (["grpcio"] if floor else []):
+        os.environ[_transport.ENV] = transport  # read when a Client is made
+        clients[transport] = Client(target, timeout=600)
+        if clients[transport].transport != transport:
+            raise RuntimeError(f"asked for the {transport} transport, got "
+                               f"{clients[transport].transport}")
+    if asked is None:  # part (b) uses the default again
+        del os.environ[_transport.ENV]
+    else:
+        os.environ[_transport.ENV] = asked
+    try:
         for name in scenarios:
             sc = SCENARIOS[name]
             for rpc in rpcs:
@@ -196,14 +249,21 @@ def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration
                                   heads_kv=sc["heads"], head_dim=sc["head_dim"],
                                   concurrency=conc, seconds=duration, notes=label)
                     out.row(**common, impl="attnctl_load", **base, ratio_vs_attnctl=1.0)
-                    impls = [("python_unary", False)]
-                    if rpc == "forward":  # Echo has no stream form
-                        impls.append(("python_stream", True))
-                    for impl, stream in impls:
-                        r = python_load(client, sc, rpc, conc, warmup, duration, stream)
-                        out.row(**common, impl=impl, **r,
+                    runs = [("python_unary", t) for t in transports]
+                    if rpc == "forward" and stream:  # Echo has no stream form
+                        runs.append(("python_stream", "grpcio"))  # streams are grpcio's
+                    if floor:
+                        runs.append(("grpcio_floor", "grpcio"))
+                    for impl, transport in runs:
+                        client = clients.get(transport) or clients[transports[0]]
+                        r = python_load(client, sc, rpc, conc, warmup, duration,
+                                        impl == "python_stream", impl == "grpcio_floor")
+                        out.row(**common, impl=impl, transport=transport, **r,
                                 ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
                                 if base["req_per_s"] else 0.0)
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 # -- (b) transformers generate() -------------------------------------------------
@@ -342,24 +402,31 @@ def print_summary(path: str) -> None:
     for r in rows:
         if r["part"] == "client" and r["req_per_s"]:
             point = (r["scenario"], r.get("rpc") or "forward", r["concurrency"], r["notes"])
-            client[point + (r["impl"],)] = r
+            impl = r["impl"] + (f"/{r['transport']}" if r.get("transport") and
+                                r["impl"] == "python_unary" else "")
+            client[point + (impl,)] = r
     def num(r: Dict[str, str], col: str, fmt: str) -> str:
         return format(float(r[col]), fmt) if r.get(col) else "-"
 
     if client:
-        print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9)")
-        print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} {'attnctl':>9} {'py unary':>9} "
-              f"{'ratio':>6} {'cpu ms':>7} {'py stream':>9} {'ratio':>6} {'cpu ms':>7} label")
+        print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9; cpu = "
+              "the client's CPU ms per request)")
+        cols = [("attnctl_load", "attnctl"), ("python_unary/native", "unary native"),
+                ("python_unary/grpcio", "unary grpcio"), ("python_unary", "unary"),
+                ("python_stream", "stream"), ("grpcio_floor", "grpcio floor")]
+        present = [(impl, title) for impl, title in cols if any(k[4] == impl for k in client)]
+        print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} " +
+              " ".join(f"{title + ' req/s':>19} {'ratio':>5} {'cpu':>6}" for _, title in present)
+              + " label")
         for point in dict.fromkeys(k[:4] for k in client):
-            base, unary, stream = (client.get(point + (impl,), {}) for impl in
-                                   ("attnctl_load", "python_unary", "python_stream"))
             sc, rpc, conc, label = point
-            print(f"{sc:<8} {rpc:<7} {conc:>4} {num(base, 'req_per_s', '.1f'):>9} "
-                  f"{num(unary, 'req_per_s', '.1f'):>9} {num(unary, 'ratio_vs_attnctl', '.2f'):>6} "
-                  f"{num(unary, 'client_cpu_ms', '.2f'):>7} "
-                  f"{num(stream, 'req_per_s', '.1f'):>9} {num(stream, 'ratio_vs_attnctl', '.2f'):>6} "
-                  f"{num(stream, 'client_cpu_ms', '.2f'):>7}"
-                  f" {label}")
+            cells = []
+            for impl, _ in present:
+                r = client.get(point + (impl,), {})
+                cells.append(f"{num(r, 'req_per_s', '.1f'):>19} "
+                             f"{num(r, 'ratio_vs_attnctl', '.2f'):>5} "
+                             f"{num(r, 'client_cpu_ms', '.2f'):>6}")
+            print(f"{sc:<8} {rpc:<7} {conc:>4} " + " ".join(cells) + f" {label}")
     gen = [r for r in rows if r["part"] == "generate"]
     if gen:
         print("generate(): tokens/s, and where the measured run's seconds go: inside attnserve "
@@ -394,6 +461,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128, help="part (b): generated tokens")
     ap.add_argument("--scenarios", default="small,large", help="part (a): of " + ",".join(SCENARIOS))
     ap.add_argument("--rpcs", default="forward", help="part (a): forward and/or echo")
+    ap.add_argument("--transports", default="native,grpcio",
+                    help="part (a): unary rows per transport (attnserve._transport); native "
+                         "is left out where attnserve._native does not import")
+    ap.add_argument("--no-stream", action="store_true", help="part (a): no ForwardStream rows")
+    ap.add_argument("--floor", action="store_true",
+                    help="part (a): also grpcio_floor rows (grpcio with a request built once "
+                         "and nothing of ours per call: the best a client on grpcio can do)")
     ap.add_argument("--label", default="", help="part (a): the rows' notes (e.g. the client "
                     "version when comparing two)")
     ap.add_argument("--models", default="llama-small,llama-1b", help="part (b)")
@@ -414,8 +488,14 @@ def main() -> int:
         print(f"attnserve {attnserve.__version__} client, server {target} ({device})", flush=True)
         parts = a.parts.split(",")
         if "client" in parts:
+            transports = [t for t in a.transports.split(",")
+                          if t != "native" or _transport._native is not None]
+            if transports != a.transports.split(","):
+                print(f"attnserve._native does not import here ({_transport._NATIVE_MISSING}):"
+                      f" transports {transports}", flush=True)
             bench_client(out, target, a.attnctl, warmup, duration, a.scenarios.split(","),
-                         a.rpcs.split(","), [int(c) for c in a.concurrency.split(",")], a.label)
+                         a.rpcs.split(","), [int(c) for c in a.concurrency.split(",")],
+                         transports, not a.no_stream, a.floor, a.label)
         if "generate" in parts:
             if a.torch_threads:
                 import torch

@@ -123,12 +123,15 @@ def test_request_non_contiguous_and_torch():
     assert_same(enc, generated_request(as_np, as_np, as_np, request_id="t"))
 
 
-def test_request_copies_the_data_once_at_build_time():
+def test_request_references_the_data_until_a_snapshot_copies_it():
+    # A built request's pieces are views of the arrays (no copy: attnserve._native
+    # sends them as they are); a stream takes its snapshot() at submit().
     q = np.ones((1, 4, 2, 8), np.float32)
     enc = _request.build_request(q, q, q, request_id="snap")
-    q[:] = 5  # after the call was built: the request keeps what it was given
-    assert np.all(pb.ForwardRequest.FromString(enc.data).q.data
-                  == np.ones(64, np.float32).tobytes())
+    kept = enc.snapshot()
+    q[:] = 5
+    assert pb.ForwardRequest.FromString(enc.data).q.data == q.tobytes()
+    assert pb.ForwardRequest.FromString(kept.data).q.data == np.ones(64, np.float32).tobytes()
 
 
 @pytest.mark.parametrize("size", [0, 1, 1000, (8 << 20) - 1, (8 << 20) + 3, 20 << 20])

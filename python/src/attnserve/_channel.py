@@ -19,7 +19,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from attnserve import _security, _stubs
+from attnserve import _security, _stubs, _transport
 
 ChannelOptions = Sequence[Tuple[str, object]]
 
@@ -94,6 +94,11 @@ class ChannelOwner:
         token = _security.resolve_token(token)
         credentials = _security.channel_credentials(
             credentials, tls, root_certificates, certificate_chain, private_key, token)
+        # The synchronous client's tensor-carrying unary calls on gRPC C++ where
+        # attnserve._transport says so (its own connection); None: all on grpcio.
+        self._native = (_transport.native_channel(target, opts, plain_text=credentials is None
+                                                  and not token)
+                        if self._grpc is grpc else None)
         if credentials is not None:
             self.channel = self._grpc.secure_channel(target, credentials, opts)
         elif token and self._grpc is grpc:
@@ -105,9 +110,15 @@ class ChannelOwner:
         else:
             self.channel = self._grpc.insecure_channel(target, opts)
         # The tensor-carrying methods on attnserve._wire's codec (_stubs says which).
-        self._stub = _stubs.AttentionStub(self.channel)
+        self._stub = _stubs.AttentionStub(self.channel, self._native)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self._kv = _stubs.KvCacheStub(self.channel)  # attnserve.kv uses it
+        self._kv = _stubs.KvCacheStub(self.channel, self._native)  # attnserve.kv uses it
+
+    @property
+    def transport(self) -> str:
+        """What carries forward(), echo() and AppendAttend: "native" (gRPC C++) or "grpcio"
+        (attnserve._transport decides)."""
+        return "grpcio" if self._native is None else "native"
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout

@@ -54,7 +54,8 @@ class BidiStream:
                 raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
                                                     f"{self._name}: already closed")
             self._pending[request.request_id] = (future, parse, on_error)
-        self._requests.put(request)
+        # Serialized later, on grpcio's thread: its bytes are taken now (_wire.Encoded).
+        self._requests.put(request.snapshot())
         return future
 
     @staticmethod

@@ -8,9 +8,10 @@ large benchmark request (~200 MB) that is most of a call's time (issue 12).
 Requests: every field that is not a tensor (request_id, options, cu_seqlens,
 the K/V API's sequences) goes through the generated class as usual, into a
 small message; each Tensor field is then written after it by hand (tag,
-length, dtype, packed shape, data) from the array's buffer, and the pieces are
-copied into the one `bytes` grpc sends (attnserve._concat; large ones outside
-the GIL): one copy of each tensor. Protobuf
+length, dtype, packed shape, data) from the array's buffer. The pieces either
+go out as they are (attnserve._native: gRPC slices over the arrays, no copy)
+or are copied into the one `bytes` grpcio sends (attnserve._concat; large ones
+outside the GIL): one copy of each tensor. Protobuf
 parsers take fields in any order, so the server parses exactly the message
 the generated class would have built (python/tests/test_wire.py holds the two
 to each other).
@@ -118,15 +119,29 @@ def _tensor_pieces(number: int, t: OutTensor) -> List[Any]:
 
 @dataclasses.dataclass
 class Encoded:
-    """A request as the bytes grpc sends (request_id: what the streams match on)."""
+    """A request as the pieces of its bytes, in order: the message without its tensors,
+    then each tensor's header and its data (views of the caller's arrays, not copies).
+    request_id: what the streams match on."""
     request_id: str
-    data: bytes
+    pieces: List[Any]
+
+    @property
+    def data(self) -> bytes:
+        """The request as one `bytes`, what grpcio sends: one copy of each tensor
+        (attnserve._concat). attnserve._native sends the pieces themselves."""
+        return _concat.concat(self.pieces)
+
+    def snapshot(self) -> "Encoded":
+        """This request with its bytes copied now. A stream sends a request later, from
+        its own thread: a caller that reuses its arrays after submit() must not change
+        what goes out."""
+        return Encoded(self.request_id, [self.data])
 
 
 def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> Encoded:
     """`message` (its tensor fields unset) with each (field name, tensor) after it.
 
-    The one copy of each tensor's data is into the result (attnserve._concat).
+    Copies nothing of the tensors' data: the pieces reference it until sent.
     """
     fields = message.DESCRIPTOR.fields_by_name
     pieces = [message.SerializeToString()]
@@ -136,7 +151,7 @@ def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> 
         if message.HasField(name):  # would merge with ours on the server: a bug here
             raise ValueError(f"attnserve._wire: {name} is set on the message as well")
         pieces += _tensor_pieces(fields[name].number, t)
-    return Encoded(message.request_id, _concat.concat(pieces))
+    return Encoded(message.request_id, pieces)
 
 
 def serialize(request: Encoded) -> bytes:

@@ -47,8 +47,11 @@ class Client(_channel.ChannelOwner):
 
     # -- lifetime ------------------------------------------------------------
     def close(self) -> None:
-        """Closes the channel; calls in progress are cancelled."""
+        """Closes the channels: grpcio's calls in progress are cancelled, native ones
+        (attnserve._transport) run to their end."""
         self.channel.close()
+        if self._native is not None:
+            self._native.close()
 
     def __enter__(self) -> "Client":
         return self
