@@ -43,7 +43,7 @@ import soak_sample  # the CSV columns (same folder)
 QUANTITIES = ("rss_kb", "fds", "threads", "gpu_mem_mib")
 # Judged by its trend line against the load's concurrency (see above).
 QUEUE = "queue_depth"
-SHOWN = ("heap_in_use_kb", "heap_free_kb", "grpc_timer_threads")
+SHOWN = ("heap_in_use_kb", "heap_free_kb", "rss_now_kb", "grpc_timer_threads")
 # Timer threads gRPC may add after warm-up and keep (see above).
 TIMER_THREADS_SLACK = 1
 

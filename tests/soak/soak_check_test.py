@@ -26,7 +26,8 @@ def write_csv(rows):
         for i, row in enumerate(rows):
             values = {"time_s": str(i), "phase": "traffic", "rss_kb": "50000", "fds": "13",
                       "threads": "24", "queue_depth": "3", "heap_in_use_kb": "11000",
-                      "heap_free_kb": "20000", "grpc_timer_threads": "3", "gpu_mem_mib": ""}
+                      "heap_free_kb": "20000", "grpc_timer_threads": "3", "gpu_mem_mib": "",
+                      "rss_now_kb": "50000"}
             values.update({k: str(v) for k, v in row.items()})
             f.write(",".join(values[k] for k in header) + "\n")
     return f.name
