@@ -19,16 +19,16 @@ with the CUDA backend and the GPU to itself; rss_now_kb: one read of RSS at the
 row's instant (shown, not judged).
 
 rss_kb is the mean of RSS read every RSS_READ_PERIOD_S over the last
-RSS_WINDOW_S, not one read a second: the server gives its heap's free pages
-back every 2 s (server/malloc_tuning.h, kHeapTrimPeriod), so RSS is a 2-s
-sawtooth (read at 20 Hz under soak_load: 42 MB after a trim, 48-63 MB before
-the next), and one read a second falls on alternate phases of it. The phase
-drifts as the trimmer's period runs a little over 2 s: in the 2-minute run
+RSS_WINDOW_S, not one read a second: RSS is a sawtooth with the server's heap
+trims (server/malloc_tuning.h, kHeapTrimPeriod). When they came every 2 s
+(read at 20 Hz under soak_load: 42 MB after a trim, 48-63 MB before the
+next), one read a second fell on alternate phases of it, and the phase
+drifted as the trimmer's period ran a little over 2 s: in the 2-minute run
 that failed at 1.083 (2026-11-26 run 3) even seconds read 5-10 MB above odd
 ones in the first minute and 0-3 MB below them in the second (RSS's
 autocorrelation at lag 2: 0.60, at lag 1: 0.18), so the fifths' medians
-judged the sampler's phase. A mean over the whole trim period sees every
-phase once. --once (the after-traffic check) reads once.
+judged the sampler's phase. A mean over a whole number of trim periods sees
+every phase alike. --once (the after-traffic check) reads once.
 """
 import os
 import subprocess
@@ -38,8 +38,8 @@ import urllib.request
 
 HEADER = ("time_s,phase,rss_kb,fds,threads,queue_depth,heap_in_use_kb,heap_free_kb,"
           "grpc_timer_threads,gpu_mem_mib,rss_now_kb")
-# rss_kb's window: the server's heap trim period (see above), and how often
-# RSS is read within it.
+# rss_kb's window: a whole number of the server's heap trim periods (0.5 s;
+# see above), and how often RSS is read within it.
 RSS_WINDOW_S = 2.0
 RSS_READ_PERIOD_S = 0.1
 METRICS = ("nv_inference_pending_request_count", "attnserve_heap_in_use_bytes",
