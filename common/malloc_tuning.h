@@ -18,7 +18,7 @@ inline constexpr size_t kMmapThresholdBytes = size_t{1} << 20;
 // request and response cost ~0.5 ms of page faults in the server alone, and
 // an Echo of those bytes took 1.77 ms at p50 instead of 0.64 ms. 8 MiB per
 // arena keeps several such messages; larger tensors are mmap'ed anyway. The
-// server raises it (server/malloc_tuning.h: one arena, trimmed every 2 s).
+// server raises it (server/malloc_tuning.h: one arena, trimmed every 0.5 s).
 inline constexpr size_t kTrimThresholdBytes = size_t{8} << 20;
 
 // Fixes glibc's mmap threshold at kMmapThresholdBytes and its trim threshold

@@ -7,7 +7,8 @@
 # a CSV, and fails when
 #   - any of them grows after warm-up: the run is cut in fifths; the first is
 #     warm-up; the median of the last fifth must be <= 1.05 x the median of the
-#     second fifth (scripts/soak_check.py);
+#     second fifth; queue depth, a count of a few requests, by its trend line
+#     after warm-up against the traffic's concurrency (scripts/soak_check.py);
 #   - fds and threads are not back to their warm-up level (the second fifth's
 #     median) within 60 s after the traffic stops;
 #   - the load generator saw a wrong answer, an invalid request accepted or a
@@ -80,8 +81,13 @@ python3 scripts/soak_sample.py "$pid" "$metrics" "$out/soak.csv" "$phase_file" &
 sampler=$!
 
 echo "soak.sh: mixed traffic for ${seconds} s" | tee -a "$out/summary.txt"
+# Closed-loop callers: the calls the traffic keeps in flight at once, which the
+# queue-depth rule compares its trend with (soak_check.py).
+forward_workers=4
+kv_workers=1
 load_status=0
 "$build/tests/soak/soak_load" --target="127.0.0.1:$port" --duration="${seconds}s" \
+  --workers="$forward_workers" --kv_workers="$kv_workers" \
   >"$out/load.txt" 2>&1 || load_status=$?
 echo after >"$phase_file"
 cat "$out/load.txt" >>"$out/summary.txt"
@@ -113,7 +119,7 @@ wait "$pid" || drain_status=$?
 trap - EXIT
 
 check_status=0
-python3 scripts/soak_check.py --check "$out/soak.csv" | tee -a "$out/summary.txt" || check_status=1
+python3 scripts/soak_check.py --check "$out/soak.csv" $((forward_workers + kv_workers)) | tee -a "$out/summary.txt" || check_status=1
 python3 scripts/plot-soak.py "$out/soak.csv" -o "$out/soak.svg" || true
 
 fail=0

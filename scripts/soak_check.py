@@ -2,7 +2,9 @@
 """The soak test's rules over scripts/soak.sh's CSV (columns: soak_sample.py's
 HEADER; one row a second; phase "traffic" or "after").
 
-    soak_check.py --check CSV        the growth rule, one line per quantity; exit 1 on growth
+    soak_check.py --check CSV CONCURRENCY
+                                     the growth rule, one line per quantity; exit 1 on growth
+                                     (CONCURRENCY: calls the load keeps in flight; below)
     soak_check.py --levels CSV       prints "FDS,THREADS,TIMER_THREADS": their warm-up levels
     soak_check.py --back LEVELS ROW  exit 0 when ROW is back to LEVELS (below)
 
@@ -17,11 +19,17 @@ src/core/lib/iomgr/timer_manager.cc) starts one more timer thread whenever
 a timer fires while every timer thread is busy running timers, and stops
 them only at shutdown: a high-water mark, not a leak. They may stay up to
 one above their warm-up level; more than that is counted as growth.
-Queue depth is a count of a few requests (soak_load's five closed-loop
-workers keep at most about that many queued), sampled at one instant a second;
-its fifth medians move in half-steps from run to run with no trend (2.5 -> 3.0,
-3.5 -> 1.0 in 2-minute runs; tests/soak/README.md), so it grows when its last
-median exceeds both 1.05 x the second and the second + 1 request.
+Queue depth is judged by its trend, not by the fifths' medians: it is a
+count of a few requests (0 to 14 in every run so far), sampled at one instant
+a second, and the medians of 24 such samples moved by up to 2.5 requests with
+the machine's load and no trend (3.0 -> 5.5 failed a 2-minute run). It grows
+when the least-squares line through the samples after warm-up rises, from the
+first of them to the last, by more than CONCURRENCY: the calls the load
+generator keeps in flight at once (soak_load's closed-loop workers). A rise of
+that many is more than where the workers happen to be at the sampled instants
+can make: requests stay queued. Over 170 two-minute windows of a 30-minute
+run the line rose by at most 2.0 (s.d. 0.8); a queue that keeps one request
+every 15 s rises by 6.4 over a 2-minute run's last 96 s and fails.
 The heap in use (the allocator's account: what is allocated and not freed)
 is printed beside the rule, not judged: it moves with the requests in flight.
 """
@@ -31,10 +39,11 @@ import sys
 
 import soak_sample  # the CSV columns (same folder)
 
-QUANTITIES = ("rss_kb", "fds", "threads", "queue_depth", "gpu_mem_mib")
-# The smallest growth that counts, per quantity, beside the 1.05x (see above).
-RESOLUTION = {"queue_depth": 1.0}
-SHOWN = ("heap_in_use_kb", "heap_free_kb", "grpc_timer_threads")
+# Judged by the fifths' medians (1.05x).
+QUANTITIES = ("rss_kb", "fds", "threads", "gpu_mem_mib")
+# Judged by its trend line against the load's concurrency (see above).
+QUEUE = "queue_depth"
+SHOWN = ("heap_in_use_kb", "heap_free_kb", "rss_now_kb", "grpc_timer_threads")
 # Timer threads gRPC may add after warm-up and keep (see above).
 TIMER_THREADS_SLACK = 1
 
@@ -58,15 +67,43 @@ def compare(rows, key):
     return a, b, "%.3f" % (b / a) if a else "n/a"
 
 
-def check(path):
+def rise(values):
+    """How much the least-squares line through values rises from the first
+    sample to the last (samples evenly spaced)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
+    sxx = sum((x - mean_x) ** 2 for x in range(n))
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+    return sxy / sxx * (n - 1)
+
+
+def check_queue(rows, concurrency):
+    """The queue-depth rule; prints its line, returns True when it passes."""
+    values = [float(r[QUEUE]) for r in rows if r.get(QUEUE, "") != ""]
+    if len(values) < 5:
+        raise SystemExit("soak_check: fewer than 5 samples of %s" % QUEUE)
+    second, last = fifths(rows, QUEUE)
+    after_warm_up = values[len(values) // 5:]
+    up = rise(after_warm_up)
+    ok = up <= concurrency
+    print("soak_check: %-18s second fifth median %12.1f  last fifth median %12.1f  "
+          "trend after warm-up %+.2f over %d samples (at most +%d, the load's concurrency)  %s"
+          % (QUEUE, statistics.median(second), statistics.median(last), up,
+             len(after_warm_up), concurrency, "ok" if ok else "GREW"))
+    return ok
+
+
+def check(path, concurrency):
     rows = traffic_rows(path)
-    grew = False
+    grew = not check_queue(rows, concurrency)
     for key in QUANTITIES + SHOWN:
         if not any(r.get(key, "") != "" for r in rows):
             continue  # not sampled in this run (gpu_mem_mib without a GPU)
         a, b, ratio = compare(rows, key)
         if key in QUANTITIES:
-            ok = b <= 1.05 * a or b <= a + RESOLUTION.get(key, 0.0)
+            ok = b <= 1.05 * a
             verdict = "ok" if ok else "GREW"
         elif key == "grpc_timer_threads":
             ok = b <= a + TIMER_THREADS_SLACK
@@ -97,8 +134,8 @@ def back(level_text, row_text):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--check":
-        sys.exit(check(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--check":
+        sys.exit(check(sys.argv[2], int(sys.argv[3])))
     if len(sys.argv) == 3 and sys.argv[1] == "--levels":
         sys.exit(levels(sys.argv[2]))
     if len(sys.argv) == 4 and sys.argv[1] == "--back":

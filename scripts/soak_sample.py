@@ -8,14 +8,27 @@ takes longer than the interval on a loaded 2-core machine.
     soak_sample.py --once PID METRICS_URL PHASE     prints one row (no header)
     soak_sample.py --header                         prints the CSV header
 
-Columns (HEADER): time_s, phase; rss_kb, fds, threads from /proc; queue_depth
+Columns (HEADER): time_s, phase; rss_kb (below), fds, threads from /proc; queue_depth
 (nv_inference_pending_request_count), heap_in_use_kb and heap_free_kb (the
 allocator's account: attnserve_heap_in_use_bytes, attnserve_heap_free_bytes)
 from METRICS_URL; grpc_timer_threads: threads named grpc_global_timer, gRPC's
 timer pool, which gRPC grows when all its timer threads are busy and never
 shrinks before shutdown (tests/soak/README.md); gpu_mem_mib: memory used on
 GPU $ATTNSERVE_SOAK_GPU (nvidia-smi; empty when that is unset), for a server
-with the CUDA backend and the GPU to itself.
+with the CUDA backend and the GPU to itself; rss_now_kb: one read of RSS at the
+row's instant (shown, not judged).
+
+rss_kb is the mean of RSS read every RSS_READ_PERIOD_S over the last
+RSS_WINDOW_S, not one read a second: RSS is a sawtooth with the server's heap
+trims (server/malloc_tuning.h, kHeapTrimPeriod). When they came every 2 s
+(read at 20 Hz under soak_load: 42 MB after a trim, 48-63 MB before the
+next), one read a second fell on alternate phases of it, and the phase
+drifted as the trimmer's period ran a little over 2 s: in the 2-minute run
+that failed at 1.083 (2026-11-26 run 3) even seconds read 5-10 MB above odd
+ones in the first minute and 0-3 MB below them in the second (RSS's
+autocorrelation at lag 2: 0.60, at lag 1: 0.18), so the fifths' medians
+judged the sampler's phase. A mean over a whole number of trim periods sees
+every phase alike. --once (the after-traffic check) reads once.
 """
 import os
 import subprocess
@@ -24,7 +37,11 @@ import time
 import urllib.request
 
 HEADER = ("time_s,phase,rss_kb,fds,threads,queue_depth,heap_in_use_kb,heap_free_kb,"
-          "grpc_timer_threads,gpu_mem_mib")
+          "grpc_timer_threads,gpu_mem_mib,rss_now_kb")
+# rss_kb's window: a whole number of the server's heap trim periods (0.5 s;
+# see above), and how often RSS is read within it.
+RSS_WINDOW_S = 2.0
+RSS_READ_PERIOD_S = 0.1
 METRICS = ("nv_inference_pending_request_count", "attnserve_heap_in_use_bytes",
            "attnserve_heap_free_bytes")
 # /proc/PID/task/*/comm holds the first 15 bytes of a thread's name.
@@ -81,28 +98,45 @@ def gpu_memory_mib():
     return out if out.isdigit() else ""
 
 
-def row(pid, url, phase):
+def row(pid, url, phase, rss_reads=()):
+    """One CSV row; rss_kb is the mean of rss_reads and this instant's read."""
     m = scrape(url)
-    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d,%s" % (
-        time.time(), phase, status_field(pid, "VmRSS"), len(os.listdir("/proc/%d/fd" % pid)),
+    rss_now = status_field(pid, "VmRSS")
+    reads = list(rss_reads) + [rss_now]
+    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d,%s,%d" % (
+        time.time(), phase, sum(reads) // len(reads), len(os.listdir("/proc/%d/fd" % pid)),
         status_field(pid, "Threads"), m["nv_inference_pending_request_count"],
         kb(m["attnserve_heap_in_use_bytes"]), kb(m["attnserve_heap_free_bytes"]),
-        timer_threads(pid), gpu_memory_mib())
+        timer_threads(pid), gpu_memory_mib(), rss_now)
 
 
 def loop(pid, url, path, phase_file):
     next_tick = time.time()
+    reads = []  # (time, RSS) over the last RSS_WINDOW_S
     while os.path.exists(phase_file):
         try:
             with open(phase_file) as f:
                 phase = f.read().strip() or "after"
-            line = row(pid, url, phase)
+            line = row(pid, url, phase, [r for _, r in reads])
         except OSError:
             break  # the process or the phase file is gone
         with open(path, "a") as f:
             f.write(line + "\n")
         next_tick += 1.0
-        time.sleep(max(0.0, next_tick - time.time()))
+        # Read RSS until the next row is due, on the clock like the rows.
+        next_read = time.time()
+        while True:
+            now = time.time()
+            if now >= next_tick:
+                break
+            if now >= next_read:
+                try:
+                    reads.append((now, status_field(pid, "VmRSS")))
+                except OSError:
+                    break
+                next_read += RSS_READ_PERIOD_S
+            time.sleep(max(0.0, min(next_read, next_tick) - time.time()))
+        reads = [(t, r) for t, r in reads if t > next_tick - RSS_WINDOW_S]
 
 
 def main(argv):

@@ -58,9 +58,16 @@ HeapUsage ReadHeapUsage();
 
 // How often HeapTrimmer gives the heap's free pages back. Every 10 s made
 // RSS a 10-s sawtooth whose medians over 24 one-second samples moved by up
-// to 6% with no trend (soak runs 1.040, 1.058, 1.053); every 2 s averages
-// more periods per sample window.
-inline constexpr absl::Duration kHeapTrimPeriod = absl::Seconds(2);
+// to 6% with no trend (soak runs 1.040, 1.058, 1.053). Every 2 s, RSS still
+// carried the free pages requests had touched since the last trim, which
+// wandered with the traffic (heap free 14-22 MB): 2-minute soaks 0.951 to
+// 1.080, one of nine over the 1.05 rule. Every 0.5 s, side by side with 2 s
+// (tests/soak/README.md): RSS under the soak 43-47 MB in 6-s medians against
+// 45-53 (s.d. 1.8 against 3.1 MB), and the server's CPU time per call the
+// same within the machine's noise (medians of 3 rounds, Echo of 1.5 MiB
+// 1.25 against 1.22 ms, Forward 1.58 against 1.56 ms) for 8-15 more minor
+// page faults per 1.5 MiB call.
+inline constexpr absl::Duration kHeapTrimPeriod = absl::Milliseconds(500);
 
 // Every kHeapTrimPeriod, gives back to the system the free pages the heap
 // keeps: at its top (up to kKeepFreeHeapTopBytes between trims) and inside
