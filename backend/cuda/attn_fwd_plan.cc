@@ -86,8 +86,8 @@ TileConfig TileForPlan(const Plan& plan) {
   if (plan.kernel_family != KernelFamily::kSm90) {
     return TileFor(plan.tile_kind, plan.kernel_head_dim);
   }
-  if (plan.tile_kind == TileKind::kDecode) return Sm90DecodeTileFor(plan.kernel_head_dim);
-  return plan.fp8_qk ? Sm90Fp8TileFor(plan.kernel_head_dim) : Sm90TileFor(plan.kernel_head_dim);
+  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeTileFor(plan.kernel_head_dim)
+                                             : Sm90TileFor(plan.kernel_head_dim);
 }
 
 int PlanSmemBytes(const Plan& plan) {

@@ -115,17 +115,6 @@ constexpr TileConfig Sm90TileFor(int head_dim) {
   }
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
-// Shared memory one CTA may use on sm90 (227 KB).
-constexpr int kSm90SmemLimit = 227 * 1024;
-// The FP8 path's Hopper tile (Plan::fp8_qk): the same tile with one more K/V
-// stage where it fits, since its Q and K tiles are FP8 codes (half the
-// bytes): 64 -> 4 stages (148 KB), 128 -> 3 (165 KB), 256 -> 3 (182 KB).
-constexpr TileConfig Sm90Fp8TileFor(int head_dim) {
-  const TileConfig t = Sm90TileFor(head_dim);
-  TileConfig more = t;
-  more.stages += 1;
-  return Sm90SmemBytes(more, 1) <= kSm90SmemLimit ? more : t;
-}
 // Decode tile of the Hopper family (hopper/attn_decode_sm90.cuh): the
 // portable decode tile's math (16 rows, 4 warps splitting a 64-key tile) plus
 // a producer warp (5 warps) whose TMA loads fill a ring of `stages` K/V

@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // BF16.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile = kFp8Qk ? Sm90Fp8TileFor(kHeadDim) : Sm90TileFor(kHeadDim);
+  constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
   const AttnParams& p = launch.p;
   if (launch.num_splits != 1 || launch.pack_gqa != 1 || IsVarlen(p)) return cudaErrorInvalidValue;
