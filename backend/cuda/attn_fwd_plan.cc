@@ -25,14 +25,21 @@ int64_t CtasPerSm(const TileConfig& t, int smem_bytes) {
 // (384, 97% of a wave) by 1-3% at every Sk; at B=1 24-32 splits beat 43 by
 // 4-8% from Sk 8k up.
 constexpr int64_t kDecodeCtasPerSm = 2;
+// The Hopper decode kernel's: one. Its TMA ring keeps ~100 KB in flight per
+// CTA, and forced split counts on the H100 (bench/NOTES-cuda.md, round 8)
+// put one CTA per SM at or above two: B=16 x 8k 2.836 TB/s unsplit against
+// 2.780 with 2 splits; B=1 x 8k 1.232 with 16 splits against 1.221 with 32;
+// B=8 x 64k 3.037 with 2 against 3.019 with 4.
+constexpr int64_t kSm90DecodeCtasPerSm = 1;
 
 // Decode: splits of at least 2 key tiles, at most kMaxSplits. Base under
-// kDecodeCtasPerSm per SM: as many splits as reach that. Otherwise the fewest
+// ctas_per_sm per SM: as many splits as reach that. Otherwise the fewest
 // splits whose CTAs fill >= 90% of the waves they take, else the fullest.
-int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms) {
+int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms,
+                     int64_t ctas_per_sm) {
   const int64_t max_splits = std::min<int64_t>(n_blocks / 2, kMaxSplits);
-  if (base <= kDecodeCtasPerSm * num_sms) {
-    return std::max<int64_t>(1, std::min<int64_t>(kDecodeCtasPerSm * num_sms / base, max_splits));
+  if (base <= ctas_per_sm * num_sms) {
+    return std::max<int64_t>(1, std::min<int64_t>(ctas_per_sm * num_sms / base, max_splits));
   }
   int64_t best = 1;
   double best_eff = 0.0;
@@ -109,8 +116,9 @@ int PlanSmemBytes(const Plan& plan) {
 //    that fill >= 90% of their waves (DecodeSplits).
 //  - Otherwise, when base fills at most half a wave: splits = wave / base.
 // On sm90 (allow_sm90) a decode tile call the Hopper decode kernel covers
-// takes its tile (kSm90DecodeTileTable: 2 CTAs per SM, a wave of 264 on an
-// H100) by the same rules.
+// takes its tile (kSm90DecodeTileTable: 2 CTAs per SM fit, a wave of 264 on
+// an H100) and splits aiming at one CTA per SM (kSm90DecodeCtasPerSm): B=1 x
+// 8k, 8 CTAs of base -> 16 splits; B=16, 128 -> none.
 // Worked examples on an H100 (132 SMs), D=128, tests/backend/plan_forward_test.cc
 // checks each:
 //  - Decode, B=1, Hq=32, Hkv=8, Sq=1, Sk=8192: the 4 query heads of a KV head
@@ -168,7 +176,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90) {
   if (base > kMaxSplitGroups) {
     // No split: one ticket counter per group would not fit the workspace's block.
   } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
-    splits = DecodeSplits(base, n_blocks, wave, num_sms);
+    splits = DecodeSplits(base, n_blocks, wave, num_sms,
+                          plan.kernel_family == KernelFamily::kSm90 ? kSm90DecodeCtasPerSm
+                                                                    : kDecodeCtasPerSm);
   } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
     splits = std::min<int64_t>({wave / base, n_blocks / 2, kMaxSplits});
   }

@@ -166,16 +166,19 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
 }
 
 // The Hopper decode kernel (kSm90DecodeTileTable) takes decode tiles at its
-// head dims exactly, with the portable tile's splits (the same 2-per-SM target).
+// head dims exactly, splitting to one CTA per SM (the portable tile: two).
 TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
   if (!cuda::CompiledSm90DecodeHeadDim(128)) GTEST_SKIP() << "this build has no sm_90a decode kernel for 128";
-  const Plan portable = PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms);
   Plan p = PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms, /*allow_sm90=*/true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.tile_kind, TileKind::kDecode);
   EXPECT_EQ(p.pack_gqa, 4);
-  EXPECT_EQ(p.num_splits, portable.num_splits);
-  EXPECT_EQ(p.num_splits, 32);
+  // 8 CTAs of base (KV heads): 132 / 8 = 16 splits of 8 key tiles (portable: 32).
+  EXPECT_EQ(p.num_splits, 16);
+  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms).num_splits, 32);
+  // B = 16: 128 CTAs of base already fill the SMs once: no split (portable: 2).
+  EXPECT_EQ(PlanForward(Dense(16, 1, 8192, 32, 8, 128), kH100Sms, true).num_splits, 1);
+  EXPECT_EQ(PlanForward(Dense(16, 1, 8192, 32, 8, 128), kH100Sms).num_splits, 2);
   EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90DecodeSmemBytes(cuda::Sm90DecodeTileFor(128)));
   // B = 64 x Sk 4k: base 512 CTAs fill 97% of two 264-CTA waves: no split
   // (the portable tile, 396 a wave, takes 3).
