@@ -119,9 +119,10 @@ constexpr TileConfig Sm90TileFor(int head_dim) {
 // portable decode tile's math (16 rows, 4 warps splitting a 64-key tile) plus
 // a producer warp (5 warps) whose TMA loads fill a ring of `stages` K/V
 // tiles (64 keys x 64-column boxes, 128-byte swizzled; D = 96 takes two
-// boxes, the second half zeros). Sized for two CTAs per SM (<= 113 KB of
-// smem each; 168 registers x 160 threads allow 2): about 100 KB of K/V
-// requested per CTA at any time, against the portable tile's 2 x 34 KB.
+// boxes, the second half zeros). Sized so two CTAs fit per SM (<= 113 KB of
+// smem each; 168 registers x 160 threads allow 2), though splits aim at one
+// (attn_fwd_plan.cc): about 100 KB of K/V requested per CTA at any time,
+// against the portable tile's 2 x 34 KB.
 //  - 64:  6 stages (6 x 16 KB + Q).
 //  - 96:  3 stages (3 x 32 KB + Q).
 //  - 128: 3 stages (3 x 32 KB + Q).

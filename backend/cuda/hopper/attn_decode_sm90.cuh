@@ -283,7 +283,8 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// Two CTAs per SM (kSm90DecodeTileTable sizes the ring for that).
+// Up to two CTAs per SM (kSm90DecodeTileTable sizes the ring for that; the
+// planner's splits aim at one, kSm90DecodeCtasPerSm, which measured faster).
 template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
     AttnDecodeSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
