@@ -38,11 +38,16 @@ struct KvPages {
   int32_t page_shift;  // log2(page_size)
 };
 
+// Row (token position) within its slab of token t of page p: a slab is
+// pages_per_slab x page_size rows of [Hkv, D].
+ATTN_HOST_DEVICE int64_t PageSlabRow(const KvPages& kv, int32_t page, int32_t token_in_page) {
+  const int64_t in_slab = page & ((int32_t{1} << kv.slab_shift) - 1);
+  return in_slab * kv.page_size + token_in_page;
+}
 // Element offset, within its slab, of (token t of page p, kv head h, 0).
 ATTN_HOST_DEVICE int64_t PageRowOffset(const KvPages& kv, int32_t page, int32_t token_in_page,
                                        int32_t num_heads_kv, int32_t head_dim, int32_t head) {
-  const int64_t in_slab = page & ((int32_t{1} << kv.slab_shift) - 1);
-  return ((in_slab * kv.page_size + token_in_page) * num_heads_kv + head) * head_dim;
+  return (PageSlabRow(kv, page, token_in_page) * num_heads_kv + head) * head_dim;
 }
 ATTN_HOST_DEVICE int32_t PageSlab(const KvPages& kv, int32_t page) { return page >> kv.slab_shift; }
 

@@ -179,7 +179,8 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
   if (dev.dtype == DType::kFP8E4M3) {
     // FP8: BF16 copies in the slot's scratch (of V alone when Q K^T runs on
     // the codes: plan.fp8_qk), then the BF16 kernel of `plan`, O written as BF16.
-    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev), "FP8 dequantise buffer"));
+    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev, plan.fp8_qk),
+                                              "FP8 dequantise buffer"));
     AttnParams bf16;
     ATTN_CUDA_RETURN_IF_ERROR(
         cuda::DequantiseFp8(dev, plan.fp8_qk, slot->fp8_scratch.ptr(), slot->stream, &bf16),

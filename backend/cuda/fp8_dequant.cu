@@ -56,19 +56,20 @@ cudaError_t Dequant(const void* src, int64_t elements, float descale, void* dst,
 
 }  // namespace
 
-int64_t Fp8ScratchBytes(const AttnParams& p) {
+// The copies' layout: v first (the only one when fp8_qk), then q and k.
+int64_t Fp8ScratchBytes(const AttnParams& p, bool fp8_qk) {
   const int64_t q = p.total_q * p.num_heads_q * p.head_dim * 2;
   const int64_t kv = p.total_k * p.num_heads_kv * p.head_dim * 2;
-  return Align256(q) + 2 * Align256(kv);
+  return fp8_qk ? Align256(kv) : 2 * Align256(kv) + Align256(q);
 }
 
 cudaError_t DequantiseFp8(const AttnParams& dev, bool fp8_qk, void* scratch, cudaStream_t stream,
                           AttnParams* bf16) {
   const int64_t q_elems = dev.total_q * dev.num_heads_q * dev.head_dim;
   const int64_t kv_elems = dev.total_k * dev.num_heads_kv * dev.head_dim;
-  char* q = static_cast<char*>(scratch);
+  char* v = static_cast<char*>(scratch);
+  char* q = v + Align256(kv_elems * 2);
   char* k = q + Align256(q_elems * 2);
-  char* v = k + Align256(kv_elems * 2);
   cudaError_t err = Dequant(dev.v, kv_elems, dev.v_descale, v, stream);
   if (!fp8_qk) {
     if (err == cudaSuccess) err = Dequant(dev.q, q_elems, dev.q_descale, q, stream);

@@ -18,13 +18,13 @@
 namespace attnserve {
 namespace cuda {
 
-// Bytes of device scratch DequantiseFp8 needs for `p`: BF16 copies of q, k
-// and v, each 256-byte aligned.
-int64_t Fp8ScratchBytes(const AttnParams& p);
+// Bytes of device scratch DequantiseFp8 needs for `p`: BF16 copies of v and,
+// unless fp8_qk (Plan::fp8_qk), of q and k, each 256-byte aligned.
+int64_t Fp8ScratchBytes(const AttnParams& p, bool fp8_qk);
 
 // Queues on `stream` the conversion of FP8 `dev`'s v, and unless fp8_qk its
 // q and k (device memory), into BF16 copies at `scratch` (device memory of
-// Fp8ScratchBytes(dev) bytes, 256-byte aligned), and sets *bf16 to the call
+// Fp8ScratchBytes(dev, fp8_qk) bytes, 256-byte aligned), and sets *bf16 to the call
 // the kernel runs: dtype BF16, reading the copies (fp8_qk: q and k stay the
 // codes, with their descales; the other descales become 1); o, lse and
 // cu_seqlens stay dev's. q/k/v must be 8-byte aligned (the staging layout

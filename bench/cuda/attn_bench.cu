@@ -529,7 +529,7 @@ struct Fp8 : Impl {
     plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
     if (!native) plan.fp8_qk = false;
     if (plan.kernel_head_dim == 0) return false;
-    scratch = arena.Alloc(cuda::Fp8ScratchBytes(p));
+    scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk));
     return scratch != nullptr && AllocWorkspace(&plan, &arena, &ws);
   }
   bool Run() override {

@@ -131,6 +131,8 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
   float acc_o[1][kDTiles][4];
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
+  const bool use_softcap = p.softcap > 0.f;
+  const float score_log2 = use_softcap ? 1.f : L.scale_log2;
   const bool producer = warp == kDecodeComputeWarps;
   if (producer) {
     // Q: one bulk copy per packed row (lanes), then thread 0 issues every
@@ -164,8 +166,7 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
             const int key = min(key0 + r, w.sk - 1) & ~(box - 1);
             const int32_t page = __ldg(table + (key >> kv.pages.page_shift));
             const int slab = PageSlab(kv.pages, page);
-            const int row = ((page & ((1 << kv.pages.slab_shift) - 1)) << kv.pages.page_shift) +
-                            (key & (page_size - 1));
+            const int row = static_cast<int>(PageSlabRow(kv.pages, page, key & (page_size - 1)));
 #pragma unroll
             for (int db = 0; db < kDBlocks; ++db) {
               const int at = db * kBlockN * 64 + r * 64;
@@ -200,8 +201,6 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-    const bool use_softcap = p.softcap > 0.f;
-    const float score_log2 = use_softcap ? 1.f : L.scale_log2;
     const int quad = lane % 4;
     const int row0 = w.m0 + lane / 4;
     const int warp_key0 = warp * kWarpKeys;
@@ -276,7 +275,6 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
     }
   }
   // Every thread (the producer too: the merge and the combine have CTA barriers).
-  const float score_log2 = p.softcap > 0.f ? 1.f : L.scale_log2;
   FinishDecodeTile<T, kDecodeComputeWarps, kDTiles, kQStride, kDecodeThreads>(
       L, qr, w, acc_o, row_max, row_sum, score_log2, !producer, reinterpret_cast<float*>(sK), sQ,
       reinterpret_cast<float*>(smem), kSmemFloats);
@@ -340,22 +338,21 @@ cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream)
   const KvPages& pages = launch.kv.pages;
   static_assert(sizeof(Sm90PagedDecodeLaunch) <= 32000, "kernel parameters are limited to 32 KB");
   Sm90PagedDecodeLaunch l;  // only num_slabs maps of each are encoded (and read)
-  Sm90PagedDecodeLaunch* lp = &l;
-  lp->paged = launch;
+  l.paged = launch;
   const int64_t rows = (int64_t{1} << pages.slab_shift) * pages.page_size;
   const int box = pages.page_size < kTile.block_n ? pages.page_size : kTile.block_n;
   for (int s = 0; s < pages.num_slabs; ++s) {
-    cudaError_t err = CachedRowsTensorMap(&lp->k[s], pages.k_slabs[s], p.dtype, rows,
+    cudaError_t err = CachedRowsTensorMap(&l.k[s], pages.k_slabs[s], p.dtype, rows,
                                           p.num_heads_kv, p.head_dim, box);
     if (err == cudaSuccess) {
-      err = CachedRowsTensorMap(&lp->v[s], pages.v_slabs[s], p.dtype, rows, p.num_heads_kv,
+      err = CachedRowsTensorMap(&l.v[s], pages.v_slabs[s], p.dtype, rows, p.num_heads_kv,
                                 p.head_dim, box);
     }
     if (err != cudaSuccess) return err;
   }
   return LaunchTileKernel(
       sm90::PagedAttnDecodeSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded>, kTile,
-      Sm90DecodeSmemBytes(kTile), launch.fwd, *lp, stream);
+      Sm90DecodeSmemBytes(kTile), launch.fwd, l, stream);
 }
 
 }  // namespace cuda
