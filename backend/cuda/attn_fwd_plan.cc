@@ -57,14 +57,16 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms,
 }
 
 // The Hopper kernel for `p` (its head dim), or 0 when the family does not
-// cover the call: it runs dense (not varlen) FP16/BF16 prefill with one KV
+// cover the call: it runs FP16/BF16 prefill, dense and varlen, with one KV
 // tile loop per CTA (no split-KV, no GQA packing into M) and reads Q/K/V
-// through TMA boxes of 64 columns, so the head dim must reach into the last
-// box of its kernel (64 exactly; 72..128; 200..256: 96/192-sized calls and
-// D < 64 stay on the portable kernel). Sk = 0 (no keys) stays portable too: a
-// tensor map cannot have an empty dimension.
+// through TMA boxes of 64 columns that zero-fill past the head dim. The
+// smallest compiled kernel at or above D serves it (D <= 64: 64; 72..128:
+// 128; 136..192: 192; 200..256: 256) as long as D reaches into the kernel's
+// last box: a dev build without the smaller kernels sends a call to the
+// portable kernel rather than through boxes of zeros only. Sk = 0 (no keys)
+// stays portable: a tensor map cannot have an empty dimension.
 int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
-  if (IsVarlen(p) || p.seqlen_k == 0 || portable.pack_gqa != 1 || portable.tile_kind == TileKind::kDecode) {
+  if (p.seqlen_k == 0 || portable.pack_gqa != 1 || portable.tile_kind == TileKind::kDecode) {
     return 0;
   }
   // Prefill that the portable plan would split: taken when the query run is
@@ -72,7 +74,7 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
   if (portable.num_splits > 1 && p.seqlen_q < 64) return 0;
   for (const TileConfig& t : kSm90TileTable) {
     if (t.head_dim < p.head_dim || !CompiledSm90HeadDim(t.head_dim)) continue;
-    return p.head_dim >= 64 && p.head_dim > t.head_dim - 64 ? t.head_dim : 0;
+    return p.head_dim > t.head_dim - 64 ? t.head_dim : 0;
   }
   return 0;
 }

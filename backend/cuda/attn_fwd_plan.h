@@ -91,13 +91,18 @@ constexpr TileConfig kBandedTileTable[] = {
 //         fragments of tile j live while S of j+1 is computed: 160 + row
 //         state and addresses, under 240). 3 stages would be 224 KB + the
 //         barriers: over the 227 KB limit with the alignment slack.
+//  - 192: 128x112, 2 stages (217 KB). 112 keys is the widest multiple of
+//         16 whose two stages fit (128 keys: 241 KB); S 56 + O 96 + P 28 = 180
+//         registers, about the 256 tile's 176.
 //  - 256: 128x64, 2 stages (192 KB). O alone is 128 registers; a 128-key
 //         tile would add S 64 + P 32 and spill at 240.
-// Head dims 96 and 192 (and D < 64) are served by the portable kernel (a
-// 96-column tile needs a 64-byte-swizzle block: not written yet).
+// Other head dims run the next kernel up, the boxes zero-filling the columns
+// past D (D < 64 on 64, 96 on 128): a 96-column tile would need a
+// 64-byte-swizzle block, not written.
 constexpr TileConfig kSm90TileTable[] = {
     {64, 128, 128, 12, 3, 240},
     {128, 128, 128, 12, 2, 240},
+    {192, 128, 112, 12, 2, 240},
     {256, 128, 64, 12, 2, 240},
 };
 // Dynamic smem of a Hopper tile: Q, the K and V rings, 1 KB to align the

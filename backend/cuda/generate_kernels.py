@@ -27,10 +27,10 @@ import os
 
 HEAD_DIMS = [64, 96, 128, 192, 256]
 DEV_HEAD_DIMS = [128]
-# The Hopper family (backend/cuda/hopper/, kSm90TileTable): dense prefill,
+# The Hopper family (backend/cuda/hopper/, kSm90TileTable): prefill (dense, varlen),
 # FP16/BF16 and the FP8 path's (Q K^T on E4M3 codes), compiled for sm_90a
 # only (target attn_cuda_sm90).
-SM90_HEAD_DIMS = [64, 128, 256]
+SM90_HEAD_DIMS = [64, 128, 192, 256]
 DEV_SM90_HEAD_DIMS = [128]
 # The Hopper decode kernel (hopper/attn_decode_sm90.cuh, kSm90DecodeTileTable):
 # both K/V sources (the request's tensors, a cache's pages) in one file per
@@ -277,10 +277,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
 
 
 # wgmma m64nNk16 shapes the Hopper kernels use: N = the key tile of S = Q K^T
-# (64, 128) and the head dim of O = P V (64, 128, 256).
-WGMMA_N = [64, 128, 256]
+# (64, 112, 128) and the head dim of O = P V (64, 128, 192, 256).
+WGMMA_N = [64, 112, 128, 192, 256]
 # FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path.
-WGMMA_E4M3_N = [64, 128]
+WGMMA_E4M3_N = [64, 112, 128]
 WGMMA_TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 

@@ -11,6 +11,8 @@
 //             on an sm90 GPU the planner's choice (the Hopper family where it
 //             covers the shape; ATTNSERVE_CUDA_PORTABLE=1 turns it off).
 //   portable: the portable mma.sync kernel on any GPU (the plan without sm90).
+//   varlen:   ours on the shape's rows as a varlen call (B sequences of equal
+//             lengths): the varlen path's cost against dense.
 //   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist (D=128 BF16 unbanded
 //             prefill only):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
@@ -24,6 +26,10 @@
 //             over several slabs), read by the paged decode kernel through the
 //             block tables; on sm90 the planner's choice (the Hopper decode
 //             kernel at D = 64/96/128). paged16_portable: the portable one.
+// Grids (--grid=): anchor (docs/design.md §5: D 64/128/256 x N 512..16k),
+// quick (its N = 1k and 8k, and the decode grid), decode, all (anchor and
+// decode), decodesweep (split-KV: B 1 and 16 x contexts 1k..32k), hdims (D
+// 32/96/192 at the anchor shapes, N = 1k and 8k).
 // --decode_splits=N overrides the decode split count (a sweep).
 // --kv_csv=FILE also writes the decode rows of ours/paged in the K/V
 // benchmark's format (bench/results/kv-*.csv: scenario,impl,sequences,
@@ -250,17 +256,37 @@ bool AllocWorkspace(Plan* plan, Arena* arena, void** ws) {
 
 struct Ours : Impl {
   // allow_sm90: as CudaBackend (the device's and the environment's say);
-  // false: the portable kernel only.
-  explicit Ours(bool allow_sm90) : allow_sm90(allow_sm90) {}
-  bool allow_sm90;
+  // false: the portable kernel only. varlen: the same rows as a varlen call
+  // (B sequences of equal lengths, cu_seqlens on the device), for what the
+  // varlen path costs against dense.
+  explicit Ours(bool allow_sm90, bool varlen = false) : allow_sm90(allow_sm90), varlen(varlen) {}
+  bool allow_sm90, varlen;
   AttnParams p{};
   Plan plan;
   Arena arena;
   void* ws = nullptr;
   int num_sms = 0;
+  std::vector<int32_t> cu;  // varlen: cu_seqlens_q, then cu_seqlens_k (B + 1 each)
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
-    p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
+    AttnShape shape = BenchShape(s);
+    if (varlen) {
+      cu.resize(2 * (s.b + 1));
+      for (int i = 0; i <= s.b; ++i) {
+        cu[i] = i * s.sq;
+        cu[s.b + 1 + i] = i * s.sk;
+      }
+      shape.cu_seqlens_q = cu.data();
+      shape.cu_seqlens_k = cu.data() + s.b + 1;
+    }
+    p = MakeAttnParams(shape, BenchOptions(s), {q, k, v, o, nullptr});
+    if (varlen) {
+      auto* dev = static_cast<int32_t*>(arena.Alloc(static_cast<int64_t>(cu.size()) * 4));
+      if (dev == nullptr) return false;
+      CK(cudaMemcpy(dev, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+      p.cu_seqlens_q = dev;
+      p.cu_seqlens_k = dev + s.b + 1;
+    }
     plan = cuda::PlanForward(p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
     if (plan.kernel_head_dim == 0) return false;
     if (g_decode_splits > 0 && std::string(s.kind) == "decode") {  // --decode_splits sweep
@@ -569,6 +595,7 @@ template <typename T>
 std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "ours") return std::make_unique<Ours>(true);
   if (name == "portable") return std::make_unique<Ours>(false);
+  if (name == "varlen") return std::make_unique<Ours>(true, true);
   if (name == "sm90_tma") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kTmaSync);
   if (name == "sm90_ws") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kWarpSpecialized);
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
@@ -740,6 +767,17 @@ int main(int argc, char** argv) {
     auto val = [&](const char* f) {
       return a.rfind(f, 0) == 0 ? a.substr(std::strlen(f)) : std::string();
     };
+    if (a == "--help" || a == "-h") {
+      std::printf(
+          "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
+          "                  [--impls=ours,portable,varlen,standard,fa1,fp8,fp8_dequant,paged16,\n"
+          "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
+          "                           sm90_ppo,sm90_persist] (default ours,standard,fa1)\n"
+          "                  [--dtypes=bf16,fp16] [--csv=FILE] [--decode_splits=N] [--kv_csv=FILE]\n"
+          "Times each version (validated against the float64 reference first) with CUDA\n"
+          "events, L2 flushed, median of 25 runs; CSV rows (docs/design.md section 5).\n");
+      return 0;
+    }
     if (!val("--grid=").empty()) grid = val("--grid=");
     if (!val("--impls=").empty()) impls = val("--impls=");
     if (!val("--dtypes=").empty()) dtypes = val("--dtypes=");
@@ -762,6 +800,16 @@ int main(int argc, char** argv) {
       for (int d : {64, 128, 256}) {
         for (int n : {512, 1024, 2048, 4096, 8192, 16384}) {
           if (grid == "quick" && n != 1024 && n != 8192) continue;
+          for (bool c : {false, true})
+            shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
+        }
+      }
+    }
+    if (grid == "hdims") {
+      // Head dims off the anchor grid (served by the next kernel up, or their
+      // own: 192 on sm90), its shapes at N = 1k and 8k.
+      for (int d : {32, 96, 192}) {
+        for (int n : {1024, 8192}) {
           for (bool c : {false, true})
             shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
         }

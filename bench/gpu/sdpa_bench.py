@@ -28,6 +28,11 @@ def shapes(grid, dtypes):
                         continue
                     for c in (False, True):
                         out.append(("prefill", dn, d, 16384 // n, 2048 // d, 2048 // d, n, n, c))
+        if grid == "hdims":
+            for d in (32, 96, 192):
+                for n in (1024, 8192):
+                    for c in (False, True):
+                        out.append(("prefill", dn, d, 16384 // n, 2048 // d, 2048 // d, n, n, c))
         if grid == "decodesweep":
             for b in (1, 16):
                 for sk in (1024, 2048, 4096, 8192, 16384, 32768):

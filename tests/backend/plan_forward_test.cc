@@ -208,19 +208,42 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_qk);
 }
 
-TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
-  // Short split prefill, Sk = 0, varlen, D < 64.
-  EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
-  EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
-  EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+// Varlen prefill and every head dim, through the next kernel up (boxes
+// zero-fill past D); the kernel for a head dim as Sm90HeadDimFor says.
+TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
+  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
   AttnParams varlen = Dense(2, 512, 512, 4, 4, 128);
   const int32_t cu[3] = {0, 300, 512};
   varlen.cu_seqlens_q = cu;
   varlen.cu_seqlens_k = cu;
-  EXPECT_EQ(PlanForward(varlen, kH100Sms, true).kernel_family, KernelFamily::kPortable);
-  if (cuda::CompiledHeadDim(192)) {
-    // 136..192 keep the portable 192 kernel (no 96/192-wide Hopper tile yet).
-    EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 160), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  Plan p = PlanForward(varlen, kH100Sms, true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
+  struct Row {
+    int head_dim, kernel;
+  };
+  for (const Row r : {Row{8, 64}, Row{40, 64}, Row{64, 64}, Row{72, 128}, Row{96, 128},
+                      Row{136, 192}, Row{160, 192}, Row{192, 192}, Row{200, 256}, Row{256, 256}}) {
+    if (!cuda::CompiledSm90HeadDim(r.kernel)) continue;
+    p = PlanForward(Dense(2, 512, 512, 4, 4, r.head_dim), kH100Sms, true);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kSm90) << "D " << r.head_dim;
+    EXPECT_EQ(p.kernel_head_dim, r.kernel) << "D " << r.head_dim;
+  }
+  if (cuda::CompiledSm90HeadDim(192)) {
+    EXPECT_EQ(cuda::PlanSmemBytes(PlanForward(Dense(2, 512, 512, 4, 4, 192), kH100Sms, true)),
+              cuda::Sm90SmemBytes(cuda::Sm90TileFor(192)));
+    EXPECT_LE(cuda::Sm90SmemBytes(cuda::Sm90TileFor(192)), 227 * 1024);
+  }
+}
+
+TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
+  // Short split prefill, Sk = 0.
+  EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  if (!cuda::CompiledSm90HeadDim(64) && cuda::CompiledSm90HeadDim(128)) {
+    // A dev build (128 only): D = 40 would read the 128 kernel's second box
+    // as zeros only; the portable kernel serves it.
+    EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family, KernelFamily::kPortable);
   }
 }
 

@@ -94,6 +94,10 @@ class HostBuffers {
   const void* q() const { return q_.data(); }
   const void* k() const { return k_.data(); }
   const void* v() const { return v_.data(); }
+  // Inputs a test may plant values in (before the first Reference() call:
+  // the reference reads them then).
+  void* k() { return k_.data(); }
+  void* v() { return v_.data(); }
   const int32_t* cu_seqlens_q() const { return tc_.varlen() ? cu_q_.data() : nullptr; }
   const int32_t* cu_seqlens_k() const { return tc_.varlen() ? cu_k_.data() : nullptr; }
 

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -322,14 +323,16 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
 
 // The Hopper family's coverage (kSm90TileTable; on sm90 the planner picks it
 // for all of these, on other GPUs and with ATTNSERVE_CUDA_PORTABLE=1 the
-// portable kernel runs them): every head dim it serves (64, 72..128,
-// 200..256), lengths off the 128-row and 64/128-key tiles, long sequences
-// (32k keys; 32k queries), causal bottom-right with Sq > Sk (fully masked
-// rows: O = 0, LSE = -inf), sliding windows, softcap, GQA and MQA.
+// portable kernel runs them): its head dims and ones the next kernel up
+// serves (8..64, 72..128, 136..192, 200..256), lengths off the 128-row and
+// 64/112/128-key tiles, long sequences (32k keys; 32k queries), causal
+// bottom-right with Sq > Sk (fully masked rows: O = 0, LSE = -inf), sliding
+// windows, softcap, GQA and MQA, varlen prefill (empty sequences, sequences
+// ending inside a key tile).
 std::vector<TestCase> Sm90Grid() {
   std::vector<TestCase> g;
   for (DType t : {DType::kFP16, DType::kBF16}) {
-    for (int d : {64, 72, 120, 128, 200, 256}) {
+    for (int d : {16, 40, 64, 72, 120, 128, 136, 192, 200, 256}) {
       g.push_back(Make(t, 2, 333, 333, 4, 2, d, false));
       g.push_back(Make(t, 1, 257, 700, 2, 1, d, true));
     }
@@ -338,6 +341,31 @@ std::vector<TestCase> Sm90Grid() {
     g.push_back(Make(t, 1, 256, 32768, 2, 1, 128, false));
     g.push_back(Make(t, 1, 1024, 32768, 1, 1, 64, true));
     g.push_back(Make(t, 1, 32768, 300, 2, 2, 256, false));
+    g.push_back(Make(t, 1, 4096, 4096, 2, 1, 192, true));
+    for (int d : {64, 128, 192, 256}) {
+      TestCase tc;  // varlen prefill: empty sequences, no keys, lengths off every tile
+      tc.dtype = t;
+      tc.seqlens_q = {129, 0, 300, 1, 64, 700, 200};
+      tc.seqlens_k = {129, 10, 200, 500, 70, 700, 0};
+      tc.num_heads_q = 4;
+      tc.num_heads_kv = 2;
+      tc.head_dim = d;
+      tc.causal = d % 128 == 0;
+      g.push_back(tc);
+    }
+    {
+      TestCase tc;  // varlen prefill, MQA, window and softcap
+      tc.dtype = t;
+      tc.seqlens_q = {1000, 77, 513};
+      tc.seqlens_k = {1100, 300, 513};
+      tc.num_heads_q = 8;
+      tc.num_heads_kv = 1;
+      tc.head_dim = 128;
+      tc.window_left = 100;
+      tc.window_right = 30;
+      tc.softcap = 15.0f;
+      g.push_back(tc);
+    }
     {
       TestCase tc = Make(t, 2, 1000, 1200, 8, 1, 128, false);  // MQA, window both sides
       tc.window_left = 150;
@@ -372,8 +400,51 @@ std::vector<TestCase> Sm90Grid() {
 }
 INSTANTIATE_TEST_SUITE_P(Sm90, CudaTest, ::testing::ValuesIn(Sm90Grid()), CaseName);
 
+// Varlen: a key tile reaching past a sequence's end reads the next
+// sequence's K/V rows. NaN planted in rows that no query of their own
+// sequence sees (a causal window of 20 keeps them out) must not reach the
+// sequence before them: its scores there are masked, but P = 0 times NaN is
+// NaN unless the kernel keeps those values out (the Hopper kernels zero such
+// V rows in smem; the portable kernel never loads them). Prefill and decode
+// (GQA packed), each head dim of the Hopper prefill kernels.
+TEST(CudaBackendVarlen, RowsPastASequenceStayOut) {
+  std::string why;
+  AttentionBackend* backend = SharedBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  for (int d : {64, 128, 192, 256}) {
+    for (int sq : {1, 100}) {
+      TestCase tc;
+      tc.dtype = DType::kBF16;
+      tc.seqlens_q = {sq == 1 ? 1 : 70, sq};
+      tc.seqlens_k = {70, 300};
+      tc.num_heads_q = 4;
+      tc.num_heads_kv = 2;
+      tc.head_dim = d;
+      tc.causal = true;
+      tc.window_left = 20;
+      HostBuffers buf(tc);
+      // Sequence 1's keys 0..127 (rows 70..197): its queries see keys >= 180.
+      const int64_t row_bytes = int64_t{tc.num_heads_kv} * d * 2;
+      for (void* x : {buf.k(), buf.v()}) {
+        std::memset(static_cast<char*>(x) + 70 * row_bytes, 0xff, static_cast<size_t>(128 * row_bytes));
+      }
+      const absl::StatusOr<Plan> plan = backend->CanImplement(buf.params());
+      if (plan.status().code() == absl::StatusCode::kUnimplemented && DocumentedRefusal(buf.params())) {
+        continue;  // D 192/256 on sm86/sm89
+      }
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      BackendTimings t;
+      const absl::Status st = backend->Forward(*plan, buf.params(), &t);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(CheckOutput(buf)) << tc.Name() << " on the "
+                                    << (plan->kernel_family == KernelFamily::kSm90 ? "Hopper" : "portable")
+                                    << " kernel";
+    }
+  }
+}
+
 // On an sm90 GPU (without ATTNSERVE_CUDA_PORTABLE=1) the Hopper family must
-// really be what runs the grids above: a dense BF16 prefill plans onto it,
+// really be what runs the grids above: dense and varlen prefill plan onto it,
 // and what it does not cover stays portable.
 TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   std::string why;
@@ -405,6 +476,26 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   plan = backend->CanImplement(d.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
+  // Varlen prefill and head dim 192 take the Hopper prefill kernel.
+  TestCase v;
+  v.dtype = DType::kBF16;
+  v.seqlens_q = {300, 0, 129};
+  v.seqlens_k = {300, 5, 200};
+  v.num_heads_q = 4;
+  v.num_heads_kv = 2;
+  v.head_dim = 128;
+  HostBuffers vb(v);
+  plan = backend->CanImplement(vb.params());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(plan->tile_kind, TileKind::kPrefill);
+  if (cuda::CompiledSm90HeadDim(192)) {
+    HostBuffers h(Make(DType::kFP16, 1, 512, 512, 4, 4, 160, false));
+    plan = backend->CanImplement(h.params());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+    EXPECT_EQ(plan->kernel_head_dim, 192);
+  }
 }
 
 TEST(CudaBackendInfo, DescribesDevice) {

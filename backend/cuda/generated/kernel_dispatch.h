@@ -34,6 +34,9 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
     case 128:
       return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
                                                                                           stream);
+    case 192:
+      return RunAttnFwdSm90<192, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+                                                                                          stream);
     case 256:
       return RunAttnFwdSm90<256, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
                                                                                           stream);

@@ -13,7 +13,7 @@ inline constexpr int kCompiledSm90HeadDims[] = {128};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {128};
 #else
 inline constexpr int kCompiledHeadDims[] = {64, 96, 128, 192, 256};
-inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 256};
+inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 192, 256};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {64, 96, 128};
 #endif
 

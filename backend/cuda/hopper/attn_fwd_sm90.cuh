@@ -103,8 +103,13 @@ __device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
 // A CTA's work item: 128 query rows (m block) of one query head of one
 // sequence, and the key tiles [n_begin, n_end) they can see (scanned right
 // to left: the partial / band-edge tile first, as the portable kernel does).
+// Tensor-map coordinates: dense maps are [B, S, H, D] (the sequence is batch
+// b, its rows from 0); varlen maps one [1, T, H, D] batch (the sequence's
+// rows from its cu_seqlens offset).
 struct Sm90Tile {
   int b, head, kv_head, m0;
+  int sq, sk;                  // this sequence's lengths
+  int q_row0, k_row0, map_b;   // its first Q and K/V row, and batch, in the maps
   int n_begin, n_end;
   int lo_last, hi_first;  // band-interior tiles: [lo(last row), hi(first row)]
 };
@@ -121,13 +126,18 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
   const int rest = index % per_head;
   t->b = rest / F.num_m_blocks;
   t->m0 = Mask::MBlock(rest % F.num_m_blocks, F.num_m_blocks) * kBlockM;
-  if (t->m0 >= p.seqlen_q) return false;
+  t->sq = SeqLenQ(p, t->b);
+  if (t->m0 >= t->sq) return false;
+  t->sk = SeqLenK(p, t->b);
+  const bool varlen = IsVarlen(p);
+  t->q_row0 = varlen ? static_cast<int>(SeqStartQ(p, t->b)) : 0;
+  t->k_row0 = varlen ? static_cast<int>(SeqStartK(p, t->b)) : 0;
+  t->map_b = varlen ? 0 : t->b;
   t->kv_head = KVHead(p, t->head);
   int lo_first, hi_last;
-  VisibleKeys(p, t->m0, p.seqlen_q, p.seqlen_k, &lo_first, &t->hi_first);
-  VisibleKeys(p, min(p.seqlen_q, t->m0 + kBlockM) - 1, p.seqlen_q, p.seqlen_k, &t->lo_last,
-              &hi_last);
-  Mask::KeyTiles(lo_first, hi_last, p.seqlen_k, kBlockN, &t->n_begin, &t->n_end);
+  VisibleKeys(p, t->m0, t->sq, t->sk, &lo_first, &t->hi_first);
+  VisibleKeys(p, min(t->sq, t->m0 + kBlockM) - 1, t->sq, t->sk, &t->lo_last, &hi_last);
+  Mask::KeyTiles(lo_first, hi_last, t->sk, kBlockN, &t->n_begin, &t->n_end);
   return true;
 }
 
@@ -181,8 +191,6 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 
   const FwdLaunch& F = L.fwd;
   const AttnParams& p = F.p;
-  const int sq = p.seqlen_q;
-  const int sk = p.seqlen_k;
   const int num_items = F.num_m_blocks * p.batch * p.num_heads_q;
   const int first_item = kPersistent ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
   const int item_step = kPersistent ? gridDim.x : num_items;
@@ -209,12 +217,13 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     MbarArriveExpectTx(q_full, kQBytes);
 #pragma unroll
     for (int db = 0; db < kQKBlocks; ++db) {
-      TmaLoad4d(sQ + db * kBlockM * 128, &L.q, q_full, db * kQKCols, t.head, t.m0, t.b);
+      TmaLoad4d(sQ + db * kBlockM * 128, &L.q, q_full, db * kQKCols, t.head, t.q_row0 + t.m0,
+                t.map_b);
     }
   };
   auto load_kv = [&](const Sm90Tile& t, int g, int it) {
     const int stage = g % kStages;
-    const int key0 = (t.n_end - 1 - it) * kBlockN;
+    const int key0 = t.k_row0 + (t.n_end - 1 - it) * kBlockN;
     // The stage's previous tiles (g - kStages) must be consumed first.
     const uint32_t parity = ((g / kStages) - 1) & 1;
     if (g >= kStages) MbarWait(&k_empty[stage], parity);
@@ -222,14 +231,14 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 #pragma unroll
     for (int db = 0; db < kQKBlocks; ++db) {
       TmaLoad4d(sK + stage * kKBytes + db * kBlockN * 128, &L.k, &k_full[stage], db * kQKCols,
-                t.kv_head, key0, t.b);
+                t.kv_head, key0, t.map_b);
     }
     if (g >= kStages) MbarWait(&v_empty[stage], parity);
     MbarArriveExpectTx(&v_full[stage], kVBytes);
 #pragma unroll
     for (int db = 0; db < kDBlocks; ++db) {
       TmaLoad4d(sV + (stage * kDBlocks + db) * kBlockN * 64, &L.v, &v_full[stage], db * 64,
-                t.kv_head, key0, t.b);
+                t.kv_head, key0, t.map_b);
     }
   };
 
@@ -331,7 +340,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t)) continue;
     const detail::QueryRows qr{1, t.head, SeqStartQ(p, t.b)};
     if (t.n_begin >= t.n_end) {
-      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, sq, ctid);
+      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
       continue;
     }
     const int num_tiles = t.n_end - t.n_begin;               // tile it is key tile n_end - 1 - it
@@ -355,10 +364,27 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     auto softmax = [&](int n) {
       if (use_softcap) detail::SoftcapScores(s, F.softcap_in, F.softcap_out);
       const int key0 = n * kBlockN;
-      if (Mask::TileNeedsMask(key0, kBlockN, sk, t.lo_last, t.hi_first)) {
-        detail::MaskScores(s, p, key0, row0, sq, 1, sq, sk, quad);
+      if (Mask::TileNeedsMask(key0, kBlockN, t.sk, t.lo_last, t.hi_first)) {
+        detail::MaskScores(s, p, key0, row0, t.sq, 1, t.sq, t.sk, quad);
       }
       SoftmaxStep(s, row_max, row_sum, corr, score_log2);
+    };
+    // Varlen: the V tile of key tile n reaching past the sequence holds the
+    // next sequence's rows (a dense map zero-fills there). P is 0 for them
+    // but 0 x Inf or NaN is not, so before P V reads the tile the consumers
+    // zero those rows (whole 128-byte rows: the swizzle moves chunks only
+    // within a row), fence the stores into wgmma's (async) proxy and meet at
+    // named barrier 3. Only the sequence's last key tile, once per item; the
+    // test is uniform over the consumers, so all or none reach the barrier.
+    auto clear_v_tail = [&](int stage, int n) {
+      const int valid = t.sk - n * kBlockN;  // rows < valid are the sequence's
+      if (!IsVarlen(p) || valid >= kBlockN) return;
+      uint4* tile = reinterpret_cast<uint4*>(sV + stage * kDBlocks * kBlockN * 64);
+      for (int c = ctid; c < kDBlocks * kBlockN * 8; c += kConsumerThreads) {
+        if ((c / 8) % kBlockN >= valid) tile[c] = make_uint4(0, 0, 0, 0);
+      }
+      FenceProxyAsyncShared();
+      NamedBarSync(3, kConsumerThreads);
     };
 
 #pragma unroll
@@ -384,6 +410,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         RescaleO(o, corr);
         ConvertP<T>(s, pa);
         MbarWait(&v_full[stage], parity);
+        clear_v_tail(stage, t.n_end - 1 - it);
         gemm_pv(stage);
         WgmmaWait<0>();
         FenceRegs(Flat(o));
@@ -406,6 +433,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         const int prev = (g + it - 1) % kStages;
         MbarWait(&k_full[stage], ((g + it) / kStages) & 1);
         MbarWait(&v_full[prev], ((g + it - 1) / kStages) & 1);
+        clear_v_tail(prev, t.n_end - it);
         turn_begin();
         gemm_qk(stage);  // S of tile it ...
         RescaleO(o, corr);
@@ -422,6 +450,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       }
       const int last = (g + num_tiles - 1) % kStages;
       MbarWait(&v_full[last], ((g + num_tiles - 1) / kStages) & 1);
+      clear_v_tail(last, t.n_begin);
       turn_begin();
       RescaleO(o, corr);
       gemm_pv(last);
@@ -442,7 +471,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int m = row0 + half * 8;
-      if (m >= sq) continue;
+      if (m >= t.sq) continue;
       T* dst = o_ptr + QOffset(p, qr.q_start + m, t.head);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
@@ -461,33 +490,42 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 
 }  // namespace sm90
 
-// Launches the instantiation: tensor maps over the request's dense Q, K and
-// V (one box = one 128-byte row of 64 columns, 128 for FP8 codes, x the
-// tile's rows); a CTA per work item (m block, batch, query head), or one per
-// SM for kPersistent. launch.num_splits must be 1 (the planner never splits
-// here). kFp8Qk: p.q and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is
-// BF16.
+// Launches the instantiation: tensor maps over the request's Q, K and V
+// (dense: [B, S, H, D]; varlen: one batch of all T rows, the kernel starting
+// each sequence at its cu_seqlens offset; one box = one 128-byte row of 64
+// columns, 128 for FP8 codes, x the tile's rows); a CTA per work item (m
+// block, batch, query head), or one per SM for kPersistent.
+// launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
+// and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
   const AttnParams& p = launch.p;
-  if (launch.num_splits != 1 || launch.pack_gqa != 1 || IsVarlen(p)) return cudaErrorInvalidValue;
+  if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
+  const int64_t items = int64_t{launch.num_m_blocks} * p.batch * p.num_heads_q;
+  if (items == 0) return cudaSuccess;  // no query rows (a tensor map cannot be empty)
+  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
   // TMA needs 16-byte aligned bases (the staging buffers are 256-aligned).
   for (const void* ptr : {p.q, p.k, p.v}) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorMisalignedAddress;
   }
   const DType qk_dtype = kFp8Qk ? DType::kFP8E4M3 : p.dtype;
+  const bool varlen = IsVarlen(p);
+  const int64_t batch = varlen ? 1 : p.batch;
+  const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
+  const int64_t kv_rows = varlen ? p.total_k : p.seqlen_k;
+  if (kv_rows == 0) return cudaErrorInvalidValue;  // PlanForward keeps Sk = 0 portable
   Sm90FwdLaunch l;
   l.fwd = launch;
-  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, qk_dtype, p.batch, p.seqlen_q, p.num_heads_q,
+  cudaError_t err = EncodeRowsTensorMap(&l.q, p.q, qk_dtype, batch, q_rows, p.num_heads_q,
                                         p.head_dim, sm90::kBlockM);
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.k, p.k, qk_dtype, p.batch, p.seqlen_k, p.num_heads_kv,
-                              p.head_dim, kTile.block_n);
+    err = EncodeRowsTensorMap(&l.k, p.k, qk_dtype, batch, kv_rows, p.num_heads_kv, p.head_dim,
+                              kTile.block_n);
   }
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, p.batch, p.seqlen_k, p.num_heads_kv, p.head_dim,
+    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, p.head_dim,
                               kTile.block_n);
   }
   if (err != cudaSuccess) return err;
@@ -496,9 +534,6 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr int kSmem = Sm90SmemBytes(kTile, kFp8Qk ? 1 : 2);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const int64_t items = int64_t{launch.num_m_blocks} * p.batch * p.num_heads_q;
-  if (items == 0) return cudaSuccess;
-  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
   dim3 grid;
   if constexpr (kSchedule == Sm90Schedule::kPersistent) {
     // One CTA per SM (the tiles' smem allows no second one).
