@@ -136,13 +136,13 @@ int PlanSmemBytes(const Plan& plan) {
 //    128 tiles / 33 -> 4 tiles each -> 32 splits of 256 keys.
 //  - Prefill, B=1, Hq=32, Sq=Sk=1024: base 8 x 32 = 256 CTAs, over half a
 //    wave: no split.
-Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90) {
+Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows kv) {
   if (params.dtype == DType::kFP8E4M3) {
     // The BF16 view's plan (its kernels write O as BF16, the FP8 contract);
     // on the Hopper prefill kernel Q K^T stays on the codes.
     AttnParams bf16 = params;
     bf16.dtype = DType::kBF16;
-    Plan plan = PlanForward(bf16, num_sms, allow_sm90);
+    Plan plan = PlanForward(bf16, num_sms, allow_sm90, kv);
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
     return plan;
   }
@@ -192,7 +192,7 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90) {
   if (plan.num_splits > 1) {
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
-  const int sm90_head_dim = allow_sm90 ? Sm90HeadDimFor(p, plan) : 0;
+  const int sm90_head_dim = allow_sm90 && kv == KvRows::kTensors ? Sm90HeadDimFor(p, plan) : 0;
   if (sm90_head_dim != 0) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;

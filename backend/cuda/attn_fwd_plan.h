@@ -197,6 +197,11 @@ inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
 TileConfig TileForPlan(const Plan& plan);
 int PlanSmemBytes(const Plan& plan);
 
+// Where a call's K/V rows come from: the request's tensors (LaunchForward)
+// or a cache's pages through block tables (LaunchPagedForward). The Hopper
+// prefill kernel reads tensors only; the Hopper decode kernel both.
+enum class KvRows { kTensors, kPages };
+
 // Chooses the kernel, the tile, the split count and GQA packing for
 // FP16/BF16 params, and FP8 E4M3 params as their BF16 view (the kernel that
 // runs) plus Plan::fp8_qk where the Hopper prefill kernel takes them (host
@@ -207,7 +212,8 @@ int PlanSmemBytes(const Plan& plan);
 // then takes it for what it covers (SupportsSm90). A pure host function
 // (attn_fwd_plan.cc, compiled by the host compiler in every build),
 // unit-tested without a GPU.
-Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90 = false);
+Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90 = false,
+                 KvRows kv = KvRows::kTensors);
 
 }  // namespace cuda
 }  // namespace attnserve

@@ -134,9 +134,9 @@ absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
   return PlanFor(params);
 }
 
-absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params) const {
+absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params, cuda::KvRows kv) const {
   // FP8 params are planned as the kernel that runs them (PlanForward).
-  const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90_);
+  const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90_, kv);
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
         absl::StrCat("cuda: head_dim ", params.head_dim,

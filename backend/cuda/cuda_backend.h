@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
+#include "backend/cuda/attn_fwd_plan.h"
 #include "common/thread_pool.h"
 
 namespace attnserve {
@@ -84,8 +85,9 @@ class CudaBackend final : public AttentionBackend {
   // their BF16 view, the kernel that runs them), or UNIMPLEMENTED when this
   // build or this device has no kernel for them. Checks nothing else.
   // The Hopper family serves what it covers when the device has it
-  // (allow_sm90_).
-  absl::StatusOr<Plan> PlanFor(const AttnParams& params) const;
+  // (allow_sm90_); kv: the request's K/V or a cache's pages (CudaPaged).
+  absl::StatusOr<Plan> PlanFor(const AttnParams& params,
+                               cuda::KvRows kv = cuda::KvRows::kTensors) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
   // The paged path's checks: CheckPagedParams (keeps the kernels inside the

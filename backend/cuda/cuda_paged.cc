@@ -99,7 +99,7 @@ absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
   // writes or copies), then whether this build and device have its kernel.
   RETURN_IF_ERROR(CheckPagedParams(p));
   if (p.attn.dtype == DType::kFP32) return absl::OkStatus();  // the SIMT kernel takes any head dim
-  return PlanFor(p.attn).status();
+  return PlanFor(p.attn, cuda::KvRows::kPages).status();
 }
 
 absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
@@ -118,7 +118,7 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
                               "paged fp32 forward kernel");
   } else {
     // Planned on the launch's (packed) params: PlanFor reads sizes only.
-    const absl::StatusOr<Plan> planned = PlanFor(dev.attn);
+    const absl::StatusOr<Plan> planned = PlanFor(dev.attn, cuda::KvRows::kPages);
     if (!planned.ok()) return planned.status();
     const Plan& plan = *planned;
     const absl::Status st = ReserveSplitWorkspace(slot, plan);

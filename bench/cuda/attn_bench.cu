@@ -500,7 +500,8 @@ struct Paged : Impl {
     if (!p.cu_seqlens_q || !p.cu_seqlens_k || !pp.block_table || !pp.seqlens_k) return false;
     CK(cuda::LaunchKvAppend(pp, nullptr));
     CK(cudaDeviceSynchronize());
-    plan = cuda::PlanForward(p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
+    plan = cuda::PlanForward(p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0),
+                             cuda::KvRows::kPages);
     if (plan.kernel_head_dim == 0) return false;
     return AllocWorkspace(&plan, &arena, &ws);
   }

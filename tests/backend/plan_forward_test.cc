@@ -219,6 +219,14 @@ TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
   Plan p = PlanForward(varlen, kH100Sms, true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.tile_kind, TileKind::kPrefill);
+  // Over a cache's pages the prefill stays portable (the Hopper prefill
+  // kernel reads tensors only); decode takes the Hopper decode kernel.
+  EXPECT_EQ(PlanForward(varlen, kH100Sms, true, cuda::KvRows::kPages).kernel_family,
+            KernelFamily::kPortable);
+  if (cuda::CompiledSm90DecodeHeadDim(128)) {
+    EXPECT_EQ(PlanForward(Dense(2, 1, 4096, 32, 8, 128), kH100Sms, true, cuda::KvRows::kPages).kernel_family,
+              KernelFamily::kSm90);
+  }
   struct Row {
     int head_dim, kernel;
   };
