@@ -4,8 +4,10 @@
 // two launches started back to back: the prefix alone (an append with no
 // queries), then the new rows with the queries (append, then attend over
 // prefix + new rows). The paged output must equal the contiguous kernel's
-// on the same full K/V (same plan, same arithmetic: bit for bit) and pass
-// DESIGN §4's tolerance against the reference. Copy-on-write: sequence 0's
+// on the same full K/V (same plan, same arithmetic: bit for bit; on sm90 a
+// prefill's contiguous run takes the Hopper prefill kernel, which pages do
+// not, and meets the reference instead) and pass DESIGN §4's tolerance
+// against the reference. Copy-on-write: sequence 0's
 // partial last page is copied to a fresh page before the append, and the
 // source page must stay untouched. Without a GPU every test is SKIPPED.
 #include <cuda_runtime.h>
@@ -316,15 +318,22 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
 
   EXPECT_TRUE(CheckOutput(buf, o.data(), full.lse != nullptr ? lse.data() : nullptr)) << pc.Name();
 
-  // The contiguous kernel on the same full K/V: the same plan, so the same bits.
+  // The contiguous kernel on the same full K/V: the same plan, so the same
+  // bits. Except a prefill on sm90: the Hopper prefill kernel reads tensors
+  // only (KvRows), so pages take the portable kernel and the tensors the
+  // Hopper one; the contiguous result then meets the reference on its own.
   buf.Poison();
   const absl::Status fst = backend_->Forward(*can, full, &t);
   ASSERT_TRUE(fst.ok()) << fst;
-  EXPECT_EQ(std::memcmp(buf.o(), o.data(), o.size()), 0)
-      << "paged O differs from the contiguous kernel's";
-  if (full.lse != nullptr) {
-    EXPECT_EQ(std::memcmp(buf.lse(), lse.data(), lse.size() * 4), 0)
-        << "paged LSE differs from the contiguous kernel's";
+  if (can->kernel_family == KernelFamily::kSm90 && can->tile_kind != TileKind::kDecode) {
+    EXPECT_TRUE(CheckOutput(buf)) << pc.Name() << " (contiguous, Hopper prefill kernel)";
+  } else {
+    EXPECT_EQ(std::memcmp(buf.o(), o.data(), o.size()), 0)
+        << "paged O differs from the contiguous kernel's";
+    if (full.lse != nullptr) {
+      EXPECT_EQ(std::memcmp(buf.lse(), lse.data(), lse.size() * 4), 0)
+          << "paged LSE differs from the contiguous kernel's";
+    }
   }
 
   if (cow) {
