@@ -142,6 +142,9 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   const int64_t partial_rows = int64_t{plan.num_splits} * dev.num_heads_q * dev.total_q;
   const bool split = plan.num_splits > 1;
   l.split_tickets = split ? static_cast<int*>(workspace) : nullptr;
+  // An unsplit plan with a workspace: the Hopper schedule's item counters
+  // (Sm90ScheduleWorkspaceBytes). The slot's buffer may be there for others.
+  l.item_counters = !split && plan.workspace_bytes > 0 ? static_cast<int*>(workspace) : nullptr;
   l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes)
                     : nullptr;
   l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;

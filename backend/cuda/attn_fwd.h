@@ -23,6 +23,7 @@ struct FwdLaunch {
   float* o_accum;      // [num_splits, Hq, total_q, D], each split normalised by its own sum
   float* lse_accum;    // [num_splits, Hq, total_q], natural log; -inf for an empty split
   int* split_tickets;  // one counter per tile group, zero at rest (attn_fwd_plan.h)
+  int* item_counters;  // Hopper kPersistentDynamic: [next item, CTAs done], zero at rest
   bool fused_combine;  // split decode tile: the last split CTA of a group combines
   int pack_gqa;        // query heads of one KV head packed into M (1 = off)
   int num_m_blocks;    // ceil(seqlen_q * pack_gqa / kBlockM), seqlen_q the max over sequences

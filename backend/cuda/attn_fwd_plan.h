@@ -193,6 +193,47 @@ inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
          int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4;
 }
 
+// How the warpgroups of a CTA share the work (bench/NOTES-cuda.md's ablation
+// has one row per schedule):
+//  - kTmaSync: 2 consumer warpgroups (64 query rows each, wgmma for both
+//    GEMMs); thread 0 also issues the TMA loads of the K/V ring.
+//  - kWarpSpecialized: + a producer warpgroup that only issues TMA
+//    (setmaxnreg: producer 24 registers, consumers 240).
+//  - kPingPong: + named barriers order the two consumers' QK^T GEMMs so one
+//    warpgroup's softmax runs while the other's GEMM does.
+//  - kPingPongOverlap: + inside a warpgroup, the softmax of tile j runs while
+//    the P V GEMM of tile j-1 is in flight (both GEMMs issued in one turn).
+//  - kPersistent: + one CTA per SM walks the work items (m block, batch,
+//    head; banded: most key tiles first within a head), its producer loading
+//    the next item's Q and K/V during this one's last tiles and epilogue.
+//    Static striding: CTA c takes items c, c + grid, ...
+//  - kPersistentDynamic: the same, but each CTA's producer takes the next
+//    item from a global counter when it needs one (so a CTA that drew long
+//    items takes fewer), and hands it to its consumers through shared memory.
+enum class Sm90Schedule : int {
+  kTmaSync = 0,
+  kWarpSpecialized = 1,
+  kPingPong = 2,
+  kPingPongOverlap = 3,
+  kPersistent = 4,
+  kPersistentDynamic = 5,
+};
+
+// The schedule the planner's launches use. Banded (causal, windows): static
+// striding leaves CTAs unevenly loaded when items differ in length (at
+// N = 16k causal the busiest CTA had 1.57x the mean work: 409 vs 606
+// TFLOP/s for cuDNN), so the items are drawn from a counter (PLACEHOLDER).
+constexpr Sm90Schedule DefaultSm90Schedule(bool banded) {
+  return banded ? Sm90Schedule::kPersistentDynamic : Sm90Schedule::kPersistent;
+}
+// Workspace a schedule needs: kPersistentDynamic's two counters (the next
+// item, the CTAs done: ints 0 and 1 of the counter block, zero at rest like
+// the split tickets; the last CTA out resets them). A Hopper prefill plan
+// never splits, so no ticket shares them.
+constexpr int64_t Sm90ScheduleWorkspaceBytes(Sm90Schedule s) {
+  return s == Sm90Schedule::kPersistentDynamic ? kSplitCounterBytes : 0;
+}
+
 // The tile of a plan (either family) and its dynamic shared memory.
 TileConfig TileForPlan(const Plan& plan);
 int PlanSmemBytes(const Plan& plan);

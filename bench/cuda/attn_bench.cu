@@ -13,8 +13,8 @@
 //   portable: the portable mma.sync kernel on any GPU (the plan without sm90).
 //   varlen:   ours on the shape's rows as a varlen call (B sequences of equal
 //             lengths): the varlen path's cost against dense.
-//   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist (D=128 BF16 unbanded
-//             prefill only):
+//   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist, sm90_dynamic (D=128
+//             BF16 prefill only, either mask):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
 //             the ablation of bench/NOTES-cuda.md.
 //   fp8, fp8_dequant (BF16 prefill shapes): the shape's inputs as FP8 E4M3
@@ -574,8 +574,10 @@ struct Sm90Variant : Impl {
   cuda::Sm90Schedule schedule;
   AttnParams p{};
   Plan plan;
+  Arena arena;
+  void* ws = nullptr;
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
-    if (std::string(s.kind) != "prefill" || s.d != 128 || s.causal || s.dtype != DType::kBF16 ||
+    if (std::string(s.kind) != "prefill" || s.d != 128 || s.dtype != DType::kBF16 ||
         !cuda::DeviceRunsSm90Kernels(0)) {
       return false;
     }
@@ -583,13 +585,16 @@ struct Sm90Variant : Impl {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
     p = MakeAttnParams(BenchShape(s), BenchOptions(s), {q, k, v, o, nullptr});
     plan = cuda::PlanForward(p, num_sms, /*allow_sm90=*/true);
-    return plan.kernel_family == KernelFamily::kSm90;
+    if (plan.kernel_family != KernelFamily::kSm90) return false;
+    Plan own = plan;  // this schedule's workspace, not the default one's
+    own.workspace_bytes = cuda::Sm90ScheduleWorkspaceBytes(schedule);
+    return AllocWorkspace(&own, &arena, &ws);
   }
   bool Run() override {
-    CK(cuda::LaunchForwardSm90Schedule(p, plan, schedule, nullptr));
+    CK(cuda::LaunchForwardSm90Schedule(p, plan, schedule, ws, nullptr));
     return true;
   }
-  int64_t ExtraBytes() const override { return 0; }
+  int64_t ExtraBytes() const override { return arena.bytes; }
 };
 
 template <typename T>
@@ -602,6 +607,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
   if (name == "sm90_ppo") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
   if (name == "sm90_persist") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistent);
+  if (name == "sm90_dynamic")
+    return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistentDynamic);
   if (name == "paged16") return std::make_unique<Paged>(16, true);
   if (name == "paged64") return std::make_unique<Paged>(64, true);
   if (name == "paged16_portable") return std::make_unique<Paged>(16, false);
@@ -773,7 +780,7 @@ int main(int argc, char** argv) {
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,portable,varlen,standard,fa1,fp8,fp8_dequant,paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
-          "                           sm90_ppo,sm90_persist] (default ours,standard,fa1)\n"
+          "                           sm90_ppo,sm90_persist,sm90_dynamic] (default ours,standard,fa1)\n"
           "                  [--dtypes=bf16,fp16] [--csv=FILE] [--decode_splits=N] [--kv_csv=FILE]\n"
           "Times each version (validated against the float64 reference first) with CUDA\n"
           "events, L2 flushed, median of 25 runs; CSV rows (docs/design.md section 5).\n");

@@ -152,6 +152,10 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
   EXPECT_EQ(p.num_splits, 1);
   EXPECT_TRUE(p.banded);
   EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128)));
+  // Banded: the dynamic persistent schedule, whose item counters are the
+  // workspace's counter block.
+  EXPECT_EQ(cuda::DefaultSm90Schedule(true), cuda::Sm90Schedule::kPersistentDynamic);
+  EXPECT_EQ(p.workspace_bytes, cuda::kSplitCounterBytes);
   // Not allowed (another GPU, ATTNSERVE_CUDA_PORTABLE=1): portable.
   EXPECT_EQ(PlanForward(Dense(2, 1024, 1024, 8, 2, 128), kH100Sms).kernel_family, KernelFamily::kPortable);
   // D = 72 reads into the second 64-column box of the 128 kernel.

@@ -28,7 +28,7 @@ namespace sm90 {
 
 constexpr int kBlockM = 128;           // query rows per CTA: two consumer warpgroups x 64
 constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
-constexpr int kProducerRegs = 24;      // setmaxnreg: 24 x 128 + 240 x 256 <= 64K registers
+constexpr int kProducerRegs = 32;      // setmaxnreg: 32 x 128 + 240 x 256 = 64K registers
 constexpr int kConsumerRegs = 240;
 
 constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
@@ -144,7 +144,10 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
 // The kernel. Non-persistent schedules: one CTA per work item (grid x =
 // items). kPersistent: one CTA per SM walks items blockIdx.x, + gridDim.x, ...
 // while its producer already loads the next item's Q and K/V during this
-// one's last tiles and epilogue.
+// one's last tiles and epilogue. kPersistentDynamic: the same, but after its
+// first item (blockIdx.x) a CTA's producer draws each next one from
+// F.item_counters[0] and passes it to the consumers through a 2-slot ring in
+// shared memory (item_slot, sched_full / sched_empty).
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16).
@@ -158,8 +161,10 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   constexpr bool kPingPong =
       kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
   constexpr bool kOverlap =
-      kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent;
-  constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent;
+      kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent ||
+      kSchedule == Sm90Schedule::kPersistentDynamic;
+  constexpr bool kDynamic = kSchedule == Sm90Schedule::kPersistentDynamic;
+  constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent || kDynamic;
   constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
@@ -176,7 +181,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   // ---- Shared memory: Q [kQKBlocks][128 rows][128 bytes], the K ring
   // [kStages][kQKBlocks][kBlockN][128 bytes], the V ring
   // [kStages][kDBlocks][kBlockN][64], each block 1024-byte aligned (the
-  // 128-byte swizzle repeats every 8 rows), then the mbarriers.
+  // 128-byte swizzle repeats every 8 rows), then the mbarriers and the
+  // dynamic schedule's item slots (Sm90SmemBytes reserves 256 bytes).
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
   unsigned char* sQ = smem;
@@ -188,6 +194,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   uint64_t* v_full = k_full + kStages;    // [kStages]: V tile landed
   uint64_t* k_empty = v_full + kStages;   // [kStages]: every consumer warp is done with the K tile
   uint64_t* v_empty = k_empty + kStages;  // [kStages]: ... with the V tile
+  uint64_t* sched_full = v_empty + kStages;  // [2]: kPersistentDynamic: item_slot[i] written
+  uint64_t* sched_empty = sched_full + 2;    // [2]: every consumer warp has read it
+  int* item_slot = reinterpret_cast<int*>(sched_empty + 2);
 
   const FwdLaunch& F = L.fwd;
   const AttnParams& p = F.p;
@@ -195,6 +204,34 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   const int first_item = kPersistent ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
   const int item_step = kPersistent ? gridDim.x : num_items;
   const int tid = threadIdx.x;
+  // The k-th work item of this CTA (>= num_items: none left). Static
+  // schedules stride; kPersistentDynamic's producer draws it and publishes it
+  // in item_slot[k % 2], where every consumer warp reads it once.
+  auto produce_item = [&](int k) {
+    if constexpr (!kDynamic) {
+      return first_item + k * item_step;
+    } else {
+      const int slot = k & 1;
+      if (k >= 2) MbarWait(&sched_empty[slot], ((k >> 1) - 1) & 1);
+      const int item =
+          k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
+      item_slot[slot] = item;
+      MbarArrive(&sched_full[slot]);  // release: the consumers' wait acquires the store
+      return item;
+    }
+  };
+  auto consume_item = [&](int k) {
+    if constexpr (!kDynamic) {
+      return first_item + k * item_step;
+    } else {
+      const int slot = k & 1;
+      MbarWait(&sched_full[slot], (k >> 1) & 1);
+      const int item = item_slot[slot];
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) MbarArrive(&sched_empty[slot]);
+      return item;
+    }
+  };
 
   if (tid == 0) {
     MbarInit(q_full, 1);
@@ -204,6 +241,10 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       MbarInit(&v_full[s], 1);
       MbarInit(&k_empty[s], kConsumerWarps);
       MbarInit(&v_empty[s], kConsumerWarps);
+    }
+    for (int s = 0; s < 2; ++s) {
+      MbarInit(&sched_full[s], 1);
+      MbarInit(&sched_empty[s], kConsumerWarps);
     }
     FenceBarrierInit();
   }
@@ -251,7 +292,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         PrefetchTensorMap(&L.k);
         PrefetchTensorMap(&L.v);
         int g = 0, items_done = 0;
-        for (int item = first_item; item < num_items; item += item_step) {
+        for (int k = 0;; ++k) {
+          const int item = produce_item(k);
+          if (item >= num_items) break;
           Sm90Tile t;
           if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t) || t.n_begin >= t.n_end) continue;
           // Q of the previous item must be consumed before it is overwritten.
@@ -260,6 +303,17 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
           for (int it = 0; it < t.n_end - t.n_begin; ++it) load_kv(t, g + it, it);
           g += t.n_end - t.n_begin;
           ++items_done;
+        }
+        if constexpr (kDynamic) {
+          // The last CTA to stop drawing leaves the counters zero for the
+          // next launch (every other CTA has drawn its last item by then:
+          // the fences order each CTA's last draw before its count).
+          __threadfence();
+          if (atomicAdd(&F.item_counters[1], 1) == static_cast<int>(gridDim.x) - 1) {
+            __threadfence();
+            F.item_counters[0] = 0;
+            F.item_counters[1] = 0;
+          }
         }
       }
       return;
@@ -335,7 +389,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   if (kPingPong && wg == 1) NamedBarArrive(1, kConsumerThreads);
 
   int g = 0, items_done = 0;
-  for (int item = first_item; item < num_items; item += item_step) {
+  for (int k = 0;; ++k) {
+    const int item = consume_item(k);
+    if (item >= num_items) break;
     Sm90Tile t;
     if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t)) continue;
     const detail::QueryRows qr{1, t.head, SeqStartQ(p, t.b)};
@@ -494,7 +550,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // (dense: [B, S, H, D]; varlen: one batch of all T rows, the kernel starting
 // each sequence at its cu_seqlens offset; one box = one 128-byte row of 64
 // columns, 128 for FP8 codes, x the tile's rows); a CTA per work item (m
-// block, batch, query head), or one per SM for kPersistent.
+// block, batch, query head), or one per SM for the persistent schedules.
 // launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
 // and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk>
@@ -503,6 +559,10 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
   const AttnParams& p = launch.p;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
+  // kPersistentDynamic draws items from the workspace's counters.
+  if (kSchedule == Sm90Schedule::kPersistentDynamic && launch.item_counters == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t items = int64_t{launch.num_m_blocks} * p.batch * p.num_heads_q;
   if (items == 0) return cudaSuccess;  // no query rows (a tensor map cannot be empty)
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -535,7 +595,8 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid;
-  if constexpr (kSchedule == Sm90Schedule::kPersistent) {
+  if constexpr (kSchedule == Sm90Schedule::kPersistent ||
+                kSchedule == Sm90Schedule::kPersistentDynamic) {
     // One CTA per SM (the tiles' smem allows no second one).
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);

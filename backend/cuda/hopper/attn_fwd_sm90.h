@@ -17,34 +17,6 @@
 namespace attnserve {
 namespace cuda {
 
-// How the warpgroups of a CTA share the work (bench/NOTES-cuda.md's ablation
-// has one row per schedule):
-//  - kTmaSync: 2 consumer warpgroups (64 query rows each, wgmma for both
-//    GEMMs); thread 0 also issues the TMA loads of the K/V ring.
-//  - kWarpSpecialized: + a producer warpgroup that only issues TMA
-//    (setmaxnreg: producer 24 registers, consumers 240).
-//  - kPingPong: + named barriers order the two consumers' QK^T GEMMs so one
-//    warpgroup's softmax runs while the other's GEMM does.
-//  - kPingPongOverlap: + inside a warpgroup, the softmax of tile j runs while
-//    the P V GEMM of tile j-1 is in flight (both GEMMs issued in one turn).
-//  - kPersistent: + one CTA per SM walks the work items (m block, batch,
-//    head; banded: most key tiles first within a head), its producer loading
-//    the next item's Q and K/V during this one's last tiles and epilogue.
-enum class Sm90Schedule : int {
-  kTmaSync = 0,
-  kWarpSpecialized = 1,
-  kPingPong = 2,
-  kPingPongOverlap = 3,
-  kPersistent = 4,
-};
-// The schedule the planner's launches use. Banded (causal, windows): the
-// hardware's CTA order, since the persistent kernel's static item striding
-// leaves CTAs unevenly loaded when items differ in length (at N = 16k causal,
-// the busiest CTA had 1.57x the mean work: 409 vs 606 TFLOP/s for cuDNN).
-constexpr Sm90Schedule DefaultSm90Schedule(bool banded) {
-  return banded ? Sm90Schedule::kPingPongOverlap : Sm90Schedule::kPersistent;
-}
-
 // What the Hopper kernel reads: the launch of the portable path (params,
 // derived scales, m blocks) and one 4-d tensor map per input over its
 // [B, S, H, D] layout (D innermost), boxes of 64 columns x block rows.
@@ -99,10 +71,12 @@ cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream);
 template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream);
 
-// For the ablation in attn_bench only: D = 128, BF16, no band, with a chosen
-// schedule (DefaultSm90Schedule is what the planner's launches use).
+// For the ablation in attn_bench only: D = 128, BF16 prefill, either mask,
+// with a chosen schedule (DefaultSm90Schedule is what the planner's launches
+// use). workspace: Sm90ScheduleWorkspaceBytes(schedule), counters zero.
 cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
-                                      Sm90Schedule schedule, cudaStream_t stream);
+                                      Sm90Schedule schedule, void* workspace,
+                                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve
