@@ -81,29 +81,29 @@ constexpr TileConfig kBandedTileTable[] = {
 // Tile table of the Hopper kernel family (backend/cuda/hopper/, sm_90a),
 // one row per head dim it covers. Every CTA has 128 query rows: two consumer
 // warpgroups of 64 rows (the wgmma M) plus one producer warpgroup that only
-// issues TMA (12 warps; setmaxnreg gives consumers 240 registers, the
-// producer 24). Tiles live in smem unpadded, 128-byte swizzled in blocks of
+// issues TMA (12 warps; setmaxnreg gives consumers 232 registers, the
+// producer 40). Tiles live in smem unpadded, 128-byte swizzled in blocks of
 // 64 columns (what TMA writes and wgmma reads), so smem is
 // (128 + 2 x stages x block_n) x D x 2 bytes (Sm90SmemBytes).
 //  - 64:  128x128, 3 stages (112 KB). S = 64 + O = 32 fp32 registers; a
 //         64-wide K tile is little math per byte, so one more tile in flight.
 //  - 128: 128x128, 2 stages (160 KB). S 64 + O 64 + P 32 registers (the P
 //         fragments of tile j live while S of j+1 is computed: 160 + row
-//         state and addresses, under 240). 3 stages would be 224 KB + the
+//         state and addresses, under 232). 3 stages would be 224 KB + the
 //         barriers: over the 227 KB limit with the alignment slack.
 //  - 192: 128x112, 2 stages (217 KB). 112 keys is the widest multiple of
 //         16 whose two stages fit (128 keys: 241 KB); S 56 + O 96 + P 28 = 180
 //         registers, about the 256 tile's 176.
 //  - 256: 128x64, 2 stages (192 KB). O alone is 128 registers; a 128-key
-//         tile would add S 64 + P 32 and spill at 240.
+//         tile would add S 64 + P 32 and spill at 232.
 // Other head dims run the next kernel up, the boxes zero-filling the columns
 // past D (D < 64 on 64, 96 on 128): a 96-column tile would need a
 // 64-byte-swizzle block, not written.
 constexpr TileConfig kSm90TileTable[] = {
-    {64, 128, 128, 12, 3, 240},
-    {128, 128, 128, 12, 2, 240},
-    {192, 128, 112, 12, 2, 240},
-    {256, 128, 64, 12, 2, 240},
+    {64, 128, 128, 12, 3, 232},
+    {128, 128, 128, 12, 2, 232},
+    {192, 128, 112, 12, 2, 232},
+    {256, 128, 64, 12, 2, 232},
 };
 // Dynamic smem of a Hopper tile: Q, the K and V rings, 1 KB to align the
 // tiles to 1024 bytes (the swizzle atom) and the mbarriers. qk_bytes: bytes
@@ -198,7 +198,7 @@ inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
 //  - kTmaSync: 2 consumer warpgroups (64 query rows each, wgmma for both
 //    GEMMs); thread 0 also issues the TMA loads of the K/V ring.
 //  - kWarpSpecialized: + a producer warpgroup that only issues TMA
-//    (setmaxnreg: producer 24 registers, consumers 240).
+//    (setmaxnreg: producer 40 registers, consumers 232).
 //  - kPingPong: + named barriers order the two consumers' QK^T GEMMs so one
 //    warpgroup's softmax runs while the other's GEMM does.
 //  - kPingPongOverlap: + inside a warpgroup, the softmax of tile j runs while

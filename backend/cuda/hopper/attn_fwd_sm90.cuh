@@ -28,8 +28,15 @@ namespace sm90 {
 
 constexpr int kBlockM = 128;           // query rows per CTA: two consumer warpgroups x 64
 constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
-constexpr int kProducerRegs = 32;      // setmaxnreg: 32 x 128 + 240 x 256 = 64K registers
-constexpr int kConsumerRegs = 240;
+// setmaxnreg moves registers only within the CTA's launch allocation (168 x
+// 384 threads = 64512): the producer warpgroup's release must cover the
+// consumers' request, or setmaxnreg.inc waits forever (32 / 240 hung). 24 /
+// 240 made the dynamic schedule's producer spill (its item hand-off: 44-64
+// bytes); 40 / 232 spills nowhere (ptxas, every instantiation).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * 384,
+              "setmaxnreg must redistribute exactly the launch's registers");
 
 constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
 constexpr int ThreadsOf(Sm90Schedule s) {
