@@ -198,7 +198,7 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     plan.kernel_head_dim = sm90_head_dim;
     plan.tile_kind = TileKind::kPrefill;
     plan.num_splits = 1;
-    plan.workspace_bytes = Sm90ScheduleWorkspaceBytes(DefaultSm90Schedule(plan.banded));
+    plan.workspace_bytes = Sm90ScheduleWorkspaceBytes(kDefaultSm90Schedule);
   }
   return plan;
 }

@@ -219,13 +219,15 @@ enum class Sm90Schedule : int {
   kPersistentDynamic = 5,
 };
 
-// The schedule the planner's launches use. Banded (causal, windows): static
-// striding leaves CTAs unevenly loaded when items differ in length (at
-// N = 16k causal the busiest CTA had 1.57x the mean work: 409 vs 606
-// TFLOP/s for cuDNN), so the items are drawn from a counter (PLACEHOLDER).
-constexpr Sm90Schedule DefaultSm90Schedule(bool banded) {
-  return banded ? Sm90Schedule::kPersistentDynamic : Sm90Schedule::kPersistent;
-}
+// The schedule the planner's launches use: items drawn from a counter, for
+// every mask. Static striding leaves CTAs unevenly loaded when items differ
+// in length (banded calls; varlen sequences): at N = 16k causal the busiest
+// CTA had 1.57x the mean work (409 vs 606 TFLOP/s for cuDNN), so banded
+// calls used to run one CTA per item (kPingPongOverlap). On the H200, BF16
+// anchor grid, one run: banded 1.02-1.20x that (the most at short N, D = 64),
+// unbanded within 1% of static striding (D = 128 quick grid, same run: 509 vs
+// 501 TFLOP/s at N = 1k, 630 vs 622 at 8k). bench/NOTES-cuda.md, round 9.
+constexpr Sm90Schedule kDefaultSm90Schedule = Sm90Schedule::kPersistentDynamic;
 // Workspace a schedule needs: kPersistentDynamic's two counters (the next
 // item, the CTAs done: ints 0 and 1 of the counter block, zero at rest like
 // the split tickets; the last CTA out resets them). A Hopper prefill plan

@@ -61,12 +61,12 @@ template cudaError_t RunAttnDecodeSm90<{d}, {ctype}, {is_banded}>(const PagedFwd
 """
 
 SM90_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {dtype},
-// {mask}, with its default warpgroup schedule (DefaultSm90Schedule).
+// {mask}, with its default warpgroup schedule (kDefaultSm90Schedule).
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
 
 namespace attnserve {{
 namespace cuda {{
-template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, DefaultSm90Schedule({is_banded})>(
+template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule>(
     const FwdLaunch&, cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
@@ -78,7 +78,7 @@ SM90_FP8_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forw
 
 namespace attnserve {{
 namespace cuda {{
-template cudaError_t RunAttnFwdSm90<{d}, __nv_bfloat16, {is_banded}, DefaultSm90Schedule({is_banded}),
+template cudaError_t RunAttnFwdSm90<{d}, __nv_bfloat16, {is_banded}, kDefaultSm90Schedule,
                                     true>(const FwdLaunch&, cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
@@ -102,7 +102,7 @@ def dims_list(ds):
 
 def sm90_dispatch_cases(ds):
     return "".join(
-        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,\n"
+        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,\n"
         f"                                                                                          stream);\n"
         for d in ds)
 

@@ -152,9 +152,9 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
   EXPECT_EQ(p.num_splits, 1);
   EXPECT_TRUE(p.banded);
   EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128)));
-  // Banded: the dynamic persistent schedule, whose item counters are the
+  // The dynamic persistent schedule, whose item counters are the
   // workspace's counter block.
-  EXPECT_EQ(cuda::DefaultSm90Schedule(true), cuda::Sm90Schedule::kPersistentDynamic);
+  EXPECT_EQ(cuda::kDefaultSm90Schedule, cuda::Sm90Schedule::kPersistentDynamic);
   EXPECT_EQ(p.workspace_bytes, cuda::kSplitCounterBytes);
   // Not allowed (another GPU, ATTNSERVE_CUDA_PORTABLE=1): portable.
   EXPECT_EQ(PlanForward(Dense(2, 1024, 1024, 8, 2, 128), kH100Sms).kernel_family, KernelFamily::kPortable);
@@ -162,11 +162,12 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
   p = PlanForward(Dense(2, 512, 512, 4, 4, 72), kH100Sms, true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.kernel_head_dim, 128);
-  // A long prefill the portable plan would split runs unsplit on sm90.
+  // A long prefill the portable plan would split runs unsplit on sm90 (its
+  // workspace: the schedule's item counters, no partials).
   p = PlanForward(Dense(1, 128, 8192, 8, 8, 128), kH100Sms, true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.num_splits, 1);
-  EXPECT_EQ(p.workspace_bytes, 0);
+  EXPECT_EQ(p.workspace_bytes, cuda::Sm90ScheduleWorkspaceBytes(cuda::kDefaultSm90Schedule));
 }
 
 // The Hopper decode kernel (kSm90DecodeTileTable) takes decode tiles at its

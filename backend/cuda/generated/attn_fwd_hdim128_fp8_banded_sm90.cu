@@ -5,7 +5,7 @@
 
 namespace attnserve {
 namespace cuda {
-template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, true, DefaultSm90Schedule(true),
+template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, true, kDefaultSm90Schedule,
                                     true>(const FwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

@@ -5,7 +5,7 @@
 
 namespace attnserve {
 namespace cuda {
-template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, false, DefaultSm90Schedule(false),
+template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, false, kDefaultSm90Schedule,
                                     true>(const FwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

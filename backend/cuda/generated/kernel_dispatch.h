@@ -25,20 +25,20 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
                                                                                           stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
     case 64:
-      return RunAttnFwdSm90<64, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+      return RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
                                                                                           stream);
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
                                                                                           stream);
     case 192:
-      return RunAttnFwdSm90<192, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
                                                                                           stream);
     case 256:
-      return RunAttnFwdSm90<256, T, kIsBanded, DefaultSm90Schedule(kIsBanded), kFp8Qk>(launch,
+      return RunAttnFwdSm90<256, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
                                                                                           stream);
 #endif
     default:

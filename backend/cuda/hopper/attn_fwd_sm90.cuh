@@ -213,7 +213,10 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   const int tid = threadIdx.x;
   // The k-th work item of this CTA (>= num_items: none left). Static
   // schedules stride; kPersistentDynamic's producer draws it and publishes it
-  // in item_slot[k % 2], where every consumer warp reads it once.
+  // in item_slot[k % 2], where lane 0 of every consumer warp reads it once
+  // and passes it to its lanes (the thread that reads is the one whose
+  // arrival on sched_empty releases the slot: racecheck saw the other lanes'
+  // reads unordered with the producer's next store when all lanes read).
   auto produce_item = [&](int k) {
     if constexpr (!kDynamic) {
       return first_item + k * item_step;
@@ -232,11 +235,13 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       return first_item + k * item_step;
     } else {
       const int slot = k & 1;
-      MbarWait(&sched_full[slot], (k >> 1) & 1);
-      const int item = item_slot[slot];
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) MbarArrive(&sched_empty[slot]);
-      return item;
+      int item = 0;
+      if (threadIdx.x % 32 == 0) {
+        MbarWait(&sched_full[slot], (k >> 1) & 1);
+        item = item_slot[slot];
+        MbarArrive(&sched_empty[slot]);
+      }
+      return __shfl_sync(0xffffffffu, item, 0);
     }
   };
 

@@ -1,6 +1,6 @@
 // LaunchForwardSm90Schedule (attn_fwd_sm90.h): the D = 128 BF16 Hopper kernel
 // (either mask) under each warpgroup schedule, for attn_bench's ablation
-// (bench/NOTES-cuda.md). Production launches use DefaultSm90Schedule only.
+// (bench/NOTES-cuda.md). Production launches use kDefaultSm90Schedule only.
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
 
 namespace attnserve {
