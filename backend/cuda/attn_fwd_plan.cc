@@ -178,9 +178,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (base > kMaxSplitGroups) {
     // No split: one ticket counter per group would not fit the workspace's block.
   } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
-    splits = DecodeSplits(base, n_blocks, wave, num_sms,
-                          plan.kernel_family == KernelFamily::kSm90 ? kSm90DecodeCtasPerSm
-                                                                    : kDecodeCtasPerSm);
+    splits = DecodeSplits(
+        base, n_blocks, wave, num_sms,
+        plan.kernel_family == KernelFamily::kSm90 ? kSm90DecodeCtasPerSm : kDecodeCtasPerSm);
   } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
     splits = std::min<int64_t>({wave / base, n_blocks / 2, kMaxSplits});
   }

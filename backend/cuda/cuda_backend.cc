@@ -25,7 +25,6 @@
 
 namespace attnserve {
 
-
 // Offsets of a launch's tensors in a slot's buffers, each 256-byte aligned.
 struct StagingLayout {
   int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, inputs_end = 0;
@@ -208,8 +207,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
                                       // the device params do).
                                       if (batch.size() == 1 || dev.dtype == DType::kFP32)
                                         return LaunchKernels(plan, dev, slot);
-                                      ASSIGN_OR_RETURN(const Plan packed_plan,
-                                                       PlanFor(dev));
+                                      ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
                                       return LaunchKernels(packed_plan, dev, slot);
                                     });
 }

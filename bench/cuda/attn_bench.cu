@@ -605,7 +605,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "sm90_tma") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kTmaSync);
   if (name == "sm90_ws") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kWarpSpecialized);
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
-  if (name == "sm90_ppo") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
+  if (name == "sm90_ppo")
+    return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPongOverlap);
   if (name == "sm90_persist") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistent);
   if (name == "sm90_dynamic")
     return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPersistentDynamic);
@@ -780,8 +781,10 @@ int main(int argc, char** argv) {
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,portable,varlen,standard,fa1,fp8,fp8_dequant,paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
-          "                           sm90_ppo,sm90_persist,sm90_dynamic] (default ours,standard,fa1)\n"
-          "                  [--dtypes=bf16,fp16] [--csv=FILE] [--decode_splits=N] [--kv_csv=FILE]\n"
+          "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
+          "ours,standard,fa1)\n"
+          "                  [--dtypes=bf16,fp16] [--csv=FILE] [--decode_splits=N] "
+          "[--kv_csv=FILE]\n"
           "Times each version (validated against the float64 reference first) with CUDA\n"
           "events, L2 flushed, median of 25 runs; CSV rows (docs/design.md section 5).\n");
       return 0;

@@ -145,8 +145,10 @@ TEST(PlanForwardTest, SplitsAreCappedAt128) {
 // The Hopper family (kSm90TileTable) when the caller allows it: dense
 // prefill at the head dims it covers, the portable kernel for the rest.
 TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
-  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
-  Plan p = PlanForward(Dense(2, 1024, 1024, 8, 2, 128, /*causal=*/true), kH100Sms, /*allow_sm90=*/true);
+  if (!cuda::CompiledSm90HeadDim(128))
+    GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
+  Plan p =
+      PlanForward(Dense(2, 1024, 1024, 8, 2, 128, /*causal=*/true), kH100Sms, /*allow_sm90=*/true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.kernel_head_dim, 128);
   EXPECT_EQ(p.num_splits, 1);
@@ -157,7 +159,8 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
   EXPECT_EQ(cuda::kDefaultSm90Schedule, cuda::Sm90Schedule::kPersistentDynamic);
   EXPECT_EQ(p.workspace_bytes, cuda::kSplitCounterBytes);
   // Not allowed (another GPU, ATTNSERVE_CUDA_PORTABLE=1): portable.
-  EXPECT_EQ(PlanForward(Dense(2, 1024, 1024, 8, 2, 128), kH100Sms).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(2, 1024, 1024, 8, 2, 128), kH100Sms).kernel_family,
+            KernelFamily::kPortable);
   // D = 72 reads into the second 64-column box of the 128 kernel.
   p = PlanForward(Dense(2, 512, 512, 4, 4, 72), kH100Sms, true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
@@ -173,7 +176,8 @@ TEST(PlanForwardTest, Sm90FamilyTakesDensePrefillItCovers) {
 // The Hopper decode kernel (kSm90DecodeTileTable) takes decode tiles at its
 // head dims exactly, splitting to one CTA per SM (the portable tile: two).
 TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
-  if (!cuda::CompiledSm90DecodeHeadDim(128)) GTEST_SKIP() << "this build has no sm_90a decode kernel for 128";
+  if (!cuda::CompiledSm90DecodeHeadDim(128))
+    GTEST_SKIP() << "this build has no sm_90a decode kernel for 128";
   Plan p = PlanForward(Dense(1, 1, 8192, 32, 8, 128), kH100Sms, /*allow_sm90=*/true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(p.tile_kind, TileKind::kDecode);
@@ -189,7 +193,8 @@ TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
   // (the portable tile, 396 a wave, takes 3).
   EXPECT_EQ(PlanForward(Dense(64, 1, 4096, 32, 8, 128), kH100Sms, true).num_splits, 1);
   // A head dim the kernel does not have exactly stays portable.
-  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 72), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 1, 8192, 32, 8, 72), kH100Sms, true).kernel_family,
+            KernelFamily::kPortable);
 }
 
 // FP8 E4M3 calls plan as their BF16 view; on the Hopper prefill kernel Q K^T
@@ -201,7 +206,8 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
   EXPECT_FALSE(p.fp8_qk);
   EXPECT_EQ(p.kernel_head_dim, 128);
-  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
+  if (!cuda::CompiledSm90HeadDim(128))
+    GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
   p = PlanForward(fp8, kH100Sms, /*allow_sm90=*/true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_TRUE(p.fp8_qk);
@@ -216,7 +222,8 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
 // Varlen prefill and every head dim, through the next kernel up (boxes
 // zero-fill past D); the kernel for a head dim as Sm90HeadDimFor says.
 TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
-  if (!cuda::CompiledSm90HeadDim(128)) GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
+  if (!cuda::CompiledSm90HeadDim(128))
+    GTEST_SKIP() << "this build has no sm_90a kernel for head dim 128";
   AttnParams varlen = Dense(2, 512, 512, 4, 4, 128);
   const int32_t cu[3] = {0, 300, 512};
   varlen.cu_seqlens_q = cu;
@@ -229,7 +236,8 @@ TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
   EXPECT_EQ(PlanForward(varlen, kH100Sms, true, cuda::KvRows::kPages).kernel_family,
             KernelFamily::kPortable);
   if (cuda::CompiledSm90DecodeHeadDim(128)) {
-    EXPECT_EQ(PlanForward(Dense(2, 1, 4096, 32, 8, 128), kH100Sms, true, cuda::KvRows::kPages).kernel_family,
+    EXPECT_EQ(PlanForward(Dense(2, 1, 4096, 32, 8, 128), kH100Sms, true, cuda::KvRows::kPages)
+                  .kernel_family,
               KernelFamily::kSm90);
   }
   struct Row {
@@ -251,12 +259,15 @@ TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
 
 TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
   // Short split prefill, Sk = 0.
-  EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
-  EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family,
+            KernelFamily::kPortable);
+  EXPECT_EQ(PlanForward(Dense(1, 64, 0, 8, 8, 128), kH100Sms, true).kernel_family,
+            KernelFamily::kPortable);
   if (!cuda::CompiledSm90HeadDim(64) && cuda::CompiledSm90HeadDim(128)) {
     // A dev build (128 only): D = 40 would read the 128 kernel's second box
     // as zeros only; the portable kernel serves it.
-    EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family, KernelFamily::kPortable);
+    EXPECT_EQ(PlanForward(Dense(2, 512, 512, 4, 4, 40), kH100Sms, true).kernel_family,
+              KernelFamily::kPortable);
   }
 }
 

@@ -300,24 +300,24 @@ TEST(CudaSplitWorkspace, BackToBackSplitCountsOnOneWorkspace) {
   // the same workspace.
   const bool sm90 = cuda::DeviceRunsSm90Kernels(0);
   for (int round = 0; round < (sm90 ? 2 : 1); ++round)
-  for (const Step& st : steps) {
-    Plan plan = cuda::PlanForward(st.dev->params(), num_sms, /*allow_sm90=*/round == 1);
-    ASSERT_EQ(plan.tile_kind, TileKind::kDecode);
-    ASSERT_EQ(plan.kernel_family, round == 1 ? KernelFamily::kSm90 : KernelFamily::kPortable);
-    plan.num_splits = st.splits;
-    plan.workspace_bytes = cuda::SplitWorkspaceBytes(st.dev->params(), st.splits);
-    st.dev->Poison();
-    ASSERT_EQ(cuda::LaunchForward(st.dev->params(), plan, ws, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    st.dev->Download();
-    ASSERT_TRUE(st.dev->ok());
-    EXPECT_TRUE(CheckOutput(*st.buf)) << st.buf->test_case().Name() << " splits " << st.splits;
-    std::vector<int32_t> counters(cuda::kMaxSplitGroups, -1);
-    ASSERT_EQ(cudaMemcpy(counters.data(), ws, cuda::kSplitCounterBytes, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    EXPECT_EQ(std::count(counters.begin(), counters.end(), 0), cuda::kMaxSplitGroups)
-        << "a ticket counter was left non-zero after " << st.splits << " splits";
-  }
+    for (const Step& st : steps) {
+      Plan plan = cuda::PlanForward(st.dev->params(), num_sms, /*allow_sm90=*/round == 1);
+      ASSERT_EQ(plan.tile_kind, TileKind::kDecode);
+      ASSERT_EQ(plan.kernel_family, round == 1 ? KernelFamily::kSm90 : KernelFamily::kPortable);
+      plan.num_splits = st.splits;
+      plan.workspace_bytes = cuda::SplitWorkspaceBytes(st.dev->params(), st.splits);
+      st.dev->Poison();
+      ASSERT_EQ(cuda::LaunchForward(st.dev->params(), plan, ws, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      st.dev->Download();
+      ASSERT_TRUE(st.dev->ok());
+      EXPECT_TRUE(CheckOutput(*st.buf)) << st.buf->test_case().Name() << " splits " << st.splits;
+      std::vector<int32_t> counters(cuda::kMaxSplitGroups, -1);
+      ASSERT_EQ(cudaMemcpy(counters.data(), ws, cuda::kSplitCounterBytes, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(std::count(counters.begin(), counters.end(), 0), cuda::kMaxSplitGroups)
+          << "a ticket counter was left non-zero after " << st.splits << " splits";
+    }
   cudaFree(ws);
 }
 
@@ -337,7 +337,8 @@ std::vector<TestCase> Sm90Grid() {
       g.push_back(Make(t, 1, 257, 700, 2, 1, d, true));
     }
     for (int s : {1, 17, 64, 127, 129, 191, 385})
-      g.push_back(Make(t, 2, s + 63, s, 2, 2, 128, s % 2 == 1));  // Sq > Sk: masked rows when causal
+      g.push_back(
+          Make(t, 2, s + 63, s, 2, 2, 128, s % 2 == 1));  // Sq > Sk: masked rows when causal
     g.push_back(Make(t, 1, 256, 32768, 2, 1, 128, false));
     g.push_back(Make(t, 1, 1024, 32768, 1, 1, 64, true));
     g.push_back(Make(t, 1, 32768, 300, 2, 2, 256, false));
@@ -429,19 +430,21 @@ TEST(CudaBackendVarlen, RowsPastASequenceStayOut) {
       // Sequence 1's keys 0..127 (rows 70..197).
       const int64_t row_bytes = int64_t{tc.num_heads_kv} * d * 2;
       for (void* x : {buf.k(), buf.v()}) {
-        std::memset(static_cast<char*>(x) + 70 * row_bytes, 0xff, static_cast<size_t>(128 * row_bytes));
+        std::memset(static_cast<char*>(x) + 70 * row_bytes, 0xff,
+                    static_cast<size_t>(128 * row_bytes));
       }
       const absl::StatusOr<Plan> plan = backend->CanImplement(buf.params());
-      if (plan.status().code() == absl::StatusCode::kUnimplemented && DocumentedRefusal(buf.params())) {
+      if (plan.status().code() == absl::StatusCode::kUnimplemented &&
+          DocumentedRefusal(buf.params())) {
         continue;  // D 192/256 on sm86/sm89
       }
       ASSERT_TRUE(plan.ok()) << plan.status();
       BackendTimings t;
       const absl::Status st = backend->Forward(*plan, buf.params(), &t);
       ASSERT_TRUE(st.ok()) << st;
-      EXPECT_TRUE(CheckOutput(buf)) << tc.Name() << " on the "
-                                    << (plan->kernel_family == KernelFamily::kSm90 ? "Hopper" : "portable")
-                                    << " kernel";
+      EXPECT_TRUE(CheckOutput(buf))
+          << tc.Name() << " on the "
+          << (plan->kernel_family == KernelFamily::kSm90 ? "Hopper" : "portable") << " kernel";
     }
   }
 }
@@ -454,7 +457,8 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   AttentionBackend* backend = SharedBackend(&why);
   if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
   if (!cuda::DeviceRunsSm90Kernels(0)) {
-    GTEST_SKIP() << "not an sm90 device, a build without ATTNSERVE_CUDA_SM90, or ATTNSERVE_CUDA_PORTABLE=1";
+    GTEST_SKIP()
+        << "not an sm90 device, a build without ATTNSERVE_CUDA_SM90, or ATTNSERVE_CUDA_PORTABLE=1";
   }
   TestCase dense = Make(DType::kBF16, 2, 1024, 1024, 8, 2, 128, true);
   HostBuffers a(dense);

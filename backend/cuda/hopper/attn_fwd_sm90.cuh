@@ -115,8 +115,8 @@ __device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
 // rows from its cu_seqlens offset).
 struct Sm90Tile {
   int b, head, kv_head, m0;
-  int sq, sk;                  // this sequence's lengths
-  int q_row0, k_row0, map_b;   // its first Q and K/V row, and batch, in the maps
+  int sq, sk;                 // this sequence's lengths
+  int q_row0, k_row0, map_b;  // its first Q and K/V row, and batch, in the maps
   int n_begin, n_end;
   int lo_last, hi_first;  // band-interior tiles: [lo(last row), hi(first row)]
 };
@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   constexpr bool kWS = WarpSpecialized(kSchedule);
   constexpr bool kPingPong =
       kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
-  constexpr bool kOverlap =
-      kSchedule == Sm90Schedule::kPingPongOverlap || kSchedule == Sm90Schedule::kPersistent ||
-      kSchedule == Sm90Schedule::kPersistentDynamic;
+  constexpr bool kOverlap = kSchedule == Sm90Schedule::kPingPongOverlap ||
+                            kSchedule == Sm90Schedule::kPersistent ||
+                            kSchedule == Sm90Schedule::kPersistentDynamic;
   constexpr bool kDynamic = kSchedule == Sm90Schedule::kPersistentDynamic;
   constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent || kDynamic;
   constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row

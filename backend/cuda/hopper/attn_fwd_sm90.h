@@ -75,8 +75,7 @@ cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream)
 // with a chosen schedule (kDefaultSm90Schedule is what the planner's launches
 // use). workspace: Sm90ScheduleWorkspaceBytes(schedule), counters zero.
 cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
-                                      Sm90Schedule schedule, void* workspace,
-                                      cudaStream_t stream);
+                                      Sm90Schedule schedule, void* workspace, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

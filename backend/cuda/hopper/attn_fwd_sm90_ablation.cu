@@ -30,8 +30,7 @@ cudaError_t RunSchedule(const FwdLaunch& l, Sm90Schedule schedule, cudaStream_t 
 }  // namespace
 
 cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
-                                      Sm90Schedule schedule, void* workspace,
-                                      cudaStream_t stream) {
+                                      Sm90Schedule schedule, void* workspace, cudaStream_t stream) {
   if (plan.kernel_family != KernelFamily::kSm90 || plan.kernel_head_dim != 128 ||
       plan.tile_kind != TileKind::kPrefill || dev.dtype != DType::kBF16) {
     return cudaErrorInvalidValue;
