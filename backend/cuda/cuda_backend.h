@@ -99,8 +99,8 @@ class CudaBackend final : public AttentionBackend {
   int device_ = 0;
   int num_sms_ = 0;
   int max_smem_per_block_ = 0;  // opt-in dynamic shared memory per CTA
-  // cuda::DeviceRunsSm90Kernels: dense FP16/BF16 prefill plans may take the
-  // Hopper kernels.
+  // cuda::DeviceRunsSm90Kernels: plans may take the Hopper kernels (what
+  // they cover: PlanForward).
   bool allow_sm90_ = false;
   BackendDescription description_;
   std::unique_ptr<Slot> slots_[kPipelineDepth];
