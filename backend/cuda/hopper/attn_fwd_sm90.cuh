@@ -32,7 +32,8 @@ constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
 // 384 threads = 64512): the producer warpgroup's release must cover the
 // consumers' request, or setmaxnreg.inc waits forever (32 / 240 hung). 24 /
 // 240 made the dynamic schedule's producer spill (its item hand-off: 44-64
-// bytes); 40 / 232 spills nowhere (ptxas, every instantiation).
+// bytes); at 40 / 232 ptxas reports one 4-byte spill, in the D = 256
+// unbanded instantiations (bench/NOTES-cuda.md, round 9).
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * 384,
