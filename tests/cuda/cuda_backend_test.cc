@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -111,6 +112,20 @@ TestCase Make(DType t, int b, int sq, int sk, int hq, int hkv, int d, bool causa
   return tc;
 }
 
+// A varlen case: one entry per sequence in seqlens_q / seqlens_k.
+TestCase Varlen(DType t, std::vector<int> seqlens_q, std::vector<int> seqlens_k, int hq, int hkv,
+                int d, bool causal) {
+  TestCase tc;
+  tc.dtype = t;
+  tc.seqlens_q = std::move(seqlens_q);
+  tc.seqlens_k = std::move(seqlens_k);
+  tc.num_heads_q = hq;
+  tc.num_heads_kv = hkv;
+  tc.head_dim = d;
+  tc.causal = causal;
+  return tc;
+}
+
 // Every instantiated head dim and ones served zero-padded by the next size.
 std::vector<TestCase> HeadDimGrid() {
   std::vector<TestCase> g;
@@ -149,27 +164,10 @@ std::vector<TestCase> ShapeGrid() {
       tc.softcap = 5.0f;
       g.push_back(tc);
     }
-    {
-      TestCase tc;  // varlen decode with empty sequences and split-KV
-      tc.dtype = t;
-      tc.seqlens_q = {1, 1, 0, 1, 1};
-      tc.seqlens_k = {3000, 0, 5000, 17, 6000};
-      tc.num_heads_q = 8;
-      tc.num_heads_kv = 2;
-      tc.head_dim = 128;
-      g.push_back(tc);
-    }
-    {
-      TestCase tc;  // varlen prefill, causal, sequences across tile edges
-      tc.dtype = t;
-      tc.seqlens_q = {129, 0, 300, 1, 64};
-      tc.seqlens_k = {129, 10, 200, 500, 64};
-      tc.num_heads_q = 4;
-      tc.num_heads_kv = 1;
-      tc.head_dim = 96;
-      tc.causal = true;
-      g.push_back(tc);
-    }
+    // Varlen decode with empty sequences and split-KV; varlen prefill, causal,
+    // sequences across tile edges.
+    g.push_back(Varlen(t, {1, 1, 0, 1, 1}, {3000, 0, 5000, 17, 6000}, 8, 2, 128, false));
+    g.push_back(Varlen(t, {129, 0, 300, 1, 64}, {129, 10, 200, 500, 64}, 4, 1, 96, true));
   }
   // FP32 at decode and prefill sizes (the SIMT path).
   g.push_back(Make(DType::kFP32, 1, 1, 4097, 8, 2, 128, false));
@@ -343,25 +341,13 @@ std::vector<TestCase> Sm90Grid() {
     g.push_back(Make(t, 1, 1024, 32768, 1, 1, 64, true));
     g.push_back(Make(t, 1, 32768, 300, 2, 2, 256, false));
     g.push_back(Make(t, 1, 4096, 4096, 2, 1, 192, true));
+    // Varlen prefill: empty sequences, no keys, lengths off every tile.
     for (int d : {64, 128, 192, 256}) {
-      TestCase tc;  // varlen prefill: empty sequences, no keys, lengths off every tile
-      tc.dtype = t;
-      tc.seqlens_q = {129, 0, 300, 1, 64, 700, 200};
-      tc.seqlens_k = {129, 10, 200, 500, 70, 700, 0};
-      tc.num_heads_q = 4;
-      tc.num_heads_kv = 2;
-      tc.head_dim = d;
-      tc.causal = d % 128 == 0;
-      g.push_back(tc);
+      g.push_back(Varlen(t, {129, 0, 300, 1, 64, 700, 200}, {129, 10, 200, 500, 70, 700, 0}, 4, 2,
+                         d, d % 128 == 0));
     }
     {
-      TestCase tc;  // varlen prefill, MQA, window and softcap
-      tc.dtype = t;
-      tc.seqlens_q = {1000, 77, 513};
-      tc.seqlens_k = {1100, 300, 513};
-      tc.num_heads_q = 8;
-      tc.num_heads_kv = 1;
-      tc.head_dim = 128;
+      TestCase tc = Varlen(t, {1000, 77, 513}, {1100, 300, 513}, 8, 1, 128, false);  // MQA
       tc.window_left = 100;
       tc.window_right = 30;
       tc.softcap = 15.0f;
@@ -417,14 +403,7 @@ TEST(CudaBackendVarlen, RowsPastASequenceStayOut) {
   if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
   for (int d : {64, 128, 192, 256}) {
     for (int sq : {1, 100}) {
-      TestCase tc;
-      tc.dtype = DType::kBF16;
-      tc.seqlens_q = {sq == 1 ? 1 : 70, sq};
-      tc.seqlens_k = {70, 400};
-      tc.num_heads_q = 4;
-      tc.num_heads_kv = 2;
-      tc.head_dim = d;
-      tc.causal = true;
+      TestCase tc = Varlen(DType::kBF16, {sq == 1 ? 1 : 70, sq}, {70, 400}, 4, 2, d, true);
       tc.window_left = 20;
       HostBuffers buf(tc);
       // Sequence 1's keys 0..127 (rows 70..197).
@@ -484,14 +463,7 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
   // Varlen prefill and head dim 192 take the Hopper prefill kernel.
-  TestCase v;
-  v.dtype = DType::kBF16;
-  v.seqlens_q = {300, 0, 129};
-  v.seqlens_k = {300, 5, 200};
-  v.num_heads_q = 4;
-  v.num_heads_kv = 2;
-  v.head_dim = 128;
-  HostBuffers vb(v);
+  HostBuffers vb(Varlen(DType::kBF16, {300, 0, 129}, {300, 5, 200}, 4, 2, 128, false));
   plan = backend->CanImplement(vb.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
