@@ -205,6 +205,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   uint64_t* sched_full = v_empty + kStages;  // [2]: kPersistentDynamic: item_slot[i] written
   uint64_t* sched_empty = sched_full + 2;    // [2]: every consumer warp has read it
   int* item_slot = reinterpret_cast<int*>(sched_empty + 2);
+  static_assert((2 + 4 * kStages + 4) * 8 + 2 * 4 <= 256,
+                "the mbarriers and item slots outgrow the 256 bytes Sm90SmemBytes reserves");
 
   const FwdLaunch& F = L.fwd;
   const AttnParams& p = F.p;
