@@ -182,7 +182,9 @@ constexpr TileConfig TileFor(TileKind kind, int head_dim) {
 // launch leaves them zero (the last CTA of a group resets its counter). Fixed
 // size and first, so calls of any split count and shape find them in the
 // same place; the planner splits only launches with at most kMaxSplitGroups
-// groups (more than about 10 waves never split: DecodeSplits).
+// groups (more than about 10 waves never split: DecodeSplits). A Hopper
+// prefill plan, which never splits, takes the counter block alone for its
+// schedule's item counters (Sm90ScheduleWorkspaceBytes).
 constexpr int64_t kMaxSplitGroups = 8192;
 // Splits of one launch at most (the combine's smem holds one weight each).
 constexpr int kMaxSplits = 128;
