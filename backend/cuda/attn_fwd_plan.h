@@ -84,17 +84,17 @@ constexpr TileConfig kBandedTileTable[] = {
 // issues TMA (12 warps; setmaxnreg gives consumers 232 registers, the
 // producer 40). Tiles live in smem unpadded, 128-byte swizzled in blocks of
 // 64 columns (what TMA writes and wgmma reads), so smem is
-// (128 + 2 x stages x block_n) x D x 2 bytes (Sm90SmemBytes).
-//  - 64:  128x128, 3 stages (112 KB). S = 64 + O = 32 fp32 registers; a
-//         64-wide K tile is little math per byte, so one more tile in flight.
-//  - 128: 128x128, 2 stages (160 KB). S 64 + O 64 + P 32 registers (the P
-//         fragments of tile j live while S of j+1 is computed: 160 + row
-//         state and addresses, under 232). 3 stages would be 224 KB + the
-//         barriers: over the 227 KB limit with the alignment slack.
-//  - 192: 128x112, 2 stages (217 KB). 112 keys is the widest multiple of
+// (q_slots x 128 + 2 x stages x block_n) x D x 2 bytes (Sm90SmemBytes).
+//  - 64:  128x128, 3 stages, 2 Q slots (128 KB). S = 64 + O = 32 fp32
+//         registers; a 64-wide K tile is little math per byte, so one more
+//         tile in flight.
+//  - 128: 128x128, 2 stages, 2 Q slots (192 KB). S 64 + O 64 + P 32
+//         registers (the P fragments of tile j live while S of j+1 is
+//         computed: 160 + row state and addresses, under 232).
+//  - 192: 128x112, 2 stages, 1 Q slot (217 KB). 112 keys is the widest multiple of
 //         16 whose two stages fit (128 keys: 241 KB); S 56 + O 96 + P 28 = 180
 //         registers, about the 256 tile's 176.
-//  - 256: 128x64, 2 stages (192 KB). O alone is 128 registers; a 128-key
+//  - 256: 128x64, 2 stages, 1 Q slot (192 KB). O alone is 128 registers; a 128-key
 //         tile would add S 64 + P 32 and spill at 232.
 // Other head dims run the next kernel up, the boxes zero-filling the columns
 // past D (D < 64 on 64, 96 on 128): a 96-column tile would need a
@@ -105,14 +105,26 @@ constexpr TileConfig kSm90TileTable[] = {
     {192, 128, 112, 12, 2, 232},
     {256, 128, 64, 12, 2, 232},
 };
-// Dynamic smem of a Hopper tile: Q, the K and V rings, 1 KB to align the
-// tiles to 1024 bytes (the swizzle atom) and the mbarriers. qk_bytes: bytes
-// of a Q/K element (2; 1 for the FP8 path's codes, whose rows round up to
-// whole 128-byte boxes); V is always 16-bit.
-constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
+// Dynamic smem of a Hopper tile: q_slots Q tiles, the K and V rings, 1 KB
+// to align the tiles to 1024 bytes (the swizzle atom) and the mbarriers.
+// qk_bytes: bytes of a Q/K element (2; 1 for the FP8 path's codes, whose
+// rows round up to whole 128-byte boxes); V is always 16-bit.
+constexpr int kSm90MaxSmemBytes = 227 * 1024;  // a CTA's opt-in limit on sm_90
+constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots) {
   const int qk_row = (t.head_dim * qk_bytes + 127) / 128 * 128;
-  return (t.block_m + t.stages * t.block_n) * qk_row + t.stages * t.block_n * t.head_dim * 2 +
-         1024 + 256;
+  return (q_slots * t.block_m + t.stages * t.block_n) * qk_row +
+         t.stages * t.block_n * t.head_dim * 2 + 1024 + 256;
+}
+// Q slots of a Hopper prefill tile: two where they fit (D 64 and 128; FP8
+// Q/K up to 256), so a persistent CTA's producer loads the next item's Q,
+// and behind it that item's first K/V tiles, while this item still runs
+// (with one slot it waited for this item's last Q K^T: round 10 of
+// bench/NOTES-cuda.md); one where they do not (16-bit D 192 and 256).
+constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2) {
+  return Sm90SmemBytesWith(t, qk_bytes, 2) <= kSm90MaxSmemBytes ? 2 : 1;
+}
+constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
+  return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes));
 }
 constexpr TileConfig Sm90TileFor(int head_dim) {
   for (const TileConfig& t : kSm90TileTable) {

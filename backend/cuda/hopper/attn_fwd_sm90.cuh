@@ -159,7 +159,7 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16).
-template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded,
+template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
@@ -185,8 +185,10 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
   constexpr int kConsumerWarps = kConsumerThreads / 32;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+  static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
 
-  // ---- Shared memory: Q [kQKBlocks][128 rows][128 bytes], the K ring
+  // ---- Shared memory: Q [kQSlots][kQKBlocks][128 rows][128 bytes] (the
+  // k-th item of the CTA in slot k % kQSlots), the K ring
   // [kStages][kQKBlocks][kBlockN][128 bytes], the V ring
   // [kStages][kDBlocks][kBlockN][64], each block 1024-byte aligned (the
   // 128-byte swizzle repeats every 8 rows), then the mbarriers and the
@@ -194,18 +196,18 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
   unsigned char* sQ = smem;
-  unsigned char* sK = smem + kQBytes;
-  T* sV = reinterpret_cast<T*>(smem + kQBytes + kStages * kKBytes);
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kQBytes + kStages * (kKBytes + kVBytes));
-  uint64_t* q_empty = q_full + 1;         // every consumer warp is done with Q (persistent)
-  uint64_t* k_full = q_empty + 1;         // [kStages]: K tile landed
+  unsigned char* sK = smem + kQSlots * kQBytes;
+  T* sV = reinterpret_cast<T*>(sK + kStages * kKBytes);
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(sK + kStages * (kKBytes + kVBytes));  // [kQSlots]
+  uint64_t* q_empty = q_full + 2;         // [kQSlots]: every consumer warp ran its last Q K^T
+  uint64_t* k_full = q_empty + 2;         // [kStages]: K tile landed
   uint64_t* v_full = k_full + kStages;    // [kStages]: V tile landed
   uint64_t* k_empty = v_full + kStages;   // [kStages]: every consumer warp is done with the K tile
   uint64_t* v_empty = k_empty + kStages;  // [kStages]: ... with the V tile
   uint64_t* sched_full = v_empty + kStages;  // [2]: kPersistentDynamic: item_slot[i] written
   uint64_t* sched_empty = sched_full + 2;    // [2]: every consumer warp has read it
   int* item_slot = reinterpret_cast<int*>(sched_empty + 2);
-  static_assert((2 + 4 * kStages + 4) * 8 + 2 * 4 <= 256,
+  static_assert((4 + 4 * kStages + 4) * 8 + 2 * 4 <= 256,
                 "the mbarriers and item slots outgrow the 256 bytes Sm90SmemBytes reserves");
 
   const FwdLaunch& F = L.fwd;
@@ -249,8 +251,10 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   };
 
   if (tid == 0) {
-    MbarInit(q_full, 1);
-    MbarInit(q_empty, kConsumerWarps);
+    for (int s = 0; s < kQSlots; ++s) {
+      MbarInit(&q_full[s], 1);
+      MbarInit(&q_empty[s], kConsumerWarps);
+    }
     for (int s = 0; s < kStages; ++s) {
       MbarInit(&k_full[s], 1);
       MbarInit(&v_full[s], 1);
@@ -269,12 +273,12 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   // tile are released separately (K once S = Q K^T is done, V after P V), so
   // the next K can load while this tile's P V still reads V. g: the tile's
   // index in the CTA's whole sequence of K/V tiles (ring slot and phase).
-  auto load_q = [&](const Sm90Tile& t) {
-    MbarArriveExpectTx(q_full, kQBytes);
+  auto load_q = [&](const Sm90Tile& t, int slot) {
+    MbarArriveExpectTx(&q_full[slot], kQBytes);
 #pragma unroll
     for (int db = 0; db < kQKBlocks; ++db) {
-      TmaLoad4d(sQ + db * kBlockM * 128, &L.q, q_full, db * kQKCols, t.head, t.q_row0 + t.m0,
-                t.map_b);
+      TmaLoad4d(sQ + slot * kQBytes + db * kBlockM * 128, &L.q, &q_full[slot], db * kQKCols, t.head,
+                t.q_row0 + t.m0, t.map_b);
     }
   };
   auto load_kv = [&](const Sm90Tile& t, int g, int it) {
@@ -312,9 +316,11 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
           if (item >= num_items) break;
           Sm90Tile t;
           if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t) || t.n_begin >= t.n_end) continue;
-          // Q of the previous item must be consumed before it is overwritten.
-          if (items_done > 0) MbarWait(q_empty, (items_done - 1) & 1);
-          load_q(t);
+          // The slot's previous item (kQSlots items back) must have run
+          // its last Q K^T before its Q is overwritten.
+          const int slot = items_done % kQSlots;
+          if (items_done >= kQSlots) MbarWait(&q_empty[slot], (items_done / kQSlots - 1) & 1);
+          load_q(t, slot);
           for (int it = 0; it < t.n_end - t.n_begin; ++it) load_kv(t, g + it, it);
           g += t.n_end - t.n_begin;
           ++items_done;
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   const int quad = lane % 4;
   const bool use_softcap = p.softcap > 0.f;
   const float score_log2 = use_softcap ? 1.f : F.scale_log2;
-  const unsigned char* q_wg = sQ + wg * 64 * 128;  // this warpgroup's 64 rows of each Q block
+  const unsigned char* q_wg = sQ;  // this warpgroup's 64 rows of the item's Q slot (per item)
 
   float o[1][kDTiles][4];
   float row_max[2], row_sum[2];
@@ -421,7 +427,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     // released it (load_kv waits for that). Non-persistent: one item.
     if constexpr (!kWS) {
       if (ctid == 0) {
-        load_q(t);
+        load_q(t, 0);
         for (int it = 0; it < kStages && it < num_tiles; ++it) load_kv(t, it, it);
       }
     }
@@ -464,7 +470,16 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
-    MbarWait(q_full, items_done & 1);
+    const int q_slot = items_done % kQSlots;
+    q_wg = sQ + q_slot * kQBytes + wg * 64 * 128;
+    MbarWait(&q_full[q_slot], (items_done / kQSlots) & 1);
+    // K tile it is consumed once its S landed; after the item's last Q K^T
+    // so is its Q slot, which the producer refills with a later item's Q
+    // while this one's last P V and epilogue run.
+    auto release_k = [&](int stage, int it) {
+      release(&k_empty[stage]);
+      if (it == num_tiles - 1) release(&q_empty[q_slot]);
+    };
     if constexpr (!kOverlap) {
       for (int it = 0; it < num_tiles; ++it) {
         const int stage = (g + it) % kStages;
@@ -476,7 +491,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         turn_end();
         WgmmaWait<0>();
         FenceRegs(Flat(s));
-        release(&k_empty[stage]);
+        release_k(stage, it);
         softmax(t.n_end - 1 - it);
         RescaleO(o, corr);
         ConvertP<T>(s, pa);
@@ -496,7 +511,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       turn_end();
       WgmmaWait<0>();
       FenceRegs(Flat(s));
-      release(&k_empty[first]);
+      release_k(first, 0);
       softmax(t.n_end - 1);
       ConvertP<T>(s, pa);
       for (int it = 1; it < num_tiles; ++it) {
@@ -512,7 +527,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         turn_end();
         WgmmaWait<1>();  // S landed; P V may still run during the softmax
         FenceRegs(Flat(s));
-        release(&k_empty[stage]);
+        release_k(stage, it);
         softmax(t.n_end - 1 - it);
         WgmmaWait<0>();
         FenceRegs(Flat(o));
@@ -530,8 +545,6 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
       FenceRegs(Flat(o));
       release(&v_empty[last]);
     }
-    // Q is free for the next item's load while this one's epilogue runs.
-    release(q_empty);
     g += num_tiles;
     ++items_done;
 
@@ -604,9 +617,11 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
                               kTile.block_n);
   }
   if (err != cudaSuccess) return err;
-  auto kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, T, kIsBanded,
-                                        kSchedule, kFp8Qk>;
-  constexpr int kSmem = Sm90SmemBytes(kTile, kFp8Qk ? 1 : 2);
+  constexpr int kQKBytes = kFp8Qk ? 1 : 2;
+  auto kernel =
+      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, Sm90QSlots(kTile, kQKBytes), T,
+                              kIsBanded, kSchedule, kFp8Qk>;
+  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid;
