@@ -10,9 +10,10 @@ namespace attnserve {
 
 // Which tile table of the CUDA kernel a launch uses (backend/cuda/attn_fwd.h).
 enum class TileKind : int32_t {
-  kPrefill = 0,  // kTileTable: the general 128-row tiles
-  kDecode = 1,   // kDecodeTileTable: one 16-row tile for short query runs
-  kBanded = 2,   // kBandedTileTable: banded requests with a tile of their own
+  kPrefill = 0,   // kTileTable: the general 128-row tiles
+  kDecode = 1,    // kDecodeTileTable: one 16-row tile for short query runs
+  kBanded = 2,    // kBandedTileTable: banded requests with a tile of their own
+  kLongKeys = 3,  // kSm90LongKeyTileTable: Hopper prefill over a long key range
 };
 
 // Which kernel family runs a launch (backend/cuda): the portable mma.sync

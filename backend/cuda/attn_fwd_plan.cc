@@ -95,8 +95,11 @@ TileConfig TileForPlan(const Plan& plan) {
   if (plan.kernel_family != KernelFamily::kSm90) {
     return TileFor(plan.tile_kind, plan.kernel_head_dim);
   }
-  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeTileFor(plan.kernel_head_dim)
-                                             : Sm90TileFor(plan.kernel_head_dim);
+  switch (plan.tile_kind) {
+    case TileKind::kDecode: return Sm90DecodeTileFor(plan.kernel_head_dim);
+    case TileKind::kLongKeys: return Sm90LongKeyTileFor(plan.kernel_head_dim);
+    default: return Sm90TileFor(plan.kernel_head_dim);
+  }
 }
 
 int PlanSmemBytes(const Plan& plan) {
@@ -196,7 +199,10 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (sm90_head_dim != 0) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;
-    plan.tile_kind = TileKind::kPrefill;
+    const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk &&
+                           Sm90LongKeyTileFor(sm90_head_dim).head_dim != 0 &&
+                           CompiledSm90LongKeyHeadDim(sm90_head_dim);
+    plan.tile_kind = long_keys ? TileKind::kLongKeys : TileKind::kPrefill;
     plan.num_splits = 1;
     plan.workspace_bytes = Sm90ScheduleWorkspaceBytes(kDefaultSm90Schedule);
   }

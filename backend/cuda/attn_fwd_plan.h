@@ -132,6 +132,27 @@ constexpr TileConfig Sm90TileFor(int head_dim) {
   }
   return TileConfig{0, 0, 0, 0, 0, 0};
 }
+// The Hopper prefill kernel on a wider key tile, for calls whose key range
+// (Sk, the longest sequence's for varlen) is at least kSm90LongKeysMinSk
+// (TileKind::kLongKeys): fewer row-max and row-sum reductions, barrier
+// waits and wgmma issues per key, where a short range would waste more of
+// its last, partial tile. Measured against the kSm90TileTable row in one
+// run (H200, BF16; bench/NOTES-cuda.md, round 10):
+//  - 64: 128x192, 3 stages, 2 Q slots (176 KB; S 96 + O 32 + P 48
+//        registers): +4-9% at N = 4k..16k, +2% / -1% (causal) at 2k, -11%
+//        at 512.
+// D = 128 on 128x160 was +4-5% causal at 8k-16k, -2..0% non-causal, -13%
+// at 512: not listed.
+constexpr TileConfig kSm90LongKeyTileTable[] = {
+    {64, 128, 192, 12, 3, 232},
+};
+constexpr int kSm90LongKeysMinSk = 4096;
+constexpr TileConfig Sm90LongKeyTileFor(int head_dim) {
+  for (const TileConfig& t : kSm90LongKeyTileTable) {
+    if (t.head_dim == head_dim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
 // Decode tile of the Hopper family (hopper/attn_decode_sm90.cuh): the
 // portable decode tile's math (16 rows, 4 warps splitting a 64-key tile) plus
 // a producer warp (5 warps) whose TMA loads fill a ring of `stages` K/V

@@ -32,6 +32,21 @@ DEV_HEAD_DIMS = [128]
 # only (target attn_cuda_sm90).
 SM90_HEAD_DIMS = [64, 128, 192, 256]
 DEV_SM90_HEAD_DIMS = [128]
+# ... and on kSm90LongKeyTileTable's wider key tiles (TileKind::kLongKeys).
+SM90_LONG_KEY_HEAD_DIMS = [64]
+DEV_SM90_LONG_KEY_HEAD_DIMS = []
+# Hopper prefill dtypes: file tag -> (T, kFp8Qk, what the comment calls it).
+SM90_DTYPES = {
+    "fp16": ("__half", "false", "FP16"),
+    "bf16": ("__nv_bfloat16", "false", "BF16"),
+    "fp8": ("__nv_bfloat16", "true", "the FP8 path (Q K^T on E4M3 codes)"),
+}
+# Hopper prefill tiles: file suffix -> (kLongKeys, the tile, head dims, dev head dims).
+SM90_TILES = {
+    "": ("false", "kSm90TileTable's tile", SM90_HEAD_DIMS, DEV_SM90_HEAD_DIMS),
+    "_longkeys": ("true", "kSm90LongKeyTileTable's wider key tile",
+                  SM90_LONG_KEY_HEAD_DIMS, DEV_SM90_LONG_KEY_HEAD_DIMS),
+}
 # The Hopper decode kernel (hopper/attn_decode_sm90.cuh, kSm90DecodeTileTable):
 # both K/V sources (the request's tensors, a cache's pages) in one file per
 # head dim, dtype and mask.
@@ -60,26 +75,15 @@ template cudaError_t RunAttnDecodeSm90<{d}, {ctype}, {is_banded}>(const PagedFwd
 }}  // namespace attnserve
 """
 
-SM90_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {dtype},
-// {mask}, with its default warpgroup schedule (kDefaultSm90Schedule).
+SM90_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {mask},
+// {what}, on {tile},
+// with the default warpgroup schedule (kDefaultSm90Schedule).
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
 
 namespace attnserve {{
 namespace cuda {{
-template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule>(
-    const FwdLaunch&, cudaStream_t);
-}}  // namespace cuda
-}}  // namespace attnserve
-"""
-
-SM90_FP8_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel of the FP8 path for head
-// dim {d}, {mask}: Q K^T on E4M3 codes, P V and O in BF16 (Plan::fp8_qk).
-#include "backend/cuda/hopper/attn_fwd_sm90.cuh"
-
-namespace attnserve {{
-namespace cuda {{
-template cudaError_t RunAttnFwdSm90<{d}, __nv_bfloat16, {is_banded}, kDefaultSm90Schedule,
-                                    true>(const FwdLaunch&, cudaStream_t);
+template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule, {fp8},
+                                    {long_keys}>(const FwdLaunch&, cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
 """
@@ -100,11 +104,17 @@ def dims_list(ds):
     return ", ".join(str(d) for d in ds)
 
 
-def sm90_dispatch_cases(ds):
-    return "".join(
-        f"    case {d}:\n      return RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,\n"
-        f"                                                                                          stream);\n"
-        for d in ds)
+def sm90_dispatch_cases(ds, long_key_ds):
+    def run(d, long_keys):
+        return f"RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, {long_keys}>"
+    out = []
+    for d in ds:
+        if d in long_key_ds:
+            out.append(f"    case {d}:\n      return long_keys ? {run(d, 'true')}(launch, stream)\n"
+                       f"                       : {run(d, 'false')}(launch, stream);\n")
+        else:
+            out.append(f"    case {d}:\n      return {run(d, 'false')}(launch, stream);\n")
+    return "".join(out)
 
 
 def sm90_decode_cases(ds):
@@ -131,10 +141,12 @@ namespace cuda {{
 inline constexpr int kCompiledHeadDims[] = {{{dims_list(DEV_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(DEV_SM90_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(DEV_SM90_DECODE_HEAD_DIMS)}}};
+inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(DEV_SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
 #else
 inline constexpr int kCompiledHeadDims[] = {{{dims_list(HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(SM90_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(SM90_DECODE_HEAD_DIMS)}}};
+inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -166,6 +178,17 @@ constexpr bool CompiledSm90DecodeHeadDim(int kernel_head_dim) {{
   (void)kernel_head_dim;
   return false;
 }}
+// ... and the prefill kernel on its wider key tile (TileKind::kLongKeys; 0
+// in the list: none).
+constexpr bool CompiledSm90LongKeyHeadDim(int kernel_head_dim) {{
+#if defined(ATTNSERVE_CUDA_SM90)
+  for (int d : kCompiledSm90LongKeyHeadDims) {{
+    if (d != 0 && d == kernel_head_dim) return true;
+  }}
+#endif
+  (void)kernel_head_dim;
+  return false;
+}}
 
 }}  // namespace cuda
 }}  // namespace attnserve
@@ -191,18 +214,21 @@ def kernel_dispatch_header():
 namespace attnserve {{
 namespace cuda {{
 
-// The Hopper family's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it). kFp8Qk (T BF16): the
-// FP8 path's kernel (Plan::fp8_qk).
+// The Hopper family's instantiation for `kernel_head_dim` and the launch's
+// tile (TileKind::kLongKeys: the wider key tile), or cudaErrorInvalidValue
+// (also in builds without it). kFp8Qk (T BF16): the FP8 path's kernel
+// (Plan::fp8_qk).
 template <typename T, bool kIsBanded, bool kFp8Qk>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {{
+  const bool long_keys = launch.tile_kind == TileKind::kLongKeys;
   switch (kernel_head_dim) {{
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
-{sm90_dispatch_cases(DEV_SM90_HEAD_DIMS)}#elif defined(ATTNSERVE_CUDA_SM90)
-{sm90_dispatch_cases(SM90_HEAD_DIMS)}#endif
+{sm90_dispatch_cases(DEV_SM90_HEAD_DIMS, DEV_SM90_LONG_KEY_HEAD_DIMS)}#elif defined(ATTNSERVE_CUDA_SM90)
+{sm90_dispatch_cases(SM90_HEAD_DIMS, SM90_LONG_KEY_HEAD_DIMS)}#endif
     default:
       (void)launch;
       (void)stream;
+      (void)long_keys;
       return cudaErrorInvalidValue;
   }}
 }}
@@ -277,10 +303,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
 
 
 # wgmma m64nNk16 shapes the Hopper kernels use: N = the key tile of S = Q K^T
-# (64, 112, 128) and the head dim of O = P V (64, 128, 192, 256).
+# (64, 112, 128, 192) and the head dim of O = P V (64, 128, 192, 256).
 WGMMA_N = [64, 112, 128, 192, 256]
 # FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path.
-WGMMA_E4M3_N = [64, 112, 128]
+WGMMA_E4M3_N = [64, 112, 128, 192]
 WGMMA_TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 
@@ -385,24 +411,18 @@ def main():
                     if d in DEV_HEAD_DIMS:
                         dev_files.append(f"generated/{name}")
     sm90_all, sm90_dev = [], []
-    for d in SM90_HEAD_DIMS:
-        for dtype, ctype in DTYPES.items():
-            for mask, is_banded in MASKS.items():
-                name = f"attn_fwd_hdim{d}_{dtype}_{mask}_sm90.cu"
-                with open(os.path.join(out, name), "w") as f:
-                    f.write(SM90_INSTANTIATION.format(d=d, dtype=dtype, mask=mask, ctype=ctype,
-                                                      is_banded=is_banded))
-                sm90_all.append(f"generated/{name}")
-                if d in DEV_SM90_HEAD_DIMS:
-                    sm90_dev.append(f"generated/{name}")
-    for d in SM90_HEAD_DIMS:
-        for mask, is_banded in MASKS.items():
-            name = f"attn_fwd_hdim{d}_fp8_{mask}_sm90.cu"
-            with open(os.path.join(out, name), "w") as f:
-                f.write(SM90_FP8_INSTANTIATION.format(d=d, mask=mask, is_banded=is_banded))
-            sm90_all.append(f"generated/{name}")
-            if d in DEV_SM90_HEAD_DIMS:
-                sm90_dev.append(f"generated/{name}")
+    for suffix, (long_keys, tile, dims, dev_dims) in SM90_TILES.items():
+        for d in dims:
+            for dtype, (ctype, fp8, what) in SM90_DTYPES.items():
+                for mask, is_banded in MASKS.items():
+                    name = f"attn_fwd_hdim{d}_{dtype}_{mask}{suffix}_sm90.cu"
+                    with open(os.path.join(out, name), "w") as f:
+                        f.write(SM90_INSTANTIATION.format(d=d, what=what, mask=mask, tile=tile,
+                                                          ctype=ctype, is_banded=is_banded,
+                                                          fp8=fp8, long_keys=long_keys))
+                    sm90_all.append(f"generated/{name}")
+                    if d in dev_dims:
+                        sm90_dev.append(f"generated/{name}")
     for d in SM90_DECODE_HEAD_DIMS:
         for dtype, ctype in DTYPES.items():
             for mask, is_banded in MASKS.items():

@@ -257,6 +257,46 @@ TEST(PlanForwardTest, Sm90FamilyTakesVarlenAndEveryHeadDim) {
   }
 }
 
+// Key ranges of kSm90LongKeysMinSk and more take the wider key tile where
+// kSm90LongKeyTileTable lists one for the kernel head dim (64, which also
+// serves D < 64); shorter ones, other head dims and the portable family keep
+// their tiles. Varlen goes by its longest sequence (params.seqlen_k).
+TEST(PlanForwardTest, Sm90LongKeyRangesTakeTheWideKeyTile) {
+  if (!cuda::CompiledSm90LongKeyHeadDim(64)) {
+    GTEST_SKIP() << "this build has no sm_90a long-key kernel for head dim 64";
+  }
+  const int min_sk = cuda::kSm90LongKeysMinSk;
+  Plan p = PlanForward(Dense(1, 300, min_sk, 4, 2, 64, true), kH100Sms, true);
+  EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
+  EXPECT_EQ(p.tile_kind, TileKind::kLongKeys);
+  EXPECT_EQ(cuda::TileForPlan(p).block_n, cuda::Sm90LongKeyTileFor(64).block_n);
+  EXPECT_GT(cuda::Sm90LongKeyTileFor(64).block_n, cuda::Sm90TileFor(64).block_n);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90LongKeyTileFor(64)));
+  EXPECT_LE(cuda::PlanSmemBytes(p), cuda::kSm90MaxSmemBytes);
+  EXPECT_EQ(PlanForward(Dense(1, 300, 5000, 4, 2, 40), kH100Sms, true).tile_kind,
+            TileKind::kLongKeys);
+  EXPECT_EQ(PlanForward(Dense(1, 300, min_sk - 1, 4, 2, 64), kH100Sms, true).tile_kind,
+            TileKind::kPrefill);
+  EXPECT_EQ(PlanForward(Dense(1, 300, min_sk, 4, 2, 64), kH100Sms, false).tile_kind,
+            TileKind::kPrefill);
+  if (cuda::CompiledSm90HeadDim(128)) {
+    EXPECT_EQ(PlanForward(Dense(1, 300, 2 * min_sk, 4, 2, 128), kH100Sms, true).tile_kind,
+              TileKind::kPrefill);
+  }
+  AttnParams varlen = Dense(2, 300, min_sk + 10, 4, 4, 64);
+  const int32_t cu_q[3] = {0, 100, 300};
+  const int32_t cu_k[3] = {0, 10, min_sk + 10 + 10};
+  varlen.cu_seqlens_q = cu_q;
+  varlen.cu_seqlens_k = cu_k;
+  EXPECT_EQ(PlanForward(varlen, kH100Sms, true).tile_kind, TileKind::kLongKeys);
+  AttnParams fp8 = Dense(1, 300, min_sk, 4, 2, 64);
+  fp8.dtype = DType::kFP8E4M3;
+  p = PlanForward(fp8, kH100Sms, true);
+  EXPECT_EQ(p.tile_kind, TileKind::kLongKeys);
+  EXPECT_TRUE(p.fp8_qk);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90LongKeyTileFor(64), 1));
+}
+
 TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
   // Short split prefill, Sk = 0.
   EXPECT_EQ(PlanForward(Dense(1, 32, 8192, 8, 8, 128), kH100Sms, true).kernel_family,

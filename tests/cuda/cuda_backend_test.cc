@@ -341,6 +341,12 @@ std::vector<TestCase> Sm90Grid() {
     g.push_back(Make(t, 1, 1024, 32768, 1, 1, 64, true));
     g.push_back(Make(t, 1, 32768, 300, 2, 2, 256, false));
     g.push_back(Make(t, 1, 4096, 4096, 2, 1, 192, true));
+    // Long key ranges at D <= 64 run the wider key tile (kSm90LongKeyTileTable):
+    // lengths off its 192 keys, D < 64, causal bottom-right, varlen by its
+    // longest sequence (a key tile past the short ones' ends).
+    g.push_back(Make(t, 2, 333, 4133, 4, 2, 64, false));
+    g.push_back(Make(t, 1, 500, 4500, 2, 1, 40, true));
+    g.push_back(Varlen(t, {300, 0, 129}, {4400, 7, 200}, 4, 2, 64, true));
     // Varlen prefill: empty sequences, no keys, lengths off every tile.
     for (int d : {64, 128, 192, 256}) {
       g.push_back(Varlen(t, {129, 0, 300, 1, 64, 700, 200}, {129, 10, 200, 500, 70, 700, 0}, 4, 2,
@@ -382,6 +388,14 @@ std::vector<TestCase> Sm90Grid() {
       tc.softcap = 20.0f;
       g.push_back(tc);
     }
+  }
+  {
+    // FP8 Q K^T on the wider key tile (the Fp8/ grid's keys are short).
+    TestCase tc = Make(DType::kFP8E4M3, 1, 300, 4200, 4, 2, 64, true);
+    tc.q_descale = 0.5f;
+    tc.k_descale = 1.5f;
+    tc.v_descale = 0.25f;
+    g.push_back(tc);
   }
   return g;
 }
@@ -468,6 +482,13 @@ TEST(CudaBackendSm90, PlannerPicksTheHopperFamilyOnSm90) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
   EXPECT_EQ(plan->tile_kind, TileKind::kPrefill);
+  if (cuda::CompiledSm90LongKeyHeadDim(64)) {
+    HostBuffers l(Make(DType::kBF16, 2, 333, 4133, 4, 2, 64, false));
+    plan = backend->CanImplement(l.params());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->kernel_family, KernelFamily::kSm90);
+    EXPECT_EQ(plan->tile_kind, TileKind::kLongKeys);
+  }
   if (cuda::CompiledSm90HeadDim(192)) {
     HostBuffers h(Make(DType::kFP16, 1, 512, 512, 4, 4, 160, false));
     plan = backend->CanImplement(h.params());

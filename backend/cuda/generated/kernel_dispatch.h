@@ -17,33 +17,32 @@
 namespace attnserve {
 namespace cuda {
 
-// The Hopper family's instantiation for `kernel_head_dim`, or
-// cudaErrorInvalidValue (also in builds without it). kFp8Qk (T BF16): the
-// FP8 path's kernel (Plan::fp8_qk).
+// The Hopper family's instantiation for `kernel_head_dim` and the launch's
+// tile (TileKind::kLongKeys: the wider key tile), or cudaErrorInvalidValue
+// (also in builds without it). kFp8Qk (T BF16): the FP8 path's kernel
+// (Plan::fp8_qk).
 template <typename T, bool kIsBanded, bool kFp8Qk>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
+  const bool long_keys = launch.tile_kind == TileKind::kLongKeys;
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
-                                                                                          stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
     case 64:
-      return RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
-                                                                                          stream);
+      return long_keys ? RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, true>(launch, stream)
+                       : RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
-                                                                                          stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
     case 192:
-      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
-                                                                                          stream);
+      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
     case 256:
-      return RunAttnFwdSm90<256, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk>(launch,
-                                                                                          stream);
+      return RunAttnFwdSm90<256, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
 #endif
     default:
       (void)launch;
       (void)stream;
+      (void)long_keys;
       return cudaErrorInvalidValue;
   }
 }

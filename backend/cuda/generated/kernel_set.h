@@ -11,10 +11,12 @@ namespace cuda {
 inline constexpr int kCompiledHeadDims[] = {128};
 inline constexpr int kCompiledSm90HeadDims[] = {128};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {128};
+inline constexpr int kCompiledSm90LongKeyHeadDims[] = {0};
 #else
 inline constexpr int kCompiledHeadDims[] = {64, 96, 128, 192, 256};
 inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 192, 256};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {64, 96, 128};
+inline constexpr int kCompiledSm90LongKeyHeadDims[] = {64};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -41,6 +43,17 @@ constexpr bool CompiledSm90DecodeHeadDim(int kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90)
   for (int d : kCompiledSm90DecodeHeadDims) {
     if (d == kernel_head_dim) return true;
+  }
+#endif
+  (void)kernel_head_dim;
+  return false;
+}
+// ... and the prefill kernel on its wider key tile (TileKind::kLongKeys; 0
+// in the list: none).
+constexpr bool CompiledSm90LongKeyHeadDim(int kernel_head_dim) {
+#if defined(ATTNSERVE_CUDA_SM90)
+  for (int d : kCompiledSm90LongKeyHeadDims) {
+    if (d != 0 && d == kernel_head_dim) return true;
   }
 #endif
   (void)kernel_head_dim;

@@ -581,10 +581,11 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // block, batch, query head), or one per SM for the persistent schedules.
 // launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
 // and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
-template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk>
+template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
+          bool kLongKeys>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile = Sm90TileFor(kHeadDim);
-  static_assert(kTile.head_dim == kHeadDim, "head dim missing from kSm90TileTable");
+  constexpr TileConfig kTile = kLongKeys ? Sm90LongKeyTileFor(kHeadDim) : Sm90TileFor(kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head dim missing from its Hopper tile table");
   const AttnParams& p = launch.p;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
   // kPersistentDynamic draws items from the workspace's counters.

@@ -37,10 +37,13 @@ struct Sm90FwdLaunch {
 cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
 
-// One instantiation (generated/*_sm90.cu): kHeadDim 64/128/256, T __half or
-// __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q and K
-// are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk).
-template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false>
+// One instantiation (generated/*_sm90.cu): kHeadDim 64/128/192/256, T __half
+// or __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q
+// and K are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk);
+// kLongKeys: kSm90LongKeyTileTable's tile (TileKind::kLongKeys), else
+// kSm90TileTable's.
+template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,
+          bool kLongKeys = false>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // What the Hopper decode kernel reads over a cache's pages: the portable
