@@ -57,13 +57,16 @@ template <typename T>
 struct DecodeSource<T, Sm90FwdLaunch> {
   using Rows = ContiguousRows<T>;
   static constexpr bool kPaged = false;
-  __device__ __forceinline__ static const FwdLaunch& RowsLaunch(const Sm90FwdLaunch& l) { return l.fwd; }
+  __device__ __forceinline__ static const FwdLaunch& RowsLaunch(const Sm90FwdLaunch& l) {
+    return l.fwd;
+  }
 };
 template <typename T>
 struct DecodeSource<T, Sm90PagedDecodeLaunch> {
   using Rows = PagedRows<T>;
   static constexpr bool kPaged = true;
-  __device__ __forceinline__ static const PagedFwdLaunch& RowsLaunch(const Sm90PagedDecodeLaunch& l) {
+  __device__ __forceinline__ static const PagedFwdLaunch& RowsLaunch(
+      const Sm90PagedDecodeLaunch& l) {
     return l.paged;
   }
 };
@@ -80,7 +83,7 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
   constexpr int kNTiles = kWarpKeys / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kDBlocks = (kHeadDim + 63) / 64;  // 64-column TMA boxes per row
-  constexpr int kQStride = kHeadDim + 8;         // Q: padded rows (conflict-free ldmatrix)
+  constexpr int kQStride = kHeadDim + 8;          // Q: padded rows (conflict-free ldmatrix)
   constexpr uint32_t kQRowBytes = kHeadDim * sizeof(T);
   constexpr int kTileElems = kDBlocks * kBlockN * 64;  // one K or V tile
   constexpr TileConfig kTile{kHeadDim, kBlockM, kBlockN, kDecodeComputeWarps + 1, kStages, 0};
@@ -149,6 +152,21 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
       const int64_t row = qr.Row(w.m0 + lane, &h);
       BulkLoad(sQ + lane * kQStride, q + QOffset(p, row, h), kQRowBytes, &q_full);
     }
+    // A split launch writes its partials and reads them back (the fused
+    // combine) through L2: K and V, read once, go in at evict-first priority
+    // so they do not push the partials out (B = 1 x 8k: +6%). Unsplit
+    // launches keep the default: there it bought nothing, and over pages of
+    // 16 it cost 2-3% (bench/NOTES-cuda.md, round 10).
+    const bool evict_first = L.num_splits > 1;
+    const uint64_t policy = L2EvictFirst();
+    auto load_box = [&](T* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                        int c3) {
+      if (evict_first) {
+        TmaLoad4dEvictFirst(dst, map, bar, c0, c1, c2, c3, policy);
+      } else {
+        TmaLoad4d(dst, map, bar, c0, c1, c2, c3);
+      }
+    };
     if (lane == 0) {
       for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % kStages;
@@ -170,8 +188,8 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
 #pragma unroll
             for (int db = 0; db < kDBlocks; ++db) {
               const int at = db * kBlockN * 64 + r * 64;
-              TmaLoad4d(k_dst + at, &launch.k[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
-              TmaLoad4d(v_dst + at, &launch.v[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
+              load_box(k_dst + at, &launch.k[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
+              load_box(v_dst + at, &launch.v[slab], &kv_full[stage], db * 64, w.kv_head, row, 0);
             }
           }
         } else {
@@ -181,8 +199,8 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
 #pragma unroll
           for (int db = 0; db < kDBlocks; ++db) {
             const int at = db * kBlockN * 64;
-            TmaLoad4d(k_dst + at, &launch.k, &kv_full[stage], db * 64, w.kv_head, row0, batch);
-            TmaLoad4d(v_dst + at, &launch.v, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+            load_box(k_dst + at, &launch.k, &kv_full[stage], db * 64, w.kv_head, row0, batch);
+            load_box(v_dst + at, &launch.v, &kv_full[stage], db * 64, w.kv_head, row0, batch);
           }
         }
       }
@@ -314,8 +332,8 @@ cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream) {
   const int64_t batch = varlen ? 1 : p.batch;
   const int64_t rows = varlen ? p.total_k : p.seqlen_k;
   if (rows == 0) return cudaErrorInvalidValue;  // PlanForward keeps Sk = 0 portable
-  cudaError_t err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, batch, rows, p.num_heads_kv,
-                                        p.head_dim, kTile.block_n);
+  cudaError_t err = EncodeRowsTensorMap(&l.k, p.k, p.dtype, batch, rows, p.num_heads_kv, p.head_dim,
+                                        kTile.block_n);
   if (err == cudaSuccess) {
     err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, rows, p.num_heads_kv, p.head_dim,
                               kTile.block_n);
@@ -342,8 +360,8 @@ cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream)
   const int64_t rows = (int64_t{1} << pages.slab_shift) * pages.page_size;
   const int box = pages.page_size < kTile.block_n ? pages.page_size : kTile.block_n;
   for (int s = 0; s < pages.num_slabs; ++s) {
-    cudaError_t err = CachedRowsTensorMap(&l.k[s], pages.k_slabs[s], p.dtype, rows,
-                                          p.num_heads_kv, p.head_dim, box);
+    cudaError_t err = CachedRowsTensorMap(&l.k[s], pages.k_slabs[s], p.dtype, rows, p.num_heads_kv,
+                                          p.head_dim, box);
     if (err == cudaSuccess) {
       err = CachedRowsTensorMap(&l.v[s], pages.v_slabs[s], p.dtype, rows, p.num_heads_kv,
                                 p.head_dim, box);

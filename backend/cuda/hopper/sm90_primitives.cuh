@@ -1,12 +1,11 @@
 // Hopper (sm_90a) building blocks of the forward kernels in this folder, each
 // a thin wrapper over one PTX instruction (PTX ISA 8.x): mbarriers, TMA tile
 // loads (cp.async.bulk.tensor) and bulk row copies (cp.async.bulk), wgmma
-// shared-memory descriptors, fences, setmaxnreg and named barriers. The wgmma m64nNk16 instructions themselves
-// are in generated/sm90_wgmma.h (their operand lists are long and regular).
-// Written here instead of taken from CUTLASS/CuTe: the whole Hopper path
-// compiles in seconds per instantiation on CI's 2 cores, every instruction
-// the kernel issues is visible in this file, and nothing else is pulled in.
-// Only compiled for sm_90a (the callers guard on __CUDA_ARCH_FEAT_SM90_ALL).
+// shared-memory descriptors, fences, setmaxnreg and named barriers. The wgmma m64nNk16 instructions
+// themselves are in generated/sm90_wgmma.h (their operand lists are long and regular). Written here
+// instead of taken from CUTLASS/CuTe: the whole Hopper path compiles in seconds per instantiation
+// on CI's 2 cores, every instruction the kernel issues is visible in this file, and nothing else is
+// pulled in. Only compiled for sm_90a (the callers guard on __CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only: nothing here links libcuda)
@@ -63,14 +62,32 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// The same at evict-first priority in L2 (L2EvictFirst's policy): for data
+// read once that should not push out what will be read again.
+__device__ __forceinline__ void TmaLoad4dEvictFirst(void* dst, const CUtensorMap* map,
+                                                    uint64_t* bar, int c0, int c1, int c2, int c3,
+                                                    uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t L2EvictFirst() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 // ---- Bulk copy (TMA without a tensor map): `bytes` (a multiple of 16, both
 // addresses 16-byte aligned) from global to shared memory, completing them on
 // `bar`. One row of a K/V tile each in the decode kernel, whose rows are
 // scattered (heads interleaved, or pages).
-__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          SmemAddr(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(dst)),
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
