@@ -154,19 +154,13 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
     }
     // A split launch writes its partials and reads them back (the fused
     // combine) through L2: K and V, read once, go in at evict-first priority
-    // so they do not push the partials out (B = 1 x 8k: +6%). Unsplit
-    // launches keep the default: there it bought nothing, and over pages of
-    // 16 it cost 2-3% (bench/NOTES-cuda.md, round 10).
-    const bool evict_first = L.num_splits > 1;
-    const uint64_t policy = L2EvictFirst();
+    // so they do not push the partials out (B = 1 x 8k: +8%). Unsplit
+    // launches leave L2's priorities as they are (evict-first bought them
+    // nothing). One load form either way: a branch per box slowed the
+    // producer thread of pages of 16 by 8% (bench/NOTES-cuda.md, round 10).
+    const uint64_t policy = L2Policy(L.num_splits > 1);
     auto load_box = [&](T* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                        int c3) {
-      if (evict_first) {
-        TmaLoad4dEvictFirst(dst, map, bar, c0, c1, c2, c3, policy);
-      } else {
-        TmaLoad4d(dst, map, bar, c0, c1, c2, c3);
-      }
-    };
+                        int c3) { TmaLoad4dPolicy(dst, map, bar, c0, c1, c2, c3, policy); };
     if (lane == 0) {
       for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % kStages;

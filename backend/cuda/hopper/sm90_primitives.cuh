@@ -62,11 +62,10 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const CUtensorMap* map, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
-// The same at evict-first priority in L2 (L2EvictFirst's policy): for data
-// read once that should not push out what will be read again.
-__device__ __forceinline__ void TmaLoad4dEvictFirst(void* dst, const CUtensorMap* map,
-                                                    uint64_t* bar, int c0, int c1, int c2, int c3,
-                                                    uint64_t policy) {
+// The same under an L2 cache policy (L2Policy): evict-first for data read
+// once that should not push out what will be read again.
+__device__ __forceinline__ void TmaLoad4dPolicy(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                                int c0, int c1, int c2, int c3, uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       ".L2::cache_hint [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(SmemAddr(dst)),
@@ -74,10 +73,12 @@ __device__ __forceinline__ void TmaLoad4dEvictFirst(void* dst, const CUtensorMap
       "l"(policy)
       : "memory");
 }
-__device__ __forceinline__ uint64_t L2EvictFirst() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
+// Evict-first, or (false) evict-unchanged: what a plain load does.
+__device__ __forceinline__ uint64_t L2Policy(bool evict_first) {
+  uint64_t first, unchanged;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
+  asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(unchanged));
+  return evict_first ? first : unchanged;
 }
 // ---- Bulk copy (TMA without a tensor map): `bytes` (a multiple of 16, both
 // addresses 16-byte aligned) from global to shared memory, completing them on
