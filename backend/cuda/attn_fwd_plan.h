@@ -45,6 +45,14 @@ struct TileConfig {
   int stages;
   int regs;  // registers per thread the split planner assumes (ptxas -v; 255 = at the cap)
 };
+// The row of a tile table for `head_dim`, or all zeros when it has none.
+template <int N>
+constexpr TileConfig TileRowFor(const TileConfig (&table)[N], int head_dim) {
+  for (const TileConfig& t : table) {
+    if (t.head_dim == head_dim) return t;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
 constexpr TileConfig kTileTable[] = {
     {64, 128, 64, 4, 2, 255},  {96, 128, 64, 4, 1, 255},  {128, 128, 64, 4, 1, 255},
     {192, 128, 64, 8, 1, 255}, {256, 128, 64, 8, 1, 255},
@@ -126,12 +134,7 @@ constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2) {
 constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
   return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes));
 }
-constexpr TileConfig Sm90TileFor(int head_dim) {
-  for (const TileConfig& t : kSm90TileTable) {
-    if (t.head_dim == head_dim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
-}
+constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
 // The Hopper prefill kernel on a wider key tile, for calls whose key range
 // (Sk, the longest sequence's for varlen) is at least kSm90LongKeysMinSk
 // (TileKind::kLongKeys): fewer row-max and row-sum reductions, barrier
@@ -148,10 +151,7 @@ constexpr TileConfig kSm90LongKeyTileTable[] = {
 };
 constexpr int kSm90LongKeysMinSk = 4096;
 constexpr TileConfig Sm90LongKeyTileFor(int head_dim) {
-  for (const TileConfig& t : kSm90LongKeyTileTable) {
-    if (t.head_dim == head_dim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+  return TileRowFor(kSm90LongKeyTileTable, head_dim);
 }
 // Decode tile of the Hopper family (hopper/attn_decode_sm90.cuh): the
 // portable decode tile's math (16 rows, 4 warps splitting a 64-key tile) plus
@@ -172,10 +172,7 @@ constexpr TileConfig kSm90DecodeTileTable[] = {
     {128, 16, 64, 5, 3, 168},
 };
 constexpr TileConfig Sm90DecodeTileFor(int head_dim) {
-  for (const TileConfig& t : kSm90DecodeTileTable) {
-    if (t.head_dim == head_dim) return t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+  return TileRowFor(kSm90DecodeTileTable, head_dim);
 }
 // Its dynamic smem: Q in padded rows (1024-byte aligned block), the K and V
 // rings in 64-column boxes, 1 KB to align everything to the swizzle atom.
@@ -193,19 +190,9 @@ constexpr int SmemBytes(const TileConfig& t) {
 // The row of `kind`'s table for `head_dim`; head_dim 0 when that table has
 // none (only kPrefill covers every head dim).
 constexpr TileConfig TileFor(TileKind kind, int head_dim) {
-  const TileConfig* begin = kTileTable;
-  const TileConfig* end = kTileTable + sizeof(kTileTable) / sizeof(kTileTable[0]);
-  if (kind == TileKind::kDecode) {
-    begin = kDecodeTileTable;
-    end = kDecodeTileTable + sizeof(kDecodeTileTable) / sizeof(kDecodeTileTable[0]);
-  } else if (kind == TileKind::kBanded) {
-    begin = kBandedTileTable;
-    end = kBandedTileTable + sizeof(kBandedTileTable) / sizeof(kBandedTileTable[0]);
-  }
-  for (const TileConfig* t = begin; t != end; ++t) {
-    if (t->head_dim == head_dim) return *t;
-  }
-  return TileConfig{0, 0, 0, 0, 0, 0};
+  if (kind == TileKind::kDecode) return TileRowFor(kDecodeTileTable, head_dim);
+  if (kind == TileKind::kBanded) return TileRowFor(kBandedTileTable, head_dim);
+  return TileRowFor(kTileTable, head_dim);
 }
 
 // Split-KV workspace: a fixed block of ticket counters (one int32 per tile
