@@ -26,7 +26,7 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
   request.set_request_id(in.request_id);
   request.set_cache_id(in.cache_id);
   request.set_layer(in.layer);
-  for (const KvStep& s : in.sequences) {
+  for (const KvClientStep& s : in.sequences) {
     v1::SequenceStep* step = request.add_sequences();
     step->set_sequence_id(s.sequence_id);
     step->set_expected_length(s.expected_length);
@@ -59,8 +59,8 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
   if (q_shape.empty()) {
     // No queries were sent (append only): O must hold no rows.
     if (r.o.num_elements() != 0) {
-      return absl::InternalError(absl::StrCat("server returned o ", r.o.DebugString(),
-                                              " for a call without queries"));
+      return absl::InternalError(
+          absl::StrCat("server returned o ", r.o.DebugString(), " for a call without queries"));
     }
   }
   const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
@@ -72,9 +72,8 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
                                             ShapeString(want_o)));
   }
   if (r.lengths.size() != static_cast<size_t>(request.sequences_size())) {
-    return absl::InternalError(absl::StrCat("server returned ", r.lengths.size(),
-                                            " lengths for ", request.sequences_size(),
-                                            " sequences"));
+    return absl::InternalError(absl::StrCat("server returned ", r.lengths.size(), " lengths for ",
+                                            request.sequences_size(), " sequences"));
   }
   if (!request.options().return_lse()) return absl::OkStatus();
   if (!r.lse) return absl::InternalError("return_lse was set but the response has no lse");
@@ -100,7 +99,7 @@ v1::AppendAttendRequest ShapesOf(const v1::AppendAttendRequest& r) {
 
 }  // namespace
 
-v1::KvGeometry KvGeometryToProto(const KvGeometry& g) {
+v1::KvGeometry KvGeometryToProto(const KvClientGeometry& g) {
   v1::KvGeometry out;
   out.set_num_layers(g.num_layers);
   out.set_num_heads_kv(g.num_heads_kv);
@@ -173,8 +172,8 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const CacheSpec& spec,
     // CreateCache, which could then land on a replica other than the one the
     // id hashes to; an id chosen here routes every call, the first included.
     std::random_device entropy;
-    request.set_cache_id(
-        absl::StrCat("c-", absl::Hex(entropy(), absl::kZeroPad8), absl::Hex(entropy(), absl::kZeroPad8)));
+    request.set_cache_id(absl::StrCat("c-", absl::Hex(entropy(), absl::kZeroPad8),
+                                      absl::Hex(entropy(), absl::kZeroPad8)));
   }
   return CreateCache(request, call);
 }
@@ -199,9 +198,9 @@ absl::Status KvClient::DropCache(const std::string& cache_id, const CallOptions&
   return ToAbslStatus(Next().DropCache(&context, request, &response));
 }
 
-absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(
-    const std::string& cache_id, const std::vector<SequenceSpec>& sequences,
-    const CallOptions& call) {
+absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cache_id,
+                                                         const std::vector<SequenceSpec>& sequences,
+                                                         const CallOptions& call) {
   grpc::ClientContext context;
   Prepare(call, cache_id, &context);
   v1::CreateSequencesRequest request;
@@ -218,9 +217,8 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(
   return std::move(*response.mutable_stats());
 }
 
-absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id,
-                                                  uint64_t sequence_id, int32_t length,
-                                                  std::optional<int32_t> layer,
+absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id, uint64_t sequence_id,
+                                                  int32_t length, std::optional<int32_t> layer,
                                                   const CallOptions& call) {
   grpc::ClientContext context;
   Prepare(call, cache_id, &context);
@@ -329,9 +327,8 @@ int64_t AppendAttendStream::in_flight() const {
 
 absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done) {
   if (request.cache_id() != cache_id_) {
-    return absl::InvalidArgumentError(absl::StrCat("request cache_id '", request.cache_id(),
-                                                   "' is not the stream's cache '", cache_id_,
-                                                   "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request cache_id '", request.cache_id(), "' is not the stream's cache '", cache_id_, "'"));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -341,8 +338,8 @@ absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done
       request.set_request_id(absl::StrCat("s", next_id_++));
     }
     if (pending_.count(request.request_id()) > 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request_id '", request.request_id(), "' is already in flight on this stream"));
+      return absl::InvalidArgumentError(absl::StrCat("request_id '", request.request_id(),
+                                                     "' is already in flight on this stream"));
     }
     pending_.emplace(request.request_id(), std::move(done));
   }

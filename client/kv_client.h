@@ -48,8 +48,9 @@ namespace attnserve {
 // The gRPC metadata key that names a call's cache (kv.proto's header comment).
 inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
 
-// Mirrors attnserve.v1.KvGeometry.
-struct KvGeometry {
+// Mirrors attnserve.v1.KvGeometry. Named apart from the server's KvGeometry
+// (server/kv/kv_cache.h): a binary may link both (scripts/check-odr.py).
+struct KvClientGeometry {
   int num_layers = 1;
   int num_heads_kv = 1;
   int head_dim = 64;
@@ -59,7 +60,7 @@ struct KvGeometry {
 // Mirrors CreateCacheRequest: exactly one of capacity_tokens and
 // capacity_bytes is > 0.
 struct CacheSpec {
-  KvGeometry geometry;
+  KvClientGeometry geometry;
   int page_size = 0;  // 0: the server's default
   int64_t capacity_tokens = 0;
   int64_t capacity_bytes = 0;
@@ -87,7 +88,7 @@ struct SequenceSpec {
 };
 
 // One sequence's part of an append-and-attend call (SequenceStep).
-struct KvStep {
+struct KvClientStep {
   uint64_t sequence_id = 0;
   int32_t expected_length = 0;  // the sequence's length at the layer before the append
   int32_t num_new_tokens = 0;   // its rows of k/v
@@ -100,7 +101,7 @@ struct KvStep {
 struct AppendAttendInputs {
   std::string cache_id;
   int layer = 0;
-  std::vector<KvStep> sequences;
+  std::vector<KvClientStep> sequences;
   HostTensor q;
   HostTensor k;
   HostTensor v;
@@ -117,7 +118,7 @@ struct AppendAttendResult {
   std::string backend;
 };
 
-v1::KvGeometry KvGeometryToProto(const KvGeometry& geometry);
+v1::KvGeometry KvGeometryToProto(const KvClientGeometry& geometry);
 v1::CreateCacheRequest MakeCreateCacheRequest(const CacheSpec& spec);
 // Copies the tensors' bytes; the && overload moves them.
 v1::AppendAttendRequest MakeAppendAttendRequest(const AppendAttendInputs& inputs);

@@ -3,6 +3,8 @@
 // context the client keeps, forks, truncate and re-append, a stale expected
 // length, free, drop and NOT_FOUND, and many requests in flight on one stream.
 // Skipped (with the reason) when the server build has no KvCache service.
+#include "client/kv_client.h"
+
 #include <algorithm>
 #include <future>
 #include <map>
@@ -14,7 +16,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/inputs.h"
-#include "client/kv_client.h"
 #include "client/verify.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -77,9 +78,9 @@ class KvClientTest : public ::testing::Test {
   // One call at `layer`: for each (sequence, new tokens, queries) its random
   // rows, appended to the client's copy; returns the result and checks O
   // against the reference over each sequence's whole context (causal).
-  absl::StatusOr<AppendAttendResult> Step(
-      int layer, const std::vector<std::tuple<uint64_t, int, int>>& parts,
-      AppendAttendStream* stream = nullptr) {
+  absl::StatusOr<AppendAttendResult> Step(int layer,
+                                          const std::vector<std::tuple<uint64_t, int, int>>& parts,
+                                          AppendAttendStream* stream = nullptr) {
     AppendAttendInputs in = Build(layer, parts);
     absl::StatusOr<AppendAttendResult> r =
         stream != nullptr ? stream->Call(in) : kv_->AppendAttend(in);
@@ -110,7 +111,7 @@ class KvClientTest : public ::testing::Test {
   void Verify(const AppendAttendInputs& in, const AppendAttendResult& r) {
     int64_t q_row = 0, k_row = 0;
     for (size_t i = 0; i < in.sequences.size(); ++i) {
-      const KvStep& s = in.sequences[i];
+      const KvClientStep& s = in.sequences[i];
       Rows& rows = rows_[s.sequence_id][in.layer];
       rows.k += in.k.SliceRows(k_row, s.num_new_tokens)->bytes();
       rows.v += in.v.SliceRows(k_row, s.num_new_tokens)->bytes();
