@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The soak test (issue 15): runs a CPU server under mixed traffic
+# The soak test: runs a CPU server under mixed traffic
 # (tests/soak/soak_load.cc: valid requests of every option checked against the
 # reference on a sample, invalid ones, cancellations, deadlines that expire in
 # the queue, abandoned streams, K/V cache lifetimes) for DURATION, samples the

@@ -8,7 +8,7 @@ HEADER; one row a second; phase "traffic" or "after").
     soak_check.py --levels CSV       prints "FDS,THREADS,TIMER_THREADS": their warm-up levels
     soak_check.py --back LEVELS ROW  exit 0 when ROW is back to LEVELS (below)
 
-The rule (issue 15): the traffic rows are cut in fifths; the first fifth is
+The rule: the traffic rows are cut in fifths; the first fifth is
 warm-up; a quantity grows when the median of the last fifth exceeds 1.05 x the
 median of the second fifth (the fifth right after warm-up). The warm-up level
 of fds and threads is that second fifth's median.

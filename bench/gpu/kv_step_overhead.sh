@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: issue 11's per-step overhead of one 64-sequence decode
+# On the GPU machine: the K/V service's per-step overhead of one 64-sequence decode
 # step (Hq 32, Hkv 8, D 128, BF16, 8k context, pages of 64, one layer, unary,
 # concurrency 1), side by side for one or more server builds, rounds
 # interleaved:

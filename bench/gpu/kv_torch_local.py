@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The local ceiling of issue 11's service target: an in-process PyTorch
+"""The local ceiling of the K/V service's decode step: an in-process PyTorch
 decode loop doing what attnserve's K/V decode loop does, on the same GPU, with
 no network: per layer-step, append one new K/V token per sequence into a
 contiguous preallocated cache and attend one query token per sequence over the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmarks the Python client (issue 12's targets) on one server, writing CSV rows.
+"""Benchmarks the Python client (bench/NOTES-python.md's targets) on one server, writing CSV rows.
 
 (a) client throughput: the Python Client (NumPy BF16 inputs, unary forward()
     from N threads, and a ForwardStream with N in flight) beside `attnctl load`
@@ -12,7 +12,7 @@
     over the window per request, attnctl's too. --rpcs=forward,echo adds the Echo RPC
     (validated, q's bytes back, no compute: the transport and client cost
     alone; unary only, so no stream row). "mid" (B=4, N=512) is a size the CPU
-    backend's Forward can do (scripts/gpu-python.sh --cpu).
+    backend's Forward can do (scripts/device/gpu-python.sh --cpu).
 (b) transformers generate(): tokens/s with local SDPA, with the stateless
     "attnserve" attention and with K/V on the server (attnserve.hf_cache), for
     the small test Llama and a ~1.1B-parameter Llama config (random weights,
@@ -69,7 +69,7 @@ SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
 
 class Writer:
     def __init__(self, path: str, device: str):
-        # A file may start with `#` lines (scripts/gpu-python.sh writes the
+        # A file may start with `#` lines (scripts/device/gpu-python.sh writes the
         # environment and the token comparisons there): the header goes after them.
         new = True
         if os.path.exists(path):

@@ -1,5 +1,5 @@
 // libFuzzer target: bytes -> ForwardRequest (protobuf decode) -> the server's
-// own ForwardHandler (validation, params, admission to a real executor on the
+// own native decoding and AttentionRunner (validation, params, admission to a real executor on the
 // CPU backend, output binding, the response and its log line), as a Forward
 // call runs it. Byte-level: libprotobuf-mutator is not packaged for Debian 12.
 //
@@ -8,7 +8,7 @@
 //   - an OK answer has O shaped like Q with Q's byte size, and LSE when asked;
 //   - with finite inputs small enough that |q.k| <= 1.1e12 (the bound that
 //     backend/score_range.h derives the option ranges from), O and LSE hold no
-//     NaN and O no Inf (issue 15's all-NaN answers with status OK);
+//     NaN and O no Inf (no all-NaN answer with status OK);
 //   - a refusal has a message naming a field ("expected ... got").
 #include <atomic>
 #include <cmath>
@@ -25,7 +25,9 @@
 #include "backend/backend_factory.h"
 #include "common/dtype.h"
 #include "server/executor_pool.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
+#include "server/native/field_names.h"
+#include "server/native/forward_call.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_check.h"
 
@@ -39,12 +41,12 @@ struct Harness {
   Harness()
       : backend(MakeCpuBackend(1)),
         executors({backend.get()}, ExecutorOptions{/*max_queue_size=*/4}),
-        handler(&executors, "cpu", kLimits) {
+        runner(&executors, "cpu", kLimits) {
     spdlog::set_level(spdlog::level::off);
   }
   std::unique_ptr<AttentionBackend> backend;
   ExecutorPool executors;
-  ForwardHandler handler;
+  AttentionRunner runner;
 };
 
 [[noreturn]] void Fail(const std::string& what) { FuzzFail("forward_request_fuzzer", what); }
@@ -108,11 +110,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::Status result;
   absl::Notification done;
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  harness->handler.Start(&request, &response, "fuzz", absl::InfiniteFuture(), cancelled,
-                         [&](const absl::Status& status) {
-                           result = status;
-                           done.Notify();
-                         });
+  CallMeta meta;
+  meta.tenant = "fuzz";
+  meta.cancelled = cancelled;
+  const AttentionCall call = ForwardCallOf(request, &response, std::move(meta));
+  harness->runner.Start(&call, NativeFieldNames(),
+                        [&](const absl::Status& status, const WorkTimings& timings) {
+                          FinishForwardResponse(request, status, timings, "cpu", &response);
+                          result = status;
+                          done.Notify();
+                        });
   done.WaitForNotification();
   if (result.ok()) {
     CheckAnswer(request, response);

@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
   r.mutable_options()->set_return_lse(true);
   seeds.emplace_back("varlen_zero_len", r);
   r = Dense(v1::FP16, 1, 2, 2, 1, 1, 8);
-  r.mutable_options()->set_softcap(3e38f);  // issue 15: refused now
+  r.mutable_options()->set_softcap(3e38f);  // out of range: refused
   seeds.emplace_back("softcap_huge", r);
   r = Dense(v1::FP32, 1, 2, 2, 1, 1, 8);
   r.mutable_options()->set_softmax_scale(1e26f);  // the largest accepted

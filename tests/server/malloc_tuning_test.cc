@@ -1,4 +1,4 @@
-// server/malloc_tuning: the arena cap holds however many threads allocate at
+// common/malloc_tuning: the arena cap holds however many threads allocate at
 // once (without it glibc gives each new thread an arena of its own, and the
 // soak's RSS climbs; tests/soak/README.md), and ReadHeapUsage counts what is
 // held and stops counting it when freed. Its own binary: the cap must be set
@@ -15,7 +15,6 @@
 #include "absl/synchronization/barrier.h"
 #include "common/malloc_tuning.h"
 #include "gtest/gtest.h"
-#include "server/malloc_tuning.h"
 #include "tests/common/own_allocator.h"
 
 namespace attnserve {

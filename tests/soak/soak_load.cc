@@ -1,4 +1,4 @@
-// The soak test's traffic (scripts/soak.sh; issue 15): closed-loop workers
+// The soak test's traffic (scripts/soak.sh): closed-loop workers
 // send a mix of calls to a running server for --duration, and one K/V worker
 // runs whole cache lifetimes, until the time is up. The mix, per Forward worker
 // call:
@@ -160,7 +160,7 @@ std::vector<v1::ForwardRequest> InvalidCases(const std::vector<Prepared>& valid)
   r.mutable_k()->mutable_data()->resize(10);  // byte length
   out.push_back(r);
   r = valid[1].request;
-  r.mutable_options()->set_softcap(3e38f);  // issue 15: out of range
+  r.mutable_options()->set_softcap(3e38f);  // out of range
   out.push_back(r);
   r = valid[1].request;
   r.mutable_options()->set_softmax_scale(2e38f);

@@ -3,7 +3,7 @@
 Why: grpcio sends only `bytes`, so a request's tensors must be copied into one.
 b"".join does that copy while holding the GIL whenever a piece is not itself a
 `bytes` (CPython keeps it then, in case another thread mutates the buffer), so
-concurrent callers (Client from many threads, issue 12) queue behind each
+concurrent callers (Client from many threads) queue behind each
 other's copies. Here the result is created uninitialized through the C API
 (PyBytes_FromStringAndSize(NULL, n), whose documented use is to be filled before
 it is shared), and each piece is copied in with memmove called through ctypes:

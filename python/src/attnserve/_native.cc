@@ -1,6 +1,6 @@
 // attnserve._native: the tensor-carrying unary calls through gRPC C++ instead of grpcio.
 //
-// Why (bench/NOTES-python.md, issue 12): grpcio takes a request only as one
+// Why (bench/NOTES-python.md): grpcio takes a request only as one
 // `bytes` and copies it into its own buffer, and hands a response over after
 // copying it three times (a `bytes` per received slice, a bytearray, then
 // `bytes` of that), all fresh allocations that a loaded machine faults in

@@ -3,7 +3,7 @@
 Why not the generated classes for these: protobuf's upb runtime copies a
 `bytes` field when it is set, again when the message is serialized, and again
 when the field is read from a parsed response, each under the GIL; for the
-large benchmark request (~200 MB) that is most of a call's time (issue 12).
+large benchmark request (~200 MB) that is most of a call's time.
 
 Requests: every field that is not a tensor (request_id, options, cu_seqlens,
 the K/V API's sequences) goes through the generated class as usual, into a
