@@ -4,7 +4,7 @@
 #  2. starts sdpa_server.py on GPU 0 and runs `attnctl forward --verify` on a set
 #     of shapes (GQA, causal with Sq != Sk, windows, varlen, all dtypes);
 #  3. `attnctl load --check` briefly, unary and ForwardStream;
-#  4. the serving benchmark's two scenarios (scripts/gpu-serving.sh's shapes and
+#  4. the serving benchmark's two scenarios (scripts/device/gpu-serving.sh's shapes and
 #     flags, label python_sdpa): small B=1 Sq=Sk=256 Hq=16 D=128 BF16 at
 #     concurrency 1,16,64 (with --check), large B=4 Sq=Sk=4096 at 1,4 (no check:
 #     its float64 reference takes minutes on the CPU), small again without --check

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tuning round on the GPU machine (one `run`): build + CUDA tests (no
-# sanitizers, no e2e) via scripts/gpu-check.sh, then the reduced (quick) grid,
+# sanitizers, no e2e) via scripts/device/gpu-check.sh, then the reduced (quick) grid,
 # bf16: ours, SDPA FLASH/CUDNN and, for decode, the kvread floor (a plain read
 # of the K/V bytes), with a ratio table last. For an A/B of a tile candidate,
 # build the candidate behind a temporary switch and set ALT_ENV (e.g.
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/ab-out}
 mkdir -p "$OUT"
 use_carried_libs absl
-OUT="$OUT/check" scripts/gpu-check.sh --no-sanitizer --no-e2e 2>&1 | tail -8
+OUT="$OUT/check" scripts/device/gpu-check.sh --no-sanitizer --no-e2e 2>&1 | tail -8
 B=build-gpu/bench/cuda/attn_bench
 $B --grid=quick --dtypes=bf16 --impls=ours,kvread --csv="$OUT/ours.csv" 2>"$OUT/ours.log"
 if [ -n "${ALT_ENV:-}" ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints the split-KV decode table of scripts/gpu-decode.sh from its merged
+"""Prints the split-KV decode table of scripts/device/gpu-decode.sh from its merged
 CSV (attn_bench/sdpa_bench rows; '#' lines skipped): per shape, TB/s of K+V
 read for the branch point (ours_base: separate combine kernel), this tree
 with the separate combine (ours_separate) and with the fused one (ours),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, after scripts/gpu-kv.sh has built BUILD (default
+# On the GPU machine, after scripts/device/gpu-kv.sh has built BUILD (default
 # build-gpu): Nsight Compute on one decode step at B = 16, Sk = 8k (Hq 32,
 # Hkv 8, D 128, BF16) for our contiguous kernel, our paged kernel (pages of
 # 16) and PyTorch SDPA's cuDNN kernel, same sections for all three, so the

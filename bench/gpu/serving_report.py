@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turns scripts/gpu-serving.sh's raw `attnctl load --csv` rows into the serving CSV.
+"""Turns scripts/device/gpu-serving.sh's raw `attnctl load --csv` rows into the serving CSV.
 
     bench/gpu/serving_report.py serving-raw.csv --env env.txt --out serving.csv [--plot serving.png]
 
@@ -119,14 +119,14 @@ def plot(rows, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("raw", help="serving-raw.csv from scripts/gpu-serving.sh")
-    ap.add_argument("--env", help="env.txt from scripts/gpu-serving.sh (GPU, driver, versions)")
+    ap.add_argument("raw", help="serving-raw.csv from scripts/device/gpu-serving.sh")
+    ap.add_argument("--env", help="env.txt from scripts/device/gpu-serving.sh (GPU, driver, versions)")
     ap.add_argument("--out", required=True, help="the serving CSV to write")
     ap.add_argument("--plot", help="PNG to draw (needs matplotlib)")
     args = ap.parse_args()
     rows = read_rows(args.raw)
     with open(args.out, "w", newline="") as f:
-        f.write("# attnserve serving benchmark (scripts/gpu-serving.sh; server and load client on one host)\n")
+        f.write("# attnserve serving benchmark (scripts/device/gpu-serving.sh; server and load client on one host)\n")
         if args.env:
             with open(args.env) as e:
                 for line in e:

@@ -2,7 +2,7 @@
 
 The server binary comes from $ATTNSERVE_SERVER (ctest sets it to the build's
 server/attnserve). With $ATTNSERVE_TARGET (host:port) the suites use that
-running server instead (scripts/gpu-python.sh: the CUDA server). The fixture waits for evidence, never a fixed time: the
+running server instead (scripts/device/gpu-python.sh: the CUDA server). The fixture waits for evidence, never a fixed time: the
 "listening on HOST:PORT" log line, then grpc.health.v1 answering SERVING.
 """
 

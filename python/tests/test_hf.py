@@ -7,7 +7,7 @@ both modes, stateless (whole K/V each call) and K/V on the server
 (attnserve.hf_cache.ServerCache). The sdpa reference runs once for both.
 In BF16 tokens may flip at near-ties: test_bf16_first_differing_token reports
 where, with the logit margin there, beside transformers' own eager-vs-sdpa
-difference (attnserve.hf_compare, which scripts/gpu-python.sh runs on the GPU).
+difference (attnserve.hf_compare, which scripts/device/gpu-python.sh runs on the GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from attnserve.kv import Cache  # noqa: E402
 
 NEW_TOKENS = hf_compare.NEW_TOKENS
 PROMPT_LENGTHS = hf_compare.PROMPT_LENGTHS
-# Where the model runs: the CPU here; scripts/gpu-python.sh sets "cuda" (with
+# Where the model runs: the CPU here; scripts/device/gpu-python.sh sets "cuda" (with
 # the CUDA server as ATTNSERVE_TARGET), the same device as the server's.
 DEVICE = os.environ.get("ATTNSERVE_TEST_DEVICE", "cpu")
 

@@ -81,7 +81,7 @@ metric_value() {
 
 # use_carried_libs WHAT...: on the GPU machine (from the repository root),
 # prepends to LD_LIBRARY_PATH, in order, the libraries that
-# scripts/pack-device-deps.sh carried: `absl` (the Abseil the backend tests
+# scripts/device/pack-device-deps.sh carried: `absl` (the Abseil the backend tests
 # and benchmarks link) and `lib` (a shared-library server's, when
 # .device-carry/lib exists). The last one named comes first on the path.
 use_carried_libs() {

@@ -19,7 +19,7 @@ legitimate BF16 noise to compare with. The logit gap over the steps where a
 row's inputs are still the same (up to its first difference) says how close
 the two implementations are.
 
-python/tests/test_hf.py uses these functions; scripts/gpu-python.sh runs this
+python/tests/test_hf.py uses these functions; scripts/device/gpu-python.sh runs this
 command against the CUDA server.
 """
 

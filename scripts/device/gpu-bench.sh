@@ -2,13 +2,13 @@
 # On the GPU machine: attn_bench (standard, FA1 loop order, ours) and PyTorch
 # SDPA (FLASH, CUDNN, EFFICIENT) on docs/design.md §5's grids in one run, merged
 # into $OUT/<gpu>-<date>.csv (copy it to bench/results/) with ratios printed.
-# Expects build-gpu from scripts/gpu-check.sh (or builds it).
-# Usage: [DTYPES=bf16] [ATTNSERVE_COMMIT=sha] scripts/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
+# Expects build-gpu from scripts/device/gpu-check.sh (or builds it).
+# Usage: [DTYPES=bf16] [ATTNSERVE_COMMIT=sha] scripts/device/gpu-bench.sh [grid: all|anchor|decode|quick] [impls]
 # (ATTNSERVE_COMMIT: the tree's commit when it was carried without .git.)
 # quick = the reduced grid: D 64/128/256 at N 1k and 8k, causal and not, plus
 # the decode grid (with DTYPES=bf16: ~1 minute on an H100).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-bench-out}
 mkdir -p "$OUT"

@@ -8,11 +8,11 @@
 # and, when .device-carry/bin/attnserve and attnctl exist, an end-to-end
 # `attnctl forward --verify` round over loopback against --backend=cuda.
 # Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
-# Usage: scripts/gpu-check.sh [--no-sanitizer] [--no-e2e]
+# Usage: scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
 # Shape and flag lists ($args, $shape, $C) are split into words on purpose.
 # shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
@@ -24,7 +24,7 @@ note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 B=build-gpu
 # The test binaries link the carried Abseil shared libraries; a carried
-# shared-library server brings its own (scripts/pack-device-deps.sh --server).
+# shared-library server brings its own (scripts/device/pack-device-deps.sh --server).
 use_carried_libs absl lib
 t0=$(date +%s)
 if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \

@@ -8,7 +8,7 @@
 # Shape and flag lists ($args, $shape, $C) are split into words on purpose.
 # shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-multi-check-out}
 mkdir -p "$OUT"

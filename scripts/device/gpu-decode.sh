@@ -13,10 +13,10 @@
 # BIN=DIR: prebuilt sm_90 binaries (cuda_backend_test, cuda_paged_test,
 # attn_bench, optionally attn_bench_base) with the shared libraries they load
 # in DIR/lib, built elsewhere so the GPU machine's time goes to running them;
-# without BIN they are built here as scripts/gpu-kv.sh does (carried Abseil).
-# Usage: [BIN=dir] [COMMIT=sha] [SWEEP="8 16 32 64 128"] scripts/gpu-decode.sh
+# without BIN they are built here as scripts/device/gpu-kv.sh does (carried Abseil).
+# Usage: [BIN=dir] [COMMIT=sha] [SWEEP="8 16 32 64 128"] scripts/device/gpu-decode.sh
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/gpu-decode-out}
 mkdir -p "$OUT"
 declare -a SUMMARY

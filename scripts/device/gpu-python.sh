@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 12 on the GPU machine in one run: the Python client and the
+# On the GPU machine in one run: the Python client and the
 # transformers integration against the carried CUDA server.
 #  1. installs the carried wheels (.device-carry/wheels: attnserve, protobuf,
-#     grpcio-health-checking; scripts/pack-python-carry.sh) into .device-carry/pylib;
+#     grpcio-health-checking; scripts/device/pack-python-carry.sh) into .device-carry/pylib;
 #  2. starts .device-carry/bin/attnserve --backend=cuda on GPU 0 (libraries
 #     from .device-carry/lib; or both unpacked from .device-carry/server.tgz);
 #  3. the identical-tokens test: python/tests/test_hf.py's FP32 tests (64 greedy
@@ -22,7 +22,7 @@
 # --cpu: the same steps on a machine without a GPU, to try the script before
 # the GPU run: the server with --backend=cpu, the model on the CPU (one torch
 # thread), small sizes (--quick bench, small scenario and model only).
-# Binaries: .device-carry/bin (scripts/pack-device-deps.sh --server BUILD; a
+# Binaries: .device-carry/bin (scripts/device/pack-device-deps.sh --server BUILD; a
 # CPU build for --cpu). Environment: PYTHON (default python3) runs the Python
 # parts; CARRY names the carried folder when it is not this tree's
 # .device-carry (e.g. the script runs from a copy of a branch under
@@ -32,10 +32,10 @@
 # without compute) is python_bench.py's --rpcs; FLOOR=1 adds its grpcio_floor
 # rows (grpcio with the request built once and nothing of ours per call: the
 # best any client on grpcio could do).
-# Usage: scripts/gpu-python.sh [--cpu]
+# Usage: scripts/device/gpu-python.sh [--cpu]
 set -uo pipefail
 if [ -n "${CARRY:-}" ]; then CARRY=$(cd "$CARRY" && pwd) || exit 2; fi
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 carry=${CARRY:-$PWD/.device-carry}
 budget=${BUDGET_S:-570}
 # shellcheck source=scripts/lib/common.sh
@@ -51,7 +51,7 @@ step() { echo "== $* ($((SECONDS - started)) s)"; }
 
 step "wheels"
 [ -d "$carry"/wheels ] ||
-  { echo "no $carry/wheels: run scripts/pack-python-carry.sh here and carry it"; exit 2; }
+  { echo "no $carry/wheels: run scripts/device/pack-python-carry.sh here and carry it"; exit 2; }
 rm -rf "$carry"/pylib
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
   "$carry"/wheels/*.whl || exit 2
@@ -63,7 +63,7 @@ if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
   tar -C "$carry" -xzf "$carry"/server.tgz || exit 2
 fi
 if [ ! -x "$carry"/bin/attnserve ] || [ ! -x "$carry"/bin/attnctl ]; then
-  echo "no $carry/bin/attnserve and attnctl: scripts/pack-device-deps.sh --server BUILD"; exit 2
+  echo "no $carry/bin/attnserve and attnctl: scripts/device/pack-device-deps.sh --server BUILD"; exit 2
 fi
 # The carried libraries (Debian's gRPC, protobuf, Abseil, OpenSSL...) go on the
 # library path of the server and attnctl only, through these wrappers, not on
@@ -109,7 +109,7 @@ EOF
 ) || { echo "the Python packages do not import (see above)"; exit 2; }
 echo "$versions"
 {
-  echo "# python-$gpu: scripts/gpu-python.sh$([ "$cpu" = 1 ] && echo " --cpu") at $(date -u +%FT%TZ), commit $commit"
+  echo "# python-$gpu: scripts/device/gpu-python.sh$([ "$cpu" = 1 ] && echo " --cpu") at $(date -u +%FT%TZ), commit $commit"
   [ "$cpu" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
     --format=csv,noheader -i 0 | sed 's/^/# gpu: /'
   echo "# cpus $(nproc); $versions"

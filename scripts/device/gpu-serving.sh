@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`, with .device-carry carried): the serving
-# benchmark of issue 4, every side in one run on one host.
+# benchmark, every side in one run on one host.
 #   attnserve, dynamic batching on and off (one server each, GPU 0)
 #   echo       the Echo RPC of the batching-on server: the same bytes in and
 #              out with no compute (the transport ceiling)
@@ -16,18 +16,18 @@
 # Rows go to $OUT/serving-raw.csv (attnctl load's columns, label =
 # scenario/impl/batching); bench/gpu/serving_report.py turns them into the
 # committed CSV and prints the table last.
-# Usage: [SECS_LARGE=10] scripts/gpu-serving.sh [SECONDS_PER_STEP]   (default 4)
+# Usage: [SECS_LARGE=10] scripts/device/gpu-serving.sh [SECONDS_PER_STEP]   (default 4)
 # Shape and flag lists ($args, $shape, $C) are split into words on purpose.
 # shellcheck disable=SC2086
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-serving-out}
 mkdir -p "$OUT"
 secs=${1:-4}
 secs_large=${SECS_LARGE:-10}  # large requests take ~0.6 s each: longer windows
 bin=.device-carry/bin
-# A shared-library build carries its libraries (scripts/pack-device-deps.sh --server).
+# A shared-library build carries its libraries (scripts/device/pack-device-deps.sh --server).
 use_carried_libs lib
 raw=$OUT/serving-raw.csv
 rm -f "$raw"

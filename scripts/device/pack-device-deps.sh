@@ -8,9 +8,9 @@
 #    load that is not part of glibc or the compiler runtime in
 #    .device-carry/lib (scripts/gpu-*.sh put it on LD_LIBRARY_PATH). A shared
 #    build keeps /metrics, which needs Debian's shared-only cpp-httplib.
-# Usage: scripts/pack-device-deps.sh [--server BUILD_DIR]
+# Usage: scripts/device/pack-device-deps.sh [--server BUILD_DIR]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=.device-carry/absl
 rm -rf "$dest"
 mkdir -p "$dest/include" "$dest/lib/x86_64-linux-gnu/cmake"
@@ -20,7 +20,7 @@ cp -a /usr/lib/x86_64-linux-gnu/cmake/absl "$dest/lib/x86_64-linux-gnu/cmake/"
 du -sh "$dest"
 
 if [ "${1:-}" = --server ]; then
-  build=${2:?usage: scripts/pack-device-deps.sh --server BUILD_DIR}
+  build=${2:?usage: scripts/device/pack-device-deps.sh --server BUILD_DIR}
   rm -rf .device-carry/bin .device-carry/lib
   mkdir -p .device-carry/bin .device-carry/lib
   for b in "$build/server/attnserve" "$build/client/attnctl"; do

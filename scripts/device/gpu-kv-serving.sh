@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`, with .device-carry carried: a server built
-# with CUDA, scripts/pack-device-deps.sh --server BUILD_DIR): issue 11's service
+# with CUDA, scripts/device/pack-device-deps.sh --server BUILD_DIR): the K/V service
 # benchmark, every side in one run on one host, one GPU.
 #   attnserve_kv         attnctl load-kv: prefill, then per token and layer one
 #                        append-and-attend step per group of sequences (Sq = 1)
@@ -15,9 +15,9 @@
 # decode step's bytes (q [64,1,32,128], k/v [64,1,8,128]) at concurrency 1:
 # the per-step overhead is the unary step's p50 - its kernel - Echo's p50. Rows go to $OUT/kv-loop.csv (load-kv's columns);
 # the table is printed last.
-# Usage: scripts/gpu-kv-serving.sh [TOKENS]   (generated tokens per sequence, default 16)
+# Usage: scripts/device/gpu-kv-serving.sh [TOKENS]   (generated tokens per sequence, default 16)
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-kv-out}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`; the server and attnctl built with CUDA,
-# scripts/pack-device-deps.sh --server BUILD_DIR, optionally bundled): issue
+# scripts/device/pack-device-deps.sh --server BUILD_DIR, optionally bundled): issue
 # 14's KServe-v2 benchmark, every side in one run against one server:
 #   native vs v2 gRPC (tensors in the message), small (B=1, N=256, H=16,
 #   D=128) and large (B=4, N=4096) requests, concurrency 1 and 16;
@@ -12,11 +12,11 @@
 # Rows go to $OUT/v2-<gpu>-<date>.csv (attnctl load's columns; perf_analyzer
 # rows are labelled pa-*); a table of req/s, p50 and the ratios the issue
 # sets targets for is printed last.
-# Usage: scripts/gpu-v2.sh [SECONDS per configuration, default 8]
+# Usage: scripts/device/gpu-v2.sh [SECONDS per configuration, default 8]
 #   BACKEND=cpu runs the same against a CPU server (a dry run of the script;
 #   LARGE_N=512 keeps its "large" requests small enough for a CPU).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-v2-out}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`, .device-carry/absl from
-# scripts/pack-device-deps.sh): the paged K/V kernels' checks and benchmark in
+# scripts/device/pack-device-deps.sh): the paged K/V kernels' checks and benchmark in
 # one go. Builds the CUDA tests and attn_bench (server off), runs
 # cuda_paged_test and cuda_backend_test, compute-sanitizer memcheck on a
 # paged subset, the K/V decode benchmark (ours contiguous, ours paged with
@@ -10,9 +10,9 @@
 # (ours only) for an A/B of the contiguous path. A summary is printed last.
 # BUILD names the build folder, CUDA_FLAGS adds nvcc flags (a variant),
 # SDPA_CSV=FILE reuses SDPA rows from an earlier run instead of timing again.
-# Usage: [KERNELS=dev|all] [TESTS="cuda_paged_test ..."] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/gpu-kv.sh
+# Usage: [KERNELS=dev|all] [TESTS="cuda_paged_test ..."] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/device/gpu-kv.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-kv-out}
 mkdir -p "$OUT"
 KERNELS=${KERNELS:-dev}

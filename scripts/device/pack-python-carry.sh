@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares, here, the Python part of what scripts/gpu-python.sh needs on the
+# Prepares, here, the Python part of what scripts/device/gpu-python.sh needs on the
 # GPU machine (which has PyTorch, transformers, numpy, ml_dtypes and grpcio
 # 1.84, no network, and a protobuf too old or unknown for our stubs):
 #  - .device-carry/wheels: the attnserve package as a wheel (stubs generated
@@ -14,19 +14,19 @@
 #    that it also serves libgrpc++'s own dependencies. pip fetches the build
 #    requirements (setuptools, grpcio-tools) for that Python.
 #  - with --bundle: .device-carry/server.tgz, the server binaries and libraries
-#    (.device-carry/bin and lib, from scripts/pack-device-deps.sh --server)
+#    (.device-carry/bin and lib, from scripts/device/pack-device-deps.sh --server)
 #    compressed into one file, for when bin + lib + wheels + the tree exceed
 #    the device tool's 64 MiB carry; gpu-python.sh unpacks it when there is no
 #    .device-carry/bin.
 # Prints what the carry weighs and the carry list for `run`.
-# Usage: scripts/pack-python-carry.sh [--bundle]
+# Usage: scripts/device/pack-python-carry.sh [--bundle]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 bundle=0
 case ${1:-} in
   --bundle) bundle=1 ;;
   "") ;;
-  *) echo "usage: scripts/pack-python-carry.sh [--bundle]" >&2; exit 2 ;;
+  *) echo "usage: scripts/device/pack-python-carry.sh [--bundle]" >&2; exit 2 ;;
 esac
 py=$(scripts/python-env.sh)   # .venv: downloads the runtime wheels
 wheels=.device-carry/wheels
@@ -59,7 +59,7 @@ ls -l "$wheels"
 carry=(.device-carry/wheels)
 if [ "$bundle" = 1 ]; then
   [ -x .device-carry/bin/attnserve ] ||
-    { echo "no .device-carry/bin/attnserve: run scripts/pack-device-deps.sh --server BUILD first" >&2; exit 1; }
+    { echo "no .device-carry/bin/attnserve: run scripts/device/pack-device-deps.sh --server BUILD first" >&2; exit 1; }
   tar -C .device-carry -czf .device-carry/server.tgz bin lib
   carry+=(.device-carry/server.tgz)
 else
