@@ -32,15 +32,14 @@ void StartAsyncUnary(const Request& request, Prepare prepare, Start start,
   pending->request = request;
   pending->done = std::move(done);
   prepare(&pending->context);
-  start(&pending->context, &pending->request, &pending->response,
-        [pending](grpc::Status status) {
-          std::unique_ptr<Pending> owned(pending);
-          if (status.ok()) {
-            owned->done(std::move(owned->response));
-          } else {
-            owned->done(ToAbslStatus(status));
-          }
-        });
+  start(&pending->context, &pending->request, &pending->response, [pending](grpc::Status status) {
+    std::unique_ptr<Pending> owned(pending);
+    if (status.ok()) {
+      owned->done(std::move(owned->response));
+    } else {
+      owned->done(ToAbslStatus(status));
+    }
+  });
 }
 
 }  // namespace attnserve

@@ -28,8 +28,8 @@ absl::Status StatusFromRpcCode(int code, const std::string& message) {
 
 ForwardTiming ServerTimingFromProto(const v1::ServerTiming& t) {
   // A server without batching leaves batch_size 0: it ran alone.
-  return {t.queue_us(),  t.host_to_device_us(), t.compute_us(), t.device_to_host_us(),
-          t.total_us(), std::max(1, t.batch_size())};
+  return {t.queue_us(),          t.host_to_device_us(), t.compute_us(),
+          t.device_to_host_us(), t.total_us(),          std::max(1, t.batch_size())};
 }
 
 namespace {

@@ -30,14 +30,24 @@ namespace cli {
 namespace {
 
 const Command kCommands[] = {
-    {"health", "Ask the gRPC health service whether the server is SERVING (exit 0 only then).",
+    {"health",
+     "Ask the gRPC health service whether the server is SERVING (exit 0 only then).",
      "attnctl [--target=host:port] health [--service=NAME]\n\n"
      "Prints SERVING, NOT_SERVING, SERVICE_UNKNOWN or UNKNOWN. Exit code 0 only for SERVING,\n"
      "1 otherwise (also when the server cannot be reached).",
-     "client/cli/health.cc", nullptr, RunHealth, {}},
-    {"info", "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
-     "attnctl [--target=host:port] info [--json]", "client/cli/info.cc", nullptr, RunInfo, {}},
-    {"forward", "Run one attention call on random or .npy inputs; --verify checks it locally.",
+     "client/cli/health.cc",
+     nullptr,
+     RunHealth,
+     {}},
+    {"info",
+     "Print the server's version, backend, devices, dtypes, head dims, limits, features.",
+     "attnctl [--target=host:port] info [--json]",
+     "client/cli/info.cc",
+     nullptr,
+     RunInfo,
+     {}},
+    {"forward",
+     "Run one attention call on random or .npy inputs; --verify checks it locally.",
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
      "        [--softcap=X] [--softmax_scale=X] [--return_lse] [--out=O.npy] [--out_lse=L.npy]\n"
@@ -56,8 +66,12 @@ const Command kCommands[] = {
      "docs/design.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
      "(1e-3 FP16, 8e-3 BF16); FP32 |o - ref| <= 1e-5 * max|ref of its row| + 1e-6.\n"
      "Exit code 0 on success (and PASS), 1 on FAIL or a server error, 2 on bad flags or files.",
-     "client/cli/forward.cc", kAttentionFlagsFile, RunForward, {}},
-    {"load", "Load-test the server: closed-loop concurrency sweep or open-loop Poisson rate.",
+     "client/cli/forward.cc",
+     kAttentionFlagsFile,
+     RunForward,
+     {}},
+    {"load",
+     "Load-test the server: closed-loop concurrency sweep or open-loop Poisson rate.",
      "attnctl [--target=host:port] load [--concurrency=1,4,16 | --rate=R[,R...]]\n"
      "        [--warmup=2s] [--duration=10s] [--channels=N] [--stream] [--inputs=4] [--check]\n"
      "        [--csv=FILE] [--jsonl=FILE] [--label=TEXT]\n"
@@ -80,12 +94,17 @@ const Command kCommands[] = {
      "errors by status code (only requests completing inside the window count). A live progress\n"
      "line goes to stderr once a second. Exit code 0; 1 if no request succeeded, or with --check\n"
      "if any request failed or mismatched; 2 on bad flags.",
-     kLoadFlagsFile, kAttentionFlagsFile, RunLoad, {}},
-    {"kv", "K/V caches on the server: create, info, drop; sequences: create-seq, free-seq, truncate.",
+     kLoadFlagsFile,
+     kAttentionFlagsFile,
+     RunLoad,
+     {}},
+    {"kv",
+     "K/V caches on the server: create, info, drop; sequences: create-seq, free-seq, truncate.",
      "attnctl [--target=host:port] kv <operation> [flags]\n\n"
      "Operations:\n"
      "  create      --heads_kv=H [--layers=L] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
-     "              (--capacity_tokens=N | --capacity_bytes=N) [--cache=ID] [--device=I] [--reserve]\n"
+     "              (--capacity_tokens=N | --capacity_bytes=N) [--cache=ID] [--device=I] "
+     "[--reserve]\n"
      "  info        --cache=ID [--seq=1,2]     (also: stats) statistics and sequence lengths\n"
      "  drop        --cache=ID                 frees every page of the cache\n"
      "  create-seq  --cache=ID --seq=1,2 [--fork_from=S [--fork_length=N]]\n"
@@ -103,8 +122,12 @@ const Command kCommands[] = {
      "(restart, expiry, another replica): create it again and re-prefill.\n"
      "Exit code 0 on success, 1 on a server error (its code and message are printed), 2 on bad\n"
      "flags.",
-     kKvFlagsFile, nullptr, RunKv, {"heads_kv", "head_dim", "dtype", "json"}},
-    {"load-kv", "Decode-loop load test of the K/V cache: prefill, then per-layer steps per token.",
+     kKvFlagsFile,
+     nullptr,
+     RunKv,
+     {"heads_kv", "head_dim", "dtype", "json"}},
+    {"load-kv",
+     "Decode-loop load test of the K/V cache: prefill, then per-layer steps per token.",
      "attnctl [--target=host:port] load-kv [--sequences=N] [--prompt=N] [--tokens=N] [--layers=L]\n"
      "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
@@ -131,7 +154,9 @@ const Command kCommands[] = {
      "(prefill unless --prefill_attend=false, and decode) to the float64 reference over the\n"
      "whole context.\n"
      "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
-     "client/cli/load_kv.cc", nullptr, RunLoadKv,
+     "client/cli/load_kv.cc",
+     nullptr,
+     RunLoadKv,
      {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
       "concurrency", "channels", "stream", "check", "csv", "label"}},
 };
@@ -280,9 +305,9 @@ int Main(int argc, char** argv) {
   }
   const Command* command = name.empty() ? nullptr : FindCommand(name);
   if (!name.empty() && command == nullptr) {
-    return UsageError(
-        "", absl::StrCat("unknown command '", name,
-                         "' (commands: health, info, forward, load, kv, load-kv, help)"));
+    return UsageError("",
+                      absl::StrCat("unknown command '", name,
+                                   "' (commands: health, info, forward, load, kv, load-kv, help)"));
   }
   if (help) {
     PrintHelp(command);
@@ -292,8 +317,8 @@ int Main(int argc, char** argv) {
   for (const std::string& set : FlagsSet()) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(set);
     const std::string file = flag->Filename();
-    const bool shared = command->shared_flags_file != nullptr &&
-                        absl::EndsWith(file, command->shared_flags_file);
+    const bool shared =
+        command->shared_flags_file != nullptr && absl::EndsWith(file, command->shared_flags_file);
     const bool borrowed =
         std::find_if(command->borrowed_flags.begin(), command->borrowed_flags.end(),
                      [&](const char* b) { return set == b; }) != command->borrowed_flags.end();

@@ -17,11 +17,11 @@
 namespace attnserve {
 
 struct ChannelSecurity {
-  bool tls = false;            // TLS with the system's roots unless tls_ca_file is set
-  std::string tls_ca_file;     // PEM roots to verify the server with (implies tls)
-  std::string tls_cert_file;   // mutual TLS: this client's PEM certificate chain
-  std::string tls_key_file;    // ... and its PEM private key
-  std::string token;           // bearer token; empty: none
+  bool tls = false;           // TLS with the system's roots unless tls_ca_file is set
+  std::string tls_ca_file;    // PEM roots to verify the server with (implies tls)
+  std::string tls_cert_file;  // mutual TLS: this client's PEM certificate chain
+  std::string tls_key_file;   // ... and its PEM private key
+  std::string token;          // bearer token; empty: none
 
   bool uses_tls() const { return tls || !tls_ca_file.empty() || !tls_cert_file.empty(); }
 };
@@ -29,8 +29,7 @@ struct ChannelSecurity {
 // A channel to `target` with `args` and `security`. INVALID_ARGUMENT naming
 // the field when a file cannot be read or the certificate comes without its
 // key (or the other way round).
-absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeSecureChannel(const std::string& target,
-                                                                 const ChannelSecurity& security,
-                                                                 const grpc::ChannelArguments& args);
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeSecureChannel(
+    const std::string& target, const ChannelSecurity& security, const grpc::ChannelArguments& args);
 
 }  // namespace attnserve

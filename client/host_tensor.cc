@@ -134,8 +134,8 @@ absl::StatusOr<HostTensor> HostTensor::SliceRows(int64_t begin, int64_t count) c
     return absl::InvalidArgumentError(absl::StrCat("cannot slice rows of ", DebugString()));
   }
   if (begin < 0 || count < 0 || begin > shape_[0] || count > shape_[0] - begin) {
-    return absl::InvalidArgumentError(absl::StrCat("rows [", begin, ", ", begin + count,
-                                                   ") are outside ", DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows [", begin, ", ", begin + count, ") are outside ", DebugString()));
   }
   const int64_t row_bytes = shape_[0] == 0 ? 0 : static_cast<int64_t>(bytes_.size()) / shape_[0];
   std::vector<int64_t> shape = shape_;

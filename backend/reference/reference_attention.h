@@ -10,8 +10,9 @@
 namespace attnserve {
 
 struct ReferenceOutput {
-  std::vector<double> o;    // [total_q, Hq, D], the layout of params.o
-  std::vector<double> lse;  // the layout of params.lse (always filled); -inf for rows that see no key
+  std::vector<double> o;  // [total_q, Hq, D], the layout of params.o
+  std::vector<double>
+      lse;  // the layout of params.lse (always filled); -inf for rows that see no key
 };
 
 // Exact attention in float64 over the inputs in `p` (host pointers, read as

@@ -52,13 +52,11 @@ inline constexpr double kLowpLseFloor = 1e-4;
 // The absolute floor of O's bound for inputs of dtype `t` (FP32: kFp32Atol).
 inline constexpr double OutputFloor(DType t) {
   switch (t) {
-    case DType::kFP16:
-      return kFp16OutputFloor;
+    case DType::kFP16: return kFp16OutputFloor;
     case DType::kBF16:
     case DType::kFP8E4M3:  // O is BF16
       return kBf16OutputFloor;
-    case DType::kFP32:
-      return kFp32Atol;
+    case DType::kFP32: return kFp32Atol;
   }
   return 0.0;
 }

@@ -33,9 +33,10 @@ ABSL_FLAG(std::string, out, "",
           "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16).");
 ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
 
-ABSL_FLAG(bool, verify, false,
-          "Compute the float64 reference locally and check O (and LSE) with docs/design.md's tolerance; "
-          "exit 1 on FAIL.");
+ABSL_FLAG(
+    bool, verify, false,
+    "Compute the float64 reference locally and check O (and LSE) with docs/design.md's tolerance; "
+    "exit 1 on FAIL.");
 ABSL_FLAG(std::string, request_id, "", "request_id to send (echoed by the server and in its log).");
 
 namespace attnserve {

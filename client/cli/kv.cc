@@ -14,12 +14,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "common/dtype.h"
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
 #include "client/kv_client.h"
+#include "common/dtype.h"
 
 ABSL_DECLARE_FLAG(std::optional<int>, heads_kv);
 ABSL_DECLARE_FLAG(int, head_dim);
@@ -91,12 +91,12 @@ void PrintStats(const v1::CacheStats& s) {
   const v1::KvGeometry& g = s.geometry();
   std::cout << "cache:      " << s.cache_id() << " (device " << s.device() << ")\n"
             << "geometry:   " << g.num_layers() << " layers, Hkv " << g.num_heads_kv() << ", D "
-            << g.head_dim() << ", " << v1::DType_Name(g.dtype()) << "; pages of "
-            << s.page_size() << " tokens, " << s.page_bytes() << " bytes each\n"
+            << g.head_dim() << ", " << v1::DType_Name(g.dtype()) << "; pages of " << s.page_size()
+            << " tokens, " << s.page_bytes() << " bytes each\n"
             << "pages:      " << s.pages_used() << " used, " << s.pages_free() << " free of "
             << s.capacity_pages() << "\n"
-            << "sequences:  " << s.sequences() << " live, " << s.expired_sequences()
-            << " expired; " << s.tokens() << " tokens over sequences and layers\n";
+            << "sequences:  " << s.sequences() << " live, " << s.expired_sequences() << " expired; "
+            << s.tokens() << " tokens over sequences and layers\n";
 }
 
 int PrintStatsOrJson(const v1::CacheStats& stats) {
@@ -116,10 +116,9 @@ int RunCreate(KvClient& kv) {
   spec.capacity_tokens = absl::GetFlag(FLAGS_capacity_tokens);
   spec.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   if ((spec.capacity_tokens > 0) == (spec.capacity_bytes > 0)) {
-    return UsageError(kCmd,
-                      absl::StrCat("kv create needs exactly one of --capacity_tokens and "
-                                   "--capacity_bytes > 0, got ",
-                                   spec.capacity_tokens, " and ", spec.capacity_bytes));
+    return UsageError(kCmd, absl::StrCat("kv create needs exactly one of --capacity_tokens and "
+                                         "--capacity_bytes > 0, got ",
+                                         spec.capacity_tokens, " and ", spec.capacity_bytes));
   }
   spec.cache_id = Cache();
   spec.device = absl::GetFlag(FLAGS_device);
@@ -220,20 +219,19 @@ int RunKv(const std::vector<std::string>& args) {
     if (name == o.name) op = &o;
   }
   if (op == nullptr) {
-    return UsageError(kCmd, absl::StrCat("unknown kv operation '", args[0], "' (operations: ",
-                                         absl::StrJoin(names, ", "), ")"));
+    return UsageError(kCmd, absl::StrCat("unknown kv operation '", args[0],
+                                         "' (operations: ", absl::StrJoin(names, ", "), ")"));
   }
   if (args.size() > 1) {
-    return UsageError(kCmd, absl::StrCat("kv ", name, " takes no more arguments, got '", args[1],
-                                         "'"));
+    return UsageError(kCmd,
+                      absl::StrCat("kv ", name, " takes no more arguments, got '", args[1], "'"));
   }
   for (const std::string& set : FlagsSet()) {
     if (IsGlobalFlag(set)) continue;
     bool applies = false;
     for (const char* f : op->flags) applies |= set == f;
     if (!applies) {
-      return UsageError(kCmd,
-                        absl::StrCat("flag --", set, " does not apply to 'kv ", name, "'"));
+      return UsageError(kCmd, absl::StrCat("flag --", set, " does not apply to 'kv ", name, "'"));
     }
   }
   if (name != "create" && Cache().empty()) {

@@ -44,18 +44,17 @@ constexpr char kCmd[] = "load";
 
 void PrintPreamble(const LoadConfig& config, const Workload& w, const AttentionClient& client,
                    absl::Duration build_time) {
-  const std::string calls = config.protocol.v2 ? absl::StrCat("unary ModelInfer, protocol ",
-                                                              config.protocol.ToString())
-                            : config.echo      ? "unary Echo (no compute), protocol native"
-                            : config.stream    ? "ForwardStream, protocol native"
-                                               : "unary Forward, protocol native";
-  std::cout << "load:     " << w.summary.ToString() << ", " << w.options << ", seed "
-            << config.seed << ", " << w.requests.size() << " inputs\n"
-            << "          " << calls << ", " << client.num_channels()
-            << " channel(s), warmup " << absl::FormatDuration(config.warmup) << ", measure "
-            << absl::FormatDuration(config.duration) << ", check "
-            << (config.check ? "on" : "off") << " (inputs"
-            << (config.check ? " and references" : "") << " built in "
+  const std::string calls =
+      config.protocol.v2 ? absl::StrCat("unary ModelInfer, protocol ", config.protocol.ToString())
+      : config.echo      ? "unary Echo (no compute), protocol native"
+      : config.stream    ? "ForwardStream, protocol native"
+                         : "unary Forward, protocol native";
+  std::cout << "load:     " << w.summary.ToString() << ", " << w.options << ", seed " << config.seed
+            << ", " << w.requests.size() << " inputs\n"
+            << "          " << calls << ", " << client.num_channels() << " channel(s), warmup "
+            << absl::FormatDuration(config.warmup) << ", measure "
+            << absl::FormatDuration(config.duration) << ", check " << (config.check ? "on" : "off")
+            << " (inputs" << (config.check ? " and references" : "") << " built in "
             << Fixed(absl::ToDoubleSeconds(build_time), 2) << " s)\n"
             << "          per request: " << w.tokens_per_request << " query tokens, "
             << (config.echo ? "no compute (TFLOP/s reported as 0)"
@@ -100,10 +99,9 @@ int RunLoad(const std::vector<std::string>& args) {
   // --protocol=v2: one shared-memory slot per caller of the largest step.
   std::unique_ptr<V2Client> v2;
   if (config->protocol.v2) {
-    const int slots = config->concurrency.empty()
-                          ? 0
-                          : *std::max_element(config->concurrency.begin(),
-                                              config->concurrency.end());
+    const int slots = config->concurrency.empty() ? 0
+                                                  : *std::max_element(config->concurrency.begin(),
+                                                                      config->concurrency.end());
     absl::StatusOr<std::unique_ptr<V2Client>> made = V2Client::Create(
         client->get(), config->protocol.shm, slots, V2SlotBytes(w->requests.front()));
     if (!made.ok()) return PrintError("--protocol=v2", made.status());

@@ -109,9 +109,9 @@ absl::StatusOr<LoadConfig> LoadConfigFromFlags() {
   c.channels = absl::GetFlag(FLAGS_channels);
   c.inputs = absl::GetFlag(FLAGS_inputs);
   c.max_outstanding = absl::GetFlag(FLAGS_max_outstanding);
-  for (const auto& [flag, value] : {std::tuple{"channels", c.channels},
-                                    std::tuple{"inputs", c.inputs},
-                                    std::tuple{"max_outstanding", c.max_outstanding}}) {
+  for (const auto& [flag, value] :
+       {std::tuple{"channels", c.channels}, std::tuple{"inputs", c.inputs},
+        std::tuple{"max_outstanding", c.max_outstanding}}) {
     if (value < 1) {
       return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be >= 1, got ", value));
     }

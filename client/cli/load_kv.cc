@@ -4,6 +4,8 @@
 // server's breakdown, appends CSV rows in the columns of the K/V benchmarks
 // (scenario, impl, sequences, context, layers, page_size, tokens_per_s, tbps,
 // p50_ms, p99_ms, ...), and shows a progress line on stderr once a second.
+#include <unistd.h>
+
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -12,20 +14,18 @@
 #include <thread>
 #include <vector>
 
-#include <unistd.h>
-
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/dtype.h"
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
 #include "client/cli/load_kv_loop.h"
 #include "client/cli/load_report.h"
+#include "common/dtype.h"
 
 // Shape flags of attention_flags.cc and the load flags of load_flags.cc that
 // load-kv takes with the same meaning (attnctl.cc lists them as borrowed).
@@ -172,8 +172,8 @@ void PrintResult(const DecodeLoopConfig& c, const DecodeLoopResult& r) {
             << " ms, p99 " << Fixed(r.p99_ms, 3) << " ms, max " << Fixed(r.max_ms, 3) << " ms\n"
             << "  server means: queue " << Fixed(r.queue_ms, 3) << " ms, h2d " << Fixed(r.h2d_ms, 3)
             << " ms, compute " << Fixed(r.compute_ms, 3) << " ms, d2h " << Fixed(r.d2h_ms, 3)
-            << " ms, batch " << Fixed(r.mean_batch_size, 2) << "; total " << Fixed(r.server_total_ms, 3)
-            << " ms (received to response built)\n"
+            << " ms, batch " << Fixed(r.mean_batch_size, 2) << "; total "
+            << Fixed(r.server_total_ms, 3) << " ms (received to response built)\n"
             << "  outside the server: p50 " << Fixed(r.outside_p50_ms, 3)
             << " ms (wire, gRPC, this client; of it building and reading messages: mean "
             << Fixed(r.client_ms, 3) << " ms)\n"
@@ -241,13 +241,15 @@ int RunLoadKv(const std::vector<std::string>& args) {
     (*client)->Connect(std::min(absl::GetFlag(FLAGS_timeout), absl::Seconds(10))).IgnoreError();
   }
 
-  std::cout << "load-kv:  " << (c.stateless ? "stateless Forward (whole context each step)"
-                                            : c.stream ? "AppendAttendStream" : "unary AppendAttend")
+  std::cout << "load-kv:  "
+            << (c.stateless ? "stateless Forward (whole context each step)"
+                : c.stream  ? "AppendAttendStream"
+                            : "unary AppendAttend")
             << ", " << c.sequences << " sequences x " << c.prompt << " prompt + " << c.tokens
             << " generated tokens (" << c.warmup_tokens << " warm-up), " << c.layers
-            << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D " << c.head_dim
-            << ", " << DTypeName(c.dtype) << ", " << (*client)->num_channels()
-            << " channel(s), seed " << c.seed << ", check " << (c.check ? "on" : "off") << "\n";
+            << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D " << c.head_dim << ", "
+            << DTypeName(c.dtype) << ", " << (*client)->num_channels() << " channel(s), seed "
+            << c.seed << ", check " << (c.check ? "on" : "off") << "\n";
 
   bool failed = false;
   for (int level : *levels) {

@@ -15,10 +15,10 @@
 #include "absl/synchronization/barrier.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/dtype.h"
 #include "client/cli/load_recorder.h"
 #include "client/inputs.h"
 #include "client/verify.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace cli {
@@ -161,8 +161,8 @@ class Group {
           in.v = std::move(v);
           absl::StatusOr<AppendAttendResult> r = kv->AppendAttend(in);
           if (!r.ok()) {
-            tally->Error(r.status(), absl::StrCat("prefill of sequence ", ids_[s], " layer ",
-                                                  layer, " at ", offset));
+            tally->Error(r.status(), absl::StrCat("prefill of sequence ", ids_[s], " layer ", layer,
+                                                  " at ", offset));
             return false;
           }
           if (c_.check && c_.prefill_attend &&
@@ -259,8 +259,7 @@ class Group {
     absl::StatusOr<v1::AppendAttendResponse> r = kv->AppendAttend(request);
     if (!r.ok()) return r.status();
     const absl::Time answered = absl::Now();
-    absl::StatusOr<AppendAttendResult> result =
-        AppendAttendResultFromProto(request, *std::move(r));
+    absl::StatusOr<AppendAttendResult> result = AppendAttendResultFromProto(request, *std::move(r));
     *client_time += absl::Now() - answered;
     return result;
   }
@@ -281,8 +280,8 @@ class Group {
       q_lengths.push_back(static_cast<int>(q_rows));
       k_lengths.push_back(static_cast<int>(h.length));
     }
-    const int64_t total = static_cast<int64_t>(k.size()) /
-                          (int64_t{c_.heads_kv} * c_.head_dim * DTypeSize(c_.dtype));
+    const int64_t total =
+        static_cast<int64_t>(k.size()) / (int64_t{c_.heads_kv} * c_.head_dim * DTypeSize(c_.dtype));
     in.k = *HostTensor::FromBytes(c_.dtype, {total, c_.heads_kv, c_.head_dim}, std::move(k));
     in.v = *HostTensor::FromBytes(c_.dtype, {total, c_.heads_kv, c_.head_dim}, std::move(v));
     in.cu_seqlens_q = CuSeqlensFromLengths(q_lengths);
@@ -322,9 +321,9 @@ class Group {
       tally->Checked();
       return true;
     }
-    tally->Error(kCheckFailed, absl::StrCat("layer ", layer, ", sequences from ", ids_[rows[0]],
-                                            " at length ", history_[rows[0]][layer].length, ": ",
-                                            failure));
+    tally->Error(kCheckFailed,
+                 absl::StrCat("layer ", layer, ", sequences from ", ids_[rows[0]], " at length ",
+                              history_[rows[0]][layer].length, ": ", failure));
     return false;
   }
 
@@ -352,11 +351,11 @@ absl::Status ValidateDecodeLoopConfig(const DecodeLoopConfig& c) {
     const char* flag;
     int value;
     int min;
-  } checks[] = {{"sequences", c.sequences, 1},         {"prompt", c.prompt, 0},
-                {"tokens", c.tokens, 1},               {"warmup_tokens", c.warmup_tokens, 0},
-                {"layers", c.layers, 1},               {"heads_q", c.heads_q, 1},
-                {"heads_kv", c.heads_kv, 1},           {"head_dim", c.head_dim, 1},
-                {"concurrency", c.groups, 1},          {"prefill_chunk", c.prefill_chunk, 1},
+  } checks[] = {{"sequences", c.sequences, 1}, {"prompt", c.prompt, 0},
+                {"tokens", c.tokens, 1},       {"warmup_tokens", c.warmup_tokens, 0},
+                {"layers", c.layers, 1},       {"heads_q", c.heads_q, 1},
+                {"heads_kv", c.heads_kv, 1},   {"head_dim", c.head_dim, 1},
+                {"concurrency", c.groups, 1},  {"prefill_chunk", c.prefill_chunk, 1},
                 {"page_size", c.page_size, 0}};
   for (const auto& ch : checks) {
     if (ch.value < ch.min) {
@@ -402,10 +401,10 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     absl::StatusOr<v1::CacheStats> stats = kv.CreateCache(spec);
     if (!stats.ok()) {
       const bool unimplemented = stats.status().code() == absl::StatusCode::kUnimplemented;
-      return absl::Status(stats.status().code(),
-                          absl::StrCat("CreateCache: ", stats.status().message(),
-                                       unimplemented ? " (this server has no KvCache service)"
-                                                     : ""));
+      return absl::Status(
+          stats.status().code(),
+          absl::StrCat("CreateCache: ", stats.status().message(),
+                       unimplemented ? " (this server has no KvCache service)" : ""));
     }
     result.cache_id = stats->cache_id();
     result.page_size = stats->page_size();
@@ -504,8 +503,8 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
   for (size_t g = 0; g < groups.size(); ++g) {
     // A group that failed generated nothing worth counting.
     if (!ok[g]) {
-      result.generated -= static_cast<int64_t>(groups[g]->ids().size()) *
-                          (c.tokens - c.warmup_tokens);
+      result.generated -=
+          static_cast<int64_t>(groups[g]->ids().size()) * (c.tokens - c.warmup_tokens);
     }
   }
   if (result.decode_s > 0) result.tokens_per_s = result.generated / result.decode_s;

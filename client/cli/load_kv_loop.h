@@ -28,20 +28,20 @@ namespace cli {
 
 struct DecodeLoopConfig {
   int sequences = 4;
-  int prompt = 64;          // tokens of each sequence before the first generated one
-  int tokens = 8;           // generated tokens per sequence
-  int warmup_tokens = 0;    // the first ones are run but not measured
+  int prompt = 64;        // tokens of each sequence before the first generated one
+  int tokens = 8;         // generated tokens per sequence
+  int warmup_tokens = 0;  // the first ones are run but not measured
   int layers = 1;
   int heads_q = 8;
   int heads_kv = 8;
   int head_dim = 64;
   DType dtype = DType::kFP16;
-  int page_size = 0;        // 0: the server's default
+  int page_size = 0;  // 0: the server's default
   std::optional<int> device;
-  int groups = 1;           // groups of sequences in flight at once
-  bool stream = false;      // AppendAttendStream instead of unary AppendAttend
-  bool check = false;       // verify every output against the float64 reference
-  bool stateless = false;   // Forward with the whole context, no cache
+  int groups = 1;            // groups of sequences in flight at once
+  bool stream = false;       // AppendAttendStream instead of unary AppendAttend
+  bool check = false;        // verify every output against the float64 reference
+  bool stateless = false;    // Forward with the whole context, no cache
   int prefill_chunk = 1024;  // most prompt tokens of one sequence in one prefill call
   // False: prompts are appended without queries (num_queries = 0), so a
   // prefill moves only K/V: how a benchmark fills 32 layers x 64 x 8k without
@@ -56,11 +56,11 @@ struct DecodeLoopResult {
   std::string cache_id;
   int page_size = 0;  // as the server chose it (0 for stateless)
   double prefill_s = 0.0;
-  double decode_s = 0.0;           // wall time of the measured tokens
-  int64_t generated = 0;           // measured generated tokens over all sequences
-  int64_t steps = 0;               // measured layer-steps (one call each)
-  double tokens_per_s = 0.0;       // generated / decode_s
-  double tbps = 0.0;               // K+V bytes attended per second / 1e12
+  double decode_s = 0.0;                            // wall time of the measured tokens
+  int64_t generated = 0;                            // measured generated tokens over all sequences
+  int64_t steps = 0;                                // measured layer-steps (one call each)
+  double tokens_per_s = 0.0;                        // generated / decode_s
+  double tbps = 0.0;                                // K+V bytes attended per second / 1e12
   double p50_ms = 0.0, p99_ms = 0.0, max_ms = 0.0;  // per layer-step, client side
   // Means over the measured steps of the server's timing, in ms.
   double queue_ms = 0.0, h2d_ms = 0.0, compute_ms = 0.0, d2h_ms = 0.0;

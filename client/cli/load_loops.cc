@@ -29,8 +29,8 @@ void SetStreamDeadline(grpc::ClientContext* ctx, const LoadConfig& config, absl:
   if (config.wait_for_ready) ctx->set_wait_for_ready(true);
 }
 
-void RecordCall(Recorder& rec, const Workload& w, int input, absl::Time sent,
-                absl::Status status, v1::ForwardResponse* response) {
+void RecordCall(Recorder& rec, const Workload& w, int input, absl::Time sent, absl::Status status,
+                v1::ForwardResponse* response) {
   rec.Record(ForwardCompletion(w, input, sent, std::move(status), response));
 }
 
@@ -99,8 +99,8 @@ void RunClosedLoop(AttentionClient& client, V2Client* v2, const Workload& w,
   for (std::thread& t : threads) t.join();
 }
 
-void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w,
-                 const LoadConfig& config, double rate, absl::Time stop, Recorder& rec) {
+void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w, const LoadConfig& config,
+                 double rate, absl::Time stop, Recorder& rec) {
   const int n = static_cast<int>(w.requests.size());
   std::atomic<int> outstanding{0};
   std::vector<std::unique_ptr<OpenStream>> streams;
@@ -173,10 +173,10 @@ void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w,
     const grpc::Status st = s->rw->Finish();
     absl::MutexLock lock(&s->mu);
     for (const auto& [id, sent] : s->pending) {
-      RecordCall(rec, w, sent.first, sent.second,
-                 st.ok() ? absl::DeadlineExceededError("no response on the stream")
-                         : ToAbslStatus(st),
-                 nullptr);
+      RecordCall(
+          rec, w, sent.first, sent.second,
+          st.ok() ? absl::DeadlineExceededError("no response on the stream") : ToAbslStatus(st),
+          nullptr);
       outstanding.fetch_sub(1);
     }
   }

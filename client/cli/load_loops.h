@@ -23,8 +23,8 @@ void RunClosedLoop(AttentionClient& client, V2Client* v2, const Workload& w,
 // Poisson arrivals at `rate` req/s until `stop` (at most
 // config.max_outstanding in flight), then waits for the requests in flight.
 // With `v2`: its ModelInfer, tensors in the message.
-void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w,
-                 const LoadConfig& config, double rate, absl::Time stop, Recorder& rec);
+void RunOpenLoop(AttentionClient& client, V2Client* v2, const Workload& w, const LoadConfig& config,
+                 double rate, absl::Time stop, Recorder& rec);
 
 }  // namespace cli
 }  // namespace attnserve

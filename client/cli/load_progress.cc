@@ -28,13 +28,12 @@ void Progress::Loop(const std::string& label, const Recorder& rec, absl::Time st
   while (!done_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
     const absl::Time now = absl::Now();
     const int64_t completed = rec.completed();
-    const std::string phase =
-        absl::StrCat(now < window_start ? "warmup " : "measure ",
-                     Fixed(absl::ToDoubleSeconds(now - start), 0), "/",
-                     Fixed(absl::ToDoubleSeconds(stop - start), 0), "s");
-    std::cerr << (tty ? "\r" : "") << "[" << label << " " << phase << "] " << completed
-              << " done, " << completed - last << " req/s, " << rec.failed() << " errors"
-              << (tty ? "   " : "\n") << std::flush;
+    const std::string phase = absl::StrCat(now < window_start ? "warmup " : "measure ",
+                                           Fixed(absl::ToDoubleSeconds(now - start), 0), "/",
+                                           Fixed(absl::ToDoubleSeconds(stop - start), 0), "s");
+    std::cerr << (tty ? "\r" : "") << "[" << label << " " << phase << "] " << completed << " done, "
+              << completed - last << " req/s, " << rec.failed() << " errors" << (tty ? "   " : "\n")
+              << std::flush;
     last = completed;
   }
   if (tty) std::cerr << "\r" << std::string(72, ' ') << "\r" << std::flush;

@@ -16,8 +16,8 @@ namespace cli {
 // otherwise it writes one line per second (logs stay readable).
 class Progress {
  public:
-  Progress(const std::string& label, const Recorder& rec, absl::Time start,
-           absl::Time window_start, absl::Time stop);
+  Progress(const std::string& label, const Recorder& rec, absl::Time start, absl::Time window_start,
+           absl::Time stop);
   ~Progress();
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;

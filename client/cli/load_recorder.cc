@@ -30,7 +30,8 @@ void Recorder::Record(const Completion& c) {
     return;
   }
   latencies_ms_.push_back(absl::ToDoubleMilliseconds(c.done - c.sent));
-  const v1::ServerTiming& t = c.timing != nullptr ? *c.timing : v1::ServerTiming::default_instance();
+  const v1::ServerTiming& t =
+      c.timing != nullptr ? *c.timing : v1::ServerTiming::default_instance();
   queue_us_ += t.queue_us();
   h2d_us_ += t.host_to_device_us();
   compute_us_ += t.compute_us();

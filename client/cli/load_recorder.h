@@ -24,8 +24,8 @@ double NearestRank(const std::vector<double>& samples, double q);
 
 // One call's end, whatever the RPC.
 struct Completion {
-  absl::Time sent;  // when it was sent (open loop: its scheduled arrival)
-  absl::Time done;  // when its answer arrived
+  absl::Time sent;      // when it was sent (open loop: its scheduled arrival)
+  absl::Time done;      // when its answer arrived
   std::string code;     // "" on success, else a status code name or CHECK_FAILED
   std::string failure;  // "CODE: message" when `code` is set
   const v1::ServerTiming* timing = nullptr;  // the server's timing, on success

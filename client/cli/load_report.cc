@@ -30,7 +30,8 @@ std::string ErrorsString(const StepResult& r) {
 // "0:510;1:498": successful requests per device.
 std::string DevicesString(const StepResult& r) {
   std::vector<std::string> parts;
-  for (const auto& [device, n] : r.requests_by_device) parts.push_back(absl::StrCat(device, ":", n));
+  for (const auto& [device, n] : r.requests_by_device)
+    parts.push_back(absl::StrCat(device, ":", n));
   return absl::StrJoin(parts, ";");
 }
 

@@ -172,7 +172,8 @@ TEST_F(AttentionClientTest, EchoReturnsQ) {
 }
 
 TEST_F(AttentionClientTest, EchoRefusesWhatForwardRefuses) {
-  auto inputs = MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 4, 4, 2, 2, 12), 12);  // D = 12
+  auto inputs =
+      MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 4, 4, 2, 2, 12), 12);  // D = 12
   ASSERT_TRUE(inputs.ok());
   const v1::ForwardRequest request = MakeForwardRequest(*inputs);
   auto echo = Client()->Echo(request);

@@ -56,15 +56,16 @@ LoopbackServer* AttnctlKvTest::server_ = nullptr;
 std::string AttnctlKvTest::target_flag_;
 bool AttnctlKvTest::has_kv_ = false;
 
-#define SKIP_WITHOUT_KV()                                                                 \
-  if (!has_kv_) GTEST_SKIP() << "this server build has no KvCache service (no kv_cache " \
-                                "feature in GetServerInfo)"
+#define SKIP_WITHOUT_KV()                                                  \
+  if (!has_kv_)                                                            \
+  GTEST_SKIP() << "this server build has no KvCache service (no kv_cache " \
+                  "feature in GetServerInfo)"
 
 // The small decode shape CI runs: 2 layers, GQA 4:2, pages of 16 so the
 // 40-token prompts and the generated tokens cross page boundaries.
-const std::vector<std::string> kLoopShape = {
-    "--sequences=4", "--prompt=40", "--tokens=4",   "--layers=2", "--heads_q=4",
-    "--heads_kv=2",  "--head_dim=32", "--dtype=fp16", "--seed=5"};
+const std::vector<std::string> kLoopShape = {"--sequences=4", "--prompt=40",  "--tokens=4",
+                                             "--layers=2",    "--heads_q=4",  "--heads_kv=2",
+                                             "--head_dim=32", "--dtype=fp16", "--seed=5"};
 
 std::vector<std::string> LoadKv(std::vector<std::string> extra) {
   std::vector<std::string> args = {"load-kv"};
@@ -125,11 +126,11 @@ TEST_F(AttnctlKvTest, StatelessDecodeLoopChecksEveryStep) {
   EXPECT_THAT(r.out, HasSubstr("check: 8 outputs held to the reference"));
   EXPECT_THAT(r.out, HasSubstr("check: 16 outputs held to the reference"));
   EXPECT_THAT(r.out, HasSubstr("PASS"));
-  const std::vector<std::string> lines =
-      absl::StrSplit(ReadFile(csv), '\n', absl::SkipEmpty());
+  const std::vector<std::string> lines = absl::StrSplit(ReadFile(csv), '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 3u) << ReadFile(csv);
   EXPECT_TRUE(absl::StartsWith(
-      lines[0], "scenario,impl,sequences,context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms,"))
+      lines[0],
+      "scenario,impl,sequences,context,layers,page_size,tokens_per_s,tbps,p50_ms,p99_ms,"))
       << lines[0];
   EXPECT_TRUE(absl::StartsWith(lines[1], "loop,attnserve_stateless,4,40,2,0,")) << lines[1];
 }
@@ -167,8 +168,8 @@ TEST_F(AttnctlKvTest, AppendOnlyPrefillThenCheckedDecode) {
 
 TEST_F(AttnctlKvTest, CacheLifecycleFromTheShell) {
   SKIP_WITHOUT_KV();
-  CliResult r = Run({"kv", "create", "--cache=shell", "--layers=2", "--heads_kv=2",
-                     "--head_dim=32", "--page_size=16", "--capacity_tokens=1024"});
+  CliResult r = Run({"kv", "create", "--cache=shell", "--layers=2", "--heads_kv=2", "--head_dim=32",
+                     "--page_size=16", "--capacity_tokens=1024"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("cache:      shell"));
   EXPECT_THAT(r.out, HasSubstr("pages of 16 tokens"));

@@ -361,8 +361,8 @@ TEST_F(AttnctlTest, LoadOpenLoopStreamChecksEveryResponse) {
 
 // Server errors are reported by code, and a run where nothing succeeds fails.
 TEST_F(AttnctlTest, LoadReportsErrorsByCode) {
-  const CliResult r = Run({"load", "--warmup=0s", "--duration=300ms", "--head_dim=12",
-                           "--seqlen_q=4"});
+  const CliResult r =
+      Run({"load", "--warmup=0s", "--duration=300ms", "--head_dim=12", "--seqlen_q=4"});
   EXPECT_EQ(r.exit_code, 1) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("errors by code: INVALID_ARGUMENT:"));
   EXPECT_THAT(r.out, HasSubstr("first error: INVALID_ARGUMENT:"));
@@ -372,10 +372,9 @@ TEST_F(AttnctlTest, LoadReportsErrorsByCode) {
 TEST_F(AttnctlTest, LoadEchoClosedAndOpenLoop) {
   const std::string jsonl = absl::StrCat(::testing::TempDir(), "/load_echo_", getpid(), ".jsonl");
   std::remove(jsonl.c_str());
-  const CliResult closed =
-      Run({"load", "--rpc=echo", "--concurrency=2", "--warmup=100ms", "--duration=500ms",
-           "--seqlen_q=32", "--heads_q=2", "--head_dim=32", "--return_lse", "--jsonl=" + jsonl,
-           "--label=echo"});
+  const CliResult closed = Run({"load", "--rpc=echo", "--concurrency=2", "--warmup=100ms",
+                                "--duration=500ms", "--seqlen_q=32", "--heads_q=2", "--head_dim=32",
+                                "--return_lse", "--jsonl=" + jsonl, "--label=echo"});
   ASSERT_EQ(closed.exit_code, 0) << Describe(closed);
   EXPECT_THAT(closed.out, HasSubstr("unary Echo"));
   EXPECT_THAT(closed.out, HasSubstr("concurrency=2"));
@@ -391,9 +390,9 @@ TEST_F(AttnctlTest, LoadEchoClosedAndOpenLoop) {
   EXPECT_EQ(j["compute_ms"].get<double>(), 0);
   std::remove(jsonl.c_str());
 
-  const CliResult open = Run({"load", "--rpc=echo", "--rate=100", "--warmup=100ms",
-                              "--duration=500ms", "--varlen_q=5,0,17", "--heads_q=4",
-                              "--heads_kv=2", "--head_dim=16"});
+  const CliResult open =
+      Run({"load", "--rpc=echo", "--rate=100", "--warmup=100ms", "--duration=500ms",
+           "--varlen_q=5,0,17", "--heads_q=4", "--heads_kv=2", "--head_dim=16"});
   ASSERT_EQ(open.exit_code, 0) << Describe(open);
   EXPECT_THAT(open.out, HasSubstr("rate=100"));
   EXPECT_THAT(open.out, Not(HasSubstr("errors by code")));

@@ -124,8 +124,8 @@ class RecordingKvService final : public v1::KvCache::Service {
     const auto& md = ctx->client_metadata();
     auto it = md.find(kCacheIdHeader);
     absl::MutexLock lock(&mu_);
-    calls_.emplace_back(method, it == md.end() ? "<none>" : std::string(it->second.data(),
-                                                                         it->second.size()));
+    calls_.emplace_back(
+        method, it == md.end() ? "<none>" : std::string(it->second.data(), it->second.size()));
   }
   void Answer(const v1::AppendAttendRequest& req, v1::AppendAttendResponse* resp) {
     resp->set_request_id(req.request_id());
@@ -229,12 +229,9 @@ TEST_F(KvClientWireTest, EveryCallCarriesTheCacheIdHeader) {
 TEST_F(KvClientWireTest, ServerErrorsKeepCodeAndMessage) {
   service_.fail = grpc::Status(grpc::NOT_FOUND, "cache 'c1' not found: create it and re-prefill");
   const std::vector<absl::Status> statuses = {
-      kv_->CreateCache(CacheSpec{}).status(),
-      kv_->DropCache("c1"),
-      kv_->CreateSequences("c1", {{1}}).status(),
-      kv_->Truncate("c1", 1, 0, std::nullopt).status(),
-      kv_->FreeSequences("c1", {1}).status(),
-      kv_->GetCacheStats("c1").status(),
+      kv_->CreateCache(CacheSpec{}).status(),     kv_->DropCache("c1"),
+      kv_->CreateSequences("c1", {{1}}).status(), kv_->Truncate("c1", 1, 0, std::nullopt).status(),
+      kv_->FreeSequences("c1", {1}).status(),     kv_->GetCacheStats("c1").status(),
       kv_->AppendAttend(Step(0, 1)).status(),
   };
   for (const absl::Status& st : statuses) {

@@ -1,5 +1,7 @@
 // Unit tests of attnctl load's Recorder (window, percentiles, server timing
 // means, errors by code) and of its CSV and JSON Lines rows, without a server.
+#include "client/cli/load_report.h"
+
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,7 +14,6 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/cli/load_recorder.h"
-#include "client/cli/load_report.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -148,7 +149,8 @@ TEST_F(LoadReportTest, CsvWritesTheHeaderOnceAndQuotesText) {
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[0].substr(0, 44), "label,mode,concurrency,rate,channels,stream,");
   EXPECT_EQ(rows[1], rows[2]);
-  EXPECT_THAT(rows[1], HasSubstr("\"say 'hi'\x01\",\"open\",0,12.5,3,false,\"dense\",\"BF16\",2,64,"));
+  EXPECT_THAT(rows[1],
+              HasSubstr("\"say 'hi'\x01\",\"open\",0,12.5,3,false,\"dense\",\"BF16\",2,64,"));
   EXPECT_THAT(rows[1], HasSubstr(",1766,2,\"CANCELLED:2\",883,"));
   EXPECT_THAT(rows[1], HasSubstr(",0.333333,"));  // six significant digits
   EXPECT_THAT(rows[1], HasSubstr(",\"0:500;1:383\",true"));

@@ -3,6 +3,8 @@
 // soak's RSS climbs; tests/soak/README.md), and ReadHeapUsage counts what is
 // held and stops counting it when freed. Its own binary: the cap must be set
 // before any other thread has allocated.
+#include "common/malloc_tuning.h"
+
 #include <malloc.h>
 
 #include <cstdio>
@@ -13,7 +15,6 @@
 #include <vector>
 
 #include "absl/synchronization/barrier.h"
-#include "common/malloc_tuning.h"
 #include "gtest/gtest.h"
 #include "tests/common/own_allocator.h"
 
@@ -60,7 +61,7 @@ TEST(MallocTuningTest, HeapUsageCountsWhatIsHeld) {
   GTEST_SKIP() << "a sanitizer's allocator replaces glibc's here";
 #endif
   const HeapUsage before = ReadHeapUsage();
-  constexpr size_t kBig = size_t{4} << 20;     // mmap'd (over kMmapThresholdBytes)
+  constexpr size_t kBig = size_t{4} << 20;      // mmap'd (over kMmapThresholdBytes)
   constexpr size_t kSmall = size_t{256} << 10;  // from the arena
   char* big = static_cast<char*>(std::malloc(kBig));
   char* small = static_cast<char*>(std::malloc(kSmall));

@@ -53,7 +53,8 @@ namespace attnserve {
 namespace {
 
 enum Kind { kValid, kInvalid, kCancelled, kDeadline, kStream, kEcho, kKv, kNumKinds };
-const char* const kKindNames[] = {"valid", "invalid", "cancelled", "deadline", "stream", "echo", "kv"};
+const char* const kKindNames[] = {"valid",  "invalid", "cancelled", "deadline",
+                                  "stream", "echo",    "kv"};
 
 // Outcome counts per kind and status code, and the failures that fail the run.
 class Tally {
@@ -85,11 +86,12 @@ class Tally {
                   static_cast<long long>(n), total > 0 ? double(n) / double(total) : 0.0);
     }
     for (const std::string& b : bad_) std::printf("soak_load FAILURE %s\n", b.c_str());
-    std::printf("soak_load: %lld calls in %.1f s (%.1f/s), %lld valid OK (%.1f/s), %lld answers "
-                "checked against the reference, %lld failures\n",
-                static_cast<long long>(total), s, double(total) / s,
-                static_cast<long long>(valid_ok), double(valid_ok) / s,
-                static_cast<long long>(checked_.load()), static_cast<long long>(num_bad_));
+    std::printf(
+        "soak_load: %lld calls in %.1f s (%.1f/s), %lld valid OK (%.1f/s), %lld answers "
+        "checked against the reference, %lld failures\n",
+        static_cast<long long>(total), s, double(total) / s, static_cast<long long>(valid_ok),
+        double(valid_ok) / s, static_cast<long long>(checked_.load()),
+        static_cast<long long>(num_bad_));
     return num_bad_ == 0 ? 0 : 1;
   }
 
@@ -122,14 +124,27 @@ std::vector<Prepared> ValidCases() {
   const std::vector<Case> cases = {
       {"fp16_plain", dense(DType::kFP16, 2, 64, 64, 4, 4, 64), [](ForwardOptions*) {}},
       {"bf16_gqa_causal_lse", dense(DType::kBF16, 1, 96, 96, 8, 2, 64),
-       [](ForwardOptions* o) { o->causal = true; o->return_lse = true; }},
+       [](ForwardOptions* o) {
+         o->causal = true;
+         o->return_lse = true;
+       }},
       {"fp32_window", dense(DType::kFP32, 1, 48, 80, 2, 1, 32),
-       [](ForwardOptions* o) { o->window_left = 16; o->window_right = 4; }},
+       [](ForwardOptions* o) {
+         o->window_left = 16;
+         o->window_right = 4;
+       }},
       {"fp16_softcap_scale", dense(DType::kFP16, 1, 40, 120, 4, 2, 128),
-       [](ForwardOptions* o) { o->softcap = 30.0f; o->softmax_scale = 0.07f; }},
+       [](ForwardOptions* o) {
+         o->softcap = 30.0f;
+         o->softmax_scale = 0.07f;
+       }},
       {"bf16_decode", dense(DType::kBF16, 4, 1, 200, 8, 1, 64),
        [](ForwardOptions* o) { o->return_lse = true; }},
-      {"bf16_varlen_causal", varlen, [](ForwardOptions* o) { o->causal = true; o->return_lse = true; }},
+      {"bf16_varlen_causal", varlen,
+       [](ForwardOptions* o) {
+         o->causal = true;
+         o->return_lse = true;
+       }},
   };
   std::vector<Prepared> out;
   uint64_t seed = 1;
@@ -183,10 +198,15 @@ std::vector<v1::ForwardRequest> InvalidCases(const std::vector<Prepared>& valid)
 class Soak {
  public:
   Soak(AttentionClient* client, absl::Time end, Tally* tally)
-      : client_(client), kv_(*client), end_(end), tally_(tally),
-        valid_(ValidCases()), invalid_(InvalidCases(valid_)) {
+      : client_(client),
+        kv_(*client),
+        end_(end),
+        tally_(tally),
+        valid_(ValidCases()),
+        invalid_(InvalidCases(valid_)) {
     // A larger request, so cancellation and deadlines meet it queued or running.
-    big_ = MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kFP16, 2, 384, 384, 8, 8, 64), 99));
+    big_ = MakeForwardRequest(
+        *MakeRandomInputs(DenseAttentionShape(DType::kFP16, 2, 384, 384, 8, 8, 64), 99));
   }
 
   void ForwardWorker(uint64_t seed, bool peak) {
@@ -205,7 +225,8 @@ class Soak {
       } else if (roll < 93) {
         AbandonedStream(1 + int(rng() % 4));
       } else {
-        const absl::StatusOr<v1::ForwardResponse> r = client_->Echo(valid_[rng() % valid_.size()].request);
+        const absl::StatusOr<v1::ForwardResponse> r =
+            client_->Echo(valid_[rng() % valid_.size()].request);
         Expect(kEcho, r.status(), {absl::StatusCode::kOk});
       }
     }
@@ -333,8 +354,8 @@ class Soak {
     tally_->Checked();
     if (!report.ok() || !report->passed) {
       tally_->Bad(absl::StrCat("wrong K/V answer (sequence ", id, ", layer ", layer, ", context ",
-                               total, "): ",
-                               report.ok() ? report->failure : report.status().ToString()));
+                               total,
+                               "): ", report.ok() ? report->failure : report.status().ToString()));
       return false;
     }
     return true;

@@ -20,7 +20,6 @@
 //     payload its message (str). ch.calls: calls completed so far; ch.close().
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
@@ -113,8 +112,7 @@ struct State {
 };
 
 struct ChannelObject {
-  PyObject_HEAD
-  State* state;
+  PyObject_HEAD State* state;
 };
 
 int ChannelInit(ChannelObject* self, PyObject* args, PyObject* kwargs) {
@@ -176,10 +174,8 @@ PyObject* ChannelNew(PyTypeObject* type, PyObject*, PyObject*) {
 
 void ChannelDealloc(ChannelObject* self) {
   State* state = self->state;
-  Py_BEGIN_ALLOW_THREADS
-  delete state;  // the channel's destructor may wait for gRPC's own threads
-  Py_END_ALLOW_THREADS
-  ReleaseLate();
+  Py_BEGIN_ALLOW_THREADS delete state;  // the channel's destructor may wait for gRPC's own threads
+  Py_END_ALLOW_THREADS ReleaseLate();
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
@@ -260,16 +256,14 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
   grpc::ByteBuffer response;
   grpc::Status status;
   std::vector<grpc::Slice> parts;
-  Py_BEGIN_ALLOW_THREADS
-  {
+  Py_BEGIN_ALLOW_THREADS {
     grpc::ByteBuffer request(slices.data(), slices.size());
     slices.clear();
     status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
         channel.get(), *method, &context, request, &response);
   }
   if (status.ok()) status = response.Dump(&parts);
-  Py_END_ALLOW_THREADS
-  held->UnrefHoldingGil();
+  Py_END_ALLOW_THREADS held->UnrefHoldingGil();
   self->state->calls.fetch_add(1, std::memory_order_relaxed);
   if (!status.ok()) {
     const std::string& message = status.error_message();
@@ -283,14 +277,12 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
   if (out == nullptr) return nullptr;
   // Nothing else holds `out` yet: it is filled without the GIL.
   char* at = PyBytes_AS_STRING(out);
-  Py_BEGIN_ALLOW_THREADS
-  for (const grpc::Slice& s : parts) {
+  Py_BEGIN_ALLOW_THREADS for (const grpc::Slice& s : parts) {
     std::memcpy(at, s.begin(), s.size());
     at += s.size();
   }
   parts.clear();
-  Py_END_ALLOW_THREADS
-  return Py_BuildValue("(iN)", 0, out);
+  Py_END_ALLOW_THREADS return Py_BuildValue("(iN)", 0, out);
 }
 
 PyObject* ChannelClose(ChannelObject* self, PyObject*) {
@@ -299,10 +291,8 @@ PyObject* ChannelClose(ChannelObject* self, PyObject*) {
     std::lock_guard<std::mutex> lock(self->state->mu);
     channel.swap(self->state->channel);
   }
-  Py_BEGIN_ALLOW_THREADS
-  channel.reset();
-  Py_END_ALLOW_THREADS
-  ReleaseLate();
+  Py_BEGIN_ALLOW_THREADS channel.reset();
+  Py_END_ALLOW_THREADS ReleaseLate();
   Py_RETURN_NONE;
 }
 
@@ -317,10 +307,9 @@ PyMethodDef kChannelMethods[] = {
      "Closes the channel (calls in flight finish on their own reference)."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyGetSetDef kChannelGetSet[] = {
-    {"calls", reinterpret_cast<getter>(ChannelCalls), nullptr,
-     "Calls completed on this channel (succeeded or not).", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyGetSetDef kChannelGetSet[] = {{"calls", reinterpret_cast<getter>(ChannelCalls), nullptr,
+                                 "Calls completed on this channel (succeeded or not).", nullptr},
+                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyTypeObject kChannelType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
