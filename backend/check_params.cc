@@ -85,7 +85,7 @@ absl::Status CheckParams(const AttnParams& p) {
     return Invalid("softmax_scale", absl::StrCat("finite and in (0, ", kMaxSoftmaxScale, "]"),
                    p.softmax_scale);
   }
-  const float expected_log2 = p.softmax_scale * 1.4426950408889634f;
+  const float expected_log2 = p.softmax_scale * kLog2e;
   if (!(std::fabs(p.softmax_scale_log2 - expected_log2) <= 1e-6f * expected_log2)) {
     return absl::InvalidArgumentError(
         absl::StrCat("softmax_scale_log2: expected softmax_scale * log2(e) = ", expected_log2,
