@@ -149,7 +149,7 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
                     : nullptr;
   l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
   // Decode tiles combine in the forward kernel (FinishSplit): never slower
-  // than the combine kernel on the decode grid (bench/NOTES-cuda.md, round 4).
+  // than the combine kernel on the decode grid.
   l.fused_combine = split && plan.tile_kind == TileKind::kDecode;
   // The FP8 path's Q K^T runs on the codes: their descales join the scale.
   const float qk_scale = dev.softmax_scale * (plan.fp8_qk ? dev.q_descale * dev.k_descale : 1.f);

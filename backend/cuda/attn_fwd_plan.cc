@@ -19,17 +19,11 @@ int64_t CtasPerSm(const TileConfig& t, int smem_bytes) {
 }
 
 // CTAs per SM a split decode launch aims at when base alone is fewer. The
-// decode tile fits 3 per SM, but fewer, longer splits measured faster than a
-// full 3-per-SM wave (bench/NOTES-cuda.md, round 4: --decode_splits sweep on
-// the H100, B=1 and 16 x Sk 1k..32k): at B=16 2 splits (256 CTAs) beat 3
-// (384, 97% of a wave) by 1-3% at every Sk; at B=1 24-32 splits beat 43 by
-// 4-8% from Sk 8k up.
+// decode tile fits 3 per SM, but fewer, longer splits are faster than a full
+// 3-per-SM wave.
 constexpr int64_t kDecodeCtasPerSm = 2;
 // The Hopper decode kernel's: one. Its TMA ring keeps ~100 KB in flight per
-// CTA, and forced split counts on the H100 (bench/NOTES-cuda.md, round 8)
-// put one CTA per SM at or above two: B=16 x 8k 2.836 TB/s unsplit against
-// 2.780 with 2 splits; B=1 x 8k 1.232 with 16 splits against 1.221 with 32;
-// B=8 x 64k 3.037 with 2 against 3.019 with 4.
+// CTA, and one CTA per SM is at or above two.
 constexpr int64_t kSm90DecodeCtasPerSm = 1;
 
 // Decode: splits of at least 2 key tiles, at most kMaxSplits. Base under

@@ -32,9 +32,9 @@ namespace cuda {
 // this one is computed: twice the bytes in flight, which decode needs, and one
 // barrier per tile); 1 = single K and V buffers, V loading during Q.K^T and the
 // next K during softmax and P.V (FA2's scheme) where smem is short.
-//  - 64: 2 stages (52 KB): measured +3..6% over 1 stage on the H100.
-//  - 96, 128: 1 stage. 2 stages (104 KB at 128) measured 4-8% slower in
-//    prefill and 10-15% slower in decode on the H100 (bench/NOTES-cuda.md).
+//  - 64: 2 stages (52 KB): faster than 1 stage.
+//  - 96, 128: 1 stage: 2 stages (104 KB at 128) are slower in prefill and
+//    decode.
 //  - 192, 256: 1 stage (102, 135 KB; 2 stages would be 153/203 KB: one CTA
 //    per SM at best, and over sm80's 164 KB for 256).
 struct TileConfig {
@@ -67,9 +67,9 @@ constexpr TileConfig kTileTable[] = {
 // during this tile, one round trip per tile), smem (16 + 4 x 64) x (D + 8) x 2
 // = 74 KB at D=128: 3 CTAs per SM, 105 KB in flight per SM. Head dims 192/256
 // (143+ KB) keep the prefill tile.
-// The 4 warps split each tile's 64 keys (16 each, merged at the end): measured
-// neutral against warp 0 computing alone (bench/NOTES-cuda.md, round 3), as
-// was a 16 x 32 x 4-stage cp.async ring (the kernel body supports kStages >= 3).
+// The 4 warps split each tile's 64 keys (16 each, merged at the end): no
+// slower than warp 0 computing alone, nor than a 16 x 32 x 4-stage cp.async
+// ring (the kernel body supports kStages >= 3).
 constexpr TileConfig kDecodeTileTable[] = {
     {64, 16, 64, 4, 2, 168},
     {96, 16, 64, 4, 2, 168},
@@ -78,11 +78,10 @@ constexpr TileConfig kDecodeTileTable[] = {
 // Banded (causal / sliding-window) instantiations that use a different tile.
 //  - 128: 128x32, 2 stages (same 70 KB smem as 128x64 x 1 stage): S = 32
 //         registers instead of 64 (spills 176 -> 16 B) and the next K and V in
-//         flight during the whole tile. Measured on the H100 (bf16, quick
-//         grid): causal 1k +8%, 8k +5%; noncausal 1k -1%, 8k -6% (Q fragments
-//         re-read from smem twice as often), so noncausal keeps 128x64.
-// Tried and rejected for 256 (both masks): 128x32, 2 stages, 8 warps, 135 KB:
-// 7-12% slower than 128x64 x 1 stage on the quick grid.
+//         flight during the whole tile: faster causal; noncausal keeps
+//         128x64 (here Q fragments are re-read from smem twice as often).
+// Not for 256 (either mask): 128x32, 2 stages, 8 warps, 135 KB is slower
+// than 128x64 x 1 stage.
 constexpr TileConfig kBandedTileTable[] = {
     {128, 128, 32, 4, 2, 255},
 };
@@ -126,8 +125,8 @@ constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots) 
 // Q slots of a Hopper prefill tile: two where they fit (D 64 and 128; FP8
 // Q/K up to 256), so a persistent CTA's producer loads the next item's Q,
 // and behind it that item's first K/V tiles, while this item still runs
-// (with one slot it waited for this item's last Q K^T: round 10 of
-// bench/NOTES-cuda.md); one where they do not (16-bit D 192 and 256).
+// (with one slot it waits for this item's last Q K^T); one where they do not
+// (16-bit D 192 and 256).
 constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2) {
   return Sm90SmemBytesWith(t, qk_bytes, 2) <= kSm90MaxSmemBytes ? 2 : 1;
 }
@@ -139,13 +138,10 @@ constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTabl
 // (Sk, the longest sequence's for varlen) is at least kSm90LongKeysMinSk
 // (TileKind::kLongKeys): fewer row-max and row-sum reductions, barrier
 // waits and wgmma issues per key, where a short range would waste more of
-// its last, partial tile. Measured against the kSm90TileTable row in one
-// run (H200, BF16; bench/NOTES-cuda.md, round 10):
+// its last, partial tile (so a short range keeps kSm90TileTable's):
 //  - 64: 128x192, 3 stages, 2 Q slots (176 KB; S 96 + O 32 + P 48
-//        registers): +4-9% at N = 4k..16k, +2% / -1% (causal) at 2k, -11%
-//        at 512.
-// D = 128 on 128x160 was +4-5% causal at 8k-16k, -2..0% non-causal, -13%
-// at 512: not listed.
+//        registers).
+// D = 128 (128x160) gains causal only, loses at short N: not listed.
 constexpr TileConfig kSm90LongKeyTileTable[] = {
     {64, 128, 192, 12, 3, 232},
 };
@@ -243,12 +239,10 @@ enum class Sm90Schedule : int {
 
 // The schedule the planner's launches use: items drawn from a counter, for
 // every mask. Static striding leaves CTAs unevenly loaded when items differ
-// in length (banded calls; varlen sequences): at N = 16k causal the busiest
-// CTA had 1.57x the mean work (409 vs 606 TFLOP/s for cuDNN), so banded
-// calls used to run one CTA per item (kPingPongOverlap). On the H200, BF16
-// anchor grid, one run: banded 1.02-1.20x that (the most at short N, D = 64),
-// unbanded within 1% of static striding (D = 128 quick grid, same run: 509 vs
-// 501 TFLOP/s at N = 1k, 630 vs 622 at 8k). bench/NOTES-cuda.md, round 9.
+// in length (banded calls; varlen sequences); the counter balances them and
+// costs unbanded calls nothing measurable. Only this schedule is in the
+// production library; the others are built for attn_bench's ablation
+// (bench/cuda/sm90_schedule_ablation.cu).
 constexpr Sm90Schedule kDefaultSm90Schedule = Sm90Schedule::kPersistentDynamic;
 // Workspace a schedule needs: kPersistentDynamic's two counters (the next
 // item, the CTAs done: ints 0 and 1 of the counter block, zero at rest like

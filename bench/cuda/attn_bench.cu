@@ -58,10 +58,10 @@
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/fp8_dequant.h"
-#include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
+#include "bench/cuda/sm90_schedule_ablation.h"
 #include "common/dtype.h"
 
 namespace attnserve {
@@ -577,6 +577,9 @@ struct Sm90Variant : Impl {
   Arena arena;
   void* ws = nullptr;
   bool Setup(const Shape& s, const void* q, const void* k, const void* v, void* o) override {
+#if !defined(ATTNSERVE_CUDA_SM90)
+    return false;  // built without the Hopper family (attn_bench_sm90_ablation)
+#endif
     if (std::string(s.kind) != "prefill" || s.d != 128 || s.dtype != DType::kBF16 ||
         !cuda::DeviceRunsSm90Kernels(0)) {
       return false;
@@ -591,7 +594,9 @@ struct Sm90Variant : Impl {
     return AllocWorkspace(&own, &arena, &ws);
   }
   bool Run() override {
+#if defined(ATTNSERVE_CUDA_SM90)
     CK(cuda::LaunchForwardSm90Schedule(p, plan, schedule, ws, nullptr));
+#endif
     return true;
   }
   int64_t ExtraBytes() const override { return arena.bytes; }

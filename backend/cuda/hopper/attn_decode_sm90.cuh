@@ -4,16 +4,13 @@
 // (64 keys x 64 columns a box, 128-byte swizzled) into a kStages-deep ring
 // completing on mbarriers. Why: decode only streams K/V, and the portable
 // kernel's cp.async loads (16 bytes per thread, issued by the warps that also
-// compute) reach 83% of DRAM bandwidth at B = 16 where cuDNN reaches 91%
-// (bench/NOTES-cuda.md, round 6: 9 of 14.6 cycles per issued instruction
-// waiting on L1TEX). One thread issues a tile in 2 x D/64 instructions, the
-// copy engine moves it without registers or LSU work, and the ring keeps
-// kStages tiles (about 100 KB per CTA) in flight while four warps compute.
-// A first version copied each 256-byte row with its own bulk copy
-// (cp.async.bulk, no tensor map): 128 copies per tile ran at 0.72-0.77x of
-// the portable kernel (round 8), so whole boxes it is, which for a cache's
-// pages means a tensor map per slab and a box per page (pages of 16: 4 boxes
-// per 64-column block of a tile).
+// compute) leave it short of DRAM bandwidth, stalled on L1TEX. One thread
+// issues a tile in 2 x D/64 instructions, the copy engine moves it without
+// registers or LSU work, and the ring keeps kStages tiles (about 100 KB per
+// CTA) in flight while four warps compute. Whole boxes, not a bulk copy per
+// row (slower than the portable kernel), which for a cache's pages means a
+// tensor map per slab and a box per page (pages of 16: 4 boxes per 64-column
+// block of a tile). Figures: bench/NOTES-cuda.md.
 // Included only by the generated attn_decode_*_sm90.cu files (sm_90a only).
 #pragma once
 
@@ -154,10 +151,9 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
     }
     // A split launch writes its partials and reads them back (the fused
     // combine) through L2: K and V, read once, go in at evict-first priority
-    // so they do not push the partials out (B = 1 x 8k: +8%). Unsplit
-    // launches leave L2's priorities as they are (evict-first bought them
-    // nothing). One load form either way: a branch per box slowed the
-    // producer thread of pages of 16 by 8% (bench/NOTES-cuda.md, round 10).
+    // so they do not push the partials out. Unsplit launches leave L2's
+    // priorities as they are (evict-first bought them nothing). One load form
+    // either way: a branch per box slows the producer thread over pages of 16.
     const uint64_t policy = L2Policy(L.num_splits > 1);
     auto load_box = [&](T* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
                         int c3) { TmaLoad4dPolicy(dst, map, bar, c0, c1, c2, c3, policy); };
@@ -294,7 +290,7 @@ __device__ __forceinline__ void AttnDecodeSm90Body(const Launch& launch) {
 }
 
 // Up to two CTAs per SM (kSm90DecodeTileTable sizes the ring for that; the
-// planner's splits aim at one, kSm90DecodeCtasPerSm, which measured faster).
+// planner's splits aim at one, kSm90DecodeCtasPerSm, the faster).
 template <int kHeadDim, int kBlockN, int kStages, typename T, bool kIsBanded>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
     AttnDecodeSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {

@@ -74,11 +74,5 @@ cudaError_t RunAttnDecodeSm90(const FwdLaunch& launch, cudaStream_t stream);
 template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnDecodeSm90(const PagedFwdLaunch& launch, cudaStream_t stream);
 
-// For the ablation in attn_bench only: D = 128, BF16 prefill, either mask,
-// with a chosen schedule (kDefaultSm90Schedule is what the planner's launches
-// use). workspace: Sm90ScheduleWorkspaceBytes(schedule), counters zero.
-cudaError_t LaunchForwardSm90Schedule(const AttnParams& dev, const Plan& plan,
-                                      Sm90Schedule schedule, void* workspace, cudaStream_t stream);
-
 }  // namespace cuda
 }  // namespace attnserve

@@ -1,10 +1,22 @@
-// LaunchForwardSm90Schedule (attn_fwd_sm90.h): the D = 128 BF16 Hopper kernel
-// (either mask) under each warpgroup schedule, for attn_bench's ablation
-// (bench/NOTES-cuda.md). Production launches use kDefaultSm90Schedule only.
+// LaunchForwardSm90Schedule (sm90_schedule_ablation.h): the D = 128 BF16
+// Hopper kernel (either mask) under each warpgroup schedule, for attn_bench's
+// ablation (bench/NOTES-cuda.md). kDefaultSm90Schedule runs the production
+// library's own instantiation (extern template below), so its row times the
+// kernel the server launches.
+#include "bench/cuda/sm90_schedule_ablation.h"
+
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
 
 namespace attnserve {
 namespace cuda {
+
+static_assert(kDefaultSm90Schedule == Sm90Schedule::kPersistentDynamic,
+              "the extern templates below name the production schedule");
+extern template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, false, kDefaultSm90Schedule, false,
+                                           false>(const FwdLaunch&, cudaStream_t);
+extern template cudaError_t RunAttnFwdSm90<128, __nv_bfloat16, true, kDefaultSm90Schedule, false,
+                                           false>(const FwdLaunch&, cudaStream_t);
+
 namespace {
 
 template <bool kIsBanded>

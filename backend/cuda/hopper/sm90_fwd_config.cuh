@@ -1,0 +1,136 @@
+// The Hopper forward kernel's compile-time configuration (tile shape and
+// Sm90Schedule flags, Sm90FwdConfig) and its shared-memory layout
+// (Sm90FwdSmem), shared by the mainloop, the epilogue and the tile
+// schedulers. Included only by attn_fwd_sm90.cuh's pieces (sm_90a only).
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/hopper/sm90_primitives.cuh"
+
+namespace attnserve {
+namespace cuda {
+namespace sm90 {
+
+constexpr int kBlockM = 128;           // query rows per CTA: two consumer warpgroups x 64
+constexpr int kConsumerThreads = 256;  // the two consumer warpgroups
+// setmaxnreg moves registers only within the CTA's launch allocation (168 x
+// 384 threads): the producer's release must cover the consumers' request, or
+// setmaxnreg.inc waits forever. 40 keeps the dynamic schedule's producer
+// (its item hand-off) from spilling.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * 384,
+              "setmaxnreg must redistribute exactly the launch's registers");
+
+constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
+constexpr int ThreadsOf(Sm90Schedule s) {
+  return WarpSpecialized(s) ? kConsumerThreads + 128 : kConsumerThreads;
+}
+
+// Everything the kernel template's parameters fix: the schedule's features
+// (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes.
+template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
+          Sm90Schedule kSchedule_, bool kFp8Qk_>
+struct Sm90FwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kQSlots = kQSlots_;
+  static constexpr bool kIsBanded = kIsBanded_;
+  static constexpr Sm90Schedule kSchedule = kSchedule_;
+  static constexpr bool kFp8Qk = kFp8Qk_;
+
+  // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
+  static constexpr bool kWS = WarpSpecialized(kSchedule);
+  // Named barriers alternate the two consumer warpgroups' GEMMs.
+  static constexpr bool kPingPong =
+      kSchedule != Sm90Schedule::kTmaSync && kSchedule != Sm90Schedule::kWarpSpecialized;
+  // Tile j's softmax runs while tile j - 1's P V is in flight.
+  static constexpr bool kOverlap = kSchedule == Sm90Schedule::kPingPongOverlap ||
+                                   kSchedule == Sm90Schedule::kPersistent ||
+                                   kSchedule == Sm90Schedule::kPersistentDynamic;
+  static constexpr bool kDynamic = kSchedule == Sm90Schedule::kPersistentDynamic;
+  static constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent || kDynamic;
+
+  static constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  // Q and K rows: 128-byte boxes of kQKCols elements (64 16-bit or 128 FP8).
+  static constexpr int kQKCols = kFp8Qk ? 128 : 64;
+  static constexpr int kQKBlocks = (kHeadDim + kQKCols - 1) / kQKCols;
+  static constexpr int kQKSteps = kHeadDim * (kFp8Qk ? 1 : 2) / 32;  // k16 (k32 FP8) steps of Q K^T
+  static constexpr int kQBytes = kQKBlocks * kBlockM * 128;
+  static constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
+  static constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+  static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
+};
+
+// Shared memory: Q [kQSlots][kQKBlocks][128 rows][128 bytes] (the k-th item
+// of the CTA in slot k % kQSlots), the K ring [kStages][kQKBlocks][kBlockN]
+// [128 bytes], the V ring [kStages][kDBlocks][kBlockN][64], each block
+// 1024-byte aligned (the 128-byte swizzle repeats every 8 rows), then the
+// mbarriers and the dynamic scheduler's item slots (Sm90SmemBytes reserves
+// 256 bytes).
+template <class Cfg>
+struct Sm90FwdSmem {
+  using T = typename Cfg::T;
+  static_assert((4 + 4 * Cfg::kStages + 4) * 8 + 2 * 4 <= 256,
+                "the mbarriers and item slots outgrow the 256 bytes Sm90SmemBytes reserves");
+
+  unsigned char* base;  // 1024-byte aligned
+
+  // smem_raw: the kernel's dynamic shared memory (aligned up to 1024 here).
+  __device__ __forceinline__ explicit Sm90FwdSmem(unsigned char* smem_raw)
+      : base(smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023)) {}
+
+  __device__ __forceinline__ unsigned char* sQ() const { return base; }
+  __device__ __forceinline__ unsigned char* sK() const { return base + Cfg::kQSlots * Cfg::kQBytes; }
+  __device__ __forceinline__ T* sV() const {
+    return reinterpret_cast<T*>(sK() + Cfg::kStages * Cfg::kKBytes);
+  }
+  // [kQSlots]: Q landed
+  __device__ __forceinline__ uint64_t* q_full() const {
+    return reinterpret_cast<uint64_t*>(sK() + Cfg::kStages * (Cfg::kKBytes + Cfg::kVBytes));
+  }
+  // [kQSlots]: every consumer warp ran its last Q K^T
+  __device__ __forceinline__ uint64_t* q_empty() const { return q_full() + 2; }
+  // [kStages]: K tile landed
+  __device__ __forceinline__ uint64_t* k_full() const { return q_empty() + 2; }
+  // [kStages]: V tile landed
+  __device__ __forceinline__ uint64_t* v_full() const { return k_full() + Cfg::kStages; }
+  // [kStages]: every consumer warp is done with the K tile
+  __device__ __forceinline__ uint64_t* k_empty() const { return v_full() + Cfg::kStages; }
+  // [kStages]: ... with the V tile
+  __device__ __forceinline__ uint64_t* v_empty() const { return k_empty() + Cfg::kStages; }
+  // [2]: the dynamic scheduler's item_slot[i] written
+  __device__ __forceinline__ uint64_t* sched_full() const { return v_empty() + Cfg::kStages; }
+  // [2]: every consumer warp has read it
+  __device__ __forceinline__ uint64_t* sched_empty() const { return sched_full() + 2; }
+  // [2]
+  __device__ __forceinline__ int* item_slot() const {
+    return reinterpret_cast<int*>(sched_empty() + 2);
+  }
+
+  // The Q slots' and the K/V ring's mbarriers (one thread; the caller fences).
+  __device__ __forceinline__ void InitPipelineBarriers() const {
+    for (int s = 0; s < Cfg::kQSlots; ++s) {
+      MbarInit(&q_full()[s], 1);
+      MbarInit(&q_empty()[s], Cfg::kConsumerWarps);
+    }
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      MbarInit(&k_full()[s], 1);
+      MbarInit(&v_full()[s], 1);
+      MbarInit(&k_empty()[s], Cfg::kConsumerWarps);
+      MbarInit(&v_empty()[s], Cfg::kConsumerWarps);
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace attnserve

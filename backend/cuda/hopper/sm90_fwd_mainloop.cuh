@@ -1,0 +1,436 @@
+// The Hopper forward kernel's mainloop: the TMA loads of Q and of the K/V
+// ring (Sm90FwdLoads, issued by Sm90FwdProducer, or by consumer thread 0
+// under kTmaSync), and the consumer warpgroups' loop over an item's key tiles
+// (Sm90FwdMainloop: S = Q K^T by wgmma from shared memory, softcap, mask and
+// online softmax, O += P V by wgmma with P from registers), ordered by the
+// Sm90Schedule flags of Sm90FwdConfig. The mask rules and softcap are the
+// portable kernel's (attn_fwd_kernel.cuh, detail::).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_kernel.cuh"
+#include "backend/cuda/generated/sm90_wgmma.h"
+#include "backend/cuda/hopper/attn_fwd_sm90.h"
+#include "backend/cuda/hopper/sm90_fwd_config.cuh"
+#include "backend/cuda/hopper/sm90_fwd_tile_scheduler.cuh"
+#include "backend/cuda/hopper/sm90_primitives.cuh"
+
+namespace attnserve {
+namespace cuda {
+namespace sm90 {
+
+// One online-softmax step over this thread's two rows of an S tile (in place:
+// S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
+// row's O and sum must be scaled by for the new max (applied to the sum here,
+// to O by the caller, which may do it later: the P V of the previous tile can
+// still be in flight). row_max in raw-score units; row_sum thread-partial.
+template <int kNTiles>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
+                                            float (&row_sum)[2], float (&corr)[2],
+                                            float score_log2) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = row_max[half];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+      mx = fmaxf(mx, fmaxf(s[0][nt][half * 2], s[0][nt][half * 2 + 1]));
+    mx = detail::QuadMax(mx);
+    // A row that has seen only masked keys keeps max -inf; subtracting 0
+    // instead keeps exp2(-inf - -inf) from turning into NaN.
+    const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+    corr[half] = detail::Exp2(row_max[half] * score_log2 - mx_log2);
+    row_max[half] = mx;
+    float sum = row_sum[half] * corr[half];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, -mx_log2));
+        s[0][nt][half * 2 + e] = pv;
+        sum += pv;
+      }
+    row_sum[half] = sum;
+  }
+}
+
+template <int kDTiles>
+__device__ __forceinline__ void RescaleO(float (&o)[1][kDTiles][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+    o[0][dt][0] *= corr[0];
+    o[0][dt][1] *= corr[0];
+    o[0][dt][2] *= corr[1];
+    o[0][dt][3] *= corr[1];
+  }
+}
+
+// P (fp32 S fragments) -> wgmma A fragments, one per k16 step of keys: the
+// S accumulators of n8 tiles 2kk and 2kk+1 are exactly that A fragment.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void ConvertP(const float (&s)[1][kNTiles][4],
+                                         uint32_t (&pa)[kNTiles / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    pa[kk][0] = detail::PackPair<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    pa[kk][1] = detail::PackPair<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    pa[kk][2] = detail::PackPair<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    pa[kk][3] = detail::PackPair<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+template <int kA, int kB, int kC>
+__device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
+  return reinterpret_cast<float(&)[kA * kB * kC]>(x);
+}
+
+// The TMA loads (one thread): boxes of 128-byte rows. g: the tile's index in
+// the CTA's whole sequence of K/V tiles (ring slot and phase); it: its index
+// in the item (key tile n_end - 1 - it).
+template <class Cfg>
+struct Sm90FwdLoads {
+  using Smem = Sm90FwdSmem<Cfg>;
+
+  __device__ __forceinline__ static void LoadQ(const Sm90FwdLaunch& L, const Smem& sm,
+                                               const Sm90Tile& t, int slot) {
+    MbarArriveExpectTx(&sm.q_full()[slot], Cfg::kQBytes);
+#pragma unroll
+    for (int db = 0; db < Cfg::kQKBlocks; ++db) {
+      TmaLoad4d(sm.sQ() + slot * Cfg::kQBytes + db * kBlockM * 128, &L.q, &sm.q_full()[slot],
+                db * Cfg::kQKCols, t.head, t.q_row0 + t.m0, t.map_b);
+    }
+  }
+
+  // K and V of a tile are released separately (K once S = Q K^T is done, V
+  // after P V), so the next K can load while this tile's P V still reads V.
+  __device__ __forceinline__ static void LoadKV(const Sm90FwdLaunch& L, const Smem& sm,
+                                                const Sm90Tile& t, int g, int it) {
+    constexpr int kStages = Cfg::kStages;
+    constexpr int kBlockN = Cfg::kBlockN;
+    const int stage = g % kStages;
+    const int key0 = t.k_row0 + (t.n_end - 1 - it) * kBlockN;
+    // The stage's previous tiles (g - kStages) must be consumed first.
+    const uint32_t parity = ((g / kStages) - 1) & 1;
+    if (g >= kStages) MbarWait(&sm.k_empty()[stage], parity);
+    MbarArriveExpectTx(&sm.k_full()[stage], Cfg::kKBytes);
+#pragma unroll
+    for (int db = 0; db < Cfg::kQKBlocks; ++db) {
+      TmaLoad4d(sm.sK() + stage * Cfg::kKBytes + db * kBlockN * 128, &L.k, &sm.k_full()[stage],
+                db * Cfg::kQKCols, t.kv_head, key0, t.map_b);
+    }
+    if (g >= kStages) MbarWait(&sm.v_empty()[stage], parity);
+    MbarArriveExpectTx(&sm.v_full()[stage], Cfg::kVBytes);
+#pragma unroll
+    for (int db = 0; db < Cfg::kDBlocks; ++db) {
+      TmaLoad4d(sm.sV() + (stage * Cfg::kDBlocks + db) * kBlockN * 64, &L.v, &sm.v_full()[stage],
+                db * 64, t.kv_head, key0, t.map_b);
+    }
+  }
+};
+
+// The producer warpgroup's one thread (warp-specialised schedules): each
+// item's Q into its slot, then all its K/V tiles through the ring.
+template <class Cfg>
+class Sm90FwdProducer {
+ public:
+  using Smem = Sm90FwdSmem<Cfg>;
+  using Loads = Sm90FwdLoads<Cfg>;
+
+  __device__ __forceinline__ Sm90FwdProducer(const Sm90FwdLaunch& L, const Smem& sm)
+      : L_(L), sm_(sm) {}
+
+  __device__ __forceinline__ void PrefetchMaps() const {
+    PrefetchTensorMap(&L_.q);
+    PrefetchTensorMap(&L_.k);
+    PrefetchTensorMap(&L_.v);
+  }
+
+  // Item t (with key tiles to scan). The slot's previous item (kQSlots items
+  // back) must have run its last Q K^T before its Q is overwritten.
+  __device__ __forceinline__ void LoadItem(const Sm90Tile& t) {
+    const int slot = items_done_ % Cfg::kQSlots;
+    if (items_done_ >= Cfg::kQSlots) {
+      MbarWait(&sm_.q_empty()[slot], (items_done_ / Cfg::kQSlots - 1) & 1);
+    }
+    Loads::LoadQ(L_, sm_, t, slot);
+    for (int it = 0; it < t.n_end - t.n_begin; ++it) Loads::LoadKV(L_, sm_, t, g_ + it, it);
+    g_ += t.n_end - t.n_begin;
+    ++items_done_;
+  }
+
+ private:
+  const Sm90FwdLaunch& L_;
+  const Smem sm_;
+  int g_ = 0;           // K/V tiles loaded so far
+  int items_done_ = 0;  // items loaded so far
+};
+
+// A consumer thread's registers across an item: the running O, the softmax
+// state of its two rows (the epilogue's input), and the S / P fragments of
+// the tile in flight. The kernel owns them; Sm90FwdMainloop works on them.
+template <class Cfg>
+struct Sm90FwdAccum {
+  float o[1][Cfg::kDTiles][4];
+  float row_max[2], row_sum[2];
+  float corr[2] = {1.f, 1.f};
+  float s[1][Cfg::kNTiles][4];
+  uint32_t pa[Cfg::kNTiles / 2][4];
+};
+
+// The two consumer warpgroups: warpgroup wg owns rows m0 + 64 wg .. + 63 of
+// each item. Mma(t) leaves the item's unnormalised O and softmax state in the
+// kernel's Sm90FwdAccum (o, row_max, row_sum) for the epilogue. (The
+// accumulators stay the kernel's, not members: as members ptxas spilled.)
+template <class Cfg>
+class Sm90FwdMainloop {
+ public:
+  using T = typename Cfg::T;
+  using Smem = Sm90FwdSmem<Cfg>;
+  using Loads = Sm90FwdLoads<Cfg>;
+  using Mask = detail::MaskPolicy<Cfg::kIsBanded>;
+  static constexpr int kBlockN = Cfg::kBlockN;
+  static constexpr int kStages = Cfg::kStages;
+  static constexpr int kNTiles = Cfg::kNTiles;
+  static constexpr int kDTiles = Cfg::kDTiles;
+  static constexpr int kDBlocks = Cfg::kDBlocks;
+
+  const int ctid;  // thread index among the consumers
+  const int wg;
+  const int warp;
+  const int lane;
+  const int quad;
+  const bool use_softcap;
+  const float score_log2;
+
+  __device__ __forceinline__ Sm90FwdMainloop(const Sm90FwdLaunch& L, const Smem& sm, int ctid_,
+                                             Sm90FwdAccum<Cfg>& acc)
+      : ctid(ctid_),
+        wg(ctid_ / 128),
+        warp((ctid_ / 32) % 4),
+        lane(ctid_ % 32),
+        quad(ctid_ % 32 % 4),
+        use_softcap(L.fwd.p.softcap > 0.f),
+        score_log2(L.fwd.p.softcap > 0.f ? 1.f : L.fwd.scale_log2),
+        L_(L),
+        sm_(sm),
+        q_wg_(sm.sQ()),
+        acc_(acc) {}
+
+  // The thread's first row of item t (its second: + 8).
+  __device__ __forceinline__ int Row0(const Sm90Tile& t) const {
+    return t.m0 + wg * 64 + warp * 16 + lane / 4;
+  }
+
+  // Ping-pong turns: warpgroup wg issues its GEMMs between NamedBarSync on
+  // its barrier (1 + wg) and NamedBarArrive on the other's; warpgroup 1
+  // grants the first turn (BeginTurns), and warpgroup 0 takes a last, empty
+  // one (EndTurns), so every arrival is matched. Both warpgroups take the
+  // same turns (same items).
+  __device__ __forceinline__ void BeginTurns() const {
+    if (Cfg::kPingPong && wg == 1) NamedBarArrive(1, kConsumerThreads);
+  }
+  __device__ __forceinline__ void EndTurns() const {
+    if (Cfg::kPingPong && wg == 0) NamedBarSync(1, kConsumerThreads);
+  }
+
+  // The scan of item t's key tiles, right to left. Without a producer
+  // warpgroup, thread 0 first loads Q and the first kStages tiles, then
+  // refills the stage tile it - 1 used once both warpgroups released it
+  // (LoadKV waits for that). Non-persistent there: one item.
+  __device__ __forceinline__ void Mma(const Sm90Tile& t, int row0) {
+    const int num_tiles = t.n_end - t.n_begin;  // tile it is key tile n_end - 1 - it
+    if constexpr (!Cfg::kWS) {
+      if (ctid == 0) {
+        Loads::LoadQ(L_, sm_, t, 0);
+        for (int it = 0; it < kStages && it < num_tiles; ++it) Loads::LoadKV(L_, sm_, t, it, it);
+      }
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_.o[0][dt][e] = 0.f;
+    acc_.row_max[0] = acc_.row_max[1] = -INFINITY;
+    acc_.row_sum[0] = acc_.row_sum[1] = 0.f;
+    const int q_slot = items_done_ % Cfg::kQSlots;
+    q_wg_ = sm_.sQ() + q_slot * Cfg::kQBytes + wg * 64 * 128;
+    MbarWait(&sm_.q_full()[q_slot], (items_done_ / Cfg::kQSlots) & 1);
+    const int g = g_;
+    if constexpr (!Cfg::kOverlap) {
+      for (int it = 0; it < num_tiles; ++it) {
+        const int stage = (g + it) % kStages;
+        const uint32_t parity = ((g + it) / kStages) & 1;
+        Refill(t, it, num_tiles);
+        MbarWait(&sm_.k_full()[stage], parity);
+        TurnBegin();
+        GemmQK(stage);
+        TurnEnd();
+        WgmmaWait<0>();
+        FenceRegs(Flat(acc_.s));
+        ReleaseK(stage, it, num_tiles, q_slot);
+        Softmax(t, row0, t.n_end - 1 - it);
+        RescaleO(acc_.o, acc_.corr);
+        ConvertP<T>(acc_.s, acc_.pa);
+        MbarWait(&sm_.v_full()[stage], parity);
+        ClearVTail(t, stage, t.n_end - 1 - it);
+        GemmPV(stage);
+        WgmmaWait<0>();
+        FenceRegs(Flat(acc_.o));
+        Release(&sm_.v_empty()[stage]);
+      }
+    } else {
+      // Tile 0: S and P only (O is still zero).
+      const int first = g % kStages;
+      MbarWait(&sm_.k_full()[first], (g / kStages) & 1);
+      TurnBegin();
+      GemmQK(first);
+      TurnEnd();
+      WgmmaWait<0>();
+      FenceRegs(Flat(acc_.s));
+      ReleaseK(first, 0, num_tiles, q_slot);
+      Softmax(t, row0, t.n_end - 1);
+      ConvertP<T>(acc_.s, acc_.pa);
+      for (int it = 1; it < num_tiles; ++it) {
+        const int stage = (g + it) % kStages;
+        const int prev = (g + it - 1) % kStages;
+        MbarWait(&sm_.k_full()[stage], ((g + it) / kStages) & 1);
+        MbarWait(&sm_.v_full()[prev], ((g + it - 1) / kStages) & 1);
+        ClearVTail(t, prev, t.n_end - it);
+        TurnBegin();
+        GemmQK(stage);  // S of tile it ...
+        RescaleO(acc_.o, acc_.corr);
+        GemmPV(prev);  // ... while O += P V of tile it - 1
+        TurnEnd();
+        WgmmaWait<1>();  // S landed; P V may still run during the softmax
+        FenceRegs(Flat(acc_.s));
+        ReleaseK(stage, it, num_tiles, q_slot);
+        Softmax(t, row0, t.n_end - 1 - it);
+        WgmmaWait<0>();
+        FenceRegs(Flat(acc_.o));
+        Release(&sm_.v_empty()[prev]);
+        ConvertP<T>(acc_.s, acc_.pa);
+      }
+      const int last = (g + num_tiles - 1) % kStages;
+      MbarWait(&sm_.v_full()[last], ((g + num_tiles - 1) / kStages) & 1);
+      ClearVTail(t, last, t.n_begin);
+      TurnBegin();
+      RescaleO(acc_.o, acc_.corr);
+      GemmPV(last);
+      TurnEnd();
+      WgmmaWait<0>();
+      FenceRegs(Flat(acc_.o));
+      Release(&sm_.v_empty()[last]);
+    }
+    g_ += num_tiles;
+    ++items_done_;
+  }
+
+ private:
+  // S = Q K^T for the stage's K tile: kQKSteps k-steps, each a K-major
+  // descriptor pair advanced 32 bytes inside the 128-byte rows, 128-byte
+  // boxes apart.
+  __device__ __forceinline__ void GemmQK(int stage) {
+    FenceRegs(Flat(acc_.s));
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kQKSteps; ++kk) {
+      const int db = kk / 4, kin = (kk % 4) * 32;
+      const uint64_t a = SmemDesc(q_wg_ + db * kBlockM * 128 + kin, 16, 1024);
+      const uint64_t bd =
+          SmemDesc(sm_.sK() + stage * Cfg::kKBytes + db * kBlockN * 128 + kin, 16, 1024);
+      if constexpr (Cfg::kFp8Qk) {
+        WgmmaE4m3<kBlockN>::SS(Flat(acc_.s), a, bd, kk > 0 ? 1 : 0);
+      } else {
+        Wgmma<kBlockN, T>::SS(Flat(acc_.s), a, bd, kk > 0 ? 1 : 0);
+      }
+    }
+    WgmmaCommit();
+    FenceRegs(Flat(acc_.s));
+  }
+
+  // O += P V: V is the MN-major B operand (keys x 64 d-columns per block,
+  // blocks kBlockN x 128 bytes apart = LBO); a k16 step is 16 keys = 2048 B.
+  __device__ __forceinline__ void GemmPV(int stage) {
+    FenceRegs(Flat(acc_.o));
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) FenceRegs(acc_.pa[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
+      const uint64_t bd = SmemDesc(sm_.sV() + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64,
+                                   kBlockN * 128, 1024);
+      Wgmma<Cfg::kHeadDim, T>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+    }
+    WgmmaCommit();
+    FenceRegs(Flat(acc_.o));
+  }
+
+  __device__ __forceinline__ void Release(uint64_t* bar) const {
+    if (lane == 0) MbarArrive(bar);
+  }
+  // K tile it is consumed once its S landed; after the item's last Q K^T so
+  // is its Q slot, which the producer refills with a later item's Q while
+  // this one's last P V and epilogue run.
+  __device__ __forceinline__ void ReleaseK(int stage, int it, int num_tiles, int q_slot) const {
+    Release(&sm_.k_empty()[stage]);
+    if (it == num_tiles - 1) Release(&sm_.q_empty()[q_slot]);
+  }
+
+  __device__ __forceinline__ void TurnBegin() const {
+    if constexpr (Cfg::kPingPong) NamedBarSync(1 + wg, kConsumerThreads);
+  }
+  __device__ __forceinline__ void TurnEnd() const {
+    if constexpr (Cfg::kPingPong) NamedBarArrive(1 + (wg ^ 1), kConsumerThreads);
+  }
+
+  // kTmaSync: thread 0 refills the stage that tile it - 1 used.
+  __device__ __forceinline__ void Refill(const Sm90Tile& t, int it, int num_tiles) const {
+    if constexpr (!Cfg::kWS) {
+      const int next = it - 1 + kStages;
+      if (ctid == 0 && it >= 1 && next < num_tiles) Loads::LoadKV(L_, sm_, t, next, next);
+    }
+  }
+
+  // Softcap, mask and the online-softmax step of key tile n, S -> P.
+  __device__ __forceinline__ void Softmax(const Sm90Tile& t, int row0, int n) {
+    const AttnParams& p = L_.fwd.p;
+    if (use_softcap) detail::SoftcapScores(acc_.s, L_.fwd.softcap_in, L_.fwd.softcap_out);
+    const int key0 = n * kBlockN;
+    if (Mask::TileNeedsMask(key0, kBlockN, t.sk, t.lo_last, t.hi_first)) {
+      detail::MaskScores(acc_.s, p, key0, row0, t.sq, 1, t.sq, t.sk, quad);
+    }
+    SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
+  }
+
+  // Varlen: the V tile of key tile n reaching past the sequence holds the
+  // next sequence's rows (a dense map zero-fills there). P is 0 for them but
+  // 0 x Inf or NaN is not, so before P V reads the tile the consumers zero
+  // those rows (whole 128-byte rows: the swizzle moves chunks only within a
+  // row), fence the stores into wgmma's (async) proxy and meet at named
+  // barrier 3. Only the sequence's last key tile, once per item; the test is
+  // uniform over the consumers, so all or none reach the barrier.
+  __device__ __forceinline__ void ClearVTail(const Sm90Tile& t, int stage, int n) const {
+    const int valid = t.sk - n * kBlockN;  // rows < valid are the sequence's
+    if (!IsVarlen(L_.fwd.p) || valid >= kBlockN) return;
+    uint4* tile = reinterpret_cast<uint4*>(sm_.sV() + stage * kDBlocks * kBlockN * 64);
+    for (int c = ctid; c < kDBlocks * kBlockN * 8; c += kConsumerThreads) {
+      if ((c / 8) % kBlockN >= valid) tile[c] = make_uint4(0, 0, 0, 0);
+    }
+    FenceProxyAsyncShared();
+    NamedBarSync(3, kConsumerThreads);
+  }
+
+  const Sm90FwdLaunch& L_;
+  const Smem sm_;
+  const unsigned char* q_wg_;  // this warpgroup's 64 rows of the item's Q slot
+  Sm90FwdAccum<Cfg>& acc_;
+  int g_ = 0;           // K/V tiles consumed so far (ring slot and phase)
+  int items_done_ = 0;  // items consumed so far (Q slot and phase)
+};
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace attnserve

@@ -1,0 +1,190 @@
+// The Hopper forward kernel's work items and the tile schedulers that hand
+// them to a CTA's producer and consumers:
+//  - Sm90StaticTileScheduler<false>: one CTA per item (grid = items).
+//  - Sm90StaticTileScheduler<true>: one CTA per SM striding over the items
+//    (CTA c takes c, c + grid, ...).
+//  - Sm90DynamicTileScheduler: one CTA per SM; after its first item
+//    (blockIdx.x) the producer draws each next one from a global counter and
+//    passes it to the consumers through a 2-slot ring in shared memory.
+// Every scheduler: ProducerItem(k) / ConsumerItem(k) give the CTA's k-th item
+// (>= num_items: none left), both sides calling with k = 0, 1, ... in turn.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_kernel.cuh"
+#include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/hopper/sm90_fwd_config.cuh"
+#include "backend/cuda/hopper/sm90_primitives.cuh"
+
+namespace attnserve {
+namespace cuda {
+namespace sm90 {
+
+// A CTA's work item: 128 query rows (m block) of one query head of one
+// sequence, and the key tiles [n_begin, n_end) they can see (scanned right
+// to left: the partial / band-edge tile first, as the portable kernel does).
+// Tensor-map coordinates: dense maps are [B, S, H, D] (the sequence is batch
+// b, its rows from 0); varlen maps one [1, T, H, D] batch (the sequence's
+// rows from its cu_seqlens offset).
+struct Sm90Tile {
+  int b, head, kv_head, m0;
+  int sq, sk;                 // this sequence's lengths
+  int q_row0, k_row0, map_b;  // its first Q and K/V row, and batch, in the maps
+  int n_begin, n_end;
+  int lo_last, hi_first;  // band-interior tiles: [lo(last row), hi(first row)]
+};
+
+// Work item `index` of num_m_blocks x batch x heads: m blocks fastest (the
+// CTAs running together share one head's K/V in L2), in MaskPolicy's order
+// (banded: the most key tiles first). False when its rows lie past Sq.
+template <int kBlockN, bool kIsBanded>
+__device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Tile* t) {
+  using Mask = detail::MaskPolicy<kIsBanded>;
+  const AttnParams& p = F.p;
+  const int per_head = F.num_m_blocks * p.batch;
+  t->head = index / per_head;
+  const int rest = index % per_head;
+  t->b = rest / F.num_m_blocks;
+  t->m0 = Mask::MBlock(rest % F.num_m_blocks, F.num_m_blocks) * kBlockM;
+  t->sq = SeqLenQ(p, t->b);
+  if (t->m0 >= t->sq) return false;
+  t->sk = SeqLenK(p, t->b);
+  const bool varlen = IsVarlen(p);
+  t->q_row0 = varlen ? static_cast<int>(SeqStartQ(p, t->b)) : 0;
+  t->k_row0 = varlen ? static_cast<int>(SeqStartK(p, t->b)) : 0;
+  t->map_b = varlen ? 0 : t->b;
+  t->kv_head = KVHead(p, t->head);
+  int lo_first, hi_last;
+  VisibleKeys(p, t->m0, t->sq, t->sk, &lo_first, &t->hi_first);
+  VisibleKeys(p, min(t->sq, t->m0 + kBlockM) - 1, t->sq, t->sk, &t->lo_last, &hi_last);
+  Mask::KeyTiles(lo_first, hi_last, t->sk, kBlockN, &t->n_begin, &t->n_end);
+  return true;
+}
+
+// Persistent grids: one CTA per SM (the tiles' smem allows no second one),
+// never more than there are items.
+inline cudaError_t PersistentGrid(int64_t items, dim3* grid) {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  *grid = dim3(static_cast<unsigned>(items < sms ? items : sms));
+  return cudaSuccess;
+}
+
+// Static schedules: the k-th item is a function of the CTA alone.
+template <bool kPersistent_>
+struct Sm90StaticTileScheduler {
+  static constexpr bool kPersistent = kPersistent_;
+  static constexpr bool kNeedsCounters = false;
+  const int first_item;
+  const int item_step;
+
+  template <class Smem>
+  __device__ __forceinline__ Sm90StaticTileScheduler(const FwdLaunch&, const Smem&, int num_items)
+      : first_item(kPersistent ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x),
+        item_step(kPersistent ? gridDim.x : num_items) {}
+
+  __device__ __forceinline__ void InitBarriers() const {}
+  __device__ __forceinline__ int ProducerItem(int k) const { return first_item + k * item_step; }
+  __device__ __forceinline__ int ConsumerItem(int k) const { return first_item + k * item_step; }
+  __device__ __forceinline__ void ProducerFinish() const {}
+
+  // Non-persistent: x the items of one head, y the query heads.
+  static cudaError_t Grid(int64_t items, int num_heads_q, dim3* grid) {
+    if constexpr (kPersistent) {
+      return PersistentGrid(items, grid);
+    } else {
+      if (num_heads_q > 65535) return cudaErrorInvalidConfiguration;
+      *grid = dim3(static_cast<unsigned>(items / num_heads_q), num_heads_q);
+      return cudaSuccess;
+    }
+  }
+};
+
+// kPersistentDynamic: F.item_counters[0] is the next item to draw (past the
+// grid's first ones), [1] counts the CTAs done; both zero at rest.
+struct Sm90DynamicTileScheduler {
+  static constexpr bool kPersistent = true;
+  static constexpr bool kNeedsCounters = true;
+  const FwdLaunch& F;
+  uint64_t* const sched_full;   // [2]: item_slot[i] written
+  uint64_t* const sched_empty;  // [2]: every consumer warp has read it
+  int* const item_slot;         // [2]
+  const int first_item;
+
+  template <class Smem>
+  __device__ __forceinline__ Sm90DynamicTileScheduler(const FwdLaunch& launch, const Smem& sm, int)
+      : F(launch),
+        sched_full(sm.sched_full()),
+        sched_empty(sm.sched_empty()),
+        item_slot(sm.item_slot()),
+        first_item(blockIdx.x) {}
+
+  // One thread; the caller fences the inits.
+  __device__ __forceinline__ void InitBarriers() const {
+    for (int s = 0; s < 2; ++s) {
+      MbarInit(&sched_full[s], 1);
+      MbarInit(&sched_empty[s], kConsumerThreads / 32);
+    }
+  }
+
+  // The producer thread draws item k and publishes it in item_slot[k % 2].
+  __device__ __forceinline__ int ProducerItem(int k) const {
+    const int slot = k & 1;
+    if (k >= 2) MbarWait(&sched_empty[slot], ((k >> 1) - 1) & 1);
+    const int item =
+        k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
+    item_slot[slot] = item;
+    MbarArrive(&sched_full[slot]);  // release: the consumers' wait acquires the store
+    return item;
+  }
+
+  // Lane 0 of every consumer warp reads the slot once and passes it to its
+  // lanes: the reading thread must be the one whose arrival on sched_empty
+  // releases the slot, or the other lanes' reads race the producer's next
+  // store.
+  __device__ __forceinline__ int ConsumerItem(int k) const {
+    const int slot = k & 1;
+    int item = 0;
+    if (threadIdx.x % 32 == 0) {
+      MbarWait(&sched_full[slot], (k >> 1) & 1);
+      item = item_slot[slot];
+      MbarArrive(&sched_empty[slot]);
+    }
+    return __shfl_sync(0xffffffffu, item, 0);
+  }
+
+  // After the producer's last draw: the last CTA to stop drawing leaves the
+  // counters zero for the next launch (every other CTA has drawn its last
+  // item by then: the fences order each CTA's last draw before its count).
+  __device__ __forceinline__ void ProducerFinish() const {
+    __threadfence();
+    if (atomicAdd(&F.item_counters[1], 1) == static_cast<int>(gridDim.x) - 1) {
+      __threadfence();
+      F.item_counters[0] = 0;
+      F.item_counters[1] = 0;
+    }
+  }
+
+  static cudaError_t Grid(int64_t items, int, dim3* grid) { return PersistentGrid(items, grid); }
+};
+
+template <Sm90Schedule kSchedule>
+struct Sm90TileSchedulerFor {
+  using type = Sm90StaticTileScheduler<kSchedule == Sm90Schedule::kPersistent>;
+};
+template <>
+struct Sm90TileSchedulerFor<Sm90Schedule::kPersistentDynamic> {
+  using type = Sm90DynamicTileScheduler;
+};
+template <Sm90Schedule kSchedule>
+using Sm90TileScheduler = typename Sm90TileSchedulerFor<kSchedule>::type;
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace attnserve
