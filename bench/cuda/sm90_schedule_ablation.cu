@@ -3,9 +3,8 @@
 // ablation (bench/NOTES-cuda.md). kDefaultSm90Schedule runs the production
 // library's own instantiation (extern template below), so its row times the
 // kernel the server launches.
-#include "bench/cuda/sm90_schedule_ablation.h"
-
 #include "backend/cuda/hopper/attn_fwd_sm90.cuh"
+#include "bench/cuda/sm90_schedule_ablation.h"
 
 namespace attnserve {
 namespace cuda {

@@ -89,7 +89,9 @@ struct Sm90FwdSmem {
       : base(smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023)) {}
 
   __device__ __forceinline__ unsigned char* sQ() const { return base; }
-  __device__ __forceinline__ unsigned char* sK() const { return base + Cfg::kQSlots * Cfg::kQBytes; }
+  __device__ __forceinline__ unsigned char* sK() const {
+    return base + Cfg::kQSlots * Cfg::kQBytes;
+  }
   __device__ __forceinline__ T* sV() const {
     return reinterpret_cast<T*>(sK() + Cfg::kStages * Cfg::kKBytes);
   }

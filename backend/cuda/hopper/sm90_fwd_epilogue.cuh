@@ -23,8 +23,7 @@ struct Sm90FwdEpilogue {
   static constexpr int kDTiles = Cfg::kDTiles;
 
   // Item t has no visible key: all consumer threads (ctid) share its rows.
-  __device__ __forceinline__ static void StoreEmpty(const FwdLaunch& F,
-                                                    const detail::QueryRows& qr,
+  __device__ __forceinline__ static void StoreEmpty(const FwdLaunch& F, const detail::QueryRows& qr,
                                                     const Sm90Tile& t, int ctid) {
     detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
   }
@@ -33,8 +32,7 @@ struct Sm90FwdEpilogue {
   // row_max and row_sum as the mainloop left them.
   __device__ __forceinline__ static void Store(const FwdLaunch& F, const detail::QueryRows& qr,
                                                const Sm90Tile& t, int row0, int quad,
-                                               float (&o)[1][kDTiles][4],
-                                               const float (&row_max)[2],
+                                               float (&o)[1][kDTiles][4], const float (&row_max)[2],
                                                const float (&row_sum)[2], float score_log2) {
     const AttnParams& p = F.p;
     float lse[2];
