@@ -27,6 +27,11 @@ class CompletedLaunch final : public PendingLaunch {
   BackendTimings timings_;
 };
 
+absl::Status NoPagedPath(const AttentionBackend& backend) {
+  return absl::UnimplementedError("K/V caches: backend '" + backend.Describe().name +
+                                  "' has no paged path");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartForward(
@@ -68,22 +73,27 @@ absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
   return backend.Forward(plan, params, timings);
 }
 
-// The paged path's defaults: a backend without one says so.
-absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
-                                  "' has no paged path");
+absl::Status PlanAndPagedForward(AttentionBackend& backend, const PagedAttnParams& params,
+                                 BackendTimings* timings) {
+  ASSIGN_OR_RETURN(const Plan plan, backend.CanImplementPaged(params));
+  return backend.PagedForward(plan, params, timings);
 }
+
+// The paged path's defaults: a backend without one says so.
+absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) { return NoPagedPath(*this); }
 void AttentionBackend::FreeKvMemory(void*) {}
-absl::Status AttentionBackend::PagedForward(const PagedAttnParams&, BackendTimings*) {
-  return absl::UnimplementedError("K/V caches: backend '" + Describe().name +
-                                  "' has no paged path");
+absl::StatusOr<Plan> AttentionBackend::CanImplementPaged(const PagedAttnParams&) const {
+  return NoPagedPath(*this);
+}
+absl::Status AttentionBackend::PagedForward(const Plan&, const PagedAttnParams&, BackendTimings*) {
+  return NoPagedPath(*this);
 }
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForward(
-    const PagedBatch& batch) {
+    const Plan& plan, const PagedBatch& batch) {
   BackendTimings timings;
   if (batch.size() == 1) {
-    RETURN_IF_ERROR(PagedForward(*batch.members().front(), &timings));
+    RETURN_IF_ERROR(PagedForward(plan, *batch.members().front(), &timings));
     return std::unique_ptr<PendingLaunch>(new CompletedLaunch(timings));
   }
   // Several calls of one cache layer: pack them into host buffers (the copies
@@ -121,7 +131,9 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForwa
   buffers.copy_dst = copy_dst.data();
   const PagedAttnParams packed = batch.Gather(buffers);
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-  RETURN_IF_ERROR(PagedForward(packed, &timings));
+  // The members differ only in sizes (CanSharePagedLaunch): the first one's
+  // plan serves a backend whose plans do not depend on sizes.
+  RETURN_IF_ERROR(PagedForward(plan, packed, &timings));
   const absl::Time scatter_start = absl::Now();
   batch.Scatter(o.data(), lse.data());
   timings.host_to_device_us += gather_us;

@@ -111,23 +111,41 @@ class AttentionBackend {
   virtual absl::StatusOr<void*> AllocateKvMemory(int64_t bytes);
   virtual void FreeKvMemory(void* memory);
 
-  // One append-and-attend launch over host-memory inputs (everything but
-  // params.pages, which is this backend's memory), waited for; the order of
-  // work is paged_kv.h's (page copies, append, attend). Writes all of o (and
-  // lse). An error means no visible output; appended rows may have been
-  // written past the sequences' old lengths (the pool does not count them).
-  virtual absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings);
+  // The one check of an append-and-attend call, and its plan, as CanImplement
+  // for dense calls: CheckPagedParams (INVALID_ARGUMENT for params that would
+  // reach outside the cache's pages or break the contract), then this
+  // backend's decision, or UNIMPLEMENTED. PagedForward and StartPagedForward
+  // take the plan and trust it. Call it on params with outputs bound and the
+  // block table filled (host memory: it reads every row the lengths cover).
+  virtual absl::StatusOr<Plan> CanImplementPaged(const PagedAttnParams& params) const;
+
+  // One append-and-attend launch as `plan` (CanImplementPaged's for these
+  // params) says, over host-memory inputs (everything but params.pages, which
+  // is this backend's memory), waited for; the order of work is paged_kv.h's
+  // (page copies, append, attend). Writes all of o (and lse). An error means
+  // no visible output; appended rows may have been written past the
+  // sequences' old lengths (the pool does not count them).
+  virtual absl::Status PagedForward(const Plan& plan, const PagedAttnParams& params,
+                                    BackendTimings* timings);
 
   // The pipelined form, as StartForward: one launch over `batch` (calls of one
-  // cache and layer). Paged launches of one backend run in the order they were
-  // started (a later launch may read rows an earlier one appended). The
-  // default packs several members into host buffers and runs PagedForward.
-  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const PagedBatch& batch);
+  // cache and layer that CanSharePagedLaunch), `plan` CanImplementPaged's for
+  // the first member (a backend whose plan depends on sizes re-plans the
+  // packed params once, without re-checking them). Paged launches of one
+  // backend run in the order they were started (a later launch may read rows
+  // an earlier one appended). The default packs several members into host
+  // buffers and runs PagedForward with `plan`, so a backend without a
+  // pipeline and with size-independent plans needs nothing.
+  virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const Plan& plan,
+                                                                           const PagedBatch& batch);
 };
 
 // CanImplement, then Forward with its plan: for callers that run one call
 // outside the server (tests, benchmarks, tools).
 absl::Status PlanAndForward(AttentionBackend& backend, const AttnParams& params,
                             BackendTimings* timings);
+// The same for one paged call: CanImplementPaged, then PagedForward.
+absl::Status PlanAndPagedForward(AttentionBackend& backend, const PagedAttnParams& params,
+                                 BackendTimings* timings);
 
 }  // namespace attnserve

@@ -26,9 +26,12 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
     p.total_q = shape.cu_seqlens_q[shape.batch];
     p.total_k = shape.cu_seqlens_k[shape.batch];
     // Varlen kernels size per-sequence work by the longest sequence.
+    // Paged: the keys are each sequence's whole length, not its new rows.
     for (int b = 0; b < shape.batch; ++b) {
       p.seqlen_q = std::max(p.seqlen_q, shape.cu_seqlens_q[b + 1] - shape.cu_seqlens_q[b]);
-      p.seqlen_k = std::max(p.seqlen_k, shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b]);
+      p.seqlen_k = std::max(p.seqlen_k, shape.seqlens_k != nullptr
+                                            ? shape.seqlens_k[b]
+                                            : shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b]);
     }
   } else {
     p.seqlen_q = shape.seqlen_q;
@@ -36,9 +39,8 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
     p.total_q = int64_t{shape.batch} * shape.seqlen_q;
     p.total_k = int64_t{shape.batch} * shape.seqlen_k;
   }
-  p.softmax_scale = options.softmax_scale.has_value()
-                        ? *options.softmax_scale
-                        : DefaultSoftmaxScale(shape.head_dim);
+  p.softmax_scale = options.softmax_scale.has_value() ? *options.softmax_scale
+                                                      : DefaultSoftmaxScale(shape.head_dim);
   p.softmax_scale_log2 = p.softmax_scale * kLog2e;
   p.softcap = options.softcap;
   p.is_causal = options.causal;

@@ -15,7 +15,8 @@ namespace attnserve {
 // The sizes of a call. Dense: `batch` sequences of seqlen_q queries and
 // seqlen_k keys each, cu_seqlens null. Varlen: cu_seqlens_q/k hold batch+1
 // offsets in HOST memory (read here: the totals are their last entries and
-// seqlen_q/k the longest sequences; the seqlen fields are ignored).
+// seqlen_q/k the longest sequences; the seqlen fields are ignored). Paged
+// (paged_kv.h): varlen over the new rows, plus seqlens_k.
 struct AttnShape {
   DType dtype = DType::kFP16;
   int32_t batch = 0;
@@ -26,6 +27,10 @@ struct AttnShape {
   int32_t seqlen_k = 0;
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // Paged only: each sequence's keys after the append (batch entries, HOST).
+  // cu_seqlens_k then counts the new rows alone, and seqlen_k is the longest
+  // of these (the keys the launch attends over).
+  const int32_t* seqlens_k = nullptr;
 };
 
 // A dense shape: `batch` sequences of seqlen_q queries and seqlen_k keys.
@@ -39,6 +44,25 @@ inline AttnShape DenseShape(DType dtype, int32_t batch, int32_t seqlen_q, int32_
   s.num_heads_q = num_heads_q;
   s.num_heads_kv = num_heads_kv;
   s.head_dim = head_dim;
+  return s;
+}
+
+// A paged append-and-attend shape: `batch` sequences with new query rows
+// cu_seqlens_q and new K/V rows cu_seqlens_k (varlen offsets), attending over
+// seqlens_k[b] keys each (all HOST memory). seqlens_k may be null while the
+// lengths are not known yet (a call's cost before its pages are reserved).
+inline AttnShape PagedShape(DType dtype, int32_t batch, int32_t num_heads_q, int32_t num_heads_kv,
+                            int32_t head_dim, const int32_t* cu_seqlens_q,
+                            const int32_t* cu_seqlens_k, const int32_t* seqlens_k) {
+  AttnShape s;
+  s.dtype = dtype;
+  s.batch = batch;
+  s.num_heads_q = num_heads_q;
+  s.num_heads_kv = num_heads_kv;
+  s.head_dim = head_dim;
+  s.cu_seqlens_q = cu_seqlens_q;
+  s.cu_seqlens_k = cu_seqlens_k;
+  s.seqlens_k = seqlens_k;
   return s;
 }
 
@@ -66,7 +90,8 @@ struct AttnPointers {
   float* lse = nullptr;
 };
 
-// Sizes and totals from `shape`; softmax_scale defaulting to 1/sqrt(D) and
+// Sizes and totals from `shape` (paged: total_k the new rows, seqlen_k the
+// longest seqlens_k); softmax_scale defaulting to 1/sqrt(D) and
 // softmax_scale_log2 = softmax_scale * kLog2e (params.h); causal folded into
 // window_right = 0 (the causal bound wins over a wider right window); unset
 // windows kNoWindow; unset descales 1. Checks nothing: callers validate first (the server's

@@ -2,10 +2,14 @@
 #include "server/executor.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
+#include "backend/paged_batch.h"
 #include "backend/ragged_batch.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -13,12 +17,97 @@ namespace {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-// Whether two queued items may be collected into one launch before their
-// outputs are bound: plain calls by their params, K/V calls by cache and layer.
-bool MayShareLaunch(const WorkItem& a, const WorkItem& b) {
-  if ((a.paged == nullptr) != (b.paged == nullptr)) return false;
-  if (a.paged != nullptr) return a.paged->cache == b.paged->cache && a.paged->layer == b.paged->layer;
-  return CanShareLaunch(a.params, b.params);
+// Both checks come before any work: cancelled work is dropped, and work past
+// its deadline would produce a response nobody waits for. The deadline first:
+// gRPC also cancels a call whose deadline passes, and DEADLINE_EXCEEDED says
+// more than CANCELLED.
+absl::Status CheckStillWanted(const WorkMetadata& call) {
+  const absl::Time now = absl::Now();
+  if (now >= call.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "deadline exceeded before compute started (queued for ", Micros(now - call.received),
+        " us, deadline passed ", Micros(now - call.deadline), " us ago)"));
+  }
+  if (call.cancelled != nullptr && call.cancelled->load(std::memory_order_acquire)) {
+    return absl::CancelledError("request cancelled by the client before compute started");
+  }
+  return absl::OkStatus();
+}
+
+// --- The two kinds of call: everything the executor does differently for them. ---
+
+// Tq + Tk rows: the batch token budget and the dispatcher's load.
+int64_t Tokens(const DenseJob& j) { return BatchTokens(j.params); }
+int64_t Tokens(const PagedJob& j) {
+  const AttnShape& rows = j.work.rows;
+  return int64_t{rows.cu_seqlens_q[rows.batch]} + rows.cu_seqlens_k[rows.batch];
+}
+
+// What the fair queue charges the call's tenant.
+int64_t Cost(const DenseJob& j) { return RequestCost(j.params); }
+int64_t Cost(const PagedJob& j) { return RequestCost(j.work.rows); }
+
+// Whether two queued calls may be collected into one launch before they are
+// ready: dense calls by their params, K/V calls by cache and layer.
+bool MayShare(const DenseJob& a, const DenseJob& b) { return CanShareLaunch(a.params, b.params); }
+bool MayShare(const PagedJob& a, const PagedJob& b) {
+  return a.work.cache == b.work.cache && a.work.layer == b.work.layer;
+}
+
+// Just before the launch: binds a dense call's outputs, or reserves a K/V
+// call's pages (now, in arrival order, so the pool takes pages only for calls
+// about to run); then the backend checks the whole params, outputs included,
+// and plans the launch, once. UNIMPLEMENTED here names what this build lacks.
+absl::Status MakeReady(AttentionBackend& backend, DenseJob& j) {
+  if (j.bind_outputs) RETURN_IF_ERROR(j.bind_outputs(&j.params));
+  ASSIGN_OR_RETURN(j.plan, backend.CanImplement(j.params));
+  return absl::OkStatus();
+}
+absl::Status MakeReady(AttentionBackend& backend, PagedJob& j) {
+  ASSIGN_OR_RETURN(j.params, j.work.reserve());
+  ASSIGN_OR_RETURN(j.plan, backend.CanImplementPaged(j.params));
+  return absl::OkStatus();
+}
+
+// Whether two ready calls can share a launch (LSE is known only once outputs
+// are bound, a K/V call's pages once reserved).
+bool CanShare(const DenseJob& a, const DenseJob& b) { return CanShareLaunch(a.params, b.params); }
+bool CanShare(const PagedJob& a, const PagedJob& b) {
+  return CanSharePagedLaunch(a.params, b.params);
+}
+
+// One launch over ready calls of one kind, with the first one's plan.
+absl::StatusOr<std::unique_ptr<PendingLaunch>> Start(AttentionBackend& backend,
+                                                     const std::vector<const DenseJob*>& jobs) {
+  std::vector<const AttnParams*> members;
+  for (const DenseJob* j : jobs) members.push_back(&j->params);
+  return backend.StartForward(jobs.front()->plan, PackedBatch(std::move(members)));
+}
+absl::StatusOr<std::unique_ptr<PendingLaunch>> Start(AttentionBackend& backend,
+                                                     const std::vector<const PagedJob*>& jobs) {
+  std::vector<const PagedAttnParams*> members;
+  for (const PagedJob* j : jobs) members.push_back(&j->params);
+  return backend.StartPagedForward(jobs.front()->plan, PagedBatch(std::move(members)));
+}
+
+// `pair(a, b)` for two calls of one kind; calls of different kinds share nothing.
+template <typename Pair>
+bool OfOneKindAnd(const WorkJob& a, const WorkJob& b, Pair pair) {
+  return std::visit(
+      [&pair](const auto& x, const auto& y) {
+        if constexpr (std::is_same_v<decltype(x), decltype(y)>) {
+          return pair(x, y);
+        } else {
+          return false;
+        }
+      },
+      a, b);
+}
+
+// The one place that tells the kinds apart: an item's call as its job.
+WorkJob JobOf(WorkItem& item) {
+  if (item.paged.has_value()) return PagedJob{*std::move(item.paged), {}, Plan()};
+  return DenseJob{item.params, std::move(item.bind_outputs), Plan()};
 }
 
 absl::Status DroppedAtShutdown() {
@@ -26,6 +115,11 @@ absl::Status DroppedAtShutdown() {
 }
 
 }  // namespace
+
+Executor::Queued::Queued(WorkItem item)
+    : meta(std::move(static_cast<WorkMetadata&>(item))),
+      job(JobOf(item)),
+      tokens(std::visit([](const auto& j) { return Tokens(j); }, job)) {}
 
 Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
     : backend_(backend),
@@ -45,19 +139,23 @@ Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
 Executor::~Executor() { Shutdown(); }
 
 absl::Status Executor::Submit(WorkItem item) {
+  Queued q(std::move(item));
+  const int64_t cost = std::visit([](const auto& j) { return Cost(j); }, q.job);
   absl::MutexLock lock(&mu_);
-  if (!admitting_ && (stopping_ || !item.follows_admitted)) return absl::UnavailableError(refusal_);
-  if (!stalled_.empty()) return absl::UnavailableError(stalled_);
-  if (!queue_.HasRoom(item.tenant, options_.max_queue_size)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "queue full: ", queue_.size(), " requests waiting, the limit is ", options_.max_queue_size,
-        " (--max_queue_size), and tenant \"", item.tenant,
-        "\" holds its fair share of it; retry later"));
+  if (!admitting_ && (stopping_ || !q.meta.follows_admitted)) {
+    return absl::UnavailableError(refusal_);
   }
-  outstanding_tokens_.fetch_add(BatchTokens(item.params), std::memory_order_relaxed);
-  const std::string tenant = item.tenant;
-  const int64_t cost = RequestCost(item.params);
-  queue_.Push(tenant, cost, Queued{std::move(item), absl::Now(), WorkTimings{}, false});
+  if (!stalled_.empty()) return absl::UnavailableError(stalled_);
+  if (!queue_.HasRoom(q.meta.tenant, options_.max_queue_size)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
+                     options_.max_queue_size, " (--max_queue_size), and tenant \"", q.meta.tenant,
+                     "\" holds its fair share of it; retry later"));
+  }
+  outstanding_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
+  q.admitted = absl::Now();
+  const std::string tenant = q.meta.tenant;
+  queue_.Push(tenant, cost, std::move(q));
   ++submitted_;
   return absl::OkStatus();
 }
@@ -124,10 +222,10 @@ bool Executor::running() const {
 }
 
 void Executor::Complete(Queued& q, const absl::Status& status) {
-  q.timings.total_us = Micros(absl::Now() - q.item.received);
+  q.timings.total_us = Micros(absl::Now() - q.meta.received);
   q.timings.device = options_.device;
-  q.item.done(status, q.timings);
-  outstanding_tokens_.fetch_sub(BatchTokens(q.item.params), std::memory_order_relaxed);
+  q.meta.done(status, q.timings);
+  outstanding_tokens_.fetch_sub(q.tokens, std::memory_order_relaxed);
 }
 
 void Executor::LauncherLoop() {
@@ -147,7 +245,7 @@ void Executor::LauncherLoop() {
       launching_ = true;
       stopping = stopping_;
       const Queued& head = picked.front();
-      if (!stopping && options_.batching && !head.item.internal && !head.rerun_alone) {
+      if (!stopping && options_.batching && !head.meta.internal && !head.rerun_alone) {
         CollectBatch(&picked);
         stopping = stopping_;  // collection may have waited while Shutdown began
       }
@@ -165,102 +263,58 @@ void Executor::LauncherLoop() {
 }
 
 void Executor::CollectBatch(std::vector<Queued>* batch) {
-  // A copy: pushing onto `batch` may move its elements.
-  const WorkItem head = batch->front().item;
-  int64_t tokens = BatchTokens(head.params);
+  // Joiners go to `joined` first: `head` points into `batch`.
+  const Queued& head = batch->front();
+  int64_t tokens = head.tokens;
   if (tokens >= options_.batch_max_tokens) return;
-  const absl::Time wait_until = batch->front().admitted + options_.batch_max_delay;
+  const absl::Time wait_until = head.admitted + options_.batch_max_delay;
+  std::vector<Queued> joined;
   while (true) {
     // Any tenant's compatible items may ride along (charged to their own
     // tenant by the queue); the head was picked fairly.
     queue_.TakeIf(
         [&](const Queued& q) {
-          const int64_t t = BatchTokens(q.item.params);
-          if (q.item.internal || q.rerun_alone || !MayShareLaunch(head, q.item) ||
-              tokens + t > options_.batch_max_tokens) {
+          if (q.meta.internal || q.rerun_alone || tokens + q.tokens > options_.batch_max_tokens ||
+              !OfOneKindAnd(head.job, q.job,
+                            [](const auto& a, const auto& b) { return MayShare(a, b); })) {
             return false;
           }
-          tokens += t;
+          tokens += q.tokens;
           return true;
         },
-        batch);
+        &joined);
     // Alone means no sign of concurrency: waiting would only add latency.
-    if (batch->size() < 2 || stopping_ || absl::Now() >= wait_until) return;
+    if (joined.empty() || stopping_ || absl::Now() >= wait_until) break;
     const int64_t seen = submitted_;
     auto arrived = [this, seen]()
                        ABSL_SHARED_LOCKS_REQUIRED(mu_) { return submitted_ != seen || stopping_; };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&arrived), wait_until)) return;
+    if (!mu_.AwaitWithDeadline(absl::Condition(&arrived), wait_until)) break;
   }
-}
-
-absl::Status Executor::Prepare(WorkItem& item) {
-  // Both checks come before any work: cancelled work is dropped, and work past
-  // its deadline would produce a response nobody waits for.
-  // The deadline first: gRPC also cancels a call whose deadline passes, and
-  // DEADLINE_EXCEEDED says more than CANCELLED.
-  const absl::Time now = absl::Now();
-  if (now >= item.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "deadline exceeded before compute started (queued for ", Micros(now - item.received),
-        " us, deadline passed ", Micros(now - item.deadline), " us ago)"));
-  }
-  if (item.cancelled != nullptr && item.cancelled->load(std::memory_order_acquire)) {
-    return absl::CancelledError("request cancelled by the client before compute started");
-  }
-  if (item.bind_outputs) return item.bind_outputs(&item.params);
-  return absl::OkStatus();
+  for (Queued& q : joined) batch->push_back(std::move(q));
 }
 
 void Executor::Dispatch(std::vector<Queued> picked) {
   const absl::Time now = absl::Now();
   std::vector<std::vector<Queued>> groups;
   for (Queued& q : picked) {
-    if (q.rerun_alone) {  // prepared and timed the first time it was picked
-      groups.emplace_back();
-      groups.back().push_back(std::move(q));
-      continue;
-    }
-    q.timings.queue_us = Micros(now - q.admitted);
-    const absl::Status prepared = Prepare(q.item);
-    if (!prepared.ok()) {
-      Fail(std::move(q), prepared);
-      continue;
-    }
-    if (q.item.paged != nullptr) {
-      // Reserved now, in arrival order: the pool checks lengths and takes
-      // pages only for calls that are about to run. The backend checks the
-      // filled params (CheckPagedParams) in the launch.
-      const absl::Status reserved = q.item.paged->reserve(&q.item.paged->params);
-      if (!reserved.ok()) {
-        Fail(std::move(q), reserved);
+    // A rerun was made ready and timed the first time it was picked.
+    if (!q.rerun_alone) {
+      q.timings.queue_us = Micros(now - q.admitted);
+      absl::Status ready = CheckStillWanted(q.meta);
+      if (ready.ok()) {
+        ready = std::visit([this](auto& job) { return MakeReady(*backend_, job); }, q.job);
+      }
+      if (!ready.ok()) {
+        Fail(std::move(q), ready);
         continue;
       }
-      auto same = [&](const std::vector<Queued>& g) {
-        return g.front().item.paged != nullptr &&
-               CanSharePagedLaunch(g.front().item.paged->params, q.item.paged->params);
-      };
-      auto g = std::find_if(groups.begin(), groups.end(), same);
-      if (g == groups.end()) {
-        groups.emplace_back();
-        g = groups.end() - 1;
-      }
-      g->push_back(std::move(q));
-      continue;
     }
-    // After binding: CanImplement checks the whole params, output pointers
-    // included, once per request, and plans the launch. UNIMPLEMENTED here
-    // names what this build lacks.
-    absl::StatusOr<Plan> plan = backend_->CanImplement(q.item.params);
-    if (!plan.ok()) {
-      Fail(std::move(q), plan.status());
-      continue;
-    }
-    q.plan = *plan;
-    // Collection compared params before outputs were bound; LSE is known only
-    // now, so the ready items are split into groups that can share a launch.
+    // Collection compared the calls before they were ready, so the ready ones
+    // are split into groups that can share a launch.
     auto fits = [&](const std::vector<Queued>& g) {
-      return !g.front().rerun_alone && g.front().item.paged == nullptr &&
-             CanShareLaunch(g.front().item.params, q.item.params);
+      return !q.rerun_alone && !g.front().rerun_alone &&
+             OfOneKindAnd(g.front().job, q.job,
+                          [](const auto& a, const auto& b) { return CanShare(a, b); });
     };
     auto g = std::find_if(groups.begin(), groups.end(), fits);
     if (g == groups.end()) {
@@ -292,19 +346,17 @@ void Executor::StartLaunch(std::vector<Queued> group) {
     for (Queued& q : group) Fail(std::move(q), why);
     return;
   }
-  const bool internal = group.front().item.internal;
+  const bool internal = group.front().meta.internal;
   const absl::Time started = absl::Now();
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch;
   CallBegins(0);
-  if (group.front().item.paged != nullptr) {
-    std::vector<const PagedAttnParams*> members;
-    for (const Queued& q : group) members.push_back(&q.item.paged->params);
-    launch = backend_->StartPagedForward(PagedBatch(std::move(members)));
-  } else {
-    std::vector<const AttnParams*> members;
-    for (const Queued& q : group) members.push_back(&q.item.params);
-    launch = backend_->StartForward(group.front().plan, PackedBatch(std::move(members)));
-  }
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = std::visit(
+      [&](const auto& first) {
+        using Job = std::decay_t<decltype(first)>;
+        std::vector<const Job*> jobs;
+        for (const Queued& q : group) jobs.push_back(&std::get<Job>(q.job));
+        return Start(*backend_, jobs);
+      },
+      group.front().job);
   CallEnds(0);
   if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
   if (!launch.ok()) {
@@ -446,9 +498,9 @@ void Executor::WatchdogLoop() {
       absl::MutexLock lock(&mu_);
       const int64_t seen = call_changes_;
       // Once a stall is reported, only a change (the call returning) matters.
-      const absl::Time due = stalled_.empty()
-                                 ? std::min(call_since_[0], call_since_[1]) + options_.launch_timeout
-                                 : absl::InfiniteFuture();
+      const absl::Time due =
+          stalled_.empty() ? std::min(call_since_[0], call_since_[1]) + options_.launch_timeout
+                           : absl::InfiniteFuture();
       auto changed = [this, seen]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
         return stopping_ || call_changes_ != seen;
       };
@@ -458,12 +510,11 @@ void Executor::WatchdogLoop() {
       }
       // The same call is still running past the timeout.
       const absl::Duration ran = absl::Now() - std::min(call_since_[0], call_since_[1]);
-      stalled_ = absl::StrCat("device ", options_.device,
-                              " stopped answering: a backend call has run for ",
-                              absl::FormatDuration(absl::Trunc(ran, absl::Milliseconds(1))),
-                              ", over the launch timeout of ",
-                              absl::FormatDuration(options_.launch_timeout),
-                              " (--launch_timeout); the request did not complete, retry");
+      stalled_ = absl::StrCat(
+          "device ", options_.device, " stopped answering: a backend call has run for ",
+          absl::FormatDuration(absl::Trunc(ran, absl::Milliseconds(1))),
+          ", over the launch timeout of ", absl::FormatDuration(options_.launch_timeout),
+          " (--launch_timeout); the request did not complete, retry");
       reason = stalled_;
       while (!queue_.empty()) fail.push_back(queue_.Pop());
       // The stuck launch's own requests go too, if the backend can promise
@@ -474,8 +525,7 @@ void Executor::WatchdogLoop() {
       }
       watchdog_failing_ = true;
     }
-    spdlog::error("{}: {} requests failed, new ones refused until it answers", reason,
-                  fail.size());
+    spdlog::error("{}: {} requests failed, new ones refused until it answers", reason, fail.size());
     for (Queued& q : fail) Complete(q, absl::UnavailableError(reason));
     fail.clear();
     {

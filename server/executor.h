@@ -15,8 +15,10 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -24,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backend/backend.h"
+#include "backend/make_params.h"
 #include "backend/params.h"
 #include "server/fair_queue.h"
 #include "server/metrics.h"
@@ -41,30 +44,25 @@ struct WorkTimings {
   int device = 0;        // ExecutorOptions::device of the executor that ran it
 };
 
-// An append-and-attend call on server-side K/V (server/kv): instead of
-// bind_outputs and CanImplement, the launcher calls `reserve` just before the
-// launch, in arrival order; it reserves the call's pages (all or nothing),
-// binds its outputs and fills `params` (host memory but the pages). The launch
-// runs through StartPagedForward; calls of one cache and layer may share it.
-// The item's `done` commits (OK) or rolls back (any error, including a
-// refusal before `reserve` ran).
+// An append-and-attend call on server-side K/V (server/kv). Just before the
+// launch, in arrival order, the launcher calls `reserve`: it reserves the
+// call's pages (all or nothing), binds its outputs and returns the launch's
+// params (host memory but the pages), built once. The backend then checks and
+// plans them once (CanImplementPaged), and the launch (StartPagedForward) runs
+// that plan; calls of one cache and layer may share it. The item's `done`
+// commits (OK) or rolls back (any error, including a refusal before `reserve`
+// ran).
 struct PagedWork {
   const void* cache = nullptr;  // with layer: which calls may share a launch
   int32_t layer = 0;
-  std::function<absl::Status(PagedAttnParams* params)> reserve;
-  PagedAttnParams params{};
+  // The call's query and new K/V rows, varlen (cu_seqlens in host memory that
+  // lives as long as the item): its tokens and cost while it is queued.
+  AttnShape rows;
+  std::function<absl::StatusOr<PagedAttnParams>()> reserve;
 };
 
-// One attention call. Before compute the worker checks cancellation and the
-// deadline, binds outputs and asks the backend's CanImplement (UNIMPLEMENTED
-// for a valid combination this build lacks). Input pointers in `params` must stay valid until
-// `done` has been called; output pointers are set by `bind_outputs`.
-struct WorkItem {
-  AttnParams params{};
-  // Runs on the worker just before compute and sets params->o (and ->lse when
-  // wanted). Allocating here, not in the front-end, keeps large allocations
-  // off gRPC's callback threads and away from requests that never run.
-  std::function<absl::Status(AttnParams* params)> bind_outputs;
+// What the executor needs of every call, whatever its kind.
+struct WorkMetadata {
   // When the front-end received the request (the start of total_us).
   absl::Time received = absl::Now();
   // Past this when the worker picks the item up: DEADLINE_EXCEEDED, not run.
@@ -77,9 +75,6 @@ struct WorkItem {
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
   // The server's own work (the start-up warm-up): left out of the metrics.
   bool internal = false;
-  // Set for a K/V append-and-attend call (params then only sizes it: dtype,
-  // heads, totals, for the token accounting).
-  std::shared_ptr<PagedWork> paged;
   // Accepted by the front-end before a drain began (a K/V call that waited
   // for an earlier call on its sequence): StopAdmitting does not refuse it.
   bool follows_admitted = false;
@@ -87,6 +82,37 @@ struct WorkItem {
   // between tenants (fair_queue.h). Empty: the server's own work.
   std::string tenant;
 };
+
+// One call: a dense attention call (params and bind_outputs) or, when `paged`
+// is set, a K/V append-and-attend call. Before compute the worker checks
+// cancellation and the deadline, makes the call ready (binds a dense call's
+// outputs, reserves a paged call's pages) and has the backend check and plan
+// it once (CanImplement or CanImplementPaged: UNIMPLEMENTED for a valid
+// combination this build lacks). Input pointers must stay valid until `done`
+// has been called.
+struct WorkItem : WorkMetadata {
+  // A dense call: inputs set, outputs set by `bind_outputs`.
+  AttnParams params{};
+  // Runs on the worker just before compute and sets params->o (and ->lse when
+  // wanted). Allocating here, not in the front-end, keeps large allocations
+  // off gRPC's callback threads and away from requests that never run.
+  std::function<absl::Status(AttnParams* params)> bind_outputs;
+  // A K/V append-and-attend call instead: `params` and `bind_outputs` unused.
+  std::optional<PagedWork> paged;
+};
+
+// The executor's own form of each kind of call, with the plan it launches.
+struct DenseJob {
+  AttnParams params{};
+  std::function<absl::Status(AttnParams* params)> bind_outputs;
+  Plan plan;  // CanImplement's, once outputs are bound
+};
+struct PagedJob {
+  PagedWork work;
+  PagedAttnParams params{};  // work.reserve's
+  Plan plan;                 // CanImplementPaged's
+};
+using WorkJob = std::variant<DenseJob, PagedJob>;
 
 struct ExecutorOptions {
   // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED,
@@ -169,16 +195,18 @@ class Executor {
 
  private:
   struct Queued {
-    WorkItem item;
+    // Takes the item apart: its metadata, and its call as a job of its kind.
+    explicit Queued(WorkItem item);
+
+    WorkMetadata meta;
+    // Planned once, when the launcher makes it ready: the launch runs the
+    // plan without checking again.
+    WorkJob job;
+    int64_t tokens = 0;  // Tq + Tk rows: the batch budget and outstanding_tokens
     absl::Time admitted;
     WorkTimings timings;
-    // CanImplement's plan, once outputs are bound (the one check of the
-    // request): the launch runs it without checking again. Unused for paged
-    // work: the paged path has one launch form, and StartPagedForward checks
-    // its params (CheckPagedParams) itself.
-    Plan plan;
     // Set for the members of a packed launch that failed: they come back to
-    // the front of the queue, outputs already bound and planned, to run one by one.
+    // the front of the queue, ready and planned, to run one by one.
     bool rerun_alone = false;
   };
   // A launch the backend has started and the completer has yet to finish, or
@@ -197,17 +225,17 @@ class Executor {
   void WatchdogLoop();
   // A backend call begins or ends on the launcher (slot 0) or the completer
   // (slot 1). Ending one may end a stall: then on_health_change runs.
-  void CallBegins(int slot, PendingLaunch* launch = nullptr, std::vector<Queued>* members = nullptr);
+  void CallBegins(int slot, PendingLaunch* launch = nullptr,
+                  std::vector<Queued>* members = nullptr);
   void CallEnds(int slot);
   // Whether a call in progress has run past launch_timeout at `now`.
   bool CallOverdue(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Moves queued items that can share `batch`'s launch into it, waiting up to
   // batch_max_delay for more when the batch already has company.
   void CollectBatch(std::vector<Queued>* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The checks before compute (deadline, cancellation) and output binding.
-  absl::Status Prepare(WorkItem& item);
-  // Prepares the items picked together, splits them into groups that can
-  // share a launch and starts each group; completes the ones that fail.
+  // Makes the items picked together ready (deadline and cancellation checked,
+  // outputs bound or pages reserved, planned), splits them into groups that
+  // can share a launch and starts each group; completes the ones that fail.
   void Dispatch(std::vector<Queued> picked);
   // Starts one launch for `group` (one item, or several that share a launch)
   // once fewer than max_launches_in_flight are open. A packed launch that
@@ -239,8 +267,7 @@ class Executor {
   std::string refusal_ ABSL_GUARDED_BY(mu_);
   // Backend calls in progress: when each began (InfiniteFuture: none), and
   // the completer's launch and members (for the watchdog to abandon).
-  absl::Time call_since_[2] ABSL_GUARDED_BY(mu_) = {absl::InfiniteFuture(),
-                                                    absl::InfiniteFuture()};
+  absl::Time call_since_[2] ABSL_GUARDED_BY(mu_) = {absl::InfiniteFuture(), absl::InfiniteFuture()};
   int64_t call_changes_ ABSL_GUARDED_BY(mu_) = 0;
   PendingLaunch* finishing_launch_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::vector<Queued>* finishing_members_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/make_params.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -52,6 +53,9 @@ namespace attnserve {
 inline constexpr int64_t kCostFlopsPerByte = 64;
 inline constexpr int64_t kCostPerRequest = 4096;
 int64_t RequestCost(const AttnParams& p);
+// The same from a call's shape (a K/V call's query and new rows, before its
+// params exist).
+int64_t RequestCost(const AttnShape& shape);
 
 template <typename T>
 class FairQueue {
@@ -59,7 +63,8 @@ class FairQueue {
   // `quantum`: cost added to a tenant's deficit per turn. Any positive value
   // gives the same long-run shares; a larger one lets a tenant run more small
   // items back to back per turn.
-  explicit FairQueue(int64_t quantum = int64_t{1} << 20) : quantum_(std::max<int64_t>(1, quantum)) {}
+  explicit FairQueue(int64_t quantum = int64_t{1} << 20)
+      : quantum_(std::max<int64_t>(1, quantum)) {}
 
   bool empty() const { return size_ == 0; }
   int64_t size() const { return size_; }

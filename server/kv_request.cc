@@ -113,36 +113,35 @@ absl::StatusOr<std::shared_ptr<KvAppendAttend>> DecodeAppendAttend(
   RETURN_IF_ERROR(CheckRows("v", r.v(), g, total_new, g.num_heads_kv, 1));
   // The cache's dtype is never FP8 (kv_pool.cc), so descales are refused here.
   RETURN_IF_ERROR(ValidateOptions(r.options(), g.head_dim, static_cast<int>(g.dtype)));
-  // Sizes and totals stay zero here: the pool fills them with the
-  // sequences' offsets when it reserves the call's rows.
-  AttnShape shape;
-  shape.dtype = g.dtype;
-  shape.num_heads_kv = g.num_heads_kv;
-  shape.num_heads_q =
+  // The pool builds the params from these once it knows the sequences'
+  // offsets and lengths.
+  call->dtype = g.dtype;
+  call->num_heads_kv = g.num_heads_kv;
+  call->num_heads_q =
       r.q().shape_size() == 3 ? static_cast<int32_t>(r.q().shape(1)) : g.num_heads_kv;
-  shape.head_dim = g.head_dim;
-  AttnPointers pointers;
-  pointers.q = r.q().data().data();
-  pointers.k = r.k().data().data();
-  pointers.v = r.v().data().data();
-  call->attn = MakeAttnParams(shape, OptionsFromWire(r.options()), pointers);
+  call->head_dim = g.head_dim;
+  call->options = OptionsFromWire(r.options());
+  call->inputs.q = r.q().data().data();
+  call->inputs.k = r.k().data().data();
+  call->inputs.v = r.v().data().data();
   call->return_lse = r.options().return_lse();
   return call;
 }
 
 void FillAppendAttendResponse(KvAppendAttend* call, v1::AppendAttendResponse* response) {
-  const AttnParams& p = call->attn;
+  int64_t total_q = 0;
+  for (const KvStep& step : call->steps) total_q += step.num_queries;
   v1::Tensor* o = response->mutable_o();
-  o->set_dtype(static_cast<v1::DType>(p.dtype));
-  o->add_shape(p.total_q);
-  o->add_shape(p.num_heads_q);
-  o->add_shape(p.head_dim);
+  o->set_dtype(static_cast<v1::DType>(call->dtype));
+  o->add_shape(total_q);
+  o->add_shape(call->num_heads_q);
+  o->add_shape(call->head_dim);
   o->set_data(std::move(call->o));
   if (call->return_lse) {
     v1::Tensor* lse = response->mutable_lse();
     lse->set_dtype(v1::FP32);
-    lse->add_shape(p.num_heads_q);
-    lse->add_shape(p.total_q);
+    lse->add_shape(call->num_heads_q);
+    lse->add_shape(total_q);
     lse->set_data(std::move(call->lse));
   }
   for (int32_t len : call->lengths) response->add_lengths(len);

@@ -30,7 +30,10 @@ class CpuBackend : public AttentionBackend {
   // The paged K/V path (cpu_paged.cc): pages in host memory, read in place.
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
-  absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
+  // CheckPagedParams, then the default (trivial) plan, as CanImplement.
+  absl::StatusOr<Plan> CanImplementPaged(const PagedAttnParams& params) const override;
+  absl::Status PagedForward(const Plan& plan, const PagedAttnParams& params,
+                            BackendTimings* timings) override;
 
  private:
   // Splits a call into (sequence, query head, query block) tasks and runs

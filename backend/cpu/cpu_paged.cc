@@ -49,15 +49,14 @@ void CopyAndAppend(const PagedAttnParams& p) {
     for (int32_t r = 0; r < added; ++r) {
       const int32_t pos = first + r;
       const int32_t page = table[pos >> p.pages.page_shift];
-      const int64_t off =
-          PageRowOffset(p.pages, page, pos & (p.pages.page_size - 1), p.attn.num_heads_kv,
-                        p.attn.head_dim, 0) *
-          elem;
+      const int64_t off = PageRowOffset(p.pages, page, pos & (p.pages.page_size - 1),
+                                        p.attn.num_heads_kv, p.attn.head_dim, 0) *
+                          elem;
       const int64_t src = (SeqStartK(p.attn, b) + r) * row_bytes;
-      std::memcpy(static_cast<char*>(p.pages.k_slabs[PageSlab(p.pages, page)]) + off,
-                  k_new + src, size_t(row_bytes));
-      std::memcpy(static_cast<char*>(p.pages.v_slabs[PageSlab(p.pages, page)]) + off,
-                  v_new + src, size_t(row_bytes));
+      std::memcpy(static_cast<char*>(p.pages.k_slabs[PageSlab(p.pages, page)]) + off, k_new + src,
+                  size_t(row_bytes));
+      std::memcpy(static_cast<char*>(p.pages.v_slabs[PageSlab(p.pages, page)]) + off, v_new + src,
+                  size_t(row_bytes));
     }
   }
 }
@@ -69,16 +68,22 @@ absl::StatusOr<void*> CpuBackend::AllocateKvMemory(int64_t bytes) {
   const size_t size = (static_cast<size_t>(bytes) + 63) / 64 * 64;
   void* memory = bytes > 0 ? std::aligned_alloc(64, size) : nullptr;
   if (memory == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cpu backend: cannot allocate ", bytes, " bytes of host memory for K/V pages"));
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ", bytes,
+                                                     " bytes of host memory for K/V pages"));
   }
   return memory;
 }
 
 void CpuBackend::FreeKvMemory(void* memory) { std::free(memory); }
 
-absl::Status CpuBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {
+absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params) const {
+  // Every valid launch runs here: the checks keep it inside the cache's pages.
   RETURN_IF_ERROR(CheckPagedParams(params));
+  return Plan();
+}
+
+absl::Status CpuBackend::PagedForward(const Plan& /*plan*/, const PagedAttnParams& params,
+                                      BackendTimings* timings) {
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
   CopyAndAppend(params);

@@ -79,8 +79,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   b->num_sms_ = prop.multiProcessorCount;
   b->allow_sm90_ = cuda::DeviceRunsSm90Kernels(device);
   b->max_smem_per_block_ = static_cast<int>(prop.sharedMemPerBlockOptin);
-  // One thread packed 72 MB in 15 ms on the H200 host (bench/NOTES-serving.md):
-  // a few threads share the copies; more would compete with gRPC's threads.
+  // One thread packs too slowly for large launches: a few share the copies;
+  // more would compete with gRPC's threads.
   const int copy_threads =
       static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
   b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);

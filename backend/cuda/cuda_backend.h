@@ -58,9 +58,14 @@ class CudaBackend final : public AttentionBackend {
   // and attention, so paged kernels run in start order while copies overlap.
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
-  absl::Status PagedForward(const PagedAttnParams& params, BackendTimings* timings) override;
+  // CheckPagedParams (keeps the kernels inside the cache's memory), then the
+  // plan of the paged kernel (PlanFor over pages; FP32: the SIMT kernel), or
+  // UNIMPLEMENTED as CanImplement. The launch runs this plan.
+  absl::StatusOr<Plan> CanImplementPaged(const PagedAttnParams& params) const override;
+  absl::Status PagedForward(const Plan& plan, const PagedAttnParams& params,
+                            BackendTimings* timings) override;
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
-      const PagedBatch& batch) override;
+      const Plan& plan, const PagedBatch& batch) override;
 
   // A pipeline slot and a launch queued on one (cuda_staging.h; internal to
   // the backend's .cc files).
@@ -90,11 +95,9 @@ class CudaBackend final : public AttentionBackend {
                                cuda::KvRows kv = cuda::KvRows::kTensors) const;
   // Queues the kernel(s) for device-resident `dev` on the slot's stream.
   absl::Status LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot);
-  // The paged path's checks: CheckPagedParams (keeps the kernels inside the
-  // cache's memory), then a kernel for params.attn (PlanFor); and its
-  // kernels on a slot.
-  absl::Status CheckPaged(const PagedAttnParams& params) const;
-  absl::Status LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot);
+  // Queues a paged launch's kernels (page copies, append, attention as
+  // `plan` says) for device-resident `dev` on the slot's stream.
+  absl::Status LaunchPagedKernels(const Plan& plan, const PagedAttnParams& dev, Slot* slot);
 
   int device_ = 0;
   int num_sms_ = 0;

@@ -94,15 +94,16 @@ void CudaBackend::FreeKvMemory(void* memory) {
   cudaFree(memory);  // synchronises the device: no launch reads the slab any more
 }
 
-absl::Status CudaBackend::CheckPaged(const PagedAttnParams& p) const {
+absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) const {
   // The launch's invariants (page geometry, lengths, every page id it reads,
   // writes or copies), then whether this build and device have its kernel.
   RETURN_IF_ERROR(CheckPagedParams(p));
-  if (p.attn.dtype == DType::kFP32) return absl::OkStatus();  // the SIMT kernel takes any head dim
-  return PlanFor(p.attn, cuda::KvRows::kPages).status();
+  if (p.attn.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  return PlanFor(p.attn, cuda::KvRows::kPages);
 }
 
-absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* slot) {
+absl::Status CudaBackend::LaunchPagedKernels(const Plan& plan, const PagedAttnParams& dev,
+                                             Slot* slot) {
   if (paged_done_ == nullptr) {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&paged_done_, cudaEventDisableTiming),
                               "event");
@@ -117,12 +118,7 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp32(dev, slot->stream),
                               "paged fp32 forward kernel");
   } else {
-    // Planned on the launch's (packed) params: PlanFor reads sizes only.
-    const absl::StatusOr<Plan> planned = PlanFor(dev.attn, cuda::KvRows::kPages);
-    if (!planned.ok()) return planned.status();
-    const Plan& plan = *planned;
-    const absl::Status st = ReserveSplitWorkspace(slot, plan);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(ReserveSplitWorkspace(slot, plan));
     ATTN_CUDA_RETURN_IF_ERROR(
         cuda::LaunchPagedForward(dev, plan, slot->workspace.ptr(), slot->stream),
         "paged forward kernel");
@@ -132,20 +128,26 @@ absl::Status CudaBackend::LaunchPagedKernels(const PagedAttnParams& dev, Slot* s
 }
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
-    const PagedBatch& batch) {
-  for (const PagedAttnParams* m : batch.members()) {
-    const absl::Status st = CheckPaged(*m);
-    if (!st.ok()) return st;
-  }
+    const Plan& plan, const PagedBatch& batch) {
   return StartStaged<PagedLayout>(
-      batch, RebasePaged,
-      [this](const PagedAttnParams& dev, Slot* slot) { return LaunchPagedKernels(dev, slot); });
+      batch, RebasePaged, [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
+        // One member: its plan. Several were checked and planned one by one
+        // and share everything but sizes (CanSharePagedLaunch), so the packed
+        // launch only needs its own split and tile decision (PlanFor reads
+        // sizes only, so the device params do).
+        if (batch.size() == 1 || dev.attn.dtype == DType::kFP32) {
+          return LaunchPagedKernels(plan, dev, slot);
+        }
+        ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev.attn, cuda::KvRows::kPages));
+        return LaunchPagedKernels(packed_plan, dev, slot);
+      });
 }
 
-absl::Status CudaBackend::PagedForward(const PagedAttnParams& params, BackendTimings* timings) {
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = StartPagedForward(PagedBatch({&params}));
-  if (!launch.ok()) return launch.status();
-  return (*launch)->Finish(timings);
+absl::Status CudaBackend::PagedForward(const Plan& plan, const PagedAttnParams& params,
+                                       BackendTimings* timings) {
+  ASSIGN_OR_RETURN(std::unique_ptr<PendingLaunch> launch,
+                   StartPagedForward(plan, PagedBatch({&params})));
+  return launch->Finish(timings);
 }
 
 }  // namespace attnserve

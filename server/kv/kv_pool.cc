@@ -32,8 +32,8 @@ absl::Status CheckGeometry(const KvGeometry& g) {
         absl::StrCat("geometry.num_heads_kv: expected >= 1, got ", g.num_heads_kv));
   }
   if (g.head_dim < 8 || g.head_dim > 256 || g.head_dim % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
   }
   if (g.dtype == DType::kFP8E4M3) {
     // FP8 is a Forward-only input for now: the paged kernels read FP16, BF16
@@ -47,6 +47,42 @@ absl::Status CheckGeometry(const KvGeometry& g) {
         "geometry.dtype: expected FP16, BF16 or FP32, got ", static_cast<int>(g.dtype)));
   }
   return absl::OkStatus();
+}
+
+// A call's shape: its steps' query and new K/V rows, attending over
+// `seqlens_k` (the sequences' lengths after the append; null until reserved).
+AttnShape ShapeOf(const KvAppendAttend& c, const int32_t* seqlens_k) {
+  return PagedShape(c.dtype, static_cast<int32_t>(c.steps.size()), c.num_heads_q, c.num_heads_kv,
+                    c.head_dim, c.cu_q.data(), c.cu_k.data(), seqlens_k);
+}
+
+// Just before the launch: binds the call's outputs, reserves its pages (all or
+// nothing) and builds its launch's params, once.
+absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
+  const int64_t total_q = c.cu_q.back();
+  const int64_t o_bytes = total_q * c.num_heads_q * c.head_dim * DTypeSize(c.dtype);
+  try {
+    c.o.resize(size_t(o_bytes));
+    c.lse.resize(c.return_lse ? size_t(total_q * c.num_heads_q * 4) : 0);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", o_bytes, " bytes for the output"));
+  }
+  RETURN_IF_ERROR(cache.Reserve(c.layer, c.steps, &c.reservation));
+  const KvReservation& r = c.reservation;
+  AttnPointers io = c.inputs;
+  io.o = c.o.data();
+  io.lse = c.return_lse ? reinterpret_cast<float*>(c.lse.data()) : nullptr;
+  PagedAttnParams p{};
+  p.attn = MakeAttnParams(ShapeOf(c, r.seqlens.data()), c.options, io);
+  p.pages = r.pages;
+  p.block_table = r.block_table.data();
+  p.block_table_stride = r.stride;
+  p.seqlens_k = r.seqlens.data();
+  p.copy_src = r.copy_src.data();
+  p.copy_dst = r.copy_dst.data();
+  p.num_page_copies = static_cast<int32_t>(r.copy_src.size());
+  return p;
 }
 
 }  // namespace
@@ -111,20 +147,18 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   RETURN_IF_ERROR(CheckGeometry(r.geometry));
   const int page_size = r.page_size == 0 ? options_.default_page_size : r.page_size;
   if (page_size < kMinPageSize || page_size > kMaxPageSize || (page_size & (page_size - 1)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("page_size: expected 0 (default ",
-                                                   options_.default_page_size,
-                                                   ") or a power of two in [16, 256], got ",
-                                                   r.page_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size: expected 0 (default ", options_.default_page_size,
+                     ") or a power of two in [16, 256], got ", r.page_size));
   }
   if ((r.capacity_tokens > 0) == (r.capacity_bytes > 0) || r.capacity_tokens < 0 ||
       r.capacity_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "capacity_tokens, capacity_bytes: expected exactly one of them > 0, got ",
-        r.capacity_tokens, " and ", r.capacity_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity_tokens, capacity_bytes: expected exactly one of them > 0, got ",
+                     r.capacity_tokens, " and ", r.capacity_bytes));
   }
-  const int64_t page_bytes =
-      2 * int64_t{page_size} * r.geometry.num_heads_kv * r.geometry.head_dim *
-      DTypeSize(r.geometry.dtype);
+  const int64_t page_bytes = 2 * int64_t{page_size} * r.geometry.num_heads_kv *
+                             r.geometry.head_dim * DTypeSize(r.geometry.dtype);
   const int64_t capacity_pages = r.capacity_tokens > 0
                                      ? (r.capacity_tokens + page_size - 1) / page_size
                                      : r.capacity_bytes / page_bytes;
@@ -134,9 +168,11 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   }
   if (capacity_pages * page_bytes > options_.cache_bytes_per_device ||
       capacity_pages > (int64_t{1} << 30)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "capacity: ", capacity_pages, " pages of ", page_bytes, " bytes exceed the device's K/V "
-        "budget (--kv_cache_bytes ", options_.cache_bytes_per_device, ")"));
+    return absl::ResourceExhaustedError(absl::StrCat("capacity: ", capacity_pages, " pages of ",
+                                                     page_bytes,
+                                                     " bytes exceed the device's K/V "
+                                                     "budget (--kv_cache_bytes ",
+                                                     options_.cache_bytes_per_device, ")"));
   }
   if (devices_.empty()) return absl::UnimplementedError("K/V caches: the server has no device");
   int device = 0;
@@ -155,9 +191,9 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     }
   }
   if (!r.cache_id.empty() && !ValidCacheId(r.cache_id)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cache_id: expected 1..128 characters of [A-Za-z0-9._-], got '", r.cache_id.substr(0, 64),
-        "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_id: expected 1..128 characters of [A-Za-z0-9._-], got '",
+                     r.cache_id.substr(0, 64), "'"));
   }
   std::string id = r.cache_id;
   {
@@ -171,8 +207,8 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     }
   }
   const KvDevice& d = devices_[size_t(device)];
-  auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages,
-                                         d.index, d.backend, budgets_[size_t(device)]);
+  auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages, d.index,
+                                         d.backend, budgets_[size_t(device)]);
   cache->set_keep(r.keep);
   if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
   absl::MutexLock lock(&mu_);
@@ -235,18 +271,10 @@ absl::Status KvPool::AppendAttend(const std::shared_ptr<KvCache>& cache,
   KvAppendAttend& c = *call;
   c.cu_q.assign(1, 0);
   c.cu_k.assign(1, 0);
-  int32_t max_q = 0;
   for (const KvStep& st : c.steps) {
     c.cu_q.push_back(c.cu_q.back() + st.num_queries);
     c.cu_k.push_back(c.cu_k.back() + st.num_new);
-    max_q = std::max(max_q, st.num_queries);
   }
-  c.attn.batch = static_cast<int32_t>(c.steps.size());
-  c.attn.seqlen_q = max_q;
-  c.attn.total_q = c.cu_q.back();
-  c.attn.total_k = c.cu_k.back();
-  c.attn.cu_seqlens_q = c.cu_q.data();
-  c.attn.cu_seqlens_k = c.cu_k.data();
   auto ticket = std::make_shared<KvCache::Ticket>();
   ticket->layer = c.layer;
   for (const KvStep& st : c.steps) ticket->sequence_ids.push_back(st.sequence_id);
@@ -263,7 +291,6 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
                     const std::shared_ptr<KvAppendAttend>& call, const Done& done,
                     const std::shared_ptr<KvCache::Ticket>& ticket, bool waited) {
   WorkItem item;
-  item.params = call->attn;  // the executor's token accounting
   item.received = call->received;
   item.deadline = call->deadline;
   item.cancelled = call->cancelled;
@@ -271,36 +298,13 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
   // still runs (a drain finishes what it accepted).
   item.follows_admitted = waited;
   item.tenant = cache->tenant();
-  auto work = std::make_shared<PagedWork>();
-  work->cache = cache.get();
-  work->layer = call->layer;
+  PagedWork work;
+  work.cache = cache.get();
+  work.layer = call->layer;
+  work.rows = ShapeOf(*call, /*seqlens_k=*/nullptr);
   KvCache* raw_cache = cache.get();
   KvAppendAttend* c = call.get();
-  work->reserve = [raw_cache, c](PagedAttnParams* p) -> absl::Status {
-    const int64_t o_bytes =
-        c->attn.total_q * c->attn.num_heads_q * c->attn.head_dim * DTypeSize(c->attn.dtype);
-    try {
-      c->o.resize(size_t(o_bytes));
-      c->lse.resize(c->return_lse ? size_t(c->attn.total_q * c->attn.num_heads_q * 4) : 0);
-    } catch (const std::bad_alloc&) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", o_bytes, " bytes for the output"));
-    }
-    RETURN_IF_ERROR(raw_cache->Reserve(c->layer, c->steps, &c->reservation));
-    const KvReservation& r = c->reservation;
-    p->attn = c->attn;
-    p->attn.o = c->o.data();
-    p->attn.lse = c->return_lse ? reinterpret_cast<float*>(c->lse.data()) : nullptr;
-    p->attn.seqlen_k = r.seqlens.empty() ? 0 : *std::max_element(r.seqlens.begin(), r.seqlens.end());
-    p->pages = r.pages;
-    p->block_table = r.block_table.data();
-    p->block_table_stride = r.stride;
-    p->seqlens_k = r.seqlens.data();
-    p->copy_src = r.copy_src.data();
-    p->copy_dst = r.copy_dst.data();
-    p->num_page_copies = static_cast<int32_t>(r.copy_src.size());
-    return absl::OkStatus();
-  };
+  work.reserve = [raw_cache, c] { return ReserveCall(*raw_cache, *c); };
   item.paged = std::move(work);
   item.done = [this, cache, call, done, ticket](const absl::Status& status,
                                                 const WorkTimings& timings) {

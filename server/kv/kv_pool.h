@@ -7,8 +7,9 @@
 // (KvCache::Admit); one that names a pair an earlier call still holds waits
 // for it, so calls on one sequence and layer apply in arrival order. A call
 // that may go is submitted to the executor of the cache's device (never
-// another), where the pool reserves its pages just before the launch and
-// commits or rolls back when the launch is over.
+// another) as paged work, where the pool reserves its pages just before the
+// launch and builds its params (once), and commits or rolls back when the
+// launch is over.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backend/backend.h"
+#include "backend/make_params.h"
 #include "server/auth/tenants.h"
 #include "server/executor.h"
 #include "server/kv/kv_cache.h"
@@ -70,9 +72,15 @@ struct KvAppendAttend {
   std::string cache_id;
   int32_t layer = 0;
   std::vector<KvStep> steps;
-  // dtype, heads, head dim, options, q/k/v (host pointers to the request),
-  // totals; cu_seqlens are filled by the pool.
-  AttnParams attn{};
+  // What the front-end decoded: the call's dtype, heads and head dim (the
+  // cache's, and q's Hq), its options, and host pointers to the request's q,
+  // k and v rows (the pool binds o and lse).
+  DType dtype = DType::kFP16;
+  int32_t num_heads_q = 0;
+  int32_t num_heads_kv = 0;
+  int32_t head_dim = 0;
+  AttnOptions options;
+  AttnPointers inputs;
   bool return_lse = false;
   absl::Time received = absl::Now();
   absl::Time deadline = absl::InfiniteFuture();
@@ -81,7 +89,8 @@ struct KvAppendAttend {
   std::string o;
   std::string lse;
   std::vector<int32_t> lengths;
-  // The pool's working state.
+  // The pool's working state: the steps' query and new row offsets, and
+  // the pages reserved for the launch.
   std::vector<int32_t> cu_q, cu_k;
   KvReservation reservation;
 };

@@ -1,5 +1,5 @@
-// MakeAttnParams (backend/make_params.h): sizes and totals for dense and
-// varlen shapes, the default scale and the log2(e) factor, causal folded into
+// MakeAttnParams (backend/make_params.h): sizes and totals for dense, varlen
+// and paged shapes, the default scale and the log2(e) factor, causal folded into
 // window_right = 0, unset windows kNoWindow, pointers passed through.
 #include "backend/make_params.h"
 
@@ -63,6 +63,26 @@ TEST(MakeAttnParamsTest, VarlenTotalsAndLongestSequences) {
   EXPECT_EQ(p.cu_seqlens_k, cu_k.data());
   EXPECT_EQ(p.q, nullptr);
   EXPECT_EQ(p.o, nullptr);
+}
+
+TEST(MakeAttnParamsTest, PagedKeysAreTheWholeSequences) {
+  // New rows per sequence: queries {1, 0, 2}, K/V {1, 3, 2}; lengths after
+  // the append {40, 3, 17}: total_k counts the new rows, seqlen_k the longest.
+  const std::vector<int32_t> cu_q = {0, 1, 1, 3};
+  const std::vector<int32_t> cu_k = {0, 1, 4, 6};
+  const std::vector<int32_t> lengths = {40, 3, 17};
+  const AttnParams p = MakeAttnParams(
+      PagedShape(DType::kFP16, 3, 8, 2, 64, cu_q.data(), cu_k.data(), lengths.data()),
+      AttnOptions(), AttnPointers());
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.num_heads_q, 8);
+  EXPECT_EQ(p.num_heads_kv, 2);
+  EXPECT_EQ(p.total_q, 3);
+  EXPECT_EQ(p.total_k, 6);
+  EXPECT_EQ(p.seqlen_q, 2);
+  EXPECT_EQ(p.seqlen_k, 40);
+  EXPECT_EQ(p.cu_seqlens_q, cu_q.data());
+  EXPECT_EQ(p.cu_seqlens_k, cu_k.data());
 }
 
 TEST(MakeAttnParamsTest, EmptyVarlenBatch) {

@@ -57,7 +57,8 @@ class PagedCase {
     int slab_shift = 0;
     while ((int64_t{kMaxKvSlabs} << slab_shift) < pages_needed + 8) ++slab_shift;
     const int64_t pages_per_slab = int64_t{1} << slab_shift;
-    const int num_slabs = static_cast<int>((pages_needed + 8 + pages_per_slab - 1) / pages_per_slab);
+    const int num_slabs =
+        static_cast<int>((pages_needed + 8 + pages_per_slab - 1) / pages_per_slab);
     KvPages& kv = params_.pages;
     kv = KvPages{};
     kv.num_slabs = num_slabs;
@@ -91,7 +92,8 @@ class PagedCase {
         free_pages.pop_back();
       }
       // The prefix rows, written in place as if appended by earlier launches.
-      for (int r = 0; r < prefix; ++r) WriteRow(b, r, table_[size_t(b) * stride + r / page_size], r);
+      for (int r = 0; r < prefix; ++r)
+        WriteRow(b, r, table_[size_t(b) * stride + r / page_size], r);
       if (cow && prefix % page_size != 0) {
         // The page holding the prefix's tail is a shared one: the table names
         // a fresh page, filled only by the copy.
@@ -279,7 +281,7 @@ TEST_P(PagedGridTest, EqualsContiguousAndReference) {
   ASSERT_TRUE(PlanAndForward(Backend(), buf.params(), &t).ok());
   ASSERT_TRUE(CheckOutput(buf));
   PagedCase paged(buf, c.page_size, c.new_rows, c.cow, 7);
-  const absl::Status status = Backend().PagedForward(paged.params(), &t);
+  const absl::Status status = PlanAndPagedForward(Backend(), paged.params(), &t);
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse()));
   // Same tiles, same rows, same order: the same bits.
@@ -301,7 +303,10 @@ TEST_P(PagedGridTest, PackedMembersEqualOneLaunch) {
   PagedBatch packed({&first->p, &rest->p});
   EXPECT_EQ(packed.batch(), batch);
   EXPECT_EQ(packed.num_page_copies(), paged.params().num_page_copies);
-  auto launch = Backend().StartPagedForward(packed);
+  absl::StatusOr<Plan> plan = Backend().CanImplementPaged(first->p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(Backend().CanImplementPaged(rest->p).ok());
+  auto launch = Backend().StartPagedForward(*plan, packed);
   ASSERT_TRUE(launch.ok()) << launch.status();
   BackendTimings t;
   ASSERT_TRUE((*launch)->Finish(&t).ok());
@@ -357,7 +362,7 @@ TEST(PagedTest, RandomCases) {
     HostBuffers buf(tc);
     PagedCase paged(buf, 16 << (rng() % 5), new_rows, rng() % 2 == 0, rng());
     BackendTimings t;
-    const absl::Status status = Backend().PagedForward(paged.params(), &t);
+    const absl::Status status = PlanAndPagedForward(Backend(), paged.params(), &t);
     ASSERT_TRUE(status.ok()) << status;
     EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse())) << tc.Name();
   }
@@ -373,14 +378,14 @@ TEST(PagedTest, RejectsBadTables) {
   std::vector<int32_t> table(p.block_table, p.block_table + 2 * p.block_table_stride);
   table[1] = 1 << 30;
   p.block_table = table.data();
-  absl::Status s = Backend().PagedForward(p, nullptr);
+  absl::Status s = PlanAndPagedForward(Backend(), p, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("block_table[1]"), std::string::npos) << s;
   p = paged.params();
   std::vector<int32_t> lens = {40, 1000};
   p.seqlens_k = lens.data();
   p.attn.seqlen_k = 1000;
-  s = Backend().PagedForward(p, nullptr);
+  s = PlanAndPagedForward(Backend(), p, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("seqlens_k[1]"), std::string::npos) << s;
   p = paged.params();
@@ -404,7 +409,8 @@ TEST(PagedTest, DefaultBackendSaysUnimplemented) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(s.message().find("nopaged"), std::string::npos) << s;
   PagedAttnParams p{};
-  EXPECT_EQ(backend.PagedForward(p, nullptr).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(backend.CanImplementPaged(p).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(backend.PagedForward(Plan(), p, nullptr).code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(PagedTest, AllocatesHostMemory) {

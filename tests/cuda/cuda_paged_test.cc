@@ -229,8 +229,10 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
 
   // Both launches started before either is finished: the second reads rows
   // the first appends (paged launches run in start order).
+  absl::StatusOr<Plan> plan1 = backend_->CanImplementPaged(pre);
+  ASSERT_TRUE(plan1.ok()) << plan1.status();
   absl::StatusOr<std::unique_ptr<PendingLaunch>> l1 =
-      backend_->StartPagedForward(PagedBatch({&pre}));
+      backend_->StartPagedForward(*plan1, PagedBatch({&pre}));
   ASSERT_TRUE(l1.ok()) << l1.status();
   std::unique_ptr<PendingLaunch> l2;
   // The two-member form: sequences [0, B/2) and [B/2, B) as separate calls.
@@ -286,13 +288,19 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
       // Only the first member carries the copy (its sequence 0 is the case's).
       if (part == 1) h.num_page_copies = 0;
     }
+    // Planned one by one, as the executor does; the launch runs the first's.
+    absl::StatusOr<Plan> plan = backend_->CanImplementPaged(halves[0]);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(backend_->CanImplementPaged(halves[1]).ok());
     absl::StatusOr<std::unique_ptr<PendingLaunch>> l =
-        backend_->StartPagedForward(PagedBatch({&halves[0], &halves[1]}));
+        backend_->StartPagedForward(*plan, PagedBatch({&halves[0], &halves[1]}));
     ASSERT_TRUE(l.ok()) << l.status();
     l2 = std::move(*l);
   } else {
+    absl::StatusOr<Plan> plan = backend_->CanImplementPaged(step);
+    ASSERT_TRUE(plan.ok()) << plan.status();
     absl::StatusOr<std::unique_ptr<PendingLaunch>> l =
-        backend_->StartPagedForward(PagedBatch({&step}));
+        backend_->StartPagedForward(*plan, PagedBatch({&step}));
     ASSERT_TRUE(l.ok()) << l.status();
     l2 = std::move(*l);
   }
@@ -471,7 +479,7 @@ TEST(CudaPaged, PageIdOutsideTheCacheIsRejected) {
   p.block_table = table.data();
   p.block_table_stride = 2;
   p.seqlens_k = len.data();
-  const absl::Status st = backend->PagedForward(p, nullptr);
+  const absl::Status st = PlanAndPagedForward(*backend, p, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   // CheckPagedParams names the flat index b * block_table_stride + i.
   EXPECT_NE(st.message().find("block_table[1]"), std::string::npos) << st;

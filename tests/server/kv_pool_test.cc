@@ -3,6 +3,8 @@
 // random operation sequences (forks, copy-on-write, truncate, free, rollback),
 // and the pool's rules through a real executor and the CPU backend: tenants,
 // ordering of calls on one sequence, all-or-nothing on failure, expiry.
+#include "server/kv/kv_pool.h"
+
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -20,7 +22,6 @@
 #include "gtest/gtest.h"
 #include "server/executor.h"
 #include "server/kv/kv_cache.h"
-#include "server/kv/kv_pool.h"
 #include "server/kv/page_allocator.h"
 #include "server/kv/startup_cache.h"
 #include "tests/server/gated_cpu_backend.h"
@@ -64,7 +65,8 @@ TEST(PageAllocatorTest, SlabsOnDemandAndFreeList) {
 
 TEST(PageAllocatorTest, SharedBudgetAndReserve) {
   auto backend = MakeCpuBackend(1);
-  auto budget = std::make_shared<DeviceBudget>(3 * 2 * 64 * 4);  // three slabs of 4 pages of 64 + 64 bytes
+  auto budget =
+      std::make_shared<DeviceBudget>(3 * 2 * 64 * 4);  // three slabs of 4 pages of 64 + 64 bytes
   PageAllocator a(backend.get(), budget, 16, 64, 128);
   PageAllocator b(backend.get(), budget, 16, 64, 128);
   std::vector<int32_t> pages;
@@ -87,8 +89,8 @@ class CacheModelTest : public ::testing::Test {
   CacheModelTest()
       : backend_(MakeCpuBackend(1)),
         budget_(std::make_shared<DeviceBudget>(int64_t{1} << 24)),
-        cache_("t", "c", KvGeometry{kLayers, 1, 8, DType::kFP32}, kPageSize, 48, 0,
-               backend_.get(), budget_) {}
+        cache_("t", "c", KvGeometry{kLayers, 1, 8, DType::kFP32}, kPageSize, 48, 0, backend_.get(),
+               budget_) {}
 
   float* Row(const KvPages& kv, void* const* slabs, int32_t page, int token) {
     return static_cast<float*>(slabs[PageSlab(kv, page)]) + PageRowOffset(kv, page, token, 1, 8, 0);
@@ -210,7 +212,8 @@ TEST_F(CacheModelTest, RandomOperations) {
         if (all || l == layer) limit = std::min<int32_t>(limit, int32_t(model_[id][l].size()));
       }
       const int32_t len = int32_t(rng() % (limit + 1));
-      ASSERT_TRUE(cache_.Truncate(id, all ? std::nullopt : std::optional<int32_t>(layer), len).ok());
+      ASSERT_TRUE(
+          cache_.Truncate(id, all ? std::nullopt : std::optional<int32_t>(layer), len).ok());
       for (int l = 0; l < kLayers; ++l) {
         if (all || l == layer) model_[id][l].resize(size_t(len));
       }
@@ -368,7 +371,8 @@ TEST(StartupCacheTest, ParsesSpecsAndNamesTheBadKey) {
 // The pool over a real executor and the (gated) CPU backend.
 class PoolTest : public ::testing::Test {
  protected:
-  PoolTest() : executor_(&backend_, ExecutorOptions{}) {}
+  explicit PoolTest(const ExecutorOptions& options = ExecutorOptions{})
+      : executor_(&backend_, options) {}
   void MakePool(absl::Duration idle = absl::ZeroDuration()) {
     KvPoolOptions o;
     o.cache_bytes_per_device = int64_t{1} << 24;
@@ -388,16 +392,13 @@ class PoolTest : public ::testing::Test {
     auto c = std::make_shared<KvAppendAttend>();
     c->steps = {{id, len, n, 1}};
     data_.emplace_back(size_t(8 * (n + 1)), 0.5f);
-    AttnShape shape;  // sizes and totals: the pool fills them
-    shape.dtype = DType::kFP32;
-    shape.num_heads_q = 1;
-    shape.num_heads_kv = 1;
-    shape.head_dim = 8;
-    AttnOptions options;
-    options.softmax_scale = 0.35f;
-    AttnPointers pointers;
-    pointers.q = pointers.k = pointers.v = data_.back().data();
-    c->attn = MakeAttnParams(shape, options, pointers);
+    // What the front-end decodes; the pool builds the params.
+    c->dtype = DType::kFP32;
+    c->num_heads_q = 1;
+    c->num_heads_kv = 1;
+    c->head_dim = 8;
+    c->options.softmax_scale = 0.35f;
+    c->inputs.q = c->inputs.k = c->inputs.v = data_.back().data();
     return c;
   }
   struct Result {
@@ -430,10 +431,10 @@ TEST_F(PoolTest, TenantsAndNames) {
   auto cache = Cache("alice");
   EXPECT_EQ(pool_->Find("bob", cache->id()).status().code(), absl::StatusCode::kNotFound);
   // Word for word what a never-created id gets.
-  EXPECT_EQ(absl::StrReplaceAll(pool_->Find("bob", "never").status().message(),
-                                {{"never", cache->id()}}),
-            absl::StrReplaceAll(pool_->Find("bob", cache->id()).status().message(),
-                                {{"never", cache->id()}}));
+  EXPECT_EQ(
+      absl::StrReplaceAll(pool_->Find("bob", "never").status().message(), {{"never", cache->id()}}),
+      absl::StrReplaceAll(pool_->Find("bob", cache->id()).status().message(),
+                          {{"never", cache->id()}}));
   EXPECT_EQ(pool_->DropCache("bob", cache->id()).code(), absl::StatusCode::kNotFound);
   KvCreateCache r;
   r.geometry = {1, 1, 8, DType::kFP32};
@@ -477,12 +478,46 @@ TEST_F(PoolTest, CallsOnOneSequenceApplyInArrivalOrder) {
   EXPECT_EQ((*cache->Lengths(1))[0], 25);
 }
 
-// ASan finding (scripts/sanitize.sh request-path, 2026-11-23): the executor's
-// completer thread may drop the last reference to a cache (held by a finished
-// call's callback) after the pool is gone; the cache then returned its pages
-// to a budget the pool had freed (heap-use-after-free in ~PageAllocator). The
-// budget is shared now. Here the cache outlives the pool deterministically;
-// ASan reports the old code every time.
+// Batching on: calls of one cache and layer that queue together share a launch.
+class BatchingPoolTest : public PoolTest {
+ protected:
+  BatchingPoolTest() : PoolTest(Batching()) {}
+  static ExecutorOptions Batching() {
+    ExecutorOptions o;
+    o.batching = true;
+    return o;
+  }
+};
+
+// A K/V call is checked and planned once (CanImplementPaged, just before its
+// launch) and the launch runs that plan: nothing plans it again, whether it
+// runs alone or packed with other calls of its cache and layer.
+TEST_F(BatchingPoolTest, PagedCallsArePlannedOnce) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}, {2, {}, {}}, {3, {}, {}}}).ok());
+  backend_.Close();
+  auto first = Run(cache, Call(1, 0, 20));
+  backend_.AwaitCalls(1);
+  EXPECT_EQ(backend_.paged_plans(), 1);
+  // Queued while the first holds the launcher: one launch for both.
+  auto second = Run(cache, Call(2, 0, 5));
+  auto third = Run(cache, Call(3, 0, 7));
+  backend_.Open();
+  for (const auto& call : {first, second, third}) {
+    call->done.WaitForNotification();
+    EXPECT_TRUE(call->status.ok()) << call->status;
+  }
+  EXPECT_EQ(backend_.paged_launches(), 2);
+  EXPECT_EQ(backend_.paged_plans(), 3);
+  EXPECT_EQ((*cache->Lengths(2))[0], 5);
+  EXPECT_EQ((*cache->Lengths(3))[0], 7);
+}
+
+// The executor's completer may drop the last reference to a cache (held by a
+// finished call's callback) after the pool is gone: the cache's pages go back
+// to a device budget it shares, which must still be alive. Here the cache
+// outlives the pool deterministically (ASan would see a freed budget).
 TEST_F(PoolTest, CacheOutlivesItsPool) {
   MakePool();
   auto cache = Cache();
