@@ -1,6 +1,7 @@
 // CheckPagedParams: the invariants of one append-and-attend launch
-// (paged_kv.h) that every backend's PagedForward checks before touching its
-// pages, so a bad block table or length can never write outside a cache.
+// (paged_kv.h) that every backend's CanImplementPaged checks before a launch
+// may touch its pages, so a bad block table or length can never write outside
+// a cache.
 #pragma once
 
 #include "absl/status/status.h"

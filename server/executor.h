@@ -1,12 +1,14 @@
 // The protocol-independent core for one backend (one device): an admission
-// queue with a bound and two threads. The launcher takes queued requests,
-// packs those that can share a launch (ragged_batch.h, with batching on) and
-// starts launches on the backend (AttentionBackend::StartForward), keeping up
-// to max_launches_in_flight() of them open so a device backend overlaps one
-// launch's copies with another's compute. The completer finishes launches in
-// the order they started and reports each request through its callback.
-// Front-ends (the native v1 API now, KServe v2 later) submit work here and
-// never block: they are called back when the work is done.
+// queue with a bound and two threads. The launcher takes queued calls (dense
+// attention calls and K/V append-and-attend calls, each planned once by the
+// backend), packs those that can share a launch (ragged_batch.h and
+// paged_batch.h, with batching on) and starts launches on the backend
+// (StartForward or StartPagedForward), keeping up to max_launches_in_flight()
+// of them open so a device backend overlaps one launch's copies with
+// another's compute. The completer finishes launches in the order they
+// started and reports each call through its callback. Front-ends and the K/V
+// pool submit work here and never block: they are called back when the work
+// is done.
 #pragma once
 
 #include <atomic>

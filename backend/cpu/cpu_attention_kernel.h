@@ -32,7 +32,7 @@ inline constexpr int kRowTile = 4;
 // intrinsics: plain arithmetic syntax, and the compiler still picks the
 // instructions (FMA from a*b+c under -ffp-contract=fast). The micro-kernels
 // use them because the auto-vectoriser would not keep a 4×16 accumulator
-// tile in registers (measured: scalar FMAs, ~5 GFLOP/s per core).
+// tile in registers (it falls back to scalar FMAs).
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef int32_t Vec8i __attribute__((vector_size(32)));
 inline constexpr int kLanes = 8;

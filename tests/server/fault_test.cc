@@ -1,4 +1,4 @@
-// Faults a client can cause (issue 15, part 4), on a real AttnServer on
+// Faults a client can cause, on a real AttnServer on
 // 127.0.0.1:0 with the CPU backend:
 //   - a client that disconnects mid-upload (HTTP/2 written by hand on a raw
 //     socket: the request's first 16 KB of a declared 1 MB message, then
@@ -9,6 +9,7 @@
 // After each, the server must hold no more file descriptors than before,
 // answer correctly, and do so within a second.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -18,7 +19,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <dirent.h>
 #include <memory>
 #include <random>
 #include <string>
@@ -98,7 +98,8 @@ class RawHttp2 {
     std::string settings;
     if (initial_window > 0) {
       settings += std::string("\0\x04", 2);  // SETTINGS_INITIAL_WINDOW_SIZE
-      for (int shift = 24; shift >= 0; shift -= 8) settings += static_cast<char>(initial_window >> shift);
+      for (int shift = 24; shift >= 0; shift -= 8)
+        settings += static_cast<char>(initial_window >> shift);
     }
     ok_ = ok_ && Send("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + Frame(kSettings, 0, 0, settings));
     ok_ = ok_ && ReadUntilFrame(kSettings, 0);
@@ -129,7 +130,8 @@ class RawHttp2 {
     const absl::Time end = absl::Now() + absl::Seconds(10);
     while (absl::Now() < end) {
       while (buffer_.size() >= 9) {
-        const uint32_t len = (uint8_t(buffer_[0]) << 16) | (uint8_t(buffer_[1]) << 8) | uint8_t(buffer_[2]);
+        const uint32_t len =
+            (uint8_t(buffer_[0]) << 16) | (uint8_t(buffer_[1]) << 8) | uint8_t(buffer_[2]);
         if (buffer_.size() < 9 + len) break;
         const uint8_t t = uint8_t(buffer_[3]);
         const uint32_t s = ((uint8_t(buffer_[5]) & 0x7f) << 24) | (uint8_t(buffer_[6]) << 16) |
@@ -202,8 +204,9 @@ class FaultTest : public ::testing::Test {
     const absl::Duration took = absl::Now() - start;
     ASSERT_TRUE(out.ok()) << out.status() << " after " << refused << " refusals in " << took;
     EXPECT_LT(took, absl::Seconds(1)) << "serving again took " << took;
-    if (refused > 0) std::printf("serving again after %d queue-full refusals, %s\n", refused,
-                                 absl::FormatDuration(took).c_str());
+    if (refused > 0)
+      std::printf("serving again after %d queue-full refusals, %s\n", refused,
+                  absl::FormatDuration(took).c_str());
     absl::StatusOr<VerifyReport> report = VerifyForward(in, *out);
     ASSERT_TRUE(report.ok()) << report.status();
     EXPECT_TRUE(report->passed) << report->failure;
@@ -240,7 +243,8 @@ TEST_F(FaultTest, ClientsDisconnectingMidResponseLeaveNothingBehind) {
   // 32 x 8 x 64 FP16 q (k, v with one head): a 32 KB answer, which a 1-byte
   // window stalls.
   const std::string request =
-      MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 32, 32, 8, 1, 64), 5))
+      MakeForwardRequest(
+          *MakeRandomInputs(DenseAttentionShape(DType::kFP16, 1, 32, 32, 8, 1, 64), 5))
           .SerializeAsString();
   ASSERT_LT(request.size(), 65535u - 5) << "must fit the server's initial window";
   for (int i = 0; i < kClients; ++i) {
@@ -261,8 +265,8 @@ TEST_F(FaultTest, ClientsDisconnectingMidResponseLeaveNothingBehind) {
 
 TEST_F(FaultTest, CancellationStormEndsEveryCallAndServingResumes) {
   constexpr int kCalls = 2000;
-  const v1::ForwardRequest request =
-      MakeForwardRequest(*MakeRandomInputs(DenseAttentionShape(DType::kBF16, 1, 128, 128, 4, 4, 64), 9));
+  const v1::ForwardRequest request = MakeForwardRequest(
+      *MakeRandomInputs(DenseAttentionShape(DType::kBF16, 1, 128, 128, 4, 4, 64), 9));
   auto stub = v1::Attention::NewStub(client_->channel(0));
   struct Call {
     grpc::ClientContext context;
@@ -284,8 +288,8 @@ TEST_F(FaultTest, CancellationStormEndsEveryCallAndServingResumes) {
     if (i >= 8 && rng() % 4 != 0) calls[size_t(i) - rng() % 8]->context.TryCancel();
   }
   for (auto& c : calls) c->context.TryCancel();
-  ASSERT_TRUE(WaitFor([&] { return done.load(std::memory_order_acquire) == kCalls; },
-                      absl::Seconds(60)))
+  ASSERT_TRUE(
+      WaitFor([&] { return done.load(std::memory_order_acquire) == kCalls; }, absl::Seconds(60)))
       << done.load() << " of " << kCalls << " calls ended";
   int ok = 0, cancelled = 0, exhausted = 0;
   for (auto& c : calls) {
