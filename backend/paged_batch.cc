@@ -6,8 +6,8 @@
 #include <cstring>
 #include <utility>
 
-#include "common/dtype.h"
 #include "backend/ragged_batch.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace {
@@ -40,16 +40,12 @@ PagedBatch::PagedBatch(std::vector<const PagedAttnParams*> members) : members_(s
 }
 
 int64_t PagedBatch::q_bytes() const { return total_q_ * QRowBytes(members_.front()->attn); }
-int64_t PagedBatch::kv_new_bytes() const {
-  return total_new_ * KvRowBytes(members_.front()->attn);
-}
+int64_t PagedBatch::kv_new_bytes() const { return total_new_ * KvRowBytes(members_.front()->attn); }
 int64_t PagedBatch::lse_bytes() const {
   return wants_lse() ? int64_t{members_.front()->attn.num_heads_q} * total_q_ * 4 : 0;
 }
 int64_t PagedBatch::cu_seqlens_bytes() const { return (int64_t{batch_} + 1) * 4; }
-int64_t PagedBatch::block_table_bytes() const {
-  return int64_t{batch_} * block_table_stride_ * 4;
-}
+int64_t PagedBatch::block_table_bytes() const { return int64_t{batch_} * block_table_stride_ * 4; }
 int64_t PagedBatch::seqlens_bytes() const { return int64_t{batch_} * 4; }
 int64_t PagedBatch::copies_bytes() const { return int64_t{num_page_copies_} * 4; }
 
@@ -134,7 +130,7 @@ void PagedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run)
     const AttnParams& a = m->attn;
     // A member without queries has no LSE rows; when no member has any, the
     // packed LSE is empty (null), and memcpy from null is undefined even for
-    // 0 bytes (kv_ops_fuzzer under UBSan).
+    // 0 bytes.
     if (a.total_q == 0) continue;
     for (int h = 0; h < a.num_heads_q; ++h) {
       std::memcpy(a.lse + int64_t{h} * a.total_q, lse + int64_t{h} * total_q_ + off,
