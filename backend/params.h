@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
+
 #if defined(__CUDACC__)
 #define ATTN_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -12,10 +14,6 @@
 #endif
 
 namespace attnserve {
-
-// Values match attnserve.v1.DType on the wire. kFP8E4M3: OCP FP8 E4M3 codes
-// (1 byte), each tensor with its own descale factor (AttnParams::q_descale..).
-enum class DType : int32_t { kFP16 = 1, kBF16 = 2, kFP32 = 3, kFP8E4M3 = 4 };
 
 // O's dtype: the inputs' dtype, except FP8 inputs, whose O is BF16 (FP8 has
 // too little precision for an output; docs/design.md §2).

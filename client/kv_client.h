@@ -42,11 +42,10 @@
 #include "attnserve/v1/kv.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/host_tensor.h"
+#include "common/cache_id_header.h"
 
 namespace attnserve {
 
-// The gRPC metadata key that names a call's cache (kv.proto's header comment).
-inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
 
 // Mirrors attnserve.v1.KvGeometry. Named apart from the server's KvGeometry
 // (server/kv/kv_cache.h): a binary may link both (scripts/check-odr.py).

@@ -7,9 +7,11 @@
 #include <cstring>
 #include <string_view>
 
-#include "backend/params.h"
-
 namespace attnserve {
+
+// Values match attnserve.v1.DType on the wire. kFP8E4M3: OCP FP8 E4M3 codes
+// (1 byte), each tensor with its own descale factor (AttnParams::q_descale..).
+enum class DType : int32_t { kFP16 = 1, kBF16 = 2, kFP32 = 3, kFP8E4M3 = 4 };
 
 inline constexpr int64_t DTypeSize(DType t) {
   switch (t) {

@@ -16,7 +16,6 @@
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
 #include "server/kv/startup_cache.h"
-#include "server/malloc_tuning.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 

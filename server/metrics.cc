@@ -2,12 +2,14 @@
 // at scrape time; see metrics.h.
 #include "server/metrics.h"
 
+#include "server/executor.h"
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/malloc_tuning.h"
+#include "common/malloc_tuning.h"
 
 namespace attnserve {
 namespace {
@@ -69,20 +71,18 @@ ServerMetrics::FailureReason ServerMetrics::ReasonFor(const absl::Status& status
   }
 }
 
-void ServerMetrics::RecordRequest(const absl::Status& status, int64_t queue_us,
-                                  int64_t host_to_device_us, int64_t compute_us,
-                                  int64_t device_to_host_us, int64_t total_us) {
+void ServerMetrics::RecordRequest(const absl::Status& status, const WorkTimings& t) {
   last_request_ms_.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
   if (!status.ok()) {
     failure_[static_cast<int>(ReasonFor(status))].fetch_add(1, std::memory_order_relaxed);
     return;
   }
   success_.fetch_add(1, std::memory_order_relaxed);
-  request_duration_us_.fetch_add(total_us, std::memory_order_relaxed);
-  queue_duration_us_.fetch_add(queue_us, std::memory_order_relaxed);
-  compute_input_duration_us_.fetch_add(host_to_device_us, std::memory_order_relaxed);
-  compute_infer_duration_us_.fetch_add(compute_us, std::memory_order_relaxed);
-  compute_output_duration_us_.fetch_add(device_to_host_us, std::memory_order_relaxed);
+  request_duration_us_.fetch_add(t.total_us, std::memory_order_relaxed);
+  queue_duration_us_.fetch_add(t.queue_us, std::memory_order_relaxed);
+  compute_input_duration_us_.fetch_add(t.host_to_device_us, std::memory_order_relaxed);
+  compute_infer_duration_us_.fetch_add(t.compute_us, std::memory_order_relaxed);
+  compute_output_duration_us_.fetch_add(t.device_to_host_us, std::memory_order_relaxed);
 }
 
 ServerMetrics::Counters ServerMetrics::Snapshot() const {

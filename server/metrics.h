@@ -19,6 +19,8 @@
 
 namespace attnserve {
 
+struct WorkTimings;  // server/executor.h, which includes this header
+
 // Live readings of one device, from the source set with
 // ServerMetrics::SetDeviceUsageSource (the server sets NvmlMonitor,
 // server/gpu_monitor.h). Without a source only nv_gpu_memory_total_bytes
@@ -41,8 +43,7 @@ class ServerMetrics {
   // Per finished request (success or failure), from its final status and the
   // server timing it reports (µs). Durations accumulate for successes only,
   // as Triton's do, so duration / success count is the mean.
-  void RecordRequest(const absl::Status& status, int64_t queue_us, int64_t host_to_device_us,
-                     int64_t compute_us, int64_t device_to_host_us, int64_t total_us);
+  void RecordRequest(const absl::Status& status, const WorkTimings& timings);
   // Per backend launch, which may serve several requests (nv_inference_exec_count).
   void RecordExecution() { exec_count_.fetch_add(1, std::memory_order_relaxed); }
 

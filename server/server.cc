@@ -26,16 +26,17 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
-#include "server/attention_service.h"
 #include "server/executor.h"
 #include "server/executor_pool.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
 #include "server/gpu_monitor.h"
 #include "server/kv/kv_pool.h"
 #include "server/kv/startup_cache.h"
-#include "server/kv_service.h"
+#include "server/core/kv_runner.h"
+#include "server/native/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/native/attention_service.h"
 #include "server/security/grpc_credentials.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -217,9 +218,9 @@ class AttnServerImpl final : public AttnServer {
         tenants_(std::move(tenants)),
         auth_(std::move(auth)),
         executors_(Pointers(backends_), MakeExecutorOptions(options)),
-        handler_(&executors_, description_.name,
-                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(&handler_, description_,
+        runner_(&executors_, description_.name,
+                RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
+        service_(&runner_, description_,
                  ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
                              options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
                              absl::ToInt64Milliseconds(options.kv_idle_timeout), tenants_.get(),
@@ -227,10 +228,10 @@ class AttnServerImpl final : public AttnServer {
         kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
                                options.kv_idle_timeout},
                  KvDevices(backends_, &executors_)),
-        kv_service_(&kv_pool_, description_.name,
-                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_,
-                    options.stream),
-        kserve_(&handler_, &kv_service_, &kv_pool_, &metrics_, KserveInfo(options, description_),
+        kv_runner_(&kv_pool_, description_.name,
+                   RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
+        kv_service_(&kv_runner_, &metrics_, options.stream),
+        kserve_(&runner_, &kv_runner_, &metrics_, KserveInfo(options, description_),
                 KserveOptionsOf(options), options.stream, [this] {
                   absl::MutexLock lock(&mu_);
                   return state_ == State::kServing;
@@ -286,7 +287,7 @@ class AttnServerImpl final : public AttnServer {
     }
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
     executors_.StopAdmitting();
-    kv_service_.StopAdmitting();
+    kv_runner_.StopAdmitting();
     // Every admitted request answered, within the grace period.
     const bool answered =
         service_.WaitForResponses(grace) &&
@@ -552,9 +553,10 @@ class AttnServerImpl final : public AttnServer {
   // Before the executors and handler, which record into it.
   ServerMetrics metrics_;
   ExecutorPool executors_;
-  ForwardHandler handler_;
+  AttentionRunner runner_;
   AttentionService service_;
   KvPool kv_pool_;  // after the executors its calls run on
+  KvRunner kv_runner_;
   KvService kv_service_;
   KserveFrontend kserve_;
 

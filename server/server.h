@@ -49,7 +49,7 @@ struct ServerOptions {
   // Caches created before the server listens: --kv_startup_cache's text,
   // parsed by ParseStartupCaches (server/kv/startup_cache.h). Kept as text so
   // this header does not pull the K/V pool's types into every client of the
-  // server (the client library has its own KvGeometry and KvStep). A bad
+  // server (the client library has its own KvClientGeometry and KvClientStep). A bad
   // spec, or a cache the pool refuses, fails Start with its message.
   std::string kv_startup_cache;
   bool metrics_enabled = false;

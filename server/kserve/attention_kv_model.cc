@@ -1,5 +1,5 @@
-// The `attention_kv` model: v2 request -> v1::AppendAttendRequest ->
-// KvService::StartAppendAttend -> v2 response; see attention_kv_model.h.
+// The `attention_kv` model: v2 request -> KvCall -> KvRunner -> v2 response;
+// see attention_kv_model.h.
 #include "server/kserve/attention_kv_model.h"
 
 #include <algorithm>
@@ -13,6 +13,9 @@
 #include "absl/strings/strip.h"
 #include "common/dtype.h"
 #include "common/shape_string.h"
+#include "common/cache_id_header.h"
+#include "common/status_macros.h"
+#include "server/kserve/field_names.h"
 #include "server/kserve/model_reports.h"
 #include "server/kserve/v2_options.h"
 #include "server/kserve/v2_outputs.h"
@@ -26,45 +29,15 @@ constexpr char kControlNames[] =
     "cache_id, layer, sequence_id, sequence_start, sequence_end, expected_length, fork_from, "
     "fork_length";
 
-// The native messages name AppendAttendRequest's fields; a v2 client sent
-// inputs and parameters. The one table from one to the other.
-absl::Status InV2Terms(const absl::Status& status) {
-  static const std::pair<const char*, const char*> kRenames[] = {
-      {"q.", "inputs['q']."},
-      {"k.", "inputs['k']."},
-      {"v.", "inputs['v']."},
-      {"layer:", "parameters['layer']:"},
-      {"sequences[0].expected_length", "parameters['expected_length']"},
-      {"sequences[0].fork_length", "parameters['fork_length']"},
-      {"sequences[0].fork_from", "parameters['fork_from']"},
-      {"sequences[0].sequence_id", "parameters['sequence_id']"},
-  };
-  const absl::string_view message = status.message();
-  absl::string_view rest = message;
-  if (absl::ConsumePrefix(&rest, "options.")) {
-    // options.window_left: ... -> parameters['window_left']: ...
-    const size_t end = rest.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
-    return absl::Status(status.code(), absl::StrCat("parameters['", rest.substr(0, end), "']",
-                                                    end == rest.npos ? "" : rest.substr(end)));
-  }
-  for (const auto& [native, v2] : kRenames) {
-    if (absl::StartsWith(message, native)) {
-      return absl::Status(status.code(),
-                          absl::StrCat(v2, message.substr(std::string_view(native).size())));
-    }
-  }
-  return status;
-}
-
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
 // Rows of a [rows, H, D] input; INVALID_ARGUMENT naming it for another rank.
-absl::StatusOr<int32_t> RowsOf(const char* name, const v1::Tensor& t, const char* layout) {
-  if (t.shape_size() != 3 || t.shape(0) < 0 || t.shape(0) > INT_MAX) {
+absl::StatusOr<int32_t> RowsOf(const char* name, const TensorView& t, const char* layout) {
+  if (t.shape.size() != 3 || t.shape[0] < 0 || t.shape[0] > INT_MAX) {
     return Invalid(absl::StrCat("inputs['", name, "'].shape: expected ", layout,
-                                " (the new tokens of one sequence), got ", ShapeString(t.shape())));
+                                " (the new tokens of one sequence), got ", ShapeString(t.shape)));
   }
-  return static_cast<int32_t>(t.shape(0));
+  return static_cast<int32_t>(t.shape[0]);
 }
 
 }  // namespace
@@ -72,8 +45,8 @@ absl::StatusOr<int32_t> RowsOf(const char* name, const v1::Tensor& t, const char
 // One request in flight.
 struct AttentionKvModel::Call {
   InferCall call;
-  v1::AppendAttendRequest append;
-  v1::AppendAttendResponse result;
+  KvCall append;
+  std::string storage[3];  // q, k and v bytes taken out of the request
   std::vector<V2Output> outputs;
   std::shared_ptr<KvCache> cache;
   uint64_t sequence_id = 0;
@@ -85,9 +58,9 @@ struct AttentionKvModel::Call {
   bool created = false;  // this call's sequence_start created the sequence
 };
 
-AttentionKvModel::AttentionKvModel(KvService* service, KvPool* pool, const ShmRegistry* shm,
+AttentionKvModel::AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
                                    const ServerMetrics* metrics, AttentionKvModelInfo info)
-    : service_(service), pool_(pool), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
+    : runner_(runner), pool_(runner->pool()), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
 
 void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const {
   const char* type = DTypeName(info_.advertised).data();
@@ -122,8 +95,12 @@ void AttentionKvModel::FillStatistics(inference::ModelStatistics* out) const {
 absl::Status AttentionKvModel::Prepare(Call* c) const {
   inference::ModelInferRequest& request = *c->call.request;
   const InputSource source{&request, shm_, c->call.tenant};
-  v1::AppendAttendRequest& append = c->append;
-  append.set_request_id(request.id());
+  KvCall& append = c->append;
+  append.meta.id = request.id();
+  append.meta.tenant = c->call.tenant;
+  append.meta.deadline = c->call.deadline;
+  append.meta.cancelled = c->call.cancelled;
+  append.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
 
   // Sorted, so the first bad parameter named is the same on every call.
@@ -135,7 +112,7 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   for (const std::string& name : names) {
     const inference::InferParameter& p = request.parameters().at(name);
     const std::string where = absl::StrCat("parameters['", name, "']");
-    absl::StatusOr<bool> option = ApplyAttentionOption(name, p, append.mutable_options());
+    absl::StatusOr<bool> option = ApplyAttentionOption(name, p, &append.options);
     if (!option.ok()) return option.status();
     if (*option || IsProtocolParameter(name)) continue;
     absl::Status status;
@@ -210,60 +187,57 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
 
   absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, kInputs);
   if (!index_of.ok()) return index_of.status();
-  v1::Tensor* tensors[] = {append.mutable_q(), append.mutable_k(), append.mutable_v()};
+  TensorView* tensors[] = {&append.q, &append.k, &append.v};
   for (int which = 0; which < 3; ++which) {
     if ((*index_of)[which] < 0) {
       return Invalid(absl::StrCat("inputs: model '", name_,
                                   "' needs q, k and v (zero rows allowed); '", kInputs[which],
                                   "' is missing"));
     }
-    absl::Status taken = TakeFloatTensor(source, (*index_of)[which], tensors[which]);
-    if (!taken.ok()) return taken;
+    absl::StatusOr<TensorView> taken =
+        TakeFloatTensor(source, (*index_of)[which], &c->storage[which]);
+    if (!taken.ok()) return taken.status();
+    *tensors[which] = *taken;
   }
-  absl::StatusOr<int32_t> queries = RowsOf("q", append.q(), "[Tq, Hq, D]");
+  absl::StatusOr<int32_t> queries = RowsOf("q", append.q, "[Tq, Hq, D]");
   if (!queries.ok()) return queries.status();
-  absl::StatusOr<int32_t> new_tokens = RowsOf("k", append.k(), "[Tk, Hkv, D]");
+  absl::StatusOr<int32_t> new_tokens = RowsOf("k", append.k, "[Tk, Hkv, D]");
   if (!new_tokens.ok()) return new_tokens.status();
 
-  append.set_cache_id(cache_id);
-  append.set_layer(static_cast<int32_t>(layer.value_or(0)));
-  v1::SequenceStep* step = append.add_sequences();
-  step->set_sequence_id(c->sequence_id);
-  step->set_expected_length(static_cast<int32_t>(expected_length.value_or(0)));
-  step->set_num_new_tokens(*new_tokens);
-  step->set_num_queries(*queries);
-  c->check_lengths = expected_length.has_value();
+  append.cache_id = cache_id;
+  append.layer = static_cast<int32_t>(layer.value_or(0));
+  append.steps.push_back({c->sequence_id, static_cast<int32_t>(expected_length.value_or(0)),
+                          *new_tokens, *queries});
+  append.check_lengths = expected_length.has_value();
 
-  bool return_lse = append.options().return_lse();
-  absl::Status planned = PlanOutputs(source, name_, &return_lse, &c->outputs);
-  append.mutable_options()->set_return_lse(return_lse);
-  if (!planned.ok()) return planned;
+  RETURN_IF_ERROR(PlanOutputs(source, name_, &append.options.return_lse, &c->outputs));
   // A region too small must fail before the append, which cannot be undone.
   // The cache checks the shapes later; these sizes need only q's.
   absl::StatusOr<DType> dtype = ParseFloatDatatype("q", request.inputs((*index_of)[0]).datatype());
-  const v1::Tensor& q = append.q();
-  if (!dtype.ok() || q.shape(1) < 0 || q.shape(2) < 0) return absl::OkStatus();
-  const uint64_t rows_heads = uint64_t(q.shape(0)) * uint64_t(q.shape(1));
+  const absl::Span<const int64_t> q = append.q.shape;
+  if (!dtype.ok() || q[1] < 0 || q[2] < 0) return absl::OkStatus();
+  const uint64_t rows_heads = uint64_t(q[0]) * uint64_t(q[1]);
   for (const V2Output& out : c->outputs) {
     absl::Status fits =
-        CheckOutputFits(out, out.name == "o" ? rows_heads * uint64_t(q.shape(2)) * DTypeSize(*dtype)
+        CheckOutputFits(out, out.name == "o" ? rows_heads * uint64_t(q[2]) * DTypeSize(*dtype)
                                              : rows_heads * 4);
     if (!fits.ok()) return fits;
   }
   return absl::OkStatus();
 }
 
-absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status) const {
+absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status,
+                                        const WorkTimings& timings, KvResult* result) const {
   if (!status.ok()) {
     // A failed call changes nothing: not even the sequence its start created.
     if (c->created) c->cache->Free({c->sequence_id}).IgnoreError();
-    return InV2Terms(status);
+    return status;
   }
   inference::ModelInferResponse& response = *c->call.response;
-  absl::Status delivered =
-      DeliverOutputs(&c->outputs, c->result.mutable_o(), c->result.mutable_lse(), &response);
-  if (!delivered.ok()) return delivered;
-  const int32_t length = c->result.lengths_size() > 0 ? c->result.lengths(0) : 0;
+  ProducedTensor o{result->layout.o_dtype, result->layout.o_shape, std::move(result->o)};
+  ProducedTensor lse{DType::kFP32, result->layout.lse_shape, std::move(result->lse)};
+  RETURN_IF_ERROR(DeliverOutputs(&c->outputs, &o, &lse, &response));
+  const int32_t length = result->lengths.empty() ? 0 : result->lengths[0];
   if (c->end) {
     // sequence_end may race other calls on the sequence (perf_analyzer sends
     // a sequence's requests without waiting): the last of them frees it.
@@ -272,14 +246,14 @@ absl::Status AttentionKvModel::Complete(Call* c, const absl::Status& status) con
       return absl::Status(
           freed.status().code(),
           absl::StrCat("parameters['sequence_end']: the append applied (sequence ", c->sequence_id,
-                       " has ", length, " tokens at layer ", c->append.layer(),
+                       " has ", length, " tokens at layer ", c->append.layer,
                        ") but the sequence was not freed: ", freed.status().message()));
     }
   }
   response.set_model_name(name_);
   response.set_model_version(kModelVersion);
   response.set_id(c->call.request->id());
-  SetTimingParameters(c->result.timing(), c->result.backend(), &response);
+  SetTimingParameters(timings, runner_->backend_name(), &response);
   auto& params = *response.mutable_parameters();
   params["sequence_id"].set_uint64_param(c->sequence_id);
   params["sequence_length"].set_int64_param(length);
@@ -290,13 +264,13 @@ void AttentionKvModel::Infer(InferCall call) {
   auto c = std::make_shared<Call>();
   c->call = std::move(call);
   absl::Status prepared = Prepare(c.get());
-  if (prepared.ok()) prepared = service_->Draining();
+  if (prepared.ok()) prepared = runner_->Draining();
   if (prepared.ok() && c->start) {
     KvSequenceSpec spec;
     spec.sequence_id = c->sequence_id;
     spec.fork_from = c->fork_from;
     spec.fork_length = c->fork_length;
-    prepared = InV2Terms(c->cache->CreateSequences({spec}));
+    prepared = c->cache->CreateSequences({spec}, V2FieldNames());
     if (prepared.ok()) {
       c->created = true;
     } else if (prepared.code() == absl::StatusCode::kAlreadyExists) {
@@ -309,14 +283,13 @@ void AttentionKvModel::Infer(InferCall call) {
     c->call.done(prepared);
     return;
   }
-  service_->StartAppendAttend(
-      c->call.tenant, c->call.deadline, &c->append, &c->result, c->call.cancelled,
-      [this, c](const absl::Status& status) {
-        absl::Status completed = Complete(c.get(), status);
-        if (!completed.ok()) c->call.response->Clear();
-        c->call.done(completed);
-      },
-      c->check_lengths);
+  runner_->Start(&c->append, V2FieldNames(),
+                 [this, c](const absl::Status& status, const WorkTimings& timings,
+                           KvResult* result) {
+                   absl::Status completed = Complete(c.get(), status, timings, result);
+                   if (!completed.ok()) c->call.response->Clear();
+                   c->call.done(completed);
+                 });
 }
 
 }  // namespace attnserve

@@ -14,10 +14,9 @@
 //   - inputs q [Tq, Hq, D], k and v [Tk, Hkv, D] (the new tokens; zero rows
 //     allowed), outputs o [Tq, Hq, D] and lse [Hq, Tq], attention options as
 //     for `attention`.
-// Each request becomes one native v1::AppendAttendRequest and runs through
-// KvService::StartAppendAttend: the native call's validation, limits, pool,
-// ordering, metrics and messages (field names rewritten to the v2 ones).
-// docs/kserve.md has the mapping.
+// Each request becomes one core KvCall and runs through the KvRunner: the
+// same checks (named in v2 words), limits, pool, ordering and metrics as the
+// native AppendAttend. docs/kserve.md has the mapping.
 #pragma once
 
 #include <memory>
@@ -26,8 +25,8 @@
 #include "backend/params.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
+#include "server/core/kv_runner.h"
 #include "server/kv/kv_pool.h"
-#include "server/kv_service.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -43,7 +42,7 @@ struct AttentionKvModelInfo {
 class AttentionKvModel final : public KserveModel {
  public:
   // Everything passed must outlive the model.
-  AttentionKvModel(KvService* service, KvPool* pool, const ShmRegistry* shm,
+  AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
                    const ServerMetrics* metrics, AttentionKvModelInfo info);
 
   const std::string& name() const override { return name_; }
@@ -57,11 +56,12 @@ class AttentionKvModel final : public KserveModel {
   struct Call;
   // The v2 request -> call->append, the sequence controls and the outputs.
   absl::Status Prepare(Call* call) const;
-  // After the native call: frees the sequence on sequence_end (or undoes a
+  // After the call: frees the sequence on sequence_end (or undoes a
   // sequence_start when the call failed) and delivers the outputs.
-  absl::Status Complete(Call* call, const absl::Status& status) const;
+  absl::Status Complete(Call* call, const absl::Status& status, const WorkTimings& timings,
+                        KvResult* result) const;
 
-  KvService* const service_;
+  KvRunner* const runner_;
   KvPool* const pool_;
   const ShmRegistry* const shm_;
   const ServerMetrics* const metrics_;

@@ -1,8 +1,8 @@
-// The `attention` model: v2 request -> ForwardRequest -> ForwardHandler ->
-// v2 response; see attention_model.h. Tensor bytes are moved, not copied,
-// between the two messages wherever the protocol lets them, and q, k, v, o
-// and lse in a system shared-memory region are read and written where they
-// lie (LentMemory); docs/kserve.md lists the copies that remain.
+// The `attention` model: v2 request -> AttentionCall -> AttentionRunner ->
+// v2 response; see attention_model.h. Tensor bytes are moved, not copied, out
+// of the request wherever the protocol lets them, and q, k, v, o and lse in a
+// system shared-memory region are read and written where they lie;
+// docs/kserve.md lists the copies that remain.
 #include "server/kserve/attention_model.h"
 
 #include <algorithm>
@@ -14,10 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "server/kserve/field_names.h"
 #include "server/kserve/model_reports.h"
 #include "server/kserve/v2_options.h"
 #include "server/kserve/v2_outputs.h"
 #include "server/kserve/v2_tensors.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -25,9 +27,9 @@ namespace {
 constexpr const char* kInputNames[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
 constexpr size_t kNumDenseInputs = 3;
 
-// An INT32 cu_seqlens input -> the repeated int32 of the ForwardRequest.
+// An INT32 cu_seqlens input -> its offsets.
 absl::Status FillSeqlens(const inference::ModelInferRequest::InferInputTensor& input,
-                         const std::string& bytes, google::protobuf::RepeatedField<int32_t>* out) {
+                         const std::string& bytes, std::vector<int32_t>* out) {
   const std::string where = absl::StrCat("inputs['", input.name(), "']");
   if (input.datatype() != "INT32") {
     return absl::InvalidArgumentError(
@@ -43,8 +45,8 @@ absl::Status FillSeqlens(const inference::ModelInferRequest::InferInputTensor& i
                                                    " bytes (shape [", count, "] of INT32), got ",
                                                    bytes.size()));
   }
-  out->Resize(static_cast<int>(count), 0);
-  if (count > 0) std::memcpy(out->mutable_data(), bytes.data(), bytes.size());
+  out->resize(static_cast<size_t>(count));
+  if (count > 0) std::memcpy(out->data(), bytes.data(), bytes.size());
   return absl::OkStatus();
 }
 
@@ -53,17 +55,19 @@ absl::Status FillSeqlens(const inference::ModelInferRequest::InferInputTensor& i
 // One request in flight: what Prepare built and Deliver reads.
 struct AttentionModel::Call {
   InferCall call;
-  v1::ForwardRequest forward;
-  v1::ForwardResponse result;
-  std::vector<V2Output> outputs;
-  // q, k and v when read in place from a region (each holds its region
-  // mapped until the call is done).
+  AttentionCall attention;
+  // q, k and v bytes taken out of the request, or read in place from a
+  // region (each holds its region mapped until the call is done).
+  std::string storage[3];
   InPlaceBytes inputs[3];
+  std::vector<int32_t> cu_seqlens[2];
+  std::vector<V2Output> outputs;
+  ProducedTensor o, lse;
 };
 
-AttentionModel::AttentionModel(ForwardHandler* handler, const ShmRegistry* shm,
+AttentionModel::AttentionModel(AttentionRunner* runner, const ShmRegistry* shm,
                                const ServerMetrics* metrics, AttentionModelInfo info)
-    : handler_(handler), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
+    : runner_(runner), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
 
 void AttentionModel::FillMetadata(inference::ModelMetadataResponse* out) const {
   const char* type = DTypeName(info_.advertised).data();
@@ -110,8 +114,13 @@ void AttentionModel::FillStatistics(inference::ModelStatistics* out) const {
 absl::Status AttentionModel::Prepare(Call* c) const {
   inference::ModelInferRequest& request = *c->call.request;
   const InputSource source{&request, shm_, c->call.tenant};
-  v1::ForwardRequest& forward = c->forward;
-  forward.set_request_id(request.id());
+  AttentionCall& call = c->attention;
+  call.meta.id = request.id();
+  call.meta.tenant = c->call.tenant;
+  call.meta.deadline = c->call.deadline;
+  call.meta.cancelled = c->call.cancelled;
+  // Counted before any bytes move out, plus what is read from regions below.
+  call.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
 
   const absl::Span<const char* const> names =
@@ -119,26 +128,28 @@ absl::Status AttentionModel::Prepare(Call* c) const {
           .subspan(0, info_.varlen_inputs ? std::size(kInputNames) : kNumDenseInputs);
   absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, names);
   if (!index_of.ok()) return index_of.status();
-  v1::Tensor* tensors[] = {forward.mutable_q(), forward.mutable_k(), forward.mutable_v()};
+  TensorView* tensors[] = {&call.q, &call.k, &call.v};
   for (int which = 0; which < 3; ++which) {
     if ((*index_of)[which] < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "inputs: model '", name_, "' needs q, k and v; '", names[which], "' is missing"));
     }
-    absl::Status taken =
-        TakeFloatTensor(source, (*index_of)[which], tensors[which], &c->inputs[which]);
-    if (!taken.ok()) return taken;
+    absl::StatusOr<TensorView> taken =
+        TakeFloatTensor(source, (*index_of)[which], &c->storage[which], &c->inputs[which]);
+    if (!taken.ok()) return taken.status();
+    *tensors[which] = *taken;
+    call.request_bytes += static_cast<int64_t>(c->inputs[which].size);
   }
-  google::protobuf::RepeatedField<int32_t>* seqlens[] = {forward.mutable_cu_seqlens_q(),
-                                                         forward.mutable_cu_seqlens_k()};
   for (size_t which = 3; which < names.size(); ++which) {
     const int index = (*index_of)[which];
     if (index < 0) continue;
     absl::StatusOr<std::string> bytes = TakeInputBytes(source, index);
     if (!bytes.ok()) return bytes.status();
-    absl::Status filled = FillSeqlens(request.inputs(index), *bytes, seqlens[which - 3]);
+    absl::Status filled = FillSeqlens(request.inputs(index), *bytes, &c->cu_seqlens[which - 3]);
     if (!filled.ok()) return filled;
   }
+  call.cu_seqlens_q = c->cu_seqlens[0];
+  call.cu_seqlens_k = c->cu_seqlens[1];
 
   // Sorted, so the first bad parameter named is the same on every call.
   std::vector<std::string> parameter_names;
@@ -146,29 +157,25 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   std::sort(parameter_names.begin(), parameter_names.end());
   for (const std::string& name : parameter_names) {
     absl::StatusOr<bool> applied =
-        ApplyAttentionOption(name, request.parameters().at(name), forward.mutable_options());
+        ApplyAttentionOption(name, request.parameters().at(name), &call.options);
     if (!applied.ok()) return applied.status();
     if (*applied || IsProtocolParameter(name)) continue;
     return absl::InvalidArgumentError(absl::StrCat("parameters['", name, "']: expected one of ",
                                                    kAttentionOptionNames, ", got '", name, "'"));
   }
 
-  bool return_lse = forward.options().return_lse();
-  absl::Status planned = PlanOutputs(source, name_, &return_lse, &c->outputs);
-  forward.mutable_options()->set_return_lse(return_lse);
-  return planned;
+  RETURN_IF_ERROR(PlanOutputs(source, name_, &call.options.return_lse, &c->outputs));
+  call.sink = V2Sink(&c->outputs, &c->o, &c->lse);
+  return absl::OkStatus();
 }
 
-absl::Status AttentionModel::Deliver(Call* c) const {
-  v1::ForwardResponse& result = c->result;
+absl::Status AttentionModel::Deliver(Call* c, const WorkTimings& timings) const {
   inference::ModelInferResponse& response = *c->call.response;
-  absl::Status delivered =
-      DeliverOutputs(&c->outputs, result.mutable_o(), result.mutable_lse(), &response);
-  if (!delivered.ok()) return delivered;
+  RETURN_IF_ERROR(DeliverOutputs(&c->outputs, &c->o, &c->lse, &response));
   response.set_model_name(name_);
   response.set_model_version(kModelVersion);
   response.set_id(c->call.request->id());
-  SetTimingParameters(result.timing(), result.backend(), &response);
+  SetTimingParameters(timings, runner_->backend_name(), &response);
   return absl::OkStatus();
 }
 
@@ -180,23 +187,12 @@ void AttentionModel::Infer(InferCall call) {
     c->call.done(prepared);
     return;
   }
-  LentMemory lent;
-  lent.inputs.q = c->inputs[0].view();
-  lent.inputs.k = c->inputs[1].view();
-  lent.inputs.v = c->inputs[2].view();
-  // The handler keeps this until `done`, which holds `c`.
-  lent.place_outputs = [outputs = &c->outputs](int64_t o_bytes, int64_t lse_bytes, void** o,
-                                               float** lse) {
-    return PlaceOutputs(outputs, o_bytes, lse_bytes, o, lse);
-  };
-  handler_->Start(
-      &c->forward, &c->result, c->call.tenant, c->call.deadline, c->call.cancelled,
-      [this, c](const absl::Status& status) {
-        absl::Status delivered = status.ok() ? Deliver(c.get()) : status;
-        if (!delivered.ok()) c->call.response->Clear();
-        c->call.done(delivered);
-      },
-      std::move(lent));
+  runner_->Start(&c->attention, V2FieldNames(),
+                 [this, c](const absl::Status& status, const WorkTimings& timings) {
+                   absl::Status delivered = status.ok() ? Deliver(c.get(), timings) : status;
+                   if (!delivered.ok()) c->call.response->Clear();
+                   c->call.done(delivered);
+                 });
 }
 
 }  // namespace attnserve

@@ -1,7 +1,7 @@
-// The KServe v2 model `attention` (and `attention_dense`, see below): one ModelInferRequest becomes one native
-// attnserve.v1.ForwardRequest and runs through the ForwardHandler, so it gets
-// Forward's validation, limits, executor, batcher, backends, metrics and
-// error messages. Inputs q, k, v (FP16, BF16 or FP32) and optionally
+// The KServe v2 model `attention` (and `attention_dense`, see below): one
+// ModelInferRequest becomes one core AttentionCall and runs through the
+// AttentionRunner, so it gets the same checks (named in v2 words), limits,
+// executor, batcher, backends and metrics as the native Forward. Inputs q, k, v (FP16, BF16 or FP32) and optionally
 // cu_seqlens_q, cu_seqlens_k (INT32, varlen); request parameters causal,
 // window_left, window_right, softcap, softmax_scale, return_lse; outputs o
 // and, when return_lse is set or lse is requested, lse. docs/kserve.md.
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "backend/params.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
 #include "server/metrics.h"
@@ -34,7 +34,7 @@ struct AttentionModelInfo {
 class AttentionModel final : public KserveModel {
  public:
   // Everything passed must outlive the model.
-  AttentionModel(ForwardHandler* handler, const ShmRegistry* shm, const ServerMetrics* metrics,
+  AttentionModel(AttentionRunner* runner, const ShmRegistry* shm, const ServerMetrics* metrics,
                  AttentionModelInfo info);
 
   const std::string& name() const override { return name_; }
@@ -46,12 +46,12 @@ class AttentionModel final : public KserveModel {
 
  private:
   struct Call;
-  // Turns the v2 request into call->forward and plans the outputs.
+  // Turns the v2 request into call->attention and plans the outputs.
   absl::Status Prepare(Call* call) const;
-  // Moves the handler's results into the v2 response (or shared memory).
-  absl::Status Deliver(Call* call) const;
+  // Moves the call's outputs into the v2 response (or shared memory).
+  absl::Status Deliver(Call* call, const WorkTimings& timings) const;
 
-  ForwardHandler* const handler_;
+  AttentionRunner* const runner_;
   const ShmRegistry* const shm_;
   const ServerMetrics* const metrics_;
   const AttentionModelInfo info_;

@@ -7,12 +7,11 @@
 #include "server/kserve/attention_model.h"
 #include "server/kserve/grpc_service.h"
 #include "server/kserve/http_service.h"
-#include "server/kv/kv_pool.h"
-#include "server/kv_service.h"
+#include "server/core/kv_runner.h"
 
 namespace attnserve {
 
-KserveFrontend::KserveFrontend(ForwardHandler* handler, KvService* kv_service, KvPool* kv_pool,
+KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner,
                                ServerMetrics* metrics, const KserveServerInfo& info,
                                const KserveOptions& options, const StreamLimits& stream_limits,
                                std::function<bool()> ready)
@@ -27,13 +26,13 @@ KserveFrontend::KserveFrontend(ForwardHandler* handler, KvService* kv_service, K
   model_info.advertised = info.advertised_dtype;
   model_info.batching = info.batching;
   model_info.batch_max_delay_us = absl::ToInt64Microseconds(info.batch_max_delay);
-  context_.models.Add(std::make_unique<AttentionModel>(handler, &context_.shm, metrics, model_info));
+  context_.models.Add(std::make_unique<AttentionModel>(runner, &context_.shm, metrics, model_info));
   model_info.name = "attention_dense";
   model_info.varlen_inputs = false;
   context_.models.Add(
-      std::make_unique<AttentionModel>(handler, &context_.shm, metrics, std::move(model_info)));
+      std::make_unique<AttentionModel>(runner, &context_.shm, metrics, std::move(model_info)));
   context_.models.Add(std::make_unique<AttentionKvModel>(
-      kv_service, kv_pool, &context_.shm, metrics,
+      kv_runner, &context_.shm, metrics,
       AttentionKvModelInfo{info.backend, info.advertised_dtype, info.kv_idle_timeout}));
   grpc_ = std::make_unique<KserveGrpcService>(&context_);
 }

@@ -1,6 +1,6 @@
 // The KServe v2 / Triton front-end as one object for AttnServer to own: the
-// model registry (`attention`, `attention_dense`, and `attention_kv` over the
-// K/V service), the shared-memory registry, the gRPC
+// model registry (`attention`, `attention_dense`, and `attention_kv` over
+// server-side K/V), the shared-memory registry, the gRPC
 // service (registered on the native port) and the HTTP/REST server on a port
 // of its own.
 #pragma once
@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "backend/backend.h"
 #include "grpcpp/impl/service_type.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
 #include "server/kserve/context.h"
 #include "server/metrics.h"
 #include "server/security/tls_files.h"
@@ -23,10 +23,7 @@ namespace attnserve {
 
 class KserveGrpcService;
 class KserveHttpServer;
-// Forward-declared: server.h includes this header, and clients that include
-// server.h (tests) have K/V types of the same names (client/kv_client.h).
-class KvPool;
-class KvService;
+class KvRunner;
 
 struct KserveOptions {
   // Lets clients register shared-memory regions (--allow_client_shm).
@@ -53,11 +50,11 @@ struct KserveServerInfo {
 
 class KserveFrontend {
  public:
-  // `handler`, `kv_service`, `kv_pool` and `metrics` must outlive the
+  // `runner`, `kv_runner` and `metrics` must outlive the
   // front-end; `stream_limits` bound each ModelStreamInfer stream like every
   // other stream (stream_flow_control.h); `ready` says whether the server
   // serves.
-  KserveFrontend(ForwardHandler* handler, KvService* kv_service, KvPool* kv_pool,
+  KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner,
                  ServerMetrics* metrics, const KserveServerInfo& info,
                  const KserveOptions& options, const StreamLimits& stream_limits,
                  std::function<bool()> ready);

@@ -7,7 +7,7 @@
 
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
-#include "server/kv_service.h"
+#include "common/cache_id_header.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/dtype.h"
-#include "server/kv_service.h"
+#include "common/cache_id_header.h"
 #include "server/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB

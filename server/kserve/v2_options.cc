@@ -16,12 +16,12 @@ bool IsProtocolParameter(const std::string& name) {
 
 absl::StatusOr<bool> ApplyAttentionOption(const std::string& name,
                                           const inference::InferParameter& p,
-                                          v1::AttentionOptions* options) {
+                                          StatedOptions* options) {
   const std::string where = absl::StrCat("parameters['", name, "']");
   if (name == "causal" || name == "return_lse") {
     absl::StatusOr<bool> b = BoolParameter(where, p);
     if (!b.ok()) return b.status();
-    name == "causal" ? options->set_causal(*b) : options->set_return_lse(*b);
+    (name == "causal" ? options->causal : options->return_lse) = *b;
     return true;
   }
   if (name == "window_left" || name == "window_right") {
@@ -32,15 +32,18 @@ absl::StatusOr<bool> ApplyAttentionOption(const std::string& name,
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected 0..", INT_MAX, ", got ", *w));
     }
-    name == "window_left" ? options->set_window_left(static_cast<int32_t>(*w))
-                          : options->set_window_right(static_cast<int32_t>(*w));
+    (name == "window_left" ? options->window_left : options->window_right) =
+        static_cast<int32_t>(*w);
     return true;
   }
   if (name == "softcap" || name == "softmax_scale") {
     absl::StatusOr<double> d = DoubleParameter(where, p);
     if (!d.ok()) return d.status();
-    name == "softcap" ? options->set_softcap(static_cast<float>(*d))
-                      : options->set_softmax_scale(static_cast<float>(*d));
+    if (name == "softcap") {
+      options->softcap = static_cast<float>(*d);
+    } else {
+      options->softmax_scale = static_cast<float>(*d);
+    }
     return true;
   }
   return false;

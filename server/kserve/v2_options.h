@@ -1,13 +1,13 @@
 // Request parameters that every attention model of the KServe v2 front-end
 // reads alike: the attention options (causal, window_left, window_right,
-// softcap, softmax_scale, return_lse, as attnserve.v1.AttentionOptions) and
+// softcap, softmax_scale, return_lse: the core's StatedOptions) and
 // the parameters the protocol and Triton's clients send for themselves.
 #pragma once
 
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "attnserve/v1/attention.pb.h"
+#include "server/core/call.h"
 #include "inference/grpc_service.pb.h"
 
 namespace attnserve {
@@ -26,6 +26,6 @@ bool IsProtocolParameter(const std::string& name);
 // a value of the wrong type or range.
 absl::StatusOr<bool> ApplyAttentionOption(const std::string& name,
                                           const inference::InferParameter& p,
-                                          v1::AttentionOptions* options);
+                                          StatedOptions* options);
 
 }  // namespace attnserve

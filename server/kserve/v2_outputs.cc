@@ -1,10 +1,12 @@
 // KServe v2 output delivery; see v2_outputs.h.
 #include "server/kserve/v2_outputs.h"
 
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 
@@ -71,43 +73,68 @@ absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64
   return absl::OkStatus();
 }
 
-absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
-                            inference::ModelInferResponse* response) {
+OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse) {
+  return [outputs, o, lse](const OutputLayout& layout, void** o_at, float** lse_at) {
+    RETURN_IF_ERROR(PlaceOutputs(outputs, layout.o_bytes, layout.lse_bytes, o_at, lse_at));
+    o->dtype = layout.o_dtype;
+    o->shape = layout.o_shape;
+    lse->dtype = DType::kFP32;
+    lse->shape = layout.lse_shape;
+    try {
+      if (*o_at == nullptr) {
+        o->bytes.resize(static_cast<size_t>(layout.o_bytes));
+        *o_at = o->bytes.data();
+      }
+      if (!layout.lse_shape.empty() && *lse_at == nullptr) {
+        lse->bytes.resize(static_cast<size_t>(layout.lse_bytes));
+        *lse_at = reinterpret_cast<float*>(lse->bytes.data());
+      }
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "outputs: cannot allocate ", layout.o_bytes + layout.lse_bytes,
+          " bytes of host memory for o", layout.lse_bytes > 0 ? " and lse" : ""));
+    }
+    return absl::OkStatus();
+  };
+}
+
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o,
+                            ProducedTensor* lse, inference::ModelInferResponse* response) {
   auto tensor_of = [&](const std::string& name) { return name == "o" ? o : lse; };
   for (const V2Output& out : *outputs) {
-    absl::Status fits = CheckOutputFits(out, tensor_of(out.name)->data().size());
+    absl::Status fits = CheckOutputFits(out, tensor_of(out.name)->bytes.size());
     if (!fits.ok()) return fits;
   }
   for (V2Output& out : *outputs) {
-    v1::Tensor* tensor = tensor_of(out.name);
+    ProducedTensor* tensor = tensor_of(out.name);
     auto* meta = response->add_outputs();
     meta->set_name(out.name);
-    meta->set_datatype(DTypeName(static_cast<DType>(tensor->dtype())).data());
-    *meta->mutable_shape() = tensor->shape();
+    meta->set_datatype(DTypeName(tensor->dtype).data());
+    for (int64_t d : tensor->shape) meta->add_shape(d);
     std::string* raw = response->add_raw_output_contents();
     if (out.region != nullptr) {
       // Empty, so raw_output_contents stays aligned with outputs.
       if (!out.in_place) {
         absl::Status written =
-            out.region->Write(out.shm->offset, tensor->data().data(), tensor->data().size());
+            out.region->Write(out.shm->offset, tensor->bytes.data(), tensor->bytes.size());
         if (!written.ok()) return written;
       }
       out.region.reset();
     } else {
-      raw->swap(*tensor->mutable_data());
+      raw->swap(tensor->bytes);
     }
   }
   return absl::OkStatus();
 }
 
-void SetTimingParameters(const v1::ServerTiming& t, const std::string& backend,
+void SetTimingParameters(const WorkTimings& t, const std::string& backend,
                          inference::ModelInferResponse* response) {
   auto& params = *response->mutable_parameters();
-  params["queue_us"].set_int64_param(t.queue_us());
-  params["compute_us"].set_int64_param(t.compute_us());
-  params["total_us"].set_int64_param(t.total_us());
-  params["batch_size"].set_int64_param(t.batch_size());
-  params["device"].set_int64_param(t.device());
+  params["queue_us"].set_int64_param(t.queue_us);
+  params["compute_us"].set_int64_param(t.compute_us);
+  params["total_us"].set_int64_param(t.total_us);
+  params["batch_size"].set_int64_param(t.batch_size);
+  params["device"].set_int64_param(t.device);
   params["backend"].set_string_param(backend);
 }
 

@@ -10,7 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "attnserve/v1/attention.pb.h"
+#include "server/core/call.h"
+#include "server/executor.h"
 #include "inference/grpc_service.pb.h"
 #include "server/kserve/v2_tensors.h"
 
@@ -44,20 +45,33 @@ absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes);
 // can write in place (InPlace), marking them in_place; the others stay null
 // (the response's buffer, copied by DeliverOutputs). So a region too small
 // fails the request before it runs, and a system region's outputs are never
-// copied. The ForwardHandler's LentMemory::place_outputs.
+// copied.
 absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64_t lse_bytes,
                           void** o, float** lse);
 
-// Moves o and lse (a native response's tensors) into `response` or writes them
+// An output as a call produced it: dtype and shape, and its bytes unless the
+// backend wrote them in place.
+struct ProducedTensor {
+  DType dtype = DType::kFP32;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+
+// A sink (server/core/call.h) for `outputs`: PlaceOutputs, then the bytes
+// not placed in a region go to `o` and `lse`, whose dtypes and shapes it sets.
+// `outputs`, `o` and `lse` must outlive the call.
+OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse);
+
+// Moves o and lse (the call's outputs) into `response` or writes them
 // into their regions (outputs already written in place only get their
 // metadata). Every region must fit before any is written, so a failed
 // delivery writes nothing.
-absl::Status DeliverOutputs(std::vector<V2Output>* outputs, v1::Tensor* o, v1::Tensor* lse,
-                            inference::ModelInferResponse* response);
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o,
+                            ProducedTensor* lse, inference::ModelInferResponse* response);
 
-// The native API's ServerTiming and backend as response parameters
+// Where the call's time went and what ran it, as response parameters
 // (queue_us, compute_us, total_us, batch_size, device, backend).
-void SetTimingParameters(const v1::ServerTiming& timing, const std::string& backend,
+void SetTimingParameters(const WorkTimings& timing, const std::string& backend,
                          inference::ModelInferResponse* response);
 
 }  // namespace attnserve

@@ -195,18 +195,21 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
   return index_of;
 }
 
-absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out,
-                             InPlaceBytes* in_place) {
+absl::StatusOr<TensorView> TakeFloatTensor(const InputSource& source, int index,
+                                           std::string* storage, InPlaceBytes* in_place) {
   const auto& input = source.request->inputs(index);
   absl::StatusOr<DType> dtype =
       ParseFloatDatatype(absl::StrCat("inputs['", input.name(), "'].datatype"), input.datatype());
   if (!dtype.ok()) return dtype.status();
   absl::StatusOr<std::string> bytes = TakeInputBytes(source, index, in_place);
   if (!bytes.ok()) return bytes.status();
-  out->set_dtype(static_cast<v1::DType>(*dtype));
-  *out->mutable_shape() = input.shape();
-  *out->mutable_data() = *std::move(bytes);
-  return absl::OkStatus();
+  *storage = *std::move(bytes);
+  TensorView view;
+  view.dtype = static_cast<int>(*dtype);
+  view.shape = absl::MakeConstSpan(input.shape().data(), static_cast<size_t>(input.shape_size()));
+  view.bytes = in_place != nullptr && in_place->data != nullptr ? in_place->view()
+                                                                 : absl::string_view(*storage);
+  return view;
 }
 
 InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref) {

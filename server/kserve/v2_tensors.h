@@ -14,10 +14,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "attnserve/v1/attention.pb.h"
 #include "backend/params.h"
 #include "google/protobuf/map.h"
 #include "inference/grpc_service.pb.h"
+#include "server/core/call.h"
 #include "server/kserve/shm_registry.h"
 
 namespace attnserve {
@@ -86,11 +86,12 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
                                              const std::string& model,
                                              absl::Span<const char* const> names);
 
-// Input `index` as a native tensor: its FP16/BF16/FP32 datatype, shape and
-// bytes (TakeInputBytes, `in_place` included: then out's data stays empty).
-// INVALID_ARGUMENT naming the input otherwise.
-absl::Status TakeFloatTensor(const InputSource& source, int index, v1::Tensor* out,
-                             InPlaceBytes* in_place = nullptr);
+// Input `index` as the core's tensor view: its FP16/BF16/FP32 datatype, its
+// shape (the request's) and its bytes (TakeInputBytes: held in *storage, or
+// where they lie when `in_place` takes them). INVALID_ARGUMENT naming the
+// input otherwise.
+absl::StatusOr<TensorView> TakeFloatTensor(const InputSource& source, int index,
+                                           std::string* storage, InPlaceBytes* in_place = nullptr);
 
 // The int64 value of request parameter `name` given as int64, uint64, or a
 // decimal string; `where` names it in errors.

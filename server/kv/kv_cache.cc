@@ -55,7 +55,8 @@ absl::StatusOr<KvCache::Sequence*> KvCache::Find(uint64_t id) {
   return &it->second;
 }
 
-absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs) {
+absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
+                                      const FieldNames& names) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   // Check everything first: all or nothing.
@@ -63,13 +64,13 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs) 
   for (size_t i = 0; i < specs.size(); ++i) {
     const KvSequenceSpec& s = specs[i];
     if (sequences_.count(s.sequence_id) > 0 || !new_ids.insert(s.sequence_id).second) {
-      return absl::AlreadyExistsError(absl::StrCat("sequences[", i, "].sequence_id ",
+      return absl::AlreadyExistsError(absl::StrCat(names.step(static_cast<int>(i), "sequence_id"), " ",
                                                    s.sequence_id, " already exists in the cache"));
     }
     if (!s.fork_from.has_value()) continue;
     auto src = sequences_.find(*s.fork_from);
     if (src == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat("sequences[", i, "].fork_from: sequence ",
+      return absl::NotFoundError(absl::StrCat(names.step(static_cast<int>(i), "fork_from"), ": sequence ",
                                               *s.fork_from, " not found in this cache"));
     }
     const std::vector<int32_t>& lens = src->second.lengths;
@@ -78,7 +79,7 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs) 
     if (s.fork_length.has_value() ? (*s.fork_length < 0 || *s.fork_length > shortest)
                                   : shortest != longest) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "sequences[", i, "].fork_length: expected ",
+          names.step(static_cast<int>(i), "fork_length"), ": expected ",
           s.fork_length.has_value() ? "a value in [0, " : "to be set (the source's lengths differ "
                                                           "by layer: [",
           shortest, s.fork_length.has_value() ? "]" : absl::StrCat(", ", longest, "])"),
@@ -286,7 +287,7 @@ std::vector<std::shared_ptr<KvCache::Ticket>> KvCache::Release(const Ticket& tic
 }
 
 absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
-                              KvReservation* r) {
+                              KvReservation* r, const FieldNames& names) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   last_used_ = now;
@@ -301,7 +302,7 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
     const int32_t len = s.lengths[layer];
     if (st.expected_length != kAnyLength && st.expected_length != len) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "sequences[", i, "].expected_length: sequence ", st.sequence_id, " has ", len,
+          names.step(static_cast<int>(i), "expected_length"), ": sequence ", st.sequence_id, " has ", len,
           " tokens at layer ", layer, ", the call expected ", st.expected_length,
           " (a retry of a call that already applied, or a call out of order); nothing was "
           "appended"));

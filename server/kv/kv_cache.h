@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/core/field_names.h"
 #include "backend/backend.h"
 #include "server/kv/page_allocator.h"
 
@@ -126,7 +127,8 @@ class KvCache {
 
   // All or nothing: ALREADY_EXISTS, NOT_FOUND (fork source), INVALID_ARGUMENT
   // (fork_length) for any spec creates none.
-  absl::Status CreateSequences(const std::vector<KvSequenceSpec>& specs);
+  absl::Status CreateSequences(const std::vector<KvSequenceSpec>& specs,
+                               const FieldNames& names = FieldNames());
   // New length at one layer or every layer; FAILED_PRECONDITION while the
   // sequence has calls in flight.
   absl::Status Truncate(uint64_t sequence_id, std::optional<int32_t> layer, int32_t length);
@@ -149,7 +151,8 @@ class KvCache {
   // claimed and returned (run their `go`).
   std::vector<std::shared_ptr<Ticket>> Release(const Ticket& ticket);
 
-  absl::Status Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r);
+  absl::Status Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r,
+                       const FieldNames& names = FieldNames());
   void Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r);
   void Rollback(KvReservation* r);
 

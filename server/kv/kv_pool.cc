@@ -68,7 +68,7 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", o_bytes, " bytes for the output"));
   }
-  RETURN_IF_ERROR(cache.Reserve(c.layer, c.steps, &c.reservation));
+  RETURN_IF_ERROR(cache.Reserve(c.layer, c.steps, &c.reservation, *c.names));
   const KvReservation& r = c.reservation;
   AttnPointers io = c.inputs;
   io.o = c.o.data();

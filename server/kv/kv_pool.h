@@ -82,6 +82,8 @@ struct KvAppendAttend {
   AttnOptions options;
   AttnPointers inputs;
   bool return_lse = false;
+  // How the caller's protocol names the steps' fields (errors at reserve).
+  const FieldNames* names = &ContractFieldNames();
   absl::Time received = absl::Now();
   absl::Time deadline = absl::InfiniteFuture();
   std::shared_ptr<const std::atomic<bool>> cancelled;

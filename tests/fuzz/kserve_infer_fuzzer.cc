@@ -3,7 +3,7 @@
 // operations (ShmRegistry::RegisterSystem / Acquire / Unregister with the
 // input's names, offsets and sizes), then a ModelInferRequest (protobuf bytes)
 // run by the `attention` model (server/kserve/attention_model.h) over a real
-// ForwardHandler, executor and CPU backend, its inputs and outputs in raw
+// AttentionRunner, executor and CPU backend, its inputs and outputs in raw
 // contents, typed contents or the registered regions.
 //
 // Beyond "no crash, no sanitizer report" it checks:
@@ -39,7 +39,7 @@
 #include "common/dtype.h"
 #include "inference/grpc_service.pb.h"
 #include "server/executor_pool.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
 #include "server/kserve/attention_model.h"
 #include "server/kserve/shm_registry.h"
 #include "server/kserve/v2_tensors.h"
@@ -91,9 +91,9 @@ struct Harness {
   Harness()
       : backend(MakeCpuBackend(1)),
         executors({backend.get()}, ExecutorOptions{/*max_queue_size=*/4}),
-        handler(&executors, "cpu", kLimits, &metrics),
+        runner(&executors, "cpu", kLimits, &metrics),
         shm(/*allowed=*/true),
-        model(&handler, &shm, &metrics, AttentionModelInfo{}),
+        model(&runner, &shm, &metrics, AttentionModelInfo{}),
         fixed("fixed", 3 * 4096),
         scratch("scratch", 2 * 4096) {
     spdlog::set_level(spdlog::level::off);
@@ -110,7 +110,7 @@ struct Harness {
   std::unique_ptr<AttentionBackend> backend;
   ServerMetrics metrics;
   ExecutorPool executors;
-  ForwardHandler handler;
+  AttentionRunner runner;
   ShmRegistry shm;
   AttentionModel model;
   ShmObject fixed, scratch;

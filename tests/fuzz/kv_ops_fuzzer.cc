@@ -1,6 +1,6 @@
 // libFuzzer target: K/V-sequence operation sequences (create cache, create and
 // fork sequences, append-and-attend, truncate, free, drop) in the order the
-// input picks, through the server's own decoding (server/kv_request.h) and the
+// input picks, through the server's own decoding (server/native/kv_messages.h, server/core/kv_runner.h) and the
 // pool (server/kv/kv_pool.h) on a real executor and the CPU backend, checked
 // after every operation against a model of what the pool should hold:
 //   - each call succeeds exactly when the model says it may (a refusal must
@@ -38,7 +38,9 @@
 #include "common/dtype.h"
 #include "server/executor.h"
 #include "server/kv/kv_pool.h"
-#include "server/kv_request.h"
+#include "server/core/kv_runner.h"
+#include "server/native/field_names.h"
+#include "server/native/kv_messages.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_check.h"
 
@@ -56,7 +58,8 @@ struct Harness {
       : backend(MakeCpuBackend(1)),
         executor(backend.get(), MakeExecutorOptions()),
         pool(KvPoolOptions{kBudgetBytes, 16, absl::ZeroDuration()},
-             {KvDevice{backend.get(), &executor, 0}}) {
+             {KvDevice{backend.get(), &executor, 0}}),
+        runner(&pool, "cpu", kLimits, nullptr) {
     spdlog::set_level(spdlog::level::off);
   }
   static ExecutorOptions MakeExecutorOptions() {
@@ -69,6 +72,7 @@ struct Harness {
   std::unique_ptr<AttentionBackend> backend;
   Executor executor;
   KvPool pool;
+  KvRunner runner;
 };
 
 [[noreturn]] void Fail(const std::string& what) { FuzzFail("kv_ops_fuzzer", what); }
@@ -288,22 +292,21 @@ class Program {
     return b;
   }
 
-  // Submits `request` through the server's decoding and the pool; returns
-  // the status and fills `call` (OK: its outputs).
-  absl::Status Submit(const v1::AppendAttendRequest& request,
-                      std::shared_ptr<KvAppendAttend>* call, absl::Notification* done,
-                      absl::Status* result) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache = h_->pool.Find(kTenant, request.cache_id());
-    if (!cache.ok()) return cache.status();
-    absl::StatusOr<std::shared_ptr<KvAppendAttend>> decoded =
-        DecodeAppendAttend(request, **cache, kLimits);
-    if (!decoded.ok()) return decoded.status();
-    *call = *decoded;
-    return h_->pool.AppendAttend(*cache, *call,
-                                 [done, result](const absl::Status& s, const WorkTimings&) {
-                                   *result = s;
-                                   done->Notify();
-                                 });
+  // Submits `request` through the native decoding and the server's K/V
+  // runner; `done` is notified with *result set (OK: *out holds the outputs).
+  absl::Status Submit(const v1::AppendAttendRequest& request, KvResult* out,
+                      absl::Notification* done, absl::Status* result) {
+    CallMeta meta;
+    meta.tenant = kTenant;
+    auto call = std::make_shared<KvCall>(KvCallOf(request, std::move(meta)));
+    h_->runner.Start(call.get(), NativeFieldNames(),
+                     [call, out, done, result](const absl::Status& s, const WorkTimings&,
+                                               KvResult* produced) {
+                       if (s.ok()) *out = std::move(*produced);
+                       *result = s;
+                       done->Notify();
+                     });
+    return absl::OkStatus();
   }
 
   void Append(bool pipelined) {
@@ -328,7 +331,7 @@ class Program {
     }
     Built second = Build(layer, after);
     if (!second.valid || first.pages_needed + second.pages_needed + used_before > capacity_) return;
-    std::shared_ptr<KvAppendAttend> c1, c2;
+    KvResult c1, c2;
     absl::Notification d1, d2;
     absl::Status r1, r2;
     const absl::Status s1 = Submit(first.request, &c1, &d1, &r1);
@@ -340,10 +343,10 @@ class Program {
     // The executor's queue may be full (RESOURCE_EXHAUSTED naming the queue):
     // then the calls stop there, in order.
     Expect(a.ok() || IsQueueFull(a), absl::StrCat("pipelined call 1: ", a.ToString()));
-    if (a.ok()) Apply(first.request, c1.get());
+    if (a.ok()) Apply(first.request, &c1);
     Expect(b.ok() || IsQueueFull(b) || (!a.ok() && b.code() == absl::StatusCode::kFailedPrecondition),
            absl::StrCat("pipelined call 2 (call 1: ", a.ToString(), "): ", b.ToString()));
-    if (b.ok()) Apply(second.request, c2.get());
+    if (b.ok()) Apply(second.request, &c2);
   }
 
   static bool IsQueueFull(const absl::Status& s) {
@@ -352,7 +355,7 @@ class Program {
   }
 
   void Run(const Built& b, int layer, int64_t used_before) {
-    std::shared_ptr<KvAppendAttend> call;
+    KvResult call;
     absl::Notification done;
     absl::Status result;
     absl::Status status = Submit(b.request, &call, &done, &result);
@@ -372,12 +375,12 @@ class Program {
     }
     Expect(b.valid, absl::StrCat("AppendAttend accepted a call the model refuses: ",
                                  b.request.ShortDebugString().substr(0, 400)));
-    Apply(b.request, call.get());
+    Apply(b.request, &call);
   }
 
   // An OK call: its lengths and every step's output against the reference
   // over the model's context after the append; then the model takes the rows.
-  void Apply(const v1::AppendAttendRequest& r, KvAppendAttend* call) {
+  void Apply(const v1::AppendAttendRequest& r, KvResult* call) {
     const int layer = r.layer();
     const int hq = static_cast<int>(r.q().shape(1));
     const int64_t q_row = RowBytes(hq), kv_row = RowBytes(Hkv());

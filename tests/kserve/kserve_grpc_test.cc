@@ -60,31 +60,52 @@ TEST_F(KserveGrpcTest, SameBytesAsForward) {
   }
 }
 
-TEST_F(KserveGrpcTest, SameErrorsAsForward) {
-  std::vector<std::function<void(v1::ForwardRequest*)>> breakages = {
-      [](v1::ForwardRequest* r) { r->mutable_k()->set_shape(3, 16); },
-      [](v1::ForwardRequest* r) { r->mutable_options()->set_window_left(-2); },
-      [](v1::ForwardRequest* r) { r->mutable_options()->set_softcap(-1.0f); },
-      [](v1::ForwardRequest* r) { r->mutable_options()->set_softmax_scale(0.0f); },
-      [](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->resize(10); },
-      [](v1::ForwardRequest* r) { r->mutable_v()->add_shape(1); },
-      [](v1::ForwardRequest* r) { r->mutable_q()->set_shape(3, 7); },
-      [](v1::ForwardRequest* r) {
-        *r = Varlen();
-        r->set_cu_seqlens_q(2, 6);
-      },
+// The same bad input gives the same refusal on both protocols, each naming
+// the field in its own words (the native API's `k.shape`, v2's
+// `inputs['k'].shape`), with the same actual value.
+TEST_F(KserveGrpcTest, SameErrorsAsForwardInEachProtocolsWords) {
+  struct Breakage {
+    std::function<void(v1::ForwardRequest*)> apply;
+    std::string native_field;
+    std::string v2_field;
   };
+  const std::vector<Breakage> breakages = {
+      {[](v1::ForwardRequest* r) { r->mutable_k()->set_shape(3, 16); }, "k.data",
+       "inputs['k'].data"},
+      {[](v1::ForwardRequest* r) { r->mutable_options()->set_window_left(-2); },
+       "options.window_left", "parameters['window_left']"},
+      {[](v1::ForwardRequest* r) { r->mutable_options()->set_softcap(-1.0f); }, "options.softcap",
+       "parameters['softcap']"},
+      {[](v1::ForwardRequest* r) { r->mutable_options()->set_softmax_scale(0.0f); },
+       "options.softmax_scale", "parameters['softmax_scale']"},
+      {[](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->resize(10); }, "q.data",
+       "inputs['q'].data"},
+      {[](v1::ForwardRequest* r) { r->mutable_v()->add_shape(1); }, "v.shape",
+       "inputs['v'].shape"},
+      {[](v1::ForwardRequest* r) { r->mutable_q()->set_shape(3, 7); }, "q.data",
+       "inputs['q'].data"},
+      {[](v1::ForwardRequest* r) {
+         *r = Varlen();
+         r->set_cu_seqlens_q(2, 6);
+       },
+       "cu_seqlens_q[2]", "inputs['cu_seqlens_q'][2]"},
+  };
+  // What follows the last "got ": the actual value, the same in both.
+  auto actual = [](const std::string& message) { return message.substr(message.rfind("got ")); };
   for (size_t i = 0; i < breakages.size(); ++i) {
     SCOPED_TRACE(i);
     v1::ForwardRequest request = Dense(DType::kFP32, 1, 8, 8, 2, 2, 32);
-    breakages[i](&request);
+    breakages[i].apply(&request);
     v1::ForwardResponse native;
     const grpc::Status want = Forward(request, &native);
     ASSERT_FALSE(want.ok());
     ModelInferResponse v2;
     const grpc::Status got = Infer(ToV2(request), &v2);
     EXPECT_EQ(got.error_code(), want.error_code());
-    EXPECT_EQ(got.error_message(), want.error_message());
+    EXPECT_EQ(want.error_message().rfind(breakages[i].native_field + ":", 0), 0u)
+        << want.error_message();
+    EXPECT_EQ(got.error_message().rfind(breakages[i].v2_field + ":", 0), 0u) << got.error_message();
+    EXPECT_EQ(actual(got.error_message()), actual(want.error_message()));
   }
 }
 

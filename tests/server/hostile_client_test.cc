@@ -33,7 +33,7 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "common/malloc_tuning.h"
-#include "server/request_validation.h"
+#include "server/core/validate.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/common/own_allocator.h"

@@ -23,8 +23,8 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
-#include "server/kv_service.h"
-#include "server/request_validation.h"
+#include "server/native/kv_service.h"
+#include "server/core/validate.h"
 #include "server/server.h"
 #include "tests/server/gated_cpu_backend.h"
 

@@ -20,11 +20,23 @@
 #include "client/inputs.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
-#include "server/kv_service.h"
+#include "server/executor.h"
+#include "server/native/kv_service.h"
 #include "server/server.h"
 
 namespace attnserve {
 namespace {
+
+WorkTimings Timings(int64_t queue_us, int64_t host_to_device_us, int64_t compute_us,
+                    int64_t device_to_host_us, int64_t total_us) {
+  WorkTimings t;
+  t.queue_us = queue_us;
+  t.host_to_device_us = host_to_device_us;
+  t.compute_us = compute_us;
+  t.device_to_host_us = device_to_host_us;
+  t.total_us = total_us;
+  return t;
+}
 
 constexpr char kModel[] = "{model=\"attention\",version=\"1\"}";
 
@@ -65,14 +77,14 @@ std::map<std::string, double> ParseExposition(const std::string& text) {
 
 TEST(ServerMetricsTest, RendersTritonNamesAndFailureReasons) {
   ServerMetrics m;
-  m.RecordRequest(absl::OkStatus(), 10, 1, 100, 2, 120);
-  m.RecordRequest(absl::OkStatus(), 30, 3, 200, 4, 250);
+  m.RecordRequest(absl::OkStatus(), Timings(10, 1, 100, 2, 120));
+  m.RecordRequest(absl::OkStatus(), Timings(30, 3, 200, 4, 250));
   m.RecordExecution();
-  m.RecordRequest(absl::ResourceExhaustedError("queue full"), 0, 0, 0, 0, 5);
-  m.RecordRequest(absl::UnavailableError("draining"), 0, 0, 0, 0, 5);
-  m.RecordRequest(absl::DeadlineExceededError("late"), 0, 0, 0, 0, 5);
-  m.RecordRequest(absl::InternalError("device"), 0, 0, 0, 0, 5);
-  m.RecordRequest(absl::InvalidArgumentError("bad"), 0, 0, 0, 0, 5);
+  m.RecordRequest(absl::ResourceExhaustedError("queue full"), Timings(0, 0, 0, 0, 5));
+  m.RecordRequest(absl::UnavailableError("draining"), Timings(0, 0, 0, 0, 5));
+  m.RecordRequest(absl::DeadlineExceededError("late"), Timings(0, 0, 0, 0, 5));
+  m.RecordRequest(absl::InternalError("device"), Timings(0, 0, 0, 0, 5));
+  m.RecordRequest(absl::InvalidArgumentError("bad"), Timings(0, 0, 0, 0, 5));
   m.SetPendingSource([] { return int64_t{3}; });
 
   const std::map<std::string, double> s = ParseExposition(m.RenderPrometheus());

@@ -1,7 +1,7 @@
 // Several backends in one server (one per GPU in production): the pool sends
 // each request to the least-loaded executor, every response names the device
 // that ran it, and results stay correct. CPU backends stand in for GPUs here;
-// scripts/gpu-serving.sh runs the same over two real GPUs.
+// scripts/device/gpu-serving.sh runs the same over two real GPUs.
 #include <map>
 #include <memory>
 #include <set>

@@ -1,7 +1,8 @@
-// ValidateForwardRequest and FillParams: one test per invalid field (the code,
-// and a message naming the field with expected and actual values), plus the
-// valid edge cases and the params a valid request fills.
-#include "server/request_validation.h"
+// The core's checks of an attention call as the native front-end decodes a
+// ForwardRequest (server/native/forward_call.h): one test per invalid field
+// (the code, and a message naming the field with expected and actual
+// values), plus the valid edge cases and the params a valid request fills.
+#include "server/core/validate.h"
 
 #include <cmath>
 #include <limits>
@@ -10,6 +11,8 @@
 
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "server/native/field_names.h"
+#include "server/native/forward_call.h"
 
 namespace attnserve {
 namespace {
@@ -49,9 +52,24 @@ v1::ForwardRequest Varlen() {
   return r;
 }
 
-absl::Status Validate(const v1::ForwardRequest& r, RequestLimits limits = {}) {
-  return ValidateForwardRequest(r, limits);
+absl::StatusOr<AttnParams> ValidateAndFillParams(const v1::ForwardRequest& r,
+                                                 RequestLimits limits) {
+  v1::ForwardResponse unused;
+  return ValidateAttentionCall(ForwardCallOf(r, &unused, CallMeta{}), limits, NativeFieldNames());
 }
+
+absl::Status Validate(const v1::ForwardRequest& r, RequestLimits limits = {}) {
+  return ValidateAndFillParams(r, limits).status();
+}
+
+// For requests the test knows are valid.
+AttnParams FillParams(const v1::ForwardRequest& r) {
+  absl::StatusOr<AttnParams> p = ValidateAndFillParams(r, {});
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : AttnParams{};
+}
+
+int64_t LseElements(const AttnParams& p) { return p.total_q * p.num_heads_q; }
 
 // The status has `code` and a message naming `field` with expected and actual values.
 void ExpectRejected(const v1::ForwardRequest& r, const std::string& field,

@@ -1,5 +1,5 @@
 // Reactors for Forward, ForwardStream, Echo and GetServerInfo; see attention_service.h.
-#include "server/attention_service.h"
+#include "server/native/attention_service.h"
 
 #include <atomic>
 #include <memory>
@@ -11,7 +11,8 @@
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
-#include "server/request_validation.h"
+#include "server/native/field_names.h"
+#include "server/native/forward_call.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -19,29 +20,58 @@
 namespace attnserve {
 namespace {
 
-// Unary Forward: the handler's completion finishes the RPC with the mapped status.
+// One Forward request as the core's call, and its encoding when done: what
+// the unary reactor and each request of a stream hold until the answer.
+struct ForwardCallState {
+  AttentionCall call;
+};
+
+// Decodes `request`, holds its bytes against the tenant's quota and starts it
+// on `runner`; `done` runs once the response is complete. `request` and
+// `response` stay valid until then.
+void StartForward(AttentionRunner* runner, TenantDirectory* tenants, CallMeta meta,
+                  const v1::ForwardRequest* request, v1::ForwardResponse* response,
+                  std::function<void(const absl::Status&)> done) {
+  auto state = std::make_shared<ForwardCallState>();
+  state->call = ForwardCallOf(*request, response, std::move(meta));
+  std::function<void(const absl::Status&, const WorkTimings&)> finish =
+      [runner, request, response, state, done = std::move(done)](const absl::Status& status,
+                                                                 const WorkTimings& timings) {
+        FinishForwardResponse(*request, status, timings, runner->backend_name(), response);
+        done(status);
+      };
+  const absl::Status held =
+      HoldInFlight(tenants, state->call.meta.tenant, state->call.request_bytes, &finish);
+  if (!held.ok()) {
+    WorkTimings timings;
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - state->call.meta.received);
+    return finish(held, timings);
+  }
+  runner->Start(&state->call, NativeFieldNames(), std::move(finish));
+}
+
+CallMeta MetaOf(const std::string& tenant, absl::Time deadline,
+                std::shared_ptr<const std::atomic<bool>> cancelled) {
+  CallMeta meta;
+  meta.tenant = tenant;
+  meta.deadline = deadline;
+  meta.cancelled = std::move(cancelled);
+  return meta;
+}
+
+// Unary Forward: the runner's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
-  ForwardReactor(ForwardHandler* handler, InFlightCounter* in_flight, TenantDirectory* tenants,
-                 const Authenticator* auth, const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
-                 v1::ForwardResponse* response)
+  ForwardReactor(AttentionRunner* runner, InFlightCounter* in_flight, TenantDirectory* tenants,
+                 const Authenticator* auth, const grpc::CallbackServerContext* context,
+                 const v1::ForwardRequest* request, v1::ForwardResponse* response)
       : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     in_flight_->Add();
     // Finish may run before this constructor returns (a refused request);
     // the callback API holds it until the reactor is bound to the call.
-    std::function<void(const absl::Status&)> done = [this](const absl::Status& status) {
-      Finish(ToGrpcStatus(status));
-    };
-    const std::string tenant = TenantOf(auth, context);
-    const absl::Status held =
-        tenants == nullptr ? absl::OkStatus()
-                           : HoldInFlight(tenants, tenant,
-                                          static_cast<int64_t>(request->ByteSizeLong()), &done);
-    if (!held.ok()) {
-      done(held);
-      return;
-    }
-    handler->Start(request, response, tenant, DeadlineOf(context), cancelled_, std::move(done));
+    StartForward(runner, tenants, MetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_),
+                 request, response,
+                 [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
   }
 
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
@@ -60,17 +90,22 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 // shape Forward returns (dense [B, Hq, Sq], varlen [Hq, Tq]).
 absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& limits,
                       v1::ForwardResponse* response) {
-  absl::StatusOr<AttnParams> params = ValidateAndFillParams(request, limits);
+  const AttentionCall call = ForwardCallOf(request, response, CallMeta{});
+  absl::StatusOr<AttnParams> params = ValidateAttentionCall(call, limits, NativeFieldNames());
   if (!params.ok()) return params.status();
   *response->mutable_o() = request.q();
-  if (request.options().return_lse()) ShapeLseTensor(request, *params, response->mutable_lse());
+  if (call.options.return_lse) {
+    const OutputLayout layout = OutputLayoutOf(*params, call.q.shape, call.q.shape.size() == 4,
+                                               /*return_lse=*/true);
+    ShapeFloatTensor(layout.lse_shape, layout.lse_bytes, response->mutable_lse());
+  }
   return absl::OkStatus();
 }
 
 // Unary Echo: answered on the gRPC thread that delivered the request, since
 // there is nothing to wait for (validation and one copy of q). Not counted in
 // the nv_inference_* metrics, which describe attention work (ServerMetrics is
-// fed by the ForwardHandler and the executor only); it does count as in flight,
+// fed by the AttentionRunner and the executor only); it does count as in flight,
 // so a drain waits for its response to be sent.
 class EchoReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -85,7 +120,7 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
     absl::Status status = HoldInFlight(tenants, tenant,
                                        static_cast<int64_t>(request->ByteSizeLong()), &nothing);
     if (status.ok()) status = FillEcho(*request, limits, response);
-    // At most kMaxRequestIdBytes back, as Forward does (forward_handler.cc).
+    // At most kMaxRequestIdBytes back, as Forward does.
     response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
     response->set_backend(backend_name);  // FillEcho sets o and lse only on success
     const int64_t total_us = absl::ToInt64Microseconds(absl::Now() - received);
@@ -112,21 +147,19 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
 
 using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
 
-// ForwardStream (server/stream_reactor.h): every request goes to the handler;
+// ForwardStream (server/stream_reactor.h): every request goes to the runner;
 // a failed one becomes a response with error_code/error_message. The stream
 // is bounded by `limits` (stream_flow_control.h).
-ForwardStreamReactor* NewForwardStreamReactor(ForwardHandler* handler, InFlightCounter* in_flight,
+ForwardStreamReactor* NewForwardStreamReactor(AttentionRunner* runner, InFlightCounter* in_flight,
                                               const grpc::CallbackServerContext* context,
                                               const StreamLimits& limits, StreamGauge* gauge,
                                               TenantDirectory* tenants, const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [handler, cancelled, deadline = DeadlineOf(context), tenants,
+  auto start = [runner, cancelled, deadline = DeadlineOf(context), tenants,
                 tenant = TenantOf(auth, context)](ForwardStreamReactor::Call* call,
-                                            ForwardStreamReactor::Done done) {
-    const absl::Status held = HoldInFlight(
-        tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &done);
-    if (!held.ok()) return done(held);
-    handler->Start(&call->request, &call->response, tenant, deadline, cancelled, std::move(done));
+                                                  ForwardStreamReactor::Done done) {
+    StartForward(runner, tenants, MetaOf(tenant, deadline, cancelled), &call->request,
+                 &call->response, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {
     call->response.set_error_code(ToRpcCode(status));
@@ -145,27 +178,27 @@ const std::vector<std::string>& ServerFeatures() {
   return *features;
 }
 
-AttentionService::AttentionService(ForwardHandler* handler, BackendDescription backend,
+AttentionService::AttentionService(AttentionRunner* runner, BackendDescription backend,
                                    const ServiceInfo& info)
-    : handler_(handler), backend_(std::move(backend)), info_(info) {}
+    : runner_(runner), backend_(std::move(backend)), info_(info) {}
 
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
-  return new ForwardReactor(handler_, &in_flight_, info_.tenants, info_.auth, context, request,
+  return new ForwardReactor(runner_, &in_flight_, info_.tenants, info_.auth, context, request,
                             response);
 }
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
-  return NewForwardStreamReactor(handler_, &in_flight_, context, info_.stream_limits,
+  return NewForwardStreamReactor(runner_, &in_flight_, context, info_.stream_limits,
                                  info_.stream_gauge, info_.tenants, info_.auth);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* context,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(handler_->limits(), backend_.name, &in_flight_, info_.tenants,
+  return new EchoReactor(runner_->limits(), backend_.name, &in_flight_, info_.tenants,
                          info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(), request,
                          response);
 }

@@ -1,5 +1,5 @@
 // Reactors of the K/V front-end; see kv_service.h.
-#include "server/kv_service.h"
+#include "server/native/kv_service.h"
 
 #include <atomic>
 #include <memory>
@@ -9,8 +9,10 @@
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
-#include "server/kv_request.h"
-#include "server/server_timing.h"
+#include "server/native/field_names.h"
+#include "server/native/forward_call.h"
+#include "server/native/kv_messages.h"
+#include "server/native/forward_call.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -46,25 +48,13 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
-KvService::KvService(KvPool* pool, std::string backend_name, const RequestLimits& limits,
-                     ServerMetrics* metrics, const StreamLimits& stream_limits)
-    : pool_(pool),
-      backend_name_(std::move(backend_name)),
-      limits_(limits),
-      stream_limits_(stream_limits),
-      metrics_(metrics) {}
-
-absl::Status KvService::Draining() const {
-  if (draining_.load(std::memory_order_acquire)) {
-    return absl::UnavailableError("server is draining: not accepting new requests");
-  }
-  return absl::OkStatus();
-}
+KvService::KvService(KvRunner* runner, ServerMetrics* metrics, const StreamLimits& stream_limits)
+    : runner_(runner), pool_(runner->pool()), stream_limits_(stream_limits), metrics_(metrics) {}
 
 grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* context,
                                                  const v1::CreateCacheRequest* request,
                                                  v1::CreateCacheResponse* response) {
-  absl::Status status = Draining();
+  absl::Status status = runner_->Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         pool_->CreateCache(TenantOf(auth_, context), DecodeCreateCache(*request));
@@ -82,7 +72,7 @@ grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* context,
                                                const v1::DropCacheRequest* request,
                                                v1::DropCacheResponse*) {
-  absl::Status status = Draining();
+  absl::Status status = runner_->Draining();
   if (status.ok()) status = pool_->DropCache(TenantOf(auth_, context), request->cache_id());
   return Answer(context, status);
 }
@@ -90,7 +80,7 @@ grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext* context,
                                                      const v1::CreateSequencesRequest* request,
                                                      v1::CreateSequencesResponse* response) {
-  absl::Status status = Draining();
+  absl::Status status = runner_->Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         pool_->Find(TenantOf(auth_, context), request->cache_id());
@@ -103,7 +93,7 @@ grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* context,
                                               const v1::TruncateRequest* request,
                                               v1::TruncateResponse* response) {
-  absl::Status status = Draining();
+  absl::Status status = runner_->Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         pool_->Find(TenantOf(auth_, context), request->cache_id());
@@ -121,7 +111,7 @@ grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* conte
 grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* context,
                                                    const v1::FreeSequencesRequest* request,
                                                    v1::FreeSequencesResponse* response) {
-  absl::Status status = Draining();
+  absl::Status status = runner_->Draining();
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         pool_->Find(TenantOf(auth_, context), request->cache_id());
@@ -157,62 +147,40 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
   return Answer(context, status);
 }
 
-void KvService::StartAppendAttend(const std::string& tenant, absl::Time deadline,
-                                  const v1::AppendAttendRequest* request,
+namespace {
+
+// One AppendAttend request as the core's call, alive until its answer.
+struct KvCallState {
+  KvCall call;
+};
+
+CallMeta MetaOf(const std::string& tenant, absl::Time deadline,
+                std::shared_ptr<const std::atomic<bool>> cancelled) {
+  CallMeta meta;
+  meta.tenant = tenant;
+  meta.deadline = deadline;
+  meta.cancelled = std::move(cancelled);
+  return meta;
+}
+
+}  // namespace
+
+void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
-                                  std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
-                                  bool check_lengths) {
-  const absl::Time received = absl::Now();
+                                  std::function<void(const absl::Status&)> done) {
+  auto state = std::make_shared<KvCallState>();
+  state->call = KvCallOf(*request, std::move(meta));
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
-  response->set_backend(backend_name_);
-  std::function<void(const absl::Status&, const WorkTimings&)> finish =
-      [this, response, done](const absl::Status& status, const WorkTimings& timings) {
-    FillServerTiming(timings, response->mutable_timing());
-    if (metrics_ != nullptr) {
-      metrics_->RecordRequest(status, timings.queue_us, timings.host_to_device_us,
-                              timings.compute_us, timings.device_to_host_us, timings.total_us);
-    }
-    if (!status.ok()) {
-      spdlog::debug("kv append_attend id=\"{}\" status={} error={}",
-                    response->request_id().substr(0, 64),
-                    absl::StatusCodeToString(status.code()), std::string(status.message()));
-    }
-    done(status);
-  };
-  absl::Status status = Draining();
-  if (status.ok()) {
-    status = HoldInFlight(pool_->tenants(), tenant, static_cast<int64_t>(request->ByteSizeLong()),
-                          &finish);
-  }
-  absl::StatusOr<std::shared_ptr<KvCache>> cache =
-      status.ok() ? pool_->Find(tenant, request->cache_id()) : status;
-  absl::StatusOr<std::shared_ptr<KvAppendAttend>> call =
-      cache.ok() ? DecodeAppendAttend(*request, **cache, limits_) : cache.status();
-  if (!call.ok()) {
-    WorkTimings timings;
-    timings.total_us = absl::ToInt64Microseconds(absl::Now() - received);
-    finish(call.status(), timings);
-    return;
-  }
-  std::shared_ptr<KvAppendAttend> c = *std::move(call);
-  if (!check_lengths) {
-    for (KvStep& step : c->steps) step.expected_length = kAnyLength;
-  }
-  c->received = received;
-  c->deadline = deadline;
-  c->cancelled = std::move(cancelled);
-  status = pool_->AppendAttend(*cache, c, [c, response, finish](const absl::Status& s,
-                                                              const WorkTimings& timings) {
-    if (s.ok()) FillAppendAttendResponse(c.get(), response);
-    // total_us runs to here, not to the executor's completion, so that the
-    // client can tell the server's whole share (response included) from the
-    // wire's: client latency - total_us is what happened outside the server.
-    WorkTimings answered = timings;
-    answered.total_us = absl::ToInt64Microseconds(absl::Now() - c->received);
-    finish(s, answered);
-  });
-  if (!status.ok()) finish(status, WorkTimings{});
+  response->set_backend(runner_->backend_name());
+  runner_->Start(&state->call, NativeFieldNames(),
+                 [state, response, done = std::move(done)](const absl::Status& status,
+                                                           const WorkTimings& timings,
+                                                           KvResult* result) {
+                   if (status.ok()) FillAppendAttendResponse(result, response);
+                   FillServerTiming(timings, response->mutable_timing());
+                   done(status);
+                 });
 }
 
 grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* context,
@@ -221,8 +189,8 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  StartAppendAttend(TenantOf(auth_, context), DeadlineOf(context), request, response,
-                    reactor->cancelled(),
+  StartAppendAttend(MetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()),
+                    request, response,
                     [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
@@ -233,7 +201,7 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [this, cancelled, tenant = TenantOf(auth_, context), deadline = DeadlineOf(context)](
                    Reactor::Call* call, Reactor::Done done) {
-    StartAppendAttend(tenant, deadline, &call->request, &call->response, cancelled,
+    StartAppendAttend(MetaOf(tenant, deadline, cancelled), &call->request, &call->response,
                       std::move(done));
   };
   // A failed call is answered in-band and the stream goes on.

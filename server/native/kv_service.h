@@ -1,7 +1,8 @@
-// The K/V front-end: attnserve.v1.KvCache (kv.proto) on gRPC's callback API,
-// on the same port as Attention. Thin: decode, validate (naming wire fields),
-// hand to the pool (server/kv/kv_pool.h), map the status in one place
-// (common/grpc_status.h). Cache bookkeeping answers on the gRPC thread (a short
+// The native K/V front-end: attnserve.v1.KvCache (kv.proto) on gRPC's
+// callback API, on the same port as Attention. Thin: decode into the core's
+// types, hand AppendAttend to the KvRunner (server/core/kv_runner.h) and the
+// bookkeeping calls to the pool, map the status in one place
+// (common/grpc_status.h). Bookkeeping answers on the gRPC thread (a short
 // lock, no waiting); AppendAttend goes through the cache device's executor.
 #pragma once
 
@@ -10,24 +11,19 @@
 
 #include "attnserve/v1/kv.grpc.pb.h"
 #include "server/auth/authenticator.h"
+#include "common/cache_id_header.h"
+#include "server/core/kv_runner.h"
 #include "server/in_flight.h"
-#include "server/kv/kv_pool.h"
 #include "server/metrics.h"
-#include "server/request_validation.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {
 
-// The metadata header every K/V call should carry with its cache id, for
-// proxy affinity (kv.proto). The server does not require it.
-inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
-
 class KvService final : public v1::KvCache::CallbackService {
  public:
-  // `pool` and `metrics` (may be null) must outlive the service;
+  // `runner` and `metrics` (may be null) must outlive the service;
   // `stream_limits` bound each AppendAttendStream (stream_flow_control.h).
-  KvService(KvPool* pool, std::string backend_name, const RequestLimits& limits,
-            ServerMetrics* metrics, const StreamLimits& stream_limits);
+  KvService(KvRunner* runner, ServerMetrics* metrics, const StreamLimits& stream_limits);
 
   grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
                                         const v1::CreateCacheRequest* request,
@@ -57,8 +53,6 @@ class KvService final : public v1::KvCache::CallbackService {
   // authentication is off. Set before serving.
   void set_auth(const Authenticator* auth) { auth_ = auth; }
 
-  // New calls answer UNAVAILABLE from now on; admitted ones finish.
-  void StopAdmitting() { draining_.store(true, std::memory_order_release); }
   // Waits until every admitted AppendAttend (unary or stream request) has had
   // its response sent. True when none is left.
   bool WaitForResponses(absl::Duration timeout) { return in_flight_.WaitForZero(timeout); }
@@ -66,28 +60,18 @@ class KvService final : public v1::KvCache::CallbackService {
   // The pool's gauges in Prometheus text (ServerMetrics::SetExtraSource).
   static std::string RenderMetrics(const KvPoolStats& stats);
 
-  using Done = std::function<void(const absl::Status& status)>;
-  // Decode, validate, submit one append-and-attend; `done` exactly once.
-  // `request` and `response` must stay valid until then. The KServe v2 model
-  // attention_kv (server/kserve/attention_kv_model.h) calls it too, so both
-  // protocols share validation, limits, draining, metrics and messages; it
-  // passes check_lengths false when its request names no expected_length (the
-  // steps then append at whatever length arrival order left, kAnyLength).
-  void StartAppendAttend(const std::string& tenant, absl::Time deadline,
-                         const v1::AppendAttendRequest* request, v1::AppendAttendResponse* response,
-                         std::shared_ptr<const std::atomic<bool>> cancelled, Done done,
-                         bool check_lengths = true);
-  // UNAVAILABLE while draining, else OK.
-  absl::Status Draining() const;
+  // Decodes and starts one append-and-attend; `done` exactly once, after
+  // `response` is complete. `request` and `response` stay valid until then.
+  void StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
+                         v1::AppendAttendResponse* response,
+                         std::function<void(const absl::Status&)> done);
 
  private:
+  KvRunner* const runner_;
   KvPool* const pool_;
-  const std::string backend_name_;
-  const RequestLimits limits_;
   const StreamLimits stream_limits_;
   ServerMetrics* const metrics_;
   const Authenticator* auth_ = nullptr;
-  std::atomic<bool> draining_{false};
   InFlightCounter in_flight_;
 };
 

@@ -1,14 +1,15 @@
 // The native API front-end: attnserve.v1.Attention on gRPC's callback API.
-// Reactors only hand work to the ForwardHandler (and so the executor) and
-// react to its completion; they never block a gRPC thread. Echo, the transport
-// ceiling for benchmarks, answers on the spot without the handler.
+// Reactors decode each request into the core's AttentionCall, hand it to the
+// AttentionRunner (and so the executor) and encode its completion; they never
+// block a gRPC thread. Echo, the transport ceiling for benchmarks, answers on
+// the spot after the same checks.
 #pragma once
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend.h"
 #include "server/auth/authenticator.h"
 #include "server/auth/tenants.h"
-#include "server/forward_handler.h"
+#include "server/core/attention_runner.h"
 #include "server/in_flight.h"
 #include "server/stream_flow_control.h"
 
@@ -36,9 +37,9 @@ struct ServiceInfo {
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
-  // `handler` must outlive the service. `backend` describes what serves
+  // `runner` must outlive the service. `backend` describes what serves
   // (with several GPUs, every device is listed).
-  AttentionService(ForwardHandler* handler, BackendDescription backend, const ServiceInfo& info);
+  AttentionService(AttentionRunner* runner, BackendDescription backend, const ServiceInfo& info);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const v1::ForwardRequest* request,
@@ -63,7 +64,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   bool WaitForResponses(absl::Duration timeout) { return in_flight_.WaitForZero(timeout); }
 
  private:
-  ForwardHandler* const handler_;
+  AttentionRunner* const runner_;
   const BackendDescription backend_;
   const ServiceInfo info_;
   InFlightCounter in_flight_;

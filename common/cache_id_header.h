@@ -1,0 +1,10 @@
+// The metadata header (gRPC) and HTTP header every K/V call should carry with
+// its cache id, for proxy affinity (kv.proto); clients send it and both of
+// the server's protocols read it. One definition for both sides.
+#pragma once
+
+namespace attnserve {
+
+inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
+
+}  // namespace attnserve

@@ -1,0 +1,116 @@
+// The server's own request types: what every front-end (server/native for
+// attnserve.v1, server/kserve for KServe v2) decodes its wire format into,
+// and what the core validates and runs. No protocol's messages appear here:
+// tensors are byte views of memory the front-end keeps alive until the
+// call's completion has run (a message, a shared-memory region, a buffer).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "backend/params.h"
+
+namespace attnserve {
+
+// Who asked, by when, and whether they still want the answer.
+struct CallMeta {
+  std::string id;  // echoed in the answer and logged (client-chosen)
+  std::string tenant;
+  absl::Time received = absl::Now();
+  absl::Time deadline = absl::InfiniteFuture();
+  // Set when the client cancels; may be null.
+  std::shared_ptr<const std::atomic<bool>> cancelled;
+};
+
+// One tensor as the caller sent it. `dtype` is the wire's code (a DType value
+// when known; anything else is refused naming the field), `shape` its dims
+// as sent, `bytes` its data wherever it lies.
+struct TensorView {
+  int dtype = 0;
+  absl::Span<const int64_t> shape;
+  absl::string_view bytes;
+  // Set when the sender left the tensor out entirely (a K/V step without
+  // new tokens may).
+  bool absent = false;
+};
+
+// The attention options as the caller stated them: unset stays unset, so
+// the checks can tell "left out" from a value (docs/design.md §2).
+struct StatedOptions {
+  std::optional<float> softmax_scale;
+  bool causal = false;
+  std::optional<int32_t> window_left;
+  std::optional<int32_t> window_right;
+  float softcap = 0.0f;
+  bool return_lse = false;
+  std::optional<float> q_descale;
+  std::optional<float> k_descale;
+  std::optional<float> v_descale;
+};
+
+// O's and LSE's sizes once a call is valid, for the front-end to place and
+// later encode them.
+struct OutputLayout {
+  DType o_dtype = DType::kFP16;
+  int64_t o_bytes = 0;
+  std::vector<int64_t> o_shape;    // Q's shape
+  int64_t lse_bytes = 0;
+  // Set iff return_lse. FP32: dense [B, Hq, Sq], varlen or K/V [Hq, Tq].
+  std::vector<int64_t> lse_shape;
+};
+
+// Where the backend writes a call's outputs. Runs on the executor just before
+// compute (so large buffers are never allocated for calls that never run):
+// sets *o and *lse (lse only when layout.lse_shape is set) to memory of at least
+// those sizes that stays valid until the call's completion. An error fails
+// the call before compute.
+using OutputSink = std::function<absl::Status(const OutputLayout& layout, void** o, float** lse)>;
+
+// One attention call (Forward, the KServe `attention` model).
+struct AttentionCall {
+  CallMeta meta;
+  TensorView q, k, v;
+  // Varlen offsets (B+1 each); empty for dense calls.
+  absl::Span<const int32_t> cu_seqlens_q, cu_seqlens_k;
+  StatedOptions options;
+  // Bytes the call brought (its message, plus tensors read from shared
+  // memory): what --max_request_bytes bounds.
+  int64_t request_bytes = 0;
+  OutputSink sink;
+};
+
+// One sequence's part of an append-and-attend call.
+struct KvStepRequest {
+  uint64_t sequence_id = 0;
+  int32_t expected_length = 0;  // the sequence's length before the call (the retry guard)
+  int32_t num_new_tokens = 0;
+  int32_t num_queries = 0;
+};
+
+// One append-and-attend call on a server-side K/V cache (docs/kv-cache.md):
+// new K/V rows appended to each sequence, then the new queries attended
+// over the whole sequence at `layer`.
+struct KvCall {
+  CallMeta meta;
+  std::string cache_id;
+  int32_t layer = 0;
+  std::vector<KvStepRequest> steps;
+  TensorView q, k, v;  // packed rows: [Tq, Hq, D], [Tk, Hkv, D]
+  StatedOptions options;
+  int64_t request_bytes = 0;
+  // False: the steps append at whatever length the calls before them left
+  // (a protocol without the retry guard); expected_length is ignored.
+  bool check_lengths = true;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,117 @@
+// One KvCall from receipt to completion; see kv_runner.h.
+#include "server/core/kv_runner.h"
+
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "server/auth/tenants.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace {
+
+// The pool's form of a call that passed ValidateKvCall on `cache`.
+std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& cache,
+                                           const FieldNames& names) {
+  const KvGeometry& g = cache.geometry();
+  auto c = std::make_shared<KvAppendAttend>();
+  c->cache_id = call.cache_id;
+  c->layer = call.layer;
+  for (const KvStepRequest& s : call.steps) {
+    c->steps.push_back({s.sequence_id, call.check_lengths ? s.expected_length : kAnyLength,
+                        s.num_new_tokens, s.num_queries});
+  }
+  c->dtype = g.dtype;
+  c->num_heads_kv = g.num_heads_kv;
+  // An absent q (no queries) has no heads to read: any multiple of Hkv serves.
+  c->num_heads_q = call.q.shape.size() == 3 ? static_cast<int32_t>(call.q.shape[1]) : g.num_heads_kv;
+  c->head_dim = g.head_dim;
+  c->options = ToAttnOptions(call.options);
+  c->inputs.q = call.q.bytes.data();
+  c->inputs.k = call.k.bytes.data();
+  c->inputs.v = call.v.bytes.data();
+  c->return_lse = call.options.return_lse;
+  c->names = &names;
+  c->received = call.meta.received;
+  c->deadline = call.meta.deadline;
+  c->cancelled = call.meta.cancelled;
+  return c;
+}
+
+// The outputs' shapes: o [Tq, Hq, D], lse [Hq, Tq].
+OutputLayout KvLayoutOf(const KvAppendAttend& c) {
+  int64_t total_q = 0;
+  for (const KvStep& s : c.steps) total_q += s.num_queries;
+  OutputLayout layout;
+  layout.o_dtype = c.dtype;
+  layout.o_shape = {total_q, c.num_heads_q, c.head_dim};
+  layout.o_bytes = total_q * c.num_heads_q * c.head_dim * DTypeSize(c.dtype);
+  if (c.return_lse) {
+    layout.lse_shape = {c.num_heads_q, total_q};
+    layout.lse_bytes = total_q * c.num_heads_q * int64_t{sizeof(float)};
+  }
+  return layout;
+}
+
+}  // namespace
+
+KvRunner::KvRunner(KvPool* pool, std::string backend_name, const RequestLimits& limits,
+                   ServerMetrics* metrics)
+    : pool_(pool), backend_name_(std::move(backend_name)), limits_(limits), metrics_(metrics) {}
+
+absl::Status KvRunner::Draining() const {
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("server is draining: not accepting new requests");
+  }
+  return absl::OkStatus();
+}
+
+void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
+  std::function<void(const absl::Status&, const WorkTimings&, KvResult*)> finish =
+      [this, call, done = std::move(done)](const absl::Status& status, const WorkTimings& timings,
+                                           KvResult* result) {
+        if (metrics_ != nullptr) metrics_->RecordRequest(status, timings);
+        if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
+          spdlog::debug("kv append_attend id=\"{}\" status={} error={}",
+                        call->meta.id.substr(0, 64), absl::StatusCodeToString(status.code()),
+                        std::string(status.message()));
+        }
+        done(status, timings, result);
+      };
+  auto refuse = [&](const absl::Status& status) {
+    WorkTimings timings;
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);
+    finish(status, timings, nullptr);
+  };
+  absl::Status status = Draining();
+  if (status.ok()) {
+    status = HoldInFlight(pool_->tenants(), call->meta.tenant, call->request_bytes, &finish);
+  }
+  if (!status.ok()) return refuse(status);
+  absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->Find(call->meta.tenant, call->cache_id);
+  if (!cache.ok()) return refuse(cache.status());
+  status = ValidateKvCall(*call, (*cache)->geometry(), limits_, names);
+  if (!status.ok()) return refuse(status);
+
+  std::shared_ptr<KvAppendAttend> c = PoolCallOf(*call, **cache, names);
+  status = pool_->AppendAttend(*cache, c, [c, finish](const absl::Status& s,
+                                                      const WorkTimings& timings) {
+    KvResult result;
+    if (s.ok()) {
+      result.layout = KvLayoutOf(*c);
+      result.o = std::move(c->o);
+      result.lse = std::move(c->lse);
+      result.lengths = std::move(c->lengths);
+    }
+    // total_us runs to here, not to the executor's completion, so that the
+    // client can tell the server's whole share from the wire's.
+    WorkTimings answered = timings;
+    answered.total_us = absl::ToInt64Microseconds(absl::Now() - c->received);
+    finish(s, answered, s.ok() ? &result : nullptr);
+  });
+  if (!status.ok()) finish(status, WorkTimings{}, nullptr);
+}
+
+}  // namespace attnserve

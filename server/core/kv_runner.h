@@ -1,0 +1,63 @@
+// Runs one KvCall (append-and-attend on a server-side K/V cache) from any
+// front-end: draining, the tenant's in-flight budget, the cache lookup, the
+// structural check against the cache's geometry (errors in the caller's
+// field names), then the pool (server/kv/kv_pool.h), which orders, reserves,
+// launches and commits or rolls back. Front-ends decode and encode only.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/core/call.h"
+#include "server/core/field_names.h"
+#include "server/core/validate.h"
+#include "server/executor.h"
+#include "server/kv/kv_pool.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+// What a successful call produced, for the front-end to encode.
+struct KvResult {
+  OutputLayout layout;  // o [Tq, Hq, D] in the cache's dtype; lse [Hq, Tq] with return_lse
+  std::string o;
+  std::string lse;
+  std::vector<int32_t> lengths;  // each sequence's length at the layer after the call
+};
+
+class KvRunner {
+ public:
+  // Called exactly once per call; `result` is set (and movable from) on OK.
+  using Done =
+      std::function<void(const absl::Status& status, const WorkTimings& timings, KvResult* result)>;
+
+  // `pool` and `metrics` (may be null) must outlive the runner.
+  KvRunner(KvPool* pool, std::string backend_name, const RequestLimits& limits,
+           ServerMetrics* metrics);
+
+  // Starts `call`, whose views stay valid until `done` has run (possibly
+  // before Start returns). Never blocks. `names` must outlive the call.
+  void Start(const KvCall* call, const FieldNames& names, Done done);
+
+  // New calls are refused with UNAVAILABLE from now on; admitted ones finish.
+  void StopAdmitting() { draining_.store(true, std::memory_order_release); }
+  // UNAVAILABLE while draining, else OK.
+  absl::Status Draining() const;
+
+  KvPool* pool() const { return pool_; }
+  const std::string& backend_name() const { return backend_name_; }
+  const RequestLimits& limits() const { return limits_; }
+
+ private:
+  KvPool* const pool_;
+  const std::string backend_name_;
+  const RequestLimits limits_;
+  ServerMetrics* const metrics_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace attnserve
