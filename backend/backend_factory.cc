@@ -49,17 +49,20 @@ absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& devices) {
     int d = -1;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--devices: expected \"all\" or comma-separated GPU indices such as 0,1; got \"", devices, "\""));
+          "--devices: expected \"all\" or comma-separated GPU indices such as 0,1; got \"", devices,
+          "\""));
     }
     if (std::find(out.begin(), out.end(), d) != out.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("--devices: device ", d, " listed twice in \"", devices, "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: device ", d, " listed twice in \"", devices, "\""));
     }
     out.push_back(d);
   }
   return out;
 }
 
-absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(const BackendOptions& options) {
+absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(
+    const BackendOptions& options) {
   absl::StatusOr<std::vector<int>> devices = ParseDeviceList(options.devices);
   if (!devices.ok()) return devices.status();
   if (options.kind == "cpu") return One(MakeCpuBackend(options.cpu_threads));
@@ -69,7 +72,8 @@ absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(cons
     if (any_gpu || options.kind == "cuda") return MakeCudaBackends(*devices);
 #else
     if (options.kind == "cuda") {
-      return absl::UnavailableError("backend: \"cuda\" requested but this build has no CUDA backend");
+      return absl::UnavailableError(
+          "backend: \"cuda\" requested but this build has no CUDA backend");
     }
 #endif
     return One(MakeCpuBackend(options.cpu_threads));

@@ -27,7 +27,8 @@ absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& devices);
 // "cuda" is asked for and this build has no CUDA backend, no GPU is usable or
 // a listed device does not exist. "auto" falls back to the CPU only when no
 // GPU is usable at all, never when a listed device is missing.
-absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(const BackendOptions& options);
+absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(
+    const BackendOptions& options);
 
 // Implemented by backend/cpu.
 std::unique_ptr<AttentionBackend> MakeCpuBackend(int threads);

@@ -61,23 +61,22 @@ absl::Status CheckPagedParams(const PagedAttnParams& p) {
     const int32_t len = p.seqlens_k[b];
     const int32_t added = SeqLenK(p.attn, b);
     if (len < added || int64_t{len} > int64_t{p.block_table_stride} * kv.page_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "paged params: seqlens_k[", b, "] expected in [", added, " (new rows), ",
-          int64_t{p.block_table_stride} * kv.page_size, " (block_table_stride * page_size)], got ",
-          len));
+      return absl::InvalidArgumentError(
+          absl::StrCat("paged params: seqlens_k[", b, "] expected in [", added, " (new rows), ",
+                       int64_t{p.block_table_stride} * kv.page_size,
+                       " (block_table_stride * page_size)], got ", len));
     }
     longest = std::max(longest, len);
     const int32_t pages = (len + kv.page_size - 1) >> kv.page_shift;
     for (int i = 0; i < pages; ++i) {
-      RETURN_IF_ERROR(
-          check_page("block_table", int64_t{b} * p.block_table_stride + i,
-                     p.block_table[int64_t{b} * p.block_table_stride + i]));
+      RETURN_IF_ERROR(check_page("block_table", int64_t{b} * p.block_table_stride + i,
+                                 p.block_table[int64_t{b} * p.block_table_stride + i]));
     }
   }
   if (p.attn.batch > 0 && longest != p.attn.seqlen_k) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "paged params: attn.seqlen_k expected the longest seqlens_k ", longest, ", got ",
-        p.attn.seqlen_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged params: attn.seqlen_k expected the longest seqlens_k ", longest,
+                     ", got ", p.attn.seqlen_k));
   }
   return absl::OkStatus();
 }

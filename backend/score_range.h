@@ -55,8 +55,7 @@ inline float DefaultSoftmaxScale(int head_dim) {
 inline float MinSoftcap(float softmax_scale) { return softmax_scale / kMaxSoftcapFactor; }
 
 inline bool SoftmaxScaleInRange(float softmax_scale) {
-  return std::isfinite(softmax_scale) && softmax_scale > 0.0f &&
-         softmax_scale <= kMaxSoftmaxScale;
+  return std::isfinite(softmax_scale) && softmax_scale > 0.0f && softmax_scale <= kMaxSoftmaxScale;
 }
 
 inline bool DescaleInRange(float descale) {

@@ -46,7 +46,6 @@
 
 namespace attnserve {
 
-
 // Mirrors attnserve.v1.KvGeometry. Named apart from the server's KvGeometry
 // (server/kv/kv_cache.h): a binary may link both (scripts/check-odr.py).
 struct KvClientGeometry {

@@ -2,14 +2,13 @@
 // at scrape time; see metrics.h.
 #include "server/metrics.h"
 
-#include "server/executor.h"
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
+#include "server/executor.h"
 
 namespace attnserve {
 namespace {
@@ -39,14 +38,10 @@ void ServerMetrics::SetExtraSource(std::function<std::string()> source) {
 
 const char* ServerMetrics::FailureReasonName(FailureReason reason) {
   switch (reason) {
-    case FailureReason::kRejected:
-      return "REJECTED";
-    case FailureReason::kCanceled:
-      return "CANCELED";
-    case FailureReason::kBackend:
-      return "BACKEND";
-    case FailureReason::kOther:
-      break;
+    case FailureReason::kRejected: return "REJECTED";
+    case FailureReason::kCanceled: return "CANCELED";
+    case FailureReason::kBackend: return "BACKEND";
+    case FailureReason::kOther: break;
   }
   return "OTHER";
 }
@@ -55,19 +50,15 @@ ServerMetrics::FailureReason ServerMetrics::ReasonFor(const absl::Status& status
   switch (status.code()) {
     // Refused at admission: queue full, over a limit, draining.
     case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kUnavailable:
-      return FailureReason::kRejected;
+    case absl::StatusCode::kUnavailable: return FailureReason::kRejected;
     case absl::StatusCode::kCancelled:
-    case absl::StatusCode::kDeadlineExceeded:
-      return FailureReason::kCanceled;
+    case absl::StatusCode::kDeadlineExceeded: return FailureReason::kCanceled;
     // The backend could not run a valid request, or failed running it.
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnimplemented:
     case absl::StatusCode::kDataLoss:
-    case absl::StatusCode::kUnknown:
-      return FailureReason::kBackend;
-    default:
-      return FailureReason::kOther;  // INVALID_ARGUMENT and the rest
+    case absl::StatusCode::kUnknown: return FailureReason::kBackend;
+    default: return FailureReason::kOther;  // INVALID_ARGUMENT and the rest
   }
 }
 
@@ -127,15 +118,13 @@ std::string ServerMetrics::RenderPrometheus() const {
   AppendFamily(&out, "nv_inference_request_failure", "counter",
                "Number of failed inference requests, all batch sizes", failures);
   AppendModelCounter(&out, "nv_inference_count",
-                     "Number of inferences performed (one per successful request)",
-                     success_);
+                     "Number of inferences performed (one per successful request)", success_);
   AppendModelCounter(&out, "nv_inference_exec_count",
                      "Number of model executions performed (backend launches; a batched launch "
                      "serves several requests)",
                      exec_count_);
   AppendModelCounter(&out, "nv_inference_request_duration_us",
-                     "Cumulative inference request duration in microseconds",
-                     request_duration_us_);
+                     "Cumulative inference request duration in microseconds", request_duration_us_);
   AppendModelCounter(&out, "nv_inference_queue_duration_us",
                      "Cumulative inference queuing duration in microseconds", queue_duration_us_);
   AppendModelCounter(&out, "nv_inference_compute_input_duration_us",
@@ -161,15 +150,13 @@ std::string ServerMetrics::RenderPrometheus() const {
        "Requests that open streams hold (read, not yet answered and sent)",
        streams_.held_requests()},
       {"attnserve_stream_held_bytes", "gauge",
-       "Bytes of requests and unsent responses that open streams hold",
-       streams_.held_bytes()},
+       "Bytes of requests and unsent responses that open streams hold", streams_.held_bytes()},
       {"attnserve_stream_paused", "gauge", "Streams whose reading is paused at their limits",
        streams_.paused_streams()},
-      {"attnserve_stream_pauses_total", "counter",
-       "Times a stream's reading paused at its limits", streams_.pauses_total()},
+      {"attnserve_stream_pauses_total", "counter", "Times a stream's reading paused at its limits",
+       streams_.pauses_total()},
       {"attnserve_stream_peak_bytes", "gauge",
-       "The most bytes one stream has held at once since start",
-       streams_.peak_stream_bytes()},
+       "The most bytes one stream has held at once since start", streams_.peak_stream_bytes()},
   };
   for (const auto& m : stream_samples) {
     AppendFamily(&out, m.name, m.type, m.help, {{"", absl::StrCat(m.value)}});

@@ -26,17 +26,17 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "server/core/attention_runner.h"
+#include "server/core/kv_runner.h"
 #include "server/executor.h"
 #include "server/executor_pool.h"
-#include "server/core/attention_runner.h"
 #include "server/gpu_monitor.h"
 #include "server/kv/kv_pool.h"
 #include "server/kv/startup_cache.h"
-#include "server/core/kv_runner.h"
-#include "server/native/kv_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/native/attention_service.h"
+#include "server/native/kv_service.h"
 #include "server/security/grpc_credentials.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -220,14 +220,15 @@ class AttnServerImpl final : public AttnServer {
         executors_(Pointers(backends_), MakeExecutorOptions(options)),
         runner_(&executors_, description_.name,
                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(&runner_, description_,
-                 ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
-                             options.stream, &metrics_.streams(), true, options.kv_page_size, options.kv_cache_bytes,
-                             absl::ToInt64Milliseconds(options.kv_idle_timeout), tenants_.get(),
-                             auth_.get()}),
-        kv_pool_(KvPoolOptions{options.kv_cache_bytes, options.kv_page_size,
-                               options.kv_idle_timeout},
-                 KvDevices(backends_, &executors_)),
+        service_(
+            &runner_, description_,
+            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
+                        options.stream, &metrics_.streams(), true, options.kv_page_size,
+                        options.kv_cache_bytes, absl::ToInt64Milliseconds(options.kv_idle_timeout),
+                        tenants_.get(), auth_.get()}),
+        kv_pool_(
+            KvPoolOptions{options.kv_cache_bytes, options.kv_page_size, options.kv_idle_timeout},
+            KvDevices(backends_, &executors_)),
         kv_runner_(&kv_pool_, description_.name,
                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         kv_service_(&kv_runner_, &metrics_, options.stream),
@@ -444,9 +445,8 @@ class AttnServerImpl final : public AttnServer {
   // The /metrics endpoint, when enabled.
   void StartMetricsEndpoint() {
     if (!options_.metrics_enabled) return;
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port, &metrics_,
-                                 options_.tls);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
+        options_.metrics_host, options_.metrics_port, &metrics_, options_.tls);
     if (http.ok()) {
       metrics_http_port_.store((*http)->port(), std::memory_order_release);
       absl::MutexLock lock(&mu_);
@@ -525,8 +525,8 @@ class AttnServerImpl final : public AttnServer {
   // neither encryption nor authentication (SECURITY.md).
   void LogSecurity() {
     const TlsFiles& tls = options_.tls;
-    spdlog::info("security: {}, {}", tls.enabled() ? (tls.mutual() ? "mutual TLS" : "TLS")
-                                                    : "plain text",
+    spdlog::info("security: {}, {}",
+                 tls.enabled() ? (tls.mutual() ? "mutual TLS" : "TLS") : "plain text",
                  auth_ != nullptr ? "bearer tokens from " + options_.auth.tokens_file
                                   : std::string("no authentication"));
     if (tls.enabled() || auth_ != nullptr) return;

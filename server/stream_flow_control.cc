@@ -11,8 +11,8 @@ absl::Status CheckStreamLimits(const StreamLimits& limits) {
         "stream_max_pending_requests: expected > 0, got ", limits.max_pending_requests));
   }
   if (limits.max_pending_bytes <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stream_max_pending_bytes: expected > 0, got ", limits.max_pending_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stream_max_pending_bytes: expected > 0, got ", limits.max_pending_bytes));
   }
   return absl::OkStatus();
 }

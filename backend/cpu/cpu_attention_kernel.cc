@@ -240,13 +240,11 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
     for (int j0 = span_lo; j0 <= span_hi; j0 += kBlockN) {
       const int nc = std::min(kBlockN, span_hi + 1 - j0);
       // K rows land in the V tile first, then are transposed into kt.
-      for (int j = 0; j < nc; ++j)
-        kv.LoadK(j0 + j, hk, v + j * d);
+      for (int j = 0; j < nc; ++j) kv.LoadK(j0 + j, hk, v + j * d);
       for (int j = 0; j < nc; ++j) {
         for (int c = 0; c < d; ++c) kt[c * kBlockN + j] = v[j * d + c];
       }
-      for (int j = 0; j < nc; ++j)
-        kv.LoadV(j0 + j, hk, v + j * d);
+      for (int j = 0; j < nc; ++j) kv.LoadV(j0 + j, hk, v + j * d);
 
       ScoreTile(q, kt, d, rows_pad, s);
 
@@ -326,8 +324,7 @@ struct PagedKvRows {
 }  // namespace
 
 void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  AttentionTaskOver(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)},
-                    scratch);
+  AttentionTaskOver(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
 }
 
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {

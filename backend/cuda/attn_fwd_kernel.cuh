@@ -29,13 +29,18 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pre
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   // src-size 0 zero-fills the 16 bytes: rows past the sequence and head-dim
   // padding read as zeros, so they add nothing to Q.K or P.V.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(pred ? 16 : 0));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
 // Waits until at most kPending of this thread's newest commit groups are still in flight.
 template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -52,21 +57,20 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* sm
 
 // D += A(16x16, row) * B(16x8, col), fp32 accumulators.
 template <typename T>
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
 template <>
 __device__ __forceinline__ void Mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                  uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <>
-__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -114,7 +118,8 @@ template <>
 struct MaskPolicy<false> {
   __device__ __forceinline__ static int MBlock(int x, int) { return x; }
   // Key tiles [*begin, *end) rows with visible keys [lo_first.., ..hi_last] need.
-  __device__ __forceinline__ static void KeyTiles(int, int, int sk, int block_n, int* begin, int* end) {
+  __device__ __forceinline__ static void KeyTiles(int, int, int sk, int block_n, int* begin,
+                                                  int* end) {
     *begin = 0;
     *end = (sk + block_n - 1) / block_n;
   }
@@ -129,27 +134,31 @@ struct MaskPolicy<true> {
   // CTAs with the most tiles first, so the tail of the grid is short ones.
   __device__ __forceinline__ static int MBlock(int x, int num) { return num - 1 - x; }
   // Tiles outside the band of every row of the CTA are skipped.
-  __device__ __forceinline__ static void KeyTiles(int lo_first, int hi_last, int sk, int block_n, int* begin,
-                                                  int* end) {
+  __device__ __forceinline__ static void KeyTiles(int lo_first, int hi_last, int sk, int block_n,
+                                                  int* begin, int* end) {
     *begin = max(lo_first, 0) / block_n;
     *end = hi_last < 0 ? 0 : min((sk + block_n - 1) / block_n, hi_last / block_n + 1);
   }
   // Band-interior tiles ([lo(last row), hi(first row)]) need no test.
-  __device__ __forceinline__ static bool TileNeedsMask(int key0, int block_n, int sk, int lo_last, int hi_first) {
+  __device__ __forceinline__ static bool TileNeedsMask(int key0, int block_n, int sk, int lo_last,
+                                                       int hi_first) {
     return key0 + block_n > sk || !(key0 >= lo_last && key0 + block_n - 1 <= hi_first);
   }
 };
 
 // The thread's rows of an m16 x n8 fragment set: r = mt * 2 + half is CTA-
 // external row row0 + mt * 16 + half * 8 (row0 = m0 + warp_row0 + group).
-__device__ __forceinline__ int FragmentRow(int row0, int r) { return row0 + (r / 2) * 16 + (r % 2) * 8; }
+__device__ __forceinline__ int FragmentRow(int row0, int r) {
+  return row0 + (r / 2) * 16 + (r % 2) * 8;
+}
 
 // Scores of keys outside a row's [lo, hi] become -inf. Row bounds are
 // recomputed here rather than kept in registers: the main loop is at the
 // 255-register limit and this runs on few tiles.
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void MaskScores(float (&s)[kMTiles][kNTiles][4], const AttnParams& p, int key0,
-                                           int row0, int rows, int G, int sq, int sk, int quad) {
+__device__ __forceinline__ void MaskScores(float (&s)[kMTiles][kNTiles][4], const AttnParams& p,
+                                           int key0, int row0, int rows, int G, int sq, int sk,
+                                           int quad) {
 #pragma unroll
   for (int r = 0; r < kMTiles * 2; ++r) {
     int lo, hi;
@@ -167,7 +176,8 @@ __device__ __forceinline__ void MaskScores(float (&s)[kMTiles][kNTiles][4], cons
 
 // softcap * tanh(s * scale / softcap), in the log2 domain.
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void SoftcapScores(float (&s)[kMTiles][kNTiles][4], float in, float out) {
+__device__ __forceinline__ void SoftcapScores(float (&s)[kMTiles][kNTiles][4], float in,
+                                              float out) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -180,8 +190,10 @@ __device__ __forceinline__ void SoftcapScores(float (&s)[kMTiles][kNTiles][4], f
 // rescaled, S replaced by P = exp2(S * score_log2 - max). row_max is in raw-
 // score units; row_sum is this thread's partial sum (quad-reduced at the end).
 template <int kMTiles, int kNTiles, int kDTiles>
-__device__ __forceinline__ void OnlineSoftmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles * 2],
-                                              float (&row_sum)[kMTiles * 2], float (&acc_o)[kMTiles][kDTiles][4],
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[kMTiles][kNTiles][4],
+                                              float (&row_max)[kMTiles * 2],
+                                              float (&row_sum)[kMTiles * 2],
+                                              float (&acc_o)[kMTiles][kDTiles][4],
                                               float score_log2) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -190,7 +202,8 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[kMTiles][kNTiles][4], f
       const int r = mt * 2 + half;
       float mx = row_max[r];
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
+      for (int nt = 0; nt < kNTiles; ++nt)
+        mx = fmaxf(mx, fmaxf(s[mt][nt][half * 2], s[mt][nt][half * 2 + 1]));
       mx = QuadMax(mx);
       // A row that has seen only masked keys keeps max -inf; subtracting 0
       // instead keeps exp2(-inf - -inf) from turning into NaN.
@@ -217,7 +230,8 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[kMTiles][kNTiles][4], f
 // End of the scan: O normalised once, LSE (natural log; -inf for a row that
 // saw no key) per fragment row.
 template <int kMTiles, int kDTiles>
-__device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4], const float (&row_max)[kMTiles * 2],
+__device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4],
+                                              const float (&row_max)[kMTiles * 2],
                                               const float (&row_sum)[kMTiles * 2], float score_log2,
                                               float (&lse)[kMTiles * 2]) {
 #pragma unroll
@@ -239,8 +253,8 @@ __device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4
 // Epilogue of a CTA whose key range is empty (fully masked rows, Sk = 0, or an
 // empty split): O = 0 and LSE = -inf, written directly.
 template <typename T, int kBlockM, int kThreads>
-__device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRows& qr, int b, int split, int m0,
-                                               int rows, int tid) {
+__device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRows& qr, int b,
+                                               int split, int m0, int rows, int tid) {
   const AttnParams& p = L.p;
   for (int idx = tid; idx < kBlockM; idx += kThreads) {
     const int m = m0 + idx;
@@ -263,9 +277,11 @@ __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRo
 // straight from the fragments (decode-sized outputs); the group's last CTA
 // (FinishSplit) or the combine kernel merges the splits.
 template <int kMTiles, int kDTiles>
-__device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const QueryRows& qr, int split,
+__device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const QueryRows& qr,
+                                                   int split,
                                                    const float (&acc_o)[kMTiles][kDTiles][4],
-                                                   const float (&lse)[kMTiles * 2], int row0, int rows, int quad) {
+                                                   const float (&lse)[kMTiles * 2], int row0,
+                                                   int rows, int quad) {
   const AttnParams& p = L.p;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -281,7 +297,8 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int d = dt * 8 + quad * 2;
         if (d < p.head_dim) {
-          *reinterpret_cast<float2*>(dst + d) = make_float2(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
+          *reinterpret_cast<float2*>(dst + d) =
+              make_float2(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
         }
       }
       if (quad == 0) L.lse_accum[acc] = lse[mt * 2 + half];
@@ -297,8 +314,9 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
 // between the splits and the combine: the combines of finished groups run
 // while other groups' splits still stream K/V.
 template <typename T, int kBlockM, int kThreads>
-__device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows& qr, int b, int group, int m0,
-                                            int rows, float* smem, int smem_floats, int tid) {
+__device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows& qr, int b,
+                                            int group, int m0, int rows, float* smem,
+                                            int smem_floats, int tid) {
   __threadfence();  // this thread's partial stores, before the ticket below
   __syncthreads();
   int took_last = 0;
@@ -325,8 +343,8 @@ __device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows&
 template <typename T, int kMTiles, int kDTiles, int kStride, int kChunks>
 __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows& qr, int b,
                                             const float (&acc_o)[kMTiles][kDTiles][4],
-                                            const float (&lse)[kMTiles * 2], T* sQ, int m0, int warp_row0,
-                                            int rows, int lane) {
+                                            const float (&lse)[kMTiles * 2], T* sQ, int m0,
+                                            int warp_row0, int rows, int lane) {
   const int group = lane / 4, quad = lane % 4;
   const int d_chunks = p.head_dim / 8;
   __syncwarp();
@@ -371,8 +389,9 @@ __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows
 // row max and adds them. Returns true for warp 0, which holds the merged
 // state; the caller's barrier must precede the call (the buffers are reused).
 template <int kComputeWarps, int kDTiles>
-__device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
-                                                float (&row_sum)[2], float score_log2, int warp, int lane) {
+__device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[1][kDTiles][4],
+                                                float (&row_max)[2], float (&row_sum)[2],
+                                                float score_log2, int warp, int lane) {
   constexpr int kValues = kDTiles * 4 + 4;
   if (warp > 0 && warp < kComputeWarps) {
     float* dst = exchange + (warp - 1) * kValues * 32 + lane;
@@ -406,7 +425,8 @@ __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[
       for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          acc_o[0][dt][h * 2 + e] = acc_o[0][dt][h * 2 + e] * mine + src[(dt * 4 + h * 2 + e) * 32] * theirs;
+          acc_o[0][dt][h * 2 + e] =
+              acc_o[0][dt][h * 2 + e] * mine + src[(dt * 4 + h * 2 + e) * 32] * theirs;
         }
     }
   }
@@ -464,7 +484,8 @@ __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, C
 // spill): q and k point at the warp's ldmatrix lane addresses in padded smem
 // tiles (rows kStride elements apart).
 template <typename T, int kMTiles, int kNTiles, int kHeadDim, int kStride>
-__device__ __forceinline__ void WarpScores(float (&s)[kMTiles][kNTiles][4], const T* q, const T* k) {
+__device__ __forceinline__ void WarpScores(float (&s)[kMTiles][kNTiles][4], const T* q,
+                                           const T* k) {
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     uint32_t a[kMTiles][4];
@@ -488,7 +509,8 @@ __device__ __forceinline__ void WarpScores(float (&s)[kMTiles][kNTiles][4], cons
 // transposed-ldmatrix lane address in the padded V tile.
 template <typename T, int kMTiles, int kNTiles, int kDTiles, int kStride>
 __device__ __forceinline__ void WarpAccumulatePV(float (&acc_o)[kMTiles][kDTiles][4],
-                                                 const float (&s)[kMTiles][kNTiles][4], const T* v) {
+                                                 const float (&s)[kMTiles][kNTiles][4],
+                                                 const T* v) {
 #pragma unroll
   for (int kk = 0; kk < kNTiles / 2; ++kk) {
     uint32_t a[kMTiles][4];
@@ -514,9 +536,11 @@ __device__ __forceinline__ void WarpAccumulatePV(float (&acc_o)[kMTiles][kDTiles
 
 // FinishSplit for the CTA `w` (its group: the split siblings of its query tile).
 template <typename T, int kBlockM, int kThreads>
-__device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRows& qr, const CtaWork& w,
-                                               float* smem, int smem_floats, int tid) {
-  FinishSplit<T, kBlockM, kThreads>(L, qr, w.b, (w.head * L.p.batch + w.b) * L.num_m_blocks + w.m_block, w.m0,
+__device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRows& qr,
+                                               const CtaWork& w, float* smem, int smem_floats,
+                                               int tid) {
+  FinishSplit<T, kBlockM, kThreads>(L, qr, w.b,
+                                    (w.head * L.p.batch + w.b) * L.num_m_blocks + w.m_block, w.m0,
                                     w.rows, smem, smem_floats, tid);
 }
 
@@ -527,16 +551,18 @@ __device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRo
 // partials and, with the fused combine, the CTA's ticket (FinishSplit, which
 // may use all `smem_floats` of `smem`).
 template <typename T, int kComputeWarps, int kDTiles, int kStride, int kThreads>
-__device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const QueryRows& qr, const CtaWork& w,
-                                                 float (&acc_o)[1][kDTiles][4], float (&row_max)[2],
-                                                 float (&row_sum)[2], float score_log2, bool warp_active,
-                                                 float* exchange, T* sQ, float* smem, int smem_floats) {
+__device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const QueryRows& qr,
+                                                 const CtaWork& w, float (&acc_o)[1][kDTiles][4],
+                                                 float (&row_max)[2], float (&row_sum)[2],
+                                                 float score_log2, bool warp_active,
+                                                 float* exchange, T* sQ, float* smem,
+                                                 int smem_floats) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const bool fused = L.num_splits > 1 && L.fused_combine;
   __syncthreads();
-  const bool holds =
-      MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum, score_log2, warp, lane) &&
-      warp_active;
+  const bool holds = MergeWarpStates<kComputeWarps, kDTiles>(exchange, acc_o, row_max, row_sum,
+                                                             score_log2, warp, lane) &&
+                     warp_active;
   if (!holds && !fused) return;
   float lse[2];
   if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
@@ -544,7 +570,8 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
     if (holds) StoreSplitPartials(L, qr, w.split, acc_o, lse, w.m0 + lane / 4, w.rows, lane % 4);
     if (fused) FinishCtaSplit<T, 16, kThreads>(L, qr, w, smem, smem_floats, tid);
   } else {
-    StoreOutput<T, 1, kDTiles, kStride, kDTiles>(L.p, qr, w.b, acc_o, lse, sQ, w.m0, 0, w.rows, lane);
+    StoreOutput<T, 1, kDTiles, kStride, kDTiles>(L.p, qr, w.b, acc_o, lse, sQ, w.m0, 0, w.rows,
+                                                 lane);
   }
 }
 
@@ -556,8 +583,8 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
 // it only the last, partial key tile is masked. Rows: where K/V rows are read
 // from (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
 // cache's pages); Rows::Launch is the kernel's argument.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded,
-          typename Rows>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
+          bool kIsBanded, typename Rows>
 __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch) {
   using namespace detail;
   using Mask = MaskPolicy<kIsBanded>;
@@ -569,17 +596,23 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // loads. A tile's math is then spread over several warps' issue slots
   // instead of one warp's dependent chain.
   constexpr bool kKeySplit = kBlockM == 16 && kNWarps > 1;
-  constexpr int kComputeWarps = !kKeySplit ? kNWarps : kBlockN / 16 < kNWarps ? kBlockN / 16 : kNWarps;
+  constexpr int kComputeWarps = !kKeySplit               ? kNWarps
+                                : kBlockN / 16 < kNWarps ? kBlockN / 16
+                                                         : kNWarps;
   constexpr int kMTiles = kBlockM >= 16 * kNWarps ? kBlockM / (16 * kNWarps) : 1;
-  constexpr int kWarpKeys = kKeySplit ? kBlockN / kComputeWarps : kBlockN;  // keys of a tile this warp computes
-  constexpr int kNTiles = kWarpKeys / 8;             // n8 tiles of S per row block
+  constexpr int kWarpKeys =
+      kKeySplit ? kBlockN / kComputeWarps : kBlockN;  // keys of a tile this warp computes
+  constexpr int kNTiles = kWarpKeys / 8;              // n8 tiles of S per row block
   static_assert(kWarpKeys % 16 == 0, "a warp's key slice must be whole k16 steps");
-  static_assert(!kKeySplit || (kComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <= kStages * kBlockN * (kHeadDim + 8) * 2,
+  static_assert(!kKeySplit || (kComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <=
+                                  kStages * kBlockN * (kHeadDim + 8) * 2,
                 "the warps' states must fit the K buffers they are merged through");
-  constexpr int kDTiles = kHeadDim / 8;              // n8 tiles of O
-  constexpr int kChunks = kHeadDim / 8;              // 16-byte chunks per row
-  constexpr int kStride = kHeadDim + 8;              // smem row pitch (elements), +16 B pad
-  static_assert((kBlockM % (16 * kNWarps) == 0 || kBlockM == 16) && kHeadDim % 16 == 0 && kBlockN % 16 == 0, "tile shape");
+  constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kStride = kHeadDim + 8;  // smem row pitch (elements), +16 B pad
+  static_assert(
+      (kBlockM % (16 * kNWarps) == 0 || kBlockM == 16) && kHeadDim % 16 == 0 && kBlockN % 16 == 0,
+      "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -603,7 +636,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const int group = lane / 4;  // row within an 8-row half of a fragment
   const int quad = lane % 4;   // column pair within an n8 tile
   const int warp_row0 = kKeySplit ? 0 : warp * kMTiles * 16;
-  const int warp_key0 = kKeySplit ? warp * kWarpKeys : 0;  // first key of this warp's slice of a tile
+  const int warp_key0 =
+      kKeySplit ? warp * kWarpKeys : 0;     // first key of this warp's slice of a tile
   const int row0 = m0 + warp_row0 + group;  // the thread's first fragment row
   // Warps whose rows all lie past the problem, or past the key split, skip
   // the math (they still load).
@@ -617,9 +651,11 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // the combine may use all of the (by then dead) dynamic smem.
   constexpr bool kCanFuse = kBlockM == 16;
   const bool fused = kCanFuse && splits > 1 && L.fused_combine;
-  constexpr int kSmemFloats = (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
+  constexpr int kSmemFloats =
+      (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
   auto finish = [&]() {
-    FinishCtaSplit<T, kBlockM, kThreads>(L, qr, w, reinterpret_cast<float*>(smem_raw), kSmemFloats, tid);
+    FinishCtaSplit<T, kBlockM, kThreads>(L, qr, w, reinterpret_cast<float*>(smem_raw), kSmemFloats,
+                                         tid);
   };
 
   if (n_begin >= n_end) {
@@ -658,7 +694,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   constexpr bool kRowSteps = kThreads % kChunks == 0 && kBlockN % (kThreads / kChunks) == 0;
   constexpr int kRowsPerIt = kRowSteps ? kThreads / kChunks : 1;
   constexpr int kRowsPerThread = kBlockN / kRowsPerIt;
-  static_assert(!kRowSteps || kMinPageSize % kRowsPerThread == 0, "a thread's rows must share a page");
+  static_assert(!kRowSteps || kMinPageSize % kRowsPerThread == 0,
+                "a thread's rows must share a page");
   const int ld_r = tid / kChunks, ld_c = tid % kChunks;
   const bool ld_c_ok = ld_c < d_chunks;
   // which: 0 = K, 1 = V.
@@ -721,9 +758,11 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   // ldmatrix lane addresses (element offsets inside a tile).
   // A (Q, 16x16 at [row0, k0]): lanes 0-15 rows 0-15 at k0, lanes 16-31 at k0+8.
   const int a_off = (warp_row0 + (lane % 16)) * kStride + (lane / 16) * 8;
-  // B of S = Q K^T (two n8 tiles x k16 from K rows): rows n0 + lane%8 + 8*(lane/16), col k0 + 8*((lane/8)%2).
+  // B of S = Q K^T (two n8 tiles x k16 from K rows): rows n0 + lane%8 + 8*(lane/16), col k0 +
+  // 8*((lane/8)%2).
   const int bk_off = ((lane % 8) + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
-  // B of O = P V (k16 keys x two n8 d tiles, transposed): keys k0 + lane%8 + 8*((lane/8)%2), col d0 + 8*(lane/16).
+  // B of O = P V (k16 keys x two n8 d tiles, transposed): keys k0 + lane%8 + 8*((lane/8)%2), col d0
+  // + 8*(lane/16).
   const int bv_off = ((lane % 8) + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
 
   load_q();
@@ -805,8 +844,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   if constexpr (kCanFuse) {
     static_assert(kKeySplit, "the 16-row tile splits its keys over the warps");
     FinishDecodeTile<T, kComputeWarps, kDTiles, kStride, kThreads>(
-        L, qr, w, acc_o, row_max, row_sum, score_log2, warp_active, reinterpret_cast<float*>(sK), sQ,
-        reinterpret_cast<float*>(smem_raw), kSmemFloats);
+        L, qr, w, acc_o, row_max, row_sum, score_log2, warp_active, reinterpret_cast<float*>(sK),
+        sQ, reinterpret_cast<float*>(smem_raw), kSmemFloats);
   } else {
     if (!warp_active) return;
     float lse[kMTiles * 2];
@@ -814,7 +853,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     if (splits > 1) {
       StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
     } else {
-      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
+      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0,
+                                                         rows, lane);
     }
   }
 }
@@ -823,11 +863,14 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 // 3 CTAs per SM (<= 168 registers): its 74 KB of smem allow 3, and 172
 // registers would allow only 2. The paged launch is a __grid_constant__ so
 // its slab tables are indexed in place (no local copy of the argument).
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
-__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1) AttnFwdKernel(const FwdLaunch L) {
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
+          bool kIsBanded>
+__global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
+    AttnFwdKernel(const FwdLaunch L) {
   AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>>(L);
 }
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T, bool kIsBanded>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
+          bool kIsBanded>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
     PagedAttnFwdKernel(const __grid_constant__ PagedFwdLaunch L) {
   AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>>(L);
@@ -850,7 +893,8 @@ cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, int smem, co
       (fwd.fused_combine && int64_t{fwd.num_m_blocks} * fwd.p.batch * heads > kMaxSplitGroups)) {
     return cudaErrorInvalidValue;
   }
-  kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), tile.num_warps * 32, smem, stream>>>(launch);
+  kernel<<<dim3(static_cast<unsigned>(blocks_x), heads), tile.num_warps * 32, smem, stream>>>(
+      launch);
   return cudaGetLastError();
 }
 
@@ -859,13 +903,13 @@ cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t str
   constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   if constexpr (Rows::kPaged) {
-    return LaunchTileKernel(
-        PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>,
-        kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+    return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
+                                               kTile.num_warps, kTile.stages, T, kIsBanded>,
+                            kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   } else {
-    return LaunchTileKernel(
-        AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, kTile.stages, T, kIsBanded>, kTile,
-        SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+    return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
+                                          kTile.stages, T, kIsBanded>,
+                            kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   }
 }
 

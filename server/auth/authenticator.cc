@@ -17,8 +17,8 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
   absl::StatusOr<TokenTable> table = LoadTokenFile(options.tokens_file);
   if (!table.ok()) return table.status();
   if (table->tokens.empty()) {
-    return absl::InvalidArgumentError(
-        "tokens file '" + options.tokens_file + "': expected at least one token, got none");
+    return absl::InvalidArgumentError("tokens file '" + options.tokens_file +
+                                      "': expected at least one token, got none");
   }
   if (options.reload_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("auth reload interval: expected > 0, got " +
@@ -27,8 +27,7 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
   return std::unique_ptr<Authenticator>(new Authenticator(options, tenants, *std::move(table)));
 }
 
-Authenticator::Authenticator(const AuthOptions& options, TenantDirectory* tenants,
-                             TokenTable table)
+Authenticator::Authenticator(const AuthOptions& options, TenantDirectory* tenants, TokenTable table)
     : options_(options), tenants_(tenants) {
   tenants_->SetQuotas(table.quotas);
   spdlog::info("auth: {} bearer token(s) for {} tenant(s) from {}", table.tokens.size(),
@@ -59,7 +58,7 @@ void Authenticator::Reload() {
 }
 
 absl::StatusOr<std::string> Authenticator::Authenticate(absl::string_view authorization,
-                                                       bool count) const {
+                                                        bool count) const {
   absl::string_view token = absl::StripAsciiWhitespace(authorization);
   constexpr absl::string_view kScheme = "bearer ";
   if (token.empty() || token.size() <= kScheme.size() ||

@@ -38,7 +38,8 @@ bool ValidTenant(absl::string_view name) {
 }
 
 absl::Status ParseQuota(absl::string_view field, TenantQuotas* q) {
-  std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(field, absl::MaxSplits('=', 1));
+  std::pair<absl::string_view, absl::string_view> kv =
+      absl::StrSplit(field, absl::MaxSplits('=', 1));
   int64_t value = 0;
   if (!absl::SimpleAtoi(kv.second, &value) || value < 0) {
     return absl::InvalidArgumentError(

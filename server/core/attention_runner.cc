@@ -58,16 +58,16 @@ void AttentionRunner::Complete(const AttentionCall& call, const FieldNames& name
   const spdlog::level::level_enum level = CallLogLevel(status);
   if (spdlog::should_log(level)) {
     // Shapes, dtype and outcome only: tensor bytes never reach the log.
-    spdlog::log(level,
-                "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
-                "device={} batch={} queue_us={} compute_us={} total_us={}",
-                call.meta.id.substr(0, kMaxLoggedIdChars), ShapeString(call.q.shape, ","),
-                ShapeString(call.k.shape, ","), ShapeString(call.v.shape, ","),
-                names.dtype_name(call.q.dtype), call.cu_seqlens_q.empty() ? "dense" : "varlen",
-                call.options.causal, call.options.return_lse,
-                absl::StatusCodeToString(status.code()), status.ok() ? "" : " error=",
-                status.ok() ? std::string() : std::string(status.message()), timings.device,
-                timings.batch_size, timings.queue_us, timings.compute_us, timings.total_us);
+    spdlog::log(
+        level,
+        "forward id=\"{}\" q={} k={} v={} dtype={} layout={} causal={} lse={} status={}{}{} "
+        "device={} batch={} queue_us={} compute_us={} total_us={}",
+        call.meta.id.substr(0, kMaxLoggedIdChars), ShapeString(call.q.shape, ","),
+        ShapeString(call.k.shape, ","), ShapeString(call.v.shape, ","),
+        names.dtype_name(call.q.dtype), call.cu_seqlens_q.empty() ? "dense" : "varlen",
+        call.options.causal, call.options.return_lse, absl::StatusCodeToString(status.code()),
+        status.ok() ? "" : " error=", status.ok() ? std::string() : std::string(status.message()),
+        timings.device, timings.batch_size, timings.queue_us, timings.compute_us, timings.total_us);
   }
   done(status, timings);
 }

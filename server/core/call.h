@@ -63,7 +63,7 @@ struct StatedOptions {
 struct OutputLayout {
   DType o_dtype = DType::kFP16;
   int64_t o_bytes = 0;
-  std::vector<int64_t> o_shape;    // Q's shape
+  std::vector<int64_t> o_shape;  // Q's shape
   int64_t lse_bytes = 0;
   // Set iff return_lse. FP32: dense [B, Hq, Sq], varlen or K/V [Hq, Tq].
   std::vector<int64_t> lse_shape;

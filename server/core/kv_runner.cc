@@ -26,7 +26,8 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   c->dtype = g.dtype;
   c->num_heads_kv = g.num_heads_kv;
   // An absent q (no queries) has no heads to read: any multiple of Hkv serves.
-  c->num_heads_q = call.q.shape.size() == 3 ? static_cast<int32_t>(call.q.shape[1]) : g.num_heads_kv;
+  c->num_heads_q =
+      call.q.shape.size() == 3 ? static_cast<int32_t>(call.q.shape[1]) : g.num_heads_kv;
   c->head_dim = g.head_dim;
   c->options = ToAttnOptions(call.options);
   c->inputs.q = call.q.bytes.data();
@@ -96,21 +97,21 @@ void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
   if (!status.ok()) return refuse(status);
 
   std::shared_ptr<KvAppendAttend> c = PoolCallOf(*call, **cache, names);
-  status = pool_->AppendAttend(*cache, c, [c, finish](const absl::Status& s,
-                                                      const WorkTimings& timings) {
-    KvResult result;
-    if (s.ok()) {
-      result.layout = KvLayoutOf(*c);
-      result.o = std::move(c->o);
-      result.lse = std::move(c->lse);
-      result.lengths = std::move(c->lengths);
-    }
-    // total_us runs to here, not to the executor's completion, so that the
-    // client can tell the server's whole share from the wire's.
-    WorkTimings answered = timings;
-    answered.total_us = absl::ToInt64Microseconds(absl::Now() - c->received);
-    finish(s, answered, s.ok() ? &result : nullptr);
-  });
+  status = pool_->AppendAttend(
+      *cache, c, [c, finish](const absl::Status& s, const WorkTimings& timings) {
+        KvResult result;
+        if (s.ok()) {
+          result.layout = KvLayoutOf(*c);
+          result.o = std::move(c->o);
+          result.lse = std::move(c->lse);
+          result.lengths = std::move(c->lengths);
+        }
+        // total_us runs to here, not to the executor's completion, so that the
+        // client can tell the server's whole share from the wire's.
+        WorkTimings answered = timings;
+        answered.total_us = absl::ToInt64Microseconds(absl::Now() - c->received);
+        finish(s, answered, s.ok() ? &result : nullptr);
+      });
   if (!status.ok()) finish(status, WorkTimings{}, nullptr);
 }
 

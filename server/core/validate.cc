@@ -42,7 +42,8 @@ std::string Field(const char* tensor, absl::string_view field) {
 
 absl::Status CheckKnownDType(const char* name, const TensorView& t, const FieldNames& n) {
   if (!IsKnownDType(t.dtype)) {
-    return Invalid(absl::StrCat(Field(name, n.dtype), ": expected FP16, BF16, FP32 or FP8_E4M3, got ",
+    return Invalid(absl::StrCat(Field(name, n.dtype),
+                                ": expected FP16, BF16, FP32 or FP8_E4M3, got ",
                                 n.dtype_name(t.dtype)));
   }
   return absl::OkStatus();
@@ -74,8 +75,8 @@ absl::Status CheckByteLength(const char* name, const TensorView& t, const FieldN
   const int64_t actual = static_cast<int64_t>(t.bytes.size());
   if (elements > kSaturated / elem_size) {
     return Invalid(absl::StrCat(name, ".data: expected more than 2^63 bytes (",
-                                n.dtype_name(t.dtype), " ", ShapeString(t.shape), "), got ",
-                                actual, " bytes"));
+                                n.dtype_name(t.dtype), " ", ShapeString(t.shape), "), got ", actual,
+                                " bytes"));
   }
   const int64_t expected = elements * elem_size;
   if (actual != expected) {
@@ -118,14 +119,12 @@ absl::Status CheckShapes(const AttentionCall& c, const FieldNames& n) {
   const bool dense = rank == 4;
   const char* kv_layout = dense ? "[B, Sk, Hkv, D]" : "[Tk, Hkv, D]";
   if (k.shape.size() != rank) {
-    return Invalid(absl::StrCat(n.k, ".shape: expected rank ", rank, " like ", n.q, " (",
-                                kv_layout, "), got rank ", k.shape.size(), " ",
-                                ShapeString(k.shape)));
+    return Invalid(absl::StrCat(n.k, ".shape: expected rank ", rank, " like ", n.q, " (", kv_layout,
+                                "), got rank ", k.shape.size(), " ", ShapeString(k.shape)));
   }
   if (v.shape.size() != rank) {
-    return Invalid(absl::StrCat(n.v, ".shape: expected rank ", rank, " like ", n.q, " (",
-                                kv_layout, "), got rank ", v.shape.size(), " ",
-                                ShapeString(v.shape)));
+    return Invalid(absl::StrCat(n.v, ".shape: expected rank ", rank, " like ", n.q, " (", kv_layout,
+                                "), got rank ", v.shape.size(), " ", ShapeString(v.shape)));
   }
   RETURN_IF_ERROR(CheckDims(n.q, q));
   RETURN_IF_ERROR(CheckDims(n.k, k));
@@ -147,17 +146,17 @@ absl::Status CheckShapes(const AttentionCall& c, const FieldNames& n) {
                                 ".shape[0]), got ", k.shape[0]));
   }
   if (q.shape[h_axis] < 1) {
-    return Invalid(absl::StrCat(n.q, ".shape[", h_axis, "]: expected Hq >= 1 heads, got ",
-                                q.shape[h_axis]));
+    return Invalid(
+        absl::StrCat(n.q, ".shape[", h_axis, "]: expected Hq >= 1 heads, got ", q.shape[h_axis]));
   }
   if (k.shape[h_axis] < 1) {
-    return Invalid(absl::StrCat(n.k, ".shape[", h_axis, "]: expected Hkv >= 1 heads, got ",
-                                k.shape[h_axis]));
+    return Invalid(
+        absl::StrCat(n.k, ".shape[", h_axis, "]: expected Hkv >= 1 heads, got ", k.shape[h_axis]));
   }
   if (q.shape[h_axis] % k.shape[h_axis] != 0) {
-    return Invalid(absl::StrCat(n.k, ".shape[", h_axis, "]: expected Hkv dividing Hq = ",
-                                q.shape[h_axis], " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ",
-                                k.shape[h_axis]));
+    return Invalid(absl::StrCat(n.k, ".shape[", h_axis,
+                                "]: expected Hkv dividing Hq = ", q.shape[h_axis],
+                                " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ", k.shape[h_axis]));
   }
   const int64_t d = q.shape[d_axis];
   if (d < kMinHeadDim || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
@@ -251,9 +250,9 @@ absl::Status CheckRows(const char* name, const TensorView& t, const KvGeometry& 
                                 n.dtype_name(static_cast<int>(g.dtype)), ", got ",
                                 n.dtype_name(t.dtype)));
   }
-  const bool heads_ok = t.shape.size() == 3 &&
-                        (heads > 0 ? t.shape[1] == heads
-                                   : t.shape[1] > 0 && t.shape[1] % heads_multiple == 0);
+  const bool heads_ok =
+      t.shape.size() == 3 &&
+      (heads > 0 ? t.shape[1] == heads : t.shape[1] > 0 && t.shape[1] % heads_multiple == 0);
   if (t.shape.size() != 3 || t.shape[0] != rows || !heads_ok || t.shape[2] != g.head_dim) {
     return Invalid(absl::StrCat(
         name, ".shape: expected [", rows, ", ",
@@ -293,14 +292,12 @@ absl::Status ValidateOptions(const StatedOptions& o, int64_t head_dim, int dtype
                                 *o.window_right));
   }
   if (o.softmax_scale.has_value() && !SoftmaxScaleInRange(*o.softmax_scale)) {
-    return Invalid(absl::StrCat(n.option("softmax_scale"), ": expected finite and in (0, ",
-                                kMaxSoftmaxScale,
-                                "] (larger overflows the scores; leave unset for 1/sqrt(D)), got ",
-                                *o.softmax_scale));
+    return Invalid(absl::StrCat(
+        n.option("softmax_scale"), ": expected finite and in (0, ", kMaxSoftmaxScale,
+        "] (larger overflows the scores; leave unset for 1/sqrt(D)), got ", *o.softmax_scale));
   }
-  const float scale = o.softmax_scale.has_value()
-                          ? *o.softmax_scale
-                          : DefaultSoftmaxScale(static_cast<int>(head_dim));
+  const float scale = o.softmax_scale.has_value() ? *o.softmax_scale
+                                                  : DefaultSoftmaxScale(static_cast<int>(head_dim));
   if (!SoftcapInRange(o.softcap, scale)) {
     return Invalid(absl::StrCat(n.option("softcap"), ": expected 0 (off) or in [softmax_scale / ",
                                 kMaxSoftcapFactor, ", ", kMaxSoftcap, "] = [", MinSoftcap(scale),
@@ -314,13 +311,11 @@ absl::Status ValidateOptions(const StatedOptions& o, int64_t head_dim, int dtype
 }
 
 absl::StatusOr<AttnParams> ValidateAttentionCall(const AttentionCall& c,
-                                                 const RequestLimits& limits,
-                                                 const FieldNames& n) {
+                                                 const RequestLimits& limits, const FieldNames& n) {
   if (c.request_bytes > limits.max_request_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("request: expected at most ",
-                                                     limits.max_request_bytes,
-                                                     " bytes (--max_request_bytes), got ",
-                                                     c.request_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: expected at most ", limits.max_request_bytes,
+                     " bytes (--max_request_bytes), got ", c.request_bytes));
   }
   RETURN_IF_ERROR(ValidateRequestId(c.meta.id, n));
   RETURN_IF_ERROR(CheckDType(n.q, c.q, c.q, n));
@@ -376,10 +371,9 @@ OutputLayout OutputLayoutOf(const AttnParams& p, absl::Span<const int64_t> q_sha
 absl::Status ValidateKvCall(const KvCall& c, const KvGeometry& g, const RequestLimits& limits,
                             const FieldNames& n) {
   if (c.request_bytes > limits.max_request_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("request: expected at most ",
-                                                     limits.max_request_bytes,
-                                                     " bytes (--max_request_bytes), got ",
-                                                     c.request_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: expected at most ", limits.max_request_bytes,
+                     " bytes (--max_request_bytes), got ", c.request_bytes));
   }
   RETURN_IF_ERROR(ValidateRequestId(c.meta.id, n));
   if (c.layer < 0 || c.layer >= g.num_layers) {
@@ -393,8 +387,8 @@ absl::Status ValidateKvCall(const KvCall& c, const KvGeometry& g, const RequestL
     const KvStepRequest& s = c.steps[i];
     const int index = static_cast<int>(i);
     if (!ids.insert(s.sequence_id).second) {
-      return Invalid(absl::StrCat(n.step(index, "sequence_id"), ": ", s.sequence_id,
-                                  " is listed twice"));
+      return Invalid(
+          absl::StrCat(n.step(index, "sequence_id"), ": ", s.sequence_id, " is listed twice"));
     }
     if (s.expected_length < 0 || s.num_new_tokens < 0 || s.num_queries < 0) {
       return Invalid(absl::StrCat(

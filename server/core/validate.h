@@ -43,8 +43,8 @@ absl::StatusOr<AttnParams> ValidateAttentionCall(const AttentionCall& call,
                                                  const FieldNames& names);
 
 // O's and LSE's sizes and shapes for a valid call's params.
-OutputLayout OutputLayoutOf(const AttnParams& params, absl::Span<const int64_t> q_shape,
-                            bool dense, bool return_lse);
+OutputLayout OutputLayoutOf(const AttnParams& params, absl::Span<const int64_t> q_shape, bool dense,
+                            bool return_lse);
 
 // A K/V call against its cache's geometry: ids, layer, steps, the q/k/v rows
 // the steps imply, and the options.

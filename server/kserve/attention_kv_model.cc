@@ -11,9 +11,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/cache_id_header.h"
 #include "common/dtype.h"
 #include "common/shape_string.h"
-#include "common/cache_id_header.h"
 #include "common/status_macros.h"
 #include "server/kserve/field_names.h"
 #include "server/kserve/model_reports.h"
@@ -60,7 +60,11 @@ struct AttentionKvModel::Call {
 
 AttentionKvModel::AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
                                    const ServerMetrics* metrics, AttentionKvModelInfo info)
-    : runner_(runner), pool_(runner->pool()), shm_(shm), metrics_(metrics), info_(std::move(info)) {}
+    : runner_(runner),
+      pool_(runner->pool()),
+      shm_(shm),
+      metrics_(metrics),
+      info_(std::move(info)) {}
 
 void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const {
   const char* type = DTypeName(info_.advertised).data();
@@ -206,8 +210,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
 
   append.cache_id = cache_id;
   append.layer = static_cast<int32_t>(layer.value_or(0));
-  append.steps.push_back({c->sequence_id, static_cast<int32_t>(expected_length.value_or(0)),
-                          *new_tokens, *queries});
+  append.steps.push_back(
+      {c->sequence_id, static_cast<int32_t>(expected_length.value_or(0)), *new_tokens, *queries});
   append.check_lengths = expected_length.has_value();
 
   RETURN_IF_ERROR(PlanOutputs(source, name_, &append.options.return_lse, &c->outputs));
@@ -218,9 +222,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   if (!dtype.ok() || q[1] < 0 || q[2] < 0) return absl::OkStatus();
   const uint64_t rows_heads = uint64_t(q[0]) * uint64_t(q[1]);
   for (const V2Output& out : c->outputs) {
-    absl::Status fits =
-        CheckOutputFits(out, out.name == "o" ? rows_heads * uint64_t(q[2]) * DTypeSize(*dtype)
-                                             : rows_heads * 4);
+    absl::Status fits = CheckOutputFits(
+        out, out.name == "o" ? rows_heads * uint64_t(q[2]) * DTypeSize(*dtype) : rows_heads * 4);
     if (!fits.ok()) return fits;
   }
   return absl::OkStatus();
@@ -283,13 +286,13 @@ void AttentionKvModel::Infer(InferCall call) {
     c->call.done(prepared);
     return;
   }
-  runner_->Start(&c->append, V2FieldNames(),
-                 [this, c](const absl::Status& status, const WorkTimings& timings,
-                           KvResult* result) {
-                   absl::Status completed = Complete(c.get(), status, timings, result);
-                   if (!completed.ok()) c->call.response->Clear();
-                   c->call.done(completed);
-                 });
+  runner_->Start(
+      &c->append, V2FieldNames(),
+      [this, c](const absl::Status& status, const WorkTimings& timings, KvResult* result) {
+        absl::Status completed = Complete(c.get(), status, timings, result);
+        if (!completed.ok()) c->call.response->Clear();
+        c->call.done(completed);
+      });
 }
 
 }  // namespace attnserve

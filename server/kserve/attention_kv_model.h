@@ -23,9 +23,9 @@
 #include <string>
 
 #include "backend/params.h"
+#include "server/core/kv_runner.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
-#include "server/core/kv_runner.h"
 #include "server/kv/kv_pool.h"
 #include "server/metrics.h"
 
@@ -42,8 +42,8 @@ struct AttentionKvModelInfo {
 class AttentionKvModel final : public KserveModel {
  public:
   // Everything passed must outlive the model.
-  AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
-                   const ServerMetrics* metrics, AttentionKvModelInfo info);
+  AttentionKvModel(KvRunner* runner, const ShmRegistry* shm, const ServerMetrics* metrics,
+                   AttentionKvModelInfo info);
 
   const std::string& name() const override { return name_; }
   bool ready() const override { return true; }

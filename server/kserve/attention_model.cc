@@ -14,12 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 #include "server/kserve/field_names.h"
 #include "server/kserve/model_reports.h"
 #include "server/kserve/v2_options.h"
 #include "server/kserve/v2_outputs.h"
 #include "server/kserve/v2_tensors.h"
-#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {

@@ -1,8 +1,8 @@
 // The KServe v2 model `attention` (and `attention_dense`, see below): one
 // ModelInferRequest becomes one core AttentionCall and runs through the
 // AttentionRunner, so it gets the same checks (named in v2 words), limits,
-// executor, batcher, backends and metrics as the native Forward. Inputs q, k, v (FP16, BF16 or FP32) and optionally
-// cu_seqlens_q, cu_seqlens_k (INT32, varlen); request parameters causal,
+// executor, batcher, backends and metrics as the native Forward. Inputs q, k, v (FP16, BF16 or
+// FP32) and optionally cu_seqlens_q, cu_seqlens_k (INT32, varlen); request parameters causal,
 // window_left, window_right, softcap, softmax_scale, return_lse; outputs o
 // and, when return_lse is set or lse is requested, lse. docs/kserve.md.
 #pragma once
@@ -25,7 +25,7 @@ struct AttentionModelInfo {
   // inputs.
   std::string name = "attention";
   bool varlen_inputs = true;
-  std::string backend;             // "cpu" or "cuda"
+  std::string backend;              // "cpu" or "cuda"
   DType advertised = DType::kFP16;  // the datatype metadata and config list for q, k, v and o
   bool batching = false;
   int64_t batch_max_delay_us = 0;

@@ -73,23 +73,22 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
     // whatever the request says (checked first, so the answer is the same
     // for every request on such a machine).
     return absl::FailedPreconditionError(
-        absl::StrCat("CUDA shared memory region '", name, "': no usable GPU (cudaGetDeviceCount: ",
-                     cudaGetErrorString(err), ")"));
+        absl::StrCat("CUDA shared memory region '", name,
+                     "': no usable GPU (cudaGetDeviceCount: ", cudaGetErrorString(err), ")"));
   }
   if (raw_handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA shared memory region '", name, "': raw_handle: expected ",
-                     sizeof(cudaIpcMemHandle_t), " bytes (a cudaIpcMemHandle_t), got ",
-                     raw_handle.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA shared memory region '", name, "': raw_handle: expected ", sizeof(cudaIpcMemHandle_t),
+        " bytes (a cudaIpcMemHandle_t), got ", raw_handle.size()));
   }
   if (byte_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("CUDA shared memory region '", name, "': byte_size: expected > 0, got 0"));
   }
   if (device_id < 0 || device_id >= count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA shared memory region '", name, "': device_id: expected 0..", count - 1,
-                     ", got ", device_id));
+    return absl::InvalidArgumentError(absl::StrCat("CUDA shared memory region '", name,
+                                                   "': device_id: expected 0..", count - 1,
+                                                   ", got ", device_id));
   }
   err = cudaSetDevice(static_cast<int>(device_id));
   if (err != cudaSuccess) return CudaError(name, "cudaSetDevice", err);
@@ -108,8 +107,8 @@ bool CudaShmAvailable() { return false; }
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string&, int64_t,
                                                              uint64_t) {
-  return absl::UnimplementedError(absl::StrCat(
-      "CUDA shared memory region '", name, "': this attnserve was built without CUDA"));
+  return absl::UnimplementedError(absl::StrCat("CUDA shared memory region '", name,
+                                               "': this attnserve was built without CUDA"));
 }
 
 #endif

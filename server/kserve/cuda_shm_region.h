@@ -20,7 +20,6 @@ bool CudaShmAvailable();
 // `byte_size` bytes of it become the region. `name` is for messages.
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string& raw_handle,
-                                                             int64_t device_id,
-                                                             uint64_t byte_size);
+                                                             int64_t device_id, uint64_t byte_size);
 
 }  // namespace attnserve

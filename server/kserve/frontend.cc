@@ -3,18 +3,17 @@
 
 #include <utility>
 
+#include "server/core/kv_runner.h"
 #include "server/kserve/attention_kv_model.h"
 #include "server/kserve/attention_model.h"
 #include "server/kserve/grpc_service.h"
 #include "server/kserve/http_service.h"
-#include "server/core/kv_runner.h"
 
 namespace attnserve {
 
-KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner,
-                               ServerMetrics* metrics, const KserveServerInfo& info,
-                               const KserveOptions& options, const StreamLimits& stream_limits,
-                               std::function<bool()> ready)
+KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner, ServerMetrics* metrics,
+                               const KserveServerInfo& info, const KserveOptions& options,
+                               const StreamLimits& stream_limits, std::function<bool()> ready)
     : options_(options),
       max_request_bytes_(info.max_request_bytes),
       context_(options.allow_client_shm) {

@@ -44,7 +44,7 @@ struct KserveServerInfo {
   DType advertised_dtype = DType::kFP16;
   bool batching = false;
   absl::Duration batch_max_delay;
-  int64_t max_request_bytes = 0;  // also the HTTP body limit
+  int64_t max_request_bytes = 0;   // also the HTTP body limit
   absl::Duration kv_idle_timeout;  // attention_kv's config (--kv_idle_timeout)
 };
 
@@ -54,10 +54,9 @@ class KserveFrontend {
   // front-end; `stream_limits` bound each ModelStreamInfer stream like every
   // other stream (stream_flow_control.h); `ready` says whether the server
   // serves.
-  KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner,
-                 ServerMetrics* metrics, const KserveServerInfo& info,
-                 const KserveOptions& options, const StreamLimits& stream_limits,
-                 std::function<bool()> ready);
+  KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner, ServerMetrics* metrics,
+                 const KserveServerInfo& info, const KserveOptions& options,
+                 const StreamLimits& stream_limits, std::function<bool()> ready);
   ~KserveFrontend();
 
   // Bearer-token authentication and tenant quotas for both transports (the
@@ -77,9 +76,7 @@ class KserveFrontend {
   // The bound HTTP port, 0 when off.
   int http_port() const { return http_port_.load(std::memory_order_acquire); }
   // Until every v2 call received so far has been answered; true when none is left.
-  bool WaitForResponses(absl::Duration timeout) {
-    return context_.in_flight.WaitForZero(timeout);
-  }
+  bool WaitForResponses(absl::Duration timeout) { return context_.in_flight.WaitForZero(timeout); }
   void StopHttp();
 
  private:

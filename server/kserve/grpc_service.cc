@@ -5,9 +5,9 @@
 #include <string>
 #include <utility>
 
+#include "common/cache_id_header.h"
 #include "common/grpc_status.h"
 #include "server/call_deadline.h"
-#include "common/cache_id_header.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 
@@ -54,8 +54,8 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     call.deadline = DeadlineOf(ctx);
     call.cancelled = cancelled_;
     call.done = [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); };
-    const absl::Status held = HoldInFlight(context->tenants, call.tenant,
-                                           static_cast<int64_t>(request->ByteSizeLong()), &call.done);
+    const absl::Status held = HoldInFlight(
+        context->tenants, call.tenant, static_cast<int64_t>(request->ByteSizeLong()), &call.done);
     if (!held.ok()) {
       call.done(held);
       return;
@@ -80,8 +80,8 @@ using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInfer
 // with error_message set (and its id), and the stream goes on.
 StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx), deadline = DeadlineOf(ctx),
-                cache_id = CacheIdHeaderOf(ctx)](
+  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx),
+                deadline = DeadlineOf(ctx), cache_id = CacheIdHeaderOf(ctx)](
                    StreamReactor::Call* call, StreamReactor::Done done) {
     absl::StatusOr<KserveModel*> model =
         context->models.Find(call->request.model_name(), call->request.model_version());
@@ -94,9 +94,8 @@ StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerCont
     infer.deadline = deadline;
     infer.cancelled = cancelled;
     infer.done = std::move(done);
-    const absl::Status held = HoldInFlight(context->tenants, tenant,
-                                           static_cast<int64_t>(call->request.ByteSizeLong()),
-                                           &infer.done);
+    const absl::Status held = HoldInFlight(
+        context->tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &infer.done);
     if (!held.ok()) return infer.done(held);
     (*model)->Infer(std::move(infer));
   };
@@ -152,9 +151,9 @@ grpc::ServerUnaryReactor* KserveGrpcService::ModelMetadata(
   return Answer(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* KserveGrpcService::ModelConfig(grpc::CallbackServerContext* ctx,
-                                                         const inference::ModelConfigRequest* request,
-                                                         inference::ModelConfigResponse* response) {
+grpc::ServerUnaryReactor* KserveGrpcService::ModelConfig(
+    grpc::CallbackServerContext* ctx, const inference::ModelConfigRequest* request,
+    inference::ModelConfigResponse* response) {
   absl::StatusOr<KserveModel*> model = context_->models.Find(request->name(), request->version());
   if (!model.ok()) return Answer(ctx, model.status());
   (*model)->FillConfig(response->mutable_config());
@@ -204,14 +203,16 @@ grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryStatus(
 grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* request,
     inference::SystemSharedMemoryRegisterResponse*) {
-  return Answer(ctx, context_->shm.RegisterSystem(TenantOf(context_->auth, ctx), request->name(), request->key(),
-                                                  request->offset(), request->byte_size()));
+  return Answer(
+      ctx, context_->shm.RegisterSystem(TenantOf(context_->auth, ctx), request->name(),
+                                        request->key(), request->offset(), request->byte_size()));
 }
 
 grpc::ServerUnaryReactor* KserveGrpcService::SystemSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* request,
     inference::SystemSharedMemoryUnregisterResponse*) {
-  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kSystem, request->name()));
+  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kSystem,
+                                              request->name()));
 }
 
 grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryStatus(
@@ -240,7 +241,8 @@ grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryRegister(
 grpc::ServerUnaryReactor* KserveGrpcService::CudaSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* request,
     inference::CudaSharedMemoryUnregisterResponse*) {
-  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kCuda, request->name()));
+  return Answer(ctx, context_->shm.Unregister(TenantOf(context_->auth, ctx), ShmKind::kCuda,
+                                              request->name()));
 }
 
 }  // namespace attnserve

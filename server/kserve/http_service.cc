@@ -13,8 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "common/dtype.h"
 #include "common/cache_id_header.h"
+#include "common/dtype.h"
 #include "server/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
@@ -69,7 +69,6 @@ void Reply(httplib::Response& res, const absl::Status& status, const Json& body 
 }
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
-
 
 // ---- JSON -> messages ----
 
@@ -170,8 +169,10 @@ absl::StatusOr<std::string> PackJsonData(const std::string& where, const std::st
     }
     return bytes;
   }
-  return Invalid(absl::StrCat(where, ".datatype: JSON data is read for FP16, BF16, FP32 and "
-                                     "INT32, got \"", datatype, "\""));
+  return Invalid(absl::StrCat(where,
+                              ".datatype: JSON data is read for FP16, BF16, FP32 and "
+                              "INT32, got \"",
+                              datatype, "\""));
 }
 
 // Which requested outputs want binary data, and which go to shared memory.
@@ -189,8 +190,8 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
   if (req.has_header(kHeaderLength)) {
     const std::string value = req.get_header_value(kHeaderLength);
     if (!absl::SimpleAtoi(value, &header_length) || header_length > req.body.size()) {
-      return Invalid(absl::StrCat(kHeaderLength, ": expected 0..", req.body.size(), ", got \"",
-                                  value, "\""));
+      return Invalid(
+          absl::StrCat(kHeaderLength, ": expected 0..", req.body.size(), ", got \"", value, "\""));
     }
   }
   const Json j = Json::parse(req.body.begin(), req.body.begin() + header_length, nullptr, false);
@@ -201,7 +202,8 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
     if (!id->is_string()) return Invalid("id: expected a string");
     out->set_id(id->get<std::string>());
   }
-  absl::Status s = ToParameters("parameters", j.value("parameters", Json()), out->mutable_parameters());
+  absl::Status s =
+      ToParameters("parameters", j.value("parameters", Json()), out->mutable_parameters());
   if (!s.ok()) return s;
   if (auto p = out->parameters().find("binary_data_output"); p != out->parameters().end()) {
     form->default_binary = p->second.bool_param();
@@ -222,12 +224,14 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
     tensor->set_name(*name);
     tensor->set_datatype(*datatype);
     auto shape = in.find("shape");
-    if (shape == in.end() || !shape->is_array()) return Invalid(absl::StrCat(where, ".shape: expected an array"));
+    if (shape == in.end() || !shape->is_array())
+      return Invalid(absl::StrCat(where, ".shape: expected an array"));
     for (const Json& d : *shape) {
       if (!d.is_number_integer()) return Invalid(absl::StrCat(where, ".shape: expected integers"));
       tensor->add_shape(d.get<int64_t>());
     }
-    s = ToParameters(where + ".parameters", in.value("parameters", Json()), tensor->mutable_parameters());
+    s = ToParameters(where + ".parameters", in.value("parameters", Json()),
+                     tensor->mutable_parameters());
     if (!s.ok()) return s;
     auto& params = *tensor->mutable_parameters();
     if (auto b = params.find("binary_data_size"); b != params.end()) {
@@ -246,7 +250,8 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
       if (!bytes.ok()) return bytes.status();
       *out->add_raw_input_contents() = *std::move(bytes);
     } else if (params.count("shared_memory_region") == 0) {
-      return Invalid(absl::StrCat(where, ": expected data, binary_data_size or a shared memory region"));
+      return Invalid(
+          absl::StrCat(where, ": expected data, binary_data_size or a shared memory region"));
     }
   }
   if (binary_offset != req.body.size()) {
@@ -323,9 +328,10 @@ void WriteInferResponse(inference::ModelInferResponse& r, const OutputForm& form
     const auto& o = r.outputs(i);
     Json out = {{"name", o.name()}, {"datatype", o.datatype()}, {"shape", Json::array()}};
     for (int64_t d : o.shape()) out["shape"].push_back(d);
-    std::string* raw = i < r.raw_output_contents_size() ? r.mutable_raw_output_contents(i) : nullptr;
-    const bool binary = form.binary.count(o.name()) > 0 ||
-                        (form.default_binary && form.json.count(o.name()) == 0);
+    std::string* raw =
+        i < r.raw_output_contents_size() ? r.mutable_raw_output_contents(i) : nullptr;
+    const bool binary =
+        form.binary.count(o.name()) > 0 || (form.default_binary && form.json.count(o.name()) == 0);
     if (form.shm.count(o.name()) > 0 || raw == nullptr) {
       // Written to shared memory: nothing to send.
     } else if (binary) {
@@ -463,18 +469,17 @@ class KserveHttpServerImpl final : public KserveHttpServer {
  private:
   // The model named in the path (`matches` 1 and 2: name and optional version).
   absl::StatusOr<KserveModel*> ModelOf(const httplib::Request& req) {
-    return context_->models.Find(req.matches[1], req.matches.size() > 2 ? req.matches[2].str() : "");
+    return context_->models.Find(req.matches[1],
+                                 req.matches.size() > 2 ? req.matches[2].str() : "");
   }
 
   // A POST whose body is not read. tritonclient sends these with an empty body
   // and no Content-Length, which httplib's ordinary handlers would wait on
   // until the read timeout; a content-reader handler that never reads does not.
   void PostWithoutBody(const std::string& pattern, httplib::Server::Handler handler) {
-    http_.Post(pattern, [handler = std::move(handler)](const httplib::Request& req,
-                                                       httplib::Response& res,
-                                                       const httplib::ContentReader&) {
-      handler(req, res);
-    });
+    http_.Post(pattern, [handler = std::move(handler)](
+                            const httplib::Request& req, httplib::Response& res,
+                            const httplib::ContentReader&) { handler(req, res); });
   }
 
   // With bearer tokens on, every call but the health probes needs one: a
@@ -504,9 +509,8 @@ class KserveHttpServerImpl final : public KserveHttpServer {
 
   void Routes() {
     const std::string model = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)";
-    http_.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
-      res.status = 200;
-    });
+    http_.Get("/v2/health/live",
+              [](const httplib::Request&, httplib::Response& res) { res.status = 200; });
     http_.Get("/v2/health/ready", [this](const httplib::Request&, httplib::Response& res) {
       res.status = context_->ready() ? 200 : 503;
     });
@@ -547,15 +551,16 @@ class KserveHttpServerImpl final : public KserveHttpServer {
       (*m)->FillConfig(&config);
       Reply(res, absl::OkStatus(), ConfigJson(config));
     });
-    PostWithoutBody("/v2/repository/index", [this](const httplib::Request&, httplib::Response& res) {
-      inference::RepositoryIndexResponse r;
-      context_->FillRepositoryIndex(&r);
-      Json models = Json::array();
-      for (const auto& m : r.models()) {
-        models.push_back({{"name", m.name()}, {"version", m.version()}, {"state", m.state()}});
-      }
-      Reply(res, absl::OkStatus(), models);
-    });
+    PostWithoutBody(
+        "/v2/repository/index", [this](const httplib::Request&, httplib::Response& res) {
+          inference::RepositoryIndexResponse r;
+          context_->FillRepositoryIndex(&r);
+          Json models = Json::array();
+          for (const auto& m : r.models()) {
+            models.push_back({{"name", m.name()}, {"version", m.version()}, {"state", m.state()}});
+          }
+          Reply(res, absl::OkStatus(), models);
+        });
     http_.Post(model + "/infer",
                [this](const httplib::Request& req, httplib::Response& res) { Infer(req, res); });
     SharedMemoryRoutes();
@@ -612,10 +617,13 @@ class KserveHttpServerImpl final : public KserveHttpServer {
         Json out = Json::array();
         for (const ShmRegionInfo& r : *regions) {
           if (kind == ShmKind::kSystem) {
-            out.push_back({{"name", r.name}, {"key", r.key}, {"offset", r.offset},
+            out.push_back({{"name", r.name},
+                           {"key", r.key},
+                           {"offset", r.offset},
                            {"byte_size", r.byte_size}});
           } else {
-            out.push_back({{"name", r.name}, {"device_id", r.device_id}, {"byte_size", r.byte_size}});
+            out.push_back(
+                {{"name", r.name}, {"device_id", r.device_id}, {"byte_size", r.byte_size}});
           }
         }
         Reply(res, absl::OkStatus(), out);
@@ -670,12 +678,15 @@ class KserveHttpServerImpl final : public KserveHttpServer {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(
-    const std::string& host, int port, int64_t max_request_bytes, KserveContext* context,
-    const TlsFiles& tls) {
+absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(const std::string& host,
+                                                                          int port,
+                                                                          int64_t max_request_bytes,
+                                                                          KserveContext* context,
+                                                                          const TlsFiles& tls) {
   absl::StatusOr<HttpServerWithTls> http = MakeHttpServer(tls);
   if (!http.ok()) return http.status();
-  auto server = std::make_unique<KserveHttpServerImpl>(context, max_request_bytes, *std::move(http));
+  auto server =
+      std::make_unique<KserveHttpServerImpl>(context, max_request_bytes, *std::move(http));
   absl::Status bound = server->Bind(host, port);
   if (!bound.ok()) return bound;
   return server;
@@ -687,9 +698,9 @@ absl::StatusOr<std::unique_ptr<KserveHttpServer>> KserveHttpServer::Start(const 
                                                                           int port, int64_t,
                                                                           KserveContext*,
                                                                           const TlsFiles&) {
-  return absl::UnimplementedError(absl::StrCat(
-      "KServe v2 HTTP: this build has no HTTP library (a static build), so ", host, ":", port,
-      " is not served"));
+  return absl::UnimplementedError(
+      absl::StrCat("KServe v2 HTTP: this build has no HTTP library (a static build), so ", host,
+                   ":", port, " is not served"));
 }
 
 #endif  // ATTNSERVE_HAVE_HTTPLIB

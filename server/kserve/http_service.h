@@ -22,8 +22,8 @@ namespace attnserve {
 class KserveHttpServer {
  public:
   // Binds host:port (0 picks a free one) and serves `context`, which must
-  // outlive the server; HTTPS when `tls` is set. Bodies over `max_request_bytes` (plus the same slack
-  // the gRPC limit has) are refused with 413. UNAVAILABLE when it cannot bind.
+  // outlive the server; HTTPS when `tls` is set. Bodies over `max_request_bytes` (plus the same
+  // slack the gRPC limit has) are refused with 413. UNAVAILABLE when it cannot bind.
   static absl::StatusOr<std::unique_ptr<KserveHttpServer>> Start(const std::string& host, int port,
                                                                  int64_t max_request_bytes,
                                                                  KserveContext* context,

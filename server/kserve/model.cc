@@ -16,7 +16,8 @@ absl::StatusOr<KserveModel*> ModelRegistry::Find(const std::string& name,
                                                  const std::string& version) const {
   auto it = models_.find(name);
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("request for unknown model: '", name, "' is not found"));
+    return absl::NotFoundError(
+        absl::StrCat("request for unknown model: '", name, "' is not found"));
   }
   if (!version.empty() && version != kModelVersion) {
     return absl::NotFoundError(absl::StrCat("request for unknown model: '", name, "' version ",

@@ -10,8 +10,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "common/status_macros.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/kserve/cuda_shm_region.h"
 
 namespace attnserve {
@@ -45,8 +45,8 @@ class SystemShmRegion final : public ShmRegion {
 };
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> MapSystemRegion(const std::string& name,
-                                                           const std::string& key,
-                                                           uint64_t offset, uint64_t byte_size) {
+                                                           const std::string& key, uint64_t offset,
+                                                           uint64_t byte_size) {
   if (byte_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region '", name, "': byte_size: expected > 0, got 0"));
@@ -124,8 +124,7 @@ absl::Status ShmRegistry::RegisterSystem(const std::string& tenant, const std::s
           absl::StrCat("shared memory region '", name, "' is already registered"));
     }
   }
-  absl::StatusOr<std::unique_ptr<ShmRegion>> region =
-      MapSystemRegion(name, key, offset, byte_size);
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region = MapSystemRegion(name, key, offset, byte_size);
   if (!region.ok()) return region.status();
   ShmRegionInfo info;
   info.name = name;
@@ -196,9 +195,9 @@ absl::StatusOr<std::shared_ptr<ShmRegion>> ShmRegistry::Acquire(const std::strin
   if (it == regions_.end()) return UnknownRegion(name);
   const uint64_t region_size = it->second.region->byte_size();
   if (offset > region_size || size > region_size - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory region '", name, "': offset ", offset, " + byte_size ", size,
-        " exceeds the region's ", region_size, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory region '", name, "': offset ", offset, " + byte_size ", size,
+                     " exceeds the region's ", region_size, " bytes"));
   }
   return it->second.region;
 }

@@ -26,9 +26,9 @@ enum class ShmKind { kSystem, kCuda };
 // What the status calls list for one region.
 struct ShmRegionInfo {
   std::string name;
-  std::string key;         // system: the shm_open name
-  uint64_t offset = 0;     // system: where the region starts in the object
-  int64_t device_id = 0;   // CUDA: the device the handle was opened on
+  std::string key;        // system: the shm_open name
+  uint64_t offset = 0;    // system: where the region starts in the object
+  int64_t device_id = 0;  // CUDA: the device the handle was opened on
   uint64_t byte_size = 0;
 };
 

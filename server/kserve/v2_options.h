@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/core/call.h"
 #include "inference/grpc_service.pb.h"
+#include "server/core/call.h"
 
 namespace attnserve {
 

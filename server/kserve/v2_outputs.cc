@@ -90,16 +90,16 @@ OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTen
         *lse_at = reinterpret_cast<float*>(lse->bytes.data());
       }
     } catch (const std::bad_alloc&) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "outputs: cannot allocate ", layout.o_bytes + layout.lse_bytes,
-          " bytes of host memory for o", layout.lse_bytes > 0 ? " and lse" : ""));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("outputs: cannot allocate ", layout.o_bytes + layout.lse_bytes,
+                       " bytes of host memory for o", layout.lse_bytes > 0 ? " and lse" : ""));
     }
     return absl::OkStatus();
   };
 }
 
-absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o,
-                            ProducedTensor* lse, inference::ModelInferResponse* response) {
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse,
+                            inference::ModelInferResponse* response) {
   auto tensor_of = [&](const std::string& name) { return name == "o" ? o : lse; };
   for (const V2Output& out : *outputs) {
     absl::Status fits = CheckOutputFits(out, tensor_of(out.name)->bytes.size());

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "inference/grpc_service.pb.h"
 #include "server/core/call.h"
 #include "server/executor.h"
-#include "inference/grpc_service.pb.h"
 #include "server/kserve/v2_tensors.h"
 
 namespace attnserve {
@@ -66,8 +66,8 @@ OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTen
 // into their regions (outputs already written in place only get their
 // metadata). Every region must fit before any is written, so a failed
 // delivery writes nothing.
-absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o,
-                            ProducedTensor* lse, inference::ModelInferResponse* response);
+absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse,
+                            inference::ModelInferResponse* response);
 
 // Where the call's time went and what ran it, as response parameters
 // (queue_us, compute_us, total_us, batch_size, device, backend).

@@ -50,8 +50,7 @@ absl::StatusOr<DType> ParseFloatDatatype(const std::string& where, const std::st
       "\" (FP8_E4M3 is not a KServe v2 datatype: send FP8 inputs to attnserve.v1.Attention)"));
 }
 
-absl::StatusOr<int64_t> IntParameter(const std::string& where,
-                                     const inference::InferParameter& p) {
+absl::StatusOr<int64_t> IntParameter(const std::string& where, const inference::InferParameter& p) {
   switch (p.parameter_choice_case()) {
     case inference::InferParameter::kInt64Param: return p.int64_param();
     case inference::InferParameter::kUint64Param:
@@ -127,8 +126,9 @@ absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where,
   if (region == params.end()) {
     if (params.count("shared_memory_byte_size") > 0 || params.count("shared_memory_offset") > 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": shared_memory_byte_size or shared_memory_offset without "
-                              "shared_memory_region"));
+          absl::StrCat(where,
+                       ": shared_memory_byte_size or shared_memory_offset without "
+                       "shared_memory_region"));
     }
     return std::nullopt;
   }
@@ -139,16 +139,16 @@ absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where,
   ref.region = region->second.string_param();
   auto size = params.find("shared_memory_byte_size");
   if (size == params.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": shared_memory_region '", ref.region,
-                     "' needs shared_memory_byte_size"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shared_memory_region '", ref.region,
+                                                   "' needs shared_memory_byte_size"));
   }
   absl::StatusOr<int64_t> bytes =
       IntParameter(absl::StrCat(where, ".shared_memory_byte_size"), size->second);
   if (!bytes.ok()) return bytes.status();
   int64_t offset = 0;
   if (auto it = params.find("shared_memory_offset"); it != params.end()) {
-    absl::StatusOr<int64_t> o = IntParameter(absl::StrCat(where, ".shared_memory_offset"), it->second);
+    absl::StatusOr<int64_t> o =
+        IntParameter(absl::StrCat(where, ".shared_memory_offset"), it->second);
     if (!o.ok()) return o.status();
     offset = *o;
   }
@@ -166,10 +166,10 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request) {
   int expected = 0;
   for (const auto& input : request.inputs()) expected += UsesRaw(input) ? 1 : 0;
   if (request.raw_input_contents_size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "raw_input_contents: expected ", expected,
-        " entries (one per input not given in contents or shared memory), got ",
-        request.raw_input_contents_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("raw_input_contents: expected ", expected,
+                     " entries (one per input not given in contents or shared memory), got ",
+                     request.raw_input_contents_size()));
   }
   return absl::OkStatus();
 }
@@ -183,9 +183,9 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
     size_t which = 0;
     while (which < names.size() && name != names[which]) ++which;
     if (which == names.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("inputs['", name, "']: model '", model,
-                                                     "' has no such input (inputs: ",
-                                                     absl::StrJoin(names, ", "), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs['", name, "']: model '", model,
+                       "' has no such input (inputs: ", absl::StrJoin(names, ", "), ")"));
     }
     if (index_of[which] != -1) {
       return absl::InvalidArgumentError(absl::StrCat("inputs['", name, "']: given twice"));
@@ -208,7 +208,7 @@ absl::StatusOr<TensorView> TakeFloatTensor(const InputSource& source, int index,
   view.dtype = static_cast<int>(*dtype);
   view.shape = absl::MakeConstSpan(input.shape().data(), static_cast<size_t>(input.shape_size()));
   view.bytes = in_place != nullptr && in_place->data != nullptr ? in_place->view()
-                                                                 : absl::string_view(*storage);
+                                                                : absl::string_view(*storage);
   return view;
 }
 
@@ -252,9 +252,9 @@ absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
   if (input.has_contents()) {
     if (input.datatype() == "FP32") return PackLittleEndian(input.contents().fp32_contents());
     if (input.datatype() == "INT32") return PackLittleEndian(input.contents().int_contents());
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": typed contents are read for FP32 and INT32 only; send ", input.datatype(),
-        " in raw_input_contents"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": typed contents are read for FP32 and INT32 only; send ",
+                     input.datatype(), " in raw_input_contents"));
   }
   int slot = 0;
   for (int i = 0; i < index; ++i) slot += UsesRaw(request.inputs(i)) ? 1 : 0;

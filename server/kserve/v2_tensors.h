@@ -36,7 +36,8 @@ struct ShmRef {
 };
 // The reference in `params`, if any; INVALID_ARGUMENT naming `where` when the
 // parameters are incomplete or of the wrong type.
-absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where, const V2Parameters& params);
+absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where,
+                                               const V2Parameters& params);
 
 // Tensor bytes in a shared-memory region that the server uses where they lie
 // (inputs read, outputs written, in place: no request-sized copy), and the

@@ -64,14 +64,16 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
   for (size_t i = 0; i < specs.size(); ++i) {
     const KvSequenceSpec& s = specs[i];
     if (sequences_.count(s.sequence_id) > 0 || !new_ids.insert(s.sequence_id).second) {
-      return absl::AlreadyExistsError(absl::StrCat(names.step(static_cast<int>(i), "sequence_id"), " ",
-                                                   s.sequence_id, " already exists in the cache"));
+      return absl::AlreadyExistsError(absl::StrCat(names.step(static_cast<int>(i), "sequence_id"),
+                                                   " ", s.sequence_id,
+                                                   " already exists in the cache"));
     }
     if (!s.fork_from.has_value()) continue;
     auto src = sequences_.find(*s.fork_from);
     if (src == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat(names.step(static_cast<int>(i), "fork_from"), ": sequence ",
-                                              *s.fork_from, " not found in this cache"));
+      return absl::NotFoundError(absl::StrCat(names.step(static_cast<int>(i), "fork_from"),
+                                              ": sequence ", *s.fork_from,
+                                              " not found in this cache"));
     }
     const std::vector<int32_t>& lens = src->second.lengths;
     const int32_t shortest = *std::min_element(lens.begin(), lens.end());
@@ -80,10 +82,11 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
                                   : shortest != longest) {
       return absl::InvalidArgumentError(absl::StrCat(
           names.step(static_cast<int>(i), "fork_length"), ": expected ",
-          s.fork_length.has_value() ? "a value in [0, " : "to be set (the source's lengths differ "
-                                                          "by layer: [",
-          shortest, s.fork_length.has_value() ? "]" : absl::StrCat(", ", longest, "])"),
-          ", got ", s.fork_length.has_value() ? absl::StrCat(*s.fork_length) : "unset"));
+          s.fork_length.has_value() ? "a value in [0, "
+                                    : "to be set (the source's lengths differ "
+                                      "by layer: [",
+          shortest, s.fork_length.has_value() ? "]" : absl::StrCat(", ", longest, "])"), ", got ",
+          s.fork_length.has_value() ? absl::StrCat(*s.fork_length) : "unset"));
     }
   }
   const absl::Time now = absl::Now();
@@ -118,16 +121,15 @@ void KvCache::TruncateLayer(Sequence& s, int layer, int32_t length) {
   s.lengths[layer] = length;
 }
 
-absl::Status KvCache::Truncate(uint64_t sequence_id, std::optional<int32_t> layer,
-                               int32_t length) {
+absl::Status KvCache::Truncate(uint64_t sequence_id, std::optional<int32_t> layer, int32_t length) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   auto found = Find(sequence_id);
   if (!found.ok()) return found.status();
   Sequence& s = **found;
   if (layer.has_value() && (*layer < 0 || *layer >= geometry_.num_layers)) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: expected [0, ", geometry_.num_layers,
-                                                   "), got ", *layer));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: expected [0, ", geometry_.num_layers, "), got ", *layer));
   }
   if (s.active_calls > 0) {
     return absl::FailedPreconditionError(
@@ -138,9 +140,8 @@ absl::Status KvCache::Truncate(uint64_t sequence_id, std::optional<int32_t> laye
   const int last = layer.has_value() ? *layer + 1 : geometry_.num_layers;
   for (int l = first; l < last; ++l) {
     if (length < 0 || length > s.lengths[l]) {
-      return absl::InvalidArgumentError(absl::StrCat("length: expected [0, ", s.lengths[l],
-                                                     "] (the length at layer ", l, "), got ",
-                                                     length));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "length: expected [0, ", s.lengths[l], "] (the length at layer ", l, "), got ", length));
     }
   }
   for (int l = first; l < last; ++l) TruncateLayer(s, l, length);
@@ -286,8 +287,8 @@ std::vector<std::shared_ptr<KvCache::Ticket>> KvCache::Release(const Ticket& tic
   return ready;
 }
 
-absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
-                              KvReservation* r, const FieldNames& names) {
+absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r,
+                              const FieldNames& names) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   last_used_ = now;
@@ -302,8 +303,8 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps,
     const int32_t len = s.lengths[layer];
     if (st.expected_length != kAnyLength && st.expected_length != len) {
       return absl::FailedPreconditionError(absl::StrCat(
-          names.step(static_cast<int>(i), "expected_length"), ": sequence ", st.sequence_id, " has ", len,
-          " tokens at layer ", layer, ", the call expected ", st.expected_length,
+          names.step(static_cast<int>(i), "expected_length"), ": sequence ", st.sequence_id,
+          " has ", len, " tokens at layer ", layer, ", the call expected ", st.expected_length,
           " (a retry of a call that already applied, or a call out of order); nothing was "
           "appended"));
     }

@@ -31,8 +31,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/core/field_names.h"
 #include "backend/backend.h"
+#include "server/core/field_names.h"
 #include "server/kv/page_allocator.h"
 
 namespace attnserve {

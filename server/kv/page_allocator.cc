@@ -17,11 +17,11 @@ bool DeviceBudget::TryTake(int64_t bytes) {
 }
 
 PageAllocator::PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget,
-                             int page_size,
-                             int64_t page_bytes, int64_t capacity_pages)
+                             int page_size, int64_t page_bytes, int64_t capacity_pages)
     : backend_(backend),
       budget_(std::move(budget)),
-      page_bytes_(page_bytes), capacity_pages_(capacity_pages) {
+      page_bytes_(page_bytes),
+      capacity_pages_(capacity_pages) {
   kv_.page_size = page_size;
   while ((1 << kv_.page_shift) < page_size) ++kv_.page_shift;
   // Worked example: 100,000 pages over 32 slabs is 3,125 per slab, rounded up
@@ -80,7 +80,8 @@ absl::Status PageAllocator::Allocate(int64_t n, std::vector<int32_t>* pages) {
   if (n > pages_free()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("K/V cache full: the call needs ", n, " pages, ", pages_free(),
-                     " are free (capacity ", capacity_pages_, " pages); free or truncate "
+                     " are free (capacity ", capacity_pages_,
+                     " pages); free or truncate "
                      "sequences, or create the cache with a larger capacity"));
   }
   while (static_cast<int64_t>(free_.size()) < n) {

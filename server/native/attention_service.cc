@@ -117,8 +117,8 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
     const absl::Time received = absl::Now();
     // Echo holds nothing past this constructor: the quota is checked, not held.
     std::function<void()> nothing = [] {};
-    absl::Status status = HoldInFlight(tenants, tenant,
-                                       static_cast<int64_t>(request->ByteSizeLong()), &nothing);
+    absl::Status status =
+        HoldInFlight(tenants, tenant, static_cast<int64_t>(request->ByteSizeLong()), &nothing);
     if (status.ok()) status = FillEcho(*request, limits, response);
     // At most kMaxRequestIdBytes back, as Forward does.
     response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
@@ -199,8 +199,8 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* co
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
   return new EchoReactor(runner_->limits(), backend_.name, &in_flight_, info_.tenants,
-                         info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(), request,
-                         response);
+                         info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(),
+                         request, response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -71,10 +71,9 @@ AttentionCall ForwardCallOf(const v1::ForwardRequest& request, v1::ForwardRespon
     } catch (const std::bad_alloc&) {
       response->clear_o();
       response->clear_lse();
-      return absl::ResourceExhaustedError(
-          absl::StrCat("o: cannot allocate ", layout.o_bytes,
-                       " bytes of host memory for the output",
-                       layout.lse_shape.empty() ? "" : " and lse"));
+      return absl::ResourceExhaustedError(absl::StrCat("o: cannot allocate ", layout.o_bytes,
+                                                       " bytes of host memory for the output",
+                                                       layout.lse_shape.empty() ? "" : " and lse"));
     }
     return absl::OkStatus();
   };

@@ -41,7 +41,8 @@ KvCall KvCallOf(const v1::AppendAttendRequest& r, CallMeta meta) {
   call.cache_id = r.cache_id();
   call.layer = r.layer();
   for (const v1::SequenceStep& s : r.sequences()) {
-    call.steps.push_back({s.sequence_id(), s.expected_length(), s.num_new_tokens(), s.num_queries()});
+    call.steps.push_back(
+        {s.sequence_id(), s.expected_length(), s.num_new_tokens(), s.num_queries()});
   }
   call.q = ViewOf(r.q());
   call.k = ViewOf(r.k());

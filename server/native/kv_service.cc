@@ -12,7 +12,6 @@
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
 #include "server/native/kv_messages.h"
-#include "server/native/forward_call.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -174,9 +173,8 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(runner_->backend_name());
   runner_->Start(&state->call, NativeFieldNames(),
-                 [state, response, done = std::move(done)](const absl::Status& status,
-                                                           const WorkTimings& timings,
-                                                           KvResult* result) {
+                 [state, response, done = std::move(done)](
+                     const absl::Status& status, const WorkTimings& timings, KvResult* result) {
                    if (status.ok()) FillAppendAttendResponse(result, response);
                    FillServerTiming(timings, response->mutable_timing());
                    done(status);
@@ -189,9 +187,9 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  StartAppendAttend(MetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()),
-                    request, response,
-                    [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
+  StartAppendAttend(
+      MetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
+      response, [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
 
@@ -220,8 +218,8 @@ std::string KvService::RenderMetrics(const KvPoolStats& s) {
     const std::string label = absl::StrCat("device=\"", d.index, "\"");
     used.emplace_back(label, absl::StrCat(d.pages_used));
     free.emplace_back(label, absl::StrCat(d.pages_capacity - d.pages_used));
-    util.emplace_back(label, absl::StrCat(d.bytes_limit > 0 ? double(d.bytes_used) / d.bytes_limit
-                                                            : 0.0));
+    util.emplace_back(label,
+                      absl::StrCat(d.bytes_limit > 0 ? double(d.bytes_used) / d.bytes_limit : 0.0));
     bytes.emplace_back(label, absl::StrCat(d.bytes_used));
     limit.emplace_back(label, absl::StrCat(d.bytes_limit));
   }
@@ -236,11 +234,13 @@ std::string KvService::RenderMetrics(const KvPoolStats& s) {
                "K/V slab bytes allocated on the device", bytes);
   AppendFamily(&out, "attnserve_kv_bytes_limit", "gauge", "K/V byte budget (--kv_cache_bytes)",
                limit);
-  AppendFamily(&out, "attnserve_kv_caches", "gauge", "Live K/V caches", {{"", absl::StrCat(s.caches)}});
+  AppendFamily(&out, "attnserve_kv_caches", "gauge", "Live K/V caches",
+               {{"", absl::StrCat(s.caches)}});
   AppendFamily(&out, "attnserve_kv_sequences", "gauge", "Live K/V sequences",
                {{"", absl::StrCat(s.sequences)}});
   AppendFamily(&out, "attnserve_kv_expired_sequences_total", "counter",
-               "Sequences removed after --kv_idle_timeout", {{"", absl::StrCat(s.expired_sequences)}});
+               "Sequences removed after --kv_idle_timeout",
+               {{"", absl::StrCat(s.expired_sequences)}});
   AppendFamily(&out, "attnserve_kv_expired_caches_total", "counter",
                "Caches removed after --kv_idle_timeout", {{"", absl::StrCat(s.expired_caches)}});
   return out;

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "attnserve/v1/kv.grpc.pb.h"
-#include "server/auth/authenticator.h"
 #include "common/cache_id_header.h"
+#include "server/auth/authenticator.h"
 #include "server/core/kv_runner.h"
 #include "server/in_flight.h"
 #include "server/metrics.h"

@@ -43,8 +43,8 @@ void ProcessAuthMetadata(void* state, grpc_auth_context* /*connection*/, const g
     done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
     return;
   }
-  absl::StatusOr<std::string> tenant =
-      auth->Authenticate(authorization == nullptr ? absl::string_view() : View(authorization->value));
+  absl::StatusOr<std::string> tenant = auth->Authenticate(
+      authorization == nullptr ? absl::string_view() : View(authorization->value));
   if (!tenant.ok()) {
     const std::string message(tenant.status().message());
     done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_UNAUTHENTICATED, message.c_str());
@@ -79,8 +79,8 @@ class CoreServerCredentials final : public grpc::ServerCredentials {
 
 grpc_server_credentials* MakeTlsCredentials(const TlsFiles& tls) {
   // The provider's interval is whole seconds, at least one.
-  const auto interval = static_cast<unsigned int>(
-      std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(tls.reload_interval, absl::Seconds(1)))));
+  const auto interval = static_cast<unsigned int>(std::max<int64_t>(
+      1, absl::ToInt64Seconds(absl::Ceil(tls.reload_interval, absl::Seconds(1)))));
   grpc_tls_certificate_provider* provider = grpc_tls_certificate_provider_file_watcher_create(
       tls.key_file.c_str(), tls.cert_file.c_str(),
       tls.mutual() ? tls.client_ca_file.c_str() : nullptr, interval);

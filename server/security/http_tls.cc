@@ -35,7 +35,7 @@ struct TlsMaterial {
     X509_STORE_free(client_ca);
   }
   X509* leaf = nullptr;
-  STACK_OF(X509)* chain = nullptr;  // intermediates after the leaf
+  STACK_OF(X509) * chain = nullptr;  // intermediates after the leaf
   EVP_PKEY* key = nullptr;
   X509_STORE* client_ca = nullptr;  // null without mutual TLS
 };
@@ -48,7 +48,8 @@ absl::StatusOr<std::shared_ptr<const TlsMaterial>> LoadMaterial(const TlsFiles& 
   RETURN_IF_ERROR(CheckTlsFiles(files));  // names the flag on any problem
   auto m = std::make_shared<TlsMaterial>();
   auto cert = OpenFile(files.cert_file);
-  if (cert == nullptr) return absl::InvalidArgumentError("tls_cert: cannot open " + files.cert_file);
+  if (cert == nullptr)
+    return absl::InvalidArgumentError("tls_cert: cannot open " + files.cert_file);
   m->leaf = PEM_read_bio_X509(cert.get(), nullptr, nullptr, nullptr);
   m->chain = sk_X509_new_null();
   while (X509* extra = PEM_read_bio_X509(cert.get(), nullptr, nullptr, nullptr)) {

@@ -35,8 +35,8 @@ absl::Status CheckTlsFiles(const TlsFiles& tls) {
     return absl::InvalidArgumentError("tls_key: expected the private key of --tls_cert, got none");
   }
   if (tls.reload_interval <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tls_reload_interval: expected > 0, got ", absl::FormatDuration(tls.reload_interval)));
+    return absl::InvalidArgumentError(absl::StrCat("tls_reload_interval: expected > 0, got ",
+                                                   absl::FormatDuration(tls.reload_interval)));
   }
   std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_server_method()),
                                                         &SSL_CTX_free);

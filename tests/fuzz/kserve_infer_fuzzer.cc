@@ -38,8 +38,8 @@
 #include "backend/backend_factory.h"
 #include "common/dtype.h"
 #include "inference/grpc_service.pb.h"
-#include "server/executor_pool.h"
 #include "server/core/attention_runner.h"
+#include "server/executor_pool.h"
 #include "server/kserve/attention_model.h"
 #include "server/kserve/shm_registry.h"
 #include "server/kserve/v2_tensors.h"
@@ -143,10 +143,10 @@ void RegistryProgram(Harness* h, FuzzedDataProvider* in, std::vector<std::string
     auto it = h->regions.find(name);
     const absl::StatusOr<std::shared_ptr<ShmRegion>> got =
         h->shm.Acquire(kTenant, name, offset, size);
-    const bool fits = it != h->regions.end() && offset <= it->second.size &&
-                      size <= it->second.size - offset;
-    Expect(got.ok() == fits, absl::StrCat("Acquire(", name, ", ", offset, ", ", size, "): ",
-                                          got.status().ToString()));
+    const bool fits =
+        it != h->regions.end() && offset <= it->second.size && size <= it->second.size - offset;
+    Expect(got.ok() == fits, absl::StrCat("Acquire(", name, ", ", offset, ", ", size,
+                                          "): ", got.status().ToString()));
     // Another tenant: exactly a never-registered name's answer.
     const absl::Status theirs = h->shm.Acquire(kIntruder, name, offset, size).status();
     const absl::Status unknown = h->shm.Acquire(kTenant, "never", offset, size).status();
@@ -182,7 +182,8 @@ void CheckOnlySpansChanged(const ShmObject& object, const std::string& before,
   for (size_t i = 0; i < object.size; ++i) {
     if (object.data[i] == before[i]) continue;
     bool allowed = false;
-    for (const Span& s : spans) allowed = allowed || (s.object == &object && i >= s.begin && i < s.end);
+    for (const Span& s : spans)
+      allowed = allowed || (s.object == &object && i >= s.begin && i < s.end);
     Expect(allowed, absl::StrCat("shared memory ", object.key, " byte ", i,
                                  " changed outside every span the outputs named"));
   }
@@ -229,7 +230,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              "outputs and raw_output_contents differ in count");
       for (int i = 0; i < response.outputs_size(); ++i) {
         const auto& o = response.outputs(i);
-        const DType t = o.datatype() == "FP32" ? DType::kFP32
+        const DType t = o.datatype() == "FP32"   ? DType::kFP32
                         : o.datatype() == "BF16" ? DType::kBF16
                                                  : DType::kFP16;
         const size_t want = size_t(Elements(o.shape()) * DTypeSize(t));

@@ -1,8 +1,8 @@
 // libFuzzer target: K/V-sequence operation sequences (create cache, create and
 // fork sequences, append-and-attend, truncate, free, drop) in the order the
-// input picks, through the server's own decoding (server/native/kv_messages.h, server/core/kv_runner.h) and the
-// pool (server/kv/kv_pool.h) on a real executor and the CPU backend, checked
-// after every operation against a model of what the pool should hold:
+// input picks, through the server's own decoding (server/native/kv_messages.h,
+// server/core/kv_runner.h) and the pool (server/kv/kv_pool.h) on a real executor and the CPU
+// backend, checked after every operation against a model of what the pool should hold:
 //   - each call succeeds exactly when the model says it may (a refusal must
 //     have a reason the model sees: an unknown id, a wrong expected length, a
 //     full cache, a malformed request), and a refused call changes nothing;
@@ -36,9 +36,9 @@
 #include "backend/paged_kv.h"
 #include "client/verify.h"
 #include "common/dtype.h"
+#include "server/core/kv_runner.h"
 #include "server/executor.h"
 #include "server/kv/kv_pool.h"
-#include "server/core/kv_runner.h"
 #include "server/native/field_names.h"
 #include "server/native/kv_messages.h"
 #include "spdlog/spdlog.h"
@@ -206,9 +206,9 @@ class Program {
       }
     }
     const absl::Status status = cache_->CreateSequences(DecodeSequences(r));
-    Expect(status.ok() == valid, absl::StrCat("CreateSequences: the model expected ",
-                                              valid ? "OK" : "a refusal", ", got ",
-                                              status.ToString()));
+    Expect(status.ok() == valid,
+           absl::StrCat("CreateSequences: the model expected ", valid ? "OK" : "a refusal",
+                        ", got ", status.ToString()));
     if (!status.ok()) return;
     for (const v1::SequenceSpec& s : r.sequences()) {
       ModelSeq seq;
@@ -230,7 +230,7 @@ class Program {
   // malformed (0: none).
   struct Built {
     v1::AppendAttendRequest request;
-    bool valid = true;       // what the model expects, corruption aside
+    bool valid = true;         // what the model expects, corruption aside
     int64_t pages_needed = 0;  // upper bound (a copy-on-write counted)
   };
   Built Build(int layer, const std::map<uint64_t, int32_t>& lengths_before) {
@@ -246,9 +246,8 @@ class Program {
       s->set_sequence_id(PickId());
       auto known = lengths_before.find(s->sequence_id());
       const int32_t len = known == lengths_before.end() ? 0 : known->second;
-      s->set_expected_length(in_->ConsumeProbability<float>() < 0.9f
-                                 ? len
-                                 : in_->ConsumeIntegralInRange(0, len + 2));
+      s->set_expected_length(
+          in_->ConsumeProbability<float>() < 0.9f ? len : in_->ConsumeIntegralInRange(0, len + 2));
       s->set_num_new_tokens(in_->ConsumeIntegralInRange(0, 40));
       s->set_num_queries(in_->ConsumeIntegralInRange(0, 4));
       b.valid = b.valid && known != lengths_before.end() && ids.insert(s->sequence_id()).second &&
@@ -259,8 +258,8 @@ class Program {
       tq += s->num_queries();
       tk += s->num_new_tokens();
     }
-    b.valid = b.valid && layer >= 0 && layer < geometry_.num_layers &&
-              tq + tk <= kLimits.max_tokens;
+    b.valid =
+        b.valid && layer >= 0 && layer < geometry_.num_layers && tq + tk <= kLimits.max_tokens;
     const int hq = Hkv() * heads_q_mult_;
     auto fill = [&](v1::Tensor* t, int64_t rows, int heads) {
       t->set_dtype(static_cast<v1::DType>(geometry_.dtype));
@@ -275,7 +274,9 @@ class Program {
     r.mutable_options()->set_causal(in_->ConsumeBool());
     r.mutable_options()->set_return_lse(in_->ConsumeBool());
     switch (in_->ConsumeIntegralInRange(0, 12)) {  // mostly well-formed
-      case 1: r.mutable_k()->set_dtype(geometry_.dtype == DType::kFP32 ? v1::FP16 : v1::FP32); break;
+      case 1:
+        r.mutable_k()->set_dtype(geometry_.dtype == DType::kFP32 ? v1::FP16 : v1::FP32);
+        break;
       case 2: r.mutable_q()->set_shape(0, tq + 1); break;
       case 3: r.mutable_v()->mutable_data()->push_back('x'); break;
       case 4: r.mutable_sequences(0)->set_num_queries(-1); break;
@@ -284,9 +285,9 @@ class Program {
       case 7: r.set_cache_id("no-such-cache"); break;
       default: break;
     }
-    if (r.q().shape(0) != tq || r.k().dtype() != r.q().dtype() || r.v().data().size() != r.k().data().size() ||
-        r.sequences(0).num_queries() < 0 || r.q().shape(2) != D() ||
-        r.options().window_left() == -5 || r.cache_id() != cache_->id()) {
+    if (r.q().shape(0) != tq || r.k().dtype() != r.q().dtype() ||
+        r.v().data().size() != r.k().data().size() || r.sequences(0).num_queries() < 0 ||
+        r.q().shape(2) != D() || r.options().window_left() == -5 || r.cache_id() != cache_->id()) {
       b.valid = false;
     }
     return b;
@@ -299,13 +300,13 @@ class Program {
     CallMeta meta;
     meta.tenant = kTenant;
     auto call = std::make_shared<KvCall>(KvCallOf(request, std::move(meta)));
-    h_->runner.Start(call.get(), NativeFieldNames(),
-                     [call, out, done, result](const absl::Status& s, const WorkTimings&,
-                                               KvResult* produced) {
-                       if (s.ok()) *out = std::move(*produced);
-                       *result = s;
-                       done->Notify();
-                     });
+    h_->runner.Start(
+        call.get(), NativeFieldNames(),
+        [call, out, done, result](const absl::Status& s, const WorkTimings&, KvResult* produced) {
+          if (s.ok()) *out = std::move(*produced);
+          *result = s;
+          done->Notify();
+        });
     return absl::OkStatus();
   }
 
@@ -344,8 +345,9 @@ class Program {
     // then the calls stop there, in order.
     Expect(a.ok() || IsQueueFull(a), absl::StrCat("pipelined call 1: ", a.ToString()));
     if (a.ok()) Apply(first.request, &c1);
-    Expect(b.ok() || IsQueueFull(b) || (!a.ok() && b.code() == absl::StatusCode::kFailedPrecondition),
-           absl::StrCat("pipelined call 2 (call 1: ", a.ToString(), "): ", b.ToString()));
+    Expect(
+        b.ok() || IsQueueFull(b) || (!a.ok() && b.code() == absl::StatusCode::kFailedPrecondition),
+        absl::StrCat("pipelined call 2 (call 1: ", a.ToString(), "): ", b.ToString()));
     if (b.ok()) Apply(second.request, &c2);
   }
 
@@ -369,8 +371,8 @@ class Program {
                         used_before + b.pages_needed > capacity_;
       Expect(!b.valid || full || IsQueueFull(status),
              absl::StrCat("AppendAttend at layer ", layer, " refused a call the model accepts (",
-                          used_before, " pages used, ", b.pages_needed, " needed at most, capacity ",
-                          capacity_, "): ", status.ToString()));
+                          used_before, " pages used, ", b.pages_needed,
+                          " needed at most, capacity ", capacity_, "): ", status.ToString()));
       return;
     }
     Expect(b.valid, absl::StrCat("AppendAttend accepted a call the model refuses: ",
@@ -389,8 +391,10 @@ class Program {
     for (int i = 0; i < r.sequences_size(); ++i) {
       const v1::SequenceStep& s = r.sequences(i);
       ModelSeq& seq = model_.at(s.sequence_id());
-      seq.k[size_t(layer)].append(r.k().data(), size_t(k0 * kv_row), size_t(s.num_new_tokens() * kv_row));
-      seq.v[size_t(layer)].append(r.v().data(), size_t(k0 * kv_row), size_t(s.num_new_tokens() * kv_row));
+      seq.k[size_t(layer)].append(r.k().data(), size_t(k0 * kv_row),
+                                  size_t(s.num_new_tokens() * kv_row));
+      seq.v[size_t(layer)].append(r.v().data(), size_t(k0 * kv_row),
+                                  size_t(s.num_new_tokens() * kv_row));
       const int32_t len = Len(seq, layer);
       Expect(call->lengths[size_t(i)] == len,
              absl::StrCat("step ", i, ": length ", call->lengths[size_t(i)], ", model ", len));
@@ -398,13 +402,15 @@ class Program {
       if (nq > 0) {
         AttentionInputs in;
         const DType t = geometry_.dtype;
-        in.q = *HostTensor::FromBytes(t, {1, nq, hq, D()}, r.q().data().substr(size_t(q0 * q_row), size_t(nq * q_row)));
+        in.q = *HostTensor::FromBytes(t, {1, nq, hq, D()},
+                                      r.q().data().substr(size_t(q0 * q_row), size_t(nq * q_row)));
         in.k = *HostTensor::FromBytes(t, {1, len, Hkv(), D()}, seq.k[size_t(layer)]);
         in.v = *HostTensor::FromBytes(t, {1, len, Hkv(), D()}, seq.v[size_t(layer)]);
         in.options.causal = r.options().causal();
         in.options.return_lse = r.options().return_lse();
         ForwardResult out;
-        out.o = *HostTensor::FromBytes(t, {1, nq, hq, D()}, call->o.substr(size_t(q0 * q_row), size_t(nq * q_row)));
+        out.o = *HostTensor::FromBytes(t, {1, nq, hq, D()},
+                                       call->o.substr(size_t(q0 * q_row), size_t(nq * q_row)));
         if (r.options().return_lse()) {
           const int64_t tq = r.q().shape(0);
           std::vector<float> lse;
@@ -466,8 +472,9 @@ class Program {
     }
     const absl::Status status =
         cache_->Free(std::vector<uint64_t>(r.sequence_ids().begin(), r.sequence_ids().end()));
-    Expect(status.ok() == valid, absl::StrCat("Free: the model expected ", valid ? "OK" : "a refusal",
-                                              ", got ", status.ToString()));
+    Expect(status.ok() == valid,
+           absl::StrCat("Free: the model expected ", valid ? "OK" : "a refusal", ", got ",
+                        status.ToString()));
     if (status.ok()) {
       for (uint64_t id : r.sequence_ids()) model_.erase(id);
     }
@@ -496,8 +503,9 @@ class Program {
         longest = std::max(longest, PagesFor(Len(seq, l), page_size_));
       }
     }
-    Expect(stats.pages_used <= unshared && stats.pages_used >= longest,
-           absl::StrCat("pages used ", stats.pages_used, " outside [", longest, ", ", unshared, "]"));
+    Expect(
+        stats.pages_used <= unshared && stats.pages_used >= longest,
+        absl::StrCat("pages used ", stats.pages_used, " outside [", longest, ", ", unshared, "]"));
   }
 
   Harness* const h_;

@@ -80,8 +80,7 @@ TEST_F(KserveGrpcTest, SameErrorsAsForwardInEachProtocolsWords) {
        "options.softmax_scale", "parameters['softmax_scale']"},
       {[](v1::ForwardRequest* r) { r->mutable_q()->mutable_data()->resize(10); }, "q.data",
        "inputs['q'].data"},
-      {[](v1::ForwardRequest* r) { r->mutable_v()->add_shape(1); }, "v.shape",
-       "inputs['v'].shape"},
+      {[](v1::ForwardRequest* r) { r->mutable_v()->add_shape(1); }, "v.shape", "inputs['v'].shape"},
       {[](v1::ForwardRequest* r) { r->mutable_q()->set_shape(3, 7); }, "q.data",
        "inputs['q'].data"},
       {[](v1::ForwardRequest* r) {

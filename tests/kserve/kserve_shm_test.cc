@@ -215,12 +215,12 @@ TEST_F(KserveShmTest, AnOutputThatDoesNotFitFailsBeforeItRunsAndWritesNothing) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(status.error_message(),
               absl::StrCat("outputs['", output, "']: shared memory region '", name,
-                           "' was given shared_memory_byte_size ", needed - 4,
-                           " for an output of ", needed, " bytes"));
+                           "' was given shared_memory_byte_size ", needed - 4, " for an output of ",
+                           needed, " bytes"));
     EXPECT_EQ(backend_->calls(), calls);
     // Only the inputs are in the region: no output was written, in part or whole.
-    EXPECT_EQ(FirstTouchedOutside(object.data(), l, {{l.q, l.q_bytes}, {l.k, l.kv_bytes},
-                                                     {l.v, l.kv_bytes}}),
+    EXPECT_EQ(FirstTouchedOutside(object.data(), l,
+                                  {{l.q, l.q_bytes}, {l.k, l.kv_bytes}, {l.v, l.kv_bytes}}),
               -1);
   }
 }
@@ -247,8 +247,8 @@ TEST_F(KserveShmTest, BadInputReferencesNameTheInputOrTheRegion) {
   grpc::Status got = Infer(v2, &response);
   EXPECT_EQ(got.error_code(), want.error_code());
   EXPECT_EQ(want.error_message().rfind("q.data: ", 0), 0u) << want.error_message();
-  EXPECT_EQ(got.error_message(), "inputs['" + want.error_message().substr(0, 1) + "']" +
-                                     want.error_message().substr(1))
+  EXPECT_EQ(got.error_message(),
+            "inputs['" + want.error_message().substr(0, 1) + "']" + want.error_message().substr(1))
       << got.error_message();
 
   // k past the region's end.
@@ -257,12 +257,12 @@ TEST_F(KserveShmTest, BadInputReferencesNameTheInputOrTheRegion) {
   PlaceInRegion(v2.mutable_inputs(1)->mutable_parameters(), "bad", past, l.kv_bytes);
   got = Infer(v2, &response);
   EXPECT_EQ(got.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(got.error_message(), absl::StrCat("shared memory region 'bad': offset ", past,
-                                              " + byte_size ", l.kv_bytes, " exceeds the region's ",
-                                              l.end, " bytes"));
+  EXPECT_EQ(got.error_message(),
+            absl::StrCat("shared memory region 'bad': offset ", past, " + byte_size ", l.kv_bytes,
+                         " exceeds the region's ", l.end, " bytes"));
   EXPECT_EQ(backend_->calls(), calls);
-  EXPECT_EQ(FirstTouchedOutside(object.data(), l, {{l.q, l.q_bytes}, {l.k, l.kv_bytes},
-                                                   {l.v, l.kv_bytes}}),
+  EXPECT_EQ(FirstTouchedOutside(object.data(), l,
+                                {{l.q, l.q_bytes}, {l.k, l.kv_bytes}, {l.v, l.kv_bytes}}),
             -1);
 }
 

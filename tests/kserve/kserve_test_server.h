@@ -56,8 +56,7 @@ class KserveServerTest : public ::testing::Test {
     return v2_->ModelInfer(&context, request, response);
   }
   // SystemSharedMemoryRegister of `byte_size` bytes of the object `key` as `name`.
-  grpc::Status RegisterSystem(const std::string& name, const std::string& key,
-                              uint64_t byte_size) {
+  grpc::Status RegisterSystem(const std::string& name, const std::string& key, uint64_t byte_size) {
     grpc::ClientContext context;
     inference::SystemSharedMemoryRegisterRequest request;
     request.set_name(name);
@@ -137,15 +136,17 @@ inline ModelInferRequest ToV2(const v1::ForwardRequest& r) {
     *in->mutable_shape() = t->shape();
     *v2.add_raw_input_contents() = t->data();
   }
-  for (const auto& [name, cu] : {std::pair<const char*, const google::protobuf::RepeatedField<int32_t>*>{
-                                     "cu_seqlens_q", &r.cu_seqlens_q()},
-                                 {"cu_seqlens_k", &r.cu_seqlens_k()}}) {
+  for (const auto& [name, cu] :
+       {std::pair<const char*, const google::protobuf::RepeatedField<int32_t>*>{"cu_seqlens_q",
+                                                                                &r.cu_seqlens_q()},
+        {"cu_seqlens_k", &r.cu_seqlens_k()}}) {
     if (cu->empty()) continue;
     auto* in = v2.add_inputs();
     in->set_name(name);
     in->set_datatype("INT32");
     in->add_shape(cu->size());
-    v2.add_raw_input_contents(std::string(reinterpret_cast<const char*>(cu->data()), cu->size() * 4));
+    v2.add_raw_input_contents(
+        std::string(reinterpret_cast<const char*>(cu->data()), cu->size() * 4));
   }
   const v1::AttentionOptions& o = r.options();
   auto& params = *v2.mutable_parameters();

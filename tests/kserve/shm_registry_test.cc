@@ -19,8 +19,8 @@ TEST(ShmRegistryTest, AcquireChecksBoundsAndNamesTheRegion) {
   ASSERT_TRUE(registry.RegisterSystem("t", "r", object.key(), 1024, 256).ok());
   EXPECT_TRUE(registry.Acquire("t", "r", 0, 256).ok());
   EXPECT_TRUE(registry.Acquire("t", "r", 255, 1).ok());
-  for (auto [offset, size] : {std::pair<uint64_t, uint64_t>{0, 257}, {256, 1}, {300, 0},
-                              {1, UINT64_MAX}}) {
+  for (auto [offset, size] :
+       {std::pair<uint64_t, uint64_t>{0, 257}, {256, 1}, {300, 0}, {1, UINT64_MAX}}) {
     absl::StatusOr<std::shared_ptr<ShmRegion>> r = registry.Acquire("t", "r", offset, size);
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
@@ -112,10 +112,10 @@ TEST(ShmRegistryTest, OffWithoutTheFlag) {
   TestShmObject object(4096, "off");
   ASSERT_TRUE(object.ok());
   ShmRegistry registry(/*allowed=*/false);
-  for (const absl::Status& s :
-       {registry.RegisterSystem("t", "r", object.key(), 0, 64), registry.Acquire("t", "r", 0, 1).status(),
-        registry.List("t", ShmKind::kSystem, "").status(),
-        registry.Unregister("t", ShmKind::kSystem, "")}) {
+  for (const absl::Status& s : {registry.RegisterSystem("t", "r", object.key(), 0, 64),
+                                registry.Acquire("t", "r", 0, 1).status(),
+                                registry.List("t", ShmKind::kSystem, "").status(),
+                                registry.Unregister("t", ShmKind::kSystem, "")}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_NE(s.message().find("--allow_client_shm"), std::string::npos) << s;
   }

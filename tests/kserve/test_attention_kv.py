@@ -229,7 +229,7 @@ def test_errors_name_the_input_and_change_nothing(server, client):
             t.set_data_from_numpy(np.asarray(arr, np.float16))
             ins.append(t)
         client.infer(MODEL, ins, parameters=ok, sequence_id=401)
-    assert "inputs['q'].dtype" in e.value.message(), e.value.message()
+    assert "inputs['q'].datatype" in e.value.message(), e.value.message()
     # After all of that the sequence still has its 6 tokens at layer 0 and 0 at layer 1.
     q, k, v, o, lse = seq.step(0, 1)
     r = client.infer(MODEL, tensors(q, k, v),

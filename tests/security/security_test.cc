@@ -281,9 +281,9 @@ TEST(TokenTest, MissingOrWrongTokensAreUnauthenticatedAndHealthStaysOpen) {
   {
     grpc::ClientContext context;
     inference::ServerMetadataResponse metadata;
-    EXPECT_EQ(v2->ServerMetadata(&context, inference::ServerMetadataRequest(), &metadata)
-                  .error_code(),
-              grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(
+        v2->ServerMetadata(&context, inference::ServerMetadataRequest(), &metadata).error_code(),
+        grpc::StatusCode::UNAUTHENTICATED);
   }
   // Every other service needs the token too.
   auto kv = v1::KvCache::NewStub(Channel(server->port(), ChannelSecurity()));
@@ -417,9 +417,8 @@ class TenantTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> a_, b_;
 };
 
-const std::string kTwoTenants =
-    absl::StrCat(kTokenA, " team-a kv_pages=4 shm_regions=1 bytes_in_flight=4096\n", kTokenB,
-                 " team-b\n");
+const std::string kTwoTenants = absl::StrCat(
+    kTokenA, " team-a kv_pages=4 shm_regions=1 bytes_in_flight=4096\n", kTokenB, " team-b\n");
 
 // a_ and b_ have equal channel arguments, so gRPC's global subchannel pool
 // gives them one TCP connection: calls with different tokens share it, which
@@ -495,7 +494,8 @@ TEST_F(TenantTest, QuotasAreEnforcedWithResourceExhaustedNamingTheQuota) {
 
 class ShmObject {
  public:
-  explicit ShmObject(const std::string& tag) : key_(absl::StrCat("/attnserve_sec_", tag, getpid())) {
+  explicit ShmObject(const std::string& tag)
+      : key_(absl::StrCat("/attnserve_sec_", tag, getpid())) {
     shm_unlink(key_.c_str());
     const int fd = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     ok_ = fd >= 0 && ftruncate(fd, 4096) == 0;
@@ -527,8 +527,9 @@ std::string RegionStatus(const std::shared_ptr<grpc::Channel>& channel, const st
   request.set_name(name);
   grpc::ClientContext context;
   inference::SystemSharedMemoryStatusResponse response;
-  const grpc::Status status = inference::GRPCInferenceService::NewStub(channel)
-                                  ->SystemSharedMemoryStatus(&context, request, &response);
+  const grpc::Status status =
+      inference::GRPCInferenceService::NewStub(channel)->SystemSharedMemoryStatus(&context, request,
+                                                                                  &response);
   return Answer(status) + response.SerializeAsString();
 }
 
@@ -580,8 +581,7 @@ TEST(HttpsTest, KserveHttpAndMetricsOverHttpsWithTokens) {
   httplib::Result anonymous = v2.Get("/v2");
   ASSERT_TRUE(anonymous);
   EXPECT_EQ(anonymous->status, 401);
-  httplib::Result with_token =
-      v2.Get("/v2", {{"Authorization", absl::StrCat("Bearer ", kTokenA)}});
+  httplib::Result with_token = v2.Get("/v2", {{"Authorization", absl::StrCat("Bearer ", kTokenA)}});
   ASSERT_TRUE(with_token);
   EXPECT_EQ(with_token->status, 200) << with_token->body;
 

@@ -1,11 +1,12 @@
 // The bearer-tokens file parser and the Authenticator's answers, without a
 // server (the wire tests are in security_test.cc).
+#include "server/auth/token_file.h"
+
 #include <fstream>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "server/auth/authenticator.h"
-#include "server/auth/token_file.h"
 
 namespace attnserve {
 namespace {
@@ -61,8 +62,8 @@ TEST(AuthenticatorTest, BearerTokensMapToTenants) {
     absl::StatusOr<std::string> t = (*auth)->Authenticate(bad);
     EXPECT_TRUE(absl::IsUnauthenticated(t.status())) << bad;
   }
-  EXPECT_TRUE(absl::StrContains(tenants.RenderPrometheus(),
-                                "attnserve_unauthenticated_calls_total 6"));
+  EXPECT_TRUE(
+      absl::StrContains(tenants.RenderPrometheus(), "attnserve_unauthenticated_calls_total 6"));
   EXPECT_TRUE(absl::StrContains(tenants.RenderPrometheus(),
                                 "attnserve_tenant_calls_total{tenant=\"team-a\"} 2"));
   std::ofstream(path) << "";
@@ -78,7 +79,7 @@ TEST(TenantDirectoryTest, InFlightChargesAreGivenBack) {
   ASSERT_TRUE(absl::IsResourceExhausted(second.status()));
   EXPECT_TRUE(absl::StrContains(second.status().message(), "tenant 't' quota bytes_in_flight"));
   first->Release();
-  EXPECT_TRUE(tenants.ChargeInFlight("t", 60).ok());  // released again at once
+  EXPECT_TRUE(tenants.ChargeInFlight("t", 60).ok());           // released again at once
   EXPECT_TRUE(tenants.ChargeInFlight("other", 1 << 30).ok());  // no quota
 }
 

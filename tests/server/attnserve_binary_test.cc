@@ -105,10 +105,9 @@ TEST(AttnserveBinaryTest, HelpListsFlags) {
   Child child({"--help"});
   const int code = child.Wait();
   EXPECT_EQ(code, 1) << "absl's --help exits 1";
-  for (const char* flag :
-       {"--host", "--port", "--backend", "--threads", "--devices", "--max_request_bytes",
-        "--max_tokens", "--max_queue_size", "--log_level", "--shutdown_grace", "--http_port",
-        "--allow_client_shm"}) {
+  for (const char* flag : {"--host", "--port", "--backend", "--threads", "--devices",
+                           "--max_request_bytes", "--max_tokens", "--max_queue_size", "--log_level",
+                           "--shutdown_grace", "--http_port", "--allow_client_shm"}) {
     EXPECT_NE(child.output().find(flag), std::string::npos) << flag << "\n" << child.output();
   }
 }
@@ -237,7 +236,8 @@ void KvLoop(AttentionClient* client, DrainTally* tally, uint64_t seed) {
       ForwardResult out;
       out.o = *HostTensor::FromBytes(DType::kFP16, {1, 1, kHq, kD}, r->o.bytes());
       absl::StatusOr<VerifyReport> report = VerifyForward(ref, out);
-      if (!report.ok() || !report->passed) tally->Wrong("kv: wrong answer at step " + std::to_string(step));
+      if (!report.ok() || !report->passed)
+        tally->Wrong("kv: wrong answer at step " + std::to_string(step));
     }
   }
 }
@@ -276,7 +276,8 @@ TEST(AttnserveBinaryTest, SigtermUnderLoadWithKvLoopsDrains) {
       }
     });
   }
-  for (int w = 0; w < 2; ++w) load.emplace_back([&, w] { KvLoop(client->get(), &tally, 7 + uint64_t(w)); });
+  for (int w = 0; w < 2; ++w)
+    load.emplace_back([&, w] { KvLoop(client->get(), &tally, 7 + uint64_t(w)); });
   // Under load: the Forward workers and the K/V loops have been answered a
   // few times each.
   const absl::Time until = absl::Now() + absl::Seconds(60);
@@ -292,10 +293,12 @@ TEST(AttnserveBinaryTest, SigtermUnderLoadWithKvLoopsDrains) {
   // around SIGTERM mean "arrived after the drain"; see DrainTally).
   EXPECT_EQ(child.output().find("grace period over"), std::string::npos) << child.output();
   std::lock_guard<std::mutex> lock(tally.mu);
-  for (const auto& [what, n] : tally.outcomes) std::printf("drain under load: %s x%d\n", what.c_str(), n);
+  for (const auto& [what, n] : tally.outcomes)
+    std::printf("drain under load: %s x%d\n", what.c_str(), n);
   std::printf("drain under load: %d Forward calls sent after SIGTERM answered OK\n",
               ok_after_signal.load());
-  EXPECT_TRUE(tally.bad.empty()) << tally.bad.size() << " bad outcomes, first: " << tally.bad.front();
+  EXPECT_TRUE(tally.bad.empty()) << tally.bad.size()
+                                 << " bad outcomes, first: " << tally.bad.front();
 }
 
 }  // namespace

@@ -303,8 +303,7 @@ TEST(ExecutorTest, SmallTenantRunsAheadOfAnotherTenantsFlood) {
             (std::map<std::string, int64_t>{{"flood", 9}, {"small", 3}}));
   backend.Open();
   c.Await(13);
-  EXPECT_EQ(backend.started(),
-            std::vector<int>({0, 100, 101, 102, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(backend.started(), std::vector<int>({0, 100, 101, 102, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
 }
 
 // A device that stops answering: a launch whose Finish blocks until Resume.
@@ -327,7 +326,7 @@ class StuckLaunch : public PendingLaunch {
 class HangingBackend : public ScriptedBackend {
  public:
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan& plan,
-                                                               const PackedBatch& batch) override {
+                                                              const PackedBatch& batch) override {
     if (hang.exchange(false)) return std::make_unique<StuckLaunch>(&resume);
     return ScriptedBackend::StartForward(plan, batch);
   }
@@ -345,7 +344,7 @@ TEST(ExecutorTest, DeviceThatStopsAnsweringIsTimedOutAndRecovers) {
   Completions c;
   backend.hang = true;
   ASSERT_TRUE(executor.Submit(c.Item(0)).ok());  // its launch never completes
-  auto first = c.Await(1);  // failed by the watchdog, not by the launch
+  auto first = c.Await(1);                       // failed by the watchdog, not by the launch
   EXPECT_EQ(first[0].status.code(), absl::StatusCode::kUnavailable) << first[0].status;
   EXPECT_NE(first[0].status.message().find("stopped answering"), absl::string_view::npos);
   const absl::Status health = executor.Healthy();

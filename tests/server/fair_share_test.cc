@@ -90,7 +90,8 @@ TEST(FairShareTest, SmallTenantIsServedBetweenAnotherTenantsFlood) {
   options.batch_max_tokens = 2 * kFloodRows;  // a flood request fills a launch alone
   auto owned = std::make_unique<GatedCpuBackend>();
   GatedCpuBackend* backend = owned.get();
-  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Create(options, std::move(owned));
+  absl::StatusOr<std::unique_ptr<AttnServer>> server =
+      AttnServer::Create(options, std::move(owned));
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->Start().ok());
   const int warm_calls = backend->calls();  // the start-up warm-up, if any
@@ -113,7 +114,8 @@ TEST(FairShareTest, SmallTenantIsServedBetweenAnotherTenantsFlood) {
   flood->ForwardAsync(large_request, CallOptions(), answers.Slot(0));
   backend->AwaitCalls(warm_calls + 1);
   // ... the rest of the flood queues behind it, then the small tenant's calls.
-  for (int i = 1; i < kFlood; ++i) flood->ForwardAsync(large_request, CallOptions(), answers.Slot(i));
+  for (int i = 1; i < kFlood; ++i)
+    flood->ForwardAsync(large_request, CallOptions(), answers.Slot(i));
   ASSERT_TRUE(Eventually([&] { return (*server)->queued_requests() == kFlood - 1; }));
   for (int i = 0; i < kSmall; ++i) {
     small->ForwardAsync(small_request, CallOptions(), answers.Slot(kFlood + i));
@@ -124,8 +126,8 @@ TEST(FairShareTest, SmallTenantIsServedBetweenAnotherTenantsFlood) {
   httplib::Client http("127.0.0.1", (*server)->metrics_port());
   httplib::Result scrape = http.Get("/metrics");
   ASSERT_TRUE(scrape) << httplib::to_string(scrape.error());
-  EXPECT_NE(scrape->body.find(absl::StrCat("attnserve_tenant_queue_depth{tenant=\"flood\",device=\"0\"} ",
-                                           kFlood - 1, "\n")),
+  EXPECT_NE(scrape->body.find(absl::StrCat(
+                "attnserve_tenant_queue_depth{tenant=\"flood\",device=\"0\"} ", kFlood - 1, "\n")),
             std::string::npos)
       << scrape->body;
   EXPECT_NE(scrape->body.find(absl::StrCat(

@@ -112,20 +112,13 @@ int nvmlDeviceGetUtilizationRates(void* device, NvmlUtilization* utilization) {
 
 const char* nvmlErrorString(int result) {
   switch (result) {
-    case kSuccess:
-      return "Success";
-    case kUninitialized:
-      return "Uninitialized";
-    case kInvalidArgument:
-      return "Invalid Argument";
-    case kNotSupported:
-      return "Not Supported";
-    case kNotFound:
-      return "Not Found";
-    case 9:
-      return "Driver Not Loaded";
-    case kGpuIsLost:
-      return "GPU is lost";
+    case kSuccess: return "Success";
+    case kUninitialized: return "Uninitialized";
+    case kInvalidArgument: return "Invalid Argument";
+    case kNotSupported: return "Not Supported";
+    case kNotFound: return "Not Found";
+    case 9: return "Driver Not Loaded";
+    case kGpuIsLost: return "GPU is lost";
   }
   return "Unknown Error";
 }

@@ -26,13 +26,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/malloc_tuning.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
-#include "common/malloc_tuning.h"
 #include "server/core/validate.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -112,8 +112,7 @@ class HostileClientTest : public ::testing::Test {
   grpc::Status Call(bool echo, const v1::ForwardRequest& request, v1::ForwardResponse* response) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    return echo ? stub_->Echo(&ctx, request, response)
-                : stub_->Forward(&ctx, request, response);
+    return echo ? stub_->Echo(&ctx, request, response) : stub_->Forward(&ctx, request, response);
   }
 
   // A stream whose client writes `count` copies of `request` from a thread and
@@ -169,9 +168,9 @@ class HostileClientTest : public ::testing::Test {
     s->stream->Finish();
     EXPECT_TRUE(WaitFor([&] {
       return Gauge("attnserve_stream_held_bytes") == 0 &&
-             Gauge("attnserve_stream_held_requests") == 0 &&
-             Gauge("attnserve_stream_paused") == 0;
-    })) << "held bytes " << Gauge("attnserve_stream_held_bytes") << ", requests "
+             Gauge("attnserve_stream_held_requests") == 0 && Gauge("attnserve_stream_paused") == 0;
+    })) << "held bytes "
+        << Gauge("attnserve_stream_held_bytes") << ", requests "
         << Gauge("attnserve_stream_held_requests");
   }
 
@@ -234,8 +233,9 @@ TEST_F(HostileClientTest, OptionsThatGaveNaNAreRefusedOverTheWire) {
     float softcap;
     const char* field;
   };
-  for (const Bad& b : {Bad{2e38f, 0.0f, "options.softmax_scale"}, Bad{0.0f, 1e-45f, "options.softcap"},
-                       Bad{0.0f, 1e-39f, "options.softcap"}, Bad{0.0f, 3e38f, "options.softcap"}}) {
+  for (const Bad& b :
+       {Bad{2e38f, 0.0f, "options.softmax_scale"}, Bad{0.0f, 1e-45f, "options.softcap"},
+        Bad{0.0f, 1e-39f, "options.softcap"}, Bad{0.0f, 3e38f, "options.softcap"}}) {
     v1::ForwardRequest r = Request(4, 8, "nan");
     if (b.scale != 0.0f) r.mutable_options()->set_softmax_scale(b.scale);
     r.mutable_options()->set_softcap(b.softcap);

@@ -23,8 +23,8 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
-#include "server/native/kv_service.h"
 #include "server/core/validate.h"
+#include "server/native/kv_service.h"
 #include "server/server.h"
 #include "tests/server/gated_cpu_backend.h"
 
@@ -53,8 +53,8 @@ struct Part {
   std::vector<float> k, v, q;
 };
 
-v1::AppendAttendRequest MakeCall(const std::string& cache, int layer, const std::vector<Part>& parts,
-                                 bool causal = true) {
+v1::AppendAttendRequest MakeCall(const std::string& cache, int layer,
+                                 const std::vector<Part>& parts, bool causal = true) {
   v1::AppendAttendRequest r;
   r.set_cache_id(cache);
   r.set_layer(layer);
@@ -95,10 +95,9 @@ std::vector<double> Reference(const std::vector<float>& q, const Context& ctx, b
   pointers.q = q.data();
   pointers.k = ctx.k.data();
   pointers.v = ctx.v.data();
-  const AttnParams p =
-      MakeAttnParams(DenseShape(DType::kFP32, 1, int32_t(q.size() / (kHq * kD)), ctx.length(),
-                                kHq, kHkv, kD),
-                     options, pointers);
+  const AttnParams p = MakeAttnParams(
+      DenseShape(DType::kFP32, 1, int32_t(q.size() / (kHq * kD)), ctx.length(), kHq, kHkv, kD),
+      options, pointers);
   return ReferenceAttention(p).o;
 }
 
@@ -314,7 +313,8 @@ TEST_F(KvServerTest, QueriesOnAFreshCacheSeeNoKeys) {
   ASSERT_TRUE(CreateSequences(cache, {1, 2}).ok());
   Context empty;
   v1::AppendAttendResponse resp;
-  const grpc::Status s = Call(MakeCall(cache, 0, {Step(1, &empty, 0, 2), Step(2, &empty, 0, 1)}), &resp);
+  const grpc::Status s =
+      Call(MakeCall(cache, 0, {Step(1, &empty, 0, 2), Step(2, &empty, 0, 1)}), &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   const float* o = reinterpret_cast<const float*>(resp.o().data().data());
   for (int64_t i = 0; i < 3 * kHq * kD; ++i) ASSERT_EQ(o[i], 0.0f) << i;

@@ -175,8 +175,8 @@ TEST(MetricsHttpTest, ScrapeAfterSuccessfulAndFailedRequests) {
   EXPECT_GT(s[absl::StrCat("nv_inference_request_duration_us", kModel)], 0);
   EXPECT_GT(s[absl::StrCat("nv_inference_compute_infer_duration_us", kModel)], 0);
   EXPECT_EQ(s[absl::StrCat("nv_inference_pending_request_count", kModel)], 0);
-  EXPECT_EQ(
-      s["nv_inference_request_failure{model=\"attention\",version=\"1\",reason=\"OTHER\"}"], 1);
+  EXPECT_EQ(s["nv_inference_request_failure{model=\"attention\",version=\"1\",reason=\"OTHER\"}"],
+            1);
 
   httplib::Result missing = http.Get("/nothing");
   ASSERT_TRUE(missing);

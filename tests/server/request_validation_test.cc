@@ -2,8 +2,6 @@
 // ForwardRequest (server/native/forward_call.h): one test per invalid field
 // (the code, and a message naming the field with expected and actual
 // values), plus the valid edge cases and the params a valid request fills.
-#include "server/core/validate.h"
-
 #include <cmath>
 #include <limits>
 #include <string>
@@ -11,6 +9,7 @@
 
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "server/core/validate.h"
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
 
@@ -466,9 +465,9 @@ TEST(RequestValidationTest, AcceptsScaleAndSoftcapAtTheirBounds) {
     float scale;  // 0: unset (1/sqrt(16) = 0.25)
     float softcap;
   };
-  for (const Case& c : {Case{1e26f, 0.0f}, Case{1e26f, 1.0f}, Case{1e26f, 1e26f},
-                        Case{0.0f, 0.25f / 1e26f}, Case{0.0f, 1e26f},
-                        Case{std::numeric_limits<float>::denorm_min(), 0.0f}}) {
+  for (const Case& c :
+       {Case{1e26f, 0.0f}, Case{1e26f, 1.0f}, Case{1e26f, 1e26f}, Case{0.0f, 0.25f / 1e26f},
+        Case{0.0f, 1e26f}, Case{std::numeric_limits<float>::denorm_min(), 0.0f}}) {
     v1::ForwardRequest r = Dense();
     if (c.scale != 0.0f) r.mutable_options()->set_softmax_scale(c.scale);
     r.mutable_options()->set_softcap(c.softcap);

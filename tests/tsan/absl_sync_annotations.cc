@@ -71,45 +71,57 @@ extern "C" {
 // Mutex::Lock / Unlock / ReaderLock / ReaderUnlock / TryLock / ReaderTryLock.
 void __real__ZN4absl7debian35Mutex4LockEv(absl::Mutex*);
 void __wrap__ZN4absl7debian35Mutex4LockEv(absl::Mutex* mu) {
-  Locked(mu, 0, [&] { __real__ZN4absl7debian35Mutex4LockEv(mu); return 0; });
+  Locked(mu, 0, [&] {
+    __real__ZN4absl7debian35Mutex4LockEv(mu);
+    return 0;
+  });
 }
 void __real__ZN4absl7debian35Mutex6UnlockEv(absl::Mutex*);
 void __wrap__ZN4absl7debian35Mutex6UnlockEv(absl::Mutex* mu) {
-  Released(mu, 0, [&] { __real__ZN4absl7debian35Mutex6UnlockEv(mu); return 0; });
+  Released(mu, 0, [&] {
+    __real__ZN4absl7debian35Mutex6UnlockEv(mu);
+    return 0;
+  });
 }
 void __real__ZN4absl7debian35Mutex10ReaderLockEv(absl::Mutex*);
 void __wrap__ZN4absl7debian35Mutex10ReaderLockEv(absl::Mutex* mu) {
-  Locked(mu, __tsan_mutex_read_lock,
-         [&] { __real__ZN4absl7debian35Mutex10ReaderLockEv(mu); return 0; });
+  Locked(mu, __tsan_mutex_read_lock, [&] {
+    __real__ZN4absl7debian35Mutex10ReaderLockEv(mu);
+    return 0;
+  });
 }
 void __real__ZN4absl7debian35Mutex12ReaderUnlockEv(absl::Mutex*);
 void __wrap__ZN4absl7debian35Mutex12ReaderUnlockEv(absl::Mutex* mu) {
-  Released(mu, __tsan_mutex_read_lock,
-           [&] { __real__ZN4absl7debian35Mutex12ReaderUnlockEv(mu); return 0; });
+  Released(mu, __tsan_mutex_read_lock, [&] {
+    __real__ZN4absl7debian35Mutex12ReaderUnlockEv(mu);
+    return 0;
+  });
 }
 bool __real__ZN4absl7debian35Mutex7TryLockEv(absl::Mutex*);
 bool __wrap__ZN4absl7debian35Mutex7TryLockEv(absl::Mutex* mu) {
   __tsan_mutex_pre_lock(mu, __tsan_mutex_try_lock);
   const bool locked = __real__ZN4absl7debian35Mutex7TryLockEv(mu);
-  __tsan_mutex_post_lock(
-      mu, __tsan_mutex_try_lock | (locked ? 0 : __tsan_mutex_try_lock_failed), 0);
+  __tsan_mutex_post_lock(mu, __tsan_mutex_try_lock | (locked ? 0 : __tsan_mutex_try_lock_failed),
+                         0);
   return locked;
 }
 
 // Mutex::LockWhen*: lock once the condition holds.
-void __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(absl::Mutex*,
-                                                              const absl::Condition&);
+void __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(absl::Mutex*, const absl::Condition&);
 void __wrap__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(absl::Mutex* mu,
                                                               const absl::Condition& c) {
-  Locked(mu, 0, [&] { __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(mu, c); return 0; });
+  Locked(mu, 0, [&] {
+    __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(mu, c);
+    return 0;
+  });
 }
 bool __real__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
     absl::Mutex*, const absl::Condition&, absl::Duration);
 bool __wrap__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
     absl::Mutex* mu, const absl::Condition& c, absl::Duration d) {
   return Locked(mu, 0, [&] {
-    return __real__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
-        mu, c, d);
+    return __real__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(mu, c,
+                                                                                              d);
   });
 }
 
@@ -117,7 +129,10 @@ bool __wrap__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8Du
 void __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(absl::Mutex*, const absl::Condition&);
 void __wrap__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(absl::Mutex* mu,
                                                            const absl::Condition& c) {
-  Waited(mu, [&] { __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(mu, c); return 0; });
+  Waited(mu, [&] {
+    __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(mu, c);
+    return 0;
+  });
 }
 bool __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(
     absl::Mutex*, const absl::Condition&, absl::Duration);
@@ -125,7 +140,7 @@ bool __wrap__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8Durat
     absl::Mutex* mu, const absl::Condition& c, absl::Duration d) {
   return Waited(mu, [&] {
     return __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(mu, c,
-                                                                                          d);
+                                                                                           d);
   });
 }
 bool __real__ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(
@@ -140,12 +155,17 @@ bool __wrap__ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4Time
 // CondVar::Wait*: same as Await on `mu`.
 void __real__ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(absl::CondVar*, absl::Mutex*);
 void __wrap__ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(absl::CondVar* cv, absl::Mutex* mu) {
-  Waited(mu, [&] { __real__ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(cv, mu); return 0; });
+  Waited(mu, [&] {
+    __real__ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(cv, mu);
+    return 0;
+  });
 }
-bool __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(
-    absl::CondVar*, absl::Mutex*, absl::Duration);
-bool __wrap__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(
-    absl::CondVar* cv, absl::Mutex* mu, absl::Duration d) {
+bool __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(absl::CondVar*,
+                                                                                 absl::Mutex*,
+                                                                                 absl::Duration);
+bool __wrap__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(absl::CondVar* cv,
+                                                                                 absl::Mutex* mu,
+                                                                                 absl::Duration d) {
   return Waited(mu, [&] {
     return __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(cv, mu, d);
   });

@@ -7,6 +7,6 @@ namespace attnserve {
 namespace cuda {
 template cudaError_t RunAttnDecodeSm90<128, __nv_bfloat16, true>(const FwdLaunch&, cudaStream_t);
 template cudaError_t RunAttnDecodeSm90<128, __nv_bfloat16, true>(const PagedFwdLaunch&,
-                                                              cudaStream_t);
+                                                                 cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

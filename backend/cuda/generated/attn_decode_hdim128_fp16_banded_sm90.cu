@@ -6,7 +6,6 @@
 namespace attnserve {
 namespace cuda {
 template cudaError_t RunAttnDecodeSm90<128, __half, true>(const FwdLaunch&, cudaStream_t);
-template cudaError_t RunAttnDecodeSm90<128, __half, true>(const PagedFwdLaunch&,
-                                                              cudaStream_t);
+template cudaError_t RunAttnDecodeSm90<128, __half, true>(const PagedFwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

@@ -7,6 +7,6 @@ namespace attnserve {
 namespace cuda {
 template cudaError_t RunAttnDecodeSm90<64, __nv_bfloat16, false>(const FwdLaunch&, cudaStream_t);
 template cudaError_t RunAttnDecodeSm90<64, __nv_bfloat16, false>(const PagedFwdLaunch&,
-                                                              cudaStream_t);
+                                                                 cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

@@ -6,7 +6,7 @@
 
 namespace attnserve {
 namespace cuda {
-template cudaError_t RunAttnFwdSm90<256, __half, false, kDefaultSm90Schedule, false,
-                                    false>(const FwdLaunch&, cudaStream_t);
+template cudaError_t RunAttnFwdSm90<256, __half, false, kDefaultSm90Schedule, false, false>(
+    const FwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

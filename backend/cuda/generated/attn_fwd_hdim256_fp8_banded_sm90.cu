@@ -6,7 +6,7 @@
 
 namespace attnserve {
 namespace cuda {
-template cudaError_t RunAttnFwdSm90<256, __nv_bfloat16, true, kDefaultSm90Schedule, true,
-                                    false>(const FwdLaunch&, cudaStream_t);
+template cudaError_t RunAttnFwdSm90<256, __nv_bfloat16, true, kDefaultSm90Schedule, true, false>(
+    const FwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

@@ -6,7 +6,7 @@
 
 namespace attnserve {
 namespace cuda {
-template cudaError_t RunAttnFwdSm90<64, __nv_bfloat16, false, kDefaultSm90Schedule, true,
-                                    true>(const FwdLaunch&, cudaStream_t);
+template cudaError_t RunAttnFwdSm90<64, __nv_bfloat16, false, kDefaultSm90Schedule, true, true>(
+    const FwdLaunch&, cudaStream_t);
 }  // namespace cuda
 }  // namespace attnserve

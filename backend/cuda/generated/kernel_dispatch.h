@@ -30,8 +30,10 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
       return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
     case 64:
-      return long_keys ? RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, true>(launch, stream)
-                       : RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
+      return long_keys ? RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, true>(
+                             launch, stream)
+                       : RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(
+                             launch, stream);
     case 128:
       return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
     case 192:
@@ -50,18 +52,15 @@ cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cuda
 // The Hopper decode kernel's instantiation for `kernel_head_dim` over either
 // launch, or cudaErrorInvalidValue (also in builds without it).
 template <typename T, bool kIsBanded, typename Launch>
-cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_t stream) {
+cudaError_t RunSm90DecodeForHeadDim(int kernel_head_dim, const Launch& launch,
+                                    cudaStream_t stream) {
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
-    case 128:
-      return RunAttnDecodeSm90<128, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnDecodeSm90<128, T, kIsBanded>(launch, stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
-    case 64:
-      return RunAttnDecodeSm90<64, T, kIsBanded>(launch, stream);
-    case 96:
-      return RunAttnDecodeSm90<96, T, kIsBanded>(launch, stream);
-    case 128:
-      return RunAttnDecodeSm90<128, T, kIsBanded>(launch, stream);
+    case 64: return RunAttnDecodeSm90<64, T, kIsBanded>(launch, stream);
+    case 96: return RunAttnDecodeSm90<96, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnDecodeSm90<128, T, kIsBanded>(launch, stream);
 #endif
     default:
       (void)launch;
@@ -76,22 +75,15 @@ template <typename T, bool kIsBanded, typename Launch>
 cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_t stream) {
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
-    case 128:
-      return RunAttnFwd<128, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnFwd<128, T, kIsBanded>(launch, stream);
 #else
-    case 64:
-      return RunAttnFwd<64, T, kIsBanded>(launch, stream);
-    case 96:
-      return RunAttnFwd<96, T, kIsBanded>(launch, stream);
-    case 128:
-      return RunAttnFwd<128, T, kIsBanded>(launch, stream);
-    case 192:
-      return RunAttnFwd<192, T, kIsBanded>(launch, stream);
-    case 256:
-      return RunAttnFwd<256, T, kIsBanded>(launch, stream);
+    case 64: return RunAttnFwd<64, T, kIsBanded>(launch, stream);
+    case 96: return RunAttnFwd<96, T, kIsBanded>(launch, stream);
+    case 128: return RunAttnFwd<128, T, kIsBanded>(launch, stream);
+    case 192: return RunAttnFwd<192, T, kIsBanded>(launch, stream);
+    case 256: return RunAttnFwd<256, T, kIsBanded>(launch, stream);
 #endif
-    default:
-      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
   }
 }
 
