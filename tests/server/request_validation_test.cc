@@ -430,7 +430,7 @@ TEST(RequestValidationTest, BadSoftcap) {
   }
 }
 
-// Issue 15's findings: these were accepted and answered with an all-NaN O.
+// Values once accepted and answered with an all-NaN O.
 TEST(RequestValidationTest, SoftmaxScaleBeyondFloatSafeRange) {
   for (float scale : {2e38f, 1.0001e26f, std::numeric_limits<float>::max()}) {
     v1::ForwardRequest r = Dense();
