@@ -18,9 +18,12 @@ else
   mapfile -t files < <(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')
 fi
 [[ ${#files[@]} -gt 0 ]] || exit 0
+# The version scripts/install-deps.sh installs: another version formats differently.
+formatter=clang-format-14
+command -v "$formatter" >/dev/null || { echo "check-format: $formatter not found (scripts/install-deps.sh)" >&2; exit 1; }
 if [[ $fix -eq 1 ]]; then
-  clang-format -i "${files[@]}"
+  "$formatter" -i "${files[@]}"
 else
-  clang-format --dry-run -Werror "${files[@]}"
+  "$formatter" --dry-run -Werror "${files[@]}"
   echo "check-format: ${#files[@]} files formatted"
 fi

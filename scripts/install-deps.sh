@@ -12,6 +12,8 @@ packages=(
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   # perf_analyzer (inside the tritonclient wheel, requirements/triton.txt) links libb64.
   libb64-0d python3-venv
+  # scripts/check-format.sh: one formatter version, so CI and developers agree.
+  clang-format-14
 )
 
 missing=()

@@ -450,9 +450,10 @@ def main():
     # The output is committed and held to the project's format
     # (scripts/check-format.sh), so it is formatted as it is written.
     sources = sorted(glob.glob(os.path.join(out, "*.cu")) + glob.glob(os.path.join(out, "*.h")))
-    if shutil.which("clang-format") is None:
-        raise SystemExit("generate_kernels.py: clang-format is needed to format the output")
-    subprocess.run(["clang-format", "-i", "--style=file"] + sources, check=True, cwd=here)
+    # The version scripts/check-format.sh holds the tree to.
+    if shutil.which("clang-format-14") is None:
+        raise SystemExit("generate_kernels.py: clang-format-14 is needed to format the output")
+    subprocess.run(["clang-format-14", "-i", "--style=file"] + sources, check=True, cwd=here)
 
 
 if __name__ == "__main__":
