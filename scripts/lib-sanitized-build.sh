@@ -4,8 +4,7 @@
 # Sets nothing but the build directory's CMake cache.
 # -O1 -gline-tables-only: what the sanitizers' documentation suggests (fast
 # enough code, reports with file:line) and smaller objects than -O2 -g. It
-# does not make the build much faster: the instrumentation dominates
-# (server/forward_handler.cc: 33 CPU-s at -O1 -gline-tables-only, 34 at -O2 -g).
+# does not make the build much faster: the instrumentation dominates.
 sanitized_build_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG")
 configure_sanitized_build() {
