@@ -101,7 +101,15 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
     // request first): a resume that comes meanwhile (a response written, or
     // this request answered at once) is deferred to here. start_ only decodes
     // and queues the request, so the read waits little.
-    start_(call, [this, call](const absl::Status& status) { OnRequestDone(call, status); });
+    // A throwing start_ answers its request with the exception's status (once:
+    // it may have handed `done` on already) and the stream goes on.
+    const Once<const absl::Status&> done(
+        [this, call](const absl::Status& status) { OnRequestDone(call, status); });
+    try {
+      start_(call, done.Callback());
+    } catch (...) {
+      done(StatusOfException(std::current_exception(), "stream request"));
+    }
     bool read;
     bool finish;
     {

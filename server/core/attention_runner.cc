@@ -8,6 +8,7 @@
 #include "common/shape_string.h"
 #include "common/status_macros.h"
 #include "server/core/call_log.h"
+#include "server/in_flight.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -20,6 +21,22 @@ AttentionRunner::AttentionRunner(ExecutorPool* executors, std::string backend_na
       metrics_(metrics) {}
 
 void AttentionRunner::Start(const AttentionCall* call, const FieldNames& names, Done done) {
+  // Nothing may escape to the front-end's reactor: a throw after `done` was
+  // handed on completes the call here, and a late completion is dropped.
+  const Once<const absl::Status&, const WorkTimings&> once(std::move(done));
+  auto refuse = [&](const absl::Status& status) {
+    WorkTimings timings;
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);
+    Complete(*call, names, status, timings, once.Callback());
+  };
+  try {
+    StartOrThrow(call, names, once.Callback());
+  } catch (...) {
+    if (!once.ran()) refuse(StatusOfException(std::current_exception(), "forward"));
+  }
+}
+
+void AttentionRunner::StartOrThrow(const AttentionCall* call, const FieldNames& names, Done done) {
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
     timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);

@@ -36,6 +36,8 @@ class AttentionRunner {
   const std::string& backend_name() const { return backend_name_; }
 
  private:
+  // Start without the exception boundary.
+  void StartOrThrow(const AttentionCall* call, const FieldNames& names, Done done);
   // Records the call in the metrics and the log, then calls `done`.
   void Complete(const AttentionCall& call, const FieldNames& names, const absl::Status& status,
                 const WorkTimings& timings, const Done& done) const;

@@ -1,5 +1,6 @@
-// The log level of a finished call: client errors are routine for a server,
-// only its own failures are errors.
+// The log level of a finished call: successes are debug (a line per call at
+// the default level fills disks under load), client errors are routine for a
+// server (info), only its own failures are errors.
 #pragma once
 
 #include "absl/status/status.h"
@@ -12,6 +13,7 @@ inline spdlog::level::level_enum CallLogLevel(const absl::Status& status) {
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
     case absl::StatusCode::kDataLoss: return spdlog::level::err;
+    case absl::StatusCode::kOk: return spdlog::level::debug;
     default: return spdlog::level::info;
   }
 }

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "server/auth/tenants.h"
+#include "server/core/call_log.h"
+#include "server/in_flight.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -70,17 +72,35 @@ absl::Status KvRunner::Draining() const {
 }
 
 void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
+  // Nothing may escape to the front-end's reactor: a throw completes the call
+  // here (once), and a late completion is dropped.
+  const Once<const absl::Status&, const WorkTimings&, KvResult*> once(std::move(done));
   std::function<void(const absl::Status&, const WorkTimings&, KvResult*)> finish =
-      [this, call, done = std::move(done)](const absl::Status& status, const WorkTimings& timings,
+      [this, call, done = once.Callback()](const absl::Status& status, const WorkTimings& timings,
                                            KvResult* result) {
         if (metrics_ != nullptr) metrics_->RecordRequest(status, timings);
-        if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
-          spdlog::debug("kv append_attend id=\"{}\" status={} error={}",
-                        call->meta.id.substr(0, 64), absl::StatusCodeToString(status.code()),
-                        std::string(status.message()));
+        const spdlog::level::level_enum level = CallLogLevel(status);
+        if (spdlog::should_log(level)) {
+          spdlog::log(level, "kv append_attend id=\"{}\" status={}{}{}",
+                      call->meta.id.substr(0, 64), absl::StatusCodeToString(status.code()),
+                      status.ok() ? "" : " error=",
+                      status.ok() ? std::string() : std::string(status.message()));
         }
         done(status, timings, result);
       };
+  try {
+    StartOrThrow(call, names, &finish);
+  } catch (...) {
+    if (!once.ran()) {
+      WorkTimings timings;
+      timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);
+      finish(StatusOfException(std::current_exception(), "append_attend"), timings, nullptr);
+    }
+  }
+}
+
+void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish_in) {
+  Finish& finish = *finish_in;
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
     timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);

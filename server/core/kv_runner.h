@@ -53,6 +53,11 @@ class KvRunner {
   const RequestLimits& limits() const { return limits_; }
 
  private:
+  using Finish =
+      std::function<void(const absl::Status& status, const WorkTimings& timings, KvResult* result)>;
+  // Start without the exception boundary; `finish` records and answers.
+  void StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish);
+
   KvPool* const pool_;
   const std::string backend_name_;
   const RequestLimits limits_;

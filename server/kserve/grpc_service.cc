@@ -30,19 +30,30 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, const absl::S
   return reactor;
 }
 
-// Unary ModelInfer: the model's completion finishes the RPC.
+// Unary ModelInfer: the model's completion finishes the RPC. The in-flight
+// count is held from construction to OnDone, and a throw while starting
+// finishes the call with its status instead of escaping to gRPC.
 class InferReactor final : public grpc::ServerUnaryReactor {
  public:
   InferReactor(KserveContext* context, grpc::CallbackServerContext* ctx,
                const ModelInferRequest* request, inference::ModelInferResponse* response)
       : in_flight_(&context->in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
-    in_flight_->Add();
+    try {
+      Start(context, ctx, request, response);
+    } catch (...) {
+      FinishOnce(StatusOfException(std::current_exception(), "ModelInfer"));
+    }
+  }
+
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  void OnDone() override { delete this; }
+
+ private:
+  void Start(KserveContext* context, grpc::CallbackServerContext* ctx,
+             const ModelInferRequest* request, inference::ModelInferResponse* response) {
     absl::StatusOr<KserveModel*> model =
         context->models.Find(request->model_name(), request->model_version());
-    if (!model.ok()) {
-      Finish(ToGrpcStatus(model.status()));
-      return;
-    }
+    if (!model.ok()) return FinishOnce(model.status());
     InferCall call;
     // The callback API hands the request as const, but the call owns it until
     // Finish and never reads it again: the model moves tensor bytes out of it
@@ -53,25 +64,20 @@ class InferReactor final : public grpc::ServerUnaryReactor {
     call.cache_id_header = CacheIdHeaderOf(ctx);
     call.deadline = DeadlineOf(ctx);
     call.cancelled = cancelled_;
-    call.done = [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); };
+    call.done = [this](const absl::Status& status) { FinishOnce(status); };
     const absl::Status held = HoldInFlight(
         context->tenants, call.tenant, static_cast<int64_t>(request->ByteSizeLong()), &call.done);
-    if (!held.ok()) {
-      call.done(held);
-      return;
-    }
+    if (!held.ok()) return call.done(held);
     (*model)->Infer(std::move(call));
   }
 
-  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
-  void OnDone() override {
-    in_flight_->Done();
-    delete this;
+  void FinishOnce(const absl::Status& status) {
+    if (!finished_.exchange(true, std::memory_order_acq_rel)) Finish(ToGrpcStatus(status));
   }
 
- private:
-  InFlightCounter* const in_flight_;
+  InFlightCounter::Hold in_flight_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
+  std::atomic<bool> finished_{false};
 };
 
 using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInferResponse>;

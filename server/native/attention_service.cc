@@ -66,23 +66,29 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
                  const Authenticator* auth, const grpc::CallbackServerContext* context,
                  const v1::ForwardRequest* request, v1::ForwardResponse* response)
       : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
-    in_flight_->Add();
     // Finish may run before this constructor returns (a refused request);
-    // the callback API holds it until the reactor is bound to the call.
-    StartForward(runner, tenants, MetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_),
-                 request, response,
-                 [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
+    // the callback API holds it until the reactor is bound to the call. A
+    // throw finishes the call with its status instead of escaping to gRPC.
+    try {
+      StartForward(runner, tenants,
+                   MetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_), request,
+                   response, [this](const absl::Status& status) { FinishOnce(status); });
+    } catch (...) {
+      FinishOnce(StatusOfException(std::current_exception(), "Forward"));
+    }
   }
 
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
-  void OnDone() override {
-    in_flight_->Done();
-    delete this;
-  }
+  void OnDone() override { delete this; }
 
  private:
-  InFlightCounter* const in_flight_;
+  void FinishOnce(const absl::Status& status) {
+    if (!finished_.exchange(true, std::memory_order_acq_rel)) Finish(ToGrpcStatus(status));
+  }
+
+  InFlightCounter::Hold in_flight_;  // from construction to OnDone
   const std::shared_ptr<std::atomic<bool>> cancelled_;
+  std::atomic<bool> finished_{false};
 };
 
 // Echo's answer to a request: Forward's checks (so the same INVALID_ARGUMENT
@@ -113,7 +119,21 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
               InFlightCounter* in_flight, TenantDirectory* tenants, const std::string& tenant,
               const v1::ForwardRequest* request, v1::ForwardResponse* response)
       : in_flight_(in_flight) {
-    in_flight_->Add();
+    absl::Status status;
+    try {
+      status = Answer(limits, backend_name, tenants, tenant, request, response);
+    } catch (...) {
+      status = StatusOfException(std::current_exception(), "Echo");
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  static absl::Status Answer(const RequestLimits& limits, const std::string& backend_name,
+                             TenantDirectory* tenants, const std::string& tenant,
+                             const v1::ForwardRequest* request, v1::ForwardResponse* response) {
     const absl::Time received = absl::Now();
     // Echo holds nothing past this constructor: the quota is checked, not held.
     std::function<void()> nothing = [] {};
@@ -133,16 +153,10 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
                     absl::StrJoin(request->q().shape(), ","),
                     absl::StatusCodeToString(status.code()), total_us);
     }
-    Finish(ToGrpcStatus(status));
+    return status;
   }
 
-  void OnDone() override {
-    in_flight_->Done();
-    delete this;
-  }
-
- private:
-  InFlightCounter* const in_flight_;
+  InFlightCounter::Hold in_flight_;  // from construction to OnDone
 };
 
 using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
