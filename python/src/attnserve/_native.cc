@@ -18,14 +18,20 @@
 //   code, payload = ch.unary("/pkg.Svc/Method", pieces, timeout_s | None, [(key, value)] | None)
 //     code 0: payload is the response's bytes; else the gRPC status code and
 //     payload its message (str). ch.calls: calls completed so far; ch.close().
+//
+// Public gRPC C++ API only (no grpcpp/impl, no grpc::internal): a call is a
+// generic stub's unary call (grpc::GenericStub: ByteBuffer in and out, the
+// method by its path) on a completion queue of its own, waited on in place.
+// A ByteBuffer request is taken by reference to its slices and a response
+// handed over by swapping its slices, so neither side copies bytes.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/client_unary_call.h>
-#include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
@@ -35,9 +41,9 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -89,25 +95,11 @@ struct State {
   std::mutex mu;
   // Calls copy it under mu, so close() during a call is safe.
   std::shared_ptr<grpc::Channel> channel;
-  // Registered methods by path (gRPC interns a registered method's path once
-  // per channel); RpcMethod keeps its name's pointer, so the key owns it.
-  std::map<std::string, std::unique_ptr<grpc::internal::RpcMethod>> methods;
   std::atomic<long long> calls{0};
 
   std::shared_ptr<grpc::Channel> Channel() {
     std::lock_guard<std::mutex> lock(mu);
     return channel;
-  }
-  const grpc::internal::RpcMethod* MethodFor(const std::shared_ptr<grpc::Channel>& ch,
-                                             const std::string& path) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = methods.find(path);
-    if (it == methods.end()) {
-      it = methods.emplace(path, nullptr).first;
-      it->second = std::make_unique<grpc::internal::RpcMethod>(
-          it->first.c_str(), grpc::internal::RpcMethod::NORMAL_RPC, ch);
-    }
-    return it->second.get();
   }
 };
 
@@ -242,9 +234,13 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "attnserve._native: the channel is closed");
     return nullptr;
   }
+  // The call's queue, made once the call is sure to be made (a queue must be
+  // shut down and drained before it goes); declared before the context, so the
+  // call (which the context owns) goes first.
+  std::optional<grpc::CompletionQueue> cq;
   grpc::ClientContext context;
   if (!Prepare(timeout, metadata, &context)) return nullptr;
-  const grpc::internal::RpcMethod* method = self->state->MethodFor(channel, path);
+  const std::string method(path);
 
   auto* held = new HeldBuffers;
   std::vector<grpc::Slice> slices;
@@ -257,10 +253,30 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
   grpc::Status status;
   std::vector<grpc::Slice> parts;
   Py_BEGIN_ALLOW_THREADS {
-    grpc::ByteBuffer request(slices.data(), slices.size());
-    slices.clear();
-    status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-        channel.get(), *method, &context, request, &response);
+    cq.emplace();
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call;
+    {
+      // The call takes its own references to the slices: `request` may go now.
+      grpc::ByteBuffer request(slices.data(), slices.size());
+      slices.clear();
+      call = grpc::GenericStub(channel).PrepareUnaryCall(&context, method, request, &*cq);
+    }
+    void* tag = nullptr;
+    bool ok = false;
+    if (call == nullptr) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL, "attnserve._native: no call was made");
+    } else {
+      call->StartCall();
+      call->Finish(&response, &status, &call);
+      if (!cq->Next(&tag, &ok) || tag != &call) {
+        status = grpc::Status(grpc::StatusCode::INTERNAL,
+                              "attnserve._native: the call's completion queue failed");
+      }
+    }
+    call.reset();
+    cq->Shutdown();
+    while (cq->Next(&tag, &ok)) {
+    }
   }
   if (status.ok()) status = response.Dump(&parts);
   Py_END_ALLOW_THREADS held->UnrefHoldingGil();
