@@ -58,9 +58,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Port 0: each server picks a free port and logs it.
+# Port 0: each server picks a free port and logs it. No HTTP or /metrics
+# ports (two servers cannot share them), and debug logging, which has the
+# per-call 'forward id=' lines count() reads.
 start_server() {  # start_server NAME
-  "$server" --host=127.0.0.1 --port=0 --threads=1 >"$tmp/$1.log" 2>&1 &
+  "$server" --host=127.0.0.1 --port=0 --threads=1 --http_port=0 --metrics_port=0 \
+    --log_level=debug >"$tmp/$1.log" 2>&1 &
   pids+=($!)
 }
 port_of() {  # port_of NAME: waits for the "listening on HOST:PORT" line

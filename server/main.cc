@@ -29,6 +29,11 @@ ABSL_FLAG(std::string, devices, "all",
           "One executor per GPU; each request goes to the least-loaded");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
+ABSL_FLAG(int64_t, max_buffered_bytes, 0,
+          "Every byte the server buffers for callers, over all of them: half for gRPC's own "
+          "receive buffers (a gRPC ResourceQuota), half for what streams hold and HTTP bodies "
+          "with their parsed JSON tensors; over it streams stop being read and HTTP requests are "
+          "refused (429, or 413 by Content-Length). 0 = half the machine's memory");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
           "Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted");
 ABSL_FLAG(bool, batching, true,
@@ -134,6 +139,9 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = IsOurFlagFile;
   usage.contains_helpshort_flags = IsOurFlagFile;
+  usage.version_string = [] {
+    return std::string("attnserve ") + attnserve::AttnServeVersion() + "\n";
+  };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "fused multi-head attention over gRPC (attnserve.v1.Attention, "
@@ -168,6 +176,7 @@ int main(int argc, char** argv) {
   options.backend.devices = absl::GetFlag(FLAGS_devices);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  options.max_buffered_bytes = absl::GetFlag(FLAGS_max_buffered_bytes);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.launch_timeout = absl::GetFlag(FLAGS_launch_timeout);
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);

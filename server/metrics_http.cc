@@ -18,15 +18,17 @@ namespace attnserve {
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 namespace {
 
-// Scrapes are rare and cheap; a couple of threads is plenty and keeps the
-// server's thread count predictable.
-constexpr size_t kHttpThreads = 2;
-
 class MetricsHttpServerImpl final : public MetricsHttpServer {
  public:
   MetricsHttpServerImpl(HttpServerWithTls http, const ServerMetrics* metrics)
       : http_(std::move(http)), listener_(http_.server.get()) {
-    http_.server->new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+    // A throwing handler answers 500 (httplib would otherwise name the
+    // exception in a response header).
+    http_.server->set_exception_handler(
+        [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+          res.status = 500;
+          res.set_content("internal error\n", "text/plain");
+        });
     http_.server->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
       res.set_content(metrics->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8");
     });

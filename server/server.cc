@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <unistd.h>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -63,7 +65,25 @@ std::string ListenAddress(const std::string& host, int port) {
   return absl::StrCat(host, ":", port);
 }
 
+// The budget in force: the option, or the machine's default.
+int64_t BufferedBytesOf(const ServerOptions& o) {
+  return o.max_buffered_bytes > 0 ? o.max_buffered_bytes : DefaultMaxBufferedBytes();
+}
+
+// The stream limits with the server-wide total: what every stream together
+// may hold is the whole buffered budget less what gRPC's receive buffers may.
+StreamLimits StreamLimitsOf(const ServerOptions& o) {
+  StreamLimits limits = o.stream;
+  limits.max_total_bytes = BufferedBytesOf(o) / 2;
+  return limits;
+}
+
 absl::Status CheckOptions(const ServerOptions& o) {
+  if (o.max_buffered_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_buffered_bytes: expected >= 0 (0: the default), got ",
+                     o.max_buffered_bytes));
+  }
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port: expected 0..65535, got ", o.port));
   }
@@ -111,6 +131,8 @@ bool IsLoopback(const std::string& host) {
 KserveOptions KserveOptionsOf(const ServerOptions& o) {
   KserveOptions k = o.kserve;
   k.tls = o.tls;
+  // HTTP bodies share the half of the budget that streams also draw on.
+  k.max_buffered_bytes = BufferedBytesOf(o) / 2;
   return k;
 }
 
@@ -223,7 +245,7 @@ class AttnServerImpl final : public AttnServer {
         service_(
             &runner_, description_,
             ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
-                        options.stream, &metrics_.streams(), true, options.kv_page_size,
+                        StreamLimitsOf(options), &metrics_.streams(), true, options.kv_page_size,
                         options.kv_cache_bytes, absl::ToInt64Milliseconds(options.kv_idle_timeout),
                         tenants_.get(), auth_.get()}),
         kv_pool_(
@@ -231,9 +253,9 @@ class AttnServerImpl final : public AttnServer {
             KvDevices(backends_, &executors_)),
         kv_runner_(&kv_pool_, description_.name,
                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        kv_service_(&kv_runner_, &metrics_, options.stream),
+        kv_service_(&kv_runner_, &metrics_, StreamLimitsOf(options)),
         kserve_(&runner_, &kv_runner_, &metrics_, KserveInfo(options, description_),
-                KserveOptionsOf(options), options.stream, [this] {
+                KserveOptionsOf(options), StreamLimitsOf(options), [this] {
                   absl::MutexLock lock(&mu_);
                   return state_ == State::kServing;
                 }) {
@@ -255,8 +277,14 @@ class AttnServerImpl final : public AttnServer {
     ASSIGN_OR_RETURN(grpc::Server * server, Listen());
     RETURN_IF_ERROR(WarmUpBackends());
     StartDeviceMetrics();
-    StartMetricsEndpoint();
-    StartKserveHttp();
+    // Every port must be this server's alone: one that cannot be bound (another
+    // server has it) fails the start, as the gRPC port does.
+    absl::Status http = StartMetricsEndpoint();
+    if (http.ok()) http = kserve_.StartHttp();
+    if (!http.ok()) {
+      Shutdown(absl::ZeroDuration());
+      return http;
+    }
     if (MarkServing(server)) LogListening();
     return absl::OkStatus();
   }
@@ -372,6 +400,12 @@ class AttnServerImpl final : public AttnServer {
     // gRPC sets SO_REUSEPORT by default, so a second server on a busy port
     // would start and silently split the traffic; fail instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    // gRPC's own buffers (receive buffers, messages being read) draw on a
+    // quota: half the server's buffered budget, the other half being what
+    // streams and HTTP bodies hold once read.
+    grpc::ResourceQuota quota("attnserve");
+    quota.Resize(static_cast<size_t>(BufferedBytesOf(options_) / 2));
+    builder.SetResourceQuota(quota);
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
     // Responses are as large as their requests' Q; the client sets its own limit.
@@ -442,28 +476,17 @@ class AttnServerImpl final : public AttnServer {
     }
   }
 
-  // The /metrics endpoint, when enabled.
-  void StartMetricsEndpoint() {
-    if (!options_.metrics_enabled) return;
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
-        options_.metrics_host, options_.metrics_port, &metrics_, options_.tls);
-    if (http.ok()) {
-      metrics_http_port_.store((*http)->port(), std::memory_order_release);
-      absl::MutexLock lock(&mu_);
-      metrics_http_ = *std::move(http);
-    } else {
-      // Serving matters more than its metrics: several replicas on one host
-      // (scripts/lb-demo.sh) would otherwise all fight over port 8002.
-      spdlog::error("serving without /metrics: {}", std::string(http.status().message()));
-    }
-  }
-
-  // The KServe v2 HTTP port; as with /metrics, the gRPC port (native and v2)
-  // serves regardless of whether it could bind.
-  void StartKserveHttp() {
-    if (absl::Status http = kserve_.StartHttp(); !http.ok()) {
-      spdlog::error("serving without KServe v2 HTTP: {}", std::string(http.message()));
-    }
+  // The /metrics endpoint, when enabled; UNAVAILABLE when its port cannot be
+  // bound.
+  absl::Status StartMetricsEndpoint() {
+    if (!options_.metrics_enabled) return absl::OkStatus();
+    ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> http,
+                     MetricsHttpServer::Start(options_.metrics_host, options_.metrics_port,
+                                              &metrics_, options_.tls));
+    metrics_http_port_.store(http->port(), std::memory_order_release);
+    absl::MutexLock lock(&mu_);
+    metrics_http_ = std::move(http);
+    return absl::OkStatus();
   }
 
   // kStarting -> kServing and health SERVING; false when Shutdown has begun
@@ -514,10 +537,15 @@ class AttnServerImpl final : public AttnServer {
                  ATTNSERVE_VERSION, options_.host, port(), d.name,
                  d.devices.empty() ? std::string("host CPU") : absl::StrJoin(devices, ", "),
                  d.cpu_threads);
-    if (metrics_port() != 0) {
-      spdlog::info("metrics on {}://{}:{}/metrics", options_.tls.enabled() ? "https" : "http",
-                   options_.metrics_host, metrics_port());
+    const char* scheme = options_.tls.enabled() ? "https" : "http";
+    if (http_port() != 0) {
+      spdlog::info("KServe v2 HTTP on {}://{}:{}/v2", scheme, options_.kserve.http_host,
+                   http_port());
     }
+    if (metrics_port() != 0) {
+      spdlog::info("metrics on {}://{}:{}/metrics", scheme, options_.metrics_host, metrics_port());
+    }
+    spdlog::info("buffered bytes budget {} (--max_buffered_bytes)", BufferedBytesOf(options_));
     LogSecurity();
   }
 
@@ -592,6 +620,16 @@ absl::StatusOr<std::unique_ptr<AttnServer>> CreateChecked(
 }
 
 }  // namespace
+
+const char* AttnServeVersion() { return ATTNSERVE_VERSION; }
+
+int64_t DefaultMaxBufferedBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  const int64_t physical =
+      pages > 0 && page_size > 0 ? int64_t{pages} * int64_t{page_size} : int64_t{8} << 30;
+  return std::max<int64_t>(physical / 2, int64_t{1} << 30);
+}
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
   // Options first: a bad flag should not wait for (or fail as) a GPU's start-up.

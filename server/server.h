@@ -25,6 +25,10 @@ struct ServerOptions {
   BackendOptions backend;
   // Largest ForwardRequest accepted, in bytes (also the gRPC receive limit).
   int64_t max_request_bytes = int64_t{1} << 30;
+  // Every byte the server buffers for callers, server-wide: gRPC's receive
+  // buffers (its ResourceQuota), what all streams hold together and HTTP
+  // bodies with their parsed tensors. 0: DefaultMaxBufferedBytes().
+  int64_t max_buffered_bytes = 0;
   // Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted.
   int64_t max_tokens = int64_t{1} << 22;
   // Requests admitted but not yet started; beyond it RESOURCE_EXHAUSTED.
@@ -69,6 +73,13 @@ struct ServerOptions {
   // Bearer tokens and tenants (server/auth/): off when tokens_file is empty.
   AuthOptions auth;
 };
+
+// This build's version (--version, the start-up log, GetServerInfo).
+const char* AttnServeVersion();
+
+// Half the machine's physical memory (what --max_buffered_bytes defaults to),
+// at least 1 GiB.
+int64_t DefaultMaxBufferedBytes();
 
 class AttnServer {
  public:

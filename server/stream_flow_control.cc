@@ -14,6 +14,10 @@ absl::Status CheckStreamLimits(const StreamLimits& limits) {
     return absl::InvalidArgumentError(
         absl::StrCat("stream_max_pending_bytes: expected > 0, got ", limits.max_pending_bytes));
   }
+  if (limits.max_total_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_buffered_bytes: expected >= 0, got ", limits.max_total_bytes));
+  }
   return absl::OkStatus();
 }
 
@@ -56,7 +60,11 @@ void StreamLedger::RemoveRequest(int64_t bytes) {
 }
 
 bool StreamLedger::Full() const {
-  return requests_ >= limits_.max_pending_requests || bytes_ >= limits_.max_pending_bytes;
+  if (requests_ >= limits_.max_pending_requests || bytes_ >= limits_.max_pending_bytes) return true;
+  // Server-wide: only a stream that holds something pauses, since only its own
+  // answers can resume it; each stream may thus hold one request beyond it.
+  return requests_ > 0 && gauge_ != nullptr && limits_.max_total_bytes > 0 &&
+         gauge_->held_bytes() >= limits_.max_total_bytes;
 }
 
 void StreamLedger::SetPaused(bool paused) {

@@ -30,6 +30,34 @@ struct StreamLimits {
   // at this many. A request is released once it has been answered, so an
   // answered-but-unsent request counts only its response.
   int64_t max_pending_bytes = int64_t{256} << 20;
+  // Every stream of the server together (0: unbounded; main.cc sets it from
+  // --max_buffered_bytes).
+  int64_t max_total_bytes = 0;
+};
+
+// A server-wide byte budget shared by callers that buffer bytes outside
+// gRPC's own accounting (the HTTP front-end's bodies and parsed tensors).
+// Thread-safe; lock-free.
+class ByteBudget {
+ public:
+  explicit ByteBudget(int64_t limit = 0) : limit_(limit) {}
+  void set_limit(int64_t limit) { limit_.store(limit, std::memory_order_relaxed); }
+  int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
+  int64_t used() const { return used_.load(std::memory_order_relaxed); }
+  // Charges `bytes` unless that would exceed the limit (0: unlimited).
+  bool TryCharge(int64_t bytes) {
+    const int64_t limit = this->limit();
+    int64_t used = used_.load(std::memory_order_relaxed);
+    do {
+      if (limit > 0 && used + bytes > limit) return false;
+    } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+    return true;
+  }
+  void Release(int64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> limit_;
+  std::atomic<int64_t> used_{0};
 };
 
 // INVALID_ARGUMENT naming the option unless both limits are > 0.

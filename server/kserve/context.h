@@ -31,6 +31,9 @@ struct KserveContext {
   // (may be null) its ledger updates: the same flow control as every stream.
   StreamLimits stream_limits;
   StreamGauge* stream_gauge = nullptr;
+  // What HTTP request bodies and their parsed tensors may hold at once, over
+  // every connection (--max_buffered_bytes; 0: unbounded).
+  ByteBudget buffered;
   // Authentication and tenant quotas (server/auth/); both null when off.
   const Authenticator* auth = nullptr;
   TenantDirectory* tenants = nullptr;

@@ -19,6 +19,7 @@ KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner, Ser
       context_(options.allow_client_shm) {
   context_.ready = std::move(ready);
   context_.stream_limits = stream_limits;
+  context_.buffered.set_limit(options.max_buffered_bytes);
   context_.stream_gauge = metrics != nullptr ? &metrics->streams() : nullptr;
   AttentionModelInfo model_info;
   model_info.backend = info.backend;

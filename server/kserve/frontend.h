@@ -34,6 +34,9 @@ struct KserveOptions {
   bool http_enabled = false;
   std::string http_host = "0.0.0.0";
   int http_port = 8000;
+  // What HTTP bodies and parsed JSON tensors may hold at once, over every
+  // connection (the server's --max_buffered_bytes; 0: unbounded).
+  int64_t max_buffered_bytes = 0;
   // HTTPS when set (server/security/tls_files.h); the server's TLS files.
   TlsFiles tls;
 };

@@ -4,17 +4,20 @@
 // is type-checked before use.
 #include "server/kserve/http_service.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/cache_id_header.h"
 #include "common/dtype.h"
+#include "server/in_flight.h"
 #include "server/tenant.h"
 
 #ifdef ATTNSERVE_HAVE_HTTPLIB
@@ -51,9 +54,13 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Each inference call holds its HTTP thread until the model answers; a few
-// threads keep several clients (and perf_analyzer's concurrency) going.
-constexpr size_t kHttpThreads = 8;
+// What a JSON body may take once parsed, per byte of body: nlohmann's
+// document (a 16-byte value per number plus array overhead), the flattened
+// doubles and the packed tensor. JSON bodies are capped at
+// max_request_bytes / kJsonBodyDivisor so that this stays below the limit
+// binary bodies have.
+constexpr int64_t kJsonExpansion = 24;
+constexpr int64_t kJsonBodyDivisor = 16;
 // As the gRPC receive limit: a body just over max_request_bytes still reaches
 // validation, which names the limit.
 constexpr int64_t kBodySlackBytes = 64 * 1024;
@@ -117,11 +124,17 @@ absl::StatusOr<std::string> StringField(const std::string& where, const Json& ob
   return it->get<std::string>();
 }
 
-// Nested or flat JSON "data" -> its numbers in row-major order.
-absl::Status Flatten(const std::string& where, const Json& data, std::vector<double>* out) {
+// Nested or flat JSON "data" -> its numbers in row-major order. Nesting is
+// bounded by the tensor's rank (`depth_left`), so the recursion is too.
+absl::Status Flatten(const std::string& where, const Json& data, size_t depth_left,
+                     std::vector<double>* out) {
   if (data.is_array()) {
+    if (depth_left == 0) {
+      return Invalid(
+          absl::StrCat(where, ".data: nested deeper than the tensor's rank (its shape)"));
+    }
     for (const Json& e : data) {
-      absl::Status s = Flatten(where, e, out);
+      absl::Status s = Flatten(where, e, depth_left - 1, out);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
@@ -137,11 +150,12 @@ absl::Status Flatten(const std::string& where, const Json& data, std::vector<dou
   return Invalid(absl::StrCat(where, ".data: expected numbers, got ", data.type_name()));
 }
 
-// JSON numbers -> the little-endian bytes of `datatype`.
+// JSON numbers -> the little-endian bytes of `datatype`; `rank` is the
+// length of the tensor's shape (a flat list is always accepted).
 absl::StatusOr<std::string> PackJsonData(const std::string& where, const std::string& datatype,
-                                         const Json& data) {
+                                         size_t rank, const Json& data) {
   std::vector<double> values;
-  absl::Status flat = Flatten(where, data, &values);
+  absl::Status flat = Flatten(where, data, std::max<size_t>(rank, 1), &values);
   if (!flat.ok()) return flat;
   std::string bytes;
   if (datatype == "FP32" || datatype == "INT32") {
@@ -175,6 +189,39 @@ absl::StatusOr<std::string> PackJsonData(const std::string& where, const std::st
                               datatype, "\""));
 }
 
+// The deepest nesting of arrays and objects a request body may have: an
+// inference request is an object of inputs holding data nested as deep as
+// its rank. Checked before parsing, so nothing (the parser, the flattening,
+// the document's destructor) recurses over a hostile depth.
+constexpr int kMaxJsonDepth = 64;
+
+// OK unless `text`'s arrays and objects nest deeper than kMaxJsonDepth.
+// Brackets inside strings do not count.
+absl::Status CheckJsonDepth(absl::string_view text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return Invalid(absl::StrCat("request body: JSON nested deeper than ", kMaxJsonDepth,
+                                    " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Which requested outputs want binary data, and which go to shared memory.
 struct OutputForm {
   bool default_binary = false;
@@ -194,6 +241,8 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
           absl::StrCat(kHeaderLength, ": expected 0..", req.body.size(), ", got \"", value, "\""));
     }
   }
+  absl::Status depth = CheckJsonDepth(absl::string_view(req.body.data(), header_length));
+  if (!depth.ok()) return depth;
   const Json j = Json::parse(req.body.begin(), req.body.begin() + header_length, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
     return Invalid("request body: expected a JSON object (the v2 inference request)");
@@ -246,7 +295,8 @@ absl::Status ParseInferRequest(const httplib::Request& req, inference::ModelInfe
       binary_offset += static_cast<size_t>(size);
       params.erase("binary_data_size");
     } else if (auto data = in.find("data"); data != in.end()) {
-      absl::StatusOr<std::string> bytes = PackJsonData(where, *datatype, *data);
+      absl::StatusOr<std::string> bytes =
+          PackJsonData(where, *datatype, static_cast<size_t>(tensor->shape_size()), *data);
       if (!bytes.ok()) return bytes.status();
       *out->add_raw_input_contents() = *std::move(bytes);
     } else if (params.count("shared_memory_region") == 0) {
@@ -431,6 +481,8 @@ Json StatisticsJson(const inference::ModelStatisticsResponse& r) {
 // A JSON request body (may be empty: then {}).
 absl::StatusOr<Json> BodyObject(const httplib::Request& req) {
   if (req.body.empty()) return Json::object();
+  absl::Status depth = CheckJsonDepth(req.body);
+  if (!depth.ok()) return depth;
   Json j = Json::parse(req.body, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Invalid("request body: expected a JSON object");
   return j;
@@ -448,11 +500,20 @@ absl::StatusOr<uint64_t> UintField(const Json& j, const char* name) {
 class KserveHttpServerImpl final : public KserveHttpServer {
  public:
   KserveHttpServerImpl(KserveContext* context, int64_t max_request_bytes, HttpServerWithTls http)
-      : context_(context), holder_(std::move(http)), http_(*holder_.server) {
-    http_.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+      : context_(context),
+        max_json_body_bytes_(std::max<int64_t>(max_request_bytes / kJsonBodyDivisor, 1)),
+        max_body_bytes_(max_request_bytes + kBodySlackBytes),
+        holder_(std::move(http)),
+        http_(*holder_.server) {
     // Small requests and responses must not wait for Nagle's algorithm.
     http_.set_tcp_nodelay(true);
-    http_.set_payload_max_length(static_cast<size_t>(max_request_bytes + kBodySlackBytes));
+    http_.set_payload_max_length(static_cast<size_t>(max_body_bytes_));
+    // A handler that throws answers a v2 error naming it; httplib's default
+    // would answer 500 with the exception's text in a header.
+    http_.set_exception_handler(
+        [](const httplib::Request&, httplib::Response& res, std::exception_ptr e) {
+          Reply(res, StatusOfException(e, "request"));
+        });
     Authenticate();
     Routes();
   }
@@ -482,10 +543,42 @@ class KserveHttpServerImpl final : public KserveHttpServer {
                             const httplib::ContentReader&) { handler(req, res); });
   }
 
+  // Runs before the body is read: a Content-Length over what the body may be
+  // (binary: --max_request_bytes; JSON inference: a sixteenth of it) or over
+  // what the server may still buffer is refused without reading it, and the
+  // connection closed since its body was left unread.
+  bool RefuseLargeBody(const httplib::Request& req, httplib::Response& res) {
+    if (!req.has_header("Content-Length")) return false;
+    int64_t length = 0;
+    if (!absl::SimpleAtoi(req.get_header_value("Content-Length"), &length) || length < 0) {
+      return false;  // httplib answers a malformed length itself
+    }
+    absl::Status refused;
+    const bool json = !req.has_header(kHeaderLength);
+    if (length > max_body_bytes_) {
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "request body: ", length, " bytes; at most --max_request_bytes=",
+          max_body_bytes_ - kBodySlackBytes, " are accepted"));
+    } else if (json && absl::EndsWith(req.path, "/infer") && length > max_json_body_bytes_) {
+      refused = JsonTooLarge(length);
+    } else if (const int64_t limit = context_->buffered.limit();
+               limit > 0 && length > limit - context_->buffered.used()) {
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "request body: ", length, " bytes; the server holds as many request bytes as it may "
+          "(--max_buffered_bytes=", limit, "); retry later"));
+    }
+    if (refused.ok()) return false;
+    Reply(res, refused);
+    res.status = 413;
+    res.set_header("Connection", "close");
+    return true;
+  }
+
   // With bearer tokens on, every call but the health probes needs one: a
   // missing or unknown token is answered 401 before any route runs.
   void Authenticate() {
     http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (RefuseLargeBody(req, res)) return httplib::Server::HandlerResponse::Handled;
       if (context_->auth == nullptr || req.path == "/v2/health/live" ||
           req.path == "/v2/health/ready") {
         return httplib::Server::HandlerResponse::Unhandled;
@@ -567,42 +660,88 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   }
 
   void Infer(const httplib::Request& req, httplib::Response& res) {
-    InFlightCounter* in_flight = &context_->in_flight;
-    in_flight->Add();
+    // Held until this handler returns, however it returns.
+    InFlightCounter::Hold in_flight(&context_->in_flight);
+    absl::Status status;
+    try {
+      status = InferOrThrow(req, res);
+    } catch (...) {
+      status = StatusOfException(std::current_exception(), "infer");
+    }
+    if (!status.ok()) Reply(res, status);
+  }
+
+  // What the request holds while it runs: its body, and for JSON tensors the
+  // parsed document and the packed tensors (kJsonExpansion times the body).
+  int64_t BufferedBytesOf(const httplib::Request& req) const {
+    const int64_t body = static_cast<int64_t>(req.body.size());
+    return req.has_header(kHeaderLength) ? 2 * body : kJsonExpansion * body;
+  }
+
+  absl::Status InferOrThrow(const httplib::Request& req, httplib::Response& res) {
+    if (!req.has_header(kHeaderLength) &&
+        static_cast<int64_t>(req.body.size()) > max_json_body_bytes_) {
+      return JsonTooLarge(static_cast<int64_t>(req.body.size()));
+    }
+    const int64_t charge = BufferedBytesOf(req);
+    if (!context_->buffered.TryCharge(charge)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the server holds as many request bytes as it may (--max_buffered_bytes=",
+          context_->buffered.limit(), "); retry later"));
+    }
+    struct Uncharge {
+      ByteBudget* budget;
+      int64_t bytes;
+      ~Uncharge() { budget->Release(bytes); }
+    } uncharge{&context_->buffered, charge};
+
     absl::StatusOr<KserveModel*> model = ModelOf(req);
-    inference::ModelInferRequest request;
-    inference::ModelInferResponse response;
-    OutputForm form;
-    absl::Status status = model.status();
-    if (status.ok()) status = ParseInferRequest(req, &request, &form);
-    if (status.ok()) {
-      request.set_model_name((*model)->name());
+    if (!model.ok()) return model.status();
+    // Shared with the completion, so that a model that throws after handing
+    // the call on cannot write into freed memory when it completes later.
+    struct State {
+      inference::ModelInferRequest request;
+      inference::ModelInferResponse response;
+      absl::Status status;
       absl::Notification done;
-      InferCall call;
-      call.request = &request;
-      call.response = &response;
-      call.tenant = TenantOf(req);
-      call.cache_id_header = req.get_header_value(kCacheIdHeader);
-      call.cancelled = std::make_shared<std::atomic<bool>>(false);
-      call.done = [&](const absl::Status& s) {
-        status = s;
-        done.Notify();
-      };
-      const absl::Status held = HoldInFlight(context_->tenants, call.tenant,
-                                             static_cast<int64_t>(req.body.size()), &call.done);
-      if (held.ok()) {
-        (*model)->Infer(std::move(call));
-      } else {
-        call.done(held);
-      }
-      done.WaitForNotification();
+    };
+    auto state = std::make_shared<State>();
+    OutputForm form;
+    if (absl::Status parsed = ParseInferRequest(req, &state->request, &form); !parsed.ok()) {
+      return parsed;
     }
-    if (status.ok()) {
-      WriteInferResponse(response, form, res);
-    } else {
-      Reply(res, status);
+    state->request.set_model_name((*model)->name());
+    const Once<const absl::Status&> done([state](const absl::Status& s) {
+      state->status = s;
+      state->done.Notify();
+    });
+    InferCall call;
+    call.request = &state->request;
+    call.response = &state->response;
+    call.tenant = TenantOf(req);
+    call.cache_id_header = req.get_header_value(kCacheIdHeader);
+    call.cancelled = std::make_shared<std::atomic<bool>>(false);
+    call.done = done.Callback();
+    const absl::Status held = HoldInFlight(context_->tenants, call.tenant,
+                                           static_cast<int64_t>(req.body.size()), &call.done);
+    if (!held.ok()) return held;
+    try {
+      (*model)->Infer(std::move(call));
+    } catch (...) {
+      done(StatusOfException(std::current_exception(), "infer"));
     }
-    in_flight->Done();
+    state->done.WaitForNotification();
+    if (!state->status.ok()) return state->status;
+    WriteInferResponse(state->response, form, res);
+    return absl::OkStatus();
+  }
+
+  absl::Status JsonTooLarge(int64_t bytes) const {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request body: ", bytes, " bytes of JSON; JSON tensors are accepted up to ",
+        max_json_body_bytes_,
+        " bytes (--max_request_bytes / 16, since parsed JSON takes many times its size): send "
+        "large tensors with the binary tensor extension (Inference-Header-Content-Length)"));
   }
 
   void SharedMemoryRoutes() {
@@ -671,6 +810,8 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   }
 
   KserveContext* const context_;
+  const int64_t max_json_body_bytes_;
+  const int64_t max_body_bytes_;
   HttpServerWithTls holder_;
   httplib::Server& http_;
   HttpListener listener_{&http_};
