@@ -165,7 +165,17 @@ TEST_F(HttpHardeningTest, IdleAndSlowConnectionsDoNotStallProbes) {
     slow.push_back(fd);
   }
   std::atomic<bool> stop{false};
-  std::thread trickle([&] {
+  std::thread trickle;
+  // Joined on every way out, a failed assertion included.
+  struct Join {
+    std::atomic<bool>* stop;
+    std::thread* thread;
+    ~Join() {
+      stop->store(true);
+      if (thread->joinable()) thread->join();
+    }
+  } join{&stop, &trickle};
+  trickle = std::thread([&] {
     const std::string request = "GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Slow: ";
     size_t sent = 0;
     while (!stop.load()) {
@@ -190,8 +200,6 @@ TEST_F(HttpHardeningTest, IdleAndSlowConnectionsDoNotStallProbes) {
     EXPECT_EQ(res->status, 200);
     EXPECT_LT(took, bound) << "port " << port << " answered after " << took;
   }
-  stop.store(true);
-  trickle.join();
   for (int fd : fds) close(fd);
   for (int fd : slow) close(fd);
 }
