@@ -22,28 +22,27 @@ if [ $# -gt 0 ]; then
   esac
 fi
 
-# Each variable, when set and not empty, becomes one flag. Flags from the
-# command line come after these, so they take precedence.
-set -- \
-  ${ATTNSERVE_HOST:+"--host=$ATTNSERVE_HOST"} \
-  ${ATTNSERVE_PORT:+"--port=$ATTNSERVE_PORT"} \
-  ${ATTNSERVE_BACKEND:+"--backend=$ATTNSERVE_BACKEND"} \
-  ${ATTNSERVE_THREADS:+"--threads=$ATTNSERVE_THREADS"} \
-  ${ATTNSERVE_DEVICES:+"--devices=$ATTNSERVE_DEVICES"} \
-  ${ATTNSERVE_MAX_REQUEST_BYTES:+"--max_request_bytes=$ATTNSERVE_MAX_REQUEST_BYTES"} \
-  ${ATTNSERVE_MAX_TOKENS:+"--max_tokens=$ATTNSERVE_MAX_TOKENS"} \
-  ${ATTNSERVE_MAX_QUEUE_SIZE:+"--max_queue_size=$ATTNSERVE_MAX_QUEUE_SIZE"} \
-  ${ATTNSERVE_BATCHING:+"--batching=$ATTNSERVE_BATCHING"} \
-  ${ATTNSERVE_BATCH_MAX_DELAY_US:+"--batch_max_delay_us=$ATTNSERVE_BATCH_MAX_DELAY_US"} \
-  ${ATTNSERVE_BATCH_MAX_TOKENS:+"--batch_max_tokens=$ATTNSERVE_BATCH_MAX_TOKENS"} \
-  ${ATTNSERVE_METRICS_HOST:+"--metrics_host=$ATTNSERVE_METRICS_HOST"} \
-  ${ATTNSERVE_METRICS_PORT:+"--metrics_port=$ATTNSERVE_METRICS_PORT"} \
-  ${ATTNSERVE_SHUTDOWN_GRACE:+"--shutdown_grace=$ATTNSERVE_SHUTDOWN_GRACE"} \
-  ${ATTNSERVE_LOG_LEVEL:+"--log_level=$ATTNSERVE_LOG_LEVEL"} \
-  ${ATTNSERVE_TLS_CERT:+"--tls_cert=$ATTNSERVE_TLS_CERT"} \
-  ${ATTNSERVE_TLS_KEY:+"--tls_key=$ATTNSERVE_TLS_KEY"} \
-  ${ATTNSERVE_TLS_CLIENT_CA:+"--tls_client_ca=$ATTNSERVE_TLS_CLIENT_CA"} \
-  ${ATTNSERVE_AUTH_TOKENS_FILE:+"--auth_tokens_file=$ATTNSERVE_AUTH_TOKENS_FILE"} \
-  "$@"
+# Every server flag --NAME has the variable ATTNSERVE_<NAME in capitals>;
+# deploy/validate.sh checks this list against server/main.cc's flags. Each
+# variable, when set and not empty, becomes one flag. They are put before the
+# command line's flags, so those take precedence.
+flags="
+host port backend threads devices
+max_request_bytes max_buffered_bytes max_tokens max_queue_size launch_timeout
+batching batch_max_delay_us batch_max_tokens
+metrics_host metrics_port http_port allow_client_shm
+stream_max_pending_requests stream_max_pending_bytes
+kv_cache_bytes kv_page_size kv_idle_timeout kv_startup_cache
+tls_cert tls_key tls_client_ca tls_reload_interval auth_tokens_file auth_reload_interval
+shutdown_grace log_level
+"
+# Reversed, so that prepending each keeps the list's order.
+reversed=
+for name in $flags; do reversed="$name $reversed"; done
+for name in $reversed; do
+  var=ATTNSERVE_$(printf '%s' "$name" | tr '[:lower:]' '[:upper:]')
+  eval "value=\${$var:-}"
+  if [ -n "$value" ]; then set -- "--$name=$value" "$@"; fi
+done
 
 exec /usr/local/bin/attnserve "$@"
