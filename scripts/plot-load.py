@@ -4,10 +4,11 @@
     scripts/plot-load.py load.csv [more.csv ...] [-o load.png] [--title TEXT]
 
 One curve pair (p50 solid, p99 dashed) per series; a series is one input file and,
-within it, one (label, mode, stream, channels, shape, dtype, options) combination, so a
-CSV that collects several sweeps (for example --label=batching=on and =off) gives several
-curves. Points
-are ordered by throughput. Needs matplotlib; without it, says how to get it and exits 1.
+within it, one (label, protocol, shared memory, mode, stream, channels, shape, dtype,
+options) combination, so a CSV that collects several sweeps (for example
+--label=batching=on and =off, or --protocol=native and v2) gives several curves. Files
+written before the protocol and shm columns existed are native without shared memory.
+Points are ordered by throughput. Needs matplotlib; without it, says how to get it and exits 1.
 """
 import argparse
 import csv
@@ -21,10 +22,14 @@ def load_series(paths):
     for path in paths:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
-                shape = "B{batch} Sq{seqlen_q} Sk{seqlen_k} Hq{heads_q} D{head_dim}".format(**row)
-                key = "{}{} {} {}{}, {} {} {}".format(
+                shape = "B{batch} Sq{seqlen_q} Sk{seqlen_k} Hq{heads_q} Hkv{heads_kv} D{head_dim}".format(
+                    **row)
+                protocol = row.get("protocol") or "native"
+                shm = row.get("shm") or "none"
+                key = "{}{} {}{} {} {}{}, {} {} {}".format(
                     row["label"] + ": " if row.get("label") else "",
-                    os.path.basename(path), row["mode"],
+                    os.path.basename(path), protocol,
+                    "" if shm == "none" else " shm=" + shm, row["mode"],
                     "stream" if row["stream"] == "true" else "unary",
                     "" if row["channels"] == "1" else " x{}ch".format(row["channels"]),
                     shape, row["dtype"], row["options"])
