@@ -75,7 +75,8 @@ class GrowingThreadPool final : public httplib::TaskQueue {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       ++idle_;
-      const bool woke = cv_.wait_for(lock, kIdleExit, [this] { return shutdown_ || !jobs_.empty(); });
+      const bool woke =
+          cv_.wait_for(lock, kIdleExit, [this] { return shutdown_ || !jobs_.empty(); });
       --idle_;
       if (jobs_.empty() && (shutdown_ || !woke)) break;
       if (jobs_.empty()) continue;

@@ -98,8 +98,7 @@ inline absl::Status StatusOfException(std::exception_ptr e, absl::string_view wh
 template <typename... Args>
 class Once {
  public:
-  explicit Once(std::function<void(Args...)> fn)
-      : state_(std::make_shared<State>(std::move(fn))) {}
+  explicit Once(std::function<void(Args...)> fn) : state_(std::make_shared<State>(std::move(fn))) {}
   // The callback to hand on; runs `fn` unless this Once already ran.
   std::function<void(Args...)> Callback() const {
     return [state = state_](Args... args) { state->Run(std::forward<Args>(args)...); };

@@ -2,10 +2,11 @@
 // grpc::Server, and drains it on Shutdown; see server.h.
 #include "server/server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <unistd.h>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -80,9 +81,8 @@ StreamLimits StreamLimitsOf(const ServerOptions& o) {
 
 absl::Status CheckOptions(const ServerOptions& o) {
   if (o.max_buffered_bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_buffered_bytes: expected >= 0 (0: the default), got ",
-                     o.max_buffered_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_buffered_bytes: expected >= 0 (0: the default), got ", o.max_buffered_bytes));
   }
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port: expected 0..65535, got ", o.port));

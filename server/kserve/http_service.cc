@@ -212,8 +212,8 @@ absl::Status CheckJsonDepth(absl::string_view text) {
       in_string = true;
     } else if (c == '[' || c == '{') {
       if (++depth > kMaxJsonDepth) {
-        return Invalid(absl::StrCat("request body: JSON nested deeper than ", kMaxJsonDepth,
-                                    " levels"));
+        return Invalid(
+            absl::StrCat("request body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
       }
     } else if (c == ']' || c == '}') {
       --depth;
@@ -556,16 +556,18 @@ class KserveHttpServerImpl final : public KserveHttpServer {
     absl::Status refused;
     const bool json = !req.has_header(kHeaderLength);
     if (length > max_body_bytes_) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "request body: ", length, " bytes; at most --max_request_bytes=",
-          max_body_bytes_ - kBodySlackBytes, " are accepted"));
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("request body: ", length, " bytes; at most --max_request_bytes=",
+                       max_body_bytes_ - kBodySlackBytes, " are accepted"));
     } else if (json && absl::EndsWith(req.path, "/infer") && length > max_json_body_bytes_) {
       refused = JsonTooLarge(length);
     } else if (const int64_t limit = context_->buffered.limit();
                limit > 0 && length > limit - context_->buffered.used()) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "request body: ", length, " bytes; the server holds as many request bytes as it may "
-          "(--max_buffered_bytes=", limit, "); retry later"));
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("request body: ", length,
+                       " bytes; the server holds as many request bytes as it may "
+                       "(--max_buffered_bytes=",
+                       limit, "); retry later"));
     }
     if (refused.ok()) return false;
     Reply(res, refused);
@@ -685,9 +687,9 @@ class KserveHttpServerImpl final : public KserveHttpServer {
     }
     const int64_t charge = BufferedBytesOf(req);
     if (!context_->buffered.TryCharge(charge)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the server holds as many request bytes as it may (--max_buffered_bytes=",
-          context_->buffered.limit(), "); retry later"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server holds as many request bytes as it may (--max_buffered_bytes=",
+                       context_->buffered.limit(), "); retry later"));
     }
     struct Uncharge {
       ByteBudget* budget;

@@ -127,7 +127,8 @@ TEST_F(HttpHardeningTest, JsonBodyOverItsCapIsRefusedBeforeItIsRead) {
   // Refused on the headers alone: the body is never sent here, so an answer
   // proves the server did not wait to read it. JSON over its cap, then any
   // body over --max_request_bytes.
-  for (const std::string extra : {std::string(), std::string("Inference-Header-Content-Length: 2\r\n")}) {
+  for (const std::string extra :
+       {std::string(), std::string("Inference-Header-Content-Length: 2\r\n")}) {
     const int fd = Connect(server_->http_port());
     ASSERT_GE(fd, 0);
     const std::string head = absl::StrCat(
