@@ -5,9 +5,14 @@
 // the gRPC port's auth processor (server/security/grpc_credentials.h) and
 // the HTTP side's pre-routing handler refuse calls without a valid token
 // before any service runs, and the services map the token to its tenant
-// here; without it everyone is the tenant "default".
+// here; without it everyone is the tenant "default". Streams re-check their
+// token per request (StreamTenant): a withdrawn token stops an open stream.
 #pragma once
 
+#include <atomic>
+#include <iterator>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -29,26 +34,81 @@ inline absl::StatusOr<std::string> TenantForCall(const Authenticator* auth,
   return auth->Authenticate(authorization, count);
 }
 
-// The tenant of a call whose token was withdrawn (a reloaded tokens file)
-// between the check at the door and the lookup: a name no tokens file can
-// hold (parentheses and a space), so it owns nothing and sees nothing; it
-// stays printable because /metrics renders tenant names as labels.
-inline constexpr char kWithdrawnTenant[] = "(token withdrawn)";
+// The call's one `authorization` header; none when it carries none or more
+// than one (the port's auth processor refuses the latter, and a lookup here
+// must never pick a different one than the processor checked).
+inline std::optional<absl::string_view> SoleAuthorization(
+    const grpc::CallbackServerContext* context) {
+  const auto range = context->client_metadata().equal_range("authorization");
+  if (range.first == range.second || std::next(range.first) != range.second) return std::nullopt;
+  return absl::string_view(range.first->second.data(), range.first->second.size());
+}
 
 // The tenant a gRPC call acts for: "default" when authentication is off
-// (`auth` null); otherwise the tenant of the call's own bearer token. The
-// port's auth processor (server/security/grpc_credentials.h) has already
-// refused calls without a valid token; the lookup is repeated here rather
-// than carried over, because gRPC 1.51 hands that processor the
-// connection's auth context, which calls with different tokens share.
+// (`auth` null); otherwise the tenant of the call's own bearer token, or
+// kWithdrawnTenant (server/auth/tenants.h), which owns nothing and is refused
+// by every stateful call. The port's auth processor has already refused calls
+// without exactly one valid token; the lookup is repeated here rather than
+// carried over, because gRPC 1.51 hands that processor the connection's auth
+// context, which calls with different tokens share.
 inline std::string TenantOf(const Authenticator* auth, const grpc::CallbackServerContext* context) {
   if (auth == nullptr) return kDefaultTenant;
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return kWithdrawnTenant;
-  absl::StatusOr<std::string> tenant =
-      auth->Authenticate(absl::string_view(it->second.data(), it->second.size()), /*count=*/false);
+  const std::optional<absl::string_view> header = SoleAuthorization(context);
+  if (!header.has_value()) return kWithdrawnTenant;
+  absl::StatusOr<std::string> tenant = auth->Authenticate(*header, /*count=*/false);
   return tenant.ok() ? *tenant : std::string(kWithdrawnTenant);
+}
+
+// A stream's tenant, fixed when it opens, and the token it opened with, so
+// each request on it can check that the token has not been withdrawn since
+// (one atomic load while the tokens file is unchanged).
+class StreamTenant {
+ public:
+  StreamTenant(const Authenticator* auth, const grpc::CallbackServerContext* context)
+      : auth_(auth) {
+    if (auth == nullptr) {
+      tenant_ = kDefaultTenant;
+      return;
+    }
+    // Before the lookup: a reload after it makes the first request look again.
+    generation_.store(auth->reloads(), std::memory_order_release);
+    tenant_ = TenantOf(auth, context);
+    const std::optional<absl::string_view> header = SoleAuthorization(context);
+    if (tenant_ == kWithdrawnTenant || !header.has_value()) return;
+    absl::StatusOr<TokenDigest> digest = Authenticator::DigestOfHeader(*header);
+    if (!digest.ok()) return;
+    digest_ = *digest;
+    valid_ = true;
+  }
+  StreamTenant(const StreamTenant&) = delete;
+  StreamTenant& operator=(const StreamTenant&) = delete;
+
+  const std::string& tenant() const { return tenant_; }
+
+  // OK while the stream's token still names its tenant (always, without
+  // authentication); UNAUTHENTICATED once a reloaded tokens file withdrew it.
+  absl::Status StillValid() const {
+    if (auth_ == nullptr) return absl::OkStatus();
+    if (!valid_) {
+      return absl::UnauthenticatedError(
+          "the stream's bearer token names no tenant: open a new stream with exactly one "
+          "current token");
+    }
+    return auth_->StillValid(digest_, tenant_, &generation_);
+  }
+
+ private:
+  const Authenticator* const auth_;
+  std::string tenant_;
+  TokenDigest digest_{};
+  bool valid_ = false;
+  mutable std::atomic<int64_t> generation_{0};
+};
+
+// What a stream's per-request start captures (copyable, shared by its copies).
+inline std::shared_ptr<const StreamTenant> StreamTenantOf(
+    const Authenticator* auth, const grpc::CallbackServerContext* context) {
+  return std::make_shared<const StreamTenant>(auth, context);
 }
 
 }  // namespace attnserve

@@ -57,30 +57,73 @@ void Authenticator::Reload() {
                options_.tokens_file);
 }
 
-absl::StatusOr<std::string> Authenticator::Authenticate(absl::string_view authorization,
-                                                        bool count) const {
+namespace {
+
+// The one place the header is taken apart; the message never quotes it.
+absl::StatusOr<absl::string_view> TokenOfHeader(absl::string_view authorization) {
   absl::string_view token = absl::StripAsciiWhitespace(authorization);
   constexpr absl::string_view kScheme = "bearer ";
   if (token.empty() || token.size() <= kScheme.size() ||
       !absl::EqualsIgnoreCase(token.substr(0, kScheme.size()), kScheme)) {
-    if (count) tenants_->RecordUnauthenticated();
     return absl::UnauthenticatedError(
         "expected an 'authorization: Bearer <token>' header (attnctl --token or ATTNSERVE_TOKEN)");
   }
-  token = absl::StripLeadingAsciiWhitespace(token.substr(kScheme.size()));
+  return absl::StripLeadingAsciiWhitespace(token.substr(kScheme.size()));
+}
+
+// The entry of `digest`, comparing every entry whatever matched: the time
+// taken depends on the number of tokens only.
+const TokenEntry* FindDigest(const TokenTable& table, const TokenDigest& digest) {
+  const TokenEntry* match = nullptr;
+  for (const TokenEntry& entry : table.tokens) {
+    const bool equal = CRYPTO_memcmp(entry.digest.data(), digest.data(), digest.size()) == 0;
+    if (equal) match = &entry;
+  }
+  return match;
+}
+
+}  // namespace
+
+absl::StatusOr<TokenDigest> Authenticator::DigestOfHeader(absl::string_view authorization) {
+  absl::StatusOr<absl::string_view> token = TokenOfHeader(authorization);
+  if (!token.ok()) return token.status();
+  return DigestToken(*token);
+}
+
+absl::Status Authenticator::StillValid(const TokenDigest& digest, const std::string& tenant,
+                                       std::atomic<int64_t>* generation) const {
+  // Read before the table: a reload between the two makes the next request
+  // look again rather than trust a table older than the generation it records.
+  const int64_t now = reloads_.load(std::memory_order_acquire);
+  if (generation->load(std::memory_order_acquire) == now) return absl::OkStatus();
   std::shared_ptr<const TokenTable> table;
   {
     absl::MutexLock lock(&mu_);
     table = table_;
   }
-  const TokenDigest digest = DigestToken(token);
-  // Every entry is compared, whatever matched: the time taken depends on the
-  // number of tokens only.
-  const TokenEntry* match = nullptr;
-  for (const TokenEntry& entry : table->tokens) {
-    const bool equal = CRYPTO_memcmp(entry.digest.data(), digest.data(), digest.size()) == 0;
-    if (equal) match = &entry;
+  const TokenEntry* match = FindDigest(*table, digest);
+  if (match == nullptr || match->tenant != tenant) {
+    return absl::UnauthenticatedError(
+        "the stream's bearer token was withdrawn (the tokens file was reloaded): open a new "
+        "stream with a current token");
   }
+  generation->store(now, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Authenticator::Authenticate(absl::string_view authorization,
+                                                        bool count) const {
+  absl::StatusOr<absl::string_view> token = TokenOfHeader(authorization);
+  if (!token.ok()) {
+    if (count) tenants_->RecordUnauthenticated();
+    return token.status();
+  }
+  std::shared_ptr<const TokenTable> table;
+  {
+    absl::MutexLock lock(&mu_);
+    table = table_;
+  }
+  const TokenEntry* match = FindDigest(*table, DigestToken(*token));
   if (match == nullptr) {
     if (count) tenants_->RecordUnauthenticated();
     return absl::UnauthenticatedError("bearer token not recognised");

@@ -44,8 +44,21 @@ class Authenticator {
   absl::StatusOr<std::string> Authenticate(absl::string_view authorization,
                                            bool count = true) const;
 
-  // Times the file has been re-read successfully since start (tests wait on it).
+  // Times the file has been re-read successfully since start (tests wait on
+  // it); it is also the generation StillValid compares.
   int64_t reloads() const { return reloads_.load(std::memory_order_acquire); }
+
+  // The digest of the token in `authorization`, or UNAUTHENTICATED as
+  // Authenticate says (nothing counted): what a stream keeps to re-check.
+  static absl::StatusOr<TokenDigest> DigestOfHeader(absl::string_view authorization);
+
+  // For a stream opened with the token of `digest` for `tenant`: OK while
+  // that token still maps to `tenant`, UNAUTHENTICATED once a reloaded file
+  // withdrew it or moved it to another tenant. `*generation` is the reload
+  // it was last found valid in (start from reloads() before the first
+  // lookup); while no reload happened since, this is one atomic load.
+  absl::Status StillValid(const TokenDigest& digest, const std::string& tenant,
+                          std::atomic<int64_t>* generation) const;
 
  private:
   Authenticator(const AuthOptions& options, TenantDirectory* tenants, TokenTable table);

@@ -1,6 +1,7 @@
 // Tenant quotas, usage and counters; see tenants.h.
 #include "server/auth/tenants.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,24 @@ void TenantDirectory::SetQuotas(const std::map<std::string, TenantQuotas>& quota
   absl::MutexLock lock(&mu_);
   for (auto& [name, usage] : tenants_) usage.quotas = TenantQuotas();
   for (const auto& [name, q] : quotas) tenants_[name].quotas = q;
+  configured_ = std::max<int64_t>(1, static_cast<int64_t>(quotas.size()));
 }
+
+int64_t TenantDirectory::ConfiguredTenants() const {
+  absl::MutexLock lock(&mu_);
+  return configured_;
+}
+
+namespace {
+
+// The withdrawn tenant is nobody: nothing may be charged to it.
+absl::Status RefuseWithdrawn() {
+  return absl::UnauthenticatedError(
+      "the call's bearer token names no tenant (withdrawn, or more than one authorization "
+      "header): send exactly one current token");
+}
+
+}  // namespace
 
 TenantQuotas TenantDirectory::QuotasOf(const std::string& tenant) const {
   absl::MutexLock lock(&mu_);
@@ -45,6 +63,7 @@ absl::Status TenantDirectory::Refuse(Usage& usage, const std::string& tenant, co
 
 absl::StatusOr<InFlightCharge> TenantDirectory::ChargeInFlight(const std::string& tenant,
                                                                int64_t bytes) {
+  if (tenant == kWithdrawnTenant) return RefuseWithdrawn();
   absl::MutexLock lock(&mu_);
   Usage& usage = tenants_[tenant];
   const int64_t limit = usage.quotas.bytes_in_flight;
@@ -65,6 +84,7 @@ void TenantDirectory::ReleaseInFlight(const std::string& tenant, int64_t bytes) 
 }
 
 absl::Status TenantDirectory::CheckKvPages(const std::string& tenant, int64_t held, int64_t more) {
+  if (tenant == kWithdrawnTenant) return RefuseWithdrawn();
   absl::MutexLock lock(&mu_);
   Usage& usage = tenants_[tenant];
   const int64_t limit = usage.quotas.kv_pages;
@@ -72,7 +92,28 @@ absl::Status TenantDirectory::CheckKvPages(const std::string& tenant, int64_t he
   return absl::OkStatus();
 }
 
+absl::Status TenantDirectory::CheckKv(const std::string& tenant, int64_t held_pages,
+                                      int64_t more_pages, int64_t held_bytes, int64_t more_bytes,
+                                      int64_t device_budget) {
+  if (tenant == kWithdrawnTenant) return RefuseWithdrawn();
+  absl::MutexLock lock(&mu_);
+  Usage& usage = tenants_[tenant];
+  const int64_t limit = usage.quotas.kv_pages;
+  if (limit > 0) {
+    if (held_pages + more_pages > limit) {
+      return Refuse(usage, tenant, "kv_pages", limit, held_pages, more_pages);
+    }
+    return absl::OkStatus();
+  }
+  const int64_t share = device_budget / configured_;
+  if (held_bytes + more_bytes > share) {
+    return Refuse(usage, tenant, "kv_share", share, held_bytes, more_bytes);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TenantDirectory::CheckShmRegions(const std::string& tenant, int64_t held) {
+  if (tenant == kWithdrawnTenant) return RefuseWithdrawn();
   absl::MutexLock lock(&mu_);
   Usage& usage = tenants_[tenant];
   const int64_t limit = usage.quotas.shm_regions;
@@ -109,7 +150,7 @@ std::string TenantDirectory::RenderPrometheus() const {
       "# TYPE attnserve_tenant_quota gauge\n";
   for (const auto& [name, u] : tenants_) {
     absl::StrAppend(&calls, "attnserve_tenant_calls_total{tenant=\"", name, "\"} ", u.calls, "\n");
-    for (const char* quota : {"bytes_in_flight", "kv_pages", "shm_regions"}) {
+    for (const char* quota : {"bytes_in_flight", "kv_pages", "kv_share", "shm_regions"}) {
       auto it = u.refused.find(quota);
       absl::StrAppend(&refused, "attnserve_tenant_quota_refusals_total{tenant=\"", name,
                       "\",quota=\"", quota, "\"} ", it == u.refused.end() ? 0 : it->second, "\n");

@@ -17,6 +17,13 @@
 
 namespace attnserve {
 
+// The tenant of a call whose credentials name no tenant at the time of the
+// lookup (a token withdrawn by a reload, or more than one authorization
+// header): a name no tokens file can hold, so it owns nothing, and every
+// call that would give it state or charge it is refused (UNAUTHENTICATED).
+// It stays printable because /metrics renders tenant names as labels.
+inline constexpr char kWithdrawnTenant[] = "(token withdrawn)";
+
 // What one tenant may hold at once; 0 = no limit of that kind.
 struct TenantQuotas {
   int64_t bytes_in_flight = 0;  // serialized request bytes admitted and not yet answered
@@ -51,6 +58,8 @@ class TenantDirectory {
   // gone; new calls for them are refused by authentication anyway.
   void SetQuotas(const std::map<std::string, TenantQuotas>& quotas);
   TenantQuotas QuotasOf(const std::string& tenant) const;
+  // Tenants named by the tokens file in force (at least 1).
+  int64_t ConfiguredTenants() const;
 
   // Charges `bytes` to `tenant`, or RESOURCE_EXHAUSTED naming the quota
   // (bytes_in_flight) when they do not fit. A request larger than the quota on
@@ -59,6 +68,13 @@ class TenantDirectory {
   // RESOURCE_EXHAUSTED naming kv_pages when `held` pages plus `more` exceed
   // the tenant's quota (the caller counts what the tenant holds).
   absl::Status CheckKvPages(const std::string& tenant, int64_t held, int64_t more);
+  // The K/V rule (SECURITY.md, "Quotas"): a tenant with a kv_pages quota is
+  // held to it (`held_pages` + `more_pages`, all devices); one without may
+  // reserve at most `device_budget` / (tenants in the tokens file) bytes of
+  // a device (`held_bytes` + `more_bytes` there), so no tenant can lock the
+  // others out of the pool. RESOURCE_EXHAUSTED naming kv_pages or kv_share.
+  absl::Status CheckKv(const std::string& tenant, int64_t held_pages, int64_t more_pages,
+                       int64_t held_bytes, int64_t more_bytes, int64_t device_budget);
   // The same for shared-memory regions (`held` registered now, one more asked).
   absl::Status CheckShmRegions(const std::string& tenant, int64_t held);
 
@@ -86,6 +102,7 @@ class TenantDirectory {
 
   mutable absl::Mutex mu_;
   std::map<std::string, Usage> tenants_ ABSL_GUARDED_BY(mu_);
+  int64_t configured_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t unauthenticated_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -18,21 +19,104 @@ absl::Status SequenceNotFound(uint64_t id) {
                                           "expired): create it again and re-prefill"));
 }
 
+absl::Status TooManyIds(const char* field, size_t n) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected at most ", kMaxKvIdsPerCall, " per call, got ", n));
+}
+
 }  // namespace
+
+absl::Status KvLedger::Charge(const std::string& tenant, int device, int64_t pages, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (tenants_ != nullptr) {
+    auto it = held_.find(tenant);
+    const int64_t held_pages = it == held_.end() ? 0 : it->second.pages;
+    const int64_t held_bytes = it == held_.end() ? 0 : it->second.bytes[device];
+    RETURN_IF_ERROR(
+        tenants_->CheckKv(tenant, held_pages, pages, held_bytes, bytes, device_budget_));
+    // Reservations are honoured: what was reserved can always be allocated.
+    const int64_t total = device_total_[device];
+    if (bytes > 0 && total + bytes > device_budget_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "device ", device, ": the K/V budget (--kv_cache_bytes ", device_budget_, ") has ",
+          device_budget_ - total, " bytes not reserved by caches, this needs ", bytes,
+          " (a cache reserves its capacity when it is created)"));
+    }
+  }
+  Held& h = held_[tenant];
+  h.pages += pages;
+  h.bytes[device] += bytes;
+  device_total_[device] += bytes;
+  return absl::OkStatus();
+}
+
+void KvLedger::Refund(const std::string& tenant, int device, int64_t pages, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(tenant);
+  if (it == held_.end()) return;
+  it->second.pages -= pages;
+  it->second.bytes[device] -= bytes;
+  device_total_[device] -= bytes;
+  if (it->second.pages == 0 && it->second.bytes[device] == 0) it->second.bytes.erase(device);
+  if (it->second.pages == 0 && it->second.bytes.empty()) held_.erase(it);
+}
 
 KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
                  int64_t capacity_pages, int device, AttentionBackend* backend,
-                 std::shared_ptr<DeviceBudget> budget)
+                 std::shared_ptr<DeviceBudget> budget, std::shared_ptr<KvLedger> ledger)
     : tenant_(std::move(tenant)),
       id_(std::move(id)),
       geometry_(geometry),
       page_size_(page_size),
       device_(device),
+      budget_(budget),
+      ledger_(std::move(ledger)),
       allocator_(backend, std::move(budget), page_size,
                  int64_t{page_size} * geometry.num_heads_kv * geometry.head_dim *
                      DTypeSize(geometry.dtype),
                  capacity_pages),
       last_used_(absl::Now()) {}
+
+KvCache::~KvCache() {
+  absl::MutexLock lock(&mu_);
+  if (ledger_ != nullptr) {
+    ledger_->Refund(tenant_, device_, bookkeeping_pages_, bookkeeping_bytes_);
+    if (joined_) ledger_->Refund(tenant_, device_, allocator_.capacity_pages(), ceiling_bytes());
+  }
+  budget_->Give(bookkeeping_bytes_);
+}
+
+absl::Status KvCache::Join() {
+  absl::MutexLock lock(&mu_);
+  if (ledger_ == nullptr || joined_) return absl::OkStatus();
+  RETURN_IF_ERROR(ledger_->Charge(tenant_, device_, allocator_.capacity_pages(), ceiling_bytes()));
+  joined_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::ChargeSequences(int64_t count) {
+  const int64_t bytes = count * KvSequenceBytes(geometry_.num_layers);
+  const int64_t after = bookkeeping_bytes_ + bytes;
+  const int64_t pb = page_bytes();
+  const int64_t pages_after = (after + pb - 1) / pb;
+  const int64_t pages = pages_after - bookkeeping_pages_;
+  if (count > 0) {
+    if (ledger_ != nullptr) RETURN_IF_ERROR(ledger_->Charge(tenant_, device_, pages, bytes));
+    if (!budget_->TryTake(bytes)) {
+      if (ledger_ != nullptr) ledger_->Refund(tenant_, device_, pages, bytes);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the device's K/V budget (--kv_cache_bytes ", budget_->limit(), ") has ",
+                       budget_->limit() - budget_->used(), " bytes left, the bookkeeping of ",
+                       count, " sequence(s) of ", geometry_.num_layers, " layers needs ", bytes));
+    }
+  } else {
+    if (ledger_ != nullptr) ledger_->Refund(tenant_, device_, -pages, -bytes);
+    budget_->Give(-bytes);
+  }
+  bookkeeping_bytes_ = after;
+  bookkeeping_pages_ = pages_after;
+  return absl::OkStatus();
+}
 
 int64_t KvCache::page_bytes() const {
   return 2 * int64_t{page_size_} * geometry_.num_heads_kv * geometry_.head_dim *
@@ -57,6 +141,7 @@ absl::StatusOr<KvCache::Sequence*> KvCache::Find(uint64_t id) {
 
 absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
                                       const FieldNames& names) {
+  if (specs.size() > size_t{kMaxKvIdsPerCall}) return TooManyIds("sequences", specs.size());
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   // Check everything first: all or nothing.
@@ -89,6 +174,8 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
           s.fork_length.has_value() ? absl::StrCat(*s.fork_length) : "unset"));
     }
   }
+  // Last of the checks: what it charges is the only thing to undo.
+  RETURN_IF_ERROR(ChargeSequences(static_cast<int64_t>(specs.size())));
   const absl::Time now = absl::Now();
   for (const KvSequenceSpec& s : specs) {
     Sequence seq;
@@ -154,9 +241,13 @@ void KvCache::ReleaseSequence(Sequence& s) {
     for (int32_t p : layer) allocator_.Release(p);
     layer.clear();
   }
+  ChargeSequences(-1).IgnoreError();  // a refund cannot fail
 }
 
 absl::Status KvCache::Free(const std::vector<uint64_t>& sequence_ids) {
+  if (sequence_ids.size() > size_t{kMaxKvIdsPerCall}) {
+    return TooManyIds("sequence_ids", sequence_ids.size());
+  }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   std::set<uint64_t> seen;

@@ -32,10 +32,53 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backend/backend.h"
+#include "server/auth/tenants.h"
 #include "server/core/field_names.h"
 #include "server/kv/page_allocator.h"
 
 namespace attnserve {
+
+// Bounds on what one call can make the server hold or send: a cache's layers
+// (each sequence keeps a block table and a length per layer), the sequence
+// ids one CreateSequences, FreeSequences or GetCacheStats call may name, and
+// the per-layer lengths one GetCacheStats answer may carry.
+inline constexpr int32_t kMaxKvLayers = 1024;
+inline constexpr int kMaxKvIdsPerCall = 4096;
+inline constexpr int64_t kMaxKvStatsLengths = int64_t{1} << 20;
+
+// Host memory one sequence's bookkeeping takes (its map entry, and per layer
+// a block table header and a length), charged like pages so that empty
+// sequences cannot hold memory no quota sees.
+inline int64_t KvSequenceBytes(int32_t num_layers) { return 256 + 32 * int64_t{num_layers}; }
+
+// What each tenant's K/V caches reserve, and the rule that bounds it
+// (TenantDirectory::CheckKv): capacity pages over all devices (the kv_pages
+// quota) and, per device, bytes (each cache's capacity rounded up to whole
+// slabs, plus its sequences' bookkeeping). With tenants configured, the
+// reservations of a device never exceed its budget either, so a cache that
+// was created can always grow to its capacity. Without tenants it only keeps
+// the books. Thread-safe; its lock is taken last.
+class KvLedger {
+ public:
+  explicit KvLedger(int64_t device_budget) : device_budget_(device_budget) {}
+  void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
+
+  // All or nothing: RESOURCE_EXHAUSTED (quota, share or budget) or
+  // UNAUTHENTICATED (the withdrawn tenant) and nothing charged.
+  absl::Status Charge(const std::string& tenant, int device, int64_t pages, int64_t bytes);
+  void Refund(const std::string& tenant, int device, int64_t pages, int64_t bytes);
+
+ private:
+  struct Held {
+    int64_t pages = 0;
+    std::map<int, int64_t> bytes;  // per device
+  };
+  const int64_t device_budget_;
+  TenantDirectory* tenants_ = nullptr;
+  absl::Mutex mu_;
+  std::map<std::string, Held> held_ ABSL_GUARDED_BY(mu_);
+  std::map<int, int64_t> device_total_ ABSL_GUARDED_BY(mu_);
+};
 
 struct KvGeometry {
   int32_t num_layers = 0;
@@ -103,9 +146,22 @@ class KvCache {
     std::function<void(const std::shared_ptr<Ticket>& self)> go;
   };
 
+  // `ledger` (may be null) is charged by Join and by sequences' bookkeeping.
   KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
           int64_t capacity_pages, int device, AttentionBackend* backend,
-          std::shared_ptr<DeviceBudget> budget);
+          std::shared_ptr<DeviceBudget> budget, std::shared_ptr<KvLedger> ledger = nullptr);
+  // Refunds what Join and the live sequences charged.
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  // Charges the cache's capacity to its tenant (the pool, before the cache
+  // is shared); on error nothing is charged.
+  absl::Status Join();
+  // The device bytes the cache holds at full capacity (whole slabs).
+  int64_t ceiling_bytes() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return allocator_.ceiling_bytes();
+  }
 
   const std::string& tenant() const { return tenant_; }
   const std::string& id() const { return id_; }
@@ -173,7 +229,12 @@ class KvCache {
   using Key = std::pair<uint64_t, int32_t>;
 
   absl::StatusOr<Sequence*> Find(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every removal of a sequence goes through here, once, before the erase:
+  // its pages and its bookkeeping charge go back.
   void ReleaseSequence(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Charges (count > 0) or refunds (< 0) the bookkeeping of `count`
+  // sequences to the ledger and the device budget; a charge is all or nothing.
+  absl::Status ChargeSequences(int64_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TruncateLayer(Sequence& s, int layer, int32_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string tenant_;
@@ -182,6 +243,9 @@ class KvCache {
   const KvGeometry geometry_;
   const int page_size_;
   const int device_;
+  const std::shared_ptr<DeviceBudget> budget_;
+  const std::shared_ptr<KvLedger> ledger_;
+  bool joined_ = false;  // Join charged the capacity
 
   absl::Mutex mu_;
   PageAllocator allocator_ ABSL_GUARDED_BY(mu_);
@@ -190,6 +254,10 @@ class KvCache {
   std::deque<std::shared_ptr<Ticket>> waiting_ ABSL_GUARDED_BY(mu_);
   int64_t expired_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t active_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sequences' bookkeeping charged, in bytes and in pages of this cache
+  // (the kv_pages quota counts pages).
+  int64_t bookkeeping_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bookkeeping_pages_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_used_ ABSL_GUARDED_BY(mu_);
 };
 

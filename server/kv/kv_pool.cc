@@ -23,9 +23,9 @@ bool ValidCacheId(const std::string& id) {
 }
 
 absl::Status CheckGeometry(const KvGeometry& g) {
-  if (g.num_layers < 1) {
+  if (g.num_layers < 1 || g.num_layers > kMaxKvLayers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("geometry.num_layers: expected >= 1, got ", g.num_layers));
+        absl::StrCat("geometry.num_layers: expected [1, ", kMaxKvLayers, "], got ", g.num_layers));
   }
   if (g.num_heads_kv < 1) {
     return absl::InvalidArgumentError(
@@ -88,7 +88,9 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
 }  // namespace
 
 KvPool::KvPool(const KvPoolOptions& options, std::vector<KvDevice> devices)
-    : options_(options), devices_(std::move(devices)) {
+    : options_(options),
+      devices_(std::move(devices)),
+      ledger_(std::make_shared<KvLedger>(options_.cache_bytes_per_device)) {
   for (size_t i = 0; i < devices_.size(); ++i) {
     budgets_.push_back(std::make_shared<DeviceBudget>(options_.cache_bytes_per_device));
   }
@@ -142,8 +144,18 @@ void KvPool::ExpireIdle(absl::Time now) {
   }
 }
 
+absl::Status KvPool::CheckTenant(const std::string& tenant) const {
+  if (tenants_ != nullptr && tenant == kWithdrawnTenant) {
+    return absl::UnauthenticatedError(
+        "the call's bearer token names no tenant (withdrawn, or more than one authorization "
+        "header): send exactly one current token");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& tenant,
                                                              const KvCreateCache& r) {
+  RETURN_IF_ERROR(CheckTenant(tenant));
   RETURN_IF_ERROR(CheckGeometry(r.geometry));
   const int page_size = r.page_size == 0 ? options_.default_page_size : r.page_size;
   if (page_size < kMinPageSize || page_size > kMaxPageSize || (page_size & (page_size - 1)) != 0) {
@@ -159,20 +171,24 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   }
   const int64_t page_bytes = 2 * int64_t{page_size} * r.geometry.num_heads_kv *
                              r.geometry.head_dim * DTypeSize(r.geometry.dtype);
-  const int64_t capacity_pages = r.capacity_tokens > 0
-                                     ? (r.capacity_tokens + page_size - 1) / page_size
-                                     : r.capacity_bytes / page_bytes;
+  // Divisions only: capacity_tokens may be as large as int64_t goes.
+  const bool by_tokens = r.capacity_tokens > 0;
+  const char* field = by_tokens ? "capacity_tokens" : "capacity_bytes";
+  const int64_t asked = by_tokens ? r.capacity_tokens : r.capacity_bytes;
+  const int64_t capacity_pages =
+      by_tokens ? r.capacity_tokens / page_size + (r.capacity_tokens % page_size != 0 ? 1 : 0)
+                : r.capacity_bytes / page_bytes;
   if (capacity_pages < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("capacity_bytes: expected at least one page (",
-                                                   page_bytes, " bytes), got ", r.capacity_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected at least one page (", page_bytes, " bytes), got ", asked));
   }
-  if (capacity_pages * page_bytes > options_.cache_bytes_per_device ||
-      capacity_pages > (int64_t{1} << 30)) {
-    return absl::ResourceExhaustedError(absl::StrCat("capacity: ", capacity_pages, " pages of ",
-                                                     page_bytes,
-                                                     " bytes exceed the device's K/V "
-                                                     "budget (--kv_cache_bytes ",
-                                                     options_.cache_bytes_per_device, ")"));
+  const int64_t max_pages =
+      std::min<int64_t>(int64_t{1} << 30, options_.cache_bytes_per_device / page_bytes);
+  if (capacity_pages > max_pages) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": ", asked, " is ", capacity_pages, " pages of ", page_bytes,
+                     " bytes, more than the device's K/V budget holds (--kv_cache_bytes ",
+                     options_.cache_bytes_per_device, ": at most ", max_pages, " pages)"));
   }
   if (devices_.empty()) return absl::UnimplementedError("K/V caches: the server has no device");
   int device = 0;
@@ -208,19 +224,13 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   }
   const KvDevice& d = devices_[size_t(device)];
   auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages, d.index,
-                                         d.backend, budgets_[size_t(device)]);
+                                         d.backend, budgets_[size_t(device)], ledger_);
   cache->set_keep(r.keep);
+  // The ledger checks and charges in one step, so two concurrent creates
+  // cannot both fit under a quota; a cache that goes refunds on destruction.
+  RETURN_IF_ERROR(cache->Join());
   if (r.reserve) RETURN_IF_ERROR(cache->ReserveAll());
   absl::MutexLock lock(&mu_);
-  if (tenants_ != nullptr) {
-    // Checked where the cache joins the table, so two concurrent creates
-    // cannot both fit under the quota.
-    int64_t held = 0;
-    for (const auto& [key, c] : caches_) {
-      if (key.first == tenant) held += c->capacity_pages();
-    }
-    RETURN_IF_ERROR(tenants_->CheckKvPages(tenant, held, capacity_pages));
-  }
   if (!caches_.emplace(std::make_pair(tenant, id), cache).second) {
     return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
   }
@@ -228,6 +238,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
 }
 
 absl::Status KvPool::DropCache(const std::string& tenant, const std::string& cache_id) {
+  RETURN_IF_ERROR(CheckTenant(tenant));
   absl::MutexLock lock(&mu_);
   auto it = caches_.find({tenant, cache_id});
   if (it == caches_.end()) {
@@ -241,6 +252,7 @@ absl::Status KvPool::DropCache(const std::string& tenant, const std::string& cac
 
 absl::StatusOr<std::shared_ptr<KvCache>> KvPool::Find(const std::string& tenant,
                                                       const std::string& cache_id) {
+  RETURN_IF_ERROR(CheckTenant(tenant));
   absl::MutexLock lock(&mu_);
   auto it = caches_.find({tenant, cache_id});
   // Another tenant's cache reads exactly like a missing one.

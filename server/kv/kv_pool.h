@@ -123,7 +123,10 @@ class KvPool {
   // Per-tenant quotas (kv_pages: the capacities of a tenant's caches, summed)
   // and in-flight charges; null (the default) when authentication is off.
   // Set before serving.
-  void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
+  void set_tenants(TenantDirectory* tenants) {
+    tenants_ = tenants;
+    ledger_->set_tenants(tenants);
+  }
   TenantDirectory* tenants() const { return tenants_; }
 
   absl::StatusOr<std::shared_ptr<KvCache>> CreateCache(const std::string& tenant,
@@ -154,12 +157,18 @@ class KvPool {
   // The executor of the cache's device: its calls go there only.
   Executor* ExecutorOf(const KvCache& cache) const;
   void ExpiryLoop();
+  // UNAUTHENTICATED for the withdrawn tenant (server/auth/tenants.h): it
+  // owns nothing and may create nothing.
+  absl::Status CheckTenant(const std::string& tenant) const;
 
   const KvPoolOptions options_;
   const std::vector<KvDevice> devices_;
   // Shared with each cache's allocator: a cache may outlive the pool.
   std::vector<std::shared_ptr<DeviceBudget>> budgets_;
   TenantDirectory* tenants_ = nullptr;
+  // What each tenant's caches reserve (shared with the caches, which may
+  // outlive the pool).
+  const std::shared_ptr<KvLedger> ledger_;
 
   absl::Mutex mu_;
   // (tenant, cache id) -> cache.

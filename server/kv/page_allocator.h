@@ -63,6 +63,11 @@ class PageAllocator {
   int64_t page_bytes() const { return 2 * page_bytes_; }  // K and V
   int64_t slab_bytes() const { return 2 * (page_bytes_ << kv_.slab_shift); }
   int64_t bytes_allocated() const { return int64_t{kv_.num_slabs} * slab_bytes(); }
+  // What bytes_allocated() reaches at full capacity (the last slab is whole).
+  int64_t ceiling_bytes() const {
+    const int64_t per_slab = int64_t{1} << kv_.slab_shift;
+    return (capacity_pages_ + per_slab - 1) / per_slab * slab_bytes();
+  }
 
  private:
   // One more slab: its pages (those under the capacity) join the free list.

@@ -3,7 +3,9 @@
 
 #include <atomic>
 #include <memory>
+#include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -50,6 +52,35 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
 KvService::KvService(KvRunner* runner, ServerMetrics* metrics, const StreamLimits& stream_limits)
     : runner_(runner), pool_(runner->pool()), stream_limits_(stream_limits), metrics_(metrics) {}
 
+namespace {
+
+// GetCacheStats' ids, deduplicated and bounded so that a small request
+// cannot ask for a large answer.
+absl::StatusOr<std::vector<uint64_t>> StatsIds(const v1::GetCacheStatsRequest& request,
+                                               int32_t num_layers) {
+  if (request.sequence_ids_size() > kMaxKvIdsPerCall) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence_ids: expected at most ",
+                                                   kMaxKvIdsPerCall, " per call, got ",
+                                                   request.sequence_ids_size()));
+  }
+  // Each id is answered once, however often it is asked for.
+  std::vector<uint64_t> ids;
+  std::set<uint64_t> seen;
+  for (uint64_t id : request.sequence_ids()) {
+    if (seen.insert(id).second) ids.push_back(id);
+  }
+  const int64_t lengths = static_cast<int64_t>(ids.size()) * num_layers;
+  if (lengths > kMaxKvStatsLengths) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence_ids: ", ids.size(), " sequences of ", num_layers, " layers are ",
+                     lengths, " lengths, more than one answer carries (", kMaxKvStatsLengths,
+                     "): ask for at most ", kMaxKvStatsLengths / num_layers, " per call"));
+  }
+  return ids;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* context,
                                                  const v1::CreateCacheRequest* request,
                                                  v1::CreateCacheResponse* response) {
@@ -80,6 +111,12 @@ grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext
                                                      const v1::CreateSequencesRequest* request,
                                                      v1::CreateSequencesResponse* response) {
   absl::Status status = runner_->Draining();
+  // Refused before anything is decoded (KvCache checks the same bound).
+  if (status.ok() && request->sequences_size() > kMaxKvIdsPerCall) {
+    status =
+        absl::InvalidArgumentError(absl::StrCat("sequences: expected at most ", kMaxKvIdsPerCall,
+                                                " per call, got ", request->sequences_size()));
+  }
   if (status.ok()) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         pool_->Find(TenantOf(auth_, context), request->cache_id());
@@ -128,20 +165,21 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
   // Statistics stay readable during a drain: they change nothing.
   absl::StatusOr<std::shared_ptr<KvCache>> cache =
       pool_->Find(TenantOf(auth_, context), request->cache_id());
-  absl::Status status = cache.status();
-  if (cache.ok()) {
-    FillCacheStats((*cache)->Stats(), response->mutable_stats());
-    for (uint64_t id : request->sequence_ids()) {
-      absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
-      if (!lengths.ok()) {
-        status = lengths.status();
-        response->Clear();
-        break;
-      }
-      v1::SequenceLengths* out = response->add_sequences();
-      out->set_sequence_id(id);
-      for (int32_t len : *lengths) out->add_lengths(len);
+  if (!cache.ok()) return Answer(context, cache.status());
+  absl::StatusOr<std::vector<uint64_t>> ids = StatsIds(*request, (*cache)->geometry().num_layers);
+  if (!ids.ok()) return Answer(context, ids.status());
+  absl::Status status;
+  FillCacheStats((*cache)->Stats(), response->mutable_stats());
+  for (uint64_t id : *ids) {
+    absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
+    if (!lengths.ok()) {
+      status = lengths.status();
+      response->Clear();
+      break;
     }
+    v1::SequenceLengths* out = response->add_sequences();
+    out->set_sequence_id(id);
+    for (int32_t len : *lengths) out->add_lengths(len);
   }
   return Answer(context, status);
 }
@@ -197,9 +235,14 @@ grpc::ServerBidiReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>*
 KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
   using Reactor = PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>;
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [this, cancelled, tenant = TenantOf(auth_, context), deadline = DeadlineOf(context)](
-                   Reactor::Call* call, Reactor::Done done) {
-    StartAppendAttend(MetaOf(tenant, deadline, cancelled), &call->request, &call->response,
+  auto start = [this, cancelled, who = StreamTenantOf(auth_, context),
+                deadline = DeadlineOf(context)](Reactor::Call* call, Reactor::Done done) {
+    // A token withdrawn while the stream is open stops its next request.
+    if (absl::Status valid = who->StillValid(); !valid.ok()) {
+      call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
+      return done(valid);
+    }
+    StartAppendAttend(MetaOf(who->tenant(), deadline, cancelled), &call->request, &call->response,
                       std::move(done));
   };
   // A failed call is answered in-band and the stream goes on.

@@ -342,6 +342,44 @@ TEST_F(KvServerTest, StaleLengthRetryChangesNothing) {
   EXPECT_EQ(stats.stats().pages_used(), 1);
 }
 
+// A small request cannot ask for a large answer: GetCacheStats answers each
+// id once, and refuses more ids than kMaxKvIdsPerCall or more lengths than
+// kMaxKvStatsLengths (before the bound, 200,000 copies of one id on a
+// 1,000-layer cache drew a 201 MB answer); CreateSequences and
+// FreeSequences take at most kMaxKvIdsPerCall ids.
+TEST_F(KvServerTest, IdListsAndAnswersAreBounded) {
+  StartServer();
+  const std::string cache = CreateCache(kMaxKvLayers, 64);
+  ASSERT_TRUE(CreateSequences(cache, {1}).ok());
+  grpc::Status status;
+  v1::GetCacheStatsResponse stats =
+      Stats(cache, std::vector<uint64_t>(kMaxKvIdsPerCall, 1), &status);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(stats.sequences_size(), 1);
+  EXPECT_EQ(stats.sequences(0).lengths_size(), kMaxKvLayers);
+  Stats(cache, std::vector<uint64_t>(200000, 1), &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("sequence_ids"), std::string::npos)
+      << status.error_message();
+  std::vector<uint64_t> distinct(kMaxKvStatsLengths / kMaxKvLayers + 1);
+  for (size_t i = 0; i < distinct.size(); ++i) distinct[i] = i + 1;
+  Stats(cache, distinct, &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("lengths"), std::string::npos) << status.error_message();
+
+  std::vector<uint64_t> many(kMaxKvIdsPerCall + 1);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 1000 + i;
+  EXPECT_EQ(CreateSequences(cache, many).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::ClientContext ctx;
+  v1::FreeSequencesRequest f;
+  f.set_cache_id(cache);
+  for (uint64_t id : many) f.add_sequence_ids(id);
+  v1::FreeSequencesResponse fresp;
+  EXPECT_EQ(stub_->FreeSequences(&ctx, f, &fresp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Nothing was created by the refused call.
+  EXPECT_EQ(Stats(cache).stats().sequences(), 1);
+}
+
 TEST_F(KvServerTest, EveryErrorNamed) {
   StartServer();
   const std::string cache = CreateCache(1, 64, "small");

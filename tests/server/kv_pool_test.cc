@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -455,6 +456,157 @@ TEST_F(PoolTest, TenantsAndNames) {
   EXPECT_EQ(pool_->CreateCache("carol", r).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(pool_->DropCache("alice", cache->id()).ok());
   EXPECT_EQ(pool_->Find("alice", cache->id()).status().code(), absl::StatusCode::kNotFound);
+}
+
+// capacity_tokens near 2^63 once overflowed into a negative page count and an
+// error naming capacity_bytes; num_layers had no upper bound.
+TEST_F(PoolTest, CapacityAndLayersAreBoundedNamingTheField) {
+  MakePool();
+  KvCreateCache r;
+  r.geometry = {1, 1, 8, DType::kFP32};
+  r.capacity_tokens = std::numeric_limits<int64_t>::max();
+  absl::Status s = pool_->CreateCache("t", r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("capacity_tokens"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("capacity_bytes"), std::string::npos) << s;
+  r.capacity_tokens = 0;
+  r.capacity_bytes = std::numeric_limits<int64_t>::max();
+  s = pool_->CreateCache("t", r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("capacity_bytes"), std::string::npos) << s;
+  r.capacity_bytes = 0;
+  r.capacity_tokens = 64;
+  r.geometry.num_layers = kMaxKvLayers + 1;
+  s = pool_->CreateCache("t", r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("num_layers"), std::string::npos) << s;
+  r.geometry.num_layers = kMaxKvLayers;
+  EXPECT_TRUE(pool_->CreateCache("t", r).ok());
+}
+
+// Each sequence's per-layer bookkeeping is charged: to the device budget
+// (empty sequences once held memory nothing counted), and to the tenant's
+// kv_pages quota in pages of its cache.
+TEST_F(PoolTest, SequenceBookkeepingIsCharged) {
+  MakePool();
+  KvCreateCache r;
+  r.geometry = {kMaxKvLayers, 1, 8, DType::kFP32};
+  r.page_size = 16;
+  r.capacity_tokens = 32;
+  auto cache = pool_->CreateCache("t", r);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  // 16 MiB of budget: a few hundred sequences of 1024 layers, not unbounded.
+  const int64_t per_sequence = KvSequenceBytes(kMaxKvLayers);
+  const int64_t fit = (int64_t{1} << 24) / per_sequence;
+  std::vector<KvSequenceSpec> specs;
+  for (int64_t i = 0; i < fit + 1; ++i) specs.push_back({uint64_t(i), {}, {}});
+  absl::Status s = (*cache)->CreateSequences(specs);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ((*cache)->Stats().sequences, 0);  // all or nothing
+  specs.resize(size_t(fit / 2));
+  ASSERT_TRUE((*cache)->CreateSequences(specs).ok());
+  EXPECT_GE(pool_->Stats().devices[0].bytes_used, int64_t(specs.size()) * per_sequence);
+  std::vector<uint64_t> ids;
+  for (const KvSequenceSpec& spec : specs) ids.push_back(spec.sequence_id);
+  ASSERT_TRUE((*cache)->Free(ids).ok());
+  EXPECT_EQ(pool_->Stats().devices[0].bytes_used, 0);
+
+  // kv_pages=4: the cache's 2 pages plus one sequence's 33 KB of
+  // bookkeeping (33 pages of 1 KiB) do not fit.
+  TenantDirectory tenants;
+  tenants.SetQuotas({{"q", TenantQuotas{0, 4, 0}}});
+  pool_->set_tenants(&tenants);
+  auto limited = pool_->CreateCache("q", r);
+  ASSERT_TRUE(limited.ok()) << limited.status();
+  s = (*limited)->CreateSequences({{1, {}, {}}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("kv_pages"), std::string::npos) << s;
+  r.geometry.num_layers = 1;
+  r.capacity_tokens = 16;  // one page, and two sequences' 576 bytes one more: 4 in all
+  auto small = pool_->CreateCache("q", r);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_TRUE((*small)->CreateSequences({{1, {}, {}}, {2, {}, {}}}).ok());
+  pool_->set_tenants(nullptr);
+}
+
+TEST_F(PoolTest, IdListsAreBounded) {
+  MakePool();
+  auto cache = Cache();
+  std::vector<KvSequenceSpec> specs;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i <= kMaxKvIdsPerCall; ++i) {
+    specs.push_back({uint64_t(i), {}, {}});
+    ids.push_back(uint64_t(i));
+  }
+  EXPECT_EQ(cache->CreateSequences(specs).code(), absl::StatusCode::kInvalidArgument);
+  specs.pop_back();
+  ASSERT_TRUE(cache->CreateSequences(specs).ok());
+  EXPECT_EQ(cache->Free(ids).code(), absl::StatusCode::kInvalidArgument);
+  ids.pop_back();
+  EXPECT_TRUE(cache->Free(ids).ok());
+}
+
+// The tenant of a call whose credentials name none owns nothing and is
+// refused by every stateful call (it once shared caches between callers).
+TEST_F(PoolTest, WithdrawnTenantIsRefused) {
+  MakePool();
+  TenantDirectory tenants;
+  tenants.SetQuotas({{"a", TenantQuotas{}}});
+  pool_->set_tenants(&tenants);
+  KvCreateCache r;
+  r.geometry = {1, 1, 8, DType::kFP32};
+  r.capacity_tokens = 64;
+  r.cache_id = "c";
+  EXPECT_EQ(pool_->CreateCache(kWithdrawnTenant, r).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(pool_->Find(kWithdrawnTenant, "c").status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(pool_->DropCache(kWithdrawnTenant, "c").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(tenants.ChargeInFlight(kWithdrawnTenant, 1).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(tenants.CheckShmRegions(kWithdrawnTenant, 0).code(),
+            absl::StatusCode::kUnauthenticated);
+  pool_->set_tenants(nullptr);
+}
+
+// The fair share (SECURITY.md): without a kv_pages quota a tenant may
+// reserve at most --kv_cache_bytes / (tenants in the tokens file) of a
+// device, and capacities are reserved at creation, so a cache that was
+// created can always grow to its capacity. Before, one tenant without a
+// quota could take the whole pool and others' first appends failed.
+TEST_F(PoolTest, TenantsWithoutAQuotaGetAFairShare) {
+  MakePool();
+  TenantDirectory tenants;
+  tenants.SetQuotas({{"a", TenantQuotas{}},
+                     {"b", TenantQuotas{}},
+                     {"big", TenantQuotas{0, int64_t{1} << 20, 0}}});
+  pool_->set_tenants(&tenants);
+  const int64_t budget = int64_t{1} << 24;
+  KvCreateCache r;
+  r.geometry = {1, 1, 8, DType::kFP32};  // 1 KiB pages of 16 tokens
+  r.page_size = 16;
+  r.capacity_bytes = budget / 2;
+  absl::Status s = pool_->CreateCache("a", r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("kv_share"), std::string::npos) << s;
+  r.capacity_bytes = budget / 4;
+  ASSERT_TRUE(pool_->CreateCache("a", r).ok());
+  r.capacity_bytes = budget / 16;
+  EXPECT_TRUE(pool_->CreateCache("a", r).ok());
+  EXPECT_EQ(pool_->CreateCache("a", r).status().code(), absl::StatusCode::kResourceExhausted);
+  // The explicit quota is the operator's, but never more than is left.
+  r.capacity_bytes = budget / 4 * 3;
+  s = pool_->CreateCache("big", r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--kv_cache_bytes"), std::string::npos) << s;
+  r.capacity_bytes = budget / 4;
+  ASSERT_TRUE(pool_->CreateCache("big", r).ok());
+  // b's share is intact: its cache fills to capacity.
+  r.capacity_tokens = 0;
+  r.capacity_bytes = budget / 4;
+  auto b = pool_->CreateCache("b", r);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*b)->ReserveAll().ok());
+  pool_->set_tenants(nullptr);
 }
 
 TEST_F(PoolTest, CallsOnOneSequenceApplyInArrivalOrder) {
