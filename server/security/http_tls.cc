@@ -62,6 +62,13 @@ absl::StatusOr<std::shared_ptr<const TlsMaterial>> LoadMaterial(const TlsFiles& 
   if (m->leaf == nullptr || m->key == nullptr) {
     return absl::InvalidArgumentError("tls_cert, tls_key: the files changed while being read");
   }
+  // CheckTlsFiles read the files once; this is what will be served, read
+  // again, so it is checked again: a copy in progress can pair them wrongly.
+  if (X509_check_private_key(m->leaf, m->key) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        "tls_key: does not match the certificate (the files changed while being read)");
+  }
   if (files.mutual()) {
     m->client_ca = X509_STORE_new();
     if (X509_STORE_load_file(m->client_ca, files.client_ca_file.c_str()) != 1) {

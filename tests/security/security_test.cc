@@ -11,9 +11,12 @@
 #define CPPHTTPLIB_OPENSSL_SUPPORT
 #include <httplib.h>
 
+#include <algorithm>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,6 +30,8 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/server.h"
+#include "spdlog/sinks/base_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/security/test_certs.h"
 
 namespace attnserve {
@@ -238,6 +243,81 @@ TEST(TlsTest, RotatedCertificateIsServedWithoutARestart) {
   server->Shutdown(absl::Seconds(5));
 }
 
+// The server's log lines, for tests that wait on what the server says it did.
+class LogLines final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  bool Contains(const std::string& text) {
+    std::lock_guard<std::mutex> lock(base_sink<std::mutex>::mutex_);
+    for (const std::string& line : lines_) {
+      if (absl::StrContains(line, text)) return true;
+    }
+    return false;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    lines_.emplace_back(msg.payload.data(), msg.payload.size());
+  }
+  void flush_() override {}
+
+ private:
+  std::vector<std::string> lines_;
+};
+
+// A mismatched pair written in place (a new key, the old certificate) is
+// never served: every handshake on the gRPC port and on HTTPS goes on with
+// the old pair until a matching certificate arrives. Before the fix the gRPC
+// port's provider served the mismatched pair and its handshakes failed.
+TEST(TlsTest, MismatchedPairIsNeverServed) {
+  Fixture f;
+  auto log = std::make_shared<LogLines>();
+  spdlog::default_logger()->sinks().push_back(log);
+  ServerOptions options = BaseOptions();
+  options.tls = {f.path("server.pem"), f.path("server.key"), "", absl::Seconds(1)};
+  options.metrics_enabled = true;
+  options.metrics_host = "127.0.0.1";
+  options.metrics_port = 0;
+  std::unique_ptr<AttnServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(testing::PresentedCommonName(server->port()), "server-one");
+
+  const Pem rotated = f.ca.Issue("server-two", true);
+  {
+    std::ofstream key(f.path("server.key"), std::ios::trunc);  // in place, not renamed
+    key << rotated.key;
+  }
+  // Handshakes while both reloaders look at the mismatched pair; the
+  // evidence that they have is their log lines.
+  const absl::Time give_up = absl::Now() + kPatience;
+  bool grpc_kept = false, https_kept = false;
+  while (absl::Now() < give_up && !(grpc_kept && https_kept)) {
+    grpc_kept = log->Contains("grpc tls: keeping the previous certificate");
+    https_kept = log->Contains("https: keeping the previous certificate");
+    ASSERT_EQ(testing::PresentedCommonName(server->port()), "server-one");
+    ASSERT_EQ(testing::PresentedCommonName(server->metrics_port()), "server-one");
+  }
+  ASSERT_TRUE(grpc_kept && https_kept);
+  ChannelSecurity tls;
+  tls.tls_ca_file = f.path("ca.pem");
+  EXPECT_TRUE(CallForward(Channel(server->port(), tls)).ok());
+
+  // The matching certificate completes the pair: it is served on both.
+  WriteFile(f.path("server.pem"), rotated.cert);
+  std::string grpc_cn, http_cn;
+  while (absl::Now() < give_up + kPatience) {
+    grpc_cn = testing::PresentedCommonName(server->port());
+    http_cn = testing::PresentedCommonName(server->metrics_port());
+    if (grpc_cn == "server-two" && http_cn == "server-two") break;
+    absl::SleepFor(absl::Milliseconds(100));  // poll interval, not the wait itself
+  }
+  EXPECT_EQ(grpc_cn, "server-two");
+  EXPECT_EQ(http_cn, "server-two");
+  EXPECT_TRUE(CallForward(Channel(server->port(), tls)).ok());
+  server->Shutdown(absl::Seconds(5));
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), log), sinks.end());
+}
+
 // ---- Bearer tokens ----
 
 std::string TokensFile(const Fixture& f, const std::string& text) {
@@ -315,6 +395,121 @@ TEST(TokenTest, TokensFileIsReloadedWithoutARestart) {
   }
   EXPECT_TRUE(CallForward(channel_b).ok());
   EXPECT_EQ(CallForward(channel_a).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  server->Shutdown(absl::Seconds(5));
+}
+
+// Two authorization headers, junk first: the door must not check one and the
+// services use the other. Without the fix the call ran as a shared tenant
+// with no quotas, whose caches a second such client could read and drop.
+TEST(TokenTest, TwoAuthorizationHeadersAreRefused) {
+  Fixture f;
+  ServerOptions options = BaseOptions();
+  options.auth = {TokensFile(f, absl::StrCat(kTokenA, " team-a\n")), absl::Seconds(10)};
+  std::unique_ptr<AttnServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::KvCache::NewStub(Channel(server->port(), ChannelSecurity()));
+  auto create = [&](const std::vector<std::string>& headers) {
+    v1::CreateCacheRequest request;
+    request.mutable_geometry()->set_num_layers(1);
+    request.mutable_geometry()->set_num_heads_kv(1);
+    request.mutable_geometry()->set_head_dim(8);
+    request.mutable_geometry()->set_dtype(v1::FP32);
+    request.set_capacity_tokens(64);
+    grpc::ClientContext context;
+    for (const std::string& h : headers) context.AddMetadata("authorization", h);
+    v1::CreateCacheResponse response;
+    return stub->CreateCache(&context, request, &response);
+  };
+  const std::string valid = absl::StrCat("Bearer ", kTokenA);
+  const grpc::Status junk_first = create({"Bearer junk-junk-junk-junk-junk", valid});
+  EXPECT_EQ(junk_first.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << junk_first.error_message();
+  EXPECT_EQ(create({valid, "Bearer junk-junk-junk-junk-junk"}).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(create({valid, valid}).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(create({valid}).ok());
+  // The same for the other services.
+  auto attention = v1::Attention::NewStub(Channel(server->port(), ChannelSecurity()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer junk-junk-junk-junk-junk");
+  context.AddMetadata("authorization", valid);
+  v1::ForwardResponse response;
+  EXPECT_EQ(attention->Forward(&context, SmallRequest(), &response).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  server->Shutdown(absl::Seconds(5));
+}
+
+// One decode step of sequence 1 (FP32, one head of dimension 8) at `length`.
+v1::AppendAttendRequest DecodeStep(const std::string& cache, int32_t length) {
+  v1::AppendAttendRequest r;
+  r.set_request_id(absl::StrCat("step-", length));
+  r.set_cache_id(cache);
+  v1::SequenceStep* step = r.add_sequences();
+  step->set_sequence_id(1);
+  step->set_expected_length(length);
+  step->set_num_new_tokens(1);
+  step->set_num_queries(1);
+  for (v1::Tensor* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+    t->set_dtype(v1::FP32);
+    for (int d : {1, 1, 8}) t->add_shape(d);
+    t->set_data(std::string(8 * sizeof(float), '\0'));
+  }
+  return r;
+}
+
+// A token withdrawn by a reload stops the requests of a stream opened with
+// it, not only new calls (before the fix, the stream went on serving).
+TEST(TokenTest, WithdrawnTokenStopsAnOpenStream) {
+  Fixture f;
+  ServerOptions options = BaseOptions();
+  options.auth = {TokensFile(f, absl::StrCat(kTokenA, " team-a\n", kTokenB, " team-b\n")),
+                  absl::Milliseconds(100)};
+  std::unique_ptr<AttnServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto channel_b = Channel(server->port(), WithToken(kTokenB));
+  auto stub = v1::KvCache::NewStub(channel_b);
+  {
+    v1::CreateCacheRequest request;
+    request.mutable_geometry()->set_num_layers(1);
+    request.mutable_geometry()->set_num_heads_kv(1);
+    request.mutable_geometry()->set_head_dim(8);
+    request.mutable_geometry()->set_dtype(v1::FP32);
+    request.set_capacity_tokens(64);
+    request.set_cache_id("b-cache");
+    grpc::ClientContext context;
+    v1::CreateCacheResponse response;
+    ASSERT_TRUE(stub->CreateCache(&context, request, &response).ok());
+  }
+  {
+    v1::CreateSequencesRequest request;
+    request.set_cache_id("b-cache");
+    request.add_sequences()->set_sequence_id(1);
+    grpc::ClientContext context;
+    v1::CreateSequencesResponse response;
+    ASSERT_TRUE(stub->CreateSequences(&context, request, &response).ok());
+  }
+  grpc::ClientContext stream_context;
+  auto stream = stub->AppendAttendStream(&stream_context);
+  v1::AppendAttendResponse response;
+  ASSERT_TRUE(stream->Write(DecodeStep("b-cache", 0)));
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_EQ(response.error_code(), 0) << response.error_message();
+
+  // B withdrawn; the evidence that the reload happened is a new call refused.
+  TokensFile(f, absl::StrCat(kTokenA, " team-a\n"));
+  const absl::Time give_up = absl::Now() + kPatience;
+  while (absl::Now() < give_up &&
+         CallForward(channel_b).error_code() != grpc::StatusCode::UNAUTHENTICATED) {
+    absl::SleepFor(absl::Milliseconds(50));  // poll interval
+  }
+  ASSERT_EQ(CallForward(channel_b).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_TRUE(stream->Write(DecodeStep("b-cache", 1)));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_code(), int(grpc::StatusCode::UNAUTHENTICATED))
+      << response.error_message();
+  EXPECT_EQ(response.request_id(), "step-1");
+  stream->WritesDone();
+  stream->Finish();
   server->Shutdown(absl::Seconds(5));
 }
 
