@@ -171,6 +171,7 @@ absl::Status AttentionModel::Prepare(Call* c) const {
 
 absl::Status AttentionModel::Deliver(Call* c, const WorkTimings& timings) const {
   inference::ModelInferResponse& response = *c->call.response;
+  RETURN_IF_ERROR(CheckInPlaceIntact(c->inputs));
   RETURN_IF_ERROR(DeliverOutputs(&c->outputs, &c->o, &c->lse, &response));
   response.set_model_name(name_);
   response.set_model_version(kModelVersion);

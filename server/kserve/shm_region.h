@@ -4,7 +4,9 @@
 // the region is mapped here, through Read and Write otherwise). A region is
 // unmapped when its last reference goes, so unregistering one that a running
 // request still holds frees nothing under it (ShmRegistry hands out
-// shared_ptrs).
+// shared_ptrs). The client keeps its own handle on the memory and may shrink
+// it under us: CheckIntact says whether the region is still all there, and a
+// call fails (naming the region) instead of the server dying.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +29,11 @@ class ShmRegion {
   // checked the bounds (ShmRegistry::Acquire).
   virtual absl::Status Read(uint64_t offset, uint64_t size, void* dst) const = 0;
   virtual absl::Status Write(uint64_t offset, const void* src, uint64_t size) = 0;
+  // FAILED_PRECONDITION naming the region when its memory is no longer all
+  // the client's: the object behind it is now smaller than registered, or an
+  // access already found it shrunk. Checked when a call acquires the region
+  // and again before the call's outputs count (a shrink during the call).
+  virtual absl::Status CheckIntact() const { return absl::OkStatus(); }
 };
 
 }  // namespace attnserve

@@ -104,6 +104,7 @@ absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o, P
   for (const V2Output& out : *outputs) {
     absl::Status fits = CheckOutputFits(out, tensor_of(out.name)->bytes.size());
     if (!fits.ok()) return fits;
+    if (out.region != nullptr) RETURN_IF_ERROR(out.region->CheckIntact());
   }
   for (V2Output& out : *outputs) {
     ProducedTensor* tensor = tensor_of(out.name);

@@ -64,8 +64,9 @@ OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTen
 
 // Moves o and lse (the call's outputs) into `response` or writes them
 // into their regions (outputs already written in place only get their
-// metadata). Every region must fit before any is written, so a failed
-// delivery writes nothing.
+// metadata). Every region must fit, and be intact (ShmRegion::CheckIntact:
+// not shrunk by its client during the call), before any is written, so a
+// failed delivery writes nothing.
 absl::Status DeliverOutputs(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse,
                             inference::ModelInferResponse* response);
 

@@ -224,6 +224,15 @@ InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref) {
   return bytes;
 }
 
+absl::Status CheckInPlaceIntact(absl::Span<const InPlaceBytes> inputs) {
+  for (const InPlaceBytes& input : inputs) {
+    if (input.data == nullptr || input.region == nullptr) continue;
+    absl::Status intact = input.region->CheckIntact();
+    if (!intact.ok()) return intact;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
                                            InPlaceBytes* in_place) {
   inference::ModelInferRequest& request = *source.request;

@@ -60,6 +60,11 @@ inline constexpr uint64_t kInPlaceAlignment = 4;
 // offset: those go through ShmRegion::Read and Write).
 InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref);
 
+// The first error of CheckIntact over the regions of `inputs` read in place
+// (those with data): after compute, a region the client shrank meanwhile
+// fails the call instead of answering from bytes that were not its own.
+absl::Status CheckInPlaceIntact(absl::Span<const InPlaceBytes> inputs);
+
 // Where a request's tensors come from.
 struct InputSource {
   inference::ModelInferRequest* request = nullptr;

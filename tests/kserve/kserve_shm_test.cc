@@ -6,6 +6,8 @@
 // reads) and through a copy at misaligned ones. An output that does not fit
 // its region fails the request before it runs, with the message it always
 // had, writing nothing; bad input references name the input or the region.
+// A client that shrinks its object, before a call or while the server
+// computes on it, fails that call naming the region, and the server serves on.
 #include <cstring>
 #include <string>
 #include <thread>
@@ -264,6 +266,77 @@ TEST_F(KserveShmTest, BadInputReferencesNameTheInputOrTheRegion) {
   EXPECT_EQ(FirstTouchedOutside(object.data(), l,
                                 {{l.q, l.q_bytes}, {l.k, l.kv_bytes}, {l.v, l.kv_bytes}}),
             -1);
+}
+
+// The object is shrunk before the call: refused before the backend runs,
+// naming the region; the next call on an intact region is served.
+TEST_F(KserveShmTest, AnObjectShrunkBeforeTheCallFailsItCleanly) {
+  v1::ForwardRequest request = Dense(DType::kFP32, 1, 16, 16, 2, 2, 32);
+  request.mutable_options()->set_return_lse(true);
+  v1::ForwardResponse native;
+  ASSERT_TRUE(Forward(request, &native).ok());
+  const Layout l = MakeLayout(request, 0);
+  TestShmObject object(static_cast<size_t>(l.end), "shrunk_before");
+  ASSERT_TRUE(object.ok());
+  Fill(request, l, object.data());
+  ASSERT_TRUE(RegisterSystem("shrunk", object.key(), static_cast<uint64_t>(l.end)).ok());
+  ASSERT_TRUE(object.Truncate(static_cast<size_t>(l.q)));
+
+  const int calls = backend_->calls();
+  ModelInferResponse response;
+  const grpc::Status status = Infer(InRegion(request, "shrunk", l), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(status.error_message().find("shared memory region 'shrunk'"), std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(backend_->calls(), calls);
+
+  TestShmObject intact(static_cast<size_t>(l.end), "intact_after");
+  ASSERT_TRUE(intact.ok());
+  Fill(request, l, intact.data());
+  ASSERT_TRUE(RegisterSystem("intact", intact.key(), static_cast<uint64_t>(l.end)).ok());
+  const grpc::Status served = Infer(InRegion(request, "intact", l), &response);
+  ASSERT_TRUE(served.ok()) << served.error_message();
+  EXPECT_TRUE(At(intact.data(), l.o, l.q_bytes) == native.o().data());
+}
+
+// The object is shrunk while the call waits in the backend, after every check
+// at the door passed: compute reads q and writes o past the new end, where
+// the server would have died of SIGBUS. The call fails naming the region, and
+// the server answers the next call.
+TEST_F(KserveShmTest, AnObjectShrunkDuringTheCallFailsItAndTheServerServesOn) {
+  v1::ForwardRequest request = Dense(DType::kFP32, 1, 64, 64, 2, 2, 64);
+  request.mutable_options()->set_return_lse(true);
+  v1::ForwardResponse native;
+  ASSERT_TRUE(Forward(request, &native).ok());
+  for (int64_t shift : {0, 2}) {  // in place, and copied
+    SCOPED_TRACE(absl::StrCat("shift ", shift));
+    const Layout l = MakeLayout(request, shift);
+    TestShmObject object(static_cast<size_t>(l.end), absl::StrCat("shrunk_during", shift));
+    ASSERT_TRUE(object.ok());
+    Fill(request, l, object.data());
+    const std::string name = absl::StrCat("during", shift);
+    ASSERT_TRUE(RegisterSystem(name, object.key(), static_cast<uint64_t>(l.end)).ok());
+
+    const int calls = backend_->calls();
+    backend_->Close();
+    grpc::Status status;
+    ModelInferResponse response;
+    std::thread caller([&] { status = Infer(InRegion(request, name, l), &response); });
+    backend_->AwaitCalls(calls + 1);  // inside the backend, before compute
+    ASSERT_TRUE(object.Truncate(0));
+    backend_->Open();
+    caller.join();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(status.error_message().find(absl::StrCat("shared memory region '", name, "'")),
+              std::string::npos)
+        << status.error_message();
+    EXPECT_EQ(response.outputs_size(), 0);
+
+    v1::ForwardResponse after;
+    const grpc::Status served = Forward(request, &after);
+    ASSERT_TRUE(served.ok()) << served.error_message();
+    EXPECT_TRUE(after.o().data() == native.o().data());
+  }
 }
 
 }  // namespace

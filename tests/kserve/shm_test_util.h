@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstddef>
@@ -16,11 +17,14 @@ namespace attnserve {
 
 class TestShmObject {
  public:
-  explicit TestShmObject(size_t size, const std::string& tag = "t")
-      : key_(absl::StrCat("/attnserve_", tag, "_", getpid())), size_(size) {
+  // Key "/attnserve_<tag>_<pid>"; with `prefix`, "<prefix><tag>_<pid>" (a
+  // tenant's own key, ShmKeyPrefix). `mode` is set exactly, whatever the umask.
+  explicit TestShmObject(size_t size, const std::string& tag = "t",
+                         const std::string& prefix = "/attnserve_", mode_t mode = 0600)
+      : key_(absl::StrCat(prefix, tag, "_", getpid())), size_(size) {
     shm_unlink(key_.c_str());
     const int fd = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    if (fd >= 0 && fchmod(fd, mode) == 0 && ftruncate(fd, static_cast<off_t>(size)) == 0) {
       void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       if (p != MAP_FAILED) data_ = static_cast<char*>(p);
     }
@@ -31,6 +35,15 @@ class TestShmObject {
     shm_unlink(key_.c_str());
   }
   bool ok() const { return data_ != nullptr; }
+  // Shrinks (or grows) the object as a client could at any time. The
+  // object's own mapping here faults past the new end: read it no more.
+  bool Truncate(size_t size) {
+    const int fd = shm_open(key_.c_str(), O_RDWR, 0);
+    if (fd < 0) return false;
+    const bool ok = ftruncate(fd, static_cast<off_t>(size)) == 0;
+    close(fd);
+    return ok;
+  }
   const std::string& key() const { return key_; }
   char* data() { return data_; }
 

@@ -1,7 +1,8 @@
 # Triton's system shared-memory extension through tritonclient (gRPC and
 # HTTP): inputs read from and outputs written to regions, every bound checked
-# (INVALID_ARGUMENT naming the region), status listing, unregister, and the
-# extension off without --allow_client_shm.
+# (INVALID_ARGUMENT naming the region), status listing, unregister, the
+# extension off without --allow_client_shm, and a client that shrinks its
+# object: that call fails naming the region and the server process serves on.
 import os
 
 import numpy as np
@@ -152,3 +153,41 @@ def test_cuda_shared_memory_needs_a_cuda_build_and_a_gpu(server):
     assert e.value.status() in ("StatusCode.UNIMPLEMENTED", "StatusCode.FAILED_PRECONDITION")
     assert "'c'" in e.value.message()
     assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
+
+
+@pytest.mark.parametrize("module_name", ["grpc", "http"])
+def test_a_shrunk_object_fails_the_call_and_the_server_serves_on(server, region, module_name):
+    module = grpcclient if module_name == "grpc" else httpclient
+    client = module.InferenceServerClient(server.grpc_url if module_name == "grpc" else server.http_url)
+    key, handle = region
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 32, 2, 32)).astype(np.float32)  # 8 KiB; four fit the region
+    offsets, end = layout(q, q, q)
+    for name in ("q", "k", "v"):
+        shm.set_shared_memory_region(handle, [q], offset=offsets[name])
+    name = f"shrunk_{module_name}"
+    client.register_system_shared_memory(name, key, end)
+    try:
+        # The client truncates its object to less than the region: the
+        # server's mapping of q, k, v and o now lies past the object's end.
+        fd = os.open("/dev/shm" + key, os.O_RDWR)
+        try:
+            os.ftruncate(fd, 4096)
+        finally:
+            os.close(fd)
+        inputs = [shm_input(module, n, q, name, offsets[n]) for n in ("q", "k", "v")]
+        out = module.InferRequestedOutput("o")
+        out.set_shared_memory(name, q.nbytes, offsets["o"])
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("attention", inputs, outputs=[out])
+        assert f"shared memory region '{name}'" in e.value.message(), e.value.message()
+    finally:
+        client.unregister_system_shared_memory(name)
+    assert client.is_server_live()
+    plain = []
+    for n in ("q", "k", "v"):
+        i = module.InferInput(n, list(q.shape), "FP32")
+        i.set_data_from_numpy(q)
+        plain.append(i)
+    want, _ = reference.attention(q, q, q, causal=False)
+    assert np.abs(client.infer("attention", plain).as_numpy("o") - want).max() < 2e-4
