@@ -86,22 +86,25 @@ using StreamReactor = PipelinedStreamReactor<ModelInferRequest, ModelStreamInfer
 // with error_message set (and its id), and the stream goes on.
 StreamReactor* NewStreamReactor(KserveContext* context, grpc::CallbackServerContext* ctx) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [context, cancelled, tenant = TenantOf(context->auth, ctx),
+  auto start = [context, cancelled, who = StreamTenantOf(context->auth, ctx),
                 deadline = DeadlineOf(ctx), cache_id = CacheIdHeaderOf(ctx)](
                    StreamReactor::Call* call, StreamReactor::Done done) {
+    // A token withdrawn since the stream opened stops it, request by request.
+    if (absl::Status valid = who->StillValid(); !valid.ok()) return done(valid);
     absl::StatusOr<KserveModel*> model =
         context->models.Find(call->request.model_name(), call->request.model_version());
     if (!model.ok()) return done(model.status());
     InferCall infer;
     infer.request = &call->request;
     infer.response = call->response.mutable_infer_response();
-    infer.tenant = tenant;
+    infer.tenant = who->tenant();
     infer.cache_id_header = cache_id;
     infer.deadline = deadline;
     infer.cancelled = cancelled;
     infer.done = std::move(done);
-    const absl::Status held = HoldInFlight(
-        context->tenants, tenant, static_cast<int64_t>(call->request.ByteSizeLong()), &infer.done);
+    const absl::Status held =
+        HoldInFlight(context->tenants, infer.tenant,
+                     static_cast<int64_t>(call->request.ByteSizeLong()), &infer.done);
     if (!held.ok()) return infer.done(held);
     (*model)->Infer(std::move(infer));
   };

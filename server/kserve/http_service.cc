@@ -585,8 +585,13 @@ class KserveHttpServerImpl final : public KserveHttpServer {
           req.path == "/v2/health/ready") {
         return httplib::Server::HandlerResponse::Unhandled;
       }
+      // Exactly one: with two, which one a check reads is a choice an
+      // attacker could exploit. Refused (and counted) as a call without one.
+      const bool several = req.get_header_value_count("Authorization") > 1;
       absl::StatusOr<std::string> tenant =
-          context_->auth->Authenticate(req.get_header_value("Authorization"));
+          context_->auth->Authenticate(several ? "" : req.get_header_value("Authorization"));
+      if (several)
+        tenant = absl::UnauthenticatedError("authorization: expected one header, got several");
       if (tenant.ok()) return httplib::Server::HandlerResponse::Unhandled;
       res.set_header("WWW-Authenticate", "Bearer");
       Reply(res, tenant.status());

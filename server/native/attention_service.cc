@@ -170,9 +170,14 @@ ForwardStreamReactor* NewForwardStreamReactor(AttentionRunner* runner, InFlightC
                                               TenantDirectory* tenants, const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [runner, cancelled, deadline = DeadlineOf(context), tenants,
-                tenant = TenantOf(auth, context)](ForwardStreamReactor::Call* call,
-                                                  ForwardStreamReactor::Done done) {
-    StartForward(runner, tenants, MetaOf(tenant, deadline, cancelled), &call->request,
+                who = StreamTenantOf(auth, context)](ForwardStreamReactor::Call* call,
+                                                     ForwardStreamReactor::Done done) {
+    // A token withdrawn since the stream opened stops it, request by request.
+    if (absl::Status valid = who->StillValid(); !valid.ok()) {
+      call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
+      return done(valid);
+    }
+    StartForward(runner, tenants, MetaOf(who->tenant(), deadline, cancelled), &call->request,
                  &call->response, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {

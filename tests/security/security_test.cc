@@ -779,13 +779,19 @@ TEST(HttpsTest, KserveHttpAndMetricsOverHttpsWithTokens) {
   httplib::Result with_token = v2.Get("/v2", {{"Authorization", absl::StrCat("Bearer ", kTokenA)}});
   ASSERT_TRUE(with_token);
   EXPECT_EQ(with_token->status, 200) << with_token->body;
+  // Two Authorization headers, junk then valid: refused whichever a check reads.
+  httplib::Headers two = {{"Authorization", "Bearer junk-junk-junk-junk-junk"},
+                          {"Authorization", absl::StrCat("Bearer ", kTokenA)}};
+  httplib::Result doubled = v2.Get("/v2", two);
+  ASSERT_TRUE(doubled);
+  EXPECT_EQ(doubled->status, 401) << doubled->body;
 
   httplib::SSLClient metrics("localhost", server->metrics_port());
   metrics.set_ca_cert_path(f.path("ca.pem"));
   metrics.enable_server_certificate_verification(true);
   httplib::Result scrape = metrics.Get("/metrics");
   ASSERT_TRUE(scrape) << httplib::to_string(scrape.error());
-  EXPECT_TRUE(absl::StrContains(scrape->body, "attnserve_unauthenticated_calls_total 1"))
+  EXPECT_TRUE(absl::StrContains(scrape->body, "attnserve_unauthenticated_calls_total 2"))
       << scrape->body;
   // Plain HTTP to the HTTPS port gets no metrics.
   httplib::Client plain("127.0.0.1", server->metrics_port());
