@@ -25,15 +25,31 @@ void Progress::Loop(const std::string& label, const Recorder& rec, absl::Time st
                     absl::Time window_start, absl::Time stop) {
   const bool tty = isatty(2);
   int64_t last = 0;
-  while (!done_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+  // The counts when the window opened: warm-up's, which the step's results
+  // leave out, so the measure phase shows only what it will report.
+  int64_t warmup_done = 0, warmup_failed = 0;
+  bool measuring = false;
+  absl::Time tick = start + absl::Seconds(1);
+  for (;;) {
+    // Wake at the window's start as well, so the snapshot is taken there.
+    const absl::Time wake = !measuring && window_start < tick ? window_start : tick;
+    if (done_.WaitForNotificationWithDeadline(wake)) break;
     const absl::Time now = absl::Now();
+    if (!measuring && now >= window_start) {
+      measuring = true;
+      warmup_done = rec.completed();
+      warmup_failed = rec.failed();
+    }
+    if (now < tick) continue;
+    tick += absl::Seconds(1);
     const int64_t completed = rec.completed();
-    const std::string phase = absl::StrCat(now < window_start ? "warmup " : "measure ",
+    const std::string phase = absl::StrCat(measuring ? "measure " : "warmup ",
                                            Fixed(absl::ToDoubleSeconds(now - start), 0), "/",
                                            Fixed(absl::ToDoubleSeconds(stop - start), 0), "s");
-    std::cerr << (tty ? "\r" : "") << "[" << label << " " << phase << "] " << completed << " done, "
-              << completed - last << " req/s, " << rec.failed() << " errors" << (tty ? "   " : "\n")
-              << std::flush;
+    std::cerr << (tty ? "\r" : "") << "[" << label << " " << phase << "] "
+              << completed - warmup_done << (measuring ? " measured, " : " done, ")
+              << completed - last << " req/s, " << rec.failed() - warmup_failed << " errors"
+              << (tty ? "   " : "\n") << std::flush;
     last = completed;
   }
   if (tty) std::cerr << "\r" << std::string(72, ' ') << "\r" << std::flush;

@@ -12,6 +12,7 @@ namespace attnserve {
 namespace cli {
 
 // Prints "[label phase] N done, R req/s, E errors" to stderr once a second
+// (in the measure phase "N measured": counts since the window opened)
 // from construction to destruction: on a terminal it rewrites one line,
 // otherwise it writes one line per second (logs stay readable).
 class Progress {
