@@ -49,6 +49,12 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint l
 ABSL_FLAG(int, http_port, 8000,
           "Port of the KServe v2 / Triton HTTP/REST endpoints (/v2/...; Triton's default 8000), "
           "on --host; 0 = off. The v2 gRPC service is always on --port");
+ABSL_FLAG(int64_t, max_shm_regions, 1024,
+          "KServe shared-memory regions registered at once over all tenants (each system region "
+          "holds one mapping and one open descriptor); 0 = no limit");
+ABSL_FLAG(int64_t, max_shm_regions_per_tenant, 256,
+          "KServe shared-memory regions one tenant may hold at once (a lower shm_regions quota "
+          "applies too); 0 = no limit");
 ABSL_FLAG(bool, allow_client_shm, false,
           "Let KServe v2 clients register shared-memory regions (system: a POSIX shm key; CUDA: "
           "an IPC handle) for tensors. Off by default because a client then makes this server "
@@ -201,6 +207,9 @@ int main(int argc, char** argv) {
   options.kserve.http_host = absl::GetFlag(FLAGS_host);
   options.kserve.http_port = absl::GetFlag(FLAGS_http_port);
   options.kserve.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
+  options.kserve.shm_limits.max_regions = absl::GetFlag(FLAGS_max_shm_regions);
+  options.kserve.shm_limits.max_regions_per_tenant =
+      absl::GetFlag(FLAGS_max_shm_regions_per_tenant);
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

@@ -80,6 +80,11 @@ StreamLimits StreamLimitsOf(const ServerOptions& o) {
 }
 
 absl::Status CheckOptions(const ServerOptions& o) {
+  if (o.kserve.shm_limits.max_regions < 0 || o.kserve.shm_limits.max_regions_per_tenant < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_shm_regions, max_shm_regions_per_tenant: expected >= 0 (0: no limit), got ",
+        o.kserve.shm_limits.max_regions, " and ", o.kserve.shm_limits.max_regions_per_tenant));
+  }
   if (o.max_buffered_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_buffered_bytes: expected >= 0 (0: the default), got ", o.max_buffered_bytes));

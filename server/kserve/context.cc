@@ -12,7 +12,8 @@ void KserveContext::FillServerMetadata(inference::ServerMetadataResponse* out) c
   for (const char* e : {"binary_tensor_data", "parameters", "statistics"}) out->add_extensions(e);
   if (shm.allowed()) {
     out->add_extensions("system_shared_memory");
-    if (CudaShmAvailable()) out->add_extensions("cuda_shared_memory");
+    // With tokens, CUDA regions are refused: an IPC handle names no owner.
+    if (CudaShmAvailable() && auth == nullptr) out->add_extensions("cuda_shared_memory");
   }
 }
 

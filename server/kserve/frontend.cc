@@ -17,6 +17,7 @@ KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner, Ser
     : options_(options),
       max_request_bytes_(info.max_request_bytes),
       context_(options.allow_client_shm) {
+  context_.shm.set_limits(options.shm_limits);
   context_.ready = std::move(ready);
   context_.stream_limits = stream_limits;
   context_.buffered.set_limit(options.max_buffered_bytes);

@@ -16,6 +16,7 @@
 #include "grpcpp/impl/service_type.h"
 #include "server/core/attention_runner.h"
 #include "server/kserve/context.h"
+#include "server/kserve/shm_registry.h"
 #include "server/metrics.h"
 #include "server/security/tls_files.h"
 
@@ -28,6 +29,8 @@ class KvRunner;
 struct KserveOptions {
   // Lets clients register shared-memory regions (--allow_client_shm).
   bool allow_client_shm = false;
+  // How many regions may be registered at once (--max_shm_regions, ...).
+  ShmLimits shm_limits;
   // HTTP/REST on http_host:http_port (0 picks a free one). Off by default
   // here so in-process servers bind nothing extra; main.cc turns it on
   // (--http_port, default 8000 as in Triton).
