@@ -90,7 +90,7 @@ class Writer:
 
 # -- the server ----------------------------------------------------------------
 def start_server(binary: str, extra: List[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([binary, "--host=127.0.0.1", "--port=0", "--metrics_port=0",
+    proc = subprocess.Popen([binary, "--host=127.0.0.1", "--port=0", "--metrics_port=0", "--http_port=0",
                              "--backend=cuda", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:

@@ -29,7 +29,7 @@ class Server:
     def __init__(self, binary: str, extra_args: List[str]):
         self.log: List[str] = []
         self.proc = subprocess.Popen(
-            [binary, "--host=127.0.0.1", "--port=0", "--metrics_port=0", "--backend=cpu",
+            [binary, "--host=127.0.0.1", "--port=0", "--metrics_port=0", "--http_port=0", "--backend=cpu",
              "--threads=2", *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         port = self._wait_for_port()

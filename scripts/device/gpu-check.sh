@@ -92,7 +92,7 @@ if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/
   C=".device-carry/bin/attnctl --target=127.0.0.1:$port"
   # Goes on after a timeout: the e2e rows below then report the failure.
   start_server "$OUT/server.log" 30 $C -- \
-    .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port
+    .device-carry/bin/attnserve --backend=cuda --host=127.0.0.1 --port=$port --http_port=0 --metrics_port=0
   spid=$SERVER_PID
   $C info >"$OUT/e2e-info.log" 2>&1
   if grep -qE '^backend: +cuda' "$OUT/e2e-info.log" && grep -qE '^device 0: ' "$OUT/e2e-info.log"; then

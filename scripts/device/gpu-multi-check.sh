@@ -19,7 +19,7 @@ port=50931
 C="$bin/attnctl --target=127.0.0.1:$port --timeout=60s"
 # Goes on after a timeout: the checks below then fail and say so.
 start_server "$OUT/server.log" 30 $C -- \
-  "$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0
+  "$bin/attnserve" --backend=cuda --devices=all --host=127.0.0.1 --port=$port --metrics_port=0 --http_port=0
 spid=$SERVER_PID
 $C info >"$OUT/info.txt" 2>&1
 shape="--batch=4 --seqlen_q=512 --heads_q=8 --heads_kv=2 --head_dim=64 --dtype=fp16 --causal"

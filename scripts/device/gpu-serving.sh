@@ -51,7 +51,7 @@ serve() {  # serve PORT NAME SERVER...: starts it, waits for SERVING, else exits
 start_attnserve() {  # start_attnserve PORT NAME FLAGS...
   local port=$1 name=$2; shift 2
   serve "$port" "$name" "$bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" \
-    --log_level=warn "$@"
+    --log_level=warn --http_port=0 "$@"
 }
 start_attnserve 50061 attnserve-on --batching=true --devices=0 --metrics_port=50081
 start_attnserve 50062 attnserve-off --batching=false --devices=0 --metrics_port=0

@@ -689,8 +689,9 @@ TEST_F(TenantTest, QuotasAreEnforcedWithResourceExhaustedNamingTheQuota) {
 
 class ShmObject {
  public:
-  explicit ShmObject(const std::string& tag)
-      : key_(absl::StrCat("/attnserve_sec_", tag, getpid())) {
+  // With tokens a tenant registers only keys under its own prefix (SECURITY.md).
+  ShmObject(const std::string& tenant, const std::string& tag)
+      : key_(absl::StrCat("/attnserve.", tenant, ".sec_", tag, getpid())) {
     shm_unlink(key_.c_str());
     const int fd = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     ok_ = fd >= 0 && ftruncate(fd, 4096) == 0;
@@ -730,7 +731,7 @@ std::string RegionStatus(const std::shared_ptr<grpc::Channel>& channel, const st
 
 TEST_F(TenantTest, AnotherTenantsRegionAnswersExactlyAsANeverExistingOne) {
   Start(kTwoTenants, /*shm=*/true);
-  ShmObject object("a");
+  ShmObject object("team-a", "a");
   ASSERT_TRUE(object.ok());
   ASSERT_TRUE(RegisterRegion(a_, "region", object.key()).ok());
   const std::string on_a_region = RegionStatus(b_, "region");
@@ -748,7 +749,13 @@ TEST_F(TenantTest, AnotherTenantsRegionAnswersExactlyAsANeverExistingOne) {
   const grpc::Status second = RegisterRegion(a_, "second", object.key());
   EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::StrContains(second.error_message(), "shm_regions")) << second.error_message();
-  EXPECT_TRUE(RegisterRegion(b_, "region", object.key()).ok());
+  // Region names are per tenant: B may use the same name, for its own object;
+  // A's key is not B's to register (SECURITY.md, client shared memory).
+  ShmObject b_object("team-b", "b");
+  ASSERT_TRUE(b_object.ok());
+  EXPECT_TRUE(RegisterRegion(b_, "region", b_object.key()).ok());
+  EXPECT_EQ(RegisterRegion(b_, "stolen", object.key()).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
 }
 
 // ---- HTTP side: HTTPS with the token ----

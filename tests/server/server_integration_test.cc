@@ -517,13 +517,14 @@ TEST_F(ServerTest, EmptyRequestIsInvalidArgument) {
   harness_->ExpectStillServing();
 }
 
-// One log line per request: id, shapes, dtype, status and microseconds; never
-// tensor bytes (the line stays short whatever the tensor size).
+// One log line per request (successful ones at debug, refused ones at info):
+// id, shapes, dtype, status and microseconds; never tensor bytes (the line
+// stays short whatever the tensor size).
 TEST_F(ServerTest, OneShortLogLinePerRequest) {
   std::ostringstream captured;
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
   spdlog::default_logger()->sinks().push_back(sink);
-  spdlog::set_level(spdlog::level::info);
+  spdlog::set_level(spdlog::level::debug);
 
   TestCase tc;
   tc.dtype = DType::kFP32;
@@ -539,6 +540,9 @@ TEST_F(ServerTest, OneShortLogLinePerRequest) {
   v1::ForwardRequest bad = MakeRequest(buf, "log-bad");
   bad.mutable_options()->set_softcap(-1.0f);
   EXPECT_FALSE(harness_->Forward(bad, &response).ok());
+  // At the default level a successful call logs nothing.
+  spdlog::set_level(spdlog::level::info);
+  EXPECT_TRUE(harness_->Forward(MakeRequest(buf, "log-quiet"), &response).ok());
 
   spdlog::default_logger()->sinks().pop_back();
   spdlog::set_level(spdlog::level::warn);
@@ -550,6 +554,7 @@ TEST_F(ServerTest, OneShortLogLinePerRequest) {
   }
   ASSERT_EQ(ok_lines.size(), 1u) << captured.str();
   ASSERT_EQ(bad_lines.size(), 1u) << captured.str();
+  EXPECT_EQ(captured.str().find("\"log-quiet\""), std::string::npos) << captured.str();
   for (const char* part :
        {"q=[1,300,2,8]", "k=[1,300,2,8]", "dtype=FP32", "status=OK", "total_us=", "compute_us="}) {
     EXPECT_NE(ok_lines[0].find(part), std::string::npos) << part << " in " << ok_lines[0];
