@@ -128,7 +128,8 @@ int PortOf(const std::string& line) {
 }
 
 void ServeThenSignal(int signal_number) {
-  Child child({"--host=127.0.0.1", "--port=0", "--backend=cpu", "--threads=1", "--metrics_port=0"});
+  Child child({"--host=127.0.0.1", "--port=0", "--backend=cpu", "--threads=1", "--metrics_port=0",
+               "--http_port=0"});
   const std::string line = child.ReadUntil("listening on");
   ASSERT_FALSE(line.empty()) << child.output();
   const int port = PortOf(line);
