@@ -5,9 +5,8 @@
 // the server-wide gauge /metrics reports.
 //
 // Why: a client that sends many large requests and never reads its responses
-// made the server hold every request and response (5.8 GB from one stream in a
-// minute, issue 15). With a ledger, the reactor stops reading a stream's next
-// request while the stream holds `max_pending_requests` requests or
+// made the server hold every request and response. With a ledger, the reactor stops reading a
+// stream's next request while the stream holds `max_pending_requests` requests or
 // `max_pending_bytes` bytes, and reads again once responses have gone out. The
 // client's further messages then wait in gRPC's HTTP/2 flow-control window (a
 // few MiB at most), so what one stream holds is bounded by

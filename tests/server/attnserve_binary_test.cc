@@ -157,7 +157,7 @@ TEST(AttnserveBinaryTest, SigintDrainsAndExitsZero) { ServeThenSignal(SIGINT); }
 // the connection gone). A call sent after it may also end CANCELLED: one that
 // reaches the server in the drain's last step (server.cc: gRPC's own
 // Shutdown, after every admitted call was answered) is cancelled by gRPC
-// rather than refused (issue 15 finding; UNAVAILABLE would be the clear answer).
+// rather than refused (UNAVAILABLE would be the clearer answer).
 // So may a call the client started just before SIGTERM and sent after it: on
 // a loaded machine the thread can stall between reading `signalled` and
 // writing the request, and the drain of an idle server takes milliseconds.

@@ -1,4 +1,4 @@
-// Issue 15's hostile-client findings, over the wire on a real AttnServer
+// Hostile-client findings, over the wire on a real AttnServer
 // (127.0.0.1:0, CPU backend): options that used to give an all-NaN O with OK
 // and an 8 MiB request_id are refused by Forward, ForwardStream and Echo alike;
 // and a ForwardStream whose client sends many large requests and never reads

@@ -407,7 +407,7 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   r.mutable_options()->set_softcap(-1);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
   // The score ranges of backend/score_range.h hold here as for Forward: these
-  // values made the kernels' scores overflow to NaN (issue 15).
+  // values made the kernels' scores overflow to NaN.
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.mutable_options()->set_softmax_scale(2e38f);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softmax_scale");
