@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -31,6 +32,16 @@ struct CallMeta {
   // Set when the client cancels; may be null.
   std::shared_ptr<const std::atomic<bool>> cancelled;
 };
+
+// The metadata of a call received now.
+inline CallMeta CallMetaOf(std::string tenant, absl::Time deadline,
+                           std::shared_ptr<const std::atomic<bool>> cancelled) {
+  CallMeta meta;
+  meta.tenant = std::move(tenant);
+  meta.deadline = deadline;
+  meta.cancelled = std::move(cancelled);
+  return meta;
+}
 
 // One tensor as the caller sent it. `dtype` is the wire's code (a DType value
 // when known; anything else is refused naming the field), `shape` its dims

@@ -50,15 +50,6 @@ void StartForward(AttentionRunner* runner, TenantDirectory* tenants, CallMeta me
   runner->Start(&state->call, NativeFieldNames(), std::move(finish));
 }
 
-CallMeta MetaOf(const std::string& tenant, absl::Time deadline,
-                std::shared_ptr<const std::atomic<bool>> cancelled) {
-  CallMeta meta;
-  meta.tenant = tenant;
-  meta.deadline = deadline;
-  meta.cancelled = std::move(cancelled);
-  return meta;
-}
-
 // Unary Forward: the runner's completion finishes the RPC with the mapped status.
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -71,7 +62,7 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
     // throw finishes the call with its status instead of escaping to gRPC.
     try {
       StartForward(runner, tenants,
-                   MetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_), request,
+                   CallMetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_), request,
                    response, [this](const absl::Status& status) { FinishOnce(status); });
     } catch (...) {
       FinishOnce(StatusOfException(std::current_exception(), "Forward"));
@@ -177,7 +168,7 @@ ForwardStreamReactor* NewForwardStreamReactor(AttentionRunner* runner, InFlightC
       call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
       return done(valid);
     }
-    StartForward(runner, tenants, MetaOf(who->tenant(), deadline, cancelled), &call->request,
+    StartForward(runner, tenants, CallMetaOf(who->tenant(), deadline, cancelled), &call->request,
                  &call->response, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {

@@ -191,15 +191,6 @@ struct KvCallState {
   KvCall call;
 };
 
-CallMeta MetaOf(const std::string& tenant, absl::Time deadline,
-                std::shared_ptr<const std::atomic<bool>> cancelled) {
-  CallMeta meta;
-  meta.tenant = tenant;
-  meta.deadline = deadline;
-  meta.cancelled = std::move(cancelled);
-  return meta;
-}
-
 }  // namespace
 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
@@ -226,7 +217,7 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
   StartAppendAttend(
-      MetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
+      CallMetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
       response, [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
@@ -242,8 +233,8 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
       call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
       return done(valid);
     }
-    StartAppendAttend(MetaOf(who->tenant(), deadline, cancelled), &call->request, &call->response,
-                      std::move(done));
+    StartAppendAttend(CallMetaOf(who->tenant(), deadline, cancelled), &call->request,
+                      &call->response, std::move(done));
   };
   // A failed call is answered in-band and the stream goes on.
   auto fail = [](Reactor::Call* call, const absl::Status& status) {
