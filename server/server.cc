@@ -219,6 +219,24 @@ std::vector<KvDevice> KvDevices(const std::vector<std::unique_ptr<AttentionBacke
   return devices;
 }
 
+// What the native services report and bound, by name.
+ServiceInfo NativeInfo(const ServerOptions& o, StreamGauge* streams, TenantDirectory* tenants,
+                       const Authenticator* auth) {
+  ServiceInfo info;
+  info.max_request_bytes = o.max_request_bytes;
+  info.max_tokens = o.max_tokens;
+  info.max_queue_size = o.max_queue_size;
+  info.stream_limits = StreamLimitsOf(o);
+  info.stream_gauge = streams;
+  info.kv_cache = true;
+  info.kv_default_page_size = o.kv_page_size;
+  info.kv_cache_bytes = o.kv_cache_bytes;
+  info.kv_idle_timeout_ms = absl::ToInt64Milliseconds(o.kv_idle_timeout);
+  info.tenants = tenants;
+  info.auth = auth;
+  return info;
+}
+
 // What the KServe v2 front-end reports of this server's set-up. Metadata lists
 // q, k, v and o as FP16 when the backend runs it (tools such as perf_analyzer
 // generate that type); requests may use any dtype the backend lists.
@@ -247,12 +265,8 @@ class AttnServerImpl final : public AttnServer {
         executors_(Pointers(backends_), MakeExecutorOptions(options)),
         runner_(&executors_, description_.name,
                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
-        service_(
-            &runner_, description_,
-            ServiceInfo{options.max_request_bytes, options.max_tokens, options.max_queue_size,
-                        StreamLimitsOf(options), &metrics_.streams(), true, options.kv_page_size,
-                        options.kv_cache_bytes, absl::ToInt64Milliseconds(options.kv_idle_timeout),
-                        tenants_.get(), auth_.get()}),
+        service_(&runner_, description_,
+                 NativeInfo(options, &metrics_.streams(), tenants_.get(), auth_.get())),
         kv_pool_(
             KvPoolOptions{options.kv_cache_bytes, options.kv_page_size, options.kv_idle_timeout},
             KvDevices(backends_, &executors_)),
