@@ -1,8 +1,8 @@
 // The KServe v2 gRPC service over the wire on a real in-process AttnServer
 // (CPU backend): ModelInfer gives the native Forward's exact bytes and its
-// error codes and messages, each in its protocol's words (both run through the same AttentionRunner),
-// and a shared-memory region unregistered while a request uses it is not
-// unmapped under that request.
+// error codes and messages, each in its protocol's words (both run through the same
+// AttentionRunner), and a shared-memory region unregistered while a request uses it is not unmapped
+// under that request.
 #include <cstring>
 #include <functional>
 #include <map>
