@@ -100,10 +100,7 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
   inference::ModelInferRequest& request = *c->call.request;
   const InputSource source{&request, shm_, c->call.tenant};
   KvCall& append = c->append;
-  append.meta.id = request.id();
-  append.meta.tenant = c->call.tenant;
-  append.meta.deadline = c->call.deadline;
-  append.meta.cancelled = c->call.cancelled;
+  append.meta = MetaOf(c->call);
   append.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;
 

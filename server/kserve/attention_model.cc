@@ -115,10 +115,7 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   inference::ModelInferRequest& request = *c->call.request;
   const InputSource source{&request, shm_, c->call.tenant};
   AttentionCall& call = c->attention;
-  call.meta.id = request.id();
-  call.meta.tenant = c->call.tenant;
-  call.meta.deadline = c->call.deadline;
-  call.meta.cancelled = c->call.cancelled;
+  call.meta = MetaOf(c->call);
   // Counted before any bytes move out, plus what is read from regions below.
   call.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   if (absl::Status raw = CheckRawInputCount(request); !raw.ok()) return raw;

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "inference/grpc_service.pb.h"
+#include "server/core/call.h"
 
 namespace attnserve {
 
@@ -36,6 +37,13 @@ struct InferCall {
   std::shared_ptr<const std::atomic<bool>> cancelled;
   std::function<void(const absl::Status&)> done;
 };
+
+// The core call's metadata for `call`: its id, tenant, deadline and cancellation.
+inline CallMeta MetaOf(const InferCall& call) {
+  CallMeta meta = CallMetaOf(call.tenant, call.deadline, call.cancelled);
+  meta.id = call.request->id();
+  return meta;
+}
 
 class KserveModel {
  public:
