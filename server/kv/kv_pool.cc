@@ -201,10 +201,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     }
     device = static_cast<int>(it - devices_.begin());
   } else {
-    // The device with the most budget left.
-    for (size_t i = 1; i < devices_.size(); ++i) {
-      if (budgets_[i]->used() < budgets_[size_t(device)]->used()) device = static_cast<int>(i);
-    }
+    device = LeastCommittedDevice();
   }
   if (!r.cache_id.empty() && !ValidCacheId(r.cache_id)) {
     return absl::InvalidArgumentError(
@@ -235,6 +232,29 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
   }
   return cache;
+}
+
+int KvPool::LeastCommittedDevice() {
+  // A new cache's pages come later: counting only pages in use would put
+  // every cache created before the first append on one device. So each device
+  // counts its caches' capacities too (a capacity is the most a cache takes).
+  std::vector<int64_t> committed(devices_.size(), 0);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, cache] : caches_) {
+      for (size_t i = 0; i < devices_.size(); ++i) {
+        if (devices_[i].index == cache->device()) {
+          committed[i] += cache->capacity_pages() * cache->page_bytes();
+        }
+      }
+    }
+  }
+  int best = 0;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    committed[i] = std::max(committed[i], budgets_[i]->used());
+    if (committed[i] < committed[size_t(best)]) best = static_cast<int>(i);
+  }
+  return best;
 }
 
 absl::Status KvPool::DropCache(const std::string& tenant, const std::string& cache_id) {

@@ -154,6 +154,9 @@ class KvPool {
   void Submit(const std::shared_ptr<KvCache>& cache, const std::shared_ptr<KvAppendAttend>& call,
               const Done& done, const std::shared_ptr<KvCache::Ticket>& ticket, bool waited);
   void Finish(const std::shared_ptr<KvCache>& cache, const KvCache::Ticket& ticket);
+  // Where a cache that names no device goes: the device whose caches' capacities
+  // (or allocated bytes, when larger) add up to the least. Ties go to the first.
+  int LeastCommittedDevice();
   // The executor of the cache's device: its calls go there only.
   Executor* ExecutorOf(const KvCache& cache) const;
   void ExpiryLoop();

@@ -743,3 +743,35 @@ TEST_F(PoolTest, DrainRunsCallsThatWaited) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// Caches that name no device spread over the devices by what they may take
+// (their capacities), not by pages in use, which are none before the first
+// append: created back to back they alternate, and a large one counts large.
+TEST(PlacementTest, CachesSpreadByCapacityBeforeAnyAppend) {
+  GatedCpuBackend backends[2];
+  Executor executor0(&backends[0], ExecutorOptions{});
+  Executor executor1(&backends[1], ExecutorOptions{});
+  KvPoolOptions o;
+  o.cache_bytes_per_device = int64_t{1} << 24;
+  o.idle_timeout = absl::ZeroDuration();
+  KvPool pool(o, {{&backends[0], &executor0, 0}, {&backends[1], &executor1, 1}});
+  auto create = [&](int64_t tokens) {
+    KvCreateCache r;
+    r.geometry = {1, 1, 8, DType::kFP32};
+    r.capacity_tokens = tokens;
+    absl::StatusOr<std::shared_ptr<KvCache>> cache = pool.CreateCache("t", r);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    return cache.ok() ? (*cache)->device() : -1;
+  };
+  EXPECT_EQ(create(4096), 0);
+  EXPECT_EQ(create(4096), 1);
+  EXPECT_EQ(create(16384), 0);  // both hold 4096: the first device
+  EXPECT_EQ(create(4096), 1);   // device 0 now holds 20480, device 1 4096
+  EXPECT_EQ(create(4096), 1);   // 20480 against 8192
+}
+
+}  // namespace
+}  // namespace attnserve
