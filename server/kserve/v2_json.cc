@@ -99,8 +99,12 @@ absl::StatusOr<std::string> PackJsonData(const std::string& where, const std::st
         const float f = static_cast<float>(values[i]);
         std::memcpy(&bytes[i * 4], &f, 4);
       } else {
-        if (values[i] != static_cast<double>(static_cast<int32_t>(values[i]))) {
-          return Invalid(absl::StrCat(where, ".data[", i, "]: expected an INT32, got ", values[i]));
+        // The range first: converting a double outside int32's range is
+        // undefined behaviour, not a value to compare.
+        const double d = values[i];
+        if (!(d >= static_cast<double>(INT32_MIN) && d <= static_cast<double>(INT32_MAX)) ||
+            d != static_cast<double>(static_cast<int32_t>(d))) {
+          return Invalid(absl::StrCat(where, ".data[", i, "]: expected an INT32, got ", d));
         }
         const int32_t v = static_cast<int32_t>(values[i]);
         std::memcpy(&bytes[i * 4], &v, 4);
