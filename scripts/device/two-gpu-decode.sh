@@ -10,7 +10,7 @@
 # Rows go to $OUT/two-gpu.csv (load-kv's columns, label = config-client);
 # each server's log says where its caches went. Expects .device-carry as
 # scripts/device/ab-serving.sh does (servers.tar.xz with bin/, lib/, old/bin/).
-# Usage: [TOKENS=32] scripts/device/two-gpu-decode.sh
+# Usage: [TOKENS=32] [CONFIGS="split shared old"] scripts/device/two-gpu-decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
@@ -31,9 +31,11 @@ serve() {  # serve BIN_DIR PORT LOG FLAGS...
     --metrics_port=0 --http_port=0 --kv_cache_bytes=$((40 << 30)) "$@" || return 1
   pids+=("$SERVER_PID")
 }
-stop_all() {
+stop_all() {  # SIGTERM each server and wait for it (a drain that hangs is killed after 30 s)
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  wait 2>/dev/null
+  for p in "${pids[@]}"; do
+    wait_until 30 0.2 bash -c "! kill -0 $p" || { echo "server $p still up 30 s after SIGTERM"; kill -KILL "$p"; }
+  done
   pids=()
 }
 client() {  # client BIN_DIR PORT LABEL
@@ -44,23 +46,36 @@ client() {  # client BIN_DIR PORT LABEL
 }
 new=.device-carry/bin
 old=.device-carry/old/bin
+# CONFIGS picks which to run (default all): split shared old.
+configs=" ${CONFIGS:-split shared old} "
 
-serve $new 50101 split-0.log --devices=0 && serve $new 50102 split-1.log --devices=1 &&
-  { client $new 50101 split-a & client $new 50102 split-b & wait; }
-stop_all
-serve $new 50103 shared.log --devices=all && {
-  client $new 50103 shared-a & client $new 50103 shared-b & wait
-  client $new 50103 alone-a
+pair() {  # pair BIN PORT_A PORT_B LABEL: two clients at once
+  client "$1" "$2" "$4-a" &
+  local a=$!
+  client "$1" "$3" "$4-b"
+  wait "$a"
 }
-stop_all
-serve $old 50104 shared-old.log --devices=all && { client $old 50104 shared_old-a & client $old 50104 shared_old-b & wait; }
-stop_all
+if [[ $configs == *" split "* ]]; then
+  serve $new 50101 split-0.log --devices=0 && serve $new 50102 split-1.log --devices=1 &&
+    pair $new 50101 50102 split
+  stop_all
+fi
+if [[ $configs == *" shared "* ]]; then
+  serve $new 50103 shared.log --devices=all && { pair $new 50103 50103 shared; client $new 50103 alone-a; }
+  stop_all
+fi
+if [[ $configs == *" old "* ]]; then
+  serve $old 50104 shared-old.log --devices=all && pair $old 50104 50104 shared_old
+  stop_all
+fi
 python3 - "$csv" <<'PY'
 import csv, sys
 rows = {r["label"]: r for r in csv.DictReader(open(sys.argv[1]))}
 def tok(*labels): return sum(float(rows[l]["tokens_per_s"]) for l in labels if l in rows)
 split, shared, old = tok("split-a", "split-b"), tok("shared-a", "shared-b"), tok("shared_old-a", "shared_old-b")
 alone = tok("alone-a")
+split = split or float("nan")
+alone = alone or float("nan")
 for l, r in sorted(rows.items()):
     print(f"{l:<16} {float(r['tokens_per_s']):>9.0f} tok/s  p50 {float(r['p50_ms']):.3f} ms  batch {float(r['mean_batch_size']):.2f}")
 print(f"shared/split {shared / split:.3f}   shared/alone {shared / alone:.3f}   old shared/split {old / split:.3f}")
