@@ -192,7 +192,7 @@ if [ "$cpu_smoke" -eq 1 ]; then
   # execute the image's HEALTHCHECK command directly below.
   podman run -d --name "$ctr" -p "127.0.0.1:$port:50051" -p "127.0.0.1:$metrics_port:8002" \
     --no-healthcheck \
-    -e ATTNSERVE_LOG_LEVEL=info "$cpu_image" >/dev/null 2>"$work/run.log"
+    -e ATTNSERVE_LOG_LEVEL=debug "$cpu_image" >/dev/null 2>"$work/run.log"
   if wait_serving 60 podman exec "$ctr" attnctl --timeout=2s; then
     pass "health SERVING inside the container"
   else
@@ -333,7 +333,8 @@ print(shlex.join(argv))')
   fi
   timed "stop (SIGTERM with two requests in flight)" "$stop_s"
   # Order in the server's log: draining starts, then the queued request (the
-  # last of the two to complete) completes.
+  # last of the two to complete) completes (a successful call's line is at
+  # debug, the level the container runs at here).
   drain_line=$(grep -n -m1 'draining' "$work/server.log" | cut -d: -f1) || true
   req_line=$(grep -n 'smoke-inflight' "$work/server.log" | tail -n 1 | cut -d: -f1) || true
   if [ -n "$drain_line" ] && [ -n "$req_line" ] && [ "$drain_line" -lt "$req_line" ]; then
