@@ -477,8 +477,8 @@ class AttnServerImpl final : public AttnServer {
   void StartDeviceMetrics() {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetExtraSource([this] {
-      std::string text =
-          KvService::RenderMetrics(kv_pool_.Stats()) + executors_.RenderDeviceGauges();
+      std::string text = KvService::RenderMetrics(kv_pool_.Stats()) +
+                         executors_.RenderDeviceGauges() + kserve_.RenderBufferedMetrics();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       return text;
     });

@@ -1,8 +1,10 @@
 // KserveFrontend: builds the models and both transports; see frontend.h.
 #include "server/kserve/frontend.h"
 
+#include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "server/core/kv_runner.h"
 #include "server/kserve/attention_kv_model.h"
 #include "server/kserve/attention_model.h"
@@ -39,6 +41,17 @@ KserveFrontend::KserveFrontend(AttentionRunner* runner, KvRunner* kv_runner, Ser
 }
 
 KserveFrontend::~KserveFrontend() { StopHttp(); }
+
+std::string KserveFrontend::RenderBufferedMetrics() const {
+  std::string out;
+  AppendFamily(&out, "attnserve_http_buffered_bytes", "gauge",
+               "Bytes of HTTP bodies and their parsed JSON tensors the server holds now",
+               {{"", absl::StrCat(context_.buffered.used())}});
+  AppendFamily(&out, "attnserve_http_buffered_bytes_limit", "gauge",
+               "What they may hold at once (half of --max_buffered_bytes; 0: unbounded)",
+               {{"", absl::StrCat(context_.buffered.limit())}});
+  return out;
+}
 
 grpc::Service* KserveFrontend::grpc_service() { return grpc_.get(); }
 

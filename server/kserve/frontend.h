@@ -79,6 +79,8 @@ class KserveFrontend {
   // Starts HTTP/REST when enabled. A port that cannot be bound is an error;
   // the caller decides whether to serve without it.
   absl::Status StartHttp();
+  // The HTTP side's buffered bytes now and their bound, in Prometheus text.
+  std::string RenderBufferedMetrics() const;
   // The bound HTTP port, 0 when off.
   int http_port() const { return http_port_.load(std::memory_order_acquire); }
   // Until every v2 call received so far has been answered; true when none is left.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -222,6 +223,53 @@ TEST(HttpPortsTest, SecondServerOnTheSamePortsRefusesToStart) {
     (*second)->Shutdown(absl::ZeroDuration());
   }
   first->Shutdown(absl::ZeroDuration());
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// The value of a gauge without labels in /metrics' text, or -1.
+double Gauge(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + "{} ";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + key.size()));
+}
+
+// What HTTP calls hold is charged to the budget while they run and given
+// back when they end, refused or served: /metrics shows the budget and, with
+// no call running, nothing held.
+TEST_F(HttpHardeningTest, BufferedBytesAreReleasedAndReported) {
+  ServerOptions options = HttpOptions();
+  options.max_buffered_bytes = int64_t{64} << 20;
+  server_->Shutdown(absl::ZeroDuration());
+  server_ = StartServer(options);
+  ASSERT_NE(server_, nullptr);
+  httplib::Client http("127.0.0.1", server_->http_port());
+  const std::string q = R"({"name":"q","datatype":"FP32","shape":[1,2,1,8],"data":[)"
+                        "1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8]}";
+  const std::string body =
+      absl::StrCat(R"({"inputs":[)", q, ",", absl::StrReplaceAll(q, {{"\"q\"", "\"k\""}}), ",",
+                   absl::StrReplaceAll(q, {{"\"q\"", "\"v\""}}), "]}");
+  for (int i = 0; i < 3; ++i) {
+    httplib::Result served = http.Post("/v2/models/attention/infer", body, "application/json");
+    ASSERT_TRUE(served);
+    EXPECT_EQ(served->status, 200) << served->body;
+  }
+  httplib::Result refused =
+      http.Post("/v2/models/attention/infer", "{\"inputs\": [", "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  httplib::Client metrics("127.0.0.1", server_->metrics_port());
+  httplib::Result scrape = metrics.Get("/metrics");
+  ASSERT_TRUE(scrape);
+  EXPECT_EQ(Gauge(scrape->body, "attnserve_http_buffered_bytes"), 0) << scrape->body;
+  // Half of --max_buffered_bytes bounds the HTTP side.
+  EXPECT_EQ(Gauge(scrape->body, "attnserve_http_buffered_bytes_limit"), double(int64_t{32} << 20))
+      << scrape->body;
 }
 
 }  // namespace
