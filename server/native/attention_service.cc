@@ -20,34 +20,27 @@
 namespace attnserve {
 namespace {
 
-// One Forward request as the core's call, and its encoding when done: what
-// the unary reactor and each request of a stream hold until the answer.
-struct ForwardCallState {
-  AttentionCall call;
-};
-
 // Decodes `request`, holds its bytes against the tenant's quota and starts it
 // on `runner`; `done` runs once the response is complete. `request` and
 // `response` stay valid until then.
 void StartForward(AttentionRunner* runner, TenantDirectory* tenants, CallMeta meta,
                   const v1::ForwardRequest* request, v1::ForwardResponse* response,
                   std::function<void(const absl::Status&)> done) {
-  auto state = std::make_shared<ForwardCallState>();
-  state->call = ForwardCallOf(*request, response, std::move(meta));
+  // The call lives until its completion has run (the completion holds it).
+  auto call = std::make_shared<AttentionCall>(ForwardCallOf(*request, response, std::move(meta)));
   std::function<void(const absl::Status&, const WorkTimings&)> finish =
-      [runner, request, response, state, done = std::move(done)](const absl::Status& status,
-                                                                 const WorkTimings& timings) {
+      [runner, request, response, call, done = std::move(done)](const absl::Status& status,
+                                                                const WorkTimings& timings) {
         FinishForwardResponse(*request, status, timings, runner->backend_name(), response);
         done(status);
       };
-  const absl::Status held =
-      HoldInFlight(tenants, state->call.meta.tenant, state->call.request_bytes, &finish);
+  const absl::Status held = HoldInFlight(tenants, call->meta.tenant, call->request_bytes, &finish);
   if (!held.ok()) {
     WorkTimings timings;
-    timings.total_us = absl::ToInt64Microseconds(absl::Now() - state->call.meta.received);
+    timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);
     return finish(held, timings);
   }
-  runner->Start(&state->call, NativeFieldNames(), std::move(finish));
+  runner->Start(call.get(), NativeFieldNames(), std::move(finish));
 }
 
 // Unary Forward: the runner's completion finishes the RPC with the mapped status.

@@ -184,25 +184,16 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
   return Answer(context, status);
 }
 
-namespace {
-
-// One AppendAttend request as the core's call, alive until its answer.
-struct KvCallState {
-  KvCall call;
-};
-
-}  // namespace
-
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
                                   std::function<void(const absl::Status&)> done) {
-  auto state = std::make_shared<KvCallState>();
-  state->call = KvCallOf(*request, std::move(meta));
+  // The call lives until its completion has run (the completion holds it).
+  auto call = std::make_shared<KvCall>(KvCallOf(*request, std::move(meta)));
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(runner_->backend_name());
-  runner_->Start(&state->call, NativeFieldNames(),
-                 [state, response, done = std::move(done)](
+  runner_->Start(call.get(), NativeFieldNames(),
+                 [call, response, done = std::move(done)](
                      const absl::Status& status, const WorkTimings& timings, KvResult* result) {
                    if (status.ok()) FillAppendAttendResponse(result, response);
                    FillServerTiming(timings, response->mutable_timing());
