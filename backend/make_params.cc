@@ -51,6 +51,32 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   p.q_descale = options.q_descale.value_or(1.0f);
   p.k_descale = options.k_descale.value_or(1.0f);
   p.v_descale = options.v_descale.value_or(1.0f);
+  const AttnMods& m = pointers.mods;
+  p.alibi_slopes = m.alibi_slopes;
+  p.sinks = m.sinks;
+  p.bias = m.bias;
+  p.bias_dtype = m.bias_dtype;
+  p.bias_per_batch = m.bias_per_batch;
+  p.bias_per_head = m.bias_per_head;
+  p.mask = m.mask;
+  p.mask_per_batch = m.mask_per_batch;
+  p.mask_per_head = m.mask_per_head;
+  p.block_q = m.block_q;
+  p.block_k = m.block_k;
+  p.block_row_ptr = m.block_row_ptr;
+  p.block_col_idx = m.block_col_idx;
+  p.block_per_batch = m.block_per_batch;
+  p.block_per_head = m.block_per_head;
+  // Host cu_seqlens (the shape's) give the packed per-sequence extent; paged
+  // calls (seqlens_k) carry no pair tensors.
+  if (shape.cu_seqlens_q != nullptr && shape.seqlens_k == nullptr) {
+    for (int b = 0; b < shape.batch; ++b) {
+      p.total_pairs += int64_t{shape.cu_seqlens_q[b + 1] - shape.cu_seqlens_q[b]} *
+                       (shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b]);
+    }
+  } else if (shape.cu_seqlens_q == nullptr) {
+    p.total_pairs = int64_t{shape.batch} * shape.seqlen_q * shape.seqlen_k;
+  }
   return p;
 }
 

@@ -80,6 +80,26 @@ struct AttnOptions {
   std::optional<float> v_descale;
 };
 
+// Score modifiers and masks: the AttnParams fields of the same names
+// (params.h says what each means and its layout), in the memory q is in.
+struct AttnMods {
+  const float* alibi_slopes = nullptr;
+  const float* sinks = nullptr;
+  const void* bias = nullptr;
+  DType bias_dtype = DType::kFP32;
+  bool bias_per_batch = false;
+  bool bias_per_head = false;
+  const uint8_t* mask = nullptr;
+  bool mask_per_batch = false;
+  bool mask_per_head = false;
+  int32_t block_q = 0;  // 0: no block mask
+  int32_t block_k = 0;
+  const int32_t* block_row_ptr = nullptr;
+  const int32_t* block_col_idx = nullptr;
+  bool block_per_batch = false;
+  bool block_per_head = false;
+};
+
 // The tensors (host or device memory, as the consumer of the params says).
 // o and lse may be null until the caller binds outputs.
 struct AttnPointers {
@@ -88,6 +108,7 @@ struct AttnPointers {
   const void* v = nullptr;
   void* o = nullptr;
   float* lse = nullptr;
+  AttnMods mods;
 };
 
 // Sizes and totals from `shape` (paged: total_k the new rows, seqlen_k the

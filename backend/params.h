@@ -75,7 +75,52 @@ struct AttnParams {
   float q_descale = 1.0f;
   float k_descale = 1.0f;
   float v_descale = 1.0f;
+
+  // Score modifiers and masks beyond the structural band, all off by default
+  // (docs/design.md §2). A score goes through, in this order: s = q·k ×
+  // softmax_scale; softcap; + ALiBi; + bias; then the band, the element mask
+  // and the block mask remove keys; the sinks join the softmax denominator.
+  // Every array lives where q does (host for the CPU backend, device for CUDA).
+  //
+  // ALiBi: [Hq] slopes; score += -alibi_slopes[h] × |diag − j| with diag the
+  // bottom-right aligned diagonal i + (sk − sq) (FlashAttention's convention).
+  const float* alibi_slopes = nullptr;
+  // Attention sinks: [Hq] logits in the scores' units (natural log, after the
+  // scale). Each adds exp(sink[h]) to its row's denominator and nothing to O;
+  // LSE includes it, so a row that sees no key has O = 0 and LSE = sink[h].
+  const float* sinks = nullptr;
+  // Additive bias (FP32, FP16 or BF16 elements, bias_dtype) and boolean mask
+  // (one byte per element, nonzero = attend), each [B or 1, Hq or 1, Sq, Sk]
+  // dense or [Hq or 1, total_pairs] varlen (PairOffset), broadcast over the
+  // batch (dense only) and/or the heads as their per_batch / per_head say.
+  const void* bias = nullptr;
+  DType bias_dtype = DType::kFP32;
+  bool bias_per_batch = false;
+  bool bias_per_head = false;
+  const uint8_t* mask = nullptr;
+  bool mask_per_batch = false;
+  bool mask_per_head = false;
+  // Block-sparse mask over (query block, key block) pairs, compressed sparse
+  // rows: block_q = 0 means none. Rows are (sequence, head, query block) laid
+  // out like a bias (BlockRow), broadcast as the flags say (varlen:
+  // per_batch always); row r keeps the key blocks
+  // block_col_idx[block_row_ptr[r] .. block_row_ptr[r + 1]), strictly
+  // increasing. block_q and block_k are multiples of kBlockMaskGrain.
+  int32_t block_q = 0;
+  int32_t block_k = 0;
+  const int32_t* block_row_ptr = nullptr;
+  const int32_t* block_col_idx = nullptr;
+  bool block_per_batch = false;
+  bool block_per_head = false;
+  // Total (query, key) pairs over all sequences, sum of sq_b × sk_b: the
+  // per-sequence extent of a bias or mask with per_batch set (MakeAttnParams).
+  int64_t total_pairs = 0;
 };
+
+// Block sizes of a block mask are multiples of this: the Hopper kernel's query
+// tile is 128 rows, so no query tile straddles two block rows and every key
+// tile of every kernel (64 or 128 keys) lies in whole key blocks.
+constexpr int32_t kBlockMaskGrain = 128;
 
 ATTN_HOST_DEVICE bool IsVarlen(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
 
@@ -112,6 +157,75 @@ ATTN_HOST_DEVICE bool IsBanded(const AttnParams& p) {
 // The KV head that query head h reads (GQA/MQA).
 ATTN_HOST_DEVICE int KVHead(const AttnParams& p, int h) {
   return h / (p.num_heads_q / p.num_heads_kv);
+}
+
+ATTN_HOST_DEVICE bool HasBlockMask(const AttnParams& p) { return p.block_q > 0; }
+// True when any score modifier or tensor mask is on (kernels without them refuse).
+ATTN_HOST_DEVICE bool HasScoreMods(const AttnParams& p) {
+  return p.alibi_slopes != nullptr || p.sinks != nullptr || p.bias != nullptr ||
+         p.mask != nullptr || HasBlockMask(p);
+}
+
+// (query, key) pairs of sequences 0..b-1 (O(b) for varlen; callers hoist it
+// per sequence).
+ATTN_HOST_DEVICE int64_t PairsBefore(const AttnParams& p, int b) {
+  if (!IsVarlen(p)) return int64_t{b} * p.seqlen_q * p.seqlen_k;
+  int64_t n = 0;
+  for (int s = 0; s < b; ++s) n += int64_t{SeqLenQ(p, s)} * SeqLenK(p, s);
+  return n;
+}
+// Element offset of (query i, key j) of sequence b, head h in a bias or mask
+// with the given broadcast flags; pairs_before = PairsBefore(p, b).
+//   dense  [B or 1, Hq or 1, Sq, Sk]
+//   varlen [Hq or 1, total_pairs]: per head, the sequences' [sq_b, sk_b]
+//          blocks one after another (per_batch is always set)
+ATTN_HOST_DEVICE int64_t PairOffset(const AttnParams& p, bool per_batch, bool per_head,
+                                    int64_t pairs_before, int b, int h, int i, int j) {
+  const int64_t sk = SeqLenK(p, b);
+  const int64_t hh = per_head ? h : 0;
+  if (IsVarlen(p)) return hh * p.total_pairs + pairs_before + i * sk + j;
+  const int64_t heads = per_head ? p.num_heads_q : 1;
+  const int64_t bb = per_batch ? b : 0;
+  return ((bb * heads + hh) * p.seqlen_q + i) * sk + j;
+}
+
+// Query blocks of sequence b, and of sequences 0..b-1 (O(b) for varlen).
+ATTN_HOST_DEVICE int BlockRowsOf(const AttnParams& p, int b) {
+  return (SeqLenQ(p, b) + p.block_q - 1) / p.block_q;
+}
+ATTN_HOST_DEVICE int64_t BlockRowsBefore(const AttnParams& p, int b) {
+  if (!IsVarlen(p)) return int64_t{b} * BlockRowsOf(p, 0);
+  int64_t n = 0;
+  for (int s = 0; s < b; ++s) n += BlockRowsOf(p, s);
+  return n;
+}
+// Rows of the block mask's CSR, laid out like a bias's (sequence, head) grid:
+//   dense  [B or 1, Hq or 1, query blocks]
+//   varlen [Hq or 1, query blocks of all sequences] (block_per_batch set)
+ATTN_HOST_DEVICE int64_t BlockMaskRows(const AttnParams& p) {
+  const int64_t rows = p.block_per_batch ? BlockRowsBefore(p, p.batch) : BlockRowsOf(p, 0);
+  return rows * (p.block_per_head ? p.num_heads_q : 1);
+}
+// The CSR row of query block r of sequence b, head h; rows_before =
+// BlockRowsBefore(p, b).
+ATTN_HOST_DEVICE int64_t BlockRow(const AttnParams& p, int64_t rows_before, int b, int h, int r) {
+  const int64_t hh = p.block_per_head ? h : 0;
+  if (IsVarlen(p)) return hh * BlockRowsBefore(p, p.batch) + rows_before + r;
+  const int64_t heads = p.block_per_head ? p.num_heads_q : 1;
+  const int64_t bb = p.block_per_batch ? b : 0;
+  return (bb * heads + hh) * BlockRowsOf(p, 0) + r;
+}
+
+// Elements of a bias or mask with these flags.
+ATTN_HOST_DEVICE int64_t PairElements(const AttnParams& p, bool per_batch, bool per_head) {
+  const int64_t pairs = per_batch ? p.total_pairs : int64_t{p.seqlen_q} * p.seqlen_k;
+  return pairs * (per_head ? p.num_heads_q : 1);
+}
+
+// ALiBi's additive term for query i, key j of a sequence with lengths (sq, sk).
+ATTN_HOST_DEVICE float AlibiBias(float slope, int i, int j, int sq, int sk) {
+  const int dist = i + (sk - sq) - j;
+  return -slope * static_cast<float>(dist < 0 ? -dist : dist);
 }
 
 // The keys query i of a sequence with lengths (sq, sk) may see: [*lo, *hi],
