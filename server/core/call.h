@@ -106,6 +106,9 @@ struct KvStepRequest {
   int32_t expected_length = 0;  // the sequence's length before the call (the retry guard)
   int32_t num_new_tokens = 0;
   int32_t num_queries = 0;
+  // History pages to attend (kv.proto's attend_pages; empty: all), a view of
+  // memory the front-end keeps alive like the tensors.
+  absl::Span<const int32_t> attend_pages;
 };
 
 // One append-and-attend call on a server-side K/V cache (docs/kv-cache.md):
