@@ -61,21 +61,12 @@
 #include "backend/cuda/paged_attn.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
+#include "bench/cuda/bench_util.cuh"
 #include "bench/cuda/sm90_schedule_ablation.h"
 #include "common/dtype.h"
 
 namespace attnserve {
 namespace {
-
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                            \
-      return false;                                                                      \
-    }                                                                                    \
-  } while (0)
 
 struct Shape {
   const char* kind;
@@ -92,40 +83,6 @@ AttnOptions BenchOptions(const Shape& s) {
   AttnOptions options;
   options.causal = s.causal;
   return options;
-}
-
-// Tracked device allocations (peak_mem_bytes of a version).
-struct Arena {
-  std::vector<void*> ptrs;
-  int64_t bytes = 0;
-  void* Alloc(int64_t n) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<int64_t>(n, 256)) != cudaSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    ptrs.push_back(p);
-    bytes += n;
-    return p;
-  }
-  ~Arena() {
-    for (void* p : ptrs) cudaFree(p);
-  }
-};
-
-template <typename T>
-__global__ void FillRandom(T* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    const float u = (h & 0xffffff) / float(1 << 24) * 2.f - 1.f;  // (-1, 1), never all zero
-    x[i] = T(u);
-  }
 }
 
 // ---- standard attention: row softmax over a materialised S (in place -> P).
