@@ -257,6 +257,7 @@ std::string TestCase::Name() const {
   if (q_descale != 1.0f || k_descale != 1.0f || v_descale != 1.0f) {
     s += "_dq" + FloatTag(q_descale) + "_dk" + FloatTag(k_descale) + "_dv" + FloatTag(v_descale);
   }
+  s += mods.Tag();
   s += return_lse ? "_lse" : "_nolse";
   if (seed != 0) s += "_seed" + std::to_string(seed);
   return s;
@@ -302,6 +303,10 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
   FillRandom(&q_, tc.dtype, p.total_q * p.num_heads_q * p.head_dim, &rng);
   FillRandom(&k_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
   FillRandom(&v_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
+  if (tc.mods.any()) {
+    mods_ = std::make_unique<HostMods>(tc.mods, p, static_cast<uint32_t>(rng()));
+    mods_->ApplyTo(&p);
+  }
   o_.assign(static_cast<size_t>(p.total_q * p.num_heads_q * p.head_dim *
                                 DTypeSize(OutputDType(tc.dtype))),
             0);

@@ -26,6 +26,7 @@
 #include "backend/params.h"
 #include "backend/reference/reference_attention.h"
 #include "gtest/gtest.h"
+#include "tests/common/score_mods_util.h"
 
 namespace attnserve {
 namespace testing_util {
@@ -54,6 +55,9 @@ struct TestCase {
   float k_descale = 1.0f;
   float v_descale = 1.0f;
   uint32_t seed = 0;  // 0: derived from Name(), so every case gets its own inputs
+  // Score modifiers and masks (score_mods_util.h): random arrays drawn by
+  // HostBuffers; all off by default.
+  ModsSpec mods;
 
   bool varlen() const { return !seqlens_q.empty(); }
   // A readable, gtest-safe name ([A-Za-z0-9_] only) spelling every field that
@@ -100,6 +104,8 @@ class HostBuffers {
   void* v() { return v_.data(); }
   const int32_t* cu_seqlens_q() const { return tc_.varlen() ? cu_q_.data() : nullptr; }
   const int32_t* cu_seqlens_k() const { return tc_.varlen() ? cu_k_.data() : nullptr; }
+  // The case's mod arrays (params() points at them), or null when it has none.
+  const HostMods* mods() const { return mods_.get(); }
 
   int64_t q_bytes() const { return static_cast<int64_t>(q_.size()); }
   int64_t kv_bytes() const { return static_cast<int64_t>(k_.size()); }
@@ -119,6 +125,7 @@ class HostBuffers {
   std::vector<uint8_t> q_, k_, v_, o_;
   std::vector<float> lse_;
   std::vector<int32_t> cu_q_, cu_k_;
+  std::unique_ptr<HostMods> mods_;
   AttnParams params_;
   mutable std::unique_ptr<ReferenceOutput> ref_;
   mutable std::unique_ptr<ReferenceOutput> ref_lowp_;
