@@ -10,6 +10,16 @@
 namespace attnserve {
 
 absl::Status CheckPagedParams(const PagedAttnParams& p) {
+  if (HasScoreMods(p.attn)) {
+    // A valid call this step has no kernel for: no paged kernel applies them.
+    return absl::UnimplementedError(absl::StrCat(
+        "paged params: alibi_slopes, sinks, bias, mask and the block mask (block_q) expected "
+        "unset on a paged call (no paged kernel applies score modifiers or masks yet), got",
+        p.attn.alibi_slopes != nullptr ? " alibi_slopes" : "",
+        p.attn.sinks != nullptr ? " sinks" : "", p.attn.bias != nullptr ? " bias" : "",
+        p.attn.mask != nullptr ? " mask" : "",
+        HasBlockMask(p.attn) ? absl::StrCat(" block_q ", p.attn.block_q) : ""));
+  }
   RETURN_IF_ERROR(CheckParams(p.attn));
   if (p.attn.dtype == DType::kFP8E4M3) {
     // The K/V cache refuses FP8 geometries (kv_pool.cc); this keeps it so.

@@ -16,6 +16,8 @@ namespace attnserve {
 // (>= its new rows, <= block_table_stride * page_size, seqlen_k its maximum)
 // and every page id that the launch reads, writes or copies (< the pages of
 // num_slabs slabs). Reads the block table rows the lengths cover (host memory).
+// UNIMPLEMENTED for score modifiers or masks (params.h's alibi_slopes, sinks,
+// bias, mask, block mask): valid, but no paged kernel applies them yet.
 absl::Status CheckPagedParams(const PagedAttnParams& p);
 
 }  // namespace attnserve

@@ -57,6 +57,139 @@ absl::Status CheckDescale(const char* field, float descale, DType dtype) {
                  descale);
 }
 
+// Per-head values (ALiBi slopes, sinks): finite, when set.
+absl::Status CheckPerHead(const char* field, const float* values, int32_t heads) {
+  if (values == nullptr) return absl::OkStatus();
+  for (int32_t h = 0; h < heads; ++h) {
+    if (!std::isfinite(values[h])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", h, "]: expected a finite value, got ", values[h]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A bias or mask's broadcast flags: varlen has only the per-sequence layout.
+absl::Status CheckPairLayout(const AttnParams& p, const char* per_batch_field, bool per_batch) {
+  if (IsVarlen(p) && !per_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(per_batch_field,
+                     ": expected true for a varlen call (its [Hq or 1, total_pairs] layout is "
+                     "per sequence), got false"));
+  }
+  return absl::OkStatus();
+}
+
+// The block mask: block sizes, CSR row pointers and column indices. Walks the
+// rows in storage order ([B or 1, Hq or 1, query blocks] dense, [Hq or 1,
+// query blocks of all sequences] varlen) so each row's columns are checked
+// against its own sequence's key blocks: O(rows + nnz) host reads.
+absl::Status CheckBlockMask(const AttnParams& p) {
+  if (!HasBlockMask(p)) {
+    if (p.block_q != 0) {
+      return Invalid("block_q",
+                     absl::StrCat("0 (no block mask) or a positive multiple of kBlockMaskGrain (",
+                                  kBlockMaskGrain, ")"),
+                     p.block_q);
+    }
+    if (p.block_k != 0 || p.block_row_ptr != nullptr || p.block_col_idx != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block_q: expected a positive multiple of ", kBlockMaskGrain,
+          " when block_k or block_row_ptr/block_col_idx are set, got 0 (block_k ", p.block_k, ")"));
+    }
+    return absl::OkStatus();
+  }
+  if (p.block_q % kBlockMaskGrain != 0) {
+    return Invalid("block_q",
+                   absl::StrCat("a positive multiple of kBlockMaskGrain (", kBlockMaskGrain, ")"),
+                   p.block_q);
+  }
+  if (p.block_k <= 0 || p.block_k % kBlockMaskGrain != 0) {
+    return Invalid("block_k",
+                   absl::StrCat("a positive multiple of kBlockMaskGrain (", kBlockMaskGrain, ")"),
+                   p.block_k);
+  }
+  if (IsVarlen(p) && !p.block_per_batch) {
+    return absl::InvalidArgumentError(
+        "block_per_batch: expected true for a varlen call (its rows are per sequence), got false");
+  }
+  if (p.block_row_ptr == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("block_row_ptr: expected ", BlockMaskRows(p) + 1,
+                                                   " row offsets (block_q is set), got null"));
+  }
+  if (p.block_row_ptr[0] != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_row_ptr[0]: expected 0, got ", p.block_row_ptr[0]));
+  }
+  const int64_t rows = BlockMaskRows(p);
+  if (p.block_row_ptr[rows] > 0 && p.block_col_idx == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_col_idx: expected ", p.block_row_ptr[rows],
+                     " column indices (block_row_ptr's last entry), got null"));
+  }
+  const int heads = p.block_per_head ? p.num_heads_q : 1;
+  const int outer = IsVarlen(p) ? heads : (p.block_per_batch ? p.batch : 1);
+  const int inner = IsVarlen(p) ? p.batch : heads;
+  int64_t row = 0;
+  for (int x = 0; x < outer && p.batch > 0; ++x) {
+    for (int y = 0; y < inner; ++y) {
+      // Dense: x is the sequence (0 when shared), y the head; varlen the reverse.
+      const int b = IsVarlen(p) ? y : x;
+      const int32_t key_blocks = (SeqLenK(p, b) + p.block_k - 1) / p.block_k;
+      for (int r = 0; r < BlockRowsOf(p, b); ++r, ++row) {
+        const int32_t first = p.block_row_ptr[row];
+        const int32_t last = p.block_row_ptr[row + 1];
+        if (last < first) {
+          return absl::InvalidArgumentError(absl::StrCat("block_row_ptr[", row + 1,
+                                                         "]: expected >= block_row_ptr[", row,
+                                                         "] = ", first, ", got ", last));
+        }
+        for (int32_t e = first; e < last; ++e) {
+          const int32_t c = p.block_col_idx[e];
+          if (c < 0 || c >= key_blocks) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("block_col_idx[", e, "]: expected a key block in [0, ", key_blocks,
+                             ") (ceil(seqlen_k ", SeqLenK(p, b), " / block_k ", p.block_k,
+                             ") of sequence ", b, ", row ", row, "), got ", c));
+          }
+          if (e > first && c <= p.block_col_idx[e - 1]) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "block_col_idx[", e, "]: expected > block_col_idx[", e - 1, "] = ",
+                p.block_col_idx[e - 1], " (strictly increasing within row ", row, "), got ", c));
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Score modifiers and masks (params.h), all optional.
+absl::Status CheckScoreMods(const AttnParams& p) {
+  RETURN_IF_ERROR(CheckPerHead("alibi_slopes", p.alibi_slopes, p.num_heads_q));
+  RETURN_IF_ERROR(CheckPerHead("sinks", p.sinks, p.num_heads_q));
+  if (p.bias != nullptr) {
+    if (p.bias_dtype != DType::kFP32 && p.bias_dtype != DType::kFP16 &&
+        p.bias_dtype != DType::kBF16) {
+      return Invalid("bias_dtype", "one of FP16 (1), BF16 (2), FP32 (3)",
+                     static_cast<int32_t>(p.bias_dtype));
+    }
+    RETURN_IF_ERROR(CheckPairLayout(p, "bias_per_batch", p.bias_per_batch));
+  }
+  if (p.mask != nullptr) RETURN_IF_ERROR(CheckPairLayout(p, "mask_per_batch", p.mask_per_batch));
+  if (p.bias != nullptr || p.mask != nullptr) {
+    // Pair offsets of varlen sequences (and per-batch dense ones) stride by it.
+    int64_t pairs = 0;
+    for (int b = 0; b < p.batch; ++b) pairs += int64_t{SeqLenQ(p, b)} * SeqLenK(p, b);
+    if (p.total_pairs != pairs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("total_pairs: expected the sum of seqlen_q * seqlen_k over sequences ",
+                       pairs, ", got ", p.total_pairs));
+    }
+  }
+  return CheckBlockMask(p);
+}
+
 }  // namespace
 
 absl::Status CheckParams(const AttnParams& p) {
@@ -129,7 +262,7 @@ absl::Status CheckParams(const AttnParams& p) {
     return absl::InvalidArgumentError(
         absl::StrCat("k/v: expected non-null data for ", p.total_k, " key rows, got null"));
   }
-  return absl::OkStatus();
+  return CheckScoreMods(p);
 }
 
 }  // namespace attnserve

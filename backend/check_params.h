@@ -17,7 +17,14 @@ namespace attnserve {
 // causal (FillParams normalises it so kernels test only the window bounds);
 // varlen cu_seqlens start at 0, never decrease, end at total, and no sequence
 // is longer than seqlen_q/k; dense total == B * S; data pointers non-null when
-// there is anything to read or write.
+// there is anything to read or write. Score modifiers and masks: ALiBi slopes
+// and sinks finite; bias_dtype FP32/FP16/BF16; varlen bias, mask and block
+// mask per sequence (per_batch set); total_pairs the sum of sq_b * sk_b when a
+// bias or mask is set; block_q/block_k positive multiples of kBlockMaskGrain
+// (both 0, with null CSR arrays, for none); block_row_ptr from 0 and
+// non-decreasing; each row's block_col_idx strictly increasing and below its
+// sequence's key blocks. Reads these arrays, so they must be host memory here
+// (every backend's CanImplement takes host params).
 absl::Status CheckParams(const AttnParams& p);
 
 }  // namespace attnserve

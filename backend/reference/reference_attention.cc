@@ -1,7 +1,9 @@
 // Float64 materialised attention and its low-precision twin (see the header).
 // Deliberately the textbook algorithm: full score matrix, then softmax, then
-// P·V, so it shares no code path with the fused kernels it checks. Masking
-// comes only from params.h's VisibleKeys, the contract's one statement of it.
+// P·V, so it shares no code path with the fused kernels it checks. The band
+// comes only from params.h's VisibleKeys, the contract's one statement of it;
+// the mods follow params.h's order (scale, softcap, ALiBi, bias, masks, sinks)
+// read element by element through its layout helpers.
 #include "backend/reference/reference_attention.h"
 
 #include <algorithm>
@@ -35,19 +37,28 @@ inline double Input(Precision prec, const AttnParams& p, const void* data, float
   return RoundTo(DType::kBF16, static_cast<float>(x));
 }
 
+// True when key block `kb` is among the kept columns of CSR row `row`.
+bool BlockKept(const AttnParams& p, int64_t row, int kb) {
+  const int32_t* first = p.block_col_idx + p.block_row_ptr[row];
+  const int32_t* last = p.block_col_idx + p.block_row_ptr[row + 1];
+  return std::binary_search(first, last, kb);
+}
+
 ReferenceOutput Run(const AttnParams& p, Precision prec) {
   // The dtype intermediates are rounded to: O's (BF16 for FP8 inputs).
   const DType t = OutputDType(p.dtype);
   const int hq = p.num_heads_q;
   const int d = p.head_dim;
   const int64_t total_q = p.total_q;
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   ReferenceOutput out;
   out.o.assign(static_cast<size_t>(total_q * hq * d), 0.0);
-  out.lse.assign(static_cast<size_t>(total_q * hq), -std::numeric_limits<double>::infinity());
+  out.lse.assign(static_cast<size_t>(total_q * hq), kNegInf);
   const double scale = p.softmax_scale;
   const double cap = p.softcap;
 
   std::vector<double> scores;  // [sq, sk]: materialised on purpose
+  std::vector<char> kept;      // [sk] of the current row: survives band and masks
   std::vector<double> qrow(d);
   std::vector<double> krows;  // [sk, d], widened once per (b, h)
   std::vector<double> vrows;
@@ -56,6 +67,8 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
     const int sk = SeqLenK(p, b);
     const int64_t q0 = SeqStartQ(p, b);
     const int64_t k0 = SeqStartK(p, b);
+    const int64_t pairs_before = PairsBefore(p, b);
+    const int64_t block_rows_before = HasBlockMask(p) ? BlockRowsBefore(p, b) : 0;
     for (int h = 0; h < hq; ++h) {
       const int hk = KVHead(p, h);
       krows.assign(static_cast<size_t>(sk) * d, 0.0);
@@ -68,15 +81,34 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
         }
       }
       scores.assign(static_cast<size_t>(sq) * sk, 0.0);
+      // A sink is one more logit in every row's softmax with no value row.
+      const bool has_sink = p.sinks != nullptr;
+      const double sink = has_sink ? Round(prec, t, p.sinks[h]) : kNegInf;
       for (int i = 0; i < sq; ++i) {
         const int64_t qoff = QOffset(p, q0 + i, h);
         for (int c = 0; c < d; ++c) qrow[c] = Input(prec, p, p.q, p.q_descale, qoff + c);
+        double* srow = scores.data() + static_cast<size_t>(i) * sk;
+        // Which keys the row keeps: the band, then the element and block masks.
         int lo, hi;
         VisibleKeys(p, i, sq, sk, &lo, &hi);
-        double* srow = scores.data() + static_cast<size_t>(i) * sk;
-        // Softmax over the visible keys only; masked scores never enter it.
-        double m = -std::numeric_limits<double>::infinity();
+        kept.assign(static_cast<size_t>(sk), 0);
+        const int64_t block_row =
+            HasBlockMask(p) ? BlockRow(p, block_rows_before, b, h, i / p.block_q) : 0;
         for (int j = lo; j <= hi; ++j) {
+          bool keep = true;
+          if (p.mask != nullptr) {
+            keep = p.mask[PairOffset(p, p.mask_per_batch, p.mask_per_head, pairs_before, b, h, i,
+                                     j)] != 0;
+          }
+          if (keep && HasBlockMask(p)) keep = BlockKept(p, block_row, j / p.block_k);
+          kept[static_cast<size_t>(j)] = keep;
+        }
+        // Scores in the contract's order: scale, softcap, + ALiBi, + bias.
+        // A -inf bias removes its key as the mask does.
+        double m = sink;
+        bool any = false;
+        for (int j = lo; j <= hi; ++j) {
+          if (!kept[static_cast<size_t>(j)]) continue;
           const double* kr = krows.data() + static_cast<size_t>(j) * d;
           double s;
           if (prec == Precision::kExact) {
@@ -91,19 +123,47 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
           }
           s = Round(prec, t, s * scale);
           if (cap > 0.0) s = Round(prec, t, cap * std::tanh(s / cap));
+          if (p.alibi_slopes != nullptr) {
+            const double dist = std::fabs(static_cast<double>(i) + (sk - sq) - j);
+            s = Round(prec, t, s - static_cast<double>(p.alibi_slopes[h]) * dist);
+          }
+          if (p.bias != nullptr) {
+            const double bias = LoadAsFloat(
+                p.bias, p.bias_dtype,
+                PairOffset(p, p.bias_per_batch, p.bias_per_head, pairs_before, b, h, i, j));
+            if (std::isinf(bias) && bias < 0) {
+              kept[static_cast<size_t>(j)] = 0;
+              continue;
+            }
+            s = Round(prec, t, s + bias);
+          }
           srow[j] = s;
           m = std::max(m, s);
+          any = true;
         }
-        if (lo > hi) continue;  // sees no key: O = 0, LSE = -inf (already so)
+        // Sees no key: O = 0 and LSE = -inf, or the sink alone (O still 0).
+        if (!any) {
+          if (has_sink) {
+            out.lse[static_cast<size_t>(LseOffset(p, b, h, i))] =
+                prec == Precision::kExact ? sink : static_cast<float>(sink);
+          }
+          continue;
+        }
         double sum = 0.0;
         for (int j = lo; j <= hi; ++j) {
+          if (!kept[static_cast<size_t>(j)]) continue;
           srow[j] = prec == Precision::kExact ? std::exp(srow[j] - m)
                                               : std::exp(static_cast<float>(srow[j] - m));
           sum += srow[j];
         }
+        if (has_sink) {
+          sum += prec == Precision::kExact ? std::exp(sink - m)
+                                           : std::exp(static_cast<float>(sink - m));
+        }
         if (prec == Precision::kLow) sum = static_cast<float>(sum);
         double* orow = out.o.data() + QOffset(p, q0 + i, h);
         for (int j = lo; j <= hi; ++j) {
+          if (!kept[static_cast<size_t>(j)]) continue;
           const double pj = Round(prec, t, srow[j] / sum);
           const double* vr = vrows.data() + static_cast<size_t>(j) * d;
           for (int c = 0; c < d; ++c) orow[c] += pj * vr[c];

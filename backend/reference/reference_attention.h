@@ -11,13 +11,16 @@ namespace attnserve {
 
 struct ReferenceOutput {
   std::vector<double> o;  // [total_q, Hq, D], the layout of params.o
-  std::vector<double>
-      lse;  // the layout of params.lse (always filled); -inf for rows that see no key
+  // The layout of params.lse (always filled); for rows that see no key -inf,
+  // or sink[h] when the call has sinks.
+  std::vector<double> lse;
 };
 
 // Exact attention in float64 over the inputs in `p` (host pointers, read as
 // p.dtype and widened; FP8 codes dequantised exactly: decode(code) * descale
-// in float64). p.o and p.lse are ignored.
+// in float64). Applies the score modifiers and masks of params.h (ALiBi,
+// bias, element and block masks, sinks; their arrays in host memory too).
+// p.o and p.lse are ignored.
 ReferenceOutput ReferenceAttention(const AttnParams& p);
 
 // The same function evaluated the way a framework does it in p.dtype: scores

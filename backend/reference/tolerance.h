@@ -14,7 +14,8 @@
 //                   a vector being one query row of one head.
 //   LSE, FP16/BF16 (and FP8_E4M3): max|lse - ref| <= 2 * max|lse_lowp - ref| + kLowpLseFloor.
 //   LSE, FP32:      every element |lse - ref| <= kFp32Rtol * |ref| + kFp32LseAtol.
-//   Rows that see no key: O exactly 0 and LSE exactly -inf.
+//   Rows that see no key: O exactly 0 and LSE exactly -inf (with sinks, LSE
+//   is sink[h] and held to the LSE rule above).
 #pragma once
 
 #include "backend/params.h"
