@@ -48,6 +48,7 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
   request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
   request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
   AttentionOptionsToProto(inputs.options, request.mutable_options());
+  ScoreModsToProto(inputs.mods, request.mutable_options());
   return request;
 }
 

@@ -30,6 +30,7 @@
 #include "backend/make_params.h"
 #include "client/channel_security.h"
 #include "client/host_tensor.h"
+#include "client/score_mods.h"
 #include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -86,6 +87,8 @@ struct AttentionInputs {
   std::vector<int32_t> cu_seqlens_q;
   std::vector<int32_t> cu_seqlens_k;
   ForwardOptions options;
+  // ALiBi, sinks, bias, element mask and block mask (client/score_mods.h).
+  ScoreMods mods;
   std::string request_id;  // optional; echoed by the server
 };
 

@@ -51,13 +51,21 @@ const Command kCommands[] = {
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
      "        [--softcap=X] [--softmax_scale=X] [--return_lse] [--out=O.npy] [--out_lse=L.npy]\n"
-     "        [--verify] [--protocol=native|v2 [--shm=none|system|cuda]]\n\n"
+     "        [--verify] [--protocol=native|v2 [--shm=none|system|cuda]]\n"
+     "        [--alibi] [--sinks=V|V,V,..|S.npy] [--bias=B.npy] [--mask=M.npy]\n"
+     "        [--block_density=S [--block_size=Q[,K]] [--block_pattern=random|stripes]]\n\n"
      "Examples:\n"
      "  attnctl forward --batch=2 --seqlen_q=256 --heads_q=16 --heads_kv=4 --head_dim=128 \\\n"
      "      --dtype=bf16 --causal --verify\n"
      "  attnctl forward --varlen_q=3,0,17 --varlen_k=5,4,17 --dtype=fp16 --return_lse --verify\n"
      "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n"
-     "  attnctl forward --protocol=v2 --shm=system --seqlen_q=512 --verify\n\n"
+     "  attnctl forward --protocol=v2 --shm=system --seqlen_q=512 --verify\n"
+     "  attnctl forward --seqlen_q=1024 --block_density=0.25 --block_pattern=stripes --verify\n"
+     "  attnctl forward --heads_q=12 --alibi --sinks=0.5 --causal --verify\n"
+     "  attnctl forward --batch=2 --heads_q=8 --bias=bias.npy --mask=mask.npy --verify\n\n"
+     "Score modifiers and masks (docs/masks.md): ALiBi, sinks, an additive bias and a boolean\n"
+     "mask ([B or 1, Hq or 1, Sq, Sk] dense, [Hq or 1, sum sq_b*sk_b] varlen) and a random\n"
+     "block-sparse mask; --verify applies the same ones to the reference.\n\n"
      "--protocol=v2 sends the same request as KServe v2 ModelInfer of the model 'attention'\n"
      "(docs/kserve.md); --shm=system passes the tensors through a POSIX shared-memory region\n"
      "registered with the server (which needs --allow_client_shm).\n"
@@ -239,6 +247,8 @@ std::string SetFlag(absl::string_view arg, const std::vector<std::string>& argv,
   if (!absl::ConsumePrefix(&body, "--")) absl::ConsumePrefix(&body, "-");
   const size_t eq = body.find('=');
   std::string name(body.substr(0, eq));
+  // --block-density is --block_density: flag names are identifiers.
+  std::replace(name.begin(), name.end(), '-', '_');
   absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
   bool negated = false;
   if (flag == nullptr && absl::StartsWith(name, "no")) {

@@ -137,9 +137,17 @@ uint32_t ReadLE(const std::string& s, size_t at, int bytes) {
   return v;
 }
 
-}  // namespace
+// The header of a .npy file: its element type without the byte-order
+// character, its shape and element count, and where the data starts.
+struct RawNpy {
+  std::string descr;
+  std::string type;
+  std::vector<int64_t> shape;
+  int64_t num_elements = 0;
+  size_t data_at = 0;
+};
 
-absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::string& name) {
+absl::StatusOr<RawNpy> ParseHeader(const std::string& contents, const std::string& name) {
   if (contents.size() < kMagicLen + 2 || contents.compare(0, kMagicLen, kMagic) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": not a .npy file (no \\x93NUMPY magic at the start)"));
@@ -186,9 +194,31 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
           : descr;
   absl::StatusOr<int64_t> n = NumElementsOf(shape);
   if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", n.status().message()));
+  return RawNpy{descr, type, std::move(shape), *n, header_at + header_len};
+}
 
-  const size_t data_at = header_at + header_len;
-  const size_t data_len = contents.size() - data_at;
+absl::Status CheckDataSize(const std::string& contents, const std::string& name, const RawNpy& raw,
+                           int64_t elem) {
+  const size_t data_len = contents.size() - raw.data_at;
+  if (raw.num_elements > static_cast<int64_t>(data_len) / elem ||
+      static_cast<int64_t>(data_len) != raw.num_elements * elem) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": shape ", ShapeString(raw.shape), " of '", raw.descr, "' needs ",
+                     raw.num_elements, " * ", elem, " bytes of data, the file has ", data_len));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::string& name) {
+  absl::StatusOr<RawNpy> raw = ParseHeader(contents, name);
+  if (!raw.ok()) return raw.status();
+  const std::string& type = raw->type;
+  const std::string& descr = raw->descr;
+  std::vector<int64_t> shape = raw->shape;
+  const int64_t n = raw->num_elements;
+  const size_t data_at = raw->data_at;
   int64_t elem = 0;
   if (type == "u1" || type == "V1") {
     elem = 1;  // FP8 E4M3 codes (npy.h)
@@ -204,15 +234,11 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
                      "' is not supported (expected '<f2', '<f4', '<f8', '<u2' for BF16 bits, or "
                      "'|u1' for FP8 E4M3 codes)"));
   }
-  if (*n > static_cast<int64_t>(data_len) / elem || static_cast<int64_t>(data_len) != *n * elem) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(shape), " of '",
-                                                   descr, "' needs ", *n, " * ", elem,
-                                                   " bytes of data, the file has ", data_len));
-  }
+  RETURN_IF_ERROR(CheckDataSize(contents, name, *raw, elem));
   std::string data = contents.substr(data_at);
   if (type == "f8") {
-    std::vector<float> values(static_cast<size_t>(*n));
-    for (int64_t i = 0; i < *n; ++i) {
+    std::vector<float> values(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
       double d;
       std::memcpy(&d, data.data() + i * 8, 8);
       values[i] = static_cast<float>(d);
@@ -224,6 +250,21 @@ absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::stri
                       : elem == 1    ? DType::kFP8E4M3
                                      : DType::kFP32;
   return HostTensor::FromBytes(dtype, std::move(shape), std::move(data));
+}
+
+absl::StatusOr<NpyMask> ParseNpyMask(const std::string& contents, const std::string& name) {
+  absl::StatusOr<RawNpy> raw = ParseHeader(contents, name);
+  if (!raw.ok()) return raw.status();
+  if (raw->type != "b1" && raw->type != "u1") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": a mask's element type must be '|b1' (bool) or '|u1' (uint8), got '",
+                     raw->descr, "'; save it with mask.astype(bool)"));
+  }
+  RETURN_IF_ERROR(CheckDataSize(contents, name, *raw, 1));
+  NpyMask mask;
+  mask.shape = raw->shape;
+  mask.data.assign(contents.begin() + static_cast<std::ptrdiff_t>(raw->data_at), contents.end());
+  return mask;
 }
 
 std::string EncodeNpy(const HostTensor& tensor) {
@@ -260,7 +301,9 @@ std::string EncodeNpy(const HostTensor& tensor) {
   return file;
 }
 
-absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     const int err = errno;
@@ -269,7 +312,21 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
   }
   std::string contents((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", path));
-  return ParseNpy(contents, path);
+  return contents;
+}
+
+}  // namespace
+
+absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (!contents.ok()) return contents.status();
+  return ParseNpy(*contents, path);
+}
+
+absl::StatusOr<NpyMask> ReadNpyMask(const std::string& path) {
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (!contents.ok()) return contents.status();
+  return ParseNpyMask(*contents, path);
 }
 
 absl::Status WriteNpy(const std::string& path, const HostTensor& tensor) {

@@ -18,6 +18,7 @@
 //                      an ml_dtypes float8_e4m3fn array .view(np.uint8)). The
 //                      file holds codes only: the descale is a separate flag
 //                      (attnctl --q_descale/--k_descale/--v_descale).
+// Masks (ParseNpyMask/ReadNpyMask): '|b1' (bool) or '|u1', one byte per element.
 // Written: FP16 as '<f2', FP32 as '<f4', FP8 as '|u1' codes, and BF16 as '<f4': widening BF16 to
 // float32 is exact, and a float32 file is what a NumPy user can use directly.
 // Reading that file back with dtype BF16 requested restores the same bits.
@@ -26,7 +27,9 @@
 // other element types are INVALID_ARGUMENT naming the file and what it holds.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,6 +39,12 @@ namespace attnserve {
 
 // Parses the bytes of a .npy file; `name` only labels error messages.
 absl::StatusOr<HostTensor> ParseNpy(const std::string& contents, const std::string& name);
+// A boolean mask file: its shape and one byte per element (nonzero = true).
+struct NpyMask {
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;
+};
+absl::StatusOr<NpyMask> ParseNpyMask(const std::string& contents, const std::string& name);
 // Encodes a tensor as a .npy file (version 1.0, or 2.0 for a header over 64 KiB).
 std::string EncodeNpy(const HostTensor& tensor);
 
@@ -43,6 +52,7 @@ std::string EncodeNpy(const HostTensor& tensor);
 // INVALID_ARGUMENT (not a supported .npy); a file that cannot be opened or
 // written is the matching errno code. Every message names the path.
 absl::StatusOr<HostTensor> ReadNpy(const std::string& path);
+absl::StatusOr<NpyMask> ReadNpyMask(const std::string& path);
 absl::Status WriteNpy(const std::string& path, const HostTensor& tensor);
 
 }  // namespace attnserve

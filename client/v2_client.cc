@@ -31,6 +31,12 @@ absl::string_view Int32Bytes(const google::protobuf::RepeatedField<int32_t>& val
                            values.size() * sizeof(int32_t));
 }
 
+// FP32 values likewise.
+absl::string_view Fp32Bytes(const google::protobuf::RepeatedField<float>& values) {
+  return absl::string_view(reinterpret_cast<const char*>(values.data()),
+                           values.size() * sizeof(float));
+}
+
 // The v2 tensors of a request, in order: name, datatype, shape, bytes (a view
 // of the request's own: a large request's tensors are never copied just to
 // be described).
@@ -57,6 +63,31 @@ std::vector<V2Input> InputsOf(const v1::ForwardRequest& r) {
     inputs.push_back(
         {"cu_seqlens_k", "INT32", {r.cu_seqlens_k_size()}, Int32Bytes(r.cu_seqlens_k())});
   }
+  // Score modifiers and masks: optional inputs of the same names
+  // (docs/kserve.md); the block mask's sizes go as parameters (SetParameters).
+  const v1::AttentionOptions& o = r.options();
+  if (o.alibi_slopes_size() > 0) {
+    inputs.push_back(
+        {"alibi_slopes", "FP32", {o.alibi_slopes_size()}, Fp32Bytes(o.alibi_slopes())});
+  }
+  if (o.sinks_size() > 0) {
+    inputs.push_back({"sinks", "FP32", {o.sinks_size()}, Fp32Bytes(o.sinks())});
+  }
+  if (o.has_bias()) {
+    inputs.push_back({"bias",
+                      std::string(DTypeName(static_cast<DType>(o.bias().dtype()))),
+                      {o.bias().shape().begin(), o.bias().shape().end()},
+                      o.bias().data()});
+  }
+  if (o.has_mask()) {
+    inputs.push_back(
+        {"mask", "BOOL", {o.mask().shape().begin(), o.mask().shape().end()}, o.mask().data()});
+  }
+  if (o.has_block_mask()) {
+    const v1::BlockMask& m = o.block_mask();
+    inputs.push_back({"block_row_ptr", "INT32", {m.row_ptr_size()}, Int32Bytes(m.row_ptr())});
+    inputs.push_back({"block_col_idx", "INT32", {m.col_idx_size()}, Int32Bytes(m.col_idx())});
+  }
   return inputs;
 }
 
@@ -75,6 +106,13 @@ void SetParameters(const v1::AttentionOptions& o, inference::ModelInferRequest* 
   if (o.softcap() != 0.0f) p["softcap"].set_double_param(o.softcap());
   if (o.has_softmax_scale()) p["softmax_scale"].set_double_param(o.softmax_scale());
   if (o.return_lse()) p["return_lse"].set_bool_param(true);
+  if (o.has_block_mask()) {
+    const v1::BlockMask& m = o.block_mask();
+    p["block_q"].set_int64_param(m.block_q());
+    p["block_k"].set_int64_param(m.block_k());
+    p["block_num_batch"].set_int64_param(m.num_batch());
+    p["block_num_heads"].set_int64_param(m.num_heads());
+  }
 }
 
 // A v2 output as a native tensor: its datatype, shape and `bytes`.

@@ -14,6 +14,7 @@
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
 #include "client/inputs.h"
+#include "client/score_mods.h"
 #include "common/dtype.h"
 
 namespace attnserve {
@@ -43,6 +44,7 @@ AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
   pointers.q = in.q.data();
   pointers.k = in.k.data();
   pointers.v = in.v.data();
+  pointers.mods = AttnModsOf(in.mods, s);
   // The same function as the server's FillParams: --verify cannot agree with
   // a server whose defaults or mask normalisation drifted.
   return MakeAttnParams(shape, in.options, pointers);
@@ -164,6 +166,10 @@ struct ForwardVerifier::State {
 absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& inputs) {
   absl::StatusOr<InputsSummary> s = SummarizeInputs(inputs);
   if (!s.ok()) return s.status();
+  // The reference reads the mods through the shapes they claim.
+  const absl::Status mods =
+      CheckScoreMods(inputs.mods, *s, inputs.cu_seqlens_q, inputs.cu_seqlens_k);
+  if (!mods.ok()) return mods;
   auto state = std::make_shared<State>();
   state->params = MakeParams(inputs, *s);
   state->o_shape = inputs.q.shape();
@@ -173,6 +179,11 @@ absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& i
     state->lowp = ReferenceAttentionLowPrecision(state->params);
   }
   state->params.q = state->params.k = state->params.v = nullptr;
+  // Like q/k/v, the mods' arrays belong to the inputs; Check reads no mods.
+  state->params.alibi_slopes = state->params.sinks = nullptr;
+  state->params.bias = nullptr;
+  state->params.mask = nullptr;
+  state->params.block_row_ptr = state->params.block_col_idx = nullptr;
   if (s->varlen) {
     state->cu_seqlens_q = inputs.cu_seqlens_q;
     state->cu_seqlens_k = inputs.cu_seqlens_k;

@@ -20,6 +20,7 @@
 #include "client/cli/attention_flags.h"
 #include "client/cli/command.h"
 #include "client/cli/common.h"
+#include "client/cli/score_mod_flags.h"
 #include "client/inputs.h"
 #include "client/npy.h"
 #include "client/verify.h"
@@ -38,6 +39,29 @@ ABSL_FLAG(
     "Compute the float64 reference locally and check O (and LSE) with docs/design.md's tolerance; "
     "exit 1 on FAIL.");
 ABSL_FLAG(std::string, request_id, "", "request_id to send (echoed by the server and in its log).");
+
+// Score modifiers and masks (docs/masks.md); --verify applies them to the reference too.
+ABSL_FLAG(bool, alibi, false,
+          "ALiBi with the paper's slopes for Hq heads (2^(-8i/Hq); the paper's interleaving for "
+          "Hq not a power of two): score -= slope[h] * |i + Sk - Sq - j|.");
+ABSL_FLAG(std::string, sinks, "",
+          "Attention sinks: one logit per query head joining the softmax denominator: a value "
+          "for every head (e.g. 0.5), Hq comma-separated values, or an FP32 .npy file of [Hq].");
+ABSL_FLAG(std::string, bias, "",
+          "Additive bias from this .npy file ('<f4', '<f2', '<f8' narrowed to FP32, '<u2' BF16 "
+          "bits): dense [B or 1, Hq or 1, Sq, Sk], varlen [Hq or 1, sum of sq_b*sk_b].");
+ABSL_FLAG(std::string, mask, "",
+          "Boolean mask from this .npy file ('|b1' or '|u1'; nonzero = attend), the shapes of "
+          "--bias.");
+ABSL_FLAG(std::optional<double>, block_density, std::nullopt,
+          "Block-sparse mask: keep this fraction S in [0, 1] of the key blocks of every query "
+          "block, per sequence and head, drawn from --seed (0 masks every key; 1 keeps all).");
+ABSL_FLAG(std::string, block_size, "128",
+          "With --block_density: Q or Q,K, the query and key block sizes (multiples of 128).");
+ABSL_FLAG(std::string, block_pattern, "random",
+          "With --block_density: random (round(S*n) of a row's n key blocks, uniformly) or "
+          "stripes (local + global: the first quarter of them as global columns, the rest a band "
+          "ending at the row's diagonal block).");
 
 namespace attnserve {
 namespace cli {
@@ -107,6 +131,20 @@ absl::StatusOr<AttentionInputs> FileInputsFromFlags(std::optional<DType> dtype) 
   return in;
 }
 
+ScoreModFlags ModFlags() {
+  ScoreModFlags f;
+  f.alibi = absl::GetFlag(FLAGS_alibi);
+  f.sinks = absl::GetFlag(FLAGS_sinks);
+  f.bias = absl::GetFlag(FLAGS_bias);
+  f.mask = absl::GetFlag(FLAGS_mask);
+  f.block_density = absl::GetFlag(FLAGS_block_density);
+  f.block_size = absl::GetFlag(FLAGS_block_size);
+  f.block_pattern = absl::GetFlag(FLAGS_block_pattern);
+  f.block_size_set = FlagWasSet("block_size");
+  f.block_pattern_set = FlagWasSet("block_pattern");
+  return f;
+}
+
 std::string Ms(int64_t us) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(3) << us / 1000.0;
@@ -148,6 +186,9 @@ int RunForward(const std::vector<std::string>& args) {
   inputs->request_id = absl::GetFlag(FLAGS_request_id);
   absl::StatusOr<InputsSummary> summary = SummarizeInputs(*inputs);
   if (!summary.ok()) return UsageError(kCmd, summary.status().message());
+  absl::StatusOr<ScoreMods> mods = ScoreModsFromFlags(ModFlags(), *inputs, *summary, seed);
+  if (!mods.ok()) return UsageError(kCmd, mods.status().message());
+  inputs->mods = *std::move(mods);
 
   absl::StatusOr<ProtocolChoice> protocol = ProtocolFromFlags();
   if (!protocol.ok()) return UsageError(kCmd, protocol.status().message());
@@ -157,6 +198,7 @@ int RunForward(const std::vector<std::string>& args) {
   std::cout << "request:  " << summary->ToString() << ", " << OptionsString(inputs->options);
   if (!from_files) std::cout << ", seed " << seed;
   std::cout << "\n";
+  if (!inputs->mods.empty()) std::cout << "mods:     " << ScoreModsString(inputs->mods) << "\n";
   // The v2 path sends the same native request, converted (v2_client.h).
   v1::ForwardRequest request;
   std::unique_ptr<V2Client> v2;
