@@ -40,13 +40,15 @@ namespace sm90 {
 // kTmaSync has no producer (consumer thread 0 loads, see Sm90FwdMainloop).
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
-// step of 16-bit values is); V, P and O stay T (BF16).
+// step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
+// schedule only): ALiBi, sinks and the block mask (Sm90FwdConfig).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule, bool kFp8Qk>
+          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk>;
+  using Cfg =
+      Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk, kMods>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -69,14 +71,35 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   if constexpr (Cfg::kWS) {
     if (tid < 128) {
       SetMaxRegsDec<kProducerRegs>();
-      if (tid == 0) {
+      if constexpr (Cfg::kMods) {
+        // Warp 0 walks each item's block-mask row (WalkBlockRow needs the
+        // whole warp) and publishes it with the item; lane 0 loads.
+        if (tid < 32) {
+          Sm90FwdProducer<Cfg> producer(L, sm);
+          if (tid == 0) producer.PrefetchMaps();
+          for (int k = 0;; ++k) {
+            const int item = scheduler.DrawItem(k);
+            Sm90Tile t;
+            t.num_tiles = 0;
+            t.e_top = -1;
+            t.top_excess = 0;
+            const bool ok = item < num_items && DecodeTile<kBlockN, kIsBanded>(F, item, &t);
+            if (ok && HasBlockMask(p)) WalkBlockRow<kBlockN>(p, &t, tid);
+            scheduler.Publish(k, item, t);
+            if (item >= num_items) break;
+            if (ok && t.num_tiles > 0 && tid == 0) producer.LoadItem(t);
+            __syncwarp();
+          }
+          if (tid == 0) scheduler.ProducerFinish();
+        }
+      } else if (tid == 0) {
         Sm90FwdProducer<Cfg> producer(L, sm);
         producer.PrefetchMaps();
         for (int k = 0;; ++k) {
           const int item = scheduler.ProducerItem(k);
           if (item >= num_items) break;
           Sm90Tile t;
-          if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t) || t.n_begin >= t.n_end) continue;
+          if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t) || t.num_tiles <= 0) continue;
           producer.LoadItem(t);
         }
         scheduler.ProducerFinish();
@@ -91,12 +114,23 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   Sm90FwdMainloop<Cfg> mainloop(L, sm, ctid, acc);
   mainloop.BeginTurns();
   for (int k = 0;; ++k) {
-    const int item = scheduler.ConsumerItem(k);
+    Sm90Tile walk;  // kMods: the producer's walk of the item
+    int item;
+    if constexpr (Cfg::kMods) {
+      item = scheduler.ConsumerItemWalk(k, &walk);
+    } else {
+      item = scheduler.ConsumerItem(k);
+    }
     if (item >= num_items) break;
     Sm90Tile t;
     if (!DecodeTile<kBlockN, kIsBanded>(F, item, &t)) continue;
+    if constexpr (Cfg::kMods) {
+      t.num_tiles = walk.num_tiles;
+      t.e_top = walk.e_top;
+      t.top_excess = walk.top_excess;
+    }
     const detail::QueryRows qr{1, t.head, SeqStartQ(p, t.b)};
-    if (t.n_begin >= t.n_end) {
+    if (t.num_tiles <= 0) {
       Epilogue::StoreEmpty(F, qr, t, ctid);
       continue;
     }
@@ -119,6 +153,11 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // (the schedule's Sm90TileScheduler picks).
 // launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
 // and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
+// Score modifiers (HasScoreMods) run the kMods instantiation, which only the
+// 16-bit default schedule has (Sm90SupportsMods); the others refuse them
+// with cudaErrorNotSupported, as they do an additive bias or element mask
+// (not in this kernel yet) and a block mask whose key blocks the tile's
+// key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
           bool kLongKeys>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
@@ -126,6 +165,14 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from its Hopper tile table");
   const AttnParams& p = launch.p;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
+  const bool mods = HasScoreMods(p);
+  if (mods) {
+    constexpr bool kHasMods = kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk;
+    if (!kHasMods || p.bias != nullptr || p.mask != nullptr) return cudaErrorNotSupported;
+    if (HasBlockMask(p) && !Sm90BlockMaskFits(kTile.block_n, p.block_q, p.block_k)) {
+      return cudaErrorNotSupported;
+    }
+  }
   using Scheduler = sm90::Sm90TileScheduler<kSchedule>;
   // The dynamic scheduler draws items from the workspace's counters.
   if (Scheduler::kNeedsCounters && launch.item_counters == nullptr) return cudaErrorInvalidValue;
@@ -156,9 +203,16 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
   constexpr int kQKBytes = kFp8Qk ? 1 : 2;
-  auto kernel =
+  void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, Sm90QSlots(kTile, kQKBytes), T,
-                              kIsBanded, kSchedule, kFp8Qk>;
+                              kIsBanded, kSchedule, kFp8Qk, false>;
+  if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
+    if (mods) {
+      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages,
+                                       Sm90QSlots(kTile, kQKBytes), T, kIsBanded, kSchedule, kFp8Qk,
+                                       true>;
+    }
+  }
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;

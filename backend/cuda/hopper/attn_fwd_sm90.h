@@ -37,11 +37,24 @@ struct Sm90FwdLaunch {
 cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
 
+// True when the Hopper prefill kernel on a tile of block_n keys takes a
+// block mask of (block_q, block_k): its 128-row query tiles lie in one query
+// block (block_q a multiple of 128, as the contract has it), and its key
+// tiles in one key block (block_n divides block_k: tiles of 64 and 128 keys
+// always; D 192's 112 and the long-key tile's 192 almost never, so a
+// block-masked call takes kSm90TileTable's tile, and D 192 the portable
+// kernel).
+constexpr bool Sm90BlockMaskFits(int block_n, int block_q, int block_k) {
+  return block_n > 0 && block_q > 0 && block_q % 128 == 0 && block_k > 0 && block_k % block_n == 0;
+}
+
 // One instantiation (generated/*_sm90.cu): kHeadDim 64/128/192/256, T __half
 // or __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q
 // and K are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk);
 // kLongKeys: kSm90LongKeyTileTable's tile (TileKind::kLongKeys), else
-// kSm90TileTable's.
+// kSm90TileTable's. Score modifiers (HasScoreMods): ALiBi, sinks and a
+// block mask run on the default schedule without kFp8Qk (a block mask only
+// where Sm90BlockMaskFits); anything else is cudaErrorNotSupported.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,
           bool kLongKeys = false>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);

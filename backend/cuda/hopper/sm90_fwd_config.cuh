@@ -24,15 +24,21 @@ constexpr int kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * 384,
               "setmaxnreg must redistribute exactly the launch's registers");
 
+// Ints of a dynamic scheduler's item slot: the item, then (kMods) its key
+// tile walk (Sm90Tile's num_tiles, e_top, top_excess).
+constexpr int kItemSlotInts = 4;
+
 constexpr bool WarpSpecialized(Sm90Schedule s) { return s != Sm90Schedule::kTmaSync; }
 constexpr int ThreadsOf(Sm90Schedule s) {
   return WarpSpecialized(s) ? kConsumerThreads + 128 : kConsumerThreads;
 }
 
 // Everything the kernel template's parameters fix: the schedule's features
-// (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes.
+// (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes. kMods: the
+// instantiation for calls with score modifiers (HasScoreMods: ALiBi, sinks,
+// a block mask); the plain one carries none of their code.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
-          Sm90Schedule kSchedule_, bool kFp8Qk_>
+          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false>
 struct Sm90FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -42,6 +48,7 @@ struct Sm90FwdConfig {
   static constexpr bool kIsBanded = kIsBanded_;
   static constexpr Sm90Schedule kSchedule = kSchedule_;
   static constexpr bool kFp8Qk = kFp8Qk_;
+  static constexpr bool kMods = kMods_;
 
   // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
   static constexpr bool kWS = WarpSpecialized(kSchedule);
@@ -75,11 +82,11 @@ struct Sm90FwdConfig {
 // [128 bytes], the V ring [kStages][kDBlocks][kBlockN][64], each block
 // 1024-byte aligned (the 128-byte swizzle repeats every 8 rows), then the
 // mbarriers and the dynamic scheduler's item slots (Sm90SmemBytes reserves
-// 256 bytes).
+// 256 bytes; a slot is an item and its block-mask walk, kItemSlotInts ints).
 template <class Cfg>
 struct Sm90FwdSmem {
   using T = typename Cfg::T;
-  static_assert((4 + 4 * Cfg::kStages + 4) * 8 + 2 * 4 <= 256,
+  static_assert((4 + 4 * Cfg::kStages + 4) * 8 + 2 * kItemSlotInts * 4 <= 256,
                 "the mbarriers and item slots outgrow the 256 bytes Sm90SmemBytes reserves");
 
   unsigned char* base;  // 1024-byte aligned
@@ -113,7 +120,7 @@ struct Sm90FwdSmem {
   __device__ __forceinline__ uint64_t* sched_full() const { return v_empty() + Cfg::kStages; }
   // [2]: every consumer warp has read it
   __device__ __forceinline__ uint64_t* sched_empty() const { return sched_full() + 2; }
-  // [2]
+  // [2][kItemSlotInts]
   __device__ __forceinline__ int* item_slot() const {
     return reinterpret_cast<int*>(sched_empty() + 2);
   }

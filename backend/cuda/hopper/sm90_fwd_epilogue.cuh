@@ -1,7 +1,9 @@
 // The Hopper forward kernel's epilogue: an item's O normalised once and
 // written with its LSE straight from the consumer's wgmma fragments, or, for
 // an item that sees no key, O = 0 and LSE = -inf (the portable kernel's
-// NormalizeRows and StoreEmptyRows, attn_fwd_kernel.cuh).
+// NormalizeRows and StoreEmptyRows, attn_fwd_kernel.cuh). kMods: attention
+// sinks join each row's denominator (and its LSE; a row with no key gets
+// LSE = sink).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +27,49 @@ struct Sm90FwdEpilogue {
   // Item t has no visible key: all consumer threads (ctid) share its rows.
   __device__ __forceinline__ static void StoreEmpty(const FwdLaunch& F, const detail::QueryRows& qr,
                                                     const Sm90Tile& t, int ctid) {
-    detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
+    if (Cfg::kMods && F.p.sinks != nullptr) {
+      StoreEmptySink(F, qr, t, ctid);
+    } else {
+      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
+    }
+  }
+
+  // O = 0 and LSE = sink: one thread per row.
+  __device__ __forceinline__ static void StoreEmptySink(const FwdLaunch& F,
+                                                        const detail::QueryRows& qr,
+                                                        const Sm90Tile& t, int ctid) {
+    const AttnParams& p = F.p;
+    const float sink = __ldg(p.sinks + t.head);
+    for (int m = t.m0 + ctid; m < t.m0 + kBlockM && m < t.sq; m += kConsumerThreads) {
+      T* o = static_cast<T*>(p.o) + QOffset(p, qr.q_start + m, t.head);
+      for (int d = 0; d < p.head_dim; d += 2) *reinterpret_cast<uint32_t*>(o + d) = 0u;
+      if (p.lse != nullptr) p.lse[LseOffset(p, t.b, t.head, m)] = sink;
+    }
+  }
+
+  // NormalizeRows with the sink's exp(sink) in each row's sum, in log2 units
+  // against the larger of the row max and the sink.
+  __device__ __forceinline__ static void NormalizeRowsSink(float (&o)[1][kDTiles][4],
+                                                           const float (&row_max)[2],
+                                                           const float (&row_sum)[2],
+                                                           float score_log2, float sink,
+                                                           float (&lse)[2]) {
+    const float sink_log2 = sink * kLog2e;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = detail::QuadSum(row_sum[half]);
+      const float m_log2 = row_max[half] == -INFINITY ? -INFINITY : row_max[half] * score_log2;
+      const float top = fmaxf(m_log2, sink_log2);
+      const float keep = detail::Exp2(m_log2 - top);  // the keys' sum's factor
+      const float total = sum * keep + detail::Exp2(sink_log2 - top);
+      const float inv = total > 0.f ? keep / total : 0.f;
+      lse[half] = total > 0.f ? (top + __log2f(total)) * detail::kLn2 : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o[0][dt][half * 2] *= inv;
+        o[0][dt][half * 2 + 1] *= inv;
+      }
+    }
   }
 
   // The thread's rows row0 and row0 + 8 of item t: o (normalised in place),
@@ -36,7 +80,11 @@ struct Sm90FwdEpilogue {
                                                const float (&row_sum)[2], float score_log2) {
     const AttnParams& p = F.p;
     float lse[2];
-    detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
+    if (Cfg::kMods && p.sinks != nullptr) {
+      NormalizeRowsSink(o, row_max, row_sum, score_log2, __ldg(p.sinks + t.head), lse);
+    } else {
+      detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
+    }
     T* o_ptr = static_cast<T*>(p.o);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -89,8 +89,8 @@ __device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
 }
 
 // The TMA loads (one thread): boxes of 128-byte rows. g: the tile's index in
-// the CTA's whole sequence of K/V tiles (ring slot and phase); it: its index
-// in the item (key tile n_end - 1 - it).
+// the CTA's whole sequence of K/V tiles (ring slot and phase); n: the key
+// tile (KeyTileAt of its index in the item).
 template <class Cfg>
 struct Sm90FwdLoads {
   using Smem = Sm90FwdSmem<Cfg>;
@@ -108,11 +108,11 @@ struct Sm90FwdLoads {
   // K and V of a tile are released separately (K once S = Q K^T is done, V
   // after P V), so the next K can load while this tile's P V still reads V.
   __device__ __forceinline__ static void LoadKV(const Sm90FwdLaunch& L, const Smem& sm,
-                                                const Sm90Tile& t, int g, int it) {
+                                                const Sm90Tile& t, int g, int n) {
     constexpr int kStages = Cfg::kStages;
     constexpr int kBlockN = Cfg::kBlockN;
     const int stage = g % kStages;
-    const int key0 = t.k_row0 + (t.n_end - 1 - it) * kBlockN;
+    const int key0 = t.k_row0 + n * kBlockN;
     // The stage's previous tiles (g - kStages) must be consumed first.
     const uint32_t parity = ((g / kStages) - 1) & 1;
     if (g >= kStages) MbarWait(&sm.k_empty()[stage], parity);
@@ -157,8 +157,10 @@ class Sm90FwdProducer {
       MbarWait(&sm_.q_empty()[slot], (items_done_ / Cfg::kQSlots - 1) & 1);
     }
     Loads::LoadQ(L_, sm_, t, slot);
-    for (int it = 0; it < t.n_end - t.n_begin; ++it) Loads::LoadKV(L_, sm_, t, g_ + it, it);
-    g_ += t.n_end - t.n_begin;
+    for (int it = 0; it < t.num_tiles; ++it) {
+      Loads::LoadKV(L_, sm_, t, g_ + it, KeyTileAt<Cfg::kBlockN, Cfg::kMods>(L_.fwd.p, t, it));
+    }
+    g_ += t.num_tiles;
     ++items_done_;
   }
 
@@ -242,13 +244,16 @@ class Sm90FwdMainloop {
   // refills the stage tile it - 1 used once both warpgroups released it
   // (LoadKV waits for that). Non-persistent there: one item.
   __device__ __forceinline__ void Mma(const Sm90Tile& t, int row0) {
-    const int num_tiles = t.n_end - t.n_begin;  // tile it is key tile n_end - 1 - it
+    const int num_tiles = t.num_tiles;  // tile it is key tile TileAt(t, it)
     if constexpr (!Cfg::kWS) {
       if (ctid == 0) {
         Loads::LoadQ(L_, sm_, t, 0);
-        for (int it = 0; it < kStages && it < num_tiles; ++it) Loads::LoadKV(L_, sm_, t, it, it);
+        for (int it = 0; it < kStages && it < num_tiles; ++it) {
+          Loads::LoadKV(L_, sm_, t, it, TileAt(t, it));
+        }
       }
     }
+    if constexpr (Cfg::kMods) BeginItemMods(t);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
@@ -271,11 +276,12 @@ class Sm90FwdMainloop {
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.s));
         ReleaseK(stage, it, num_tiles, q_slot);
-        Softmax(t, row0, t.n_end - 1 - it);
+        const int n = TileAt(t, it);
+        Softmax(t, row0, n);
         RescaleO(acc_.o, acc_.corr);
         ConvertP<T>(acc_.s, acc_.pa);
         MbarWait(&sm_.v_full()[stage], parity);
-        ClearVTail(t, stage, t.n_end - 1 - it);
+        ClearVTail(t, stage, n);
         GemmPV(stage);
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.o));
@@ -291,14 +297,14 @@ class Sm90FwdMainloop {
       WgmmaWait<0>();
       FenceRegs(Flat(acc_.s));
       ReleaseK(first, 0, num_tiles, q_slot);
-      Softmax(t, row0, t.n_end - 1);
+      Softmax(t, row0, TileAt(t, 0));
       ConvertP<T>(acc_.s, acc_.pa);
       for (int it = 1; it < num_tiles; ++it) {
         const int stage = (g + it) % kStages;
         const int prev = (g + it - 1) % kStages;
         MbarWait(&sm_.k_full()[stage], ((g + it) / kStages) & 1);
         MbarWait(&sm_.v_full()[prev], ((g + it - 1) / kStages) & 1);
-        ClearVTail(t, prev, t.n_end - it);
+        ClearVTail(t, prev, TileAt(t, it - 1));
         TurnBegin();
         GemmQK(stage);  // S of tile it ...
         RescaleO(acc_.o, acc_.corr);
@@ -307,7 +313,7 @@ class Sm90FwdMainloop {
         WgmmaWait<1>();  // S landed; P V may still run during the softmax
         FenceRegs(Flat(acc_.s));
         ReleaseK(stage, it, num_tiles, q_slot);
-        Softmax(t, row0, t.n_end - 1 - it);
+        Softmax(t, row0, TileAt(t, it));
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.o));
         Release(&sm_.v_empty()[prev]);
@@ -315,7 +321,7 @@ class Sm90FwdMainloop {
       }
       const int last = (g + num_tiles - 1) % kStages;
       MbarWait(&sm_.v_full()[last], ((g + num_tiles - 1) / kStages) & 1);
-      ClearVTail(t, last, t.n_begin);
+      ClearVTail(t, last, TileAt(t, num_tiles - 1));
       TurnBegin();
       RescaleO(acc_.o, acc_.corr);
       GemmPV(last);
@@ -390,15 +396,48 @@ class Sm90FwdMainloop {
   __device__ __forceinline__ void Refill(const Sm90Tile& t, int it, int num_tiles) const {
     if constexpr (!Cfg::kWS) {
       const int next = it - 1 + kStages;
-      if (ctid == 0 && it >= 1 && next < num_tiles) Loads::LoadKV(L_, sm_, t, next, next);
+      if (ctid == 0 && it >= 1 && next < num_tiles)
+        Loads::LoadKV(L_, sm_, t, next, TileAt(t, next));
     }
   }
 
-  // Softcap, mask and the online-softmax step of key tile n, S -> P.
+  __device__ __forceinline__ int TileAt(const Sm90Tile& t, int it) const {
+    return KeyTileAt<kBlockN, Cfg::kMods>(L_.fwd.p, t, it);
+  }
+
+  // kMods, once per item: ALiBi's factor for the scores' units (raw Q.K, or
+  // log2 units after softcap: score_log2 turns either into log2 units).
+  __device__ __forceinline__ void BeginItemMods(const Sm90Tile& t) {
+    const float* slopes = L_.fwd.p.alibi_slopes;
+    alibi_coef_ = slopes != nullptr ? -__ldg(slopes + t.head) * kLog2e / score_log2 : 0.f;
+  }
+
+  // S += ALiBi's -slope |diag - j| (alibi_coef_ per distance, in S's units)
+  // for the thread's rows row0, row0 + 8 and key tile key0: per element one
+  // add and one FMA with |x| folded in.
+  __device__ __forceinline__ void AddAlibi(const Sm90Tile& t, int row0, int key0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float d0 = static_cast<float>(row0 + half * 8 + (t.sk - t.sq) - key0 -
+                                          quad * 2);  // diag - j at nt = e = 0
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = acc_.s[0][nt][half * 2 + e];
+          x = fmaf(alibi_coef_, fabsf(d0 - static_cast<float>(nt * 8 + e)), x);
+        }
+    }
+  }
+
+  // Softcap, ALiBi, mask and the online-softmax step of key tile n, S -> P.
   __device__ __forceinline__ void Softmax(const Sm90Tile& t, int row0, int n) {
     const AttnParams& p = L_.fwd.p;
     if (use_softcap) detail::SoftcapScores(acc_.s, L_.fwd.softcap_in, L_.fwd.softcap_out);
     const int key0 = n * kBlockN;
+    if constexpr (Cfg::kMods) {
+      if (alibi_coef_ != 0.f) AddAlibi(t, row0, key0);
+    }
     if (Mask::TileNeedsMask(key0, kBlockN, t.sk, t.lo_last, t.hi_first)) {
       detail::MaskScores(acc_.s, p, key0, row0, t.sq, 1, t.sq, t.sk, quad);
     }
@@ -427,8 +466,9 @@ class Sm90FwdMainloop {
   const Smem sm_;
   const unsigned char* q_wg_;  // this warpgroup's 64 rows of the item's Q slot
   Sm90FwdAccum<Cfg>& acc_;
-  int g_ = 0;           // K/V tiles consumed so far (ring slot and phase)
-  int items_done_ = 0;  // items consumed so far (Q slot and phase)
+  float alibi_coef_ = 0.f;  // kMods: BeginItemMods
+  int g_ = 0;               // K/V tiles consumed so far (ring slot and phase)
+  int items_done_ = 0;      // items consumed so far (Q slot and phase)
 };
 
 }  // namespace sm90

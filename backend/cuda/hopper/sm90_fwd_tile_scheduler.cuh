@@ -36,7 +36,61 @@ struct Sm90Tile {
   int q_row0, k_row0, map_b;  // its first Q and K/V row, and batch, in the maps
   int n_begin, n_end;
   int lo_last, hi_first;  // band-interior tiles: [lo(last row), hi(first row)]
+  // The key tiles scanned: num_tiles of them, right to left (KeyTileAt).
+  // Without a block mask all of [n_begin, n_end) (e_top = -1); with one, the
+  // band's tiles inside the row's kept key blocks: the walk starts
+  // top_excess tiles below the top of CSR entry e_top's block and goes down
+  // through entries e_top, e_top - 1, ... (WalkBlockRow).
+  int num_tiles;
+  int e_top, top_excess;
 };
+
+// The it-th key tile of item t's scan (it = 0: the rightmost). kBlockN
+// divides block_k (RunAttnFwdSm90 checks), so a tile lies in one key block.
+template <int kBlockN, bool kMods>
+__device__ __forceinline__ int KeyTileAt(const AttnParams& p, const Sm90Tile& t, int it) {
+  if (!kMods || t.e_top < 0) return t.n_end - 1 - it;
+  const int tpb = p.block_k / kBlockN;  // key tiles per key block
+  const int v = it + t.top_excess;
+  return (__ldg(p.block_col_idx + t.e_top - v / tpb) + 1) * tpb - 1 - v % tpb;
+}
+
+// Item t's walk over its CSR row of the block mask, by a whole warp (lane:
+// its lane): the kept blocks' entries are strictly increasing, so those
+// meeting the band's tiles [n_begin, n_end) are one run [e_lo, e_hi), found
+// by counting with ballots (one round of loads per 32 entries, not a serial
+// search); only the run's end entries can be cut by the band.
+template <int kBlockN>
+__device__ __forceinline__ void WalkBlockRow(const AttnParams& p, Sm90Tile* t, int lane) {
+  const int tpb = p.block_k / kBlockN;
+  int rows_before = 0;  // varlen: the query blocks of the earlier sequences
+  if (IsVarlen(p)) {
+    for (int s = lane; s < t->b; s += 32) rows_before += BlockRowsOf(p, s);
+    rows_before = __reduce_add_sync(0xffffffffu, rows_before);
+  }
+  const int64_t row = BlockRow(p, rows_before, t->b, t->head, t->m0 / p.block_q);
+  const int e0 = __ldg(p.block_row_ptr + row);
+  const int e1 = __ldg(p.block_row_ptr + row + 1);
+  int below_end = 0, before_begin = 0;
+  for (int base = e0; base < e1; base += 32) {
+    const int e = base + lane;
+    const bool in = e < e1;
+    const int c = in ? __ldg(p.block_col_idx + e) : 0;
+    below_end += __popc(__ballot_sync(0xffffffffu, in && c * tpb < t->n_end));
+    before_begin += __popc(__ballot_sync(0xffffffffu, in && (c + 1) * tpb <= t->n_begin));
+    if (__any_sync(0xffffffffu, in && c * tpb >= t->n_end)) break;  // the rest lie past the band
+  }
+  const int e_lo = e0 + before_begin, e_hi = e0 + below_end;
+  t->e_top = e_hi - 1;
+  t->top_excess = 0;
+  t->num_tiles = 0;
+  if (e_hi > e_lo) {
+    const int c_top = __ldg(p.block_col_idx + e_hi - 1);
+    const int c_bot = __ldg(p.block_col_idx + e_lo);
+    t->top_excess = max(0, (c_top + 1) * tpb - t->n_end);
+    t->num_tiles = (e_hi - e_lo) * tpb - t->top_excess - max(0, t->n_begin - c_bot * tpb);
+  }
+}
 
 // Work item `index` of num_m_blocks x batch x heads: m blocks fastest (the
 // CTAs running together share one head's K/V in L2), in MaskPolicy's order
@@ -62,6 +116,9 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
   VisibleKeys(p, t->m0, t->sq, t->sk, &lo_first, &t->hi_first);
   VisibleKeys(p, min(t->sq, t->m0 + kBlockM) - 1, t->sq, t->sk, &t->lo_last, &hi_last);
   Mask::KeyTiles(lo_first, hi_last, t->sk, kBlockN, &t->n_begin, &t->n_end);
+  t->num_tiles = t->n_end - t->n_begin;
+  t->e_top = -1;
+  t->top_excess = 0;
   return true;
 }
 
@@ -140,9 +197,47 @@ struct Sm90DynamicTileScheduler {
     if (k >= 2) MbarWait(&sched_empty[slot], ((k >> 1) - 1) & 1);
     const int item =
         k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
-    item_slot[slot] = item;
+    item_slot[slot * kItemSlotInts] = item;
     MbarArrive(&sched_full[slot]);  // release: the consumers' wait acquires the store
     return item;
+  }
+
+  // kMods: the producer warp draws item k (lane 0, once slot k % 2 is free;
+  // every lane gets it), computes its walk (WalkBlockRow), then lane 0
+  // publishes both (Publish).
+  __device__ __forceinline__ int DrawItem(int k) const {
+    int item = 0;
+    if (threadIdx.x % 32 == 0) {
+      if (k >= 2) MbarWait(&sched_empty[k & 1], ((k >> 1) - 1) & 1);
+      item = k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
+    }
+    return __shfl_sync(0xffffffffu, item, 0);
+  }
+  __device__ __forceinline__ void Publish(int k, int item, const Sm90Tile& t) const {
+    if (threadIdx.x % 32 != 0) return;
+    int* s = item_slot + (k & 1) * kItemSlotInts;
+    s[0] = item;
+    s[1] = t.num_tiles;
+    s[2] = t.e_top;
+    s[3] = t.top_excess;
+    MbarArrive(&sched_full[k & 1]);
+  }
+  // The consumers' side of Publish: item k, and its walk into t.
+  __device__ __forceinline__ int ConsumerItemWalk(int k, Sm90Tile* t) const {
+    const int slot = k & 1;
+    int v[kItemSlotInts] = {0, 0, 0, 0};
+    if (threadIdx.x % 32 == 0) {
+      MbarWait(&sched_full[slot], (k >> 1) & 1);
+#pragma unroll
+      for (int i = 0; i < kItemSlotInts; ++i) v[i] = item_slot[slot * kItemSlotInts + i];
+      MbarArrive(&sched_empty[slot]);
+    }
+#pragma unroll
+    for (int i = 0; i < kItemSlotInts; ++i) v[i] = __shfl_sync(0xffffffffu, v[i], 0);
+    t->num_tiles = v[1];
+    t->e_top = v[2];
+    t->top_excess = v[3];
+    return v[0];
   }
 
   // Lane 0 of every consumer warp reads the slot once and passes it to its
@@ -154,7 +249,7 @@ struct Sm90DynamicTileScheduler {
     int item = 0;
     if (threadIdx.x % 32 == 0) {
       MbarWait(&sched_full[slot], (k >> 1) & 1);
-      item = item_slot[slot];
+      item = item_slot[slot * kItemSlotInts];
       MbarArrive(&sched_empty[slot]);
     }
     return __shfl_sync(0xffffffffu, item, 0);
