@@ -9,6 +9,7 @@ Public API:
   AsyncClient, AsyncForwardStream   asyncio client (attnserve.aio)
   AttnServeError                the one exception: .code (grpc.StatusCode), .message
   ForwardResult, ServerTiming   what forward_result()/echo()/streams return
+  attnserve.masks               BlockMask (from_dense, from_flex), alibi_slopes, mask patterns
   attnserve.kv                  K/V on the server: Cache, Sequence(s), append_attend, streams
   attnserve.kv_aio              AsyncCache, AsyncAppendAttendStream: the K/V API for asyncio
   attnserve.hf                  the transformers attention implementation ("attnserve")

@@ -12,7 +12,7 @@ import itertools
 import os
 from typing import Any, Optional, Tuple
 
-from attnserve import _tensors, _wire
+from attnserve import _mods, _tensors, _wire
 from attnserve.errors import AttnServeError, invalid_argument
 from attnserve.v1 import attention_pb2 as pb
 
@@ -81,15 +81,23 @@ def build_request(q: Any, k: Any, v: Any, *, causal: bool = False, window: Windo
                   cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                   request_id: Optional[str] = None, q_descale: Optional[float] = None,
                   k_descale: Optional[float] = None,
-                  v_descale: Optional[float] = None) -> _wire.Encoded:
+                  v_descale: Optional[float] = None, alibi_slopes: Any = None, sinks: Any = None,
+                  bias: Any = None, mask: Any = None, block_mask: Any = None) -> _wire.Encoded:
     """The ForwardRequest for forward()'s arguments (see Client.forward), encoded."""
     tensors = [(name, _tensors.to_out(name, x)) for name, x in (("q", q), ("k", k), ("v", v))]
     req = pb.ForwardRequest(request_id=request_id or next_request_id())
+    offsets = {}
     for name, cu, field in (("cu_seqlens_q", cu_seqlens_q, req.cu_seqlens_q),
                             ("cu_seqlens_k", cu_seqlens_k, req.cu_seqlens_k)):
-        offsets = _tensors.to_offsets(name, cu)
-        if offsets is not None:
-            field.extend(offsets)
+        offsets[name] = _tensors.to_offsets(name, cu)
+        if offsets[name] is not None:
+            field.extend(offsets[name])
+    mods = dict(alibi_slopes=alibi_slopes, sinks=sinks, bias=bias, mask=mask,
+                block_mask=block_mask)
+    if any(x is not None for x in mods.values()):
+        call = _mods.CallShape(tensors[0][1].shape, tensors[1][1].shape,
+                               offsets["cu_seqlens_q"], offsets["cu_seqlens_k"])
+        tensors += _mods.apply(req.options, call, **mods)
     fill_options(req.options, causal=causal, window=window, softcap=softcap, scale=scale,
                  return_lse=return_lse)
     # FP8 inputs' descales: only sent when given (unset means 1 on the server,

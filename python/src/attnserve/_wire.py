@@ -102,17 +102,20 @@ class OutTensor:
     data: Any
 
 
-def _tensor_pieces(number: int, t: OutTensor) -> List[Any]:
-    """Field `number` holding Tensor t: a short header, then t.data itself (not copied here)."""
+def _tensor_pieces(number: int, t: OutTensor, kind: Any = pb.Tensor.DESCRIPTOR) -> List[Any]:
+    """Field `number` holding Tensor t: a short header, then t.data itself (not copied here).
+    `kind`: the field's message type, Tensor or one with Tensor's shape and data fields
+    (ElementMask: no dtype, t.dtype 0)."""
+    fields = kind.fields_by_name
     body = bytearray()
     if t.dtype:  # proto3 leaves default values out, as the generated class does
-        body += _key(_DTYPE_NO, _VARINT) + _varint(t.dtype)
+        body += _key(fields["dtype"].number, _VARINT) + _varint(t.dtype)
     if t.shape:
         dims = b"".join(_varint(int(d)) for d in t.shape)
-        body += _key(_SHAPE_NO, _LEN) + _varint(len(dims)) + dims
+        body += _key(fields["shape"].number, _LEN) + _varint(len(dims)) + dims
     size = memoryview(t.data).nbytes
     if size:
-        body += _key(_DATA_NO, _LEN) + _varint(size)
+        body += _key(fields["data"].number, _LEN) + _varint(size)
     head = _key(number, _LEN) + _varint(len(body) + size) + bytes(body)
     return [head, t.data] if size else [head]
 
@@ -141,6 +144,9 @@ class Encoded:
 def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> Encoded:
     """`message` (its tensor fields unset) with each (field name, tensor) after it.
 
+    A name "outer.inner" (e.g. "options.bias") is a tensor inside the message field
+    `outer`: written as one more occurrence of `outer` holding only it, which a protobuf
+    parser merges into the first (singular message fields merge).
     Copies nothing of the tensors' data: the pieces reference it until sent.
     """
     fields = message.DESCRIPTOR.fields_by_name
@@ -148,9 +154,17 @@ def encode(message: Any, tensors: Iterable[Tuple[str, Optional[OutTensor]]]) -> 
     for name, t in tensors:
         if t is None:
             continue
-        if message.HasField(name):  # would merge with ours on the server: a bug here
+        outer, _, inner = name.partition(".")
+        holder = getattr(message, outer) if inner else message
+        if holder.HasField(inner or name):  # would merge with ours on the server: a bug here
             raise ValueError(f"attnserve._wire: {name} is set on the message as well")
-        pieces += _tensor_pieces(fields[name].number, t)
+        if not inner:
+            pieces += _tensor_pieces(fields[name].number, t)
+            continue
+        field = fields[outer].message_type.fields_by_name[inner]
+        inner_pieces = _tensor_pieces(field.number, t, field.message_type)
+        size = sum(memoryview(p).nbytes for p in inner_pieces)
+        pieces += [_key(fields[outer].number, _LEN) + _varint(size)] + inner_pieces
     return Encoded(message.request_id, pieces)
 
 

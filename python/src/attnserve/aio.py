@@ -48,13 +48,17 @@ class AsyncClient(_channel.ChannelOwner):
                       return_lse: bool = False, cu_seqlens_q: Any = None,
                       cu_seqlens_k: Any = None, timeout: Optional[float] = None,
                       q_descale: Optional[float] = None, k_descale: Optional[float] = None,
-                      v_descale: Optional[float] = None) -> Any:
+                      v_descale: Optional[float] = None, alibi_slopes: Any = None,
+                      sinks: Any = None, bias: Any = None, mask: Any = None,
+                      block_mask: Any = None) -> Any:
         """Client.forward as a coroutine: O, or (O, LSE) with return_lse."""
         result = await self.forward_result(q, k, v, causal=causal, window=window,
                                            softcap=softcap, scale=scale, return_lse=return_lse,
                                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                            timeout=timeout, q_descale=q_descale,
-                                           k_descale=k_descale, v_descale=v_descale)
+                                           k_descale=k_descale, v_descale=v_descale,
+                                           alibi_slopes=alibi_slopes, sinks=sinks, bias=bias,
+                                           mask=mask, block_mask=block_mask)
         return (result.o, result.lse) if return_lse else result.o
 
     async def forward_result(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,

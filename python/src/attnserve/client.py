@@ -70,7 +70,9 @@ class Client(_channel.ChannelOwner):
                 softcap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                 timeout: Optional[float] = None, q_descale: Optional[float] = None,
-                k_descale: Optional[float] = None, v_descale: Optional[float] = None) -> Any:
+                k_descale: Optional[float] = None, v_descale: Optional[float] = None,
+                alibi_slopes: Any = None, sinks: Any = None, bias: Any = None, mask: Any = None,
+                block_mask: Any = None) -> Any:
         """One attention call (docs/design.md §2), FlashAttention's conventions.
 
         Args:
@@ -87,6 +89,17 @@ class Client(_channel.ChannelOwner):
           timeout: this call's deadline in seconds (default: the client's).
           q_descale, k_descale, v_descale: FP8 inputs only: each tensor's value
             is its code times this, in (0, 128]; None = 1.
+          Score modifiers and masks (docs/masks.md), applied in this order after the
+          scale and softcap: + ALiBi, + bias, then causal/window, mask and block_mask
+          remove keys; sinks join the softmax denominator:
+          alibi_slopes: [Hq] slopes (attnserve.masks.alibi_slopes(Hq) for the paper's);
+            score -= slope[h] * |i + Sk - Sq - j|.
+          sinks: [Hq] logits (gpt-oss), each adding exp(sink) to its row's denominator.
+          bias: additive, float32/float16/bfloat16 (any, whatever q's dtype), dense
+            [B or 1, Hq or 1, Sq, Sk] or varlen [Hq or 1, sum of sq_b * sk_b].
+          mask: bool (True = attend), the shapes of bias.
+          block_mask: an attnserve.masks.BlockMask (block-sparse, CSR).
+          A row that sees no key gets O = 0 and LSE = -inf (the sink with sinks).
 
         Returns:
           O like q (same kind and device; q's dtype, bfloat16 for FP8 q), or
@@ -99,7 +112,8 @@ class Client(_channel.ChannelOwner):
                                      scale=scale, return_lse=return_lse,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                      timeout=timeout, q_descale=q_descale, k_descale=k_descale,
-                                     v_descale=v_descale)
+                                     v_descale=v_descale, alibi_slopes=alibi_slopes,
+                                     sinks=sinks, bias=bias, mask=mask, block_mask=block_mask)
         return (result.o, result.lse) if return_lse else result.o
 
     def forward_result(self, q: Any, k: Any, v: Any, *, timeout: Optional[float] = None,
