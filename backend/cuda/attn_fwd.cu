@@ -45,12 +45,16 @@ __global__ void __launch_bounds__(kCombineThreads)
     float mx = -INFINITY;
     for (int s = tid; s < num_splits; s += 32) mx = fmaxf(mx, lse_accum[s * stride + idx]);
     for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    // The sink joins the LSE here, once (split_combine.cuh).
+    const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+    mx = fmaxf(mx, sink);
     float sum = 0.f;
     for (int s = tid; s < num_splits; s += 32) {
       const float l = lse_accum[s * stride + idx];
       if (l != -INFINITY) sum += expf(l - mx);
     }
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sink != -INFINITY) sum += expf(sink - mx);
     const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
     for (int s = tid; s < num_splits; s += 32) {
       const float l = lse_accum[s * stride + idx];

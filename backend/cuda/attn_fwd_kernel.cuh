@@ -16,6 +16,7 @@
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/kv_rows.cuh"
 #include "backend/cuda/paged_attn.h"
+#include "backend/cuda/score_mods.cuh"
 #include "backend/cuda/split_combine.cuh"
 #include "backend/params.h"
 
@@ -146,12 +147,6 @@ struct MaskPolicy<true> {
   }
 };
 
-// The thread's rows of an m16 x n8 fragment set: r = mt * 2 + half is CTA-
-// external row row0 + mt * 16 + half * 8 (row0 = m0 + warp_row0 + group).
-__device__ __forceinline__ int FragmentRow(int row0, int r) {
-  return row0 + (r / 2) * 16 + (r % 2) * 8;
-}
-
 // Scores of keys outside a row's [lo, hi] become -inf. Row bounds are
 // recomputed here rather than kept in registers: the main loop is at the
 // 255-register limit and this runs on few tiles.
@@ -250,9 +245,41 @@ __device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4
     }
 }
 
+// The sinks of a mods kernel's unsplit rows (split rows get theirs in the
+// combine), folded into the scan's state as one more key of score sink[h]
+// (log2 domain: a mods kernel's score_log2 is 1) and value 0: the row max
+// and O rescaled, exp2(sink - max) added to the sum once per row (by the
+// quad's first thread; the sums are quad-partial). A row that saw no key
+// ends with O = 0 and sum 1 at max = sink, so LSE = sink.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void AddSinks(float (&acc_o)[kMTiles][kDTiles][4],
+                                         float (&row_max)[kMTiles * 2],
+                                         float (&row_sum)[kMTiles * 2], const AttnParams& p,
+                                         const QueryRows& qr, int row0, int rows, int quad) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
+      int h;
+      qr.Row(min(FragmentRow(row0, r), rows - 1), &h);
+      const float sink = __ldg(p.sinks + h) * kLog2e;
+      const float mx = fmaxf(row_max[r], sink);
+      const float corr = Exp2(row_max[r] - mx);
+      row_max[r] = mx;
+      row_sum[r] = row_sum[r] * corr + (quad == 0 ? Exp2(sink - mx) : 0.f);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[mt][dt][half * 2] *= corr;
+        acc_o[mt][dt][half * 2 + 1] *= corr;
+      }
+    }
+}
+
 // Epilogue of a CTA whose key range is empty (fully masked rows, Sk = 0, or an
-// empty split): O = 0 and LSE = -inf, written directly.
-template <typename T, int kBlockM, int kThreads>
+// empty split): O = 0 and LSE = -inf (a mods kernel's unsplit row with
+// sinks: its sink), written directly.
+template <typename T, int kBlockM, int kThreads, bool kMods = false>
 __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRows& qr, int b,
                                                int split, int m0, int rows, int tid) {
   const AttnParams& p = L.p;
@@ -268,7 +295,9 @@ __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRo
     } else {
       T* o = static_cast<T*>(p.o) + QOffset(p, row, h);
       for (int d = 0; d < p.head_dim; ++d) o[d] = T(0.f);
-      if (p.lse != nullptr) p.lse[LseOffset(p, b, h, m / qr.G)] = -INFINITY;
+      if (p.lse != nullptr) {
+        p.lse[LseOffset(p, b, h, m / qr.G)] = kMods && p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+      }
     }
   }
 }
@@ -438,16 +467,21 @@ __device__ __forceinline__ bool MergeWarpStates(float* exchange, float (&acc_o)[
 // extent (sq x G) and the key tiles [n_begin, n_end) it scans, its split's
 // share of those its rows can see. Keys any row can see: [lo(first row),
 // hi(last row)], as both bounds grow with the query index; band-interior
-// tiles: [lo(last row), hi(first row)].
+// tiles: [lo(last row), hi(first row)]. With kMods the scan instead visits
+// positions [t_begin, t_end) of `order` (the band's tiles in the block
+// mask's kept blocks; a split takes a share of those positions, so splits
+// balance by kept tiles).
 struct CtaWork {
   int b, split, m_block, head, kv_head;
   int sq, sk, rows, m0;
   int lo_last, hi_first;
   int n_begin, n_end;
+  int t_begin = 0, t_end = 0;
+  KeyTileOrder order;
 };
 
 // False when the CTA's rows lie past its problem (nothing to do).
-template <int kBlockM, int kBlockN, bool kIsBanded, typename Rows>
+template <int kBlockM, int kBlockN, bool kIsBanded, typename Rows, bool kMods = false>
 __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, CtaWork* w) {
   using Mask = MaskPolicy<kIsBanded>;
   const FwdLaunch& L = Rows::Fwd(launch);
@@ -471,10 +505,18 @@ __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, C
   VisibleKeys(p, i_first, w->sq, w->sk, &lo_first, &w->hi_first);
   VisibleKeys(p, i_last, w->sq, w->sk, &w->lo_last, &hi_last);
   Mask::KeyTiles(lo_first, hi_last, w->sk, kBlockN, &w->n_begin, &w->n_end);
-  if (splits > 1) {
-    const int per_split = (max(w->n_end - w->n_begin, 0) + splits - 1) / splits;
-    w->n_begin += w->split * per_split;
-    w->n_end = min(w->n_end, w->n_begin + per_split);
+  if constexpr (kMods) {
+    const int count = BlockMaskTiles<kBlockN>(p, w->b, G > 1 ? w->head * G : w->head, i_first,
+                                              w->n_begin, w->n_end, &w->order);
+    const int per_split = (count + splits - 1) / splits;
+    w->t_begin = w->split * per_split;
+    w->t_end = min(count, w->t_begin + per_split);
+  } else {
+    if (splits > 1) {
+      const int per_split = (max(w->n_end - w->n_begin, 0) + splits - 1) / splits;
+      w->n_begin += w->split * per_split;
+      w->n_end = min(w->n_end, w->n_begin + per_split);
+    }
   }
   return true;
 }
@@ -550,7 +592,7 @@ __device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRo
 // then O and LSE are stored directly (sQ stages the rows), or the split's
 // partials and, with the fused combine, the CTA's ticket (FinishSplit, which
 // may use all `smem_floats` of `smem`).
-template <typename T, int kComputeWarps, int kDTiles, int kStride, int kThreads>
+template <typename T, int kComputeWarps, int kDTiles, int kStride, int kThreads, bool kMods = false>
 __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const QueryRows& qr,
                                                  const CtaWork& w, float (&acc_o)[1][kDTiles][4],
                                                  float (&row_max)[2], float (&row_sum)[2],
@@ -565,6 +607,11 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
                      warp_active;
   if (!holds && !fused) return;
   float lse[2];
+  if constexpr (kMods) {
+    if (holds && L.num_splits == 1 && L.p.sinks != nullptr) {
+      AddSinks(acc_o, row_max, row_sum, L.p, qr, w.m0 + lane / 4, w.rows, lane % 4);
+    }
+  }
   if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
   if (L.num_splits > 1) {
     if (holds) StoreSplitPartials(L, qr, w.split, acc_o, lse, w.m0 + lane / 4, w.rows, lane % 4);
@@ -580,14 +627,19 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
 // The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
 // kHeadDim, zero-padded). kIsBanded: banded mask policy (MaskPolicy<true>):
 // tiles outside the band are skipped and band-boundary tiles masked; without
-// it only the last, partial key tile is masked. Rows: where K/V rows are read
-// from (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
+// it only the last, partial key tile is masked. kMods (banded policy only):
+// the score modifiers and masks of params.h (score_mods.cuh): block-masked
+// tiles are never loaded, every scanned tile gets the per-element pass
+// (ModScores, in the log2 domain, so score_log2 is 1) and unsplit rows fold
+// in their sinks (AddSinks). Rows: where K/V rows are read from
+// (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
 // cache's pages); Rows::Launch is the kernel's argument.
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
-          bool kIsBanded, typename Rows>
+          bool kIsBanded, typename Rows, bool kMods = false>
 __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch) {
   using namespace detail;
   using Mask = MaskPolicy<kIsBanded>;
+  static_assert(!kMods || kIsBanded, "mods run the banded mask policy");
   constexpr int kThreads = kNWarps * 32;
   // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
   // warps hold the same 16 rows, warp w < kComputeWarps computes keys
@@ -624,10 +676,22 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const int G = L.pack_gqa;
   const int splits = L.num_splits;
   CtaWork w;
-  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows>(launch, &w)) return;
+  if (!LocateCta<kBlockM, kBlockN, kIsBanded, Rows, kMods>(launch, &w)) return;
   const int b = w.b, split = w.split, head = w.head, kv_head = w.kv_head;
   const int sq = w.sq, sk = w.sk, rows = w.rows, m0 = w.m0;
-  const int lo_last = w.lo_last, hi_first = w.hi_first, n_begin = w.n_begin, n_end = w.n_end;
+  const int lo_last = w.lo_last, hi_first = w.hi_first;
+  // The scan runs u from u_end - 1 down to u_begin over key tile tile_at(u):
+  // the tile itself without mods, else scan position t = u_end - 1 - u +
+  // t_begin of CtaWork's order (so the loop below is the same code for both).
+  const int u_begin = kMods ? w.t_begin : w.n_begin;
+  const int u_end = kMods ? w.t_end : w.n_end;
+  auto tile_at = [&](int u) {
+    if constexpr (kMods) {
+      return w.order.At(u_end - 1 - u + u_begin);
+    } else {
+      return u;
+    }
+  };
   const QueryRows qr{G, head, SeqStartQ(p, b)};
 
   const int tid = threadIdx.x;
@@ -658,8 +722,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
                                          tid);
   };
 
-  if (n_begin >= n_end) {
-    StoreEmptyRows<T, kBlockM, kThreads>(L, qr, b, split, m0, rows, tid);
+  if (u_begin >= u_end) {
+    StoreEmptyRows<T, kBlockM, kThreads, kMods>(L, qr, b, split, m0, rows, tid);
     if (fused) finish();
     return;
   }
@@ -753,7 +817,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   }
   const bool use_softcap = p.softcap > 0.f;
   // Multiplier taking a (possibly capped) score to the log2 domain.
-  const float score_log2 = use_softcap ? 1.f : L.scale_log2;
+  const float score_log2 = kMods || use_softcap ? 1.f : L.scale_log2;
+  const int64_t pairs_before =
+      kMods && (p.bias != nullptr || p.mask != nullptr) ? PairsBefore(p, b) : 0;
 
   // ldmatrix lane addresses (element offsets inside a tile).
   // A (Q, 16x16 at [row0, k0]): lanes 0-15 rows 0-15 at k0, lanes 16-31 at k0+8.
@@ -766,23 +832,24 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const int bv_off = ((lane % 8) + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
 
   load_q();
-  load_kv(sK, 0, n_end - 1);
-  if (kStages >= 2) load_kv(sV, 1, n_end - 1);
+  load_kv(sK, 0, tile_at(u_end - 1));
+  if (kStages >= 2) load_kv(sV, 1, tile_at(u_end - 1));
   CpAsyncCommit();
   // A ring of kStages >= 3: the next kStages - 2 tiles are requested up front
   // too, one commit group per tile (empty groups keep the count uniform).
 #pragma unroll
   for (int i = 1; i + 1 < kStages; ++i) {
-    if (n_end - 1 - i >= n_begin) {
-      load_kv(sK + i * kBlockN * kStride, 0, n_end - 1 - i);
-      load_kv(sV + i * kBlockN * kStride, 1, n_end - 1 - i);
+    if (u_end - 1 - i >= u_begin) {
+      load_kv(sK + i * kBlockN * kStride, 0, tile_at(u_end - 1 - i));
+      load_kv(sV + i * kBlockN * kStride, 1, tile_at(u_end - 1 - i));
     }
     CpAsyncCommit();
   }
 
   // Tiles right to left: the first one is the partial (or band-edge) tile.
-  for (int n = n_end - 1; n >= n_begin; --n) {
-    const int stage = kStages >= 2 ? (n_end - 1 - n) % kStages : 0;
+  for (int u = u_end - 1; u >= u_begin; --u) {
+    const int n = tile_at(u);
+    const int stage = kStages >= 2 ? (u_end - 1 - u) % kStages : 0;
     const T* tK = sK + (stage * kBlockN + warp_key0) * kStride;  // this warp's key slice
     const T* tV = sV + (stage * kBlockN + warp_key0) * kStride;
     // K[n] (with kStages >= 2 also V[n]; and Q) landed ...
@@ -793,17 +860,17 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     }
     __syncthreads();  // ... for every thread; and all warps are done with the buffers reloaded next
     if constexpr (kStages >= 3) {
-      const int next = n - (kStages - 1);
-      if (next >= n_begin) {
-        const int ring = (n_end - 1 - n + kStages - 1) % kStages;
-        load_kv(sK + ring * kBlockN * kStride, 0, next);
-        load_kv(sV + ring * kBlockN * kStride, 1, next);
+      const int next = u - (kStages - 1);
+      if (next >= u_begin) {
+        const int ring = (u_end - 1 - u + kStages - 1) % kStages;
+        load_kv(sK + ring * kBlockN * kStride, 0, tile_at(next));
+        load_kv(sV + ring * kBlockN * kStride, 1, tile_at(next));
       }
       CpAsyncCommit();
     } else if (kStages == 2) {
-      if (n > n_begin) {
-        load_kv(sK + (stage ^ 1) * kBlockN * kStride, 0, n - 1);
-        load_kv(sV + (stage ^ 1) * kBlockN * kStride, 1, n - 1);
+      if (u > u_begin) {
+        load_kv(sK + (stage ^ 1) * kBlockN * kStride, 0, tile_at(u - 1));
+        load_kv(sV + (stage ^ 1) * kBlockN * kStride, 1, tile_at(u - 1));
         CpAsyncCommit();
       }
     } else {
@@ -824,8 +891,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     if (kStages == 1) {
       CpAsyncWaitAll();  // V[n] landed
       __syncthreads();   // ... for every thread; and all warps are done with sK
-      if (n > n_begin) {
-        load_kv(sK, 0, n - 1);
+      if (u > u_begin) {
+        load_kv(sK, 0, tile_at(u - 1));
         CpAsyncCommit();
       }
     }
@@ -833,7 +900,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 
     if (use_softcap) SoftcapScores(s, L.softcap_in, L.softcap_out);
     const int key0 = n * kBlockN + warp_key0;
-    if (Mask::TileNeedsMask(key0, kWarpKeys, sk, lo_last, hi_first)) {
+    if constexpr (kMods) {
+      ModScores(s, p, qr, b, pairs_before, L.scale_log2, key0, row0, rows, sq, sk, quad);
+    } else if (Mask::TileNeedsMask(key0, kWarpKeys, sk, lo_last, hi_first)) {
       MaskScores(s, p, key0, row0, rows, G, sq, sk, quad);
     }
     OnlineSoftmax(s, row_max, row_sum, acc_o, score_log2);
@@ -843,12 +912,17 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 
   if constexpr (kCanFuse) {
     static_assert(kKeySplit, "the 16-row tile splits its keys over the warps");
-    FinishDecodeTile<T, kComputeWarps, kDTiles, kStride, kThreads>(
+    FinishDecodeTile<T, kComputeWarps, kDTiles, kStride, kThreads, kMods>(
         L, qr, w, acc_o, row_max, row_sum, score_log2, warp_active, reinterpret_cast<float*>(sK),
         sQ, reinterpret_cast<float*>(smem_raw), kSmemFloats);
   } else {
     if (!warp_active) return;
     float lse[kMTiles * 2];
+    if constexpr (kMods) {
+      if (splits == 1 && p.sinks != nullptr) {
+        AddSinks(acc_o, row_max, row_sum, p, qr, row0, rows, quad);
+      }
+    }
     NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
     if (splits > 1) {
       StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
@@ -864,10 +938,11 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 // registers would allow only 2. The paged launch is a __grid_constant__ so
 // its slab tables are indexed in place (no local copy of the argument).
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
-          bool kIsBanded>
+          bool kIsBanded, bool kMods = false>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
     AttnFwdKernel(const FwdLaunch L) {
-  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>>(L);
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>, kMods>(
+      L);
 }
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
           bool kIsBanded>
@@ -907,6 +982,15 @@ cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t str
                                                kTile.num_warps, kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   } else {
+    if constexpr (kIsBanded) {
+      // Score modifiers and masks run in the banded instantiation only
+      // (PlanForward marks such calls banded), as a kernel of their own.
+      if (HasScoreMods(launch.p)) {
+        return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
+                                              kTile.num_warps, kTile.stages, T, true, true>,
+                                kTile, SmemBytes(kTile), launch, launch, stream);
+      }
+    }
     return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
                                           kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);

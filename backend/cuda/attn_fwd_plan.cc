@@ -152,18 +152,26 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     }
   }
   if (plan.kernel_head_dim == 0) return plan;
-  plan.banded = IsBanded(p);
+  // Score modifiers and masks run on the portable kernel's banded
+  // instantiation, as a kernel of their own (attn_fwd_kernel.cuh's kMods):
+  // the banded mask policy with no band sees every key, so one compiled set
+  // serves mods with or without a band and the plain kernels stay as they are.
+  const bool mods = HasScoreMods(p);
+  plan.banded = IsBanded(p) || mods;
   if (plan.banded && TileFor(TileKind::kBanded, plan.kernel_head_dim).head_dim != 0) {
     plan.tile_kind = TileKind::kBanded;
   }
   const int group = p.num_heads_q / std::max(p.num_heads_kv, 1);
   // Pack GQA heads into M for short query runs (decode, speculative steps):
   // otherwise each query head's CTA would stream the same K/V for 1..16 rows.
-  plan.pack_gqa = (group > 1 && p.seqlen_q <= 16) ? group : 1;
+  // Not under a per-head block mask: a CTA skips the key blocks of one CSR
+  // row, and packed rows of several heads would need several.
+  const bool per_head_blocks = HasBlockMask(p) && p.block_per_head;
+  plan.pack_gqa = (group > 1 && p.seqlen_q <= 16 && !per_head_blocks) ? group : 1;
   const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
   if (rows <= kDecodeMaxRows && TileFor(TileKind::kDecode, plan.kernel_head_dim).head_dim != 0) {
     plan.tile_kind = TileKind::kDecode;
-    if (allow_sm90 && Sm90DecodeCovers(p)) plan.kernel_family = KernelFamily::kSm90;
+    if (allow_sm90 && Sm90DecodeCovers(p) && !mods) plan.kernel_family = KernelFamily::kSm90;
   }
   const TileConfig tile = TileForPlan(plan);
   const int64_t m_blocks = (rows + tile.block_m - 1) / tile.block_m;
@@ -189,7 +197,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (plan.num_splits > 1) {
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
-  const int sm90_head_dim = allow_sm90 && kv == KvRows::kTensors ? Sm90HeadDimFor(p, plan) : 0;
+  // The Hopper kernels do not take score modifiers or masks.
+  const int sm90_head_dim =
+      allow_sm90 && kv == KvRows::kTensors && !mods ? Sm90HeadDimFor(p, plan) : 0;
   if (sm90_head_dim != 0) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;

@@ -26,8 +26,14 @@
 namespace attnserve {
 
 // Offsets of a launch's tensors in a slot's buffers, each 256-byte aligned.
+// The score modifiers' arrays (the first member's: a call with a bias or a
+// mask runs alone, and members that share a launch share their ALiBi slopes
+// and sinks, CanShareLaunch) are inputs like Q, K and V: staged in the same
+// buffers and copied in the same host-to-device copy.
 struct StagingLayout {
-  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, inputs_end = 0;
+  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0;
+  ScoreModArrays mods;
+  int64_t inputs_end = 0;
   int64_t o = 0, lse = 0, end = 0;
 
   explicit StagingLayout(const PackedBatch& batch) {
@@ -37,6 +43,7 @@ struct StagingLayout {
     v = off.Take(batch.kv_bytes());
     cu_q = off.Take(batch.cu_seqlens_bytes());
     cu_k = off.Take(batch.cu_seqlens_bytes());
+    mods = ScoreModArrays(*batch.members().front(), &off);
     inputs_end = off.end();
     o = off.Take(batch.o_bytes());  // BF16 for FP8 inputs
     lse = off.Take(batch.lse_bytes());
@@ -198,7 +205,26 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
                                                                          const PackedBatch& batch) {
-  return StartStaged<StagingLayout>(batch, RebaseAttnParams,
+  // Several members share a launch only as CanShareLaunch allows: the
+  // arrays of a bias, element mask or block mask belong to one call.
+  if (batch.size() > 1) {
+    for (const AttnParams* m : batch.members()) {
+      if (m->bias != nullptr || m->mask != nullptr || HasBlockMask(*m)) {
+        return absl::InvalidArgumentError(
+            "cuda: a call with a bias, element mask or block mask cannot share a packed launch");
+      }
+    }
+  }
+  // The gathered params point at the first member's mod arrays: staged
+  // beside Q, K and V, then moved to the device buffer with them.
+  auto rebase = [this, &batch](const AttnParams& staged, char* host, char* device) {
+    const StagingLayout layout(batch);
+    const AttnParams p = layout.mods.Stage(staged, host, [this](const std::vector<HostCopy>& c) {
+      CopyInParallel(c, gather_pool_.get());
+    });
+    return RebaseAttnParams(p, host, device);
+  };
+  return StartStaged<StagingLayout>(batch, rebase,
                                     [this, &plan, &batch](const AttnParams& dev, Slot* slot) {
                                       // One member: its plan. Several: the members were checked and
                                       // planned one by one and share everything but sizes

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "absl/time/time.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
+#include "common/dtype.h"
 #include "common/host_copy.h"
 
 namespace attnserve {
@@ -67,7 +69,8 @@ T* Rebased(T* ptr, const char* from, char* to) {
   return reinterpret_cast<T*>(to + (reinterpret_cast<const char*>(ptr) - from));
 }
 
-// The same params with every tensor pointer moved from `from` to `to`.
+// The same params with every tensor pointer (the score modifiers' arrays
+// too) moved from `from` to `to`.
 inline AttnParams RebaseAttnParams(const AttnParams& p, const char* from, char* to) {
   AttnParams d = p;
   d.q = Rebased(p.q, from, to);
@@ -77,8 +80,66 @@ inline AttnParams RebaseAttnParams(const AttnParams& p, const char* from, char* 
   d.lse = Rebased(p.lse, from, to);
   d.cu_seqlens_q = Rebased(p.cu_seqlens_q, from, to);
   d.cu_seqlens_k = Rebased(p.cu_seqlens_k, from, to);
+  d.alibi_slopes = Rebased(p.alibi_slopes, from, to);
+  d.sinks = Rebased(p.sinks, from, to);
+  d.bias = Rebased(p.bias, from, to);
+  d.mask = Rebased(p.mask, from, to);
+  d.block_row_ptr = Rebased(p.block_row_ptr, from, to);
+  d.block_col_idx = Rebased(p.block_col_idx, from, to);
   return d;
 }
+
+// The score modifiers' arrays of one call (params.h) in a staging layout:
+// their sizes from the HOST params and their offsets, taken in order from
+// `off` (0 bytes for an array the call does not have).
+struct ScoreModArrays {
+  int64_t alibi = 0, sinks = 0, bias = 0, mask = 0, row_ptr = 0, col_idx = 0;
+  int64_t alibi_bytes = 0, sinks_bytes = 0, bias_bytes = 0, mask_bytes = 0;
+  int64_t row_ptr_bytes = 0, col_idx_bytes = 0;
+
+  ScoreModArrays() = default;
+  ScoreModArrays(const AttnParams& p, StagingOffsets* off) {
+    const int64_t heads = int64_t{p.num_heads_q} * 4;
+    alibi_bytes = p.alibi_slopes != nullptr ? heads : 0;
+    sinks_bytes = p.sinks != nullptr ? heads : 0;
+    bias_bytes = p.bias != nullptr
+                     ? PairElements(p, p.bias_per_batch, p.bias_per_head) * DTypeSize(p.bias_dtype)
+                     : 0;
+    mask_bytes = p.mask != nullptr ? PairElements(p, p.mask_per_batch, p.mask_per_head) : 0;
+    if (HasBlockMask(p)) {
+      const int64_t rows = BlockMaskRows(p);
+      row_ptr_bytes = (rows + 1) * 4;
+      col_idx_bytes = int64_t{p.block_row_ptr[rows]} * 4;
+    }
+    alibi = off->Take(alibi_bytes);
+    sinks = off->Take(sinks_bytes);
+    bias = off->Take(bias_bytes);
+    mask = off->Take(mask_bytes);
+    row_ptr = off->Take(row_ptr_bytes);
+    col_idx = off->Take(col_idx_bytes);
+  }
+
+  // Copies `p`'s arrays (host memory) into the staging buffer at `base`
+  // (through `run`) and returns p pointing at the copies.
+  AttnParams Stage(const AttnParams& p, char* base, const CopyRunner& run) const {
+    AttnParams d = p;
+    std::vector<HostCopy> copies;
+    auto stage = [&](const auto* src, int64_t at, int64_t bytes) {
+      using Elem = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
+      if (src == nullptr) return src;
+      if (bytes > 0) copies.push_back({base + at, src, static_cast<size_t>(bytes)});
+      return static_cast<const Elem*>(static_cast<const void*>(base + at));
+    };
+    d.alibi_slopes = stage(p.alibi_slopes, alibi, alibi_bytes);
+    d.sinks = stage(p.sinks, sinks, sinks_bytes);
+    d.bias = stage(static_cast<const char*>(p.bias), bias, bias_bytes);
+    d.mask = stage(p.mask, mask, mask_bytes);
+    d.block_row_ptr = stage(p.block_row_ptr, row_ptr, row_ptr_bytes);
+    d.block_col_idx = stage(p.block_col_idx, col_idx, col_idx_bytes);
+    RunCopies(run, copies);
+    return d;
+  }
+};
 
 // A slowly growing launch size should not reallocate each time, so buffers
 // grow by at least 1.5x.

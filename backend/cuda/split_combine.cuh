@@ -37,6 +37,8 @@ __device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, 
 // O = sum_s exp(lse_s - LSE) O_s over every split (exact up to fp32
 // rounding; a row whose splits are all empty gets O = 0, LSE = -inf), in
 // split order, so the result does not depend on which CTA finished last.
+// The row's sink (params.h), when set, joins here, once: a term of the LSE
+// with no share of O (the splits leave theirs out).
 // `smem` (smem_floats floats) holds a float4 per thread and the weights;
 // rows go in passes of as many as the weights fit. A pass's outputs (rows x
 // D/4 float4 chunks) are spread over the threads and, when there are fewer
@@ -68,12 +70,15 @@ __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const Query
       float mx = -INFINITY;
       for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse_s + s * stride));
       for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+      mx = fmaxf(mx, sink);
       float sum = 0.f;
       for (int s = lane; s < splits; s += 32) {
         const float l = __ldcg(lse_s + s * stride);
         if (l != -INFINITY) sum += expf(l - mx);
       }
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (sink != -INFINITY) sum += expf(sink - mx);
       const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
       for (int s = lane; s < splits; s += 32) {
         const float l = __ldcg(lse_s + s * stride);

@@ -311,5 +311,61 @@ TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
   }
 }
 
+// Score modifiers and masks: the portable kernel's banded instantiation
+// (its kMods kernel), never the Hopper family; no GQA packing under a
+// per-head block mask (a CTA follows one CSR row); split-KV as without them.
+// Only the fields' presence matters here, so the pointers are dummies.
+TEST(PlanForwardTest, ScoreModsTakeThePortableBandedKernel) {
+  const float dummy = 0.f;
+  const int32_t dummy_i = 0;
+  auto with = [&](AttnParams a, int which) {
+    switch (which) {
+      case 0: a.alibi_slopes = &dummy; break;
+      case 1: a.sinks = &dummy; break;
+      case 2: a.bias = &dummy; break;
+      case 3: a.mask = reinterpret_cast<const uint8_t*>(&dummy); break;
+      default:
+        a.block_q = a.block_k = 128;
+        a.block_row_ptr = &dummy_i;
+        a.block_col_idx = &dummy_i;
+        a.block_per_head = true;
+        break;
+    }
+    return a;
+  };
+  for (int which = 0; which < 5; ++which) {
+    SCOPED_TRACE(which);
+    // Prefill: the banded tile, portable even where Hopper could run it.
+    Plan p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, true);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_TRUE(p.banded);
+    EXPECT_EQ(p.tile_kind, TileKind::kBanded);
+    EXPECT_EQ(p.num_splits, 1);
+    // Decode: the portable decode tile, GQA packed, split like a plain call.
+    p = PlanForward(with(Dense(1, 1, 8192, 32, 8, 128), which), kH100Sms, true);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_EQ(p.tile_kind, TileKind::kDecode);
+    EXPECT_TRUE(p.banded);
+    EXPECT_EQ(p.pack_gqa, which == 4 ? 1 : 4) << "per-head block mask: unpacked";
+    EXPECT_EQ(p.num_splits, PlanForward(which == 4 ? Dense(1, 1, 8192, 32, 32, 128)
+                                                   : Dense(1, 1, 8192, 32, 8, 128),
+                                        kH100Sms)
+                                .num_splits);
+    // Short prefill over long keys splits as the plain call does.
+    p = PlanForward(with(Dense(1, 128, 8192, 8, 8, 128), which), kH100Sms, true);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_GT(p.num_splits, 1);
+  }
+  // A block mask shared by the heads keeps GQA packing.
+  AttnParams shared = with(Dense(1, 1, 8192, 32, 8, 128), 4);
+  shared.block_per_head = false;
+  EXPECT_EQ(PlanForward(shared, kH100Sms, true).pack_gqa, 4);
+  AttnParams per_head = shared;
+  per_head.block_per_head = true;
+  EXPECT_EQ(PlanForward(per_head, kH100Sms, true).pack_gqa, 1);
+  // Without mods nothing changes: unbanded prefill is not banded.
+  EXPECT_FALSE(PlanForward(Dense(4, 1024, 1024, 8, 8, 128), kH100Sms).banded);
+}
+
 }  // namespace
 }  // namespace attnserve
