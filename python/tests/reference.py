@@ -119,7 +119,7 @@ def attention(q, k, v, *, causal=False, window=None, softcap=0.0, scale=None,
     for b in range(batch):
         q0, q1, k0, k1 = cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]
         sq, sk = q1 - q0, k1 - k0
-        span = lambda t: None if t is None else t[:, pairs:pairs + sq * sk].reshape(-1, sq, sk)
+        span = lambda t: None if t is None else t[:, pairs:pairs + sq * sk].reshape(t.shape[0], sq, sk)
         blocks = None
         if block_mask is not None:
             blocks = _block_elements(block_mask, b, sq, sk, rows, rows_total)
