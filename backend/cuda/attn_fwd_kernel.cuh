@@ -342,7 +342,7 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
 // after this one ends) and combines. No second launch and no idle GPU
 // between the splits and the combine: the combines of finished groups run
 // while other groups' splits still stream K/V.
-template <typename T, int kBlockM, int kThreads>
+template <typename T, int kBlockM, int kThreads, bool kSinks = false>
 __device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows& qr, int b,
                                             int group, int m0, int rows, float* smem,
                                             int smem_floats, int tid) {
@@ -361,7 +361,7 @@ __device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows&
   // flag written by one thread and read by all: racecheck flagged one in the
   // Hopper decode kernel, whose fifth warp reaches here from a TMA loop).
   if (!__syncthreads_or(took_last)) return;
-  CombineSplitRows<T, kBlockM, kThreads>(L, qr, b, m0, rows, smem, smem_floats, tid);
+  CombineSplitRows<T, kBlockM, kThreads, kSinks>(L, qr, b, m0, rows, smem, smem_floats, tid);
 }
 
 // Direct epilogue: stage this warp's rows of O through its own rows of sQ (no
@@ -576,14 +576,15 @@ __device__ __forceinline__ void WarpAccumulatePV(float (&acc_o)[kMTiles][kDTiles
   }
 }
 
-// FinishSplit for the CTA `w` (its group: the split siblings of its query tile).
-template <typename T, int kBlockM, int kThreads>
+// FinishSplit for the CTA `w` (its group: the split siblings of its query
+// tile). kSinks: a mods kernel's, whose combine adds the sinks.
+template <typename T, int kBlockM, int kThreads, bool kSinks = false>
 __device__ __forceinline__ void FinishCtaSplit(const FwdLaunch& L, const QueryRows& qr,
                                                const CtaWork& w, float* smem, int smem_floats,
                                                int tid) {
-  FinishSplit<T, kBlockM, kThreads>(L, qr, w.b,
-                                    (w.head * L.p.batch + w.b) * L.num_m_blocks + w.m_block, w.m0,
-                                    w.rows, smem, smem_floats, tid);
+  FinishSplit<T, kBlockM, kThreads, kSinks>(L, qr, w.b,
+                                            (w.head * L.p.batch + w.b) * L.num_m_blocks + w.m_block,
+                                            w.m0, w.rows, smem, smem_floats, tid);
 }
 
 // End of a 16-row (decode) tile whose warps split the keys (every thread of
@@ -615,7 +616,7 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
   if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
   if (L.num_splits > 1) {
     if (holds) StoreSplitPartials(L, qr, w.split, acc_o, lse, w.m0 + lane / 4, w.rows, lane % 4);
-    if (fused) FinishCtaSplit<T, 16, kThreads>(L, qr, w, smem, smem_floats, tid);
+    if (fused) FinishCtaSplit<T, 16, kThreads, kMods>(L, qr, w, smem, smem_floats, tid);
   } else {
     StoreOutput<T, 1, kDTiles, kStride, kDTiles>(L.p, qr, w.b, acc_o, lse, sQ, w.m0, 0, w.rows,
                                                  lane);
@@ -718,8 +719,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   constexpr int kSmemFloats =
       (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(T)) / 4;
   auto finish = [&]() {
-    FinishCtaSplit<T, kBlockM, kThreads>(L, qr, w, reinterpret_cast<float*>(smem_raw), kSmemFloats,
-                                         tid);
+    FinishCtaSplit<T, kBlockM, kThreads, kMods>(L, qr, w, reinterpret_cast<float*>(smem_raw),
+                                                kSmemFloats, tid);
   };
 
   if (u_begin >= u_end) {

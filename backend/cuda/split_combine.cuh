@@ -37,16 +37,17 @@ __device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, 
 // O = sum_s exp(lse_s - LSE) O_s over every split (exact up to fp32
 // rounding; a row whose splits are all empty gets O = 0, LSE = -inf), in
 // split order, so the result does not depend on which CTA finished last.
-// The row's sink (params.h), when set, joins here, once: a term of the LSE
-// with no share of O (the splits leave theirs out).
+// The row's sink (params.h), when set (kSinks), joins here, once: a term of
+// the LSE with no share of O (the splits leave theirs out).
 // `smem` (smem_floats floats) holds a float4 per thread and the weights;
 // rows go in passes of as many as the weights fit. A pass's outputs (rows x
 // D/4 float4 chunks) are spread over the threads and, when there are fewer
 // chunks than threads, each chunk's splits over several threads (summed
 // through smem), so many independent L2 loads are in flight. Partials are
 // read with ld.cg (L2 only): other SMs wrote them during this launch.
-// Needs smem_floats >= 4 * kThreads + L.num_splits.
-template <typename T, int kBlockM, int kThreads>
+// Needs smem_floats >= 4 * kThreads + L.num_splits. kSinks: the launch may
+// have sinks (a mods kernel; the plain kernels' combine never reads them).
+template <typename T, int kBlockM, int kThreads, bool kSinks = false>
 __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const QueryRows& qr, int b,
                                                  int m0, int rows, float* smem, int smem_floats,
                                                  int tid) {
@@ -70,8 +71,13 @@ __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const Query
       float mx = -INFINITY;
       for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse_s + s * stride));
       for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
-      mx = fmaxf(mx, sink);
+      float sink = -INFINITY;
+      if constexpr (kSinks) {
+        if (p.sinks != nullptr) {
+          sink = p.sinks[h];
+          mx = fmaxf(mx, sink);
+        }
+      }
       float sum = 0.f;
       for (int s = lane; s < splits; s += 32) {
         const float l = __ldcg(lse_s + s * stride);
