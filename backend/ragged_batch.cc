@@ -9,13 +9,31 @@
 
 namespace attnserve {
 
+namespace {
+
+// Per-head values (ALiBi slopes, sinks) that mean the same for both calls:
+// both absent, or the same Hq values (a packed launch reads the first's).
+bool SamePerHead(const float* a, const float* b, int heads) {
+  if (a == nullptr || b == nullptr) return a == b;
+  return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(heads)) == 0;
+}
+
+}  // namespace
+
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
-  return a.dtype == b.dtype && a.num_heads_q == b.num_heads_q && a.num_heads_kv == b.num_heads_kv &&
-         a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
+  // A bias, element mask or block mask is laid out over its own call's
+  // sequences; packing would have to rebuild it, so such calls run alone.
+  const bool alone = a.bias != nullptr || a.mask != nullptr || HasBlockMask(a) ||
+                     b.bias != nullptr || b.mask != nullptr || HasBlockMask(b);
+  return !alone && a.dtype == b.dtype && a.num_heads_q == b.num_heads_q &&
+         a.num_heads_kv == b.num_heads_kv && a.head_dim == b.head_dim &&
+         a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
          a.is_causal == b.is_causal && a.window_left == b.window_left &&
          a.window_right == b.window_right && a.q_descale == b.q_descale &&
          a.k_descale == b.k_descale && a.v_descale == b.v_descale &&
-         (a.lse != nullptr) == (b.lse != nullptr);
+         (a.lse != nullptr) == (b.lse != nullptr) &&
+         SamePerHead(a.alibi_slopes, b.alibi_slopes, a.num_heads_q) &&
+         SamePerHead(a.sinks, b.sinks, a.num_heads_q);
 }
 
 PackedBatch::PackedBatch(std::vector<const AttnParams*> members) : members_(std::move(members)) {

@@ -21,8 +21,11 @@ namespace attnserve {
 
 // True when `a` and `b` can run in one packed launch: the same dtype, heads,
 // head dim and options (scale, softcap, causal, windows, FP8 descales, whether LSE is
-// wanted, which is known only once outputs are bound). Sequence lengths and
-// layouts may differ.
+// wanted, which is known only once outputs are bound), and the same ALiBi
+// slopes and sinks (per head, so a packed launch reads the first member's).
+// A call with a bias, element mask or block mask shares with nothing: those
+// are laid out over its own sequences. Sequence lengths and layouts may differ.
+// Reads the slopes and sinks, so both calls' mods must be in host memory.
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b);
 
 // What a request costs against the batch token budget: Tq + Tk rows.
@@ -42,6 +45,8 @@ struct PackedBuffers {
 // One launch over members (one, or several that CanShareLaunch) whose outputs
 // are bound. A single member keeps its own layout (dense stays dense); several
 // become one varlen call. The members' memory must outlive the PackedBatch.
+// Gather packs Q, K and V only: the launch's mods pointers are the first
+// member's, in its memory (a device backend stages them itself).
 class PackedBatch {
  public:
   explicit PackedBatch(std::vector<const AttnParams*> members);

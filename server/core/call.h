@@ -69,6 +69,31 @@ struct StatedOptions {
   std::optional<float> v_descale;
 };
 
+// A block-sparse mask as sent (attnserve.v1.BlockMask): CSR rows over
+// (sequence, head, query block), docs/design.md §2. Sizes are int64 so a
+// protocol's wider integers reach the checks unclipped.
+struct BlockMaskView {
+  bool present = false;
+  int64_t block_q = 0;
+  int64_t block_k = 0;
+  int64_t num_batch = 0;
+  int64_t num_heads = 0;
+  absl::Span<const int32_t> row_ptr;
+  absl::Span<const int32_t> col_idx;
+};
+
+// The score modifiers and masks as sent, each off unless present
+// (AttentionOptions fields 10..14). Views into memory the front-end keeps
+// alive until the call's completion, like q, k and v.
+struct ScoreModsView {
+  std::optional<absl::Span<const float>> alibi_slopes;  // [Hq]
+  std::optional<absl::Span<const float>> sinks;         // [Hq]
+  TensorView bias{0, {}, {}, /*absent=*/true};
+  // One byte per element; `dtype` is not read (the front-end checked its own).
+  TensorView mask{0, {}, {}, /*absent=*/true};
+  BlockMaskView block_mask;
+};
+
 // O's and LSE's sizes once a call is valid, for the front-end to place and
 // later encode them.
 struct OutputLayout {
@@ -94,6 +119,7 @@ struct AttentionCall {
   // Varlen offsets (B+1 each); empty for dense calls.
   absl::Span<const int32_t> cu_seqlens_q, cu_seqlens_k;
   StatedOptions options;
+  ScoreModsView mods;
   // Bytes the call brought (its message, plus tensors read from shared
   // memory): what --max_request_bytes bounds.
   int64_t request_bytes = 0;

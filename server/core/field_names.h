@@ -28,6 +28,17 @@ struct FieldNames {
   const char* request_id = "request_id";
   const char* layer = "layer";
   const char* steps = "sequences";
+  // The score modifiers and masks (bias and mask are tensors as above).
+  const char* alibi_slopes = "options.alibi_slopes";
+  const char* sinks = "options.sinks";
+  const char* bias = "options.bias";
+  const char* mask = "options.mask";
+  const char* block_q = "options.block_mask.block_q";
+  const char* block_k = "options.block_mask.block_k";
+  const char* block_num_batch = "options.block_mask.num_batch";
+  const char* block_num_heads = "options.block_mask.num_heads";
+  const char* block_row_ptr = "options.block_mask.row_ptr";
+  const char* block_col_idx = "options.block_mask.col_idx";
   // The name of a raw dtype code ("FP16", or the protocol's word for an
   // unknown one).
   std::string (*dtype_name)(int code) = ContractDTypeName;

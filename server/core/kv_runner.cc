@@ -8,6 +8,7 @@
 #include "common/dtype.h"
 #include "server/auth/tenants.h"
 #include "server/core/call_log.h"
+#include "server/core/validate_attend_pages.h"
 #include "server/in_flight.h"
 #include "spdlog/spdlog.h"
 
@@ -23,7 +24,7 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   c->layer = call.layer;
   for (const KvStepRequest& s : call.steps) {
     c->steps.push_back({s.sequence_id, call.check_lengths ? s.expected_length : kAnyLength,
-                        s.num_new_tokens, s.num_queries});
+                        s.num_new_tokens, s.num_queries, s.attend_pages});
   }
   c->dtype = g.dtype;
   c->num_heads_kv = g.num_heads_kv;
@@ -114,6 +115,9 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
   absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->Find(call->meta.tenant, call->cache_id);
   if (!cache.ok()) return refuse(cache.status());
   status = ValidateKvCall(*call, (*cache)->geometry(), limits_, names);
+  if (status.ok()) {
+    status = ValidateAttendPages(*call, (*cache)->page_size(), (*cache)->capacity_pages(), names);
+  }
   if (!status.ok()) return refuse(status);
 
   std::shared_ptr<KvAppendAttend> c = PoolCallOf(*call, **cache, names);

@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/shape_string.h"
 #include "common/status_macros.h"
+#include "server/core/validate_mods.h"
 
 namespace attnserve {
 namespace {
@@ -348,7 +349,11 @@ absl::StatusOr<AttnParams> ValidateAttentionCall(const AttentionCall& c,
   pointers.q = c.q.bytes.data();
   pointers.k = c.k.bytes.data();
   pointers.v = c.v.bytes.data();
-  return MakeAttnParams(shape, ToAttnOptions(c.options), pointers);
+  const AttnOptions options = ToAttnOptions(c.options);
+  // The mods are checked against the call's own sizes and lengths.
+  ASSIGN_OR_RETURN(pointers.mods,
+                   ValidateScoreMods(c.mods, MakeAttnParams(shape, options, pointers), n));
+  return MakeAttnParams(shape, options, pointers);
 }
 
 OutputLayout OutputLayoutOf(const AttnParams& p, absl::Span<const int64_t> q_shape, bool dense,

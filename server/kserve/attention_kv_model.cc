@@ -8,8 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/cache_id_header.h"
 #include "common/dtype.h"
@@ -27,7 +30,7 @@ namespace {
 constexpr const char* kInputs[] = {"q", "k", "v"};
 constexpr char kControlNames[] =
     "cache_id, layer, sequence_id, sequence_start, sequence_end, expected_length, fork_from, "
-    "fork_length";
+    "fork_length, attend_pages";
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
@@ -38,6 +41,25 @@ absl::StatusOr<int32_t> RowsOf(const char* name, const TensorView& t, const char
                                 " (the new tokens of one sequence), got ", ShapeString(t.shape)));
   }
   return static_cast<int32_t>(t.shape[0]);
+}
+
+// The attend_pages parameter: page indices as a comma-separated string
+// ("0,3,7"; v2 parameters carry no lists), empty = every page. The order and
+// range are the core's checks.
+absl::StatusOr<std::vector<int32_t>> ParseAttendPages(const std::string& where,
+                                                      const std::string& text) {
+  std::vector<int32_t> pages;
+  if (text.empty()) return pages;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    int32_t page = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(item), &page)) {
+      return Invalid(absl::StrCat(where,
+                                  ": expected comma-separated page indices (\"0,3,7\"), got '",
+                                  text.substr(0, 64), "'"));
+    }
+    pages.push_back(page);
+  }
+  return pages;
 }
 
 }  // namespace
@@ -55,7 +77,8 @@ struct AttentionKvModel::Call {
   bool check_lengths = false;
   std::optional<uint64_t> fork_from;
   std::optional<int32_t> fork_length;
-  bool created = false;  // this call's sequence_start created the sequence
+  std::vector<int32_t> attend_pages;  // append.steps[0] views it
+  bool created = false;               // this call's sequence_start created the sequence
 };
 
 AttentionKvModel::AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
@@ -121,6 +144,12 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
       absl::StatusOr<std::string> v = StringParameter(where, p);
       status = v.status();
       if (v.ok()) cache_param = *v;
+    } else if (name == "attend_pages") {
+      absl::StatusOr<std::string> v = StringParameter(where, p);
+      absl::StatusOr<std::vector<int32_t>> pages =
+          v.ok() ? ParseAttendPages(where, *v) : absl::StatusOr<std::vector<int32_t>>(v.status());
+      status = pages.status();
+      if (pages.ok()) c->attend_pages = *std::move(pages);
     } else if (name == "sequence_id" || name == "fork_from") {
       absl::StatusOr<uint64_t> v = Uint64Parameter(where, p);
       status = v.status();
@@ -207,8 +236,8 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
 
   append.cache_id = cache_id;
   append.layer = static_cast<int32_t>(layer.value_or(0));
-  append.steps.push_back(
-      {c->sequence_id, static_cast<int32_t>(expected_length.value_or(0)), *new_tokens, *queries});
+  append.steps.push_back({c->sequence_id, static_cast<int32_t>(expected_length.value_or(0)),
+                          *new_tokens, *queries, c->attend_pages});
   append.check_lengths = expected_length.has_value();
 
   RETURN_IF_ERROR(PlanOutputs(source, name_, &append.options.return_lse, &c->outputs));

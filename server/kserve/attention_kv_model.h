@@ -11,6 +11,8 @@
 //     that succeeded, or after the last call still in flight on it;
 //   - optional `expected_length` (the native retry guard); without it the
 //     call appends at whatever length the calls before it left;
+//   - optional `attend_pages`: the history pages to attend, a string of
+//     comma-separated page indices ("0,3,7"), as the native attend_pages;
 //   - inputs q [Tq, Hq, D], k and v [Tk, Hkv, D] (the new tokens; zero rows
 //     allowed), outputs o [Tq, Hq, D] and lse [Hq, Tq], attention options as
 //     for `attention`.

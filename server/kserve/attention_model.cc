@@ -24,30 +24,61 @@
 namespace attnserve {
 namespace {
 
-constexpr const char* kInputNames[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
+// q, k, v; then the optional inputs of `attention` (not of `attention_dense`):
+// varlen offsets and the score modifiers' and masks' tensors.
+enum Input : size_t {
+  kQ,
+  kK,
+  kV,
+  kCuSeqlensQ,
+  kCuSeqlensK,
+  kAlibiSlopes,
+  kSinks,
+  kBias,
+  kMask,
+  kBlockRowPtr,
+  kBlockColIdx,
+};
+constexpr const char* kInputNames[] = {
+    "q",     "k",    "v",    "cu_seqlens_q",  "cu_seqlens_k", "alibi_slopes",
+    "sinks", "bias", "mask", "block_row_ptr", "block_col_idx"};
 constexpr size_t kNumDenseInputs = 3;
 
-// An INT32 cu_seqlens input -> its offsets.
-absl::Status FillSeqlens(const inference::ModelInferRequest::InferInputTensor& input,
-                         const std::string& bytes, std::vector<int32_t>* out) {
+// The block mask's request parameters, in BlockMaskView's order.
+constexpr const char* kBlockParameters[] = {"block_q", "block_k", "block_num_batch",
+                                            "block_num_heads"};
+
+// A 1-D input of `datatype` (4-byte elements) -> its values; `shape` says
+// what its one dimension counts, for the error.
+template <typename T>
+absl::Status FillList(const inference::ModelInferRequest::InferInputTensor& input,
+                      const char* datatype, const char* shape, const std::string& bytes,
+                      std::vector<T>* out) {
+  static_assert(sizeof(T) == 4, "4-byte elements");
   const std::string where = absl::StrCat("inputs['", input.name(), "']");
-  if (input.datatype() != "INT32") {
+  if (input.datatype() != datatype) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ".datatype: expected INT32, got \"", input.datatype(), "\""));
+        absl::StrCat(where, ".datatype: expected ", datatype, ", got \"", input.datatype(), "\""));
   }
   if (input.shape_size() != 1 || input.shape(0) < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ".shape: expected [B+1], got [",
+    return absl::InvalidArgumentError(absl::StrCat(where, ".shape: expected ", shape, ", got [",
                                                    absl::StrJoin(input.shape(), ","), "]"));
   }
   const int64_t count = input.shape(0);
   if (static_cast<int64_t>(bytes.size()) != count * 4) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": expected ", count * 4,
-                                                   " bytes (shape [", count, "] of INT32), got ",
-                                                   bytes.size()));
+                                                   " bytes (shape [", count, "] of ", datatype,
+                                                   "), got ", bytes.size()));
   }
   out->resize(static_cast<size_t>(count));
   if (count > 0) std::memcpy(out->data(), bytes.data(), bytes.size());
   return absl::OkStatus();
+}
+
+// Whether the input's bytes come from a shared-memory region (not counted in
+// the request message's size).
+bool InSharedMemory(const inference::ModelInferRequest::InferInputTensor& input) {
+  return input.parameters().count("shared_memory_region") > 0;
 }
 
 }  // namespace
@@ -61,6 +92,11 @@ struct AttentionModel::Call {
   std::string storage[3];
   InPlaceBytes inputs[3];
   std::vector<int32_t> cu_seqlens[2];
+  // The score modifiers and masks, as call.attention.mods views them.
+  std::vector<float> alibi_slopes, sinks;
+  std::string bias_storage, mask_storage;
+  InPlaceBytes bias_in_place, mask_in_place;
+  std::vector<int32_t> block_row_ptr, block_col_idx;
   std::vector<V2Output> outputs;
   ProducedTensor o, lse;
 };
@@ -80,6 +116,14 @@ void AttentionModel::FillMetadata(inference::ModelMetadataResponse* out) const {
   if (info_.varlen_inputs) {
     AddTensorMetadata("cu_seqlens_q", "INT32", 1, out->mutable_inputs());
     AddTensorMetadata("cu_seqlens_k", "INT32", 1, out->mutable_inputs());
+    // bias may be FP16 or BF16 too, and bias and mask are [Hq or 1, P] for
+    // varlen calls (docs/design.md §2); metadata lists one type and rank.
+    AddTensorMetadata("alibi_slopes", "FP32", 1, out->mutable_inputs());
+    AddTensorMetadata("sinks", "FP32", 1, out->mutable_inputs());
+    AddTensorMetadata("bias", "FP32", 4, out->mutable_inputs());
+    AddTensorMetadata("mask", "BOOL", 4, out->mutable_inputs());
+    AddTensorMetadata("block_row_ptr", "INT32", 1, out->mutable_inputs());
+    AddTensorMetadata("block_col_idx", "INT32", 1, out->mutable_inputs());
   }
   AddTensorMetadata("o", type, 4, out->mutable_outputs());
   AddTensorMetadata("lse", "FP32", 3, out->mutable_outputs());
@@ -97,6 +141,15 @@ void AttentionModel::FillConfig(inference::ModelConfig* out) const {
   if (info_.varlen_inputs) {
     AddConfigInput("cu_seqlens_q", inference::TYPE_INT32, 1, true, out);
     AddConfigInput("cu_seqlens_k", inference::TYPE_INT32, 1, true, out);
+    AddConfigInput("alibi_slopes", inference::TYPE_FP32, 1, true, out);
+    AddConfigInput("sinks", inference::TYPE_FP32, 1, true, out);
+    AddConfigInput("bias", inference::TYPE_FP32, 4, true, out);
+    AddConfigInput("mask", inference::TYPE_BOOL, 4, true, out);
+    AddConfigInput("block_row_ptr", inference::TYPE_INT32, 1, true, out);
+    AddConfigInput("block_col_idx", inference::TYPE_INT32, 1, true, out);
+    (*out->mutable_parameters())["attnserve_block_mask_parameters"].set_string_value(
+        "block_q, block_k, block_num_batch, block_num_heads (int64 request parameters, with "
+        "inputs block_row_ptr and block_col_idx)");
   }
   AddConfigOutput("o", type, 4, out);
   AddConfigOutput("lse", inference::TYPE_FP32, 3, out);
@@ -137,38 +190,151 @@ absl::Status AttentionModel::Prepare(Call* c) const {
     *tensors[which] = *taken;
     call.request_bytes += static_cast<int64_t>(c->inputs[which].size);
   }
-  for (size_t which = 3; which < names.size(); ++which) {
+  for (size_t which = kCuSeqlensQ; which <= kCuSeqlensK && which < names.size(); ++which) {
     const int index = (*index_of)[which];
     if (index < 0) continue;
     absl::StatusOr<std::string> bytes = TakeInputBytes(source, index);
     if (!bytes.ok()) return bytes.status();
-    absl::Status filled = FillSeqlens(request.inputs(index), *bytes, &c->cu_seqlens[which - 3]);
+    absl::Status filled = FillList(request.inputs(index), "INT32", "[B+1]", *bytes,
+                                   &c->cu_seqlens[which - kCuSeqlensQ]);
     if (!filled.ok()) return filled;
   }
   call.cu_seqlens_q = c->cu_seqlens[0];
   call.cu_seqlens_k = c->cu_seqlens[1];
+  if (info_.varlen_inputs) RETURN_IF_ERROR(TakeMods(source, *index_of, c));
 
   // Sorted, so the first bad parameter named is the same on every call.
   std::vector<std::string> parameter_names;
   for (const auto& [name, value] : request.parameters()) parameter_names.push_back(name);
   std::sort(parameter_names.begin(), parameter_names.end());
+  int64_t* const block_values[] = {&call.mods.block_mask.block_q, &call.mods.block_mask.block_k,
+                                   &call.mods.block_mask.num_batch,
+                                   &call.mods.block_mask.num_heads};
+  bool block_given[std::size(kBlockParameters)] = {};
   for (const std::string& name : parameter_names) {
-    absl::StatusOr<bool> applied =
-        ApplyAttentionOption(name, request.parameters().at(name), &call.options);
+    const inference::InferParameter& value = request.parameters().at(name);
+    if (info_.varlen_inputs) {
+      const auto* block = std::find(std::begin(kBlockParameters), std::end(kBlockParameters), name);
+      if (block != std::end(kBlockParameters)) {
+        const size_t i = static_cast<size_t>(block - std::begin(kBlockParameters));
+        ASSIGN_OR_RETURN(*block_values[i],
+                         IntParameter(absl::StrCat("parameters['", name, "']"), value));
+        block_given[i] = true;
+        continue;
+      }
+    }
+    absl::StatusOr<bool> applied = ApplyAttentionOption(name, value, &call.options);
     if (!applied.ok()) return applied.status();
     if (*applied || IsProtocolParameter(name)) continue;
-    return absl::InvalidArgumentError(absl::StrCat("parameters['", name, "']: expected one of ",
-                                                   kAttentionOptionNames, ", got '", name, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameters['", name, "']: expected one of ", kAttentionOptionNames,
+        info_.varlen_inputs ? ", block_q, block_k, block_num_batch, block_num_heads" : "",
+        ", got '", name, "'"));
   }
+  if (info_.varlen_inputs) RETURN_IF_ERROR(CheckBlockMaskComplete(*index_of, block_given, c));
 
   RETURN_IF_ERROR(PlanOutputs(source, name_, &call.options.return_lse, &c->outputs));
   call.sink = V2Sink(&c->outputs, &c->o, &c->lse);
   return absl::OkStatus();
 }
 
+absl::Status AttentionModel::TakeMods(const InputSource& source, const std::vector<int>& index_of,
+                                      Call* c) const {
+  inference::ModelInferRequest& request = *source.request;
+  ScoreModsView& mods = c->attention.mods;
+  auto count_shared = [&](int index, uint64_t bytes) {
+    if (InSharedMemory(request.inputs(index))) {
+      c->attention.request_bytes += static_cast<int64_t>(bytes);
+    }
+  };
+  // The per-head lists and the CSR arrays: small, copied out (aligned).
+  struct List {
+    Input input;
+    const char* datatype;
+    const char* shape;
+  };
+  for (const List& list :
+       {List{kAlibiSlopes, "FP32", "[Hq]"}, List{kSinks, "FP32", "[Hq]"},
+        List{kBlockRowPtr, "INT32", "[rows + 1]"}, List{kBlockColIdx, "INT32", "[kept blocks]"}}) {
+    const int index = index_of[list.input];
+    if (index < 0) continue;
+    ASSIGN_OR_RETURN(const std::string bytes, TakeInputBytes(source, index));
+    count_shared(index, bytes.size());
+    const auto& input = request.inputs(index);
+    switch (list.input) {
+      case kAlibiSlopes:
+        RETURN_IF_ERROR(FillList(input, list.datatype, list.shape, bytes, &c->alibi_slopes));
+        mods.alibi_slopes = absl::MakeConstSpan(c->alibi_slopes);
+        break;
+      case kSinks:
+        RETURN_IF_ERROR(FillList(input, list.datatype, list.shape, bytes, &c->sinks));
+        mods.sinks = absl::MakeConstSpan(c->sinks);
+        break;
+      case kBlockRowPtr:
+        RETURN_IF_ERROR(FillList(input, list.datatype, list.shape, bytes, &c->block_row_ptr));
+        mods.block_mask.row_ptr = c->block_row_ptr;
+        break;
+      default:
+        RETURN_IF_ERROR(FillList(input, list.datatype, list.shape, bytes, &c->block_col_idx));
+        mods.block_mask.col_idx = c->block_col_idx;
+        break;
+    }
+  }
+  // bias and mask may be large: taken or read in place, like q, k and v.
+  if (const int index = index_of[kBias]; index >= 0) {
+    ASSIGN_OR_RETURN(mods.bias,
+                     TakeFloatTensor(source, index, &c->bias_storage, &c->bias_in_place));
+    count_shared(index, c->bias_storage.size() + c->bias_in_place.size);
+  }
+  if (const int index = index_of[kMask]; index >= 0) {
+    const auto& input = request.inputs(index);
+    if (input.datatype() != "BOOL") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs['mask'].datatype: expected BOOL, got \"", input.datatype(), "\""));
+    }
+    ASSIGN_OR_RETURN(c->mask_storage, TakeInputBytes(source, index, &c->mask_in_place));
+    count_shared(index, c->mask_storage.size() + c->mask_in_place.size);
+    mods.mask.shape =
+        absl::MakeConstSpan(input.shape().data(), static_cast<size_t>(input.shape_size()));
+    mods.mask.bytes = c->mask_in_place.data != nullptr ? c->mask_in_place.view()
+                                                       : absl::string_view(c->mask_storage);
+    mods.mask.absent = false;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionModel::CheckBlockMaskComplete(const std::vector<int>& index_of,
+                                                    const bool* block_given, Call* c) const {
+  BlockMaskView& mask = c->attention.mods.block_mask;
+  const bool inputs[] = {index_of[kBlockRowPtr] >= 0, index_of[kBlockColIdx] >= 0};
+  bool any = inputs[0] || inputs[1];
+  for (size_t i = 0; i < std::size(kBlockParameters); ++i) any = any || block_given[i];
+  if (!any) return absl::OkStatus();
+  // A block mask is all six pieces; the first one missing is named.
+  for (size_t i = 0; i < std::size(kBlockParameters); ++i) {
+    if (!block_given[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameters['", kBlockParameters[i],
+                       "']: expected with a block mask (block_row_ptr, block_col_idx, block_q, "
+                       "block_k, block_num_batch, block_num_heads), got none"));
+    }
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    if (!inputs[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs['", kInputNames[kBlockRowPtr + i],
+                       "']: expected with a block mask (block_row_ptr, block_col_idx, block_q, "
+                       "block_k, block_num_batch, block_num_heads), got none"));
+    }
+  }
+  mask.present = true;
+  return absl::OkStatus();
+}
+
 absl::Status AttentionModel::Deliver(Call* c, const WorkTimings& timings) const {
   inference::ModelInferResponse& response = *c->call.response;
   RETURN_IF_ERROR(CheckInPlaceIntact(c->inputs));
+  RETURN_IF_ERROR(CheckInPlaceIntact({c->bias_in_place, c->mask_in_place}));
   RETURN_IF_ERROR(DeliverOutputs(&c->outputs, &c->o, &c->lse, &response));
   response.set_model_name(name_);
   response.set_model_version(kModelVersion);

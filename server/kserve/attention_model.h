@@ -2,25 +2,30 @@
 // ModelInferRequest becomes one core AttentionCall and runs through the
 // AttentionRunner, so it gets the same checks (named in v2 words), limits,
 // executor, batcher, backends and metrics as the native Forward. Inputs q, k, v (FP16, BF16 or
-// FP32) and optionally cu_seqlens_q, cu_seqlens_k (INT32, varlen); request parameters causal,
-// window_left, window_right, softcap, softmax_scale, return_lse; outputs o
-// and, when return_lse is set or lse is requested, lse. docs/kserve.md.
+// FP32) and optionally cu_seqlens_q, cu_seqlens_k (INT32, varlen), alibi_slopes, sinks (FP32
+// [Hq]), bias (FP32/FP16/BF16), mask (BOOL), block_row_ptr, block_col_idx (INT32); request
+// parameters causal, window_left, window_right, softcap, softmax_scale, return_lse, and
+// block_q, block_k, block_num_batch, block_num_heads with a block mask; outputs o and, when
+// return_lse is set or lse is requested, lse. docs/kserve.md, docs/design.md §2.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/params.h"
 #include "server/core/attention_runner.h"
 #include "server/kserve/model.h"
 #include "server/kserve/shm_registry.h"
+#include "server/kserve/v2_tensors.h"
 #include "server/metrics.h"
 
 namespace attnserve {
 
 struct AttentionModelInfo {
-  // "attention" takes the optional varlen inputs cu_seqlens_q/k;
-  // "attention_dense" (varlen_inputs false) is the same model without them,
+  // "attention" takes the optional inputs (varlen cu_seqlens_q/k, and the
+  // score modifiers' and masks' tensors and parameters); "attention_dense"
+  // (varlen_inputs false) is the same model without any of them,
   // because perf_analyzer 2.50 refuses shared memory for a model with optional
   // inputs.
   std::string name = "attention";
@@ -48,6 +53,14 @@ class AttentionModel final : public KserveModel {
   struct Call;
   // Turns the v2 request into call->attention and plans the outputs.
   absl::Status Prepare(Call* call) const;
+  // The optional inputs of the score modifiers and masks into
+  // call->attention.mods (index_of: IndexInputs' answer).
+  absl::Status TakeMods(const InputSource& source, const std::vector<int>& index_of,
+                        Call* call) const;
+  // A block mask's inputs and parameters (block_given: per kBlockParameters)
+  // are all given or none; sets mods.block_mask.present.
+  absl::Status CheckBlockMaskComplete(const std::vector<int>& index_of, const bool* block_given,
+                                      Call* call) const;
   // Moves the call's outputs into the v2 response (or shared memory).
   absl::Status Deliver(Call* call, const WorkTimings& timings) const;
 

@@ -29,6 +29,16 @@ const FieldNames& V2FieldNames() {
     n.request_id = "id";
     n.layer = "parameters['layer']";
     n.steps = "the request";
+    n.alibi_slopes = "inputs['alibi_slopes']";
+    n.sinks = "inputs['sinks']";
+    n.bias = "inputs['bias']";
+    n.mask = "inputs['mask']";
+    n.block_q = "parameters['block_q']";
+    n.block_k = "parameters['block_k']";
+    n.block_num_batch = "parameters['block_num_batch']";
+    n.block_num_heads = "parameters['block_num_heads']";
+    n.block_row_ptr = "inputs['block_row_ptr']";
+    n.block_col_idx = "inputs['block_col_idx']";
     n.option = Parameter;
     n.step = StepParameter;
     return n;

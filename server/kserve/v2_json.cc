@@ -121,9 +121,15 @@ absl::StatusOr<std::string> PackJsonData(const std::string& where, const std::st
     }
     return bytes;
   }
+  if (datatype == "BOOL") {
+    // v2's BOOL is one byte per element (the attention model's mask).
+    bytes.resize(values.size());
+    for (size_t i = 0; i < values.size(); ++i) bytes[i] = values[i] != 0.0 ? 1 : 0;
+    return bytes;
+  }
   return Invalid(absl::StrCat(where,
-                              ".datatype: JSON data is read for FP16, BF16, FP32 and "
-                              "INT32, got \"",
+                              ".datatype: JSON data is read for FP16, BF16, FP32, INT32 and "
+                              "BOOL, got \"",
                               datatype, "\""));
 }
 

@@ -2,6 +2,7 @@
 #include "server/kv/kv_cache.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,73 @@ absl::Status SequenceNotFound(uint64_t id) {
 absl::Status TooManyIds(const char* field, size_t n) {
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": expected at most ", kMaxKvIdsPerCall, " per call, got ", n));
+}
+
+// attend_pages of step `index` against the history it names (`len` tokens at
+// `layer`): every index a page of that history, strictly increasing.
+absl::Status CheckAttendPages(const KvStep& st, int index, int32_t len, int32_t layer,
+                              int page_size, const FieldNames& names) {
+  const absl::Span<const int32_t> pages = st.attend_pages;
+  if (pages.empty()) return absl::OkStatus();
+  const std::string field = names.step(index, "attend_pages");
+  if (len == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": sequence ", st.sequence_id, " has no tokens at layer ", layer,
+                     ", so there are no history pages to choose: expected none, got ", pages.size(),
+                     "; nothing was appended"));
+  }
+  const int64_t history_pages = PagesFor(len, page_size);
+  for (size_t j = 0; j < pages.size(); ++j) {
+    if (pages[j] < 0 || pages[j] >= history_pages || (j > 0 && pages[j] <= pages[j - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": expected strictly increasing page indices in [0, ", history_pages,
+          ") (sequence ", st.sequence_id, " has ", len, " tokens at layer ", layer, " in pages of ",
+          page_size, "), got ", field, "[", j, "] = ", pages[j], "; nothing was appended"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The first page of the sequence that holds a new token, or none (-1).
+int64_t FirstNewPage(const KvStep& st, int32_t len, int page_size) {
+  return st.num_new > 0 ? len / page_size : -1;
+}
+
+// How many pages step `st` attends: all of them, or with attend_pages the
+// named history pages plus the pages holding the new tokens.
+int64_t AttendedPageCount(const KvStep& st, int32_t len, int page_size) {
+  const int64_t all = PagesFor(int64_t{len} + st.num_new, page_size);
+  if (st.attend_pages.empty()) return all;
+  const int64_t first_new = FirstNewPage(st, len, page_size);
+  int64_t named = 0;
+  for (int32_t p : st.attend_pages) named += first_new < 0 || p < first_new;
+  return named + (first_new < 0 ? 0 : all - first_new);
+}
+
+// Writes the pages step `st` attends out of `table` (its pages after the
+// append) to `out`, in token order, and returns the tokens they hold. Only
+// the sequence's last page may be partial, and it stays last, so the new
+// rows land at the end of the compacted sequence, where the launch appends.
+int32_t AttendedPages(const std::vector<int32_t>& table, const KvStep& st, int32_t len,
+                      int page_size, int32_t* out) {
+  const int64_t after = int64_t{len} + st.num_new;
+  if (st.attend_pages.empty()) {
+    std::copy(table.begin(), table.end(), out);
+    return static_cast<int32_t>(after);
+  }
+  const int64_t first_new = FirstNewPage(st, len, page_size);
+  int64_t tokens = 0;
+  auto take = [&](int64_t page) {
+    *out++ = table[size_t(page)];
+    tokens += std::min<int64_t>(page_size, after - page * page_size);
+  };
+  for (int32_t p : st.attend_pages) {
+    if (first_new < 0 || p < first_new) take(p);
+  }
+  if (first_new >= 0) {
+    for (int64_t p = first_new; p < static_cast<int64_t>(table.size()); ++p) take(p);
+  }
+  return static_cast<int32_t>(tokens);
 }
 
 }  // namespace
@@ -399,11 +467,12 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, K
           " (a retry of a call that already applied, or a call out of order); nothing was "
           "appended"));
     }
+    RETURN_IF_ERROR(CheckAttendPages(st, static_cast<int>(i), len, layer, page_size_, names));
     const int64_t after = int64_t{len} + st.num_new;
     needed += PagesFor(after, page_size_) - static_cast<int64_t>(s.pages[layer].size());
     const bool partial = len % page_size_ != 0;
     if (st.num_new > 0 && partial && allocator_.refs(s.pages[layer].back()) > 1) ++needed;
-    widest = std::max(widest, PagesFor(after, page_size_));
+    widest = std::max(widest, AttendedPageCount(st, len, page_size_));
   }
   std::vector<int32_t> fresh;
   absl::Status allocated = allocator_.Allocate(needed, &fresh);
@@ -412,6 +481,7 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, K
   r->stride = static_cast<int32_t>(widest);
   r->block_table.assign(steps.size() * size_t(widest), 0);
   r->seqlens.clear();
+  r->lengths.clear();
   r->tables.clear();
   r->copy_src.clear();
   r->copy_dst.clear();
@@ -435,8 +505,9 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, K
     while (static_cast<int64_t>(table.size()) < PagesFor(after, page_size_)) {
       table.push_back(fresh[next++]);
     }
-    std::copy(table.begin(), table.end(), r->block_table.begin() + i * size_t(widest));
-    r->seqlens.push_back(static_cast<int32_t>(after));
+    r->seqlens.push_back(
+        AttendedPages(table, st, len, page_size_, r->block_table.data() + i * size_t(widest)));
+    r->lengths.push_back(static_cast<int32_t>(after));
     r->tables.push_back(std::move(table));
   }
   r->pages = allocator_.pages();
@@ -450,7 +521,7 @@ void KvCache::Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservat
   for (size_t i = 0; i < steps.size(); ++i) {
     Sequence& s = sequences_.at(steps[i].sequence_id);  // held by the call's claim
     s.pages[layer] = std::move(r->tables[i]);
-    s.lengths[layer] = r->seqlens[i];
+    s.lengths[layer] = r->lengths[i];
   }
   for (int32_t p : r->replaced) allocator_.Release(p);
   r->active = false;

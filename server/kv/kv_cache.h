@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "backend/backend.h"
 #include "server/auth/tenants.h"
 #include "server/core/field_names.h"
@@ -105,15 +106,22 @@ struct KvStep {
   int32_t expected_length = 0;
   int32_t num_new = 0;
   int32_t num_queries = 0;
+  // Logical pages of the history to attend, strictly increasing (checked
+  // without the sequence by ValidateAttendPages); empty: every page. Memory
+  // of the call, alive until it completes.
+  absl::Span<const int32_t> attend_pages = {};
 };
 
 // What Reserve set aside for one call: the launch's tables (host memory the
 // PagedAttnParams point at) and each sequence's page list after the call.
 struct KvReservation {
   KvPages pages{};
-  std::vector<int32_t> block_table;  // [steps, stride]
+  std::vector<int32_t> block_table;  // [steps, stride]: the pages each step attends
   int32_t stride = 1;
-  std::vector<int32_t> seqlens;  // after the append
+  // Tokens each step attends: its length after the append, or fewer with
+  // attend_pages (the launch's seqlens_k).
+  std::vector<int32_t> seqlens;
+  std::vector<int32_t> lengths;  // each sequence's length after the append
   std::vector<int32_t> copy_src, copy_dst;
   std::vector<std::vector<int32_t>> tables;  // per step: the page list after commit
   std::vector<int32_t> fresh;                // pages allocated (freed on rollback)

@@ -342,7 +342,7 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
                                                 const WorkTimings& timings) {
     if (status.ok()) {
       cache->Commit(call->layer, call->steps, &call->reservation);
-      call->lengths = call->reservation.seqlens;
+      call->lengths = call->reservation.lengths;
     } else {
       cache->Rollback(&call->reservation);
     }

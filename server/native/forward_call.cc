@@ -32,6 +32,40 @@ StatedOptions OptionsOf(const v1::AttentionOptions& o) {
   return options;
 }
 
+ScoreModsView ModsOf(const v1::AttentionOptions& o) {
+  ScoreModsView mods;
+  // An empty list is no list: Hq >= 1 values are needed to mean anything.
+  if (o.alibi_slopes_size() > 0) {
+    mods.alibi_slopes =
+        absl::MakeConstSpan(o.alibi_slopes().data(), static_cast<size_t>(o.alibi_slopes_size()));
+  }
+  if (o.sinks_size() > 0) {
+    mods.sinks = absl::MakeConstSpan(o.sinks().data(), static_cast<size_t>(o.sinks_size()));
+  }
+  if (o.has_bias()) {
+    mods.bias = ViewOf(o.bias());
+    mods.bias.absent = false;
+  }
+  if (o.has_mask()) {
+    mods.mask.shape =
+        absl::MakeConstSpan(o.mask().shape().data(), static_cast<size_t>(o.mask().shape_size()));
+    mods.mask.bytes = o.mask().data();
+    mods.mask.absent = false;
+  }
+  if (o.has_block_mask()) {
+    const v1::BlockMask& b = o.block_mask();
+    BlockMaskView& m = mods.block_mask;
+    m.present = true;
+    m.block_q = b.block_q();
+    m.block_k = b.block_k();
+    m.num_batch = b.num_batch();
+    m.num_heads = b.num_heads();
+    m.row_ptr = absl::MakeConstSpan(b.row_ptr().data(), static_cast<size_t>(b.row_ptr_size()));
+    m.col_idx = absl::MakeConstSpan(b.col_idx().data(), static_cast<size_t>(b.col_idx_size()));
+  }
+  return mods;
+}
+
 void ShapeFloatTensor(const std::vector<int64_t>& shape, int64_t bytes, v1::Tensor* out) {
   out->set_dtype(v1::FP32);
   out->clear_shape();
@@ -52,6 +86,7 @@ AttentionCall ForwardCallOf(const v1::ForwardRequest& request, v1::ForwardRespon
   call.cu_seqlens_k = absl::MakeConstSpan(request.cu_seqlens_k().data(),
                                           static_cast<size_t>(request.cu_seqlens_k_size()));
   call.options = OptionsOf(request.options());
+  call.mods = ModsOf(request.options());
   call.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
   // The backend writes into the response's own buffers, the bytes that go
   // on the wire. Runs on the executor, where a throw would take the server

@@ -14,6 +14,9 @@ namespace attnserve {
 
 TensorView ViewOf(const v1::Tensor& tensor);
 StatedOptions OptionsOf(const v1::AttentionOptions& options);
+// Views of the options' score modifiers and masks (fields 10..14), each
+// present when set.
+ScoreModsView ModsOf(const v1::AttentionOptions& options);
 
 // The call for `request` (which must outlive it) with `meta`'s tenant,
 // deadline and cancellation; its sink writes into `response`.

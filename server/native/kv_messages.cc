@@ -42,7 +42,8 @@ KvCall KvCallOf(const v1::AppendAttendRequest& r, CallMeta meta) {
   call.layer = r.layer();
   for (const v1::SequenceStep& s : r.sequences()) {
     call.steps.push_back(
-        {s.sequence_id(), s.expected_length(), s.num_new_tokens(), s.num_queries()});
+        {s.sequence_id(), s.expected_length(), s.num_new_tokens(), s.num_queries(),
+         absl::MakeConstSpan(s.attend_pages().data(), static_cast<size_t>(s.attend_pages_size()))});
   }
   call.q = ViewOf(r.q());
   call.k = ViewOf(r.k());

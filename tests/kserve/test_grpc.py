@@ -54,12 +54,15 @@ def test_server_and_model_metadata(client):
             "system_shared_memory"} <= set(meta["extensions"])
     assert client.is_model_ready("attention") and client.is_model_ready("attention", "1")
     model = client.get_model_metadata("attention", as_json=True)
-    assert [i["name"] for i in model["inputs"]] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"]
+    assert [i["name"] for i in model["inputs"]] == [
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks", "bias", "mask",
+        "block_row_ptr", "block_col_idx"]
     assert model["inputs"][0]["shape"] == ["-1", "-1", "-1", "-1"]
     assert [o["name"] for o in model["outputs"]] == ["o", "lse"]
     config = client.get_model_config("attention", as_json=True)["config"]
     assert int(config.get("max_batch_size", 0)) == 0  # proto3 JSON leaves zeros out
-    assert [i.get("optional", False) for i in config["input"]] == [False] * 3 + [True] * 2
+    assert [i.get("optional", False) for i in config["input"]] == [False] * 3 + [True] * 8
+    assert config["input"][8]["data_type"] == "TYPE_BOOL"
     index = client.get_model_repository_index(as_json=True)["models"]
     assert {m["name"] for m in index} == {"attention", "attention_dense", "attention_kv"}
     assert all(m["state"] == "READY" for m in index)

@@ -1,0 +1,24 @@
+// The checks of a call's score modifiers and masks (ALiBi slopes, sinks, bias,
+// element mask, block mask; AttentionOptions fields 10..14), after the call's
+// shapes, lengths and options passed (validate.h). Errors name the field
+// through the front-end's FieldNames. Every check is linear in what the call
+// sent (the bias is scanned once, the block mask's rows and columns once), so
+// --max_request_bytes bounds their cost too.
+#pragma once
+
+#include "absl/status/statusor.h"
+#include "backend/make_params.h"
+#include "backend/params.h"
+#include "server/core/call.h"
+#include "server/core/field_names.h"
+
+namespace attnserve {
+
+// `mods` against the call `p` describes (sizes, lengths and cu_seqlens
+// already valid; p's own mods unused): INVALID_ARGUMENT naming the first bad
+// field, or the AttnMods pointing into `mods`' memory with the broadcast
+// flags the shapes imply.
+absl::StatusOr<AttnMods> ValidateScoreMods(const ScoreModsView& mods, const AttnParams& p,
+                                           const FieldNames& names);
+
+}  // namespace attnserve
