@@ -185,11 +185,66 @@ std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
   return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim));
 }
 
+// The score modifiers and masks of one task (params.h), in the tile's log2
+// units: every additive term is multiplied by log2(e) like the scores.
+struct TaskMods {
+  const AttnParams& p;
+  int b, h, i0, sq, sk;
+  int64_t pairs_before;  // PairsBefore(p, b), for bias and mask offsets
+  float alibi_log2;      // slope × log2(e); 0 without ALiBi
+
+  TaskMods(const AttnParams& params, int b_, int h_, int i0_, int sq_, int sk_)
+      : p(params), b(b_), h(h_), i0(i0_), sq(sq_), sk(sk_) {
+    pairs_before = (p.bias != nullptr || p.mask != nullptr) ? PairsBefore(p, b) : 0;
+    alibi_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.0f;
+  }
+
+  // Columns [a, e) of row r's score tile (keys j0 + a ..): + ALiBi, + bias,
+  // then masked keys (mask byte 0) to -inf; a -inf bias gives -inf itself.
+  void Apply(int r, int j0, int a, int e, float* s_row) const {
+    const int i = i0 + r;
+    if (p.alibi_slopes != nullptr) {
+      // |diag - key| with diag = i + sk - sq (bottom-right aligned).
+      const float dist0 = static_cast<float>(i + (sk - sq) - j0);
+      for (int j = a; j < e; ++j) s_row[j] -= alibi_log2 * std::fabs(dist0 - static_cast<float>(j));
+    }
+    if (p.bias != nullptr) {
+      const int64_t off =
+          PairOffset(p, p.bias_per_batch, p.bias_per_head, pairs_before, b, h, i, j0);
+      switch (p.bias_dtype) {
+        case DType::kFP32: {
+          const float* src = static_cast<const float*>(p.bias) + off;
+          for (int j = a; j < e; ++j) s_row[j] += src[j] * kLog2e;
+          break;
+        }
+        case DType::kBF16: {
+          const uint16_t* src = static_cast<const uint16_t*>(p.bias) + off;
+          for (int j = a; j < e; ++j) s_row[j] += Bf16ToFloat(src[j]) * kLog2e;
+          break;
+        }
+        case DType::kFP16: {
+          const uint16_t* src = static_cast<const uint16_t*>(p.bias) + off;
+          for (int j = a; j < e; ++j) s_row[j] += Fp16ToFloat(src[j]) * kLog2e;
+          break;
+        }
+        case DType::kFP8E4M3: break;  // refused by CheckParams
+      }
+    }
+    if (p.mask != nullptr) {
+      const uint8_t* m =
+          p.mask + PairOffset(p, p.mask_per_batch, p.mask_per_head, pairs_before, b, h, i, j0);
+      for (int j = a; j < e; ++j) s_row[j] = m[j] != 0 ? s_row[j] : kNegInf;
+    }
+  }
+};
+
 // The tile loop of AttentionTask over any K/V row source: kv.LoadK(j, hk,
 // dst) and kv.LoadV(j, hk, dst) load key j (0-based within the sequence,
 // j < sk) of KV head hk as floats. The contiguous path reads the request's
-// K/V; the paged path reads in place through a block table.
-template <class KvRows>
+// K/V; the paged path reads in place through a block table. kMods: the call
+// has score modifiers or masks (params.h); a template flag so the plain path
+// keeps its loop untouched.
+template <bool kMods, class KvRows>
 void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, const KvRows& kv,
                        Scratch* scratch) {
   const int d = p.head_dim;
@@ -225,20 +280,17 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
       span_hi = std::max(span_hi, hi[r]);
     }
   }
-  std::fill(m, m + kBlockM, kNegInf);
-  std::fill(l, l + kBlockM, 0.0f);
+  // A sink starts every row's running max and sum (its own exp2(0) = 1), so
+  // O and LSE include it exactly and a row that sees no key keeps O = 0.
+  const bool sink = kMods && p.sinks != nullptr;
+  std::fill(m, m + kBlockM, sink ? p.sinks[h] * kLog2e : kNegInf);
+  std::fill(l, l + kBlockM, sink ? 1.0f : 0.0f);
   std::fill(o, o + rows_pad * d, 0.0f);
 
-  if (span_lo <= span_hi) {
-    for (int r = 0; r < rows; ++r) {
-      float* q_row = q + r * d;
-      LoadRow(p.q, p.dtype, QOffset(p, q_start + i0 + r, h), d, q_row, p.q_descale);
-      for (int c = 0; c < d; ++c) q_row[c] *= q_scale;
-    }
-    std::fill(q + rows * d, q + rows_pad * d, 0.0f);
-
-    for (int j0 = span_lo; j0 <= span_hi; j0 += kBlockN) {
-      const int nc = std::min(kBlockN, span_hi + 1 - j0);
+  // Keys [k_lo, k_hi] in tiles of up to kBlockN.
+  auto scan = [&](int k_lo, int k_hi, const TaskMods* mods) {
+    for (int j0 = k_lo; j0 <= k_hi; j0 += kBlockN) {
+      const int nc = std::min(kBlockN, k_hi + 1 - j0);
       // K rows land in the V tile first, then are transposed into kt.
       for (int j = 0; j < nc; ++j) kv.LoadK(j0 + j, hk, v + j * d);
       for (int j = 0; j < nc; ++j) {
@@ -260,10 +312,18 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
         if (capped) {
           for (int j = a; j < e; ++j) s_row[j] = cap_log2 * std::tanh(s_row[j]);
         }
+        if constexpr (kMods) mods->Apply(r, j0, a, e, s_row);
         // Mask after the cap, only where this row's range cuts the tile.
         std::fill(s_row, s_row + a, kNegInf);
         std::fill(s_row + e, s_row + kBlockN, kNegInf);
         const float m_new = std::max(m[r], RowMax(s_row));
+        if constexpr (kMods) {
+          // Every key so far masked: nothing to add (and -inf - -inf is NaN).
+          if (m_new == kNegInf) {
+            std::fill(s_row, s_row + kBlockN, 0.0f);
+            continue;
+          }
+        }
         const float alpha = Exp2NonPositive(m[r] - m_new);  // 0 on the first visible tile
         const float sum = ExpRowAndSum(s_row, m_new);
         l[r] = l[r] * alpha + sum;
@@ -277,9 +337,40 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
 
       PvTile(s, v, d, rows_pad, nc, o);
     }
+  };
+
+  if (span_lo <= span_hi) {
+    for (int r = 0; r < rows; ++r) {
+      float* q_row = q + r * d;
+      LoadRow(p.q, p.dtype, QOffset(p, q_start + i0 + r, h), d, q_row, p.q_descale);
+      for (int c = 0; c < d; ++c) q_row[c] *= q_scale;
+    }
+    std::fill(q + rows * d, q + rows_pad * d, 0.0f);
+
+    if constexpr (!kMods) {
+      scan(span_lo, span_hi, nullptr);
+    } else {
+      const TaskMods mods(p, b, h, i0, sq, sk);
+      if (!HasBlockMask(p)) {
+        scan(span_lo, span_hi, &mods);
+      } else {
+        // The task's rows lie in one query block (kBlockM divides block_q):
+        // only its kept key blocks are scanned, masked ones never loaded.
+        const int64_t row = BlockRow(p, BlockRowsBefore(p, b), b, h, i0 / p.block_q);
+        const int32_t* first = p.block_col_idx + p.block_row_ptr[row];
+        const int32_t* last = p.block_col_idx + p.block_row_ptr[row + 1];
+        for (const int32_t* c = std::lower_bound(first, last, span_lo / p.block_k); c < last; ++c) {
+          const int64_t block_lo = int64_t{*c} * p.block_k;
+          if (block_lo > span_hi) break;
+          scan(static_cast<int>(std::max<int64_t>(block_lo, span_lo)),
+               static_cast<int>(std::min<int64_t>(block_lo + p.block_k - 1, span_hi)), &mods);
+        }
+      }
+    }
   }
 
-  // Normalise once; rows that saw no key keep O = 0 and get LSE = -inf.
+  // Normalise once; rows that saw no key keep O = 0 and get LSE = -inf (or,
+  // with a sink, l = its share and LSE = the sink).
   for (int r = 0; r < rows; ++r) {
     float* o_row = o + r * d;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -324,12 +415,19 @@ struct PagedKvRows {
 }  // namespace
 
 void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  AttentionTaskOver(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
+  const ContiguousKvRows kv{p, SeqStartK(p, b)};
+  if (HasScoreMods(p)) {
+    AttentionTaskOver<true>(p, b, h, m_block, SeqLenK(p, b), kv, scratch);
+  } else {
+    AttentionTaskOver<false>(p, b, h, m_block, SeqLenK(p, b), kv, scratch);
+  }
 }
 
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  AttentionTaskOver(p.attn, b, h, m_block, p.seqlens_k[b],
-                    PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride}, scratch);
+  // CheckPagedParams refuses score modifiers and masks on paged calls.
+  AttentionTaskOver<false>(p.attn, b, h, m_block, p.seqlens_k[b],
+                           PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride},
+                           scratch);
 }
 
 }  // namespace cpu

@@ -97,13 +97,15 @@ class Scratch {
 
 // Computes rows [m_block * kBlockM, min(+kBlockM, Sq)) of sequence b, query
 // head h: writes o (in OutputDType(p.dtype)) and, when p.lse is set, lse; FP8
-// rows are dequantised (code x descale) as they load. `p` must have
-// passed CheckParams.
+// rows are dequantised (code x descale) as they load. Applies p's score
+// modifiers and masks (params.h); a block mask's dropped key blocks are never
+// loaded. `p` must have passed CheckParams.
 void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch);
 
 // The same for sequence b of a paged launch (paged_kv.h): its keys are the
 // p.seqlens_k[b] tokens its block table names (new rows already appended),
-// read in place from the pages, with p.attn's q, o, lse and options.
+// read in place from the pages, with p.attn's q, o, lse and options (no score
+// modifiers or masks: CheckPagedParams refuses them).
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch);
 
 }  // namespace cpu

@@ -22,7 +22,8 @@ class CpuBackend : public AttentionBackend {
   explicit CpuBackend(int threads);
 
   const BackendDescription& Describe() const override { return description_; }
-  // Every valid combination runs here: the plan is the default (trivial) one.
+  // Every valid combination runs here, score modifiers and masks included
+  // (dense and varlen): the plan is the default (trivial) one.
   absl::StatusOr<Plan> CanImplement(const AttnParams& params) const override;
   absl::Status Forward(const Plan& plan, const AttnParams& params,
                        BackendTimings* timings) override;
@@ -30,7 +31,8 @@ class CpuBackend : public AttentionBackend {
   // The paged K/V path (cpu_paged.cc): pages in host memory, read in place.
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
-  // CheckPagedParams, then the default (trivial) plan, as CanImplement.
+  // CheckPagedParams (UNIMPLEMENTED for score modifiers and masks), then the
+  // default (trivial) plan, as CanImplement.
   absl::StatusOr<Plan> CanImplementPaged(const PagedAttnParams& params) const override;
   absl::Status PagedForward(const Plan& plan, const PagedAttnParams& params,
                             BackendTimings* timings) override;
