@@ -157,8 +157,14 @@ class Sm90FwdProducer {
       MbarWait(&sm_.q_empty()[slot], (items_done_ / Cfg::kQSlots - 1) & 1);
     }
     Loads::LoadQ(L_, sm_, t, slot);
+    // The next tile's index (a CSR read under a block mask) is read before
+    // this tile's loads wait for their ring slot.
+    int n = KeyTileAt<Cfg::kBlockN, Cfg::kMods>(L_.fwd.p, t, 0);
     for (int it = 0; it < t.num_tiles; ++it) {
-      Loads::LoadKV(L_, sm_, t, g_ + it, KeyTileAt<Cfg::kBlockN, Cfg::kMods>(L_.fwd.p, t, it));
+      const int n_next =
+          it + 1 < t.num_tiles ? KeyTileAt<Cfg::kBlockN, Cfg::kMods>(L_.fwd.p, t, it + 1) : 0;
+      Loads::LoadKV(L_, sm_, t, g_ + it, n);
+      n = n_next;
     }
     g_ += t.num_tiles;
     ++items_done_;
@@ -297,14 +303,19 @@ class Sm90FwdMainloop {
       WgmmaWait<0>();
       FenceRegs(Flat(acc_.s));
       ReleaseK(first, 0, num_tiles, q_slot);
-      Softmax(t, row0, TileAt(t, 0));
+      int n_prev = TileAt(t, 0);
+      Softmax(t, row0, n_prev);
       ConvertP<T>(acc_.s, acc_.pa);
       for (int it = 1; it < num_tiles; ++it) {
         const int stage = (g + it) % kStages;
         const int prev = (g + it - 1) % kStages;
+        // kMods: the tile index (a CSR read) is read before the waits and
+        // GEMMs it would otherwise stall after.
+        int n_it = 0;
+        if constexpr (Cfg::kMods) n_it = TileAt(t, it);
         MbarWait(&sm_.k_full()[stage], ((g + it) / kStages) & 1);
         MbarWait(&sm_.v_full()[prev], ((g + it - 1) / kStages) & 1);
-        ClearVTail(t, prev, TileAt(t, it - 1));
+        ClearVTail(t, prev, Cfg::kMods ? n_prev : TileAt(t, it - 1));
         TurnBegin();
         GemmQK(stage);  // S of tile it ...
         RescaleO(acc_.o, acc_.corr);
@@ -313,15 +324,16 @@ class Sm90FwdMainloop {
         WgmmaWait<1>();  // S landed; P V may still run during the softmax
         FenceRegs(Flat(acc_.s));
         ReleaseK(stage, it, num_tiles, q_slot);
-        Softmax(t, row0, TileAt(t, it));
+        Softmax(t, row0, Cfg::kMods ? n_it : TileAt(t, it));
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.o));
         Release(&sm_.v_empty()[prev]);
         ConvertP<T>(acc_.s, acc_.pa);
+        if constexpr (Cfg::kMods) n_prev = n_it;
       }
       const int last = (g + num_tiles - 1) % kStages;
       MbarWait(&sm_.v_full()[last], ((g + num_tiles - 1) / kStages) & 1);
-      ClearVTail(t, last, TileAt(t, num_tiles - 1));
+      ClearVTail(t, last, Cfg::kMods ? n_prev : TileAt(t, num_tiles - 1));
       TurnBegin();
       RescaleO(acc_.o, acc_.corr);
       GemmPV(last);
