@@ -31,6 +31,7 @@
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/kserve/shm_test_util.h"
 #include "tests/server/gated_cpu_backend.h"
 
 #ifdef ATTNSERVE_TEST_HTTP
@@ -227,6 +228,7 @@ class ScoreModsWireTest : public ::testing::Test {
     options.host = "127.0.0.1";
     options.port = 0;
     options.max_request_bytes = 32 << 20;
+    options.kserve.allow_client_shm = true;
 #ifdef ATTNSERVE_TEST_HTTP
     options.kserve.http_enabled = true;
     options.kserve.http_host = "127.0.0.1";
@@ -529,6 +531,51 @@ TEST_F(ScoreModsWireTest, EachModMatchesTheReferenceOnEveryProtocol) {
     }
 #endif
   }
+}
+
+// Every mod input may lie in a system shared-memory region, as q, k and v may.
+TEST_F(ScoreModsWireTest, ModInputsInSharedMemory) {
+  TestCase tc = Cases().back().tc;  // varlen, every mod
+  HostBuffers buf(tc);
+  const v1::ForwardRequest request = RequestOf(buf);
+  const Answer native = Forward(request);
+  ASSERT_EQ(native.code, grpc::StatusCode::OK) << native.message;
+  std::vector<V2Input> inputs = V2InputsOf(request);
+  size_t total = 0;
+  for (const V2Input& in : inputs) total += (in.bytes.size() + 63) / 64 * 64;
+  TestShmObject object(total, "mods");
+  ASSERT_TRUE(object.ok());
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    inference::SystemSharedMemoryRegisterRequest r;
+    r.set_name("mods");
+    r.set_key(object.key());
+    r.set_byte_size(total);
+    inference::SystemSharedMemoryRegisterResponse unused;
+    ASSERT_TRUE(v2_->SystemSharedMemoryRegister(&context, r, &unused).ok());
+  }
+  inference::ModelInferRequest v2 = ToV2(inputs, V2ParamsOf(request), "shm");
+  v2.clear_raw_input_contents();
+  size_t offset = 0;
+  for (int i = 0; i < v2.inputs_size(); ++i) {
+    const std::string& bytes = inputs[static_cast<size_t>(i)].bytes;
+    const std::string& name = inputs[static_cast<size_t>(i)].name;
+    if (name == "q" || name == "k" || name == "v") {
+      v2.add_raw_input_contents(bytes);
+      continue;
+    }
+    std::memcpy(object.data() + offset, bytes.data(), bytes.size());
+    auto& p = *v2.mutable_inputs(i)->mutable_parameters();
+    p["shared_memory_region"].set_string_param("mods");
+    p["shared_memory_offset"].set_int64_param(static_cast<int64_t>(offset));
+    p["shared_memory_byte_size"].set_int64_param(static_cast<int64_t>(bytes.size()));
+    offset += (bytes.size() + 63) / 64 * 64;
+  }
+  const Answer shm = InferGrpc(v2);
+  ASSERT_EQ(shm.code, grpc::StatusCode::OK) << shm.message;
+  EXPECT_TRUE(shm.o == native.o);
+  EXPECT_TRUE(shm.lse == native.lse);
 }
 
 // ---- refusals ----
