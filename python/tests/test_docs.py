@@ -1,4 +1,4 @@
-"""The Python examples of README.md and docs/python.md run as written, against a real CPU server.
+"""The Python examples of README.md, docs/python.md and docs/masks.md run as written, against a real CPU server.
 
 Each file's ```python blocks run in order in one namespace, as a reader runs
 them (a later block may continue an earlier one, as the text says). The one
@@ -37,7 +37,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/python.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/python.md", "docs/masks.md"])
 def test_examples_run_as_written(server, doc):
     blocks = python_blocks(doc)
     assert blocks, f"no ```python blocks in {doc}"
