@@ -188,7 +188,11 @@ absl::Status AttentionModel::Prepare(Call* c) const {
         TakeFloatTensor(source, (*index_of)[which], &c->storage[which], &c->inputs[which]);
     if (!taken.ok()) return taken.status();
     *tensors[which] = *taken;
-    call.request_bytes += static_cast<int64_t>(c->inputs[which].size);
+    // Bytes from a region, read in place or copied (a CUDA region), were
+    // not in the message.
+    if (InSharedMemory(request.inputs((*index_of)[which]))) {
+      call.request_bytes += static_cast<int64_t>(c->inputs[which].size + c->storage[which].size());
+    }
   }
   for (size_t which = kCuSeqlensQ; which <= kCuSeqlensK && which < names.size(); ++which) {
     const int index = (*index_of)[which];
