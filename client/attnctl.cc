@@ -140,7 +140,7 @@ const Command kCommands[] = {
      "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
      "        [--warmup_tokens=N] [--prefill_chunk=N] [--prefill_attend=false] [--csv=FILE]\n"
-     "        [--label=TEXT]\n\n"
+     "        [--attend_fraction=F] [--label=TEXT]\n\n"
      "Examples:\n"
      "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
      "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
@@ -161,6 +161,9 @@ const Command kCommands[] = {
      "--check keeps every sequence's K/V per layer on the client and holds every output\n"
      "(prefill unless --prefill_attend=false, and decode) to the float64 reference over the\n"
      "whole context.\n"
+     "--attend_fraction=F (0 < F < 1) names, at every decode step and for each sequence, a\n"
+     "random F of its history pages (attend_pages): the server reads only those and the pages\n"
+     "of the new token (page-level sparse decode); --check then uses exactly those tokens.\n"
      "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
      "client/cli/load_kv.cc",
      nullptr,

@@ -32,6 +32,7 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
     step->set_expected_length(s.expected_length);
     step->set_num_new_tokens(s.num_new_tokens);
     step->set_num_queries(s.num_queries);
+    step->mutable_attend_pages()->Add(s.attend_pages.begin(), s.attend_pages.end());
   }
   // A default HostTensor (FP32 [0]) stands for "no rows" and stays unset on
   // the wire, so an append-only or attend-only call needs no placeholder of

@@ -91,6 +91,10 @@ struct KvClientStep {
   int32_t expected_length = 0;  // the sequence's length at the layer before the append
   int32_t num_new_tokens = 0;   // its rows of k/v
   int32_t num_queries = 0;      // its rows of q
+  // The history pages (tokens before this call, page i = tokens [i * page_size,
+  // (i + 1) * page_size)) the queries attend, strictly increasing; the pages
+  // of the new tokens are always attended. Empty: every page.
+  std::vector<int32_t> attend_pages = {};
 };
 
 // One append-and-attend call: q [sum num_queries, Hq, D] and k/v

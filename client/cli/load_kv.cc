@@ -54,6 +54,10 @@ ABSL_FLAG(bool, prefill_attend, true,
           "Prefill calls attend as well as append (a real prefill). false: prompts are "
           "appended without queries, moving only K/V (fills many layers of long contexts "
           "quickly; the decode steps and --check are unchanged).");
+ABSL_FLAG(double, attend_fraction, 1.0,
+          "Below 1: every decode step names, per sequence, a random fraction of its history "
+          "pages (attend_pages, at least one; the pages of the new token always count), so the "
+          "server reads only those: page-level sparse decode. tbps counts the pages read.");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -213,6 +217,7 @@ int RunLoadKv(const std::vector<std::string>& args) {
   c.stateless = absl::GetFlag(FLAGS_stateless);
   c.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   c.prefill_attend = absl::GetFlag(FLAGS_prefill_attend);
+  c.attend_fraction = absl::GetFlag(FLAGS_attend_fraction);
   c.seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));
@@ -249,7 +254,10 @@ int RunLoadKv(const std::vector<std::string>& args) {
             << " generated tokens (" << c.warmup_tokens << " warm-up), " << c.layers
             << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D " << c.head_dim << ", "
             << DTypeName(c.dtype) << ", " << (*client)->num_channels() << " channel(s), seed "
-            << c.seed << ", check " << (c.check ? "on" : "off") << "\n";
+            << c.seed << ", check " << (c.check ? "on" : "off")
+            << (c.attend_fraction < 1.0 ? absl::StrCat(", attend fraction ", c.attend_fraction)
+                                        : std::string())
+            << "\n";
 
   bool failed = false;
   for (int level : *levels) {

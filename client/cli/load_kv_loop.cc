@@ -110,11 +110,50 @@ struct StepOutput {
   ForwardTiming timing;
 };
 
+// A random `fraction` of the pages of a history of `before` tokens, sorted;
+// empty (everything) when that is all of them.
+std::vector<int32_t> PickPages(int32_t before, int page_size, double fraction,
+                               std::mt19937_64* rng) {
+  const int32_t pages = (before + page_size - 1) / page_size;
+  const int32_t want = std::max<int32_t>(1, static_cast<int32_t>(std::llround(fraction * pages)));
+  if (fraction >= 1.0 || want >= pages) return {};
+  // Floyd's sampling: `want` distinct pages in O(want).
+  std::vector<char> taken(size_t(pages), 0);
+  for (int32_t j = pages - want; j < pages; ++j) {
+    const int32_t t = std::uniform_int_distribution<int32_t>(0, j)(*rng);
+    taken[size_t(taken[size_t(t)] ? j : t)] = 1;
+  }
+  std::vector<int32_t> picked;
+  for (int32_t p = 0; p < pages; ++p) {
+    if (taken[size_t(p)]) picked.push_back(p);
+  }
+  return picked;
+}
+
+// Whether token `t` of a sequence that had `before` tokens before a step
+// naming `pages` is attended: a named page's, or one on a page holding the
+// step's new tokens (the partial last history page too).
+bool Attended(int64_t t, int64_t before, int page_size, const std::vector<int32_t>& pages) {
+  if (pages.empty() || t / page_size >= before / page_size) return true;
+  return std::binary_search(pages.begin(), pages.end(), static_cast<int32_t>(t / page_size));
+}
+
+// Tokens a one-token step after `before` tokens attends with `pages`.
+int64_t AttendedTokens(int64_t before, int page_size, const std::vector<int32_t>& pages) {
+  if (pages.empty()) return before + 1;
+  const int64_t first_new = before / page_size;
+  int64_t n = before + 1 - first_new * page_size;
+  for (int32_t p : pages) n += p < first_new ? page_size : 0;
+  return n;
+}
+
 // One group of sequences and everything its thread owns.
 class Group {
  public:
-  Group(const DecodeLoopConfig& c, std::vector<uint64_t> ids, uint64_t seed, bool keep_history)
-      : c_(c), ids_(std::move(ids)), rng_(seed), keep_(keep_history) {
+  // `page_size`: the cache's (attend_pages count in its pages).
+  Group(const DecodeLoopConfig& c, std::vector<uint64_t> ids, uint64_t seed, bool keep_history,
+        int page_size)
+      : c_(c), ids_(std::move(ids)), rng_(seed), keep_(keep_history), page_size_(page_size) {
     if (keep_) history_.assign(ids_.size(), std::vector<History>(c.layers));
     if (!keep_) {
       // The prompt chunks and decode tensors are reused, so draw them once.
@@ -197,13 +236,24 @@ class Group {
     const absl::Time sent = absl::Now();
     absl::Duration client_time;  // building the request and reading the answer
     absl::StatusOr<StepOutput> out;
+    // Per sequence, the history pages this step attends (empty: all).
+    std::vector<std::vector<int32_t>> pages(ids_.size());
+    int64_t attended = 0;
+    for (size_t s = 0; s < ids_.size(); ++s) {
+      if (c_.attend_fraction < 1.0) {
+        pages[s] = PickPages(before, page_size_, c_.attend_fraction, &rng_);
+      }
+      attended += AttendedTokens(before, page_size_, pages[s]);
+    }
     if (c_.stateless) {
       out = Stateless(client, layer, q);
     } else {
       AppendAttendInputs in;
       in.cache_id = cache_id;
       in.layer = layer;
-      for (uint64_t id : ids_) in.sequences.push_back({id, before, 1, 1});
+      for (size_t s = 0; s < ids_.size(); ++s) {
+        in.sequences.push_back({ids_[s], before, 1, 1, pages[s]});
+      }
       in.q = c_.check ? q : std::move(q);
       in.k = std::move(k);
       in.v = std::move(v);
@@ -225,13 +275,13 @@ class Group {
     }
     if (measured) {
       const int64_t row_bytes = int64_t{2} * c_.heads_kv * c_.head_dim * DTypeSize(c_.dtype);
-      tally->Step(latency, out->timing, g * (before + 1) * row_bytes,
+      tally->Step(latency, out->timing, attended * row_bytes,
                   absl::ToInt64Microseconds(client_time));
     }
     if (!c_.check) return true;
     std::vector<size_t> all(ids_.size());
     for (size_t s = 0; s < all.size(); ++s) all[s] = s;
-    return CheckOutput(all, layer, q, /*causal=*/false, out->o, tally);
+    return CheckOutput(all, layer, q, /*causal=*/false, out->o, tally, &pages);
   }
 
  private:
@@ -265,20 +315,34 @@ class Group {
   }
 
   // The varlen call over the whole context of sequences `rows` at `layer`,
-  // with their queries q (rows in the same order).
+  // with their queries q (rows in the same order); with `pages` (per row, a
+  // one-token step's attend_pages) only the tokens that step attended.
   AttentionInputs ContextInputs(const std::vector<size_t>& rows, int layer, const HostTensor& q,
-                                bool causal) const {
+                                bool causal,
+                                const std::vector<std::vector<int32_t>>* pages = nullptr) const {
     AttentionInputs in;
     in.q = q;
     std::string k, v;
     std::vector<int> q_lengths, k_lengths;
     const int64_t q_rows = q.dim(0) / static_cast<int64_t>(rows.size());
-    for (size_t s : rows) {
-      const History& h = history_[s][layer];
-      k += h.k;
-      v += h.v;
+    const size_t row = static_cast<size_t>(DTypeSize(c_.dtype)) * c_.heads_kv * c_.head_dim;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const History& h = history_[rows[i]][layer];
       q_lengths.push_back(static_cast<int>(q_rows));
-      k_lengths.push_back(static_cast<int>(h.length));
+      if (pages == nullptr || (*pages)[i].empty()) {
+        k += h.k;
+        v += h.v;
+        k_lengths.push_back(static_cast<int>(h.length));
+        continue;
+      }
+      int64_t kept = 0;
+      for (int64_t t = 0; t < h.length; ++t) {
+        if (!Attended(t, h.length - 1, page_size_, (*pages)[i])) continue;
+        k.append(h.k, size_t(t) * row, row);
+        v.append(h.v, size_t(t) * row, row);
+        ++kept;
+      }
+      k_lengths.push_back(static_cast<int>(kept));
     }
     const int64_t total =
         static_cast<int64_t>(k.size()) / (int64_t{c_.heads_kv} * c_.head_dim * DTypeSize(c_.dtype));
@@ -306,8 +370,9 @@ class Group {
   // Holds `o` to the float64 reference of the queries q over the sequences'
   // whole context.
   bool CheckOutput(const std::vector<size_t>& rows, int layer, const HostTensor& q, bool causal,
-                   const HostTensor& o, Tally* tally) {
-    const AttentionInputs in = ContextInputs(rows, layer, q, causal);
+                   const HostTensor& o, Tally* tally,
+                   const std::vector<std::vector<int32_t>>* pages = nullptr) {
+    const AttentionInputs in = ContextInputs(rows, layer, q, causal, pages);
     ForwardResult result;
     result.o = o;
     absl::StatusOr<VerifyReport> report = VerifyForward(in, result);
@@ -331,6 +396,7 @@ class Group {
   const std::vector<uint64_t> ids_;
   std::mt19937_64 rng_;
   const bool keep_;
+  const int page_size_;
   std::vector<std::vector<History>> history_;  // [sequence in group][layer]
   HostTensor prefill_q_, prefill_k_, prefill_v_;
   std::vector<Tensors> pool_;
@@ -374,6 +440,14 @@ absl::Status ValidateDecodeLoopConfig(const DecodeLoopConfig& c) {
   if (c.heads_q % c.heads_kv != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--heads_q (", c.heads_q, ") must be a multiple of --heads_kv (", c.heads_kv, ")"));
+  }
+  if (!(c.attend_fraction > 0.0 && c.attend_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--attend_fraction must be in (0, 1], got ", c.attend_fraction));
+  }
+  if (c.stateless && c.attend_fraction < 1.0) {
+    return absl::InvalidArgumentError(
+        "--attend_fraction names pages of a cache; --stateless has none");
   }
   if (c.stateless && c.stream) {
     return absl::InvalidArgumentError(
@@ -424,8 +498,8 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
   for (int g = 0; g < c.groups; ++g) {
     const int begin = c.sequences * g / c.groups, end = c.sequences * (g + 1) / c.groups;
     groups.push_back(std::make_unique<Group>(
-        c, std::vector<uint64_t>(all_ids.begin() + begin, all_ids.begin() + end), c.seed + g,
-        keep));
+        c, std::vector<uint64_t>(all_ids.begin() + begin, all_ids.begin() + end), c.seed + g, keep,
+        result.page_size));
   }
 
   Tally tally;

@@ -47,6 +47,10 @@ struct DecodeLoopConfig {
   // prefill moves only K/V: how a benchmark fills 32 layers x 64 x 8k without
   // sending Q and receiving O three times the cache's size over loopback.
   bool prefill_attend = true;
+  // Below 1: each decode step names, per sequence, a random attend_fraction of
+  // its history pages (attend_pages, at least one), as sparse-decode methods
+  // that pick the top pages per step do; 1 attends everything.
+  double attend_fraction = 1.0;
   uint64_t seed = 0;
 };
 
@@ -56,11 +60,11 @@ struct DecodeLoopResult {
   std::string cache_id;
   int page_size = 0;  // as the server chose it (0 for stateless)
   double prefill_s = 0.0;
-  double decode_s = 0.0;                            // wall time of the measured tokens
-  int64_t generated = 0;                            // measured generated tokens over all sequences
-  int64_t steps = 0;                                // measured layer-steps (one call each)
-  double tokens_per_s = 0.0;                        // generated / decode_s
-  double tbps = 0.0;                                // K+V bytes attended per second / 1e12
+  double decode_s = 0.0;      // wall time of the measured tokens
+  int64_t generated = 0;      // measured generated tokens over all sequences
+  int64_t steps = 0;          // measured layer-steps (one call each)
+  double tokens_per_s = 0.0;  // generated / decode_s
+  double tbps = 0.0;          // K+V bytes attended (the named pages only) per second / 1e12
   double p50_ms = 0.0, p99_ms = 0.0, max_ms = 0.0;  // per layer-step, client side
   // Means over the measured steps of the server's timing, in ms.
   double queue_ms = 0.0, h2d_ms = 0.0, compute_ms = 0.0, d2h_ms = 0.0;
