@@ -21,6 +21,7 @@
 #include "backend/reference/tolerance.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "server/kv/kv_cache.h"
 #include "server/native/kv_service.h"
 #include "server/server.h"
@@ -333,6 +334,75 @@ TEST_F(KvAttendPagesTest, MalformedListsChangeNothing) {
   // The lengths the refusals left are the ones a correct step expects.
   std::vector<Part> parts = {Step(1, &a, 1, 1, {6}), Step(2, &b, 1, 1, {0})};
   RunAndCheck(parts, {&a, &b}, {100, 20});
+}
+
+// KServe v2's attention_kv: the attend_pages parameter ("0,2") gives the
+// native call's bytes; without expected_length the range is the cache's
+// check at reserve, named in v2 words; a malformed string is refused.
+TEST_F(KvAttendPagesTest, KserveParameterMatchesNative) {
+  CreateSequences({1, 2});
+  auto v2 = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  auto infer = [&](const Part& part, const std::string& pages, inference::ModelInferResponse* out) {
+    inference::ModelInferRequest r;
+    r.set_model_name("attention_kv");
+    const std::vector<float>* data[] = {&part.q, &part.k, &part.v};
+    const char* names[] = {"q", "k", "v"};
+    for (int i = 0; i < 3; ++i) {
+      auto* in = r.add_inputs();
+      in->set_name(names[i]);
+      in->set_datatype("FP32");
+      const int64_t heads = i == 0 ? kHq : kHkv;
+      for (int64_t d : {int64_t(data[i]->size()) / (heads * kD), heads, int64_t{kD}}) {
+        in->add_shape(d);
+      }
+      r.add_raw_input_contents(
+          std::string(reinterpret_cast<const char*>(data[i]->data()), data[i]->size() * 4));
+    }
+    auto& p = *r.mutable_parameters();
+    p["cache_id"].set_string_param(cache_);
+    p["sequence_id"].set_uint64_param(part.id);
+    p["causal"].set_bool_param(true);
+    p["return_lse"].set_bool_param(true);
+    if (!pages.empty()) p["attend_pages"].set_string_param(pages);
+    grpc::ClientContext ctx;
+    return v2->ModelInfer(&ctx, r, out);
+  };
+  Context a = Prefill(1, 50), b;
+  b.k = a.k;
+  b.v = a.v;
+  {
+    Part copy{2, 0, a.k, a.v, {}, {}};
+    inference::ModelInferResponse out;
+    const grpc::Status s = infer(copy, "", &out);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  Part step = Step(1, &a, 1, 1, {0, 2});
+  v1::AppendAttendResponse want;
+  ASSERT_TRUE(Call(MakeCall(cache_, {step}), &want).ok());
+  step.id = 2;
+  inference::ModelInferResponse got;
+  const grpc::Status s = infer(step, "0, 2", &got);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(got.raw_output_contents_size(), 2);
+  EXPECT_EQ(got.raw_output_contents(0), want.o().data());
+  EXPECT_EQ(got.raw_output_contents(1), want.lse().data());
+  EXPECT_EQ(Length(2), 51);
+
+  const struct {
+    std::string pages, words;
+  } bad[] = {{"0,4", "in [0, 4) (sequence 2 has 51 tokens"},
+             {"0,x", "comma-separated"},
+             {"3,1", "strictly increasing"}};
+  for (const auto& c : bad) {
+    inference::ModelInferResponse out;
+    const grpc::Status refused = infer(step, c.pages, &out);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.pages;
+    EXPECT_NE(refused.error_message().find("parameters['attend_pages']"), std::string::npos)
+        << refused.error_message();
+    EXPECT_NE(refused.error_message().find(c.words), std::string::npos) << refused.error_message();
+    EXPECT_EQ(Length(2), 51) << c.pages;
+  }
 }
 
 // The cache's side: with kAnyLength (a protocol without the retry guard) the
