@@ -174,8 +174,8 @@ struct Launch {
 bool Prepare(const Case& c, bool allow_sm90, const AttnPointers& ptrs, Arena* a, Launch* l) {
   int num_sms = 0;
   CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  l->p = MakeAttnParams(DenseShape(DType::kBF16, c.b, c.n, c.n, c.h, c.h, c.d), AttnOptions(),
-                        ptrs);
+  l->p =
+      MakeAttnParams(DenseShape(DType::kBF16, c.b, c.n, c.n, c.h, c.h, c.d), AttnOptions(), ptrs);
   l->plan = cuda::PlanForward(l->p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
   if (l->plan.kernel_head_dim == 0) return false;
   if (l->plan.workspace_bytes > 0) {
@@ -373,8 +373,8 @@ int main(int argc, char** argv) {
       const double bound = c.grid == "sparse" ? t / (kept * plain) : t / plain;
       const double tbps = m.bias_bytes > 0 ? m.bias_bytes / (t * 1e-3) * 1e-12 : 0.0;
       std::fprintf(csv, "%s,%s,%s,bf16,%d,%d,%d,%d,%.2f,%.4f,%s,%s,%.4f,%.4f,%.3f,%.3f,%.3f,%.2e\n",
-                   c.grid.c_str(), c.pattern.c_str(), c.mods.c_str(), c.d, c.b, c.h, c.n, c.s,
-                   kept, impl, kernel.c_str(), t, plain, t / plain, bound, tbps, err);
+                   c.grid.c_str(), c.pattern.c_str(), c.mods.c_str(), c.d, c.b, c.h, c.n, c.s, kept,
+                   impl, kernel.c_str(), t, plain, t / plain, bound, tbps, err);
       std::fflush(csv);
       if (index != nullptr && sm90 && c.pattern != "dense") WriteMask(mask_dir, c, m.csr, index);
       std::fprintf(stderr, "mask_bench: %d/%zu cases\r", ++done, cases.size());
