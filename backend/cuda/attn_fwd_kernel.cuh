@@ -247,15 +247,16 @@ __device__ __forceinline__ void NormalizeRows(float (&acc_o)[kMTiles][kDTiles][4
 
 // The sinks of a mods kernel's unsplit rows (split rows get theirs in the
 // combine), folded into the scan's state as one more key of score sink[h]
-// (log2 domain: a mods kernel's score_log2 is 1) and value 0: the row max
-// and O rescaled, exp2(sink - max) added to the sum once per row (by the
-// quad's first thread; the sums are quad-partial). A row that saw no key
-// ends with O = 0 and sum 1 at max = sink, so LSE = sink.
+// and value 0: the row max and O rescaled, exp2(sink - max) added to the sum
+// once per row (by the quad's first thread; the sums are quad-partial). A
+// row that saw no key ends with O = 0 and sum 1 at max = sink, so LSE =
+// sink. row_max is in raw-score units (times score_log2: log2 domain).
 template <int kMTiles, int kDTiles>
 __device__ __forceinline__ void AddSinks(float (&acc_o)[kMTiles][kDTiles][4],
                                          float (&row_max)[kMTiles * 2],
                                          float (&row_sum)[kMTiles * 2], const AttnParams& p,
-                                         const QueryRows& qr, int row0, int rows, int quad) {
+                                         const QueryRows& qr, int row0, int rows, int quad,
+                                         float score_log2) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -264,9 +265,9 @@ __device__ __forceinline__ void AddSinks(float (&acc_o)[kMTiles][kDTiles][4],
       int h;
       qr.Row(min(FragmentRow(row0, r), rows - 1), &h);
       const float sink = __ldg(p.sinks + h) * kLog2e;
-      const float mx = fmaxf(row_max[r], sink);
-      const float corr = Exp2(row_max[r] - mx);
-      row_max[r] = mx;
+      const float mx = fmaxf(row_max[r] * score_log2, sink);
+      const float corr = Exp2(row_max[r] * score_log2 - mx);
+      row_max[r] = mx / score_log2;
       row_sum[r] = row_sum[r] * corr + (quad == 0 ? Exp2(sink - mx) : 0.f);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
@@ -610,7 +611,7 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
   float lse[2];
   if constexpr (kMods) {
     if (holds && L.num_splits == 1 && L.p.sinks != nullptr) {
-      AddSinks(acc_o, row_max, row_sum, L.p, qr, w.m0 + lane / 4, w.rows, lane % 4);
+      AddSinks(acc_o, row_max, row_sum, L.p, qr, w.m0 + lane / 4, w.rows, lane % 4, score_log2);
     }
   }
   if (holds) NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
@@ -630,9 +631,10 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
 // tiles outside the band are skipped and band-boundary tiles masked; without
 // it only the last, partial key tile is masked. kMods (banded policy only):
 // the score modifiers and masks of params.h (score_mods.cuh): block-masked
-// tiles are never loaded, every scanned tile gets the per-element pass
-// (ModScores, in the log2 domain, so score_log2 is 1) and unsplit rows fold
-// in their sinks (AddSinks). Rows: where K/V rows are read from
+// tiles are never loaded; with ALiBi, a bias or an element mask every
+// scanned tile gets the per-element pass (ModScores, in the log2 domain, so
+// score_log2 is 1), else the band's tiles are masked as without mods; unsplit
+// rows fold in their sinks (AddSinks). Rows: where K/V rows are read from
 // (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
 // cache's pages); Rows::Launch is the kernel's argument.
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
@@ -818,7 +820,12 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   }
   const bool use_softcap = p.softcap > 0.f;
   // Multiplier taking a (possibly capped) score to the log2 domain.
-  const float score_log2 = kMods || use_softcap ? 1.f : L.scale_log2;
+  // A mods kernel takes the per-element pass (ModScores) only for the mods
+  // that act per element; a block mask (whole tiles) and sinks (the end)
+  // leave the tiles to the plain kernel's band masking.
+  const bool elementwise =
+      kMods && (p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr);
+  const float score_log2 = elementwise || use_softcap ? 1.f : L.scale_log2;
   const int64_t pairs_before =
       kMods && (p.bias != nullptr || p.mask != nullptr) ? PairsBefore(p, b) : 0;
 
@@ -901,8 +908,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
 
     if (use_softcap) SoftcapScores(s, L.softcap_in, L.softcap_out);
     const int key0 = n * kBlockN + warp_key0;
-    if constexpr (kMods) {
-      ModScores(s, p, qr, b, pairs_before, L.scale_log2, key0, row0, rows, sq, sk, quad);
+    if (elementwise) {
+      ModScores(s, p, qr, b, pairs_before, use_softcap ? 1.f : L.scale_log2, key0, row0, rows, sq,
+                sk, quad);
     } else if (Mask::TileNeedsMask(key0, kWarpKeys, sk, lo_last, hi_first)) {
       MaskScores(s, p, key0, row0, rows, G, sq, sk, quad);
     }
@@ -921,7 +929,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     float lse[kMTiles * 2];
     if constexpr (kMods) {
       if (splits == 1 && p.sinks != nullptr) {
-        AddSinks(acc_o, row_max, row_sum, p, qr, row0, rows, quad);
+        AddSinks(acc_o, row_max, row_sum, p, qr, row0, rows, quad, score_log2);
       }
     }
     NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);

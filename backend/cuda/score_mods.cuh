@@ -99,11 +99,12 @@ __device__ __forceinline__ float LoadBias(const void* bias, DType t, int64_t idx
 // the bias are added (times log2(e)), and keys outside the row's band, masked
 // by the element mask or past the sequence become -inf. Rows past the tile's
 // last row are computed as that row (their results are never stored).
-// pairs_before: PairsBefore(p, b), hoisted by the caller.
+// pairs_before: PairsBefore(p, b), hoisted by the caller; to_log2: 1 for
+// softcapped scores, else scale_log2.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void ModScores(float (&s)[kMTiles][kNTiles][4], const AttnParams& p,
                                           const QueryRows& qr, int b, int64_t pairs_before,
-                                          float scale_log2, int key0, int row0, int rows, int sq,
+                                          float to_log2, int key0, int row0, int rows, int sq,
                                           int sk, int quad) {
 #pragma unroll
   for (int r = 0; r < kMTiles * 2; ++r) {
@@ -133,8 +134,7 @@ __device__ __forceinline__ void ModScores(float (&s)[kMTiles][kNTiles][4], const
           continue;
         }
         const int dist = diag - j;
-        float v = fmaf(slope, -static_cast<float>(dist < 0 ? -dist : dist),
-                       p.softcap > 0.f ? x : x * scale_log2);
+        float v = fmaf(slope, -static_cast<float>(dist < 0 ? -dist : dist), x * to_log2);
         if (p.bias != nullptr) v = fmaf(LoadBias(p.bias, p.bias_dtype, bias_row + j), kLog2e, v);
         if (p.mask != nullptr && __ldg(p.mask + mask_row + j) == 0) v = -INFINITY;
         x = v;
