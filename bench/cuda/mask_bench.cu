@@ -296,7 +296,7 @@ void WriteMask(const std::string& dir, const Case& c, const Csr& m, FILE* index)
 
 int main(int argc, char** argv) {
   using namespace attnserve;
-  std::string grid = "all", out, mask_dir, impls = "ours";
+  std::string grid = "all", out, mask_dir, impls = "ours", dims = "64,128";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto val = [&](const char* f) {
@@ -305,7 +305,7 @@ int main(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::printf(
           "usage: mask_bench [--grid=sparse|bias|mods|all] [--impls=ours,portable] [--csv=FILE]\n"
-          "                  [--mask_dir=DIR]\n"
+          "                  [--mask_dir=DIR] [--dims=64,128 (sparse grid head dims)]\n"
           "Times block-sparse masks, biases, ALiBi and sinks against the same shapes without\n"
           "them (BF16, CUDA events, L2 flushed, median of 15), each validated first against\n"
           "the float64 reference; CSV rows, one per case.\n");
@@ -315,15 +315,18 @@ int main(int argc, char** argv) {
     if (!val("--csv=").empty()) out = val("--csv=");
     if (!val("--mask_dir=").empty()) mask_dir = val("--mask_dir=");
     if (!val("--impls=").empty()) impls = val("--impls=");
+    if (!val("--dims=").empty()) dims = val("--dims=");
   }
   std::vector<Case> cases;
   const bool all = grid == "all";
   if (all || grid == "sparse") {
-    for (int d : {64, 128})
+    for (int d : {64, 128}) {
+      if (dims.find(std::to_string(d)) == std::string::npos) continue;
       for (int n : {8192, 16384, 32768})
         for (const char* pat : {"random", "stripes"})
           for (double s : {1.0, 0.5, 0.25, 0.1, 0.05})
             cases.push_back({"sparse", pat, "none", d, 1, 2048 / d, n, s});
+    }
   }
   if (all || grid == "bias") {
     for (int n : {1024, 2048, 4096, 8192})
