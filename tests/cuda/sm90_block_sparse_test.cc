@@ -1,4 +1,4 @@
-// The Hopper prefill kernel's score modifiers, launched directly
+// The Hopper prefill kernel's score modifiers (D 64, 128, 256), launched directly
 // (RunAttnFwdSm90 on the default schedule, device params staged here, so
 // the planner's routing plays no part): block-sparse masks (CSR, random per
 // head and local + global stripes shared by the heads, densities 0..1,
@@ -323,8 +323,12 @@ cudaError_t RunTyped(const cuda::FwdLaunch& l, cudaStream_t s) {
 
 cudaError_t RunSm90(const cuda::FwdLaunch& l, cudaStream_t s = nullptr) {
   const bool bf16 = l.p.dtype == DType::kBF16;
-  if (l.p.head_dim == 64)
+  if (l.p.head_dim == 64) {
     return bf16 ? RunTyped<64, __nv_bfloat16>(l, s) : RunTyped<64, __half>(l, s);
+  }
+  if (l.p.head_dim == 256) {
+    return bf16 ? RunTyped<256, __nv_bfloat16>(l, s) : RunTyped<256, __half>(l, s);
+  }
   return bf16 ? RunTyped<128, __nv_bfloat16>(l, s) : RunTyped<128, __half>(l, s);
 }
 
@@ -481,6 +485,18 @@ std::vector<Case> Cases() {
     c.alibi = true;
     c.density = 0.5;
     c.name = std::string("bf16_d128_causal_q900_k300_alibi") + (sinks ? "_sinks" : "");
+    v.push_back(c);
+  }
+  // D 256: 64-key tiles, two per 128-key block (the walk steps inside a block).
+  for (bool causal : {false, true}) {
+    Case c;
+    c.d = 256;
+    c.causal = causal;
+    c.seq_q = {500};
+    c.seq_k = {700};
+    c.density = 0.5;
+    c.alibi = c.sinks = causal;
+    c.name = std::string("bf16_d256") + (causal ? "_causal_alibi_sinks" : "") + "_random50";
     v.push_back(c);
   }
   // Sliding window + softcap + ALiBi with a block mask.

@@ -303,7 +303,9 @@ class Sm90FwdMainloop {
       WgmmaWait<0>();
       FenceRegs(Flat(acc_.s));
       ReleaseK(first, 0, num_tiles, q_slot);
-      int n_prev = TileAt(t, 0);
+      TileWalk w{0, 0, 0, 1};
+      if constexpr (Cfg::kMods) WalkBegin(t, &w);
+      int n_prev = Cfg::kMods ? w.n : TileAt(t, 0);
       Softmax(t, row0, n_prev);
       ConvertP<T>(acc_.s, acc_.pa);
       for (int it = 1; it < num_tiles; ++it) {
@@ -312,7 +314,10 @@ class Sm90FwdMainloop {
         // kMods: the tile index (a CSR read) is read before the waits and
         // GEMMs it would otherwise stall after.
         int n_it = 0;
-        if constexpr (Cfg::kMods) n_it = TileAt(t, it);
+        if constexpr (Cfg::kMods) {
+          WalkNext(&w);
+          n_it = w.n;
+        }
         MbarWait(&sm_.k_full()[stage], ((g + it) / kStages) & 1);
         MbarWait(&sm_.v_full()[prev], ((g + it - 1) / kStages) & 1);
         ClearVTail(t, prev, Cfg::kMods ? n_prev : TileAt(t, it - 1));
@@ -415,6 +420,34 @@ class Sm90FwdMainloop {
 
   __device__ __forceinline__ int TileAt(const Sm90Tile& t, int it) const {
     return KeyTileAt<kBlockN, Cfg::kMods>(L_.fwd.p, t, it);
+  }
+
+  // KeyTileAt step by step (kMods consumers: no division per tile): n the
+  // current tile, left the tiles of its key block still below it (no block
+  // mask: unbounded), e its CSR entry. WalkNext only while tiles remain.
+  struct TileWalk {
+    int n, left, e, tpb;
+  };
+  __device__ __forceinline__ void WalkBegin(const Sm90Tile& t, TileWalk* w) const {
+    const AttnParams& p = L_.fwd.p;
+    if (t.e_top < 0) {
+      *w = TileWalk{t.n_end - 1, 0x7fffffff, -1, 1};
+      return;
+    }
+    w->tpb = p.block_k / kBlockN;
+    w->e = t.e_top;
+    w->n = (__ldg(p.block_col_idx + t.e_top) + 1) * w->tpb - 1 - t.top_excess;
+    w->left = w->tpb - 1 - t.top_excess;
+  }
+  __device__ __forceinline__ void WalkNext(TileWalk* w) const {
+    if (w->left > 0) {
+      --w->n;
+      --w->left;
+    } else {
+      --w->e;
+      w->n = (__ldg(L_.fwd.p.block_col_idx + w->e) + 1) * w->tpb - 1;
+      w->left = w->tpb - 1;
+    }
   }
 
   // kMods, once per item: ALiBi's factor for the scores' units (raw Q.K, or
