@@ -118,8 +118,9 @@ struct AttnParams {
 };
 
 // Block sizes of a block mask are multiples of this: the Hopper kernel's query
-// tile is 128 rows, so no query tile straddles two block rows and every key
-// tile of every kernel (64 or 128 keys) lies in whole key blocks.
+// tile is 128 rows, so no query tile straddles two block rows, and key tiles
+// of 32, 64 or 128 keys lie in whole key blocks (a kernel whose key tile does
+// not divide block_k leaves the call to one whose tile does).
 constexpr int32_t kBlockMaskGrain = 128;
 
 ATTN_HOST_DEVICE bool IsVarlen(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }

@@ -32,8 +32,9 @@ struct Plan {
   int32_t kernel_head_dim = 0;
   TileKind tile_kind = TileKind::kPrefill;
   KernelFamily kernel_family = KernelFamily::kPortable;
-  // True when the call has a causal and/or sliding-window band: the kernel
-  // then skips key tiles outside it and masks the boundary tiles.
+  // True when the call has a causal and/or sliding-window band (the kernel
+  // then skips key tiles outside it and masks the boundary tiles), or score
+  // modifiers and masks (their kernels live in the banded instantiations).
   bool banded = false;
   // FP8 E4M3 calls on the Hopper prefill kernel: Q K^T runs on the FP8 codes
   // (FP8 wgmma), the descales folded into the softmax scale; V is

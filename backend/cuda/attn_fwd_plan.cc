@@ -73,6 +73,11 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
   return 0;
 }
 
+// True when the Hopper prefill kernel takes p's score modifiers: ALiBi,
+// sinks and a block mask (where Sm90BlockMaskFits); a bias or element mask
+// runs on the portable kernel (attn_fwd_sm90.h).
+bool Sm90PrefillTakesMods(const AttnParams& p) { return p.bias == nullptr && p.mask == nullptr; }
+
 // True when the Hopper decode kernel serves a decode-tile call of `p`: its
 // table has the head dim exactly (Q rows are copied whole, so no padding
 // columns), this build compiled it, and there are keys (a tensor map cannot
@@ -139,7 +144,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     // on the Hopper prefill kernel Q K^T stays on the codes.
     AttnParams bf16 = params;
     bf16.dtype = DType::kBF16;
-    Plan plan = PlanForward(bf16, num_sms, allow_sm90, kv);
+    // The Hopper kernel's FP8 Q K^T takes no score modifiers: such calls
+    // run dequantised on the portable kernel.
+    Plan plan = PlanForward(bf16, num_sms, allow_sm90 && !HasScoreMods(params), kv);
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
     return plan;
   }
@@ -152,9 +159,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     }
   }
   if (plan.kernel_head_dim == 0) return plan;
-  // Score modifiers and masks run on the portable kernel's banded
-  // instantiation, as a kernel of their own (attn_fwd_kernel.cuh's kMods):
-  // the banded mask policy with no band sees every key, so one compiled set
+  // Score modifiers and masks run on the banded instantiations, as kernels
+  // of their own (the portable kernel's and the Hopper kernel's kMods): the
+  // banded mask policy with no band sees every key, so one compiled set
   // serves mods with or without a band and the plain kernels stay as they are.
   const bool mods = HasScoreMods(p);
   plan.banded = IsBanded(p) || mods;
@@ -197,13 +204,18 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (plan.num_splits > 1) {
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
-  // The Hopper kernels do not take score modifiers or masks.
   const int sm90_head_dim =
-      allow_sm90 && kv == KvRows::kTensors && !mods ? Sm90HeadDimFor(p, plan) : 0;
-  if (sm90_head_dim != 0) {
+      allow_sm90 && kv == KvRows::kTensors && Sm90PrefillTakesMods(p) ? Sm90HeadDimFor(p, plan) : 0;
+  // A block mask goes to the Hopper kernel only when its key tiles lie in
+  // whole key blocks (Sm90BlockMaskFits), and then on kSm90TileTable's tile.
+  const bool sm90_blocks_fit =
+      !HasBlockMask(p) ||
+      (sm90_head_dim != 0 &&
+       Sm90BlockMaskFits(Sm90TileFor(sm90_head_dim).block_n, p.block_q, p.block_k));
+  if (sm90_head_dim != 0 && sm90_blocks_fit) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;
-    const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk &&
+    const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk && !HasBlockMask(p) &&
                            Sm90LongKeyTileFor(sm90_head_dim).head_dim != 0 &&
                            CompiledSm90LongKeyHeadDim(sm90_head_dim);
     plan.tile_kind = long_keys ? TileKind::kLongKeys : TileKind::kPrefill;

@@ -134,6 +134,18 @@ constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
   return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes));
 }
 constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
+
+// True when the Hopper prefill kernel on a tile of block_n keys takes a
+// block mask of (block_q, block_k): its 128-row query tiles lie in one query
+// block (block_q a multiple of 128, as the contract has it), and its key
+// tiles in one key block (block_n divides block_k: tiles of 64 and 128 keys
+// always; D 192's 112 and the long-key tile's 192 almost never, so a
+// block-masked call takes kSm90TileTable's tile, and D 192 the portable
+// kernel).
+constexpr bool Sm90BlockMaskFits(int block_n, int block_q, int block_k) {
+  return block_n > 0 && block_q > 0 && block_q % 128 == 0 && block_k > 0 && block_k % block_n == 0;
+}
+
 // The Hopper prefill kernel on a wider key tile, for calls whose key range
 // (Sk, the longest sequence's for varlen) is at least kSm90LongKeysMinSk
 // (TileKind::kLongKeys): fewer row-max and row-sum reductions, barrier

@@ -315,7 +315,7 @@ TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
 // (its kMods kernel), never the Hopper family; no GQA packing under a
 // per-head block mask (a CTA follows one CSR row); split-KV as without them.
 // Only the fields' presence matters here, so the pointers are dummies.
-TEST(PlanForwardTest, ScoreModsTakeThePortableBandedKernel) {
+TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
   const float dummy = 0.f;
   const int32_t dummy_i = 0;
   auto with = [&](AttnParams a, int which) {
@@ -335,12 +335,18 @@ TEST(PlanForwardTest, ScoreModsTakeThePortableBandedKernel) {
   };
   for (int which = 0; which < 5; ++which) {
     SCOPED_TRACE(which);
-    // Prefill: the banded tile, portable even where Hopper could run it.
+    // Prefill: ALiBi, sinks and block masks on the Hopper kernel where this
+    // build has it; a bias or element mask on the portable banded tile.
+    const bool hopper = (which == 0 || which == 1 || which == 4) && cuda::CompiledSm90HeadDim(128);
     Plan p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, true);
-    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_EQ(p.kernel_family, hopper ? KernelFamily::kSm90 : KernelFamily::kPortable);
     EXPECT_TRUE(p.banded);
-    EXPECT_EQ(p.tile_kind, TileKind::kBanded);
+    EXPECT_EQ(p.tile_kind, hopper ? TileKind::kPrefill : TileKind::kBanded);
     EXPECT_EQ(p.num_splits, 1);
+    // Without the Hopper family: the portable banded tile for every kind.
+    p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, false);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_EQ(p.tile_kind, TileKind::kBanded);
     // Decode: the portable decode tile, GQA packed, split like a plain call.
     p = PlanForward(with(Dense(1, 1, 8192, 32, 8, 128), which), kH100Sms, true);
     EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
@@ -352,9 +358,24 @@ TEST(PlanForwardTest, ScoreModsTakeThePortableBandedKernel) {
                                         kH100Sms)
                                 .num_splits);
     // Short prefill over long keys splits as the plain call does.
-    p = PlanForward(with(Dense(1, 128, 8192, 8, 8, 128), which), kH100Sms, true);
+    p = PlanForward(with(Dense(1, 128, 8192, 8, 8, 128), which), kH100Sms, false);
     EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
     EXPECT_GT(p.num_splits, 1);
+    // FP8 inputs with mods: dequantised on the portable kernel.
+    AttnParams fp8 = with(Dense(4, 1024, 1024, 8, 8, 128), which);
+    fp8.dtype = DType::kFP8E4M3;
+    p = PlanForward(fp8, kH100Sms, true);
+    EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_FALSE(p.fp8_qk);
+  }
+  // A block mask whose key blocks the Hopper tile does not divide stays
+  // portable (Sm90BlockMaskFits), and never takes the long-key tile.
+  if (cuda::CompiledSm90HeadDim(128)) {
+    AttnParams blocks = with(Dense(1, 16384, 16384, 8, 8, 128), 4);
+    const Plan fits = PlanForward(blocks, kH100Sms, true);
+    EXPECT_EQ(fits.kernel_family, KernelFamily::kSm90);
+    EXPECT_EQ(fits.tile_kind, TileKind::kPrefill);
+    EXPECT_EQ(cuda::Sm90BlockMaskFits(cuda::Sm90TileFor(128).block_n, 128, 128), true);
   }
   // A block mask shared by the heads keeps GQA packing.
   AttnParams shared = with(Dense(1, 1, 8192, 32, 8, 128), 4);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/paged_attn.h"
 #include "backend/paged_kv.h"
 #include "backend/params.h"
@@ -36,17 +37,6 @@ struct Sm90FwdLaunch {
 // rejects the shape.
 cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
-
-// True when the Hopper prefill kernel on a tile of block_n keys takes a
-// block mask of (block_q, block_k): its 128-row query tiles lie in one query
-// block (block_q a multiple of 128, as the contract has it), and its key
-// tiles in one key block (block_n divides block_k: tiles of 64 and 128 keys
-// always; D 192's 112 and the long-key tile's 192 almost never, so a
-// block-masked call takes kSm90TileTable's tile, and D 192 the portable
-// kernel).
-constexpr bool Sm90BlockMaskFits(int block_n, int block_q, int block_k) {
-  return block_n > 0 && block_q > 0 && block_q % 128 == 0 && block_k > 0 && block_k % block_n == 0;
-}
 
 // One instantiation (generated/*_sm90.cu): kHeadDim 64/128/192/256, T __half
 // or __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q
