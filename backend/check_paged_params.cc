@@ -9,14 +9,19 @@
 
 namespace attnserve {
 
-absl::Status CheckPagedParams(const PagedAttnParams& p) {
-  if (HasScoreMods(p.attn)) {
-    // A valid call this step has no kernel for: no paged kernel applies them.
+absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supported) {
+  const bool alibi = p.attn.alibi_slopes != nullptr && !supported.alibi_slopes;
+  const bool sinks = p.attn.sinks != nullptr && !supported.sinks;
+  if (alibi || sinks || p.attn.bias != nullptr || p.attn.mask != nullptr || HasBlockMask(p.attn)) {
+    // A call this backend's paged kernels cannot run: a bias, element mask or
+    // block mask has no paged form (their layouts count a call's own keys;
+    // attend_pages is the paged sparsity), per-head mods may lack a kernel.
     return absl::UnimplementedError(absl::StrCat(
-        "paged params: alibi_slopes, sinks, bias, mask and the block mask (block_q) expected "
-        "unset on a paged call (no paged kernel applies score modifiers or masks yet), got",
-        p.attn.alibi_slopes != nullptr ? " alibi_slopes" : "",
-        p.attn.sinks != nullptr ? " sinks" : "", p.attn.bias != nullptr ? " bias" : "",
+        "paged params: ", supported.alibi_slopes ? "" : "alibi_slopes, ",
+        supported.sinks ? "" : "sinks, ",
+        "bias, mask and the block mask (block_q) expected unset on a paged call (this backend's "
+        "paged kernels do not apply them), got",
+        alibi ? " alibi_slopes" : "", sinks ? " sinks" : "", p.attn.bias != nullptr ? " bias" : "",
         p.attn.mask != nullptr ? " mask" : "",
         HasBlockMask(p.attn) ? absl::StrCat(" block_q ", p.attn.block_q) : ""));
   }

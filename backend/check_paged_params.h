@@ -9,6 +9,13 @@
 
 namespace attnserve {
 
+// The per-head score modifiers (params.h) a backend's paged kernels apply.
+// Defaulted to none so a backend that adds none keeps refusing them.
+struct PagedModSupport {
+  bool alibi_slopes = false;
+  bool sinks = false;
+};
+
 // OK, or INVALID_ARGUMENT naming the field, expected and actual values.
 // Checks CheckParams(p.attn) (varlen, cu_seqlens_k over the new rows), the
 // page geometry (page_size a power of two in [16, 256] matching page_shift,
@@ -16,8 +23,11 @@ namespace attnserve {
 // (>= its new rows, <= block_table_stride * page_size, seqlen_k its maximum)
 // and every page id that the launch reads, writes or copies (< the pages of
 // num_slabs slabs). Reads the block table rows the lengths cover (host memory).
-// UNIMPLEMENTED for score modifiers or masks (params.h's alibi_slopes, sinks,
-// bias, mask, block mask): valid, but no paged kernel applies them yet.
-absl::Status CheckPagedParams(const PagedAttnParams& p);
+// UNIMPLEMENTED for a bias, element mask or block mask (laid out over a call's
+// own keys, they have no paged form; attend_pages is the paged sparsity), and
+// for ALiBi slopes or sinks unless `supported` says the caller's paged kernels
+// apply them (the default: none, so a backend opts in).
+absl::Status CheckPagedParams(const PagedAttnParams& p,
+                              PagedModSupport supported = PagedModSupport());
 
 }  // namespace attnserve

@@ -17,7 +17,9 @@
 namespace attnserve {
 
 // True when `a` and `b` can run in one paged launch: the same pages (cache),
-// dtype, heads, head dim, options and whether LSE is wanted. Block tables of
+// dtype, heads, head dim, options, per-head score modifiers (ALiBi slopes and
+// sinks equal value for value, or both absent; the launch reads member 0's)
+// and whether LSE is wanted. Block tables of
 // different calls of one cache and layer never name the same page for writing
 // (the pool gives each sequence its own last page), so their appends do not
 // race; two calls on the same sequence and layer are never packed together

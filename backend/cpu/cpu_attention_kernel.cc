@@ -412,22 +412,30 @@ struct PagedKvRows {
   void LoadV(int j, int hk, float* dst) const { Load(p.pages.v_slabs, j, hk, dst); }
 };
 
-}  // namespace
-
-void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  const ContiguousKvRows kv{p, SeqStartK(p, b)};
+// The kernel for p's mods over any K/V row source: the plain loop unless
+// the call has score modifiers or masks.
+template <class KvRows>
+void RunTask(const AttnParams& p, int b, int h, int m_block, int sk, const KvRows& kv,
+             Scratch* scratch) {
   if (HasScoreMods(p)) {
-    AttentionTaskOver<true>(p, b, h, m_block, SeqLenK(p, b), kv, scratch);
+    AttentionTaskOver<true>(p, b, h, m_block, sk, kv, scratch);
   } else {
-    AttentionTaskOver<false>(p, b, h, m_block, SeqLenK(p, b), kv, scratch);
+    AttentionTaskOver<false>(p, b, h, m_block, sk, kv, scratch);
   }
 }
 
+}  // namespace
+
+void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+  RunTask(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
+}
+
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  // CheckPagedParams refuses score modifiers and masks on paged calls.
-  AttentionTaskOver<false>(p.attn, b, h, m_block, p.seqlens_k[b],
-                           PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride},
-                           scratch);
+  // sk is the whole sequence, so ALiBi's bottom-right diagonal counts the
+  // cached keys; CheckPagedParams leaves only the per-head mods (ALiBi,
+  // sinks), whose TaskMods never read a pair layout.
+  RunTask(p.attn, b, h, m_block, p.seqlens_k[b],
+          PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride}, scratch);
 }
 
 }  // namespace cpu

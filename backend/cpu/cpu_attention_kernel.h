@@ -104,8 +104,9 @@ void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scra
 
 // The same for sequence b of a paged launch (paged_kv.h): its keys are the
 // p.seqlens_k[b] tokens its block table names (new rows already appended),
-// read in place from the pages, with p.attn's q, o, lse and options (no score
-// modifiers or masks: CheckPagedParams refuses them).
+// read in place from the pages, with p.attn's q, o, lse, options and per-head
+// score modifiers (ALiBi over positions in the whole sequence, sinks); a bias,
+// element mask or block mask is refused by CheckPagedParams.
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch);
 
 }  // namespace cpu

@@ -78,7 +78,11 @@ void CpuBackend::FreeKvMemory(void* memory) { std::free(memory); }
 
 absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params) const {
   // Every valid launch runs here: the checks keep it inside the cache's pages.
-  RETURN_IF_ERROR(CheckPagedParams(params));
+  // The paged task applies the per-head score modifiers (ALiBi, sinks).
+  PagedModSupport mods;
+  mods.alibi_slopes = true;
+  mods.sinks = true;
+  RETURN_IF_ERROR(CheckPagedParams(params, mods));
   return Plan();
 }
 

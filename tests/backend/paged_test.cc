@@ -2,7 +2,8 @@
 // attend through deliberately fragmented, shuffled block tables must give the
 // contiguous kernel's output bit for bit and pass the float64 reference over
 // the whole context; PagedBatch packing (the default StartPagedForward) must
-// give what one launch gives; CheckPagedParams refuses bad tables.
+// give what one launch gives; CheckPagedParams refuses bad tables. ALiBi and
+// sinks (the per-head score modifiers) go through the same grid.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -268,6 +269,23 @@ std::vector<PagedTestCase> Grid() {
   TestCase append_only = decode;  // empty q everywhere
   append_only.seqlens_q = {0, 0, 0, 0};
   add(append_only, {1, 7, 40, 17}, true);
+  // The per-head score modifiers (gpt-oss: sinks; ALiBi models): ALiBi's
+  // distance counts the cached keys, so a wrong sk shows at once.
+  TestCase decode_mods = decode;
+  decode_mods.mods.alibi = true;
+  decode_mods.mods.sinks = true;
+  add(decode_mods, {1}, true);
+  TestCase prefill_mods = prefill;
+  prefill_mods.mods.alibi = true;
+  prefill_mods.mods.sinks = true;
+  add(prefill_mods, {33, 5, 64}, true);
+  TestCase window_mods = window;  // sinks alone, with windows and softcap
+  window_mods.mods.sinks = true;
+  add(window_mods, {33, 0, 10}, false);
+  TestCase alibi_only = attend_only;  // ALiBi alone, no new rows
+  alibi_only.mods.alibi = true;
+  alibi_only.mods.alibi_max_slope = 1.0f;
+  add(alibi_only, {0}, false);
   return grid;
 }
 
@@ -366,6 +384,130 @@ TEST(PagedTest, RandomCases) {
     ASSERT_TRUE(status.ok()) << status;
     EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse())) << tc.Name();
   }
+}
+
+// Random shapes with ALiBi and sinks: the reference over the whole context.
+TEST(PagedTest, RandomCasesWithPerHeadMods) {
+  std::mt19937 rng(7);
+  for (int iter = 0; iter < 8; ++iter) {
+    TestCase tc;
+    const DType dtypes[] = {DType::kFP16, DType::kBF16, DType::kFP32};
+    tc.dtype = dtypes[rng() % 3];
+    tc.num_heads_kv = 1 + int(rng() % 2);
+    tc.num_heads_q = tc.num_heads_kv * (1 + int(rng() % 3));
+    tc.head_dim = 8 * (1 + int(rng() % 8));
+    tc.causal = rng() % 2 == 0;
+    tc.mods.alibi = iter % 3 != 1;
+    tc.mods.sinks = iter % 3 != 0;
+    tc.seed = 300 + iter;
+    const int batch = 1 + int(rng() % 4);
+    std::vector<int> new_rows;
+    for (int b = 0; b < batch; ++b) {
+      const int len = int(rng() % 400);
+      const int added = len == 0 ? 0 : int(rng() % (len + 1));
+      tc.seqlens_k.push_back(len);
+      tc.seqlens_q.push_back(std::min(added, int(rng() % 5)));
+      new_rows.push_back(added);
+    }
+    HostBuffers buf(tc);
+    PagedCase paged(buf, 16 << (rng() % 5), new_rows, rng() % 2 == 0, rng());
+    BackendTimings t;
+    const absl::Status status = PlanAndPagedForward(Backend(), paged.params(), &t);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse())) << tc.Name();
+  }
+}
+
+// The check fails without the mods: a launch that dropped them is caught.
+TEST(PagedTest, ModsChangeTheOutput) {
+  TestCase tc;
+  tc.num_heads_q = 2;
+  tc.seqlens_q = {3};
+  tc.seqlens_k = {90};
+  tc.causal = true;
+  tc.mods.alibi = true;
+  tc.mods.sinks = true;
+  HostBuffers buf(tc);
+  PagedCase paged(buf, 16, {3}, false, 5);
+  PagedAttnParams p = paged.params();
+  p.attn.alibi_slopes = nullptr;
+  p.attn.sinks = nullptr;
+  ASSERT_TRUE(PlanAndPagedForward(Backend(), p, nullptr).ok());
+  EXPECT_FALSE(CheckOutput(buf, paged.o(), paged.lse()));
+}
+
+// Calls with different slopes or sinks never share a launch; equal values
+// (or both absent) may.
+TEST(PagedTest, PackingNeedsEqualPerHeadMods) {
+  TestCase tc;
+  tc.num_heads_q = 2;
+  tc.seqlens_q = {1, 1};
+  tc.seqlens_k = {20, 30};
+  tc.mods.sinks = true;
+  HostBuffers buf(tc);
+  PagedCase paged(buf, 16, {1}, false, 11);
+  auto a = paged.Slice(0, 1);
+  auto b = paged.Slice(1, 2);
+  EXPECT_TRUE(CanSharePagedLaunch(a->p, b->p));
+  std::vector<float> same(buf.params().sinks, buf.params().sinks + 2);
+  b->p.attn.sinks = same.data();
+  EXPECT_TRUE(CanSharePagedLaunch(a->p, b->p));
+  same[1] += 0.5f;
+  EXPECT_FALSE(CanSharePagedLaunch(a->p, b->p));
+  b->p.attn.sinks = nullptr;
+  EXPECT_FALSE(CanSharePagedLaunch(a->p, b->p));
+  a->p.attn.sinks = nullptr;
+  EXPECT_TRUE(CanSharePagedLaunch(a->p, b->p));
+  const std::vector<float> slopes = {0.5f, 0.25f}, other = {0.5f, 0.125f};
+  a->p.attn.alibi_slopes = slopes.data();
+  EXPECT_FALSE(CanSharePagedLaunch(a->p, b->p));
+  b->p.attn.alibi_slopes = other.data();
+  EXPECT_FALSE(CanSharePagedLaunch(a->p, b->p));
+  b->p.attn.alibi_slopes = slopes.data();
+  EXPECT_TRUE(CanSharePagedLaunch(a->p, b->p));
+}
+
+// A backend opts in to the per-head mods (the CPU backend does); without
+// PagedModSupport they stay UNIMPLEMENTED, and a bias, element mask or
+// block mask is refused on every paged call.
+TEST(PagedTest, ModSupportIsOptIn) {
+  TestCase tc;
+  tc.num_heads_q = 2;
+  tc.seqlens_q = {1};
+  tc.seqlens_k = {20};
+  tc.mods.alibi = true;
+  tc.mods.sinks = true;
+  HostBuffers buf(tc);
+  PagedCase paged(buf, 16, {1}, false, 13);
+  PagedAttnParams p = paged.params();
+  absl::Status s = CheckPagedParams(p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("got alibi_slopes sinks"), std::string::npos) << s;
+  PagedModSupport sinks_only;
+  sinks_only.sinks = true;
+  s = CheckPagedParams(p, sinks_only);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("got alibi_slopes"), std::string::npos) << s;
+  PagedModSupport both;
+  both.alibi_slopes = both.sinks = true;
+  EXPECT_TRUE(CheckPagedParams(p, both).ok());
+  EXPECT_TRUE(Backend().CanImplementPaged(p).ok());
+  const float bias = 0.0f;
+  const uint8_t mask = 1;
+  p.attn.bias = &bias;
+  s = Backend().CanImplementPaged(p).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("got bias"), std::string::npos) << s;
+  p.attn.bias = nullptr;
+  p.attn.mask = &mask;
+  s = Backend().CanImplementPaged(p).status();
+  EXPECT_NE(s.message().find("got mask"), std::string::npos) << s;
+  p.attn.mask = nullptr;
+  p.attn.block_q = 128;
+  s = Backend().CanImplementPaged(p).status();
+  EXPECT_NE(s.message().find("got block_q 128"), std::string::npos) << s;
+  // Checked before anything else: the pages are never touched.
+  EXPECT_EQ(PlanAndPagedForward(Backend(), p, nullptr).code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(PagedTest, RejectsBadTables) {
