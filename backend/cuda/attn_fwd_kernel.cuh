@@ -954,10 +954,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
       L);
 }
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
-          bool kIsBanded>
+          bool kIsBanded, bool kMods = false>
 __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
     PagedAttnFwdKernel(const __grid_constant__ PagedFwdLaunch L) {
-  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>>(L);
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, PagedRows<T>, kMods>(L);
 }
 
 // Launches `kernel` (either row source's, or the Hopper decode kernel's) with
@@ -987,6 +987,15 @@ cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t str
   constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   if constexpr (Rows::kPaged) {
+    if constexpr (kIsBanded) {
+      // ALiBi and sinks on a cache's pages (CanImplementPaged refuses the
+      // other mods): the same mods kernel over the paged row source.
+      if (HasScoreMods(launch.fwd.p)) {
+        return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
+                                                   kTile.num_warps, kTile.stages, T, true, true>,
+                                kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+      }
+    }
     return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
                                                kTile.num_warps, kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/check_paged_params.h"
+#include "backend/check_params.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_staging.h"
@@ -25,10 +26,12 @@ namespace {
 
 // Offsets of a paged launch's tensors in a slot's buffers, 256-byte aligned:
 // inputs (q | k_new | v_new | cu_q | cu_k | block table | seqlens | copy
-// src | copy dst), then outputs (o | lse).
+// src | copy dst | ALiBi slopes and sinks: the first member's, which every
+// member shares, CanSharePagedLaunch), then outputs (o | lse).
 struct PagedLayout {
   int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0,
           copy_dst = 0;
+  ScoreModArrays mods;
   int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
 
   explicit PagedLayout(const PagedBatch& batch) {
@@ -42,6 +45,7 @@ struct PagedLayout {
     seqlens = off.Take(batch.seqlens_bytes());
     copy_src = off.Take(batch.copies_bytes());
     copy_dst = off.Take(batch.copies_bytes());
+    mods = ScoreModArrays(batch.members().front()->attn, &off);
     inputs_end = off.end();
     o = off.Take(batch.q_bytes());
     lse = off.Take(batch.lse_bytes());
@@ -95,9 +99,25 @@ void CudaBackend::FreeKvMemory(void* memory) {
 }
 
 absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) const {
+  // The paged kernels apply ALiBi and sinks (per query head); a bias, an
+  // element mask or a block mask has no paged kernel here.
+  const AttnParams& a = p.attn;
+  if (a.bias != nullptr || a.mask != nullptr || HasBlockMask(a)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda: paged params: bias, mask and the block mask (block_q) expected unset on a paged "
+        "call (the paged kernels apply alibi_slopes and sinks only), got",
+        a.bias != nullptr ? " bias" : "", a.mask != nullptr ? " mask" : "",
+        HasBlockMask(a) ? absl::StrCat(" block_q ", a.block_q) : ""));
+  }
   // The launch's invariants (page geometry, lengths, every page id it reads,
   // writes or copies), then whether this build and device have its kernel.
-  RETURN_IF_ERROR(CheckPagedParams(p));
+  // CheckPagedParams may refuse every mod (backends without paged mods):
+  // it sees the call without its slopes and sinks, which CheckParams checks.
+  PagedAttnParams plain = p;
+  plain.attn.alibi_slopes = nullptr;
+  plain.attn.sinks = nullptr;
+  RETURN_IF_ERROR(CheckPagedParams(plain));
+  if (a.alibi_slopes != nullptr || a.sinks != nullptr) RETURN_IF_ERROR(CheckParams(a));
   if (p.attn.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
   return PlanFor(p.attn, cuda::KvRows::kPages);
 }
@@ -129,8 +149,18 @@ absl::Status CudaBackend::LaunchPagedKernels(const Plan& plan, const PagedAttnPa
 
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
     const Plan& plan, const PagedBatch& batch) {
+  // The gathered params point at the first member's slopes and sinks:
+  // staged beside the other inputs, then moved to the device buffer with them.
+  auto rebase = [this, &batch](const PagedAttnParams& staged, char* host, char* device) {
+    const PagedLayout layout(batch);
+    PagedAttnParams p = staged;
+    p.attn = layout.mods.Stage(staged.attn, host, [this](const std::vector<HostCopy>& c) {
+      CopyInParallel(c, gather_pool_.get());
+    });
+    return RebasePaged(p, host, device);
+  };
   return StartStaged<PagedLayout>(
-      batch, RebasePaged, [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
+      batch, rebase, [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
         // One member: its plan. Several were checked and planned one by one
         // and share everything but sizes (CanSharePagedLaunch), so the packed
         // launch only needs its own split and tile decision (PlanFor reads

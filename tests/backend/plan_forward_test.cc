@@ -384,6 +384,17 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
   AttnParams per_head = shared;
   per_head.block_per_head = true;
   EXPECT_EQ(PlanForward(per_head, kH100Sms, true).pack_gqa, 1);
+  // A cache's pages (ALiBi and sinks, the paged kernels' mods): the portable
+  // kernel, prefill and decode alike (neither Hopper kernel applies them to pages).
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which);
+    for (const AttnParams& a : {with(Dense(4, 1024, 1024, 8, 8, 128), which),
+                                with(Dense(1, 1, 8192, 32, 8, 128), which)}) {
+      const Plan p = PlanForward(a, kH100Sms, true, cuda::KvRows::kPages);
+      EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+      EXPECT_TRUE(p.banded);
+    }
+  }
   // Without mods nothing changes: unbanded prefill is not banded.
   EXPECT_FALSE(PlanForward(Dense(4, 1024, 1024, 8, 8, 128), kH100Sms).banded);
 }

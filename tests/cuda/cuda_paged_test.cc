@@ -9,7 +9,8 @@
 // not, and meets the reference instead) and pass DESIGN §4's tolerance
 // against the reference. Copy-on-write: sequence 0's
 // partial last page is copied to a fresh page before the append, and the
-// source page must stay untouched. Without a GPU every test is SKIPPED.
+// source page must stay untouched. ALiBi and sinks (the paged kernels' only
+// mods) run on the same grid. Without a GPU every test is SKIPPED.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,6 +49,7 @@ struct PagedCase {
   int page_size = 16;
   bool cow = false;          // copy sequence 0's partial last prefix page first
   bool two_members = false;  // the attending launch packs two calls (PagedBatch)
+  int min_splits = 1;        // the attending launch's plan must split at least this much
   std::string Name() const {
     std::string s = tc.Name() + "_new";
     for (int n : new_rows) s += "_" + std::to_string(n);
@@ -299,6 +301,11 @@ TEST_P(CudaPagedTest, MatchesContiguousAndReference) {
   } else {
     absl::StatusOr<Plan> plan = backend_->CanImplementPaged(step);
     ASSERT_TRUE(plan.ok()) << plan.status();
+    // Mods run on the portable kernel (the Hopper decode kernel has none).
+    if (full.alibi_slopes != nullptr || full.sinks != nullptr) {
+      EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
+    }
+    ASSERT_GE(plan->num_splits, pc.min_splits) << "the case must split its keys";
     absl::StatusOr<std::unique_ptr<PendingLaunch>> l =
         backend_->StartPagedForward(*plan, PagedBatch({&step}));
     ASSERT_TRUE(l.ok()) << l.status();
@@ -429,8 +436,45 @@ std::vector<PagedCase> PagedGrid() {
     g.push_back(Case(t, {1, 9}, {2000, 300}, {1, 9}, 8, 8, 256, ps()));
     g.push_back(Case(t, {1, 30}, {700, 90}, {1, 30}, 4, 2, 96, ps(), true));
   }
+  // ALiBi and sinks over pages: query i of sq at position sk - sq + i of the
+  // sequence's attended length (cache + new rows); sinks join split rows once
+  // (the decode tile's fused combine, the prefill tile's combine kernel).
+  auto mods = [](PagedCase c, bool alibi, bool sinks, int min_splits = 1) {
+    c.tc.mods.alibi = alibi;
+    c.tc.mods.sinks = sinks;
+    c.min_splits = min_splits;
+    return c;
+  };
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    g.push_back(mods(Case(t, {1}, {8192}, {1}, 32, 8, 128, 16), true, true, 2));
+    g.push_back(mods(Case(t, {1, 1, 1}, {4097, 300, 1}, {1, 1, 1}, 32, 8, 128, 64), false, true));
+    g.push_back(mods(Case(t, {4, 4}, {3000, 900}, {4, 4}, 16, 4, 128, 32, true), true, false));
+    g.push_back(mods(Case(t, {100, 37, 250}, {600, 37, 250}, {100, 37, 250}, 8, 2, 128, 128, true),
+                     true, true));
+    // Prefill tile over a long cache: split, combined by the combine kernel.
+    g.push_back(mods(Case(t, {64}, {8192}, {64}, 8, 8, 128, 256), true, true, 2));
+    // A sequence with no keys at all (LSE = its sink), and causal rows that
+    // see no key (sq > sk).
+    g.push_back(mods(Case(t, {3, 5}, {0, 300}, {0, 5}, 8, 2, 128, 16), true, true));
+    g.push_back(mods(Case(t, {20, 2}, {10, 40}, {10, 2}, 4, 4, 128, 16, true), true, true));
+    {
+      PagedCase c = mods(Case(t, {1, 50}, {6000, 700}, {1, 50}, 16, 4, 128, 64, true), true, true);
+      c.tc.window_left = 200;
+      c.tc.softcap = 5.0f;
+      g.push_back(c);
+    }
+    {
+      PagedCase c = mods(Case(t, {1, 1, 1, 1}, {1000, 37, 2000, 5}, {1, 1, 1, 1}, 32, 8, 128, 32),
+                         true, true);
+      c.cow = true;
+      c.two_members = true;
+      g.push_back(c);
+    }
+  }
   // FP32 (the SIMT path).
   g.push_back(Case(DType::kFP32, {1, 1}, {3000, 17}, {1, 1}, 8, 2, 128, 16));
+  g.push_back(
+      mods(Case(DType::kFP32, {1, 7}, {3000, 17}, {1, 7}, 8, 2, 128, 16, true), true, true));
   {
     PagedCase c = Case(DType::kFP32, {40, 0}, {300, 33}, {40, 2}, 4, 1, 64, 64, true);
     c.cow = true;
@@ -483,6 +527,67 @@ TEST(CudaPaged, PageIdOutsideTheCacheIsRejected) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   // CheckPagedParams names the flat index b * block_table_stride + i.
   EXPECT_NE(st.message().find("block_table[1]"), std::string::npos) << st;
+}
+
+// The paged kernels take ALiBi slopes and sinks only: a bias, an element
+// mask or a block mask is UNIMPLEMENTED naming the field; non-finite slopes
+// are INVALID_ARGUMENT (CheckParams), as on a contiguous call.
+TEST(CudaPaged, PagedModsAreAlibiAndSinksOnly) {
+  std::string why;
+  AttentionBackend* backend = SharedBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  TestCase tc;
+  tc.dtype = DType::kBF16;
+  tc.seqlens_q = {1};
+  tc.seqlens_k = {20};
+  tc.num_heads_q = 2;
+  tc.num_heads_kv = 1;
+  tc.head_dim = 128;
+  tc.mods.alibi = true;
+  tc.mods.sinks = true;
+  HostBuffers buf(tc);
+  DeviceCache cache(backend, 1, 1, 16, int64_t{128} * 2);
+  ASSERT_TRUE(cache.status().ok());
+  std::vector<int32_t> table = {0, 1};
+  std::vector<int32_t> len = {20};
+  PagedAttnParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.attn = buf.params();
+  p.pages = cache.pages();
+  p.block_table = table.data();
+  p.block_table_stride = 2;
+  p.seqlens_k = len.data();
+  const absl::StatusOr<Plan> ok = backend->CanImplementPaged(p);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->kernel_family, KernelFamily::kPortable);
+
+  const float bias[20] = {};
+  const uint8_t mask[20] = {};
+  const int32_t row_ptr[2] = {0, 1}, col_idx[1] = {0};
+  for (int which = 0; which < 3; ++which) {
+    PagedAttnParams m = p;
+    const char* field = "bias";
+    if (which == 0) {
+      m.attn.bias = bias;
+    } else if (which == 1) {
+      m.attn.mask = mask;
+      field = "mask";
+    } else {
+      m.attn.block_q = m.attn.block_k = 128;
+      m.attn.block_row_ptr = row_ptr;
+      m.attn.block_col_idx = col_idx;
+      field = "block_q";
+    }
+    const absl::StatusOr<Plan> st = backend->CanImplementPaged(m);
+    EXPECT_EQ(st.status().code(), absl::StatusCode::kUnimplemented) << st.status();
+    EXPECT_NE(st.status().message().find(field), std::string::npos) << st.status();
+  }
+  const float bad[2] = {0.5f, std::nanf("")};
+  PagedAttnParams nan_slopes = p;
+  nan_slopes.attn.alibi_slopes = bad;
+  const absl::StatusOr<Plan> st = backend->CanImplementPaged(nan_slopes);
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kInvalidArgument) << st.status();
+  EXPECT_NE(st.status().message().find("alibi_slopes"), std::string::npos) << st.status();
 }
 
 }  // namespace
