@@ -1,4 +1,4 @@
-"""transformers through attnserve with sinks, sliding windows and custom masks: eager's tokens (FP32, CPU).
+"""transformers through attnserve with sinks, sliding windows, custom masks: eager's tokens (FP32).
 
 Random weights from configs (nothing is downloaded), every attention call on
 the server, stateless (transformers' own cache holds K/V):
@@ -55,7 +55,8 @@ def recorded(server):
 
 def assert_same(want: torch.Tensor, got: torch.Tensor, want_logits: torch.Tensor,
                 got_logits: torch.Tensor) -> None:
-    assert torch.equal(want, got), f"tokens differ:\neager     {want.tolist()}\nattnserve {got.tolist()}"
+    assert torch.equal(want, got), (f"tokens differ:\neager     {want.tolist()}\n"
+                                    f"attnserve {got.tolist()}")
     gap = (want_logits - got_logits).abs().max().item()
     assert gap <= LOGIT_TOLERANCE, gap
 
@@ -124,7 +125,8 @@ def test_gpt_oss_kv_on_server_refuses_sinks(server, gpt_oss_eager):
     try:
         ours = gpt_oss_attnserve(reference)
         with ServerCache(client, ours.config, max_tokens=64) as cache:
-            with pytest.raises(NotImplementedError, match=r"sinks \(s_aux\) with K/V on the server"):
+            with pytest.raises(NotImplementedError,
+                               match=r"sinks \(s_aux\) with K/V on the server"):
                 hf_compare.greedy(ours, ids, mask, 2, past_key_values=cache)
             assert cache.cache.stats().tokens == 0
     finally:
