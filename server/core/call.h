@@ -147,6 +147,8 @@ struct KvCall {
   std::vector<KvStepRequest> steps;
   TensorView q, k, v;  // packed rows: [Tq, Hq, D], [Tk, Hkv, D]
   StatedOptions options;
+  // ALiBi slopes and sinks apply; a bias or mask of either kind is refused.
+  ScoreModsView mods;
   int64_t request_bytes = 0;
   // False: the steps append at whatever length the calls before them left
   // (a protocol without the retry guard); expected_length is ignored.

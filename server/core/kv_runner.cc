@@ -9,6 +9,7 @@
 #include "server/auth/tenants.h"
 #include "server/core/call_log.h"
 #include "server/core/validate_attend_pages.h"
+#include "server/core/validate_mods.h"
 #include "server/in_flight.h"
 #include "spdlog/spdlog.h"
 
@@ -28,14 +29,18 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   }
   c->dtype = g.dtype;
   c->num_heads_kv = g.num_heads_kv;
-  // An absent q (no queries) has no heads to read: any multiple of Hkv serves.
-  c->num_heads_q =
-      call.q.shape.size() == 3 ? static_cast<int32_t>(call.q.shape[1]) : g.num_heads_kv;
+  // An absent q (no queries) has no heads to read: any multiple of Hkv
+  // serves, the per-head lists' length when sent (the backend checks them).
+  c->num_heads_q = static_cast<int32_t>(KvCallHeadsQ(call, g.num_heads_kv));
   c->head_dim = g.head_dim;
   c->options = ToAttnOptions(call.options);
   c->inputs.q = call.q.bytes.data();
   c->inputs.k = call.k.bytes.data();
   c->inputs.v = call.v.bytes.data();
+  // The per-head score modifiers (ValidateKvCall refused every other one).
+  if (call.mods.alibi_slopes.has_value())
+    c->inputs.mods.alibi_slopes = call.mods.alibi_slopes->data();
+  if (call.mods.sinks.has_value()) c->inputs.mods.sinks = call.mods.sinks->data();
   c->return_lse = call.options.return_lse;
   c->names = &names;
   c->received = call.meta.received;

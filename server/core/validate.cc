@@ -412,7 +412,8 @@ absl::Status ValidateKvCall(const KvCall& c, const KvGeometry& g, const RequestL
   RETURN_IF_ERROR(CheckRows(n.k, c.k, g, total_new, g.num_heads_kv, 1, n));
   RETURN_IF_ERROR(CheckRows(n.v, c.v, g, total_new, g.num_heads_kv, 1, n));
   // A cache's dtype is never FP8 (server/kv), so descales are refused here.
-  return ValidateOptions(c.options, g.head_dim, static_cast<int>(g.dtype), n);
+  RETURN_IF_ERROR(ValidateOptions(c.options, g.head_dim, static_cast<int>(g.dtype), n));
+  return ValidateKvScoreMods(c, g.num_heads_kv, n);
 }
 
 AttnOptions ToAttnOptions(const StatedOptions& o) {

@@ -18,9 +18,9 @@ namespace {
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
 // Hq finite values (ALiBi slopes, sink logits).
-absl::Status CheckPerHead(const char* name, absl::Span<const float> values, const AttnParams& p) {
-  if (static_cast<int64_t>(values.size()) != p.num_heads_q) {
-    return Invalid(absl::StrCat(name, ": expected Hq = ", p.num_heads_q,
+absl::Status CheckPerHead(const char* name, absl::Span<const float> values, int64_t num_heads_q) {
+  if (static_cast<int64_t>(values.size()) != num_heads_q) {
+    return Invalid(absl::StrCat(name, ": expected Hq = ", num_heads_q,
                                 " values (one per query head), got ", values.size()));
   }
   for (size_t i = 0; i < values.size(); ++i) {
@@ -239,17 +239,68 @@ absl::StatusOr<AttnMods> ValidateScoreMods(const ScoreModsView& mods, const Attn
                                            const FieldNames& n) {
   AttnMods out;
   if (mods.alibi_slopes.has_value()) {
-    RETURN_IF_ERROR(CheckPerHead(n.alibi_slopes, *mods.alibi_slopes, p));
+    RETURN_IF_ERROR(CheckPerHead(n.alibi_slopes, *mods.alibi_slopes, p.num_heads_q));
     out.alibi_slopes = mods.alibi_slopes->data();
   }
   if (mods.sinks.has_value()) {
-    RETURN_IF_ERROR(CheckPerHead(n.sinks, *mods.sinks, p));
+    RETURN_IF_ERROR(CheckPerHead(n.sinks, *mods.sinks, p.num_heads_q));
     out.sinks = mods.sinks->data();
   }
   if (!mods.bias.absent) RETURN_IF_ERROR(CheckBias(mods.bias, p, n, &out));
   if (!mods.mask.absent) RETURN_IF_ERROR(CheckMask(mods.mask, p, n, &out));
   if (mods.block_mask.present) RETURN_IF_ERROR(CheckBlockMask(mods.block_mask, p, n, &out));
   return out;
+}
+
+int64_t KvCallHeadsQ(const KvCall& c, int64_t num_heads_kv) {
+  if (c.q.shape.size() == 3) return c.q.shape[1];
+  if (c.mods.alibi_slopes.has_value()) return static_cast<int64_t>(c.mods.alibi_slopes->size());
+  if (c.mods.sinks.has_value()) return static_cast<int64_t>(c.mods.sinks->size());
+  return num_heads_kv;
+}
+
+absl::Status ValidateKvScoreMods(const KvCall& c, int64_t num_heads_kv, const FieldNames& n) {
+  const ScoreModsView& mods = c.mods;
+  // Laid out over a call's own keys, they mean nothing for keys that live in
+  // the cache; attend_pages is the K/V path's sparsity.
+  const char* unsupported = !mods.bias.absent         ? n.bias
+                            : !mods.mask.absent       ? n.mask
+                            : mods.block_mask.present ? n.block_q
+                                                      : nullptr;
+  if (unsupported != nullptr) {
+    std::string name(unsupported);
+    if (unsupported == n.block_q) {
+      // The whole block mask, not its block_q ("options.block_mask").
+      const size_t dot = name.rfind('.');
+      if (dot != std::string::npos && name.compare(dot, std::string::npos, ".block_q") == 0) {
+        name.resize(dot);
+      }
+    }
+    return Invalid(absl::StrCat(
+        name, ": not supported on K/V calls; use attend_pages for page-level sparsity"));
+  }
+  const int64_t heads = KvCallHeadsQ(c, num_heads_kv);
+  if (c.q.shape.size() != 3 && (heads <= 0 || heads % num_heads_kv != 0)) {
+    // No q to take Hq from: the lists say it, and it must be one a q could have.
+    const char* name = mods.alibi_slopes.has_value() ? n.alibi_slopes : n.sinks;
+    return Invalid(absl::StrCat(name, ": expected Hq values, Hq a positive multiple of Hkv = ",
+                                num_heads_kv, " (the call has no q to take Hq from), got ", heads));
+  }
+  if (mods.alibi_slopes.has_value()) {
+    RETURN_IF_ERROR(CheckPerHead(n.alibi_slopes, *mods.alibi_slopes, heads));
+    for (size_t i = 0; i < c.steps.size(); ++i) {
+      if (c.steps[i].attend_pages.empty()) continue;
+      // The compacted keys' positions are not the sequence's: ALiBi's
+      // distances would be wrong (sinks count no positions and may stay).
+      return Invalid(
+          absl::StrCat(n.alibi_slopes,
+                       ": not supported together with attend_pages (ALiBi's distances count "
+                       "positions in the whole sequence, which the left-out pages would shift); ",
+                       n.step(static_cast<int>(i), "attend_pages"), " is set"));
+    }
+  }
+  if (mods.sinks.has_value()) RETURN_IF_ERROR(CheckPerHead(n.sinks, *mods.sinks, heads));
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve

@@ -21,4 +21,17 @@ namespace attnserve {
 absl::StatusOr<AttnMods> ValidateScoreMods(const ScoreModsView& mods, const AttnParams& p,
                                            const FieldNames& names);
 
+// Hq of a K/V call: q's heads; a call without q (no queries) takes it from
+// its ALiBi slopes or sinks when it sends them (ValidateKvScoreMods checks
+// that it is a multiple of Hkv), else Hkv.
+int64_t KvCallHeadsQ(const KvCall& call, int64_t num_heads_kv);
+
+// The score modifiers of a K/V call (shapes already valid): ALiBi slopes and
+// sinks, Hq finite values each (KvCallHeadsQ); ALiBi not with any step's
+// attend_pages (the compacted keys' positions are not the sequence's); a
+// bias, element mask or block mask refused, naming the field
+// ("not supported on K/V calls; use attend_pages for page-level sparsity").
+// INVALID_ARGUMENT naming the first bad field.
+absl::Status ValidateKvScoreMods(const KvCall& call, int64_t num_heads_kv, const FieldNames& names);
+
 }  // namespace attnserve

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
+#include <iterator>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/cache_id_header.h"
@@ -27,7 +30,16 @@
 namespace attnserve {
 namespace {
 
-constexpr const char* kInputs[] = {"q", "k", "v"};
+// q, k, v; then the optional per-head score modifiers (FP32 [Hq] each).
+constexpr const char* kInputs[] = {"q", "k", "v", "alibi_slopes", "sinks"};
+constexpr size_t kNumTensorInputs = 3;
+// The `attention` model's masks and bias: laid out over a call's own keys,
+// they have no K/V form, and are refused by name.
+constexpr const char* kRefusedInputs[] = {"bias", "mask", "block_row_ptr", "block_col_idx"};
+constexpr const char* kRefusedParameters[] = {"block_q", "block_k", "block_num_batch",
+                                              "block_num_heads"};
+constexpr char kNoKvMasks[] =
+    ": not supported on K/V calls; use attend_pages for page-level sparsity";
 constexpr char kControlNames[] =
     "cache_id, layer, sequence_id, sequence_start, sequence_end, expected_length, fork_from, "
     "fork_length, attend_pages";
@@ -62,6 +74,27 @@ absl::StatusOr<std::vector<int32_t>> ParseAttendPages(const std::string& where,
   return pages;
 }
 
+// A [Hq] FP32 input -> its values.
+absl::Status FillPerHead(const inference::ModelInferRequest::InferInputTensor& input,
+                         const std::string& bytes, std::vector<float>* out) {
+  const std::string where = absl::StrCat("inputs['", input.name(), "']");
+  if (input.datatype() != "FP32") {
+    return Invalid(absl::StrCat(where, ".datatype: expected FP32, got \"", input.datatype(), "\""));
+  }
+  if (input.shape_size() != 1 || input.shape(0) < 0) {
+    return Invalid(absl::StrCat(where, ".shape: expected [Hq], got [",
+                                absl::StrJoin(input.shape(), ","), "]"));
+  }
+  const int64_t count = input.shape(0);
+  if (static_cast<int64_t>(bytes.size()) != count * 4) {
+    return Invalid(absl::StrCat(where, ": expected ", count * 4, " bytes (shape [", count,
+                                "] of FP32), got ", bytes.size()));
+  }
+  out->resize(static_cast<size_t>(count));
+  if (count > 0) std::memcpy(out->data(), bytes.data(), bytes.size());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // One request in flight.
@@ -77,8 +110,9 @@ struct AttentionKvModel::Call {
   bool check_lengths = false;
   std::optional<uint64_t> fork_from;
   std::optional<int32_t> fork_length;
-  std::vector<int32_t> attend_pages;  // append.steps[0] views it
-  bool created = false;               // this call's sequence_start created the sequence
+  std::vector<int32_t> attend_pages;       // append.steps[0] views it
+  std::vector<float> alibi_slopes, sinks;  // append.mods views them
+  bool created = false;                    // this call's sequence_start created the sequence
 };
 
 AttentionKvModel::AttentionKvModel(KvRunner* runner, const ShmRegistry* shm,
@@ -94,7 +128,11 @@ void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const
   out->set_name(name_);
   out->add_versions(kModelVersion);
   out->set_platform("attnserve");
-  for (const char* n : kInputs) AddTensorMetadata(n, type, 3, out->mutable_inputs());
+  for (size_t i = 0; i < kNumTensorInputs; ++i) {
+    AddTensorMetadata(kInputs[i], type, 3, out->mutable_inputs());
+  }
+  AddTensorMetadata("alibi_slopes", "FP32", 1, out->mutable_inputs());
+  AddTensorMetadata("sinks", "FP32", 1, out->mutable_inputs());
   AddTensorMetadata("o", type, 3, out->mutable_outputs());
   AddTensorMetadata("lse", "FP32", 2, out->mutable_outputs());
 }
@@ -105,7 +143,9 @@ void AttentionKvModel::FillConfig(inference::ModelConfig* out) const {
   out->set_backend("attnserve");
   out->set_max_batch_size(0);  // one sequence per request; its rows are the first dimension
   const inference::DataType type = ConfigType(info_.advertised);
-  for (const char* n : kInputs) AddConfigInput(n, type, 3, false, out);
+  for (size_t i = 0; i < kNumTensorInputs; ++i) AddConfigInput(kInputs[i], type, 3, false, out);
+  AddConfigInput("alibi_slopes", inference::TYPE_FP32, 1, true, out);
+  AddConfigInput("sinks", inference::TYPE_FP32, 1, true, out);
   AddConfigOutput("o", type, 3, out);
   AddConfigOutput("lse", inference::TYPE_FP32, 2, out);
   // Stateful: tools that read the config (perf_analyzer) then send
@@ -140,7 +180,10 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
     if (!option.ok()) return option.status();
     if (*option || IsProtocolParameter(name)) continue;
     absl::Status status;
-    if (name == "cache_id") {
+    if (std::find(std::begin(kRefusedParameters), std::end(kRefusedParameters), name) !=
+        std::end(kRefusedParameters)) {
+      status = Invalid(absl::StrCat(where, " (the block mask)", kNoKvMasks));
+    } else if (name == "cache_id") {
       absl::StatusOr<std::string> v = StringParameter(where, p);
       status = v.status();
       if (v.ok()) cache_param = *v;
@@ -215,8 +258,27 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
                                 c->cache->geometry().num_layers, ")"));
   }
 
+  for (const auto& input : request.inputs()) {
+    if (std::find(std::begin(kRefusedInputs), std::end(kRefusedInputs), input.name()) !=
+        std::end(kRefusedInputs)) {
+      return Invalid(absl::StrCat("inputs['", input.name(), "']", kNoKvMasks));
+    }
+  }
   absl::StatusOr<std::vector<int>> index_of = IndexInputs(request, name_, kInputs);
   if (!index_of.ok()) return index_of.status();
+  std::vector<float>* lists[] = {&c->alibi_slopes, &c->sinks};
+  std::optional<absl::Span<const float>>* views[] = {&append.mods.alibi_slopes, &append.mods.sinks};
+  for (size_t i = 0; i < 2; ++i) {
+    const int index = (*index_of)[kNumTensorInputs + i];
+    if (index < 0) continue;
+    ASSIGN_OR_RETURN(const std::string bytes, TakeInputBytes(source, index));
+    // Bytes read from a region were not in the message.
+    if (request.inputs(index).parameters().count("shared_memory_region") > 0) {
+      append.request_bytes += static_cast<int64_t>(bytes.size());
+    }
+    RETURN_IF_ERROR(FillPerHead(request.inputs(index), bytes, lists[i]));
+    *views[i] = absl::MakeConstSpan(*lists[i]);
+  }
   TensorView* tensors[] = {&append.q, &append.k, &append.v};
   for (int which = 0; which < 3; ++which) {
     if ((*index_of)[which] < 0) {

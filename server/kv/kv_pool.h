@@ -74,7 +74,9 @@ struct KvAppendAttend {
   std::vector<KvStep> steps;
   // What the front-end decoded: the call's dtype, heads and head dim (the
   // cache's, and q's Hq), its options, and host pointers to the request's q,
-  // k and v rows (the pool binds o and lse).
+  // k and v rows and its per-head score modifiers (inputs.mods: ALiBi slopes
+  // and sinks, [Hq] each, carried into the launch's params; the pool binds o
+  // and lse).
   DType dtype = DType::kFP16;
   int32_t num_heads_q = 0;
   int32_t num_heads_kv = 0;

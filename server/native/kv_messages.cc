@@ -49,6 +49,8 @@ KvCall KvCallOf(const v1::AppendAttendRequest& r, CallMeta meta) {
   call.k = ViewOf(r.k());
   call.v = ViewOf(r.v());
   call.options = OptionsOf(r.options());
+  // Every option field reaches the checks: those K/V calls refuse are named.
+  call.mods = ModsOf(r.options());
   call.request_bytes = static_cast<int64_t>(r.ByteSizeLong());
   return call;
 }
