@@ -128,11 +128,12 @@ void AttentionKvModel::FillMetadata(inference::ModelMetadataResponse* out) const
   out->set_name(name_);
   out->add_versions(kModelVersion);
   out->set_platform("attnserve");
+  // q, k and v only: alibi_slopes and sinks are accepted but not listed,
+  // since perf_analyzer refuses shared memory for a model with optional
+  // inputs and its sequence mode drives this model with it.
   for (size_t i = 0; i < kNumTensorInputs; ++i) {
     AddTensorMetadata(kInputs[i], type, 3, out->mutable_inputs());
   }
-  AddTensorMetadata("alibi_slopes", "FP32", 1, out->mutable_inputs());
-  AddTensorMetadata("sinks", "FP32", 1, out->mutable_inputs());
   AddTensorMetadata("o", type, 3, out->mutable_outputs());
   AddTensorMetadata("lse", "FP32", 2, out->mutable_outputs());
 }
@@ -143,9 +144,8 @@ void AttentionKvModel::FillConfig(inference::ModelConfig* out) const {
   out->set_backend("attnserve");
   out->set_max_batch_size(0);  // one sequence per request; its rows are the first dimension
   const inference::DataType type = ConfigType(info_.advertised);
+  // As the metadata: the optional per-head inputs are not listed.
   for (size_t i = 0; i < kNumTensorInputs; ++i) AddConfigInput(kInputs[i], type, 3, false, out);
-  AddConfigInput("alibi_slopes", inference::TYPE_FP32, 1, true, out);
-  AddConfigInput("sinks", inference::TYPE_FP32, 1, true, out);
   AddConfigOutput("o", type, 3, out);
   AddConfigOutput("lse", inference::TYPE_FP32, 2, out);
   // Stateful: tools that read the config (perf_analyzer) then send

@@ -15,9 +15,10 @@
 //     comma-separated page indices ("0,3,7"), as the native attend_pages;
 //   - inputs q [Tq, Hq, D], k and v [Tk, Hkv, D] (the new tokens; zero rows
 //     allowed), optional FP32 alibi_slopes and sinks [Hq] (as `attention`'s;
-//     ALiBi not with attend_pages), outputs o [Tq, Hq, D] and lse [Hq, Tq],
-//     attention options as for `attention`; `attention`'s bias, mask and
-//     block mask are refused (attend_pages is the K/V sparsity).
+//     ALiBi not with attend_pages; accepted but not listed in the metadata
+//     or config, which perf_analyzer's shared memory needs), outputs o [Tq, Hq, D] and lse [Hq,
+//     Tq], attention options as for `attention`; `attention`'s bias, mask and block mask are
+//     refused (attend_pages is the K/V sparsity).
 // Each request becomes one core KvCall and runs through the KvRunner: the
 // same checks (named in v2 words), limits, pool, ordering and metrics as the
 // native AppendAttend. docs/kserve.md has the mapping.
