@@ -287,11 +287,12 @@ TEST(ScoreModsCpuEdgeTest, HugeSinks) {
   EXPECT_TRUE(CheckOutput(buf));
 }
 
-// Paged calls with mods are refused before anything runs.
+// Paged calls with a bias (or mask, or block mask) are refused before
+// anything runs; ALiBi and sinks run there (paged_test).
 TEST(ScoreModsCpuEdgeTest, PagedRefused) {
-  const float sink = 1.0f;
+  const float bias = 1.0f;
   PagedAttnParams p{};
-  p.attn.sinks = &sink;
+  p.attn.bias = &bias;
   EXPECT_EQ(Backend().CanImplementPaged(p).status().code(), absl::StatusCode::kUnimplemented);
 }
 
