@@ -982,33 +982,39 @@ cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, int smem, co
   return cudaGetLastError();
 }
 
+// The mods kernel (kMods, banded policy) of `kKind`'s tile for either row
+// source. Score modifiers and masks run in the banded instantiation only
+// (PlanForward marks such calls banded); on pages only ALiBi and sinks
+// (CanImplementPaged refuses the other mods).
+template <int kHeadDim, typename T, TileKind kKind, typename Rows>
+cudaError_t RunAttnFwdModsTile(const typename Rows::Launch& launch, cudaStream_t stream) {
+  constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
+  static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
+  if constexpr (Rows::kPaged) {
+    return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
+                                               kTile.num_warps, kTile.stages, T, true, true>,
+                            kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+  } else {
+    return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
+                                          kTile.stages, T, true, true>,
+                            kTile, SmemBytes(kTile), launch, launch, stream);
+  }
+}
+
 template <int kHeadDim, typename T, bool kIsBanded, TileKind kKind, typename Rows>
 cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
-  if constexpr (Rows::kPaged) {
-    if constexpr (kIsBanded) {
-      // ALiBi and sinks on a cache's pages (CanImplementPaged refuses the
-      // other mods): the same mods kernel over the paged row source.
-      if (HasScoreMods(launch.fwd.p)) {
-        return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
-                                                   kTile.num_warps, kTile.stages, T, true, true>,
-                                kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
-      }
+  if constexpr (kIsBanded) {
+    if (HasScoreMods(Rows::Fwd(launch).p)) {
+      return RunAttnFwdModsTile<kHeadDim, T, kKind, Rows>(launch, stream);
     }
+  }
+  if constexpr (Rows::kPaged) {
     return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
                                                kTile.num_warps, kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
   } else {
-    if constexpr (kIsBanded) {
-      // Score modifiers and masks run in the banded instantiation only
-      // (PlanForward marks such calls banded), as a kernel of their own.
-      if (HasScoreMods(launch.p)) {
-        return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
-                                              kTile.num_warps, kTile.stages, T, true, true>,
-                                kTile, SmemBytes(kTile), launch, launch, stream);
-      }
-    }
     return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
                                           kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
@@ -1037,7 +1043,11 @@ cudaError_t RunAttnFwdRows(const typename Rows::Launch& launch, cudaStream_t str
   }
   if (tile_kind != TileKind::kPrefill) return cudaErrorInvalidValue;
   if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
-    return cudaErrorInvalidValue;  // PlanForward gives these banded requests TileKind::kBanded
+    // PlanForward gives a real band TileKind::kBanded; mods without one keep
+    // the prefill tile (its mods kernel only: no plain banded kernel on it).
+    const AttnParams& p = Rows::Fwd(launch).p;
+    if (IsBanded(p) || !HasScoreMods(p)) return cudaErrorInvalidValue;
+    return RunAttnFwdModsTile<kHeadDim, T, TileKind::kPrefill, Rows>(launch, stream);
   } else {
     return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kPrefill, Rows>(launch, stream);
   }

@@ -165,7 +165,12 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   // serves mods with or without a band and the plain kernels stay as they are.
   const bool mods = HasScoreMods(p);
   plan.banded = IsBanded(p) || mods;
-  if (plan.banded && TileFor(TileKind::kBanded, plan.kernel_head_dim).head_dim != 0) {
+  // The banded tile is for a real band and for a bias or element mask (its
+  // narrower score tile loads them with fewer registers live); ALiBi, sinks
+  // and block masks without a band keep the prefill tile, whose wider key
+  // tile re-reads Q fragments half as often.
+  const bool banded_tile = IsBanded(p) || p.bias != nullptr || p.mask != nullptr;
+  if (banded_tile && TileFor(TileKind::kBanded, plan.kernel_head_dim).head_dim != 0) {
     plan.tile_kind = TileKind::kBanded;
   }
   const int group = p.num_heads_q / std::max(p.num_heads_kv, 1);

@@ -32,17 +32,33 @@ __device__ __forceinline__ int FragmentRow(int row0, int r) {
 // block_k being a multiple of every tile's block_n): the rightmost kept
 // block's `first` tiles ending at first_end, then per_block tiles of each
 // kept block to its left (the leftmost one cut off by the scan's count).
+// The scan asks for positions in order (each block's index one step left of
+// the last one's), so At keeps its block's column and has the next one's
+// load in flight: no dependent global load per tile, and a shift instead of
+// a division where per_block is a power of two.
 struct KeyTileOrder {
   const int32_t* cols = nullptr;  // the row's kept key blocks (null: no block mask)
   int last = 0;                   // index in cols of the rightmost kept block in the band
   int first = 0;                  // its tiles in the band
   int first_end = 0;              // one past its last tile in the band
   int per_block = 1;              // key tiles per key block
+  int per_shift = 0;              // log2(per_block) when a power of two, else -1
+  int cur = -1;                   // index in cols of the block At last looked up
+  int cur_col = 0;                // its column
+  int next_col = 0;               // cols[cur - 1], loaded ahead
 
-  __device__ __forceinline__ int At(int t) const {
+  __device__ __forceinline__ int At(int t) {
     if (t < first) return first_end - 1 - t;
     t -= first;
-    return (__ldg(cols + last - 1 - t / per_block) + 1) * per_block - 1 - t % per_block;
+    const int q = per_shift >= 0 ? t >> per_shift : t / per_block;
+    const int k = last - 1 - q;
+    if (k != cur) {
+      cur_col = k == cur - 1 ? next_col : __ldg(cols + k);
+      // cols[k - 1] lies in the array for k > 0 (maybe another row's: unused then).
+      next_col = k > 0 ? __ldg(cols + k - 1) : 0;
+      cur = k;
+    }
+    return (cur_col + 1) * per_block - 1 - (t - q * per_block);
   }
 };
 
@@ -65,6 +81,7 @@ __device__ __forceinline__ int BlockMaskTiles(const AttnParams& p, int b, int he
   const int per = p.block_k / kBlockN;
   order->cols = p.block_col_idx;
   order->per_block = per;
+  order->per_shift = (per & (per - 1)) == 0 ? __ffs(per) - 1 : -1;
   order->first = 0;
   int count = 0;
   bool found = false;

@@ -312,9 +312,9 @@ TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
 }
 
 // Score modifiers and masks: the portable kernel's banded instantiation
-// (its kMods kernel), never the Hopper family; no GQA packing under a
-// per-head block mask (a CTA follows one CSR row); split-KV as without them.
-// Only the fields' presence matters here, so the pointers are dummies.
+// (its kMods kernel; the banded tile with a band, a bias or an element mask); no GQA packing under
+// a per-head block mask (a CTA follows one CSR row); split-KV as without them. Only the fields'
+// presence matters here, so the pointers are dummies.
 TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
   const float dummy = 0.f;
   const int32_t dummy_i = 0;
@@ -341,11 +341,19 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     Plan p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, true);
     EXPECT_EQ(p.kernel_family, hopper ? KernelFamily::kSm90 : KernelFamily::kPortable);
     EXPECT_TRUE(p.banded);
-    EXPECT_EQ(p.tile_kind, hopper ? TileKind::kPrefill : TileKind::kBanded);
+    // A bias or element mask takes the banded tile (fewer registers live
+    // while loading them), the others the prefill tile.
+    const TileKind portable_tile =
+        which == 2 || which == 3 ? TileKind::kBanded : TileKind::kPrefill;
+    EXPECT_EQ(p.tile_kind, hopper ? TileKind::kPrefill : portable_tile);
     EXPECT_EQ(p.num_splits, 1);
-    // Without the Hopper family: the portable banded tile for every kind.
+    // Without the Hopper family: the portable banded instantiation for every
+    // kind; the banded tile with a band.
     p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, false);
     EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
+    EXPECT_TRUE(p.banded);
+    EXPECT_EQ(p.tile_kind, portable_tile);
+    p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128, true), which), kH100Sms, false);
     EXPECT_EQ(p.tile_kind, TileKind::kBanded);
     // Decode: the portable decode tile, GQA packed, split like a plain call.
     p = PlanForward(with(Dense(1, 1, 8192, 32, 8, 128), which), kH100Sms, true);
