@@ -351,6 +351,8 @@ int main(int argc, char** argv) {
   void* flush = nullptr;
   if (cudaMalloc(&flush, 256 << 20) != cudaSuccess) return 1;
   int failed = 0, done = 0;
+  const size_t runs = (impls.find("ours") != std::string::npos ? 1 : 0) +
+                      (impls.find("portable") != std::string::npos ? 1 : 0);
   for (const Case& c : cases) {
     for (const char* impl : {"ours", "portable"}) {
       if (impls.find(impl) == std::string::npos) continue;
@@ -380,7 +382,7 @@ int main(int argc, char** argv) {
                    impl, kernel.c_str(), t, plain, t / plain, bound, tbps, err);
       std::fflush(csv);
       if (index != nullptr && sm90 && c.pattern != "dense") WriteMask(mask_dir, c, m.csr, index);
-      std::fprintf(stderr, "mask_bench: %d/%zu cases\r", ++done, cases.size());
+      std::fprintf(stderr, "mask_bench: %d/%zu runs\r", ++done, cases.size() * runs);
     }
   }
   std::fprintf(stderr, "\nmask_bench: %d failed\n", failed);

@@ -63,6 +63,9 @@ def block_mask_of(row_ptr, col_idx, b, heads, h, n, block=128):
 def flex_rows(mask_dir, flush, writer):
     from torch.nn.attention.flex_attention import flex_attention
 
+    # One compile per (shape, mask pattern); past dynamo's default of 8
+    # recompiles flex_attention would fall back to its materialising eager path.
+    torch._dynamo.config.cache_size_limit = 64
     flex = torch.compile(flex_attention, dynamic=False)
     with open(os.path.join(mask_dir, "index.csv")) as f:
         entries = list(csv.DictReader(f))
@@ -78,7 +81,12 @@ def flex_rows(mask_dir, flush, writer):
         ci = np.fromfile(os.path.join(mask_dir, e["name"] + ".col_idx.bin"), dtype=np.int32)
         heads = h if e["per_head"] == "1" else 1
         bm = block_mask_of(rp, ci, b, heads, h, n)
-        ms = timed(lambda: flex(q, k, v, block_mask=bm), flush)
+        try:
+            ms = timed(lambda: flex(q, k, v, block_mask=bm), flush)
+        except Exception as err:  # a row that cannot run is reported, the rest go on
+            print(f"flex {e['name']}: failed: {type(err).__name__}: {err}"[:400], file=sys.stderr)
+            torch.cuda.empty_cache()
+            continue
         writer.writerow(["flex", "sparse", e["pattern"], "none", d, b, h, n, e["s"], f"{ms:.4f}", f"kept={e['kept']}"])
         print(f"flex {e['name']}: {ms:.3f} ms", file=sys.stderr)
 
