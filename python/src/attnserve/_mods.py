@@ -1,5 +1,6 @@
 """forward()'s score modifiers and masks (alibi_slopes, sinks, bias, mask, block_mask) into
-a request's AttentionOptions, checked against the call's shapes first.
+a request's AttentionOptions, checked against the call's shapes first; and the K/V API's
+(append_attend's alibi_slopes, sinks and per-sequence attend_pages).
 
 The checks are the ones the server makes on sizes and structure, so a mistake is reported
 here with the argument's name before anything is sent; the values of a bias (NaN, +inf)
@@ -60,11 +61,18 @@ class CallShape:
                                    f"{self.seqlen_k}], got {list(shape)}")
 
 
-def _per_head(name: str, values: Any, heads: int) -> List[float]:
+def _per_head(name: str, values: Any, heads: Optional[int], heads_kv: int = 0) -> List[float]:
+    """[Hq] finite values; heads None (a K/V call without q): Hq unknown, any positive
+    multiple of heads_kv, as the server takes them."""
     if _tensors.is_torch(values):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values, dtype=np.float64)
-    if arr.shape != (heads,):
+    if heads is None:
+        if arr.ndim != 1 or arr.size == 0 or arr.size % heads_kv:
+            raise invalid_argument(f"{name}: expected one value per query head (without q, a "
+                                   f"positive multiple of Hkv = {heads_kv}), got shape "
+                                   f"{arr.shape}")
+    elif arr.shape != (heads,):
         raise invalid_argument(f"{name}: expected one value per query head, shape ({heads},), "
                                f"got {arr.shape}")
     if not np.isfinite(arr).all():
@@ -154,3 +162,54 @@ def apply(opts: pb.AttentionOptions, call: CallShape, *, alibi_slopes: Any = Non
         m.row_ptr.extend(block_mask.row_ptr.tolist())
         m.col_idx.extend(block_mask.col_idx.tolist())
     return tensors
+
+
+# -- the K/V API (attnserve.kv) ---------------------------------------------------
+def apply_kv(opts: pb.AttentionOptions, heads: Optional[int], heads_kv: int, *,
+             alibi_slopes: Any = None, sinks: Any = None) -> None:
+    """append_attend's alibi_slopes and sinks onto `opts` ([Hq] each; heads None: no q)."""
+    if alibi_slopes is not None:
+        opts.alibi_slopes.extend(_per_head("alibi_slopes", alibi_slopes, heads, heads_kv))
+    if sinks is not None:
+        opts.sinks.extend(_per_head("sinks", sinks, heads, heads_kv))
+
+
+def attend_pages_of(attend_pages: Any, batch: int) -> List[Optional[List[int]]]:
+    """append_attend's attend_pages: one entry per sequence, None (or empty) = all pages,
+    else the page indices as ints; checked for structure (the values: check_pages)."""
+    if attend_pages is None:
+        return [None] * batch
+    if isinstance(attend_pages, (str, bytes)) or not hasattr(attend_pages, "__len__"):
+        raise invalid_argument(f"attend_pages: expected a list of {batch} entries (one per "
+                               f"sequence: page indices or None), got "
+                               f"{type(attend_pages).__name__}")
+    if len(attend_pages) != batch:
+        raise invalid_argument(f"attend_pages: expected {batch} entries (one per sequence), "
+                               f"got {len(attend_pages)}")
+    out: List[Optional[List[int]]] = []
+    for i, pages in enumerate(attend_pages):
+        if pages is None:
+            out.append(None)
+            continue
+        if _tensors.is_torch(pages):
+            pages = pages.detach().cpu().numpy()
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise invalid_argument(f"attend_pages[{i}]: expected a list of integer page indices "
+                                   f"or None, got {arr.dtype} of shape {arr.shape}")
+        out.append([int(p) for p in arr] or None)
+    return out
+
+
+def check_pages(i: int, pages: List[int], sequence_id: int, length: int,
+                page_size: int) -> None:
+    """Sequence i's attend_pages against its history of `length` tokens (as tracked here):
+    strictly increasing indices of pages that history fills."""
+    history = -(-length // page_size)
+    for j, p in enumerate(pages):
+        if p < 0 or p >= history or (j > 0 and p <= pages[j - 1]):
+            after = f" after {pages[j - 1]}" if j > 0 else ""
+            raise invalid_argument(
+                f"attend_pages[{i}]: expected strictly increasing page indices in [0, "
+                f"{history}) (sequence {sequence_id} holds {length} tokens in pages of "
+                f"{page_size}), got attend_pages[{i}][{j}] = {p}{after}")

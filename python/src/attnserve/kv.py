@@ -45,7 +45,7 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as 
 import grpc
 import numpy as np
 
-from attnserve import _request, _tensors, _wire
+from attnserve import _mods, _request, _tensors, _wire
 from attnserve._request import ServerTiming, Window
 from attnserve._stream import BidiStream
 from attnserve.client import Client
@@ -98,6 +98,7 @@ class CacheBase:
               page_size: int, cache_id: Optional[str], device: Optional[int], reserve: bool,
               timeout: Optional[float]) -> kv_pb2.CreateCacheRequest:
         self.client = client
+        self.num_heads_kv = num_heads_kv
         self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
         self.timeout = timeout
         self._metadata = ((CACHE_ID_HEADER, self.cache_id),)
@@ -345,7 +346,8 @@ class Cache(CacheBase):
                       v: Any = None, *, causal: bool = True, window: Window = None,
                       softcap: float = 0.0, scale: Optional[float] = None,
                       return_lse: bool = False, cu_seqlens_q: Any = None,
-                      cu_seqlens_k: Any = None, timeout: Optional[float] = None) -> Any:
+                      cu_seqlens_k: Any = None, alibi_slopes: Any = None, sinks: Any = None,
+                      attend_pages: Any = None, timeout: Optional[float] = None) -> Any:
         """Appends the new tokens' K/V to each sequence at `layer`, then attends the
         new queries over everything the sequence holds there. Returns O like q,
         or (O, LSE) with return_lse.
@@ -360,6 +362,17 @@ class Cache(CacheBase):
         after the append: the new tokens see the prefix and the causal part of
         themselves. window, softcap, scale as Client.forward.
 
+        Score modifiers (docs/masks.md), NumPy or torch, [Hq] each:
+          alibi_slopes: ALiBi, minus slope[h] * |i - j| with i and j positions in the
+            whole sequence (the queries are its last positions);
+          sinks: one logit per head joining each row's softmax denominator (gpt-oss).
+        attend_pages: page-level sparsity, one entry per sequence: None (all of its
+          history), or the pages of its history to attend (page p holds tokens
+          [p * page_size, (p + 1) * page_size) of the sequence's tokens before this
+          call; strictly increasing); the pages of the new tokens are always
+          attended. Not with alibi_slopes or a window; with causal, at most one query
+          more than new tokens per sequence (docs/kv-cache.md).
+
         Safe to retry after UNAVAILABLE: the call carries each sequence's
         expected length, so the server never appends twice (see the module doc).
         On failure nothing changed on the server and the tracked lengths stay.
@@ -373,7 +386,8 @@ class Cache(CacheBase):
         result = self.append_attend_result(
             layer, sequences, q, k, v, causal=causal, window=window, softcap=softcap,
             scale=scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, timeout=timeout)
+            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, sinks=sinks,
+            attend_pages=attend_pages, timeout=timeout)
         return (result.o, result.lse) if return_lse else result.o
 
     def append_attend_result(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
@@ -468,6 +482,7 @@ class _AppendCall:
                  v: Any, *, causal: bool = True, window: Window = None, softcap: float = 0.0,
                  scale: Optional[float] = None, return_lse: bool = False,
                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                 alibi_slopes: Any = None, sinks: Any = None, attend_pages: Any = None,
                  request_id: Optional[str] = None):
         if not 0 <= layer < cache.num_layers:
             raise invalid_argument(f"layer: expected in [0, {cache.num_layers}), got {layer}")
@@ -488,6 +503,12 @@ class _AppendCall:
                                          cache_id=cache.cache_id, layer=layer)
         _request.fill_options(req.options, causal=causal, window=window, softcap=softcap,
                               scale=scale, return_lse=return_lse)
+        heads = None if q is None else int(q.shape[1])
+        _mods.apply_kv(req.options, heads, cache.num_heads_kv, alibi_slopes=alibi_slopes,
+                       sinks=sinks)
+        pages = _mods.attend_pages_of(attend_pages, batch)
+        if any(pages):
+            _check_sparse(req.options, pages, nq, nk)
         self.after: List[int] = []
         with cache._lock:
             for i, s in enumerate(self.sequences):
@@ -496,10 +517,13 @@ class _AppendCall:
                 if s.cache is not cache:
                     raise invalid_argument(f"sequences[{i}]: sequence {s.id} belongs to "
                                            f"cache {s.cache.cache_id}, not {cache.cache_id}")
-            for s, n_q, n_new in zip(self.sequences, nq, nk):
+                if pages[i]:
+                    _mods.check_pages(i, pages[i], s.id, s._lengths[layer], cache.page_size)
+            for s, n_q, n_new, p in zip(self.sequences, nq, nk, pages):
                 expected = s._lengths[layer]
                 req.sequences.add(sequence_id=s.id, expected_length=expected,
-                                  num_new_tokens=n_new, num_queries=n_q)
+                                  num_new_tokens=n_new, num_queries=n_q,
+                                  attend_pages=p or ())
                 s._lengths[layer] = expected + n_new
                 self.after.append(expected + n_new)
         self.steps = req.sequences
@@ -526,6 +550,29 @@ class _AppendCall:
         return AppendAttendResult(o=o, lse=lse, lengths=list(resp.lengths),
                                   timing=_request.server_timing(resp.timing),
                                   backend=resp.backend, request_id=resp.request_id)
+
+
+def _check_sparse(opts: pb.AttentionOptions, pages: List[Optional[List[int]]],
+                  nq: List[int], nk: List[int]) -> None:
+    """What attend_pages cannot go with (docs/kv-cache.md): ALiBi and windows count
+    positions, which the pages left out would shift; causal needs every query but the
+    first to have a new token of its own."""
+    first = next(i for i, p in enumerate(pages) if p)
+    if opts.alibi_slopes:
+        raise invalid_argument(f"attend_pages[{first}]: not supported with alibi_slopes "
+                               "(ALiBi's distances count positions in the whole sequence)")
+    for side in ("window_left", "window_right"):
+        if opts.HasField(side):
+            raise invalid_argument(f"attend_pages[{first}]: not supported with a window "
+                                   f"(window sets {side} = {getattr(opts, side)}; a window "
+                                   "counts positions, and attend_pages leaves pages out)")
+    if opts.causal:
+        for i, p in enumerate(pages):
+            if p and nq[i] > nk[i] + 1:
+                raise invalid_argument(
+                    f"attend_pages[{i}]: with causal, expected at most the new tokens + 1 = "
+                    f"{nk[i] + 1} queries for sequence {i} (queries past the new tokens would "
+                    f"see pages left out), got {nq[i]}")
 
 
 def _packed(name: str, x: Any, cu_name: str, cu_seqlens: Any,
