@@ -6,12 +6,14 @@ the server, stateless (transformers' own cache holds K/V):
     with a window of 4 and full_attention, MoE), a left-padded batch, greedy
     tokens identical to attn_implementation="eager"; the same model without the
     sinks or without the window on the server gives other logits, so the
-    comparison can fail; K/V on the server is refused (AppendAttend takes no sinks).
+    comparison can fail; the same with K/V on the server (ServerCache: sinks and
+    windows on the append-and-attend calls).
   custom 4-D masks: a small Llama driven step by step with a 4-D mask (one
     row two packed sequences, block-diagonal causal; one row a prefix-LM,
     bidirectional within its prefix), as eager's additive float, as a boolean
     mask, and as an additive mask with a per-head finite bias: identical greedy
-    tokens; the mask does change eager's logits.
+    tokens; the mask does change eager's logits. With ServerCache a 4-D mask is
+    refused (append-and-attend takes no element mask or bias).
   packed sequences found from position_ids (no mask given): attnserve_mask
     materializes transformers' block-diagonal mask, as eager does.
 """
@@ -25,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnserve.hf  # noqa: E402
 from attnserve import Client  # noqa: E402
-from attnserve import hf_compare  # noqa: E402
+from attnserve import hf_compare, kv  # noqa: E402
 from attnserve.hf_cache import ServerCache  # noqa: E402
 
 NEW_TOKENS = 16
@@ -118,19 +120,55 @@ def test_gpt_oss_comparison_can_fail(recorded, gpt_oss_eager, drop):
     assert (got.logits[0] - want.logits[0]).abs().max().item() > 1e-2
 
 
-def test_gpt_oss_kv_on_server_refuses_sinks(server, gpt_oss_eager):
-    """The server's append-and-attend takes no sinks: refused before anything is appended."""
-    reference, ids, mask, _ = gpt_oss_eager
+@pytest.fixture
+def kv_recorded(server, monkeypatch):
+    """A registered client, and the keyword arguments of every append_attend call made
+    through a ServerCache (`drop` in the list: that argument is left out on its way)."""
     client = attnserve.hf.register(Client(server.target, timeout=120))
-    try:
-        ours = gpt_oss_attnserve(reference)
-        with ServerCache(client, ours.config, max_tokens=64) as cache:
-            with pytest.raises(NotImplementedError,
-                               match=r"sinks \(s_aux\) with K/V on the server"):
-                hf_compare.greedy(ours, ids, mask, 2, past_key_values=cache)
-            assert cache.cache.stats().tokens == 0
-    finally:
-        client.close()
+    calls, drop = [], []
+    original = kv.Cache.append_attend
+
+    def recording(self, *a, **kw):
+        calls.append(kw)
+        return original(self, *a, **{k: v for k, v in kw.items() if k not in drop})
+
+    monkeypatch.setattr(kv.Cache, "append_attend", recording)
+    yield client, calls, drop
+    client.close()
+
+
+def test_gpt_oss_kv_on_server_matches_eager_fp32(kv_recorded, gpt_oss_eager):
+    """K/V on the server (ServerCache): the sinks and the sliding windows go on the
+    append-and-attend calls; eager's greedy tokens."""
+    client, calls, _ = kv_recorded
+    reference, ids, mask, want = gpt_oss_eager
+    ours = gpt_oss_attnserve(reference)
+    layers = ours.config.num_hidden_layers
+    with ServerCache(client, ours.config, max_tokens=ids.shape[1] + NEW_TOKENS) as cache:
+        got = hf_compare.greedy(ours, ids, mask, NEW_TOKENS, past_key_values=cache)
+        # Each row's sequence holds its real tokens: the prompt and the tokens fed back.
+        real = mask.sum(dim=1).tolist()
+        assert [s.lengths for s in cache.sequences] == [[n + NEW_TOKENS - 1] * layers
+                                                        for n in real]
+    assert_same(want.tokens, got.tokens, want.logits, got.logits)
+    assert len(calls) == layers * NEW_TOKENS
+    for i, call in enumerate(calls):
+        layer = ours.model.layers[i % layers].self_attn
+        assert call["sinks"] is layer.sinks
+        assert call["window"] == ((WINDOW - 1, WINDOW - 1) if i % 2 == 0 else None)
+        assert call["causal"] and "mask" not in call and "bias" not in call
+
+
+@pytest.mark.parametrize("drop", ["sinks", "window"])
+def test_gpt_oss_kv_on_server_comparison_can_fail(kv_recorded, gpt_oss_eager, drop):
+    """Without the sinks, or without the window, on the K/V calls: not eager's logits."""
+    client, _, dropped = kv_recorded
+    dropped.append(drop)
+    reference, ids, mask, want = gpt_oss_eager
+    ours = gpt_oss_attnserve(reference)
+    with ServerCache(client, ours.config, max_tokens=ids.shape[1] + 2) as cache:
+        got = hf_compare.greedy(ours, ids, mask, 1, past_key_values=cache)
+    assert (got.logits[0] - want.logits[0]).abs().max().item() > 1e-2
 
 
 # -- a Llama driven with custom 4-D masks ---------------------------------------
@@ -238,6 +276,26 @@ def test_packed_sequences_from_position_ids_match_eager(recorded, llama_eager):
     assert torch.equal(want.argmax(-1), got.argmax(-1))
     assert (want - got).abs().max().item() <= LOGIT_TOLERANCE
     assert torch.equal(calls[0]["mask"][0, 0], allowed(torch.arange(WIDTH), WIDTH)[0])
+
+
+def test_custom_4d_mask_kv_on_server_is_refused(server, llama_eager):
+    """The server's append-and-attend takes no element mask or bias: a 4-D mask with
+    ServerCache is refused before anything is appended."""
+    reference, ids, _ = llama_eager
+    client = attnserve.hf.register(Client(server.target, timeout=120))
+    try:
+        ours = hf_compare.build_model(hf_compare.small_llama_config(), "attnserve",
+                                      torch.float32, "cpu", reference.state_dict())
+        heads = ours.config.num_attention_heads
+        mask = mask_4d(allowed(torch.arange(WIDTH), WIDTH), torch.arange(WIDTH), "additive",
+                       heads)
+        with ServerCache(client, ours.config, max_tokens=WIDTH) as cache, torch.no_grad():
+            with pytest.raises(NotImplementedError,
+                               match=r"a 4-D attention mask with K/V on the server"):
+                ours(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            assert cache.cache.stats().tokens == 0
+    finally:
+        client.close()
 
 
 def test_additive_mask_rule():

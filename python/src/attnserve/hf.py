@@ -36,9 +36,10 @@ it evenly over the masked keys: such rows are padding, whose outputs nothing
 reads.
 
 Attention sinks (gpt-oss passes its per-head logits as `s_aux`) go as
-`sinks=`: one logit per head in the softmax denominator, eager's contract.
-With K/V on the server, sinks and 4-D masks are refused: the server's
-append-and-attend call takes no score modifiers or masks yet.
+`sinks=`: one logit per head in the softmax denominator, eager's contract,
+in both modes (with K/V on the server, on the append-and-attend call, as are
+sliding windows). With K/V on the server a 4-D mask is refused: the server's
+append-and-attend call takes no element mask or bias.
 """
 
 from __future__ import annotations
@@ -195,13 +196,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     from attnserve import hf_cache  # not at the top: hf_cache imports this module
     layer = hf_cache.take_pending(key)
     if layer is not None:  # K/V on the server: this call's new tokens only
-        if sinks is not None or full_mask:
+        if full_mask:
             raise NotImplementedError(
-                "attnserve.hf: " + ("attention sinks (s_aux)" if sinks is not None else
-                                    "a 4-D attention mask") +
-                " with K/V on the server (attnserve.hf_cache.ServerCache): the server's "
-                "append-and-attend call takes no score modifiers or masks yet; use the "
-                "stateless mode (transformers' own cache)")
+                "attnserve.hf: a 4-D attention mask with K/V on the server "
+                "(attnserve.hf_cache.ServerCache): the server's append-and-attend call takes "
+                "no element mask or bias; use the stateless mode (transformers' own cache)")
         return layer.attend(query, key, value, attention_mask, options), None
     client = _client
     if client is None:
