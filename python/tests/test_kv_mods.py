@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import reference
-from attnserve import AsyncClient, AttnServeError
-from attnserve import _mods
+from attnserve import AsyncClient, AttnServeError, _mods
 from attnserve.kv import Cache
 from attnserve.kv_aio import AsyncCache
 
