@@ -6,86 +6,20 @@
 // malformed list is refused naming the field and the sequence, and changes no
 // length. The cache's compacted block tables are checked directly as well.
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attnserve/v1/kv.grpc.pb.h"
 #include "backend/backend_factory.h"
-#include "backend/make_params.h"
-#include "backend/reference/reference_attention.h"
-#include "backend/reference/tolerance.h"
-#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/kv/kv_cache.h"
-#include "server/native/kv_service.h"
-#include "server/server.h"
+#include "tests/server/kv_step_test_util.h"
 
 namespace attnserve {
 namespace {
-
-constexpr int kHq = 4, kHkv = 2, kD = 16, kPage = 16;
-constexpr int64_t kKvRow = kHkv * kD, kQRow = kHq * kD;
-
-std::vector<float> Random(std::mt19937* rng, int64_t n) {
-  std::normal_distribution<float> dist;
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& f : x) f = dist(*rng);
-  return x;
-}
-
-// One sequence's tokens at one layer, as the client appended them.
-struct Context {
-  std::vector<float> k, v;  // [len, Hkv, D]
-  int32_t length() const { return int32_t(k.size() / kKvRow); }
-};
-
-// One sequence's part of a call.
-struct Part {
-  uint64_t id = 0;
-  int32_t expected = 0;
-  std::vector<float> k, v, q;
-  std::vector<int32_t> attend_pages;
-};
-
-v1::AppendAttendRequest MakeCall(const std::string& cache, const std::vector<Part>& parts,
-                                 bool causal = true) {
-  v1::AppendAttendRequest r;
-  r.set_cache_id(cache);
-  std::string q, k, v;
-  int64_t tq = 0, tk = 0;
-  for (const Part& p : parts) {
-    v1::SequenceStep* s = r.add_sequences();
-    s->set_sequence_id(p.id);
-    s->set_expected_length(p.expected);
-    s->set_num_new_tokens(int32_t(p.k.size() / kKvRow));
-    s->set_num_queries(int32_t(p.q.size() / kQRow));
-    for (int32_t page : p.attend_pages) s->add_attend_pages(page);
-    tq += s->num_queries();
-    tk += s->num_new_tokens();
-    q.append(reinterpret_cast<const char*>(p.q.data()), p.q.size() * 4);
-    k.append(reinterpret_cast<const char*>(p.k.data()), p.k.size() * 4);
-    v.append(reinterpret_cast<const char*>(p.v.data()), p.v.size() * 4);
-  }
-  auto set = [](v1::Tensor* t, int64_t rows, int64_t heads, std::string data) {
-    t->set_dtype(v1::FP32);
-    t->add_shape(rows);
-    t->add_shape(heads);
-    t->add_shape(kD);
-    t->set_data(std::move(data));
-  };
-  set(r.mutable_q(), tq, kHq, q);
-  set(r.mutable_k(), tk, kHkv, k);
-  set(r.mutable_v(), tk, kHkv, v);
-  r.mutable_options()->set_causal(causal);
-  r.mutable_options()->set_return_lse(true);
-  return r;
-}
 
 // The keys query row `i` of `nq` may see after a step on `ctx` (already
 // holding the new tokens) that attended `pages` of a history of `history`
@@ -105,110 +39,10 @@ std::vector<int32_t> VisibleKeys(const Context& ctx, int32_t history, std::vecto
   return keys;
 }
 
-// Checks query row `i` (of the call's `total_q` rows, the sequence's rows
-// start at `row0`) against the float64 reference over `keys` of `ctx`.
-::testing::AssertionResult RowMatches(const v1::AppendAttendResponse& resp, int64_t total_q,
-                                      int64_t row, const float* q, const Context& ctx,
-                                      const std::vector<int32_t>& keys) {
-  std::vector<float> k, v;
-  for (int32_t t : keys) {
-    k.insert(k.end(), ctx.k.begin() + t * kKvRow, ctx.k.begin() + (t + 1) * kKvRow);
-    v.insert(v.end(), ctx.v.begin() + t * kKvRow, ctx.v.begin() + (t + 1) * kKvRow);
-  }
-  AttnPointers ptr;
-  ptr.q = q;
-  ptr.k = k.data();
-  ptr.v = v.data();
-  const AttnParams p = MakeAttnParams(
-      DenseShape(DType::kFP32, 1, 1, int32_t(keys.size()), kHq, kHkv, kD), AttnOptions(), ptr);
-  const ReferenceOutput ref = ReferenceAttention(p);
-  const float* o = reinterpret_cast<const float*>(resp.o().data().data()) + row * kQRow;
-  const float* lse = reinterpret_cast<const float*>(resp.lse().data().data());
-  for (int h = 0; h < kHq; ++h) {
-    double scale = 0;
-    for (int d = 0; d < kD; ++d) scale = std::max(scale, std::abs(ref.o[h * kD + d]));
-    for (int d = 0; d < kD; ++d) {
-      const double want = ref.o[h * kD + d], got = o[h * kD + d];
-      if (!(std::abs(got - want) <= tolerance::kFp32Rtol * scale + tolerance::kFp32Atol)) {
-        return ::testing::AssertionFailure()
-               << "o row " << row << " head " << h << " [" << d << "]: " << got << " vs " << want
-               << " over " << keys.size() << " keys";
-      }
-    }
-    const double want = ref.lse[h], got = lse[h * total_q + row];
-    if (!(std::abs(got - want) <=
-          tolerance::kFp32Rtol * std::abs(want) + tolerance::kFp32LseAtol)) {
-      return ::testing::AssertionFailure()
-             << "lse row " << row << " head " << h << ": " << got << " vs " << want;
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-class KvAttendPagesTest : public ::testing::Test {
+class KvAttendPagesTest : public KvStepTest {
  protected:
-  void SetUp() override {
-    ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.kv_cache_bytes = int64_t{64} << 20;
-    o.kv_page_size = kPage;
-    auto server = AttnServer::Create(o, MakeCpuBackend(2));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    ASSERT_TRUE(server_->Start().ok());
-    stub_ = v1::KvCache::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                                     grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    v1::CreateCacheRequest r;
-    r.mutable_geometry()->set_num_layers(1);
-    r.mutable_geometry()->set_num_heads_kv(kHkv);
-    r.mutable_geometry()->set_head_dim(kD);
-    r.mutable_geometry()->set_dtype(v1::FP32);
-    r.set_capacity_tokens(4096);  // 256 pages
-    v1::CreateCacheResponse resp;
-    ASSERT_TRUE(stub_->CreateCache(&ctx, r, &resp).ok());
-    cache_ = resp.stats().cache_id();
-  }
-  void TearDown() override {
-    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
-  }
+  KvAttendPagesTest() : KvStepTest(7) {}
 
-  grpc::Status Call(const v1::AppendAttendRequest& r, v1::AppendAttendResponse* resp) {
-    grpc::ClientContext ctx;
-    return stub_->AppendAttend(&ctx, r, resp);
-  }
-  void CreateSequences(std::vector<uint64_t> ids) {
-    grpc::ClientContext ctx;
-    v1::CreateSequencesRequest r;
-    r.set_cache_id(cache_);
-    for (uint64_t id : ids) r.add_sequences()->set_sequence_id(id);
-    v1::CreateSequencesResponse resp;
-    ASSERT_TRUE(stub_->CreateSequences(&ctx, r, &resp).ok());
-  }
-  int32_t Length(uint64_t id) {
-    grpc::ClientContext ctx;
-    v1::GetCacheStatsRequest r;
-    r.set_cache_id(cache_);
-    r.add_sequence_ids(id);
-    v1::GetCacheStatsResponse resp;
-    EXPECT_TRUE(stub_->GetCacheStats(&ctx, r, &resp).ok());
-    return resp.sequences_size() == 1 && resp.sequences(0).lengths_size() == 1
-               ? resp.sequences(0).lengths(0)
-               : -1;
-  }
-  // A part appending `n` tokens with `nq` queries; `ctx` gains the tokens.
-  Part Step(uint64_t id, Context* ctx, int n, int nq, std::vector<int32_t> pages = {}) {
-    Part p{id,
-           ctx->length(),
-           Random(&rng_, n * kKvRow),
-           Random(&rng_, n * kKvRow),
-           Random(&rng_, nq * kQRow),
-           std::move(pages)};
-    ctx->k.insert(ctx->k.end(), p.k.begin(), p.k.end());
-    ctx->v.insert(ctx->v.end(), p.v.begin(), p.v.end());
-    return p;
-  }
   // Prefills `id` with `n` tokens (no queries).
   Context Prefill(uint64_t id, int n) {
     Context ctx;
@@ -224,22 +58,9 @@ class KvAttendPagesTest : public ::testing::Test {
     v1::AppendAttendResponse resp;
     const grpc::Status s = Call(MakeCall(cache_, parts, causal), &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    int64_t total_q = 0;
-    for (const Part& p : parts) total_q += int64_t(p.q.size() / kQRow);
-    ASSERT_EQ(resp.lengths_size(), int(parts.size()));
-    int64_t row0 = 0;
-    for (size_t j = 0; j < parts.size(); ++j) {
-      EXPECT_EQ(resp.lengths(int(j)), ctxs[j]->length());
-      const int nq = int(parts[j].q.size() / kQRow);
-      for (int i = 0; i < nq; ++i) {
-        const std::vector<int32_t> keys =
-            VisibleKeys(*ctxs[j], histories[j], parts[j].attend_pages, i, nq, causal);
-        EXPECT_TRUE(
-            RowMatches(resp, total_q, row0 + i, parts[j].q.data() + i * kQRow, *ctxs[j], keys))
-            << "sequence " << parts[j].id << " query " << i;
-      }
-      row0 += nq;
-    }
+    CheckResponse(resp, parts, ctxs, Mods(), causal, [&](size_t j, int i, int nq) {
+      return VisibleKeys(*ctxs[j], histories[j], parts[j].attend_pages, i, nq, causal);
+    });
   }
   // `part` alone is refused with INVALID_ARGUMENT naming `field` and the
   // sequence; its length is unchanged.
@@ -247,20 +68,9 @@ class KvAttendPagesTest : public ::testing::Test {
                      bool causal = true, int32_t window_left = -1) {
     v1::AppendAttendRequest r = MakeCall(cache_, {part}, causal);
     if (window_left >= 0) r.mutable_options()->set_window_left(window_left);
-    v1::AppendAttendResponse resp;
-    const grpc::Status s = Call(r, &resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-    EXPECT_NE(s.error_message().find(field), std::string::npos) << s.error_message();
-    EXPECT_NE(s.error_message().find(absl::StrCat("sequence ", part.id)), std::string::npos)
-        << s.error_message();
-    EXPECT_NE(s.error_message().find(words), std::string::npos) << s.error_message();
-    EXPECT_EQ(Length(part.id), part.expected) << s.error_message();
+    KvStepTest::ExpectRefused(r, {field, absl::StrCat("sequence ", part.id), words}, part.id,
+                              part.expected);
   }
-
-  std::unique_ptr<AttnServer> server_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  std::string cache_;
-  std::mt19937 rng_{7};
 };
 
 TEST_F(KvAttendPagesTest, DecodeOverNamedPagesMatchesReference) {
@@ -341,32 +151,10 @@ TEST_F(KvAttendPagesTest, MalformedListsChangeNothing) {
 // check at reserve, named in v2 words; a malformed string is refused.
 TEST_F(KvAttendPagesTest, KserveParameterMatchesNative) {
   CreateSequences({1, 2});
-  auto v2 = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
   auto infer = [&](const Part& part, const std::string& pages, inference::ModelInferResponse* out) {
-    inference::ModelInferRequest r;
-    r.set_model_name("attention_kv");
-    const std::vector<float>* data[] = {&part.q, &part.k, &part.v};
-    const char* names[] = {"q", "k", "v"};
-    for (int i = 0; i < 3; ++i) {
-      auto* in = r.add_inputs();
-      in->set_name(names[i]);
-      in->set_datatype("FP32");
-      const int64_t heads = i == 0 ? kHq : kHkv;
-      for (int64_t d : {int64_t(data[i]->size()) / (heads * kD), heads, int64_t{kD}}) {
-        in->add_shape(d);
-      }
-      r.add_raw_input_contents(
-          std::string(reinterpret_cast<const char*>(data[i]->data()), data[i]->size() * 4));
-    }
-    auto& p = *r.mutable_parameters();
-    p["cache_id"].set_string_param(cache_);
-    p["sequence_id"].set_uint64_param(part.id);
-    p["causal"].set_bool_param(true);
-    p["return_lse"].set_bool_param(true);
-    if (!pages.empty()) p["attend_pages"].set_string_param(pages);
-    grpc::ClientContext ctx;
-    return v2->ModelInfer(&ctx, r, out);
+    inference::ModelInferRequest r = AttentionKv(part);
+    if (!pages.empty()) (*r.mutable_parameters())["attend_pages"].set_string_param(pages);
+    return Infer(r, out);
   };
   Context a = Prefill(1, 50), b;
   b.k = a.k;

@@ -27,63 +27,16 @@
 #include "server/native/kv_service.h"
 #include "server/server.h"
 #include "tests/server/gated_cpu_backend.h"
+#include "tests/server/kv_step_test_util.h"
 
 namespace attnserve {
 namespace {
 
-constexpr int kHq = 4, kHkv = 2, kD = 16;
-
-// One sequence's whole context at one layer, as the client knows it.
-struct Context {
-  std::vector<float> k, v;  // [len, Hkv, D]
-  int32_t length() const { return int32_t(k.size() / (kHkv * kD)); }
-};
-
-std::vector<float> Random(std::mt19937* rng, int64_t n) {
-  std::normal_distribution<float> dist;
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& f : x) f = dist(*rng);
-  return x;
-}
-
-// One sequence's part of a call: new K/V rows and queries.
-struct Part {
-  uint64_t id;
-  int32_t expected;
-  std::vector<float> k, v, q;
-};
-
+// One call at `layer` (the shared MakeCall's request is layer 0's).
 v1::AppendAttendRequest MakeCall(const std::string& cache, int layer,
                                  const std::vector<Part>& parts, bool causal = true) {
-  v1::AppendAttendRequest r;
-  r.set_cache_id(cache);
+  v1::AppendAttendRequest r = attnserve::MakeCall(cache, parts, causal);
   r.set_layer(layer);
-  int64_t tq = 0, tk = 0;
-  std::string q, k, v;
-  for (const Part& p : parts) {
-    v1::SequenceStep* s = r.add_sequences();
-    s->set_sequence_id(p.id);
-    s->set_expected_length(p.expected);
-    s->set_num_new_tokens(int32_t(p.k.size() / (kHkv * kD)));
-    s->set_num_queries(int32_t(p.q.size() / (kHq * kD)));
-    tq += s->num_queries();
-    tk += s->num_new_tokens();
-    q.append(reinterpret_cast<const char*>(p.q.data()), p.q.size() * 4);
-    k.append(reinterpret_cast<const char*>(p.k.data()), p.k.size() * 4);
-    v.append(reinterpret_cast<const char*>(p.v.data()), p.v.size() * 4);
-  }
-  auto set = [](v1::Tensor* t, int64_t rows, int64_t heads, std::string data) {
-    t->set_dtype(v1::FP32);
-    t->add_shape(rows);
-    t->add_shape(heads);
-    t->add_shape(kD);
-    t->set_data(std::move(data));
-  };
-  set(r.mutable_q(), tq, kHq, q);
-  set(r.mutable_k(), tk, kHkv, k);
-  set(r.mutable_v(), tk, kHkv, v);
-  r.mutable_options()->set_causal(causal);
-  r.mutable_options()->set_return_lse(true);
   return r;
 }
 
@@ -187,8 +140,12 @@ class KvServerTest : public ::testing::Test {
   // A step that appends `n` new tokens to `ctx` with `nq` queries: returns the
   // part and updates the client's context.
   Part Step(uint64_t id, Context* ctx, int n, int nq) {
-    Part p{id, ctx->length(), Random(&rng_, int64_t{n} * kHkv * kD),
-           Random(&rng_, int64_t{n} * kHkv * kD), Random(&rng_, int64_t{nq} * kHq * kD)};
+    Part p{id,
+           ctx->length(),
+           Random(&rng_, int64_t{n} * kHkv * kD),
+           Random(&rng_, int64_t{n} * kHkv * kD),
+           Random(&rng_, int64_t{nq} * kHq * kD),
+           {}};
     ctx->k.insert(ctx->k.end(), p.k.begin(), p.k.end());
     ctx->v.insert(ctx->v.end(), p.v.begin(), p.v.end());
     return p;
@@ -392,9 +349,9 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   };
   v1::AppendAttendRequest r = MakeCall("nope", 0, {Step(1, &ctx, 1, 1)});
   expect(Call(r, &resp), grpc::StatusCode::NOT_FOUND, "cache 'nope' not found");
-  r = MakeCall(cache, 0, {Part{9, 0, {}, {}, {}}});
+  r = MakeCall(cache, 0, {Part{9, 0, {}, {}, {}, {}}});
   expect(Call(r, &resp), grpc::StatusCode::NOT_FOUND, "sequence 9");
-  r = MakeCall(cache, 3, {Part{1, 0, {}, {}, {}}});
+  r = MakeCall(cache, 3, {Part{1, 0, {}, {}, {}, {}}});
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "layer");
   ctx = Context{};
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
@@ -521,8 +478,12 @@ TEST_F(KvServerTest, ConcurrentClientsOnSeparateAndSharedCaches) {
       Context ctx;
       for (int step = 0; step < 6; ++step) {
         const int n = step == 0 ? 24 : 1;
-        Part p{id, ctx.length(), Random(&rng, n * kHkv * kD), Random(&rng, n * kHkv * kD),
-               Random(&rng, kHq * kD)};
+        Part p{id,
+               ctx.length(),
+               Random(&rng, n * kHkv * kD),
+               Random(&rng, n * kHkv * kD),
+               Random(&rng, kHq * kD),
+               {}};
         ctx.k.insert(ctx.k.end(), p.k.begin(), p.k.end());
         ctx.v.insert(ctx.v.end(), p.v.begin(), p.v.end());
         v1::AppendAttendResponse resp;
@@ -611,7 +572,7 @@ TEST_F(KvServerTest, StreamRunsAGenerationLoop) {
       sent.emplace(r.request_id(), std::make_pair(p, layer));
       ASSERT_TRUE(stream->Write(r));
     }
-    v1::AppendAttendRequest bad = MakeCall(cache, 0, {Part{99, 0, {}, {}, {}}});
+    v1::AppendAttendRequest bad = MakeCall(cache, 0, {Part{99, 0, {}, {}, {}, {}}});
     bad.set_request_id("bad");
     ASSERT_TRUE(stream->Write(bad));
     for (int i = 0; i < 3; ++i) {
