@@ -8,7 +8,11 @@
 # and, when .device-carry/bin/attnserve and attnctl exist, an end-to-end
 # `attnctl forward --verify` round over loopback against --backend=cuda.
 # Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
-# Usage: scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
+# The score-modifier and mask tests (cuda_score_mods_test, cuda_paged_test,
+# sm90_block_sparse_test) run too, each under both families, with their own
+# sanitizer subset. KERNELS=dev builds the D 128 kernels only (a faster build;
+# the other head dims' cases skip).
+# Usage: [KERNELS=all|dev] scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
 # Shape and flag lists ($args, $shape, $C) are split into words on purpose.
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -22,14 +26,18 @@ declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+KERNELS=${KERNELS:-all}
 B=build-gpu
+[ "$KERNELS" = dev ] && B=build-gpu-dev
+MODS_TESTS="cuda_score_mods_test cuda_paged_test sm90_block_sparse_test"
 # The test binaries link the carried Abseil shared libraries; a carried
 # shared-library server brings its own (scripts/device/pack-device-deps.sh --server).
 use_carried_libs absl lib
 t0=$(date +%s)
 if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/configure.log" 2>&1 &&
-   ninja -C $B -j16 cuda_backend_test attn_bench >"$OUT/build.log" 2>&1; then
+     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
+     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
+   ninja -C $B -j16 cuda_backend_test $MODS_TESTS attn_bench >"$OUT/build.log" 2>&1; then
   note build "ok ($(( $(date +%s) - t0 )) s)"
 else
   note build "FAILED (see build.log)"; tail -30 "$OUT/build.log" "$OUT/configure.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1
@@ -59,6 +67,17 @@ for fam in default portable; do
   grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -30
 done
 
+# The score-modifier and mask tests, the planner's choice then portable only.
+for t in $MODS_TESTS; do
+  for fam in default portable; do
+    log="$OUT/$t-$fam.log"
+    if [ $fam = portable ]; then ATTNSERVE_CUDA_PORTABLE=1 timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?
+    else timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?; fi
+    note "$t ($fam)" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$log" | head -10
+  done
+done
+
 # The Hopper kernels' machine code: wgmma (HGMMA; QGMMA: FP8) and TMA (UTMALDG) present,
 # no local-memory traffic (LDL/STL: spills or a runtime-indexed array).
 sm90_objs=$(find $B/backend/cuda/CMakeFiles/attn_cuda_sm90.dir -name '*sm90.cu.o' 2>/dev/null)
@@ -85,6 +104,16 @@ if [ $SAN = 1 ]; then
     n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool.log")
     note "sanitizer $tool" "rc=$rc tests_ok=$n $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | head -1)"
   done
+  # The modifier kernels: every third case of each mods test (both families' picks).
+  for t in $MODS_TESTS; do
+    cases=$($B/tests/cuda/$t --gtest_list_tests | awk '/^[^ ]/ {s=$1} /^  / {print s $1}' | awk 'NR % 3 == 1' | paste -sd: -)
+    for tool in memcheck racecheck; do
+      timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/cuda/$t \
+        --gtest_filter="$cases" >"$OUT/sanitizer-$tool-$t.log" 2>&1; rc=$?
+      n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool-$t.log")
+      note "sanitizer $tool $t" "rc=$rc tests_ok=$n $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool-$t.log" | head -1)"
+    done
+  done
 fi
 
 if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/attnctl ]; then
@@ -101,7 +130,12 @@ if [ $E2E = 1 ] && [ -x .device-carry/bin/attnserve ] && [ -x .device-carry/bin/
     note "e2e info" "FAIL ($(head -3 "$OUT/e2e-info.log" | tr '\n' ' '))"
   fi
   : >"$OUT/e2e.log"
+  # The bias ([1, 4, 300, 400] BF16-valued FP32) and mask ([2, 1, 300, 400]) of fp16_bias_mask.
+  python3 -c "import numpy as n, sys; r = n.random.default_rng(1)
+n.save(sys.argv[1], r.uniform(-2, 2, (1, 4, 300, 400)).astype(n.float32))
+n.save(sys.argv[2], r.random((2, 1, 300, 400)) < 0.7)" "$OUT/bias.npy" "$OUT/mask.npy"
   while read -r name args; do
+    args=${args//\$OUT/$OUT}
     echo "==== $name: attnctl forward $args --verify" >>"$OUT/e2e.log"
     $C forward $args --verify >"$OUT/e2e-case.log" 2>&1; rc=$?
     cat "$OUT/e2e-case.log" >>"$OUT/e2e.log"
@@ -120,6 +154,11 @@ fp16_varlen --varlen_q=3,0,17,130 --varlen_k=5,4,17,200 --heads_q=4 --heads_kv=1
 bf16_varlen_noncausal_gqa --varlen_q=1,40,7 --varlen_k=300,41,2000 --heads_q=8 --heads_kv=2 --head_dim=128 --dtype=bf16 --return_lse
 fp32_varlen --varlen_q=3,0,17 --varlen_k=5,4,17 --heads_q=4 --heads_kv=2 --head_dim=64 --dtype=fp32 --causal
 bf16_window_softcap --batch=1 --seqlen_q=300 --heads_q=4 --heads_kv=2 --head_dim=72 --dtype=bf16 --window_left=50 --softcap=20 --return_lse
+bf16_alibi_sinks_causal --batch=2 --seqlen_q=700 --heads_q=8 --heads_kv=2 --head_dim=128 --dtype=bf16 --alibi --sinks=0.5 --causal --return_lse
+fp16_block_random --batch=1 --seqlen_q=1000 --heads_q=4 --heads_kv=4 --head_dim=128 --dtype=fp16 --block_density=0.3 --return_lse
+bf16_block_stripes_varlen --varlen_q=300,900 --varlen_k=300,1100 --heads_q=4 --heads_kv=2 --head_dim=128 --dtype=bf16 --block_density=0.4 --block_pattern=stripes --sinks=1
+bf16_decode_alibi_sinks --batch=3 --seqlen_q=1 --seqlen_k=5000 --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --alibi --sinks=0.25 --return_lse
+fp16_bias_mask --batch=2 --seqlen_q=300 --seqlen_k=400 --heads_q=4 --heads_kv=4 --head_dim=128 --dtype=fp16 --bias=$OUT/bias.npy --mask=$OUT/mask.npy --return_lse
 CASES
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 else
