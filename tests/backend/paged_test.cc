@@ -356,10 +356,13 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedGridTest, ::testing::ValuesIn(Grid()),
                                   (info.param.cow ? "_cow" : "");
                          });
 
-// Random shapes, page sizes and splits: the reference over the whole context.
-TEST(PagedTest, RandomCases) {
-  std::mt19937 rng(42);
-  for (int iter = 0; iter < 12; ++iter) {
+// `iters` random shapes, page sizes and splits drawn from `rng_seed` (the
+// cases seeded from `case_seed`, fewer than `query_span` queries a sequence),
+// with `per_head_mods` ALiBi, sinks or both: the reference over the whole context.
+void CheckRandomCases(uint32_t rng_seed, int iters, int case_seed, int query_span,
+                      bool per_head_mods) {
+  std::mt19937 rng(rng_seed);
+  for (int iter = 0; iter < iters; ++iter) {
     TestCase tc;
     const DType dtypes[] = {DType::kFP16, DType::kBF16, DType::kFP32};
     tc.dtype = dtypes[rng() % 3];
@@ -367,14 +370,18 @@ TEST(PagedTest, RandomCases) {
     tc.num_heads_q = tc.num_heads_kv * (1 + int(rng() % 3));
     tc.head_dim = 8 * (1 + int(rng() % 8));
     tc.causal = rng() % 2 == 0;
-    tc.seed = 100 + iter;
+    if (per_head_mods) {
+      tc.mods.alibi = iter % 3 != 1;
+      tc.mods.sinks = iter % 3 != 0;
+    }
+    tc.seed = case_seed + iter;
     const int batch = 1 + int(rng() % 4);
     std::vector<int> new_rows;
     for (int b = 0; b < batch; ++b) {
       const int len = int(rng() % 400);
       const int added = len == 0 ? 0 : int(rng() % (len + 1));
       tc.seqlens_k.push_back(len);
-      tc.seqlens_q.push_back(std::min(added, int(rng() % 3)));
+      tc.seqlens_q.push_back(std::min(added, int(rng() % query_span)));
       new_rows.push_back(added);
     }
     HostBuffers buf(tc);
@@ -386,36 +393,14 @@ TEST(PagedTest, RandomCases) {
   }
 }
 
-// Random shapes with ALiBi and sinks: the reference over the whole context.
+TEST(PagedTest, RandomCases) {
+  CheckRandomCases(/*rng_seed=*/42, /*iters=*/12, /*case_seed=*/100, /*query_span=*/3,
+                   /*per_head_mods=*/false);
+}
+
 TEST(PagedTest, RandomCasesWithPerHeadMods) {
-  std::mt19937 rng(7);
-  for (int iter = 0; iter < 8; ++iter) {
-    TestCase tc;
-    const DType dtypes[] = {DType::kFP16, DType::kBF16, DType::kFP32};
-    tc.dtype = dtypes[rng() % 3];
-    tc.num_heads_kv = 1 + int(rng() % 2);
-    tc.num_heads_q = tc.num_heads_kv * (1 + int(rng() % 3));
-    tc.head_dim = 8 * (1 + int(rng() % 8));
-    tc.causal = rng() % 2 == 0;
-    tc.mods.alibi = iter % 3 != 1;
-    tc.mods.sinks = iter % 3 != 0;
-    tc.seed = 300 + iter;
-    const int batch = 1 + int(rng() % 4);
-    std::vector<int> new_rows;
-    for (int b = 0; b < batch; ++b) {
-      const int len = int(rng() % 400);
-      const int added = len == 0 ? 0 : int(rng() % (len + 1));
-      tc.seqlens_k.push_back(len);
-      tc.seqlens_q.push_back(std::min(added, int(rng() % 5)));
-      new_rows.push_back(added);
-    }
-    HostBuffers buf(tc);
-    PagedCase paged(buf, 16 << (rng() % 5), new_rows, rng() % 2 == 0, rng());
-    BackendTimings t;
-    const absl::Status status = PlanAndPagedForward(Backend(), paged.params(), &t);
-    ASSERT_TRUE(status.ok()) << status;
-    EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse())) << tc.Name();
-  }
+  CheckRandomCases(/*rng_seed=*/7, /*iters=*/8, /*case_seed=*/300, /*query_span=*/5,
+                   /*per_head_mods=*/true);
 }
 
 // The check fails without the mods: a launch that dropped them is caught.
