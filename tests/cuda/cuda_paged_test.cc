@@ -501,28 +501,40 @@ TEST(CudaPaged, AllocationFailureIsResourceExhausted) {
   backend->FreeKvMemory(*small);
 }
 
-TEST(CudaPaged, PageIdOutsideTheCacheIsRejected) {
-  std::string why;
-  AttentionBackend* backend = SharedBackend(&why);
-  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+// One BF16 decode row (D 128) over a sequence of 20 tokens: two pages of 16.
+TestCase DecodeOverTwoPages() {
   TestCase tc;
   tc.dtype = DType::kBF16;
   tc.seqlens_q = {1};
   tc.seqlens_k = {20};
   tc.head_dim = 128;
-  HostBuffers buf(tc);
+  return tc;
+}
+
+// Paged params of `attn`'s one sequence, `len[0]` tokens all cached, over
+// `cache` through the page ids `table`.
+PagedAttnParams OneSequence(const AttnParams& attn, const DeviceCache& cache,
+                            const std::vector<int32_t>& table, const std::vector<int32_t>& len) {
+  PagedAttnParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.attn = attn;
+  p.pages = cache.pages();
+  p.block_table = table.data();
+  p.block_table_stride = int32_t(table.size());
+  p.seqlens_k = len.data();
+  return p;
+}
+
+TEST(CudaPaged, PageIdOutsideTheCacheIsRejected) {
+  std::string why;
+  AttentionBackend* backend = SharedBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  HostBuffers buf(DecodeOverTwoPages());
   const int64_t row_bytes = int64_t{128} * 2;
   DeviceCache cache(backend, 1, 1, 16, row_bytes);  // 2 pages
   ASSERT_TRUE(cache.status().ok());
-  std::vector<int32_t> table = {0, 2};  // page 2 does not exist
-  std::vector<int32_t> len = {20};
-  PagedAttnParams p;
-  std::memset(&p, 0, sizeof(p));
-  p.attn = buf.params();
-  p.pages = cache.pages();
-  p.block_table = table.data();
-  p.block_table_stride = 2;
-  p.seqlens_k = len.data();
+  const std::vector<int32_t> table = {0, 2}, len = {20};  // page 2 does not exist
+  const PagedAttnParams p = OneSequence(buf.params(), cache, table, len);
   const absl::Status st = PlanAndPagedForward(*backend, p, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   // CheckPagedParams names the flat index b * block_table_stride + i.
@@ -536,27 +548,16 @@ TEST(CudaPaged, PagedModsAreAlibiAndSinksOnly) {
   std::string why;
   AttentionBackend* backend = SharedBackend(&why);
   if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
-  TestCase tc;
-  tc.dtype = DType::kBF16;
-  tc.seqlens_q = {1};
-  tc.seqlens_k = {20};
+  TestCase tc = DecodeOverTwoPages();
   tc.num_heads_q = 2;
   tc.num_heads_kv = 1;
-  tc.head_dim = 128;
   tc.mods.alibi = true;
   tc.mods.sinks = true;
   HostBuffers buf(tc);
   DeviceCache cache(backend, 1, 1, 16, int64_t{128} * 2);
   ASSERT_TRUE(cache.status().ok());
-  std::vector<int32_t> table = {0, 1};
-  std::vector<int32_t> len = {20};
-  PagedAttnParams p;
-  std::memset(&p, 0, sizeof(p));
-  p.attn = buf.params();
-  p.pages = cache.pages();
-  p.block_table = table.data();
-  p.block_table_stride = 2;
-  p.seqlens_k = len.data();
+  const std::vector<int32_t> table = {0, 1}, len = {20};
+  const PagedAttnParams p = OneSequence(buf.params(), cache, table, len);
   const absl::StatusOr<Plan> ok = backend->CanImplementPaged(p);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->kernel_family, KernelFamily::kPortable);
