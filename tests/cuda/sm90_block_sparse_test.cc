@@ -403,34 +403,29 @@ std::vector<Case> Cases() {
   for (int d : {64, 128})
     for (DType t : {DType::kBF16, DType::kFP16})
       for (bool causal : {false, true}) {
-        for (double dens : {0.0, 0.05, 0.25, 0.5, 1.0}) {
+        // One sequence of `sq` queries and `sk` keys at this grid point.
+        auto one = [&](int sq, int sk) {
           Case c;
           c.d = d;
           c.dtype = t;
           c.causal = causal;
-          c.seq_q = {700};
-          c.seq_k = {700};
+          c.seq_q = {sq};
+          c.seq_k = {sk};
+          return c;
+        };
+        for (double dens : {0.0, 0.05, 0.25, 0.5, 1.0}) {
+          Case c = one(700, 700);
           c.density = dens;
           c.name = name(c, "random" + std::to_string(static_cast<int>(dens * 100)));
           v.push_back(c);
         }
-        Case s;
-        s.d = d;
-        s.dtype = t;
-        s.causal = causal;
-        s.seq_q = {640};
-        s.seq_k = {1000};
+        Case s = one(640, 1000);
         s.density = 0.25;
         s.pattern = "stripes";
         s.name = name(s, "stripes25_q640_k1000");
         v.push_back(s);
         // ALiBi + sinks without a block mask, then with one.
-        Case a;
-        a.d = d;
-        a.dtype = t;
-        a.causal = causal;
-        a.seq_q = {333};
-        a.seq_k = {333};
+        Case a = one(333, 333);
         a.alibi = a.sinks = true;
         a.name = name(a, "alibi_sinks");
         v.push_back(a);
@@ -550,12 +545,10 @@ TEST(Sm90ModsRefusals, BiasAndStraddlingBlocks) {
   Stage(pr, c, &st);
   if (HasFatalFailure()) return;
   cuda::FwdLaunch l = st.l;
-  const uint8_t one = 1;
-  l.p.mask = &one;  // never read: refused first
-  EXPECT_EQ(RunSm90(l), cudaErrorNotSupported);
-  l.p.mask = nullptr;
+  // A bias of another dtype than FP32/FP16/BF16 (never read: refused first).
   float bias = 0.f;
   l.p.bias = &bias;
+  l.p.bias_dtype = DType::kFP8E4M3;
   EXPECT_EQ(RunSm90(l), cudaErrorNotSupported);
   cudaGetLastError();
 }
