@@ -20,6 +20,7 @@
 namespace attnserve {
 namespace {
 
+using testing_util::Bias;
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
 using testing_util::ModsSpec;
@@ -58,34 +59,14 @@ TestCase VarlenBase(DType t) {
   return tc;
 }
 
-ModsSpec Bias(DType t, bool per_batch, bool per_head) {
-  ModsSpec m;
-  m.bias = true;
-  m.bias_dtype = t;
-  m.bias_per_batch = per_batch;
-  m.bias_per_head = per_head;
-  return m;
-}
-
+// This file's masks keep some rows empty unless told otherwise.
 ModsSpec Mask(float density, bool per_batch = true, bool per_head = true) {
-  ModsSpec m;
-  m.mask_density = density;
-  m.mask_empty_rows = 0.1f;
-  m.mask_per_batch = per_batch;
-  m.mask_per_head = per_head;
-  return m;
+  return testing_util::Mask(density, per_batch, per_head, /*empty_rows=*/0.1f);
 }
 
 ModsSpec Blocks(float density, int bq = 128, int bk = 128, bool per_batch = true,
                 bool per_head = true) {
-  ModsSpec m;
-  m.block_q = bq;
-  m.block_k = bk;
-  m.block_density = density;
-  m.block_empty_rows = 0.2f;
-  m.block_per_batch = per_batch;
-  m.block_per_head = per_head;
-  return m;
+  return testing_util::Blocks(bq, bk, density, per_batch, per_head, /*empty_rows=*/0.2f);
 }
 
 ModsSpec All() {

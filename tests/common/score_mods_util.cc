@@ -78,6 +78,36 @@ std::string ModsSpec::Tag() const {
   return s;
 }
 
+ModsSpec Bias(DType dtype, bool per_batch, bool per_head, float neg_inf) {
+  ModsSpec m;
+  m.bias = true;
+  m.bias_dtype = dtype;
+  m.bias_per_batch = per_batch;
+  m.bias_per_head = per_head;
+  m.bias_neg_inf = neg_inf;
+  return m;
+}
+
+ModsSpec Mask(float density, bool per_batch, bool per_head, float empty_rows) {
+  ModsSpec m;
+  m.mask_density = density;
+  m.mask_per_batch = per_batch;
+  m.mask_per_head = per_head;
+  m.mask_empty_rows = empty_rows;
+  return m;
+}
+
+ModsSpec Blocks(int bq, int bk, float density, bool per_batch, bool per_head, float empty_rows) {
+  ModsSpec m;
+  m.block_q = bq;
+  m.block_k = bk;
+  m.block_density = density;
+  m.block_per_batch = per_batch;
+  m.block_per_head = per_head;
+  m.block_empty_rows = empty_rows;
+  return m;
+}
+
 int32_t KeyBlocksOf(const AttnParams& p, int b) {
   return (SeqLenK(p, b) + p.block_k - 1) / p.block_k;
 }

@@ -70,6 +70,15 @@ struct ModsSpec {
   std::string Tag() const;
 };
 
+// Specs of one mod each, with its broadcast shape: a bias of `dtype` (a
+// `neg_inf` fraction of -inf), an element mask kept with p = `density` (an
+// `empty_rows` fraction of rows all zero), a block mask of bq x bk blocks kept
+// with p = `density` (an `empty_rows` fraction of CSR rows empty).
+ModsSpec Bias(DType dtype, bool per_batch, bool per_head, float neg_inf = 0.f);
+ModsSpec Mask(float density, bool per_batch, bool per_head, float empty_rows = 0.f);
+ModsSpec Blocks(int bq, int bk, float density, bool per_batch, bool per_head,
+                float empty_rows = 0.f);
+
 // The random arrays of one spec for one call's shape (sizes, varlen offsets
 // and total_pairs of `shape`, which must come from MakeAttnParams; its mod
 // fields are ignored). Host memory, owned here; not copyable (params point in).

@@ -27,8 +27,11 @@
 namespace attnserve {
 namespace {
 
+using testing_util::Bias;
+using testing_util::Blocks;
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
+using testing_util::Mask;
 using testing_util::ModsSpec;
 using testing_util::TestCase;
 
@@ -61,34 +64,6 @@ ModsSpec Alibi() {
 ModsSpec Sinks() {
   ModsSpec m;
   m.sinks = true;
-  return m;
-}
-ModsSpec Bias(DType t, bool per_batch, bool per_head, float neg_inf = 0.f) {
-  ModsSpec m;
-  m.bias = true;
-  m.bias_dtype = t;
-  m.bias_per_batch = per_batch;
-  m.bias_per_head = per_head;
-  m.bias_neg_inf = neg_inf;
-  return m;
-}
-ModsSpec Mask(float density, bool per_batch, bool per_head, float empty_rows = 0.f) {
-  ModsSpec m;
-  m.mask_density = density;
-  m.mask_per_batch = per_batch;
-  m.mask_per_head = per_head;
-  m.mask_empty_rows = empty_rows;
-  return m;
-}
-ModsSpec Blocks(int bq, int bk, float density, bool per_batch, bool per_head,
-                float empty_rows = 0.f) {
-  ModsSpec m;
-  m.block_q = bq;
-  m.block_k = bk;
-  m.block_density = density;
-  m.block_per_batch = per_batch;
-  m.block_per_head = per_head;
-  m.block_empty_rows = empty_rows;
   return m;
 }
 // Every mod at once (a per-head BF16 bias, a mask, a per-head block mask).
