@@ -74,9 +74,12 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
 }
 
 // True when the Hopper prefill kernel takes p's score modifiers: ALiBi,
-// sinks and a block mask (where Sm90BlockMaskFits); a bias or element mask
-// runs on the portable kernel (attn_fwd_sm90.h).
-bool Sm90PrefillTakesMods(const AttnParams& p) { return p.bias == nullptr && p.mask == nullptr; }
+// sinks, an FP32/FP16/BF16 bias, an element mask and a block mask (where
+// Sm90BlockMaskFits) all run there (attn_fwd_sm90.h).
+bool Sm90PrefillTakesMods(const AttnParams& p) {
+  return p.bias == nullptr || p.bias_dtype == DType::kFP32 || p.bias_dtype == DType::kFP16 ||
+         p.bias_dtype == DType::kBF16;
+}
 
 // True when the Hopper decode kernel serves a decode-tile call of `p`: its
 // table has the head dim exactly (Q rows are copied whole, so no padding

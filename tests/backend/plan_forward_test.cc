@@ -335,9 +335,8 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
   };
   for (int which = 0; which < 5; ++which) {
     SCOPED_TRACE(which);
-    // Prefill: ALiBi, sinks and block masks on the Hopper kernel where this
-    // build has it; a bias or element mask on the portable banded tile.
-    const bool hopper = (which == 0 || which == 1 || which == 4) && cuda::CompiledSm90HeadDim(128);
+    // Prefill: every mod on the Hopper kernel where this build has it.
+    const bool hopper = cuda::CompiledSm90HeadDim(128);
     Plan p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, true);
     EXPECT_EQ(p.kernel_family, hopper ? KernelFamily::kSm90 : KernelFamily::kPortable);
     EXPECT_TRUE(p.banded);

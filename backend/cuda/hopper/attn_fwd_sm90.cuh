@@ -41,7 +41,8 @@ namespace sm90 {
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
-// schedule only): ALiBi, sinks and the block mask (Sm90FwdConfig).
+// schedule only): ALiBi, additive bias, element mask, sinks and the block
+// mask (Sm90FwdConfig).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk, bool kMods>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
@@ -155,8 +156,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
 // Score modifiers (HasScoreMods) run the kMods instantiation, which only the
 // 16-bit default schedule has (Sm90SupportsMods); the others refuse them
-// with cudaErrorNotSupported, as they do an additive bias or element mask
-// (not in this kernel yet) and a block mask whose key blocks the tile's
+// with cudaErrorNotSupported, as the default schedule does a bias of another
+// dtype than FP32/FP16/BF16 and a block mask whose key blocks the tile's
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
           bool kLongKeys>
@@ -168,7 +169,11 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   const bool mods = HasScoreMods(p);
   if (mods) {
     constexpr bool kHasMods = kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk;
-    if (!kHasMods || p.bias != nullptr || p.mask != nullptr) return cudaErrorNotSupported;
+    if (!kHasMods) return cudaErrorNotSupported;
+    if (p.bias != nullptr && p.bias_dtype != DType::kFP32 && p.bias_dtype != DType::kFP16 &&
+        p.bias_dtype != DType::kBF16) {
+      return cudaErrorNotSupported;
+    }
     if (HasBlockMask(p) && !Sm90BlockMaskFits(kTile.block_n, p.block_q, p.block_k)) {
       return cudaErrorNotSupported;
     }
@@ -213,13 +218,19 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
                                        true>;
     }
   }
+  using ModsCfg =
+      sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, Sm90QSlots(kTile, kQKBytes), T,
+                          kIsBanded, kSchedule, kFp8Qk, true>;
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  static_assert(ModsCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
+  // The kMods kernel adds its prefetch buffer where it fits.
+  const int smem = mods ? ModsCfg::kSmemBytes : kSmem;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid;
   err = Scheduler::Grid(items, p.num_heads_q, &grid);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, sm90::ThreadsOf(kSchedule), kSmem, stream>>>(l);
+  kernel<<<grid, sm90::ThreadsOf(kSchedule), smem, stream>>>(l);
   return cudaGetLastError();
 }
 

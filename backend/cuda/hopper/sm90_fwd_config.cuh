@@ -35,8 +35,9 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 
 // Everything the kernel template's parameters fix: the schedule's features
 // (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes. kMods: the
-// instantiation for calls with score modifiers (HasScoreMods: ALiBi, sinks,
-// a block mask); the plain one carries none of their code.
+// instantiation for calls with score modifiers (HasScoreMods: ALiBi, bias,
+// element mask, sinks, a block mask); the plain one carries none of their
+// code.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
           Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false>
 struct Sm90FwdConfig {
@@ -73,6 +74,16 @@ struct Sm90FwdConfig {
   static constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
   static constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // Shared memory without and (kMods) with the bias / mask prefetch buffer
+  // (a word per fragment pair per consumer thread, Sm90FwdMainloop::
+  // PrefetchMods), kept where it fits (else those pairs are read when the
+  // tile is scored).
+  static constexpr int kBaseSmemBytes =
+      (kQSlots * kBlockM + kStages * kBlockN) * kQKBlocks * 128 + kStages * kVBytes + 1024 + 256;
+  static constexpr int kPreBytesWanted = kConsumerThreads * 2 * kNTiles * 4;
+  static constexpr int kPreBytes =
+      kMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
+  static constexpr int kSmemBytes = kBaseSmemBytes + kPreBytes;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
   static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
 };
@@ -123,6 +134,11 @@ struct Sm90FwdSmem {
   // [2][kItemSlotInts]
   __device__ __forceinline__ int* item_slot() const {
     return reinterpret_cast<int*>(sched_empty() + 2);
+  }
+  // kMods: the bias / mask prefetch buffer (Cfg::kPreBytes), after the
+  // 256 bytes of mbarriers and item slots.
+  __device__ __forceinline__ unsigned char* pre() const {
+    return reinterpret_cast<unsigned char*>(q_full()) + 256;
   }
 
   // The Q slots' and the K/V ring's mbarriers (one thread; the caller fences).

@@ -8,9 +8,12 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -205,6 +208,8 @@ class Sm90FwdMainloop {
   static constexpr int kNTiles = Cfg::kNTiles;
   static constexpr int kDTiles = Cfg::kDTiles;
   static constexpr int kDBlocks = Cfg::kDBlocks;
+  // kMods loads each tile's bias / mask pairs during the tile before's GEMMs.
+  static_assert(!Cfg::kMods || Cfg::kOverlap, "kMods needs the overlapped schedule");
 
   const int ctid;  // thread index among the consumers
   const int wg;
@@ -294,7 +299,14 @@ class Sm90FwdMainloop {
         Release(&sm_.v_empty()[stage]);
       }
     } else {
-      // Tile 0: S and P only (O is still zero).
+      // Tile 0: S and P only (O is still zero). kMods: its bias / mask
+      // pairs are loaded before its Q K^T, each later tile's right after
+      // the softmax of the tile before it (one tile's GEMMs hide them).
+      TileWalk w{0, 0, 0, 1};
+      if constexpr (Cfg::kMods) {
+        WalkBegin(t, &w);
+        PrefetchMods(t, w.n);
+      }
       const int first = g % kStages;
       MbarWait(&sm_.k_full()[first], (g / kStages) & 1);
       TurnBegin();
@@ -303,21 +315,21 @@ class Sm90FwdMainloop {
       WgmmaWait<0>();
       FenceRegs(Flat(acc_.s));
       ReleaseK(first, 0, num_tiles, q_slot);
-      TileWalk w{0, 0, 0, 1};
-      if constexpr (Cfg::kMods) WalkBegin(t, &w);
       int n_prev = Cfg::kMods ? w.n : TileAt(t, 0);
       Softmax(t, row0, n_prev);
+      if constexpr (Cfg::kMods) {
+        // The next tile index (a CSR read) and its pairs are read before the
+        // waits and GEMMs they would otherwise stall after.
+        if (num_tiles > 1) {
+          WalkNext(&w);
+          PrefetchMods(t, w.n);
+        }
+      }
       ConvertP<T>(acc_.s, acc_.pa);
       for (int it = 1; it < num_tiles; ++it) {
         const int stage = (g + it) % kStages;
         const int prev = (g + it - 1) % kStages;
-        // kMods: the tile index (a CSR read) is read before the waits and
-        // GEMMs it would otherwise stall after.
-        int n_it = 0;
-        if constexpr (Cfg::kMods) {
-          WalkNext(&w);
-          n_it = w.n;
-        }
+        const int n_it = Cfg::kMods ? w.n : 0;
         MbarWait(&sm_.k_full()[stage], ((g + it) / kStages) & 1);
         MbarWait(&sm_.v_full()[prev], ((g + it - 1) / kStages) & 1);
         ClearVTail(t, prev, Cfg::kMods ? n_prev : TileAt(t, it - 1));
@@ -330,6 +342,12 @@ class Sm90FwdMainloop {
         FenceRegs(Flat(acc_.s));
         ReleaseK(stage, it, num_tiles, q_slot);
         Softmax(t, row0, Cfg::kMods ? n_it : TileAt(t, it));
+        if constexpr (Cfg::kMods) {
+          if (it + 1 < num_tiles) {
+            WalkNext(&w);
+            PrefetchMods(t, w.n);
+          }
+        }
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.o));
         Release(&sm_.v_empty()[prev]);
@@ -452,9 +470,227 @@ class Sm90FwdMainloop {
 
   // kMods, once per item: ALiBi's factor for the scores' units (raw Q.K, or
   // log2 units after softcap: score_log2 turns either into log2 units).
+  // Once per item: ALiBi's factor for the scores' units (raw Q.K, or log2
+  // units after softcap: score_log2 turns either into log2 units), and the
+  // pairs of the sequences before this one (varlen bias / mask layout).
   __device__ __forceinline__ void BeginItemMods(const Sm90Tile& t) {
-    const float* slopes = L_.fwd.p.alibi_slopes;
+    const AttnParams& p = L_.fwd.p;
+    const float* slopes = p.alibi_slopes;
     alibi_coef_ = slopes != nullptr ? -__ldg(slopes + t.head) * kLog2e / score_log2 : 0.f;
+    pairs_before_ =
+        (p.bias != nullptr || p.mask != nullptr) && IsVarlen(p) ? PairsBefore(p, t.b) : 0;
+  }
+
+  // A 16-bit bias (the params are in constant memory: no registers held).
+  __device__ __forceinline__ bool Bias16() const {
+    const AttnParams& p = L_.fwd.p;
+    return p.bias != nullptr && p.bias_dtype != DType::kFP32;
+  }
+
+  // Element 0 of the thread's row `half` of the bias (elt 4 or 2 bytes) or
+  // the mask (1), recomputed per tile rather than held in registers; null
+  // past the sequence (rows never stored).
+  __device__ __forceinline__ const unsigned char* RowPtr(const Sm90Tile& t, int half, bool mask,
+                                                         int elt) const {
+    const AttnParams& p = L_.fwd.p;
+    const int i = Row0(t) + half * 8;
+    if (i >= t.sq) return nullptr;
+    const int64_t off =
+        mask ? PairOffset(p, p.mask_per_batch, p.mask_per_head, pairs_before_, t.b, t.head, i, 0)
+             : PairOffset(p, p.bias_per_batch, p.bias_per_head, pairs_before_, t.b, t.head, i, 0);
+    return static_cast<const unsigned char*>(mask ? static_cast<const void*>(p.mask) : p.bias) +
+           off * elt;
+  }
+
+  // One pair (keys j, j + 1) of kElt-byte elements of a row as a word (low
+  // element first), keys past sk not read (0: masked anyway). row null: a
+  // row past the sequence (mask pairs read as kept).
+  template <int kElt>
+  __device__ __forceinline__ static uint32_t LoadPair(const unsigned char* row, int j, int sk) {
+    using E = typename std::conditional<kElt == 2, uint16_t, uint8_t>::type;
+    if (row == nullptr) return kElt == 1 ? 0x0101u : 0u;
+    const unsigned char* a = row + j * kElt;
+    const uint32_t lo = j < sk ? uint32_t{__ldg(reinterpret_cast<const E*>(a))} : 0u;
+    const uint32_t hi = j + 1 < sk ? uint32_t{__ldg(reinterpret_cast<const E*>(a + kElt))} : 0u;
+    return lo | (hi << (8 * kElt));
+  }
+
+  // Whether a row's pairs go through the prefetch buffer: each pair then
+  // lies in one aligned word (a 16-bit bias row 4-byte aligned, a mask row
+  // 2-byte aligned); other rows are read when the tile is scored.
+  template <int kElt>
+  __device__ __forceinline__ static bool Prefetchable(const unsigned char* row) {
+    return Cfg::kPreBytes > 0 && row != nullptr &&
+           reinterpret_cast<uintptr_t>(row) % (2 * kElt) == 0;
+  }
+
+  // Word k (half * kNTiles + nt) of this thread's prefetch buffer:
+  // [k][consumer thread], so a warp's reads hit 32 banks.
+  __device__ __forceinline__ uint32_t* PreWord(int k) const {
+    return reinterpret_cast<uint32_t*>(sm_.pre()) + k * kConsumerThreads + ctid;
+  }
+
+  // Key tile n's pairs of the thread's fragment into its prefetch buffer,
+  // a tile ahead of their use: a 16-bit bias's, else the element mask's
+  // (an FP32 bias is read when the tile is scored). Aligned rows by
+  // cp.async (no registers held while they load; each thread reads back
+  // only its own words, after cp.async.wait_group): a mask pair as the
+  // aligned word around it, shifted on use, the bytes copied stopping at the
+  // row's sk (zero-filled). Other rows, and a 16-bit bias beside a mask
+  // (the mask folded in as -inf bias), are read here and stored.
+  __device__ __forceinline__ void PrefetchMods(const Sm90Tile& t, int n) {
+    if constexpr (Cfg::kPreBytes > 0) {
+      const AttnParams& p = L_.fwd.p;
+      const bool bias16 = Bias16();
+      if (!bias16 && p.mask == nullptr) return;
+      const int elt = bias16 ? 2 : 1;
+      const int key0 = n * kBlockN + quad * 2;
+      const uint32_t neg_inf = p.bias_dtype == DType::kBF16 ? 0xff80u : 0xfc00u;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const unsigned char* row = RowPtr(t, half, !bias16, elt);
+        if (bias16 ? Prefetchable<2>(row) && p.mask == nullptr : Prefetchable<1>(row)) {
+          const uintptr_t end =
+              reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(t.sk) * elt;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            const uintptr_t a = reinterpret_cast<uintptr_t>(row) + (key0 + nt * 8) * elt;
+            const uintptr_t w = a & ~uintptr_t{3};
+            const int bytes = w >= end ? 0 : end - w >= 4 ? 4 : static_cast<int>(end - w);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                             SmemAddr(PreWord(half * kNTiles + nt))),
+                         "l"(bytes > 0 ? w : reinterpret_cast<uintptr_t>(row)), "r"(bytes)
+                         : "memory");
+          }
+        } else if (bias16) {
+          const unsigned char* mrow = p.mask != nullptr ? RowPtr(t, half, true, 1) : nullptr;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            uint32_t w = LoadPair<2>(row, key0 + nt * 8, t.sk);
+            if (p.mask != nullptr) {
+              const uint32_t m = LoadPair<1>(mrow, key0 + nt * 8, t.sk);
+              if ((m & 0xffu) == 0) w = (w & 0xffff0000u) | neg_inf;
+              if ((m & 0xff00u) == 0) w = (w & 0xffffu) | (neg_inf << 16);
+            }
+            *PreWord(half * kNTiles + nt) = w;
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            *PreWord(half * kNTiles + nt) = LoadPair<1>(row, key0 + nt * 8, t.sk);
+          }
+        }
+      }
+      detail::CpAsyncCommit();
+    }
+  }
+
+  // Pair nt of the thread's row `row` (fragment row half) of key tile key0:
+  // from its prefetch buffer (PrefetchMods; the copies landed), or read now
+  // where the kernel has no buffer. Applied pair by pair, so no tile of
+  // pairs is live beside S, O and P.
+  template <int kElt>
+  __device__ __forceinline__ uint32_t PairAt(const unsigned char* row, int half, int nt, int key0,
+                                             int sk) const {
+    if constexpr (Cfg::kPreBytes > 0) {
+      const int shift =
+          kElt == 1 && Prefetchable<1>(row) ? (reinterpret_cast<uintptr_t>(row) & 2) * 8 : 0;
+      return *PreWord(half * kNTiles + nt) >> shift;
+    } else {
+      return LoadPair<kElt>(row, key0 + nt * 8 + quad * 2, sk);
+    }
+  }
+
+  // S += bias (natural-log units, times kLog2e / score_log2 into S's
+  // units) from 16-bit pairs.
+  template <bool kBf16>
+  __device__ __forceinline__ void AddBias16(const Sm90Tile& t, int key0) {
+    detail::CpAsyncWaitAll();
+    const float coef = kLog2e / score_log2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const unsigned char* row = RowPtr(t, half, false, 2);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const uint32_t u = PairAt<2>(row, half, nt, key0, t.sk);
+        float2 b;
+        if constexpr (kBf16) {
+          b = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+        } else {
+          __half2 h;
+          memcpy(&h, &u, 4);
+          b = __half22float2(h);
+        }
+        float* x = &acc_.s[0][nt][half * 2];
+        x[0] = fmaf(b.x, coef, x[0]);
+        x[1] = fmaf(b.y, coef, x[1]);
+      }
+    }
+  }
+
+  // An FP32 bias, read as the tile is scored, a row and 8 pairs at a time.
+  __device__ __forceinline__ void AddBias32(const Sm90Tile& t, int key0) {
+    const float coef = kLog2e / score_log2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float* row = reinterpret_cast<const float*>(RowPtr(t, half, false, 4));
+      if (row == nullptr) continue;
+      const bool vec = reinterpret_cast<uintptr_t>(row) % 8 == 0;
+#pragma unroll
+      for (int nt0 = 0; nt0 < kNTiles; nt0 += 8) {
+        float2 b[8];
+#pragma unroll
+        for (int k = 0; k < 8 && nt0 + k < kNTiles; ++k) {
+          const int j = key0 + (nt0 + k) * 8 + quad * 2;
+          b[k] = make_float2(0.f, 0.f);
+          if (j + 1 < t.sk && vec) {
+            b[k] = __ldg(reinterpret_cast<const float2*>(row + j));
+          } else {
+            if (j < t.sk) b[k].x = __ldg(row + j);
+            if (j + 1 < t.sk) b[k].y = __ldg(row + j + 1);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 8 && nt0 + k < kNTiles; ++k) {
+          float* x = &acc_.s[0][nt0 + k][half * 2];
+          x[0] = fmaf(b[k].x, coef, x[0]);
+          x[1] = fmaf(b[k].y, coef, x[1]);
+        }
+      }
+    }
+  }
+
+  // Keys whose element-mask byte is 0 become -inf (beside a 16-bit bias
+  // in a prefetch buffer, the mask is folded into it).
+  __device__ __forceinline__ void MaskElements(const Sm90Tile& t, int key0) {
+    if (L_.fwd.p.mask == nullptr) return;
+    const bool folded = Cfg::kPreBytes > 0 && Bias16();
+    if (folded) return;
+    detail::CpAsyncWaitAll();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const unsigned char* row = RowPtr(t, half, true, 1);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const uint32_t m = PairAt<1>(row, half, nt, key0, t.sk);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (((m >> (8 * e)) & 0xffu) == 0) acc_.s[0][nt][half * 2 + e] = -INFINITY;
+        }
+      }
+    }
+  }
+
+  // The bias (after ALiBi) and, after the band, the element mask of key
+  // tile key0.
+  __device__ __forceinline__ void AddBias(const Sm90Tile& t, int key0) {
+    const AttnParams& p = L_.fwd.p;
+    if (p.bias == nullptr) return;
+    switch (p.bias_dtype) {
+      case DType::kBF16: AddBias16<true>(t, key0); break;
+      case DType::kFP16: AddBias16<false>(t, key0); break;
+      default: AddBias32(t, key0); break;
+    }
   }
 
   // S += ALiBi's -slope |diag - j| (alibi_coef_ per distance, in S's units)
@@ -475,17 +711,20 @@ class Sm90FwdMainloop {
     }
   }
 
-  // Softcap, ALiBi, mask and the online-softmax step of key tile n, S -> P.
+  // Softcap, ALiBi, bias, band, element mask and the online-softmax step of
+  // key tile n, S -> P.
   __device__ __forceinline__ void Softmax(const Sm90Tile& t, int row0, int n) {
     const AttnParams& p = L_.fwd.p;
     if (use_softcap) detail::SoftcapScores(acc_.s, L_.fwd.softcap_in, L_.fwd.softcap_out);
     const int key0 = n * kBlockN;
     if constexpr (Cfg::kMods) {
       if (alibi_coef_ != 0.f) AddAlibi(t, row0, key0);
+      AddBias(t, key0);
     }
     if (Mask::TileNeedsMask(key0, kBlockN, t.sk, t.lo_last, t.hi_first)) {
       detail::MaskScores(acc_.s, p, key0, row0, t.sq, 1, t.sq, t.sk, quad);
     }
+    if constexpr (Cfg::kMods) MaskElements(t, key0);
     SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
   }
 
@@ -511,9 +750,12 @@ class Sm90FwdMainloop {
   const Smem sm_;
   const unsigned char* q_wg_;  // this warpgroup's 64 rows of the item's Q slot
   Sm90FwdAccum<Cfg>& acc_;
-  float alibi_coef_ = 0.f;  // kMods: BeginItemMods
-  int g_ = 0;               // K/V tiles consumed so far (ring slot and phase)
-  int items_done_ = 0;      // items consumed so far (Q slot and phase)
+  // kMods (BeginItemMods): ALiBi's factor; PairsBefore of the item's
+  // sequence (varlen bias / mask; dense: 0).
+  float alibi_coef_ = 0.f;
+  int64_t pairs_before_ = 0;
+  int g_ = 0;           // K/V tiles consumed so far (ring slot and phase)
+  int items_done_ = 0;  // items consumed so far (Q slot and phase)
 };
 
 }  // namespace sm90
