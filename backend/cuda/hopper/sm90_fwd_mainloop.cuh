@@ -593,8 +593,11 @@ class Sm90FwdMainloop {
   __device__ __forceinline__ uint32_t PairAt(const unsigned char* row, int half, int nt, int key0,
                                              int sk) const {
     if constexpr (Cfg::kPreBytes > 0) {
-      const int shift =
-          kElt == 1 && Prefetchable<1>(row) ? (reinterpret_cast<uintptr_t>(row) & 2) * 8 : 0;
+      // A mask pair's offset in its aligned word: the row's and the
+      // thread's first column's (quad * 2; tiles and nt steps keep it).
+      const int shift = kElt == 1 && Prefetchable<1>(row)
+                            ? ((reinterpret_cast<uintptr_t>(row) + quad * 2) & 2) * 8
+                            : 0;
       return *PreWord(half * kNTiles + nt) >> shift;
     } else {
       return LoadPair<kElt>(row, key0 + nt * 8 + quad * 2, sk);
