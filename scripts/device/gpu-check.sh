@@ -9,7 +9,7 @@
 # `attnctl forward --verify` round over loopback against --backend=cuda.
 # Logs go to $OUT (or ./gpu-check-out); a summary table is printed last.
 # The score-modifier and mask tests (cuda_score_mods_test, cuda_paged_test,
-# sm90_block_sparse_test) run too, each under both families, with their own
+# sm90_block_sparse_test, sm90_bias_test) run too, each under both families, with their own
 # sanitizer subset. KERNELS=dev builds the D 128 kernels only (a faster build;
 # the other head dims' cases skip).
 # Usage: [KERNELS=all|dev] scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,me
 KERNELS=${KERNELS:-all}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
-MODS_TESTS="cuda_score_mods_test cuda_paged_test sm90_block_sparse_test"
+MODS_TESTS="cuda_score_mods_test cuda_paged_test sm90_block_sparse_test sm90_bias_test"
 # The test binaries link the carried Abseil shared libraries; a carried
 # shared-library server brings its own (scripts/device/pack-device-deps.sh --server).
 use_carried_libs absl lib
@@ -104,10 +104,13 @@ if [ $SAN = 1 ]; then
     n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool.log")
     note "sanitizer $tool" "rc=$rc tests_ok=$n $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | head -1)"
   done
-  # The modifier kernels: every third case of each mods test (both families' picks).
+  # The modifier kernels: every fourth case of each mods test under memcheck,
+  # every twelfth under racecheck (the slower tool).
   for t in $MODS_TESTS; do
-    cases=$($B/tests/cuda/$t --gtest_list_tests | awk '/^[^ ]/ {s=$1} /^  / {print s $1}' | awk 'NR % 3 == 1' | paste -sd: -)
     for tool in memcheck racecheck; do
+      step=4; [ $tool = racecheck ] && step=12
+      cases=$($B/tests/cuda/$t --gtest_list_tests | awk '/^[^ ]/ {s=$1} /^  / {print s $1}' |
+        awk -v n=$step 'NR % n == 1' | paste -sd: -)
       timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/cuda/$t \
         --gtest_filter="$cases" >"$OUT/sanitizer-$tool-$t.log" 2>&1; rc=$?
       n=$(grep -cE '^\[       OK \]' "$OUT/sanitizer-$tool-$t.log")
