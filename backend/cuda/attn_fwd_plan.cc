@@ -74,11 +74,11 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
 }
 
 // True when the Hopper prefill kernel takes p's score modifiers: ALiBi,
-// sinks, an FP32/FP16/BF16 bias, an element mask and a block mask (where
-// Sm90BlockMaskFits) all run there (attn_fwd_sm90.h).
+// sinks, an FP16/BF16 bias, an element mask and a block mask (where
+// Sm90BlockMaskFits) run there (attn_fwd_sm90.h); an FP32 bias runs on the
+// portable kernel.
 bool Sm90PrefillTakesMods(const AttnParams& p) {
-  return p.bias == nullptr || p.bias_dtype == DType::kFP32 || p.bias_dtype == DType::kFP16 ||
-         p.bias_dtype == DType::kBF16;
+  return p.bias == nullptr || p.bias_dtype == DType::kFP16 || p.bias_dtype == DType::kBF16;
 }
 
 // True when the Hopper decode kernel serves a decode-tile call of `p`: its

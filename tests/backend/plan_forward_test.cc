@@ -322,7 +322,10 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     switch (which) {
       case 0: a.alibi_slopes = &dummy; break;
       case 1: a.sinks = &dummy; break;
-      case 2: a.bias = &dummy; break;
+      case 2:
+        a.bias = &dummy;
+        a.bias_dtype = DType::kBF16;
+        break;
       case 3: a.mask = reinterpret_cast<const uint8_t*>(&dummy); break;
       default:
         a.block_q = a.block_k = 128;
@@ -375,6 +378,10 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
     EXPECT_FALSE(p.fp8_qk);
   }
+  // An FP32 bias runs on the portable kernel.
+  AttnParams bias32 = with(Dense(4, 1024, 1024, 8, 8, 128), 2);
+  bias32.bias_dtype = DType::kFP32;
+  EXPECT_EQ(PlanForward(bias32, kH100Sms, true).kernel_family, KernelFamily::kPortable);
   // A block mask whose key blocks the Hopper tile does not divide stays
   // portable (Sm90BlockMaskFits), and never takes the long-key tile.
   if (cuda::CompiledSm90HeadDim(128)) {

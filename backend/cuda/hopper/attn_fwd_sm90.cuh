@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // Score modifiers (HasScoreMods) run the kMods instantiation, which only the
 // 16-bit default schedule has (Sm90SupportsMods); the others refuse them
 // with cudaErrorNotSupported, as the default schedule does a bias of another
-// dtype than FP32/FP16/BF16 and a block mask whose key blocks the tile's
+// dtype than FP16/BF16 and a block mask whose key blocks the tile's
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
           bool kLongKeys>
@@ -170,8 +170,7 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   if (mods) {
     constexpr bool kHasMods = kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk;
     if (!kHasMods) return cudaErrorNotSupported;
-    if (p.bias != nullptr && p.bias_dtype != DType::kFP32 && p.bias_dtype != DType::kFP16 &&
-        p.bias_dtype != DType::kBF16) {
+    if (p.bias != nullptr && p.bias_dtype != DType::kFP16 && p.bias_dtype != DType::kBF16) {
       return cudaErrorNotSupported;
     }
     if (HasBlockMask(p) && !Sm90BlockMaskFits(kTile.block_n, p.block_q, p.block_k)) {

@@ -42,8 +42,8 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 // or __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q
 // and K are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk);
 // kLongKeys: kSm90LongKeyTileTable's tile (TileKind::kLongKeys), else
-// kSm90TileTable's. Score modifiers (HasScoreMods): ALiBi, an FP32/FP16/
-// BF16 bias, an element mask, sinks and a block mask run on the default
+// kSm90TileTable's. Score modifiers (HasScoreMods): ALiBi, an FP16/BF16
+// bias, an element mask, sinks and a block mask run on the default
 // schedule without kFp8Qk (a block mask only where Sm90BlockMaskFits);
 // anything else is cudaErrorNotSupported.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,

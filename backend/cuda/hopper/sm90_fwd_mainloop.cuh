@@ -531,8 +531,8 @@ class Sm90FwdMainloop {
   }
 
   // Key tile n's pairs of the thread's fragment into its prefetch buffer,
-  // a tile ahead of their use: a 16-bit bias's, else the element mask's
-  // (an FP32 bias is read when the tile is scored). Aligned rows by
+  // a tile ahead of their use: a 16-bit bias's, else the element mask's.
+  // Aligned rows by
   // cp.async (no registers held while they load; each thread reads back
   // only its own words, after cp.async.wait_group): a mask pair as the
   // aligned word around it, shifted on use, the bytes copied stopping at the
@@ -631,38 +631,6 @@ class Sm90FwdMainloop {
     }
   }
 
-  // An FP32 bias, read as the tile is scored, a row and 8 pairs at a time.
-  __device__ __forceinline__ void AddBias32(const Sm90Tile& t, int key0) {
-    const float coef = kLog2e / score_log2;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float* row = reinterpret_cast<const float*>(RowPtr(t, half, false, 4));
-      if (row == nullptr) continue;
-      const bool vec = reinterpret_cast<uintptr_t>(row) % 8 == 0;
-#pragma unroll
-      for (int nt0 = 0; nt0 < kNTiles; nt0 += 8) {
-        float2 b[8];
-#pragma unroll
-        for (int k = 0; k < 8 && nt0 + k < kNTiles; ++k) {
-          const int j = key0 + (nt0 + k) * 8 + quad * 2;
-          b[k] = make_float2(0.f, 0.f);
-          if (j + 1 < t.sk && vec) {
-            b[k] = __ldg(reinterpret_cast<const float2*>(row + j));
-          } else {
-            if (j < t.sk) b[k].x = __ldg(row + j);
-            if (j + 1 < t.sk) b[k].y = __ldg(row + j + 1);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 8 && nt0 + k < kNTiles; ++k) {
-          float* x = &acc_.s[0][nt0 + k][half * 2];
-          x[0] = fmaf(b[k].x, coef, x[0]);
-          x[1] = fmaf(b[k].y, coef, x[1]);
-        }
-      }
-    }
-  }
-
   // Keys whose element-mask byte is 0 become -inf (beside a 16-bit bias
   // in a prefetch buffer, the mask is folded into it).
   __device__ __forceinline__ void MaskElements(const Sm90Tile& t, int key0) {
@@ -689,10 +657,12 @@ class Sm90FwdMainloop {
   __device__ __forceinline__ void AddBias(const Sm90Tile& t, int key0) {
     const AttnParams& p = L_.fwd.p;
     if (p.bias == nullptr) return;
-    switch (p.bias_dtype) {
-      case DType::kBF16: AddBias16<true>(t, key0); break;
-      case DType::kFP16: AddBias16<false>(t, key0); break;
-      default: AddBias32(t, key0); break;
+    // FP16 or BF16 only: an FP32 bias is refused at launch (the portable
+    // kernel takes it); reading it here spilled every kMods kernel.
+    if (p.bias_dtype == DType::kBF16) {
+      AddBias16<true>(t, key0);
+    } else {
+      AddBias16<false>(t, key0);
     }
   }
 
