@@ -1,8 +1,10 @@
 // CheckParams: see check_params.h.
 #include "backend/check_params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -130,12 +132,20 @@ absl::Status CheckBlockMask(const AttnParams& p) {
   const int heads = p.block_per_head ? p.num_heads_q : 1;
   const int outer = IsVarlen(p) ? heads : (p.block_per_batch ? p.batch : 1);
   const int inner = IsVarlen(p) ? p.batch : heads;
+  // Only sequences with query blocks own rows: walking the others would cost
+  // B x Hq steps that no byte of the call paid for.
+  std::vector<int> owners;
+  for (int b = 0; b < (IsVarlen(p) ? p.batch : std::min(p.batch, 1)); ++b) {
+    if (BlockRowsOf(p, b) > 0) owners.push_back(b);
+  }
+  const bool dense_rows = !IsVarlen(p) && !owners.empty();
   int64_t row = 0;
-  for (int x = 0; x < outer && p.batch > 0; ++x) {
-    for (int y = 0; y < inner; ++y) {
+  for (int x = 0; x < (IsVarlen(p) ? outer : (dense_rows ? outer : 0)); ++x) {
+    for (int yi = 0; yi < (IsVarlen(p) ? static_cast<int>(owners.size()) : inner); ++yi) {
       // Dense: x is the sequence (0 when shared), y the head; varlen the reverse.
+      const int y = IsVarlen(p) ? owners[yi] : yi;
       const int b = IsVarlen(p) ? y : x;
-      const int32_t key_blocks = (SeqLenK(p, b) + p.block_k - 1) / p.block_k;
+      const int64_t key_blocks = (int64_t{SeqLenK(p, b)} + p.block_k - 1) / p.block_k;
       for (int r = 0; r < BlockRowsOf(p, b); ++r, ++row) {
         const int32_t first = p.block_row_ptr[row];
         const int32_t last = p.block_row_ptr[row + 1];

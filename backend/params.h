@@ -191,8 +191,9 @@ ATTN_HOST_DEVICE int64_t PairOffset(const AttnParams& p, bool per_batch, bool pe
 }
 
 // Query blocks of sequence b, and of sequences 0..b-1 (O(b) for varlen).
+// 64-bit sum: block_q may be near INT32_MAX (the result then fits an int).
 ATTN_HOST_DEVICE int BlockRowsOf(const AttnParams& p, int b) {
-  return (SeqLenQ(p, b) + p.block_q - 1) / p.block_q;
+  return static_cast<int>((int64_t{SeqLenQ(p, b)} + p.block_q - 1) / p.block_q);
 }
 ATTN_HOST_DEVICE int64_t BlockRowsBefore(const AttnParams& p, int b) {
   if (!IsVarlen(p)) return int64_t{b} * BlockRowsOf(p, 0);

@@ -184,6 +184,13 @@ absl::Status CheckTokens(const AttentionCall& c, const RequestLimits& limits) {
         "tokens: expected at most ", limits.max_tokens, " (--max_tokens) query + key rows (",
         dense ? "B*Sq + B*Sk" : "Tq + Tk", "), got ", tokens));
   }
+  // Empty sequences cost no rows but each costs the backend its bookkeeping:
+  // a dense batch counts against the same limit.
+  if (dense && qs[0] > limits.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("q.shape[0]: expected at most ",
+                                                     limits.max_tokens,
+                                                     " (--max_tokens) sequences, got ", qs[0]));
+  }
   return absl::OkStatus();
 }
 

@@ -81,7 +81,9 @@ absl::Status FillPerHead(const inference::ModelInferRequest::InferInputTensor& i
   if (input.datatype() != "FP32") {
     return Invalid(absl::StrCat(where, ".datatype: expected FP32, got \"", input.datatype(), "\""));
   }
-  if (input.shape_size() != 1 || input.shape(0) < 0) {
+  // Bounded first, so count * 4 below cannot overflow.
+  if (input.shape_size() != 1 || input.shape(0) < 0 ||
+      input.shape(0) > static_cast<int64_t>(bytes.size())) {
     return Invalid(absl::StrCat(where, ".shape: expected [Hq], got [",
                                 absl::StrJoin(input.shape(), ","), "]"));
   }

@@ -60,7 +60,9 @@ absl::Status FillList(const inference::ModelInferRequest::InferInputTensor& inpu
     return absl::InvalidArgumentError(
         absl::StrCat(where, ".datatype: expected ", datatype, ", got \"", input.datatype(), "\""));
   }
-  if (input.shape_size() != 1 || input.shape(0) < 0) {
+  // Bounded first, so count * 4 below cannot overflow.
+  if (input.shape_size() != 1 || input.shape(0) < 0 ||
+      input.shape(0) > static_cast<int64_t>(bytes.size())) {
     return absl::InvalidArgumentError(absl::StrCat(where, ".shape: expected ", shape, ", got [",
                                                    absl::StrJoin(input.shape(), ","), "]"));
   }

@@ -726,6 +726,59 @@ TEST_F(ScoreModsWireTest, MalformedModsAreRefusedNamingTheFieldOnEveryProtocol) 
   ExpectStillServing();
 }
 
+// Hostile block masks: a block size near INT32_MAX (its row count once
+// overflowed: the server read past row_ptr and died) and a request with no
+// query rows but 2^31 - 1 sequences and heads (the row walk once spun through
+// B x Hq steps no byte paid for). Each is answered at once and the server
+// keeps serving.
+TEST_F(ScoreModsWireTest, HostileBlockMasksAreAnsweredAndTheServerServes) {
+  auto tensor = [](v1::Tensor* t, std::vector<int64_t> shape) {
+    t->set_dtype(v1::FP32);
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      t->add_shape(d);
+      n *= d;
+    }
+    t->set_data(std::string(static_cast<size_t>(n) * 4, '\0'));
+  };
+  auto request = [&](int64_t batch, int64_t sq, int64_t hq, int64_t block_q, int64_t num_batch,
+                     int64_t num_heads, std::vector<int32_t> row_ptr) {
+    v1::ForwardRequest r;
+    tensor(r.mutable_q(), {batch, sq, hq, 8});
+    tensor(r.mutable_k(), {batch, sq, 1, 8});
+    tensor(r.mutable_v(), {batch, sq, 1, 8});
+    v1::BlockMask* m = r.mutable_options()->mutable_block_mask();
+    m->set_block_q(static_cast<int32_t>(block_q));
+    m->set_block_k(128);
+    m->set_num_batch(static_cast<int32_t>(num_batch));
+    m->set_num_heads(static_cast<int32_t>(num_heads));
+    for (int32_t x : row_ptr) m->add_row_ptr(x);
+    return r;
+  };
+  constexpr int64_t kHugeBlock = 2147483520;  // the largest multiple of 128 in int32
+  // One row (1000 queries in one block): row_ptr needs 2 entries, not 1.
+  Answer a = Forward(request(1, 1000, 1, kHugeBlock, 1, 1, {0}));
+  EXPECT_EQ(a.code, grpc::StatusCode::INVALID_ARGUMENT) << a.message;
+  EXPECT_NE(a.message.find("row_ptr"), std::string::npos) << a.message;
+  a = Forward(request(1, 256, 1, kHugeBlock, 1, 1, {}));
+  EXPECT_EQ(a.code, grpc::StatusCode::INVALID_ARGUMENT) << a.message;
+  // The same block size with a correct CSR runs (one row keeping key block 0).
+  v1::ForwardRequest ok = request(1, 1000, 1, kHugeBlock, 1, 1, {0, 1});
+  ok.mutable_options()->mutable_block_mask()->add_col_idx(0);
+  a = Forward(ok);
+  EXPECT_EQ(a.code, grpc::StatusCode::OK) << a.message;
+  // No query rows, 1000 sequences and 2^31 - 1 heads: no rows to walk.
+  constexpr int64_t kMax = 2147483647;
+  a = Forward(request(1000, 0, kMax, 128, 1000, kMax, {0}));
+  EXPECT_NE(a.code, grpc::StatusCode::DEADLINE_EXCEEDED) << a.message;
+  // 2^31 - 1 empty sequences: more than --max_tokens, refused before the
+  // backend sizes anything by the batch.
+  a = Forward(request(kMax, 0, 1, 128, 1, 1, {0}));
+  EXPECT_EQ(a.code, grpc::StatusCode::RESOURCE_EXHAUSTED) << a.message;
+  EXPECT_NE(a.message.find("q.shape[0]"), std::string::npos) << a.message;
+  ExpectStillServing();
+}
+
 // What only v2 can get wrong: datatypes, missing block-mask pieces, and
 // parameters of the wrong type.
 TEST_F(ScoreModsWireTest, V2OnlyRefusals) {
