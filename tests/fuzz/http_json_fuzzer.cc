@@ -59,6 +59,7 @@ constexpr char kTarget[] = "http_json_fuzzer";
 size_t JsonWidth(const std::string& datatype) {
   if (datatype == "FP32" || datatype == "INT32") return 4;
   if (datatype == "FP16" || datatype == "BF16") return 2;
+  if (datatype == "BOOL") return 1;  // one byte per element, nonzero = true
   return 0;
 }
 
@@ -185,6 +186,8 @@ std::vector<bool> CheckAccepted(absl::string_view body, size_t header_length,
           int32_t got;
           std::memcpy(&got, &raw[e * 4], 4);
           same = static_cast<double>(got) == values[e];
+        } else if (t.datatype() == "BOOL") {
+          same = raw[e] == (values[e] != 0.0 ? 1 : 0);
         } else {
           uint16_t got;
           std::memcpy(&got, &raw[e * 2], 2);
