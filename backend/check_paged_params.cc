@@ -2,6 +2,7 @@
 #include "backend/check_paged_params.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "backend/check_params.h"
@@ -27,10 +28,38 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
   }
   RETURN_IF_ERROR(CheckParams(p.attn));
   if (p.attn.dtype == DType::kFP8E4M3) {
-    // The K/V cache refuses FP8 geometries (kv_pool.cc); this keeps it so.
+    // Q and O are never FP8 on a paged call; an FP8 cache says so in its pages.
     return absl::InvalidArgumentError(
-        "paged params: attn.dtype expected FP16, BF16 or FP32 (K/V caches have no FP8 path), got "
-        "FP8_E4M3");
+        "paged params: attn.dtype expected FP16, BF16 or FP32 (an FP8 cache sets "
+        "pages.fp8_e4m3), got FP8_E4M3");
+  }
+  if (p.pages.fp8_e4m3 && p.attn.dtype == DType::kFP32) {
+    return absl::InvalidArgumentError(
+        "paged params: attn.dtype expected FP16 or BF16 with an FP8 cache (pages.fp8_e4m3), got "
+        "FP32");
+  }
+  if ((p.k_new_scale == nullptr) != (p.v_new_scale == nullptr) ||
+      (!p.pages.fp8_e4m3 && p.k_new_scale != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged params: k_new_scale and v_new_scale expected both set (FP8 rows, FP8 cache) or "
+        "both unset, got k_new_scale ",
+        p.k_new_scale != nullptr ? "set" : "unset", ", v_new_scale ",
+        p.v_new_scale != nullptr ? "set" : "unset", " on a ",
+        p.pages.fp8_e4m3 ? "FP8" : "16/32-bit", " cache"));
+  }
+  if (p.k_new_scale != nullptr) {
+    // Given scales are copied into the pages as they are: a zero, negative
+    // or non-finite one would make every later read of its row meaningless.
+    const int64_t n = p.attn.total_k * p.attn.num_heads_kv;
+    for (int64_t i = 0; i < n; ++i) {
+      for (const float* s : {p.k_new_scale, p.v_new_scale}) {
+        if (!(s[i] > 0.0f) || !std::isfinite(s[i])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("paged params: ", s == p.k_new_scale ? "k_new_scale" : "v_new_scale",
+                           "[", i, "] expected finite and > 0, got ", s[i]));
+        }
+      }
+    }
   }
   if (p.attn.cu_seqlens_q == nullptr || p.attn.cu_seqlens_k == nullptr) {
     return absl::InvalidArgumentError("paged params: cu_seqlens_q and cu_seqlens_k must be set");

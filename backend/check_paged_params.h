@@ -22,7 +22,10 @@ struct PagedModSupport {
 // 1 <= num_slabs <= kMaxKvSlabs), every sequence's length after the append
 // (>= its new rows, <= block_table_stride * page_size, seqlen_k its maximum)
 // and every page id that the launch reads, writes or copies (< the pages of
-// num_slabs slabs). Reads the block table rows the lengths cover (host memory).
+// num_slabs slabs); an FP8 cache (pages.fp8_e4m3) only with FP16/BF16 Q and
+// O, and given new-row scales (k_new_scale, v_new_scale: both or neither, FP8
+// caches only) finite and > 0. Reads the block table rows the lengths cover
+// and the given scales (host memory).
 // UNIMPLEMENTED for a bias, element mask or block mask (laid out over a call's
 // own keys, they have no paged form; attend_pages is the paged sparsity), and
 // for ALiBi slopes or sinks unless `supported` says the caller's paged kernels

@@ -15,8 +15,11 @@ namespace {
 int64_t QRowBytes(const AttnParams& p) {
   return int64_t{p.num_heads_q} * p.head_dim * DTypeSize(p.dtype);
 }
-int64_t KvRowBytes(const AttnParams& p) {
-  return int64_t{p.num_heads_kv} * p.head_dim * DTypeSize(p.dtype);
+// A new K or V row as the call carries it: E4M3 codes when it gives scales
+// (FP8 cache), else attn.dtype.
+int64_t KvRowBytes(const PagedAttnParams& m) {
+  const AttnParams& p = m.attn;
+  return int64_t{p.num_heads_kv} * p.head_dim * (m.k_new_scale != nullptr ? 1 : DTypeSize(p.dtype));
 }
 
 }  // namespace
@@ -26,7 +29,8 @@ bool CanSharePagedLaunch(const PagedAttnParams& a, const PagedAttnParams& b) {
   // slab size are fixed at creation. (num_slabs may differ: the cache grew
   // between the two reservations; Gather takes the member that saw the most.)
   return a.pages.k_slabs[0] == b.pages.k_slabs[0] && a.pages.page_size == b.pages.page_size &&
-         a.pages.slab_shift == b.pages.slab_shift && CanShareLaunch(a.attn, b.attn);
+         a.pages.slab_shift == b.pages.slab_shift &&
+         (a.k_new_scale == nullptr) == (b.k_new_scale == nullptr) && CanShareLaunch(a.attn, b.attn);
 }
 
 PagedBatch::PagedBatch(std::vector<const PagedAttnParams*> members) : members_(std::move(members)) {
@@ -40,7 +44,11 @@ PagedBatch::PagedBatch(std::vector<const PagedAttnParams*> members) : members_(s
 }
 
 int64_t PagedBatch::q_bytes() const { return total_q_ * QRowBytes(members_.front()->attn); }
-int64_t PagedBatch::kv_new_bytes() const { return total_new_ * KvRowBytes(members_.front()->attn); }
+int64_t PagedBatch::kv_new_bytes() const { return total_new_ * KvRowBytes(*members_.front()); }
+bool PagedBatch::has_new_scales() const { return members_.front()->k_new_scale != nullptr; }
+int64_t PagedBatch::kv_scale_bytes() const {
+  return has_new_scales() ? total_new_ * members_.front()->attn.num_heads_kv * 4 : 0;
+}
 int64_t PagedBatch::lse_bytes() const {
   return wants_lse() ? int64_t{members_.front()->attn.num_heads_q} * total_q_ * 4 : 0;
 }
@@ -52,7 +60,9 @@ int64_t PagedBatch::copies_bytes() const { return int64_t{num_page_copies_} * 4;
 PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner& run) const {
   const AttnParams& first = members_.front()->attn;
   const int64_t q_row = QRowBytes(first);
-  const int64_t kv_row = KvRowBytes(first);
+  const int64_t kv_row = KvRowBytes(*members_.front());
+  const int64_t scale_row = int64_t{first.num_heads_kv} * 4;
+  const bool scales = has_new_scales();
   char* q = static_cast<char*>(buffers.q);
   char* k = static_cast<char*>(buffers.k_new);
   char* v = static_cast<char*>(buffers.v_new);
@@ -68,6 +78,12 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
     copies.push_back({q + q_off * q_row, a.q, size_t(a.total_q * q_row)});
     copies.push_back({k + k_off * kv_row, a.k, size_t(a.total_k * kv_row)});
     copies.push_back({v + k_off * kv_row, a.v, size_t(a.total_k * kv_row)});
+    if (scales && a.total_k > 0) {
+      copies.push_back({reinterpret_cast<char*>(buffers.k_scale) + k_off * scale_row,
+                        m->k_new_scale, size_t(a.total_k * scale_row)});
+      copies.push_back({reinterpret_cast<char*>(buffers.v_scale) + k_off * scale_row,
+                        m->v_new_scale, size_t(a.total_k * scale_row)});
+    }
     for (int b = 0; b < a.batch; ++b) {
       buffers.cu_seqlens_q[seq + 1] = static_cast<int32_t>(q_off + a.cu_seqlens_q[b + 1]);
       buffers.cu_seqlens_k[seq + 1] = static_cast<int32_t>(k_off + a.cu_seqlens_k[b + 1]);
@@ -110,6 +126,8 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
   p.copy_src = buffers.copy_src;
   p.copy_dst = buffers.copy_dst;
   p.num_page_copies = num_page_copies_;
+  p.k_new_scale = scales ? buffers.k_scale : nullptr;
+  p.v_new_scale = scales ? buffers.v_scale : nullptr;
   return p;
 }
 

@@ -19,7 +19,8 @@ namespace attnserve {
 // True when `a` and `b` can run in one paged launch: the same pages (cache),
 // dtype, heads, head dim, options, per-head score modifiers (ALiBi slopes and
 // sinks equal value for value, or both absent; the launch reads member 0's)
-// and whether LSE is wanted. Block tables of
+// and whether LSE is wanted, and the new rows' form (FP8 codes with scales,
+// or values to quantise or copy). Block tables of
 // different calls of one cache and layer never name the same page for writing
 // (the pool gives each sequence its own last page), so their appends do not
 // race; two calls on the same sequence and layer are never packed together
@@ -31,6 +32,8 @@ struct PagedBuffers {
   void* q = nullptr;      // [Tq, Hq, D]
   void* k_new = nullptr;  // [Tnew, Hkv, D]
   void* v_new = nullptr;
+  float* k_scale = nullptr;  // [Tnew, Hkv] when the members give FP8 rows' scales
+  float* v_scale = nullptr;
   void* o = nullptr;                // like q
   float* lse = nullptr;             // [Hq, Tq] when the members want LSE
   int32_t* cu_seqlens_q = nullptr;  // [B+1]
@@ -58,6 +61,9 @@ class PagedBatch {
   // Bytes of each buffer of PagedBuffers, in its order.
   int64_t q_bytes() const;       // also O's
   int64_t kv_new_bytes() const;  // each of k_new and v_new
+  // The members give FP8 codes with scales (PagedAttnParams::k_new_scale).
+  bool has_new_scales() const;
+  int64_t kv_scale_bytes() const;  // each of k_scale and v_scale (0 without)
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each
   int64_t block_table_bytes() const;

@@ -403,10 +403,21 @@ struct PagedKvRows {
   const int32_t* table;  // sequence b's row of the block table
   void Load(void* const* slabs, int j, int hk, float* dst) const {
     const int32_t page = table[j >> p.pages.page_shift];
-    const int64_t offset = PageRowOffset(p.pages, page, j & (p.pages.page_size - 1),
-                                         p.attn.num_heads_kv, p.attn.head_dim, hk);
-    // Caches are never FP8 (CheckPagedParams): no descale.
-    LoadRow(slabs[PageSlab(p.pages, page)], p.attn.dtype, offset, p.attn.head_dim, dst, 1.0f);
+    const int t = j & (p.pages.page_size - 1);
+    const int64_t offset =
+        PageRowOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, hk);
+    const void* slab = slabs[PageSlab(p.pages, page)];
+    if (!p.pages.fp8_e4m3) {
+      LoadRow(slab, p.attn.dtype, offset, p.attn.head_dim, dst, 1.0f);
+      return;
+    }
+    // FP8 cache: codes times the row's scale (paged_kv.h's slab layout).
+    float scale;
+    std::memcpy(&scale,
+                static_cast<const char*>(slab) +
+                    PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, hk),
+                sizeof(scale));
+    LoadRow(slab, DType::kFP8E4M3, offset, p.attn.head_dim, dst, scale);
   }
   void LoadK(int j, int hk, float* dst) const { Load(p.pages.k_slabs, j, hk, dst); }
   void LoadV(int j, int hk, float* dst) const { Load(p.pages.v_slabs, j, hk, dst); }

@@ -1,7 +1,9 @@
 // CpuBackend's paged K/V path (paged_kv.h, DESIGN §6): pages live in host
 // memory; one launch copies pages (copy-on-write), appends the new K/V rows
 // through the block tables and attends with the same tiled online-softmax
-// kernel as Forward, reading K/V in place through the block table.
+// kernel as Forward, reading K/V in place through the block table. FP8 caches:
+// the append quantises 16-bit rows (or copies given codes and scales) and the
+// kernel reads codes times their row's scale.
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -11,37 +13,77 @@
 #include "backend/check_paged_params.h"
 #include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/kv_quantize.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
 namespace attnserve {
 namespace {
 
-// Bytes of one page's K (or V): page_size rows of [Hkv, D].
+// Bytes of one element in the pages: a code of an FP8 cache, else attn.dtype.
+int64_t ElemBytes(const PagedAttnParams& p) {
+  return p.pages.fp8_e4m3 ? 1 : DTypeSize(p.attn.dtype);
+}
+
+// Bytes of one page's K (or V) codes or elements: page_size rows of [Hkv, D].
 int64_t PageBytes(const PagedAttnParams& p) {
-  return int64_t{p.pages.page_size} * p.attn.num_heads_kv * p.attn.head_dim *
-         DTypeSize(p.attn.dtype);
+  return int64_t{p.pages.page_size} * p.attn.num_heads_kv * p.attn.head_dim * ElemBytes(p);
 }
 
 char* PageAddress(void* const* slabs, const PagedAttnParams& p, int32_t page) {
-  const int64_t elem = DTypeSize(p.attn.dtype);
   return static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
-         PageRowOffset(p.pages, page, 0, p.attn.num_heads_kv, p.attn.head_dim, 0) * elem;
+         PageRowOffset(p.pages, page, 0, p.attn.num_heads_kv, p.attn.head_dim, 0) * ElemBytes(p);
+}
+
+// FP8 caches: the address of the scale of (token t of page, kv head h).
+float* ScaleAddress(void* const* slabs, const PagedAttnParams& p, int32_t page, int t, int h) {
+  return reinterpret_cast<float*>(
+      static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
+      PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, h));
+}
+
+// One new row (all kv heads) of K or V into its page: a copy, or for an FP8
+// cache codes and scales (given, or quantised from attn.dtype here).
+void AppendRow(const PagedAttnParams& p, void* const* slabs, const void* src, const float* scales,
+               int64_t r, int32_t page, int t) {
+  const int hkv = p.attn.num_heads_kv;
+  const int d = p.attn.head_dim;
+  char* dst = static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
+              PageRowOffset(p.pages, page, t, hkv, d, 0) * ElemBytes(p);
+  if (!p.pages.fp8_e4m3) {
+    const int64_t row_bytes = int64_t{hkv} * d * ElemBytes(p);
+    std::memcpy(dst, static_cast<const char*>(src) + r * row_bytes, size_t(row_bytes));
+    return;
+  }
+  uint8_t* codes = reinterpret_cast<uint8_t*>(dst);
+  for (int h = 0; h < hkv; ++h) {
+    float scale;
+    if (scales != nullptr) {
+      std::memcpy(codes + int64_t{h} * d,
+                  static_cast<const uint8_t*>(src) + (r * hkv + h) * int64_t{d}, size_t(d));
+      scale = scales[r * hkv + h];
+    } else {
+      scale =
+          QuantiseFp8Row(src, p.attn.dtype, (r * hkv + h) * int64_t{d}, d, codes + int64_t{h} * d);
+    }
+    *ScaleAddress(slabs, p, page, t, h) = scale;
+  }
 }
 
 // Steps 1 and 2 of paged_kv.h: page copies, then the new rows into their pages.
 void CopyAndAppend(const PagedAttnParams& p) {
   const int64_t page_bytes = PageBytes(p);
+  const int64_t scale_bytes = int64_t{p.pages.page_size} * p.attn.num_heads_kv * 4;
   for (int i = 0; i < p.num_page_copies; ++i) {
-    std::memcpy(PageAddress(p.pages.k_slabs, p, p.copy_dst[i]),
-                PageAddress(p.pages.k_slabs, p, p.copy_src[i]), size_t(page_bytes));
-    std::memcpy(PageAddress(p.pages.v_slabs, p, p.copy_dst[i]),
-                PageAddress(p.pages.v_slabs, p, p.copy_src[i]), size_t(page_bytes));
+    for (void* const* slabs : {p.pages.k_slabs, p.pages.v_slabs}) {
+      std::memcpy(PageAddress(slabs, p, p.copy_dst[i]), PageAddress(slabs, p, p.copy_src[i]),
+                  size_t(page_bytes));
+      if (p.pages.fp8_e4m3) {  // a page's scales are contiguous (all heads)
+        std::memcpy(ScaleAddress(slabs, p, p.copy_dst[i], 0, 0),
+                    ScaleAddress(slabs, p, p.copy_src[i], 0, 0), size_t(scale_bytes));
+      }
+    }
   }
-  const int64_t elem = DTypeSize(p.attn.dtype);
-  const int64_t row_bytes = int64_t{p.attn.num_heads_kv} * p.attn.head_dim * elem;
-  const char* k_new = static_cast<const char*>(p.attn.k);
-  const char* v_new = static_cast<const char*>(p.attn.v);
   for (int b = 0; b < p.attn.batch; ++b) {
     const int32_t added = SeqLenK(p.attn, b);
     const int32_t first = p.seqlens_k[b] - added;
@@ -49,14 +91,10 @@ void CopyAndAppend(const PagedAttnParams& p) {
     for (int32_t r = 0; r < added; ++r) {
       const int32_t pos = first + r;
       const int32_t page = table[pos >> p.pages.page_shift];
-      const int64_t off = PageRowOffset(p.pages, page, pos & (p.pages.page_size - 1),
-                                        p.attn.num_heads_kv, p.attn.head_dim, 0) *
-                          elem;
-      const int64_t src = (SeqStartK(p.attn, b) + r) * row_bytes;
-      std::memcpy(static_cast<char*>(p.pages.k_slabs[PageSlab(p.pages, page)]) + off, k_new + src,
-                  size_t(row_bytes));
-      std::memcpy(static_cast<char*>(p.pages.v_slabs[PageSlab(p.pages, page)]) + off, v_new + src,
-                  size_t(row_bytes));
+      const int t = pos & (p.pages.page_size - 1);
+      const int64_t row = SeqStartK(p.attn, b) + r;
+      AppendRow(p, p.pages.k_slabs, p.attn.k, p.k_new_scale, row, page, t);
+      AppendRow(p, p.pages.v_slabs, p.attn.v, p.v_new_scale, row, page, t);
     }
   }
 }
@@ -83,6 +121,7 @@ absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params
   mods.alibi_slopes = true;
   mods.sinks = true;
   RETURN_IF_ERROR(CheckPagedParams(params, mods));
+  RETURN_IF_ERROR(CheckHostTensors(params.attn, "cpu"));
   return Plan();
 }
 

@@ -37,6 +37,16 @@ inline double Input(Precision prec, const AttnParams& p, const void* data, float
   return RoundTo(DType::kBF16, static_cast<float>(x));
 }
 
+// Element c of row `row`, kv head hk, of an FP8 cache's K or V (KvRowScales):
+// code x scale, exact in float64; rounded to p.dtype in the low-precision run.
+inline double CacheInput(Precision prec, const AttnParams& p, const void* codes,
+                         const float* scales, int64_t row, int hk, int c) {
+  const double x = static_cast<double>(Fp8E4M3ToFloat(
+                       static_cast<const uint8_t*>(codes)[KVOffset(p, row, hk) + c])) *
+                   static_cast<double>(scales[row * p.num_heads_kv + hk]);
+  return prec == Precision::kExact ? x : RoundTo(p.dtype, static_cast<float>(x));
+}
+
 // True when key block `kb` is among the kept columns of CSR row `row`.
 bool BlockKept(const AttnParams& p, int64_t row, int kb) {
   const int32_t* first = p.block_col_idx + p.block_row_ptr[row];
@@ -44,7 +54,7 @@ bool BlockKept(const AttnParams& p, int64_t row, int kb) {
   return std::binary_search(first, last, kb);
 }
 
-ReferenceOutput Run(const AttnParams& p, Precision prec) {
+ReferenceOutput Run(const AttnParams& p, Precision prec, const KvRowScales* cache) {
   // The dtype intermediates are rounded to: O's (BF16 for FP8 inputs).
   const DType t = OutputDType(p.dtype);
   const int hq = p.num_heads_q;
@@ -76,8 +86,14 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
       for (int j = 0; j < sk; ++j) {
         const int64_t off = KVOffset(p, k0 + j, hk);
         for (int c = 0; c < d; ++c) {
-          krows[static_cast<size_t>(j) * d + c] = Input(prec, p, p.k, p.k_descale, off + c);
-          vrows[static_cast<size_t>(j) * d + c] = Input(prec, p, p.v, p.v_descale, off + c);
+          const size_t at = static_cast<size_t>(j) * d + c;
+          if (cache != nullptr) {
+            krows[at] = CacheInput(prec, p, p.k, cache->k, k0 + j, hk, c);
+            vrows[at] = CacheInput(prec, p, p.v, cache->v, k0 + j, hk, c);
+          } else {
+            krows[at] = Input(prec, p, p.k, p.k_descale, off + c);
+            vrows[at] = Input(prec, p, p.v, p.v_descale, off + c);
+          }
         }
       }
       scores.assign(static_cast<size_t>(sq) * sk, 0.0);
@@ -183,13 +199,23 @@ ReferenceOutput Run(const AttnParams& p, Precision prec) {
 
 }  // namespace
 
-ReferenceOutput ReferenceAttention(const AttnParams& p) { return Run(p, Precision::kExact); }
+ReferenceOutput ReferenceAttention(const AttnParams& p) {
+  return Run(p, Precision::kExact, nullptr);
+}
+
+ReferenceOutput ReferenceAttention(const AttnParams& p, const KvRowScales& kv) {
+  return Run(p, Precision::kExact, &kv);
+}
+
+ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p, const KvRowScales& kv) {
+  return Run(p, Precision::kLow, &kv);
+}
 
 ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p) {
-  if (p.dtype != DType::kFP32) return Run(p, Precision::kLow);
+  if (p.dtype != DType::kFP32) return Run(p, Precision::kLow, nullptr);
   // FP32 inputs: the low-precision result is the exact one rounded to float,
   // as the header promises (a float re-run would only add accumulation noise).
-  ReferenceOutput out = Run(p, Precision::kExact);
+  ReferenceOutput out = Run(p, Precision::kExact, nullptr);
   for (double& x : out.o) x = static_cast<float>(x);
   for (double& x : out.lse) x = static_cast<float>(x);
   return out;

@@ -31,4 +31,17 @@ ReferenceOutput ReferenceAttention(const AttnParams& p);
 // BF16 (what the CUDA path runs: dequantise to BF16, then the BF16 kernel).
 ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p);
 
+// K and V read from an FP8 K/V cache (paged_kv.h), laid out as contiguous
+// rows: p.k and p.v hold E4M3 codes [total_k, Hkv, D] (not p.dtype, which is
+// Q's and O's: FP16 or BF16) and k/v their scales [total_k, Hkv]; an element
+// is code x its row's scale. The float64 run takes that product exactly (the
+// reference over the dequantised cache); the low-precision run rounds it to
+// p.dtype (a framework that dequantises to the dtype, then attends in it).
+struct KvRowScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+ReferenceOutput ReferenceAttention(const AttnParams& p, const KvRowScales& kv);
+ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p, const KvRowScales& kv);
+
 }  // namespace attnserve

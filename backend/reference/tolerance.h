@@ -14,9 +14,17 @@
 //                   a vector being one query row of one head.
 //   LSE, FP16/BF16 (and FP8_E4M3): max|lse - ref| <= 2 * max|lse_lowp - ref| + kLowpLseFloor.
 //   LSE, FP32:      every element |lse - ref| <= kFp32Rtol * |ref| + kFp32LseAtol.
+//   O, FP8 K/V cache (pages of E4M3 codes with a scale per token and KV head,
+//                   Q and O FP16/BF16): the rule of O's dtype, with ref float64
+//                   over the dequantised cache (code * scale, exact) and
+//                   ref_lowp the dtype's computation on those values rounded
+//                   to the dtype (ReferenceAttention(p, KvRowScales)); see
+//                   kFp8CodeRtol for what the quantisation itself costs.
 //   Rows that see no key: O exactly 0 and LSE exactly -inf (with sinks, LSE
 //   is sink[h] and held to the LSE rule above).
 #pragma once
+
+#include <cmath>
 
 #include "backend/params.h"
 
@@ -49,6 +57,29 @@ inline constexpr double kFp32LseAtol = 1e-5;
 // computes LSE in fp32 from the rounded inputs, so its own error is ~1e-6; the
 // floor only matters when the low-precision reference happens to be exact.
 inline constexpr double kLowpLseFloor = 1e-4;
+
+// FP8 K/V caches. Against the dequantised cache a kernel has no more error
+// than a 16-bit one: it multiplies codes (exact in FP16/BF16) by their scale in
+// fp32, which is no worse than rounding the product to the dtype, so the
+// dtype's rule above holds there. What the quantisation costs against the
+// 16-bit K/V the append received is a separate, stated bound: an E4M3 code
+// rounds x / scale to nearest with 3 mantissa bits, a relative error of at
+// most 2^-4 (half an ulp of 1.xxx), and codes below 2^-6 (subnormal) are off by
+// at most 2^-10 in code units, which is below 2^-4 of the row's largest code
+// (448). So every K or V element moves by at most kFp8CodeRtol times its row's
+// max |x|. For O = sum_j p_j v_j that means: V's share moves O by at most
+// kFp8CodeRtol * max_j |v_j| (a convex combination); K's moves each score by
+// at most delta = softmax_scale * kFp8CodeRtol * sum_d |q_d| * max|k_j|, so each
+// weight by a factor within exp(+-2 delta), and O by at most
+// (exp(2 delta) - 1) * max_j |v_j|. Fp8CacheBound is that bound.
+inline constexpr double kFp8CodeRtol = 1.0 / 16;
+
+// The largest |O_fp8 - O_16bit| the quantisation may cause for a query row
+// whose largest score shift is `delta` (above) and whose keys' V rows have
+// largest |v| `max_abs_v`.
+inline double Fp8CacheBound(double delta, double max_abs_v) {
+  return (kFp8CodeRtol + (std::exp(2.0 * delta) - 1.0)) * max_abs_v;
+}
 
 // The absolute floor of O's bound for inputs of dtype `t` (FP32: kFp32Atol).
 inline constexpr double OutputFloor(DType t) {
