@@ -100,7 +100,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForwa
   // a device backend does while staging, so they count as the transfers).
   const absl::Time gather_start = absl::Now();
   std::vector<char> q, k, v, o;
-  std::vector<float> lse;
+  std::vector<float> lse, k_scale, v_scale;
   std::vector<int32_t> cu_q, cu_k, table, seqlens, copy_src, copy_dst;
   PagedBuffers buffers;
   try {
@@ -109,6 +109,8 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForwa
     k.resize(size_t(batch.kv_new_bytes()));
     v.resize(size_t(batch.kv_new_bytes()));
     lse.resize(size_t(batch.lse_bytes() / 4));
+    k_scale.resize(size_t(batch.kv_scale_bytes() / 4));
+    v_scale.resize(k_scale.size());
     cu_q.resize(size_t(batch.cu_seqlens_bytes() / 4));
     cu_k.resize(cu_q.size());
     table.resize(size_t(batch.block_table_bytes() / 4));
@@ -123,6 +125,8 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForwa
   buffers.v_new = v.data();
   buffers.o = o.data();
   buffers.lse = lse.data();
+  buffers.k_scale = k_scale.data();
+  buffers.v_scale = v_scale.data();
   buffers.cu_seqlens_q = cu_q.data();
   buffers.cu_seqlens_k = cu_k.data();
   buffers.block_table = table.data();
