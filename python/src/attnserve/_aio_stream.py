@@ -1,19 +1,27 @@
 """The asyncio twin of attnserve._stream: a grpc.aio bidirectional stream, many requests in flight.
 
-What AsyncForwardStream and the K/V API's AsyncAppendAttendStream share: one
-reader task matching responses to asyncio futures on request_id, the write of
-each request, and the rule for a stream that ends early (every pending future
-gets the stream's error, and its on_error runs).
+What AsyncForwardStream and the K/V API's AsyncAppendAttendStream share: the
+write of each request, matching responses to asyncio futures on request_id,
+and the rule for a stream that ends early (every pending future gets the
+stream's error, and its on_error runs).
+
+Two transports (attnserve._transport says which the stub method is):
+  native  each request's bytes are copied into one message and queued on the
+          gRPC C++ call at submit(); the channel's completion thread hands each
+          response and the call's end to the loop (call_soon_threadsafe).
+  grpcio  a grpc.aio call: each request written with call.write(), one reader
+          task awaiting call.read().
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
 
+from attnserve import _transport
 from attnserve.errors import AttnServeError
 
 # Turns one response into the future's result; raises AttnServeError for a
@@ -24,18 +32,33 @@ Parse = Callable[[Any], Any]
 class AsyncBidiStream:
     """Base of the asyncio streams: subclasses build requests and await _submit().
 
-    `call` is the grpc.aio stream-stream call, opened without a request
-    iterator (requests go out with call.write()). Construct it inside a
-    running event loop.
+    `method` is the stub's stream method: a grpc.aio multi-callable (the call is
+    opened without a request iterator; requests go out with call.write()) or a
+    _transport.NativeStream. Construct it inside a running event loop.
     """
 
-    def __init__(self, name: str, call: Any):
+    def __init__(self, name: str, method: Any, *, timeout: Optional[float] = None,
+                 metadata: Optional[Sequence[Tuple[str, str]]] = None):
         self._name = name
-        self._call = call
         self._pending: Dict[str, tuple] = {}
         self._error: Optional[AttnServeError] = None
         self._closed = False
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        if isinstance(method, _transport.NativeStream):
+            self._decode = method.decode
+            self._ended = loop.create_future()
+            self._reader = None
+            self._call = method.start(_transport.on_loop(loop, self._on_native_read),
+                                      _transport.on_loop(loop, self._on_native_done),
+                                      timeout, metadata)
+            return
+        self._call = method(timeout=timeout, metadata=metadata)
+        self._reader = loop.create_task(self._read())
+
+    @property
+    def transport(self) -> str:
+        """"native" (gRPC C++) or "grpcio": what carries this stream."""
+        return "grpcio" if self._reader is not None else "native"
 
     async def _submit(self, request: Any, parse: Parse,
                       on_error: Optional[Callable[[], None]] = None) -> "asyncio.Future":
@@ -47,6 +70,12 @@ class AsyncBidiStream:
                                                 f"{self._name}: already closed")
         future = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = (future, parse, on_error)
+        if self._reader is None:
+            if not self._call.write(request.pieces):  # copied now
+                self._pending.pop(request.request_id, None)
+                raise self._error or AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                                    f"{self._name}: the stream has ended")
+            return future
         try:
             await self._call.write(request)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
@@ -66,6 +95,32 @@ class AsyncBidiStream:
         if not future.done():
             future.set_exception(error)
 
+    def _resolve(self, resp: Any) -> None:
+        entry = self._pending.pop(resp.request_id, None)
+        if entry is None or entry[0].done():
+            return  # not ours, or its caller cancelled the future
+        try:
+            entry[0].set_result(entry[1](resp))
+        except AttnServeError as e:
+            self._fail(entry, e)
+        except Exception as e:  # a response we could not read: the server applied it
+            entry[0].set_exception(e)
+
+    def _on_native_read(self, payload: bytes) -> None:  # on the loop
+        self._resolve(self._decode(payload))
+
+    def _on_native_done(self, code: int, message: str) -> None:  # on the loop
+        if code == grpc.StatusCode.CANCELLED.value[0]:
+            error = AttnServeError(grpc.StatusCode.CANCELLED, f"{self._name}: cancelled")
+        elif code:
+            error = AttnServeError.from_rpc_error(_transport.NativeRpcError(code, message))
+        else:
+            error = AttnServeError(grpc.StatusCode.INTERNAL, f"{self._name}: the server ended "
+                                   "the stream with requests unanswered")
+        self._end(error)
+        if not self._ended.done():
+            self._ended.set_result(None)
+
     async def _read(self) -> None:
         error: Optional[AttnServeError] = None
         try:
@@ -73,15 +128,7 @@ class AsyncBidiStream:
                 resp = await self._call.read()
                 if resp is grpc.aio.EOF:
                     break
-                entry = self._pending.pop(resp.request_id, None)
-                if entry is None or entry[0].done():
-                    continue  # not ours, or its caller cancelled the future
-                try:
-                    entry[0].set_result(entry[1](resp))
-                except AttnServeError as e:
-                    self._fail(entry, e)
-                except Exception as e:  # a response we could not read: the server applied it
-                    entry[0].set_exception(e)
+                self._resolve(resp)
         except grpc.RpcError as e:
             error = AttnServeError.from_rpc_error(e)
         except asyncio.CancelledError:
@@ -107,6 +154,10 @@ class AsyncBidiStream:
         if self._closed:
             return
         self._closed = True
+        if self._reader is None:
+            self._call.writes_done()
+            await asyncio.shield(self._ended)
+            return
         try:
             await self._call.done_writing()
         except (grpc.RpcError, asyncio.InvalidStateError):

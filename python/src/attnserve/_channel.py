@@ -94,11 +94,10 @@ class ChannelOwner:
         token = _security.resolve_token(token)
         credentials = _security.channel_credentials(
             credentials, tls, root_certificates, certificate_chain, private_key, token)
-        # The synchronous client's tensor-carrying unary calls on gRPC C++ where
-        # attnserve._transport says so (its own connection); None: all on grpcio.
-        self._native = (_transport.native_channel(target, opts, plain_text=credentials is None
-                                                  and not token)
-                        if self._grpc is grpc else None)
+        # The tensor-carrying calls on gRPC C++ where attnserve._transport says so (its
+        # own connection); None: all on grpcio.
+        self._native = _transport.native_channel(target, opts,
+                                                 plain_text=credentials is None and not token)
         if credentials is not None:
             self.channel = self._grpc.secure_channel(target, credentials, opts)
         elif token and self._grpc is grpc:
@@ -116,8 +115,8 @@ class ChannelOwner:
 
     @property
     def transport(self) -> str:
-        """What carries forward(), echo() and AppendAttend: "native" (gRPC C++) or "grpcio"
-        (attnserve._transport decides)."""
+        """What carries forward(), echo(), AppendAttend and both streams: "native" (gRPC
+        C++) or "grpcio" (attnserve._transport decides)."""
         return "grpcio" if self._native is None else "native"
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:

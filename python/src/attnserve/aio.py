@@ -29,7 +29,10 @@ class AsyncClient(_channel.ChannelOwner):
     _grpc = grpc.aio
 
     async def close(self) -> None:
+        """Closes the channels; calls in progress on either are cancelled."""
         await self.channel.close()
+        if self._native is not None:
+            self._native.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -97,7 +100,7 @@ class AsyncForwardStream(AsyncBidiStream):
     """
 
     def __init__(self, client: AsyncClient, *, timeout: Optional[float] = None):
-        super().__init__("ForwardStream", client._stub.ForwardStream(timeout=timeout))
+        super().__init__("ForwardStream", client._stub.ForwardStream, timeout=timeout)
 
     async def submit(self, q: Any, k: Any, v: Any, **options: Any) -> "asyncio.Future":
         """Sends one request (forward()'s arguments); returns the future of its result."""

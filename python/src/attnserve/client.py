@@ -159,8 +159,7 @@ class ForwardStream(BidiStream):
     """
 
     def __init__(self, client: Client, *, timeout: Optional[float] = None):
-        super().__init__("ForwardStream",
-                         lambda requests: client._stub.ForwardStream(requests, timeout=timeout))
+        super().__init__("ForwardStream", client._stub.ForwardStream, timeout=timeout)
 
     def submit(self, q: Any, k: Any, v: Any, **options: Any) -> "Future[ForwardResult]":
         """Sends one request (forward()'s arguments); returns the future of its result."""

@@ -619,8 +619,8 @@ class AppendAttendStream(BidiStream):
 
     def __init__(self, cache: Cache, *, timeout: Optional[float] = None):
         self.cache = cache
-        super().__init__("AppendAttendStream", lambda requests: cache.client._kv.AppendAttendStream(
-            requests, timeout=timeout, metadata=cache._metadata))
+        super().__init__("AppendAttendStream", cache.client._kv.AppendAttendStream,
+                         timeout=timeout, metadata=cache._metadata)
 
     def submit(self, layer: int, sequences: Seq[Sequence], q: Any, k: Any = None, v: Any = None,
                **options: Any) -> "Future[AppendAttendResult]":

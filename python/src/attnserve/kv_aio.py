@@ -202,8 +202,8 @@ class AsyncAppendAttendStream(AsyncBidiStream):
 
     def __init__(self, cache: AsyncCache, *, timeout: Optional[float] = None):
         self.cache = cache
-        super().__init__("AppendAttendStream", cache.client._kv.AppendAttendStream(
-            timeout=timeout, metadata=cache._metadata))
+        super().__init__("AppendAttendStream", cache.client._kv.AppendAttendStream,
+                         timeout=timeout, metadata=cache._metadata)
 
     async def submit(self, layer: int, sequences: Seq[Sequence], q: Any, k: Any = None,
                      v: Any = None, **options: Any) -> "asyncio.Future[AppendAttendResult]":
