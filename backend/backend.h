@@ -5,10 +5,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "backend/paged_batch.h"
 #include "backend/paged_kv.h"
 #include "backend/params.h"
@@ -75,8 +77,10 @@ class AttentionBackend {
   virtual absl::StatusOr<Plan> CanImplement(const AttnParams& params) const = 0;
 
   // Computes attention as `plan` (CanImplement's for these params) says.
-  // Every pointer in `params` (q, k, v, o, lse, cu_seqlens) is HOST memory; a
-  // device backend stages it itself. Writes all of o (and lse when non-null).
+  // Every pointer in `params` (q, k, v, o, lse, cu_seqlens) is HOST memory,
+  // except a tensor params.devices places on a CUDA device (a backend that
+  // cannot read it refuses in CanImplement: CheckHostTensors); a device
+  // backend stages host memory itself. Writes all of o (and lse when non-null).
   // Never throws or aborts: device errors come back as INTERNAL, allocation
   // failures as RESOURCE_EXHAUSTED.
   // Calls may come from any thread, but not concurrently: the server's
@@ -139,6 +143,23 @@ class AttentionBackend {
   virtual absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(const Plan& plan,
                                                                            const PagedBatch& batch);
 };
+
+// OK when every tensor of `params` is host memory; otherwise UNIMPLEMENTED
+// naming the first one in device memory, for backends that read host memory
+// only (`backend` names the backend in the message).
+inline absl::Status CheckHostTensors(const AttnParams& params, const char* backend) {
+  const TensorDevices& d = params.devices;
+  const std::pair<const char*, int32_t> tensors[] = {
+      {"q", d.q}, {"k", d.k}, {"v", d.v}, {"o", d.o}, {"lse", d.lse}};
+  for (const auto& [name, device] : tensors) {
+    if (device == kHostMemory) continue;
+    return absl::UnimplementedError(absl::StrCat(
+        backend, ": ", name, " is memory of CUDA device ", device,
+        " (a CUDA shared-memory region); this backend reads and writes host memory only: "
+        "use a system shared-memory region or the message"));
+  }
+  return absl::OkStatus();
+}
 
 // CanImplement, then Forward with its plan: for callers that run one call
 // outside the server (tests, benchmarks, tools).

@@ -16,6 +16,7 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   p.v = pointers.v;
   p.o = pointers.o;
   p.lse = pointers.lse;
+  p.devices = pointers.devices;
   p.batch = shape.batch;
   p.num_heads_q = shape.num_heads_q;
   p.num_heads_kv = shape.num_heads_kv;

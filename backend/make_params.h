@@ -100,14 +100,16 @@ struct AttnMods {
   bool block_per_head = false;
 };
 
-// The tensors (host or device memory, as the consumer of the params says).
-// o and lse may be null until the caller binds outputs.
+// The tensors (host or device memory, as the consumer of the params says,
+// or as `devices` places them). o and lse may be null until the caller binds
+// outputs.
 struct AttnPointers {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
   void* o = nullptr;
   float* lse = nullptr;
+  TensorDevices devices;
   AttnMods mods;
 };
 

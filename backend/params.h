@@ -26,6 +26,21 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Window value meaning "no limit on this side".
 constexpr int32_t kNoWindow = -1;
 
+// A tensor in host memory (TensorDevices): the default everywhere.
+constexpr int32_t kHostMemory = -1;
+
+// Where q, k, v, o and lse lie: kHostMemory, or the index of the CUDA device
+// whose memory holds them (a client's CUDA shared-memory region, read and
+// written where it lies). Only the server's front-ends set a device; a
+// backend that reads host memory alone refuses any other (CanImplement).
+struct TensorDevices {
+  int32_t q = kHostMemory;
+  int32_t k = kHostMemory;
+  int32_t v = kHostMemory;
+  int32_t o = kHostMemory;
+  int32_t lse = kHostMemory;
+};
+
 // Tensors are contiguous, row-major, in the layouts of docs/design.md §2:
 //   dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], o like q, lse [B, Hq, Sq]
 //   varlen: q [Tq, Hq, D],    k/v [Tk, Hkv, D],    o like q, lse [Hq, Tq]
@@ -36,12 +51,14 @@ struct AttnParams {
   DType dtype;
 
   // Memory the backend reads and writes. Whose memory (host or device) is
-  // stated by the function that takes the params.
+  // stated by the function that takes the params, except a tensor that
+  // `devices` places on a device.
   const void* q;  // [.., Hq, D]
   const void* k;  // [.., Hkv, D]
   const void* v;  // [.., Hkv, D]
   void* o;        // like q
   float* lse;     // nullptr unless the caller asked for it
+  TensorDevices devices;
 
   int32_t batch;         // B (number of sequences)
   int32_t num_heads_q;   // Hq
@@ -161,6 +178,12 @@ ATTN_HOST_DEVICE int KVHead(const AttnParams& p, int h) {
 }
 
 ATTN_HOST_DEVICE bool HasBlockMask(const AttnParams& p) { return p.block_q > 0; }
+// True when any of q, k, v, o and lse is device memory (TensorDevices).
+ATTN_HOST_DEVICE bool HasDeviceTensors(const AttnParams& p) {
+  const TensorDevices& d = p.devices;
+  return d.q != kHostMemory || d.k != kHostMemory || d.v != kHostMemory || d.o != kHostMemory ||
+         d.lse != kHostMemory;
+}
 // True when any score modifier or tensor mask is on (kernels without them refuse).
 ATTN_HOST_DEVICE bool HasScoreMods(const AttnParams& p) {
   return p.alibi_slopes != nullptr || p.sinks != nullptr || p.bias != nullptr ||

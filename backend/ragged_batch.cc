@@ -23,8 +23,10 @@ bool SamePerHead(const float* a, const float* b, int heads) {
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
   // A bias, element mask or block mask is laid out over its own call's
   // sequences; packing would have to rebuild it, so such calls run alone.
+  // So do calls with a tensor in device memory: they are read where they lie.
   const bool alone = a.bias != nullptr || a.mask != nullptr || HasBlockMask(a) ||
-                     b.bias != nullptr || b.mask != nullptr || HasBlockMask(b);
+                     b.bias != nullptr || b.mask != nullptr || HasBlockMask(b) ||
+                     HasDeviceTensors(a) || HasDeviceTensors(b);
   return !alone && a.dtype == b.dtype && a.num_heads_q == b.num_heads_q &&
          a.num_heads_kv == b.num_heads_kv && a.head_dim == b.head_dim &&
          a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&

@@ -24,7 +24,9 @@ namespace attnserve {
 // wanted, which is known only once outputs are bound), and the same ALiBi
 // slopes and sinks (per head, so a packed launch reads the first member's).
 // A call with a bias, element mask or block mask shares with nothing: those
-// are laid out over its own sequences. Sequence lengths and layouts may differ.
+// are laid out over its own sequences; nor does a call with a tensor in
+// device memory (TensorDevices), which the backend reads where it lies.
+// Sequence lengths and layouts may differ.
 // Reads the slopes and sinks, so both calls' mods must be in host memory.
 bool CanShareLaunch(const AttnParams& a, const AttnParams& b);
 

@@ -27,6 +27,7 @@ CpuBackend::CpuBackend(int threads) : pool_(std::max(1, threads)) {
 absl::StatusOr<Plan> CpuBackend::CanImplement(const AttnParams& params) const {
   // Every valid combination runs here: the checks are the contract's.
   RETURN_IF_ERROR(CheckParams(params));
+  RETURN_IF_ERROR(CheckHostTensors(params, "cpu"));
   return Plan();
 }
 
