@@ -173,6 +173,20 @@ def test_stream_many_in_flight_with_a_failure(client):
         assert after.result(timeout=60).o.shape == inputs[1].shape  # the stream went on
 
 
+def test_async_stream_takes_submits_from_many_coroutines_at_once(server):
+    rng = np.random.default_rng(12)
+    xs = [rand(rng, (1, 8 + i, 4, 32), np.float16) for i in range(16)]
+
+    async def run():
+        async with AsyncClient(server.target) as c, c.stream() as s:
+            async def one(x):  # each coroutine submits while others are writing
+                return await (await s.submit(x, x, x, causal=True))
+            return await asyncio.gather(*(one(x) for x in xs))
+
+    for x, r in zip(xs, asyncio.run(run())):
+        check("o", r.o, reference.attention(x, x, x, causal=True)[0], "fp16")
+
+
 def test_async_client_forward_gather_and_stream(server):
     rng = np.random.default_rng(8)
     xs = [rand(rng, (2, 10 + i, 4, 64), ml_dtypes.bfloat16) for i in range(6)]

@@ -53,6 +53,9 @@ class AsyncBidiStream:
                                       timeout, metadata)
             return
         self._call = method(timeout=timeout, metadata=metadata)
+        # grpc.aio takes one write at a time: coroutines submitting at once queue here
+        # (in submission order: asyncio.Lock is first come, first served).
+        self._write_lock = asyncio.Lock()
         self._reader = loop.create_task(self._read())
 
     @property
@@ -77,7 +80,8 @@ class AsyncBidiStream:
                                                     f"{self._name}: the stream has ended")
             return future
         try:
-            await self._call.write(request)
+            async with self._write_lock:
+                await self._call.write(request)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             # The stream is over; the reader tells the other pending futures.
             self._pending.pop(request.request_id, None)
