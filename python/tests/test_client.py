@@ -175,7 +175,9 @@ def test_stream_many_in_flight_with_a_failure(client):
 
 def test_async_stream_takes_submits_from_many_coroutines_at_once(server):
     rng = np.random.default_rng(12)
-    xs = [rand(rng, (1, 8 + i, 4, 32), np.float16) for i in range(16)]
+    # 1.5 MiB a request: large enough that one write is still in progress when the next
+    # coroutine writes.
+    xs = [rand(rng, (1, 512 + i, 8, 64), np.float16) for i in range(16)]
 
     async def run():
         async with AsyncClient(server.target) as c, c.stream() as s:
