@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Benchmarks the Python client (bench/NOTES-python.md's targets) on one server, writing CSV rows.
 
-(a) client throughput: the Python Client (NumPy BF16 inputs, unary forward()
-    from N threads, and a ForwardStream with N in flight) beside `attnctl load`
-    on the same server, for small (B=1, N=256, H=16, D=128) and large (B=4,
-    N=4096) requests at concurrency 1 and 16. ratio = Python req/s over
-    attnctl's (the target is >= 0.9). Unary rows per transport of the
-    tensor-carrying calls (--transports, attnserve._transport: "native" is gRPC
-    C++ through attnserve._native, "grpcio" grpcio; the stream is grpcio either
-    way). client_cpu_ms: the client process's CPU (user + system, all threads)
-    over the window per request, attnctl's too. --rpcs=forward,echo adds the Echo RPC
-    (validated, q's bytes back, no compute: the transport and client cost
-    alone; unary only, so no stream row). "mid" (B=4, N=512) is a size the CPU
-    backend's Forward can do (scripts/device/gpu-python.sh --cpu).
+(a) client throughput: the Python client (NumPy BF16 inputs) beside `attnctl
+    load` on the same server, for small (B=1, N=256, H=16, D=128) and large
+    (B=4, N=4096) requests at concurrency 1 and 16, in each form (--forms):
+      unary         Client.forward() from N threads;
+      stream        one ForwardStream, N requests in flight (N threads);
+      async         AsyncClient.forward(), N coroutines on one event loop;
+      async_stream  one AsyncForwardStream, N coroutines each awaiting its own.
+    Every form once per transport of the tensor-carrying calls (--transports,
+    attnserve._transport: "native" is gRPC C++ through attnserve._native,
+    "grpcio" grpcio; the `transport` column). ratio = Python req/s over
+    attnctl's (the target is >= 0.9). client_cpu_ms: the client process's CPU
+    (user + system, all threads) over the window per request, attnctl's too.
+    --rpcs=forward,echo adds the Echo RPC (validated, q's bytes back, no
+    compute: the transport and client cost alone; unary forms only: Echo has
+    no stream). "mid" (B=4, N=512) is a size the CPU backend's Forward can do
+    (scripts/device/gpu-python.sh --cpu).
 (b) transformers generate(): tokens/s with local SDPA, with the stateless
     "attnserve" attention and with K/V on the server (attnserve.hf_cache), for
     the small test Llama and a ~1.1B-parameter Llama config (random weights,
@@ -41,6 +45,7 @@ torch and transformers from the machine. The started server runs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import os
 import re
@@ -55,12 +60,16 @@ import ml_dtypes
 import numpy as np
 
 import attnserve
-from attnserve import Client, _request, _transport
+from attnserve import AsyncClient, Client, _request, _transport
 
 FIELDS = ["part", "scenario", "rpc", "impl", "model", "dtype", "batch", "seqlen", "heads_q", "heads_kv",
           "head_dim", "concurrency", "new_tokens", "seconds", "requests", "req_per_s",
           "tokens_per_s", "p50_ms", "p99_ms", "ratio_vs_attnctl", "client_cpu_ms", "attn_call_s",
           "server_total_s", "server_compute_s", "other_s", "device", "notes", "transport"]
+
+FORMS = ("unary", "stream", "async", "async_stream")
+IMPLS = {"unary": "python_unary", "stream": "python_stream", "async": "python_async",
+         "async_stream": "python_async_stream"}
 
 SCENARIOS = {"small": dict(batch=1, seqlen=256, heads=16, head_dim=128),
              "large": dict(batch=4, seqlen=4096, heads=16, head_dim=128),
@@ -166,11 +175,29 @@ def grpcio_floor(client: Client, rpc: str, q, k, v) -> Callable[..., Any]:
     return lambda *_: method(data)
 
 
+def with_transport(make: Callable[[], Any], transport: str) -> Any:
+    """make() with $ATTNSERVE_TRANSPORT = transport (read when a client is made), checked."""
+    asked = os.environ.get(_transport.ENV)
+    os.environ[_transport.ENV] = transport
+    try:
+        client = make()
+    finally:
+        if asked is None:
+            del os.environ[_transport.ENV]
+        else:
+            os.environ[_transport.ENV] = asked
+    if client.transport != transport:
+        raise RuntimeError(f"asked for the {transport} transport, got {client.transport}")
+    return client
+
+
 def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: float,
-                duration: float, stream: bool, floor: bool = False) -> Dict[str, float]:
+                duration: float, form: str, floor: bool = False,
+                transport: str = "") -> Dict[str, float]:
     """Closed loop like attnctl load: `concurrency` callers, each sending its next
     request when the last returns; only requests completing inside the window count.
-    The arrays are made once, before the loop, as attnctl makes its inputs."""
+    The arrays are made once, before the loop, as attnctl makes its inputs. The
+    asyncio forms run their own AsyncClient (on `transport`) in a loop thread."""
     rng = np.random.default_rng(0)
     shape = (sc["batch"], sc["seqlen"], sc["heads"], sc["head_dim"])
     q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -196,6 +223,29 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
                 with lock:
                     latencies.append(t1 - t0)
 
+    async def async_callers() -> None:
+        c = with_transport(lambda: AsyncClient(client.target, timeout=600), transport)
+        async with c:
+            s = c.stream() if form == "async_stream" else None
+            one = c.echo if rpc == "echo" else c.forward
+
+            async def coroutine() -> None:
+                while True:
+                    t0 = time.monotonic()
+                    if t0 >= end:
+                        return
+                    if s is None:
+                        await one(q, k, v)
+                    else:
+                        await (await s.submit(q, k, v))
+                    t1 = time.monotonic()
+                    if start <= t1 <= end:
+                        latencies.append(t1 - t0)
+
+            await asyncio.gather(*(coroutine() for _ in range(concurrency)))
+            if s is not None:
+                await s.close()
+
     def window_cpu_s() -> float:
         """This process's CPU seconds (all threads, user + system) over the window:
         the client's own cost, less sensitive than req/s to a loaded machine."""
@@ -204,12 +254,17 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
         time.sleep(max(0.0, end - time.monotonic()))
         return time.process_time() - cpu0
 
-    if stream:  # one ForwardStream, `concurrency` requests in flight on it
+    if form == "stream":  # one ForwardStream, `concurrency` requests in flight on it
         with client.stream() as s:
             threads = [threading.Thread(target=caller, args=(s,)) for _ in range(concurrency)]
             [t.start() for t in threads]
             cpu_s = window_cpu_s()
             [t.join() for t in threads]
+    elif form in ("async", "async_stream"):  # one event loop in its own thread
+        loop_thread = threading.Thread(target=asyncio.run, args=(async_callers(),))
+        loop_thread.start()
+        cpu_s = window_cpu_s()
+        loop_thread.join()
     else:
         threads = [threading.Thread(target=caller) for _ in range(concurrency)]
         [t.start() for t in threads]
@@ -225,19 +280,9 @@ def python_load(client: Client, sc: Dict, rpc: str, concurrency: int, warmup: fl
 
 def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration: float,
                  scenarios: List[str], rpcs: List[str], concurrencies: List[int],
-                 transports: List[str], stream: bool, floor: bool, label: str) -> None:
-    clients = {}
-    asked = os.environ.get(_transport.ENV)
-    for transport in transports + (["grpcio"] if floor else []):
-        os.environ[_transport.ENV] = transport  # read when a Client is made
-        clients[transport] = Client(target, timeout=600)
-        if clients[transport].transport != transport:
-            raise RuntimeError(f"asked for the {transport} transport, got "
-                               f"{clients[transport].transport}")
-    if asked is None:  # part (b) uses the default again
-        del os.environ[_transport.ENV]
-    else:
-        os.environ[_transport.ENV] = asked
+                 transports: List[str], forms: List[str], floor: bool, label: str) -> None:
+    clients = {t: with_transport(lambda: Client(target, timeout=600), t)
+               for t in transports + (["grpcio"] if floor else [])}
     try:
         for name in scenarios:
             sc = SCENARIOS[name]
@@ -249,18 +294,20 @@ def bench_client(out: Writer, target: str, attnctl: str, warmup: float, duration
                                   heads_kv=sc["heads"], head_dim=sc["head_dim"],
                                   concurrency=conc, seconds=duration, notes=label)
                     out.row(**common, impl="attnctl_load", **base, ratio_vs_attnctl=1.0)
-                    runs = [("python_unary", t) for t in transports]
-                    if rpc == "forward" and stream:  # Echo has no stream form
-                        runs.append(("python_stream", "grpcio"))  # streams are grpcio's
+                    runs = [(form, t) for form in forms for t in transports
+                            if rpc == "forward" or "stream" not in form]  # Echo: no stream
                     if floor:
-                        runs.append(("grpcio_floor", "grpcio"))
-                    for impl, transport in runs:
-                        client = clients.get(transport) or clients[transports[0]]
-                        r = python_load(client, sc, rpc, conc, warmup, duration,
-                                        impl == "python_stream", impl == "grpcio_floor")
-                        out.row(**common, impl=impl, transport=transport, **r,
+                        runs.append(("floor", "grpcio"))
+                    for form, transport in runs:
+                        r = python_load(clients[transport], sc, rpc, conc, warmup, duration,
+                                        form, form == "floor", transport)
+                        out.row(**common, impl=IMPLS.get(form, "grpcio_floor"),
+                                transport=transport, **r,
                                 ratio_vs_attnctl=r["req_per_s"] / base["req_per_s"]
                                 if base["req_per_s"] else 0.0)
+                        print(f"  {name} {rpc} c{conc} {form}/{transport}: "
+                              f"{r['req_per_s']:.1f} req/s (attnctl {base['req_per_s']:.1f}), "
+                              f"cpu {r['client_cpu_ms']:.2f} ms/req", flush=True)
     finally:
         for client in clients.values():
             client.close()
@@ -403,7 +450,7 @@ def print_summary(path: str) -> None:
         if r["part"] == "client" and r["req_per_s"]:
             point = (r["scenario"], r.get("rpc") or "forward", r["concurrency"], r["notes"])
             impl = r["impl"] + (f"/{r['transport']}" if r.get("transport") and
-                                r["impl"] == "python_unary" else "")
+                                r["impl"].startswith("python_") else "")
             client[point + (impl,)] = r
     def num(r: Dict[str, str], col: str, fmt: str) -> str:
         return format(float(r[col]), fmt) if r.get(col) else "-"
@@ -411,9 +458,12 @@ def print_summary(path: str) -> None:
     if client:
         print("client throughput (req/s; ratio = Python / attnctl load, target >= 0.9; cpu = "
               "the client's CPU ms per request)")
-        cols = [("attnctl_load", "attnctl"), ("python_unary/native", "unary native"),
-                ("python_unary/grpcio", "unary grpcio"), ("python_unary", "unary"),
-                ("python_stream", "stream"), ("grpcio_floor", "grpcio floor")]
+        cols = [("attnctl_load", "attnctl")]
+        for impl, title in (("python_unary", "unary"), ("python_stream", "stream"),
+                            ("python_async", "async"), ("python_async_stream", "async stream")):
+            cols += [(f"{impl}/native", f"{title} native"), (f"{impl}/grpcio", f"{title} grpcio"),
+                     (impl, title)]  # rows without a transport (older CSVs)
+        cols.append(("grpcio_floor", "grpcio floor"))
         present = [(impl, title) for impl, title in cols if any(k[4] == impl for k in client)]
         print(f"{'scenario':<8} {'rpc':<7} {'conc':>4} " +
               " ".join(f"{title + ' req/s':>19} {'ratio':>5} {'cpu':>6}" for _, title in present)
@@ -464,7 +514,10 @@ def main() -> int:
     ap.add_argument("--transports", default="native,grpcio",
                     help="part (a): unary rows per transport (attnserve._transport); native "
                          "is left out where attnserve._native does not import")
-    ap.add_argument("--no-stream", action="store_true", help="part (a): no ForwardStream rows")
+    ap.add_argument("--forms", default=",".join(FORMS),
+                    help="part (a): of " + ",".join(FORMS) + " (see the module doc)")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="part (a): leave out the stream forms (sync and asyncio)")
     ap.add_argument("--floor", action="store_true",
                     help="part (a): also grpcio_floor rows (grpcio with a request built once "
                          "and nothing of ours per call: the best a client on grpcio can do)")
@@ -495,7 +548,9 @@ def main() -> int:
                       f" transports {transports}", flush=True)
             bench_client(out, target, a.attnctl, warmup, duration, a.scenarios.split(","),
                          a.rpcs.split(","), [int(c) for c in a.concurrency.split(",")],
-                         transports, not a.no_stream, a.floor, a.label)
+                         transports, [f for f in a.forms.split(",")
+                                      if not (a.no_stream and "stream" in f)],
+                         a.floor, a.label)
         if "generate" in parts:
             if a.torch_threads:
                 import torch
