@@ -63,6 +63,69 @@ struct StagingLayout {
   }
 };
 
+// The layout of a StartDirect launch. Host inputs first (q, k, v staged in
+// the pinned buffer like StagingLayout's, cu_seqlens, the mods' arrays: one
+// host-to-device copy), then the outputs that go to the host (one
+// device-to-host copy), then, in the device buffer alone, room for the device
+// tensors that cannot be used where they lie (another device's, or
+// misaligned). A device tensor used in place takes no room.
+struct DirectLayout {
+  enum class Where { kStaged, kInPlace, kCopied };
+  struct Tensor {
+    Where where = Where::kStaged;
+    int device = kHostMemory;
+    int64_t at = 0;  // offset in the slot's buffers (staged or copied)
+    int64_t bytes = 0;
+  };
+  Tensor q, k, v, o, lse;
+  int64_t cu_q = 0, cu_k = 0, cu_bytes = 0;
+  ScoreModArrays mods;
+  int64_t inputs_end = 0;                   // staged inputs: [0, inputs_end)
+  int64_t outputs_begin = 0, host_end = 0;  // outputs to the host
+  int64_t end = 0;                          // the device buffer's size
+
+  DirectLayout(const AttnParams& p, int here) {
+    const PackedBatch sizes({&p});
+    q = TensorOf(p.q, p.devices.q, sizes.q_bytes(), here);
+    k = TensorOf(p.k, p.devices.k, sizes.kv_bytes(), here);
+    v = TensorOf(p.v, p.devices.v, sizes.kv_bytes(), here);
+    o = TensorOf(p.o, p.devices.o, sizes.o_bytes(), here);
+    lse = TensorOf(p.lse, p.devices.lse, sizes.lse_bytes(), here);
+    StagingOffsets off;
+    for (Tensor* t : {&q, &k, &v}) {
+      if (t->where == Where::kStaged) t->at = off.Take(t->bytes);
+    }
+    cu_bytes = IsVarlen(p) ? (int64_t{p.batch} + 1) * 4 : 0;
+    cu_q = off.Take(cu_bytes);
+    cu_k = off.Take(cu_bytes);
+    mods = ScoreModArrays(p, &off);
+    inputs_end = off.end();
+    outputs_begin = off.end();
+    for (Tensor* t : {&o, &lse}) {
+      if (t->where == Where::kStaged) t->at = off.Take(t->bytes);
+    }
+    host_end = std::max<int64_t>(off.end(), 256);
+    for (Tensor* t : {&q, &k, &v, &o, &lse}) {
+      if (t->where == Where::kCopied) t->at = off.Take(t->bytes);
+    }
+    end = std::max<int64_t>(off.end(), 256);
+  }
+
+  static Tensor TensorOf(const void* ptr, int device, int64_t bytes, int here) {
+    Tensor t;
+    t.device = device;
+    t.bytes = bytes;
+    if (device == kHostMemory) {
+      t.where = Where::kStaged;
+    } else if (device == here && reinterpret_cast<uintptr_t>(ptr) % kInPlaceDeviceAlignment == 0) {
+      t.where = Where::kInPlace;
+    } else {
+      t.where = Where::kCopied;
+    }
+    return t;
+  }
+};
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
   if (device < 0 || device >= count) {
@@ -206,14 +269,18 @@ absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev,
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const Plan& plan,
                                                                          const PackedBatch& batch) {
   // Several members share a launch only as CanShareLaunch allows: the
-  // arrays of a bias, element mask or block mask belong to one call.
+  // arrays of a bias, element mask or block mask belong to one call, and
+  // tensors in device memory are read where they lie.
   if (batch.size() > 1) {
     for (const AttnParams* m : batch.members()) {
-      if (m->bias != nullptr || m->mask != nullptr || HasBlockMask(*m)) {
+      if (m->bias != nullptr || m->mask != nullptr || HasBlockMask(*m) || HasDeviceTensors(*m)) {
         return absl::InvalidArgumentError(
-            "cuda: a call with a bias, element mask or block mask cannot share a packed launch");
+            "cuda: a call with a bias, element mask, block mask or device-memory tensor cannot "
+            "share a packed launch");
       }
     }
+  } else if (HasDeviceTensors(*batch.members().front())) {
+    return StartDirect(plan, *batch.members().front());
   }
   // The gathered params point at the first member's mod arrays: staged
   // beside Q, K and V, then moved to the device buffer with them.
@@ -236,6 +303,118 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartForward(const P
                                       ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev));
                                       return LaunchKernels(packed_plan, dev, slot);
                                     });
+}
+
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartDirect(const Plan& plan,
+                                                                        const AttnParams& p) {
+  using Where = DirectLayout::Where;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  Slot* slot = AcquireSlot();
+  auto fail = [this, slot](absl::Status st) {
+    cudaStreamSynchronize(slot->stream);
+    ReleaseSlot(slot);
+    return st;
+  };
+  const DirectLayout layout(p, device_);
+  absl::Status st = slot->host.Reserve(layout.host_end, "pinned staging buffer");
+  if (st.ok()) st = slot->device.Reserve(layout.end, "device staging buffer");
+  if (!st.ok()) return fail(st);
+  char* const host = slot->host.ptr();
+  char* const device = slot->device.ptr();
+
+  // The host inputs into the pinned buffer.
+  const absl::Time gather_start = absl::Now();
+  const CopyRunner run = [this](const std::vector<HostCopy>& c) {
+    CopyInParallel(c, gather_pool_.get());
+  };
+  std::vector<HostCopy> copies;
+  const std::pair<const DirectLayout::Tensor*, const void*> inputs[] = {
+      {&layout.q, p.q}, {&layout.k, p.k}, {&layout.v, p.v}};
+  for (const auto& [t, src] : inputs) {
+    if (t->where == Where::kStaged && t->bytes > 0) {
+      copies.push_back({host + t->at, src, static_cast<size_t>(t->bytes)});
+    }
+  }
+  if (layout.cu_bytes > 0) {
+    copies.push_back({host + layout.cu_q, p.cu_seqlens_q, static_cast<size_t>(layout.cu_bytes)});
+    copies.push_back({host + layout.cu_k, p.cu_seqlens_k, static_cast<size_t>(layout.cu_bytes)});
+  }
+  RunCopies(run, copies);
+  AttnParams mods = layout.mods.Stage(p, host, run);
+  const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
+
+  // The launch's params: the mods and cu_seqlens in the device buffer, each
+  // tensor where it lies or in its room there.
+  mods.q = mods.k = mods.v = nullptr;
+  mods.o = nullptr;
+  mods.lse = nullptr;
+  mods.cu_seqlens_q = mods.cu_seqlens_k = nullptr;
+  AttnParams dev = RebaseAttnParams(mods, host, device);
+  auto place = [device](const DirectLayout::Tensor& t, const void* resident) {
+    return t.where == Where::kInPlace ? static_cast<char*>(const_cast<void*>(resident))
+                                      : device + t.at;
+  };
+  dev.q = place(layout.q, p.q);
+  dev.k = place(layout.k, p.k);
+  dev.v = place(layout.v, p.v);
+  dev.o = place(layout.o, p.o);
+  dev.lse = p.lse != nullptr ? reinterpret_cast<float*>(place(layout.lse, p.lse)) : nullptr;
+  if (layout.cu_bytes > 0) {
+    dev.cu_seqlens_q = reinterpret_cast<int32_t*>(device + layout.cu_q);
+    dev.cu_seqlens_k = reinterpret_cast<int32_t*>(device + layout.cu_k);
+  }
+  dev.devices = TensorDevices();  // all of it this device's memory now
+
+  auto queue = [&]() -> absl::Status {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
+    if (layout.inputs_end > 0) {
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(device, host, static_cast<size_t>(layout.inputs_end),
+                          cudaMemcpyHostToDevice, slot->stream),
+          "copy inputs to device");
+    }
+    for (const auto& [t, src] : inputs) {
+      if (t->where != Where::kCopied) continue;
+      ATTN_CUDA_RETURN_IF_ERROR(
+          CopyBetweenDevices(device + t->at, device_, src, t->device, t->bytes, slot->stream),
+          "copy a device-memory input to the launch's device");
+    }
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
+    RETURN_IF_ERROR(LaunchKernels(plan, dev, slot));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
+    const std::pair<const DirectLayout::Tensor*, void*> outputs[] = {{&layout.o, p.o},
+                                                                     {&layout.lse, p.lse}};
+    for (const auto& [t, dst] : outputs) {
+      if (t->where != Where::kCopied || dst == nullptr) continue;
+      ATTN_CUDA_RETURN_IF_ERROR(
+          CopyBetweenDevices(dst, t->device, device + t->at, device_, t->bytes, slot->stream),
+          "copy an output to its device");
+    }
+    if (layout.host_end > layout.outputs_begin) {
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(host + layout.outputs_begin, device + layout.outputs_begin,
+                          static_cast<size_t>(layout.host_end - layout.outputs_begin),
+                          cudaMemcpyDeviceToHost, slot->stream),
+          "copy outputs to host");
+    }
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
+    return absl::OkStatus();
+  };
+  st = queue();
+  if (!st.ok()) return fail(st);
+  // The outputs that go to the host leave the pinned buffer in Finish.
+  Launch::Scatter scatter = [layout, o = p.o, lse = p.lse](const char* from,
+                                                           const CopyRunner& run) {
+    std::vector<HostCopy> out;
+    if (layout.o.where == Where::kStaged && layout.o.bytes > 0) {
+      out.push_back({o, from + layout.o.at, static_cast<size_t>(layout.o.bytes)});
+    }
+    if (lse != nullptr && layout.lse.where == Where::kStaged && layout.lse.bytes > 0) {
+      out.push_back({lse, from + layout.lse.at, static_cast<size_t>(layout.lse.bytes)});
+    }
+    RunCopies(run, out);
+  };
+  return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
 }
 
 absl::Status CudaBackend::Forward(const Plan& plan, const AttnParams& params,

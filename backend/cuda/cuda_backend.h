@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,6 +72,14 @@ class CudaBackend final : public AttentionBackend {
   // the backend's .cc files).
   struct Slot;
   class Launch;
+  // An input tensor of a launch's lone member in device memory
+  // (TensorDevices): `ptr` on `device`. The staged launch reads it where it
+  // lies when it is on the backend's device and aligned, else copies it into
+  // its place in the device buffer (one peer copy from another device).
+  struct DeviceInput {
+    const void* ptr;
+    int device;
+  };
 
  private:
   CudaBackend() = default;
@@ -83,9 +92,19 @@ class CudaBackend final : public AttentionBackend {
   // gathered into pinned memory, one H2D copy, kernels(device params, slot),
   // one D2H copy; the Launch's Finish scatters. rebase(params, host, device)
   // moves the gathered params' pointers from the pinned to the device buffer.
+  // `device_inputs`: inputs of a lone member that lie in device memory
+  // (DeviceInput); the gather leaves them out of the pinned buffer.
   template <typename Layout, typename Batch, typename Rebase, typename Kernels>
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(const Batch& batch, Rebase rebase,
-                                                             Kernels kernels);
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(
+      const Batch& batch, Rebase rebase, Kernels kernels,
+      const std::vector<DeviceInput>& device_inputs = {});
+  // One call with tensors in device memory (params.devices), alone in its
+  // launch: those on this device are read and written where they lie (no
+  // copy; a misaligned one is copied within the device), those on another
+  // device go through one peer copy each way; host tensors are staged as
+  // StartStaged stages them.
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartDirect(const Plan& plan,
+                                                             const AttnParams& params);
   // The plan for FP16/BF16 params (PlanForward; FP8 params are planned as
   // their BF16 view, the kernel that runs them), or UNIMPLEMENTED when this
   // build or this device has no kernel for them. Checks nothing else.

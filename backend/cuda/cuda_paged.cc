@@ -102,6 +102,13 @@ absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) co
   // The paged kernels apply ALiBi and sinks (per query head); a bias, an
   // element mask or a block mask has no paged kernel here.
   const AttnParams& a = p.attn;
+  // q and the new K/V rows may lie in device memory (StartPagedForward reads
+  // them there); the outputs are the pool's host buffers.
+  if (a.devices.o != kHostMemory || a.devices.lse != kHostMemory) {
+    AttnParams outputs = a;
+    outputs.devices.q = outputs.devices.k = outputs.devices.v = kHostMemory;
+    RETURN_IF_ERROR(CheckHostTensors(outputs, "cuda: paged params"));
+  }
   if (a.bias != nullptr || a.mask != nullptr || HasBlockMask(a)) {
     return absl::UnimplementedError(absl::StrCat(
         "cuda: paged params: bias, mask and the block mask (block_q) expected unset on a paged "
@@ -159,8 +166,27 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
     });
     return RebasePaged(p, host, device);
   };
+  // A lone member's q and new rows in device memory (CanSharePagedLaunch
+  // keeps such calls alone) are read where they lie or copied on the device.
+  std::vector<DeviceInput> device_inputs;
+  if (batch.size() == 1) {
+    const AttnParams& a = batch.members().front()->attn;
+    const std::pair<const void*, int> inputs[] = {
+        {a.q, a.devices.q}, {a.k, a.devices.k}, {a.v, a.devices.v}};
+    for (const auto& [ptr, device] : inputs) {
+      if (device != kHostMemory && ptr != nullptr) device_inputs.push_back({ptr, device});
+    }
+  } else {
+    for (const PagedAttnParams* m : batch.members()) {
+      if (HasDeviceTensors(m->attn)) {
+        return absl::InvalidArgumentError(
+            "cuda: a paged call with a device-memory tensor cannot share a packed launch");
+      }
+    }
+  }
   return StartStaged<PagedLayout>(
-      batch, rebase, [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
+      batch, rebase,
+      [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
         // One member: its plan. Several were checked and planned one by one
         // and share everything but sizes (CanSharePagedLaunch), so the packed
         // launch only needs its own split and tile decision (PlanFor reads
@@ -170,7 +196,8 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
         }
         ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev.attn, cuda::KvRows::kPages));
         return LaunchPagedKernels(packed_plan, dev, slot);
-      });
+      },
+      device_inputs);
 }
 
 absl::Status CudaBackend::PagedForward(const Plan& plan, const PagedAttnParams& params,

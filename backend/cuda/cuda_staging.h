@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/paged_kv.h"
 #include "common/dtype.h"
 #include "common/host_copy.h"
 
@@ -43,6 +44,25 @@ inline absl::Status CudaError(cudaError_t err, const char* what) {
   } while (0)
 
 inline int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+// A tensor in device memory (TensorDevices) is read or written where it lies
+// when it is on the backend's device and starts at a multiple of this (the
+// kernels' TMA and cp.async move 16-byte units); otherwise it is copied
+// between its place and the slot's device buffer.
+inline constexpr uintptr_t kInPlaceDeviceAlignment = 16;
+
+// Queues a copy of `bytes` from `src` on device `src_device` to `dst` on
+// `dst_device` on `stream`: within one device a device-to-device copy, across
+// devices one peer copy (over NVLink or PCIe, without a host bounce where the
+// devices can reach each other).
+inline cudaError_t CopyBetweenDevices(void* dst, int dst_device, const void* src, int src_device,
+                                      int64_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  if (dst_device == src_device) {
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream);
+  }
+  return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, static_cast<size_t>(bytes), stream);
+}
 
 // Hands out consecutive 256-byte aligned regions of one staging buffer: the
 // launch layouts (StagingLayout, PagedLayout) take their tensors' offsets
@@ -234,17 +254,48 @@ inline absl::Status ReserveSplitWorkspace(CudaBackend::Slot* slot, const Plan& p
   return absl::OkStatus();
 }
 
+// The params' tensor pointer that equals `at` (an input's place in the
+// device buffer) pointed at `to` instead; false when none does.
+inline bool Redirect(AttnParams* p, const char* at, const void* to) {
+  for (const void** ptr : {&p->q, &p->k, &p->v}) {
+    if (*ptr == at) {
+      *ptr = to;
+      return true;
+    }
+  }
+  return false;
+}
+inline bool Redirect(PagedAttnParams* p, const char* at, const void* to) {
+  return Redirect(&p->attn, at, to);
+}
+
+// A gathered input that lies in device memory: its place in the device
+// buffer (`dst`) and where it lies.
+struct DeviceInputCopy {
+  char* dst;
+  const void* src;
+  int src_device;
+  int64_t bytes;
+};
+
 // Queues one staged launch on the slot's stream: inputs [0, inputs_end) of
-// the pinned buffer to the device, `kernels`, outputs [out_begin, out_end)
-// back, with the slot's four events around the phases.
-inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int64_t inputs_end,
+// the pinned buffer to the device, then the device inputs into their places
+// (device-to-device or peer), `kernels`, outputs [out_begin, out_end) back,
+// with the slot's four events around the phases.
+inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int device, int64_t inputs_end,
                                       int64_t out_begin, int64_t out_end,
+                                      const std::vector<DeviceInputCopy>& device_inputs,
                                       const std::function<absl::Status()>& kernels) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
   ATTN_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(inputs_end),
                       cudaMemcpyHostToDevice, slot->stream),
       "copy inputs to device");
+  for (const DeviceInputCopy& c : device_inputs) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        CopyBetweenDevices(c.dst, device, c.src, c.src_device, c.bytes, slot->stream),
+        "copy a device-memory input to the launch's device");
+  }
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[1], slot->stream), "event");
   const absl::Status st = kernels();
   if (!st.ok()) return st;
@@ -312,9 +363,9 @@ class CudaBackend::Launch final : public PendingLaunch {
 };
 
 template <typename Layout, typename Batch, typename Rebase, typename Kernels>
-absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Batch& batch,
-                                                                        Rebase rebase,
-                                                                        Kernels kernels) {
+absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(
+    const Batch& batch, Rebase rebase, Kernels kernels,
+    const std::vector<DeviceInput>& device_inputs) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   Slot* slot = AcquireSlot();
   // Until the Launch owns the slot, an error must hand it back with nothing
@@ -331,13 +382,36 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(const Ba
 
   const absl::Time gather_start = absl::Now();
   ThreadPool* pool = gather_pool_.get();
-  const auto staged =
-      batch.Gather(layout.In(slot->host.ptr()),
-                   [pool](const std::vector<HostCopy>& copies) { CopyInParallel(copies, pool); });
+  char* const host = slot->host.ptr();
+  char* const device = slot->device.ptr();
+  // A copy from device memory is not run on the host: it becomes the
+  // input's place in the device buffer, filled after the host-to-device copy.
+  std::vector<DeviceInputCopy> from_device;
+  const auto staged = batch.Gather(layout.In(host), [&](const std::vector<HostCopy>& copies) {
+    std::vector<HostCopy> on_host;
+    for (const HostCopy& c : copies) {
+      const auto in = std::find_if(device_inputs.begin(), device_inputs.end(),
+                                   [&](const DeviceInput& d) { return d.ptr == c.src; });
+      if (in == device_inputs.end()) {
+        on_host.push_back(c);
+      } else {
+        from_device.push_back({device + (static_cast<char*>(c.dst) - host), c.src, in->device,
+                               static_cast<int64_t>(c.bytes)});
+      }
+    }
+    CopyInParallel(on_host, pool);
+  });
   const int64_t gather_us = absl::ToInt64Microseconds(absl::Now() - gather_start);
-  const auto dev = rebase(staged, slot->host.ptr(), slot->device.ptr());
+  auto dev = rebase(staged, host, device);
+  // One on this device at an aligned address is read where it lies.
+  std::vector<DeviceInputCopy> copies;
+  for (const DeviceInputCopy& c : from_device) {
+    const bool here = c.src_device == device_ &&
+                      reinterpret_cast<uintptr_t>(c.src) % kInPlaceDeviceAlignment == 0;
+    if (!here || !Redirect(&dev, c.dst, c.src)) copies.push_back(c);
+  }
 
-  st = QueueStagedLaunch(slot, layout.inputs_end, layout.o, layout.end,
+  st = QueueStagedLaunch(slot, device_, layout.inputs_end, layout.o, layout.end, copies,
                          [&]() { return kernels(dev, slot); });
   if (!st.ok()) return fail(st);
   Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
