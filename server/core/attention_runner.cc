@@ -1,6 +1,7 @@
 // One AttentionCall from receipt to completion; see attention_runner.h.
 #include "server/core/attention_runner.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -44,9 +45,20 @@ void AttentionRunner::StartOrThrow(const AttentionCall* call, const FieldNames& 
   };
   absl::StatusOr<AttnParams> params = ValidateAttentionCall(*call, limits_, names);
   if (!params.ok()) return refuse(params.status());
+  // The score modifiers' arrays are read on the host (checks, packing).
+  if (call->mods.bias.device != kHostMemory || call->mods.mask.device != kHostMemory) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        call->mods.bias.device != kHostMemory ? names.bias : names.mask,
+        ": expected host memory (a message or a system shared-memory region), got device ",
+        std::max(call->mods.bias.device, call->mods.mask.device), " memory")));
+  }
 
   WorkItem item;
   item.params = *params;
+  // Device-resident inputs (CUDA regions): the backend reads them where they lie.
+  item.params.devices.q = call->q.device;
+  item.params.devices.k = call->k.device;
+  item.params.devices.v = call->v.device;
   item.received = call->meta.received;
   item.deadline = call->meta.deadline;
   item.cancelled = call->meta.cancelled;
@@ -59,6 +71,8 @@ void AttentionRunner::StartOrThrow(const AttentionCall* call, const FieldNames& 
     RETURN_IF_ERROR(call->sink(layout, &o, &lse));
     p->o = o;
     p->lse = layout.lse_shape.empty() ? nullptr : lse;
+    p->devices.o = call->output_devices.o;
+    p->devices.lse = p->lse != nullptr ? call->output_devices.lse : kHostMemory;
     return absl::OkStatus();
   };
   item.done = [this, call, &names, done](const absl::Status& status, const WorkTimings& timings) {

@@ -53,6 +53,10 @@ struct TensorView {
   // Set when the sender left the tensor out entirely (a K/V step without
   // new tokens may).
   bool absent = false;
+  // kHostMemory, or the CUDA device whose memory `bytes` points into (a
+  // client's CUDA shared-memory region): the core then never reads the
+  // bytes, it only hands the address to the backend. q, k and v only.
+  int device = kHostMemory;
 };
 
 // The attention options as the caller stated them: unset stays unset, so
@@ -112,6 +116,14 @@ struct OutputLayout {
 // the call before compute.
 using OutputSink = std::function<absl::Status(const OutputLayout& layout, void** o, float** lse)>;
 
+// Where a sink put o and lse: kHostMemory, or the CUDA device whose memory
+// it pointed them into (a client's CUDA shared-memory region). A sink that
+// binds device memory sets these (AttentionCall::output_devices).
+struct OutputDevices {
+  int o = kHostMemory;
+  int lse = kHostMemory;
+};
+
 // One attention call (Forward, the KServe `attention` model).
 struct AttentionCall {
   CallMeta meta;
@@ -124,6 +136,9 @@ struct AttentionCall {
   // memory): what --max_request_bytes bounds.
   int64_t request_bytes = 0;
   OutputSink sink;
+  // Set by `sink` when it binds an output to device memory; host otherwise.
+  // A call with any tensor in device memory runs in a launch of its own.
+  OutputDevices output_devices;
 };
 
 // One sequence's part of an append-and-attend call.

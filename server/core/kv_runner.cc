@@ -37,6 +37,10 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   c->inputs.q = call.q.bytes.data();
   c->inputs.k = call.k.bytes.data();
   c->inputs.v = call.v.bytes.data();
+  // Device-resident rows (CUDA regions): the backend reads them where they lie.
+  c->inputs.devices.q = call.q.device;
+  c->inputs.devices.k = call.k.device;
+  c->inputs.devices.v = call.v.device;
   // The per-head score modifiers (ValidateKvCall refused every other one).
   if (call.mods.alibi_slopes.has_value())
     c->inputs.mods.alibi_slopes = call.mods.alibi_slopes->data();
