@@ -7,6 +7,7 @@ HEADER; one row a second; phase "traffic" or "after").
                                      (CONCURRENCY: calls the load keeps in flight; below)
     soak_check.py --levels CSV       prints "FDS,THREADS,TIMER_THREADS": their warm-up levels
     soak_check.py --back LEVELS ROW  exit 0 when ROW is back to LEVELS (below)
+    soak_check.py --budget CSV BYTES the memory rule (below); exit 1 when broken
 
 The rule: the traffic rows are cut in fifths; the first fifth is
 warm-up; a quantity grows when the median of the last fifth exceeds 1.05 x the
@@ -32,6 +33,13 @@ run the line rose by at most 2.0 (s.d. 0.8); a queue that keeps one request
 every 15 s rises by 6.4 over a 2-minute run's last 96 s and fails.
 The heap in use (the allocator's account: what is allocated and not freed)
 is printed beside the rule, not judged: it moves with the requests in flight.
+
+The memory rule (--budget): every RSS sample of the run (rss_kb and
+rss_now_kb, traffic and after) stays at most BYTES (the server's
+--max_buffered_bytes) plus BUDGET_SLACK_BYTES, the stated constant: what the
+server holds whatever its callers do (code, thread stacks, pools, gRPC's
+transport buffers outside its quota, allocator slack; the server alone sat
+at 40-70 MB through the soaks before hostile clients were added).
 """
 import csv
 import statistics
@@ -46,6 +54,8 @@ QUEUE = "queue_depth"
 SHOWN = ("heap_in_use_kb", "heap_free_kb", "rss_now_kb", "grpc_timer_threads")
 # Timer threads gRPC may add after warm-up and keep (see above).
 TIMER_THREADS_SLACK = 1
+# The memory rule's constant (see above).
+BUDGET_SLACK_BYTES = 128 << 20
 
 
 def traffic_rows(path):
@@ -117,6 +127,20 @@ def check(path, concurrency):
     return 1 if grew else 0
 
 
+def budget(path, limit_bytes):
+    """The memory rule; prints its line, returns the exit status."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    peak_kb = max((float(r[k]) for r in rows for k in ("rss_kb", "rss_now_kb")
+                   if r.get(k, "") != ""), default=0.0)
+    bound_kb = (limit_bytes + BUDGET_SLACK_BYTES) / 1024
+    ok = 0 < peak_kb <= bound_kb
+    print("soak_check: peak RSS %.1f MB, bound %.1f MB (budget %.1f MB + %.0f MB)  %s"
+          % (peak_kb / 1024, bound_kb / 1024, limit_bytes / 2**20, BUDGET_SLACK_BYTES / 2**20,
+             "ok" if ok else "OVER"))
+    return 0 if ok else 1
+
+
 def levels(path):
     rows = traffic_rows(path)
     print(",".join("%g" % statistics.median(fifths(rows, key)[0])
@@ -136,6 +160,8 @@ def back(level_text, row_text):
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--check":
         sys.exit(check(sys.argv[2], int(sys.argv[3])))
+    if len(sys.argv) == 4 and sys.argv[1] == "--budget":
+        sys.exit(budget(sys.argv[2], int(sys.argv[3])))
     if len(sys.argv) == 3 and sys.argv[1] == "--levels":
         sys.exit(levels(sys.argv[2]))
     if len(sys.argv) == 4 and sys.argv[1] == "--back":

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """scripts/soak_check.py's growth rule on made-up CSVs: a flat run passes, and
 each kind of growth it exists to catch fails (an RSS leak, a queue that keeps
-requests), while queue depth's sample-to-sample scatter does not."""
+requests), while queue depth's sample-to-sample scatter does not; and the
+memory rule: RSS within the budget plus the stated constant passes, one
+sample over it fails."""
 import contextlib
 import io
 import os
@@ -31,6 +33,15 @@ def write_csv(rows):
             values.update({k: str(v) for k, v in row.items()})
             f.write(",".join(values[k] for k in header) + "\n")
     return f.name
+
+
+def run_budget(rows, budget_bytes):
+    path = write_csv(rows)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return soak_check.budget(path, budget_bytes)
+    finally:
+        os.unlink(path)
 
 
 def run(rows):
@@ -69,6 +80,18 @@ class SoakCheckTest(unittest.TestCase):
 
     def test_thread_leak_fails(self):
         self.assertEqual(run([{"threads": 24 + i // 10} for i in range(120)]), 1)
+
+    def test_rss_within_budget_passes(self):
+        budget = 256 << 20
+        limit_kb = (budget + soak_check.BUDGET_SLACK_BYTES) // 1024
+        self.assertEqual(run_budget([{"rss_now_kb": limit_kb} for _ in range(60)], budget), 0)
+
+    def test_rss_over_budget_once_fails(self):
+        budget = 256 << 20
+        limit_kb = (budget + soak_check.BUDGET_SLACK_BYTES) // 1024
+        rows = [{} for _ in range(60)]
+        rows[37] = {"rss_now_kb": limit_kb + 1}  # one instant over, the mean below
+        self.assertEqual(run_budget(rows, budget), 1)
 
 
 if __name__ == "__main__":
