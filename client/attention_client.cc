@@ -117,6 +117,36 @@ absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
   return absl::OkStatus();
 }
 
+absl::StatusOr<ShmOutputSpans> PlaceForwardInArena(ShmArena& arena, v1::ForwardRequest* request) {
+  arena.Reset();
+  ShmOutputSpans spans;
+  for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
+    RETURN_IF_ERROR(arena.MoveIn(t));
+  }
+  // No query rows: no output bytes to share; the empty O comes in the message.
+  if (ShmOBytes(request->q()) == 0) return spans;
+  absl::StatusOr<ShmSpan> o = arena.Allocate(ShmOBytes(request->q()));
+  if (!o.ok()) return o.status();
+  spans.has_o = true;
+  spans.o = *o;
+  *request->mutable_output_shm()->mutable_o() = arena.ToProto(*o);
+  if (request->options().return_lse()) {
+    absl::StatusOr<ShmSpan> lse = arena.Allocate(ShmLseBytes(request->q()));
+    if (!lse.ok()) return lse.status();
+    spans.has_lse = true;
+    spans.lse = *lse;
+    *request->mutable_output_shm()->mutable_lse() = arena.ToProto(*lse);
+  }
+  return spans;
+}
+
+absl::Status TakeForwardOutputs(const ShmArena& arena, const ShmOutputSpans& spans,
+                                v1::ForwardResponse* response) {
+  if (spans.has_o) RETURN_IF_ERROR(arena.TakeOut(spans.o, "o", response->mutable_o()));
+  if (spans.has_lse) RETURN_IF_ERROR(arena.TakeOut(spans.lse, "lse", response->mutable_lse()));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response) {
   ForwardResult result;
   result.request_id = response.request_id();
@@ -260,6 +290,34 @@ absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(const v1::ForwardRe
 absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& inputs,
                                                        const CallOptions& call) {
   return CallUnaryTyped(Unary::kForward, inputs, call);
+}
+
+absl::StatusOr<v1::ForwardResponse> AttentionClient::Forward(v1::ForwardRequest request,
+                                                             ShmArena& arena,
+                                                             const CallOptions& call) {
+  absl::StatusOr<ShmOutputSpans> spans = PlaceForwardInArena(arena, &request);
+  if (!spans.ok()) return spans.status();
+  absl::StatusOr<v1::ForwardResponse> response = CallUnary(Unary::kForward, request, call);
+  if (!response.ok()) return response.status();
+  RETURN_IF_ERROR(TakeForwardOutputs(arena, *spans, &*response));
+  return response;
+}
+
+absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& inputs,
+                                                       ShmArena& arena, const CallOptions& call) {
+  v1::ForwardRequest request = MakeForwardRequest(inputs);
+  // The shapes stay for the check; the bytes move into the arena.
+  v1::ForwardRequest shapes;
+  *shapes.mutable_q()->mutable_shape() = request.q().shape();
+  shapes.mutable_q()->set_dtype(request.q().dtype());
+  shapes.mutable_options()->set_return_lse(request.options().return_lse());
+  shapes.mutable_cu_seqlens_q()->CopyFrom(request.cu_seqlens_q());
+  absl::StatusOr<v1::ForwardResponse> response = Forward(std::move(request), arena, call);
+  if (!response.ok()) return response.status();
+  absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(response));
+  if (!result.ok()) return result.status();
+  RETURN_IF_ERROR(CheckResultShapes(shapes, *result));
+  return result;
 }
 
 void AttentionClient::ForwardAsync(const v1::ForwardRequest& request, const CallOptions& call,

@@ -31,6 +31,7 @@
 #include "client/channel_security.h"
 #include "client/host_tensor.h"
 #include "client/score_mods.h"
+#include "client/shm_arena.h"
 #include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -127,6 +128,17 @@ absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
 // Decodes a response, checking every tensor's dtype and byte length.
 absl::StatusOr<ForwardResult> ForwardResultFromProto(v1::ForwardResponse&& response);
 
+// Same-host shared memory (client/shm_arena.h): resets `arena`, moves
+// `request`'s q, k and v into it (Tensor.shm) and asks for O, and LSE with
+// return_lse, to be written there (output_shm). RESOURCE_EXHAUSTED when the
+// arena is too small (nothing is sent then).
+absl::StatusOr<ShmOutputSpans> PlaceForwardInArena(ShmArena& arena, v1::ForwardRequest* request);
+// Reads the outputs of a call placed by PlaceForwardInArena back from the
+// arena into the response's o and lse, so ForwardResultFromProto decodes it
+// like any other. INTERNAL when the response names other spans.
+absl::Status TakeForwardOutputs(const ShmArena& arena, const ShmOutputSpans& spans,
+                                v1::ForwardResponse* response);
+
 enum class HealthStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
 const char* HealthStatusName(HealthStatus status);  // "SERVING", ...
 
@@ -148,6 +160,12 @@ class AttentionClient {
                                               const CallOptions& call = CallOptions());
   // The typed convenience call.
   absl::StatusOr<ForwardResult> Forward(const AttentionInputs& inputs,
+                                        const CallOptions& call = CallOptions());
+  // Both through `arena` (one call at a time per arena): q, k and v go into
+  // it and O (and LSE) come back from it, read into the result's tensors.
+  absl::StatusOr<v1::ForwardResponse> Forward(v1::ForwardRequest request, ShmArena& arena,
+                                              const CallOptions& call = CallOptions());
+  absl::StatusOr<ForwardResult> Forward(const AttentionInputs& inputs, ShmArena& arena,
                                         const CallOptions& call = CallOptions());
 
   // Non-blocking Forward on gRPC's callback API: `done` runs once, on a gRPC

@@ -51,7 +51,7 @@ const Command kCommands[] = {
      "attnctl [--target=host:port] forward [shape flags | --q=Q.npy --k=K.npy --v=V.npy]\n"
      "        [--dtype=fp16|bf16|fp32] [--causal] [--window_left=N] [--window_right=N]\n"
      "        [--softcap=X] [--softmax_scale=X] [--return_lse] [--out=O.npy] [--out_lse=L.npy]\n"
-     "        [--verify] [--protocol=native|v2 [--shm=none|system|cuda]]\n"
+     "        [--verify] [--protocol=native|v2] [--shm=none|system|cuda [--shm_prefix=P]]\n"
      "        [--alibi] [--sinks=V|V,V,..|S.npy] [--bias=B.npy] [--mask=M.npy]\n"
      "        [--block_density=S [--block_size=Q[,K]] [--block_pattern=random|stripes]]\n\n"
      "Examples:\n"
@@ -59,6 +59,7 @@ const Command kCommands[] = {
      "      --dtype=bf16 --causal --verify\n"
      "  attnctl forward --varlen_q=3,0,17 --varlen_k=5,4,17 --dtype=fp16 --return_lse --verify\n"
      "  attnctl forward --q=q.npy --k=k.npy --v=v.npy --out=o.npy\n"
+     "  attnctl forward --shm=system --seqlen_q=512 --verify\n"
      "  attnctl forward --protocol=v2 --shm=system --seqlen_q=512 --verify\n"
      "  attnctl forward --seqlen_q=1024 --block_density=0.25 --block_pattern=stripes --verify\n"
      "  attnctl forward --heads_q=12 --alibi --sinks=0.5 --causal --verify\n"
@@ -67,8 +68,10 @@ const Command kCommands[] = {
      "mask ([B or 1, Hq or 1, Sq, Sk] dense, [Hq or 1, sum sq_b*sk_b] varlen) and a random\n"
      "block-sparse mask; --verify applies the same ones to the reference.\n\n"
      "--protocol=v2 sends the same request as KServe v2 ModelInfer of the model 'attention'\n"
-     "(docs/kserve.md); --shm=system passes the tensors through a POSIX shared-memory region\n"
-     "registered with the server (which needs --allow_client_shm).\n"
+     "(docs/kserve.md). --shm=system passes q, k, v and O through a POSIX shared-memory region\n"
+     "registered with the server (which needs --allow_client_shm) instead of the message, on\n"
+     "either protocol; --shm=cuda through device memory of GPU 0 (a CUDA build of attnctl).\n"
+     "The region is unregistered and removed before attnctl exits (docs/shared-memory.md).\n"
      "Prints the request, the backend, client latency and the server's timing breakdown.\n"
      "With --verify: the float64 reference is computed locally and O (and LSE) are held to\n"
      "docs/design.md's tolerance: FP16/BF16 max|o - ref| <= 2 * max|ref_lowp - ref| + floor\n"
@@ -140,14 +143,15 @@ const Command kCommands[] = {
      "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
      "        [--warmup_tokens=N] [--prefill_chunk=N] [--prefill_attend=false] [--csv=FILE]\n"
-     "        [--attend_fraction=F] [--label=TEXT]\n\n"
+     "        [--attend_fraction=F] [--label=TEXT] [--shm=none|system|cuda [--shm_prefix=P]]\n\n"
      "Examples:\n"
      "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
      "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
      "  attnctl load-kv --sequences=64 --prompt=8192 --tokens=32 --warmup_tokens=2 --layers=32 \\\n"
      "      --prefill_attend=false --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 \\\n"
      "      --stream --channels=4 --concurrency=1,4 --csv=kv.csv\n"
-     "  attnctl load-kv --stateless --sequences=16 --prompt=4096 ... --csv=kv.csv\n\n"
+     "  attnctl load-kv --stateless --sequences=16 --prompt=4096 ... --csv=kv.csv\n"
+     "  attnctl load-kv --shm=system --stream --concurrency=4 --check ...\n\n"
      "Creates a cache and --sequences sequences, prefills each with --prompt tokens (append\n"
      "with Q, causal, in --prefill_chunk pieces; K/V alone with --prefill_attend=false), then\n"
      "for each of --tokens generated tokens and each layer sends one append-and-attend step per\n"
@@ -164,12 +168,18 @@ const Command kCommands[] = {
      "--attend_fraction=F (0 < F < 1) names, at every decode step and for each sequence, a\n"
      "random F of its history pages (attend_pages): the server reads only those and the pages\n"
      "of the new token (page-level sparse decode); --check then uses exactly those tokens.\n"
+     "--shm=system (or cuda) keeps tensor bytes off the socket: each group registers one\n"
+     "shared-memory region with the server (which needs --allow_client_shm) before the cache is\n"
+     "created, every prefill and decode step writes its q/k/v there and reads O back from it,\n"
+     "and the region is unregistered and removed at the end (docs/shared-memory.md). The\n"
+     "report, the progress line and the CSV's transport column say grpc, shm-system or\n"
+     "shm-cuda.\n"
      "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
      "client/cli/load_kv.cc",
      nullptr,
      RunLoadKv,
      {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
-      "concurrency", "channels", "stream", "check", "csv", "label"}},
+      "concurrency", "channels", "stream", "check", "csv", "label", "shm", "shm_prefix"}},
 };
 
 const Command* FindCommand(absl::string_view name) {

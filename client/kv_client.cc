@@ -146,6 +146,42 @@ absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
   return result;
 }
 
+absl::StatusOr<ShmOutputSpans> PlaceAppendAttendInArena(ShmArena& arena,
+                                                        v1::AppendAttendRequest* request) {
+  arena.Reset();
+  ShmOutputSpans spans;
+  for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
+    const absl::Status moved = arena.MoveIn(t);
+    if (!moved.ok()) return moved;
+  }
+  const uint64_t o_bytes = request->has_q() ? ShmOBytes(request->q()) : 0;
+  if (o_bytes == 0) return spans;
+  absl::StatusOr<ShmSpan> o = arena.Allocate(o_bytes);
+  if (!o.ok()) return o.status();
+  spans.has_o = true;
+  spans.o = *o;
+  *request->mutable_output_shm()->mutable_o() = arena.ToProto(*o);
+  if (request->options().return_lse()) {
+    absl::StatusOr<ShmSpan> lse = arena.Allocate(ShmLseBytes(request->q()));
+    if (!lse.ok()) return lse.status();
+    spans.has_lse = true;
+    spans.lse = *lse;
+    *request->mutable_output_shm()->mutable_lse() = arena.ToProto(*lse);
+  }
+  return spans;
+}
+
+absl::Status TakeAppendAttendOutputs(const ShmArena& arena, const ShmOutputSpans& spans,
+                                     v1::AppendAttendResponse* response) {
+  if (response->error_code() != 0) return absl::OkStatus();
+  if (spans.has_o) {
+    const absl::Status o = arena.TakeOut(spans.o, "o", response->mutable_o());
+    if (!o.ok()) return o;
+  }
+  if (spans.has_lse) return arena.TakeOut(spans.lse, "lse", response->mutable_lse());
+  return absl::OkStatus();
+}
+
 // --- KvClient ---
 
 KvClient::KvClient(AttentionClient& client) : client_(client) {
@@ -280,6 +316,28 @@ absl::StatusOr<AppendAttendResult> KvClient::AppendAttend(const AppendAttendInpu
   return AppendAttendResultFromProto(request, *std::move(response));
 }
 
+absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(v1::AppendAttendRequest request,
+                                                                ShmArena& arena,
+                                                                const CallOptions& call) {
+  absl::StatusOr<ShmOutputSpans> spans = PlaceAppendAttendInArena(arena, &request);
+  if (!spans.ok()) return spans.status();
+  absl::StatusOr<v1::AppendAttendResponse> response = AppendAttend(request, call);
+  if (!response.ok()) return response.status();
+  const absl::Status taken = TakeAppendAttendOutputs(arena, *spans, &*response);
+  if (!taken.ok()) return taken;
+  return response;
+}
+
+absl::StatusOr<AppendAttendResult> KvClient::AppendAttend(const AppendAttendInputs& inputs,
+                                                          ShmArena& arena,
+                                                          const CallOptions& call) {
+  v1::AppendAttendRequest request = MakeAppendAttendRequest(inputs);
+  const v1::AppendAttendRequest shapes = ShapesOf(request);
+  absl::StatusOr<v1::AppendAttendResponse> response = AppendAttend(std::move(request), arena, call);
+  if (!response.ok()) return response.status();
+  return AppendAttendResultFromProto(shapes, *std::move(response));
+}
+
 void KvClient::AppendAttendAsync(
     const v1::AppendAttendRequest& request, const CallOptions& call,
     std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done) {
@@ -375,6 +433,31 @@ absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(v1::AppendAttendRequ
   if (!sent.ok()) return sent;
   done.WaitForNotification();
   if (!response.ok()) return response.status();
+  return AppendAttendResultFromProto(shapes, *std::move(response));
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(const AppendAttendInputs& inputs,
+                                                            ShmArena& arena) {
+  return Call(MakeAppendAttendRequest(inputs), arena);
+}
+
+absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(v1::AppendAttendRequest request,
+                                                            ShmArena& arena) {
+  absl::StatusOr<ShmOutputSpans> spans = PlaceAppendAttendInArena(arena, &request);
+  if (!spans.ok()) return spans.status();
+  const v1::AppendAttendRequest shapes = ShapesOf(request);
+  absl::Notification done;
+  absl::StatusOr<v1::AppendAttendResponse> response;
+  const absl::Status sent =
+      Send(std::move(request), [&](absl::StatusOr<v1::AppendAttendResponse> r) {
+        response = std::move(r);
+        done.Notify();
+      });
+  if (!sent.ok()) return sent;
+  done.WaitForNotification();
+  if (!response.ok()) return response.status();
+  const absl::Status taken = TakeAppendAttendOutputs(arena, *spans, &*response);
+  if (!taken.ok()) return taken;
   return AppendAttendResultFromProto(shapes, *std::move(response));
 }
 

@@ -131,6 +131,17 @@ v1::AppendAttendRequest MakeAppendAttendRequest(AppendAttendInputs&& inputs);
 absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
     const v1::AppendAttendRequest& request, v1::AppendAttendResponse&& response);
 
+// Same-host shared memory (client/shm_arena.h): resets `arena`, moves the
+// request's q, k and v into it and asks for O (and LSE) there, as
+// PlaceForwardInArena does for Forward; a call without queries gets its
+// empty O in the message.
+absl::StatusOr<ShmOutputSpans> PlaceAppendAttendInArena(ShmArena& arena,
+                                                        v1::AppendAttendRequest* request);
+// Reads the outputs back into the response's o and lse; a response carrying
+// an error (error_code) is left alone.
+absl::Status TakeAppendAttendOutputs(const ShmArena& arena, const ShmOutputSpans& spans,
+                                     v1::AppendAttendResponse* response);
+
 // A bidirectional AppendAttendStream bound to one cache: a whole generation
 // loop on one HTTP/2 stream, many requests in flight at once, each response
 // matched to its request by request_id. Send may be called from many threads;
@@ -153,6 +164,10 @@ class AppendAttendStream {
   // Sends and waits for that request's result, decoded and checked.
   absl::StatusOr<AppendAttendResult> Call(const AppendAttendInputs& inputs);
   absl::StatusOr<AppendAttendResult> Call(v1::AppendAttendRequest request);
+  // The same through `arena` (one call at a time per arena; a caller with
+  // several calls in flight on the stream gives each its own).
+  absl::StatusOr<AppendAttendResult> Call(const AppendAttendInputs& inputs, ShmArena& arena);
+  absl::StatusOr<AppendAttendResult> Call(v1::AppendAttendRequest request, ShmArena& arena);
   // Half-closes, waits for every response and returns the stream's status;
   // requests still unanswered then complete with it (or UNAVAILABLE).
   absl::Status Finish();
@@ -213,6 +228,13 @@ class KvClient {
   absl::StatusOr<v1::AppendAttendResponse> AppendAttend(const v1::AppendAttendRequest& request,
                                                         const CallOptions& call = CallOptions());
   absl::StatusOr<AppendAttendResult> AppendAttend(const AppendAttendInputs& inputs,
+                                                  const CallOptions& call = CallOptions());
+  // Both through `arena` (one call at a time per arena): q, k and v go into
+  // it and O (and LSE) come back from it, read into the response's tensors.
+  absl::StatusOr<v1::AppendAttendResponse> AppendAttend(v1::AppendAttendRequest request,
+                                                        ShmArena& arena,
+                                                        const CallOptions& call = CallOptions());
+  absl::StatusOr<AppendAttendResult> AppendAttend(const AppendAttendInputs& inputs, ShmArena& arena,
                                                   const CallOptions& call = CallOptions());
   // Non-blocking AppendAttend on gRPC's callback API: `done` runs once, on a
   // gRPC thread. `request` is copied.

@@ -140,23 +140,6 @@ int64_t BytesOf(const inference::ModelInferResponse::InferOutputTensor& out) {
 
 }  // namespace
 
-absl::StatusOr<V2Shm> ParseV2Shm(absl::string_view name) {
-  if (name == "none" || name.empty()) return V2Shm::kNone;
-  if (name == "system") return V2Shm::kSystem;
-  if (name == "cuda") return V2Shm::kCuda;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--shm: expected none, system or cuda, got '", name, "'"));
-}
-
-const char* V2ShmName(V2Shm shm) {
-  switch (shm) {
-    case V2Shm::kNone: return "none";
-    case V2Shm::kSystem: return "system";
-    case V2Shm::kCuda: return "cuda";
-  }
-  return "none";
-}
-
 inference::ModelInferRequest ToModelInferRequest(const v1::ForwardRequest& request) {
   inference::ModelInferRequest out;
   out.set_model_name(kV2AttentionModel);

@@ -28,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "client/attention_client.h"
+#include "client/shm_arena.h"
 #include "inference/grpc_service.grpc.pb.h"
 
 namespace attnserve {
@@ -35,10 +36,10 @@ namespace attnserve {
 // The KServe v2 model the client calls.
 inline constexpr char kV2AttentionModel[] = "attention";
 
-enum class V2Shm { kNone, kSystem, kCuda };
-// "none", "system", "cuda"; INVALID_ARGUMENT naming them otherwise.
-absl::StatusOr<V2Shm> ParseV2Shm(absl::string_view name);
-const char* V2ShmName(V2Shm shm);
+// The same three choices as the native calls' arenas (client/shm_arena.h).
+using V2Shm = ShmMode;
+inline absl::StatusOr<V2Shm> ParseV2Shm(absl::string_view name) { return ParseShmMode(name); }
+inline const char* V2ShmName(V2Shm shm) { return ShmModeName(shm); }
 
 // The v2 request for `request` (model `attention`, its tensors in
 // raw_input_contents, its options as parameters, o and, with return_lse, lse

@@ -2,6 +2,10 @@
 // (see attention_flags.h).
 #include "client/cli/attention_flags.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -63,11 +67,19 @@ ABSL_FLAG(std::string, protocol, "native",
           "'attention' (inference.GRPCInferenceService on the same port), so the two paths "
           "compare side by side.");
 ABSL_FLAG(std::string, shm, "none",
-          "With --protocol=v2: none (tensors in the message), system (a POSIX shared-memory "
-          "region per caller, registered with the server, which must run with "
-          "--allow_client_shm; inputs and outputs go through it), or cuda (CUDA IPC memory; "
-          "this attnctl has no CUDA client and says so). In `load`, each caller sends one "
-          "input, written into its region once, and reads outputs back only with --check.");
+          "Same-host shared memory instead of tensor bytes on the socket (the server must run "
+          "with --allow_client_shm; docs/shared-memory.md): none, system (a POSIX shared-memory "
+          "object under --shm_prefix, registered once, unregistered and removed at exit) or "
+          "cuda (device memory of GPU 0 registered as a CUDA IPC handle; needs an attnctl built "
+          "with CUDA). forward: q, k and v go into the region and O (and LSE) come back from it "
+          "(native Tensor.shm and output_shm; with --protocol=v2, KServe v2 shared memory). "
+          "load-kv: every prefill and decode step goes through one region per group, reused "
+          "every step. load: only with --protocol=v2, one region per caller, each caller's "
+          "input written once and outputs read back only with --check.");
+ABSL_FLAG(std::string, shm_prefix, attnserve::kDefaultShmKeyPrefix,
+          "With --shm=system and the native protocol: where the shared-memory object's name "
+          "starts (shm_open name: this prefix, then attnctl-<pid>-<n>). A server with "
+          "--auth_tokens_file accepts only \"/attnserve.<tenant>.\" for the caller's tenant.");
 
 namespace attnserve {
 namespace cli {
@@ -87,15 +99,49 @@ absl::StatusOr<ProtocolChoice> ProtocolFromFlags() {
   absl::StatusOr<V2Shm> shm = ParseV2Shm(absl::GetFlag(FLAGS_shm));
   if (!shm.ok()) return shm.status();
   choice.shm = *shm;
-  if (choice.shm != V2Shm::kNone && !choice.v2) {
-    return UsageStatus(absl::StrCat("--shm=", V2ShmName(choice.shm),
-                                    " needs --protocol=v2 (the native API has no shared memory)"));
+  choice.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
+  if (FlagWasSet("shm_prefix") && (choice.shm != ShmMode::kSystem || choice.v2)) {
+    return UsageStatus(
+        "--shm_prefix names the object of --shm=system on the native protocol; it does not "
+        "apply here");
+  }
+  const std::string& prefix = choice.shm_prefix;
+  if (prefix.size() < 2 || prefix[0] != '/' || prefix.find('/', 1) != std::string::npos) {
+    return UsageStatus(absl::StrCat("--shm_prefix: expected \"/\" then a name without \"/\" ",
+                                    "(e.g. ", attnserve::kDefaultShmKeyPrefix, "), got \"", prefix,
+                                    "\""));
   }
   return choice;
 }
 
+std::string ShmTransportName(ShmMode shm) {
+  switch (shm) {
+    case ShmMode::kSystem: return "shm-system";
+    case ShmMode::kCuda: return "shm-cuda";
+    case ShmMode::kNone: break;
+  }
+  return "grpc";
+}
+
+absl::StatusOr<std::unique_ptr<ShmArena>> MakeArena(AttentionClient& client,
+                                                    const ProtocolChoice& protocol,
+                                                    uint64_t byte_size) {
+  static std::atomic<int> counter{0};
+  ShmArenaOptions options;
+  options.mode = protocol.shm;
+  options.byte_size = std::max<uint64_t>(byte_size, 1);
+  options.name = absl::StrCat("attnctl-", getpid(), "-", counter.fetch_add(1));
+  options.key_prefix = protocol.shm_prefix;
+  // attnctl may be interrupted: its objects must not outlive it in /dev/shm.
+  options.unlink_after_register = true;
+  return ShmArena::Create(client, options);
+}
+
 std::string ProtocolChoice::ToString() const {
-  if (!v2) return "native (attnserve.v1.Attention)";
+  if (!v2) {
+    if (shm == ShmMode::kNone) return "native (attnserve.v1.Attention)";
+    return absl::StrCat("native (attnserve.v1.Attention, shm ", ShmModeName(shm), ")");
+  }
   return absl::StrCat("v2 (KServe ModelInfer, model ", kV2AttentionModel, ", shm ", V2ShmName(shm),
                       ")");
 }

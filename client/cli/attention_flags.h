@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/attention_client.h"
+#include "client/shm_arena.h"
 #include "client/v2_client.h"
 
 ABSL_DECLARE_FLAG(std::string, dtype);
@@ -51,16 +53,29 @@ absl::StatusOr<std::optional<VarlenLengths>> VarlenLengthsFromFlags();
 // INVALID_ARGUMENT naming the flag for a bad value.
 absl::Status OptionsFromFlags(ForwardOptions* o);
 
-// --protocol and --shm: which protocol carries the attention calls.
+// --protocol, --shm and --shm_prefix: which protocol carries the attention
+// calls, and whether their tensors go through shared memory.
 struct ProtocolChoice {
   bool v2 = false;  // KServe v2 ModelInfer instead of Forward
-  V2Shm shm = V2Shm::kNone;
-  // "native (attnserve.v1.Attention)" or "v2 (KServe ModelInfer, model attention, shm system)".
+  ShmMode shm = ShmMode::kNone;
+  std::string shm_prefix;  // native system arenas' key prefix
+  // "native (attnserve.v1.Attention)", "native (attnserve.v1.Attention, shm
+  // system)" or "v2 (KServe ModelInfer, model attention, shm system)".
   std::string ToString() const;
 };
-// INVALID_ARGUMENT naming the flag for a bad value, or --shm without
-// --protocol=v2.
+// INVALID_ARGUMENT naming the flag for a bad value, or --shm_prefix where it
+// does not apply.
 absl::StatusOr<ProtocolChoice> ProtocolFromFlags();
+
+// How a native call's tensors travel, as load reports name it: "grpc",
+// "shm-system" or "shm-cuda".
+std::string ShmTransportName(ShmMode shm);
+
+// A registered arena of `byte_size` bytes for the native calls of
+// `protocol` (its shm must not be none), named attnctl-<pid>-<n>.
+absl::StatusOr<std::unique_ptr<ShmArena>> MakeArena(AttentionClient& client,
+                                                    const ProtocolChoice& protocol,
+                                                    uint64_t byte_size);
 
 // "causal window_left=4 return_lse", or "no mask".
 std::string OptionsString(const ForwardOptions& o);

@@ -210,6 +210,18 @@ int RunForward(const std::vector<std::string>& args) {
     if (!made.ok()) return PrintError("--protocol=v2", made.status());
     v2 = *std::move(made);
   }
+  // Native shared memory: q, k, v and O in one registered arena (shm_arena.h).
+  std::unique_ptr<ShmArena> arena;
+  if (!protocol->v2 && protocol->shm != ShmMode::kNone) {
+    std::cout << "protocol: " << protocol->ToString() << "\n";
+    request = MakeForwardRequest(*inputs);
+    const uint64_t bytes = request.q().data().size() + request.k().data().size() +
+                           request.v().data().size() + ShmOBytes(request.q()) +
+                           ShmLseBytes(request.q()) + 4 * kShmAlignment;
+    absl::StatusOr<std::unique_ptr<ShmArena>> made = MakeArena(**client, *protocol, bytes);
+    if (!made.ok()) return PrintError("--shm", made.status());
+    arena = *std::move(made);
+  }
 
   // Client latency covers the RPC and decoding, not building the inputs or
   // opening the connection. A failed connect is left for Forward to report
@@ -222,6 +234,8 @@ int RunForward(const std::vector<std::string>& args) {
   if (v2 != nullptr) {
     absl::StatusOr<v1::ForwardResponse> response = v2->Forward(request);
     result = response.ok() ? ForwardResultFromProto(*std::move(response)) : response.status();
+  } else if (arena != nullptr) {
+    result = (*client)->Forward(*inputs, *arena);
   } else {
     result = (*client)->Forward(*inputs);
   }

@@ -142,6 +142,12 @@ absl::StatusOr<LoadConfig> LoadConfigFromFlags() {
   absl::StatusOr<ProtocolChoice> protocol = ProtocolFromFlags();
   if (!protocol.ok()) return protocol.status();
   c.protocol = *protocol;
+  if (!c.protocol.v2 && c.protocol.shm != ShmMode::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shm=", ShmModeName(c.protocol.shm),
+                     " in load needs --protocol=v2 (native shared memory is in forward and "
+                     "load-kv)"));
+  }
   if (c.protocol.v2 && (c.echo || c.stream)) {
     return absl::InvalidArgumentError(absl::StrCat(
         c.echo ? "--rpc=echo" : "--stream",

@@ -147,7 +147,9 @@ std::vector<Column> Columns(const DecodeLoopConfig& c, const DecodeLoopResult& r
           {"prefill_s", num(r.prefill_s)},
           {"errors", absl::StrCat(r.errors)},
           {"errors_by_code", absl::StrJoin(codes, ";")},
-          {"check", c.check ? "true" : "false"}};
+          {"check", c.check ? "true" : "false"},
+          // Last, so the columns before it keep their places in older files.
+          {"transport", r.transport}};
 }
 
 absl::Status AppendCsv(const std::string& path, const std::vector<Column>& columns) {
@@ -169,9 +171,10 @@ absl::Status AppendCsv(const std::string& path, const std::vector<Column>& colum
 }
 
 void PrintResult(const DecodeLoopConfig& c, const DecodeLoopResult& r) {
-  std::cout << "concurrency " << c.groups << ": " << Fixed(r.tokens_per_s, 1)
-            << " generated tokens/s (" << r.generated << " tokens in " << Fixed(r.decode_s, 3)
-            << " s), K/V read " << Fixed(r.tbps * 1e3, 3) << " GB/s\n"
+  std::cout << "concurrency " << c.groups << " (" << r.transport
+            << "): " << Fixed(r.tokens_per_s, 1) << " generated tokens/s (" << r.generated
+            << " tokens in " << Fixed(r.decode_s, 3) << " s), K/V read " << Fixed(r.tbps * 1e3, 3)
+            << " GB/s\n"
             << "  per step (" << r.steps << " layer-steps): p50 " << Fixed(r.p50_ms, 3)
             << " ms, p99 " << Fixed(r.p99_ms, 3) << " ms, max " << Fixed(r.max_ms, 3) << " ms\n"
             << "  server means: queue " << Fixed(r.queue_ms, 3) << " ms, h2d " << Fixed(r.h2d_ms, 3)
@@ -222,6 +225,10 @@ int RunLoadKv(const std::vector<std::string>& args) {
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));
   c.dtype = *dtype;
+  absl::StatusOr<ProtocolChoice> shm = ProtocolFromFlags();
+  if (!shm.ok()) return UsageError(kCmd, shm.status().message());
+  c.shm = shm->shm;
+  c.shm_prefix = shm->shm_prefix;
   const std::string levels_text = absl::GetFlag(FLAGS_concurrency);
   absl::StatusOr<std::vector<int>> levels =
       ParseLengthList("concurrency", levels_text.empty() ? "1" : levels_text);
@@ -250,11 +257,12 @@ int RunLoadKv(const std::vector<std::string>& args) {
             << (c.stateless ? "stateless Forward (whole context each step)"
                 : c.stream  ? "AppendAttendStream"
                             : "unary AppendAttend")
-            << ", " << c.sequences << " sequences x " << c.prompt << " prompt + " << c.tokens
-            << " generated tokens (" << c.warmup_tokens << " warm-up), " << c.layers
-            << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D " << c.head_dim << ", "
-            << DTypeName(c.dtype) << ", " << (*client)->num_channels() << " channel(s), seed "
-            << c.seed << ", check " << (c.check ? "on" : "off")
+            << " over " << ShmTransportName(c.shm) << ", " << c.sequences << " sequences x "
+            << c.prompt << " prompt + " << c.tokens << " generated tokens (" << c.warmup_tokens
+            << " warm-up), " << c.layers << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv
+            << ", D " << c.head_dim << ", " << DTypeName(c.dtype) << ", "
+            << (*client)->num_channels() << " channel(s), seed " << c.seed << ", check "
+            << (c.check ? "on" : "off")
             << (c.attend_fraction < 1.0 ? absl::StrCat(", attend fraction ", c.attend_fraction)
                                         : std::string())
             << "\n";
@@ -265,8 +273,8 @@ int RunLoadKv(const std::vector<std::string>& args) {
     DecodeLoopProgress progress;
     absl::StatusOr<DecodeLoopResult> r;
     {
-      ProgressLine line(absl::StrCat("load-kv c=", level), progress, c.sequences,
-                        int64_t{c.sequences} * c.tokens);
+      ProgressLine line(absl::StrCat("load-kv ", ShmTransportName(c.shm), " c=", level), progress,
+                        c.sequences, int64_t{c.sequences} * c.tokens);
       r = RunDecodeLoop(**client, c, &progress);
     }
     if (!r.ok()) return PrintError("load-kv", r.status());

@@ -15,6 +15,7 @@
 #include "absl/synchronization/barrier.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/cli/attention_flags.h"
 #include "client/cli/load_recorder.h"
 #include "client/inputs.h"
 #include "client/verify.h"
@@ -169,6 +170,13 @@ class Group {
   }
 
   const std::vector<uint64_t>& ids() const { return ids_; }
+  // The cache's page size, known once it is created.
+  void set_page_size(int page_size) { page_size_ = page_size; }
+
+  // Every later call of this group goes through `arena` (null: the message).
+  void UseArena(std::unique_ptr<ShmArena> arena) { arena_ = std::move(arena); }
+  // Unregisters and removes the arena, if any.
+  absl::Status CloseArena() { return arena_ == nullptr ? absl::OkStatus() : arena_->Close(); }
 
   // Appends every sequence's prompt at every layer (chunked), with Q unless
   // the loop is stateless (then only the client's history is built).
@@ -198,7 +206,8 @@ class Group {
           if (c_.prefill_attend) in.q = q;
           in.k = std::move(k);
           in.v = std::move(v);
-          absl::StatusOr<AppendAttendResult> r = kv->AppendAttend(in);
+          absl::StatusOr<AppendAttendResult> r =
+              arena_ != nullptr ? kv->AppendAttend(in, *arena_) : kv->AppendAttend(in);
           if (!r.ok()) {
             tally->Error(r.status(), absl::StrCat("prefill of sequence ", ids_[s], " layer ", layer,
                                                   " at ", offset));
@@ -259,9 +268,14 @@ class Group {
       in.v = std::move(v);
       v1::AppendAttendRequest request = MakeAppendAttendRequest(std::move(in));
       client_time += absl::Now() - sent;
-      absl::StatusOr<AppendAttendResult> r = stream != nullptr
-                                                 ? stream->Call(std::move(request))
-                                                 : Unary(kv, std::move(request), &client_time);
+      absl::StatusOr<AppendAttendResult> r;
+      if (stream == nullptr) {
+        r = Unary(kv, std::move(request), &client_time);
+      } else if (arena_ != nullptr) {
+        r = stream->Call(std::move(request), *arena_);
+      } else {
+        r = stream->Call(std::move(request));
+      }
       if (r.ok()) {
         out = StepOutput{std::move(r->o), r->timing};
       } else {
@@ -303,12 +317,25 @@ class Group {
     h.length += n;
   }
 
-  // Adds the time spent reading the response to *client_time.
+  // Adds the time spent placing the request in the arena and reading the
+  // response to *client_time.
   absl::StatusOr<AppendAttendResult> Unary(KvClient* kv, v1::AppendAttendRequest request,
                                            absl::Duration* client_time) {
+    ShmOutputSpans spans;
+    if (arena_ != nullptr) {
+      const absl::Time start = absl::Now();
+      absl::StatusOr<ShmOutputSpans> placed = PlaceAppendAttendInArena(*arena_, &request);
+      if (!placed.ok()) return placed.status();
+      spans = *placed;
+      *client_time += absl::Now() - start;
+    }
     absl::StatusOr<v1::AppendAttendResponse> r = kv->AppendAttend(request);
     if (!r.ok()) return r.status();
     const absl::Time answered = absl::Now();
+    if (arena_ != nullptr) {
+      const absl::Status taken = TakeAppendAttendOutputs(*arena_, spans, &*r);
+      if (!taken.ok()) return taken;
+    }
     absl::StatusOr<AppendAttendResult> result = AppendAttendResultFromProto(request, *std::move(r));
     *client_time += absl::Now() - answered;
     return result;
@@ -359,7 +386,8 @@ class Group {
     for (size_t s = 0; s < all.size(); ++s) all[s] = s;
     AttentionInputs in = ContextInputs(all, layer, q, /*causal=*/false);
     v1::ForwardRequest request = MakeForwardRequest(std::move(in));
-    absl::StatusOr<v1::ForwardResponse> r = client.Forward(request);
+    absl::StatusOr<v1::ForwardResponse> r =
+        arena_ != nullptr ? client.Forward(std::move(request), *arena_) : client.Forward(request);
     if (!r.ok()) return r.status();
     if (r->error_code() != 0) return StatusFromRpcCode(r->error_code(), r->error_message());
     absl::StatusOr<ForwardResult> result = ForwardResultFromProto(*std::move(r));
@@ -396,11 +424,28 @@ class Group {
   const std::vector<uint64_t> ids_;
   std::mt19937_64 rng_;
   const bool keep_;
-  const int page_size_;
+  int page_size_;
   std::vector<std::vector<History>> history_;  // [sequence in group][layer]
   HostTensor prefill_q_, prefill_k_, prefill_v_;
   std::vector<Tensors> pool_;
+  std::unique_ptr<ShmArena> arena_;
 };
+
+// Bytes one group's arena needs: the largest call it sends (a prefill chunk
+// of one sequence, or a decode step of `rows` sequences; the stateless loop's
+// whole context at the last token), its inputs and O, plus alignment.
+uint64_t ArenaBytes(const DecodeLoopConfig& c, int64_t rows) {
+  const int64_t es = DTypeSize(c.dtype);
+  const int64_t q_row = int64_t{c.heads_q} * c.head_dim * es;
+  const int64_t kv_row = int64_t{c.heads_kv} * c.head_dim * es;
+  auto call = [&](int64_t q_rows, int64_t kv_rows) {
+    return q_rows * 2 * q_row + kv_rows * 2 * kv_row;
+  };
+  const int64_t chunk = std::min(c.prompt, c.prefill_chunk);
+  int64_t bytes = std::max(call(chunk, chunk), call(rows, rows));
+  if (c.stateless) bytes = std::max(bytes, call(rows, rows * (c.prompt + c.tokens)));
+  return static_cast<uint64_t>(bytes) + 4 * kShmAlignment;
+}
 
 // The page size the server will use for page_size 0, to size the capacity.
 int EffectivePageSize(AttentionClient& client, int page_size) {
@@ -460,9 +505,29 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
                                                DecodeLoopProgress* progress) {
   DecodeLoopResult result;
   result.impl = c.stateless ? "attnserve_stateless" : "attnserve_kv";
+  result.transport = ShmTransportName(c.shm);
   KvClient kv(client);
   std::vector<uint64_t> all_ids;
   for (int s = 0; s < c.sequences; ++s) all_ids.push_back(static_cast<uint64_t>(s));
+
+  // Sequences split into contiguous groups of near-equal size, each with its
+  // own arena, registered before anything else so a refusal leaves no cache.
+  const bool keep = c.check || c.stateless;
+  std::vector<std::unique_ptr<Group>> groups;
+  for (int g = 0; g < c.groups; ++g) {
+    const int begin = c.sequences * g / c.groups, end = c.sequences * (g + 1) / c.groups;
+    groups.push_back(std::make_unique<Group>(
+        c, std::vector<uint64_t>(all_ids.begin() + begin, all_ids.begin() + end), c.seed + g, keep,
+        /*page_size=*/0));
+    if (c.shm == ShmMode::kNone) continue;
+    ProtocolChoice shm;
+    shm.shm = c.shm;
+    shm.shm_prefix = c.shm_prefix;
+    absl::StatusOr<std::unique_ptr<ShmArena>> arena =
+        MakeArena(client, shm, ArenaBytes(c, end - begin));
+    if (!arena.ok()) return arena.status();
+    groups.back()->UseArena(*std::move(arena));
+  }
 
   if (!c.stateless) {
     const int64_t page = EffectivePageSize(client, c.page_size);
@@ -492,15 +557,7 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     }
   }
 
-  // Sequences split into contiguous groups of near-equal size.
-  const bool keep = c.check || c.stateless;
-  std::vector<std::unique_ptr<Group>> groups;
-  for (int g = 0; g < c.groups; ++g) {
-    const int begin = c.sequences * g / c.groups, end = c.sequences * (g + 1) / c.groups;
-    groups.push_back(std::make_unique<Group>(
-        c, std::vector<uint64_t>(all_ids.begin() + begin, all_ids.begin() + end), c.seed + g, keep,
-        result.page_size));
-  }
+  for (auto& group : groups) group->set_page_size(result.page_size);
 
   Tally tally;
   std::vector<char> ok(groups.size(), 1);  // not vector<bool>: one thread writes each
@@ -592,6 +649,10 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     }
     const absl::Status dropped = kv.DropCache(result.cache_id);
     if (!dropped.ok()) tally.Error(dropped, "DropCache");
+  }
+  for (auto& group : groups) {
+    const absl::Status closed = group->CloseArena();
+    if (!closed.ok()) tally.Error(closed, "SharedMemory.Unregister");
   }
   tally.Summarize(&result);
   return result;

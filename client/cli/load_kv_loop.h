@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/kv_client.h"
+#include "client/shm_arena.h"
 
 namespace attnserve {
 namespace cli {
@@ -52,11 +53,18 @@ struct DecodeLoopConfig {
   // that pick the top pages per step do; 1 attends everything.
   double attend_fraction = 1.0;
   uint64_t seed = 0;
+  // Shared memory (client/shm_arena.h): each group registers one arena before
+  // the cache is created and sends every step's q, k and v and receives its O
+  // through it (the stateless loop's Forward too); unregistered and removed
+  // when the run ends.
+  ShmMode shm = ShmMode::kNone;
+  std::string shm_prefix = kDefaultShmKeyPrefix;
 };
 
 // What one run measured.
 struct DecodeLoopResult {
-  std::string impl;  // "attnserve_kv" or "attnserve_stateless"
+  std::string impl;       // "attnserve_kv" or "attnserve_stateless"
+  std::string transport;  // "grpc", "shm-system" or "shm-cuda"
   std::string cache_id;
   int page_size = 0;  // as the server chose it (0 for stateless)
   double prefill_s = 0.0;
