@@ -1,6 +1,8 @@
 // The structural checks of every call; see validate.h.
 #include "server/core/validate.h"
 
+#include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 #include <string>
@@ -246,17 +248,26 @@ absl::Status CheckDescale(const char* field, const std::optional<float>& value, 
   return absl::OkStatus();
 }
 
-// A tensor of rows [rows, heads, D] in the cache's dtype; `heads` 0 means any
+// A tensor of rows [rows, heads, D] in the cache's dtype (or FP8_E4M3 codes
+// when `fp8`: an FP8 cache's k and v given as codes); `heads` 0 means any
 // positive multiple of `heads_multiple` (q's Hq). An absent tensor stands for
 // zero rows.
 absl::Status CheckRows(const char* name, const TensorView& t, const KvGeometry& g, int64_t rows,
-                       int64_t heads, int64_t heads_multiple, const FieldNames& n) {
+                       int64_t heads, int64_t heads_multiple, const FieldNames& n,
+                       bool fp8 = false) {
   if (rows == 0 && t.absent) return absl::OkStatus();
   RETURN_IF_ERROR(ValidateTensor(name, t, n));
-  if (t.dtype != static_cast<int>(g.dtype)) {
-    return Invalid(absl::StrCat(Field(name, n.dtype), ": expected the cache's dtype ",
-                                n.dtype_name(static_cast<int>(g.dtype)), ", got ",
+  if (fp8 && t.dtype != static_cast<int>(DType::kFP8E4M3)) {
+    return Invalid(absl::StrCat(Field(name, n.dtype), ": expected FP8_E4M3 (as ", n.k, "), got ",
                                 n.dtype_name(t.dtype)));
+  }
+  if (!fp8 && t.dtype != static_cast<int>(g.dtype)) {
+    return Invalid(absl::StrCat(Field(name, n.dtype), ": expected the cache's dtype ",
+                                n.dtype_name(static_cast<int>(g.dtype)),
+                                IsFp8Cache(g) ? " (or FP8_E4M3 codes in k and v with k_scale and "
+                                                "v_scale)"
+                                              : "",
+                                ", got ", n.dtype_name(t.dtype)));
   }
   const bool heads_ok =
       t.shape.size() == 3 &&
@@ -267,6 +278,40 @@ absl::Status CheckRows(const char* name, const TensorView& t, const KvGeometry& 
         heads > 0 ? absl::StrCat(heads) : absl::StrCat("Hq (a multiple of ", heads_multiple, ")"),
         ", ", g.head_dim, "] (rows from ", n.steps, ", the cache's geometry), got ",
         ShapeString(t.shape)));
+  }
+  return absl::OkStatus();
+}
+
+// An FP8 cache's row scales, FP32 [rows, Hkv], each finite and > 0: wanted
+// exactly when k and v are FP8_E4M3 codes (the server quantises 16-bit rows).
+absl::Status CheckKvScale(const char* name, const TensorView& t, const KvGeometry& g, int64_t rows,
+                          bool wanted, const FieldNames& n) {
+  if (!wanted) {
+    if (t.absent) return absl::OkStatus();
+    return Invalid(absl::StrCat(name,
+                                ": expected unset (only with FP8_E4M3 k and v on a cache whose "
+                                "geometry.cache_dtype is FP8_E4M3), got a tensor"));
+  }
+  if (t.absent) {
+    return Invalid(absl::StrCat(name, ": expected FP32 [", rows, ", ", g.num_heads_kv,
+                                "] (k and v are FP8_E4M3 codes), got none"));
+  }
+  RETURN_IF_ERROR(ValidateTensor(name, t, n));
+  if (t.dtype != static_cast<int>(DType::kFP32)) {
+    return Invalid(
+        absl::StrCat(Field(name, n.dtype), ": expected FP32, got ", n.dtype_name(t.dtype)));
+  }
+  if (t.shape.size() != 2 || t.shape[0] != rows || t.shape[1] != g.num_heads_kv) {
+    return Invalid(absl::StrCat(name, ".shape: expected [", rows, ", ", g.num_heads_kv,
+                                "] (rows from ", n.steps, ", the cache's num_heads_kv), got ",
+                                ShapeString(t.shape)));
+  }
+  for (int64_t i = 0; i < rows * g.num_heads_kv; ++i) {
+    float x;
+    std::memcpy(&x, t.bytes.data() + i * 4, 4);
+    if (!(x > 0.0f) || !std::isfinite(x)) {
+      return Invalid(absl::StrCat(name, ".data[", i, "]: expected a finite scale > 0, got ", x));
+    }
   }
   return absl::OkStatus();
 }
@@ -416,8 +461,14 @@ absl::Status ValidateKvCall(const KvCall& c, const KvGeometry& g, const RequestL
                      " query plus new rows (--max_tokens), got ", total_q + total_new));
   }
   RETURN_IF_ERROR(CheckRows(n.q, c.q, g, total_q, 0, g.num_heads_kv, n));
-  RETURN_IF_ERROR(CheckRows(n.k, c.k, g, total_new, g.num_heads_kv, 1, n));
-  RETURN_IF_ERROR(CheckRows(n.v, c.v, g, total_new, g.num_heads_kv, 1, n));
+  // An FP8 cache takes the step's K/V as the cache's dtype (quantised by the
+  // server) or as FP8_E4M3 codes with k_scale and v_scale.
+  const bool fp8_rows =
+      IsFp8Cache(g) && !c.k.absent && c.k.dtype == static_cast<int>(DType::kFP8E4M3);
+  RETURN_IF_ERROR(CheckRows(n.k, c.k, g, total_new, g.num_heads_kv, 1, n, fp8_rows));
+  RETURN_IF_ERROR(CheckRows(n.v, c.v, g, total_new, g.num_heads_kv, 1, n, fp8_rows));
+  RETURN_IF_ERROR(CheckKvScale("k_scale", c.k_scale, g, total_new, fp8_rows, n));
+  RETURN_IF_ERROR(CheckKvScale("v_scale", c.v_scale, g, total_new, fp8_rows, n));
   // A cache's dtype is never FP8 (server/kv), so descales are refused here.
   RETURN_IF_ERROR(ValidateOptions(c.options, g.head_dim, static_cast<int>(g.dtype), n));
   return ValidateKvScoreMods(c, g.num_heads_kv, n);
@@ -433,6 +484,7 @@ AttnOptions ToAttnOptions(const StatedOptions& o) {
   if (o.q_descale.has_value()) options.q_descale = *o.q_descale;
   if (o.k_descale.has_value()) options.k_descale = *o.k_descale;
   if (o.v_descale.has_value()) options.v_descale = *o.v_descale;
+  options.batch_invariant = o.batch_invariant;
   return options;
 }
 

@@ -140,9 +140,8 @@ KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry,
       budget_(budget),
       ledger_(std::move(ledger)),
       allocator_(backend, std::move(budget), page_size,
-                 int64_t{page_size} * geometry.num_heads_kv * geometry.head_dim *
-                     DTypeSize(geometry.dtype),
-                 capacity_pages),
+                 KvGeometryPageBytes(geometry, page_size) / 2, capacity_pages,
+                 IsFp8Cache(geometry)),
       last_used_(absl::Now()) {}
 
 KvCache::~KvCache() {
@@ -186,10 +185,7 @@ absl::Status KvCache::ChargeSequences(int64_t count) {
   return absl::OkStatus();
 }
 
-int64_t KvCache::page_bytes() const {
-  return 2 * int64_t{page_size_} * geometry_.num_heads_kv * geometry_.head_dim *
-         DTypeSize(geometry_.dtype);
-}
+int64_t KvCache::page_bytes() const { return KvGeometryPageBytes(geometry_, page_size_); }
 
 absl::Status KvCache::ReserveAll() {
   absl::MutexLock lock(&mu_);

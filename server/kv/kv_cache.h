@@ -85,8 +85,19 @@ struct KvGeometry {
   int32_t num_layers = 0;
   int32_t num_heads_kv = 0;
   int32_t head_dim = 0;
-  DType dtype = DType::kFP32;
+  DType dtype = DType::kFP32;  // Q, O and the steps' K/V values
+  // What the pages hold: `dtype`, or FP8_E4M3 (codes with a scale per token
+  // and KV head, paged_kv.h). Unset (0) as sent means `dtype`; a created
+  // cache always holds the resolved value.
+  DType cache_dtype = DType{0};
 };
+
+// True for a cache whose pages hold E4M3 codes and scales.
+inline bool IsFp8Cache(const KvGeometry& g) { return g.cache_dtype == DType::kFP8E4M3; }
+// Bytes one page of K plus V takes (codes and scales for an FP8 cache).
+inline int64_t KvGeometryPageBytes(const KvGeometry& g, int page_size) {
+  return 2 * KvPageBytes(page_size, g.num_heads_kv, g.head_dim, g.dtype, IsFp8Cache(g));
+}
 
 // A new sequence, optionally forked from a prefix of another (all layers).
 struct KvSequenceSpec {

@@ -36,15 +36,24 @@ absl::Status CheckGeometry(const KvGeometry& g) {
         absl::StrCat("geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
   }
   if (g.dtype == DType::kFP8E4M3) {
-    // FP8 is a Forward-only input for now: the paged kernels read FP16, BF16
-    // and FP32 pages, and a cache would also need per-tensor descales.
+    // Q, O and the steps' K/V values are 16 or 32 bits; FP8 pages are
+    // cache_dtype's (their scales are per token and KV head, not per tensor).
     return absl::InvalidArgumentError(
-        "geometry.dtype: expected FP16, BF16 or FP32 (K/V caches do not support FP8 yet), got "
-        "FP8_E4M3");
+        "geometry.dtype: expected FP16, BF16 or FP32 (for FP8 pages set geometry.cache_dtype "
+        "FP8_E4M3), got FP8_E4M3");
   }
   if (g.dtype != DType::kFP16 && g.dtype != DType::kBF16 && g.dtype != DType::kFP32) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.dtype: expected FP16, BF16 or FP32, got ", static_cast<int>(g.dtype)));
+  }
+  const bool same = g.cache_dtype == DType{0} || g.cache_dtype == g.dtype;
+  const bool fp8 = g.cache_dtype == DType::kFP8E4M3 && g.dtype != DType::kFP32;
+  if (!same && !fp8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.cache_dtype: expected unset, geometry.dtype (", std::string(DTypeName(g.dtype)),
+        ") or FP8_E4M3 (with dtype FP16 or BF16), got ",
+        g.cache_dtype == DType::kFP8E4M3 ? std::string("FP8_E4M3 with dtype FP32")
+                                         : absl::StrCat(static_cast<int>(g.cache_dtype))));
   }
   return absl::OkStatus();
 }
@@ -82,6 +91,9 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
   p.copy_src = r.copy_src.data();
   p.copy_dst = r.copy_dst.data();
   p.num_page_copies = static_cast<int32_t>(r.copy_src.size());
+  // FP8 rows with their scales (validated); otherwise the launch quantises.
+  p.k_new_scale = c.k_scale;
+  p.v_new_scale = c.v_scale;
   return p;
 }
 
@@ -157,6 +169,8 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
                                                              const KvCreateCache& r) {
   RETURN_IF_ERROR(CheckTenant(tenant));
   RETURN_IF_ERROR(CheckGeometry(r.geometry));
+  KvGeometry geometry = r.geometry;
+  if (geometry.cache_dtype == DType{0}) geometry.cache_dtype = geometry.dtype;
   const int page_size = r.page_size == 0 ? options_.default_page_size : r.page_size;
   if (page_size < kMinPageSize || page_size > kMaxPageSize || (page_size & (page_size - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -169,8 +183,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
         absl::StrCat("capacity_tokens, capacity_bytes: expected exactly one of them > 0, got ",
                      r.capacity_tokens, " and ", r.capacity_bytes));
   }
-  const int64_t page_bytes = 2 * int64_t{page_size} * r.geometry.num_heads_kv *
-                             r.geometry.head_dim * DTypeSize(r.geometry.dtype);
+  const int64_t page_bytes = KvGeometryPageBytes(geometry, page_size);
   // Divisions only: capacity_tokens may be as large as int64_t goes.
   const bool by_tokens = r.capacity_tokens > 0;
   const char* field = by_tokens ? "capacity_tokens" : "capacity_bytes";
@@ -220,7 +233,7 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     }
   }
   const KvDevice& d = devices_[size_t(device)];
-  auto cache = std::make_shared<KvCache>(tenant, id, r.geometry, page_size, capacity_pages, d.index,
+  auto cache = std::make_shared<KvCache>(tenant, id, geometry, page_size, capacity_pages, d.index,
                                          d.backend, budgets_[size_t(device)], ledger_);
   cache->set_keep(r.keep);
   // The ledger checks and charges in one step, so two concurrent creates

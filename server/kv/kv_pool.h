@@ -83,6 +83,10 @@ struct KvAppendAttend {
   int32_t head_dim = 0;
   AttnOptions options;
   AttnPointers inputs;
+  // FP8 caches given FP8_E4M3 k and v: their scales [Tnew, Hkv] (request
+  // memory; inputs.k/v then point at the codes). Null: k/v are `dtype` values.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   bool return_lse = false;
   // How the caller's protocol names the steps' fields (errors at reserve).
   const FieldNames* names = &ContractFieldNames();

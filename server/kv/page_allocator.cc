@@ -17,12 +17,14 @@ bool DeviceBudget::TryTake(int64_t bytes) {
 }
 
 PageAllocator::PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget,
-                             int page_size, int64_t page_bytes, int64_t capacity_pages)
+                             int page_size, int64_t page_bytes, int64_t capacity_pages,
+                             bool fp8_e4m3)
     : backend_(backend),
       budget_(std::move(budget)),
       page_bytes_(page_bytes),
       capacity_pages_(capacity_pages) {
   kv_.page_size = page_size;
+  kv_.fp8_e4m3 = fp8_e4m3;
   while ((1 << kv_.page_shift) < page_size) ++kv_.page_shift;
   // Worked example: 100,000 pages over 32 slabs is 3,125 per slab, rounded up
   // to 4,096: the cache grows in steps of 4,096 pages and 25 slabs hold it.

@@ -33,13 +33,14 @@ class DeviceBudget {
 
 class PageAllocator {
  public:
-  // `page_bytes`: bytes of one page's K (V is the same again). The slab size
+  // `page_bytes`: bytes of one page's K (V is the same again; for an FP8
+  // cache, `fp8_e4m3`, its codes and scales: KvPageBytes). The slab size
   // is capacity / kMaxKvSlabs rounded up to a power of two of pages.
   // `backend` must outlive the allocator. The budget is shared: a cache can
   // outlive its pool (an executor's completion callback may hold the last
   // reference after the pool is gone), and its pages go back on destruction.
   PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget, int page_size,
-                int64_t page_bytes, int64_t capacity_pages);
+                int64_t page_bytes, int64_t capacity_pages, bool fp8_e4m3 = false);
   // Frees every slab and returns its bytes to the budget.
   ~PageAllocator();
   PageAllocator(const PageAllocator&) = delete;

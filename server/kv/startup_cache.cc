@@ -67,9 +67,23 @@ absl::Status ParseKey(absl::string_view cache, absl::string_view key, absl::stri
     }
     return Bad(cache, absl::StrCat("dtype: expected FP16, BF16 or FP32, got '", value, "'"));
   }
-  return Bad(cache, absl::StrCat("unknown key '", key,
-                                 "' (expected layers, hkv, d, dtype, page_size, capacity_tokens, "
-                                 "capacity_bytes, device, reserve or tenant)"));
+  if (key == "cache_dtype") {
+    // FP8_E4M3: the pages hold codes and scales; the pool checks the pairing.
+    const std::string upper = absl::AsciiStrToUpper(value);
+    for (DType t : {DType::kFP16, DType::kBF16, DType::kFP32, DType::kFP8E4M3}) {
+      if (upper == DTypeName(t)) {
+        c.geometry.cache_dtype = t;
+        return absl::OkStatus();
+      }
+    }
+    return Bad(cache, absl::StrCat("cache_dtype: expected FP8_E4M3, FP16, BF16 or FP32, got '",
+                                   value, "'"));
+  }
+  return Bad(
+      cache,
+      absl::StrCat("unknown key '", key,
+                   "' (expected layers, hkv, d, dtype, cache_dtype, page_size, capacity_tokens, "
+                   "capacity_bytes, device, reserve or tenant)"));
 }
 
 }  // namespace

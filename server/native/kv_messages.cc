@@ -13,6 +13,7 @@ KvCreateCache DecodeCreateCache(const v1::CreateCacheRequest& r) {
   c.geometry.num_heads_kv = r.geometry().num_heads_kv();
   c.geometry.head_dim = r.geometry().head_dim();
   c.geometry.dtype = static_cast<DType>(r.geometry().dtype());
+  c.geometry.cache_dtype = static_cast<DType>(r.geometry().cache_dtype());
   c.page_size = r.page_size();
   c.capacity_tokens = r.capacity_tokens();
   c.capacity_bytes = r.capacity_bytes();
@@ -48,6 +49,15 @@ KvCall KvCallOf(const v1::AppendAttendRequest& r, CallMeta meta) {
   call.q = ViewOf(r.q());
   call.k = ViewOf(r.k());
   call.v = ViewOf(r.v());
+  // Present when sent at all, so an empty scale tensor is still refused.
+  if (r.has_k_scale()) {
+    call.k_scale = ViewOf(r.k_scale());
+    call.k_scale.absent = false;
+  }
+  if (r.has_v_scale()) {
+    call.v_scale = ViewOf(r.v_scale());
+    call.v_scale.absent = false;
+  }
   call.options = OptionsOf(r.options());
   // Every option field reaches the checks: those K/V calls refuse are named.
   call.mods = ModsOf(r.options());
@@ -76,6 +86,7 @@ void FillCacheStats(const KvCacheStats& s, v1::CacheStats* out) {
   out->mutable_geometry()->set_num_heads_kv(s.geometry.num_heads_kv);
   out->mutable_geometry()->set_head_dim(s.geometry.head_dim);
   out->mutable_geometry()->set_dtype(static_cast<v1::DType>(s.geometry.dtype));
+  out->mutable_geometry()->set_cache_dtype(static_cast<v1::DType>(s.geometry.cache_dtype));
   out->set_page_size(s.page_size);
   out->set_device(s.device);
   out->set_capacity_pages(s.capacity_pages);
