@@ -161,6 +161,9 @@ struct KvCall {
   int32_t layer = 0;
   std::vector<KvStepRequest> steps;
   TensorView q, k, v;  // packed rows: [Tq, Hq, D], [Tk, Hkv, D]
+  // FP8 caches given FP8_E4M3 k and v: their scales, FP32 [Tk, Hkv].
+  TensorView k_scale{0, {}, {}, /*absent=*/true};
+  TensorView v_scale{0, {}, {}, /*absent=*/true};
   StatedOptions options;
   // ALiBi slopes and sinks apply; a bias or mask of either kind is refused.
   ScoreModsView mods;

@@ -37,6 +37,10 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   c->inputs.q = call.q.bytes.data();
   c->inputs.k = call.k.bytes.data();
   c->inputs.v = call.v.bytes.data();
+  if (!call.k_scale.absent) {  // FP8 rows with scales (ValidateKvCall checked them)
+    c->k_scale = reinterpret_cast<const float*>(call.k_scale.bytes.data());
+    c->v_scale = reinterpret_cast<const float*>(call.v_scale.bytes.data());
+  }
   // Device-resident rows (CUDA regions): the backend reads them where they lie.
   c->inputs.devices.q = call.q.device;
   c->inputs.devices.k = call.k.device;
