@@ -5,6 +5,8 @@
   - the front-ends are siblings: server/kserve/ includes nothing of
     server/native/ nor the native messages, and server/native/ nothing of
     server/kserve/;
+  - server/shm/ (the shared-memory registry both front-ends use) includes
+    neither front-end nor any protocol's messages;
   - common/ reaches up into nothing; backend/ into neither server/ nor client/.
 Exits 1 listing every breach. --file PATH=SOURCE checks SOURCE's text as if it
 were at PATH (for the self-test that a breach is caught).
@@ -18,6 +20,7 @@ RULES = [
     ("server/core/", ("server/native/", "server/kserve/", "attnserve/v1/", "inference/"), ("v1::",)),
     ("server/kserve/", ("server/native/", "attnserve/v1/"), ("v1::",)),
     ("server/native/", ("server/kserve/",), ()),
+    ("server/shm/", ("server/native/", "server/kserve/", "attnserve/v1/", "inference/"), ("v1::",)),
     ("common/", ("backend/", "server/", "client/"), ()),
     ("backend/", ("server/", "client/"), ()),
 ]

@@ -1,6 +1,6 @@
 // The one seam between authentication and per-tenant state: the tenant a
 // call acts for. K/V caches (server/kv/) and KServe v2 shared-memory regions
-// (server/kserve/shm_registry.h) are scoped to it; another tenant's cache or
+// (server/shm/shm_registry.h) are scoped to it; another tenant's cache or
 // region answers exactly as one that never existed. With --auth_tokens_file
 // the gRPC port's auth processor (server/security/grpc_credentials.h) and
 // the HTTP side's pre-routing handler refuse calls without a valid token

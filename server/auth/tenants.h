@@ -1,7 +1,7 @@
 // Tenants: who a call acts for once authenticated (server/auth/authenticator.h),
 // the quotas each may use, what each holds now, and per-tenant counters for
 // /metrics. K/V caches (server/kv/kv_pool.h) and KServe shared-memory regions
-// (server/kserve/shm_registry.h) ask here before they grow a tenant's share;
+// (server/shm/shm_registry.h) ask here before they grow a tenant's share;
 // the gRPC and HTTP front-ends charge the bytes of each request in flight.
 #pragma once
 

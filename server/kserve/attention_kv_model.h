@@ -30,7 +30,7 @@
 #include "backend/params.h"
 #include "server/core/kv_runner.h"
 #include "server/kserve/model.h"
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 #include "server/kv/kv_pool.h"
 #include "server/metrics.h"
 

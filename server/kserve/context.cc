@@ -1,7 +1,7 @@
 // KserveContext's answers that both transports give alike; see context.h.
 #include "server/kserve/context.h"
 
-#include "server/kserve/cuda_shm_region.h"
+#include "server/shm/cuda_shm_region.h"
 
 namespace attnserve {
 

@@ -12,7 +12,7 @@
 #include "server/auth/authenticator.h"
 #include "server/in_flight.h"
 #include "server/kserve/model.h"
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {

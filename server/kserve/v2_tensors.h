@@ -18,7 +18,7 @@
 #include "google/protobuf/map.h"
 #include "inference/grpc_service.pb.h"
 #include "server/core/call.h"
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 
 namespace attnserve {
 
@@ -42,11 +42,13 @@ absl::StatusOr<std::optional<ShmRef>> ShmRefOf(const std::string& where,
 // Tensor bytes in a shared-memory region that the server uses where they lie
 // (inputs read, outputs written, in place: no request-sized copy), and the
 // reference that keeps the region mapped while it does. `data` is null when
-// the bytes must be copied instead (InPlace says when).
+// the bytes must be copied instead (InPlace says when); it is a device
+// address on `device` for a CUDA region's bytes (kHostMemory otherwise).
 struct InPlaceBytes {
   std::shared_ptr<ShmRegion> region;
   char* data = nullptr;
   uint64_t size = 0;
+  int device = kHostMemory;
   absl::string_view view() const { return absl::string_view(data, size); }
 };
 
@@ -54,11 +56,21 @@ struct InPlaceBytes {
 // backends read or write (FP32, and LSE), so no kernel sees a misaligned one.
 inline constexpr uint64_t kInPlaceAlignment = 4;
 
-// `ref`'s bytes in `region` (acquired, so in bounds) in place when the region
-// is mapped here (system shared memory) and they are aligned to
-// kInPlaceAlignment; data null otherwise (a CUDA region, or a misaligned
-// offset: those go through ShmRegion::Read and Write).
-InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref);
+// Which regions' bytes InPlace hands out where they lie.
+enum class InPlaceKinds {
+  kMapped,           // a system region's (host memory)
+  kMappedOrDevice,   // and a CUDA region's (device memory: q, k, v, o, lse only)
+  kDevice,           // a CUDA region's only (a system region's bytes are copied)
+};
+
+// `ref`'s bytes in `region` (acquired, so in bounds) in place when `kinds`
+// takes the region's kind: a system region mapped here, the bytes aligned to
+// kInPlaceAlignment; a CUDA region (a device address, any alignment: the
+// CUDA backend copies a misaligned span within the device). Data null
+// otherwise (those go through ShmRegion::Read and Write). Only q, k, v, o
+// and lse may be device memory: the core reads the others on the host.
+InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref,
+                     InPlaceKinds kinds = InPlaceKinds::kMapped);
 
 // The first error of CheckIntact over the regions of `inputs` read in place
 // (those with data): after compute, a region the client shrank meanwhile
@@ -80,10 +92,12 @@ absl::Status CheckRawInputCount(const inference::ModelInferRequest& request);
 // The bytes of input `index` of `source.request`: a copy of its shared-memory
 // bytes, its fp32_contents (FP32) or int_contents (INT32) packed
 // little-endian, or its raw_input_contents entry (moved out, not copied).
-// With `in_place`, shared-memory bytes that can be read in place (InPlace)
-// are not copied: *in_place holds them and the returned string is empty.
+// With `in_place`, shared-memory bytes that can be read in place (InPlace
+// with `kinds`) are not copied: *in_place holds them and the returned string
+// is empty.
 absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
-                                           InPlaceBytes* in_place = nullptr);
+                                           InPlaceBytes* in_place = nullptr,
+                                           InPlaceKinds kinds = InPlaceKinds::kMapped);
 
 // The index in request.inputs of each of `names` (-1 for one not given);
 // INVALID_ARGUMENT for an input of model `model` with another name, or one
@@ -94,10 +108,12 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
 
 // Input `index` as the core's tensor view: its FP16/BF16/FP32 datatype, its
 // shape (the request's) and its bytes (TakeInputBytes: held in *storage, or
-// where they lie when `in_place` takes them). INVALID_ARGUMENT naming the
-// input otherwise.
+// where they lie when `in_place` takes them, as `kinds` says; a CUDA
+// region's bytes then stay on their device, view.device). INVALID_ARGUMENT
+// naming the input otherwise.
 absl::StatusOr<TensorView> TakeFloatTensor(const InputSource& source, int index,
-                                           std::string* storage, InPlaceBytes* in_place = nullptr);
+                                           std::string* storage, InPlaceBytes* in_place = nullptr,
+                                           InPlaceKinds kinds = InPlaceKinds::kMapped);
 
 // The int64 value of request parameter `name` given as int64, uint64, or a
 // decimal string; `where` names it in errors.

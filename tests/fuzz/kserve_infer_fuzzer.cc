@@ -41,7 +41,7 @@
 #include "server/core/attention_runner.h"
 #include "server/executor_pool.h"
 #include "server/kserve/attention_model.h"
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 #include "server/kserve/v2_tensors.h"
 #include "server/metrics.h"
 #include "spdlog/spdlog.h"

@@ -3,7 +3,7 @@
 // (answered exactly as unregistered names) nor name each other's objects,
 // bounded names and registrations, objects shrunk by their client (refused,
 // or absorbed mid-access without a crash), and the off switch.
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 
 #include <signal.h>
 #include <sys/wait.h>

@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/auth/tenants.h"
-#include "server/kserve/shm_region.h"
+#include "server/shm/shm_region.h"
 
 namespace attnserve {
 

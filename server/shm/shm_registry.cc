@@ -1,6 +1,6 @@
 // System shared memory (POSIX shm_open + mmap) and the per-tenant registry of
 // regions; see shm_registry.h.
-#include "server/kserve/shm_registry.h"
+#include "server/shm/shm_registry.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/mapping_fault_guard.h"
 #include "common/status_macros.h"
-#include "server/kserve/cuda_shm_region.h"
+#include "server/shm/cuda_shm_region.h"
 
 namespace attnserve {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/kserve/shm_region.h"
+#include "server/shm/shm_region.h"
 
 namespace attnserve {
 

@@ -1,4 +1,4 @@
-// A client's shared-memory region as the KServe v2 front-end uses it: bytes
+// A client's shared-memory region as both front-ends use it: bytes
 // another process put in memory the server mapped (POSIX shm) or opened (a
 // CUDA IPC handle), read for inputs and written for outputs (in place when
 // the region is mapped here, through Read and Write otherwise). A region is
@@ -25,6 +25,12 @@ class ShmRegion {
   // requests that read inputs and write outputs in place: a system region's
   // mapping. Null where only Read and Write reach them (a CUDA region).
   virtual char* mapped() const { return nullptr; }
+  // A CUDA region's bytes (from its start) as a device address valid in this
+  // process, on device(): backends read and write them there, no host copy.
+  // Null for a region in host memory.
+  virtual char* device_ptr() const { return nullptr; }
+  // The CUDA device of device_ptr(); -1 (kHostMemory) for host memory.
+  virtual int device() const { return -1; }
   // Copy [offset, offset + size) out of / into the region. The caller has
   // checked the bounds (ShmRegistry::Acquire).
   virtual absl::Status Read(uint64_t offset, uint64_t size, void* dst) const = 0;

@@ -1,7 +1,9 @@
 // CUDA IPC regions for the cuda_shared_memory extension; see cuda_shm_region.h.
-// The front-end hands the executor host bytes, so a CUDA region's inputs are
-// copied device-to-host on Read and its outputs host-to-device on Write.
-#include "server/kserve/cuda_shm_region.h"
+// Calls hand the backend the region's device address (device_ptr), so q, k,
+// v, o and lse are read and written where they lie; Read and Write (device to
+// host, host to device) serve what the server reads on the host (per-head
+// lists, masks) and the K/V model's outputs (the pool's are host memory).
+#include "server/shm/cuda_shm_region.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -32,6 +34,8 @@ class CudaShmRegion final : public ShmRegion {
   }
 
   uint64_t byte_size() const override { return byte_size_; }
+  char* device_ptr() const override { return static_cast<char*>(base_); }
+  int device() const override { return device_; }
   absl::Status Read(uint64_t offset, uint64_t size, void* dst) const override {
     // Request threads may not have this device current.
     cudaError_t err = cudaSetDevice(device_);
