@@ -282,6 +282,26 @@ def test_append_attend_response():
     assert_decoded(decode(data), kv_pb2.AppendAttendResponse.FromString(data))
 
 
+def test_a_shared_memory_output_decodes_its_span():
+    # The server wrote O to a registered region (output_shm): o carries dtype, shape and the
+    # span, no data; a span split over two occurrences merges as protobuf does.
+    decode = _wire.decoder(kv_pb2.AppendAttendResponse, ("o", "lse"))
+    resp = kv_pb2.AppendAttendResponse(request_id="kv-shm", lengths=[4])
+    resp.o.dtype = pb.FP32
+    resp.o.shape.extend((4, 2, 8))
+    resp.o.shm.region = "r1"
+    resp.o.shm.offset = 512
+    again = kv_pb2.AppendAttendResponse()
+    again.o.shm.byte_size = 256
+    data = resp.SerializeToString() + again.SerializeToString()
+    got = decode(data)
+    assert got.tensors["o"].shm == kv_pb2.AppendAttendResponse.FromString(data).o.shm
+    assert (got.tensors["o"].shm.region, got.tensors["o"].shm.offset,
+            got.tensors["o"].shm.byte_size) == ("r1", 512, 256)
+    assert bytes(got.tensors["o"].data) == b"" and got.tensors["o"].shape == (4, 2, 8)
+    assert DECODE(full_response().SerializeToString()).tensors["o"].shm is None
+
+
 def test_decoder_and_paths_come_from_the_descriptors():
     with pytest.raises(TypeError, match="not a Tensor"):
         _wire.decoder(pb.ForwardResponse, ("timing",))

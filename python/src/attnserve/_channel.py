@@ -98,6 +98,8 @@ class ChannelOwner:
         # own connection); None: all on grpcio.
         self._native = _transport.native_channel(target, opts,
                                                  plain_text=credentials is None and not token)
+        self._channel_args = (target, opts, credentials, token)
+        self._blocking_channel = None
         if credentials is not None:
             self.channel = self._grpc.secure_channel(target, credentials, opts)
         elif token and self._grpc is grpc:
@@ -112,6 +114,23 @@ class ChannelOwner:
         self._stub = _stubs.AttentionStub(self.channel, self._native)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._kv = _stubs.KvCacheStub(self.channel, self._native)  # attnserve.kv uses it
+
+    def _sync_channel(self) -> Any:
+        """A blocking grpcio channel to the server with this client's credentials: the
+        channel itself for Client; for AsyncClient, a twin made on first use (the few
+        blocking calls attnserve.shm makes when it creates a region)."""
+        if self._grpc is grpc:
+            return self.channel
+        if self._blocking_channel is None:
+            target, opts, credentials, token = self._channel_args
+            if credentials is not None:
+                self._blocking_channel = grpc.secure_channel(target, credentials, opts)
+            elif token:
+                self._blocking_channel = grpc.intercept_channel(
+                    grpc.insecure_channel(target, opts), _security.BearerInterceptor(token))
+            else:
+                self._blocking_channel = grpc.insecure_channel(target, opts)
+        return self._blocking_channel
 
     @property
     def transport(self) -> str:

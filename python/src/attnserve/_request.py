@@ -12,6 +12,8 @@ import itertools
 import os
 from typing import Any, Optional, Tuple
 
+import grpc
+
 from attnserve import _mods, _tensors, _wire
 from attnserve.errors import AttnServeError, invalid_argument
 from attnserve.v1 import attention_pb2 as pb
@@ -122,13 +124,20 @@ def parse_response(received: _wire.Received, like: Any) -> ForwardResult:
                          request_id=resp.request_id)
 
 
-def outputs_of(received: _wire.Received, like: Any) -> Tuple[Any, Optional[Any]]:
+def outputs_of(received: _wire.Received, like: Any,
+               lease: Any = None) -> Tuple[Any, Optional[Any]]:
     """A response's O and LSE (None when the server sent none) as like's kind.
 
     An absent O reads as the generated class's default Tensor (DTYPE_UNSPECIFIED,
-    which from_wire refuses naming the field).
+    which from_wire refuses naming the field). With `lease` (an attnserve.shm.Lease:
+    the call asked for O in shared memory), O is read from the span the response names.
     """
     o = received.tensors.get("o")
     lse = received.tensors.get("lse")
-    return (_tensors.from_wire("o", o if o is not None else pb.Tensor(), like),
-            None if lse is None else _tensors.from_wire("lse", lse, like))
+    lse = None if lse is None else _tensors.from_wire("lse", lse, like)
+    if lease is not None and o is not None and o.shm is not None:
+        return lease.read_o(o.dtype, tuple(o.shape), o.shm, like), lse
+    if lease is not None and o is not None:
+        raise AttnServeError(grpc.StatusCode.INTERNAL, "o: asked for in shared memory "
+                             "(output_shm.o), the server sent it without a shm span")
+    return _tensors.from_wire("o", o if o is not None else pb.Tensor(), like), lse

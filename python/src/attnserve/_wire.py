@@ -41,6 +41,7 @@ _TENSOR_FIELDS = pb.Tensor.DESCRIPTOR.fields_by_name
 _DTYPE_NO = _TENSOR_FIELDS["dtype"].number
 _SHAPE_NO = _TENSOR_FIELDS["shape"].number
 _DATA_NO = _TENSOR_FIELDS["data"].number
+_SHM_NO = _TENSOR_FIELDS["shm"].number
 
 
 def _varint(n: int) -> bytes:
@@ -176,10 +177,13 @@ def serialize(request: Encoded) -> bytes:
 # -- responses -----------------------------------------------------------------
 @dataclasses.dataclass
 class InTensor:
-    """A tensor of a received response; data is a view of the response's bytes."""
+    """A tensor of a received response; data is a view of the response's bytes. shm: the
+    span of a registered region the server wrote it to instead (pb.SharedTensor; the
+    call asked for it with output_shm), else None."""
     dtype: int
     shape: Tuple[int, ...]
     data: memoryview
+    shm: Optional[Any] = None
 
 
 @dataclasses.dataclass
@@ -199,6 +203,7 @@ def _merge_tensor(buf: memoryview, pos: int, end: int, into: Optional[InTensor])
     dtype = into.dtype if into else 0
     shape = list(into.shape) if into else []
     data = into.data if into else buf[0:0]
+    shm = into.shm if into else None
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         number, wire_type = key >> 3, key & 7
@@ -222,9 +227,19 @@ def _merge_tensor(buf: memoryview, pos: int, end: int, into: Optional[InTensor])
                 raise DecodeError("attnserve: truncated Tensor.data")
             data = buf[pos:pos + length]
             pos += length
+        elif number == _SHM_NO and wire_type == _LEN:  # a small message: the generated class
+            length, pos = _read_varint(buf, pos, end)
+            if pos + length > end:
+                raise DecodeError("attnserve: truncated Tensor.shm")
+            part = pb.SharedTensor.FromString(bytes(buf[pos:pos + length]))
+            if shm is None:
+                shm = part
+            else:
+                shm.MergeFrom(part)
+            pos += length
         else:  # unknown to this client: skipped, as the generated class would
             pos = _skip(buf, pos, end, wire_type)
-    return InTensor(dtype, tuple(shape), data)
+    return InTensor(dtype, tuple(shape), data, shm)
 
 
 def decoder(message_class: Any, tensor_names: Sequence[str]) -> Callable[[bytes], Received]:

@@ -33,6 +33,8 @@ class AsyncClient(_channel.ChannelOwner):
         await self.channel.close()
         if self._native is not None:
             self._native.close()
+        if self._blocking_channel is not None:
+            self._blocking_channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

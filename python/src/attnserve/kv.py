@@ -46,6 +46,7 @@ import grpc
 import numpy as np
 
 from attnserve import _mods, _request, _tensors, _wire
+from attnserve import shm as _shm
 from attnserve._request import ServerTiming, Window
 from attnserve._stream import BidiStream
 from attnserve.client import Client
@@ -96,8 +97,12 @@ class CacheBase:
     def _init(self, client: Any, num_layers: int, num_heads_kv: int, head_dim: int,
               dtype: Any, capacity_tokens: Optional[int], capacity_bytes: Optional[int],
               page_size: int, cache_id: Optional[str], device: Optional[int], reserve: bool,
-              timeout: Optional[float]) -> kv_pb2.CreateCacheRequest:
+              timeout: Optional[float], shm: Any = None,
+              shm_tenant: str = _shm.DEFAULT_TENANT) -> kv_pb2.CreateCacheRequest:
         self.client = client
+        self.shm = shm
+        self.shm_tenant = shm_tenant
+        self._shm_pools: Dict[Tuple[str, str], _shm.Pool] = {}
         self.num_heads_kv = num_heads_kv
         self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
         self.timeout = timeout
@@ -118,6 +123,22 @@ class CacheBase:
     def _deadline_of(self, timeout: Optional[float]) -> Optional[float]:
         return self.client._deadline(timeout if timeout is not None else self.timeout)
 
+    def _shm_pool(self, kind: str, like: Any) -> _shm.Pool:
+        """This cache's regions of `kind` (for CUDA, on like's device)."""
+        device = str(like.device) if kind == "cuda" else ""
+        with self._lock:
+            pool = self._shm_pools.get((kind, device))
+            if pool is None:
+                pool = self._shm_pools[kind, device] = _shm.Pool(
+                    self.client, kind, tenant=self.shm_tenant, device=device or None)
+        return pool
+
+    def _close_shm(self) -> None:
+        with self._lock:
+            pools, self._shm_pools = list(self._shm_pools.values()), {}
+        for pool in pools:
+            pool.close()
+
     # -- operations ------------------------------------------------------------
     def _op_create_cache(self, req: kv_pb2.CreateCacheRequest) -> Op:
         stats = (yield "CreateCache", req, None).stats
@@ -131,7 +152,10 @@ class CacheBase:
                 return
             self._closed = True
             self._sequences.clear()
-        yield "DropCache", kv_pb2.DropCacheRequest(cache_id=self.cache_id), None
+        try:
+            yield "DropCache", kv_pb2.DropCacheRequest(cache_id=self.cache_id), None
+        finally:
+            self._close_shm()
 
     def _op_stats(self, timeout: Optional[float]) -> Op:
         req = kv_pb2.GetCacheStatsRequest(cache_id=self.cache_id)
@@ -227,7 +251,7 @@ class CacheBase:
         call = _AppendCall(self, layer, sequences, q, k, v, **options)
         try:
             resp = yield "AppendAttend", call.request, timeout
-        except AttnServeError:
+        except BaseException:
             call.roll_back()
             raise
         return call.parse(resp)
@@ -250,15 +274,23 @@ class Cache(CacheBase):
       device: the server device; None = the one with the most free K/V budget.
       reserve: take the whole capacity from the device's budget now.
       timeout: default deadline of this cache's calls (None = the client's).
+      shm: same-host shared memory for the append-and-attend calls' q, k, v and O
+        (attnserve.shm; the server must run with --allow_client_shm): None/False (in
+        the messages), True (CUDA IPC for CUDA torch tensors when the server's backend
+        is CUDA, else a POSIX shm object), "system" or "cuda"; each call's shm= overrides.
+      shm_tenant: the tenant whose key prefix system regions take ("/attnserve.<tenant>.";
+        the server's tenant of this client's token, "default" without tokens).
     """
 
     def __init__(self, client: Client, *, num_layers: int, num_heads_kv: int, head_dim: int,
                  dtype: Any, capacity_tokens: Optional[int] = None,
                  capacity_bytes: Optional[int] = None, page_size: int = 0,
                  cache_id: Optional[str] = None, device: Optional[int] = None,
-                 reserve: bool = False, timeout: Optional[float] = None):
+                 reserve: bool = False, timeout: Optional[float] = None, shm: Any = None,
+                 shm_tenant: str = _shm.DEFAULT_TENANT):
         req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
-                         capacity_bytes, page_size, cache_id, device, reserve, timeout)
+                         capacity_bytes, page_size, cache_id, device, reserve, timeout, shm,
+                         shm_tenant)
         self._run(self._op_create_cache(req))
 
     def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
@@ -347,7 +379,8 @@ class Cache(CacheBase):
                       softcap: float = 0.0, scale: Optional[float] = None,
                       return_lse: bool = False, cu_seqlens_q: Any = None,
                       cu_seqlens_k: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-                      attend_pages: Any = None, timeout: Optional[float] = None) -> Any:
+                      attend_pages: Any = None, timeout: Optional[float] = None,
+                      shm: Any = None) -> Any:
         """Appends the new tokens' K/V to each sequence at `layer`, then attends the
         new queries over everything the sequence holds there. Returns O like q,
         or (O, LSE) with return_lse.
@@ -373,6 +406,11 @@ class Cache(CacheBase):
           attended. Not with alibi_slopes or a window; with causal, at most one query
           more than new tokens per sequence (docs/kv-cache.md).
 
+        shm: q, k, v and O through same-host shared memory instead of the message
+          (the Cache's shm argument says what True means; None: the Cache's default).
+          q, k and v are copied into a region of this cache's pool and O is read back
+          from it (a copy, like q's kind and device); LSE comes in the response.
+
         Safe to retry after UNAVAILABLE: the call carries each sequence's
         expected length, so the server never appends twice (see the module doc).
         On failure nothing changed on the server and the tracked lengths stay.
@@ -387,7 +425,7 @@ class Cache(CacheBase):
             layer, sequences, q, k, v, causal=causal, window=window, softcap=softcap,
             scale=scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, sinks=sinks,
-            attend_pages=attend_pages, timeout=timeout)
+            attend_pages=attend_pages, timeout=timeout, shm=shm)
         return (result.o, result.lse) if return_lse else result.o
 
     def append_attend_result(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
@@ -483,7 +521,7 @@ class _AppendCall:
                  scale: Optional[float] = None, return_lse: bool = False,
                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                  alibi_slopes: Any = None, sinks: Any = None, attend_pages: Any = None,
-                 request_id: Optional[str] = None):
+                 request_id: Optional[str] = None, shm: Any = None):
         if not 0 <= layer < cache.num_layers:
             raise invalid_argument(f"layer: expected in [0, {cache.num_layers}), got {layer}")
         if (k is None) != (v is None):
@@ -492,15 +530,18 @@ class _AppendCall:
         self.layer = layer
         self.sequences = list(sequences)
         self.like = q if q is not None else k
+        self.lease: Optional[_shm.Lease] = None
+        shm_kind = _shm.kind_for(cache.client, cache.shm if shm is None else shm, self.like)
         self.q_shape = None if q is None else tuple(q.shape)
         batch = len(self.sequences)
         q, nq = _packed("q", q, "cu_seqlens_q", cu_seqlens_q, batch)
         k, nk = _packed("k", k, "cu_seqlens_k", cu_seqlens_k, batch)
         v, _ = _packed("v", v, "cu_seqlens_k", cu_seqlens_k, batch)
-        tensors = [(name, None if x is None else _tensors.to_out(name, x))
-                   for name, x in (("q", q), ("k", k), ("v", v))]
         req = kv_pb2.AppendAttendRequest(request_id=request_id or _request.next_request_id(),
                                          cache_id=cache.cache_id, layer=layer)
+        if shm_kind is None:
+            tensors = [(name, None if x is None else _tensors.to_out(name, x))
+                       for name, x in (("q", q), ("k", k), ("v", v))]
         _request.fill_options(req.options, causal=causal, window=window, softcap=softcap,
                               scale=scale, return_lse=return_lse)
         heads = None if q is None else int(q.shape[1])
@@ -509,7 +550,22 @@ class _AppendCall:
         pages = _mods.attend_pages_of(attend_pages, batch)
         if any(pages):
             _check_sparse(req.options, pages, nq, nk)
+        if shm_kind is not None:  # last before the lengths advance: released if they cannot
+            tensors = []
+            self.lease = _shm_inputs(cache, shm_kind, req, (("q", q), ("k", k), ("v", v)))
         self.after: List[int] = []
+        try:
+            self._advance(cache, req, layer, pages, nq, nk)
+        except BaseException:
+            self._release()
+            raise
+        self.steps = req.sequences
+        # Encoded last: nothing raises after the lengths advanced above.
+        self.request = _wire.encode(req, tensors)
+
+    def _advance(self, cache: CacheBase, req: kv_pb2.AppendAttendRequest, layer: int,
+                 pages: List[Any], nq: List[int], nk: List[int]) -> None:
+        """The call's steps, each sequence's tracked length advanced by its new tokens."""
         with cache._lock:
             for i, s in enumerate(self.sequences):
                 if s._freed:
@@ -526,30 +582,70 @@ class _AppendCall:
                                   attend_pages=p or ())
                 s._lengths[layer] = expected + n_new
                 self.after.append(expected + n_new)
-        self.steps = req.sequences
-        # Encoded last: nothing raises after the lengths advanced above.
-        self.request = _wire.encode(req, tensors)
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def roll_back(self) -> None:
         """Undoes this call's advance of each tracked length, unless a later call
         on the same (sequence, layer) moved it on (that one rolls back itself)."""
+        self._release()
         with self.cache._lock:
             for s, step, after in zip(self.sequences, self.steps, self.after):
                 if s._lengths is not None and s._lengths[self.layer] == after:
                     s._lengths[self.layer] = step.expected_length
 
     def parse(self, received: _wire.Received) -> AppendAttendResult:
+        try:
+            return self._parse(received)
+        finally:
+            self._release()
+
+    def _parse(self, received: _wire.Received) -> AppendAttendResult:
         resp: kv_pb2.AppendAttendResponse = received.message  # all but o and lse
         if resp.error_code != 0:
             raise AttnServeError.from_code_number(resp.error_code, resp.error_message,
                                                   resp.request_id)
         o = lse = None
         if self.q_shape is not None:
-            o, lse = _request.outputs_of(received, self.like)
+            o, lse = _request.outputs_of(received, self.like, self.lease)
             o = o.reshape(self.q_shape)
         return AppendAttendResult(o=o, lse=lse, lengths=list(resp.lengths),
                                   timing=_request.server_timing(resp.timing),
                                   backend=resp.backend, request_id=resp.request_id)
+
+
+def _shm_inputs(cache: CacheBase, kind: str, req: kv_pb2.AppendAttendRequest,
+                inputs: Iterable[Tuple[str, Any]]) -> _shm.Lease:
+    """q, k and v copied into a region of the cache's pool, the request naming their spans
+    (Tensor.shm, no data) and O's (output_shm.o); the lease holds the region."""
+    like = next(x for _, x in inputs if x is not None)
+    named = []
+    for name, x in inputs:
+        if x is None:
+            continue
+        if kind == "cuda":
+            wire = _tensors._torch_wire_dtypes().get(x.dtype)
+            if wire is None or not _tensors.is_torch(x) or x.device.type != "cuda":
+                raise invalid_argument(f"{name}: shm \"cuda\" needs CUDA torch tensors of "
+                                       f"float16, bfloat16 or float32, got {type(x).__name__} "
+                                       f"{getattr(x, 'dtype', '')}")
+            named.append((name, wire, tuple(x.shape), x))
+        else:
+            out = _tensors.to_out(name, x)
+            named.append((name, out.dtype, out.shape, out.data))
+    o_bytes = _shm.nbytes(named[0][3]) if named[0][0] == "q" else 0
+    lease = _shm.Lease(cache._shm_pool(kind, like), [(n, p) for n, _, _, p in named], o_bytes)
+    for name, wire, shape, _ in named:
+        t = getattr(req, name)
+        t.dtype = wire
+        t.shape.extend(shape)
+        t.shm.CopyFrom(lease.spans[name])
+    if lease.o is not None:
+        req.output_shm.o.CopyFrom(lease.o)
+    return lease
 
 
 def _check_sparse(opts: pb.AttentionOptions, pages: List[Optional[List[int]]],

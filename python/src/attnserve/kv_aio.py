@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Dict, Generic, Iterable, List, Optional, Sequ
 
 import grpc
 
+from attnserve import shm as _shm
 from attnserve._aio_stream import AsyncBidiStream
 from attnserve.aio import AsyncClient
 from attnserve.errors import AttnServeError
@@ -76,11 +77,15 @@ class AsyncCache(CacheBase):
                head_dim: int, dtype: Any, capacity_tokens: Optional[int] = None,
                capacity_bytes: Optional[int] = None, page_size: int = 0,
                cache_id: Optional[str] = None, device: Optional[int] = None,
-               reserve: bool = False, timeout: Optional[float] = None) -> Made["AsyncCache"]:
-        """CreateCache (see attnserve.kv.Cache for the arguments)."""
+               reserve: bool = False, timeout: Optional[float] = None, shm: Any = None,
+               shm_tenant: str = _shm.DEFAULT_TENANT) -> Made["AsyncCache"]:
+        """CreateCache (see attnserve.kv.Cache for the arguments). With shm, a region is
+        registered by a blocking call when the cache's pool first needs one (or a larger
+        one), on this client's blocking twin channel."""
         self = cls()
         req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
-                         capacity_bytes, page_size, cache_id, device, reserve, timeout)
+                         capacity_bytes, page_size, cache_id, device, reserve, timeout, shm,
+                         shm_tenant)
 
         async def making() -> "AsyncCache":
             await self._run(self._op_create_cache(req))
