@@ -104,6 +104,9 @@ struct AttentionKvModel::Call {
   InferCall call;
   KvCall append;
   std::string storage[3];  // q, k and v bytes taken out of the request
+  // q, k and v in a CUDA region: read by the backend on the device (each
+  // holds its region open until the call is done).
+  InPlaceBytes on_device[3];
   std::vector<V2Output> outputs;
   std::shared_ptr<KvCache> cache;
   uint64_t sequence_id = 0;
@@ -288,8 +291,11 @@ absl::Status AttentionKvModel::Prepare(Call* c) const {
                                   "' needs q, k and v (zero rows allowed); '", kInputs[which],
                                   "' is missing"));
     }
+    // A system region's bytes are copied (the append cannot be undone, so a
+    // shrink must fail the read before it); a CUDA region's stay on the device.
     absl::StatusOr<TensorView> taken =
-        TakeFloatTensor(source, (*index_of)[which], &c->storage[which]);
+        TakeFloatTensor(source, (*index_of)[which], &c->storage[which], &c->on_device[which],
+                        InPlaceKinds::kDevice);
     if (!taken.ok()) return taken.status();
     *tensors[which] = *taken;
   }

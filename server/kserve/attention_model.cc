@@ -1,8 +1,8 @@
 // The `attention` model: v2 request -> AttentionCall -> AttentionRunner ->
 // v2 response; see attention_model.h. Tensor bytes are moved, not copied, out
 // of the request wherever the protocol lets them, and q, k, v, o and lse in a
-// system shared-memory region are read and written where they lie;
-// docs/kserve.md lists the copies that remain.
+// shared-memory region are read and written where they lie (a CUDA region's
+// on its device, by the backend); docs/kserve.md lists the copies that remain.
 #include "server/kserve/attention_model.h"
 
 #include <algorithm>
@@ -186,8 +186,10 @@ absl::Status AttentionModel::Prepare(Call* c) const {
       return absl::InvalidArgumentError(absl::StrCat(
           "inputs: model '", name_, "' needs q, k and v; '", names[which], "' is missing"));
     }
+    // A CUDA region's q, k and v stay on the device: the backend reads them there.
     absl::StatusOr<TensorView> taken =
-        TakeFloatTensor(source, (*index_of)[which], &c->storage[which], &c->inputs[which]);
+        TakeFloatTensor(source, (*index_of)[which], &c->storage[which], &c->inputs[which],
+                        InPlaceKinds::kMappedOrDevice);
     if (!taken.ok()) return taken.status();
     *tensors[which] = *taken;
     // Bytes from a region, read in place or copied (a CUDA region), were
@@ -240,7 +242,7 @@ absl::Status AttentionModel::Prepare(Call* c) const {
   if (info_.varlen_inputs) RETURN_IF_ERROR(CheckBlockMaskComplete(*index_of, block_given, c));
 
   RETURN_IF_ERROR(PlanOutputs(source, name_, &call.options.return_lse, &c->outputs));
-  call.sink = V2Sink(&c->outputs, &c->o, &c->lse);
+  call.sink = V2Sink(&c->outputs, &c->o, &c->lse, &call.output_devices);
   return absl::OkStatus();
 }
 

@@ -53,7 +53,7 @@ absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes) {
 }
 
 absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64_t lse_bytes,
-                          void** o, float** lse) {
+                          void** o, float** lse, OutputDevices* devices) {
   for (const V2Output& out : *outputs) {
     absl::Status fits =
         CheckOutputFits(out, static_cast<uint64_t>(out.name == "o" ? o_bytes : lse_bytes));
@@ -61,21 +61,26 @@ absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64
   }
   for (V2Output& out : *outputs) {
     if (out.region == nullptr) continue;
-    const InPlaceBytes place = InPlace(out.region, *out.shm);
+    const InPlaceBytes place =
+        InPlace(out.region, *out.shm,
+                devices != nullptr ? InPlaceKinds::kMappedOrDevice : InPlaceKinds::kMapped);
     if (place.data == nullptr) continue;
     out.in_place = true;
     if (out.name == "o") {
       *o = place.data;
+      if (devices != nullptr) devices->o = place.device;
     } else {
       *lse = reinterpret_cast<float*>(place.data);
+      if (devices != nullptr) devices->lse = place.device;
     }
   }
   return absl::OkStatus();
 }
 
-OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse) {
-  return [outputs, o, lse](const OutputLayout& layout, void** o_at, float** lse_at) {
-    RETURN_IF_ERROR(PlaceOutputs(outputs, layout.o_bytes, layout.lse_bytes, o_at, lse_at));
+OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse,
+                  OutputDevices* devices) {
+  return [outputs, o, lse, devices](const OutputLayout& layout, void** o_at, float** lse_at) {
+    RETURN_IF_ERROR(PlaceOutputs(outputs, layout.o_bytes, layout.lse_bytes, o_at, lse_at, devices));
     o->dtype = layout.o_dtype;
     o->shape = layout.o_shape;
     lse->dtype = DType::kFP32;

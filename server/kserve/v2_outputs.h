@@ -45,9 +45,11 @@ absl::Status CheckOutputFits(const V2Output& out, uint64_t bytes);
 // can write in place (InPlace), marking them in_place; the others stay null
 // (the response's buffer, copied by DeliverOutputs). So a region too small
 // fails the request before it runs, and a system region's outputs are never
-// copied.
+// copied. With `devices`, an output in a CUDA region is placed too (a device
+// address; *devices says on which device), so the backend writes it there;
+// without, it is written through ShmRegion::Write after the call.
 absl::Status PlaceOutputs(std::vector<V2Output>* outputs, int64_t o_bytes, int64_t lse_bytes,
-                          void** o, float** lse);
+                          void** o, float** lse, OutputDevices* devices = nullptr);
 
 // An output as a call produced it: dtype and shape, and its bytes unless the
 // backend wrote them in place.
@@ -57,10 +59,12 @@ struct ProducedTensor {
   std::string bytes;
 };
 
-// A sink (server/core/call.h) for `outputs`: PlaceOutputs, then the bytes
-// not placed in a region go to `o` and `lse`, whose dtypes and shapes it sets.
-// `outputs`, `o` and `lse` must outlive the call.
-OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse);
+// A sink (server/core/call.h) for `outputs`: PlaceOutputs (with `devices`,
+// the call's output_devices, CUDA regions are written where they lie), then
+// the bytes not placed in a region go to `o` and `lse`, whose dtypes and
+// shapes it sets. `outputs`, `o`, `lse` and `devices` must outlive the call.
+OutputSink V2Sink(std::vector<V2Output>* outputs, ProducedTensor* o, ProducedTensor* lse,
+                  OutputDevices* devices = nullptr);
 
 // Moves o and lse (the call's outputs) into `response` or writes them
 // into their regions (outputs already written in place only get their

@@ -196,25 +196,37 @@ absl::StatusOr<std::vector<int>> IndexInputs(const inference::ModelInferRequest&
 }
 
 absl::StatusOr<TensorView> TakeFloatTensor(const InputSource& source, int index,
-                                           std::string* storage, InPlaceBytes* in_place) {
+                                           std::string* storage, InPlaceBytes* in_place,
+                                           InPlaceKinds kinds) {
   const auto& input = source.request->inputs(index);
   absl::StatusOr<DType> dtype =
       ParseFloatDatatype(absl::StrCat("inputs['", input.name(), "'].datatype"), input.datatype());
   if (!dtype.ok()) return dtype.status();
-  absl::StatusOr<std::string> bytes = TakeInputBytes(source, index, in_place);
+  absl::StatusOr<std::string> bytes = TakeInputBytes(source, index, in_place, kinds);
   if (!bytes.ok()) return bytes.status();
   *storage = *std::move(bytes);
   TensorView view;
   view.dtype = static_cast<int>(*dtype);
   view.shape = absl::MakeConstSpan(input.shape().data(), static_cast<size_t>(input.shape_size()));
-  view.bytes = in_place != nullptr && in_place->data != nullptr ? in_place->view()
-                                                                : absl::string_view(*storage);
+  const bool placed = in_place != nullptr && in_place->data != nullptr;
+  view.bytes = placed ? in_place->view() : absl::string_view(*storage);
+  view.device = placed ? in_place->device : kHostMemory;
   return view;
 }
 
-InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref) {
+InPlaceBytes InPlace(std::shared_ptr<ShmRegion> region, const ShmRef& ref, InPlaceKinds kinds) {
   InPlaceBytes bytes;
+  if (char* const device_base = region->device_ptr(); device_base != nullptr) {
+    if (kinds == InPlaceKinds::kMapped) return bytes;
+    // The CUDA backend copies a misaligned span within the device itself.
+    bytes.data = device_base + ref.offset;
+    bytes.size = ref.byte_size;
+    bytes.device = region->device();
+    bytes.region = std::move(region);
+    return bytes;
+  }
   char* const base = region->mapped();
+  if (kinds == InPlaceKinds::kDevice) return bytes;
   if (base == nullptr || reinterpret_cast<uintptr_t>(base + ref.offset) % kInPlaceAlignment != 0) {
     return bytes;
   }
@@ -234,7 +246,7 @@ absl::Status CheckInPlaceIntact(absl::Span<const InPlaceBytes> inputs) {
 }
 
 absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
-                                           InPlaceBytes* in_place) {
+                                           InPlaceBytes* in_place, InPlaceKinds kinds) {
   inference::ModelInferRequest& request = *source.request;
   const inference::ModelInferRequest::InferInputTensor& input = request.inputs(index);
   const std::string where = absl::StrCat("inputs['", input.name(), "']");
@@ -250,7 +262,7 @@ absl::StatusOr<std::string> TakeInputBytes(const InputSource& source, int index,
         source.shm->Acquire(source.tenant, ref.region, ref.offset, ref.byte_size);
     if (!region.ok()) return region.status();
     if (in_place != nullptr) {
-      *in_place = InPlace(*region, ref);
+      *in_place = InPlace(*region, ref, kinds);
       if (in_place->data != nullptr) return std::string();
     }
     std::string bytes(ref.byte_size, '\0');
