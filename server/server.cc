@@ -40,6 +40,7 @@
 #include "server/metrics_http.h"
 #include "server/native/attention_service.h"
 #include "server/native/kv_service.h"
+#include "server/native/shm_service.h"
 #include "server/security/grpc_credentials.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -281,6 +282,9 @@ class AttnServerImpl final : public AttnServer {
     kv_pool_.set_tenants(tenants_.get());
     kv_service_.set_auth(auth_.get());
     kserve_.SetAuth(auth_.get(), tenants_.get());
+    service_.set_shm(kserve_.shm_registry());
+    kv_service_.set_shm(kserve_.shm_registry());
+    shm_service_.set_auth(auth_.get());
   }
 
   ~AttnServerImpl() override {
@@ -431,6 +435,7 @@ class AttnServerImpl final : public AttnServer {
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
     builder.RegisterService(&kv_service_);
+    builder.RegisterService(&shm_service_);
     builder.RegisterService(kserve_.grpc_service());
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || selected_port_ == 0) {
@@ -606,6 +611,7 @@ class AttnServerImpl final : public AttnServer {
   KvRunner kv_runner_;
   KvService kv_service_;
   KserveFrontend kserve_;
+  ShmService shm_service_{kserve_.shm_registry()};  // KServe's regions, for the native API
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;

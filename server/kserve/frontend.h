@@ -74,6 +74,9 @@ class KserveFrontend {
     context_.shm.set_tenants(tenants);
   }
 
+  // The shared-memory regions clients registered, which the native API's
+  // calls name too (one registry for both front-ends).
+  ShmRegistry* shm_registry() { return &context_.shm; }
   // For grpc::ServerBuilder::RegisterService.
   grpc::Service* grpc_service();
   // Starts HTTP/REST when enabled. A port that cannot be bound is an error;

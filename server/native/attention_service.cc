@@ -3,16 +3,20 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "server/call_deadline.h"
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
+#include "server/native/shm_calls.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -20,21 +24,30 @@
 namespace attnserve {
 namespace {
 
-// Decodes `request`, holds its bytes against the tenant's quota and starts it
-// on `runner`; `done` runs once the response is complete. `request` and
-// `response` stay valid until then.
-void StartForward(AttentionRunner* runner, TenantDirectory* tenants, CallMeta meta,
-                  const v1::ForwardRequest* request, v1::ForwardResponse* response,
+// Decodes `request` (reading its shared-memory spans from `shm`'s regions),
+// holds its bytes against the tenant's quota and starts it on `runner`;
+// `done` runs once the response is complete. `request` and `response` stay
+// valid until then.
+void StartForward(AttentionRunner* runner, TenantDirectory* tenants, const ShmRegistry* shm,
+                  CallMeta meta, const v1::ForwardRequest* request, v1::ForwardResponse* response,
                   std::function<void(const absl::Status&)> done) {
-  // The call lives until its completion has run (the completion holds it).
+  // The call and its regions live until its completion has run (the
+  // completion holds them).
   auto call = std::make_shared<AttentionCall>(ForwardCallOf(*request, response, std::move(meta)));
+  auto regions = std::make_shared<ShmCall>(shm, call->meta.tenant);
   std::function<void(const absl::Status&, const WorkTimings&)> finish =
-      [runner, request, response, call, done = std::move(done)](const absl::Status& status,
-                                                                const WorkTimings& timings) {
-        FinishForwardResponse(*request, status, timings, runner->backend_name(), response);
-        done(status);
+      [runner, request, response, call, regions, done = std::move(done)](
+          const absl::Status& status, const WorkTimings& timings) {
+        // A region its owner shrank while the call ran fails the call.
+        const absl::Status result = status.ok() ? regions->CheckIntact() : status;
+        FinishForwardResponse(*request, result, timings, runner->backend_name(), response);
+        done(result);
       };
-  const absl::Status held = HoldInFlight(tenants, call->meta.tenant, call->request_bytes, &finish);
+  absl::Status decoded = ForwardShmInputs(*request, ShmRead::kInPlace, regions.get(), call.get());
+  if (decoded.ok()) decoded = BindForwardShmOutputs(*request, response, regions.get(), call.get());
+  const absl::Status held =
+      decoded.ok() ? HoldInFlight(tenants, call->meta.tenant, call->request_bytes, &finish)
+                   : decoded;
   if (!held.ok()) {
     WorkTimings timings;
     timings.total_us = absl::ToInt64Microseconds(absl::Now() - call->meta.received);
@@ -47,14 +60,15 @@ void StartForward(AttentionRunner* runner, TenantDirectory* tenants, CallMeta me
 class ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
   ForwardReactor(AttentionRunner* runner, InFlightCounter* in_flight, TenantDirectory* tenants,
-                 const Authenticator* auth, const grpc::CallbackServerContext* context,
-                 const v1::ForwardRequest* request, v1::ForwardResponse* response)
+                 const ShmRegistry* shm, const Authenticator* auth,
+                 const grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+                 v1::ForwardResponse* response)
       : in_flight_(in_flight), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     // Finish may run before this constructor returns (a refused request);
     // the callback API holds it until the reactor is bound to the call. A
     // throw finishes the call with its status instead of escaping to gRPC.
     try {
-      StartForward(runner, tenants,
+      StartForward(runner, tenants, shm,
                    CallMetaOf(TenantOf(auth, context), DeadlineOf(context), cancelled_), request,
                    response, [this](const absl::Status& status) { FinishOnce(status); });
     } catch (...) {
@@ -77,17 +91,53 @@ class ForwardReactor final : public grpc::ServerUnaryReactor {
 
 // Echo's answer to a request: Forward's checks (so the same INVALID_ARGUMENT
 // and RESOURCE_EXHAUSTED), then o = q and, with return_lse, a zero LSE of the
-// shape Forward returns (dense [B, Hq, Sq], varlen [Hq, Tq]).
-absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& limits,
+// shape Forward returns (dense [B, Hq, Sq], varlen [Hq, Tq]). Spans of
+// shared memory are read and written as Forward's are (a CUDA region's
+// bytes through the host).
+absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& limits, ShmCall* shm,
                       v1::ForwardResponse* response) {
-  const AttentionCall call = ForwardCallOf(request, response, CallMeta{});
+  AttentionCall call = ForwardCallOf(request, response, CallMeta{});
+  RETURN_IF_ERROR(ForwardShmInputs(request, ShmRead::kHostInPlace, shm, &call));
   absl::StatusOr<AttnParams> params = ValidateAttentionCall(call, limits, NativeFieldNames());
   if (!params.ok()) return params.status();
-  *response->mutable_o() = request.q();
+  std::optional<ShmOutput> o, lse;
+  if (request.has_output_shm()) {
+    const v1::OutputRegions& out = request.output_shm();
+    if (out.has_lse() && !call.options.return_lse) {
+      return absl::InvalidArgumentError(
+          "output_shm.lse: expected only with options.return_lse (there is no lse to write)");
+    }
+    if (out.has_o()) {
+      ASSIGN_OR_RETURN(o, shm->Output("output_shm.o", out.o()));
+      RETURN_IF_ERROR(
+          CheckOutputSize("output_shm.o", out.o(), static_cast<int64_t>(call.q.bytes.size())));
+    }
+    if (out.has_lse()) {
+      ASSIGN_OR_RETURN(lse, shm->Output("output_shm.lse", out.lse()));
+    }
+  }
+  const std::vector<int64_t> q_shape(call.q.shape.begin(), call.q.shape.end());
+  if (o.has_value()) {
+    RETURN_IF_ERROR(o->span.region->Write(o->offset, call.q.bytes.data(), call.q.bytes.size()));
+    ShapeSharedTensor(call.q.dtype, q_shape, *o->ref, response->mutable_o());
+  } else {
+    v1::Tensor* out = response->mutable_o();
+    out->set_dtype(request.q().dtype());
+    *out->mutable_shape() = request.q().shape();
+    out->set_data(std::string(call.q.bytes));
+  }
   if (call.options.return_lse) {
     const OutputLayout layout = OutputLayoutOf(*params, call.q.shape, call.q.shape.size() == 4,
                                                /*return_lse=*/true);
-    ShapeFloatTensor(layout.lse_shape, layout.lse_bytes, response->mutable_lse());
+    if (lse.has_value()) {
+      RETURN_IF_ERROR(CheckOutputSize("output_shm.lse", *lse->ref, layout.lse_bytes));
+      const std::string zeros(static_cast<size_t>(layout.lse_bytes), '\0');
+      RETURN_IF_ERROR(lse->span.region->Write(lse->offset, zeros.data(), zeros.size()));
+      ShapeSharedTensor(static_cast<int>(DType::kFP32), layout.lse_shape, *lse->ref,
+                        response->mutable_lse());
+    } else {
+      ShapeFloatTensor(layout.lse_shape, layout.lse_bytes, response->mutable_lse());
+    }
   }
   return absl::OkStatus();
 }
@@ -100,12 +150,13 @@ absl::Status FillEcho(const v1::ForwardRequest& request, const RequestLimits& li
 class EchoReactor final : public grpc::ServerUnaryReactor {
  public:
   EchoReactor(const RequestLimits& limits, const std::string& backend_name,
-              InFlightCounter* in_flight, TenantDirectory* tenants, const std::string& tenant,
-              const v1::ForwardRequest* request, v1::ForwardResponse* response)
+              InFlightCounter* in_flight, TenantDirectory* tenants, const ShmRegistry* shm,
+              const std::string& tenant, const v1::ForwardRequest* request,
+              v1::ForwardResponse* response)
       : in_flight_(in_flight) {
     absl::Status status;
     try {
-      status = Answer(limits, backend_name, tenants, tenant, request, response);
+      status = Answer(limits, backend_name, tenants, shm, tenant, request, response);
     } catch (...) {
       status = StatusOfException(std::current_exception(), "Echo");
     }
@@ -116,14 +167,20 @@ class EchoReactor final : public grpc::ServerUnaryReactor {
 
  private:
   static absl::Status Answer(const RequestLimits& limits, const std::string& backend_name,
-                             TenantDirectory* tenants, const std::string& tenant,
-                             const v1::ForwardRequest* request, v1::ForwardResponse* response) {
+                             TenantDirectory* tenants, const ShmRegistry* shm,
+                             const std::string& tenant, const v1::ForwardRequest* request,
+                             v1::ForwardResponse* response) {
     const absl::Time received = absl::Now();
     // Echo holds nothing past this constructor: the quota is checked, not held.
     std::function<void()> nothing = [] {};
     absl::Status status =
         HoldInFlight(tenants, tenant, static_cast<int64_t>(request->ByteSizeLong()), &nothing);
-    if (status.ok()) status = FillEcho(*request, limits, response);
+    ShmCall regions(shm, tenant);
+    if (status.ok()) status = FillEcho(*request, limits, &regions, response);
+    if (!status.ok()) {
+      response->clear_o();
+      response->clear_lse();
+    }
     // At most kMaxRequestIdBytes back, as Forward does.
     response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
     response->set_backend(backend_name);  // FillEcho sets o and lse only on success
@@ -151,9 +208,10 @@ using ForwardStreamReactor = PipelinedStreamReactor<v1::ForwardRequest, v1::Forw
 ForwardStreamReactor* NewForwardStreamReactor(AttentionRunner* runner, InFlightCounter* in_flight,
                                               const grpc::CallbackServerContext* context,
                                               const StreamLimits& limits, StreamGauge* gauge,
-                                              TenantDirectory* tenants, const Authenticator* auth) {
+                                              TenantDirectory* tenants, const ShmRegistry* shm,
+                                              const Authenticator* auth) {
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  auto start = [runner, cancelled, deadline = DeadlineOf(context), tenants,
+  auto start = [runner, cancelled, deadline = DeadlineOf(context), tenants, shm,
                 who = StreamTenantOf(auth, context)](ForwardStreamReactor::Call* call,
                                                      ForwardStreamReactor::Done done) {
     // A token withdrawn since the stream opened stops it, request by request.
@@ -161,8 +219,8 @@ ForwardStreamReactor* NewForwardStreamReactor(AttentionRunner* runner, InFlightC
       call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
       return done(valid);
     }
-    StartForward(runner, tenants, CallMetaOf(who->tenant(), deadline, cancelled), &call->request,
-                 &call->response, std::move(done));
+    StartForward(runner, tenants, shm, CallMetaOf(who->tenant(), deadline, cancelled),
+                 &call->request, &call->response, std::move(done));
   };
   auto fail = [](ForwardStreamReactor::Call* call, const absl::Status& status) {
     call->response.set_error_code(ToRpcCode(status));
@@ -188,22 +246,25 @@ AttentionService::AttentionService(AttentionRunner* runner, BackendDescription b
 grpc::ServerUnaryReactor* AttentionService::Forward(grpc::CallbackServerContext* context,
                                                     const v1::ForwardRequest* request,
                                                     v1::ForwardResponse* response) {
-  return new ForwardReactor(runner_, &in_flight_, info_.tenants, info_.auth, context, request,
+  return new ForwardReactor(runner_, &in_flight_, info_.tenants, shm_, info_.auth, context, request,
                             response);
 }
 
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* AttentionService::ForwardStream(
     grpc::CallbackServerContext* context) {
   return NewForwardStreamReactor(runner_, &in_flight_, context, info_.stream_limits,
-                                 info_.stream_gauge, info_.tenants, info_.auth);
+                                 info_.stream_gauge, info_.tenants, shm_, info_.auth);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* context,
                                                  const v1::ForwardRequest* request,
                                                  v1::ForwardResponse* response) {
-  return new EchoReactor(runner_->limits(), backend_.name, &in_flight_, info_.tenants,
-                         info_.tenants != nullptr ? TenantOf(info_.auth, context) : std::string(),
-                         request, response);
+  // The tenant owns the regions a request names, so it is looked up whenever
+  // quotas or shared memory need it.
+  const bool need_tenant = info_.tenants != nullptr || (shm_ != nullptr && shm_->allowed());
+  return new EchoReactor(runner_->limits(), backend_.name, &in_flight_, info_.tenants, shm_,
+                         need_tenant ? TenantOf(info_.auth, context) : std::string(), request,
+                         response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

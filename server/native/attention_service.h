@@ -11,6 +11,7 @@
 #include "server/auth/tenants.h"
 #include "server/core/attention_runner.h"
 #include "server/in_flight.h"
+#include "server/shm/shm_registry.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {
@@ -58,6 +59,10 @@ class AttentionService final : public v1::Attention::CallbackService {
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
 
+  // The shared-memory regions q, k, v and output_shm may name (shm_tensors.h);
+  // null: such calls are FAILED_PRECONDITION. Set before serving.
+  void set_shm(const ShmRegistry* shm) { shm_ = shm; }
+
   // Waits until every Forward and Echo call and every ForwardStream request
   // received so far has had its response sent (or its call has ended). True
   // when none is left.
@@ -67,6 +72,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   AttentionRunner* const runner_;
   const BackendDescription backend_;
   const ServiceInfo info_;
+  const ShmRegistry* shm_ = nullptr;
   InFlightCounter in_flight_;
 };
 

@@ -14,6 +14,7 @@
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
 #include "server/native/kv_messages.h"
+#include "server/native/shm_calls.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
 #include "spdlog/spdlog.h"
@@ -187,17 +188,35 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
                                   std::function<void(const absl::Status&)> done) {
-  // The call lives until its completion has run (the completion holds it).
+  // The call and its regions live until its completion has run (the
+  // completion holds them).
   auto call = std::make_shared<KvCall>(KvCallOf(*request, std::move(meta)));
+  auto regions = std::make_shared<ShmCall>(shm_, call->meta.tenant);
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
   response->set_backend(runner_->backend_name());
+  // Spans are read (and output spans checked) before the call starts: the
+  // append cannot be undone, so a region that fails must fail it first.
+  absl::Status decoded = KvShmInputs(*request, regions.get(), call.get());
+  absl::StatusOr<KvShmOutputs> outputs = decoded;
+  if (decoded.ok()) outputs = KvShmOutputSpans(*request, regions.get());
+  if (!outputs.ok()) return done(outputs.status());
   runner_->Start(call.get(), NativeFieldNames(),
-                 [call, response, done = std::move(done)](
+                 [call, regions, outputs = *std::move(outputs), response, done = std::move(done)](
                      const absl::Status& status, const WorkTimings& timings, KvResult* result) {
-                   if (status.ok()) FillAppendAttendResponse(result, response);
+                   absl::Status delivered = status;
+                   if (delivered.ok()) {
+                     FillAppendAttendResponse(result, response);
+                     // After the append: a region failing here fails the
+                     // answer, not the append (docs/shared-memory.md).
+                     delivered = DeliverKvShm(outputs, response);
+                     if (!delivered.ok()) {
+                       response->clear_o();
+                       response->clear_lse();
+                     }
+                   }
                    FillServerTiming(timings, response->mutable_timing());
-                   done(status);
+                   done(delivered);
                  });
 }
 

@@ -15,6 +15,7 @@
 #include "server/core/kv_runner.h"
 #include "server/in_flight.h"
 #include "server/metrics.h"
+#include "server/shm/shm_registry.h"
 #include "server/stream_flow_control.h"
 
 namespace attnserve {
@@ -52,6 +53,10 @@ class KvService final : public v1::KvCache::CallbackService {
   // Who the calls are (server/tenant.h); null (the default) when
   // authentication is off. Set before serving.
   void set_auth(const Authenticator* auth) { auth_ = auth; }
+  // The shared-memory regions q, k, v and output_shm may name
+  // (server/native/shm_tensors.h); null: such calls are FAILED_PRECONDITION.
+  // Set before serving.
+  void set_shm(const ShmRegistry* shm) { shm_ = shm; }
 
   // Waits until every admitted AppendAttend (unary or stream request) has had
   // its response sent. True when none is left.
@@ -72,6 +77,7 @@ class KvService final : public v1::KvCache::CallbackService {
   const StreamLimits stream_limits_;
   ServerMetrics* const metrics_;
   const Authenticator* auth_ = nullptr;
+  const ShmRegistry* shm_ = nullptr;
   InFlightCounter in_flight_;
 };
 

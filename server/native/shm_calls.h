@@ -1,0 +1,48 @@
+// Forward and AppendAttend calls whose tensors lie in shared-memory regions
+// (Tensor.shm, output_shm): the inputs as views of their spans, the outputs
+// bound to theirs. A call without shared memory passes through unchanged.
+#pragma once
+
+#include <optional>
+
+#include "absl/status/status.h"
+#include "attnserve/v1/attention.pb.h"
+#include "attnserve/v1/kv.pb.h"
+#include "server/core/call.h"
+#include "server/core/kv_runner.h"
+#include "server/native/shm_tensors.h"
+
+namespace attnserve {
+
+// q, k, v (read `how`) and options.bias (on the host) of `request` into
+// `call`, whose views ForwardCallOf made.
+absl::Status ForwardShmInputs(const v1::ForwardRequest& request, ShmRead how, ShmCall* shm,
+                              AttentionCall* call);
+
+// With output_shm: `call`'s sink writes o (and lse) into their spans, in
+// place (the backend writes there), and `response` carries their dtype,
+// shape and span without data. The spans' byte_size is checked against the
+// outputs when the sink runs, before compute: a call refused then writes
+// nothing. `call` and `response` must outlive the sink.
+absl::Status BindForwardShmOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                                   ShmCall* shm, AttentionCall* call);
+
+// AppendAttend's q, k and v (a mapped region's bytes copied, so a shrink
+// fails here, before the append, which cannot be undone; a CUDA region's on
+// the device) and k_scale, v_scale (copied) into `call`.
+absl::Status KvShmInputs(const v1::AppendAttendRequest& request, ShmCall* shm, KvCall* call);
+
+// The output spans of an AppendAttend, checked before it runs: o's and lse's
+// byte_size against the sizes q's shape gives (a span too small must fail
+// before the append).
+struct KvShmOutputs {
+  std::optional<ShmOutput> o, lse;
+};
+absl::StatusOr<KvShmOutputs> KvShmOutputSpans(const v1::AppendAttendRequest& request, ShmCall* shm);
+
+// Moves o (and lse) of a successful call's `response` (FillAppendAttendResponse's)
+// into their spans; the response then carries only their dtype, shape and
+// span. FAILED_PRECONDITION naming the region when it is no longer intact.
+absl::Status DeliverKvShm(const KvShmOutputs& outputs, v1::AppendAttendResponse* response);
+
+}  // namespace attnserve
