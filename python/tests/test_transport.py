@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import grpc
 import numpy as np
@@ -188,3 +189,31 @@ def test_an_async_stream_cancelled_and_an_awaited_call_cancelled(server):
             assert (await c.echo(big, big, big)).o.shape == big.shape
 
     asyncio.run(run())
+
+
+def test_a_client_closed_from_a_completion_callback(server):
+    # On the native transport a stream's futures resolve on the channel's completion
+    # thread; a callback that closes the client there must neither hang nor crash.
+    if not _expect_native():
+        pytest.skip("the grpcio transport resolves futures on its own reader thread")
+    x = np.ones((1, 8, 2, 16), np.float32)
+    c = Client(server.target)
+    s = c.stream()
+    pending = [s.submit(x, x, x) for _ in range(4)]
+    closed = threading.Event()
+
+    def close_client(_):
+        c.close()
+        closed.set()
+    pending[0].add_done_callback(close_client)
+    assert closed.wait(timeout=60)
+    for f in pending:  # answered before the close, or failed by it: none hangs
+        try:
+            f.result(timeout=60)
+        except AttnServeError as e:
+            assert e.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    s.close()  # returns: the stream ended with the channel
+    with pytest.raises(AttnServeError):
+        s.submit(x, x, x)
+    with Client(server.target) as again:  # the process's other channels are unaffected
+        assert again.echo(x, x, x).o.shape == x.shape

@@ -210,12 +210,13 @@ struct AsyncCall {
 // drains it.
 class Engine {
  public:
-  Engine(std::shared_ptr<grpc::Channel> channel, std::atomic<long long>* calls)
-      : channel_(std::move(channel)), calls_(calls), thread_([this] { Run(); }) {}
+  // `calls` is shared: an engine closed from its own thread outlives the channel object.
+  Engine(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<std::atomic<long long>> calls)
+      : channel_(std::move(channel)), calls_(std::move(calls)), thread_([this] { Run(); }) {}
 
   grpc::CompletionQueue* cq() { return &cq_; }
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-  std::atomic<long long>* calls() { return calls_; }
+  std::atomic<long long>* calls() { return calls_.get(); }
 
   // Takes the engine's reference to a call before its first operation; false once closing.
   bool Add(const std::shared_ptr<AsyncCall>& call) {
@@ -268,7 +269,7 @@ class Engine {
   }
 
   std::shared_ptr<grpc::Channel> channel_;
-  std::atomic<long long>* calls_;
+  std::shared_ptr<std::atomic<long long>> calls_;
   grpc::CompletionQueue cq_;
   std::mutex mu_;
   bool closing_ = false;
@@ -462,7 +463,7 @@ struct State {
   std::mutex mu;
   // Calls copy it under mu, so close() during a call is safe.
   std::shared_ptr<grpc::Channel> channel;
-  std::atomic<long long> calls{0};
+  std::shared_ptr<std::atomic<long long>> calls = std::make_shared<std::atomic<long long>>(0);
   Engine* engine = nullptr;  // the asynchronous calls', made by the first of them
 
   std::shared_ptr<grpc::Channel> Channel() {
@@ -473,7 +474,7 @@ struct State {
   // The engine, made now if need be; nullptr once closed.
   Engine* AsyncEngine() {
     std::lock_guard<std::mutex> lock(mu);
-    if (engine == nullptr && channel) engine = new Engine(channel, &calls);
+    if (engine == nullptr && channel) engine = new Engine(channel, calls);
     return engine;
   }
 
@@ -676,7 +677,7 @@ PyObject* ChannelUnary(ChannelObject* self, PyObject* args) {
   }
   if (status.ok()) status = response.Dump(&parts);
   Py_END_ALLOW_THREADS held->UnrefHoldingGil();
-  self->state->calls.fetch_add(1, std::memory_order_relaxed);
+  self->state->calls->fetch_add(1, std::memory_order_relaxed);
   if (!status.ok()) {
     const std::string& message = status.error_message();
     return Py_BuildValue(
@@ -800,7 +801,7 @@ PyObject* ChannelStartStream(ChannelObject* self, PyObject* args) {
 }
 
 PyObject* ChannelCalls(ChannelObject* self, void*) {
-  return PyLong_FromLongLong(self->state->calls.load(std::memory_order_relaxed));
+  return PyLong_FromLongLong(self->state->calls->load(std::memory_order_relaxed));
 }
 
 PyMethodDef kChannelMethods[] = {
