@@ -217,3 +217,15 @@ def test_a_client_closed_from_a_completion_callback(server):
         s.submit(x, x, x)
     with Client(server.target) as again:  # the process's other channels are unaffected
         assert again.echo(x, x, x).o.shape == x.shape
+
+
+def test_a_stream_closed_from_its_own_future_callback(client):
+    # close() from a callback (on the native transport, the completion thread) returns.
+    x = np.ones((1, 8, 2, 16), np.float32)
+    s = client.stream()
+    closed = threading.Event()
+    first = s.submit(x, x, x)
+    first.add_done_callback(lambda f: (s.close(), closed.set()))
+    assert closed.wait(timeout=60) and first.result(timeout=60).o.shape == x.shape
+    s.close()
+    assert client.echo(x, x, x).o.shape == x.shape

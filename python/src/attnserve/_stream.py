@@ -126,12 +126,16 @@ class BidiStream:
         self._end(error)
 
     def _on_native_read(self, payload: bytes) -> None:  # the completion thread
+        self._completion_thread = threading.get_ident()
         self._resolve(self._decode(payload))
 
     def _on_native_done(self, code: int, message: str) -> None:  # the completion thread
+        self._completion_thread = threading.get_ident()
         self._end(AttnServeError.from_rpc_error(_transport.NativeRpcError(code, message))
                   if code else None)
         self._ended.set()
+
+    _completion_thread = None  # the native thread that resolves this stream's futures
 
     def close(self) -> None:
         """Stops sending and waits for the outstanding responses."""
@@ -141,10 +145,14 @@ class BidiStream:
             self._closed = True
         if self._reader is None:
             self._call.writes_done()
-            self._ended.wait()
+            # From a future's callback the completion thread itself is here: waiting
+            # for it would never end, so the outstanding responses arrive after.
+            if threading.get_ident() != self._completion_thread:
+                self._ended.wait()
             return
         self._requests.put(self._END)
-        self._reader.join()
+        if threading.current_thread() is not self._reader:  # as above, for the reader thread
+            self._reader.join()
 
     def cancel(self) -> None:
         """Cancels the stream; pending futures fail with CANCELLED."""
