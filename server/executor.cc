@@ -58,22 +58,31 @@ bool MayShare(const PagedJob& a, const PagedJob& b) {
 // call's pages (now, in arrival order, so the pool takes pages only for calls
 // about to run); then the backend checks the whole params, outputs included,
 // and plans the launch, once. UNIMPLEMENTED here names what this build lacks.
-absl::Status MakeReady(AttentionBackend& backend, DenseJob& j) {
+// batch_invariant: ExecutorOptions::batch_invariant, set on every call here.
+absl::Status MakeReady(AttentionBackend& backend, DenseJob& j, bool batch_invariant) {
   if (j.bind_outputs) RETURN_IF_ERROR(j.bind_outputs(&j.params));
+  j.params.batch_invariant |= batch_invariant;
   ASSIGN_OR_RETURN(j.plan, backend.CanImplement(j.params));
   return absl::OkStatus();
 }
-absl::Status MakeReady(AttentionBackend& backend, PagedJob& j) {
+absl::Status MakeReady(AttentionBackend& backend, PagedJob& j, bool batch_invariant) {
   ASSIGN_OR_RETURN(j.params, j.work.reserve());
+  j.params.attn.batch_invariant |= batch_invariant;
   ASSIGN_OR_RETURN(j.plan, backend.CanImplementPaged(j.params));
   return absl::OkStatus();
 }
 
 // Whether two ready calls can share a launch (LSE is known only once outputs
-// are bound, a K/V call's pages once reserved).
-bool CanShare(const DenseJob& a, const DenseJob& b) { return CanShareLaunch(a.params, b.params); }
+// are bound, a K/V call's pages once reserved). Batch-invariant calls share
+// only with calls planned alike (SamePlanned): the packed launch is planned
+// for the packed sizes, which then gives each member the plan it has alone.
+bool CanShare(const DenseJob& a, const DenseJob& b) {
+  return CanShareLaunch(a.params, b.params) &&
+         (!a.params.batch_invariant || SamePlanned(a.plan, b.plan));
+}
 bool CanShare(const PagedJob& a, const PagedJob& b) {
-  return CanSharePagedLaunch(a.params, b.params);
+  return CanSharePagedLaunch(a.params, b.params) &&
+         (!a.params.attn.batch_invariant || SamePlanned(a.plan, b.plan));
 }
 
 // One launch over ready calls of one kind, with the first one's plan.
@@ -116,10 +125,17 @@ absl::Status DroppedAtShutdown() {
 
 }  // namespace
 
+int64_t WorkItemTokens(const WorkItem& item) {
+  if (!item.paged.has_value()) return BatchTokens(item.params);
+  const AttnShape& rows = item.paged->rows;
+  return int64_t{rows.cu_seqlens_q[rows.batch]} + rows.cu_seqlens_k[rows.batch];
+}
+
 Executor::Queued::Queued(WorkItem item)
     : meta(std::move(static_cast<WorkMetadata&>(item))),
       job(JobOf(item)),
-      tokens(std::visit([](const auto& j) { return Tokens(j); }, job)) {}
+      tokens(std::visit([](const auto& j) { return Tokens(j); }, job)),
+      cost(std::visit([](const auto& j) { return Cost(j); }, job)) {}
 
 Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
     : backend_(backend),
@@ -138,23 +154,27 @@ Executor::Executor(AttentionBackend* backend, const ExecutorOptions& options)
 
 Executor::~Executor() { Shutdown(); }
 
-absl::Status Executor::Submit(WorkItem item) {
-  Queued q(std::move(item));
-  const int64_t cost = std::visit([](const auto& j) { return Cost(j); }, q.job);
+absl::Status Executor::Submit(WorkItem item) { return Offer(&item); }
+
+absl::Status Executor::Offer(WorkItem* item) {
   absl::MutexLock lock(&mu_);
-  if (!admitting_ && (stopping_ || !q.meta.follows_admitted)) {
+  if (!admitting_ && (stopping_ || !item->follows_admitted)) {
     return absl::UnavailableError(refusal_);
   }
   if (!stalled_.empty()) return absl::UnavailableError(stalled_);
-  if (!queue_.HasRoom(q.meta.tenant, options_.max_queue_size)) {
+  if (!queue_.HasRoom(item->tenant, options_.max_queue_size)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("queue full: ", queue_.size(), " requests waiting, the limit is ",
-                     options_.max_queue_size, " (--max_queue_size), and tenant \"", q.meta.tenant,
+                     options_.max_queue_size, " (--max_queue_size), and tenant \"", item->tenant,
                      "\" holds its fair share of it; retry later"));
   }
+  Queued q(std::move(*item));
   outstanding_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
+  outstanding_work_.fetch_add(q.cost, std::memory_order_relaxed);
+  queued_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
   q.admitted = absl::Now();
   const std::string tenant = q.meta.tenant;
+  const int64_t cost = q.cost;
   queue_.Push(tenant, cost, std::move(q));
   ++submitted_;
   return absl::OkStatus();
@@ -226,6 +246,13 @@ void Executor::Complete(Queued& q, const absl::Status& status) {
   q.timings.device = options_.device;
   q.meta.done(status, q.timings);
   outstanding_tokens_.fetch_sub(q.tokens, std::memory_order_relaxed);
+  outstanding_work_.fetch_sub(q.cost, std::memory_order_relaxed);
+}
+
+Executor::Queued Executor::PopQueued() {
+  Queued q = queue_.Pop();
+  queued_tokens_.fetch_sub(q.tokens, std::memory_order_relaxed);
+  return q;
 }
 
 void Executor::LauncherLoop() {
@@ -241,7 +268,7 @@ void Executor::LauncherLoop() {
         launcher_done_ = true;
         return;
       }
-      picked.push_back(queue_.Pop());
+      picked.push_back(PopQueued());
       launching_ = true;
       stopping = stopping_;
       const Queued& head = picked.front();
@@ -280,6 +307,7 @@ void Executor::CollectBatch(std::vector<Queued>* batch) {
             return false;
           }
           tokens += q.tokens;
+          queued_tokens_.fetch_sub(q.tokens, std::memory_order_relaxed);
           return true;
         },
         &joined);
@@ -302,7 +330,9 @@ void Executor::Dispatch(std::vector<Queued> picked) {
       q.timings.queue_us = Micros(now - q.admitted);
       absl::Status ready = CheckStillWanted(q.meta);
       if (ready.ok()) {
-        ready = std::visit([this](auto& job) { return MakeReady(*backend_, job); }, q.job);
+        ready = std::visit(
+            [this](auto& job) { return MakeReady(*backend_, job, options_.batch_invariant); },
+            q.job);
       }
       if (!ready.ok()) {
         Fail(std::move(q), ready);
@@ -371,9 +401,23 @@ void Executor::StartLaunch(std::vector<Queued> group) {
     }
     return;
   }
-  absl::MutexLock lock(&mu_);
-  ++open_launches_;
-  in_flight_.push_back(InFlight{std::move(group), *std::move(launch), started, absl::OkStatus()});
+  InFlight open{std::move(group), *std::move(launch), started, absl::OkStatus()};
+  {
+    absl::MutexLock lock(&mu_);
+    ++open_launches_;
+    // A backend without a pipeline (one launch at a time) has nothing to
+    // overlap with this launch's Finish: with no other work waiting, the
+    // launcher finishes it and answers its callers itself, saving the hand-off
+    // to the completer. Otherwise the completer does, in start order.
+    const bool answer_here =
+        max_in_flight_ == 1 && in_flight_.empty() && !completing_ && queue_.empty();
+    if (!answer_here) {
+      in_flight_.push_back(std::move(open));
+      return;
+    }
+    completing_ = true;  // as the completer marks what it holds
+  }
+  FinishLaunch(std::move(open));
 }
 
 void Executor::Fail(Queued q, absl::Status status) {
@@ -398,61 +442,66 @@ void Executor::CompleterLoop() {
       in_flight_.pop_front();
       completing_ = true;
     }
-    if (done.launch == nullptr) {  // failed before launch
-      Complete(done.members.front(), done.failed);
-      done.members.clear();
-      absl::MutexLock lock(&mu_);
-      completing_ = false;
-      continue;
-    }
-    BackendTimings bt;
-    CallBegins(1, done.launch.get(), &done.members);
-    const absl::Status status = done.launch->Finish(&bt);
-    // Members the watchdog failed (an abandoned launch) are gone from `done`.
-    CallEnds(1);
-    done.launch.reset();
-    const int64_t wall_us = Micros(absl::Now() - done.started);
-    {
-      // The launch is over: room for the next one now, not after the
-      // callbacks (which may take long, or shut the executor down).
-      // `completing_` keeps WaitIdle false until they have run.
-      absl::MutexLock lock(&mu_);
-      --open_launches_;
-    }
-    if (!status.ok() && done.members.size() > 1) {
-      // A packed launch failed as a whole: its members run again one by one,
-      // ahead of newer work, so only a request that fails alone fails. (Once
-      // the launcher has exited nothing would run them: they get the error.)
-      absl::MutexLock lock(&mu_);
-      if (!launcher_done_) {
-        for (auto it = done.members.rbegin(); it != done.members.rend(); ++it) {
-          it->rerun_alone = true;
-          queue_.PushFront(std::move(*it));
-        }
-        ++submitted_;
-        completing_ = false;
-        continue;
-      }
-    }
-    for (Queued& q : done.members) {
-      q.timings.host_to_device_us = bt.host_to_device_us;
-      q.timings.device_to_host_us = bt.device_to_host_us;
-      // A backend that does not time itself still gets the wall time of its
-      // launch reported as compute.
-      q.timings.compute_us =
-          bt.compute_us > 0
-              ? bt.compute_us
-              : std::max<int64_t>(0, wall_us - bt.host_to_device_us - bt.device_to_host_us);
-      q.timings.batch_size = static_cast<int>(done.members.size());
-      Complete(q, status);
-    }
-    // Release the items (and whatever their callbacks hold) before
-    // `completing_` clears, so WaitIdle returning means the front-end has
-    // been told.
+    FinishLaunch(std::move(done));
+  }
+}
+
+void Executor::FinishLaunch(InFlight done) {
+  if (done.launch == nullptr) {  // failed before launch
+    Complete(done.members.front(), done.failed);
     done.members.clear();
     absl::MutexLock lock(&mu_);
     completing_ = false;
+    return;
   }
+  BackendTimings bt;
+  CallBegins(1, done.launch.get(), &done.members);
+  const absl::Status status = done.launch->Finish(&bt);
+  // Members the watchdog failed (an abandoned launch) are gone from `done`.
+  CallEnds(1);
+  done.launch.reset();
+  const int64_t wall_us = Micros(absl::Now() - done.started);
+  {
+    // The launch is over: room for the next one now, not after the
+    // callbacks (which may take long, or shut the executor down).
+    // `completing_` keeps WaitIdle false until they have run.
+    absl::MutexLock lock(&mu_);
+    --open_launches_;
+  }
+  if (!status.ok() && done.members.size() > 1) {
+    // A packed launch failed as a whole: its members run again one by one,
+    // ahead of newer work, so only a request that fails alone fails. (Once
+    // the launcher has exited nothing would run them: they get the error.)
+    absl::MutexLock lock(&mu_);
+    if (!launcher_done_) {
+      for (auto it = done.members.rbegin(); it != done.members.rend(); ++it) {
+        it->rerun_alone = true;
+        queued_tokens_.fetch_add(it->tokens, std::memory_order_relaxed);
+        queue_.PushFront(std::move(*it));
+      }
+      ++submitted_;
+      completing_ = false;
+      return;
+    }
+  }
+  for (Queued& q : done.members) {
+    q.timings.host_to_device_us = bt.host_to_device_us;
+    q.timings.device_to_host_us = bt.device_to_host_us;
+    // A backend that does not time itself still gets the wall time of its
+    // launch reported as compute.
+    q.timings.compute_us =
+        bt.compute_us > 0
+            ? bt.compute_us
+            : std::max<int64_t>(0, wall_us - bt.host_to_device_us - bt.device_to_host_us);
+    q.timings.batch_size = static_cast<int>(done.members.size());
+    Complete(q, status);
+  }
+  // Release the items (and whatever their callbacks hold) before
+  // `completing_` clears, so WaitIdle returning means the front-end has
+  // been told.
+  done.members.clear();
+  absl::MutexLock lock(&mu_);
+  completing_ = false;
 }
 
 void Executor::CallBegins(int slot, PendingLaunch* launch, std::vector<Queued>* members) {
@@ -516,7 +565,7 @@ void Executor::WatchdogLoop() {
           ", over the launch timeout of ", absl::FormatDuration(options_.launch_timeout),
           " (--launch_timeout); the request did not complete, retry");
       reason = stalled_;
-      while (!queue_.empty()) fail.push_back(queue_.Pop());
+      while (!queue_.empty()) fail.push_back(PopQueued());
       // The stuck launch's own requests go too, if the backend can promise
       // not to write into them any more; otherwise they wait for it.
       if (finishing_launch_ != nullptr && finishing_launch_->Abandon()) {

@@ -6,7 +6,9 @@
 // (StartForward or StartPagedForward), keeping up to max_launches_in_flight()
 // of them open so a device backend overlaps one launch's copies with
 // another's compute. The completer finishes launches in the order they
-// started and reports each call through its callback. Front-ends and the K/V
+// started and reports each call through its callback; with a backend that runs
+// one launch at a time and nothing else waiting, the launcher finishes its
+// launch and answers itself (no hand-off). Front-ends and the K/V
 // pool submit work here and never block: they are called back when the work
 // is done.
 #pragma once
@@ -116,6 +118,10 @@ struct PagedJob {
 };
 using WorkJob = std::variant<DenseJob, PagedJob>;
 
+// Tq + Tk rows of an item (a K/V call's query and new rows): what counts
+// against batch_max_tokens.
+int64_t WorkItemTokens(const WorkItem& item);
+
 struct ExecutorOptions {
   // Items admitted but not yet started; Submit beyond it is RESOURCE_EXHAUSTED,
   // except for a tenant below its fair share of it (FairQueue::HasRoom).
@@ -135,6 +141,9 @@ struct ExecutorOptions {
   absl::Duration batch_max_delay = absl::Microseconds(500);
   // Most Tq + Tk rows in one packed launch; a larger request runs alone.
   int64_t batch_max_tokens = 65536;
+  // Every call batch-invariant (AttnParams::batch_invariant; --batch_invariant),
+  // whatever its options say.
+  bool batch_invariant = false;
   // Reported in WorkTimings::device (the backend's device index).
   int device = 0;
   // FairQueue's quantum: the cost (RequestCost) a tenant may run per turn.
@@ -164,6 +173,9 @@ class Executor {
   // `done`: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once
   // StopAdmitting or Shutdown has been called.
   absl::Status Submit(WorkItem item);
+  // The same, moving from `*item` only when it is admitted: a refused item
+  // is intact, for the multi-device dispatcher to offer to another executor.
+  absl::Status Offer(WorkItem* item);
 
   // Refuses new items with UNAVAILABLE "server is draining"; admitted items
   // still run.
@@ -191,9 +203,15 @@ class Executor {
   // Items queued per tenant (tenants with none left out).
   std::map<std::string, int64_t> queued_by_tenant() const;
   bool running() const;
-  // Tq + Tk rows of the requests admitted and not yet completed: what the
-  // multi-device dispatcher balances.
+  // What the multi-device dispatcher (executor_pool.h) reads, without a lock.
+  // Tq + Tk rows of the requests admitted and not yet completed.
   int64_t outstanding_tokens() const { return outstanding_tokens_.load(std::memory_order_relaxed); }
+  // The same requests' estimated device time (RequestCost: queued and in
+  // launch together).
+  int64_t outstanding_work() const { return outstanding_work_.load(std::memory_order_relaxed); }
+  // Tq + Tk rows queued and not yet picked by the launcher: the batch that is
+  // forming for the next launch.
+  int64_t queued_tokens() const { return queued_tokens_.load(std::memory_order_relaxed); }
 
  private:
   struct Queued {
@@ -205,6 +223,7 @@ class Executor {
     // plan without checking again.
     WorkJob job;
     int64_t tokens = 0;  // Tq + Tk rows: the batch budget and outstanding_tokens
+    int64_t cost = 0;    // RequestCost: the fair queue's charge and outstanding_work
     absl::Time admitted;
     WorkTimings timings;
     // Set for the members of a packed launch that failed: they come back to
@@ -223,6 +242,9 @@ class Executor {
 
   void LauncherLoop();
   void CompleterLoop();
+  // Finishes one launch (or reports an item that failed before launch) and
+  // completes its members; clears completing_, which the caller set.
+  void FinishLaunch(InFlight done);
   // Watches the backend calls in progress (launch_timeout); see ExecutorOptions.
   void WatchdogLoop();
   // A backend call begins or ends on the launcher (slot 0) or the completer
@@ -248,6 +270,8 @@ class Executor {
   void Fail(Queued q, absl::Status status);
   // Fills the item's final timings, calls its `done` and releases its tokens.
   void Complete(Queued& q, const absl::Status& status);
+  // Takes the queue's next item (DRR), keeping queued_tokens_ in step.
+  Queued PopQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   AttentionBackend* const backend_;
   const ExecutorOptions options_;
@@ -277,6 +301,9 @@ class Executor {
   std::string stalled_ ABSL_GUARDED_BY(mu_);
   bool watchdog_failing_ ABSL_GUARDED_BY(mu_) = false;  // it holds items to complete
   std::atomic<int64_t> outstanding_tokens_{0};
+  std::atomic<int64_t> outstanding_work_{0};
+  // Mirrors the tokens of queue_'s items (changed under mu_, read without).
+  std::atomic<int64_t> queued_tokens_{0};
 
   absl::Mutex join_mu_;
   std::thread launcher_;  // both joined once, under join_mu_

@@ -1,4 +1,4 @@
-// Least-loaded dispatch over one executor per device; see executor_pool.h.
+// Dispatch by queued work over one executor per device; see executor_pool.h.
 #include "server/executor_pool.h"
 
 #include <algorithm>
@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "server/metrics.h"
 
@@ -13,8 +14,7 @@ namespace attnserve {
 
 ExecutorPool::ExecutorPool(const std::vector<AttentionBackend*>& backends,
                            const ExecutorOptions& options)
-    // Without batching every request is its own launch: plain least tokens.
-    : tokens_per_launch_(options.batching ? std::max<int64_t>(1, options.batch_max_tokens) : 1) {
+    : tokens_per_launch_(options.batching ? std::max<int64_t>(1, options.batch_max_tokens) : 0) {
   for (AttentionBackend* b : backends) {
     ExecutorOptions o = options;
     const std::vector<DeviceDescription>& devices = b->Describe().devices;
@@ -23,32 +23,53 @@ ExecutorPool::ExecutorPool(const std::vector<AttentionBackend*>& backends,
   }
 }
 
+int ExecutorPool::Pick(int64_t tokens) const {
+  const int n = size();
+  // Loads are read without a lock: two requests arriving together may pick
+  // the same device, which the next arrivals even out. Devices are scanned
+  // from the one after the last chosen, so equal loads take turns.
+  const int first = (last_.load(std::memory_order_relaxed) + 1) % n;
+  absl::InlinedVector<int64_t, 8> work(size_t(n), 0);
+  absl::InlinedVector<bool, 8> forming(size_t(n), false);
+  int least = -1;
+  for (int k = 0; k < n; ++k) {
+    const size_t i = size_t((first + k) % n);
+    work[i] = executors_[i]->outstanding_work();
+    const int64_t queued = executors_[i]->queued_tokens();
+    forming[i] = tokens_per_launch_ > 0 && queued > 0 && queued + tokens <= tokens_per_launch_;
+    if (least < 0 || work[i] < work[size_t(least)]) least = static_cast<int>(i);
+  }
+  int pick = least;
+  // Not forming a batch on the least-loaded device: the least busy device
+  // whose batch is forming and whose work is within kJoinSlack takes it.
+  if (!forming[size_t(least)]) {
+    for (int k = 0; k < n; ++k) {
+      const size_t i = size_t((first + k) % n);
+      if (!forming[i] || work[i] > work[size_t(least)] + kJoinSlack) continue;
+      if (pick == least || work[i] < work[size_t(pick)]) pick = static_cast<int>(i);
+    }
+  }
+  last_.store(pick, std::memory_order_relaxed);
+  return pick;
+}
+
 absl::Status ExecutorPool::Submit(WorkItem item) {
   const int n = size();
   if (n == 1) return executors_.front()->Submit(std::move(item));
-  // Loads are read without a lock: two requests arriving together may pick
-  // the same device, which the next arrivals even out.
-  int best = 0;
-  int64_t best_load = executors_[0]->outstanding_tokens() / tokens_per_launch_;
-  for (int i = 1; i < n && best_load > 0; ++i) {
-    const int64_t load = executors_[i]->outstanding_tokens() / tokens_per_launch_;
-    if (load < best_load) {
-      best = i;
-      best_load = load;
-    }
-  }
+  const int64_t tokens = WorkItemTokens(item);
+  const int best = Pick(tokens);
   // A full queue on the chosen device is not the server's limit, nor is a
   // device that stopped answering (UNAVAILABLE while Healthy() says so): the
-  // others are tried in order before the request is refused. (Small requests
-  // count as no load, so they all pick device 0 until its queue fills.)
+  // others are tried in order before the request is refused.
   auto try_next = [](const absl::Status& s, const Executor& e) {
     return absl::IsResourceExhausted(s) || (absl::IsUnavailable(s) && !e.Healthy().ok());
   };
+  // Offer moves the item only when admitted: no copy per device tried.
   int last = best;
-  absl::Status status = executors_[best]->Submit(item);
-  for (int i = 0; i < n && try_next(status, *executors_[last]); ++i) {
+  absl::Status status = executors_[size_t(best)]->Offer(&item);
+  for (int i = 0; i < n && try_next(status, *executors_[size_t(last)]); ++i) {
     if (i == best) continue;
-    status = executors_[i]->Submit(item);
+    status = executors_[size_t(i)]->Offer(&item);
     last = i;
   }
   return status;

@@ -3,6 +3,8 @@
 // executor.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -15,21 +17,28 @@ namespace attnserve {
 
 class ExecutorPool {
  public:
+  // How much more work (RequestCost units) a device with a forming batch may
+  // hold than the least-loaded one and still take a request into that batch:
+  // about a launch's fixed price, so only requests whose own cost is of that
+  // order (decode steps, tiny calls) stay together; large ones spread.
+  static constexpr int64_t kJoinSlack = int64_t{1} << 20;
+
   // One executor per backend, each with `options` and its backend's device
   // index (WorkTimings::device). The backends must outlive the pool.
   ExecutorPool(const std::vector<AttentionBackend*>& backends, const ExecutorOptions& options);
 
-  // Admits `item` to the least-loaded executor, load counted in full launches
-  // outstanding: floor(outstanding tokens / batch_max_tokens), tokens being
-  // Tq + Tk of admitted, unfinished requests. Ties go to the lowest device,
-  // so small requests fill one device's batch before the next device gets
-  // any (spreading them evenly would halve every batch while the GPUs idle
-  // behind the transport: bench/NOTES-serving.md), while a device with a
-  // launch's worth of work waiting sends the next request elsewhere. With
-  // batching off a launch is one request, so the load is plain outstanding
-  // tokens. A device whose queue is full passes the request on to the others;
-  // RESOURCE_EXHAUSTED only when every queue is full. Same contract as
-  // Executor::Submit.
+  // Admits `item` to the executor with the least queued + in-launch work,
+  // work being each request's estimated device time (RequestCost: bytes moved
+  // or FLOPs, whichever is larger, plus a per-request constant), so a device
+  // that drains its queue sooner gets more. Equal loads go to the device after
+  // the last one chosen (round robin), so under saturation every device gets
+  // its share. One exception keeps small requests batching at low load: with
+  // batching on, a request joins a batch already forming in another device's
+  // queue (queued, not yet launched, room under batch_max_tokens) when that
+  // device's work exceeds the least by at most kJoinSlack: joining saves a
+  // launch and costs the request little wait. A device whose queue is full
+  // passes the request on to the others; RESOURCE_EXHAUSTED only when every
+  // queue is full. Same contract as Executor::Submit.
   absl::Status Submit(WorkItem item);
 
   void StopAdmitting();
@@ -49,8 +58,15 @@ class ExecutorPool {
   std::string RenderDeviceGauges() const;
 
  private:
+  // The device for an item of `tokens` rows (see Submit).
+  int Pick(int64_t tokens) const;
+
   std::vector<std::unique_ptr<Executor>> executors_;
+  // Tokens one launch packs at most; 0 with batching off (no batch forms).
   const int64_t tokens_per_launch_;
+  // The device chosen last: equal loads go to the next one after it. Read
+  // and written without ordering: a lost update only shifts one tie.
+  mutable std::atomic<int> last_{-1};
 };
 
 }  // namespace attnserve

@@ -51,28 +51,40 @@ class InFlightCounter {
     InFlightCounter* counter_ = nullptr;
   };
 
-  void Add() {
-    absl::MutexLock lock(&mu_);
-    ++count_;
-  }
+  // Lock-free: every request on every device passes here twice, so the count
+  // is one atomic; the mutex is taken only while a drain waits for zero.
+  void Add() { count_.fetch_add(1, std::memory_order_seq_cst); }
   void Done() {
-    absl::MutexLock lock(&mu_);
-    --count_;
+    // seq_cst on both sides: either the waiter sees zero when it checks, or
+    // this sees the waiter and wakes it under the mutex.
+    if (count_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
+        waiters_.load(std::memory_order_seq_cst) > 0) {
+      absl::MutexLock lock(&mu_);
+      zero_.SignalAll();
+    }
   }
   // True once the count is zero; false if `timeout` passes first.
   bool WaitForZero(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
     absl::MutexLock lock(&mu_);
-    auto zero = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return count_ == 0; };
-    return mu_.AwaitWithTimeout(absl::Condition(&zero), timeout);
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    bool zero;
+    while (!(zero = count_.load(std::memory_order_seq_cst) == 0)) {
+      if (zero_.WaitWithDeadline(&mu_, deadline)) {
+        zero = count_.load(std::memory_order_seq_cst) == 0;
+        break;
+      }
+    }
+    waiters_.fetch_sub(1, std::memory_order_seq_cst);
+    return zero;
   }
-  int64_t count() {
-    absl::MutexLock lock(&mu_);
-    return count_;
-  }
+  int64_t count() const { return count_.load(std::memory_order_relaxed); }
 
  private:
+  std::atomic<int64_t> count_{0};
+  std::atomic<int> waiters_{0};
   absl::Mutex mu_;
-  int64_t count_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::CondVar zero_;
 };
 
 // The status of an exception caught at a front-end boundary: allocation

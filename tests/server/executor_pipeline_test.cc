@@ -1,11 +1,19 @@
 // The executor with a pipelined backend (max_launches_in_flight > 1): launches
 // overlap up to the backend's bound, finish in the order they started, and a
-// packed launch that fails when finished is rerun one member at a time.
+// packed launch that fails when finished is rerun one member at a time;
+// without a pipeline the launcher answers its own launch; K/V steps of one
+// cache and layer share a launch.
+#include <map>
 #include <memory>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "backend/make_params.h"
+#include "backend/paged_kv.h"
 #include "gtest/gtest.h"
 #include "server/executor.h"
 
@@ -28,6 +36,7 @@ class GatedPipelineBackend : public AttentionBackend {
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartForward(const Plan&,
                                                               const PackedBatch& batch) override {
     absl::MutexLock lock(&mu_);
+    start_thread_ = std::this_thread::get_id();
     mu_.Await(absl::Condition(&start_open_));
     std::vector<int> tags;
     for (const AttnParams* m : batch.members()) tags.push_back(m->batch);
@@ -58,6 +67,11 @@ class GatedPipelineBackend : public AttentionBackend {
     absl::MutexLock lock(&mu_);
     return max_open_;
   }
+  // The thread that called StartForward last.
+  std::thread::id start_thread() {
+    absl::MutexLock lock(&mu_);
+    return start_thread_;
+  }
   // Packed launches (two or more members) fail when finished.
   bool fail_packed = false;
 
@@ -87,6 +101,7 @@ class GatedPipelineBackend : public AttentionBackend {
   int open_ ABSL_GUARDED_BY(mu_) = 0;
   int max_open_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::vector<int>> starts_ ABSL_GUARDED_BY(mu_);
+  std::thread::id start_thread_ ABSL_GUARDED_BY(mu_);
 };
 
 struct Result {
@@ -203,6 +218,148 @@ TEST(ExecutorPipelineTest, ShutdownFromADoneCallbackNeitherDeadlocksNorLosesItem
       EXPECT_EQ(executor.Submit(c.Item(9)).code(), absl::StatusCode::kUnavailable);
     }  // the destructor joins both threads
   }
+}
+
+// A backend that answers its launches with nothing waiting behind them: the
+// launcher that started the launch also answers it when the backend runs one
+// launch at a time (no hand-off to the completer); with a pipeline the
+// completer answers, so the launcher is free to start the next launch.
+TEST(ExecutorPipelineTest, WithoutAPipelineTheLauncherAnswersItsOwnLaunch) {
+  for (int depth : {1, 3}) {
+    SCOPED_TRACE(depth);
+    GatedPipelineBackend backend(depth);
+    Executor executor(&backend, {});
+    absl::Mutex mu;
+    std::thread::id answered_on;
+    bool answered = false;
+    WorkItem item;
+    item.done = [&](const absl::Status& st, const WorkTimings&) {
+      EXPECT_TRUE(st.ok()) << st;
+      absl::MutexLock lock(&mu);
+      answered_on = std::this_thread::get_id();
+      answered = true;
+    };
+    ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&answered));
+    }
+    ASSERT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+    absl::MutexLock lock(&mu);
+    if (depth == 1) {
+      EXPECT_EQ(answered_on, backend.start_thread());
+    } else {
+      EXPECT_NE(answered_on, backend.start_thread());
+    }
+  }
+}
+
+// K/V steps: records each paged launch's members (by a tag each call's
+// params carry in seqlens_k[0]) and can hold the first launch.
+class PagedRecorder : public AttentionBackend {
+ public:
+  PagedRecorder() { description_.name = "paged recorder"; }
+  const BackendDescription& Describe() const override { return description_; }
+  absl::StatusOr<Plan> CanImplement(const AttnParams&) const override { return Plan(); }
+  absl::Status Forward(const Plan&, const AttnParams&, BackendTimings*) override {
+    return absl::InternalError("no dense calls here");
+  }
+  absl::StatusOr<Plan> CanImplementPaged(const PagedAttnParams&) const override { return Plan(); }
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
+      const Plan&, const PagedBatch& batch) override {
+    absl::MutexLock lock(&mu_);
+    std::vector<int> tags;
+    for (const PagedAttnParams* m : batch.members()) tags.push_back(m->seqlens_k[0]);
+    launches_.push_back(tags);
+    mu_.Await(absl::Condition(&open_));
+    return std::unique_ptr<PendingLaunch>(new Done());
+  }
+  void SetOpen(bool open) {
+    absl::MutexLock lock(&mu_);
+    open_ = open;
+  }
+  void AwaitLaunches(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return launches_.size() >= n; };
+    mu_.Await(absl::Condition(&enough));
+  }
+  std::vector<std::vector<int>> launches() {
+    absl::MutexLock lock(&mu_);
+    return launches_;
+  }
+
+ private:
+  class Done : public PendingLaunch {
+   public:
+    absl::Status Finish(BackendTimings*) override { return absl::OkStatus(); }
+  };
+  BackendDescription description_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+  std::vector<std::vector<int>> launches_ ABSL_GUARDED_BY(mu_);
+};
+
+// One decode step (one query, one new row) of cache `cache` (any distinct
+// address) and `layer`, tagged `tag`, for `tenant`.
+struct PagedStep {
+  int32_t tag;
+  int32_t cu[2] = {0, 1};
+  char o[64] = {};
+};
+WorkItem StepItem(PagedStep* step, void* cache, int32_t layer, const std::string& tenant,
+                  Completions* c) {
+  WorkItem item = c->Item(step->tag);
+  item.tenant = tenant;
+  PagedWork work;
+  work.cache = cache;
+  work.layer = layer;
+  work.rows = PagedShape(DType::kFP16, 1, 2, 1, 16, step->cu, step->cu, nullptr);
+  work.reserve = [step, cache, rows = work.rows]() -> absl::StatusOr<PagedAttnParams> {
+    AttnShape shape = rows;
+    shape.seqlens_k = &step->tag;
+    AttnPointers io;
+    io.o = step->o;
+    PagedAttnParams p{};
+    p.attn = MakeAttnParams(shape, AttnOptions(), io);
+    p.pages.k_slabs[0] = cache;  // names the cache, as a real cache's first slab does
+    p.pages.v_slabs[0] = cache;
+    p.pages.num_slabs = 1;
+    p.pages.page_size = 16;
+    p.pages.page_shift = 4;
+    p.seqlens_k = &step->tag;
+    return p;
+  };
+  item.paged = std::move(work);
+  return item;
+}
+
+// Steps that arrive together from different streams and tenants on one cache
+// and layer run as one launch; another layer or another cache runs on its own.
+TEST(ExecutorPipelineTest, StepsOfOneCacheAndLayerShareALaunch) {
+  PagedRecorder backend;
+  ExecutorOptions options;
+  options.batching = true;
+  Executor executor(&backend, options);
+  Completions c;
+  int cache_a = 0, cache_b = 0;
+  std::vector<PagedStep> steps(6);
+  for (int i = 0; i < 6; ++i) steps[size_t(i)].tag = i;
+  backend.SetOpen(false);
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[0], &cache_a, 0, "a", &c)).ok());
+  backend.AwaitLaunches(1);  // held: the rest queue behind it
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[1], &cache_a, 0, "a", &c)).ok());
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[2], &cache_a, 0, "b", &c)).ok());
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[3], &cache_a, 1, "a", &c)).ok());
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[4], &cache_b, 0, "a", &c)).ok());
+  ASSERT_TRUE(executor.Submit(StepItem(&steps[5], &cache_a, 0, "c", &c)).ok());
+  backend.SetOpen(true);
+  std::vector<Result> results = c.Await(6);
+  for (const Result& r : results) EXPECT_TRUE(r.status.ok()) << r.tag << ": " << r.status;
+  EXPECT_EQ(backend.launches(), std::vector<std::vector<int>>({{0}, {1, 2, 5}, {3}, {4}}));
+  std::map<int, int> batch_of;
+  for (const Result& r : results) batch_of[r.tag] = r.timings.batch_size;
+  EXPECT_EQ(batch_of, (std::map<int, int>{{0, 1}, {1, 3}, {2, 3}, {3, 1}, {4, 1}, {5, 3}}));
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
 }
 
 }  // namespace
