@@ -8,12 +8,13 @@
 # bin/attnctl (or server/attnserve and client/attnctl of a build folder);
 # rounds alternate the DIRs so drift between rounds shows. Rows go to
 # $OUT/kv-decode-cpu.csv (load-kv's columns, label = dir-round-config) and a
-# table is printed last.
-# Usage: bench/cpu/kv_decode_loop.sh ROUNDS DIR [DIR...]
+# table is printed last. CLIENT=path/to/attnctl drives every server with one
+# client, so only the servers differ (and older servers can be measured).
+# Usage: [CLIENT=attnctl] [TOKENS=200] bench/cpu/kv_decode_loop.sh ROUNDS DIR [DIR...]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
-[ $# -ge 2 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=${OUT:-$PWD/kv-decode-cpu-out}
 mkdir -p "$OUT"
 rounds=$1
@@ -33,7 +34,7 @@ for round in $(seq 1 "$rounds"); do
     name=$(basename "$dir")
     port=$(free_port)
     server=$(bin_of "$dir" attnserve)
-    ctl=("$(bin_of "$dir" attnctl)" --target="127.0.0.1:$port" --timeout=120s)
+    ctl=("${CLIENT:-$(bin_of "$dir" attnctl)}" --target="127.0.0.1:$port" --timeout=120s)
     log=$OUT/$name-r$round
     start_server "$log-server.log" 60 "${ctl[@]}" -- "$server" --backend=cpu --host=127.0.0.1 \
       --port="$port" --log_level=warn --metrics_port=0 --http_port=0 --kv_cache_bytes=$((1 << 30)) ||
