@@ -8,6 +8,7 @@
       stream        one ForwardStream, N requests in flight (N threads);
       async         AsyncClient.forward(), N coroutines on one event loop;
       async_stream  one AsyncForwardStream, N coroutines each awaiting its own.
+    (default: unary and stream, as scripts/device/gpu-python.sh's budget allows.)
     Every form once per transport of the tensor-carrying calls (--transports,
     attnserve._transport: "native" is gRPC C++ through attnserve._native,
     "grpcio" grpcio; the `transport` column). ratio = Python req/s over
@@ -514,8 +515,9 @@ def main() -> int:
     ap.add_argument("--transports", default="native,grpcio",
                     help="part (a): unary rows per transport (attnserve._transport); native "
                          "is left out where attnserve._native does not import")
-    ap.add_argument("--forms", default=",".join(FORMS),
-                    help="part (a): of " + ",".join(FORMS) + " (see the module doc)")
+    ap.add_argument("--forms", default="unary,stream",
+                    help="part (a): of " + ",".join(FORMS) + " (see the module doc; "
+                    "scripts/device/python-bench.sh runs all four)")
     ap.add_argument("--no-stream", action="store_true",
                     help="part (a): leave out the stream forms (sync and asyncio)")
     ap.add_argument("--floor", action="store_true",

@@ -108,6 +108,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
   step "round $rep (at most $left s)"
   timeout "$left" "$py" bench/gpu/python_bench.py --target="$target" --attnctl="$bin/attnctl" \
     --csv="$csv" --parts=client --seconds="${SECONDS_:-2,6}" --label="rep$rep" \
+    --forms=unary,stream,async,async_stream \
     "${bench_flags[@]}" >"$OUT/bench-rep$rep.txt" 2>&1 ||
     { echo "python_bench.py round $rep failed; its last lines:"; tail -20 "$OUT/bench-rep$rep.txt"; fail=1; }
   grep '^  ' "$OUT/bench-rep$rep.txt"
