@@ -106,6 +106,7 @@ v1::KvGeometry KvGeometryToProto(const KvClientGeometry& g) {
   out.set_num_heads_kv(g.num_heads_kv);
   out.set_head_dim(g.head_dim);
   out.set_dtype(DTypeToProto(g.dtype));
+  if (g.cache_dtype != DType{0}) out.set_cache_dtype(DTypeToProto(g.cache_dtype));
   return out;
 }
 

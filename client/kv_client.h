@@ -53,6 +53,9 @@ struct KvClientGeometry {
   int num_heads_kv = 1;
   int head_dim = 64;
   DType dtype = DType::kFP16;
+  // What the pages hold: DType{0} (unset: `dtype`) or kFP8E4M3 (E4M3 codes
+  // with a scale per token and KV head; the server quantises 16-bit steps).
+  DType cache_dtype = DType{0};
 };
 
 // Mirrors CreateCacheRequest: exactly one of capacity_tokens and

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
@@ -58,6 +59,9 @@ ABSL_FLAG(double, attend_fraction, 1.0,
           "Below 1: every decode step names, per sequence, a random fraction of its history "
           "pages (attend_pages, at least one; the pages of the new token always count), so the "
           "server reads only those: page-level sparse decode. tbps counts the pages read.");
+ABSL_FLAG(std::string, cache_dtype, "",
+          "What the cache's pages hold: empty (--dtype) or fp8 (E4M3 with a scale per token "
+          "and KV head; --dtype fp16 or bf16; the server quantises each step's K/V).");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -134,6 +138,7 @@ std::vector<Column> Columns(const DecodeLoopConfig& c, const DecodeLoopResult& r
           {"heads_kv", absl::StrCat(c.heads_kv)},
           {"head_dim", absl::StrCat(c.head_dim)},
           {"dtype", std::string(DTypeName(c.dtype))},
+          {"cache_dtype", c.fp8_cache ? "FP8_E4M3" : std::string(DTypeName(c.dtype))},
           {"steps", absl::StrCat(r.steps)},
           {"max_ms", num(r.max_ms)},
           {"queue_ms", num(r.queue_ms)},
@@ -225,6 +230,19 @@ int RunLoadKv(const std::vector<std::string>& args) {
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));
   c.dtype = *dtype;
+  const std::string cache_dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_cache_dtype));
+  if (!cache_dtype.empty() && cache_dtype != "fp8" && cache_dtype != "fp8_e4m3") {
+    return UsageError(
+        kCmd, absl::StrCat("--cache_dtype: expected empty or fp8, got '", cache_dtype, "'"));
+  }
+  c.fp8_cache = !cache_dtype.empty();
+  if (c.fp8_cache && (c.dtype == DType::kFP32 || c.check || c.stateless)) {
+    // --check compares with the reference over the 16-bit K/V sent; an FP8
+    // cache is held to the one over its dequantised rows (docs/kv-cache.md).
+    return UsageError(kCmd,
+                      "--cache_dtype=fp8: expected --dtype fp16 or bf16, without --check and "
+                      "--stateless");
+  }
   absl::StatusOr<ProtocolChoice> shm = ProtocolFromFlags();
   if (!shm.ok()) return UsageError(kCmd, shm.status().message());
   c.shm = shm->shm;

@@ -533,7 +533,8 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     const int64_t page = EffectivePageSize(client, c.page_size);
     const int64_t per_sequence = (c.prompt + c.tokens + page - 1) / page * page;
     CacheSpec spec;
-    spec.geometry = {c.layers, c.heads_kv, c.head_dim, c.dtype};
+    spec.geometry = {c.layers, c.heads_kv, c.head_dim, c.dtype,
+                     c.fp8_cache ? DType::kFP8E4M3 : DType{0}};
     spec.page_size = c.page_size;
     spec.capacity_tokens = per_sequence * c.layers * c.sequences;
     spec.device = c.device;

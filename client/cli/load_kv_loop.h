@@ -37,6 +37,9 @@ struct DecodeLoopConfig {
   int heads_kv = 8;
   int head_dim = 64;
   DType dtype = DType::kFP16;
+  // An FP8 cache (geometry.cache_dtype FP8_E4M3): the server quantises the
+  // steps' 16-bit K/V into E4M3 pages.
+  bool fp8_cache = false;
   int page_size = 0;  // 0: the server's default
   std::optional<int> device;
   int groups = 1;            // groups of sequences in flight at once
