@@ -52,6 +52,7 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   p.q_descale = options.q_descale.value_or(1.0f);
   p.k_descale = options.k_descale.value_or(1.0f);
   p.v_descale = options.v_descale.value_or(1.0f);
+  p.batch_invariant = options.batch_invariant;
   const AttnMods& m = pointers.mods;
   p.alibi_slopes = m.alibi_slopes;
   p.sinks = m.sinks;

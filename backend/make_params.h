@@ -78,6 +78,7 @@ struct AttnOptions {
   std::optional<float> q_descale;
   std::optional<float> k_descale;
   std::optional<float> v_descale;
+  bool batch_invariant = false;  // AttnParams::batch_invariant
 };
 
 // Score modifiers and masks: the AttnParams fields of the same names

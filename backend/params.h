@@ -132,6 +132,12 @@ struct AttnParams {
   // Total (query, key) pairs over all sequences, sum of sq_b × sk_b: the
   // per-sequence extent of a bias or mask with per_batch set (MakeAttnParams).
   int64_t total_pairs = 0;
+
+  // Batch-invariant results (docs/design.md §3): each sequence's output bits
+  // depend only on its own inputs and shape, never on the other sequences of
+  // the launch, the batch size or the device's SM count. Backends plan such a
+  // call with fixed splits and a fixed reduction order.
+  bool batch_invariant = false;
 };
 
 // Block sizes of a block mask are multiples of this: the Hopper kernel's query

@@ -46,4 +46,13 @@ struct Plan {
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
 };
 
+// True when two plans launch the same kernel the same way (everything but the
+// workspace, which grows with the rows): batch-invariant calls share a launch
+// only then (docs/design.md §3).
+inline bool SamePlanned(const Plan& a, const Plan& b) {
+  return a.kernel_head_dim == b.kernel_head_dim && a.tile_kind == b.tile_kind &&
+         a.kernel_family == b.kernel_family && a.banded == b.banded && a.fp8_qk == b.fp8_qk &&
+         a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
+}
+
 }  // namespace attnserve

@@ -35,7 +35,7 @@ bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
          a.k_descale == b.k_descale && a.v_descale == b.v_descale &&
          (a.lse != nullptr) == (b.lse != nullptr) &&
          SamePerHead(a.alibi_slopes, b.alibi_slopes, a.num_heads_q) &&
-         SamePerHead(a.sinks, b.sinks, a.num_heads_q);
+         SamePerHead(a.sinks, b.sinks, a.num_heads_q) && a.batch_invariant == b.batch_invariant;
 }
 
 PackedBatch::PackedBatch(std::vector<const AttnParams*> members) : members_(std::move(members)) {

@@ -20,7 +20,8 @@
 namespace attnserve {
 
 // True when `a` and `b` can run in one packed launch: the same dtype, heads,
-// head dim and options (scale, softcap, causal, windows, FP8 descales, whether LSE is
+// head dim and options (scale, softcap, causal, windows, FP8 descales,
+// batch_invariant, whether LSE is
 // wanted, which is known only once outputs are bound), and the same ALiBi
 // slopes and sinks (per head, so a packed launch reads the first member's).
 // A call with a bias, element mask or block mask shares with nothing: those

@@ -43,6 +43,9 @@ ABSL_FLAG(int64_t, batch_max_delay_us, 500,
           "Longest a batch that already has company waits for more requests, in microseconds");
 ABSL_FLAG(int64_t, batch_max_tokens, 65536,
           "Most Tq + Tk rows in one packed launch; a larger request runs alone");
+ABSL_FLAG(bool, batch_invariant, false,
+          "Every call batch-invariant (AttentionOptions.batch_invariant): a request's output "
+          "bytes do not depend on what else is batched with it, at some cost in speed");
 ABSL_FLAG(int, metrics_port, 8002,
           "Port of the Prometheus /metrics HTTP endpoint (Triton's metric names); 0 = off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "Address the /metrics endpoint listens on");
@@ -198,6 +201,7 @@ int main(int argc, char** argv) {
   options.batching = absl::GetFlag(FLAGS_batching);
   options.batch_max_delay = absl::Microseconds(absl::GetFlag(FLAGS_batch_max_delay_us));
   options.batch_max_tokens = absl::GetFlag(FLAGS_batch_max_tokens);
+  options.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   options.metrics_enabled = absl::GetFlag(FLAGS_metrics_port) != 0;
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -532,6 +532,7 @@ class AttnServerImpl final : public AttnServer {
     e.batching = options.batching;
     e.batch_max_delay = options.batch_max_delay;
     e.batch_max_tokens = options.batch_max_tokens;
+    e.batch_invariant = options.batch_invariant;
     e.launch_timeout = options.launch_timeout;
     e.on_health_change = [this] { OnDeviceHealthChange(); };
     return e;

@@ -44,6 +44,8 @@ struct ServerOptions {
   bool batching = true;
   absl::Duration batch_max_delay = absl::Microseconds(500);
   int64_t batch_max_tokens = 65536;
+  // Every call batch-invariant (ExecutorOptions::batch_invariant).
+  bool batch_invariant = false;
   // K/V caches (kv.proto, docs/kv-cache.md): each device's K/V byte budget,
   // shared by its caches; the page size when CreateCache leaves it 0; idle
   // sequences and caches expire after kv_idle_timeout (zero: never).

@@ -71,6 +71,7 @@ struct StatedOptions {
   std::optional<float> q_descale;
   std::optional<float> k_descale;
   std::optional<float> v_descale;
+  bool batch_invariant = false;
 };
 
 // A block-sparse mask as sent (attnserve.v1.BlockMask): CSR rows over

@@ -24,6 +24,12 @@ absl::StatusOr<bool> ApplyAttentionOption(const std::string& name,
     (name == "causal" ? options->causal : options->return_lse) = *b;
     return true;
   }
+  if (name == "batch_invariant") {
+    absl::StatusOr<bool> b = BoolParameter(where, p);
+    if (!b.ok()) return b.status();
+    options->batch_invariant = *b;
+    return true;
+  }
   if (name == "window_left" || name == "window_right") {
     absl::StatusOr<int64_t> w = IntParameter(where, p);
     if (!w.ok()) return w.status();

@@ -1,6 +1,7 @@
 // Request parameters that every attention model of the KServe v2 front-end
 // reads alike: the attention options (causal, window_left, window_right,
-// softcap, softmax_scale, return_lse: the core's StatedOptions) and
+// softcap, softmax_scale, return_lse, batch_invariant: the core's
+// StatedOptions) and
 // the parameters the protocol and Triton's clients send for themselves.
 #pragma once
 
@@ -14,7 +15,7 @@ namespace attnserve {
 
 // The option names, for error messages.
 inline constexpr char kAttentionOptionNames[] =
-    "causal, window_left, window_right, softcap, softmax_scale, return_lse";
+    "causal, window_left, window_right, softcap, softmax_scale, return_lse, batch_invariant";
 
 // Parameters the protocol and Triton's clients define for themselves (Triton
 // reserves the "triton_" prefix; perf_analyzer sends

@@ -29,6 +29,7 @@ StatedOptions OptionsOf(const v1::AttentionOptions& o) {
   if (o.has_q_descale()) options.q_descale = o.q_descale();
   if (o.has_k_descale()) options.k_descale = o.k_descale();
   if (o.has_v_descale()) options.v_descale = o.v_descale();
+  options.batch_invariant = o.batch_invariant();
   return options;
 }
 
