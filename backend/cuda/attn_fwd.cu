@@ -65,37 +65,60 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();
   // D <= 256 is at most 64 float4 chunks, so one pass covers the row.
   const int chunks = p.head_dim / 4;
-  const int groups = kCombineThreads / chunks;
-  const int c = tid % chunks;
-  const int g = tid / chunks;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (g < groups) {
-    for (int s = g; s < num_splits; s += groups) {
-      const float w = weight[s];
-      if (w == 0.f) continue;
-      const float4 x =
-          *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
-      acc.x += w * x.x;
-      acc.y += w * x.y;
-      acc.z += w * x.z;
-      acc.w += w * x.w;
+  if (p.batch_invariant) {
+    // split_combine.cuh's order for these launches: each output summed over
+    // its splits one after another (fmaf, split order), so this combine and
+    // the fused one give the same bits.
+    if (tid < chunks) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s = 0; s < num_splits; ++s) {
+        const float w = weight[s];
+        const float4 x =
+            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * tid);
+        acc.x = fmaf(w, x.x, acc.x);
+        acc.y = fmaf(w, x.y, acc.y);
+        acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+      }
+      T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * tid;
+      out[0] = T(acc.x);
+      out[1] = T(acc.y);
+      out[2] = T(acc.z);
+      out[3] = T(acc.w);
     }
-  }
-  part[tid] = acc;
-  __syncthreads();
-  if (g == 0) {
-    for (int gg = 1; gg < groups; ++gg) {
-      const float4 x = part[gg * chunks + c];
-      acc.x += x.x;
-      acc.y += x.y;
-      acc.z += x.z;
-      acc.w += x.w;
+  } else {
+    const int groups = kCombineThreads / chunks;
+    const int c = tid % chunks;
+    const int g = tid / chunks;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < groups) {
+      for (int s = g; s < num_splits; s += groups) {
+        const float w = weight[s];
+        if (w == 0.f) continue;
+        const float4 x =
+            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+      }
     }
-    T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * c;
-    out[0] = T(acc.x);
-    out[1] = T(acc.y);
-    out[2] = T(acc.z);
-    out[3] = T(acc.w);
+    part[tid] = acc;
+    __syncthreads();
+    if (g == 0) {
+      for (int gg = 1; gg < groups; ++gg) {
+        const float4 x = part[gg * chunks + c];
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * c;
+      out[0] = T(acc.x);
+      out[1] = T(acc.y);
+      out[2] = T(acc.z);
+      out[3] = T(acc.w);
+    }
   }
   if (tid == 0 && p.lse != nullptr) {
     // Varlen LSE is [Hq, Tq]: LseOffset(b = 0, i = global row) is that index,
@@ -153,8 +176,13 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
                     : nullptr;
   l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
   // Decode tiles combine in the forward kernel (FinishSplit): never slower
-  // than the combine kernel on the decode grid.
-  l.fused_combine = split && plan.tile_kind == TileKind::kDecode;
+  // than the combine kernel on the decode grid. It takes one ticket counter
+  // per group: a batch-invariant launch with more groups than the counter
+  // block holds (the planner splits it whatever its size) combines in the
+  // combine kernel instead, with the same bits (split_combine.cuh).
+  const int64_t groups = int64_t{l.num_m_blocks} * dev.batch *
+                         (plan.pack_gqa > 1 ? dev.num_heads_kv : dev.num_heads_q);
+  l.fused_combine = split && plan.tile_kind == TileKind::kDecode && groups <= kMaxSplitGroups;
   // The FP8 path's Q K^T runs on the codes: their descales join the scale.
   const float qk_scale = dev.softmax_scale * (plan.fp8_qk ? dev.q_descale * dev.k_descale : 1.f);
   l.scale_log2 = qk_scale * kLog2e;

@@ -50,6 +50,20 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms,
   return best;
 }
 
+// Batch-invariant decode (AttnParams::batch_invariant): every decode-tile
+// launch splits each sequence's key tiles into the same number of splits,
+// kInvariantDecodeCtas / heads (heads: the CTAs of one sequence's m block),
+// whatever the batch, the longest sequence or the SM count. A split's key
+// range is then a function of the sequence's own length (the kernel gives
+// split s tiles [s x per, (s + 1) x per) of its own range, per =
+// ceil(tiles / splits)), and the combine runs in split order. 128 CTAs is
+// about one per SM of a large GPU for a single sequence, what the Hopper
+// decode kernel's own plan aims at; larger batches get more, shorter CTAs.
+constexpr int64_t kInvariantDecodeCtas = 128;
+int64_t InvariantDecodeSplits(int64_t heads) {
+  return std::max<int64_t>(1, std::min<int64_t>(kInvariantDecodeCtas / heads, kMaxSplits));
+}
+
 // The Hopper kernel for `p` (its head dim), or 0 when the family does not
 // cover the call: it runs FP16/BF16 prefill, dense and varlen, with one KV
 // tile loop per CTA (no split-KV, no GQA packing into M) and reads Q/K/V
@@ -195,7 +209,12 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   const int64_t n_blocks = (int64_t{p.seqlen_k} + tile.block_n - 1) / tile.block_n;
   const int64_t wave = int64_t{num_sms} * CtasPerSm(tile, PlanSmemBytes(plan));
   int64_t splits = 1;
-  if (base > kMaxSplitGroups) {
+  if (p.batch_invariant) {
+    // Sizes and SM count play no part; prefill tiles never split.
+    if (plan.tile_kind == TileKind::kDecode && p.seqlen_k > 0) {
+      plan.num_splits = static_cast<int>(InvariantDecodeSplits(heads));
+    }
+  } else if (base > kMaxSplitGroups) {
     // No split: one ticket counter per group would not fit the workspace's block.
   } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
     splits = DecodeSplits(

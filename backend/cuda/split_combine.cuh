@@ -47,6 +47,9 @@ __device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, 
 // read with ld.cg (L2 only): other SMs wrote them during this launch.
 // Needs smem_floats >= 4 * kThreads + L.num_splits. kSinks: the launch may
 // have sinks (a mods kernel; the plain kernels' combine never reads them).
+// Batch-invariant launches (AttnParams::batch_invariant) sum each output
+// over its splits one after another, in split order, as the combine kernel
+// does for them (attn_fwd.cu): the same bits whichever of the two combines.
 template <typename T, int kBlockM, int kThreads, bool kSinks = false>
 __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const QueryRows& qr, int b,
                                                  int m0, int rows, float* smem, int smem_floats,
@@ -121,7 +124,7 @@ __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const Query
           *reinterpret_cast<const uint2*>(out);
     };
     const int items = nr * chunks;
-    if (2 * items > kThreads) {
+    if (2 * items > kThreads || p.batch_invariant) {
       for (int it = tid; it < items; it += kThreads) store(it, accumulate(it, 0, 1));
     } else {
       const int parts = kThreads / items;
