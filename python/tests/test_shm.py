@@ -318,7 +318,7 @@ def test_an_unregistered_region_and_a_bad_span_change_nothing(shm_client):
                 t = getattr(req, name)
                 t.dtype = pb.FP32
                 t.shape.extend((1, heads, D))
-                t.shm.CopyFrom(small.span(4096 - 64, heads * D * 4))
+                t.shm.CopyFrom(small.span(4096 - 256, heads * D * 4))  # aligned, past the end
             with pytest.raises(grpc.RpcError) as e:
                 kv_pb2_grpc.KvCacheStub(shm_client.channel).AppendAttend(
                     req, metadata=cache._metadata)
