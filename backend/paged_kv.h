@@ -43,7 +43,7 @@ struct KvPages {
   int32_t page_size;   // tokens per page: a power of two in [16, 256]
   int32_t page_shift;  // log2(page_size)
   // Pages hold E4M3 codes plus scales (above); false: elements of attn.dtype.
-  bool fp8_e4m3 = false;
+  bool fp8_e4m3;
 };
 
 // The contract's quantisation of one (token, kv head) row of D values:
@@ -111,8 +111,8 @@ struct PagedAttnParams {
   const int32_t* copy_src;     // [num_page_copies]
   const int32_t* copy_dst;
   int32_t num_page_copies;
-  const float* k_new_scale = nullptr;  // FP8 caches only; see above
-  const float* v_new_scale = nullptr;
+  const float* k_new_scale;  // FP8 caches only; see above
+  const float* v_new_scale;
 };
 
 }  // namespace attnserve

@@ -29,8 +29,8 @@ namespace {
 // src | copy dst | ALiBi slopes and sinks: the first member's, which every
 // member shares, CanSharePagedLaunch), then outputs (o | lse).
 struct PagedLayout {
-  int64_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0, copy_src = 0,
-          copy_dst = 0;
+  int64_t q = 0, k = 0, v = 0, k_scale = 0, v_scale = 0, cu_q = 0, cu_k = 0, table = 0, seqlens = 0,
+          copy_src = 0, copy_dst = 0;
   ScoreModArrays mods;
   int64_t inputs_end = 0, o = 0, lse = 0, end = 0;
 
@@ -39,6 +39,8 @@ struct PagedLayout {
     q = off.Take(batch.q_bytes());
     k = off.Take(batch.kv_new_bytes());
     v = off.Take(batch.kv_new_bytes());
+    k_scale = off.Take(batch.kv_scale_bytes());  // FP8 rows' scales, when given
+    v_scale = off.Take(batch.kv_scale_bytes());
     cu_q = off.Take(batch.cu_seqlens_bytes());
     cu_k = off.Take(batch.cu_seqlens_bytes());
     table = off.Take(batch.block_table_bytes());
@@ -57,6 +59,8 @@ struct PagedLayout {
     b.q = base + q;
     b.k_new = base + k;
     b.v_new = base + v;
+    b.k_scale = reinterpret_cast<float*>(base + k_scale);
+    b.v_scale = reinterpret_cast<float*>(base + v_scale);
     b.o = base + o;
     b.lse = reinterpret_cast<float*>(base + lse);
     b.cu_seqlens_q = reinterpret_cast<int32_t*>(base + cu_q);
@@ -77,6 +81,8 @@ PagedAttnParams RebasePaged(const PagedAttnParams& p, const char* from, char* to
   d.seqlens_k = Rebased(p.seqlens_k, from, to);
   d.copy_src = Rebased(p.copy_src, from, to);
   d.copy_dst = Rebased(p.copy_dst, from, to);
+  d.k_new_scale = Rebased(p.k_new_scale, from, to);
+  d.v_new_scale = Rebased(p.v_new_scale, from, to);
   return d;
 }
 
@@ -125,7 +131,8 @@ absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) co
   plain.attn.sinks = nullptr;
   RETURN_IF_ERROR(CheckPagedParams(plain));
   if (a.alibi_slopes != nullptr || a.sinks != nullptr) RETURN_IF_ERROR(CheckParams(a));
-  if (p.attn.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  // The SIMT kernels (FP32, FP8 caches) take any head dim.
+  if (p.attn.dtype == DType::kFP32 || p.pages.fp8_e4m3) return Plan();
   return PlanFor(p.attn, cuda::KvRows::kPages);
 }
 
@@ -139,6 +146,14 @@ absl::Status CudaBackend::LaunchPagedKernels(const Plan& plan, const PagedAttnPa
     // reads (or written pages this one copies).
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0),
                               "order paged launches");
+  }
+  if (dev.pages.fp8_e4m3) {
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppendFp8(dev, slot->stream),
+                              "FP8 page copies and append");
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp8(dev, slot->stream),
+                              "paged FP8 cache forward kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
+    return absl::OkStatus();
   }
   ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppend(dev, slot->stream), "page copies and append");
   if (dev.attn.dtype == DType::kFP32) {
@@ -191,7 +206,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
         // and share everything but sizes (CanSharePagedLaunch), so the packed
         // launch only needs its own split and tile decision (PlanFor reads
         // sizes only, so the device params do).
-        if (batch.size() == 1 || dev.attn.dtype == DType::kFP32) {
+        if (batch.size() == 1 || dev.attn.dtype == DType::kFP32 || dev.pages.fp8_e4m3) {
           return LaunchPagedKernels(plan, dev, slot);
         }
         ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev.attn, cuda::KvRows::kPages));

@@ -55,6 +55,14 @@ cudaError_t LaunchPagedForward(const PagedAttnParams& dev, const Plan& plan, voi
 // FP32: one warp per (query row, head), fp32 throughout (the contract's 1e-5).
 cudaError_t LaunchPagedForwardFp32(const PagedAttnParams& dev, cudaStream_t stream);
 
+// FP8 caches (dev.pages.fp8_e4m3; paged_attn_fp8.cu): the page copies with
+// their scales, then the append (quantising FP16/BF16 rows, or copying codes
+// and k/v_new_scale as given), on `stream`.
+cudaError_t LaunchKvAppendFp8(const PagedAttnParams& dev, cudaStream_t stream);
+// Attention of FP16/BF16 q over an FP8 cache's pages (codes x scale), the
+// portable SIMT kernel; any head dim of the contract.
+cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, cudaStream_t stream);
+
 // Per-instantiation launcher of the paged kernel (RunAttnFwd's overload for
 // the paged launch), defined in attn_fwd_kernel.cuh and instantiated in the
 // generated paged_attn_fwd_*.cu files (generate_kernels.py).

@@ -10,7 +10,12 @@
 // against the reference. Copy-on-write: sequence 0's
 // partial last page is copied to a fresh page before the append, and the
 // source page must stay untouched. ALiBi and sinks (the paged kernels' only
-// mods) run on the same grid. Without a GPU every test is SKIPPED.
+// mods) run on the same grid. FP8 caches (CudaPagedFp8): the same cases as the
+// CPU's paged_fp8_test (quantised and given new rows, copies, decode, chunked
+// prefill, windows, softcap, ALiBi, sinks) through the CUDA append and the FP8
+// paged kernel: pages bit for bit the contract's quantisation, O and LSE
+// against the float64 reference over the dequantised cache. Without a GPU
+// every test is SKIPPED.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,6 +33,7 @@
 #include "backend/paged_kv.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "tests/backend/paged_fp8_case.h"
 #include "tests/common/attn_test_util.h"
 #include "tests/cuda/shared_cuda_backend.h"
 
@@ -589,6 +595,165 @@ TEST(CudaPaged, PagedModsAreAlibiAndSinksOnly) {
   const absl::StatusOr<Plan> st = backend->CanImplementPaged(nan_slopes);
   EXPECT_EQ(st.status().code(), absl::StatusCode::kInvalidArgument) << st.status();
   EXPECT_NE(st.status().message().find("alibi_slopes"), std::string::npos) << st.status();
+}
+
+// FP8 caches: Fp8PagedCase's host pages copied to device slabs, the launch
+// through the backend (staging as in serving), the pages copied back and
+// checked with the output.
+struct Fp8CudaCase {
+  TestCase tc;
+  int page_size;
+  int new_rows;
+  bool given_scales;
+  bool cow;
+};
+void PrintTo(const Fp8CudaCase& c, std::ostream* os) {
+  *os << c.tc.Name() << " page " << c.page_size << " new " << c.new_rows
+      << (c.given_scales ? " given-scales" : " quantised") << (c.cow ? " cow" : "");
+}
+
+std::vector<Fp8CudaCase> Fp8Grid() {
+  std::vector<Fp8CudaCase> grid;
+  TestCase decode;
+  decode.dtype = DType::kBF16;
+  decode.num_heads_q = 8;
+  decode.num_heads_kv = 2;
+  decode.head_dim = 128;
+  decode.seqlens_q = {1, 1, 1, 1};
+  decode.seqlens_k = {1, 97, 300, 17};
+  decode.causal = true;
+  grid.push_back({decode, 16, 1, false, true});
+  grid.push_back({decode, 64, 1, true, true});
+  TestCase mqa = decode;  // 8 heads of one kv head per CTA, FP16, D 64
+  mqa.dtype = DType::kFP16;
+  mqa.num_heads_q = 16;
+  mqa.num_heads_kv = 1;
+  mqa.head_dim = 64;
+  grid.push_back({mqa, 32, 1, false, false});
+  TestCase prefill;
+  prefill.dtype = DType::kFP16;
+  prefill.num_heads_q = 4;
+  prefill.num_heads_kv = 1;
+  prefill.seqlens_q = {33, 0, 64};
+  prefill.seqlens_k = {150, 20, 64};
+  prefill.causal = true;
+  grid.push_back({prefill, 32, 33, false, true});
+  grid.push_back({prefill, 128, 40, true, false});
+  TestCase window = prefill;  // D 256, windows and softcap
+  window.dtype = DType::kBF16;
+  window.head_dim = 256;
+  window.causal = false;
+  window.window_left = 40;
+  window.window_right = 3;
+  window.softcap = 20.0f;
+  grid.push_back({window, 256, 10, false, false});
+  TestCase odd = decode;  // D 72: a head dim below its padded tile
+  odd.head_dim = 72;
+  odd.num_heads_q = 6;
+  grid.push_back({odd, 16, 1, false, true});
+  TestCase mods = decode;
+  mods.mods.alibi = true;
+  mods.mods.sinks = true;
+  grid.push_back({mods, 32, 1, false, true});
+  TestCase attend_only = decode;
+  attend_only.return_lse = false;
+  grid.push_back({attend_only, 16, 0, false, false});
+  return grid;
+}
+
+class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    backend_ = SharedBackend(&why);
+    if (backend_ == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  }
+  AttentionBackend* backend_ = nullptr;
+};
+
+// Device copies of a case's host slabs; CopyBack refreshes the host ones.
+class DeviceSlabs {
+ public:
+  DeviceSlabs(AttentionBackend* backend, testing_util::Fp8PagedCase* c) : backend_(backend), c_(c) {
+    for (size_t s = 0; s < c->k_slabs().size(); ++s) {
+      for (int kv = 0; kv < 2; ++kv) {
+        std::vector<uint8_t>& host = kv ? c->v_slabs()[s] : c->k_slabs()[s];
+        absl::StatusOr<void*> m = backend->AllocateKvMemory(int64_t(host.size()));
+        status_.Update(m.status());
+        if (!m.ok()) return;
+        (kv ? pages_.v_slabs : pages_.k_slabs)[s] = *m;
+        cudaMemcpy(*m, host.data(), host.size(), cudaMemcpyHostToDevice);
+      }
+    }
+    KvPages p = c->params().pages;
+    std::copy(pages_.k_slabs, pages_.k_slabs + kMaxKvSlabs, p.k_slabs);
+    std::copy(pages_.v_slabs, pages_.v_slabs + kMaxKvSlabs, p.v_slabs);
+    pages_ = p;
+  }
+  ~DeviceSlabs() {
+    for (int s = 0; s < kMaxKvSlabs; ++s) {
+      backend_->FreeKvMemory(pages_.k_slabs[s]);
+      backend_->FreeKvMemory(pages_.v_slabs[s]);
+    }
+  }
+  void CopyBack() {
+    for (size_t s = 0; s < c_->k_slabs().size(); ++s) {
+      for (int kv = 0; kv < 2; ++kv) {
+        std::vector<uint8_t>& host = kv ? c_->v_slabs()[s] : c_->k_slabs()[s];
+        cudaMemcpy(host.data(), (kv ? pages_.v_slabs : pages_.k_slabs)[s], host.size(),
+                   cudaMemcpyDeviceToHost);
+      }
+    }
+  }
+  const absl::Status& status() const { return status_; }
+  const KvPages& pages() const { return pages_; }
+
+ private:
+  AttentionBackend* backend_;
+  testing_util::Fp8PagedCase* c_;
+  KvPages pages_{};
+  absl::Status status_;
+};
+
+TEST_P(CudaPagedFp8Test, PagesAndOutputPassTheReference) {
+  const Fp8CudaCase& c = GetParam();
+  HostBuffers buf(c.tc);
+  testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, c.given_scales, c.cow, 7);
+  DeviceSlabs slabs(backend_, &paged);
+  ASSERT_TRUE(slabs.status().ok()) << slabs.status();
+  PagedAttnParams p = paged.params();
+  p.pages = slabs.pages();
+  absl::StatusOr<Plan> plan = backend_->CanImplementPaged(p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  BackendTimings t;
+  const absl::Status run = backend_->PagedForward(*plan, p, &t);
+  ASSERT_TRUE(run.ok()) << run;
+  slabs.CopyBack();
+  EXPECT_EQ(paged.CheckPages(), "");
+  EXPECT_EQ(paged.CheckOutput(paged.o(), paged.lse()), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8, CudaPagedFp8Test, ::testing::ValuesIn(Fp8Grid()));
+
+// Two calls packed into one launch (StartPagedForward's staging of the
+// members' codes and scales): the same call twice, each member gets its O.
+TEST_F(CudaPagedFp8Test, PackedMembersWithScales) {
+  const Fp8CudaCase c = Fp8Grid()[1];
+  HostBuffers buf(c.tc);
+  testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, true, true, 11);
+  DeviceSlabs slabs(backend_, &paged);
+  ASSERT_TRUE(slabs.status().ok()) << slabs.status();
+  PagedAttnParams p = paged.params();
+  p.pages = slabs.pages();
+  absl::StatusOr<Plan> plan = backend_->CanImplementPaged(p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const PagedBatch batch({&p, &p});
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = backend_->StartPagedForward(*plan, batch);
+  ASSERT_TRUE(launch.ok()) << launch.status();
+  ASSERT_TRUE((*launch)->Finish(nullptr).ok());
+  slabs.CopyBack();
+  EXPECT_EQ(paged.CheckPages(), "");
+  EXPECT_EQ(paged.CheckOutput(paged.o(), paged.lse()), "");
 }
 
 }  // namespace

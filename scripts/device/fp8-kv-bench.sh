@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# On the GPU machine (device `run`, with .device-carry carried): FP8 K/V
+# caches. Builds the CUDA backend's paged test and fp8_kv_bench (server off,
+# as scripts/device/gpu-check.sh does), runs cuda_paged_test's FP8 cases
+# (CudaPagedFp8Test: the CUDA append and FP8 paged kernel against the float64
+# reference over the dequantised cache) and the BF16 paged cases beside them,
+# compute-sanitizer memcheck and racecheck on the FP8 cases, then times one
+# decode step over a BF16 cache and over an FP8 cache of the same K/V in one
+# process (default 64 x 8k, Hq 32 / Hkv 8, D 128, pages of 64; the target is
+# FP8 <= 0.55x BF16), each output checked against its float64 reference.
+# Prints a summary and the bench's table; CSV and logs under $OUT.
+# Usage: [KERNELS=dev|all] [BENCH_ARGS="--b=64 --sk=8192"] scripts/device/fp8-kv-bench.sh [--no-sanitizer]
+# shellcheck disable=SC2086
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+. scripts/lib/common.sh
+OUT=${OUT:-$PWD/fp8-kv-bench-out}
+mkdir -p "$OUT"
+SAN=1
+for a in "$@"; do case $a in --no-sanitizer) SAN=0;; esac; done
+declare -a SUMMARY
+note() { SUMMARY+=("$(printf '%-30s %s' "$1" "$2")"); }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+KERNELS=${KERNELS:-dev}
+B=build-gpu-$KERNELS
+use_carried_libs absl lib
+t0=$(date +%s)
+if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
+     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
+     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
+   ninja -C $B -j16 cuda_paged_test fp8_kv_bench >"$OUT/build.log" 2>&1; then
+  note build "ok ($(( $(date +%s) - t0 )) s)"
+else
+  note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
+  printf '%s\n' "${SUMMARY[@]}"; exit 1
+fi
+T=$B/tests/cuda/cuda_paged_test
+
+run_test() {  # run_test NAME LOG ARGS...
+  local name=$1 log=$2; shift 2
+  timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
+  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  grep -E '^\[  FAILED  \]|Failure|Which is' "$OUT/$log" | head -10
+}
+run_test "fp8 paged tests" fp8-tests.log $T --gtest_filter='*Fp8*'
+run_test "bf16 paged tests" paged-tests.log $T --gtest_filter='-*Fp8*'
+if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter='*Fp8*' \
+      >"$OUT/sanitizer-$tool.log" 2>&1
+    note "sanitizer $tool (fp8)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+  done
+fi
+
+timeout 300 $B/bench/cuda/fp8_kv_bench ${BENCH_ARGS:-} --csv="$OUT/fp8-kv-bench.csv" >"$OUT/bench.log" 2>&1
+note "fp8_kv_bench" "rc=$? $(grep -E '^fp8 / bf16' "$OUT/bench.log")"
+
+printf '%s\n' "${SUMMARY[@]}"
+echo
+cat "$OUT/bench.log"
