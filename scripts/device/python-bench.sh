@@ -9,6 +9,10 @@
 #   ForwardStream, AsyncClient coroutines and one AsyncForwardStream, each on
 #   the native transport (attnserve._native, gRPC C++) and on grpcio.
 #   REPS rounds (default 2), so a drift of the machine shows as a spread.
+#   Before them: python/tests/test_shm.py against this server (started with
+#   --allow_client_shm): system shm and, with torch on the GPU, CUDA IPC regions
+#   (the CUDA case is skipped without them), and bench/gpu/python_shm_ab.py
+#   (append-and-attend with the bytes in the message vs system shm, per transport).
 # Carry: .device-carry/wheels (scripts/device/pack-python-carry.sh; the
 # attnserve wheel with attnserve._native) and .device-carry/bin + lib or
 # .device-carry/server.tgz (scripts/device/pack-device-deps.sh --server BUILD,
@@ -62,12 +66,12 @@ done
 
 if [ "$cpu" = 1 ]; then
   gpu=cpu
-  server_flags=(--backend=cpu --threads=2)
+  server_flags=(--backend=cpu --threads=2 --allow_client_shm)
   bench_flags=(--scenarios=small --rpcs="${RPCS:-echo,forward}" --concurrency=1,16)
 else
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | tr 'A-Z ' 'a-z-' |
     sed 's/^nvidia-//')
-  server_flags=(--backend=cuda --devices=0)
+  server_flags=(--backend=cuda --devices=0 --allow_client_shm)
   bench_flags=(--scenarios=small,large --rpcs="${RPCS:-forward}" --concurrency=1,16)
 fi
 csv=$OUT/python-forms-$gpu-$(date -u +%Y-%m-%d).csv
@@ -102,6 +106,14 @@ start_server "$OUT/attnserve.log" 120 "$bin/attnctl" --target="$target" -- \
 pid=$SERVER_PID
 
 fail=0
+step "shared memory: test_shm.py, then python_shm_ab.py"
+ATTNSERVE_TARGET=$target timeout 300 "$py" -m pytest -q -p no:cacheprovider -rs \
+  python/tests/test_shm.py >"$OUT/test-shm.txt" 2>&1 || fail=1
+tail -8 "$OUT/test-shm.txt"
+for transport in native grpcio; do
+  ATTNSERVE_TRANSPORT=$transport timeout 200 "$py" bench/gpu/python_shm_ab.py "$target" \
+    2>&1 | tee -a "$OUT/shm-ab.txt" | tail -3
+done
 for rep in $(seq 1 "${REPS:-2}"); do
   left=$((budget - (SECONDS - started) - 10))
   [ "$left" -gt 30 ] || { echo "budget spent before round $rep"; break; }
