@@ -198,8 +198,9 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
   // Spans are read (and output spans checked) before the call starts: the
   // append cannot be undone, so a region that fails must fail it first.
   absl::Status decoded = KvShmInputs(*request, regions.get(), call.get());
-  absl::StatusOr<KvShmOutputs> outputs = decoded;
-  if (decoded.ok()) outputs = KvShmOutputSpans(*request, regions.get());
+  // StatusOr may not hold an OK status: only a failure is copied over.
+  absl::StatusOr<KvShmOutputs> outputs = decoded.ok() ? KvShmOutputSpans(*request, regions.get())
+                                                      : absl::StatusOr<KvShmOutputs>(decoded);
   if (!outputs.ok()) return done(outputs.status());
   runner_->Start(call.get(), NativeFieldNames(),
                  [call, regions, outputs = *std::move(outputs), response, done = std::move(done)](
