@@ -76,6 +76,11 @@ ABSL_FLAG(int, stream_max_pending_requests, 64,
           "one stream may hold (read and not yet answered, or answered and not yet sent to the "
           "client); at this many the server stops reading the stream until responses have gone "
           "out");
+ABSL_FLAG(int64_t, max_streams_per_tenant, 64,
+          "Streams (ForwardStream, ModelStreamInfer, AppendAttendStream) one tenant may have "
+          "open at once; one more is refused with RESOURCE_EXHAUSTED before any of its messages "
+          "is read. What a tenant's streams hold together pauses them at its bytes_in_flight "
+          "quota; 0 = no cap");
 ABSL_FLAG(int64_t, stream_max_pending_bytes, int64_t{256} << 20,
           "Stream flow control: bytes one stream may hold (its unanswered requests and "
           "unsent responses, serialized); at this many the server stops reading the stream. "
@@ -207,6 +212,7 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.stream.max_pending_requests = absl::GetFlag(FLAGS_stream_max_pending_requests);
   options.stream.max_pending_bytes = absl::GetFlag(FLAGS_stream_max_pending_bytes);
+  options.stream.max_streams_per_tenant = absl::GetFlag(FLAGS_max_streams_per_tenant);
   options.kserve.http_enabled = absl::GetFlag(FLAGS_http_port) != 0;
   options.kserve.http_host = absl::GetFlag(FLAGS_host);
   options.kserve.http_port = absl::GetFlag(FLAGS_http_port);

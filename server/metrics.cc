@@ -161,6 +161,20 @@ std::string ServerMetrics::RenderPrometheus() const {
   for (const auto& m : stream_samples) {
     AppendFamily(&out, m.name, m.type, m.help, {{"", absl::StrCat(m.value)}});
   }
+  // Per tenant (server/auth/call_admission.h): what its streams hold against
+  // its budget, how many are open, and how many were refused at the cap.
+  std::vector<std::pair<std::string, std::string>> held, open, refused;
+  for (const auto& [tenant, share] : streams_.Shares()) {
+    const std::string label = absl::StrCat("tenant=\"", tenant, "\"");
+    held.emplace_back(label, absl::StrCat(share->held_bytes.load(std::memory_order_relaxed)));
+    open.emplace_back(label, absl::StrCat(share->streams.load(std::memory_order_relaxed)));
+    refused.emplace_back(label, absl::StrCat(share->refused.load(std::memory_order_relaxed)));
+  }
+  AppendFamily(&out, "attnserve_tenant_stream_held_bytes", "gauge",
+               "Bytes of requests and unsent responses that one tenant's streams hold", held);
+  AppendFamily(&out, "attnserve_tenant_streams", "gauge", "Streams one tenant has open", open);
+  AppendFamily(&out, "attnserve_tenant_streams_refused_total", "counter",
+               "Streams refused at --max_streams_per_tenant", refused);
   // Not Triton's: the allocator's account of the heap, which tells a leak
   // (in use grows) from memory the allocator keeps (free grows) when RSS
   // rises (the soak test samples both; tests/soak/README.md).

@@ -29,6 +29,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "server/auth/call_admission.h"
 #include "server/core/attention_runner.h"
 #include "server/core/kv_runner.h"
 #include "server/executor.h"
@@ -429,6 +430,12 @@ class AttnServerImpl final : public AttnServer {
     grpc::ResourceQuota quota("attnserve");
     quota.Resize(static_cast<size_t>(BufferedBytesOf(options_) / 2));
     builder.SetResourceQuota(quota);
+    // Streams are admitted per tenant from their metadata, before any of
+    // their messages is read, and charge what they hold to the tenant.
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> admission;
+    admission.push_back(std::make_unique<CallAdmission>(
+        auth_.get(), tenants_.get(), &metrics_.streams(), options_.stream.max_streams_per_tenant));
+    builder.experimental().SetInterceptorCreators(std::move(admission));
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_request_bytes + kReceiveSlackBytes, INT_MAX)));
     // Responses are as large as their requests' Q; the client sets its own limit.

@@ -14,11 +14,41 @@ absl::Status CheckStreamLimits(const StreamLimits& limits) {
     return absl::InvalidArgumentError(
         absl::StrCat("stream_max_pending_bytes: expected > 0, got ", limits.max_pending_bytes));
   }
+  if (limits.max_streams_per_tenant < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_streams_per_tenant: expected >= 0 (0: no cap), got ", limits.max_streams_per_tenant));
+  }
   if (limits.max_total_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_buffered_bytes: expected >= 0, got ", limits.max_total_bytes));
   }
   return absl::OkStatus();
+}
+
+namespace {
+thread_local TenantStreamShare* opening_share = nullptr;
+
+TenantStreamShare* TakeOpeningStreamShare() {
+  TenantStreamShare* share = opening_share;
+  opening_share = nullptr;
+  return share;
+}
+}  // namespace
+
+void SetOpeningStreamShare(TenantStreamShare* share) { opening_share = share; }
+
+TenantStreamShare* StreamGauge::ShareOf(const std::string& tenant) {
+  absl::MutexLock lock(&shares_mu_);
+  std::unique_ptr<TenantStreamShare>& share = shares_[tenant];
+  if (share == nullptr) share = std::make_unique<TenantStreamShare>();
+  return share.get();
+}
+
+std::vector<std::pair<std::string, const TenantStreamShare*>> StreamGauge::Shares() const {
+  absl::MutexLock lock(&shares_mu_);
+  std::vector<std::pair<std::string, const TenantStreamShare*>> out;
+  for (const auto& [tenant, share] : shares_) out.emplace_back(tenant, share.get());
+  return out;
 }
 
 void StreamGauge::NotePeak(int64_t stream_bytes) {
@@ -29,16 +59,18 @@ void StreamGauge::NotePeak(int64_t stream_bytes) {
 }
 
 StreamLedger::StreamLedger(const StreamLimits& limits, StreamGauge* gauge)
-    : limits_(limits), gauge_(gauge) {}
+    : limits_(limits), gauge_(gauge), share_(TakeOpeningStreamShare()) {}
 
 StreamLedger::~StreamLedger() {
   SetPaused(false);
   if (gauge_ != nullptr) gauge_->Add(-requests_, -bytes_);
+  if (share_ != nullptr) share_->held_bytes.fetch_sub(bytes_, std::memory_order_relaxed);
 }
 
 void StreamLedger::AddRequest(int64_t bytes) {
   ++requests_;
   bytes_ += bytes;
+  if (share_ != nullptr) share_->held_bytes.fetch_add(bytes, std::memory_order_relaxed);
   if (gauge_ != nullptr) {
     gauge_->Add(1, bytes);
     gauge_->NotePeak(bytes_);
@@ -47,6 +79,7 @@ void StreamLedger::AddRequest(int64_t bytes) {
 
 void StreamLedger::Resize(int64_t delta) {
   bytes_ += delta;
+  if (share_ != nullptr) share_->held_bytes.fetch_add(delta, std::memory_order_relaxed);
   if (gauge_ != nullptr) {
     gauge_->Add(0, delta);
     gauge_->NotePeak(bytes_);
@@ -56,14 +89,21 @@ void StreamLedger::Resize(int64_t delta) {
 void StreamLedger::RemoveRequest(int64_t bytes) {
   --requests_;
   bytes_ -= bytes;
+  if (share_ != nullptr) share_->held_bytes.fetch_sub(bytes, std::memory_order_relaxed);
   if (gauge_ != nullptr) gauge_->Add(-1, -bytes);
 }
 
 bool StreamLedger::Full() const {
   if (requests_ >= limits_.max_pending_requests || bytes_ >= limits_.max_pending_bytes) return true;
-  // Server-wide: only a stream that holds something pauses, since only its own
-  // answers can resume it; each stream may thus hold one request beyond it.
-  return requests_ > 0 && gauge_ != nullptr && limits_.max_total_bytes > 0 &&
+  // Server-wide and per tenant: only a stream that holds something pauses,
+  // since only its own answers can resume it; each stream may thus hold one
+  // request (and its response) beyond either budget.
+  if (requests_ == 0) return false;
+  if (share_ != nullptr) {
+    const int64_t budget = share_->budget.load(std::memory_order_relaxed);
+    if (budget > 0 && share_->held_bytes.load(std::memory_order_relaxed) >= budget) return true;
+  }
+  return gauge_ != nullptr && limits_.max_total_bytes > 0 &&
          gauge_->held_bytes() >= limits_.max_total_bytes;
 }
 

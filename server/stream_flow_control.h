@@ -12,12 +12,26 @@
 // few MiB at most), so what one stream holds is bounded by
 //   max_pending_bytes + one request (the read that crossed the budget) + its response,
 // and at most max_pending_requests requests.
+//
+// Per tenant: a stream opened through the call admission interceptor
+// (server/auth/call_admission.h) also charges what it holds to its tenant's
+// share, and pauses while the tenant's streams together hold the tenant's
+// bytes_in_flight quota; so a tenant's streams hold at most that quota plus,
+// per stream, one request and its response (and the tenant has at most
+// --max_streams_per_tenant streams).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 
 namespace attnserve {
 
@@ -32,6 +46,9 @@ struct StreamLimits {
   // Every stream of the server together (0: unbounded; main.cc sets it from
   // --max_buffered_bytes).
   int64_t max_total_bytes = 0;
+  // Streams one tenant may have open at once (0: no cap); a stream beyond it
+  // is refused before any of its messages is read (server/auth/call_admission.h).
+  int64_t max_streams_per_tenant = 64;
 };
 
 // A server-wide byte budget shared by callers that buffer bytes outside
@@ -62,10 +79,33 @@ class ByteBudget {
 // INVALID_ARGUMENT naming the option unless both limits are > 0.
 absl::Status CheckStreamLimits(const StreamLimits& limits);
 
+// What one tenant's streams hold together (requests read and not yet
+// answered, answers not yet sent), the budget they pause at (0: none) and how
+// many are open. Lives as long as its gauge.
+struct TenantStreamShare {
+  std::atomic<int64_t> held_bytes{0};
+  std::atomic<int64_t> budget{0};
+  std::atomic<int64_t> streams{0};
+  std::atomic<int64_t> refused{0};  // streams refused at the per-tenant limit
+};
+
+// The share the next StreamLedger built on this thread charges, taken (and
+// cleared) by that ledger. The call admission interceptor sets it just before
+// gRPC runs a streaming method's handler, which builds the stream's reactor
+// and ledger on the same thread (gRPC runs the handler inline once every
+// interceptor has proceeded).
+void SetOpeningStreamShare(TenantStreamShare* share);
+
 // Totals over every stream of one server, updated by the ledgers (lock-free)
 // and read by /metrics and tests.
 class StreamGauge {
  public:
+  // The share of `tenant`, created on first use (tenants are the names of the
+  // tokens file, or "default").
+  TenantStreamShare* ShareOf(const std::string& tenant);
+  // Every tenant's share, by name (for /metrics).
+  std::vector<std::pair<std::string, const TenantStreamShare*>> Shares() const;
+
   int64_t held_requests() const { return held_requests_.load(std::memory_order_relaxed); }
   int64_t held_bytes() const { return held_bytes_.load(std::memory_order_relaxed); }
   // Streams whose reading is paused now, and pauses ever.
@@ -87,6 +127,8 @@ class StreamGauge {
   std::atomic<int64_t> paused_streams_{0};
   std::atomic<int64_t> pauses_total_{0};
   std::atomic<int64_t> peak_stream_bytes_{0};
+  mutable absl::Mutex shares_mu_;
+  std::map<std::string, std::unique_ptr<TenantStreamShare>> shares_ ABSL_GUARDED_BY(shares_mu_);
 };
 
 // One stream's ledger. Not thread-safe: the reactor calls it under its mutex.
@@ -120,6 +162,7 @@ class StreamLedger {
  private:
   const StreamLimits limits_;
   StreamGauge* const gauge_;
+  TenantStreamShare* const share_;  // null: the stream charges no tenant
   int64_t requests_ = 0;
   int64_t bytes_ = 0;
   bool paused_ = false;

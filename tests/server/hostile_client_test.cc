@@ -5,13 +5,19 @@
 // is held to its flow-control bound (stream_flow_control.h), measured by the
 // server's own /metrics gauges, and gives everything back when it cancels. The
 // bound lives in the one streaming reactor (stream_reactor.h), so KServe's
-// ModelStreamInfer is checked against it too.
+// ModelStreamInfer is checked against it too. Per tenant: what a tenant's
+// never-reading streams hold together stops at its bytes_in_flight quota
+// (plus one request and answer per stream), a stream beyond
+// max_streams_per_tenant is refused before the server reads it, and without
+// tokens never-reading streams keep the process within --max_buffered_bytes
+// plus a stated constant.
 #include <httplib.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -26,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "attnserve/v1/kv.grpc.pb.h"
 #include "common/malloc_tuning.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -55,9 +62,14 @@ v1::ForwardRequest Request(int sq, int sk, const std::string& id) {
 
 class HostileClientTest : public ::testing::Test {
  protected:
-  void Start(const StreamLimits& limits) {
+  // `tokens_file`: authentication on with that file; `max_buffered_bytes` 0:
+  // the machine's default.
+  void Start(const StreamLimits& limits, const std::string& tokens_file = "",
+             int64_t max_buffered_bytes = 0) {
     spdlog::set_level(spdlog::level::warn);
     ServerOptions options;
+    options.auth.tokens_file = tokens_file;
+    options.max_buffered_bytes = max_buffered_bytes;
     options.host = "127.0.0.1";
     options.port = 0;
     options.backend.kind = "cpu";
@@ -77,11 +89,13 @@ class HostileClientTest : public ::testing::Test {
     auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
                                              grpc::InsecureChannelCredentials(), args);
     stub_ = v1::Attention::NewStub(channel);
+    kv_ = v1::KvCache::NewStub(channel);
     v2_ = inference::GRPCInferenceService::NewStub(channel);
   }
 
-  // The value of an attnserve_stream_* gauge from a /metrics scrape.
-  int64_t Gauge(const std::string& name) {
+  // The value of an attnserve_* gauge from a /metrics scrape; `labels` picks
+  // one sample of a labelled family (e.g. tenant="a").
+  int64_t Gauge(const std::string& name, const std::string& labels = "") {
     httplib::Client http("127.0.0.1", server_->metrics_port());
     httplib::Result res = http.Get("/metrics");
     if (!res || res->status != 200) {
@@ -89,7 +103,7 @@ class HostileClientTest : public ::testing::Test {
       return -1;
     }
     for (absl::string_view line : absl::StrSplit(res->body, '\n')) {
-      if (!absl::StartsWith(line, absl::StrCat(name, "{"))) continue;
+      if (!absl::StartsWith(line, absl::StrCat(name, "{", labels))) continue;
       int64_t value = 0;
       const size_t space = line.rfind(' ');
       if (absl::SimpleAtoi(line.substr(space + 1), &value)) return value;
@@ -127,15 +141,22 @@ class HostileClientTest : public ::testing::Test {
     std::thread writer;
   };
   using NonReadingForwardStream = NonReadingStream<v1::ForwardRequest, v1::ForwardResponse>;
+  // `token`: sent as the bearer token; `paused`: how many streams the server
+  // has paused once this one is (streams opened before it and still held).
   std::unique_ptr<NonReadingForwardStream> OpenNonReading(const v1::ForwardRequest& request,
-                                                          int count) {
+                                                          int count, const std::string& token = "",
+                                                          int paused = 1) {
     return OpenNonReading<v1::ForwardRequest, v1::ForwardResponse>(
-        [this](grpc::ClientContext* ctx) { return stub_->ForwardStream(ctx); }, request, count);
+        [this, token](grpc::ClientContext* ctx) {
+          if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+          return stub_->ForwardStream(ctx);
+        },
+        request, count, paused);
   }
   // The same for any streaming RPC: `open` starts it on a context.
   template <typename Req, typename Resp, typename Open>
   std::unique_ptr<NonReadingStream<Req, Resp>> OpenNonReading(Open open, const Req& request,
-                                                              int count) {
+                                                              int count, int paused = 1) {
     auto s = std::make_unique<NonReadingStream<Req, Resp>>();
     s->stream = open(&s->ctx);
     NonReadingStream<Req, Resp>* raw = s.get();
@@ -146,7 +167,7 @@ class HostileClientTest : public ::testing::Test {
       }
       raw->stream->WritesDone();
     });
-    EXPECT_TRUE(WaitFor([&] { return Gauge("attnserve_stream_paused") == 1; }))
+    EXPECT_TRUE(WaitFor([&] { return Gauge("attnserve_stream_paused") == paused; }))
         << "the server never paused reading the stream";
     // The client is blocked once its write count stops moving for a while
     // (there is no event for "the transport's window is full").
@@ -213,6 +234,7 @@ class HostileClientTest : public ::testing::Test {
 
   std::unique_ptr<AttnServer> server_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<v1::KvCache::Stub> kv_;
   std::unique_ptr<inference::GRPCInferenceService::Stub> v2_;
 };
 
@@ -377,6 +399,146 @@ TEST_F(HostileClientTest, CancelledStreamGivesMemoryBack) {
   // Without the fixed mmap threshold about 300 MB (more than the stream held)
   // stayed resident here; with it, 10-80 MB of small transport buffers do.
   EXPECT_LT(rss_after - rss_before, held) << "the freed tensors should leave the process";
+}
+
+// A tokens file with one tenant "a" of the given bytes_in_flight quota.
+std::string TokensFile(const std::string& name, int64_t bytes_in_flight) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream out(path);
+  out << "tok-a-0123456789abcdef a bytes_in_flight=" << bytes_in_flight << "\n";
+  return path;
+}
+
+// Per tenant: four never-reading streams of one tenant hold together at most
+// its bytes_in_flight quota plus one request and its answer each, though each
+// stream alone may hold 32 MiB (before, each held its own 32 MiB).
+TEST_F(HostileClientTest, TenantStreamsHeldToTheTenantQuota) {
+  StreamLimits limits;
+  limits.max_pending_requests = 100000;
+  limits.max_pending_bytes = int64_t{32} << 20;
+  const int64_t quota = int64_t{4} << 20;
+  Start(limits, TokensFile("tenant_streams_tokens", quota));
+  const v1::ForwardRequest request = Request(1024, 64, "big");  // ~1.1 MiB, ~1 MiB answers
+  const int64_t per_request = static_cast<int64_t>(request.ByteSizeLong());
+  constexpr int kStreams = 4;
+  std::vector<std::unique_ptr<NonReadingForwardStream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    streams.push_back(OpenNonReading(request, 100, "tok-a-0123456789abcdef", i + 1));
+  }
+  const int64_t bound = quota + kStreams * (per_request + (int64_t{1} << 20) + 4096);
+  const int64_t held = Gauge("attnserve_stream_held_bytes");
+  std::printf("%d streams of tenant a (quota %lld) hold %lld bytes; bound %lld\n", kStreams,
+              static_cast<long long>(quota), static_cast<long long>(held),
+              static_cast<long long>(bound));
+  EXPECT_LE(held, bound);
+  EXPECT_EQ(Gauge("attnserve_tenant_stream_held_bytes", "tenant=\"a\""), held);
+  EXPECT_EQ(Gauge("attnserve_tenant_streams", "tenant=\"a\""), kStreams);
+  // A stream whose requests are refused in band (over bytes_in_flight) holds
+  // only small answers and may keep writing; what matters is what is held.
+  for (auto& s : streams) s->ctx.TryCancel();
+  for (auto& s : streams) {
+    s->writer.join();
+    s->stream->Finish();
+  }
+  EXPECT_TRUE(WaitFor([&] {
+    return Gauge("attnserve_stream_held_bytes") == 0 &&
+           Gauge("attnserve_tenant_stream_held_bytes", "tenant=\"a\"") == 0 &&
+           Gauge("attnserve_tenant_streams", "tenant=\"a\"") == 0;
+  }));
+}
+
+// AppendAttendStream is admitted and counted per tenant like ForwardStream
+// (the interceptor sees every bidirectional call; the stream's ledger, built
+// by the same reactor, charges the tenant's share).
+TEST_F(HostileClientTest, KvStreamCountsAgainstItsTenant) {
+  Start(StreamLimits{}, TokensFile("kv_stream_tokens", int64_t{1} << 30));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer tok-a-0123456789abcdef");
+  auto stream = kv_->AppendAttendStream(&ctx);
+  EXPECT_TRUE(WaitFor([&] { return Gauge("attnserve_tenant_streams", "tenant=\"a\"") == 1; }));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_TRUE(WaitFor([&] { return Gauge("attnserve_tenant_streams", "tenant=\"a\"") == 0; }));
+}
+
+// A tenant's stream beyond max_streams_per_tenant is refused with
+// RESOURCE_EXHAUSTED naming the limit, and the server reads none of it (its
+// requests never reach the ledgers); once one closes, a new one is served.
+TEST_F(HostileClientTest, StreamsBeyondTheTenantCapAreRefusedBeforeReading) {
+  StreamLimits limits;
+  limits.max_streams_per_tenant = 2;
+  Start(limits);
+  grpc::ClientContext open_ctx[2];
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ForwardRequest, v1::ForwardResponse>> open[2];
+  for (int i = 0; i < 2; ++i) open[i] = stub_->ForwardStream(&open_ctx[i]);
+  ASSERT_TRUE(
+      WaitFor([&] { return Gauge("attnserve_tenant_streams", "tenant=\"default\"") == 2; }));
+  {
+    grpc::ClientContext ctx;
+    auto third = stub_->ForwardStream(&ctx);
+    // Its messages may or may not leave the client before the refusal lands.
+    for (int i = 0; i < 4; ++i) {
+      if (!third->Write(Request(1024, 64, "refused"))) break;
+    }
+    third->WritesDone();
+    v1::ForwardResponse response;
+    EXPECT_FALSE(third->Read(&response)) << "a refused stream answers nothing";
+    const grpc::Status status = third->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_TRUE(absl::StrContains(status.error_message(), "max_streams_per_tenant"))
+        << status.error_message();
+  }
+  EXPECT_EQ(Gauge("attnserve_tenant_streams_refused_total", "tenant=\"default\""), 1);
+  EXPECT_EQ(Gauge("attnserve_stream_pauses_total"), 0);
+  EXPECT_EQ(Gauge("attnserve_stream_held_requests"), 0);
+  open[0]->WritesDone();
+  EXPECT_TRUE(open[0]->Finish().ok());
+  ASSERT_TRUE(
+      WaitFor([&] { return Gauge("attnserve_tenant_streams", "tenant=\"default\"") == 1; }));
+  ExpectStreamServesAll(4);
+  open[1]->WritesDone();
+  EXPECT_TRUE(open[1]->Finish().ok());
+}
+
+// Without tokens: six never-reading streams, each allowed 256 MiB, under a
+// 256 MiB --max_buffered_bytes: the server's own account of what streams hold
+// stays within half the budget plus one request and answer per stream, and
+// this process's RSS (server and client together) rises by at most the
+// budget, one request and answer per stream and 384 MiB (the stated
+// constant: the client's copies of its requests and both sides' HTTP/2
+// buffers, which BDP probing grows). Without the server-wide bound they
+// would hold 1.5 GiB. scripts/soak.sh checks the server process alone.
+TEST_F(HostileClientTest, NeverReadingStreamsKeepRssWithinTheBudget) {
+#ifdef ATTNSERVE_OWN_ALLOCATOR
+  GTEST_SKIP() << "a sanitizer's allocator keeps freed memory resident";
+#endif
+  TuneMallocForTensors();
+  const int64_t budget = int64_t{256} << 20;
+  StreamLimits limits;  // 64 requests and 256 MiB per stream
+  Start(limits, "", budget);
+  const v1::ForwardRequest request = Request(4096, 64, "big");  // ~4.1 MiB, 4 MiB answers
+  const int64_t per_request = static_cast<int64_t>(request.ByteSizeLong());
+  ExpectStreamServesAll(4);
+  const int64_t rss_before = RssBytes();
+  constexpr int kStreams = 6;
+  std::vector<std::unique_ptr<NonReadingForwardStream>> streams;
+  for (int i = 0; i < kStreams; ++i) streams.push_back(OpenNonReading(request, 64, "", i + 1));
+  const int64_t rss_held = RssBytes();
+  const int64_t held = Gauge("attnserve_stream_held_bytes");
+  const int64_t per_stream = per_request + (int64_t{4} << 20);
+  const int64_t held_bound = budget / 2 + kStreams * per_stream;
+  const int64_t rss_bound = budget + kStreams * per_stream + (int64_t{384} << 20);
+  std::printf("%d never-reading streams hold %lld bytes (bound %lld); RSS rose %lld (bound %lld)\n",
+              kStreams, static_cast<long long>(held), static_cast<long long>(held_bound),
+              static_cast<long long>(rss_held - rss_before), static_cast<long long>(rss_bound));
+  EXPECT_LE(held, held_bound);
+  EXPECT_LE(rss_held - rss_before, rss_bound);
+  for (auto& s : streams) s->ctx.TryCancel();
+  for (auto& s : streams) {
+    s->writer.join();
+    s->stream->Finish();
+  }
+  EXPECT_TRUE(WaitFor([&] { return Gauge("attnserve_stream_held_bytes") == 0; }));
 }
 
 }  // namespace
