@@ -15,6 +15,7 @@
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
 #include "common/dtype.h"
+#include "server/kv/startup_cache.h"
 #include "tests/server/kv_step_test_util.h"
 
 namespace attnserve {
@@ -311,6 +312,20 @@ TEST_F(KvFp8Test, CreateCacheRefusesBadPairings) {
   EXPECT_NE(s.error_message().find("geometry.cache_dtype"), std::string::npos) << s.error_message();
   EXPECT_TRUE(CreateCache(v1::FP16, v1::FP8_E4M3).ok());
   EXPECT_TRUE(CreateCache(v1::BF16, v1::BF16).ok());
+}
+
+// --kv_startup_cache (KServe's attention_kv has no CreateCache): cache_dtype
+// makes an FP8 cache; a bad value names the key.
+TEST(KvFp8StartupCache, CacheDtypeKey) {
+  absl::StatusOr<std::vector<KvStartupCache>> c = ParseStartupCaches(
+      "kv0:layers=2,hkv=8,d=128,dtype=BF16,cache_dtype=fp8_e4m3,capacity_tokens=4096");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->size(), 1u);
+  EXPECT_EQ((*c)[0].create.geometry.cache_dtype, DType::kFP8E4M3);
+  absl::StatusOr<std::vector<KvStartupCache>> bad =
+      ParseStartupCaches("kv0:layers=1,hkv=1,d=64,dtype=BF16,cache_dtype=int8,capacity_tokens=64");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cache_dtype"), std::string::npos) << bad.status();
 }
 
 }  // namespace
