@@ -374,7 +374,8 @@ TEST_F(KvServerTest, EveryErrorNamed) {
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.mutable_options()->set_softcap(3e38f);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.softcap");
-  // Descales are FP8-only, and caches are never FP8.
+  // Descales are FP8-only, and a call's dtype is never FP8 (FP8 caches
+  // have per-row scales instead).
   r = MakeCall(cache, 0, {Step(1, &ctx, 2, 1)});
   r.mutable_options()->set_q_descale(0.5f);
   expect(Call(r, &resp), grpc::StatusCode::INVALID_ARGUMENT, "options.q_descale");
@@ -399,10 +400,10 @@ TEST_F(KvServerTest, EveryErrorNamed) {
          "geometry.head_dim");
   grpc::ClientContext c1b;
   cr.mutable_geometry()->set_head_dim(8);
-  cr.mutable_geometry()->set_dtype(v1::FP8_E4M3);  // K/V caches refuse FP8
+  cr.mutable_geometry()->set_dtype(v1::FP8_E4M3);  // FP8 pages are cache_dtype's
   expect(stub_->CreateCache(&c1b, cr, &cresp), grpc::StatusCode::INVALID_ARGUMENT,
-         "geometry.dtype: expected FP16, BF16 or FP32 (K/V caches do not support FP8 yet), got "
-         "FP8_E4M3");
+         "geometry.dtype: expected FP16, BF16 or FP32 (for FP8 pages set geometry.cache_dtype "
+         "FP8_E4M3), got FP8_E4M3");
   cr.mutable_geometry()->set_dtype(v1::FP32);
   grpc::ClientContext c2;
   cr.set_page_size(100);
