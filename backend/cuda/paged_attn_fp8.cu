@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kFp8Warps * 32)
   const int warp = tid / 32;
   const int lane = tid % 32;
 
-  __shared__ float s_q[kHeads][kDPad];
+  __shared__ __align__(16) float s_q[kHeads][kDPad];  // read as float4
   __shared__ float s_m[kFp8Warps][kHeads];
   __shared__ float s_l[kFp8Warps][kHeads];
   __shared__ float s_o[kFp8Warps][kHeads][kDPad];
