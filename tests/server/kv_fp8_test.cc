@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/kv_quantize.h"
@@ -203,6 +204,48 @@ class KvFp8Test : public KvStepTest {
     }
   }
 };
+
+// KServe's attention_kv on an FP8 cache made with the native API: its BF16
+// steps are quantised by the server like native ones.
+TEST_F(KvFp8Test, AttentionKvOnAnFp8Cache) {
+  v1::CreateCacheResponse created;
+  const std::string cache = CreateFp8Cache(&created);
+  CreateIn(cache, {7});
+  Fp8Context ctx;
+  for (const auto& [n, nq] : std::vector<std::pair<int, int>>{{19, 3}, {1, 1}, {1, 1}}) {
+    const Fp8Part part = Step(7, &ctx, n, nq);
+    inference::ModelInferRequest r;
+    r.set_model_name("attention_kv");
+    const std::vector<uint16_t>* data[] = {&part.q, &part.k, &part.v};
+    const char* names[] = {"q", "k", "v"};
+    for (int i = 0; i < 3; ++i) {
+      auto* in = r.add_inputs();
+      in->set_name(names[i]);
+      in->set_datatype("BF16");
+      const int64_t heads = i == 0 ? kHq : kHkv;
+      for (int64_t d : {int64_t(data[i]->size()) / (heads * kD), heads, int64_t{kD}})
+        in->add_shape(d);
+      r.add_raw_input_contents(Bytes(*data[i]));
+    }
+    auto& p = *r.mutable_parameters();
+    p["cache_id"].set_string_param(cache);
+    p["sequence_id"].set_uint64_param(7);
+    p["causal"].set_bool_param(true);
+    inference::ModelInferResponse out;
+    const grpc::Status s = Infer(r, &out);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    v1::AppendAttendResponse as_native;
+    for (int i = 0; i < out.outputs_size(); ++i) {
+      if (out.outputs(i).name() == "o") {
+        as_native.mutable_o()->set_dtype(v1::BF16);
+        as_native.mutable_o()->set_data(out.raw_output_contents(i));
+      }
+    }
+    as_native.add_lengths(ctx.length());
+    CheckFp8Response(as_native, {part}, {&ctx});
+  }
+  EXPECT_EQ(LengthIn(cache, 7), 21);
+}
 
 TEST_F(KvFp8Test, CacheStatsShowFp8Pages) {
   v1::CreateCacheResponse resp;
