@@ -13,7 +13,14 @@
 #     median) within 60 s after the traffic stops;
 #   - the load generator saw a wrong answer, an invalid request accepted or a
 #     status no call of its kind may end with;
-#   - the server does not exit 0 on SIGTERM.
+#   - the server does not exit 0 on SIGTERM;
+#   - its RSS passes --max_buffered_bytes (BUDGET) plus the constant
+#     soak_check.py states, while hostile clients run beside the traffic:
+#     never-reading streams and two-authorization-header calls (soak_load
+#     --hostile_streams), slow-loris HTTP connections, bodies announced at
+#     4 GiB, deeply nested and oversized JSON (scripts/soak_hostile.py, which
+#     also fails the run when a readiness probe goes unanswered or a hostile
+#     request is not refused).
 # First a 10 s closed loop of valid requests only measures the peak
 # throughput the soak is compared with.
 # Usage: scripts/soak.sh DURATION [OUT_DIR] [BUILD_DIR]
@@ -49,6 +56,10 @@ if [ "$backend" = cuda ]; then export ATTNSERVE_SOAK_GPU=0; device=(--devices=0)
 
 port=$(free_port)
 metrics_port=$(free_port)
+http_port=$(free_port)
+# The memory budget the server is held to (and the per-stream and request
+# sizes that keep the hostile clients' share of it small and steady).
+budget=$(( 256 << 20 ))
 client=("$build/client/attnctl" --target="127.0.0.1:$port")
 # --kv_idle_timeout: the caches soak_load leaves behind expire during the run,
 # the first of them within the warm-up fifth, so the measured fifths see the
@@ -58,7 +69,9 @@ idle_timeout=$(( seconds / 10 < 30 ? seconds / 10 : 30 ))
 [ "$idle_timeout" -ge 1 ] || idle_timeout=1
 start_server "$out/server.log" 60 "${client[@]}" -- \
   "$build/server/attnserve" --host=127.0.0.1 --port="$port" --backend="$backend" "${device[@]}" \
-  --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port=0 \
+  --metrics_host=127.0.0.1 --metrics_port="$metrics_port" --http_port="$http_port" \
+  --max_buffered_bytes="$budget" --max_request_bytes=$(( 64 << 20 )) \
+  --stream_max_pending_bytes=$(( 16 << 20 )) \
   --kv_idle_timeout="${idle_timeout}s" --log_level=warn
 pid=$SERVER_PID
 cleanup() { kill "$pid" 2>/dev/null || true; }
@@ -86,9 +99,14 @@ echo "soak.sh: mixed traffic for ${seconds} s" | tee -a "$out/summary.txt"
 forward_workers=4
 kv_workers=1
 load_status=0
+hostile_status=0
+python3 scripts/soak_hostile.py 127.0.0.1 "$http_port" "$seconds" 16 >"$out/hostile.txt" 2>&1 &
+hostile=$!
 "$build/tests/soak/soak_load" --target="127.0.0.1:$port" --duration="${seconds}s" \
-  --workers="$forward_workers" --kv_workers="$kv_workers" \
+  --workers="$forward_workers" --kv_workers="$kv_workers" --hostile_streams=1 \
   >"$out/load.txt" 2>&1 || load_status=$?
+wait "$hostile" || hostile_status=$?
+cat "$out/hostile.txt" >>"$out/summary.txt"
 echo after >"$phase_file"
 cat "$out/load.txt" >>"$out/summary.txt"
 
@@ -120,10 +138,14 @@ trap - EXIT
 
 check_status=0
 python3 scripts/soak_check.py --check "$out/soak.csv" $((forward_workers + kv_workers)) | tee -a "$out/summary.txt" || check_status=1
+budget_status=0
+python3 scripts/soak_check.py --budget "$out/soak.csv" "$budget" | tee -a "$out/summary.txt" || budget_status=1
 python3 scripts/plot-soak.py "$out/soak.csv" -o "$out/soak.svg" || true
 
 fail=0
 [ "$load_status" -eq 0 ] || { echo "soak.sh: FAIL: the load generator reported failures (exit $load_status)" | tee -a "$out/summary.txt"; fail=1; }
+[ "$hostile_status" -eq 0 ] || { echo "soak.sh: FAIL: a hostile HTTP client was not refused or a probe went unanswered (exit $hostile_status)" | tee -a "$out/summary.txt"; fail=1; }
+[ "$budget_status" -eq 0 ] || { echo "soak.sh: FAIL: the server's RSS passed its budget plus the stated constant" | tee -a "$out/summary.txt"; fail=1; }
 [ "$back_status" -eq 0 ] || { echo "soak.sh: FAIL: fds or threads not back to the warm-up level 60 s after the traffic" | tee -a "$out/summary.txt"; fail=1; }
 [ "$check_status" -eq 0 ] || { echo "soak.sh: FAIL: a sampled quantity grew after warm-up" | tee -a "$out/summary.txt"; fail=1; }
 [ "$drain_status" -eq 0 ] || { echo "soak.sh: FAIL: the server exited $drain_status on SIGTERM" | tee -a "$out/summary.txt"; fail=1; }

@@ -21,6 +21,11 @@
 // on a wrong answer, an invalid request accepted, or a status no call of its
 // kind may end with (INTERNAL, UNKNOWN, UNAVAILABLE, ...).
 // --mode=peak sends only valid requests (the throughput reference).
+// --hostile_streams=N: beside the mix, N ForwardStreams are kept open that
+// write ~1 MiB requests and never read (each replaced by a fresh one every
+// 5 s, so what they hold is steady), and Forward calls carrying two
+// `authorization` headers; the server must back-pressure the streams (their
+// writes block) and answer the rest with a status of their kind.
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -48,13 +53,26 @@ ABSL_FLAG(int, workers, 4, "Closed-loop Forward workers");
 ABSL_FLAG(int, kv_workers, 1, "K/V cache-lifetime workers");
 ABSL_FLAG(int, check_every, 4, "Check every N-th valid answer against the reference");
 ABSL_FLAG(std::string, mode, "mixed", "mixed (the soak) or peak (valid requests only)");
+ABSL_FLAG(int, hostile_streams, 0,
+          "Never-reading ForwardStreams kept open beside the mix (0: none)");
 
 namespace attnserve {
 namespace {
 
-enum Kind { kValid, kInvalid, kCancelled, kDeadline, kStream, kEcho, kKv, kNumKinds };
-const char* const kKindNames[] = {"valid",  "invalid", "cancelled", "deadline",
-                                  "stream", "echo",    "kv"};
+enum Kind {
+  kValid,
+  kInvalid,
+  kCancelled,
+  kDeadline,
+  kStream,
+  kEcho,
+  kKv,
+  kNeverReading,
+  kDuplicateAuth,
+  kNumKinds
+};
+const char* const kKindNames[] = {"valid", "invalid", "cancelled",     "deadline",      "stream",
+                                  "echo",  "kv",      "never_reading", "duplicate_auth"};
 
 // Outcome counts per kind and status code, and the failures that fail the run.
 class Tally {
@@ -232,6 +250,18 @@ class Soak {
     }
   }
 
+  // Keeps one never-reading stream open at a time (replaced every 5 s) and
+  // sends a Forward with two `authorization` headers once a second.
+  void HostileWorker(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const v1::ForwardRequest big = MakeForwardRequest(
+        *MakeRandomInputs(DenseAttentionShape(DType::kFP32, 1, 1024, 64, 4, 4, 64), seed));
+    while (absl::Now() < end_) {
+      NeverReadingStream(big, std::min(end_, absl::Now() + absl::Seconds(5)));
+      DuplicateAuthorization(valid_[rng() % valid_.size()].request);
+    }
+  }
+
   void KvWorker(uint64_t seed) {
     std::mt19937_64 rng(seed);
     int loop = 0;
@@ -310,6 +340,40 @@ class Soak {
     context.TryCancel();
     const grpc::Status s = stream->Finish();
     Expect(kStream, ToAbslStatus(s), {absl::StatusCode::kCancelled, absl::StatusCode::kOk});
+  }
+
+  // Writes `request` until the server stops reading (the writer blocks on
+  // flow control) and reads nothing; cancels at `until`. A write that fails
+  // before the cancel means the server dropped the stream: allowed only as
+  // RESOURCE_EXHAUSTED (a stream cap), reported by Finish.
+  void NeverReadingStream(const v1::ForwardRequest& request, absl::Time until) {
+    auto stub = v1::Attention::NewStub(client_->channel(1 % client_->num_channels()));
+    grpc::ClientContext context;
+    auto stream = stub->ForwardStream(&context);
+    std::thread writer([&] {
+      while (stream->Write(request)) {
+      }
+    });
+    absl::SleepFor(std::max(absl::ZeroDuration(), until - absl::Now()));
+    context.TryCancel();
+    writer.join();
+    const grpc::Status s = stream->Finish();
+    Expect(kNeverReading, ToAbslStatus(s),
+           {absl::StatusCode::kCancelled, absl::StatusCode::kResourceExhausted});
+  }
+
+  // Two `authorization` headers: refused as UNAUTHENTICATED when the server
+  // checks tokens, served (OK) when it does not.
+  void DuplicateAuthorization(const v1::ForwardRequest& request) {
+    auto stub = v1::Attention::NewStub(client_->channel(0));
+    grpc::ClientContext context;
+    client_->Prepare(CallOptions(), &context);
+    context.AddMetadata("authorization", "Bearer junk");
+    context.AddMetadata("authorization", "Bearer junk-too");
+    v1::ForwardResponse response;
+    const grpc::Status s = stub->Forward(&context, request, &response);
+    Expect(kDuplicateAuth, ToAbslStatus(s),
+           {absl::StatusCode::kOk, absl::StatusCode::kUnauthenticated});
   }
 
   // ---- K/V ----
@@ -440,6 +504,9 @@ int main(int argc, char** argv) {
   }
   for (int i = 0; i < (peak ? 0 : absl::GetFlag(FLAGS_kv_workers)); ++i) {
     threads.emplace_back([&, i] { soak.KvWorker(2000 + uint64_t(i)); });
+  }
+  for (int i = 0; i < (peak ? 0 : absl::GetFlag(FLAGS_hostile_streams)); ++i) {
+    threads.emplace_back([&, i] { soak.HostileWorker(3000 + uint64_t(i)); });
   }
   for (std::thread& t : threads) t.join();
   return tally.Print(absl::Now() - start);
