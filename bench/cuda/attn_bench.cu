@@ -13,6 +13,8 @@
 //   portable: the portable mma.sync kernel on any GPU (the plan without sm90).
 //   varlen:   ours on the shape's rows as a varlen call (B sequences of equal
 //             lengths): the varlen path's cost against dense.
+//   ours_bi, varlen_bi: ours and varlen planned batch-invariant
+//             (AttnParams::batch_invariant): the option's cost.
 //   sm90_tma, sm90_ws, sm90_pp, sm90_ppo, sm90_persist, sm90_dynamic (D=128
 //             BF16 prefill only, either mask):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
@@ -216,8 +218,10 @@ struct Ours : Impl {
   // false: the portable kernel only. varlen: the same rows as a varlen call
   // (B sequences of equal lengths, cu_seqlens on the device), for what the
   // varlen path costs against dense.
-  explicit Ours(bool allow_sm90, bool varlen = false) : allow_sm90(allow_sm90), varlen(varlen) {}
-  bool allow_sm90, varlen;
+  // batch_invariant: AttnParams::batch_invariant (ours_bi, varlen_bi).
+  explicit Ours(bool allow_sm90, bool varlen = false, bool batch_invariant = false)
+      : allow_sm90(allow_sm90), varlen(varlen), batch_invariant(batch_invariant) {}
+  bool allow_sm90, varlen, batch_invariant;
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -237,6 +241,7 @@ struct Ours : Impl {
       shape.cu_seqlens_k = cu.data() + s.b + 1;
     }
     p = MakeAttnParams(shape, BenchOptions(s), {q, k, v, o, nullptr});
+    p.batch_invariant = batch_invariant;
     if (varlen) {
       auto* dev = static_cast<int32_t*>(arena.Alloc(static_cast<int64_t>(cu.size()) * 4));
       if (dev == nullptr) return false;
@@ -564,6 +569,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "ours") return std::make_unique<Ours>(true);
   if (name == "portable") return std::make_unique<Ours>(false);
   if (name == "varlen") return std::make_unique<Ours>(true, true);
+  if (name == "ours_bi") return std::make_unique<Ours>(true, false, true);
+  if (name == "varlen_bi") return std::make_unique<Ours>(true, true, true);
   if (name == "sm90_tma") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kTmaSync);
   if (name == "sm90_ws") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kWarpSpecialized);
   if (name == "sm90_pp") return std::make_unique<Sm90Variant>(cuda::Sm90Schedule::kPingPong);
@@ -741,7 +748,8 @@ int main(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::printf(
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
-          "                  [--impls=ours,portable,varlen,standard,fa1,fp8,fp8_dequant,paged16,\n"
+          "                  [--impls=ours,ours_bi,portable,varlen,varlen_bi,standard,fa1,fp8,\n"
+          "                           fp8_dequant,paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
           "ours,standard,fa1)\n"
