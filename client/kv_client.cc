@@ -151,10 +151,13 @@ absl::StatusOr<ShmOutputSpans> PlaceAppendAttendInArena(ShmArena& arena,
                                                         v1::AppendAttendRequest* request) {
   arena.Reset();
   ShmOutputSpans spans;
-  for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
-    const absl::Status moved = arena.MoveIn(t);
-    if (!moved.ok()) return moved;
-  }
+  // Only the tensors present: mutable_* would create an absent one (an
+  // append-only call has no q).
+  absl::Status moved;
+  if (request->has_q()) moved.Update(arena.MoveIn(request->mutable_q()));
+  if (request->has_k()) moved.Update(arena.MoveIn(request->mutable_k()));
+  if (request->has_v()) moved.Update(arena.MoveIn(request->mutable_v()));
+  if (!moved.ok()) return moved;
   const uint64_t o_bytes = request->has_q() ? ShmOBytes(request->q()) : 0;
   if (o_bytes == 0) return spans;
   absl::StatusOr<ShmSpan> o = arena.Allocate(o_bytes);

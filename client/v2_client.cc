@@ -227,12 +227,13 @@ struct SystemRegion final : V2Client::Region {
   }
 };
 
-absl::StatusOr<std::unique_ptr<V2Client::Region>> MakeSystemRegion(const std::string& name,
+absl::StatusOr<std::unique_ptr<V2Client::Region>> MakeSystemRegion(const std::string& key_prefix,
+                                                                   const std::string& name,
                                                                    int64_t size) {
   auto region = std::make_unique<SystemRegion>();
   region->name = name;
   region->size = size;
-  region->key = absl::StrCat("/", name);
+  region->key = key_prefix + name;
   const int fd = shm_open(region->key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) {
     const int error = errno;
@@ -341,7 +342,8 @@ absl::Status V2Client::Register(Region* region) {
 }
 
 absl::StatusOr<std::unique_ptr<V2Client>> V2Client::Create(AttentionClient* client, V2Shm shm,
-                                                           int slots, int64_t slot_bytes) {
+                                                           int slots, int64_t slot_bytes,
+                                                           const std::string& key_prefix) {
 #if !ATTNSERVE_HAVE_CUDA
   if (shm == V2Shm::kCuda) {
     return absl::FailedPreconditionError(
@@ -355,9 +357,9 @@ absl::StatusOr<std::unique_ptr<V2Client>> V2Client::Create(AttentionClient* clie
     const int64_t size = std::max<int64_t>(slot_bytes, 1);
 #if ATTNSERVE_HAVE_CUDA
     absl::StatusOr<std::unique_ptr<Region>> region =
-        shm == V2Shm::kCuda ? MakeCudaRegion(name, size) : MakeSystemRegion(name, size);
+        shm == V2Shm::kCuda ? MakeCudaRegion(name, size) : MakeSystemRegion(key_prefix, name, size);
 #else
-    absl::StatusOr<std::unique_ptr<Region>> region = MakeSystemRegion(name, size);
+    absl::StatusOr<std::unique_ptr<Region>> region = MakeSystemRegion(key_prefix, name, size);
 #endif
     if (!region.ok()) return region.status();
     v2->regions_.push_back(*std::move(region));

@@ -58,9 +58,11 @@ class V2Client {
  public:
   // Borrows `client`'s channels (it must outlive this). With shm, creates and
   // registers `slots` regions of `slot_bytes` each; the server must run with
-  // --allow_client_shm.
-  static absl::StatusOr<std::unique_ptr<V2Client>> Create(AttentionClient* client, V2Shm shm,
-                                                          int slots, int64_t slot_bytes);
+  // --allow_client_shm. System keys start with `key_prefix` (with tokens,
+  // "/attnserve.<tenant>.").
+  static absl::StatusOr<std::unique_ptr<V2Client>> Create(
+      AttentionClient* client, V2Shm shm, int slots, int64_t slot_bytes,
+      const std::string& key_prefix = kDefaultShmKeyPrefix);
   // Unregisters and removes the regions.
   ~V2Client();
 

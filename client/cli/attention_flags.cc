@@ -77,8 +77,8 @@ ABSL_FLAG(std::string, shm, "none",
           "every step. load: only with --protocol=v2, one region per caller, each caller's "
           "input written once and outputs read back only with --check.");
 ABSL_FLAG(std::string, shm_prefix, attnserve::kDefaultShmKeyPrefix,
-          "With --shm=system and the native protocol: where the shared-memory object's name "
-          "starts (shm_open name: this prefix, then attnctl-<pid>-<n>). A server with "
+          "With --shm=system: where the shared-memory objects' names start (shm_open name: this "
+          "prefix, then attnctl-<pid>-<n>, or attnctl_<pid>_<n> with --protocol=v2). A server with "
           "--auth_tokens_file accepts only \"/attnserve.<tenant>.\" for the caller's tenant.");
 
 namespace attnserve {
@@ -100,10 +100,8 @@ absl::StatusOr<ProtocolChoice> ProtocolFromFlags() {
   if (!shm.ok()) return shm.status();
   choice.shm = *shm;
   choice.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
-  if (FlagWasSet("shm_prefix") && (choice.shm != ShmMode::kSystem || choice.v2)) {
-    return UsageStatus(
-        "--shm_prefix names the object of --shm=system on the native protocol; it does not "
-        "apply here");
+  if (FlagWasSet("shm_prefix") && choice.shm != ShmMode::kSystem) {
+    return UsageStatus("--shm_prefix names the objects of --shm=system; it does not apply here");
   }
   const std::string& prefix = choice.shm_prefix;
   if (prefix.size() < 2 || prefix[0] != '/' || prefix.find('/', 1) != std::string::npos) {

@@ -205,8 +205,8 @@ int RunForward(const std::vector<std::string>& args) {
   if (protocol->v2) {
     std::cout << "protocol: " << protocol->ToString() << "\n";
     request = MakeForwardRequest(*inputs);
-    absl::StatusOr<std::unique_ptr<V2Client>> made =
-        V2Client::Create(client->get(), protocol->shm, 1, V2SlotBytes(request));
+    absl::StatusOr<std::unique_ptr<V2Client>> made = V2Client::Create(
+        client->get(), protocol->shm, 1, V2SlotBytes(request), protocol->shm_prefix);
     if (!made.ok()) return PrintError("--protocol=v2", made.status());
     v2 = *std::move(made);
   }

@@ -102,8 +102,9 @@ int RunLoad(const std::vector<std::string>& args) {
     const int slots = config->concurrency.empty() ? 0
                                                   : *std::max_element(config->concurrency.begin(),
                                                                       config->concurrency.end());
-    absl::StatusOr<std::unique_ptr<V2Client>> made = V2Client::Create(
-        client->get(), config->protocol.shm, slots, V2SlotBytes(w->requests.front()));
+    absl::StatusOr<std::unique_ptr<V2Client>> made =
+        V2Client::Create(client->get(), config->protocol.shm, slots,
+                         V2SlotBytes(w->requests.front()), config->protocol.shm_prefix);
     if (!made.ok()) return PrintError("--protocol=v2", made.status());
     v2 = *std::move(made);
   }

@@ -126,7 +126,10 @@ TEST_F(AttnctlV2Test, BadCombinationsAreNamed) {
   };
   const Case cases[] = {
       {{"forward", "--protocol=v3"}, 2, "--protocol: expected native or v2, got 'v3'"},
-      {{"forward", "--shm=system"}, 2, "--shm=system needs --protocol=v2"},
+      {{"load", "--shm=system"}, 2, "--shm=system in load needs --protocol=v2"},
+      {{"forward", "--protocol=v2", "--shm_prefix=/attnserve.default."},
+       2,
+       "--shm_prefix names the objects of --shm=system"},
       {{"forward", "--protocol=v2", "--shm=disk"}, 2, "--shm: expected none, system or cuda"},
       {{"forward", "--protocol=v2", "--shm=cuda"}, 1, "--shm=cuda"},
       {{"load", "--protocol=v2", "--stream"}, 2, "--stream does not apply to --protocol=v2"},
