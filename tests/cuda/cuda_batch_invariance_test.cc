@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/backend.h"
+#include "backend/cuda/attn_fwd_plan.h"
 #include "backend/ragged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
