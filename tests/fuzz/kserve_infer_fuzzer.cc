@@ -41,9 +41,9 @@
 #include "server/core/attention_runner.h"
 #include "server/executor_pool.h"
 #include "server/kserve/attention_model.h"
-#include "server/shm/shm_registry.h"
 #include "server/kserve/v2_tensors.h"
 #include "server/metrics.h"
+#include "server/shm/shm_registry.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_check.h"
 
