@@ -77,6 +77,9 @@ class CallAdmission final : public grpc::experimental::ServerInterceptorFactoryI
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     using Type = grpc::experimental::ServerRpcInfo::Type;
+    // A share set for an earlier call on this thread whose handler built no
+    // ledger must not reach a later one.
+    SetOpeningStreamShare(nullptr);
     if (info->type() != Type::BIDI_STREAMING && info->type() != Type::CLIENT_STREAMING) {
       return nullptr;  // unary and server-streaming calls pass untouched
     }
