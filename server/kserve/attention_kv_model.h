@@ -30,9 +30,9 @@
 #include "backend/params.h"
 #include "server/core/kv_runner.h"
 #include "server/kserve/model.h"
-#include "server/shm/shm_registry.h"
 #include "server/kv/kv_pool.h"
 #include "server/metrics.h"
+#include "server/shm/shm_registry.h"
 
 namespace attnserve {
 

@@ -16,9 +16,9 @@
 #include "backend/params.h"
 #include "server/core/attention_runner.h"
 #include "server/kserve/model.h"
-#include "server/shm/shm_registry.h"
 #include "server/kserve/v2_tensors.h"
 #include "server/metrics.h"
+#include "server/shm/shm_registry.h"
 
 namespace attnserve {
 

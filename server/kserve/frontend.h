@@ -16,9 +16,9 @@
 #include "grpcpp/impl/service_type.h"
 #include "server/core/attention_runner.h"
 #include "server/kserve/context.h"
-#include "server/shm/shm_registry.h"
 #include "server/metrics.h"
 #include "server/security/tls_files.h"
+#include "server/shm/shm_registry.h"
 
 namespace attnserve {
 
