@@ -52,7 +52,9 @@ struct Flags {
 void* DeviceCopy(const void* host, size_t bytes) {
   void* d = nullptr;
   CK(cudaMalloc(&d, std::max<size_t>(bytes, 256)));
-  if (bytes > 0) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  // No host bytes: an output buffer, zeroed.
+  if (bytes > 0 && host == nullptr) CK(cudaMemset(d, 0, bytes));
+  if (bytes > 0 && host != nullptr) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
   return d;
 }
 
