@@ -58,9 +58,9 @@ inline constexpr uint64_t kInPlaceAlignment = 4;
 
 // Which regions' bytes InPlace hands out where they lie.
 enum class InPlaceKinds {
-  kMapped,           // a system region's (host memory)
-  kMappedOrDevice,   // and a CUDA region's (device memory: q, k, v, o, lse only)
-  kDevice,           // a CUDA region's only (a system region's bytes are copied)
+  kMapped,          // a system region's (host memory)
+  kMappedOrDevice,  // and a CUDA region's (device memory: q, k, v, o, lse only)
+  kDevice,          // a CUDA region's only (a system region's bytes are copied)
 };
 
 // `ref`'s bytes in `region` (acquired, so in bounds) in place when `kinds`
