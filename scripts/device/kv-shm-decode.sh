@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device `run`; a CUDA server and attnctl carried with
-# scripts/device/pack-device-deps.sh --server BUILD_DIR, then tar'ed to
-# .device-carry/server.tar.xz holding bin/ and lib/): the K/V decode loop over
+# scripts/device/pack-device-deps.sh --server BUILD_DIR, then tar -czf
+# .device-carry/server.tgz of bin/ and lib/): the K/V decode loop over
 # gRPC bytes against the same loop over same-host POSIX shared memory
 # (attnctl load-kv --shm=system), each unary (one group) and with 4 streams,
 # rounds alternated, beside the in-process PyTorch loop (FLASH) on the same
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
 OUT=${OUT:-$PWD/kv-shm-decode-out}
 mkdir -p "$OUT"
-[ -f .device-carry/server.tar.xz ] && tar -C .device-carry -xJf .device-carry/server.tar.xz
+[ -f .device-carry/server.tgz ] && tar -C .device-carry -xzf .device-carry/server.tgz
 use_carried_libs lib
 bin=.device-carry/bin
 csv=$OUT/kv-shm-decode.csv
