@@ -29,7 +29,7 @@ fi
 flags="
 host port backend threads devices
 max_request_bytes max_buffered_bytes max_tokens max_queue_size launch_timeout
-batching batch_max_delay_us batch_max_tokens
+batching batch_max_delay_us batch_max_tokens batch_invariant
 metrics_host metrics_port http_port allow_client_shm max_shm_regions max_shm_regions_per_tenant
 stream_max_pending_requests stream_max_pending_bytes max_streams_per_tenant
 kv_cache_bytes kv_page_size kv_idle_timeout kv_startup_cache
