@@ -211,13 +211,14 @@ bool Validate(Case c, bool allow_sm90, double* err) {
   }
   void* dout = a.Alloc(nq * 2);
   if (dout == nullptr) return false;
-  dev = {dq, dk, dv, dout, nullptr, m.dev};
+  dev = {dq, dk, dv, dout, nullptr, TensorDevices{}, m.dev};
   Launch l;
   if (!Prepare(c, allow_sm90, dev, &a, &l)) return false;
   CK(cuda::LaunchForward(l.p, l.plan, l.ws, nullptr));
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(ho.data(), dout, nq * 2, cudaMemcpyDeviceToHost));
-  AttnPointers host{hq.data(), hk.data(), hv.data(), nullptr, nullptr, HostMods(m, hbias)};
+  AttnPointers host{hq.data(), hk.data(),       hv.data(),         nullptr,
+                    nullptr,   TensorDevices{}, HostMods(m, hbias)};
   const AttnParams hp =
       MakeAttnParams(DenseShape(DType::kBF16, 1, c.n, c.n, c.h, c.h, c.d), AttnOptions(), host);
   const ReferenceOutput ref = ReferenceAttention(hp);
@@ -251,7 +252,7 @@ double Time(const Case& c, bool with_mods, bool allow_sm90, void* flush, Mods* m
   Mods m;
   if (with_mods && !MakeMods(c, &a, &m, nullptr)) return -1;
   Launch l;
-  if (!Prepare(c, allow_sm90, {q, k, v, o, nullptr, m.dev}, &a, &l)) return -1;
+  if (!Prepare(c, allow_sm90, {q, k, v, o, nullptr, TensorDevices{}, m.dev}, &a, &l)) return -1;
   *kernel = l.plan.kernel_family == KernelFamily::kSm90 ? "sm90" : "portable";
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
