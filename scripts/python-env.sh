@@ -6,6 +6,8 @@
 # package's generated stubs protobuf >= 7.35):
 #   python  .venv         requirements/python-*.txt (attnserve package, transformers)
 #   triton  .venv-triton  requirements/triton*.txt  (tritonclient, perf_analyzer)
+# No pip cache: the CUDA-bundled torch wheel would be kept twice (a CI machine ran
+# out of disk there).
 # Prints the interpreter's path last.
 # Usage: scripts/python-env.sh [SET]   (default: python)
 set -euo pipefail
@@ -28,10 +30,10 @@ stamp="$venv/.requirements.sha256"
 want=$(cat "${req_files[@]}" | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   start=$(date +%s)
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip
   for r in "${req_files[@]}"; do
     echo "python-env: installing $r" >&2
-    "$venv/bin/python" -m pip install -q -r "$r"
+    "$venv/bin/python" -m pip install -q --no-cache-dir -r "$r"
   done
   echo "$want" >"$stamp"
   echo "python-env: took $(( $(date +%s) - start )) s" >&2
