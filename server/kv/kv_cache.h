@@ -238,6 +238,10 @@ class KvCache {
   void Touch();
 
  private:
+  // Pins pages for an export, stages imported rows in pages of the cache and
+  // makes them a live sequence (server/kv/kv_transfer.cc).
+  friend class KvTransferAccess;
+
   struct Sequence {
     std::vector<std::vector<int32_t>> pages;  // per layer: the block table
     std::vector<int32_t> lengths;             // per layer, committed
