@@ -345,10 +345,17 @@ def test_without_allow_client_shm_register_is_refused_and_nothing_is_left():
 
 
 # -- CUDA IPC --------------------------------------------------------------------------
-def test_cuda_tensors_through_cuda_ipc(shm_client):
+@pytest.fixture(scope="module")  # module scope: set up before shm_server, so no server starts
+def torch_gpu():
+    """torch with a GPU, or the test is skipped."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
+    return torch
+
+
+def test_cuda_tensors_through_cuda_ipc(torch_gpu, shm_client):
+    torch = torch_gpu
     if shm_mod.server_backend(shm_client) != "cuda":
         pytest.skip("the server's backend is not CUDA")
     rng = np.random.default_rng(6)
@@ -365,3 +372,50 @@ def test_cuda_tensors_through_cuda_ipc(shm_client):
             assert got.device == dev and got.dtype == torch.float16
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert list(b._shm_pools) == [("cuda", "cuda:0")]
+
+
+def test_the_ipc_handle_and_offset_agree_with_torchs_export(torch_gpu):
+    torch = torch_gpu
+    dev = torch.device("cuda", 0)
+    # Two tensors in one caching-allocator segment: the second starts inside it.
+    a = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+    b = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+    for t in (a, b, b[4096:]):
+        handle, offset = shm_mod.ipc_handle(t)
+        want_handle, want_offset = shm_mod._torch_ipc_handle(t)
+        assert len(handle) == shm_mod.CUDA_IPC_HANDLE_BYTES == len(want_handle)
+        assert offset == want_offset, (offset, want_offset)
+    assert shm_mod.ipc_handle(b[4096:])[1] == shm_mod.ipc_handle(b)[1] + 4096
+
+
+def test_torchs_exported_handle_forms():
+    """torch's export: a raw 64-byte handle (old torch) or version + type + handle (66)."""
+    raw = bytes(range(64))
+
+    class Storage:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def _share_cuda_(self):
+            return (0, self.handle, 1 << 20, 512, None)
+
+    class Tensor:
+        def __init__(self, handle):
+            self.storage = Storage(handle)
+
+        def untyped_storage(self):
+            return self.storage
+
+        def storage_offset(self):
+            return 8
+
+        def element_size(self):
+            return 2
+
+    assert shm_mod._torch_ipc_handle(Tensor(raw)) == (raw, 512 + 16)
+    assert shm_mod._torch_ipc_handle(Tensor(b"\x02c" + raw)) == (raw, 512 + 16)
+    assert shm_mod._torch_ipc_handle(Tensor(b"\x03c" + raw)) == (raw, 512 + 16)
+    with pytest.raises(AttnServeError) as e:
+        shm_mod._torch_ipc_handle(Tensor(b"\x02e" + raw + b"more"))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expandable_segments" in e.value.message

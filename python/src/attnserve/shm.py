@@ -204,14 +204,7 @@ class CudaRegion(Region):
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
         self.buffer = torch.empty(self.byte_size, dtype=torch.uint8, device=self.device)
-        # torch's own export of a storage for another process (torch.multiprocessing):
-        # (device, cudaIpcMemHandle_t, storage bytes, offset in the allocation, ...).
-        shared = self.buffer.untyped_storage()._share_cuda_()
-        handle, self._base = shared[1], int(shared[3])
-        if len(handle) != 64:
-            raise AttnServeError(grpc.StatusCode.FAILED_PRECONDITION, "torch exported "
-                                 f"{len(handle)} bytes, not a 64-byte cudaIpcMemHandle_t "
-                                 "(expandable_segments in PYTORCH_CUDA_ALLOC_CONF?)")
+        handle, self._base = ipc_handle(self.buffer)
         self._register(self._base, cuda=shm_pb2.CudaRegion(
             raw_handle=handle, device_id=self.device.index or 0))
 
@@ -240,6 +233,65 @@ class CudaRegion(Region):
             return
         self._unregister()
         self.buffer = None
+
+
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t), what the server opens
+
+
+def ipc_handle(t: Any) -> Tuple[bytes, int]:
+    """(the 64-byte CUDA IPC handle of the allocation a CUDA torch tensor's memory lies in,
+    where the tensor starts in that allocation). Asked of the CUDA driver (the library the
+    process already has loaded), not of torch: torch's own export (_share_cuda_) prefixes
+    the handle with a version and a type byte since 2.x (66 bytes) and may change again.
+    torch's export is the fallback where the driver cannot be asked."""
+    import torch
+    ptr = int(t.data_ptr())
+    try:
+        with torch.cuda.device(t.device):
+            return _driver_ipc_handle(ptr)
+    except OSError:  # no libcuda.so.1 to ask (cannot happen with a CUDA tensor, but be safe)
+        return _torch_ipc_handle(t)
+
+
+def _driver_ipc_handle(ptr: int) -> Tuple[bytes, int]:
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")  # the one the process loaded: same contexts
+
+    def check(result: int, what: str) -> None:
+        if result == 0:
+            return
+        text = ctypes.c_char_p()
+        cuda.cuGetErrorString(result, ctypes.byref(text))
+        hint = (" (memory from expandable segments cannot be exported: unset "
+                "expandable_segments in PYTORCH_CUDA_ALLOC_CONF)"
+                if what == "cuIpcGetMemHandle" else "")
+        raise AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{what}: CUDA error {result} "
+                             f"({(text.value or b'?').decode()}){hint}")
+
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    # The _v2 symbols are the 64-bit device-pointer ABI (cuda.h maps the plain names to them).
+    check(cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                       ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
+    handle = (ctypes.c_char * CUDA_IPC_HANDLE_BYTES)()
+    check(cuda.cuIpcGetMemHandle(handle, base), "cuIpcGetMemHandle")
+    return bytes(handle.raw), ptr - base.value
+
+
+def _torch_ipc_handle(t: Any) -> Tuple[bytes, int]:
+    # (device, handle, storage bytes, offset in the allocation, ...); the handle is raw
+    # (64 bytes) or a version byte, a type byte ('c': cudaMalloc memory) and the raw handle.
+    shared = t.untyped_storage()._share_cuda_()
+    handle, base = shared[1], int(shared[3])
+    offset = base + t.storage_offset() * t.element_size()
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return handle, offset
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return handle[2:], offset
+    raise AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"torch exported a {len(handle)}-byte handle of type {handle[1:2]!r}, "
+                         "not cudaMalloc memory (expandable_segments in "
+                         "PYTORCH_CUDA_ALLOC_CONF?)")
 
 
 class Pool:
