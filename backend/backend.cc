@@ -2,6 +2,7 @@
 // see backend.h.
 #include "backend/backend.h"
 
+#include <cstring>
 #include <memory>
 #include <new>
 #include <vector>
@@ -82,6 +83,14 @@ absl::Status PlanAndPagedForward(AttentionBackend& backend, const PagedAttnParam
 // The paged path's defaults: a backend without one says so.
 absl::StatusOr<void*> AttentionBackend::AllocateKvMemory(int64_t) { return NoPagedPath(*this); }
 void AttentionBackend::FreeKvMemory(void*) {}
+absl::Status AttentionBackend::CopyFromKvMemory(void* host, const void* kv, int64_t bytes) {
+  if (bytes > 0) std::memcpy(host, kv, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+absl::Status AttentionBackend::CopyToKvMemory(void* kv, const void* host, int64_t bytes) {
+  if (bytes > 0) std::memcpy(kv, host, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
 absl::StatusOr<Plan> AttentionBackend::CanImplementPaged(const PagedAttnParams&) const {
   return NoPagedPath(*this);
 }

@@ -114,6 +114,12 @@ class AttentionBackend {
   // with FreeKvMemory once no launch that reads it is in flight.
   virtual absl::StatusOr<void*> AllocateKvMemory(int64_t bytes);
   virtual void FreeKvMemory(void* memory);
+  // Copies between host memory and K/V memory (AllocateKvMemory's), waited
+  // for: moving sequences between servers reads pinned pages and writes
+  // staged ones, which no launch touches. The defaults copy host memory
+  // (what a backend whose K/V memory is host memory needs).
+  virtual absl::Status CopyFromKvMemory(void* host, const void* kv, int64_t bytes);
+  virtual absl::Status CopyToKvMemory(void* kv, const void* host, int64_t bytes);
 
   // The one check of an append-and-attend call, and its plan, as CanImplement
   // for dense calls: CheckPagedParams (INVALID_ARGUMENT for params that would

@@ -59,6 +59,8 @@ class CudaBackend final : public AttentionBackend {
   // and attention, so paged kernels run in start order while copies overlap.
   absl::StatusOr<void*> AllocateKvMemory(int64_t bytes) override;
   void FreeKvMemory(void* memory) override;
+  absl::Status CopyFromKvMemory(void* host, const void* kv, int64_t bytes) override;
+  absl::Status CopyToKvMemory(void* kv, const void* host, int64_t bytes) override;
   // CheckPagedParams (keeps the kernels inside the cache's memory), then the
   // plan of the paged kernel (PlanFor over pages; FP32: the SIMT kernel), or
   // UNIMPLEMENTED as CanImplement. The launch runs this plan.

@@ -104,6 +104,24 @@ void CudaBackend::FreeKvMemory(void* memory) {
   cudaFree(memory);  // synchronises the device: no launch reads the slab any more
 }
 
+absl::Status CudaBackend::CopyFromKvMemory(void* host, const void* kv, int64_t bytes) {
+  if (bytes <= 0) return absl::OkStatus();
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host, kv, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost),
+      "K/V pages to host");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyToKvMemory(void* kv, const void* host, int64_t bytes) {
+  if (bytes <= 0) return absl::OkStatus();
+  ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(kv, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
+      "host to K/V pages");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) const {
   // The paged kernels apply ALiBi and sinks (per query head); a bias, an
   // element mask or a block mask has no paged kernel here.

@@ -58,6 +58,8 @@ class PageAllocator {
   int32_t refs(int32_t page) const { return refs_[page]; }
 
   const KvPages& pages() const { return kv_; }
+  // Whose memory the slabs are (copies in and out of pages go through it).
+  AttentionBackend* backend() const { return backend_; }
   int64_t capacity_pages() const { return capacity_pages_; }
   int64_t pages_used() const { return used_; }
   int64_t pages_free() const { return capacity_pages_ - used_; }
