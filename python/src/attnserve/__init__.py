@@ -16,7 +16,12 @@ Public API:
   attnserve.hf_cache            ServerCache: a transformers Cache with K/V on the server
   attnserve.hf_compare          greedy tokens through attnserve vs transformers' "sdpa":
                                 the first differing step and the logit margins there
-  attnserve.v1                  the generated stubs (attention_pb2(_grpc), kv_pb2(_grpc))
+  merge_partials                the exact log-sum-exp merge of partial results over disjoint
+                                keys (attnserve.merge: context parallelism across servers)
+  attnserve.transfer            moving K/V sequences between servers: move_cache,
+                                export_sequences, import_sequences, chunk files
+  attnserve.v1                  the generated stubs (attention_pb2(_grpc), kv_pb2(_grpc),
+                                kv_transfer_pb2(_grpc))
 See docs/python.md.
 """
 
@@ -24,7 +29,8 @@ from attnserve._request import ForwardResult, ServerTiming
 from attnserve.aio import AsyncClient, AsyncForwardStream
 from attnserve.client import Client, ForwardStream
 from attnserve.errors import AttnServeError
+from attnserve.merge import merge_partials
 
 __all__ = ["Client", "ForwardStream", "AsyncClient", "AsyncForwardStream", "AttnServeError",
-           "ForwardResult", "ServerTiming"]
+           "ForwardResult", "ServerTiming", "merge_partials"]
 __version__ = "0.1.0"
