@@ -6,6 +6,7 @@
 #include "backend/cpu/cpu_attention_kernel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -185,6 +186,51 @@ std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
   return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim));
 }
 
+namespace {
+std::atomic<int64_t> seq_prefix_steps{0};
+}  // namespace
+
+int64_t SeqPrefixSteps() { return seq_prefix_steps.load(std::memory_order_relaxed); }
+
+bool SeqPrefix::Build(const AttnParams& p) {
+  pairs_before_.reset();
+  rows_before_.reset();
+  rows_total_ = HasBlockMask(p) && !IsVarlen(p) ? BlockRowsOf(p, 0) : 0;
+  if (!IsVarlen(p)) return true;
+  const bool pairs = p.bias != nullptr || p.mask != nullptr;
+  const bool rows = HasBlockMask(p);
+  if (!pairs && !rows) return true;
+  const int batch = p.batch;
+  if (pairs) {
+    pairs_before_.reset(new (std::nothrow) int64_t[batch + 1]);
+    if (!pairs_before_) return false;
+  }
+  if (rows) {
+    rows_before_.reset(new (std::nothrow) int64_t[batch + 1]);
+    if (!rows_before_) return false;
+  }
+  int64_t n_pairs = 0, n_rows = 0;
+  for (int s = 0; s < batch; ++s) {
+    if (pairs) pairs_before_[s] = n_pairs;
+    if (rows) rows_before_[s] = n_rows;
+    n_pairs += int64_t{SeqLenQ(p, s)} * SeqLenK(p, s);
+    if (rows) n_rows += BlockRowsOf(p, s);
+  }
+  if (pairs) pairs_before_[batch] = n_pairs;
+  if (rows) rows_before_[batch] = n_rows;
+  rows_total_ = n_rows;
+  seq_prefix_steps.fetch_add(batch, std::memory_order_relaxed);
+  return true;
+}
+
+// BlockRow (params.h) with the varlen sums from `prefix`: params.h's walks
+// the sequences for both rows_before and the varlen total.
+inline int64_t TaskBlockRow(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int r) {
+  const int64_t hh = p.block_per_head ? h : 0;
+  if (IsVarlen(p)) return hh * prefix.BlockRowsTotal() + prefix.BlockRowsBefore(b) + r;
+  return BlockRow(p, 0, b, h, r);
+}
+
 // The score modifiers and masks of one task (params.h), in the tile's log2
 // units: every additive term is multiplied by log2(e) like the scores.
 struct TaskMods {
@@ -193,9 +239,10 @@ struct TaskMods {
   int64_t pairs_before;  // PairsBefore(p, b), for bias and mask offsets
   float alibi_log2;      // slope × log2(e); 0 without ALiBi
 
-  TaskMods(const AttnParams& params, int b_, int h_, int i0_, int sq_, int sk_)
+  TaskMods(const AttnParams& params, const SeqPrefix& prefix, int b_, int h_, int i0_, int sq_,
+           int sk_)
       : p(params), b(b_), h(h_), i0(i0_), sq(sq_), sk(sk_) {
-    pairs_before = (p.bias != nullptr || p.mask != nullptr) ? PairsBefore(p, b) : 0;
+    pairs_before = prefix.PairsBefore(b);
     alibi_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.0f;
   }
 
@@ -245,8 +292,8 @@ struct TaskMods {
 // has score modifiers or masks (params.h); a template flag so the plain path
 // keeps its loop untouched.
 template <bool kMods, class KvRows>
-void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, const KvRows& kv,
-                       Scratch* scratch) {
+void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int m_block,
+                       int sk, const KvRows& kv, Scratch* scratch) {
   const int d = p.head_dim;
   const int sq = SeqLenQ(p, b);
   const int64_t q_start = SeqStartQ(p, b);
@@ -350,13 +397,13 @@ void AttentionTaskOver(const AttnParams& p, int b, int h, int m_block, int sk, c
     if constexpr (!kMods) {
       scan(span_lo, span_hi, nullptr);
     } else {
-      const TaskMods mods(p, b, h, i0, sq, sk);
+      const TaskMods mods(p, prefix, b, h, i0, sq, sk);
       if (!HasBlockMask(p)) {
         scan(span_lo, span_hi, &mods);
       } else {
         // The task's rows lie in one query block (kBlockM divides block_q):
         // only its kept key blocks are scanned, masked ones never loaded.
-        const int64_t row = BlockRow(p, BlockRowsBefore(p, b), b, h, i0 / p.block_q);
+        const int64_t row = TaskBlockRow(p, prefix, b, h, i0 / p.block_q);
         const int32_t* first = p.block_col_idx + p.block_row_ptr[row];
         const int32_t* last = p.block_col_idx + p.block_row_ptr[row + 1];
         for (const int32_t* c = std::lower_bound(first, last, span_lo / p.block_k); c < last; ++c) {
@@ -426,26 +473,28 @@ struct PagedKvRows {
 // The kernel for p's mods over any K/V row source: the plain loop unless
 // the call has score modifiers or masks.
 template <class KvRows>
-void RunTask(const AttnParams& p, int b, int h, int m_block, int sk, const KvRows& kv,
-             Scratch* scratch) {
+void RunTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int m_block, int sk,
+             const KvRows& kv, Scratch* scratch) {
   if (HasScoreMods(p)) {
-    AttentionTaskOver<true>(p, b, h, m_block, sk, kv, scratch);
+    AttentionTaskOver<true>(p, prefix, b, h, m_block, sk, kv, scratch);
   } else {
-    AttentionTaskOver<false>(p, b, h, m_block, sk, kv, scratch);
+    AttentionTaskOver<false>(p, prefix, b, h, m_block, sk, kv, scratch);
   }
 }
 
 }  // namespace
 
-void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch) {
-  RunTask(p, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
+void AttentionTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int m_block,
+                   Scratch* scratch) {
+  RunTask(p, prefix, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
 }
 
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {
   // sk is the whole sequence, so ALiBi's bottom-right diagonal counts the
   // cached keys; CheckPagedParams leaves only the per-head mods (ALiBi,
   // sinks), whose TaskMods never read a pair layout.
-  RunTask(p.attn, b, h, m_block, p.seqlens_k[b],
+  static const SeqPrefix kNone;  // per-head mods only: no pair or block-row layout
+  RunTask(p.attn, kNone, b, h, m_block, p.seqlens_k[b],
           PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride}, scratch);
 }
 

@@ -95,12 +95,39 @@ class Scratch {
   int d_;
 };
 
+// Per-sequence offsets of a varlen call's pair-layout modifiers (bias,
+// element mask: PairOffset's pairs_before; block mask: BlockRow's
+// rows_before and the query blocks of all sequences), summed once per call:
+// a task looking them up is O(1), where walking the sequences before its own
+// made a call of B sequences cost O(B^2). Dense calls and calls without those
+// modifiers need none (Build leaves the arrays empty).
+class SeqPrefix {
+ public:
+  // Fills the arrays for p (B + 1 entries each where needed); false when they
+  // cannot be allocated.
+  bool Build(const AttnParams& p);
+  int64_t PairsBefore(int b) const { return pairs_before_ ? pairs_before_[b] : 0; }
+  int64_t BlockRowsBefore(int b) const { return rows_before_ ? rows_before_[b] : 0; }
+  int64_t BlockRowsTotal() const { return rows_total_; }
+
+ private:
+  std::unique_ptr<int64_t[]> pairs_before_;
+  std::unique_ptr<int64_t[]> rows_before_;
+  int64_t rows_total_ = 0;
+};
+
+// Sequences visited by SeqPrefix::Build since the process started: a test
+// hook (score_mods_cpu_test bounds a call's walk by its B), the only walk over
+// the sequences a modifier call makes.
+int64_t SeqPrefixSteps();
+
 // Computes rows [m_block * kBlockM, min(+kBlockM, Sq)) of sequence b, query
 // head h: writes o (in OutputDType(p.dtype)) and, when p.lse is set, lse; FP8
 // rows are dequantised (code x descale) as they load. Applies p's score
 // modifiers and masks (params.h); a block mask's dropped key blocks are never
-// loaded. `p` must have passed CheckParams.
-void AttentionTask(const AttnParams& p, int b, int h, int m_block, Scratch* scratch);
+// loaded. `p` must have passed CheckParams; `prefix` is SeqPrefix::Build(p)'s.
+void AttentionTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int m_block,
+                   Scratch* scratch);
 
 // The same for sequence b of a paged launch (paged_kv.h): its keys are the
 // p.seqlens_k[b] tokens its block table names (new rows already appended),

@@ -35,9 +35,16 @@ absl::Status CpuBackend::Forward(const Plan& /*plan*/, const AttnParams& params,
                                  BackendTimings* timings) {
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(RunTasks(params, [&params](int b, int h, int m_block, cpu::Scratch* scratch) {
-    cpu::AttentionTask(params, b, h, m_block, scratch);
-  }));
+  // The varlen modifier offsets, once per call (not per task).
+  cpu::SeqPrefix prefix;
+  if (!prefix.Build(params)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cpu backend: cannot allocate the per-sequence offsets for batch ", params.batch));
+  }
+  RETURN_IF_ERROR(
+      RunTasks(params, [&params, &prefix](int b, int h, int m_block, cpu::Scratch* scratch) {
+        cpu::AttentionTask(params, prefix, b, h, m_block, scratch);
+      }));
   if (timings != nullptr) {
     timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
                               std::chrono::steady_clock::now() - start)

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "backend/backend_factory.h"
+#include "backend/cpu/cpu_attention_kernel.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/make_params.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -266,6 +268,62 @@ TEST(ScoreModsCpuEdgeTest, HugeSinks) {
   HostBuffers buf(tc);
   ASSERT_TRUE(RunCpu(buf.params()).ok());
   EXPECT_TRUE(CheckOutput(buf));
+}
+
+// A varlen call's per-sequence offsets of a bias, element mask and block mask
+// are summed once per call, not per task: 200k one-token sequences (one task
+// each) walk the sequences B times in all, where a walk per task walked them
+// B^2 / 2 times (2 x 10^10 steps here: minutes). Evidence by count
+// (cpu::SeqPrefixSteps), not by time. Each one-key sequence's O is its V row
+// when the mask, the bias and the block mask all keep the key, else 0.
+TEST(ScoreModsCpuEdgeTest, VarlenOffsetsSummedOncePerCall) {
+  constexpr int kB = 200000, kD = 8;
+  std::vector<int32_t> cu(kB + 1);
+  for (int b = 0; b <= kB; ++b) cu[b] = b;
+  std::vector<float> q(int64_t{kB} * kD, 1.0f), k(q), v(q), o(q.size(), -1.0f);
+  for (int b = 0; b < kB; ++b) {
+    for (int x = 0; x < kD; ++x) v[int64_t{b} * kD + x] = static_cast<float>(b % 1000 + x);
+  }
+  // Sequence b: masked by the mask when b % 2, by the bias (-inf) when
+  // b % 3 == 1, by the block mask (an empty CSR row) when b % 5 == 2.
+  std::vector<uint8_t> mask(kB);
+  std::vector<float> bias(kB);
+  std::vector<int32_t> row_ptr(kB + 1), col_idx;
+  for (int b = 0; b < kB; ++b) {
+    mask[b] = b % 2 == 0 ? 1 : 0;
+    bias[b] = b % 3 == 1 ? -std::numeric_limits<float>::infinity() : 0.25f;
+    row_ptr[b] = static_cast<int32_t>(col_idx.size());
+    if (b % 5 != 2) col_idx.push_back(0);
+  }
+  row_ptr[kB] = static_cast<int32_t>(col_idx.size());
+  AttnShape shape = DenseShape(DType::kFP32, kB, 1, 1, 1, 1, kD);
+  shape.cu_seqlens_q = cu.data();
+  shape.cu_seqlens_k = cu.data();
+  AttnPointers ptrs;
+  ptrs.q = q.data();
+  ptrs.k = k.data();
+  ptrs.v = v.data();
+  ptrs.o = o.data();
+  ptrs.mods.bias = bias.data();
+  ptrs.mods.bias_dtype = DType::kFP32;
+  ptrs.mods.bias_per_batch = true;
+  ptrs.mods.mask = mask.data();
+  ptrs.mods.mask_per_batch = true;
+  ptrs.mods.block_q = ptrs.mods.block_k = 128;
+  ptrs.mods.block_row_ptr = row_ptr.data();
+  ptrs.mods.block_col_idx = col_idx.data();
+  ptrs.mods.block_per_batch = true;
+  const AttnParams p = MakeAttnParams(shape, AttnOptions(), ptrs);
+  const int64_t before = cpu::SeqPrefixSteps();
+  ASSERT_TRUE(RunCpu(p).ok());
+  EXPECT_EQ(cpu::SeqPrefixSteps() - before, kB);
+  for (int b = 0; b < kB; ++b) {
+    const bool kept = b % 2 == 0 && b % 3 != 1 && b % 5 != 2;
+    for (int x = 0; x < kD; ++x) {
+      ASSERT_EQ(o[int64_t{b} * kD + x], kept ? static_cast<float>(b % 1000 + x) : 0.0f)
+          << "sequence " << b << " column " << x;
+    }
+  }
 }
 
 // Paged calls with a bias (or mask, or block mask) are refused before
