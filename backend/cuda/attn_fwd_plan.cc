@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/generated/kernel_set.h"
+#include "backend/cuda/mods_prefix.h"
 
 namespace attnserve {
 namespace cuda {
@@ -242,12 +243,20 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (sm90_head_dim != 0 && sm90_blocks_fit) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;
+    // Both Hopper instantiations carry the mods kernels: a call without a
+    // band takes the unbanded one's (no per-tile band test).
+    plan.banded = IsBanded(p);
     const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk && !HasBlockMask(p) &&
                            Sm90LongKeyTileFor(sm90_head_dim).head_dim != 0 &&
                            CompiledSm90LongKeyHeadDim(sm90_head_dim);
     plan.tile_kind = long_keys ? TileKind::kLongKeys : TileKind::kPrefill;
     plan.num_splits = 1;
     plan.workspace_bytes = Sm90ScheduleWorkspaceBytes(kDefaultSm90Schedule);
+  }
+  // A varlen bias, element mask or block mask: their per-sequence offsets
+  // are staged after the counters (and partials) once per launch.
+  if (NeedsModsPrefix(p)) {
+    plan.workspace_bytes = ModsPrefixOffset(p, plan.num_splits) + ModsPrefixBytes(p);
   }
   return plan;
 }

@@ -7,6 +7,7 @@
 
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/generated/kernel_set.h"
+#include "backend/cuda/mods_prefix.h"
 #include "backend/make_params.h"
 #include "gtest/gtest.h"
 
@@ -342,7 +343,8 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     const bool hopper = cuda::CompiledSm90HeadDim(128);
     Plan p = PlanForward(with(Dense(4, 1024, 1024, 8, 8, 128), which), kH100Sms, true);
     EXPECT_EQ(p.kernel_family, hopper ? KernelFamily::kSm90 : KernelFamily::kPortable);
-    EXPECT_TRUE(p.banded);
+    // Hopper: the unbanded instantiation's mods kernels without a band.
+    EXPECT_EQ(p.banded, !hopper);
     // A bias or element mask takes the banded tile (fewer registers live
     // while loading them), the others the prefill tile.
     const TileKind portable_tile =
@@ -377,6 +379,20 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     p = PlanForward(fp8, kH100Sms, true);
     EXPECT_EQ(p.kernel_family, KernelFamily::kPortable);
     EXPECT_FALSE(p.fp8_qk);
+  }
+  // A varlen bias, mask or block mask: the workspace holds the per-sequence
+  // offsets after the counters (mods_prefix.h), split or not.
+  {
+    const int32_t cu[4] = {0, 100, 100, 700};
+    AttnParams base = Dense(3, 600, 600, 8, 8, 128);
+    base.cu_seqlens_q = base.cu_seqlens_k = cu;
+    base.total_q = base.total_k = 700;
+    const AttnParams v = with(base, 3);
+    for (bool sm90 : {true, false}) {
+      const Plan vp = PlanForward(v, kH100Sms, sm90);
+      EXPECT_EQ(vp.workspace_bytes, cuda::ModsPrefixOffset(v, vp.num_splits) + 2 * 8 * 4);
+    }
+    EXPECT_FALSE(cuda::NeedsModsPrefix(with(base, 0))) << "ALiBi reads no pair layout";
   }
   // An FP32 bias runs on the portable kernel.
   AttnParams bias32 = with(Dense(4, 1024, 1024, 8, 8, 128), 2);
