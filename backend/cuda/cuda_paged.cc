@@ -18,6 +18,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_staging.h"
 #include "backend/cuda/paged_attn.h"
+#include "backend/cuda/paged_attn_fp8.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
@@ -149,8 +150,10 @@ absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) co
   plain.attn.sinks = nullptr;
   RETURN_IF_ERROR(CheckPagedParams(plain));
   if (a.alibi_slopes != nullptr || a.sinks != nullptr) RETURN_IF_ERROR(CheckParams(a));
-  // The SIMT kernels (FP32, FP8 caches) take any head dim.
-  if (p.attn.dtype == DType::kFP32 || p.pages.fp8_e4m3) return Plan();
+  // FP8 caches: the decode kernel's plan, or Plan() for the SIMT kernel,
+  // which takes any head dim (as FP32's does).
+  if (p.pages.fp8_e4m3) return cuda::PlanPagedFp8(p.attn, num_sms_);
+  if (p.attn.dtype == DType::kFP32) return Plan();
   return PlanFor(p.attn, cuda::KvRows::kPages);
 }
 
@@ -168,8 +171,10 @@ absl::Status CudaBackend::LaunchPagedKernels(const Plan& plan, const PagedAttnPa
   if (dev.pages.fp8_e4m3) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppendFp8(dev, slot->stream),
                               "FP8 page copies and append");
-    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedForwardFp8(dev, slot->stream),
-                              "paged FP8 cache forward kernel");
+    RETURN_IF_ERROR(ReserveSplitWorkspace(slot, plan));
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::LaunchPagedForwardFp8(dev, plan, slot->workspace.ptr(), slot->stream),
+        "paged FP8 cache forward kernel");
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
     return absl::OkStatus();
   }
@@ -224,8 +229,11 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
         // and share everything but sizes (CanSharePagedLaunch), so the packed
         // launch only needs its own split and tile decision (PlanFor reads
         // sizes only, so the device params do).
-        if (batch.size() == 1 || dev.attn.dtype == DType::kFP32 || dev.pages.fp8_e4m3) {
+        if (batch.size() == 1 || dev.attn.dtype == DType::kFP32) {
           return LaunchPagedKernels(plan, dev, slot);
+        }
+        if (dev.pages.fp8_e4m3) {
+          return LaunchPagedKernels(cuda::PlanPagedFp8(dev.attn, num_sms_), dev, slot);
         }
         ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev.attn, cuda::KvRows::kPages));
         return LaunchPagedKernels(packed_plan, dev, slot);

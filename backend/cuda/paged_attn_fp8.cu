@@ -2,7 +2,11 @@
 // append (quantising FP16/BF16 rows on the device, or copying given codes and
 // scales), and the portable attention kernel over E4M3 pages.
 //
-// The attention kernel is SIMT and streams the pages once per (sequence,
+// The decode kernel (paged_attn_fp8_decode.cuh) serves decode steps and
+// short query runs at D 64 and 128 (PlanPagedFp8, paged_attn_fp8.h); the rest
+// runs on the portable SIMT kernel below.
+//
+// The SIMT kernel streams the pages once per (sequence,
 // query row, kv head): a CTA of four warps computes up to 8 query heads of
 // one kv head (GQA: every K/V byte read once for all of them). Each
 // warp takes 32-key chunks in turn; in a chunk each lane scores its own key
@@ -21,6 +25,8 @@
 
 #include "backend/cuda/kv_quantize.cuh"
 #include "backend/cuda/paged_attn.h"
+#include "backend/cuda/paged_attn_fp8.h"
+#include "backend/cuda/paged_attn_fp8_decode.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -364,7 +370,91 @@ cudaError_t LaunchFp8(const PagedFwdLaunch& l, cudaStream_t stream) {
   return LaunchFp8Heads<T, 256>(l, grid, group, stream);
 }
 
+template <typename T, int kD, bool kPrefetch>
+cudaError_t LaunchDecode(const fp8_decode::Launch& l, cudaStream_t stream) {
+  const AttnParams& p = l.p;
+  const int rows = p.seqlen_q * (p.num_heads_q / p.num_heads_kv);
+  const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
+  if (rows <= 8) {
+    fp8_decode::PagedFp8DecodeKernel<T, kD, 1, kPrefetch>
+        <<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+  } else {
+    fp8_decode::PagedFp8DecodeKernel<T, kD, 2, kPrefetch>
+        <<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || l.part_o == nullptr) return err;
+  fp8_decode::CombineFp8Splits<T, kD>
+      <<<dim3(static_cast<unsigned>(p.total_q), p.num_heads_q), fp8_decode::kThreads, 0, stream>>>(
+          l);
+  return cudaGetLastError();
+}
+
+// The decode launch of `dev` in `num_splits` splits; partials in
+// `workspace` (the split workspace's layout, past its counters) when given.
+cudaError_t MakeDecodeLaunch(const PagedAttnParams& dev, int num_splits, void* workspace,
+                             fp8_decode::Launch* l) {
+  const AttnParams& p = dev.attn;
+  if (p.batch > 65535 || p.num_heads_kv > 65535 || p.num_heads_q > 65535 ||
+      p.total_q > 0x7fffffff || num_splits < 1 || num_splits > kMaxSplits) {
+    return cudaErrorInvalidConfiguration;
+  }
+  if (workspace == nullptr && num_splits > 1) return cudaErrorInvalidValue;
+  l->p = p;
+  l->kv.pages = dev.pages;
+  l->kv.block_table = dev.block_table;
+  l->kv.block_table_stride = dev.block_table_stride;
+  l->kv.seqlens_k = dev.seqlens_k;
+  l->num_splits = num_splits;
+  l->invariant = p.batch_invariant;
+  l->part_o = nullptr;
+  l->part_lse = nullptr;
+  if (workspace != nullptr) {
+    l->part_o = reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes);
+    l->part_lse = l->part_o + int64_t{num_splits} * p.total_q * p.num_heads_q * p.head_dim;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
+
+cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                                  cudaStream_t stream) {
+  if (plan.kernel_head_dim == 0) return LaunchPagedForwardFp8(dev, stream);
+  const AttnParams& p = dev.attn;
+  if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
+  if (plan.kernel_head_dim != p.head_dim || !Fp8DecodeCovers(p)) return cudaErrorInvalidValue;
+  if (plan.workspace_bytes > 0 &&
+      (workspace == nullptr || plan.workspace_bytes < SplitWorkspaceBytes(p, plan.num_splits))) {
+    return cudaErrorInvalidValue;
+  }
+  fp8_decode::Launch l;
+  const cudaError_t err =
+      MakeDecodeLaunch(dev, plan.num_splits, plan.workspace_bytes > 0 ? workspace : nullptr, &l);
+  if (err != cudaSuccess) return err;
+  const bool bf16 = p.dtype == DType::kBF16;
+  if (p.head_dim == 64) {
+    return bf16 ? LaunchDecode<__nv_bfloat16, 64, true>(l, stream)
+                : LaunchDecode<__half, 64, true>(l, stream);
+  }
+  return bf16 ? LaunchDecode<__nv_bfloat16, 128, true>(l, stream)
+              : LaunchDecode<__half, 128, true>(l, stream);
+}
+
+cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, bool prefetch,
+                                         void* workspace, cudaStream_t stream) {
+  const AttnParams& p = dev.attn;
+  if (p.dtype != DType::kBF16 || p.head_dim != 128 ||
+      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8) {
+    return cudaErrorInvalidValue;
+  }
+  fp8_decode::Launch l;
+  const cudaError_t err =
+      MakeDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
+  if (err != cudaSuccess) return err;
+  return prefetch ? LaunchDecode<__nv_bfloat16, 128, true>(l, stream)
+                  : LaunchDecode<__nv_bfloat16, 128, false>(l, stream);
+}
 
 cudaError_t LaunchKvAppendFp8(const PagedAttnParams& dev, cudaStream_t stream) {
   const AttnParams& a = dev.attn;
