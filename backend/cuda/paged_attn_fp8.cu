@@ -370,17 +370,19 @@ cudaError_t LaunchFp8(const PagedFwdLaunch& l, cudaStream_t stream) {
   return LaunchFp8Heads<T, 256>(l, grid, group, stream);
 }
 
-template <typename T, int kD, bool kPrefetch>
+// kAhead: the steps a warp's loads run ahead of its math (Fp8DecodeAhead);
+// negative: the production choice for the row tiles.
+template <typename T, int kD, int kAhead = -1>
 cudaError_t LaunchDecode(const fp8_decode::Launch& l, cudaStream_t stream) {
   const AttnParams& p = l.p;
   const int rows = p.seqlen_q * (p.num_heads_q / p.num_heads_kv);
   const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
   if (rows <= 8) {
-    fp8_decode::PagedFp8DecodeKernel<T, kD, 1, kPrefetch>
-        <<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+    constexpr int kA = kAhead >= 0 ? kAhead : Fp8DecodeAhead(kD, 1);
+    fp8_decode::PagedFp8DecodeKernel<T, kD, 1, kA><<<grid, fp8_decode::kThreads, 0, stream>>>(l);
   } else {
-    fp8_decode::PagedFp8DecodeKernel<T, kD, 2, kPrefetch>
-        <<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+    constexpr int kA = kAhead >= 0 ? kAhead : Fp8DecodeAhead(kD, 2);
+    fp8_decode::PagedFp8DecodeKernel<T, kD, 2, kA><<<grid, fp8_decode::kThreads, 0, stream>>>(l);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || l.part_o == nullptr) return err;
@@ -434,26 +436,32 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, 
   if (err != cudaSuccess) return err;
   const bool bf16 = p.dtype == DType::kBF16;
   if (p.head_dim == 64) {
-    return bf16 ? LaunchDecode<__nv_bfloat16, 64, true>(l, stream)
-                : LaunchDecode<__half, 64, true>(l, stream);
+    return bf16 ? LaunchDecode<__nv_bfloat16, 64>(l, stream) : LaunchDecode<__half, 64>(l, stream);
   }
-  return bf16 ? LaunchDecode<__nv_bfloat16, 128, true>(l, stream)
-              : LaunchDecode<__half, 128, true>(l, stream);
+  return bf16 ? LaunchDecode<__nv_bfloat16, 128>(l, stream) : LaunchDecode<__half, 128>(l, stream);
 }
 
-cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, bool prefetch,
+cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, int ahead,
                                          void* workspace, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.dtype != DType::kBF16 || p.head_dim != 128 ||
-      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8) {
+      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || ahead < 0 || ahead > 2) {
     return cudaErrorInvalidValue;
   }
   fp8_decode::Launch l;
-  const cudaError_t err =
-      MakeDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
+  cudaError_t err = MakeDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
   if (err != cudaSuccess) return err;
-  return prefetch ? LaunchDecode<__nv_bfloat16, 128, true>(l, stream)
-                  : LaunchDecode<__nv_bfloat16, 128, false>(l, stream);
+  const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
+  auto kernel = ahead == 0   ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 0>
+                : ahead == 1 ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 1>
+                             : fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 2>;
+  kernel<<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || l.part_o == nullptr) return err;
+  fp8_decode::CombineFp8Splits<__nv_bfloat16, 128>
+      <<<dim3(static_cast<unsigned>(p.total_q), p.num_heads_q), fp8_decode::kThreads, 0, stream>>>(
+          l);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchKvAppendFp8(const PagedAttnParams& dev, cudaStream_t stream) {

@@ -35,7 +35,14 @@ constexpr int64_t kFp8DecodeCtasPerSm = 2;
 // max(ceil(n / kFp8InvariantSplits), kFp8InvariantMinChunks) chunks each, a
 // function of its own length alone; the combine adds them in split order.
 constexpr int kFp8InvariantSplits = 32;
-constexpr int kFp8InvariantMinChunks = 32;
+constexpr int kFp8InvariantMinChunks = 64;
+
+// Steps a warp's loads run ahead of its math: each step in flight is D / 2
+// bytes of registers per lane, so two where the registers allow two CTAs per
+// SM (the kernel's launch bounds), one with 16 rows at D 128.
+constexpr int Fp8DecodeAhead(int head_dim, int row_tiles) {
+  return head_dim == 128 && row_tiles == 2 ? 1 : 2;
+}
 
 // True when the decode kernel serves `p` (FP16/BF16 q over an FP8 cache):
 // D 64 or 128, at most kFp8DecodeMaxRows packed rows, keys present.
@@ -108,9 +115,9 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, 
                                   cudaStream_t stream);
 
 // The bench's ablation (bench/cuda/fp8_kv_bench.cu), BF16 q, D 128, <= 8
-// packed rows: the decode kernel without the next step's loads issued ahead
-// (prefetch = false), with `num_splits` splits (1: none).
-cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, bool prefetch,
+// packed rows: the decode kernel with its loads `ahead` (0..2) steps ahead of
+// its math, in `num_splits` splits (1: none).
+cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, int ahead,
                                          void* workspace, cudaStream_t stream);
 
 }  // namespace cuda

@@ -151,7 +151,7 @@ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
 
 // CTA (split, kv head, sequence): packed rows r = i x group + (head within
 // the group) of kv head blockIdx.y over the split's share of the keys.
-template <typename T, int kD, int kRowTiles, bool kPrefetch>
+template <typename T, int kD, int kRowTiles, int kAhead>
 __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
     PagedFp8DecodeKernel(const __grid_constant__ Launch L) {
   constexpr int kRows = 8 * kRowTiles;
@@ -425,21 +425,30 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
     }
   };
 
-  // The warp's steps: chunks c_begin + warp, + kWarps, ...
+  // The warp's steps: chunks c_begin + warp, + kWarps, ... With kAhead > 0
+  // the loads of the step kAhead ahead are issued before this step's math
+  // (buffer u of the unrolled body holds the step u mod (kAhead + 1)), and
+  // its page id one step before that.
   int c = c_begin + warp;
-  if (kPrefetch) {
-    int32_t page1 = page_of(c);
-    int32_t page2 = page_of(c + kWarps);
-    Step<kD> cur;
-    if (c < c_end) load(c, page1, cur);
-    page1 = page2;
-    for (; c < c_end; c += kWarps) {
-      page2 = page_of(c + 2 * kWarps);
-      Step<kD> next;
-      if (c + kWarps < c_end) load(c + kWarps, page1, next);
-      compute(c, cur);
-      cur = next;
-      page1 = page2;
+  if (kAhead > 0) {
+    constexpr int kBufs = kAhead + 1;
+    Step<kD> buf[kBufs];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int cu = c + u * kWarps;
+      if (cu < c_end) load(cu, page_of(cu), buf[u]);
+    }
+    int32_t page_next = page_of(c + kAhead * kWarps);
+    for (; c < c_end; c += kBufs * kWarps) {
+#pragma unroll
+      for (int u = 0; u < kBufs; ++u) {
+        const int cu = c + u * kWarps;
+        const int ahead = cu + kAhead * kWarps;
+        const int32_t page = page_next;
+        page_next = page_of(ahead + kWarps);
+        if (ahead < c_end) load(ahead, page, buf[(u + kAhead) % kBufs]);
+        if (cu < c_end) compute(cu, buf[u]);
+      }
     }
   } else {
     for (; c < c_end; c += kWarps) {

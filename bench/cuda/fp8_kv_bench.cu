@@ -283,12 +283,19 @@ int Main(int argc, char** argv) {
             measure("fp8_simt", [&] { return cuda::LaunchPagedForwardFp8(pp, nullptr); }));
       }
       if (ablate) {
-        out.push_back(measure("fp8_mma_1split_noprefetch", [&] {
-          return cuda::LaunchPagedFp8DecodeAblation(pp, 1, false, nullptr, nullptr);
-        }));
-        out.push_back(measure("fp8_mma_1split", [&] {
-          return cuda::LaunchPagedFp8DecodeAblation(pp, 1, true, nullptr, nullptr);
-        }));
+        for (int ahead = 0; ahead <= 2; ++ahead) {
+          out.push_back(measure("fp8_mma_1split_ahead" + std::to_string(ahead), [&] {
+            return cuda::LaunchPagedFp8DecodeAblation(pp, 1, ahead, nullptr, nullptr);
+          }));
+        }
+        const Plan split = cuda::PlanPagedFp8(pp.attn, num_sms);
+        if (split.num_splits > 1) {
+          // The plan's splits with loads one step ahead.
+          out.push_back(
+              measure("fp8_mma_" + std::to_string(split.num_splits) + "split_ahead1", [&] {
+                return cuda::LaunchPagedFp8DecodeAblation(pp, split.num_splits, 1, ws, nullptr);
+              }));
+        }
       }
       out.push_back(measure("fp8_mma_plan_" + std::to_string(plan.num_splits) + "split",
                             [&] { return cuda::LaunchPagedForwardFp8(pp, plan, ws, nullptr); }));
