@@ -14,6 +14,7 @@
 #include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
 #include "backend/cuda/kv_rows.cuh"
+#include "backend/cuda/mods_prefix.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -172,7 +173,9 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   // An unsplit plan with a workspace: the Hopper schedule's item counters
   // (Sm90ScheduleWorkspaceBytes). The slot's buffer may be there for others.
   l.item_counters = !split && plan.workspace_bytes > 0 ? static_cast<int*>(workspace) : nullptr;
-  l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes)
+  // Partials after the counters and any staged modifier offsets (mods_prefix.h).
+  l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes +
+                                               ModsPrefixBytes(dev))
                     : nullptr;
   l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
   // Decode tiles combine in the forward kernel (FinishSplit): never slower
@@ -214,7 +217,10 @@ cudaError_t LaunchForward(const AttnParams& dev, const Plan& plan, void* workspa
                           cudaStream_t stream) {
   if (dev.total_q == 0 || dev.batch == 0) return cudaSuccess;
   const FwdLaunch l = MakeFwdLaunch(dev, plan, workspace);
-  const cudaError_t err = RunForPlan(plan, dev.dtype, l, stream);
+  // A varlen bias / mask / block mask: its per-sequence offsets, once.
+  cudaError_t err = StageModsPrefix(l, stream);
+  if (err != cudaSuccess) return err;
+  err = RunForPlan(plan, dev.dtype, l, stream);
   if (err != cudaSuccess) return err;
   return LaunchCombine(l, stream);
 }

@@ -507,8 +507,9 @@ __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, C
   VisibleKeys(p, i_last, w->sq, w->sk, &w->lo_last, &hi_last);
   Mask::KeyTiles(lo_first, hi_last, w->sk, kBlockN, &w->n_begin, &w->n_end);
   if constexpr (kMods) {
-    const int count = BlockMaskTiles<kBlockN>(p, w->b, G > 1 ? w->head * G : w->head, i_first,
-                                              w->n_begin, w->n_end, &w->order);
+    const int count =
+        BlockMaskTiles<kBlockN>(p, ModsPrefixOf(L), w->b, G > 1 ? w->head * G : w->head, i_first,
+                                w->n_begin, w->n_end, &w->order);
     const int per_split = (count + splits - 1) / splits;
     w->t_begin = w->split * per_split;
     w->t_end = min(count, w->t_begin + per_split);
@@ -826,8 +827,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const bool elementwise =
       kMods && (p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr);
   const float score_log2 = elementwise || use_softcap ? 1.f : L.scale_log2;
+  // Varlen: the launch's staged offsets (mods_prefix.cuh); dense: unused.
   const int64_t pairs_before =
-      kMods && (p.bias != nullptr || p.mask != nullptr) ? PairsBefore(p, b) : 0;
+      kMods && (p.bias != nullptr || p.mask != nullptr) && IsVarlen(p) ? ModsPrefixOf(L)[b] : 0;
 
   // ldmatrix lane addresses (element offsets inside a tile).
   // A (Q, 16x16 at [row0, k0]): lanes 0-15 rows 0-15 at k0, lanes 16-31 at k0+8.

@@ -254,9 +254,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     plan.workspace_bytes = Sm90ScheduleWorkspaceBytes(kDefaultSm90Schedule);
   }
   // A varlen bias, element mask or block mask: their per-sequence offsets
-  // are staged after the counters (and partials) once per launch.
+  // are staged after the counters (before any partials) once per launch.
   if (NeedsModsPrefix(p)) {
-    plan.workspace_bytes = ModsPrefixOffset(p, plan.num_splits) + ModsPrefixBytes(p);
+    plan.workspace_bytes = std::max(plan.workspace_bytes, kSplitCounterBytes) + ModsPrefixBytes(p);
   }
   return plan;
 }

@@ -5,7 +5,9 @@
 // O(B) each and O(B^2) per call. Plain C++ (the planner sizes the workspace
 // in every build) and nvcc-safe (the kernels read it).
 //
-// Layout, after the workspace's counter block and (split plans) partials:
+// Layout, right after the workspace's counter block (a split plan's
+// partials follow them, MakeFwdLaunch), so a kernel finds them at a fixed
+// offset:
 //   int64 pairs_before[B + 1]   pairs of sequences 0..b-1 ([B]: all)
 //   int64 rows_before[B + 1]    query blocks of sequences 0..b-1 (0 without
 //                               a block mask)
@@ -28,13 +30,8 @@ ATTN_HOST_DEVICE int64_t ModsPrefixBytes(const AttnParams& p) {
   return NeedsModsPrefix(p) ? 2 * 8 * (int64_t{p.batch} + 1) : 0;
 }
 
-// Their byte offset in the workspace of a launch with num_splits splits
-// (SplitWorkspaceBytes when split, else the counter block alone).
-ATTN_HOST_DEVICE int64_t ModsPrefixOffset(const AttnParams& p, int num_splits) {
-  return kSplitCounterBytes + (num_splits > 1 ? int64_t{num_splits} * p.num_heads_q * p.total_q *
-                                                    (int64_t{p.head_dim} + 1) * 4
-                                              : 0);
-}
+// Their byte offset in the workspace: after the counter block.
+constexpr int64_t kModsPrefixOffset = kSplitCounterBytes;
 
 // BlockRow (params.h) with the staged offsets: rows_before = rows_before[b],
 // rows_total = rows_before[B] (params.h's walks the sequences for both).

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/mods_prefix.cuh"
 #include "backend/cuda/split_combine.cuh"
 #include "backend/params.h"
 
@@ -67,15 +68,19 @@ struct KeyTileOrder {
 // (kBlockMaskGrain: every kernel's query tile, or a packed decode tile's few
 // queries, stays inside one block row), head `head` (the first query head of
 // a packed tile; the plan does not pack GQA heads under a per-head block
-// mask). Returns the number of tiles to scan.
+// mask). prefix: the launch's staged offsets (ModsPrefixOf; null when dense).
+// Returns the number of tiles to scan.
 template <int kBlockN>
-__device__ __forceinline__ int BlockMaskTiles(const AttnParams& p, int b, int head, int i_first,
-                                              int n_begin, int n_end, KeyTileOrder* order) {
+__device__ __forceinline__ int BlockMaskTiles(const AttnParams& p, const int64_t* prefix, int b,
+                                              int head, int i_first, int n_begin, int n_end,
+                                              KeyTileOrder* order) {
   order->first = max(n_end - n_begin, 0);
   order->first_end = n_end;
   if (!HasBlockMask(p) || n_begin >= n_end) return order->first;
-  const int64_t rows_before = IsVarlen(p) ? BlockRowsBefore(p, b) : 0;
-  const int64_t row = BlockRow(p, rows_before, b, head, i_first / p.block_q);
+  const bool staged = IsVarlen(p) && prefix != nullptr;
+  const int64_t row =
+      StagedBlockRow(p, staged ? prefix[p.batch + 1 + b] : 0, staged ? prefix[2 * p.batch + 1] : 0,
+                     b, head, i_first / p.block_q);
   const int beg = __ldg(p.block_row_ptr + row);
   const int end = __ldg(p.block_row_ptr + row + 1);
   const int per = p.block_k / kBlockN;
@@ -116,7 +121,7 @@ __device__ __forceinline__ float LoadBias(const void* bias, DType t, int64_t idx
 // the bias are added (times log2(e)), and keys outside the row's band, masked
 // by the element mask or past the sequence become -inf. Rows past the tile's
 // last row are computed as that row (their results are never stored).
-// pairs_before: PairsBefore(p, b), hoisted by the caller; to_log2: 1 for
+// pairs_before: PairsBefore(p, b) (staged: ModsPrefixOf); to_log2: 1 for
 // softcapped scores, else scale_log2.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void ModScores(float (&s)[kMTiles][kNTiles][4], const AttnParams& p,

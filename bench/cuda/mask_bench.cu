@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -171,6 +172,14 @@ struct Launch {
   void* ws = nullptr;
 };
 
+// --sm90_mods: which Hopper kernels a modifier call takes. split (the
+// plan's): the register modifiers' kernel or the bias / mask one, unbanded
+// without a band; banded: the same kernels, always the banded
+// instantiation; one: every modifier call on the bias / mask kernel of the
+// banded instantiation (the kernels before the split; set in main through
+// ATTNSERVE_SM90_MODS_ONE_KERNEL).
+std::string g_sm90_mods = "split";
+
 bool Prepare(const Case& c, bool allow_sm90, const AttnPointers& ptrs, Arena* a, Launch* l) {
   int num_sms = 0;
   CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -178,6 +187,7 @@ bool Prepare(const Case& c, bool allow_sm90, const AttnPointers& ptrs, Arena* a,
       MakeAttnParams(DenseShape(DType::kBF16, c.b, c.n, c.n, c.h, c.h, c.d), AttnOptions(), ptrs);
   l->plan = cuda::PlanForward(l->p, num_sms, allow_sm90 && cuda::DeviceRunsSm90Kernels(0));
   if (l->plan.kernel_head_dim == 0) return false;
+  if (g_sm90_mods != "split" && HasScoreMods(l->p)) l->plan.banded = true;
   if (l->plan.workspace_bytes > 0) {
     l->ws = a->Alloc(l->plan.workspace_bytes);
     if (l->ws == nullptr) return false;
@@ -297,7 +307,7 @@ void WriteMask(const std::string& dir, const Case& c, const Csr& m, FILE* index)
 
 int main(int argc, char** argv) {
   using namespace attnserve;
-  std::string grid = "all", out, mask_dir, impls = "ours", dims = "64,128";
+  std::string grid = "all", out, mask_dir, impls = "ours", dims = "64,128", ns = "8192,16384,32768";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto val = [&](const char* f) {
@@ -307,6 +317,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: mask_bench [--grid=sparse|bias|mods|all] [--impls=ours,portable] [--csv=FILE]\n"
           "                  [--mask_dir=DIR] [--dims=64,128 (sparse grid head dims)]\n"
+          "                  [--ns=8192,16384 (sparse grid N)] [--sm90_mods=split|banded|one]\n"
           "Times block-sparse masks, biases, ALiBi and sinks against the same shapes without\n"
           "them (BF16, CUDA events, L2 flushed, median of 15), each validated first against\n"
           "the float64 reference; CSV rows, one per case.\n");
@@ -317,16 +328,26 @@ int main(int argc, char** argv) {
     if (!val("--mask_dir=").empty()) mask_dir = val("--mask_dir=");
     if (!val("--impls=").empty()) impls = val("--impls=");
     if (!val("--dims=").empty()) dims = val("--dims=");
+    if (!val("--ns=").empty()) ns = val("--ns=");
+    if (!val("--sm90_mods=").empty()) g_sm90_mods = val("--sm90_mods=");
   }
+  if (g_sm90_mods != "split" && g_sm90_mods != "banded" && g_sm90_mods != "one") {
+    std::fprintf(stderr, "--sm90_mods: split, banded or one, not %s\n", g_sm90_mods.c_str());
+    return 1;
+  }
+  // Read once, at the first Hopper launch: set before any.
+  if (g_sm90_mods == "one") setenv("ATTNSERVE_SM90_MODS_ONE_KERNEL", "1", 1);
   std::vector<Case> cases;
   const bool all = grid == "all";
   if (all || grid == "sparse") {
     for (int d : {64, 128}) {
       if (dims.find(std::to_string(d)) == std::string::npos) continue;
-      for (int n : {8192, 16384, 32768})
+      for (int n : {8192, 16384, 32768}) {
+        if (ns.find(std::to_string(n)) == std::string::npos) continue;
         for (const char* pat : {"random", "stripes"})
           for (double s : {1.0, 0.5, 0.25, 0.1, 0.05})
             cases.push_back({"sparse", pat, "none", d, 1, 2048 / d, n, s});
+      }
     }
   }
   if (all || grid == "bias") {

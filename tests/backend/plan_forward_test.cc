@@ -381,7 +381,7 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     EXPECT_FALSE(p.fp8_qk);
   }
   // A varlen bias, mask or block mask: the workspace holds the per-sequence
-  // offsets after the counters (mods_prefix.h), split or not.
+  // offsets after the counters (mods_prefix.h), split (before the partials) or not.
   {
     const int32_t cu[4] = {0, 100, 100, 700};
     AttnParams base = Dense(3, 600, 600, 8, 8, 128);
@@ -390,7 +390,9 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     const AttnParams v = with(base, 3);
     for (bool sm90 : {true, false}) {
       const Plan vp = PlanForward(v, kH100Sms, sm90);
-      EXPECT_EQ(vp.workspace_bytes, cuda::ModsPrefixOffset(v, vp.num_splits) + 2 * 8 * 4);
+      const int64_t partials = vp.num_splits > 1 ? cuda::SplitWorkspaceBytes(v, vp.num_splits)
+                                                 : cuda::kSplitCounterBytes;
+      EXPECT_EQ(vp.workspace_bytes, partials + 2 * 8 * 4);
     }
     EXPECT_FALSE(cuda::NeedsModsPrefix(with(base, 0))) << "ALiBi reads no pair layout";
   }

@@ -216,6 +216,46 @@ std::vector<TestCase> ShapeGrid() {
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaModsTest, ::testing::ValuesIn(ShapeGrid()), CaseName);
 
+// Many short varlen sequences: a bias, mask and block mask find each
+// sequence's offsets in the launch's staged arrays (mods_prefix.cuh; with
+// more sequences than the staging scan's 1024 threads, each thread sums
+// several). Short queries run on the decode tile; one long query run takes
+// the prefill kernels (Hopper where it has them). Named by index: the
+// lengths would make a name of thousands of characters.
+class CudaModsManySequencesTest : public CudaModsTest {};
+
+TEST_P(CudaModsManySequencesTest, MatchesReference) {
+  HostBuffers buf(GetParam());
+  RunAndCheck(&buf);
+}
+
+std::vector<TestCase> ManySequencesGrid() {
+  std::vector<TestCase> g;
+  constexpr int kB = 2100;
+  std::vector<int> sq(kB), sk(kB);
+  for (int b = 0; b < kB; ++b) {
+    sq[b] = b % 4;
+    sk[b] = (b * 7) % 11;
+  }
+  std::vector<int> sq_long = sq, sk_long = sk;
+  sq_long[1200] = 300;
+  sk_long[1200] = 400;
+  sq_long[kB - 1] = 130;
+  sk_long[kB - 1] = 257;
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    g.push_back(Varlen(t, sq, sk, 2, 1, 128, All()));
+    g.push_back(Varlen(t, sq_long, sk_long, 2, 1, 128, All(0.5f)));
+    ModsSpec blocks = Blocks(128, 128, 0.5f, true, true);
+    blocks.alibi = true;
+    g.push_back(Varlen(t, sq_long, sk_long, 2, 2, 128, blocks));
+  }
+  return g;
+}
+INSTANTIATE_TEST_SUITE_P(Many, CudaModsManySequencesTest, ::testing::ValuesIn(ManySequencesGrid()),
+                         [](const ::testing::TestParamInfo<TestCase>& info) {
+                           return "many_sequences_" + std::to_string(info.index);
+                         });
+
 // Split-KV: each case must plan more than one split on the portable kernel
 // (a prefill the Hopper kernel takes runs unsplit there). Decode tiles combine
 // in the forward kernel, prefill tiles in the combine kernel; the sink joins

@@ -26,6 +26,7 @@
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/generated/kernel_set.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
+#include "backend/cuda/mods_prefix.h"
 #include "backend/params.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
@@ -282,8 +283,20 @@ void Stage(const Problem& pr, const Case& c, Staged* st) {
   CUDA_OK(st->cu_k.Up(pr.cu_k));
   CUDA_OK(st->slopes.Up(pr.slopes));
   CUDA_OK(st->sinks.Up(pr.sinks));
-  CUDA_OK(cudaMalloc(&st->counters.ptr, cuda::kSplitCounterBytes));
+  // The schedule's counters, then (varlen block mask) the per-sequence
+  // offsets LaunchForward would stage (mods_prefix.h), summed here on the host.
+  const int64_t ws_bytes = cuda::kSplitCounterBytes + cuda::ModsPrefixBytes(p);
+  CUDA_OK(cudaMalloc(&st->counters.ptr, ws_bytes));
   CUDA_OK(cudaMemset(st->counters.ptr, 0, cuda::kSplitCounterBytes));
+  if (cuda::NeedsModsPrefix(p)) {
+    std::vector<int64_t> prefix(2 * (int64_t{p.batch} + 1), 0);
+    for (int b = 0; b < p.batch; ++b) {
+      prefix[b + 1] = prefix[b] + int64_t{SeqLenQ(p, b)} * SeqLenK(p, b);
+      prefix[p.batch + 2 + b] = prefix[p.batch + 1 + b] + BlockRowsOf(p, b);
+    }
+    CUDA_OK(cudaMemcpy(static_cast<char*>(st->counters.ptr) + cuda::kModsPrefixOffset,
+                       prefix.data(), prefix.size() * 8, cudaMemcpyHostToDevice));
+  }
   p.q = st->q.ptr;
   p.k = st->k.ptr;
   p.v = st->v.ptr;

@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -30,6 +32,7 @@
 #include "backend/cuda/hopper/sm90_fwd_mainloop.cuh"
 #include "backend/cuda/hopper/sm90_fwd_tile_scheduler.cuh"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
+#include "backend/cuda/mods_prefix.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -41,15 +44,15 @@ namespace sm90 {
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
-// schedule only): ALiBi, additive bias, element mask, sinks and the block
-// mask (Sm90FwdConfig).
+// schedule only): ALiBi, sinks and the block mask; kElemMods also the
+// additive bias and element mask (Sm90FwdConfig).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods>
+          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg =
-      Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk, kMods>;
+  using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk,
+                            kMods, kElemMods>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -76,6 +79,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         // Warp 0 walks each item's block-mask row (WalkBlockRow needs the
         // whole warp) and publishes it with the item; lane 0 loads.
         if (tid < 32) {
+          const int64_t* prefix = ModsPrefixOf(F);  // varlen block mask: rows_before
           Sm90FwdProducer<Cfg> producer(L, sm);
           if (tid == 0) producer.PrefetchMaps();
           for (int k = 0;; ++k) {
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
             t.e_top = -1;
             t.top_excess = 0;
             const bool ok = item < num_items && DecodeTile<kBlockN, kIsBanded>(F, item, &t);
-            if (ok && HasBlockMask(p)) WalkBlockRow<kBlockN>(p, &t, tid);
+            if (ok && HasBlockMask(p)) WalkBlockRow<kBlockN>(p, prefix, &t);
             scheduler.Publish(k, item, t);
             if (item >= num_items) break;
             if (ok && t.num_tiles > 0 && tid == 0) producer.LoadItem(t);
@@ -146,6 +150,16 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 
 }  // namespace sm90
 
+// ATTNSERVE_SM90_MODS_ONE_KERNEL=1: every modifier call on the kElemMods
+// kernel (A/B measurements of the split; read once).
+inline bool Sm90ModsOneKernel() {
+  static const bool one = [] {
+    const char* v = std::getenv("ATTNSERVE_SM90_MODS_ONE_KERNEL");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return one;
+}
+
 // Launches the instantiation: tensor maps over the request's Q, K and V
 // (dense: [B, S, H, D]; varlen: one batch of all T rows, the kernel starting
 // each sequence at its cu_seqlens offset; one box = one 128-byte row of 64
@@ -166,8 +180,16 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from its Hopper tile table");
   const AttnParams& p = launch.p;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
-  const bool mods = HasScoreMods(p);
-  if (mods) {
+  // Which kernel: the bias / element mask one (kElemMods), the register
+  // modifiers' one (ALiBi, block mask, sinks beside them), or the plain one
+  // (no modifier, or sinks alone: only its epilogue differs).
+  // ATTNSERVE_SM90_MODS_ONE_KERNEL=1 (A/B measurements) sends every modifier
+  // call to the kElemMods kernel, as before the kernels were split.
+  const bool any_mods = HasScoreMods(p);
+  const bool elem_mods =
+      p.bias != nullptr || p.mask != nullptr || (any_mods && Sm90ModsOneKernel());
+  const bool mods = elem_mods || p.alibi_slopes != nullptr || HasBlockMask(p);
+  if (any_mods) {
     constexpr bool kHasMods = kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk;
     if (!kHasMods) return cudaErrorNotSupported;
     if (p.bias != nullptr && p.bias_dtype != DType::kFP16 && p.bias_dtype != DType::kBF16) {
@@ -207,23 +229,25 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
   constexpr int kQKBytes = kFp8Qk ? 1 : 2;
+  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes);
   void (*kernel)(const Sm90FwdLaunch) =
-      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, Sm90QSlots(kTile, kQKBytes), T,
-                              kIsBanded, kSchedule, kFp8Qk, false>;
+      sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                              kSchedule, kFp8Qk, false>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
-    if (mods) {
-      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages,
-                                       Sm90QSlots(kTile, kQKBytes), T, kIsBanded, kSchedule, kFp8Qk,
-                                       true>;
+    if (elem_mods) {
+      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                       kSchedule, kFp8Qk, true, true>;
+    } else if (mods) {
+      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                       kSchedule, kFp8Qk, true, false>;
     }
   }
-  using ModsCfg =
-      sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, Sm90QSlots(kTile, kQKBytes), T,
-                          kIsBanded, kSchedule, kFp8Qk, true>;
+  using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                      kSchedule, kFp8Qk, true, true>;
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes);
-  static_assert(ModsCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
-  // The kMods kernel adds its prefetch buffer where it fits.
-  const int smem = mods ? ModsCfg::kSmemBytes : kSmem;
+  static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
+  // The kElemMods kernel adds its prefetch buffer where it fits.
+  const int smem = elem_mods ? ElemCfg::kSmemBytes : kSmem;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid;

@@ -34,12 +34,14 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 }
 
 // Everything the kernel template's parameters fix: the schedule's features
-// (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes. kMods: the
-// instantiation for calls with score modifiers (HasScoreMods: ALiBi, bias,
-// element mask, sinks, a block mask); the plain one carries none of their
-// code.
+// (Sm90Schedule in attn_fwd_plan.h) and the tile's sizes. kMods: an
+// instantiation for calls with score modifiers (HasScoreMods) that act in
+// registers: ALiBi, sinks, a block mask. kElemMods (with kMods): also an
+// additive bias and an element mask, whose per-element reads and prefetch
+// buffer the others do not carry. The plain one carries none of their code
+// but the sinks' epilogue (a sinks-only call runs there).
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
-          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false>
+          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false>
 struct Sm90FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -50,6 +52,7 @@ struct Sm90FwdConfig {
   static constexpr Sm90Schedule kSchedule = kSchedule_;
   static constexpr bool kFp8Qk = kFp8Qk_;
   static constexpr bool kMods = kMods_;
+  static constexpr bool kElemMods = kMods_ && kElemMods_;
 
   // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
   static constexpr bool kWS = WarpSpecialized(kSchedule);
@@ -62,6 +65,9 @@ struct Sm90FwdConfig {
                                    kSchedule == Sm90Schedule::kPersistentDynamic;
   static constexpr bool kDynamic = kSchedule == Sm90Schedule::kPersistentDynamic;
   static constexpr bool kPersistent = kSchedule == Sm90Schedule::kPersistent || kDynamic;
+  // The epilogue adds attention sinks: every kernel a modifier call can
+  // reach (the default schedule without kFp8Qk, RunAttnFwdSm90).
+  static constexpr bool kSinks = kMods || (kDynamic && !kFp8Qk);
 
   static constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row
   static constexpr int kNTiles = kBlockN / 8;
@@ -74,7 +80,7 @@ struct Sm90FwdConfig {
   static constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
   static constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  // Shared memory without and (kMods) with the bias / mask prefetch buffer
+  // Shared memory without and (kElemMods) with the bias / mask prefetch buffer
   // (a word per fragment pair per consumer thread, Sm90FwdMainloop::
   // PrefetchMods), kept where it fits (else those pairs are read when the
   // tile is scored).
@@ -82,7 +88,7 @@ struct Sm90FwdConfig {
       (kQSlots * kBlockM + kStages * kBlockN) * kQKBlocks * 128 + kStages * kVBytes + 1024 + 256;
   static constexpr int kPreBytesWanted = kConsumerThreads * 2 * kNTiles * 4;
   static constexpr int kPreBytes =
-      kMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
+      kElemMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
   static constexpr int kSmemBytes = kBaseSmemBytes + kPreBytes;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
   static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
@@ -135,7 +141,7 @@ struct Sm90FwdSmem {
   __device__ __forceinline__ int* item_slot() const {
     return reinterpret_cast<int*>(sched_empty() + 2);
   }
-  // kMods: the bias / mask prefetch buffer (Cfg::kPreBytes), after the
+  // kElemMods: the bias / mask prefetch buffer (Cfg::kPreBytes), after the
   // 256 bytes of mbarriers and item slots.
   __device__ __forceinline__ unsigned char* pre() const {
     return reinterpret_cast<unsigned char*>(q_full()) + 256;

@@ -1,7 +1,7 @@
 // The Hopper forward kernel's epilogue: an item's O normalised once and
 // written with its LSE straight from the consumer's wgmma fragments, or, for
 // an item that sees no key, O = 0 and LSE = -inf (the portable kernel's
-// NormalizeRows and StoreEmptyRows, attn_fwd_kernel.cuh). kMods: attention
+// NormalizeRows and StoreEmptyRows, attn_fwd_kernel.cuh). Cfg::kSinks: attention
 // sinks join each row's denominator (and its LSE; a row with no key gets
 // LSE = sink).
 #pragma once
@@ -27,7 +27,7 @@ struct Sm90FwdEpilogue {
   // Item t has no visible key: all consumer threads (ctid) share its rows.
   __device__ __forceinline__ static void StoreEmpty(const FwdLaunch& F, const detail::QueryRows& qr,
                                                     const Sm90Tile& t, int ctid) {
-    if (Cfg::kMods && F.p.sinks != nullptr) {
+    if (Cfg::kSinks && F.p.sinks != nullptr) {
       StoreEmptySink(F, qr, t, ctid);
     } else {
       detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
@@ -80,7 +80,7 @@ struct Sm90FwdEpilogue {
                                                const float (&row_sum)[2], float score_log2) {
     const AttnParams& p = F.p;
     float lse[2];
-    if (Cfg::kMods && p.sinks != nullptr) {
+    if (Cfg::kSinks && p.sinks != nullptr) {
       NormalizeRowsSink(o, row_max, row_sum, score_log2, __ldg(p.sinks + t.head), lse);
     } else {
       detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);

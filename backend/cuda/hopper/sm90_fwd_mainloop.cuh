@@ -22,6 +22,7 @@
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_fwd_tile_scheduler.cuh"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
+#include "backend/cuda/mods_prefix.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -54,6 +55,38 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&r
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, -mx_log2));
+        s[0][nt][half * 2 + e] = pv;
+        sum += pv;
+      }
+    row_sum[half] = sum;
+  }
+}
+
+// SoftmaxStep with a per-thread additive offset off[half] (S units) that
+// belongs to every score of the thread's row `half` in this tile but is not
+// in S (ALiBi's constant part, Sm90FwdMainloop::AddAlibiLinear): it joins
+// the row max and each exponent's argument instead of every element.
+template <int kNTiles>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
+                                            float (&row_sum)[2], float (&corr)[2], float score_log2,
+                                            const float (&off)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mt = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+      mt = fmaxf(mt, fmaxf(s[0][nt][half * 2], s[0][nt][half * 2 + 1]));
+    const float mx = fmaxf(row_max[half], detail::QuadMax(mt + off[half]));
+    const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
+    corr[half] = detail::Exp2(row_max[half] * score_log2 - mx_log2);
+    row_max[half] = mx;
+    const float arg0 = fmaf(off[half], score_log2, -mx_log2);
+    float sum = row_sum[half] * corr[half];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, arg0));
         s[0][nt][half * 2 + e] = pv;
         sum += pv;
       }
@@ -477,8 +510,11 @@ class Sm90FwdMainloop {
     const AttnParams& p = L_.fwd.p;
     const float* slopes = p.alibi_slopes;
     alibi_coef_ = slopes != nullptr ? -__ldg(slopes + t.head) * kLog2e / score_log2 : 0.f;
-    pairs_before_ =
-        (p.bias != nullptr || p.mask != nullptr) && IsVarlen(p) ? PairsBefore(p, t.b) : 0;
+    if constexpr (Cfg::kElemMods) {
+      pairs_before_ = (p.bias != nullptr || p.mask != nullptr) && IsVarlen(p)
+                          ? __ldg(ModsPrefixOf(L_.fwd) + t.b)
+                          : 0;
+    }
   }
 
   // A 16-bit bias (the params are in constant memory: no registers held).
@@ -684,21 +720,64 @@ class Sm90FwdMainloop {
     }
   }
 
+  // ALiBi as AddAlibi, where all of the thread's keys of the tile lie on one
+  // side of its row's diagonal (every tile but those the diagonal crosses):
+  // |diag - j| is then linear in the key's column c in the tile, so S gets
+  // one FMA by a constant c per element and the row's constant part goes to
+  // off[half] (SoftmaxStep's offset).
+  __device__ __forceinline__ void AddAlibiLinear(const Sm90Tile& t, int row0, int key0,
+                                                 float (&off)[2]) {
+    constexpr int kLastCol = (kNTiles - 1) * 8 + 1;  // the thread's last column past quad * 2
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d0 = row0 + half * 8 + (t.sk - t.sq) - key0 - quad * 2;  // diag - j at c = 0
+      const float fd0 = static_cast<float>(d0);
+      if (d0 >= kLastCol || d0 <= 0) {
+        // Left of the diagonal |d| = d0 - c, right of it c - d0.
+        const float k = d0 > 0 ? -alibi_coef_ : alibi_coef_;
+        off[half] = -k * fd0;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = acc_.s[0][nt][half * 2 + e];
+            x = fmaf(k, static_cast<float>(nt * 8 + e), x);
+          }
+      } else {
+        off[half] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = acc_.s[0][nt][half * 2 + e];
+            x = fmaf(alibi_coef_, fabsf(fd0 - static_cast<float>(nt * 8 + e)), x);
+          }
+      }
+    }
+  }
+
   // Softcap, ALiBi, bias, band, element mask and the online-softmax step of
   // key tile n, S -> P.
   __device__ __forceinline__ void Softmax(const Sm90Tile& t, int row0, int n) {
     const AttnParams& p = L_.fwd.p;
     if (use_softcap) detail::SoftcapScores(acc_.s, L_.fwd.softcap_in, L_.fwd.softcap_out);
     const int key0 = n * kBlockN;
-    if constexpr (Cfg::kMods) {
+    float off[2] = {0.f, 0.f};
+    if constexpr (Cfg::kElemMods) {
       if (alibi_coef_ != 0.f) AddAlibi(t, row0, key0);
       AddBias(t, key0);
+    } else if constexpr (Cfg::kMods) {
+      if (alibi_coef_ != 0.f) AddAlibiLinear(t, row0, key0, off);
     }
     if (Mask::TileNeedsMask(key0, kBlockN, t.sk, t.lo_last, t.hi_first)) {
       detail::MaskScores(acc_.s, p, key0, row0, t.sq, 1, t.sq, t.sk, quad);
     }
-    if constexpr (Cfg::kMods) MaskElements(t, key0);
-    SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
+    if constexpr (Cfg::kElemMods) MaskElements(t, key0);
+    if constexpr (Cfg::kMods && !Cfg::kElemMods) {
+      SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2, off);
+    } else {
+      SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
+    }
   }
 
   // Varlen: the V tile of key tile n reaching past the sequence holds the

@@ -19,6 +19,7 @@
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
+#include "backend/cuda/mods_prefix.h"
 
 namespace attnserve {
 namespace cuda {
@@ -55,20 +56,22 @@ __device__ __forceinline__ int KeyTileAt(const AttnParams& p, const Sm90Tile& t,
   return (__ldg(p.block_col_idx + t.e_top - v / tpb) + 1) * tpb - 1 - v % tpb;
 }
 
-// Item t's walk over its CSR row of the block mask, by a whole warp (lane:
-// its lane): the kept blocks' entries are strictly increasing, so those
-// meeting the band's tiles [n_begin, n_end) are one run [e_lo, e_hi), found
-// by counting with ballots (one round of loads per 32 entries, not a serial
-// search); only the run's end entries can be cut by the band.
+// Item t's walk over its CSR row of the block mask, by a whole warp: the
+// kept blocks' entries are strictly increasing, so those meeting the band's
+// tiles [n_begin, n_end) are one run [e_lo, e_hi), found by counting with
+// ballots (one round of loads per 32 entries, not a serial search); only the
+// run's end entries can be cut by the band. prefix: the launch's staged
+// offsets (varlen; ModsPrefixOf), which give the row without a walk over
+// the earlier sequences.
 template <int kBlockN>
-__device__ __forceinline__ void WalkBlockRow(const AttnParams& p, Sm90Tile* t, int lane) {
+__device__ __forceinline__ void WalkBlockRow(const AttnParams& p, const int64_t* prefix,
+                                             Sm90Tile* t) {
+  const int lane = threadIdx.x % 32;
   const int tpb = p.block_k / kBlockN;
-  int rows_before = 0;  // varlen: the query blocks of the earlier sequences
-  if (IsVarlen(p)) {
-    for (int s = lane; s < t->b; s += 32) rows_before += BlockRowsOf(p, s);
-    rows_before = __reduce_add_sync(0xffffffffu, rows_before);
-  }
-  const int64_t row = BlockRow(p, rows_before, t->b, t->head, t->m0 / p.block_q);
+  const bool varlen = IsVarlen(p);
+  const int64_t row = StagedBlockRow(p, varlen ? __ldg(prefix + p.batch + 1 + t->b) : 0,
+                                     varlen ? __ldg(prefix + 2 * p.batch + 1) : 0, t->b, t->head,
+                                     t->m0 / p.block_q);
   const int e0 = __ldg(p.block_row_ptr + row);
   const int e1 = __ldg(p.block_row_ptr + row + 1);
   int below_end = 0, before_begin = 0;
