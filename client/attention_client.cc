@@ -119,25 +119,11 @@ absl::Status OutputsFromProto(v1::Tensor* o, v1::Tensor* lse, HostTensor* out_o,
 
 absl::StatusOr<ShmOutputSpans> PlaceForwardInArena(ShmArena& arena, v1::ForwardRequest* request) {
   arena.Reset();
-  ShmOutputSpans spans;
   for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
     RETURN_IF_ERROR(arena.MoveIn(t));
   }
-  // No query rows: no output bytes to share; the empty O comes in the message.
-  if (ShmOBytes(request->q()) == 0) return spans;
-  absl::StatusOr<ShmSpan> o = arena.Allocate(ShmOBytes(request->q()));
-  if (!o.ok()) return o.status();
-  spans.has_o = true;
-  spans.o = *o;
-  *request->mutable_output_shm()->mutable_o() = arena.ToProto(*o);
-  if (request->options().return_lse()) {
-    absl::StatusOr<ShmSpan> lse = arena.Allocate(ShmLseBytes(request->q()));
-    if (!lse.ok()) return lse.status();
-    spans.has_lse = true;
-    spans.lse = *lse;
-    *request->mutable_output_shm()->mutable_lse() = arena.ToProto(*lse);
-  }
-  return spans;
+  return AllocateOutputSpans(arena, request->q(), request->options().return_lse(),
+                             request->mutable_output_shm());
 }
 
 absl::Status TakeForwardOutputs(const ShmArena& arena, const ShmOutputSpans& spans,

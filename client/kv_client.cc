@@ -150,7 +150,6 @@ absl::StatusOr<AppendAttendResult> AppendAttendResultFromProto(
 absl::StatusOr<ShmOutputSpans> PlaceAppendAttendInArena(ShmArena& arena,
                                                         v1::AppendAttendRequest* request) {
   arena.Reset();
-  ShmOutputSpans spans;
   // Only the tensors present: mutable_* would create an absent one (an
   // append-only call has no q).
   absl::Status moved;
@@ -158,21 +157,9 @@ absl::StatusOr<ShmOutputSpans> PlaceAppendAttendInArena(ShmArena& arena,
   if (request->has_k()) moved.Update(arena.MoveIn(request->mutable_k()));
   if (request->has_v()) moved.Update(arena.MoveIn(request->mutable_v()));
   if (!moved.ok()) return moved;
-  const uint64_t o_bytes = request->has_q() ? ShmOBytes(request->q()) : 0;
-  if (o_bytes == 0) return spans;
-  absl::StatusOr<ShmSpan> o = arena.Allocate(o_bytes);
-  if (!o.ok()) return o.status();
-  spans.has_o = true;
-  spans.o = *o;
-  *request->mutable_output_shm()->mutable_o() = arena.ToProto(*o);
-  if (request->options().return_lse()) {
-    absl::StatusOr<ShmSpan> lse = arena.Allocate(ShmLseBytes(request->q()));
-    if (!lse.ok()) return lse.status();
-    spans.has_lse = true;
-    spans.lse = *lse;
-    *request->mutable_output_shm()->mutable_lse() = arena.ToProto(*lse);
-  }
-  return spans;
+  if (!request->has_q()) return ShmOutputSpans{};  // append only: no outputs
+  return AllocateOutputSpans(arena, request->q(), request->options().return_lse(),
+                             request->mutable_output_shm());
 }
 
 absl::Status TakeAppendAttendOutputs(const ShmArena& arena, const ShmOutputSpans& spans,

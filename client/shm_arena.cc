@@ -81,6 +81,26 @@ uint64_t ShmLseBytes(const v1::Tensor& q) {
   return static_cast<uint64_t>(ProductOf(q.shape(), 1) * int64_t{4});
 }
 
+absl::StatusOr<ShmOutputSpans> AllocateOutputSpans(ShmArena& arena, const v1::Tensor& q,
+                                                   bool return_lse, v1::OutputRegions* regions) {
+  ShmOutputSpans spans;
+  const uint64_t o_bytes = ShmOBytes(q);
+  if (o_bytes == 0) return spans;
+  absl::StatusOr<ShmSpan> o = arena.Allocate(o_bytes);
+  if (!o.ok()) return o.status();
+  spans.has_o = true;
+  spans.o = *o;
+  *regions->mutable_o() = arena.ToProto(*o);
+  if (return_lse) {
+    absl::StatusOr<ShmSpan> lse = arena.Allocate(ShmLseBytes(q));
+    if (!lse.ok()) return lse.status();
+    spans.has_lse = true;
+    spans.lse = *lse;
+    *regions->mutable_lse() = arena.ToProto(*lse);
+  }
+  return spans;
+}
+
 absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(AttentionClient& client,
                                                            const ShmArenaOptions& options) {
   if (options.mode == ShmMode::kNone) {

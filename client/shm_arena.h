@@ -150,4 +150,10 @@ class ShmArena {
 uint64_t ShmOBytes(const v1::Tensor& q);
 uint64_t ShmLseBytes(const v1::Tensor& q);
 
+// Allocates the spans of q's outputs in `arena` (O, and LSE with `return_lse`)
+// and names them in `regions` (a request's output_shm). No query rows: no
+// spans, the empty O comes in the message.
+absl::StatusOr<ShmOutputSpans> AllocateOutputSpans(ShmArena& arena, const v1::Tensor& q,
+                                                   bool return_lse, v1::OutputRegions* regions);
+
 }  // namespace attnserve
