@@ -121,6 +121,13 @@ ABSL_FLAG(absl::Duration, auth_reload_interval, absl::Seconds(10),
           "How often --auth_tokens_file is checked for changes");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
+ABSL_FLAG(int, ucx_port, 0,
+          "AppendAttend steps over UCX on this port (docs/ucx.md; UCX_TLS picks the transports: "
+          "tcp, sm for same-host shared memory, rc/ud verbs); 0: off. gRPC stays the control "
+          "plane; GetServerInfo's kv.ucx_port advertises it");
+ABSL_FLAG(std::string, ucx_host, "127.0.0.1",
+          "Address the UCX listener binds (UCX carries tensors unencrypted: with --tls_cert "
+          "only a loopback address is accepted)");
 ABSL_FLAG(std::string, log_level, "info",
           "Log level: trace, debug, info, warn, error, critical or off");
 
@@ -226,6 +233,8 @@ int main(int argc, char** argv) {
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   options.auth.tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
+  options.ucx_port = absl::GetFlag(FLAGS_ucx_port);
+  options.ucx_host = absl::GetFlag(FLAGS_ucx_host);
 
   // Gives back the free pages malloc's heap keeps (malloc_tuning.h says
   // why); outlives the server.

@@ -44,6 +44,7 @@
 #include "server/native/shm_service.h"
 #include "server/security/grpc_credentials.h"
 #include "server/tenant.h"
+#include "server/ucx/kv_steps.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -223,7 +224,7 @@ std::vector<KvDevice> KvDevices(const std::vector<std::unique_ptr<AttentionBacke
 
 // What the native services report and bound, by name.
 ServiceInfo NativeInfo(const ServerOptions& o, StreamGauge* streams, TenantDirectory* tenants,
-                       const Authenticator* auth) {
+                       const Authenticator* auth, const std::atomic<int>* ucx_port) {
   ServiceInfo info;
   info.max_request_bytes = o.max_request_bytes;
   info.max_tokens = o.max_tokens;
@@ -236,6 +237,7 @@ ServiceInfo NativeInfo(const ServerOptions& o, StreamGauge* streams, TenantDirec
   info.kv_idle_timeout_ms = absl::ToInt64Milliseconds(o.kv_idle_timeout);
   info.tenants = tenants;
   info.auth = auth;
+  info.ucx_port = ucx_port;
   return info;
 }
 
@@ -268,7 +270,8 @@ class AttnServerImpl final : public AttnServer {
         runner_(&executors_, description_.name,
                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(&runner_, description_,
-                 NativeInfo(options, &metrics_.streams(), tenants_.get(), auth_.get())),
+                 NativeInfo(options, &metrics_.streams(), tenants_.get(), auth_.get(),
+                            &ucx_port_)),
         kv_pool_(
             KvPoolOptions{options.kv_cache_bytes, options.kv_page_size, options.kv_idle_timeout},
             KvDevices(backends_, &executors_)),
@@ -309,6 +312,10 @@ class AttnServerImpl final : public AttnServer {
       Shutdown(absl::ZeroDuration());
       return http;
     }
+    if (absl::Status ucx = StartUcx(); !ucx.ok()) {
+      Shutdown(absl::ZeroDuration());
+      return ucx;
+    }
     if (MarkServing(server)) LogListening();
     return absl::OkStatus();
   }
@@ -347,6 +354,11 @@ class AttnServerImpl final : public AttnServer {
         kv_service_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         kserve_.WaitForResponses(std::max(begin + grace - absl::Now(), absl::ZeroDuration())) &&
         executors_.WaitIdle(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
+    // UCX steps in flight are answered (within what is left of the grace) before
+    // the executors stop; then its connections close.
+    if (ucx_listener_ != nullptr) {
+      ucx_listener_->Stop(std::max(begin + grace - absl::Now(), absl::ZeroDuration()));
+    }
     if (!answered) spdlog::warn("grace period over with requests still queued, running or unsent");
     // Queued leftovers complete with UNAVAILABLE; a running one finishes.
     executors_.Shutdown();
@@ -372,6 +384,8 @@ class AttnServerImpl final : public AttnServer {
   int metrics_port() const override { return metrics_http_port_.load(std::memory_order_acquire); }
 
   int http_port() const override { return kserve_.http_port(); }
+
+  int ucx_port() const override { return ucx_port_.load(std::memory_order_acquire); }
 
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
@@ -507,6 +521,45 @@ class AttnServerImpl final : public AttnServer {
     }
   }
 
+  // The UCX step listener (--ucx_port, docs/ucx.md). Its data plane is never
+  // encrypted, so with TLS on it may only listen on a loopback address.
+  absl::Status StartUcx() {
+    if (options_.ucx_port == 0) return absl::OkStatus();
+#if ATTNSERVE_HAVE_UCX
+    if (options_.ucx_port < -1 || options_.ucx_port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ucx_port: expected 0..65535 (0: off), got ", options_.ucx_port));
+    }
+    if (options_.tls.enabled() && !IsLoopback(options_.ucx_host)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ucx_host: UCX carries tensors unencrypted; with TLS on, expected a loopback address "
+          "(127.0.0.1 or ::1), got '",
+          options_.ucx_host, "' (docs/ucx.md)"));
+    }
+    ucx::ListenerOptions o;
+    o.host = options_.ucx_host;
+    o.port = std::max(options_.ucx_port, 0);
+    o.limits.max_frame_bytes = static_cast<uint64_t>(options_.max_request_bytes);
+    o.budget = &ucx_buffered_;
+    ASSIGN_OR_RETURN(std::unique_ptr<ucx::Listener> listener, ucx::Listener::Start(o, &ucx_steps_));
+    ucx_port_.store(listener->port(), std::memory_order_release);
+    ucx_listener_ = std::move(listener);
+    spdlog::info("UCX steps on {}:{} (UCX_TLS={})", options_.ucx_host, ucx_port(),
+                 getenv("UCX_TLS") != nullptr ? getenv("UCX_TLS") : "all");
+    if (auth_ == nullptr && !IsLoopback(options_.ucx_host)) {
+      spdlog::warn(
+          "UCX listens on {} without authentication: anyone who can reach it can run "
+          "steps on every cache of the default tenant (docs/ucx.md)",
+          options_.ucx_host);
+    }
+    return absl::OkStatus();
+#else
+    return absl::FailedPreconditionError(
+        "ucx_port: this attnserve was built without UCX (cmake -DATTNSERVE_UCX=ON with "
+        "libucx-dev; docs/ucx.md)");
+#endif
+  }
+
   // The /metrics endpoint, when enabled; UNAVAILABLE when its port cannot be
   // bound.
   absl::Status StartMetricsEndpoint() {
@@ -620,6 +673,11 @@ class AttnServerImpl final : public AttnServer {
   KvService kv_service_;
   KserveFrontend kserve_;
   ShmService shm_service_{kserve_.shm_registry()};  // KServe's regions, for the native API
+  // The UCX step transport: after the K/V runner its steps run on, so it stops first.
+  ucx::KvSteps ucx_steps_{&kv_runner_, auth_.get()};
+  ByteBudget ucx_buffered_{BufferedBytesOf(options_) / 2};
+  std::unique_ptr<ucx::Listener> ucx_listener_;
+  std::atomic<int> ucx_port_{0};
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kNew;

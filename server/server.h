@@ -74,6 +74,11 @@ struct ServerOptions {
   TlsFiles tls;
   // Bearer tokens and tenants (server/auth/): off when tokens_file is empty.
   AuthOptions auth;
+  // AppendAttend steps over UCX (server/ucx/, docs/ucx.md) on ucx_host:ucx_port:
+  // 0 off; -1 any free port (AttnServer::ucx_port() tells which). Needs a
+  // build with UCX (cmake/ucx.cmake); without it a port other than 0 fails Start.
+  int ucx_port = 0;
+  std::string ucx_host = "127.0.0.1";
 };
 
 // This build's version (--version, the start-up log, GetServerInfo).
@@ -113,6 +118,8 @@ class AttnServer {
   virtual int metrics_port() const = 0;
   // The bound KServe v2 HTTP port after Start, or 0 when it is off.
   virtual int http_port() const { return 0; }
+  // The bound UCX port after Start, or 0 when UCX is off.
+  virtual int ucx_port() const { return 0; }
 };
 
 }  // namespace attnserve

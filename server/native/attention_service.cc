@@ -299,6 +299,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     kv->set_default_page_size(info_.kv_default_page_size);
     kv->set_cache_bytes_per_device(info_.kv_cache_bytes);
     kv->set_idle_timeout_ms(info_.kv_idle_timeout_ms);
+    const int ucx_port = info_.ucx_port != nullptr ? info_.ucx_port->load() : 0;
+    if (ucx_port > 0) {
+      kv->set_ucx_port(ucx_port);
+      response->add_features("ucx");
+    }
   }
   response->set_cpu_threads(d.cpu_threads);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

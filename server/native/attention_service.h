@@ -5,6 +5,8 @@
 // the spot after the same checks.
 #pragma once
 
+#include <atomic>
+
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/backend.h"
 #include "server/auth/authenticator.h"
@@ -34,6 +36,8 @@ struct ServiceInfo {
   TenantDirectory* tenants = nullptr;
   // Who the calls are (server/tenant.h); null when authentication is off.
   const Authenticator* auth = nullptr;
+  // The UCX step port once bound (KvInfo.ucx_port, the "ucx" feature); may be null.
+  const std::atomic<int>* ucx_port = nullptr;
 };
 
 class AttentionService final : public v1::Attention::CallbackService {

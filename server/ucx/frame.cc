@@ -1,0 +1,127 @@
+// The UCX transport's frame prefix; see frame.h.
+#include "server/ucx/frame.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace ucx {
+namespace {
+
+// Byte offsets in the prefix (little-endian: both ends are x86-64 or arm64).
+constexpr size_t kMagicAt = 0, kTypeAt = 4, kFlagsAt = 6, kHeaderAt = 8, kReservedAt = 12,
+                 kPayloadsAt = 16;
+
+template <typename T>
+T Load(const uint8_t* data, size_t at) {
+  T value;
+  std::memcpy(&value, data + at, sizeof(T));
+  return value;
+}
+
+template <typename T>
+void Store(std::string* out, size_t at, T value) {
+  std::memcpy(out->data() + at, &value, sizeof(T));
+}
+
+bool Accepts(Receiver receiver, uint16_t type) {
+  if (receiver == Receiver::kServer) {
+    return type == static_cast<uint16_t>(FrameType::kHello) ||
+           type == static_cast<uint16_t>(FrameType::kStep);
+  }
+  return type == static_cast<uint16_t>(FrameType::kHelloReply) ||
+         type == static_cast<uint16_t>(FrameType::kStepReply);
+}
+
+// How many payloads a frame type carries.
+int PayloadsOf(FrameType type) {
+  switch (type) {
+    case FrameType::kStep: return 3;
+    case FrameType::kStepReply: return 2;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+std::string EncodePrefix(const FramePrefix& p) {
+  std::string out(kPrefixBytes, '\0');
+  Store<uint32_t>(&out, kMagicAt, kFrameMagic);
+  Store<uint16_t>(&out, kTypeAt, static_cast<uint16_t>(p.type));
+  Store<uint32_t>(&out, kHeaderAt, p.header_bytes);
+  for (int i = 0; i < kMaxPayloads; ++i) {
+    Store<uint64_t>(&out, kPayloadsAt + 8 * i, p.payload_bytes[i]);
+  }
+  return out;
+}
+
+const char* PayloadName(FrameType type, int index) {
+  static const char* const kStepNames[kMaxPayloads] = {"q", "k", "v", "payload 3"};
+  static const char* const kReplyNames[kMaxPayloads] = {"o", "lse", "payload 2", "payload 3"};
+  if (index < 0 || index >= kMaxPayloads) return "payload";
+  return type == FrameType::kStepReply ? kReplyNames[index] : kStepNames[index];
+}
+
+absl::StatusOr<FramePrefix> ParsePrefix(const uint8_t* data, size_t size, const FrameLimits& limits,
+                                        Receiver receiver) {
+  if (data == nullptr || size != kPrefixBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame prefix: expected ", kPrefixBytes, " bytes, got ", size));
+  }
+  const uint32_t magic = Load<uint32_t>(data, kMagicAt);
+  if (magic != kFrameMagic) {
+    return absl::InvalidArgumentError(absl::StrCat("magic: expected 0x", absl::Hex(kFrameMagic),
+                                                   " (an attnserve UCX frame), got 0x",
+                                                   absl::Hex(magic)));
+  }
+  const uint16_t type = Load<uint16_t>(data, kTypeAt);
+  if (!Accepts(receiver, type)) {
+    return absl::InvalidArgumentError(absl::StrCat("type: expected ",
+                                                   receiver == Receiver::kServer
+                                                       ? "1 (hello) or 3 (step)"
+                                                       : "2 (hello reply) or 4 (step reply)",
+                                                   ", got ", type));
+  }
+  if (const uint16_t flags = Load<uint16_t>(data, kFlagsAt); flags != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("flags: expected 0, got ", flags));
+  }
+  if (const uint32_t reserved = Load<uint32_t>(data, kReservedAt); reserved != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("reserved: expected 0, got ", reserved));
+  }
+  FramePrefix p;
+  p.type = static_cast<FrameType>(type);
+  p.header_bytes = Load<uint32_t>(data, kHeaderAt);
+  const bool hello = p.type == FrameType::kHello || p.type == FrameType::kHelloReply;
+  const uint32_t max_header = hello ? limits.max_hello_bytes : limits.max_header_bytes;
+  if (p.header_bytes > max_header) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header_bytes: expected at most ", max_header, ", got ", p.header_bytes));
+  }
+  const int payloads = PayloadsOf(p.type);
+  // Each size is checked against the limit before the sum, so the sum cannot wrap.
+  uint64_t total = p.header_bytes;
+  for (int i = 0; i < kMaxPayloads; ++i) {
+    p.payload_bytes[i] = Load<uint64_t>(data, kPayloadsAt + 8 * i);
+    if (i >= payloads && p.payload_bytes[i] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("payload_bytes[", i, "] (",
+                                                     PayloadName(p.type, i), "): expected 0, got ",
+                                                     p.payload_bytes[i]));
+    }
+    if (p.payload_bytes[i] > limits.max_frame_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("payload_bytes[", i, "] (", PayloadName(p.type, i), "): expected at most ",
+                       limits.max_frame_bytes, ", got ", p.payload_bytes[i]));
+    }
+    total += p.payload_bytes[i];
+  }
+  if (total > limits.max_frame_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame bytes (header and payloads): expected at most ", limits.max_frame_bytes,
+                     ", got ", total));
+  }
+  return p;
+}
+
+}  // namespace ucx
+}  // namespace attnserve
