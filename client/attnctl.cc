@@ -143,7 +143,8 @@ const Command kCommands[] = {
      "        [--heads_q=H] [--heads_kv=H] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
      "        [--warmup_tokens=N] [--prefill_chunk=N] [--prefill_attend=false] [--csv=FILE]\n"
-     "        [--attend_fraction=F] [--label=TEXT] [--shm=none|system|cuda [--shm_prefix=P]]\n\n"
+     "        [--attend_fraction=F] [--label=TEXT] [--shm=none|system|cuda [--shm_prefix=P]]\n"
+     "        [--transport=grpc|ucx|auto]\n\n"
      "Examples:\n"
      "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
      "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
@@ -174,6 +175,11 @@ const Command kCommands[] = {
      "and the region is unregistered and removed at the end (docs/shared-memory.md). The\n"
      "report, the progress line and the CSV's transport column say grpc, shm-system or\n"
      "shm-cuda.\n"
+     "--transport=ucx (or auto) sends each unary step's q/k/v and receives O over a UCX\n"
+     "connection per group (shared memory, TCP or RDMA as UCX_TLS allows) to the port the\n"
+     "server offers (GetServerInfo kv.ucx_port, from --ucx_port); caches and sequences stay\n"
+     "on gRPC. A server or build without UCX: gRPC bytes, and the first line says why\n"
+     "(docs/ucx.md). The CSV's transport column says ucx.\n"
      "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
      "client/cli/load_kv.cc",
      nullptr,

@@ -6,6 +6,7 @@
 // p50_ms, p99_ms, ...), and shows a progress line on stderr once a second.
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "client/cli/kv_flags.h"
 #include "client/cli/load_kv_loop.h"
 #include "client/cli/load_report.h"
+#include "client/ucx_transport.h"
 #include "common/dtype.h"
 
 // Shape flags of attention_flags.cc and the load flags of load_flags.cc that
@@ -62,6 +64,11 @@ ABSL_FLAG(double, attend_fraction, 1.0,
 ABSL_FLAG(std::string, cache_dtype, "",
           "What the cache's pages hold: empty (--dtype) or fp8 (E4M3 with a scale per token "
           "and KV head; --dtype fp16 or bf16; the server quantises each step's K/V).");
+ABSL_FLAG(std::string, transport, "grpc",
+          "What carries each step's q/k/v and O: grpc (the messages), ucx (a UCX connection per "
+          "group to the port GetServerInfo's kv.ucx_port offers: shared memory, TCP or RDMA as "
+          "UCX_TLS allows; docs/ucx.md) or auto (ucx when offered). ucx and auto fall back to "
+          "grpc when the server or this build has no UCX, and the summary line says so.");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -264,18 +271,45 @@ int RunLoadKv(const std::vector<std::string>& args) {
     if (!valid.ok()) return UsageError(kCmd, valid.message());
   }
 
+  absl::StatusOr<StepTransport> transport = ParseStepTransport(absl::GetFlag(FLAGS_transport));
+  if (!transport.ok()) return UsageError(kCmd, transport.status().message());
+  if (*transport != StepTransport::kGrpc && (c.stream || c.stateless || c.shm != ShmMode::kNone)) {
+    return UsageError(kCmd,
+                      "--transport=ucx|auto carries unary K/V steps: not with --stream, "
+                      "--stateless or --shm");
+  }
+
   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
       MakeClientFromFlags(absl::GetFlag(FLAGS_channels));
   if (!client.ok()) return UsageError(kCmd, client.status().message());
   if (!absl::GetFlag(FLAGS_wait_for_ready)) {
     (*client)->Connect(std::min(absl::GetFlag(FLAGS_timeout), absl::Seconds(10))).IgnoreError();
   }
+  // UCX when asked for and offered; otherwise gRPC bytes, and the summary says why.
+  std::string fallback;
+  if (*transport != StepTransport::kGrpc) {
+    const UcxOffer offer = AskUcxOffer(**client);
+    if (offer.port > 0) {
+      c.ucx_host = offer.host;
+      c.ucx_port = offer.port;
+      c.ucx_authorization = AuthorizationOf(**client);
+    } else {
+      fallback = offer.why_not;
+    }
+  }
+  const std::string transport_name =
+      c.ucx_port > 0 ? absl::StrCat("UCX ", c.ucx_host, ":", c.ucx_port,
+                                    getenv("UCX_TLS") != nullptr
+                                        ? absl::StrCat(" (UCX_TLS=", getenv("UCX_TLS"), ")")
+                                        : std::string())
+      : fallback.empty() ? ShmTransportName(c.shm)
+                         : absl::StrCat("grpc (fallback from UCX: ", fallback, ")");
 
   std::cout << "load-kv:  "
             << (c.stateless ? "stateless Forward (whole context each step)"
                 : c.stream  ? "AppendAttendStream"
                             : "unary AppendAttend")
-            << " over " << ShmTransportName(c.shm) << ", " << c.sequences << " sequences x "
+            << " over " << transport_name << ", " << c.sequences << " sequences x "
             << c.prompt << " prompt + " << c.tokens << " generated tokens (" << c.warmup_tokens
             << " warm-up), " << c.layers << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv
             << ", D " << c.head_dim << ", " << DTypeName(c.dtype) << ", "
@@ -291,7 +325,9 @@ int RunLoadKv(const std::vector<std::string>& args) {
     DecodeLoopProgress progress;
     absl::StatusOr<DecodeLoopResult> r;
     {
-      ProgressLine line(absl::StrCat("load-kv ", ShmTransportName(c.shm), " c=", level), progress,
+      ProgressLine line(absl::StrCat("load-kv ", c.ucx_port > 0 ? "ucx" : ShmTransportName(c.shm),
+                                     " c=", level),
+                        progress,
                         c.sequences, int64_t{c.sequences} * c.tokens);
       r = RunDecodeLoop(**client, c, &progress);
     }

@@ -18,6 +18,7 @@
 #include "client/cli/attention_flags.h"
 #include "client/cli/load_recorder.h"
 #include "client/inputs.h"
+#include "client/ucx_transport.h"
 #include "client/verify.h"
 #include "common/dtype.h"
 
@@ -175,6 +176,8 @@ class Group {
 
   // Every later call of this group goes through `arena` (null: the message).
   void UseArena(std::unique_ptr<ShmArena> arena) { arena_ = std::move(arena); }
+  // Every later AppendAttend of this group goes over `ucx` (null: gRPC).
+  void UseUcx(std::unique_ptr<UcxStepConnection> ucx) { ucx_ = std::move(ucx); }
   // Unregisters and removes the arena, if any.
   absl::Status CloseArena() { return arena_ == nullptr ? absl::OkStatus() : arena_->Close(); }
 
@@ -206,8 +209,9 @@ class Group {
           if (c_.prefill_attend) in.q = q;
           in.k = std::move(k);
           in.v = std::move(v);
-          absl::StatusOr<AppendAttendResult> r =
-              arena_ != nullptr ? kv->AppendAttend(in, *arena_) : kv->AppendAttend(in);
+          absl::StatusOr<AppendAttendResult> r = ucx_ != nullptr     ? ucx_->AppendAttend(in)
+                                                 : arena_ != nullptr ? kv->AppendAttend(in, *arena_)
+                                                                     : kv->AppendAttend(in);
           if (!r.ok()) {
             tally->Error(r.status(), absl::StrCat("prefill of sequence ", ids_[s], " layer ", layer,
                                                   " at ", offset));
@@ -321,6 +325,15 @@ class Group {
   // response to *client_time.
   absl::StatusOr<AppendAttendResult> Unary(KvClient* kv, v1::AppendAttendRequest request,
                                            absl::Duration* client_time) {
+    if (ucx_ != nullptr) {
+      absl::StatusOr<v1::AppendAttendResponse> r = ucx_->AppendAttend(&request);
+      if (!r.ok()) return r.status();
+      const absl::Time answered = absl::Now();
+      absl::StatusOr<AppendAttendResult> result =
+          AppendAttendResultFromProto(request, *std::move(r));
+      *client_time += absl::Now() - answered;
+      return result;
+    }
     ShmOutputSpans spans;
     if (arena_ != nullptr) {
       const absl::Time start = absl::Now();
@@ -429,6 +442,7 @@ class Group {
   HostTensor prefill_q_, prefill_k_, prefill_v_;
   std::vector<Tensors> pool_;
   std::unique_ptr<ShmArena> arena_;
+  std::unique_ptr<UcxStepConnection> ucx_;
 };
 
 // Bytes one group's arena needs: the largest call it sends (a prefill chunk
@@ -494,6 +508,11 @@ absl::Status ValidateDecodeLoopConfig(const DecodeLoopConfig& c) {
     return absl::InvalidArgumentError(
         "--attend_fraction names pages of a cache; --stateless has none");
   }
+  if (c.ucx_port > 0 && (c.stream || c.stateless || c.shm != ShmMode::kNone)) {
+    return absl::InvalidArgumentError(
+        "--transport=ucx carries unary steps of the K/V loop: not with --stream, --stateless or "
+        "--shm");
+  }
   if (c.stateless && c.stream) {
     return absl::InvalidArgumentError(
         "--stateless sends unary Forward calls; --stream applies to the K/V loop only");
@@ -505,7 +524,7 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
                                                DecodeLoopProgress* progress) {
   DecodeLoopResult result;
   result.impl = c.stateless ? "attnserve_stateless" : "attnserve_kv";
-  result.transport = ShmTransportName(c.shm);
+  result.transport = c.ucx_port > 0 ? "ucx" : ShmTransportName(c.shm);
   KvClient kv(client);
   std::vector<uint64_t> all_ids;
   for (int s = 0; s < c.sequences; ++s) all_ids.push_back(static_cast<uint64_t>(s));
@@ -519,6 +538,16 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     groups.push_back(std::make_unique<Group>(
         c, std::vector<uint64_t>(all_ids.begin() + begin, all_ids.begin() + end), c.seed + g, keep,
         /*page_size=*/0));
+    if (c.ucx_port > 0) {
+      absl::StatusOr<std::unique_ptr<UcxStepConnection>> ucx =
+          UcxStepConnection::Connect(c.ucx_host, c.ucx_port, c.ucx_authorization);
+      if (!ucx.ok()) {
+        return absl::Status(ucx.status().code(),
+                            absl::StrCat("UCX connection to ", c.ucx_host, ":", c.ucx_port, ": ",
+                                         ucx.status().message()));
+      }
+      groups.back()->UseUcx(*std::move(ucx));
+    }
     if (c.shm == ShmMode::kNone) continue;
     ProtocolChoice shm;
     shm.shm = c.shm;

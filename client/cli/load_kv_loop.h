@@ -62,12 +62,18 @@ struct DecodeLoopConfig {
   // when the run ends.
   ShmMode shm = ShmMode::kNone;
   std::string shm_prefix = kDefaultShmKeyPrefix;
+  // UCX steps (client/ucx_transport.h, docs/ucx.md): port > 0 gives each group
+  // its own UCX connection to ucx_host:ucx_port for its AppendAttend calls
+  // (prefill and decode); cache set-up and clean-up stay on gRPC.
+  std::string ucx_host;
+  int ucx_port = 0;
+  std::string ucx_authorization;  // "Bearer <token>" or empty
 };
 
 // What one run measured.
 struct DecodeLoopResult {
   std::string impl;       // "attnserve_kv" or "attnserve_stateless"
-  std::string transport;  // "grpc", "shm-system" or "shm-cuda"
+  std::string transport;  // "grpc", "shm-system", "shm-cuda" or "ucx"
   std::string cache_id;
   int page_size = 0;  // as the server chose it (0 for stateless)
   double prefill_s = 0.0;
