@@ -10,6 +10,8 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libcpp-httplib-dev nlohmann-json3-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
+  # The UCX step transport (docs/ucx.md; optional at configure time: cmake/ucx.cmake).
+  libucx-dev
   # perf_analyzer (inside the tritonclient wheel, requirements/triton.txt) links libb64.
   libb64-0d python3-venv
   # scripts/check-format.sh: one formatter version, so CI and developers agree.
