@@ -12,7 +12,8 @@
 // cancelled before its handler reads anything.
 //
 // Unary calls are not gated here: gRPC 1.51 receives a unary call's whole
-// message before any interceptor or handler sees the call, so the server-wide
+// message before any interceptor or handler sees the call
+// (tests/server/unary_admission_test.cc pins it), so the server-wide
 // ResourceQuota is their bound (SECURITY.md, "Memory budget").
 #pragma once
 
