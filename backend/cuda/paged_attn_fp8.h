@@ -35,14 +35,12 @@ constexpr int64_t kFp8DecodeCtasPerSm = 2;
 // max(ceil(n / kFp8InvariantSplits), kFp8InvariantMinChunks) chunks each, a
 // function of its own length alone; the combine adds them in split order.
 constexpr int kFp8InvariantSplits = 32;
-constexpr int kFp8InvariantMinChunks = 64;
+constexpr int kFp8InvariantMinChunks = 32;
 
-// Steps a warp's loads run ahead of its math: each step in flight is D / 2
-// bytes of registers per lane, so two where the registers allow two CTAs per
-// SM (the kernel's launch bounds), one with 16 rows at D 128.
-constexpr int Fp8DecodeAhead(int head_dim, int row_tiles) {
-  return head_dim == 128 && row_tiles == 2 ? 1 : 2;
-}
+// Steps a warp's loads run ahead of its math: one (each step in flight is
+// D / 2 bytes of registers per lane). Two fits the registers of two CTAs per
+// SM at D 128 with 8 rows; the bench's ablation row times it.
+constexpr int Fp8DecodeAhead(int /*head_dim*/, int /*row_tiles*/) { return 1; }
 
 // True when the decode kernel serves `p` (FP16/BF16 q over an FP8 cache):
 // D 64 or 128, at most kFp8DecodeMaxRows packed rows, keys present.

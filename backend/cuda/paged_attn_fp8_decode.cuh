@@ -426,11 +426,25 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
   };
 
   // The warp's steps: chunks c_begin + warp, + kWarps, ... With kAhead > 0
-  // the loads of the step kAhead ahead are issued before this step's math
-  // (buffer u of the unrolled body holds the step u mod (kAhead + 1)), and
-  // its page id one step before that.
+  // the loads of the step kAhead ahead are issued before this step's math,
+  // and its page id one step before that.
   int c = c_begin + warp;
-  if (kAhead > 0) {
+  if (kAhead == 1) {
+    int32_t page1 = page_of(c);
+    int32_t page2 = page_of(c + kWarps);
+    Step<kD> cur;
+    if (c < c_end) load(c, page1, cur);
+    page1 = page2;
+    for (; c < c_end; c += kWarps) {
+      page2 = page_of(c + 2 * kWarps);
+      Step<kD> next;
+      if (c + kWarps < c_end) load(c + kWarps, page1, next);
+      compute(c, cur);
+      cur = next;
+      page1 = page2;
+    }
+  } else if (kAhead > 1) {
+    // Buffer u of the unrolled body holds the step u mod (kAhead + 1).
     constexpr int kBufs = kAhead + 1;
     Step<kD> buf[kBufs];
 #pragma unroll
