@@ -68,12 +68,12 @@ struct MoveOptions {
 
 struct MoveResult {
   std::string transfer_id;
-  int64_t bytes = 0;           // payload bytes written to the import (resent ones included)
-  int64_t bytes_resent = 0;    // of those, chunks sent again after a cut
-  int64_t sequences = 0;       // sequences live on the receiver from this transfer
-  int32_t resumes = 0;         // broken streams resumed
+  int64_t bytes = 0;         // payload bytes written to the import (resent ones included)
+  int64_t bytes_resent = 0;  // of those, chunks sent again after a cut
+  int64_t sequences = 0;     // sequences live on the receiver from this transfer
+  int32_t resumes = 0;       // broken streams resumed
   double seconds = 0;
-  v1::CacheStats dest_stats;   // the receiver's cache after the last chunk
+  v1::CacheStats dest_stats;  // the receiver's cache after the last chunk
 };
 
 // A chunk stream PushChunks reads: Read fills `chunk` and returns true, or
@@ -83,6 +83,9 @@ class KvChunkReader {
  public:
   virtual ~KvChunkReader() = default;
   virtual absl::StatusOr<bool> Read(v1::KvChunk* chunk) = 0;
+  // Makes a Read blocked in another thread return soon (an error or false);
+  // PushChunks calls it when the import breaks. Thread-safe.
+  virtual void Cancel() {}
 };
 // Opens the chunk stream at `resume` (null: from the start) with
 // `transfer_id`; the first chunk carries the header.

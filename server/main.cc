@@ -94,6 +94,10 @@ ABSL_FLAG(int, kv_page_size, 64,
 ABSL_FLAG(absl::Duration, kv_idle_timeout, absl::Minutes(10),
           "K/V caches: sequences and caches unused this long are removed (counted as expired; "
           "clients then see NOT_FOUND and re-prefill); 0 = never");
+ABSL_FLAG(absl::Duration, kv_import_idle_timeout, absl::Seconds(60),
+          "K/V transfer (KvTransfer.ImportSequences): a cut import's committed sequences stay "
+          "live and the rows of the sequence it was receiving wait this long for a resume with "
+          "the same transfer_id before their pages go back; 0 = until the server stops");
 ABSL_FLAG(std::string, kv_startup_cache, "",
           "K/V caches to create at start-up, for clients that cannot call KvCache.CreateCache "
           "(perf_analyzer, tritonclient driving attention_kv). ';'-separated "
@@ -203,6 +207,7 @@ int main(int argc, char** argv) {
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
   options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);
+  options.kv_import_idle_timeout = absl::GetFlag(FLAGS_kv_import_idle_timeout);
   absl::StatusOr<std::vector<attnserve::KvStartupCache>> startup_caches =
       attnserve::ParseStartupCaches(absl::GetFlag(FLAGS_kv_startup_cache));
   if (!startup_caches.ok()) {

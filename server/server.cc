@@ -41,6 +41,7 @@
 #include "server/metrics_http.h"
 #include "server/native/attention_service.h"
 #include "server/native/kv_service.h"
+#include "server/native/kv_transfer_service.h"
 #include "server/native/shm_service.h"
 #include "server/security/grpc_credentials.h"
 #include "server/tenant.h"
@@ -125,6 +126,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
         "kv_cache_bytes: expected > 0 (got ", o.kv_cache_bytes,
         "), kv_page_size: expected a power of two in [16, 256] (got ", o.kv_page_size,
         "), kv_idle_timeout: expected >= 0 (got ", absl::FormatDuration(o.kv_idle_timeout), ")"));
+  }
+  if (o.kv_import_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_import_idle_timeout: expected >= 0, got ",
+                                                   absl::FormatDuration(o.kv_import_idle_timeout)));
   }
   RETURN_IF_ERROR(CheckTlsFiles(o.tls));
   return CheckStreamLimits(o.stream);
@@ -278,6 +283,8 @@ class AttnServerImpl final : public AttnServer {
         kv_runner_(&kv_pool_, description_.name,
                    RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         kv_service_(&kv_runner_, &metrics_, StreamLimitsOf(options)),
+        kv_import_sessions_(&kv_pool_, KvImportOptions{options.kv_import_idle_timeout}),
+        kv_transfer_service_(&kv_runner_, &kv_import_sessions_),
         kserve_(&runner_, &kv_runner_, &metrics_, KserveInfo(options, description_),
                 KserveOptionsOf(options), StreamLimitsOf(options), [this] {
                   absl::MutexLock lock(&mu_);
@@ -285,6 +292,8 @@ class AttnServerImpl final : public AttnServer {
                 }) {
     kv_pool_.set_tenants(tenants_.get());
     kv_service_.set_auth(auth_.get());
+    kv_transfer_service_.set_auth(auth_.get());
+    kv_transfer_service_.set_tenants(tenants_.get());
     kserve_.SetAuth(auth_.get(), tenants_.get());
     service_.set_shm(kserve_.shm_registry());
     kv_service_.set_shm(kserve_.shm_registry());
@@ -456,6 +465,7 @@ class AttnServerImpl final : public AttnServer {
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(&service_);
     builder.RegisterService(&kv_service_);
+    builder.RegisterService(&kv_transfer_service_);
     builder.RegisterService(&shm_service_);
     builder.RegisterService(kserve_.grpc_service());
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -504,6 +514,7 @@ class AttnServerImpl final : public AttnServer {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetExtraSource([this] {
       std::string text = KvService::RenderMetrics(kv_pool_.Stats()) +
+                         kv_transfer_service_.RenderMetrics() +
                          executors_.RenderDeviceGauges() + kserve_.RenderBufferedMetrics();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       return text;
@@ -671,6 +682,9 @@ class AttnServerImpl final : public AttnServer {
   KvPool kv_pool_;  // after the executors its calls run on
   KvRunner kv_runner_;
   KvService kv_service_;
+  // KvTransfer (docs/kv-transfer.md): imports waiting for a resume, and the service.
+  KvImportSessions kv_import_sessions_;
+  KvTransferService kv_transfer_service_;
   KserveFrontend kserve_;
   ShmService shm_service_{kserve_.shm_registry()};  // KServe's regions, for the native API
   // The UCX step transport: after the K/V runner its steps run on, so it stops first.

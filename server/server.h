@@ -52,6 +52,9 @@ struct ServerOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int kv_page_size = 64;
   absl::Duration kv_idle_timeout = absl::Minutes(10);
+  // A cut K/V import's staged rows wait this long for a resume with the same
+  // transfer_id (docs/kv-transfer.md); zero: until the server stops.
+  absl::Duration kv_import_idle_timeout = absl::Seconds(60);
   // Caches created before the server listens: --kv_startup_cache's text,
   // parsed by ParseStartupCaches (server/kv/startup_cache.h). Kept as text so
   // this header does not pull the K/V pool's types into every client of the

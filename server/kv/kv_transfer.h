@@ -12,6 +12,7 @@
 // the chunk that completes the last layer carries sequence_end.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -143,15 +144,14 @@ struct KvImportOptions {
   absl::Duration idle_timeout = absl::Seconds(60);
 };
 
-// The receiving cache, when the import creates it: capacity, device,
-// reserve of CreateCacheRequest (geometry and page size come from the
-// header's; cache id from the import).
+// The receiving cache, when the import creates it: CreateCacheRequest's
+// capacity, device and reserve (geometry and page size are the header's,
+// the id the import's).
 struct KvImportCreate {
   int64_t capacity_tokens = 0;
   int64_t capacity_bytes = 0;
   std::optional<int32_t> device;
   bool reserve = false;
-  int32_t page_size = 0;  // 0: the source's page size
 };
 
 struct KvImportProgress {
@@ -161,37 +161,41 @@ struct KvImportProgress {
 };
 
 struct KvImportStats {
-  int64_t sessions = 0;               // open (attached or waiting for a resume)
-  int64_t staged_pages = 0;           // pages held by sequences not yet live
-  int64_t expired_sessions = 0;       // since start: idle timeout without a resume
-  int64_t sequences_imported = 0;     // since start: made live
-  int64_t bytes_imported = 0;         // since start: payload bytes kept
-  int64_t checksum_failures = 0;      // since start: chunks refused with DATA_LOSS
+  int64_t sessions = 0;            // open (attached or waiting for a resume)
+  int64_t staged_pages = 0;        // pages held by sequences not yet live
+  int64_t expired_sessions = 0;    // since start: idle timeout without a resume
+  int64_t sequences_imported = 0;  // since start: made live
+  int64_t bytes_imported = 0;      // since start: payload bytes kept
+  int64_t checksum_failures = 0;   // since start: chunks refused with DATA_LOSS
 };
 
 class KvImportSessions;
 
-// One transfer on the receiving side, keyed by (tenant, transfer_id). Attach
-// hands it to one stream at a time; Accept checks and keeps one chunk.
+// One transfer on the receiving side, keyed by (tenant, transfer_id).
+// KvImportSessions::Attach hands it to one stream at a time (with the
+// header); Accept checks and keeps one chunk.
 class KvImportSession {
  public:
-  // Checks and keeps one chunk (the first of an attached stream carries the
-  // header). An error changes no live state: DATA_LOSS (chunk.crc32c),
-  // INVALID_ARGUMENT (order or sizes against the header, naming chunk.*),
-  // ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED (the current
-  // sequence's staged rows are returned and it starts again), NOT_FOUND.
-  absl::StatusOr<KvImportProgress> Accept(const KvTransferHeader* header,
-                                          const KvTransferChunk& chunk);
+  // Checks and keeps one chunk. An error changes no live state: DATA_LOSS
+  // (chunk.crc32c), INVALID_ARGUMENT (order or sizes against the header,
+  // naming chunk.*), ALREADY_EXISTS, FAILED_PRECONDITION, NOT_FOUND,
+  // RESOURCE_EXHAUSTED (the current sequence's staged rows are returned and
+  // it starts again from its first row).
+  absl::StatusOr<KvImportProgress> Accept(const KvTransferChunk& chunk);
+  // OK when `header` is this transfer's (a resumed stream sends it again).
+  absl::Status SameHeader(const KvTransferHeader& header);
   // Where the transfer stands (what a resumed export starts from).
   KvImportProgress Progress();
-  // The stream is over (cut, failed or done): the session waits for a resume
-  // until the idle timeout; `done` (every sequence live) ends it now.
-  void Detach(bool done);
+  // True when every sequence of the header is live.
+  bool Done();
+  // The stream is over (cut, failed or done): a finished session ends now,
+  // another waits for a resume until the idle timeout.
+  void Detach();
 
   const std::string& transfer_id() const { return transfer_id_; }
   const std::shared_ptr<KvCache>& cache() const { return cache_; }
 
-  KvImportSession(KvImportSessions* owner, std::string tenant, std::string transfer_id,
+  KvImportSession(KvImportSessions* owner, std::string tenant, KvTransferHeader header,
                   std::shared_ptr<KvCache> cache);
   ~KvImportSession();  // returns staged pages
 
@@ -202,9 +206,12 @@ class KvImportSession {
     int32_t base = 0;                         // first row the first page holds
     bool charged = false;                     // bookkeeping charged to the cache
   };
-  absl::Status CheckHeader(const KvTransferHeader& header) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Keep(const KvTransferChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Check(const KvTransferChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Stage(const KvTransferChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Install() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the current sequence's staged pages and charge; it starts again.
   void DropStaged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t StagedPages() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   KvResumePoint ResumeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   KvImportSessions* const owner_;
@@ -213,9 +220,8 @@ class KvImportSession {
   const std::shared_ptr<KvCache> cache_;
 
   absl::Mutex mu_;
-  std::optional<KvTransferHeader> header_ ABSL_GUARDED_BY(mu_);
+  KvTransferHeader header_ ABSL_GUARDED_BY(mu_);
   bool attached_ ABSL_GUARDED_BY(mu_) = false;
-  bool header_seen_ ABSL_GUARDED_BY(mu_) = false;  // this attachment's header
   absl::Time last_active_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> committed_ ABSL_GUARDED_BY(mu_);
   size_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;  // index into header_->sequences
@@ -235,8 +241,8 @@ class KvImportSessions {
   // The session for (tenant, transfer_id), attached to the caller's stream:
   // a new one on `cache_id` (created from `create` and the header when the
   // tenant lacks it; NOT_FOUND without `create`), or the cut one to resume
-  // (its cache_id must match). FAILED_PRECONDITION while another stream holds
-  // it; INVALID_ARGUMENT naming header.transfer_id or cache_id.
+  // (its cache_id must match). ABORTED while another stream holds it;
+  // INVALID_ARGUMENT naming header.transfer_id or cache_id.
   absl::StatusOr<std::shared_ptr<KvImportSession>> Attach(
       const std::string& tenant, const std::string& cache_id,
       const std::optional<KvImportCreate>& create, const KvTransferHeader& header);
@@ -254,7 +260,11 @@ class KvImportSessions {
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<KvImportSession>> sessions_
       ABSL_GUARDED_BY(mu_);
-  KvImportStats totals_ ABSL_GUARDED_BY(mu_);
+  // Counters sessions add to under their own lock (atomics: no lock order).
+  std::atomic<int64_t> expired_{0};
+  std::atomic<int64_t> sequences_imported_{0};
+  std::atomic<int64_t> bytes_imported_{0};
+  std::atomic<int64_t> checksum_failures_{0};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread expiry_;
 };

@@ -62,8 +62,8 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
 
   grpc::ServerWriteReactor<v1::KvChunk>* ExportSequences(
       grpc::CallbackServerContext* context, const v1::ExportSequencesRequest* request) override;
-  grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>*
-  ImportSequences(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>* ImportSequences(
+      grpc::CallbackServerContext* context) override;
 
   // Who the calls are; null (the default) when authentication is off.
   // Set before serving.

@@ -1,0 +1,409 @@
+// Reactors of the K/V transfer front-end; see kv_transfer_service.h.
+#include "server/native/kv_transfer_service.h"
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/cache_id_header.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "server/metrics.h"
+#include "server/native/kv_messages.h"
+#include "server/tenant.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+
+KvExportOptions DecodeExportRequest(const v1::ExportSequencesRequest& r) {
+  KvExportOptions o;
+  o.sequence_ids.assign(r.sequence_ids().begin(), r.sequence_ids().end());
+  o.token_begin = r.token_begin();
+  if (r.has_token_end()) o.token_end = r.token_end();
+  if (r.has_resume()) o.resume = DecodeResumePoint(r.resume());
+  o.max_chunk_bytes = r.max_chunk_bytes();
+  o.transfer_id = r.transfer_id();
+  return o;
+}
+
+KvTransferHeader DecodeTransferHeader(const v1::KvTransferHeader& h) {
+  KvTransferHeader out;
+  out.transfer_id = h.transfer_id();
+  out.source_cache_id = h.source_cache_id();
+  out.geometry.num_layers = h.geometry().num_layers();
+  out.geometry.num_heads_kv = h.geometry().num_heads_kv();
+  out.geometry.head_dim = h.geometry().head_dim();
+  out.geometry.dtype = static_cast<DType>(h.geometry().dtype());
+  out.geometry.cache_dtype = static_cast<DType>(h.geometry().cache_dtype());
+  if (out.geometry.cache_dtype == DType{0}) out.geometry.cache_dtype = out.geometry.dtype;
+  out.source_page_size = h.source_page_size();
+  for (const v1::SequenceLengths& s : h.sequences()) {
+    KvTransferSequence seq;
+    seq.sequence_id = s.sequence_id();
+    seq.lengths.assign(s.lengths().begin(), s.lengths().end());
+    out.sequences.push_back(std::move(seq));
+  }
+  out.token_begin = h.token_begin();
+  out.total_bytes = h.total_bytes();
+  return out;
+}
+
+void EncodeTransferHeader(const KvTransferHeader& h, v1::KvTransferHeader* out) {
+  out->set_transfer_id(h.transfer_id);
+  out->set_source_cache_id(h.source_cache_id);
+  v1::KvGeometry* g = out->mutable_geometry();
+  g->set_num_layers(h.geometry.num_layers);
+  g->set_num_heads_kv(h.geometry.num_heads_kv);
+  g->set_head_dim(h.geometry.head_dim);
+  g->set_dtype(static_cast<v1::DType>(h.geometry.dtype));
+  g->set_cache_dtype(static_cast<v1::DType>(h.geometry.cache_dtype));
+  out->set_source_page_size(h.source_page_size);
+  for (const KvTransferSequence& s : h.sequences) {
+    v1::SequenceLengths* seq = out->add_sequences();
+    seq->set_sequence_id(s.sequence_id);
+    for (int32_t len : s.lengths) seq->add_lengths(len);
+  }
+  out->set_token_begin(h.token_begin);
+  out->set_total_bytes(h.total_bytes);
+}
+
+void DecodeChunk(const v1::KvChunk& c, KvTransferChunk* out) {
+  out->sequence_id = c.sequence_id();
+  out->layer = c.layer();
+  out->token_begin = c.token_begin();
+  out->num_tokens = c.num_tokens();
+  out->k = c.k();
+  out->v = c.v();
+  out->k_scale = c.k_scale();
+  out->v_scale = c.v_scale();
+  out->crc32c = c.crc32c();
+  out->sequence_end = c.sequence_end();
+}
+
+void EncodeChunk(KvTransferChunk&& c, v1::KvChunk* out) {
+  out->clear_header();
+  out->set_sequence_id(c.sequence_id);
+  out->set_layer(c.layer);
+  out->set_token_begin(c.token_begin);
+  out->set_num_tokens(c.num_tokens);
+  out->set_k(std::move(c.k));
+  out->set_v(std::move(c.v));
+  out->set_k_scale(std::move(c.k_scale));
+  out->set_v_scale(std::move(c.v_scale));
+  out->set_crc32c(c.crc32c);
+  out->set_sequence_end(c.sequence_end);
+}
+
+void EncodeResumePoint(const KvResumePoint& p, v1::ImportResumePoint* out) {
+  out->Clear();
+  for (uint64_t id : p.committed_sequence_ids) out->add_committed_sequence_ids(id);
+  if (p.sequence_id.has_value()) {
+    out->set_sequence_id(*p.sequence_id);
+    out->set_layer(p.layer);
+    out->set_token(p.token);
+  }
+}
+
+KvResumePoint DecodeResumePoint(const v1::ImportResumePoint& p) {
+  KvResumePoint out;
+  out.committed_sequence_ids.assign(p.committed_sequence_ids().begin(),
+                                    p.committed_sequence_ids().end());
+  if (p.has_sequence_id()) {
+    out.sequence_id = p.sequence_id();
+    out.layer = p.layer();
+    out.token = p.token();
+  }
+  return out;
+}
+
+absl::Status ExportChunks(KvPool& pool, const std::string& tenant,
+                          const v1::ExportSequencesRequest& request,
+                          const std::function<absl::Status(v1::KvChunk&&)>& sink) {
+  return ExportCache(pool, tenant, request.cache_id(), DecodeExportRequest(request),
+                     [&](const KvTransferHeader* header, KvTransferChunk&& chunk) {
+                       v1::KvChunk out;
+                       EncodeChunk(std::move(chunk), &out);
+                       if (header != nullptr) EncodeTransferHeader(*header, out.mutable_header());
+                       return sink(std::move(out));
+                     });
+}
+
+namespace {
+
+// ExportSequences: one chunk read from the pages and written at a time, its
+// bytes charged to the tenant until the write completes.
+class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
+ public:
+  ExportReactor(KvPool* pool, TenantDirectory* tenants, KvTransferCounters* counters,
+                InFlightCounter* in_flight, std::string tenant,
+                const v1::ExportSequencesRequest& request)
+      : tenants_(tenants), counters_(counters), hold_(in_flight), tenant_(std::move(tenant)) {
+    absl::StatusOr<std::shared_ptr<KvCache>> cache = pool->Find(tenant_, request.cache_id());
+    if (!cache.ok()) {
+      Finish(ToGrpcStatus(cache.status()));
+      return;
+    }
+    absl::StatusOr<std::unique_ptr<KvExporter>> exporter =
+        KvExporter::Start(*cache, DecodeExportRequest(request));
+    if (!exporter.ok()) {
+      Finish(ToGrpcStatus(exporter.status()));
+      return;
+    }
+    exporter_ = *std::move(exporter);
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    charge_.Release();
+    if (!ok) {
+      // The client went away (or cancelled): nothing more is read.
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the export stream was cut"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    absl::StatusOr<bool> more = exporter_->Next(&chunk_);
+    if (!more.ok()) {
+      Finish(ToGrpcStatus(more.status()));
+      return;
+    }
+    if (!*more) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const int64_t bytes = chunk_.payload_bytes();
+    if (tenants_ != nullptr) {
+      absl::StatusOr<InFlightCharge> charge = tenants_->ChargeInFlight(tenant_, bytes);
+      if (!charge.ok()) {
+        Finish(ToGrpcStatus(charge.status()));
+        return;
+      }
+      charge_ = *std::move(charge);
+    }
+    const bool end = chunk_.sequence_end;
+    EncodeChunk(std::move(chunk_), &message_);
+    chunk_ = KvTransferChunk();
+    if (first_) EncodeTransferHeader(exporter_->header(), message_.mutable_header());
+    first_ = false;
+    counters_->bytes_exported.fetch_add(bytes, std::memory_order_relaxed);
+    counters_->chunks_exported.fetch_add(1, std::memory_order_relaxed);
+    if (end) counters_->sequences_exported.fetch_add(1, std::memory_order_relaxed);
+    StartWrite(&message_);
+  }
+
+  TenantDirectory* const tenants_;
+  KvTransferCounters* const counters_;
+  InFlightCounter::Hold hold_;
+  const std::string tenant_;
+  std::unique_ptr<KvExporter> exporter_;
+  KvTransferChunk chunk_;
+  v1::KvChunk message_;
+  InFlightCharge charge_;
+  bool first_ = true;
+};
+
+// ImportSequences: one message read and kept at a time; an answer after the
+// first message and after each sequence made live, read on after it is sent.
+class ImportReactor final
+    : public grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse> {
+ public:
+  ImportReactor(KvRunner* runner, KvImportSessions* sessions, TenantDirectory* tenants,
+                InFlightCounter* in_flight, std::shared_ptr<const StreamTenant> who)
+      : runner_(runner),
+        sessions_(sessions),
+        tenants_(tenants),
+        hold_(in_flight),
+        who_(std::move(who)) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return HalfClosed();
+    const absl::Status status = Handle();
+    if (!status.ok()) return Fail(status);
+    if (answer_) {
+      answer_ = false;
+      StartWrite(&response_);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Fail(absl::CancelledError("the import stream was cut"));
+    if (finishing_) return End(final_);
+    StartRead(&request_);
+  }
+
+  void OnDone() override {
+    if (session_ != nullptr) session_->Detach();
+    delete this;
+  }
+
+ private:
+  absl::Status Handle() {
+    RETURN_IF_ERROR(who_->StillValid());
+    InFlightCharge charge;
+    if (tenants_ != nullptr) {
+      // The chunk held while it is checked and copied into pages.
+      ASSIGN_OR_RETURN(charge, tenants_->ChargeInFlight(
+                                   who_->tenant(), static_cast<int64_t>(request_.ByteSizeLong())));
+    }
+    if (session_ == nullptr) return Open();
+    if (!request_.has_chunk()) {
+      return absl::InvalidArgumentError("chunk: expected a chunk after the first message");
+    }
+    if (request_.chunk().has_header()) {
+      RETURN_IF_ERROR(session_->SameHeader(DecodeTransferHeader(request_.chunk().header())));
+    }
+    return Keep();
+  }
+
+  absl::Status Open() {
+    RETURN_IF_ERROR(runner_->Draining());
+    const bool in_chunk = request_.has_chunk() && request_.chunk().has_header();
+    if (!request_.has_header() && !in_chunk) {
+      return absl::InvalidArgumentError(
+          "header: expected the transfer's header on the first message (header or "
+          "chunk.header)");
+    }
+    const KvTransferHeader header =
+        DecodeTransferHeader(request_.has_header() ? request_.header() : request_.chunk().header());
+    if (request_.has_header() && in_chunk &&
+        request_.header().SerializeAsString() != request_.chunk().header().SerializeAsString()) {
+      return absl::InvalidArgumentError("chunk.header: expected the same header as header");
+    }
+    std::optional<KvImportCreate> create;
+    if (request_.has_create()) {
+      const v1::CreateCacheRequest& c = request_.create();
+      create = KvImportCreate{c.capacity_tokens(), c.capacity_bytes(),
+                              c.has_device() ? std::optional<int32_t>(c.device()) : std::nullopt,
+                              c.reserve()};
+    }
+    ASSIGN_OR_RETURN(session_,
+                     sessions_->Attach(who_->tenant(), request_.cache_id(), create, header));
+    spdlog::info("kv import transfer={} cache={} sequences={} resumed_after={}", header.transfer_id,
+                 request_.cache_id(), header.sequences.size(), session_->Progress().bytes_received);
+    Answer(session_->Progress());
+    // A first message with a chunk carries rows too (the header alone is
+    // the `header` field).
+    if (request_.has_chunk()) return Keep();
+    return absl::OkStatus();
+  }
+
+  absl::Status Keep() {
+    DecodeChunk(request_.chunk(), &chunk_);
+    ASSIGN_OR_RETURN(const KvImportProgress progress, session_->Accept(chunk_));
+    if (progress.sequence_committed) Answer(progress);
+    return absl::OkStatus();
+  }
+
+  void Answer(const KvImportProgress& progress) {
+    response_.Clear();
+    response_.set_transfer_id(session_->transfer_id());
+    EncodeResumePoint(progress.resume, response_.mutable_resume());
+    response_.set_bytes_received(progress.bytes_received);
+    FillCacheStats(session_->cache()->Stats(), response_.mutable_stats());
+    answer_ = true;
+  }
+
+  void HalfClosed() {
+    if (session_ == nullptr) {
+      End(ToGrpcStatus(absl::InvalidArgumentError(
+          "header: the stream ended before its first message (cache_id and the header)")));
+      return;
+    }
+    const KvImportProgress progress = session_->Progress();
+    if (session_->Done()) {
+      final_ = grpc::Status::OK;
+    } else {
+      final_ = ToGrpcStatus(absl::AbortedError(absl::StrCat(
+          "the sender ended transfer '", session_->transfer_id(), "' with ",
+          progress.resume.committed_sequence_ids.size(),
+          " sequence(s) live and others missing; resume with the same transfer_id to finish")));
+    }
+    Answer(progress);
+    response_.set_done(true);
+    finishing_ = true;
+    StartWrite(&response_);
+  }
+
+  void Fail(const absl::Status& status) {
+    if (!status.ok() && session_ != nullptr) {
+      spdlog::info("kv import transfer={} stopped: {}", session_->transfer_id(), status.ToString());
+    }
+    End(ToGrpcStatus(status));
+  }
+
+  // The session is free for a resume before the sender can see the status.
+  void End(const grpc::Status& status) {
+    if (session_ != nullptr) {
+      session_->Detach();
+      session_.reset();
+    }
+    Finish(status);
+  }
+
+  KvRunner* const runner_;
+  KvImportSessions* const sessions_;
+  TenantDirectory* const tenants_;
+  InFlightCounter::Hold hold_;
+  const std::shared_ptr<const StreamTenant> who_;
+  std::shared_ptr<KvImportSession> session_;
+  v1::ImportSequencesRequest request_;
+  v1::ImportSequencesResponse response_;
+  KvTransferChunk chunk_;
+  bool answer_ = false;
+  bool finishing_ = false;
+  grpc::Status final_;
+};
+
+}  // namespace
+
+KvTransferService::KvTransferService(KvRunner* runner, KvImportSessions* sessions)
+    : runner_(runner), pool_(runner->pool()), sessions_(sessions) {}
+
+grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::ExportSequences(
+    grpc::CallbackServerContext* context, const v1::ExportSequencesRequest* request) {
+  return new ExportReactor(pool_, tenants_, &counters_, &in_flight_, TenantOf(auth_, context),
+                           *request);
+}
+
+grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>*
+KvTransferService::ImportSequences(grpc::CallbackServerContext* context) {
+  return new ImportReactor(runner_, sessions_, tenants_, &in_flight_,
+                           StreamTenantOf(auth_, context));
+}
+
+std::string KvTransferService::RenderMetrics() {
+  const KvImportStats s = sessions_->Stats();
+  std::string out;
+  AppendFamily(&out, "attnserve_kv_transfer_bytes_total", "counter",
+               "K/V payload bytes moved by KvTransfer (export: sent, import: kept)",
+               {{"direction=\"export\"", absl::StrCat(counters_.bytes_exported.load())},
+                {"direction=\"import\"", absl::StrCat(s.bytes_imported)}});
+  AppendFamily(&out, "attnserve_kv_transfer_sequences_total", "counter",
+               "K/V sequences moved by KvTransfer (export: last chunk sent, import: made live)",
+               {{"direction=\"export\"", absl::StrCat(counters_.sequences_exported.load())},
+                {"direction=\"import\"", absl::StrCat(s.sequences_imported)}});
+  AppendFamily(&out, "attnserve_kv_transfer_checksum_failures_total", "counter",
+               "Imported chunks refused for a CRC-32C mismatch (DATA_LOSS)",
+               {{"", absl::StrCat(s.checksum_failures)}});
+  AppendFamily(&out, "attnserve_kv_import_sessions", "gauge",
+               "Imports open or waiting for a resume", {{"", absl::StrCat(s.sessions)}});
+  AppendFamily(&out, "attnserve_kv_import_staged_pages", "gauge",
+               "K/V pages holding rows of sequences not yet live (counted in their caches)",
+               {{"", absl::StrCat(s.staged_pages)}});
+  AppendFamily(&out, "attnserve_kv_import_expired_total", "counter",
+               "Cut imports whose staged rows went after --kv_import_idle_timeout",
+               {{"", absl::StrCat(s.expired_sessions)}});
+  return out;
+}
+
+}  // namespace attnserve
