@@ -441,21 +441,37 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, 
   return bf16 ? LaunchDecode<__nv_bfloat16, 128>(l, stream) : LaunchDecode<__half, 128>(l, stream);
 }
 
-cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, int ahead,
+cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, int variant,
                                          void* workspace, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.dtype != DType::kBF16 || p.head_dim != 128 ||
-      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || ahead < 0 || ahead > 2) {
+      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || variant < 0 || variant > 4) {
     return cudaErrorInvalidValue;
   }
   fp8_decode::Launch l;
   cudaError_t err = MakeDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
   if (err != cudaSuccess) return err;
   const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
-  auto kernel = ahead == 0   ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 0>
-                : ahead == 1 ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 1>
-                             : fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 2>;
-  kernel<<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+  auto ring = [&](auto stages) {
+    constexpr int kStages = decltype(stages)::value;
+    constexpr int kSmem = fp8_decode::kWarps * kStages * fp8_decode::kRingStageBytes;
+    auto kernel = fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 0, kStages>;
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, fp8_decode::kThreads, kSmem, stream>>>(l);
+    return cudaSuccess;
+  };
+  if (variant >= 3) {
+    err = variant == 3 ? ring(std::integral_constant<int, 3>())
+                       : ring(std::integral_constant<int, 4>());
+    if (err != cudaSuccess) return err;
+  } else {
+    auto kernel = variant == 0   ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 0>
+                  : variant == 1 ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 1>
+                                 : fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 2>;
+    kernel<<<grid, fp8_decode::kThreads, 0, stream>>>(l);
+  }
   err = cudaGetLastError();
   if (err != cudaSuccess || l.part_o == nullptr) return err;
   fp8_decode::CombineFp8Splits<__nv_bfloat16, 128>

@@ -103,6 +103,28 @@ __device__ __forceinline__ float2 LoadStreamF2(const void* ptr) {
   return v;
 }
 
+// cp.async of 16 bytes (L2 only) into shared memory, and its group waits.
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+
+// The shared-memory ring variant's stage (kStages > 0, D 128): one warp
+// step's K codes [16][128], V codes [16][128], then K's and V's 16 scales.
+// 16-byte chunk c of row r sits at chunk c ^ ((r & 1) << 2) (K) or c ^ (r &
+// 6) (V): each eight lanes' 16-byte reads then cover all 32 banks once.
+constexpr int kRingStageBytes = 32 * 128 + 128;
+__device__ __forceinline__ int RingK(int row, int chunk) {
+  return row * 128 + ((chunk ^ ((row & 1) << 2)) * 16);
+}
+__device__ __forceinline__ int RingV(int row, int chunk) {
+  return 2048 + row * 128 + ((chunk ^ (row & 6)) * 16);
+}
+
 // One lane's V bytes of one key row: D / 8 of them.
 template <int kD>
 struct VRow;
@@ -151,8 +173,12 @@ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
 
 // CTA (split, kv head, sequence): packed rows r = i x group + (head within
 // the group) of kv head blockIdx.y over the split's share of the keys.
-template <typename T, int kD, int kRowTiles, int kAhead>
-__global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
+// kAhead: steps a warp's register loads run ahead of its math; kStages > 0:
+// instead, a ring of kStages steps per warp in shared memory filled by
+// cp.async (D 128; 3 stages at three CTAs per SM, else two), the bench's
+// ablation only.
+template <typename T, int kD, int kRowTiles, int kAhead, int kStages = 0>
+__global__ void __launch_bounds__(kThreads, kStages == 3 ? 3 : kFp8DecodeCtasPerSm)
     PagedFp8DecodeKernel(const __grid_constant__ Launch L) {
   constexpr int kRows = 8 * kRowTiles;
   constexpr int kKSteps = kD / 16;
@@ -429,7 +455,73 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
   // the loads of the step kAhead ahead are issued before this step's math,
   // and its page id one step before that.
   int c = c_begin + warp;
-  if (kAhead == 1) {
+  if constexpr (kStages > 0) {
+    static_assert(kStages == 0 || kD == 128, "the ring variant is D 128 only");
+    extern __shared__ __align__(16) uint8_t ring_smem[];
+    uint8_t* ring = ring_smem + warp * kStages * kRingStageBytes;
+    const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+    auto issue = [&](int cs, int32_t page, int slot) {
+      const int slab = PageSlab(kv.pages, page);
+      const int t0 = (cs * kFp8DecodeChunk) & (kv.pages.page_size - 1);
+      const uint8_t* k_slab = static_cast<const uint8_t*>(kv.pages.k_slabs[slab]);
+      const uint8_t* v_slab = static_cast<const uint8_t*>(kv.pages.v_slabs[slab]);
+      const int64_t off = PageRowOffset(kv.pages, page, t0, hkv, kD, h);
+      const int64_t scale_off = PageScaleOffset(kv.pages, page, t0, hkv, kD, h);
+      const uint32_t st = ring_addr + slot * kRingStageBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int ci = lane + 32 * j;
+        const int row = ci / 8;
+        const int ch = ci % 8;
+        CpAsync16(st + RingK(row, ch), k_slab + off + row * row_stride + ch * 16);
+        CpAsync16(st + RingV(row, ch), v_slab + off + row * row_stride + ch * 16);
+      }
+      if (lane < 8) {
+        const uint8_t* slab_base = lane < 4 ? k_slab : v_slab;
+        CpAsync16(st + 4096 + lane * 16, slab_base + scale_off + (lane % 4) * 16);
+      }
+    };
+    auto read = [&](int slot, Step<kD>& x) {
+      const uint8_t* st = ring + slot * kRingStageBytes;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int cc = 0; cc < kD / 64; ++cc)
+          x.k[nt][cc] = *reinterpret_cast<const uint4*>(st + RingK(8 * nt + g, 4 * cc + qd));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x.v[i].w = *reinterpret_cast<const uint4*>(st + RingV(2 * qd + (i & 1) + 8 * (i / 2), g));
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        x.ks[i] = *reinterpret_cast<const float2*>(st + 4096 + 4 * (2 * qd + 8 * i));
+        x.vs[i] = *reinterpret_cast<const float2*>(st + 4096 + 64 + 4 * (2 * qd + 8 * i));
+      }
+    };
+#pragma unroll
+    for (int u = 0; u < kStages - 1; ++u) {
+      const int cu = c + u * kWarps;
+      if (cu < c_end) issue(cu, page_of(cu), u);
+      CpAsyncCommit();
+    }
+    int32_t page_next = page_of(c + (kStages - 1) * kWarps);
+    for (int k = 0; c < c_end; c += kWarps, ++k) {
+      // Refill the slot the previous step read (every lane passed its
+      // __syncwarp), then wait for this step's group.
+      const int ahead = c + (kStages - 1) * kWarps;
+      const int32_t page = page_next;
+      page_next = page_of(ahead + kWarps);
+      if (ahead < c_end) issue(ahead, page, (k + kStages - 1) % kStages);
+      CpAsyncCommit();
+      CpAsyncWait<kStages - 1>();
+      __syncwarp();
+      Step<kD> x;
+      read(k % kStages, x);
+      __syncwarp();
+      compute(c, x);
+    }
+    CpAsyncWait<0>();
+  } else if (kAhead == 1) {
     int32_t page1 = page_of(c);
     int32_t page2 = page_of(c + kWarps);
     Step<kD> cur;

@@ -283,9 +283,11 @@ int Main(int argc, char** argv) {
             measure("fp8_simt", [&] { return cuda::LaunchPagedForwardFp8(pp, nullptr); }));
       }
       if (ablate) {
-        for (int ahead = 0; ahead <= 2; ++ahead) {
-          out.push_back(measure("fp8_mma_1split_ahead" + std::to_string(ahead), [&] {
-            return cuda::LaunchPagedFp8DecodeAblation(pp, 1, ahead, nullptr, nullptr);
+        for (int variant = 0; variant <= 4; ++variant) {
+          const std::string name = variant < 3 ? "fp8_mma_1split_ahead" + std::to_string(variant)
+                                               : "fp8_mma_1split_ring" + std::to_string(variant);
+          out.push_back(measure(name, [&] {
+            return cuda::LaunchPagedFp8DecodeAblation(pp, 1, variant, nullptr, nullptr);
           }));
         }
         const Plan split = cuda::PlanPagedFp8(pp.attn, num_sms);
