@@ -59,7 +59,7 @@ if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
       >"$OUT/sanitizer-$tool.log" 2>&1
     note "sanitizer $tool (fp8)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
     timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $T8 \
-      --gtest_filter='*DecodeKernel*/0:*DecodeKernel*/2:*DecodeKernel*/3' \
+      --gtest_filter='*DecodeKernel*/0:*DecodeKernel*/2:*DecodeKernel*/3:*DecodeKernel*/4' \
       >"$OUT/sanitizer-decode-$tool.log" 2>&1
     note "sanitizer $tool (decode)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-decode-$tool.log" | tail -1)"
   done

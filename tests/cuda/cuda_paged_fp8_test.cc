@@ -57,6 +57,8 @@ std::vector<Case> Grid() {
   grid.push_back({sinks, 16, 1, true});
   // 16 packed rows (two row tiles), D 64, pages of 256.
   grid.push_back({Decode(DType::kFP16, 16, 1, 64, {900, 33, 257}), 256, 1, false});
+  // 16 rows at D 128 (a GQA group of 16), pages of 16, split.
+  grid.push_back({Decode(DType::kBF16, 32, 2, 128, {2600, 40}), 16, 1, true});
   // 8 rows: 2 queries x 4 heads, causal, a window, 2 new tokens each.
   TestCase spec = Decode(DType::kBF16, 8, 2, 128, {1200, 130, 2});
   spec.seqlens_q = {2, 2, 2};
