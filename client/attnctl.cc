@@ -22,6 +22,7 @@
 #include "client/cli/command.h"
 #include "client/cli/common.h"
 #include "client/cli/kv_flags.h"
+#include "client/cli/kv_transfer_flags.h"
 #include "client/cli/load_flags.h"
 #include "common/malloc_tuning.h"
 
@@ -186,6 +187,60 @@ const Command kCommands[] = {
      RunLoadKv,
      {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
       "concurrency", "channels", "stream", "check", "csv", "label", "shm", "shm_prefix"}},
+    {"move-kv",
+     "Move a K/V cache's sequences from one server to another (resumes a cut stream).",
+     "attnctl move-kv --from=host:port --to=host:port --cache=ID [--to_cache=ID] [--seq=1,2]\n"
+     "        [--token_begin=N] [--token_end=N] [--max_chunk_bytes=N] [--transfer_id=ID]\n"
+     "        [--capacity_tokens=N | --capacity_bytes=N [--device=I] [--reserve]]\n\n"
+     "Examples:\n"
+     "  attnctl move-kv --from=10.0.0.1:50051 --to=10.0.0.2:50051 --cache=kv0 \\\n"
+     "      --capacity_tokens=1048576\n"
+     "  attnctl move-kv --from=a:50051 --to=b:50051 --cache=kv0 --seq=3,4 --token_end=512\n\n"
+     "Pipes the source's ExportSequences into the receiver's ImportSequences (docs/kv-transfer.md):\n"
+     "the sequences arrive live with the same ids and lengths, all or nothing per sequence; the\n"
+     "source keeps its copy. With --capacity_tokens or --capacity_bytes the receiver creates the\n"
+     "cache when it has none of that id (geometry and page size from the source). A broken stream\n"
+     "is resumed where the receiver stands (finished sequences are not sent again), up to 8 times;\n"
+     "after a failure, the same command with the printed --transfer_id continues it.\n"
+     "--timeout bounds the whole move only when given. --token/--tls* apply to both servers.\n"
+     "A progress line (bytes, GB/s, sequences) goes to stderr once a second.\n"
+     "Exit code 0 on success, 1 on a server error (code and message printed), 2 on bad flags.",
+     kKvTransferFlagsFile,
+     nullptr,
+     RunMoveKv,
+     {"cache", "seq", "capacity_tokens", "capacity_bytes", "device", "reserve"}},
+    {"export-kv",
+     "Write a K/V cache's sequences to a file (a snapshot import-kv loads again).",
+     "attnctl [--target=host:port] export-kv --cache=ID --out=FILE [--seq=1,2]\n"
+     "        [--token_begin=N] [--token_end=N] [--max_chunk_bytes=N]\n\n"
+     "Example:\n"
+     "  attnctl export-kv --cache=kv0 --out=kv0.chunks\n\n"
+     "FILE holds the export's KvChunk messages (kv_transfer.proto), each preceded by its length\n"
+     "as a varint (protobuf's delimited form), the first with the header; every chunk keeps its\n"
+     "CRC-32C. It is written as FILE.partial and renamed when whole. A cut stream is resumed\n"
+     "after the last chunk written, up to 8 times. The cache stays on the server.\n"
+     "Exit code 0 on success, 1 on a server error, 2 on bad flags or an unwritable file.",
+     kKvTransferFlagsFile,
+     nullptr,
+     RunExportKv,
+     {"cache", "seq", "out"}},
+    {"import-kv",
+     "Load a file export-kv wrote into a server's cache (live sequences, same ids).",
+     "attnctl [--target=host:port] import-kv --in=FILE --cache=ID [--transfer_id=ID]\n"
+     "        [--capacity_tokens=N | --capacity_bytes=N [--device=I] [--reserve]]\n\n"
+     "Example:\n"
+     "  attnctl import-kv --in=kv0.chunks --cache=kv0 --capacity_tokens=1048576\n\n"
+     "Reads the whole file first and checks it (every chunk parses, one header first, each\n"
+     "chunk's CRC-32C, every sequence complete): a damaged or cut file is refused, naming the\n"
+     "chunk and byte offset, before anything is sent. Then sends it through ImportSequences,\n"
+     "resuming a cut stream where the server stands. With --capacity_tokens or --capacity_bytes\n"
+     "the server creates the cache when it has none of that id. Sequence ids the cache already\n"
+     "holds are ALREADY_EXISTS.\n"
+     "Exit code 0 on success, 1 on a server error, 2 on bad flags or a bad file.",
+     kKvTransferFlagsFile,
+     nullptr,
+     RunImportKv,
+     {"cache", "capacity_tokens", "capacity_bytes", "device", "reserve"}},
 };
 
 const Command* FindCommand(absl::string_view name) {
@@ -336,7 +391,7 @@ int Main(int argc, char** argv) {
   if (!name.empty() && command == nullptr) {
     return UsageError("",
                       absl::StrCat("unknown command '", name,
-                                   "' (commands: health, info, forward, load, kv, load-kv, help)"));
+                                   "' (commands: health, info, forward, load, kv, load-kv, move-kv, export-kv, import-kv, help)"));
   }
   if (help) {
     PrintHelp(command);

@@ -43,6 +43,9 @@ int RunForward(const std::vector<std::string>& args);
 int RunLoad(const std::vector<std::string>& args);
 int RunKv(const std::vector<std::string>& args);
 int RunLoadKv(const std::vector<std::string>& args);
+int RunMoveKv(const std::vector<std::string>& args);
+int RunExportKv(const std::vector<std::string>& args);
+int RunImportKv(const std::vector<std::string>& args);
 
 }  // namespace cli
 }  // namespace attnserve

@@ -63,6 +63,11 @@ std::set<std::string>& SetFlags() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_channels) {
+  return MakeClientForTarget(absl::GetFlag(FLAGS_target), num_channels);
+}
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientForTarget(const std::string& target,
+                                                                      int num_channels) {
   ClientOptions options;
   options.num_channels = num_channels;
   options.default_timeout = absl::GetFlag(FLAGS_timeout);
@@ -78,7 +83,7 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_cha
     if (env != nullptr) options.security.token = env;
   }
   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
-      AttentionClient::Create(absl::GetFlag(FLAGS_target), options);
+      AttentionClient::Create(target, options);
   if (!client.ok() && client.status().code() == absl::StatusCode::kInvalidArgument) {
     // The possible causes are flags; say which.
     return absl::InvalidArgumentError(

@@ -26,6 +26,10 @@ namespace cli {
 // A client for --target with the channel settings of the global flags and
 // `num_channels` channels.
 absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_channels = 1);
+// The same for another address (move-kv's --from and --to): every global flag
+// but --target applies.
+absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientForTarget(const std::string& target,
+                                                                      int num_channels = 1);
 
 // Prints "attnctl: <what>: <CODE_NAME>: <message>" to stderr, keeping the
 // server's message verbatim, and returns kExitFailure.

@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, q, "",
 ABSL_FLAG(std::string, k, "", "Read K from this .npy file ([B,Sk,Hkv,D] or [Tk,Hkv,D]).");
 ABSL_FLAG(std::string, v, "", "Read V from this .npy file (shape of K).");
 ABSL_FLAG(std::string, out, "",
-          "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16).");
+          "Write O to this .npy file ('<f2' for FP16, '<f4' for FP32 and BF16). export-kv: the "
+          "chunk file to write.");
 ABSL_FLAG(std::string, out_lse, "", "Write LSE (FP32) to this .npy file; implies --return_lse.");
 
 ABSL_FLAG(

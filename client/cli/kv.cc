@@ -36,17 +36,19 @@ ABSL_FLAG(std::optional<int>, device, std::nullopt,
           "K/V budget).");
 ABSL_FLAG(std::string, cache, "",
           "kv: the cache id. kv create: the id to create (empty: a random one, c-<16 hex digits>, "
-          "printed); every other kv operation: the cache to act on.");
+          "printed); every other kv operation, move-kv, export-kv and import-kv: the cache to act "
+          "on.");
 ABSL_FLAG(int64_t, capacity_tokens, 0,
           "kv create: the cache's maximum size in tokens over all sequences and layers (rounded "
-          "up to whole pages). Exactly one of --capacity_tokens and --capacity_bytes.");
+          "up to whole pages). Exactly one of --capacity_tokens and --capacity_bytes. move-kv, "
+          "import-kv: the receiver creates the cache with it when it has none of that id.");
 ABSL_FLAG(int64_t, capacity_bytes, 0, "kv create: the cache's maximum size in K and V bytes.");
 ABSL_FLAG(bool, reserve, false,
           "kv create: take the whole capacity from the device's K/V budget now, so appends never "
           "fail for lack of pool memory.");
 ABSL_FLAG(std::string, seq, "",
           "kv create-seq, free-seq, truncate, info: comma-separated sequence ids (e.g. 1,2,3; "
-          "truncate takes one).");
+          "truncate takes one). move-kv, export-kv: the sequences to export (default: all).");
 ABSL_FLAG(std::optional<uint64_t>, fork_from, std::nullopt,
           "kv create-seq: start the new sequences as a prefix of this sequence (shared pages).");
 ABSL_FLAG(std::optional<int>, fork_length, std::nullopt,
