@@ -77,9 +77,36 @@ struct Harness {
 
 [[noreturn]] void Fail(const std::string& what) { FuzzFail("kv_ops_fuzzer", what); }
 
-void Expect(bool ok, const std::string& what) {
-  if (!ok) Fail(what);
+// Tensor values: kPoolValues random multiples of 1/8 in [-2, 2] (exactly
+// representable in every dtype), encoded once per dtype. One tensor has at
+// most 3 steps x 40 rows of at most 4 heads of 16 (Program::Build).
+constexpr int64_t kPoolValues = int64_t{1} << 16;
+static_assert(kPoolValues >= 3 * 40 * 4 * 16, "a tensor must fit in the pool");
+const std::string& ValuePool(DType t) {
+  static const auto* pools = [] {
+    auto* p = new std::map<DType, std::string>();
+    for (DType d : {DType::kFP32, DType::kFP16, DType::kBF16}) {
+      std::string bytes(size_t(kPoolValues * DTypeSize(d)), '\0');
+      uint64_t state = 1;
+      for (int64_t i = 0; i < kPoolValues; ++i) {
+        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+        const float x = static_cast<float>(static_cast<int>((state >> 33) % 33) - 16) / 8.0f;
+        StoreFromFloat(bytes.data(), d, i, x);
+      }
+      p->emplace(d, std::move(bytes));
+    }
+    return p;
+  }();
+  return pools->at(t);
 }
+
+// Fails with `what` unless `ok`; `what` (often a StrCat over the state) is
+// built only on failure (built for every check, the messages cost more than
+// several of the calls they check).
+#define EXPECT_OR_FAIL(ok, what) \
+  do {                           \
+    if (!(ok)) Fail(what);       \
+  } while (false)
 
 int64_t PagesFor(int64_t tokens, int page_size) { return (tokens + page_size - 1) / page_size; }
 
@@ -111,10 +138,11 @@ class Program {
     // Free everything: no page may stay in use.
     std::vector<uint64_t> all;
     for (const auto& [id, seq] : model_) all.push_back(id);
-    Expect(cache_->Free(all).ok(), "freeing every live sequence failed");
+    EXPECT_OR_FAIL(cache_->Free(all).ok(), "freeing every live sequence failed");
     model_.clear();
-    Expect(cache_->Stats().pages_used == 0, "pages in use after every sequence was freed");
-    Expect(h_->pool.DropCache(kTenant, cache_->id()).ok(), "DropCache of a live cache failed");
+    EXPECT_OR_FAIL(cache_->Stats().pages_used == 0, "pages in use after every sequence was freed");
+    EXPECT_OR_FAIL(h_->pool.DropCache(kTenant, cache_->id()).ok(),
+                   "DropCache of a live cache failed");
     cache_.reset();
     // The executor thread may still hold the last call's closure (and with it
     // the cache) for a moment after its callback ran: wait for the evidence.
@@ -122,8 +150,8 @@ class Program {
     while (h_->pool.Stats().devices[0].bytes_used != 0 && absl::Now() < deadline) {
       absl::SleepFor(absl::Microseconds(100));
     }
-    Expect(h_->pool.Stats().devices[0].bytes_used == 0,
-           "the device's K/V budget is not whole 10 s after the cache was dropped");
+    EXPECT_OR_FAIL(h_->pool.Stats().devices[0].bytes_used == 0,
+                   "the device's K/V budget is not whole 10 s after the cache was dropped");
   }
 
  private:
@@ -133,16 +161,17 @@ class Program {
   int32_t Len(const ModelSeq& s, int layer) const {
     return static_cast<int32_t>(s.k[size_t(layer)].size() / size_t(RowBytes(Hkv())));
   }
-  // Exactly representable in every dtype: multiples of 1/8 in [-2, 2].
+  // A slice of ValuePool at an offset the input's seed picks: rows differ
+  // from call to call (so a wrong page or a stale table shows as a wrong
+  // answer) at the cost of one copy; converting each element here instead
+  // was most of the harness's own time.
   std::string Rows(int64_t rows, int heads) {
     const int64_t n = rows * heads * D();
-    std::string bytes(size_t(n * DTypeSize(geometry_.dtype)), '\0');
-    for (int64_t i = 0; i < n; ++i) {
-      seed_ = seed_ * 6364136223846793005ULL + 1442695040888963407ULL;
-      const float x = static_cast<float>(static_cast<int>((seed_ >> 33) % 33) - 16) / 8.0f;
-      StoreFromFloat(bytes.data(), geometry_.dtype, i, x);
-    }
-    return bytes;
+    EXPECT_OR_FAIL(n <= kPoolValues, "a tensor larger than the value pool");
+    seed_ = seed_ * 6364136223846793005ULL + 1442695040888963407ULL;
+    const int64_t first = int64_t((seed_ >> 33) % uint64_t(kPoolValues - n + 1));
+    const size_t width = size_t(DTypeSize(geometry_.dtype));
+    return ValuePool(geometry_.dtype).substr(size_t(first) * width, size_t(n) * width);
   }
   uint64_t PickId() { return in_->ConsumeIntegralInRange<uint64_t>(0, 7); }
 
@@ -164,9 +193,10 @@ class Program {
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         h_->pool.CreateCache(kTenant, DecodeCreateCache(r));
     if (!cache.ok()) {
-      Expect(!cache.status().message().empty(), "CreateCache refused without a message");
-      Expect(h_->pool.Stats().caches == 0, "a refused CreateCache left a cache");
-      Expect(h_->pool.Stats().devices[0].bytes_used == 0, "a refused CreateCache took budget");
+      EXPECT_OR_FAIL(!cache.status().message().empty(), "CreateCache refused without a message");
+      EXPECT_OR_FAIL(h_->pool.Stats().caches == 0, "a refused CreateCache left a cache");
+      EXPECT_OR_FAIL(h_->pool.Stats().devices[0].bytes_used == 0,
+                     "a refused CreateCache took budget");
       return false;
     }
     cache_ = *std::move(cache);
@@ -213,9 +243,9 @@ class Program {
             kBudgetBytes) {
       return;
     }
-    Expect(status.ok() == valid,
-           absl::StrCat("CreateSequences: the model expected ", valid ? "OK" : "a refusal",
-                        ", got ", status.ToString()));
+    EXPECT_OR_FAIL(status.ok() == valid,
+                   absl::StrCat("CreateSequences: the model expected ", valid ? "OK" : "a refusal",
+                                ", got ", status.ToString()));
     if (!status.ok()) return;
     for (const v1::SequenceSpec& s : r.sequences()) {
       ModelSeq seq;
@@ -350,9 +380,9 @@ class Program {
     const absl::Status b = s2.ok() ? r2 : s2;
     // The executor's queue may be full (RESOURCE_EXHAUSTED naming the queue):
     // then the calls stop there, in order.
-    Expect(a.ok() || IsQueueFull(a), absl::StrCat("pipelined call 1: ", a.ToString()));
+    EXPECT_OR_FAIL(a.ok() || IsQueueFull(a), absl::StrCat("pipelined call 1: ", a.ToString()));
     if (a.ok()) Apply(first.request, &c1);
-    Expect(
+    EXPECT_OR_FAIL(
         b.ok() || IsQueueFull(b) || (!a.ok() && b.code() == absl::StatusCode::kFailedPrecondition),
         absl::StrCat("pipelined call 2 (call 1: ", a.ToString(), "): ", b.ToString()));
     if (b.ok()) Apply(second.request, &c2);
@@ -373,17 +403,18 @@ class Program {
       status = result;
     }
     if (!status.ok()) {
-      Expect(!status.message().empty(), "AppendAttend refused without a message");
+      EXPECT_OR_FAIL(!status.message().empty(), "AppendAttend refused without a message");
       const bool full = status.code() == absl::StatusCode::kResourceExhausted &&
                         used_before + b.pages_needed > capacity_;
-      Expect(!b.valid || full || IsQueueFull(status),
-             absl::StrCat("AppendAttend at layer ", layer, " refused a call the model accepts (",
-                          used_before, " pages used, ", b.pages_needed,
-                          " needed at most, capacity ", capacity_, "): ", status.ToString()));
+      EXPECT_OR_FAIL(
+          !b.valid || full || IsQueueFull(status),
+          absl::StrCat("AppendAttend at layer ", layer, " refused a call the model accepts (",
+                       used_before, " pages used, ", b.pages_needed, " needed at most, capacity ",
+                       capacity_, "): ", status.ToString()));
       return;
     }
-    Expect(b.valid, absl::StrCat("AppendAttend accepted a call the model refuses: ",
-                                 b.request.ShortDebugString().substr(0, 400)));
+    EXPECT_OR_FAIL(b.valid, absl::StrCat("AppendAttend accepted a call the model refuses: ",
+                                         b.request.ShortDebugString().substr(0, 400)));
     Apply(b.request, &call);
   }
 
@@ -393,7 +424,8 @@ class Program {
     const int layer = r.layer();
     const int hq = static_cast<int>(r.q().shape(1));
     const int64_t q_row = RowBytes(hq), kv_row = RowBytes(Hkv());
-    Expect(call->lengths.size() == size_t(r.sequences_size()), "lengths: one per step expected");
+    EXPECT_OR_FAIL(call->lengths.size() == size_t(r.sequences_size()),
+                   "lengths: one per step expected");
     int64_t q0 = 0, k0 = 0;
     for (int i = 0; i < r.sequences_size(); ++i) {
       const v1::SequenceStep& s = r.sequences(i);
@@ -403,8 +435,9 @@ class Program {
       seq.v[size_t(layer)].append(r.v().data(), size_t(k0 * kv_row),
                                   size_t(s.num_new_tokens() * kv_row));
       const int32_t len = Len(seq, layer);
-      Expect(call->lengths[size_t(i)] == len,
-             absl::StrCat("step ", i, ": length ", call->lengths[size_t(i)], ", model ", len));
+      EXPECT_OR_FAIL(
+          call->lengths[size_t(i)] == len,
+          absl::StrCat("step ", i, ": length ", call->lengths[size_t(i)], ", model ", len));
       const int nq = s.num_queries();
       if (nq > 0) {
         AttentionInputs in;
@@ -429,10 +462,10 @@ class Program {
           out.lse = *HostTensor::FromFloats(DType::kFP32, {1, hq, nq}, lse);
         }
         absl::StatusOr<VerifyReport> report = VerifyForward(in, out);
-        Expect(report.ok() && report->passed,
-               absl::StrCat("step ", i, " (sequence ", s.sequence_id(), ", context ", len,
-                            ", layer ", layer, "): output differs from the reference: ",
-                            report.ok() ? report->failure : report.status().ToString()));
+        EXPECT_OR_FAIL(report.ok() && report->passed,
+                       absl::StrCat("step ", i, " (sequence ", s.sequence_id(), ", context ", len,
+                                    ", layer ", layer, "): output differs from the reference: ",
+                                    report.ok() ? report->failure : report.status().ToString()));
       }
       q0 += nq;
       k0 += s.num_new_tokens();
@@ -457,9 +490,9 @@ class Program {
                        (!layer.has_value() || (*layer >= 0 && *layer < geometry_.num_layers)) &&
                        length >= 0 && length <= shortest;
     const absl::Status status = cache_->Truncate(id, layer, length);
-    Expect(status.ok() == valid,
-           absl::StrCat("Truncate: the model expected ", valid ? "OK" : "a refusal", ", got ",
-                        status.ToString()));
+    EXPECT_OR_FAIL(status.ok() == valid,
+                   absl::StrCat("Truncate: the model expected ", valid ? "OK" : "a refusal",
+                                ", got ", status.ToString()));
     if (!status.ok()) return;
     for (int l = 0; l < geometry_.num_layers; ++l) {
       if (layer.has_value() && *layer != l) continue;
@@ -479,9 +512,9 @@ class Program {
     }
     const absl::Status status =
         cache_->Free(std::vector<uint64_t>(r.sequence_ids().begin(), r.sequence_ids().end()));
-    Expect(status.ok() == valid,
-           absl::StrCat("Free: the model expected ", valid ? "OK" : "a refusal", ", got ",
-                        status.ToString()));
+    EXPECT_OR_FAIL(status.ok() == valid,
+                   absl::StrCat("Free: the model expected ", valid ? "OK" : "a refusal", ", got ",
+                                status.ToString()));
     if (status.ok()) {
       for (uint64_t id : r.sequence_ids()) model_.erase(id);
     }
@@ -490,27 +523,28 @@ class Program {
   void Stats() {
     v1::CacheStats out;
     FillCacheStats(cache_->Stats(), &out);
-    Expect(out.pages_used() + out.pages_free() == capacity_, "pages used + free != capacity");
-    Expect(h_->pool.Stats().devices[0].bytes_used <= kBudgetBytes, "budget exceeded");
+    EXPECT_OR_FAIL(out.pages_used() + out.pages_free() == capacity_,
+                   "pages used + free != capacity");
+    EXPECT_OR_FAIL(h_->pool.Stats().devices[0].bytes_used <= kBudgetBytes, "budget exceeded");
   }
 
   void CheckState() {
     const KvCacheStats stats = cache_->Stats();
-    Expect(stats.sequences == int64_t(model_.size()),
-           absl::StrCat("sequences: pool ", stats.sequences, ", model ", model_.size()));
+    EXPECT_OR_FAIL(stats.sequences == int64_t(model_.size()),
+                   absl::StrCat("sequences: pool ", stats.sequences, ", model ", model_.size()));
     int64_t unshared = 0, longest = 0;
     for (const auto& [id, seq] : model_) {
       absl::StatusOr<std::vector<int32_t>> lengths = cache_->Lengths(id);
-      Expect(lengths.ok(), absl::StrCat("sequence ", id, " missing from the pool"));
+      EXPECT_OR_FAIL(lengths.ok(), absl::StrCat("sequence ", id, " missing from the pool"));
       for (int l = 0; l < geometry_.num_layers; ++l) {
-        Expect((*lengths)[size_t(l)] == Len(seq, l),
-               absl::StrCat("sequence ", id, " layer ", l, ": pool length ", (*lengths)[size_t(l)],
-                            ", model ", Len(seq, l)));
+        EXPECT_OR_FAIL((*lengths)[size_t(l)] == Len(seq, l),
+                       absl::StrCat("sequence ", id, " layer ", l, ": pool length ",
+                                    (*lengths)[size_t(l)], ", model ", Len(seq, l)));
         unshared += PagesFor(Len(seq, l), page_size_);
         longest = std::max(longest, PagesFor(Len(seq, l), page_size_));
       }
     }
-    Expect(
+    EXPECT_OR_FAIL(
         stats.pages_used <= unshared && stats.pages_used >= longest,
         absl::StrCat("pages used ", stats.pages_used, " outside [", longest, ", ", unshared, "]"));
   }
