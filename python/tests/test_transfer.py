@@ -222,3 +222,258 @@ def test_kv_caches_on_two_servers_decode_as_one(client, client_b, dtype_name):
                                                  cu_seqlens_q=[0, 1], cu_seqlens_k=[0, n + 1])
             check(o, ref_o, dtype_name)
             check_lse(lse, ref_lse)
+
+
+# -- transfer: moving a cache between two servers ------------------------------------------
+from attnserve import transfer  # noqa: E402
+from attnserve.kv import Sequence  # noqa: E402
+from attnserve.v1 import kv_transfer_pb2 as tpb  # noqa: E402
+
+LAYERS, HQ, HKV, D = 2, 4, 2, 32
+# Each sequence's length per layer: a page boundary crossed, one exactly full, a short one.
+LENGTHS = {1: 40, 2: 16, 5: 3}
+
+
+def make_source(client, cache_id, dtype=np.float32, page_size=16):
+    """A cache on `client`'s server holding LENGTHS' sequences, each layer's K/V random;
+    returns it and the K/V by (sequence, layer)."""
+    rng = np.random.default_rng(17)
+    cache = Cache(client, num_layers=LAYERS, num_heads_kv=HKV, head_dim=D, dtype=dtype,
+                  capacity_tokens=1 << 12, page_size=page_size, cache_id=cache_id)
+    seqs = cache.sequences(list(LENGTHS))
+    kv = {}
+    for s in seqs:
+        for layer in range(LAYERS):
+            n = LENGTHS[s.id]
+            k, v = rand(rng, (n, HKV, D), dtype), rand(rng, (n, HKV, D), dtype)
+            cache.append_attend(layer, [s], None, k, v)
+            kv[s.id, layer] = (k, v)
+    return cache, kv
+
+
+def attach(client, cache_id, dtype, ids=tuple(LENGTHS)):
+    """A Cache object for a cache the server holds (made by an import) and its sequences
+    `ids`, lengths read back from the server (Cache's constructor would create it)."""
+    cache = Cache.__new__(Cache)
+    cache._init(client, LAYERS, HKV, D, dtype, 1, None, 0, cache_id, None, False, None)
+    stats = cache.stats()
+    cache.num_layers, cache.page_size, cache.device = (stats.geometry.num_layers,
+                                                       stats.page_size, stats.device)
+    seqs = [Sequence(cache, i, None) for i in ids]
+    for s in seqs:
+        cache._sequences[s.id] = s
+    cache.sync(seqs)
+    return cache
+
+
+def attend_all(cache, ids, dtype=np.float32):
+    """Attend-only O and LSE of one fixed query per (sequence, layer)."""
+    rng = np.random.default_rng(23)
+    out = {}
+    for s in [cache._sequences[i] for i in ids]:
+        for layer in range(LAYERS):
+            q = rand(rng, (1, HQ, D), dtype)
+            out[s.id, layer] = cache.append_attend(layer, [s], q, causal=False, return_lse=True)
+    return out
+
+
+def expect_same_attention(src, dst, ids, dtype=np.float32):
+    a, b = attend_all(src, ids, dtype), attend_all(dst, ids, dtype)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key][0], b[key][0], err_msg=str(key))
+        np.testing.assert_array_equal(a[key][1], b[key][1], err_msg=str(key))
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_move_cache_attends_identically(client, client_b, dtype_name):
+    dt = DTYPES[dtype_name]
+    src, kv = make_source(client, f"mv-{dtype_name}", dt)
+    seen = []
+    r = transfer.move_cache(client, client_b, src.cache_id, capacity_tokens=1 << 12,
+                            max_chunk_bytes=16 * HKV * D * np.dtype(dt).itemsize,
+                            progress=lambda sent, total, live: seen.append((sent, total, live)))
+    assert sorted(r.sequence_ids) == sorted(LENGTHS) and r.resumes == 0 and r.bytes_resent == 0
+    itemsize = np.dtype(dt).itemsize
+    assert r.bytes == 2 * LAYERS * sum(LENGTHS.values()) * HKV * D * itemsize
+    assert seen[-1][0] == seen[-1][1] == r.bytes  # progress reached the header's total
+    assert r.stats.cache_id == src.cache_id and r.stats.sequences == len(LENGTHS)
+    dst = attach(client_b, src.cache_id, dt)
+    seqs = [dst._sequences[i] for i in LENGTHS]
+    assert {s.id: s.lengths for s in seqs} == {i: [n] * LAYERS for i, n in LENGTHS.items()}
+    expect_same_attention(src, dst, list(LENGTHS), dt)
+    # And the moved K/V are the ones appended: attention over them is the reference's.
+    rng = np.random.default_rng(3)
+    q = rand(rng, (1, HQ, D), dt)
+    k, v = kv[1, 1]
+    o = dst.append_attend(1, [seqs[0]], q, causal=False)
+    check(o, reference.attention(q[None], k[None], v[None])[0][0], dtype_name)
+    src.close()
+    dst.close()
+
+
+
+def test_prefill_hands_over_in_pieces(client, client_b):
+    """token_end then token_begin: the receiver holds the first 16 tokens of two
+    sequences, then the rest of one is appended; it attends as the source does."""
+    src, _ = make_source(client, "pieces")
+    ids = [2, 1]  # sending order
+    r = transfer.move_cache(client, client_b, "pieces", sequence_ids=ids, token_end=16,
+                            capacity_tokens=1 << 12)
+    assert r.sequence_ids == ids
+    dst = attach(client_b, "pieces", np.float32, ids)
+    assert [dst._sequences[i].lengths for i in ids] == [[16, 16], [16, 16]]
+    transfer.move_cache(client, client_b, "pieces", sequence_ids=[1], token_begin=16)
+    dst.sync([dst._sequences[1]])
+    assert dst._sequences[1].lengths == [40, 40]
+    expect_same_attention(src, dst, [1])
+    src.close()
+    dst.close()
+
+
+def test_a_cut_stream_resumes_without_resending_finished_sequences(client, client_b):
+    src, _ = make_source(client, "cut")
+    chunk_bytes = 16 * HKV * D * 4
+    opened = []
+
+    def flaky(resume, transfer_id):
+        """The export, cut after 5 chunks the first time (UNAVAILABLE, as a dropped
+        connection), whole from the resume point the second time."""
+        opened.append(resume)
+        stream = transfer.export_sequences(client, "cut", transfer_id=transfer_id,
+                                           resume=resume, max_chunk_bytes=chunk_bytes)
+        for i, chunk in enumerate(stream):
+            if resume is None and i == 5:
+                stream.cancel()
+                raise AttnServeError(grpc.StatusCode.UNAVAILABLE, "cut for the test")
+            yield chunk
+
+    r = transfer.push_chunks(client_b, "cut", flaky, capacity_tokens=1 << 12)
+    assert r.resumes == 1 and len(opened) == 2 and opened[0] is None
+    # Sequence 1 (40 tokens: 3 one-page chunks a layer) was cut after its 5th chunk: the
+    # receiver holds layer 0 and 32 rows of layer 1, and says so.
+    point = opened[1]
+    assert list(point.committed_sequence_ids) == [] and point.sequence_id == 1
+    assert (point.layer, point.token) == (1, 32)
+    total = 2 * LAYERS * sum(LENGTHS.values()) * HKV * D * 4
+    assert r.bytes == total and r.bytes_resent == 0  # nothing sent twice
+    assert sorted(r.sequence_ids) == sorted(LENGTHS)
+    dst = attach(client_b, "cut", np.float32)
+    expect_same_attention(src, dst, list(LENGTHS))
+    src.close()
+    dst.close()
+
+
+def test_a_failed_move_continues_with_its_transfer_id(client, client_b):
+    src, _ = make_source(client, "again")
+    chunk_bytes = 16 * HKV * D * 4
+
+    def cut_after_first_sequence(resume, transfer_id):
+        for chunk in transfer.export_sequences(client, "again", transfer_id=transfer_id,
+                                               max_chunk_bytes=chunk_bytes):
+            yield chunk
+            if chunk.sequence_end:
+                raise AttnServeError(grpc.StatusCode.UNAVAILABLE, "cut for the test")
+
+    with pytest.raises(AttnServeError) as e:
+        transfer.push_chunks(client_b, "again", cut_after_first_sequence, transfer_id="t-again",
+                             capacity_tokens=1 << 12, max_resumes=0)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    # Sequence 1 is live on the receiver already; the same id continues after it.
+    r = transfer.move_cache(client, client_b, "again", transfer_id="t-again")
+    assert r.transfer_id == "t-again" and sorted(r.sequence_ids) == sorted(LENGTHS)
+    assert r.bytes == 2 * LAYERS * (LENGTHS[2] + LENGTHS[5]) * HKV * D * 4
+    dst = attach(client_b, "again", np.float32)
+    expect_same_attention(src, dst, list(LENGTHS))
+    src.close()
+    dst.close()
+
+
+def test_snapshot_file_round_trip(client, client_b, tmp_path):
+    src, _ = make_source(client, "snap", ml_dtypes.bfloat16)
+    path = str(tmp_path / "snap.chunks")
+    n = transfer.export_file(client, "snap", path, max_chunk_bytes=16 * HKV * D * 2)
+    header = transfer.check_chunk_file(path)
+    assert n == len(list(transfer.read_chunks(path))) and n > len(LENGTHS) * LAYERS
+    assert [s.sequence_id for s in header.sequences] == sorted(LENGTHS)
+    r = transfer.import_file(client_b, path, "snap-copy", capacity_tokens=1 << 12)
+    assert sorted(r.sequence_ids) == sorted(LENGTHS) and r.stats.cache_id == "snap-copy"
+    dst = attach(client_b, "snap-copy", ml_dtypes.bfloat16)
+    expect_same_attention(src, dst, list(LENGTHS), ml_dtypes.bfloat16)
+    # The same file again into a cache that holds those ids: refused, nothing changed.
+    with pytest.raises(AttnServeError) as e:
+        transfer.import_file(client_b, path, "snap-copy")
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert dst.stats().sequences == len(LENGTHS)
+    src.close()
+    dst.close()
+
+
+def test_damaged_and_cut_files_are_refused_naming_the_chunk(client, client_b, tmp_path):
+    src, _ = make_source(client, "dmg")
+    path = str(tmp_path / "dmg.chunks")
+    transfer.export_file(client, "dmg", path, max_chunk_bytes=16 * HKV * D * 4)
+    data = bytearray(open(path, "rb").read())
+    bad = tmp_path / "flipped.chunks"
+    flipped = data.copy()
+    flipped[len(flipped) // 2] ^= 0x40  # inside some chunk's k or v bytes
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(AttnServeError) as e:
+        transfer.import_file(client_b, str(bad), "dmg-copy", capacity_tokens=1 << 12)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "crc32c mismatch" in e.value.message or "do not parse" in e.value.message
+    cut = tmp_path / "cut.chunks"
+    cut.write_bytes(bytes(data[:-7]))
+    with pytest.raises(AttnServeError) as e:
+        transfer.import_file(client_b, str(cut), "dmg-copy", capacity_tokens=1 << 12)
+    assert "bytes inside a" in e.value.message and "chunk" in e.value.message
+    with pytest.raises(AttnServeError) as e:  # nothing was sent: no cache made
+        attach_stats_only(client_b, "dmg-copy").stats()
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    src.close()
+
+
+def attach_stats_only(client, cache_id):
+    cache = Cache.__new__(Cache)
+    cache._init(client, LAYERS, HKV, D, np.float32, 1, None, 0, cache_id, None, False, None)
+    return cache
+
+
+def test_refusals(client, client_b):
+    src, _ = make_source(client, "ref")
+    # No cache on the receiver and nothing to create it with.
+    with pytest.raises(AttnServeError) as e:
+        transfer.move_cache(client, client_b, "ref", dest_cache_id="ref-missing")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    # A receiving cache of another geometry.
+    with Cache(client_b, num_layers=LAYERS, num_heads_kv=HKV, head_dim=64, dtype="float32",
+               capacity_tokens=1 << 12, cache_id="ref-other") as other:
+        with pytest.raises(AttnServeError) as e:
+            transfer.move_cache(client, client_b, "ref", dest_cache_id=other.cache_id)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert other.stats().sequences == 0
+    # An unknown source sequence: NOT_FOUND before anything is sent.
+    with pytest.raises(AttnServeError) as e:
+        transfer.move_cache(client, client_b, "ref", sequence_ids=[99], capacity_tokens=1 << 12)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(AttnServeError) as e:
+        transfer.move_cache(client, client_b, "ref", capacity_tokens=1 << 12, capacity_bytes=1)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "capacity_tokens" in e.value.message
+    src.close()
+
+
+def test_chunk_file_format_is_delimited_kvchunks(tmp_path):
+    """The file is protobuf's delimited form, readable without attnserve."""
+    from google.protobuf.internal.decoder import _DecodeVarint32
+    chunk = tpb.KvChunk(sequence_id=3, layer=1, num_tokens=1, k=b"ab", v=b"cd")
+    chunk.crc32c = transfer.chunk_crc32c(chunk)
+    chunk.header.total_bytes = 4
+    path = str(tmp_path / "one.chunks")
+    assert transfer.write_chunks(path, [chunk]) == 1
+    data = open(path, "rb").read()
+    n, pos = _DecodeVarint32(data, 0)
+    assert tpb.KvChunk.FromString(data[pos:pos + n]) == chunk and pos + n == len(data)
+    assert list(transfer.read_chunks(path)) == [chunk]
+    # The checksum is CRC-32C (Castagnoli): the published check value.
+    from attnserve._crc32c import crc32c
+    assert crc32c(b"123456789") == 0xE3069283
