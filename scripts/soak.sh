@@ -7,8 +7,12 @@
 # a CSV, and fails when
 #   - any of them grows after warm-up: the run is cut in fifths; the first is
 #     warm-up; the median of the last fifth must be <= 1.05 x the median of the
-#     second fifth; queue depth, a count of a few requests, by its trend line
-#     after warm-up against the traffic's concurrency (scripts/soak_check.py);
+#     second fifth (RSS, mostly bytes in flight: 1.25 x); queue depth, a count
+#     of a few requests, by its trend line after warm-up against the traffic's
+#     concurrency (scripts/soak_check.py);
+#   - the server does not come back to rest: heap in use and anonymous RSS
+#     after the traffic (within 60 s, while abandoned caches expire) more than
+#     a stated allowance above where they were before it (the leak check);
 #   - fds and threads are not back to their warm-up level (the second fifth's
 #     median) within 60 s after the traffic stops;
 #   - the load generator saw a wrong answer, an invalid request accepted or a
@@ -89,6 +93,11 @@ echo "soak.sh: peak: 10 s of valid requests only" | tee "$out/summary.txt"
 "$build/tests/soak/soak_load" --target="127.0.0.1:$port" --mode=peak --duration=10s \
   | tail -n 1 | tee -a "$out/summary.txt"
 
+# The server at rest before the traffic: what the rest rule compares the
+# state after the traffic with (soak_check.py).
+rest_before=$(sample rest)
+echo "soak.sh: at rest before the traffic: $rest_before" >>"$out/summary.txt"
+
 python3 scripts/soak_sample.py --header >"$out/soak.csv"
 phase_file="$out/.phase"
 echo traffic >"$phase_file"
@@ -113,18 +122,24 @@ cat "$out/hostile.txt" >>"$out/summary.txt"
 echo after >"$phase_file"
 cat "$out/load.txt" >>"$out/summary.txt"
 
-# fds and threads back to the warm-up level (the second fifth's median).
+# fds and threads back to the warm-up level (the second fifth's median), and
+# heap in use and anonymous RSS back to where they were at rest before the
+# traffic (the rest rule), once the caches the traffic abandoned expire.
 levels=$(python3 scripts/soak_check.py --levels "$out/soak.csv")
 back() {
   local now
   now=$(sample after)
-  python3 scripts/soak_check.py --back "$levels" "$now"
+  python3 scripts/soak_check.py --back "$levels" "$now" &&
+    python3 scripts/soak_check.py --rest "$rest_before" "$now"
 }
 back_status=0
-if ! wait_until 60 1 back; then
-  back_status=1
-fi
-echo "soak.sh: after the traffic: $(sample after) (levels fds,threads,grpc timer threads $levels)" | tee -a "$out/summary.txt"
+wait_until 60 1 back || true
+after_row=$(sample after)
+echo "soak.sh: after the traffic: $after_row (levels fds,threads,grpc timer threads $levels)" | tee -a "$out/summary.txt"
+python3 scripts/soak_check.py --back "$levels" "$after_row" || back_status=1
+rest_status=0
+python3 scripts/soak_check.py --rest "$rest_before" "$after_row" --report | tee -a "$out/summary.txt" ||
+  rest_status=1
 # Which threads the server has now (names), to tell a pool from a leak.
 echo "soak.sh: server threads after the traffic: $(cat /proc/"$pid"/task/*/comm | sort | uniq -c | tr -s ' \n' ' ')" \
   | tee -a "$out/summary.txt"
@@ -150,6 +165,7 @@ fail=0
 [ "$hostile_status" -eq 0 ] || { echo "soak.sh: FAIL: a hostile HTTP client was not refused or a probe went unanswered (exit $hostile_status)" | tee -a "$out/summary.txt"; fail=1; }
 [ "$budget_status" -eq 0 ] || { echo "soak.sh: FAIL: the server's RSS passed its budget plus the stated constant" | tee -a "$out/summary.txt"; fail=1; }
 [ "$back_status" -eq 0 ] || { echo "soak.sh: FAIL: fds or threads not back to the warm-up level 60 s after the traffic" | tee -a "$out/summary.txt"; fail=1; }
+[ "$rest_status" -eq 0 ] || { echo "soak.sh: FAIL: heap in use or anonymous RSS not back to the level at rest before the traffic within 60 s after it (a leak)" | tee -a "$out/summary.txt"; fail=1; }
 [ "$check_status" -eq 0 ] || { echo "soak.sh: FAIL: a sampled quantity grew after warm-up" | tee -a "$out/summary.txt"; fail=1; }
 [ "$drain_status" -eq 0 ] || { echo "soak.sh: FAIL: the server exited $drain_status on SIGTERM" | tee -a "$out/summary.txt"; fail=1; }
 [ "$fail" -eq 0 ] && echo "soak.sh: PASS (${seconds} s; $out)" | tee -a "$out/summary.txt"

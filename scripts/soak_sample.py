@@ -16,7 +16,12 @@ timer pool, which gRPC grows when all its timer threads are busy and never
 shrinks before shutdown (tests/soak/README.md); gpu_mem_mib: memory used on
 GPU $ATTNSERVE_SOAK_GPU (nvidia-smi; empty when that is unset), for a server
 with the CUDA backend and the GPU to itself; rss_now_kb: one read of RSS at the
-row's instant (shown, not judged).
+row's instant (shown, not judged); what that RSS is made of, read at the same
+instant (shown, not judged): rss_anon_kb, rss_file_kb, rss_shmem_kb
+(/proc/PID/status: anonymous memory, mapped files such as the code, shared
+memory), heap_rss_kb (the [heap] mapping: glibc's one arena) and
+stacks_rss_kb (anonymous mappings the size of a thread's stack, 8 MiB:
+the threads' stacks; glibc maps the guard page apart).
 
 rss_kb is the mean of RSS read every RSS_READ_PERIOD_S over the last
 RSS_WINDOW_S, not one read a second: RSS is a sawtooth with the server's heap
@@ -37,7 +42,8 @@ import time
 import urllib.request
 
 HEADER = ("time_s,phase,rss_kb,fds,threads,queue_depth,heap_in_use_kb,heap_free_kb,"
-          "grpc_timer_threads,gpu_mem_mib,rss_now_kb")
+          "grpc_timer_threads,gpu_mem_mib,rss_now_kb,rss_anon_kb,rss_file_kb,rss_shmem_kb,"
+          "heap_rss_kb,stacks_rss_kb")
 # rss_kb's window: a whole number of the server's heap trim periods (0.5 s;
 # see above), and how often RSS is read within it.
 RSS_WINDOW_S = 2.0
@@ -54,6 +60,32 @@ def status_field(pid, name):
             if line.startswith(name + ":"):
                 return int(line.split()[1])
     return -1
+
+
+# A thread's stack mapping (glibc's default 8 MiB; its guard page is a
+# mapping of its own).
+STACK_MAPPING_BYTES = 8 << 20
+
+
+def mapping_rss(pid):
+    """(heap_rss_kb, stacks_rss_kb) from /proc/PID/smaps."""
+    heap = stacks = 0
+    kind = None
+    with open("/proc/%d/smaps" % pid) as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(x, 16) for x in first.split("-"))
+                fields = line.split()
+                kind = ("heap" if fields[-1] == "[heap]" else
+                        "stack" if len(fields) == 5 and end - start == STACK_MAPPING_BYTES
+                        else None)
+            elif first == "Rss:" and kind is not None:
+                if kind == "heap":
+                    heap += int(line.split()[1])
+                else:
+                    stacks += int(line.split()[1])
+    return heap, stacks
 
 
 def scrape(url):
@@ -103,11 +135,13 @@ def row(pid, url, phase, rss_reads=()):
     m = scrape(url)
     rss_now = status_field(pid, "VmRSS")
     reads = list(rss_reads) + [rss_now]
-    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d,%s,%d" % (
+    heap_rss, stacks_rss = mapping_rss(pid)
+    return "%.3f,%s,%d,%d,%d,%s,%s,%s,%d,%s,%d,%d,%d,%d,%d,%d" % (
         time.time(), phase, sum(reads) // len(reads), len(os.listdir("/proc/%d/fd" % pid)),
         status_field(pid, "Threads"), m["nv_inference_pending_request_count"],
         kb(m["attnserve_heap_in_use_bytes"]), kb(m["attnserve_heap_free_bytes"]),
-        timer_threads(pid), gpu_memory_mib(), rss_now)
+        timer_threads(pid), gpu_memory_mib(), rss_now, status_field(pid, "RssAnon"),
+        status_field(pid, "RssFile"), status_field(pid, "RssShmem"), heap_rss, stacks_rss)
 
 
 def loop(pid, url, path, phase_file):

@@ -3,7 +3,8 @@
 each kind of growth it exists to catch fails (an RSS leak, a queue that keeps
 requests), while queue depth's sample-to-sample scatter does not; and the
 memory rule: RSS within the budget plus the stated constant passes, one
-sample over it fails."""
+sample over it fails; and the rest rule: a server back to its heap in use and
+anonymous RSS before the traffic passes, one holding more fails."""
 import contextlib
 import io
 import os
@@ -29,10 +30,21 @@ def write_csv(rows):
             values = {"time_s": str(i), "phase": "traffic", "rss_kb": "50000", "fds": "13",
                       "threads": "24", "queue_depth": "3", "heap_in_use_kb": "11000",
                       "heap_free_kb": "20000", "grpc_timer_threads": "3", "gpu_mem_mib": "",
-                      "rss_now_kb": "50000"}
+                      "rss_now_kb": "50000", "rss_anon_kb": "30000", "rss_file_kb": "20000",
+                      "rss_shmem_kb": "0", "heap_rss_kb": "25000", "stacks_rss_kb": "700"}
             values.update({k: str(v) for k, v in row.items()})
             f.write(",".join(values[k] for k in header) + "\n")
     return f.name
+
+
+def row(values):
+    """One row of soak_sample.py --once (no header) with these values."""
+    path = write_csv([values])
+    try:
+        with open(path) as f:
+            return f.read().splitlines()[1]
+    finally:
+        os.unlink(path)
 
 
 def run_budget(rows, budget_bytes):
@@ -75,8 +87,36 @@ class SoakCheckTest(unittest.TestCase):
         self.assertEqual(run([{"queue_depth": q} for q in queue]), 1)
 
     def test_rss_leak_fails(self):
-        # 50 MB growing by 40 KB a second: 1.06x between the compared fifths.
-        self.assertEqual(run([{"rss_kb": 50000 + 40 * i} for i in range(120)]), 1)
+        # 50 MB growing by 250 KB a second: 1.31x between the compared fifths.
+        self.assertEqual(run([{"rss_kb": 50000 + 250 * i} for i in range(120)]), 1)
+
+    def test_rss_of_bytes_in_flight_passes(self):
+        # The fifths' medians 1.18x apart (a healthy run with the hostile
+        # clients: RSS mostly bytes in flight, back at rest after the traffic).
+        rss = [66000] * 24 + [69630] * 24 + [72000] * 24 + [76000] * 24 + [81886] * 24
+        self.assertEqual(run([{"rss_kb": v} for v in rss]), 0)
+
+    def test_server_back_to_rest_passes(self):
+        before = row({"heap_in_use_kb": 1500, "rss_anon_kb": 6000})
+        after = row({"heap_in_use_kb": 1500 + 4096, "rss_anon_kb": 6000 + 16384})
+        self.assertEqual(soak_check.rest(before, after), 0)
+
+    def test_heap_held_after_the_traffic_fails(self):
+        # 32 B kept per call over 2 minutes of soak_load's ~600 calls a second.
+        before = row({"heap_in_use_kb": 1500, "rss_anon_kb": 6000})
+        after = row({"heap_in_use_kb": 1500 + 4097, "rss_anon_kb": 6000 + 4097})
+        self.assertEqual(soak_check.rest(before, after), 1)
+
+    def test_anonymous_memory_held_after_the_traffic_fails(self):
+        # Memory outside the heap (thread stacks, mappings) kept, heap in use back.
+        before = row({"heap_in_use_kb": 1500, "rss_anon_kb": 6000})
+        after = row({"heap_in_use_kb": 1500, "rss_anon_kb": 6000 + 16385})
+        self.assertEqual(soak_check.rest(before, after), 1)
+
+    def test_heap_not_read_fails(self):
+        before = row({"heap_in_use_kb": 1500})
+        after = row({"heap_in_use_kb": ""})
+        self.assertEqual(soak_check.rest(before, after), 1)
 
     def test_thread_leak_fails(self):
         self.assertEqual(run([{"threads": 24 + i // 10} for i in range(120)]), 1)

@@ -46,6 +46,8 @@
 #include "client/inputs.h"
 #include "client/kv_client.h"
 #include "client/verify.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(60), "How long to send traffic");
@@ -346,8 +348,16 @@ class Soak {
   // flow control) and reads nothing; cancels at `until`. A write that fails
   // before the cancel means the server dropped the stream: allowed only as
   // RESOURCE_EXHAUSTED (a stream cap), reported by Finish.
+  // On a connection of its own, as an attacker's would be: on one shared
+  // with the valid traffic, gRPC's flow-control window (which its bandwidth
+  // estimate widens as that traffic runs) let each new stream push more
+  // before the server's pause stopped it, so what the stream held rose
+  // through the run.
   void NeverReadingStream(const v1::ForwardRequest& request, absl::Time until) {
-    auto stub = v1::Attention::NewStub(client_->channel(1 % client_->num_channels()));
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // not the shared connection
+    auto stub = v1::Attention::NewStub(grpc::CreateCustomChannel(
+        absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext context;
     auto stream = stub->ForwardStream(&context);
     std::thread writer([&] {
