@@ -5,6 +5,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <algorithm>
 #include <random>
 #include <type_traits>
 #include <utility>
@@ -175,7 +176,7 @@ absl::Status TakeAppendAttendOutputs(const ShmArena& arena, const ShmOutputSpans
 
 // --- KvClient ---
 
-KvClient::KvClient(AttentionClient& client) : client_(client) {
+KvClient::KvClient(AttentionClient& client, KvMovedOptions moved) : client_(client), moved_(moved) {
   for (int i = 0; i < client.num_channels(); ++i) {
     stubs_.push_back(v1::KvCache::NewStub(client.channel(i)));
   }
@@ -190,6 +191,53 @@ void KvClient::Prepare(const CallOptions& call, const std::string& cache_id,
 v1::KvCache::Stub& KvClient::Next() {
   if (stubs_.size() == 1) return *stubs_[0];
   return *stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()];
+}
+
+v1::KvCache::Stub& KvClient::StubFor(const std::string& cache_id) {
+  {
+    absl::MutexLock lock(&routes_mu_);
+    auto route = routes_.find(cache_id);
+    if (route != routes_.end()) return *moved_stubs_.at(route->second);
+  }
+  return Next();
+}
+
+grpc::Status KvClient::Invoke(
+    const CallOptions& call, const std::string& cache_id,
+    const std::function<grpc::Status(v1::KvCache::Stub&, grpc::ClientContext*)>& rpc) {
+  const absl::Time give_up = absl::Now() + moved_.budget;
+  absl::Duration backoff = absl::Milliseconds(5);
+  while (true) {
+    grpc::ClientContext context;
+    Prepare(call, cache_id, &context);
+    const grpc::Status status = rpc(StubFor(cache_id), &context);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        moved_.policy == KvMovedOptions::Policy::kOff || absl::Now() >= give_up) {
+      return status;
+    }
+    const auto& trailers = context.GetServerTrailingMetadata();
+    const auto moved_to = trailers.find(kMovedToHeader);
+    if (moved_.policy == KvMovedOptions::Policy::kFollow) {
+      if (moved_to == trailers.end()) return status;
+      const std::string address(moved_to->second.data(), moved_to->second.size());
+      absl::MutexLock lock(&routes_mu_);
+      if (moved_stubs_.count(address) == 0) {
+        // Same credentials and settings as the client's own target.
+        absl::StatusOr<std::unique_ptr<AttentionClient>> made =
+            AttentionClient::Create(address, client_.options());
+        if (!made.ok()) return status;
+        moved_stubs_[address] = v1::KvCache::NewStub((*made)->channel(0));
+        moved_clients_[address] = *std::move(made);
+      }
+      routes_[cache_id] = address;
+    } else {
+      // Through a proxy: the drained replica answers until it exits, then
+      // the proxy sends the call to the replica that holds the cache.
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(100));
+    }
+    moved_retries_.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const CacheSpec& spec,
@@ -208,29 +256,29 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const CacheSpec& spec,
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const v1::CreateCacheRequest& request,
                                                      const CallOptions& call) {
-  grpc::ClientContext context;
   // Without an id (the server chooses one) the call carries no header.
-  Prepare(call, request.cache_id(), &context);
   v1::CreateCacheResponse response;
-  const grpc::Status status = Next().CreateCache(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, request.cache_id(), [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.CreateCache(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
 }
 
 absl::Status KvClient::DropCache(const std::string& cache_id, const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, cache_id, &context);
   v1::DropCacheRequest request;
   request.set_cache_id(cache_id);
   v1::DropCacheResponse response;
-  return ToAbslStatus(Next().DropCache(&context, request, &response));
+  return ToAbslStatus(
+      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.DropCache(context, request, &response);
+      }));
 }
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cache_id,
                                                          const std::vector<SequenceSpec>& sequences,
                                                          const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, cache_id, &context);
   v1::CreateSequencesRequest request;
   request.set_cache_id(cache_id);
   for (const SequenceSpec& s : sequences) {
@@ -240,7 +288,10 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cach
     if (s.fork_length) spec->set_fork_length(*s.fork_length);
   }
   v1::CreateSequencesResponse response;
-  const grpc::Status status = Next().CreateSequences(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.CreateSequences(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
 }
@@ -248,15 +299,16 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cach
 absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id, uint64_t sequence_id,
                                                   int32_t length, std::optional<int32_t> layer,
                                                   const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, cache_id, &context);
   v1::TruncateRequest request;
   request.set_cache_id(cache_id);
   request.set_sequence_id(sequence_id);
   if (layer) request.set_layer(*layer);
   request.set_length(length);
   v1::TruncateResponse response;
-  const grpc::Status status = Next().Truncate(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.Truncate(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
 }
@@ -264,13 +316,14 @@ absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id, u
 absl::StatusOr<v1::CacheStats> KvClient::FreeSequences(const std::string& cache_id,
                                                        const std::vector<uint64_t>& sequence_ids,
                                                        const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, cache_id, &context);
   v1::FreeSequencesRequest request;
   request.set_cache_id(cache_id);
   request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
   v1::FreeSequencesResponse response;
-  const grpc::Status status = Next().FreeSequences(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.FreeSequences(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
 }
@@ -278,23 +331,26 @@ absl::StatusOr<v1::CacheStats> KvClient::FreeSequences(const std::string& cache_
 absl::StatusOr<v1::GetCacheStatsResponse> KvClient::GetCacheStats(
     const std::string& cache_id, const std::vector<uint64_t>& sequence_ids,
     const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, cache_id, &context);
   v1::GetCacheStatsRequest request;
   request.set_cache_id(cache_id);
   request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
   v1::GetCacheStatsResponse response;
-  const grpc::Status status = Next().GetCacheStats(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        return stub.GetCacheStats(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return response;
 }
 
 absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(
     const v1::AppendAttendRequest& request, const CallOptions& call) {
-  grpc::ClientContext context;
-  Prepare(call, request.cache_id(), &context);
   v1::AppendAttendResponse response;
-  const grpc::Status status = Next().AppendAttend(&context, request, &response);
+  const grpc::Status status =
+      Invoke(call, request.cache_id(), [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+        response.Clear();
+        return stub.AppendAttend(context, request, &response);
+      });
   if (!status.ok()) return ToAbslStatus(status);
   return response;
 }

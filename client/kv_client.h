@@ -20,6 +20,15 @@
 // NOT_FOUND the cache or sequence is gone (server restart, expiry, another
 // replica): create it again and re-prefill.
 //
+// Moved caches (kv.proto, --handoff_peer): a replica that drains moves its
+// caches to a peer and answers UNAVAILABLE with the trailing metadata
+// x-attnserve-moved-to. The unary calls retry the same request (the same
+// expected_length, so an append is never applied twice) per KvMovedOptions:
+// at the named address (and every later call of that cache goes there), or
+// at the same target after a short backoff (a proxy sends it on to the
+// replica that now holds the cache once the drained one has gone). Streams
+// do not follow: their requests fail in-band with that status and message.
+//
 // A separate class rather than more AttentionClient methods: the stateless
 // Attention client stays what a serving stack without a cache links against,
 // and the K/V types (geometry, steps, the stream object) live in one place.
@@ -199,10 +208,22 @@ class AppendAttendStream {
   std::thread reader_;
 };
 
+// What KvClient does with a moved-to answer (see the top of this file).
+struct KvMovedOptions {
+  enum class Policy {
+    kFollow,  // retry at the named address (the client reaches replicas directly)
+    kRetry,   // retry at the same target (a proxy), plain UNAVAILABLE included
+    kOff,     // return the status
+  };
+  Policy policy = Policy::kFollow;
+  // Longest a call keeps retrying before it returns the last status.
+  absl::Duration budget = absl::Seconds(60);
+};
+
 class KvClient {
  public:
   // Borrows `client`'s channels; `client` must outlive this object.
-  explicit KvClient(AttentionClient& client);
+  explicit KvClient(AttentionClient& client, KvMovedOptions moved = KvMovedOptions());
 
   // Returns the new cache's statistics (its id in cache_id()). See
   // CacheSpec::cache_id for how an empty id is filled.
@@ -250,16 +271,34 @@ class KvClient {
   absl::StatusOr<std::unique_ptr<AppendAttendStream>> OpenStream(
       const std::string& cache_id, int channel = 0, const CallOptions& call = CallOptions());
 
+  // Retries after a moved-to answer so far (each retry counts once).
+  int64_t moved_retries() const { return moved_retries_.load(std::memory_order_relaxed); }
+
  private:
   // A context with the client's deadline and wait-for-ready and the cache id
   // header.
   void Prepare(const CallOptions& call, const std::string& cache_id,
                grpc::ClientContext* context) const;
   v1::KvCache::Stub& Next();
+  // The stub for a cache's calls: the address it moved to, else Next().
+  v1::KvCache::Stub& StubFor(const std::string& cache_id);
+  // Runs `rpc` (a fresh context each attempt) and retries it per moved_.
+  grpc::Status Invoke(
+      const CallOptions& call, const std::string& cache_id,
+      const std::function<grpc::Status(v1::KvCache::Stub&, grpc::ClientContext*)>& rpc);
 
   AttentionClient& client_;
+  const KvMovedOptions moved_;
   std::vector<std::unique_ptr<v1::KvCache::Stub>> stubs_;
   std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> moved_retries_{0};
+  absl::Mutex routes_mu_;
+  // Caches that moved, to the address they moved to, and a client per address.
+  std::map<std::string, std::string> routes_ ABSL_GUARDED_BY(routes_mu_);
+  std::map<std::string, std::unique_ptr<AttentionClient>> moved_clients_
+      ABSL_GUARDED_BY(routes_mu_);
+  std::map<std::string, std::unique_ptr<v1::KvCache::Stub>> moved_stubs_
+      ABSL_GUARDED_BY(routes_mu_);
 };
 
 }  // namespace attnserve

@@ -7,4 +7,8 @@ namespace attnserve {
 
 inline constexpr char kCacheIdHeader[] = "x-attnserve-cache-id";
 
+// The trailing metadata of an UNAVAILABLE answer for a cache that moved to
+// another replica (kv.proto, --handoff_peer): that replica's address.
+inline constexpr char kMovedToHeader[] = "x-attnserve-moved-to";
+
 }  // namespace attnserve

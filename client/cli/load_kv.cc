@@ -69,6 +69,11 @@ ABSL_FLAG(std::string, transport, "grpc",
           "group to the port GetServerInfo's kv.ucx_port offers: shared memory, TCP or RDMA as "
           "UCX_TLS allows; docs/ucx.md) or auto (ucx when offered). ucx and auto fall back to "
           "grpc when the server or this build has no UCX, and the summary line says so.");
+ABSL_FLAG(std::string, moved_to, "follow",
+          "A cache that moved to another replica (UNAVAILABLE with x-attnserve-moved-to, a "
+          "drained replica with --handoff_peer): follow (retry the call at the named address), "
+          "retry (at --target again: a proxy that sends it on once the drained replica is "
+          "gone; plain UNAVAILABLE is retried too) or off (an error).");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -203,6 +208,10 @@ void PrintResult(const DecodeLoopConfig& c, const DecodeLoopResult& r) {
   }
   std::cout << "\n";
   if (c.check) std::cout << "  check: " << r.checked << " outputs held to the reference\n";
+  if (!c.stateless) {
+    std::cout << "  moved caches: " << r.moved_retries << " retries after moved-to, "
+              << r.reprefills << " re-prefills (steps that found their cache gone)\n";
+  }
   if (r.errors > 0) {
     std::vector<std::string> codes;
     for (const auto& [code, n] : r.errors_by_code) codes.push_back(absl::StrCat(code, "=", n));
@@ -234,6 +243,16 @@ int RunLoadKv(const std::vector<std::string>& args) {
   c.prefill_attend = absl::GetFlag(FLAGS_prefill_attend);
   c.attend_fraction = absl::GetFlag(FLAGS_attend_fraction);
   c.seed = absl::GetFlag(FLAGS_seed).value_or(std::random_device()());
+  const std::string moved_to = absl::GetFlag(FLAGS_moved_to);
+  if (moved_to == "follow") {
+    c.moved.policy = KvMovedOptions::Policy::kFollow;
+  } else if (moved_to == "retry") {
+    c.moved.policy = KvMovedOptions::Policy::kRetry;
+  } else if (moved_to == "off") {
+    c.moved.policy = KvMovedOptions::Policy::kOff;
+  } else {
+    return UsageError(kCmd, "--moved_to: expected follow, retry or off, got '" + moved_to + "'");
+  }
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));
   c.dtype = *dtype;
@@ -298,23 +317,22 @@ int RunLoadKv(const std::vector<std::string>& args) {
     }
   }
   const std::string transport_name =
-      c.ucx_port > 0 ? absl::StrCat("UCX ", c.ucx_host, ":", c.ucx_port,
+      c.ucx_port > 0     ? absl::StrCat("UCX ", c.ucx_host, ":", c.ucx_port,
                                     getenv("UCX_TLS") != nullptr
-                                        ? absl::StrCat(" (UCX_TLS=", getenv("UCX_TLS"), ")")
-                                        : std::string())
-      : fallback.empty() ? ShmTransportName(c.shm)
+                                            ? absl::StrCat(" (UCX_TLS=", getenv("UCX_TLS"), ")")
+                                            : std::string())
+          : fallback.empty() ? ShmTransportName(c.shm)
                          : absl::StrCat("grpc (fallback from UCX: ", fallback, ")");
 
   std::cout << "load-kv:  "
             << (c.stateless ? "stateless Forward (whole context each step)"
                 : c.stream  ? "AppendAttendStream"
                             : "unary AppendAttend")
-            << " over " << transport_name << ", " << c.sequences << " sequences x "
-            << c.prompt << " prompt + " << c.tokens << " generated tokens (" << c.warmup_tokens
-            << " warm-up), " << c.layers << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv
-            << ", D " << c.head_dim << ", " << DTypeName(c.dtype) << ", "
-            << (*client)->num_channels() << " channel(s), seed " << c.seed << ", check "
-            << (c.check ? "on" : "off")
+            << " over " << transport_name << ", " << c.sequences << " sequences x " << c.prompt
+            << " prompt + " << c.tokens << " generated tokens (" << c.warmup_tokens << " warm-up), "
+            << c.layers << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D "
+            << c.head_dim << ", " << DTypeName(c.dtype) << ", " << (*client)->num_channels()
+            << " channel(s), seed " << c.seed << ", check " << (c.check ? "on" : "off")
             << (c.attend_fraction < 1.0 ? absl::StrCat(", attend fraction ", c.attend_fraction)
                                         : std::string())
             << "\n";
@@ -325,10 +343,9 @@ int RunLoadKv(const std::vector<std::string>& args) {
     DecodeLoopProgress progress;
     absl::StatusOr<DecodeLoopResult> r;
     {
-      ProgressLine line(absl::StrCat("load-kv ", c.ucx_port > 0 ? "ucx" : ShmTransportName(c.shm),
-                                     " c=", level),
-                        progress,
-                        c.sequences, int64_t{c.sequences} * c.tokens);
+      ProgressLine line(
+          absl::StrCat("load-kv ", c.ucx_port > 0 ? "ucx" : ShmTransportName(c.shm), " c=", level),
+          progress, c.sequences, int64_t{c.sequences} * c.tokens);
       r = RunDecodeLoop(**client, c, &progress);
     }
     if (!r.ok()) return PrintError("load-kv", r.status());

@@ -525,7 +525,7 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
   DecodeLoopResult result;
   result.impl = c.stateless ? "attnserve_stateless" : "attnserve_kv";
   result.transport = c.ucx_port > 0 ? "ucx" : ShmTransportName(c.shm);
-  KvClient kv(client);
+  KvClient kv(client, c.moved);
   std::vector<uint64_t> all_ids;
   for (int s = 0; s < c.sequences; ++s) all_ids.push_back(static_cast<uint64_t>(s));
 
@@ -685,6 +685,9 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     if (!closed.ok()) tally.Error(closed, "SharedMemory.Unregister");
   }
   tally.Summarize(&result);
+  result.moved_retries = kv.moved_retries();
+  const auto gone = result.errors_by_code.find("NOT_FOUND");
+  result.reprefills = gone == result.errors_by_code.end() ? 0 : gone->second;
   return result;
 }
 

@@ -68,6 +68,8 @@ struct DecodeLoopConfig {
   std::string ucx_host;
   int ucx_port = 0;
   std::string ucx_authorization;  // "Bearer <token>" or empty
+  // What the K/V calls do when a cache moved to another replica (--moved_to).
+  KvMovedOptions moved;
 };
 
 // What one run measured.
@@ -98,6 +100,11 @@ struct DecodeLoopResult {
   // The cache after the sequences were freed, before the drop: pages_used
   // should be 0 (-1 when not read).
   int64_t pages_used_after_free = -1;
+  // Calls retried after a moved-to answer (a draining replica handed the
+  // cache over), and steps that found the cache or a sequence gone
+  // (NOT_FOUND: a serving stack would re-prefill those sequences).
+  int64_t moved_retries = 0;
+  int64_t reprefills = 0;
 };
 
 // Live counters for the progress line.
