@@ -125,6 +125,18 @@ ABSL_FLAG(absl::Duration, auth_reload_interval, absl::Seconds(10),
           "How often --auth_tokens_file is checked for changes");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "On SIGINT/SIGTERM, how long in-flight requests get to finish (e.g. 30s, 500ms)");
+ABSL_FLAG(std::string, handoff_peer, "",
+          "host:port of a peer replica (rolling upgrades, deploy/README.md): on SIGTERM the K/V "
+          "caches move there (ImportSequences, as each cache's tenant with the first token the "
+          "shared --auth_tokens_file lists for it) and later calls on them are answered "
+          "UNAVAILABLE with the trailing metadata x-attnserve-moved-to; a call on a cache this "
+          "server lacks first asks the peer to give it back (as the caller). Empty: off");
+ABSL_FLAG(std::string, handoff_peer_ca, "",
+          "With --tls_cert: PEM roots the peer's certificate must chain to (empty: the "
+          "system's); with --tls_client_ca this server's --tls_cert/--tls_key are presented");
+ABSL_FLAG(absl::Duration, handoff_linger, absl::Milliseconds(500),
+          "After every cache has moved to --handoff_peer, how long the server still answers "
+          "moved-to before it stops listening (within --shutdown_grace)");
 ABSL_FLAG(int, ucx_port, 0,
           "AppendAttend steps over UCX on this port (docs/ucx.md; UCX_TLS picks the transports: "
           "tcp, sm for same-host shared memory, rc/ud verbs); 0: off. gRPC stays the control "
@@ -240,6 +252,9 @@ int main(int argc, char** argv) {
   options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
   options.ucx_port = absl::GetFlag(FLAGS_ucx_port);
   options.ucx_host = absl::GetFlag(FLAGS_ucx_host);
+  options.handoff.peer = absl::GetFlag(FLAGS_handoff_peer);
+  options.handoff.peer_ca_file = absl::GetFlag(FLAGS_handoff_peer_ca);
+  options.handoff.linger = absl::GetFlag(FLAGS_handoff_linger);
 
   // Gives back the free pages malloc's heap keeps (malloc_tuning.h says
   // why); outlives the server.

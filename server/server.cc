@@ -35,11 +35,14 @@
 #include "server/executor.h"
 #include "server/executor_pool.h"
 #include "server/gpu_monitor.h"
+#include "server/kv/handoff.h"
 #include "server/kv/kv_pool.h"
+#include "server/kv/kv_transfer.h"
 #include "server/kv/startup_cache.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/native/attention_service.h"
+#include "server/native/kv_moved.h"
 #include "server/native/kv_service.h"
 #include "server/native/kv_transfer_service.h"
 #include "server/native/shm_service.h"
@@ -275,8 +278,7 @@ class AttnServerImpl final : public AttnServer {
         runner_(&executors_, description_.name,
                 RequestLimits{options.max_request_bytes, options.max_tokens}, &metrics_),
         service_(&runner_, description_,
-                 NativeInfo(options, &metrics_.streams(), tenants_.get(), auth_.get(),
-                            &ucx_port_)),
+                 NativeInfo(options, &metrics_.streams(), tenants_.get(), auth_.get(), &ucx_port_)),
         kv_pool_(
             KvPoolOptions{options.kv_cache_bytes, options.kv_page_size, options.kv_idle_timeout},
             KvDevices(backends_, &executors_)),
@@ -298,6 +300,7 @@ class AttnServerImpl final : public AttnServer {
     service_.set_shm(kserve_.shm_registry());
     kv_service_.set_shm(kserve_.shm_registry());
     shm_service_.set_auth(auth_.get());
+    StartHandoff();
   }
 
   ~AttnServerImpl() override {
@@ -309,6 +312,11 @@ class AttnServerImpl final : public AttnServer {
   // then turn health SERVING. Shutdown may run at any point meanwhile.
   absl::Status Start() override {
     RETURN_IF_ERROR(BeginStart());
+    RETURN_IF_ERROR(handoff_error_);
+    if (handoff_gate_ != nullptr) {
+      spdlog::info("handoff peer {}: caches move there on shutdown, and missing ones come from it",
+                   options_.handoff.peer);
+    }
     RETURN_IF_ERROR(CreateStartupCaches());
     ASSIGN_OR_RETURN(grpc::Server * server, Listen());
     RETURN_IF_ERROR(WarmUpBackends());
@@ -355,6 +363,9 @@ class AttnServerImpl final : public AttnServer {
       health_server_ = nullptr;  // device health changes no longer turn it back on
     }
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
+    // Before the executors stop admitting: calls on a cache finish while it
+    // waits to move, and the ones that waited are answered moved-to.
+    if (handoff_peer_ != nullptr) handoff_peer_->Drain(handoff_gate_.get(), begin + grace);
     executors_.StopAdmitting();
     kv_runner_.StopAdmitting();
     // Every admitted request answered, within the grace period.
@@ -398,6 +409,27 @@ class AttnServerImpl final : public AttnServer {
 
  private:
   enum class State { kNew, kStarting, kServing, kDraining, kStopped };
+
+  // --handoff_peer: the gate in front of every KvCache call, and the peer
+  // it fetches from and drains to (with import sessions of its own).
+  void StartHandoff() {
+    if (options_.handoff.peer.empty()) return;
+    absl::StatusOr<std::unique_ptr<KvPeer>> peer =
+        KvPeer::Create(options_.handoff, options_.tls, options_.auth.tokens_file, &kv_pool_);
+    if (!peer.ok()) {
+      handoff_error_ = peer.status();
+      return;
+    }
+    handoff_peer_ = *std::move(peer);
+    handoff_gate_ = std::make_unique<KvHandoffGate>(
+        &kv_pool_, options_.handoff.peer,
+        [peer = handoff_peer_.get()](const KvHandoffGate::Call& call) { return peer->Fetch(call); },
+        [peer = handoff_peer_.get(), grace = options_.handoff.fetch_timeout](
+            const std::shared_ptr<KvCache>& cache, const std::string& authorization) {
+          return peer->Push(cache, absl::Now() + grace, authorization);
+        });
+    kv_service_.set_handoff(handoff_gate_.get());
+  }
 
   // --kv_startup_cache: before Listen, so no client sees the server without
   // them.
@@ -514,8 +546,8 @@ class AttnServerImpl final : public AttnServer {
     metrics_.SetPendingSource([this] { return int64_t{executors_.queued()}; });
     metrics_.SetExtraSource([this] {
       std::string text = KvService::RenderMetrics(kv_pool_.Stats()) +
-                         kv_transfer_service_.RenderMetrics() +
-                         executors_.RenderDeviceGauges() + kserve_.RenderBufferedMetrics();
+                         kv_transfer_service_.RenderMetrics() + executors_.RenderDeviceGauges() +
+                         kserve_.RenderBufferedMetrics();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       return text;
     });
@@ -685,6 +717,11 @@ class AttnServerImpl final : public AttnServer {
   // KvTransfer (docs/kv-transfer.md): imports waiting for a resume, and the service.
   KvImportSessions kv_import_sessions_;
   KvTransferService kv_transfer_service_;
+  // --handoff_peer: the peer, and the gate (destroyed first: it waits for
+  // fetches and gives that use the peer).
+  std::unique_ptr<KvPeer> handoff_peer_;
+  std::unique_ptr<KvHandoffGate> handoff_gate_;
+  absl::Status handoff_error_;
   KserveFrontend kserve_;
   ShmService shm_service_{kserve_.shm_registry()};  // KServe's regions, for the native API
   // The UCX step transport: after the K/V runner its steps run on, so it stops first.

@@ -14,6 +14,7 @@
 #include "backend/backend_factory.h"
 #include "server/auth/authenticator.h"
 #include "server/kserve/frontend.h"
+#include "server/kv/handoff.h"
 #include "server/security/tls_files.h"
 #include "server/stream_flow_control.h"
 
@@ -77,6 +78,10 @@ struct ServerOptions {
   TlsFiles tls;
   // Bearer tokens and tenants (server/auth/): off when tokens_file is empty.
   AuthOptions auth;
+  // --handoff_peer (server/kv/handoff.h): on Shutdown the K/V caches move to
+  // the peer before the server stops, and a cache missing here is fetched
+  // from it. Off when handoff.peer is empty.
+  HandoffOptions handoff;
   // AppendAttend steps over UCX (server/ucx/, docs/ucx.md) on ucx_host:ucx_port:
   // 0 off; -1 any free port (AttnServer::ucx_port() tells which). Needs a
   // build with UCX (cmake/ucx.cmake); without it a port other than 0 fails Start.

@@ -14,6 +14,7 @@
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
 #include "server/native/kv_messages.h"
+#include "server/native/kv_moved.h"
 #include "server/native/shm_calls.h"
 #include "server/stream_reactor.h"
 #include "server/tenant.h"
@@ -85,104 +86,123 @@ absl::StatusOr<std::vector<uint64_t>> StatsIds(const v1::GetCacheStatsRequest& r
 grpc::ServerUnaryReactor* KvService::CreateCache(grpc::CallbackServerContext* context,
                                                  const v1::CreateCacheRequest* request,
                                                  v1::CreateCacheResponse* response) {
-  absl::Status status = runner_->Draining();
-  if (status.ok()) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->CreateCache(TenantOf(auth_, context), DecodeCreateCache(*request));
-    status = cache.status();
-    if (cache.ok()) {
-      FillCacheStats((*cache)->Stats(), response->mutable_stats());
-      spdlog::info("kv cache created id={} device={} page_size={} capacity_pages={}",
-                   (*cache)->id(), (*cache)->device(), (*cache)->page_size(),
-                   response->stats().capacity_pages());
+  return Gated(context, request->cache_id(), /*create=*/true, [=] {
+    absl::Status status = runner_->Draining();
+    if (status.ok()) {
+      absl::StatusOr<std::shared_ptr<KvCache>> cache =
+          pool_->CreateCache(TenantOf(auth_, context), DecodeCreateCache(*request));
+      status = cache.status();
+      if (cache.ok()) {
+        FillCacheStats((*cache)->Stats(), response->mutable_stats());
+        spdlog::info("kv cache created id={} device={} page_size={} capacity_pages={}",
+                     (*cache)->id(), (*cache)->device(), (*cache)->page_size(),
+                     response->stats().capacity_pages());
+      }
     }
-  }
-  return Answer(context, status);
+    return status;
+  });
 }
 
 grpc::ServerUnaryReactor* KvService::DropCache(grpc::CallbackServerContext* context,
                                                const v1::DropCacheRequest* request,
                                                v1::DropCacheResponse*) {
-  absl::Status status = runner_->Draining();
-  if (status.ok()) status = pool_->DropCache(TenantOf(auth_, context), request->cache_id());
-  return Answer(context, status);
+  if (gate_ != nullptr && AsksToGive(context)) {
+    // The peer asks for the cache (kv_moved.h): it moves there, then goes.
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    gate_->Give(TenantOf(auth_, context), request->cache_id(), AuthorizationOf(context),
+                [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
+    return reactor;
+  }
+  return Gated(context, request->cache_id(), /*create=*/false, [=] {
+    absl::Status status = runner_->Draining();
+    if (status.ok()) status = pool_->DropCache(TenantOf(auth_, context), request->cache_id());
+    return status;
+  });
 }
 
 grpc::ServerUnaryReactor* KvService::CreateSequences(grpc::CallbackServerContext* context,
                                                      const v1::CreateSequencesRequest* request,
                                                      v1::CreateSequencesResponse* response) {
-  absl::Status status = runner_->Draining();
-  // Refused before anything is decoded (KvCache checks the same bound).
-  if (status.ok() && request->sequences_size() > kMaxKvIdsPerCall) {
-    status =
-        absl::InvalidArgumentError(absl::StrCat("sequences: expected at most ", kMaxKvIdsPerCall,
-                                                " per call, got ", request->sequences_size()));
-  }
-  if (status.ok()) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(auth_, context), request->cache_id());
-    status = cache.ok() ? (*cache)->CreateSequences(DecodeSequences(*request)) : cache.status();
-    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
-  }
-  return Answer(context, status);
+  return Gated(context, request->cache_id(), /*create=*/false, [=] {
+    absl::Status status = runner_->Draining();
+    // Refused before anything is decoded (KvCache checks the same bound).
+    if (status.ok() && request->sequences_size() > kMaxKvIdsPerCall) {
+      status =
+          absl::InvalidArgumentError(absl::StrCat("sequences: expected at most ", kMaxKvIdsPerCall,
+                                                  " per call, got ", request->sequences_size()));
+    }
+    if (status.ok()) {
+      absl::StatusOr<std::shared_ptr<KvCache>> cache =
+          pool_->Find(TenantOf(auth_, context), request->cache_id());
+      status = cache.ok() ? (*cache)->CreateSequences(DecodeSequences(*request)) : cache.status();
+      if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+    }
+    return status;
+  });
 }
 
 grpc::ServerUnaryReactor* KvService::Truncate(grpc::CallbackServerContext* context,
                                               const v1::TruncateRequest* request,
                                               v1::TruncateResponse* response) {
-  absl::Status status = runner_->Draining();
-  if (status.ok()) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(auth_, context), request->cache_id());
-    status = cache.ok() ? (*cache)->Truncate(request->sequence_id(),
-                                             request->has_layer()
-                                                 ? std::optional<int32_t>(request->layer())
-                                                 : std::nullopt,
-                                             request->length())
-                        : cache.status();
-    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
-  }
-  return Answer(context, status);
+  return Gated(context, request->cache_id(), /*create=*/false, [=] {
+    absl::Status status = runner_->Draining();
+    if (status.ok()) {
+      absl::StatusOr<std::shared_ptr<KvCache>> cache =
+          pool_->Find(TenantOf(auth_, context), request->cache_id());
+      status = cache.ok() ? (*cache)->Truncate(request->sequence_id(),
+                                               request->has_layer()
+                                                   ? std::optional<int32_t>(request->layer())
+                                                   : std::nullopt,
+                                               request->length())
+                          : cache.status();
+      if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+    }
+    return status;
+  });
 }
 
 grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* context,
                                                    const v1::FreeSequencesRequest* request,
                                                    v1::FreeSequencesResponse* response) {
-  absl::Status status = runner_->Draining();
-  if (status.ok()) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(auth_, context), request->cache_id());
-    status = cache.ok() ? (*cache)->Free(std::vector<uint64_t>(request->sequence_ids().begin(),
-                                                               request->sequence_ids().end()))
-                        : cache.status();
-    if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
-  }
-  return Answer(context, status);
+  return Gated(context, request->cache_id(), /*create=*/false, [=] {
+    absl::Status status = runner_->Draining();
+    if (status.ok()) {
+      absl::StatusOr<std::shared_ptr<KvCache>> cache =
+          pool_->Find(TenantOf(auth_, context), request->cache_id());
+      status = cache.ok() ? (*cache)->Free(std::vector<uint64_t>(request->sequence_ids().begin(),
+                                                                 request->sequence_ids().end()))
+                          : cache.status();
+      if (status.ok()) FillCacheStats((*cache)->Stats(), response->mutable_stats());
+    }
+    return status;
+  });
 }
 
 grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* context,
                                                    const v1::GetCacheStatsRequest* request,
                                                    v1::GetCacheStatsResponse* response) {
-  // Statistics stay readable during a drain: they change nothing.
-  absl::StatusOr<std::shared_ptr<KvCache>> cache =
-      pool_->Find(TenantOf(auth_, context), request->cache_id());
-  if (!cache.ok()) return Answer(context, cache.status());
-  absl::StatusOr<std::vector<uint64_t>> ids = StatsIds(*request, (*cache)->geometry().num_layers);
-  if (!ids.ok()) return Answer(context, ids.status());
-  absl::Status status;
-  FillCacheStats((*cache)->Stats(), response->mutable_stats());
-  for (uint64_t id : *ids) {
-    absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
-    if (!lengths.ok()) {
-      status = lengths.status();
-      response->Clear();
-      break;
+  return Gated(context, request->cache_id(), /*create=*/false, [=] {
+    // Statistics stay readable during a drain: they change nothing.
+    absl::StatusOr<std::shared_ptr<KvCache>> cache =
+        pool_->Find(TenantOf(auth_, context), request->cache_id());
+    if (!cache.ok()) return cache.status();
+    absl::StatusOr<std::vector<uint64_t>> ids = StatsIds(*request, (*cache)->geometry().num_layers);
+    if (!ids.ok()) return ids.status();
+    absl::Status status;
+    FillCacheStats((*cache)->Stats(), response->mutable_stats());
+    for (uint64_t id : *ids) {
+      absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
+      if (!lengths.ok()) {
+        status = lengths.status();
+        response->Clear();
+        break;
+      }
+      v1::SequenceLengths* out = response->add_sequences();
+      out->set_sequence_id(id);
+      for (int32_t len : *lengths) out->add_lengths(len);
     }
-    v1::SequenceLengths* out = response->add_sequences();
-    out->set_sequence_id(id);
-    for (int32_t len : *lengths) out->add_lengths(len);
-  }
-  return Answer(context, status);
+    return status;
+  });
 }
 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
@@ -202,23 +222,29 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
   absl::StatusOr<KvShmOutputs> outputs = decoded.ok() ? KvShmOutputSpans(*request, regions.get())
                                                       : absl::StatusOr<KvShmOutputs>(decoded);
   if (!outputs.ok()) return done(outputs.status());
-  runner_->Start(call.get(), NativeFieldNames(),
-                 [call, regions, outputs = *std::move(outputs), response, done = std::move(done)](
-                     const absl::Status& status, const WorkTimings& timings, KvResult* result) {
-                   absl::Status delivered = status;
-                   if (delivered.ok()) {
-                     FillAppendAttendResponse(result, response);
-                     // After the append: a region failing here fails the
-                     // answer, not the append (docs/shared-memory.md).
-                     delivered = DeliverKvShm(outputs, response);
-                     if (!delivered.ok()) {
-                       response->clear_o();
-                       response->clear_lse();
-                     }
-                   }
-                   FillServerTiming(timings, response->mutable_timing());
-                   done(delivered);
-                 });
+  // Inputs read in place from a region: it must still be whole when the
+  // append commits (a region shrunk during the call fails it, appending nothing).
+  std::function<absl::Status()> inputs_intact;
+  if (regions->any()) inputs_intact = [regions] { return regions->CheckIntact(); };
+  runner_->Start(
+      call.get(), NativeFieldNames(),
+      [call, regions, outputs = *std::move(outputs), response, done = std::move(done)](
+          const absl::Status& status, const WorkTimings& timings, KvResult* result) {
+        absl::Status delivered = status;
+        if (delivered.ok()) {
+          FillAppendAttendResponse(result, response);
+          // After the append: a region failing here fails the
+          // answer, not the append (docs/shared-memory.md).
+          delivered = DeliverKvShm(outputs, response);
+          if (!delivered.ok()) {
+            response->clear_o();
+            response->clear_lse();
+          }
+        }
+        FillServerTiming(timings, response->mutable_timing());
+        done(delivered);
+      },
+      std::move(inputs_intact));
 }
 
 grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* context,
@@ -227,9 +253,24 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  StartAppendAttend(
-      CallMetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
-      response, [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
+  auto start = [this, context, reactor, request, response](KvHandoffGate::Pass pass) {
+    StartAppendAttend(
+        CallMetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
+        response, [reactor, pass = std::move(pass)](const absl::Status& status) mutable {
+          reactor->Finish(ToGrpcStatus(status));
+          pass.reset();
+        });
+  };
+  if (gate_ == nullptr) {
+    start(nullptr);
+    return reactor;
+  }
+  gate_->Enter({TenantOf(auth_, context), request->cache_id(), AuthorizationOf(context)},
+               [context, reactor, start](const absl::Status& refused, KvHandoffGate::Pass pass) {
+                 if (refused.ok()) return start(std::move(pass));
+                 AddMovedToTrailer(context, refused);
+                 reactor->Finish(ToGrpcStatus(refused));
+               });
   return reactor;
 }
 
@@ -238,14 +279,28 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
   using Reactor = PipelinedStreamReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>;
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
   auto start = [this, cancelled, who = StreamTenantOf(auth_, context),
-                deadline = DeadlineOf(context)](Reactor::Call* call, Reactor::Done done) {
+                deadline = DeadlineOf(context),
+                authorization = AuthorizationOf(context)](Reactor::Call* call, Reactor::Done done) {
     // A token withdrawn while the stream is open stops its next request.
     if (absl::Status valid = who->StillValid(); !valid.ok()) {
       call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
       return done(valid);
     }
-    StartAppendAttend(CallMetaOf(who->tenant(), deadline, cancelled), &call->request,
-                      &call->response, std::move(done));
+    auto go = [this, who, deadline, cancelled, call, done](const absl::Status& refused,
+                                                           KvHandoffGate::Pass pass) {
+      if (!refused.ok()) {
+        call->response.set_request_id(call->request.request_id().substr(0, kMaxRequestIdBytes));
+        return done(refused);
+      }
+      StartAppendAttend(CallMetaOf(who->tenant(), deadline, cancelled), &call->request,
+                        &call->response,
+                        [done, pass = std::move(pass)](const absl::Status& s) mutable {
+                          done(s);
+                          pass.reset();
+                        });
+    };
+    if (gate_ == nullptr) return go(absl::OkStatus(), nullptr);
+    gate_->Enter({who->tenant(), call->request.cache_id(), authorization}, std::move(go));
   };
   // A failed call is answered in-band and the stream goes on.
   auto fail = [](Reactor::Call* call, const absl::Status& status) {
@@ -254,6 +309,22 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
   };
   return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail),
                      stream_limits_, metrics_ != nullptr ? &metrics_->streams() : nullptr);
+}
+
+grpc::ServerUnaryReactor* KvService::Gated(grpc::CallbackServerContext* context,
+                                           const std::string& cache_id, bool create,
+                                           std::function<absl::Status()> body) {
+  if (gate_ == nullptr) return Answer(context, body());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  KvHandoffGate::Call call{TenantOf(auth_, context), cache_id, AuthorizationOf(context), create};
+  gate_->Enter(std::move(call), [context, reactor, body = std::move(body)](
+                                    const absl::Status& refused, KvHandoffGate::Pass pass) {
+    const absl::Status status = refused.ok() ? body() : refused;
+    pass.reset();
+    AddMovedToTrailer(context, status);
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
 }
 
 std::string KvService::RenderMetrics(const KvPoolStats& s) {

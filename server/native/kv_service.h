@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <string>
 
 #include "attnserve/v1/kv.grpc.pb.h"
@@ -14,6 +15,7 @@
 #include "server/auth/authenticator.h"
 #include "server/core/kv_runner.h"
 #include "server/in_flight.h"
+#include "server/kv/handoff.h"
 #include "server/metrics.h"
 #include "server/shm/shm_registry.h"
 #include "server/stream_flow_control.h"
@@ -57,6 +59,10 @@ class KvService final : public v1::KvCache::CallbackService {
   // (server/native/shm_tensors.h); null: such calls are FAILED_PRECONDITION.
   // Set before serving.
   void set_shm(const ShmRegistry* shm) { shm_ = shm; }
+  // --handoff_peer (server/kv/handoff.h): every call passes the gate first,
+  // which may hold it (the cache is moving or being fetched) or answer it
+  // (moved-to). Null (the default): no gate. Set before serving.
+  void set_handoff(KvHandoffGate* gate) { gate_ = gate; }
 
   // Waits until every admitted AppendAttend (unary or stream request) has had
   // its response sent. True when none is left.
@@ -78,7 +84,13 @@ class KvService final : public v1::KvCache::CallbackService {
   ServerMetrics* const metrics_;
   const Authenticator* auth_ = nullptr;
   const ShmRegistry* shm_ = nullptr;
+  KvHandoffGate* gate_ = nullptr;
   InFlightCounter in_flight_;
+
+  // Answers a unary call through the gate: `body` runs once the call may go
+  // (now, or later on another thread) and returns the call's status.
+  grpc::ServerUnaryReactor* Gated(grpc::CallbackServerContext* context, const std::string& cache_id,
+                                  bool create, std::function<absl::Status()> body);
 };
 
 }  // namespace attnserve

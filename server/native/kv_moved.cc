@@ -1,0 +1,224 @@
+// KvPeer: push, fetch and drain over gRPC; see kv_moved.h.
+#include "server/native/kv_moved.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attnserve/v1/kv.grpc.pb.h"
+#include "attnserve/v1/kv_transfer.grpc.pb.h"
+#include "client/kv_transfer.h"
+#include "common/cache_id_header.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "server/native/kv_messages.h"
+#include "server/native/kv_transfer_service.h"
+#include "server/tenant.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace {
+
+// Caches moved at once by a drain: enough to overlap one cache's tail with
+// the next one's start, few enough that the first caches move first.
+constexpr int kDrainWorkers = 4;
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A local export as the chunk stream PushChunks reads (the first chunk with
+// the header).
+class ExporterReader final : public KvChunkReader {
+ public:
+  explicit ExporterReader(std::unique_ptr<KvExporter> exporter) : exporter_(std::move(exporter)) {}
+  absl::StatusOr<bool> Read(v1::KvChunk* out) override {
+    KvTransferChunk chunk;
+    ASSIGN_OR_RETURN(const bool more, exporter_->Next(&chunk));
+    if (!more) return false;
+    out->Clear();
+    EncodeChunk(std::move(chunk), out);
+    if (first_) EncodeTransferHeader(exporter_->header(), out->mutable_header());
+    first_ = false;
+    return true;
+  }
+
+ private:
+  std::unique_ptr<KvExporter> exporter_;
+  bool first_ = true;
+};
+
+void PrepareContext(grpc::ClientContext* context, const std::string& cache_id,
+                    const std::string& authorization, absl::Time deadline) {
+  context->AddMetadata(kCacheIdHeader, cache_id);
+  if (!authorization.empty()) context->AddMetadata("authorization", authorization);
+  if (deadline != absl::InfiniteFuture()) context->set_deadline(absl::ToChronoTime(deadline));
+}
+
+}  // namespace
+
+void AddMovedToTrailer(grpc::ServerContextBase* context, const absl::Status& status) {
+  std::optional<std::string> address = MovedToOf(status);
+  if (address.has_value()) context->AddTrailingMetadata(kMovedToHeader, *address);
+}
+
+bool AsksToGive(const grpc::CallbackServerContext* context) {
+  const auto range = context->client_metadata().equal_range(kHandoffGiveHeader);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (absl::string_view(it->second.data(), it->second.size()) == "give") return true;
+  }
+  return false;
+}
+
+std::string AuthorizationOf(const grpc::CallbackServerContext* context) {
+  const std::optional<absl::string_view> header = SoleAuthorization(context);
+  return header.has_value() ? std::string(*header) : std::string();
+}
+
+absl::StatusOr<std::unique_ptr<KvPeer>> KvPeer::Create(const HandoffOptions& options,
+                                                       const TlsFiles& tls, std::string tokens_file,
+                                                       KvPool* pool) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (tls.enabled()) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.peer_ca_file.empty()) {
+      ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.peer_ca_file, "handoff_peer_ca"));
+    }
+    if (tls.mutual()) {
+      ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(tls.cert_file, "tls_cert"));
+      ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(tls.key_file, "tls_key"));
+    }
+    credentials = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  // Chunks are up to 4 MiB of payload plus framing.
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.peer, credentials, args);
+  return std::unique_ptr<KvPeer>(
+      new KvPeer(options, std::move(channel), std::move(tokens_file), pool));
+}
+
+KvPeer::KvPeer(const HandoffOptions& options, std::shared_ptr<grpc::Channel> channel,
+               std::string tokens_file, KvPool* pool)
+    : options_(options),
+      channel_(std::move(channel)),
+      tokens_file_(std::move(tokens_file)),
+      pool_(pool) {}
+
+absl::Status KvPeer::Fetch(const KvHandoffGate::Call& call) {
+  const std::string& id = call.cache_id;
+  std::unique_ptr<v1::KvCache::Stub> kv = v1::KvCache::NewStub(channel_);
+  grpc::ClientContext context;
+  PrepareContext(&context, id, call.authorization, absl::Now() + options_.fetch_timeout);
+  context.AddMetadata(kHandoffGiveHeader, "give");
+  v1::DropCacheRequest request;
+  request.set_cache_id(id);
+  v1::DropCacheResponse response;
+  const absl::Status given = ToAbslStatus(kv->DropCache(&context, request, &response));
+  if (given.ok() && pool_->Find(call.tenant, id).ok()) return absl::OkStatus();
+  if (given.ok() || absl::IsNotFound(given) || absl::IsUnavailable(given) ||
+      absl::IsUnimplemented(given)) {
+    // The peer does not hold it, or cannot be reached: as without a peer.
+    return absl::NotFoundError(absl::StrCat("cache '", id, "' not found (nor on the peer ",
+                                            options_.peer, ": ",
+                                            absl::StatusCodeToString(given.code()), ")"));
+  }
+  spdlog::warn("handoff: the peer {} kept cache {}: {}", options_.peer, id, given.ToString());
+  return MovedStatus(id, options_.peer);
+}
+
+absl::Status KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl::Time deadline,
+                          const std::string& authorization) {
+  std::string as = authorization;
+  if (as.empty()) {
+    ASSIGN_OR_RETURN(const std::string token, TokenOfTenant(tokens_file_, cache->tenant()));
+    if (!token.empty()) as = "Bearer " + token;
+  }
+  MoveOptions options;
+  v1::CreateCacheRequest create;
+  create.set_capacity_tokens(cache->capacity_pages() * cache->page_size());
+  options.create = create;
+  if (!as.empty()) options.dest_metadata.emplace("authorization", as);
+  options.timeout = std::max(deadline - absl::Now(), absl::ZeroDuration());
+  if (cache->Stats().sequences == 0) {
+    // No chunk would carry the geometry: create the empty cache on the peer.
+    std::unique_ptr<v1::KvCache::Stub> kv = v1::KvCache::NewStub(channel_);
+    grpc::ClientContext context;
+    PrepareContext(&context, cache->id(), as, deadline);
+    v1::CacheStats stats;
+    FillCacheStats(cache->Stats(), &stats);
+    *create.mutable_geometry() = stats.geometry();
+    create.set_page_size(cache->page_size());
+    create.set_cache_id(cache->id());
+    v1::CreateCacheResponse response;
+    const absl::Status made = ToAbslStatus(kv->CreateCache(&context, create, &response));
+    return made.ok() || absl::IsAlreadyExists(made) ? absl::OkStatus() : made;
+  }
+  OpenChunks open =
+      [cache](const v1::ImportResumePoint* resume,
+              const std::string& transfer_id) -> absl::StatusOr<std::unique_ptr<KvChunkReader>> {
+    KvExportOptions export_options;
+    if (resume != nullptr) export_options.resume = DecodeResumePoint(*resume);
+    export_options.transfer_id = transfer_id;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvExporter> exporter,
+                     KvExporter::Start(cache, export_options));
+    return std::unique_ptr<KvChunkReader>(new ExporterReader(std::move(exporter)));
+  };
+  ASSIGN_OR_RETURN(const MoveResult moved, PushChunks(channel_, cache->id(), open, options));
+  spdlog::info("handoff: cache {} (tenant {}) moved to {}: {} sequences, {} bytes in {:.3f} s",
+               cache->id(), cache->tenant(), options_.peer, moved.sequences, moved.bytes,
+               moved.seconds);
+  return absl::OkStatus();
+}
+
+void KvPeer::Drain(KvHandoffGate* gate, absl::Time deadline) {
+  const absl::Time begin = absl::Now();
+  const std::vector<std::shared_ptr<KvCache>> caches = gate->BeginDrain();
+  spdlog::info("handoff: moving {} caches to {}", caches.size(), options_.peer);
+  std::atomic<size_t> next{0};
+  std::atomic<int> moved{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < caches.size();) {
+      const std::shared_ptr<KvCache>& cache = caches[i];
+      absl::Status status = gate->WaitIdle(cache->tenant(), cache->id(), deadline)
+                                ? Push(cache, deadline)
+                                : absl::DeadlineExceededError("calls still in flight");
+      if (status.ok()) {
+        // Its pages go now; the calls that wait hear where it went.
+        pool_->DropCache(cache->tenant(), cache->id()).IgnoreError();
+        gate->Moved(cache->tenant(), cache->id());
+        moved.fetch_add(1);
+      } else {
+        spdlog::warn("handoff: cache {} (tenant {}) not moved to {}: {}", cache->id(),
+                     cache->tenant(), options_.peer, status.ToString());
+        gate->Release(cache->tenant(), cache->id());
+      }
+    }
+  };
+  std::vector<std::thread> workers;
+  const int n = std::min<int>(kDrainWorkers, static_cast<int>(caches.size()));
+  for (int i = 0; i < n; ++i) workers.emplace_back(work);
+  for (std::thread& t : workers) t.join();
+  spdlog::info("handoff: moved {} of {} caches to {} in {}", moved.load(), caches.size(),
+               options_.peer, absl::FormatDuration(absl::Now() - begin));
+  // Clients whose next call comes now still learn where their cache went.
+  if (moved.load() == 0) return;
+  absl::SleepFor(std::min(options_.linger, std::max(deadline - absl::Now(), absl::ZeroDuration())));
+}
+
+}  // namespace attnserve
