@@ -30,13 +30,21 @@ the call, the retry answers FAILED_PRECONDITION; sync() re-reads the lengths.
 
 Affinity: every call carries the gRPC metadata header x-attnserve-cache-id
 (kv.proto), so a proxy can route all calls of a cache to the replica holding it.
+
+Moved caches: a replica draining with --handoff_peer moves its caches to the
+peer and answers UNAVAILABLE "cache <id> moved to <address>" (trailing metadata
+x-attnserve-moved-to). A Cache's unary calls then retry the same request (the
+same expected lengths) at that address, with this client's credentials, and
+send the cache's later calls there too. Streams do not follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as Seq, Tuple,
@@ -45,7 +53,7 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence as 
 import grpc
 import numpy as np
 
-from attnserve import _mods, _request, _tensors, _wire
+from attnserve import _mods, _request, _security, _stubs, _tensors, _wire
 from attnserve import shm as _shm
 from attnserve._request import ServerTiming, Window
 from attnserve._stream import BidiStream
@@ -55,6 +63,25 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import kv_pb2
 
 CACHE_ID_HEADER = "x-attnserve-cache-id"
+MOVED_TO_HEADER = "x-attnserve-moved-to"
+# How long a call keeps following moved-to answers before it raises.
+MOVED_BUDGET_S = 60.0
+_MOVED_MESSAGE = re.compile(r"^cache \S+ moved to (\S+)$")
+
+
+def _moved_to(error: grpc.RpcError) -> Optional[str]:
+    """The address an UNAVAILABLE moved-to answer names (the trailing metadata, or the
+    message kv.proto fixes when the transport hands no metadata back); None otherwise."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    trailers = error.trailing_metadata() if callable(getattr(error, "trailing_metadata",
+                                                             None)) else None
+    for key, value in trailers or ():
+        if key == MOVED_TO_HEADER:
+            return value
+    match = _MOVED_MESSAGE.match(error.details() or "")
+    return match.group(1) if match else None
 
 _DTYPES = {"float16": pb.FP16, "fp16": pb.FP16, "bfloat16": pb.BF16, "bf16": pb.BF16,
            "float32": pb.FP32, "fp32": pb.FP32}
@@ -294,11 +321,29 @@ class Cache(CacheBase):
         self._run(self._op_create_cache(req))
 
     def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
-        rpc = getattr(self.client._kv, method)
-        try:
-            return rpc(request, timeout=self._deadline_of(timeout), metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise AttnServeError.from_rpc_error(e) from None
+        give_up = time.monotonic() + MOVED_BUDGET_S
+        while True:
+            stub = getattr(self, "_moved_stub", None) or self.client._kv
+            try:
+                return getattr(stub, method)(request, timeout=self._deadline_of(timeout),
+                                             metadata=self._metadata)
+            except grpc.RpcError as e:
+                address = _moved_to(e)
+                if address is None or time.monotonic() > give_up:
+                    raise AttnServeError.from_rpc_error(e) from None
+                self._follow(address)
+
+    def _follow(self, address: str) -> None:
+        """The cache's calls go to `address` from now on, with this client's credentials."""
+        _, opts, credentials, token = self.client._channel_args
+        if credentials is not None:
+            channel = grpc.secure_channel(address, credentials, opts)
+        elif token:
+            channel = grpc.intercept_channel(grpc.insecure_channel(address, opts),
+                                             _security.BearerInterceptor(token))
+        else:
+            channel = grpc.insecure_channel(address, opts)
+        self._moved_stub = _stubs.KvCacheStub(channel, None)
 
     def _run(self, op: Op) -> Any:
         """Runs an operation's RPCs one after another (see Op)."""
