@@ -222,7 +222,7 @@ class Pusher {
     absl::Status source;
     while (queue.Pop(&chunk, &source)) {
       if (options_.fault_for_testing) {
-        broken = options_.fault_for_testing(chunks_, chunk);
+        broken = options_.fault_for_testing(offered_++, chunk);
         if (!broken.ok()) break;
       }
       v1::ImportSequencesRequest message;
@@ -237,7 +237,6 @@ class Pusher {
       const Key key{sent.sequence_id(), sent.layer(), sent.token_begin()};
       if (!sent_.insert(key).second) result_.bytes_resent += bytes;
       result_.bytes += bytes;
-      ++chunks_;
     }
     if (broken.ok() && !source.ok()) broken = source;
     // Stop the reader side, then end the import: a half-close lets the
@@ -266,8 +265,8 @@ class Pusher {
   const MoveOptions& options_;
   const absl::Time deadline_;
   std::optional<v1::KvTransferHeader> header_;
-  std::set<Key> sent_;  // chunks written (a resent one counts in bytes_resent)
-  int64_t chunks_ = 0;
+  std::set<Key> sent_;   // chunks written (a resent one counts in bytes_resent)
+  int64_t offered_ = 0;  // chunks taken from the queue, across attempts (the fault seam's index)
   MoveResult result_;
 };
 
@@ -279,8 +278,19 @@ class ExportReader final : public KvChunkReader {
     Prepare(&context_, options.source_metadata, request.cache_id(), deadline);
     reader_ = stub->ExportSequences(&context_, request);
   }
+  ~ExportReader() override {
+    if (finished_) return;
+    // A stream is finished before it goes, even one given up on.
+    context_.TryCancel();
+    v1::KvChunk rest;
+    while (reader_->Read(&rest)) {
+    }
+    reader_->Finish();
+  }
   absl::StatusOr<bool> Read(v1::KvChunk* chunk) override {
+    if (finished_) return false;
     if (reader_->Read(chunk)) return true;
+    finished_ = true;
     const absl::Status status = ToAbslStatus(reader_->Finish());
     if (!status.ok())
       return absl::Status(status.code(), absl::StrCat("export: ", status.message()));
@@ -291,6 +301,7 @@ class ExportReader final : public KvChunkReader {
  private:
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<v1::KvChunk>> reader_;
+  bool finished_ = false;
 };
 
 }  // namespace

@@ -60,9 +60,10 @@ struct MoveOptions {
   std::multimap<std::string, std::string> dest_metadata;
   // Whole move; infinite: none.
   absl::Duration timeout = absl::InfiniteDuration();
-  // Test seam: called with each chunk's index (from 0, across resumes)
-  // before it is written to the import; an error breaks the import stream
-  // there, as a cut connection would.
+  // Test seam: called with a running count of the chunks about to be
+  // written (from 0, across resumes; a chunk refused here and sent again
+  // after the resume counts twice); an error breaks the import stream there
+  // (the chunks written before it are kept, as after a cut once they arrived).
   std::function<absl::Status(int64_t index, const v1::KvChunk& chunk)> fault_for_testing;
 };
 

@@ -504,6 +504,7 @@ KvImportSession::~KvImportSession() {
 void KvImportSession::DropStaged() {
   for (std::vector<int32_t>& layer : staged_.pages) KvTransferAccess::Release(*cache_, layer);
   if (staged_.charged) KvTransferAccess::ChargeSequence(*cache_, -1).IgnoreError();
+  bytes_received_ -= staged_.bytes;
   staged_ = Staged();
   started_ = false;
   layer_ = 0;
@@ -717,6 +718,7 @@ absl::StatusOr<KvImportProgress> KvImportSession::Accept(const KvTransferChunk& 
   RETURN_IF_ERROR(Stage(c));
   const KvTransferSequence& seq = header_.sequences[next_seq_];
   bytes_received_ += c.payload_bytes();
+  staged_.bytes += c.payload_bytes();
   owner_->bytes_imported_.fetch_add(c.payload_bytes(), std::memory_order_relaxed);
   token_ += c.num_tokens;
   KvImportProgress progress;

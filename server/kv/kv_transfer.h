@@ -205,6 +205,7 @@ class KvImportSession {
     std::vector<std::vector<int32_t>> pages;  // per layer: receiver pages from `base`
     int32_t base = 0;                         // first row the first page holds
     bool charged = false;                     // bookkeeping charged to the cache
+    int64_t bytes = 0;                        // payload kept (bytes_received_ counts it)
   };
   absl::Status Check(const KvTransferChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Stage(const KvTransferChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -9,6 +9,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -405,6 +406,8 @@ class ImportStream {
  public:
   ImportStream(Server& s, const std::string& token = "") {
     Authorize(&ctx_, token);
+    // A server that waits for more than the test sends fails the test.
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     stream_ = s.transfer->ImportSequences(&ctx_);
   }
   // The opening message; the first answer (false: the stream ended).
