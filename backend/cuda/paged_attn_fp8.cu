@@ -445,7 +445,7 @@ cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_spl
                                          void* workspace, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.dtype != DType::kBF16 || p.head_dim != 128 ||
-      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || variant < 0 || variant > 4) {
+      p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || variant < 0 || variant > 3) {
     return cudaErrorInvalidValue;
   }
   fp8_decode::Launch l;
@@ -462,9 +462,8 @@ cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_spl
     kernel<<<grid, fp8_decode::kThreads, kSmem, stream>>>(l);
     return cudaSuccess;
   };
-  if (variant >= 3) {
-    err = variant == 3 ? ring(std::integral_constant<int, 3>())
-                       : ring(std::integral_constant<int, 4>());
+  if (variant == 3) {
+    err = ring(std::integral_constant<int, 4>());
     if (err != cudaSuccess) return err;
   } else {
     auto kernel = variant == 0   ? fp8_decode::PagedFp8DecodeKernel<__nv_bfloat16, 128, 1, 0>

@@ -27,9 +27,8 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, 
 
 // The bench's ablation (bench/cuda/fp8_kv_bench.cu), BF16 q, D 128, <= 8
 // packed rows, in `num_splits` splits (1: none): variant 0..2, the decode
-// kernel with its register loads that many steps ahead of its math; 3 and 4,
-// a shared-memory ring per warp filled by cp.async instead (3 stages at
-// three CTAs per SM, 4 at two).
+// kernel with its register loads that many steps ahead of its math; 3, a
+// 4-step shared-memory ring per warp filled by cp.async instead.
 cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_splits, int variant,
                                          void* workspace, cudaStream_t stream);
 

@@ -175,10 +175,9 @@ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
 // the group) of kv head blockIdx.y over the split's share of the keys.
 // kAhead: steps a warp's register loads run ahead of its math; kStages > 0:
 // instead, a ring of kStages steps per warp in shared memory filled by
-// cp.async (D 128; 3 stages at three CTAs per SM, else two), the bench's
-// ablation only.
+// cp.async (D 128), the bench's ablation only.
 template <typename T, int kD, int kRowTiles, int kAhead, int kStages = 0>
-__global__ void __launch_bounds__(kThreads, kStages == 3 ? 3 : kFp8DecodeCtasPerSm)
+__global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
     PagedFp8DecodeKernel(const __grid_constant__ Launch L) {
   constexpr int kRows = 8 * kRowTiles;
   constexpr int kKSteps = kD / 16;
