@@ -196,12 +196,13 @@ const Command kCommands[] = {
      "  attnctl move-kv --from=10.0.0.1:50051 --to=10.0.0.2:50051 --cache=kv0 \\\n"
      "      --capacity_tokens=1048576\n"
      "  attnctl move-kv --from=a:50051 --to=b:50051 --cache=kv0 --seq=3,4 --token_end=512\n\n"
-     "Pipes the source's ExportSequences into the receiver's ImportSequences (docs/kv-transfer.md):\n"
-     "the sequences arrive live with the same ids and lengths, all or nothing per sequence; the\n"
-     "source keeps its copy. With --capacity_tokens or --capacity_bytes the receiver creates the\n"
-     "cache when it has none of that id (geometry and page size from the source). A broken stream\n"
-     "is resumed where the receiver stands (finished sequences are not sent again), up to 8 times;\n"
-     "after a failure, the same command with the printed --transfer_id continues it.\n"
+     "Pipes the source's ExportSequences into the receiver's ImportSequences\n"
+     "(docs/kv-transfer.md): the sequences arrive live with the same ids and lengths, all or\n"
+     "nothing per sequence; the source keeps its copy. With --capacity_tokens or\n"
+     "--capacity_bytes the receiver creates the cache when it has none of that id (geometry and\n"
+     "page size from the source). A broken stream is resumed where the receiver stands\n"
+     "(finished sequences are not sent again), up to 8 times; after a failure, the same\n"
+     "command with --transfer_id set to the id in the error continues it.\n"
      "--timeout bounds the whole move only when given. --token/--tls* apply to both servers.\n"
      "A progress line (bytes, GB/s, sequences) goes to stderr once a second.\n"
      "Exit code 0 on success, 1 on a server error (code and message printed), 2 on bad flags.",
@@ -389,9 +390,9 @@ int Main(int argc, char** argv) {
   }
   const Command* command = name.empty() ? nullptr : FindCommand(name);
   if (!name.empty() && command == nullptr) {
-    return UsageError("",
-                      absl::StrCat("unknown command '", name,
-                                   "' (commands: health, info, forward, load, kv, load-kv, move-kv, export-kv, import-kv, help)"));
+    return UsageError("", absl::StrCat("unknown command '", name,
+                                       "' (commands: health, info, forward, load, kv, load-kv, "
+                                       "move-kv, export-kv, import-kv, help)"));
   }
   if (help) {
     PrintHelp(command);

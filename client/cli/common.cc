@@ -67,7 +67,7 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_cha
 }
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientForTarget(const std::string& target,
-                                                                      int num_channels) {
+                                                                     int num_channels) {
   ClientOptions options;
   options.num_channels = num_channels;
   options.default_timeout = absl::GetFlag(FLAGS_timeout);

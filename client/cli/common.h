@@ -29,7 +29,7 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientFromFlags(int num_cha
 // The same for another address (move-kv's --from and --to): every global flag
 // but --target applies.
 absl::StatusOr<std::unique_ptr<AttentionClient>> MakeClientForTarget(const std::string& target,
-                                                                      int num_channels = 1);
+                                                                     int num_channels = 1);
 
 // Prints "attnctl: <what>: <CODE_NAME>: <message>" to stderr, keeping the
 // server's message verbatim, and returns kExitFailure.
