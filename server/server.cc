@@ -299,6 +299,8 @@ class AttnServerImpl final : public AttnServer {
     kserve_.SetAuth(auth_.get(), tenants_.get());
     service_.set_shm(kserve_.shm_registry());
     kv_service_.set_shm(kserve_.shm_registry());
+    // A CUDA backend's copies read a page-locked region where it lies.
+    kserve_.shm_registry()->set_pin_host_memory(description_.name == "cuda");
     shm_service_.set_auth(auth_.get());
     StartHandoff();
   }

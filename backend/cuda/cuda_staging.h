@@ -51,13 +51,37 @@ inline int64_t Align256(int64_t x) { return (x + 255) / 256 * 256; }
 // between its place and the slot's device buffer.
 inline constexpr uintptr_t kInPlaceDeviceAlignment = 16;
 
+// The `src_device` of an input in page-locked host memory (a client's
+// shared-memory region the server registered with cudaHostRegister): the
+// copy engine reads it where it lies, no copy into the staging buffer.
+inline constexpr int kPageLockedHost = -2;
+
+// Host inputs at least this large that lie in page-locked memory are copied
+// to the device straight from there; a smaller one costs less to gather than
+// a copy call of its own.
+inline constexpr int64_t kDirectHostCopyBytes = 32 << 10;
+
+// Whether `p` lies in page-locked host memory the devices can read
+// (cudaHostRegister or cudaHostAlloc). A pageable pointer is not an error.
+inline bool IsPageLockedHost(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: older runtimes answer an invalid value for pageable memory
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
 // Queues a copy of `bytes` from `src` on device `src_device` to `dst` on
 // `dst_device` on `stream`: within one device a device-to-device copy, across
 // devices one peer copy (over NVLink or PCIe, without a host bounce where the
-// devices can reach each other).
+// devices can reach each other); from kPageLockedHost a host-to-device copy.
 inline cudaError_t CopyBetweenDevices(void* dst, int dst_device, const void* src, int src_device,
                                       int64_t bytes, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
+  if (src_device == kPageLockedHost) {
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream);
+  }
   if (dst_device == src_device) {
     return cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream);
   }
@@ -278,19 +302,41 @@ struct DeviceInputCopy {
   int64_t bytes;
 };
 
-// Queues one staged launch on the slot's stream: inputs [0, inputs_end) of
-// the pinned buffer to the device, then the device inputs into their places
-// (device-to-device or peer), `kernels`, outputs [out_begin, out_end) back,
+// The parts of [0, end) of the staging buffer that hold gathered bytes: all
+// of it but the places `direct` fills from elsewhere, as [begin, end) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> StagedRanges(
+    const char* device, int64_t end, const std::vector<DeviceInputCopy>& direct) {
+  std::vector<std::pair<int64_t, int64_t>> holes;
+  for (const DeviceInputCopy& c : direct) {
+    holes.emplace_back(c.dst - device, c.dst - device + c.bytes);
+  }
+  std::sort(holes.begin(), holes.end());
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  int64_t at = 0;
+  for (const auto& [begin, stop] : holes) {
+    if (begin > at) ranges.emplace_back(at, std::min(begin, end));
+    at = std::max(at, stop);
+  }
+  if (at < end) ranges.emplace_back(at, end);
+  return ranges;
+}
+
+// Queues one staged launch on the slot's stream: the gathered inputs of
+// [0, inputs_end) of the pinned buffer to the device (the places of
+// `device_inputs` left out), then the device inputs and page-locked host
+// inputs into their places, `kernels`, outputs [out_begin, out_end) back,
 // with the slot's four events around the phases.
 inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int device, int64_t inputs_end,
                                       int64_t out_begin, int64_t out_end,
                                       const std::vector<DeviceInputCopy>& device_inputs,
                                       const std::function<absl::Status()>& kernels) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(slot->device.ptr(), slot->host.ptr(), static_cast<size_t>(inputs_end),
-                      cudaMemcpyHostToDevice, slot->stream),
-      "copy inputs to device");
+  for (const auto& [begin, end] : StagedRanges(slot->device.ptr(), inputs_end, device_inputs)) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot->device.ptr() + begin, slot->host.ptr() + begin,
+                        static_cast<size_t>(end - begin), cudaMemcpyHostToDevice, slot->stream),
+        "copy inputs to device");
+  }
   for (const DeviceInputCopy& c : device_inputs) {
     ATTN_CUDA_RETURN_IF_ERROR(
         CopyBetweenDevices(c.dst, device, c.src, c.src_device, c.bytes, slot->stream),
@@ -393,7 +439,14 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(
       const auto in = std::find_if(device_inputs.begin(), device_inputs.end(),
                                    [&](const DeviceInput& d) { return d.ptr == c.src; });
       if (in == device_inputs.end()) {
-        on_host.push_back(c);
+        // A large input in page-locked memory (a registered shared-memory
+        // region) goes to the device straight from where it lies.
+        if (static_cast<int64_t>(c.bytes) >= kDirectHostCopyBytes && IsPageLockedHost(c.src)) {
+          from_device.push_back({device + (static_cast<char*>(c.dst) - host), c.src,
+                                 kPageLockedHost, static_cast<int64_t>(c.bytes)});
+        } else {
+          on_host.push_back(c);
+        }
       } else {
         from_device.push_back({device + (static_cast<char*>(c.dst) - host), c.src, in->device,
                                static_cast<int64_t>(c.bytes)});

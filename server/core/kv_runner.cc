@@ -85,7 +85,8 @@ absl::Status KvRunner::Draining() const {
   return absl::OkStatus();
 }
 
-void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
+void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done,
+                     std::function<absl::Status()> inputs_intact) {
   // Nothing may escape to the front-end's reactor: a throw completes the call
   // here (once), and a late completion is dropped.
   const Once<const absl::Status&, const WorkTimings&, KvResult*> once(std::move(done));
@@ -103,7 +104,7 @@ void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
         done(status, timings, result);
       };
   try {
-    StartOrThrow(call, names, &finish);
+    StartOrThrow(call, names, &finish, std::move(inputs_intact));
   } catch (...) {
     if (!once.ran()) {
       WorkTimings timings;
@@ -113,7 +114,8 @@ void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done) {
   }
 }
 
-void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish_in) {
+void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish_in,
+                            std::function<absl::Status()> inputs_intact) {
   Finish& finish = *finish_in;
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
@@ -134,6 +136,7 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
   if (!status.ok()) return refuse(status);
 
   std::shared_ptr<KvAppendAttend> c = PoolCallOf(*call, **cache, names);
+  c->inputs_intact = std::move(inputs_intact);
   status = pool_->AppendAttend(
       *cache, c, [c, finish](const absl::Status& s, const WorkTimings& timings) {
         KvResult result;

@@ -41,7 +41,12 @@ class KvRunner {
 
   // Starts `call`, whose views stay valid until `done` has run (possibly
   // before Start returns). Never blocks. `names` must outlive the call.
-  void Start(const KvCall* call, const FieldNames& names, Done done);
+  // `inputs_intact` (may be null): whether memory the views read in place is
+  // still all the caller's (a shared-memory region its owner may shrink),
+  // asked after the launch and before the append commits; an error fails the
+  // call and appends nothing.
+  void Start(const KvCall* call, const FieldNames& names, Done done,
+             std::function<absl::Status()> inputs_intact = nullptr);
 
   // New calls are refused with UNAVAILABLE from now on; admitted ones finish.
   void StopAdmitting() { draining_.store(true, std::memory_order_release); }
@@ -56,7 +61,8 @@ class KvRunner {
   using Finish =
       std::function<void(const absl::Status& status, const WorkTimings& timings, KvResult* result)>;
   // Start without the exception boundary; `finish` records and answers.
-  void StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish);
+  void StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish,
+                    std::function<absl::Status()> inputs_intact);
 
   KvPool* const pool_;
   const std::string backend_name_;

@@ -351,8 +351,10 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
   KvAppendAttend* c = call.get();
   work.reserve = [raw_cache, c] { return ReserveCall(*raw_cache, *c); };
   item.paged = std::move(work);
-  item.done = [this, cache, call, done, ticket](const absl::Status& status,
+  item.done = [this, cache, call, done, ticket](const absl::Status& launched,
                                                 const WorkTimings& timings) {
+    absl::Status status = launched;
+    if (status.ok() && call->inputs_intact) status = call->inputs_intact();
     if (status.ok()) {
       cache->Commit(call->layer, call->steps, &call->reservation);
       call->lengths = call->reservation.lengths;

@@ -93,6 +93,10 @@ struct KvAppendAttend {
   absl::Time received = absl::Now();
   absl::Time deadline = absl::InfiniteFuture();
   std::shared_ptr<const std::atomic<bool>> cancelled;
+  // Inputs read in place from memory their owner may take back (a client's
+  // shared-memory region): called once the launch is done, before the
+  // commit; an error fails the call and rolls it back. Null: nothing to check.
+  std::function<absl::Status()> inputs_intact;
   // Outputs: o [Tq, Hq, D] bytes, lse [Hq, Tq] FP32 bytes, lengths after.
   std::string o;
   std::string lse;

@@ -121,9 +121,11 @@ absl::Status BindForwardShmOutputs(const v1::ForwardRequest& request, v1::Forwar
 }
 
 absl::Status KvShmInputs(const v1::AppendAttendRequest& request, ShmCall* shm, KvCall* call) {
-  RETURN_IF_ERROR(shm->Input("q", request.q(), ShmRead::kCopyHost, &call->q, &call->request_bytes));
-  RETURN_IF_ERROR(shm->Input("k", request.k(), ShmRead::kCopyHost, &call->k, &call->request_bytes));
-  RETURN_IF_ERROR(shm->Input("v", request.v(), ShmRead::kCopyHost, &call->v, &call->request_bytes));
+  // Read where they lie: a region shrunk during the call fails it before the
+  // append commits (ShmCall::CheckIntact, asked by the pool).
+  RETURN_IF_ERROR(shm->Input("q", request.q(), ShmRead::kInPlace, &call->q, &call->request_bytes));
+  RETURN_IF_ERROR(shm->Input("k", request.k(), ShmRead::kInPlace, &call->k, &call->request_bytes));
+  RETURN_IF_ERROR(shm->Input("v", request.v(), ShmRead::kInPlace, &call->v, &call->request_bytes));
   if (request.has_k_scale()) {
     RETURN_IF_ERROR(shm->Input("k_scale", request.k_scale(), ShmRead::kCopy, &call->k_scale,
                                &call->request_bytes));

@@ -27,9 +27,9 @@ absl::Status ForwardShmInputs(const v1::ForwardRequest& request, ShmRead how, Sh
 absl::Status BindForwardShmOutputs(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                                    ShmCall* shm, AttentionCall* call);
 
-// AppendAttend's q, k and v (a mapped region's bytes copied, so a shrink
-// fails here, before the append, which cannot be undone; a CUDA region's on
-// the device) and k_scale, v_scale (copied) into `call`.
+// AppendAttend's q, k and v (read where they lie: the caller has the pool
+// check the regions before the append commits, so a shrink during the call
+// appends nothing) and k_scale, v_scale (copied) into `call`.
 absl::Status KvShmInputs(const v1::AppendAttendRequest& request, ShmCall* shm, KvCall* call);
 
 // The output spans of an AppendAttend, checked before it runs: o's and lse's

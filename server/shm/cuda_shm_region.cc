@@ -66,6 +66,17 @@ bool CudaShmAvailable() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+bool PinHostMemory(void* data, uint64_t bytes) {
+  if (!CudaShmAvailable()) return false;
+  if (cudaHostRegister(data, bytes, cudaHostRegisterPortable) == cudaSuccess) return true;
+  cudaGetLastError();  // not sticky: the region is used pageable
+  return false;
+}
+
+void UnpinHostMemory(void* data) {
+  if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+}
+
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string& raw_handle,
                                                              int64_t device_id,
@@ -107,6 +118,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& 
 #else  // !ATTNSERVE_HAVE_CUDA
 
 bool CudaShmAvailable() { return false; }
+bool PinHostMemory(void*, uint64_t) { return false; }
+void UnpinHostMemory(void*) {}
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,
                                                              const std::string&, int64_t,

@@ -16,6 +16,14 @@ namespace attnserve {
 // is offered).
 bool CudaShmAvailable();
 
+// Page-locks [data, data + bytes) of host memory for every CUDA device
+// (cudaHostRegister, portable), so a CUDA backend's copies read and write it
+// where it lies, with no staging copy. False where it cannot (no CUDA, or the
+// driver refused): the memory is then used as it is, pageable.
+bool PinHostMemory(void* data, uint64_t bytes);
+// Undoes PinHostMemory (before the memory is unmapped).
+void UnpinHostMemory(void* data);
+
 // Opens `raw_handle` (the bytes of a cudaIpcMemHandle_t) on `device_id`;
 // `byte_size` bytes of it become the region. `name` is for messages.
 absl::StatusOr<std::unique_ptr<ShmRegion>> OpenCudaShmRegion(const std::string& name,

@@ -26,7 +26,8 @@ namespace {
 class SystemShmRegion final : public ShmRegion {
  public:
   SystemShmRegion(std::string name, std::string key, int fd, void* mapping, uint64_t mapped_size,
-                  uint64_t offset, uint64_t byte_size, std::unique_ptr<GuardedMapping> guard)
+                  uint64_t offset, uint64_t byte_size, std::unique_ptr<GuardedMapping> guard,
+                  bool pinned)
       : name_(std::move(name)),
         key_(std::move(key)),
         fd_(fd),
@@ -34,8 +35,10 @@ class SystemShmRegion final : public ShmRegion {
         mapped_size_(mapped_size),
         offset_(offset),
         byte_size_(byte_size),
-        guard_(std::move(guard)) {}
+        guard_(std::move(guard)),
+        pinned_(pinned) {}
   ~SystemShmRegion() override {
+    if (pinned_) UnpinHostMemory(mapping_);
     guard_.reset();  // before the range can be reused by another mapping
     munmap(mapping_, mapped_size_);
     close(fd_);
@@ -83,6 +86,7 @@ class SystemShmRegion final : public ShmRegion {
   const uint64_t offset_;
   const uint64_t byte_size_;
   std::unique_ptr<GuardedMapping> guard_;
+  const bool pinned_;  // PinHostMemory'd: unpinned before the unmap
 };
 
 std::string Octal(unsigned mode) {
@@ -102,7 +106,8 @@ absl::StatusCode CodeOfErrno(int err) {
 // process made for the server, not something else the server can open.
 absl::StatusOr<std::unique_ptr<ShmRegion>> MapSystemRegion(const std::string& name,
                                                            const std::string& key, uint64_t offset,
-                                                           uint64_t byte_size, bool strict) {
+                                                           uint64_t byte_size, bool strict,
+                                                           bool pin) {
   if (byte_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region '", name, "': byte_size: expected > 0, got 0"));
@@ -158,8 +163,11 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> MapSystemRegion(const std::string& na
     return absl::Status(guard.status().code(), absl::StrCat("shared memory region '", name,
                                                             "': ", guard.status().message()));
   }
+  // Pinned after the guard: a shrink while pinned faults on the host, not
+  // for the copy engines, which keep reading the pages they locked.
+  const bool pinned = pin && PinHostMemory(mapping, end);
   return std::make_unique<SystemShmRegion>(name, key, fd, mapping, end, offset, byte_size,
-                                           *std::move(guard));
+                                           *std::move(guard), pinned);
 }
 
 // INVALID_ARGUMENT naming `field` when `value` is empty or too long to keep.
@@ -256,7 +264,7 @@ absl::Status ShmRegistry::RegisterSystem(const std::string& tenant, const std::s
       RETURN_IF_ERROR(CheckRoom(tenant, name));
     }
     absl::StatusOr<std::unique_ptr<ShmRegion>> region =
-        MapSystemRegion(name, key, offset, byte_size, strict);
+        MapSystemRegion(name, key, offset, byte_size, strict, pin_host_memory_);
     if (!region.ok()) return region.status();
     ShmRegionInfo info;
     info.name = name;

@@ -69,6 +69,11 @@ class ShmRegistry {
   void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
   // Set before serving.
   void set_limits(const ShmLimits& limits) { limits_ = limits; }
+  // Page-lock each system region for the CUDA devices when it is registered
+  // (PinHostMemory): a CUDA backend then copies inputs to the device straight
+  // from the region. Off by default (it would start a CUDA context for a
+  // server that does not use one). Set before serving.
+  void set_pin_host_memory(bool pin) { pin_host_memory_ = pin; }
 
   // Maps [offset, offset + byte_size) of the POSIX shared-memory object `key`.
   // ALREADY_EXISTS when the tenant already has a region called `name`;
@@ -116,6 +121,7 @@ class ShmRegistry {
 
   const bool allowed_;
   ShmLimits limits_;
+  bool pin_host_memory_ = false;
   TenantDirectory* tenants_ = nullptr;
   mutable absl::Mutex mu_;
   std::map<Key, Entry> regions_ ABSL_GUARDED_BY(mu_);

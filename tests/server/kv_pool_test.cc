@@ -703,6 +703,37 @@ TEST_F(PoolTest, FailedLaunchChangesNothing) {
   EXPECT_EQ((*cache->Lengths(1))[0], 40);
 }
 
+// Inputs read in place from memory their owner took back during the launch
+// (a shrunk shared-memory region): the call fails after the launch and the
+// append does not commit.
+TEST_F(PoolTest, InputsNoLongerIntactRollBack) {
+  MakePool();
+  auto cache = Cache();
+  ASSERT_TRUE(cache->CreateSequences({{1, {}, {}}}).ok());
+  auto ok = Run(cache, Call(1, 0, 10));
+  ok->done.WaitForNotification();
+  ASSERT_TRUE(ok->status.ok());
+  const int64_t pages = cache->Stats().pages_used;
+  auto call = Call(1, 10, 70);
+  int checked = 0;
+  call->inputs_intact = [&checked] {
+    ++checked;
+    return absl::FailedPreconditionError("region 'r' shrank");
+  };
+  auto failed = Run(cache, call);
+  failed->done.WaitForNotification();
+  EXPECT_EQ(failed->status.code(), absl::StatusCode::kFailedPrecondition) << failed->status;
+  EXPECT_EQ(checked, 1);
+  EXPECT_EQ((*cache->Lengths(1))[0], 10);
+  EXPECT_EQ(cache->Stats().pages_used, pages);
+  call = Call(1, 10, 70);
+  call->inputs_intact = [] { return absl::OkStatus(); };
+  auto retry = Run(cache, call);
+  retry->done.WaitForNotification();
+  EXPECT_TRUE(retry->status.ok()) << retry->status;
+  EXPECT_EQ((*cache->Lengths(1))[0], 80);
+}
+
 TEST_F(PoolTest, IdleSequencesAndCachesExpire) {
   MakePool(absl::Hours(1));  // the thread never fires; ExpireIdle is driven here
   auto cache = Cache();
