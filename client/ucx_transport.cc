@@ -125,6 +125,7 @@ class UcxStepConnection::Impl {
     params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
       auto* self = static_cast<Impl*>(arg);
       self->broken_ = true;
+      self->broken_at_ = absl::Now();
       self->failure_ = status;
     };
     params.err_handler.arg = this;
@@ -205,25 +206,45 @@ class UcxStepConnection::Impl {
       return absl::InternalError(absl::StrCat("UCX reply from ", where_,
                                               ": header: not a serialized AppendAttendResponse"));
     }
-    if (prefix->type != expect) {
-      // A refused hello answered where a step reply was due (or the other way round).
-      broken_ = true;
-    }
+    // The server closes after this reply (a refused hello, a frame that broke
+    // the framing), or answered a hello where a step reply was due: done.
+    if (prefix->type != expect || (prefix->flags & ucx::kFlagClosing) != 0) broken_ = true;
     return response;
   }
 
   bool broken() const { return broken_; }
 
  private:
+  // Receives exactly `size` bytes. Stops waiting as soon as the peer is gone
+  // (UCX's error handler ran): the endpoint is closed here, which completes
+  // the receive while `data` is still alive.
   absl::Status Recv(void* data, size_t size, absl::Time deadline) {
-    absl::Status s = ucx::RecvAll(*worker_, ep_, data, size, deadline);
-    if (!s.ok()) {
-      broken_ = true;
-      if (failure_ != UCS_OK)
-        return ucx::StatusOf(failure_, absl::StrCat("UCX connection to ", where_));
-      return absl::Status(s.code(), absl::StrCat("UCX connection to ", where_, ": ", s.message()));
+    if (size == 0) return absl::OkStatus();
+    if (ep_ == nullptr) return Broken();
+    auto state = std::make_shared<std::pair<bool, ucs_status_t>>(false, UCS_OK);
+    const ucs_status_t started = ucx::StartRecv(ep_, data, size, [state](ucs_status_t st, size_t) {
+      state->first = true;
+      state->second = st;
+    });
+    if (started == UCS_OK) return absl::OkStatus();
+    absl::Status waited;
+    if (started == UCS_INPROGRESS) {
+      // Bytes the peer sent before it closed (an error reply, then the close)
+      // may still be on their way when UCX reports the close: a moment's grace.
+      waited = worker_->WaitFor(
+          [&] { return state->first || (broken_ && absl::Now() - broken_at_ > kCloseGrace); },
+          deadline);
+      if (state->first && state->second == UCS_OK) return absl::OkStatus();
     }
-    return s;
+    broken_ = true;
+    ucx::CloseEndpoint(*worker_, ep_, absl::Now() + absl::Seconds(1));
+    ep_ = nullptr;
+    const std::string what = absl::StrCat("UCX connection to ", where_);
+    if (failure_ != UCS_OK) return ucx::StatusOf(failure_, what);
+    if (started != UCS_INPROGRESS) return ucx::StatusOf(started, what);
+    if (!waited.ok())
+      return absl::Status(waited.code(), absl::StrCat(what, ": ", waited.message()));
+    return ucx::StatusOf(state->second, what);
   }
 
   absl::Status Broken() const {
@@ -234,7 +255,9 @@ class UcxStepConnection::Impl {
 
   std::unique_ptr<ucx::Worker> worker_;
   ucp_ep_h ep_ = nullptr;
+  static constexpr absl::Duration kCloseGrace = absl::Milliseconds(200);
   bool broken_ = false;
+  absl::Time broken_at_;
   ucs_status_t failure_ = UCS_OK;
   std::string where_;
 };

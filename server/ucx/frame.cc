@@ -49,11 +49,17 @@ std::string EncodePrefix(const FramePrefix& p) {
   std::string out(kPrefixBytes, '\0');
   Store<uint32_t>(&out, kMagicAt, kFrameMagic);
   Store<uint16_t>(&out, kTypeAt, static_cast<uint16_t>(p.type));
+  Store<uint16_t>(&out, kFlagsAt, p.flags);
   Store<uint32_t>(&out, kHeaderAt, p.header_bytes);
   for (int i = 0; i < kMaxPayloads; ++i) {
     Store<uint64_t>(&out, kPayloadsAt + 8 * i, p.payload_bytes[i]);
   }
   return out;
+}
+
+void MarkClosing(std::string* head) {
+  if (head->size() < kPrefixBytes) return;
+  Store<uint16_t>(head, kFlagsAt, kFlagClosing);
 }
 
 const char* PayloadName(FrameType type, int index) {
@@ -83,14 +89,18 @@ absl::StatusOr<FramePrefix> ParsePrefix(const uint8_t* data, size_t size, const 
                                                        : "2 (hello reply) or 4 (step reply)",
                                                    ", got ", type));
   }
-  if (const uint16_t flags = Load<uint16_t>(data, kFlagsAt); flags != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("flags: expected 0, got ", flags));
+  const uint16_t flags = Load<uint16_t>(data, kFlagsAt);
+  const uint16_t allowed = receiver == Receiver::kClient ? kFlagClosing : 0;
+  if ((flags & ~allowed) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flags: expected ", receiver == Receiver::kClient ? "0 or 1" : "0", ", got ", flags));
   }
   if (const uint32_t reserved = Load<uint32_t>(data, kReservedAt); reserved != 0) {
     return absl::InvalidArgumentError(absl::StrCat("reserved: expected 0, got ", reserved));
   }
   FramePrefix p;
   p.type = static_cast<FrameType>(type);
+  p.flags = flags;
   p.header_bytes = Load<uint32_t>(data, kHeaderAt);
   const bool hello = p.type == FrameType::kHello || p.type == FrameType::kHelloReply;
   const uint32_t max_header = hello ? limits.max_hello_bytes : limits.max_header_bytes;

@@ -35,12 +35,18 @@ enum class FrameType : uint16_t {
   kStepReply = 4,
 };
 
+// Reply flag: the server closes the connection once the peer has read this
+// reply (a refused hello, a frame that broke the framing). The peer closes
+// its end; the server closes it anyway after a grace period.
+inline constexpr uint16_t kFlagClosing = 1;
+
 // Indices of a step's payloads and of its reply's.
 enum StepPayload { kQ = 0, kK = 1, kV = 2 };
 enum ReplyPayload { kO = 0, kLse = 1 };
 
 struct FramePrefix {
   FrameType type = FrameType::kHello;
+  uint16_t flags = 0;  // kFlagClosing on replies; 0 otherwise
   uint32_t header_bytes = 0;
   std::array<uint64_t, kMaxPayloads> payload_bytes{};
 
@@ -73,6 +79,9 @@ std::string EncodePrefix(const FramePrefix& prefix);
 // value.
 absl::StatusOr<FramePrefix> ParsePrefix(const uint8_t* data, size_t size, const FrameLimits& limits,
                                         Receiver receiver);
+
+// Sets kFlagClosing in the prefix at the start of `head`.
+void MarkClosing(std::string* head);
 
 // "q", "k", "v" for a step's payloads, "o", "lse" for a reply's.
 const char* PayloadName(FrameType type, int index);

@@ -153,8 +153,10 @@ class Listener::Impl {
     std::shared_ptr<StepFrame> frame;
     int payload = 0;
     bool recv_pending = false;
-    bool closing = false;           // nothing more is read or sent
-    bool close_issued = false;      // ucp_ep_close_nbx has been called
+    bool closing = false;       // nothing more is read or sent
+    bool close_issued = false;  // ucp_ep_close_nbx has been called
+    bool graceful_close = false;
+    absl::Time close_at = absl::InfiniteFuture();  // a closing reply's grace ends
     bool close_after_send = false;  // a refused hello or a bad frame: answered, then closed
     int outstanding = 0;            // UCX operations not yet completed
     int in_flight = 0;              // steps handed to the handler and not yet answered
@@ -315,41 +317,42 @@ class Listener::Impl {
     c->frame = nullptr;
     c->close_after_send = true;
     const FrameType type = c->session == nullptr ? FrameType::kHelloReply : FrameType::kStepReply;
-    Send(c, handler_->StatusReply(type, status, ""));
+    Reply reply = handler_->StatusReply(type, status, "");
+    MarkClosing(&reply.head);
+    // The peer closes on reading kFlagClosing; closing here at once could
+    // overtake the reply (UCX reports the close on another socket than the
+    // data's), so the server only closes after a grace period.
+    c->close_at = absl::Now() + kCloseGrace;
+    Send(c, std::move(reply));
   }
 
-  // Sends a reply's pieces in order; a connection marked close_after_send is
-  // closed once they are out.
+  // Sends a reply's pieces in order; the reply lives until UCX is done with it.
   void Send(Connection* c, Reply reply) {
     if (c->closing) return;
     auto held = std::make_shared<Reply>(std::move(reply));
-    auto left = std::make_shared<int>(0);
     const std::string* pieces[] = {&held->head, &held->payloads[0], &held->payloads[1]};
     for (const std::string* piece : pieces) {
       if (piece->empty()) continue;
       ++c->outstanding;
-      const ucs_status_t s = StartSend(c->ep, piece->data(), piece->size(),
-                                       [this, c, held, left](ucs_status_t st, size_t) {
-                                         --c->outstanding;
-                                         if (st != UCS_OK) return Close(c, "send failed");
-                                         if (--*left == 0 && c->close_after_send)
-                                           Close(c, "closed after its answer");
-                                       });
-      if (s == UCS_INPROGRESS) {
-        ++*left;
-        continue;
-      }
+      const ucs_status_t s =
+          StartSend(c->ep, piece->data(), piece->size(), [this, c, held](ucs_status_t st, size_t) {
+            --c->outstanding;
+            if (st != UCS_OK) Close(c, "send failed");
+          });
+      if (s == UCS_INPROGRESS) continue;
       --c->outstanding;
       if (s != UCS_OK) return Close(c, "send failed");
     }
-    if (*left == 0 && c->close_after_send) Close(c, "closed after its answer");
   }
 
   // Marks the connection closed: nothing more is read or sent on it, and Run
   // closes its endpoint outside UCX's callbacks.
-  void Close(Connection* c, const char* why) {
+  // `graceful`: UCX flushes what was sent before it disconnects (an error
+  // reply must reach the peer); otherwise in-flight operations are dropped.
+  void Close(Connection* c, const char* why, bool graceful = false) {
     if (c->closing) return;
     c->closing = true;
+    c->graceful_close = graceful;
     c->cancelled->store(true, std::memory_order_release);
     spdlog::debug("ucx: connection {} {}", c->id, why);
     to_close_.push_back(c->id);
@@ -370,7 +373,7 @@ class Listener::Impl {
       ucp_request_param_t param{};
       param.op_attr_mask =
           UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      param.flags = c->graceful_close ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
       param.cb.send = [](void* request, ucs_status_t, void* user_data) {
         --static_cast<Connection*>(user_data)->outstanding;
         ucp_request_free(request);
@@ -381,8 +384,13 @@ class Listener::Impl {
     }
   }
 
-  // Frees closed connections UCX is done with.
+  // Frees closed connections UCX is done with, and closes those whose
+  // closing reply's grace has run out.
   void Reap() {
+    const absl::Time now = absl::Now();
+    for (auto& [id, c] : connections_) {
+      if (!c->closing && c->close_at <= now) Close(c.get(), "closed after its answer", true);
+    }
     for (auto it = connections_.begin(); it != connections_.end();) {
       if (it->second->close_issued && it->second->outstanding == 0) {
         owner_->open_.fetch_sub(1, std::memory_order_relaxed);
@@ -455,6 +463,8 @@ class Listener::Impl {
   // After activity the thread polls this long before it sleeps on the event
   // fds: a step's reply and the next step arrive within it in a decode loop.
   static constexpr absl::Duration kSpin = absl::Microseconds(100);
+  // How long a peer that got a closing reply has to close its end.
+  static constexpr absl::Duration kCloseGrace = absl::Seconds(2);
 
   Listener* const owner_;
   const ListenerOptions options_;

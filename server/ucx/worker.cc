@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -73,6 +74,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return StatusOf(s, "ucp_config_read");
+  // Connections ask for peer-failure handling (a dead client must not leave its
+  // connection behind), and UCX 1.13 leaves its shared-memory transports out
+  // of such endpoints unless told they may take part: without this, UCX_TLS=sm
+  // connections would run over TCP. An explicit UCX_MM_ERROR_HANDLING wins.
+  if (getenv("UCX_MM_ERROR_HANDLING") == nullptr)
+    ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   // Streams for the frames; wake-up so an idle thread sleeps instead of spinning.
@@ -85,8 +92,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   s = ucp_worker_create(w->context_, &wp, &w->worker_);
   if (s != UCS_OK) return StatusOf(s, "ucp_worker_create");
-  s = ucp_worker_get_efd(w->worker_, &w->event_fd_);
-  if (s != UCS_OK) return StatusOf(s, "ucp_worker_get_efd");
+  if (ucp_worker_get_efd(w->worker_, &w->event_fd_) != UCS_OK) w->event_fd_ = -1;
   return w;
 }
 
