@@ -214,6 +214,50 @@ TEST(CudaDeviceTensorsTest, MatchReferenceWherePlaced) {
   if (DeviceCount() < 2) GTEST_SKIP() << "the peer placements need two GPUs (ran the others)";
 }
 
+// Host inputs in page-locked memory (what a system region is on a CUDA
+// server: ShmRegistry pins it at registration) go to the device straight
+// from there, with no copy into the staging buffer: all three, and k alone
+// (the staged ranges around its place).
+TEST(CudaDeviceTensorsTest, PageLockedHostInputsMatchReference) {
+  std::string why;
+  AttentionBackend* backend = testing_util::SharedCudaBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  for (const TestCase& tc : {Bf16Causal(), Fp16Varlen()}) {
+    for (const bool k_only : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(tc.Name(), k_only ? " k only" : " q, k and v"));
+      HostBuffers buf(tc);
+      AttnParams p = buf.params();
+      // One page-aligned block (pinned ranges must not overlap), each
+      // tensor at a page boundary in it.
+      constexpr size_t kPage = 4096;
+      auto room = [](int64_t bytes) {
+        return (static_cast<size_t>(bytes) + kPage - 1) / kPage * kPage;
+      };
+      const size_t q_at = 0, k_at = room(buf.q_bytes()), v_at = k_at + room(buf.kv_bytes());
+      const size_t total = v_at + room(buf.kv_bytes());
+      std::unique_ptr<char, decltype(&std::free)> block(
+          static_cast<char*>(std::aligned_alloc(kPage, total)), &std::free);
+      ASSERT_NE(block, nullptr);
+      std::memcpy(block.get() + q_at, buf.q(), buf.q_bytes());
+      std::memcpy(block.get() + k_at, buf.k(), buf.kv_bytes());
+      std::memcpy(block.get() + v_at, buf.v(), buf.kv_bytes());
+      ASSERT_EQ(cudaHostRegister(block.get(), total, cudaHostRegisterPortable), cudaSuccess);
+      cudaPointerAttributes attr{};
+      ASSERT_EQ(cudaPointerGetAttributes(&attr, block.get() + k_at), cudaSuccess);
+      EXPECT_EQ(attr.type, cudaMemoryTypeHost);  // what the staging path looks for
+      if (!k_only) p.q = block.get() + q_at;
+      p.k = block.get() + k_at;
+      if (!k_only) p.v = block.get() + v_at;
+      buf.Poison();
+      BackendTimings timings;
+      const absl::Status st = PlanAndForward(*backend, p, &timings);
+      EXPECT_EQ(cudaHostUnregister(block.get()), cudaSuccess);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(CheckOutput(buf, buf.o(), buf.lse()));
+    }
+  }
+}
+
 // A call with device tensors never joins a packed launch.
 TEST(CudaDeviceTensorsTest, NeverShareALaunch) {
   HostBuffers a(Bf16Causal()), b(Bf16Causal());
