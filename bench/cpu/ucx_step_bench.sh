@@ -2,8 +2,9 @@
 # The K/V decode step by transport on one host: the same unary decode loop
 # (one group, one call in flight) with its q/k/v and O carried by gRPC bytes,
 # by a registered system shared-memory region (--shm=system), by UCX over
-# shared memory (UCX_TLS=sm) and by UCX over TCP (UCX_TLS=tcp), each against
-# a fresh CPU server started with that UCX_TLS. Two shapes: "tiny" (8
+# shared memory (UCX_TLS=sm,tcp; tcp only for UCX's connection manager) and
+# by UCX over TCP (UCX_TLS=tcp), each against a fresh CPU server started
+# with that UCX_TLS. Two shapes: "tiny" (8
 # sequences x 64 context, Hq 8 / Hkv 2 / D 64, FP16: compute near nothing,
 # the transport is the step) and "wide" (64 sequences x 16 context, Hq 32 /
 # Hkv 8 / D 128, BF16: 512 KiB of q and of O per step). Rounds alternate the
@@ -15,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
-[ $# -ge 1 ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 bin=$1
 OUT=${OUT:-$PWD/ucx-step-out}
 ROUNDS=${ROUNDS:-3}
@@ -30,7 +31,7 @@ declare -A shapes=(
   [wide]="--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --sequences=64 --prompt=16"
 )
 # transport name -> UCX_TLS of both processes, and load-kv's flags
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm,tcp [ucx-tcp]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
   [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
 pid=""

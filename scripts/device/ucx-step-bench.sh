@@ -2,9 +2,9 @@
 # The K/V decode step by transport on the GPU machine (same host): one unary
 # decode loop (64 sequences x 8k context, Hq 32 / Hkv 8 / D 128, BF16, pages
 # of 64, one layer) with q/k/v and O carried by gRPC bytes, by system shared
-# memory (--shm=system), by UCX over shared memory (UCX_TLS=sm) and by UCX
-# over TCP (UCX_TLS=tcp), each against a fresh CUDA server started with that
-# UCX_TLS, rounds alternated; first one short --check loop over UCX-sm.
+# memory (--shm=system), by UCX over shared memory (UCX_TLS=sm,tcp: tcp only
+# for UCX's connection manager) and by UCX over TCP (UCX_TLS=tcp), each
+# against a fresh CUDA server started with that UCX_TLS, rounds alternated; first one short --check loop over UCX-sm.
 # Prints p50 per transport beside the server's compute (the kernel) and
 # p50 - compute, the transport's share, against the 100 us target.
 #
@@ -50,7 +50,7 @@ rm -f "$csv"
 shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --page_size=64 --sequences=64
   --prompt=8192 --tokens="${TOKENS:-48}" --warmup_tokens=4 --layers=1 --prefill_attend=false
   --concurrency=1)
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm,tcp [ucx-tcp]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
   [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
 pid=""
