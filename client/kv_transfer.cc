@@ -245,6 +245,8 @@ class Pusher {
     queue.Stop();
     reader->Cancel();
     producer.join();
+    // The fault seam's CANCELLED cuts the connection instead.
+    if (absl::IsCancelled(broken)) context.TryCancel();
     stream->WritesDone();
     answers.join();
     const absl::Status finished = ToAbslStatus(stream->Finish());

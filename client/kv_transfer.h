@@ -62,8 +62,9 @@ struct MoveOptions {
   absl::Duration timeout = absl::InfiniteDuration();
   // Test seam: called with a running count of the chunks about to be
   // written (from 0, across resumes; a chunk refused here and sent again
-  // after the resume counts twice); an error breaks the import stream there
-  // (the chunks written before it are kept, as after a cut once they arrived).
+  // after the resume counts twice); an error breaks the import stream there:
+  // CANCELLED cuts it (chunks in flight are lost and sent again), any other
+  // code half-closes it (the receiver keeps every chunk written).
   std::function<absl::Status(int64_t index, const v1::KvChunk& chunk)> fault_for_testing;
 };
 

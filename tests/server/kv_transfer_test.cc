@@ -401,6 +401,41 @@ TEST_F(KvTransferTest, CutStreamResumesWithoutResendingKeptChunks) {
   EXPECT_EQ(rows, CacheRows(dst, "kv0"));
 }
 
+TEST_F(KvTransferTest, HardCutResumesAndSendsAgainOnlyWhatWasInFlight) {
+  Server dst = StartServer({16});
+  MoveOptions options;
+  options.max_chunk_bytes = 1;
+  options.create.emplace();
+  options.create->set_capacity_tokens(4096);
+  // The connection is cut (not half-closed) before chunk 6: chunks in
+  // flight may be lost, and only those are sent again.
+  options.fault_for_testing = [](int64_t index, const v1::KvChunk&) {
+    return index == 6 ? absl::CancelledError("cut") : absl::OkStatus();
+  };
+  auto moved = MoveCache(src_.channel, dst.channel, "kv0", options);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->resumes, 1);
+  const Rows rows = CacheRows(src_, "kv0");
+  int64_t total = 0;
+  for (const auto& [key, bytes] : rows) total += static_cast<int64_t>(bytes.size());
+  // Everything once, plus at most the six chunks written before the cut.
+  EXPECT_EQ(moved->bytes - moved->bytes_resent, total);
+  int64_t first_six = 0;
+  {
+    v1::ExportSequencesRequest r;
+    r.set_cache_id("kv0");
+    r.set_max_chunk_bytes(1);
+    auto all = ExportAll(src_, r);
+    ASSERT_TRUE(all.ok());
+    for (size_t i = 0; i < 6; ++i) {
+      const v1::KvChunk& c = (*all)[i];
+      first_six += static_cast<int64_t>(c.k().size() + c.v().size());
+    }
+  }
+  EXPECT_LE(moved->bytes_resent, first_six);
+  EXPECT_EQ(rows, CacheRows(dst, "kv0"));
+}
+
 // An import stream the test drives chunk by chunk.
 class ImportStream {
  public:
