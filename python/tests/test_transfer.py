@@ -477,3 +477,53 @@ def test_chunk_file_format_is_delimited_kvchunks(tmp_path):
     # The checksum is CRC-32C (Castagnoli): the published check value.
     from attnserve._crc32c import crc32c
     assert crc32c(b"123456789") == 0xE3069283
+
+
+def test_a_cut_file_import_resumes_by_skipping_what_the_receiver_holds(client, client_b,
+                                                                       tmp_path):
+    src, _ = make_source(client, "fcut")
+    path = str(tmp_path / "fcut.chunks")
+    transfer.export_file(client, "fcut", path, max_chunk_bytes=16 * HKV * D * 4)
+    opened = []
+
+    def flaky(resume, transfer_id):
+        """import_file's chunk source, cut after 7 chunks the first time."""
+        opened.append(resume)
+        for i, chunk in enumerate(transfer.skip_received(transfer.read_chunks(path), resume,
+                                                         transfer_id)):
+            if resume is None and i == 7:
+                raise AttnServeError(grpc.StatusCode.UNAVAILABLE, "cut for the test")
+            yield chunk
+
+    r = transfer.push_chunks(client_b, "fcut-copy", flaky, capacity_tokens=1 << 12)
+    # Sequence 1 took 6 chunks (3 a layer), so sequence 2 (1 a layer) was cut after its first.
+    assert r.resumes == 1 and list(opened[1].committed_sequence_ids) == [1]
+    assert (opened[1].sequence_id, opened[1].layer, opened[1].token) == (2, 1, 0)
+    assert r.bytes_resent == 0 and sorted(r.sequence_ids) == sorted(LENGTHS)
+    dst = attach(client_b, "fcut-copy", np.float32)
+    expect_same_attention(src, dst, list(LENGTHS))
+    src.close()
+    dst.close()
+
+
+def test_skip_received_cuts_a_chunk_the_receiver_holds_part_of():
+    """A resume point inside a chunk (another chunking than the receiver saw): the rows
+    it holds are cut off and the checksum computed again."""
+    rows = [bytes([t]) * 4 for t in range(8)]  # 8 tokens of 4 bytes
+    header = tpb.KvTransferHeader(transfer_id="old", total_bytes=64)
+    chunks = []
+    for begin in (0, 4):
+        c = tpb.KvChunk(sequence_id=9, layer=0, token_begin=begin, num_tokens=4,
+                        k=b"".join(rows[begin:begin + 4]), v=b"".join(rows[begin:begin + 4]),
+                        sequence_end=begin == 4)
+        c.crc32c = transfer.chunk_crc32c(c)
+        chunks.append(c)
+    chunks[0].header.CopyFrom(header)
+    point = tpb.ImportResumePoint(sequence_id=9, layer=0, token=6)
+    out = list(transfer.skip_received(chunks, point, "new"))
+    assert len(out) == 1 and out[0].header.transfer_id == "new"
+    assert (out[0].token_begin, out[0].num_tokens) == (6, 2) and out[0].k == rows[6] + rows[7]
+    assert out[0].crc32c == transfer.chunk_crc32c(out[0]) and out[0].sequence_end
+    # Committed sequences are skipped whole.
+    assert list(transfer.skip_received(chunks, tpb.ImportResumePoint(
+        committed_sequence_ids=[9]), "new")) == []
