@@ -527,3 +527,18 @@ def test_skip_received_cuts_a_chunk_the_receiver_holds_part_of():
     # Committed sequences are skipped whole.
     assert list(transfer.skip_received(chunks, tpb.ImportResumePoint(
         committed_sequence_ids=[9]), "new")) == []
+
+
+def test_cache_export_to_a_server_and_a_file(client, client_b, tmp_path):
+    src, _ = make_source(client, "exp")
+    r = src.export_to(client_b, cache_id="exp-copy", sequences=[src._sequences[5]],
+                      capacity_tokens=1 << 12)
+    assert r.sequence_ids == [5] and r.stats.cache_id == "exp-copy"
+    path = tmp_path / "exp.chunks"
+    assert src.export_to(path) == len(list(transfer.read_chunks(str(path))))
+    assert [s.sequence_id for s in transfer.check_chunk_file(str(path)).sequences] == \
+        sorted(LENGTHS)
+    dst = attach(client_b, "exp-copy", np.float32, [5])
+    expect_same_attention(src, dst, [5])
+    src.close()
+    dst.close()

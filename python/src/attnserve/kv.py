@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 import threading
 import time
@@ -482,6 +483,22 @@ class Cache(CacheBase):
     def stream(self, *, timeout: Optional[float] = None) -> "AppendAttendStream":
         """An AppendAttendStream on this cache (close it, or use it as a context manager)."""
         return AppendAttendStream(self, timeout=timeout)
+
+    # -- moving it ---------------------------------------------------------------
+    def export_to(self, dest: Any, *, cache_id: Optional[str] = None,
+                  sequences: Optional[Iterable["Sequence"]] = None, **options: Any) -> Any:
+        """Copies this cache's sequences (all, or `sequences`) elsewhere; the cache keeps
+        them. `dest` a Client: attnserve.transfer.move_cache into `cache_id` (default
+        this cache's id; capacity_tokens=... lets the receiver create it), returning its
+        TransferResult. `dest` a path: a snapshot file (attnserve.transfer.export_file),
+        returning the number of chunks. `options` are those functions' arguments."""
+        from attnserve import transfer
+        ids = None if sequences is None else [s.id for s in sequences]
+        if isinstance(dest, (str, os.PathLike)):
+            return transfer.export_file(self.client, self.cache_id, os.fspath(dest),
+                                        sequence_ids=ids, **options)
+        return transfer.move_cache(self.client, dest, self.cache_id, dest_cache_id=cache_id,
+                                   sequence_ids=ids, **options)
 
 
 class _FreedOnExit:
