@@ -314,7 +314,7 @@ inline std::vector<std::pair<int64_t, int64_t>> StagedRanges(
   std::vector<std::pair<int64_t, int64_t>> ranges;
   int64_t at = 0;
   for (const auto& [begin, stop] : holes) {
-    if (begin > at) ranges.emplace_back(at, std::min(begin, end));
+    if (begin > at && at < end) ranges.emplace_back(at, std::min(begin, end));
     at = std::max(at, stop);
   }
   if (at < end) ranges.emplace_back(at, end);
