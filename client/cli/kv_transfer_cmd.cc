@@ -501,8 +501,11 @@ int RunExport() {
     ++progress.resumes;
   }
   if (!have_header) {
+    // An export of no sequence sends no chunk, so there is no header to write.
     return PrintError("export-kv failed",
-                      absl::InternalError("the export ended without a chunk (no header)"));
+                      absl::FailedPreconditionError(absl::StrCat(
+                          "the export sent no chunk: cache ", f->cache_id,
+                          " has no live sequences (or none of --seq); nothing written")));
   }
   const absl::Status committed = (*writer)->Commit();
   if (!committed.ok()) return PrintError("export-kv failed", committed);

@@ -542,3 +542,12 @@ def test_cache_export_to_a_server_and_a_file(client, client_b, tmp_path):
     expect_same_attention(src, dst, [5])
     src.close()
     dst.close()
+
+
+def test_a_cache_without_sequences_has_nothing_to_move(client, client_b):
+    with Cache(client, num_layers=LAYERS, num_heads_kv=HKV, head_dim=D, dtype="float32",
+               capacity_tokens=1 << 12, cache_id="none-live"):
+        with pytest.raises(AttnServeError) as e:
+            transfer.move_cache(client, client_b, "none-live", capacity_tokens=1 << 12)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no live sequences" in e.value.message

@@ -239,11 +239,14 @@ def push_chunks(client: Any, cache_id: str, open_chunks: OpenChunks, *,
         if header is None:
             source = iter(open_chunks(None, transfer_id))
             first = next(source, None)
-            if first is None or not first.HasField("header"):
+            if first is None:  # an export of no sequence sends no chunk, so no header
+                raise AttnServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                     "chunks: the source sent none (a cache with no live "
+                                     "sequences, or none of those asked, has nothing to move)")
+            if not first.HasField("header"):
                 _cancel(source)
                 raise invalid_argument("chunks: expected a first chunk carrying the transfer's "
-                                       "header, got " + ("none" if first is None else
-                                                         "one without"))
+                                       "header, got one without")
             header = pb.KvTransferHeader()
             header.CopyFrom(first.header)
             transfer_id = header.transfer_id
