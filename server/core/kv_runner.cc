@@ -86,7 +86,7 @@ absl::Status KvRunner::Draining() const {
 }
 
 void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done,
-                     std::function<absl::Status()> inputs_intact) {
+                     std::function<absl::Status()> inputs_intact, KvOutputPlace o_place) {
   // Nothing may escape to the front-end's reactor: a throw completes the call
   // here (once), and a late completion is dropped.
   const Once<const absl::Status&, const WorkTimings&, KvResult*> once(std::move(done));
@@ -104,7 +104,7 @@ void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done,
         done(status, timings, result);
       };
   try {
-    StartOrThrow(call, names, &finish, std::move(inputs_intact));
+    StartOrThrow(call, names, &finish, std::move(inputs_intact), o_place);
   } catch (...) {
     if (!once.ran()) {
       WorkTimings timings;
@@ -115,7 +115,7 @@ void KvRunner::Start(const KvCall* call, const FieldNames& names, Done done,
 }
 
 void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish_in,
-                            std::function<absl::Status()> inputs_intact) {
+                            std::function<absl::Status()> inputs_intact, KvOutputPlace o_place) {
   Finish& finish = *finish_in;
   auto refuse = [&](const absl::Status& status) {
     WorkTimings timings;
@@ -137,6 +137,8 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
 
   std::shared_ptr<KvAppendAttend> c = PoolCallOf(*call, **cache, names);
   c->inputs_intact = std::move(inputs_intact);
+  c->o_out = o_place.o;
+  c->o_out_bytes = o_place.o_bytes;
   status = pool_->AppendAttend(
       *cache, c, [c, finish](const absl::Status& s, const WorkTimings& timings) {
         KvResult result;

@@ -21,10 +21,17 @@
 
 namespace attnserve {
 
+// Host memory a call's o is written into where it lies (a mapped output
+// span of `o_bytes`), instead of KvResult::o.
+struct KvOutputPlace {
+  char* o = nullptr;
+  int64_t o_bytes = 0;
+};
+
 // What a successful call produced, for the front-end to encode.
 struct KvResult {
   OutputLayout layout;  // o [Tq, Hq, D] in the cache's dtype; lse [Hq, Tq] with return_lse
-  std::string o;
+  std::string o;        // empty when written to a KvOutputPlace
   std::string lse;
   std::vector<int32_t> lengths;  // each sequence's length at the layer after the call
 };
@@ -44,9 +51,9 @@ class KvRunner {
   // `inputs_intact` (may be null): whether memory the views read in place is
   // still all the caller's (a shared-memory region its owner may shrink),
   // asked after the launch and before the append commits; an error fails the
-  // call and appends nothing.
+  // call and appends nothing. `o_place`: where o goes instead of KvResult::o.
   void Start(const KvCall* call, const FieldNames& names, Done done,
-             std::function<absl::Status()> inputs_intact = nullptr);
+             std::function<absl::Status()> inputs_intact = nullptr, KvOutputPlace o_place = {});
 
   // New calls are refused with UNAVAILABLE from now on; admitted ones finish.
   void StopAdmitting() { draining_.store(true, std::memory_order_release); }
@@ -62,7 +69,7 @@ class KvRunner {
       std::function<void(const absl::Status& status, const WorkTimings& timings, KvResult* result)>;
   // Start without the exception boundary; `finish` records and answers.
   void StartOrThrow(const KvCall* call, const FieldNames& names, Finish* finish,
-                    std::function<absl::Status()> inputs_intact);
+                    std::function<absl::Status()> inputs_intact, KvOutputPlace o_place);
 
   KvPool* const pool_;
   const std::string backend_name_;

@@ -70,8 +70,12 @@ AttnShape ShapeOf(const KvAppendAttend& c, const int32_t* seqlens_k) {
 absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
   const int64_t total_q = c.cu_q.back();
   const int64_t o_bytes = total_q * c.num_heads_q * c.head_dim * DTypeSize(c.dtype);
+  if (c.o_out != nullptr && c.o_out_bytes != o_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("o: expected an output place of ", o_bytes, " bytes, got ", c.o_out_bytes));
+  }
   try {
-    c.o.resize(size_t(o_bytes));
+    if (c.o_out == nullptr) c.o.resize(size_t(o_bytes));
     c.lse.resize(c.return_lse ? size_t(total_q * c.num_heads_q * 4) : 0);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(
@@ -80,7 +84,7 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
   RETURN_IF_ERROR(cache.Reserve(c.layer, c.steps, &c.reservation, *c.names));
   const KvReservation& r = c.reservation;
   AttnPointers io = c.inputs;
-  io.o = c.o.data();
+  io.o = c.o_out != nullptr ? c.o_out : c.o.data();
   io.lse = c.return_lse ? reinterpret_cast<float*>(c.lse.data()) : nullptr;
   PagedAttnParams p{};
   p.attn = MakeAttnParams(ShapeOf(c, r.seqlens.data()), c.options, io);

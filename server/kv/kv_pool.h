@@ -97,6 +97,10 @@ struct KvAppendAttend {
   // shared-memory region): called once the launch is done, before the
   // commit; an error fails the call and rolls it back. Null: nothing to check.
   std::function<absl::Status()> inputs_intact;
+  // Host memory the launch writes o into instead of `o` (a client's mapped
+  // output span, which outlives the call), and its size; null: `o`.
+  char* o_out = nullptr;
+  int64_t o_out_bytes = 0;
   // Outputs: o [Tq, Hq, D] bytes, lse [Hq, Tq] FP32 bytes, lengths after.
   std::string o;
   std::string lse;

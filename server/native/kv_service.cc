@@ -226,16 +226,18 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
   // append commits (a region shrunk during the call fails it, appending nothing).
   std::function<absl::Status()> inputs_intact;
   if (regions->any()) inputs_intact = [regions] { return regions->CheckIntact(); };
+  // A mapped o span is written by the launch itself (no copy after the call).
+  const KvOutputPlace o_place = KvShmOutputPlace(*outputs);
   runner_->Start(
       call.get(), NativeFieldNames(),
-      [call, regions, outputs = *std::move(outputs), response, done = std::move(done)](
+      [call, regions, outputs = *std::move(outputs), o_place, response, done = std::move(done)](
           const absl::Status& status, const WorkTimings& timings, KvResult* result) {
         absl::Status delivered = status;
         if (delivered.ok()) {
           FillAppendAttendResponse(result, response);
           // After the append: a region failing here fails the
           // answer, not the append (docs/shared-memory.md).
-          delivered = DeliverKvShm(outputs, response);
+          delivered = DeliverKvShm(outputs, o_place.o != nullptr, response);
           if (!delivered.ok()) {
             response->clear_o();
             response->clear_lse();
@@ -244,7 +246,7 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
         FillServerTiming(timings, response->mutable_timing());
         done(delivered);
       },
-      std::move(inputs_intact));
+      std::move(inputs_intact), o_place);
 }
 
 grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* context,

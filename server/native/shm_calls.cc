@@ -158,8 +158,26 @@ absl::StatusOr<KvShmOutputs> KvShmOutputSpans(const v1::AppendAttendRequest& req
   return spans;
 }
 
-absl::Status DeliverKvShm(const KvShmOutputs& outputs, v1::AppendAttendResponse* response) {
-  if (outputs.o.has_value()) {
+KvOutputPlace KvShmOutputPlace(const KvShmOutputs& outputs) {
+  KvOutputPlace place;
+  if (outputs.o.has_value() && !outputs.o->span.on_device()) {
+    place.o = outputs.o->span.data;
+    place.o_bytes = static_cast<int64_t>(outputs.o->span.size);
+  }
+  return place;
+}
+
+absl::Status DeliverKvShm(const KvShmOutputs& outputs, bool o_in_place,
+                          v1::AppendAttendResponse* response) {
+  if (outputs.o.has_value() && o_in_place) {
+    const ShmOutput& out = *outputs.o;
+    if (absl::Status intact = out.span.region->CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("output_shm.o: ", intact.message()));
+    }
+    v1::Tensor* o = response->mutable_o();
+    const std::vector<int64_t> shape(o->shape().begin(), o->shape().end());
+    ShapeSharedTensor(o->dtype(), shape, *out.ref, o);
+  } else if (outputs.o.has_value()) {
     RETURN_IF_ERROR(WriteOutput(*outputs.o, "output_shm.o", response->mutable_o()));
   }
   if (outputs.lse.has_value() && response->has_lse()) {

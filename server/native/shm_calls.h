@@ -40,9 +40,15 @@ struct KvShmOutputs {
 };
 absl::StatusOr<KvShmOutputs> KvShmOutputSpans(const v1::AppendAttendRequest& request, ShmCall* shm);
 
+// Where the launch may write o in place: a mapped (host) o span; nothing for
+// a CUDA region's (the pool's outputs are host memory) or without one.
+KvOutputPlace KvShmOutputPlace(const KvShmOutputs& outputs);
+
 // Moves o (and lse) of a successful call's `response` (FillAppendAttendResponse's)
-// into their spans; the response then carries only their dtype, shape and
-// span. FAILED_PRECONDITION naming the region when it is no longer intact.
-absl::Status DeliverKvShm(const KvShmOutputs& outputs, v1::AppendAttendResponse* response);
+// into their spans (o only names its span when `o_in_place`: the launch wrote
+// it there); the response then carries only their dtype, shape and span.
+// FAILED_PRECONDITION naming the region when it is no longer intact.
+absl::Status DeliverKvShm(const KvShmOutputs& outputs, bool o_in_place,
+                          v1::AppendAttendResponse* response);
 
 }  // namespace attnserve
