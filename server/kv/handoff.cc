@@ -75,6 +75,22 @@ void KvHandoffGate::Returned(const Key& key) {
   }
 }
 
+void KvHandoffGate::Spawn(std::function<void()> work) {
+  for (auto it = threads_.begin(); it != threads_.end();) {
+    if (finished_.erase(it->get_id()) > 0) {
+      it->join();  // past its last use of the gate
+      it = threads_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  threads_.emplace_back([this, work = std::move(work)] {
+    work();
+    absl::MutexLock lock(&mu_);
+    finished_.insert(std::this_thread::get_id());
+  });
+}
+
 void KvHandoffGate::Tidy(const Key& key) {
   auto it = entries_.find(key);
   if (it != entries_.end() && it->second.passes == 0 && !it->second.fetching &&
@@ -104,7 +120,7 @@ void KvHandoffGate::Enter(Call call, Go go) {
       entry.waiting.push_back({call, std::move(go)});
       if (fetch) {
         entry.fetching = true;
-        threads_.emplace_back([this, call] { RunFetch(call); });
+        Spawn([this, call] { RunFetch(call); });
       }
       return;
     }
@@ -218,8 +234,7 @@ void KvHandoffGate::Give(const std::string& tenant, const std::string& cache_id,
     return done(absl::UnavailableError(absl::StrCat("cache ", cache_id, " is already moving")));
   }
   moving_.insert(key);
-  threads_.emplace_back([this, cache = *std::move(cache), tenant, cache_id, authorization,
-                         done = std::move(done)] {
+  Spawn([this, cache = *std::move(cache), tenant, cache_id, authorization, done = std::move(done)] {
     const absl::Time begin = absl::Now();
     absl::Status status = WaitIdle(tenant, cache_id, begin + absl::Seconds(60))
                               ? push_(cache, authorization)

@@ -140,6 +140,9 @@ class KvHandoffGate {
   Pass PassFor(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Returned(const Key& key);
   void RunFetch(Call call);
+  // Runs `work` on a thread of the gate, first joining those that finished
+  // (fetches and gives come and go for the server's life).
+  void Spawn(std::function<void()> work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets an entry with nothing left in it.
   void Tidy(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -156,6 +159,7 @@ class KvHandoffGate {
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int64_t fetched_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  std::set<std::thread::id> finished_ ABSL_GUARDED_BY(mu_);  // to join at the next Spawn
 };
 
 }  // namespace attnserve
