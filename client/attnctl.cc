@@ -145,7 +145,7 @@ const Command kCommands[] = {
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
      "        [--warmup_tokens=N] [--prefill_chunk=N] [--prefill_attend=false] [--csv=FILE]\n"
      "        [--attend_fraction=F] [--label=TEXT] [--shm=none|system|cuda [--shm_prefix=P]]\n"
-     "        [--transport=grpc|ucx|auto]\n\n"
+     "        [--transport=grpc|ucx|auto] [--moved_to=follow|retry|off]\n\n"
      "Examples:\n"
      "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
      "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
@@ -181,6 +181,11 @@ const Command kCommands[] = {
      "server offers (GetServerInfo kv.ucx_port, from --ucx_port); caches and sequences stay\n"
      "on gRPC. A server or build without UCX: gRPC bytes, and the first line says why\n"
      "(docs/ucx.md). The CSV's transport column says ucx.\n"
+     "--moved_to: a cache that moved to another replica (a drained server with\n"
+     "--handoff_peer answers UNAVAILABLE with x-attnserve-moved-to) is followed to the named\n"
+     "address (follow), retried at --target (retry: behind the proxy, deploy/README.md) or is\n"
+     "an error (off); the report counts the retries and the re-prefills (steps that found\n"
+     "their cache gone). Unary steps only: a stream's requests fail in-band.\n"
      "Exit code 0 on success; 1 on any error or mismatch; 2 on bad flags.",
      "client/cli/load_kv.cc",
      nullptr,
