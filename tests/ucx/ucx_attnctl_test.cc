@@ -13,13 +13,13 @@
 namespace attnserve {
 namespace {
 
-struct Run {
+struct CommandRun {
   int exit_code = -1;
   std::string output;
 };
 
-Run Attnctl(const std::string& args) {
-  Run run;
+CommandRun Attnctl(const std::string& args) {
+  CommandRun run;
   FILE* pipe = popen(absl::StrCat(ATTNCTL_BINARY, " ", args, " 2>&1").c_str(), "r");
   if (pipe == nullptr) return run;
   char buffer[4096];
@@ -52,7 +52,7 @@ TEST(UcxAttnctlTest, LoadKvOverUcxPassesTheCheck) {
   ASSERT_NE(server, nullptr);
   const std::string csv = ::testing::TempDir() + "/ucx_attnctl.csv";
   std::remove(csv.c_str());
-  const Run run = Attnctl(absl::StrCat("--target=127.0.0.1:", server->port(), " ", kLoop,
+  const CommandRun run = Attnctl(absl::StrCat("--target=127.0.0.1:", server->port(), " ", kLoop,
                                        " --transport=ucx --csv=", csv));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find(absl::StrCat("over UCX 127.0.0.1:", server->ucx_port())),
@@ -76,7 +76,7 @@ TEST(UcxAttnctlTest, LoadKvOverUcxPassesTheCheck) {
 TEST(UcxAttnctlTest, FallsBackToGrpcWhenTheServerHasNoUcx) {
   std::unique_ptr<AttnServer> server = StartServer(false);
   ASSERT_NE(server, nullptr);
-  const Run run =
+  const CommandRun run =
       Attnctl(absl::StrCat("--target=127.0.0.1:", server->port(), " ", kLoop, " --transport=ucx"));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("grpc (fallback from UCX: the server offers no UCX"), std::string::npos)
@@ -86,7 +86,7 @@ TEST(UcxAttnctlTest, FallsBackToGrpcWhenTheServerHasNoUcx) {
 }
 
 TEST(UcxAttnctlTest, UcxWithStreamIsAUsageError) {
-  const Run run =
+  const CommandRun run =
       Attnctl(absl::StrCat("--target=127.0.0.1:1 ", kLoop, " --transport=ucx --stream"));
   EXPECT_EQ(run.exit_code, 2) << run.output;
   EXPECT_NE(run.output.find("--transport"), std::string::npos) << run.output;
