@@ -31,7 +31,7 @@ declare -A shapes=(
   [wide]="--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --sequences=64 --prompt=16"
 )
 # transport name -> UCX_TLS of both processes, and load-kv's flags
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm,tcp [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
   [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
 pid=""

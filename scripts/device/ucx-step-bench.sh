@@ -50,7 +50,7 @@ rm -f "$csv"
 shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --page_size=64 --sequences=64
   --prompt=8192 --tokens="${TOKENS:-48}" --warmup_tokens=4 --layers=1 --prefill_attend=false
   --concurrency=1)
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]=sm,tcp [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
   [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
 pid=""

@@ -53,7 +53,7 @@ TEST(UcxAttnctlTest, LoadKvOverUcxPassesTheCheck) {
   const std::string csv = ::testing::TempDir() + "/ucx_attnctl.csv";
   std::remove(csv.c_str());
   const CommandRun run = Attnctl(absl::StrCat("--target=127.0.0.1:", server->port(), " ", kLoop,
-                                       " --transport=ucx --csv=", csv));
+                                              " --transport=ucx --csv=", csv));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find(absl::StrCat("over UCX 127.0.0.1:", server->ucx_port())),
             std::string::npos)
