@@ -50,6 +50,15 @@ struct ServerSpec {
   absl::Duration import_idle_timeout = absl::Seconds(60);
 };
 
+ServerSpec Spec(int page_size, std::string tokens_file = "",
+                absl::Duration import_idle_timeout = absl::Seconds(60)) {
+  ServerSpec spec;
+  spec.page_size = page_size;
+  spec.tokens_file = std::move(tokens_file);
+  spec.import_idle_timeout = import_idle_timeout;
+  return spec;
+}
+
 Server StartServer(const ServerSpec& spec) {
   ServerOptions o;
   o.host = "127.0.0.1";
@@ -283,8 +292,8 @@ class KvTransferMoveTest : public ::testing::TestWithParam<MoveCase> {};
 
 TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
   const MoveCase& c = GetParam();
-  Server src = StartServer({c.source_page});
-  Server dst = StartServer({c.dest_page});
+  Server src = StartServer(Spec(c.source_page));
+  Server dst = StartServer(Spec(c.dest_page));
   ASSERT_TRUE(CreateCache(src, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192)).ok());
   // The receiver's cache exists already, with its own page size.
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192)).ok());
@@ -349,7 +358,7 @@ INSTANTIATE_TEST_SUITE_P(
 class KvTransferTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    src_ = StartServer({16});
+    src_ = StartServer(Spec(16));
     ASSERT_TRUE(
         CreateCache(src_, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 8192)).ok());
     std::mt19937 rng(5);
@@ -359,7 +368,7 @@ class KvTransferTest : public ::testing::Test {
 };
 
 TEST_F(KvTransferTest, CreatesTheCacheFromTheHeader) {
-  Server dst = StartServer({32});
+  Server dst = StartServer(Spec(32));
   MoveOptions options;
   options.dest_cache_id = "moved";
   options.create.emplace();
@@ -379,7 +388,7 @@ TEST_F(KvTransferTest, CreatesTheCacheFromTheHeader) {
 }
 
 TEST_F(KvTransferTest, CutStreamResumesWithoutResendingKeptChunks) {
-  Server dst = StartServer({16});
+  Server dst = StartServer(Spec(16));
   MoveOptions options;
   options.max_chunk_bytes = 1;
   options.create.emplace();
@@ -402,7 +411,7 @@ TEST_F(KvTransferTest, CutStreamResumesWithoutResendingKeptChunks) {
 }
 
 TEST_F(KvTransferTest, HardCutResumesAndSendsAgainOnlyWhatWasInFlight) {
-  Server dst = StartServer({16});
+  Server dst = StartServer(Spec(16));
   MoveOptions options;
   options.max_chunk_bytes = 1;
   options.create.emplace();
@@ -494,7 +503,7 @@ std::vector<v1::KvChunk> SourceChunks(Server& s, const std::string& transfer_id,
 }
 
 TEST_F(KvTransferTest, ChecksumMismatchIsDataLossAndNothingOfTheSequenceIsLive) {
-  Server dst = StartServer({16});
+  Server dst = StartServer(Spec(16));
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096)).ok());
   // Sequence 7 (one chunk per page: 3 chunks per layer), then 42.
   std::vector<v1::KvChunk> chunks = SourceChunks(src_, "crc-1", {7, 42});
@@ -546,7 +555,7 @@ TEST_F(KvTransferTest, ChecksumMismatchIsDataLossAndNothingOfTheSequenceIsLive) 
 }
 
 TEST_F(KvTransferTest, AlreadyExistsLeavesTheReceiversSequence) {
-  Server dst = StartServer({16});
+  Server dst = StartServer(Spec(16));
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096)).ok());
   std::mt19937 rng(99);
   Fill(dst, "kv0", v1::BF16, {{42, {5, 5, 5}}}, &rng);
@@ -571,7 +580,7 @@ TEST_F(KvTransferTest, AlreadyExistsLeavesTheReceiversSequence) {
 
 TEST_F(KvTransferTest, AppendsARangeToASequenceHoldingItsPrefix) {
   // A prefill engine hands over a sequence in two pieces: [0, 20) then the rest.
-  Server dst = StartServer({32});
+  Server dst = StartServer(Spec(32));
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096)).ok());
   MoveOptions first;
   first.sequence_ids = {7};
@@ -606,7 +615,7 @@ std::string TokensFile(const std::string& name, const std::string& b_quota) {
 
 TEST_F(KvTransferTest, QuotaOnTheReceiverIsResourceExhaustedAndStagedPagesGoBack) {
   // Tenant b may reserve 40 pages of K/V over all its caches.
-  Server dst = StartServer({16, TokensFile("kv_transfer_quota", "kv_pages=40")});
+  Server dst = StartServer(Spec(16, TokensFile("kv_transfer_quota", "kv_pages=40")));
   MoveOptions options;
   options.dest_metadata = AuthMetadata(kTokenB);
   options.create.emplace();
@@ -632,7 +641,7 @@ TEST_F(KvTransferTest, QuotaOnTheReceiverIsResourceExhaustedAndStagedPagesGoBack
 
 TEST_F(KvTransferTest, AnotherTenantCannotExportOrImportACacheItDoesNotOwn) {
   const std::string tokens = TokensFile("kv_transfer_tenants", "");
-  Server a = StartServer({16, tokens});
+  Server a = StartServer(Spec(16, tokens));
   ASSERT_TRUE(
       CreateCache(a, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096), kTokenA).ok());
   std::mt19937 rng(1);
@@ -658,7 +667,7 @@ TEST_F(KvTransferTest, AnotherTenantCannotExportOrImportACacheItDoesNotOwn) {
 }
 
 TEST_F(KvTransferTest, IdleTimeoutReturnsACutImportsStagedPages) {
-  Server dst = StartServer({16, "", absl::Milliseconds(300)});
+  Server dst = StartServer(Spec(16, "", absl::Milliseconds(300)));
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096)).ok());
   std::vector<v1::KvChunk> chunks = SourceChunks(src_, "idle-1", {42});
   ASSERT_GT(chunks.size(), 4u);
@@ -691,7 +700,7 @@ TEST_F(KvTransferTest, IdleTimeoutReturnsACutImportsStagedPages) {
 }
 
 TEST_F(KvTransferTest, ChunksOutOfOrderAreRefusedNamingTheField) {
-  Server dst = StartServer({16});
+  Server dst = StartServer(Spec(16));
   ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096)).ok());
   std::vector<v1::KvChunk> chunks = SourceChunks(src_, "order-1", {7});
   ImportStream s(dst);
