@@ -10,6 +10,7 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -141,6 +142,20 @@ absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::s
     out.push_back(v);
   }
   return out;
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParseSequenceIds(absl::string_view text) {
+  std::vector<uint64_t> ids;
+  if (text.empty()) return ids;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    uint64_t id = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(item), &id)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--seq: '", item, "' is not a sequence id (a non-negative integer, e.g. --seq=1,2)"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
 }
 
 }  // namespace cli

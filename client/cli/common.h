@@ -3,6 +3,7 @@
 // which flags the user set, and how errors are printed.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +56,10 @@ inline constexpr char kGlobalFlagsFile[] = "client/cli/common.cc";
 // "3,0,17" -> {3, 0, 17}. INVALID_ARGUMENT naming `flag` for an empty item,
 // a non-integer or a negative value.
 absl::StatusOr<std::vector<int>> ParseLengthList(absl::string_view flag, absl::string_view text);
+
+// --seq's comma-separated sequence ids; empty text gives no ids. An item that
+// is not a non-negative integer is INVALID_ARGUMENT naming --seq.
+absl::StatusOr<std::vector<uint64_t>> ParseSequenceIds(absl::string_view text);
 
 }  // namespace cli
 }  // namespace attnserve

@@ -74,17 +74,8 @@ struct Op {
 };
 
 absl::StatusOr<std::vector<uint64_t>> ParseIds(const std::string& text) {
-  std::vector<uint64_t> ids;
   if (text.empty()) return absl::InvalidArgumentError("--seq is required (e.g. --seq=1,2)");
-  for (absl::string_view item : absl::StrSplit(text, ',')) {
-    uint64_t id = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(item), &id)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--seq: '", item, "' is not a sequence id (a non-negative integer, e.g. --seq=1,2)"));
-    }
-    ids.push_back(id);
-  }
-  return ids;
+  return ParseSequenceIds(text);
 }
 
 std::string Cache() { return absl::GetFlag(FLAGS_cache); }

@@ -272,18 +272,7 @@ class FileChunkReader : public KvChunkReader {
 };
 
 absl::StatusOr<std::vector<uint64_t>> SequenceIds() {
-  std::vector<uint64_t> ids;
-  const std::string text = absl::GetFlag(FLAGS_seq);
-  if (text.empty()) return ids;
-  for (absl::string_view item : absl::StrSplit(text, ',')) {
-    uint64_t id = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(item), &id)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--seq: '", item, "' is not a sequence id (a non-negative integer, e.g. --seq=1,2)"));
-    }
-    ids.push_back(id);
-  }
-  return ids;
+  return ParseSequenceIds(absl::GetFlag(FLAGS_seq));
 }
 
 // The flags a command takes, besides the global ones; others are usage errors.
