@@ -124,10 +124,7 @@ KvPool::~KvPool() {
 }
 
 void KvPool::ExpiryLoop() {
-  // A quarter of the timeout (at most a second): an idle sequence goes at
-  // most 25% late.
-  const absl::Duration period =
-      std::max(std::min(options_.idle_timeout / 4, absl::Seconds(1)), absl::Milliseconds(5));
+  const absl::Duration period = IdleScanPeriod(options_.idle_timeout);
   while (true) {
     {
       absl::MutexLock lock(&mu_);

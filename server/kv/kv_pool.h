@@ -12,6 +12,7 @@
 // launch is over.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -46,6 +47,12 @@ struct KvPoolOptions {
   // zero = never.
   absl::Duration idle_timeout = absl::Minutes(10);
 };
+
+// How often an expiry thread scans for what has been idle `idle_timeout`: a
+// quarter of it (at most a second, at least 5 ms), so removal is at most 25% late.
+inline absl::Duration IdleScanPeriod(absl::Duration idle_timeout) {
+  return std::max(std::min(idle_timeout / 4, absl::Seconds(1)), absl::Milliseconds(5));
+}
 
 // One device's backend and executor (both outlive the pool).
 struct KvDevice {

@@ -755,8 +755,7 @@ KvImportSessions::KvImportSessions(KvPool* pool, const KvImportOptions& options)
     : pool_(pool), options_(options) {
   if (options_.idle_timeout > absl::ZeroDuration()) {
     expiry_ = std::thread([this] {
-      const absl::Duration period =
-          std::max(std::min(options_.idle_timeout / 4, absl::Seconds(1)), absl::Milliseconds(5));
+      const absl::Duration period = IdleScanPeriod(options_.idle_timeout);
       while (true) {
         {
           absl::MutexLock lock(&mu_);
