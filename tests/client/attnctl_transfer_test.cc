@@ -17,7 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/attnctl_runner.h"
-#include "tests/client/loopback_server.h"
+#include "tests/client/two_loopback_servers.h"
 
 namespace attnserve {
 namespace {
@@ -37,28 +37,8 @@ HostTensor Random(std::mt19937& rng, DType dtype, std::vector<int64_t> shape) {
   return *HostTensor::FromFloats(dtype, std::move(shape), values);
 }
 
-class AttnctlTransferTest : public ::testing::Test {
+class AttnctlTransferTest : public TwoLoopbackServersTest {
  protected:
-  static void SetUpTestSuite() {
-    for (int i = 0; i < 2; ++i) {
-      auto server = LoopbackServer::Start();
-      ASSERT_TRUE(server.ok()) << server.status();
-      servers_[i] = server->release();
-      auto client = AttentionClient::Create(servers_[i]->target());
-      ASSERT_TRUE(client.ok()) << client.status();
-      clients_[i] = client->release();
-    }
-  }
-  static void TearDownTestSuite() {
-    for (int i = 0; i < 2; ++i) {
-      delete clients_[i];
-      delete servers_[i];
-      clients_[i] = nullptr;
-      servers_[i] = nullptr;
-    }
-  }
-  void SetUp() override { ASSERT_NE(clients_[1], nullptr); }
-
   static std::string Target(int i) { return servers_[i]->target(); }
 
   // A cache `id` on server `i` holding kSequences, random K/V at every layer.
@@ -113,13 +93,7 @@ class AttnctlTransferTest : public ::testing::Test {
     }
     return out;
   }
-
-  static LoopbackServer* servers_[2];
-  static AttentionClient* clients_[2];
 };
-
-LoopbackServer* AttnctlTransferTest::servers_[2] = {nullptr, nullptr};
-AttentionClient* AttnctlTransferTest::clients_[2] = {nullptr, nullptr};
 
 TEST_F(AttnctlTransferTest, HelpDescribesEachCommand) {
   for (const char* command : {"move-kv", "export-kv", "import-kv"}) {

@@ -19,7 +19,7 @@
 #include "client/kv_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/client/loopback_server.h"
+#include "tests/client/two_loopback_servers.h"
 #include "tests/common/attn_test_util.h"
 
 namespace attnserve {
@@ -120,34 +120,7 @@ TEST(LseMergeTest, RefusalsNameThePartialAndField) {
 }
 
 // Two CPU servers, each holding part of every sequence's keys.
-class ContextParallelTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    for (int i = 0; i < 2; ++i) {
-      auto server = LoopbackServer::Start();
-      ASSERT_TRUE(server.ok()) << server.status();
-      servers_[i] = server->release();
-      auto client = AttentionClient::Create(servers_[i]->target());
-      ASSERT_TRUE(client.ok()) << client.status();
-      clients_[i] = client->release();
-    }
-  }
-  static void TearDownTestSuite() {
-    for (int i = 0; i < 2; ++i) {
-      delete clients_[i];
-      delete servers_[i];
-      clients_[i] = nullptr;
-      servers_[i] = nullptr;
-    }
-  }
-  void SetUp() override { ASSERT_NE(clients_[1], nullptr); }
-
-  static LoopbackServer* servers_[2];
-  static AttentionClient* clients_[2];
-};
-
-LoopbackServer* ContextParallelTest::servers_[2] = {nullptr, nullptr};
-AttentionClient* ContextParallelTest::clients_[2] = {nullptr, nullptr};
+class ContextParallelTest : public TwoLoopbackServersTest {};
 
 // Keys [begin, end) of every batch of a dense [B, Sk, H, D] buffer.
 HostTensor KeySlice(const void* data, const TestCase& tc, int begin, int end) {
