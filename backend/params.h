@@ -42,11 +42,15 @@ struct TensorDevices {
 };
 
 // Tensors are contiguous, row-major, in the layouts of docs/design.md §2:
-//   dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], o like q, lse [B, Hq, Sq]
-//   varlen: q [Tq, Hq, D],    k/v [Tk, Hkv, D],    o like q, lse [Hq, Tq]
+//   dense:  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv],
+//           o [B, Sq, Hq, Dv], lse [B, Hq, Sq]
+//   varlen: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], o [Tq, Hq, Dv],
+//           lse [Hq, Tq]
+// D is head_dim, Dv is HeadDimV() (equal to D except for MLA-style calls).
 // A sequence b is a run of rows starting at SeqStartQ/K(b); row r of head h
-// lives at element (r * H + h) * D. Every backend reads params the same way
-// through the helpers below, so layout rules live in exactly one place.
+// lives at element (r * H + h) * D (Dv for v and o). Every backend reads
+// params the same way through the helpers below, so layout rules live in
+// exactly one place.
 struct AttnParams {
   DType dtype;
 
@@ -55,15 +59,19 @@ struct AttnParams {
   // `devices` places on a device.
   const void* q;  // [.., Hq, D]
   const void* k;  // [.., Hkv, D]
-  const void* v;  // [.., Hkv, D]
-  void* o;        // like q
+  const void* v;  // [.., Hkv, Dv]
+  void* o;        // [.., Hq, Dv]
   float* lse;     // nullptr unless the caller asked for it
   TensorDevices devices;
 
   int32_t batch;         // B (number of sequences)
   int32_t num_heads_q;   // Hq
   int32_t num_heads_kv;  // Hkv; Hq % Hkv == 0
-  int32_t head_dim;      // D: a multiple of 8 in [8, 256]
+  int32_t head_dim;      // D (Q's and K's): a multiple of 8 (CheckParams)
+  // Dv, V's and O's head dim (MLA: Dqk 192 / Dv 128, or 576 / 512 absorbed).
+  // 0 means "same as head_dim", so callers that set only head_dim stay
+  // correct; read it through HeadDimV(). A backend without Dv != D refuses it.
+  int32_t head_dim_v = 0;
 
   // Dense: every sequence has these lengths. Varlen: the largest lengths.
   int32_t seqlen_q;
@@ -161,12 +169,25 @@ ATTN_HOST_DEVICE int SeqLenK(const AttnParams& p, int b) {
   return IsVarlen(p) ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
 }
 
-// Element offset of (row, head, 0) in q/o, and in k/v.
+// Dv: V's and O's head dim (head_dim_v, or head_dim when it is 0).
+ATTN_HOST_DEVICE int HeadDimV(const AttnParams& p) {
+  return p.head_dim_v > 0 ? p.head_dim_v : p.head_dim;
+}
+
+// Element offset of (row, head, 0) in q, and in k. With Dv == D (every call
+// but an MLA-style one) they are also the offsets in o and v.
 ATTN_HOST_DEVICE int64_t QOffset(const AttnParams& p, int64_t row, int head) {
   return (row * p.num_heads_q + head) * p.head_dim;
 }
 ATTN_HOST_DEVICE int64_t KVOffset(const AttnParams& p, int64_t row, int head) {
   return (row * p.num_heads_kv + head) * p.head_dim;
+}
+// Element offset of (row, head, 0) in o, and in v: rows of Dv.
+ATTN_HOST_DEVICE int64_t OOffset(const AttnParams& p, int64_t row, int head) {
+  return (row * p.num_heads_q + head) * HeadDimV(p);
+}
+ATTN_HOST_DEVICE int64_t VOffset(const AttnParams& p, int64_t row, int head) {
+  return (row * p.num_heads_kv + head) * HeadDimV(p);
 }
 // Element offset of LSE for query i (0-based within sequence b) of head h.
 ATTN_HOST_DEVICE int64_t LseOffset(const AttnParams& p, int b, int h, int i) {
