@@ -44,6 +44,10 @@ struct KvPages {
   int32_t page_shift;  // log2(page_size)
   // Pages hold E4M3 codes plus scales (above); false: elements of attn.dtype.
   bool fp8_e4m3;
+  // V is the first Dv (HeadDimV(attn)) elements of each K row (absorbed MLA:
+  // one latent K/V head); v_slabs are unused, null, and pages hold K alone.
+  // False: V rows [page_size, Hkv, Dv] at the same place in the V slabs.
+  bool v_in_k = false;
 };
 
 // The contract's quantisation of one (token, kv head) row of D values:
@@ -96,7 +100,9 @@ inline int64_t KvPageBytes(int32_t page_size, int32_t num_heads_kv, int32_t head
 //     against seqlens_k[b], so new tokens see the prefix and the causal part
 //     of themselves. attn.seqlen_k is the largest seqlens_k[b].
 // attn.cu_seqlens_q and attn.cu_seqlens_k are always set (the layout is
-// varlen), attn.seqlen_q is the largest new-query count.
+// varlen), attn.seqlen_q is the largest new-query count. V rows have Dv =
+// HeadDimV(attn) elements; with pages.v_in_k the append writes K alone
+// (attn.v, v_new_scale unused) and V is read from K's first Dv elements.
 // FP8 caches (pages.fp8_e4m3; attn.dtype FP16 or BF16, Q's and O's): the
 // append writes codes and scales. With k_new_scale/v_new_scale null, attn.k
 // and attn.v are attn.dtype rows and the append quantises them (Fp8RowScale,
