@@ -202,6 +202,29 @@ absl::Status CheckScoreMods(const AttnParams& p) {
 
 }  // namespace
 
+absl::Status CheckHeadDims(const AttnParams& p) {
+  if (p.head_dim_v != 0 && p.head_dim_v != p.head_dim) {
+    // MLA-style: Dqk and Dv bounded apart (check_params.h says why).
+    if (p.head_dim < 8 || p.head_dim > kMaxMlaHeadDimQk || p.head_dim % 8 != 0) {
+      return Invalid("head_dim",
+                     absl::StrCat("a multiple of 8 in [8, ", kMaxMlaHeadDimQk, "] (head_dim_v ",
+                                  p.head_dim_v, " differs)"),
+                     p.head_dim);
+    }
+    if (p.head_dim_v < 8 || p.head_dim_v > kMaxMlaHeadDimV || p.head_dim_v % 8 != 0) {
+      return Invalid(
+          "head_dim_v",
+          absl::StrCat("0 (same as head_dim) or a multiple of 8 in [8, ", kMaxMlaHeadDimV, "]"),
+          p.head_dim_v);
+    }
+    return absl::OkStatus();
+  }
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
+    return Invalid("head_dim", "a multiple of 8 in [8, 256]", p.head_dim);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckParams(const AttnParams& p) {
   if (p.dtype != DType::kFP16 && p.dtype != DType::kBF16 && p.dtype != DType::kFP32 &&
       p.dtype != DType::kFP8E4M3) {
@@ -219,9 +242,7 @@ absl::Status CheckParams(const AttnParams& p) {
         absl::StrCat("num_heads_q: expected a multiple of num_heads_kv (", p.num_heads_kv,
                      "), got ", p.num_heads_q));
   }
-  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
-    return Invalid("head_dim", "a multiple of 8 in [8, 256]", p.head_dim);
-  }
+  RETURN_IF_ERROR(CheckHeadDims(p));
   if (p.seqlen_q < 0) return Invalid("seqlen_q", ">= 0", p.seqlen_q);
   if (p.seqlen_k < 0) return Invalid("seqlen_k", ">= 0", p.seqlen_k);
   if (!SoftmaxScaleInRange(p.softmax_scale)) {

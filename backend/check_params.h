@@ -9,10 +9,23 @@
 
 namespace attnserve {
 
+// Head dims when V's differs from Q's and K's (MLA; params.h head_dim_v).
+// Dqk up to 576: the absorbed decode form's 512 latent + 64 rope dims. Dv up
+// to 512: the latent width, the largest value head in use; O's accumulator
+// (a CPU task's scratch, a GPU tile's registers) grows with Dv, so the bound
+// keeps it fixed. Equal dims keep the [8, 256] every backend builds for.
+inline constexpr int kMaxMlaHeadDimQk = 576;
+inline constexpr int kMaxMlaHeadDimV = 512;
+
+// head_dim and head_dim_v alone (CheckParams runs it): both multiples of 8;
+// equal (head_dim_v 0 or head_dim) in [8, 256], else head_dim in [8, 576]
+// and head_dim_v in [8, 512].
+absl::Status CheckHeadDims(const AttnParams& p);
+
 // OK, or INVALID_ARGUMENT naming the field, the expected and the actual value.
 // Checks: dtype known; q/k/v_descale finite and in (0, kMaxDescale] for
-// FP8_E4M3 and exactly 1 for any other dtype; batch >= 0; heads > 0 and Hq % Hkv == 0; head_dim a
-// multiple of 8 in [8, 256]; sequence lengths >= 0; softmax_scale finite and
+// FP8_E4M3 and exactly 1 for any other dtype; batch >= 0; heads > 0 and Hq % Hkv == 0; head dims as
+// CheckHeadDims says; sequence lengths >= 0; softmax_scale finite and
 // positive; softcap finite and >= 0; windows >= -1 and window_right == 0 when
 // causal (FillParams normalises it so kernels test only the window bounds);
 // varlen cu_seqlens start at 0, never decrease, end at total, and no sequence

@@ -21,6 +21,8 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   p.num_heads_q = shape.num_heads_q;
   p.num_heads_kv = shape.num_heads_kv;
   p.head_dim = shape.head_dim;
+  // 0 stays 0 when equal, so params of ordinary calls are unchanged.
+  p.head_dim_v = shape.head_dim_v == shape.head_dim ? 0 : shape.head_dim_v;
   if (shape.cu_seqlens_q != nullptr) {
     p.cu_seqlens_q = shape.cu_seqlens_q;
     p.cu_seqlens_k = shape.cu_seqlens_k;

@@ -23,6 +23,8 @@ struct AttnShape {
   int32_t num_heads_q = 0;
   int32_t num_heads_kv = 0;
   int32_t head_dim = 0;
+  // V's and O's head dim when it differs from head_dim (MLA); 0: head_dim.
+  int32_t head_dim_v = 0;
   int32_t seqlen_q = 0;
   int32_t seqlen_k = 0;
   const int32_t* cu_seqlens_q = nullptr;

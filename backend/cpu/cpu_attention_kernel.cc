@@ -171,19 +171,22 @@ inline float ExpRowAndSum(float* s, float m) {
 
 }  // namespace
 
-int64_t Scratch::BytesFor(int head_dim) {
+int64_t Scratch::BytesFor(int head_dim, int head_dim_v) {
   const int64_t d = head_dim;
-  return sizeof(float) *
-         (kBlockM * d + d * kBlockN + kBlockN * d + kBlockM * kBlockN + kBlockM * d + 2 * kBlockM);
+  const int64_t dv = head_dim_v > 0 ? head_dim_v : head_dim;
+  const int64_t wide = std::max(d, dv);
+  return sizeof(float) * (kBlockM * d + d * kBlockN + kBlockN * wide + kBlockM * kBlockN +
+                          kBlockM * dv + 2 * kBlockM);
 }
 
-std::unique_ptr<Scratch> Scratch::Create(int head_dim) {
-  const int64_t n = BytesFor(head_dim) / static_cast<int64_t>(sizeof(float));
+std::unique_ptr<Scratch> Scratch::Create(int head_dim, int head_dim_v) {
+  const int dv = head_dim_v > 0 ? head_dim_v : head_dim;
+  const int64_t n = BytesFor(head_dim, dv) / static_cast<int64_t>(sizeof(float));
   // Value-initialised: K tile columns past a short last block are read (and
   // then masked) before any write, and must not hold NaN garbage.
   std::unique_ptr<float[]> buf(new (std::nothrow) float[n]());
   if (!buf) return nullptr;
-  return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim));
+  return std::unique_ptr<Scratch>(new (std::nothrow) Scratch(std::move(buf), head_dim, dv));
 }
 
 namespace {
@@ -295,6 +298,7 @@ template <bool kMods, class KvRows>
 void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int h, int m_block,
                        int sk, const KvRows& kv, Scratch* scratch) {
   const int d = p.head_dim;
+  const int dv = HeadDimV(p);  // V's and O's: differs from d for MLA
   const int sq = SeqLenQ(p, b);
   const int64_t q_start = SeqStartQ(p, b);
   const int hk = KVHead(p, h);
@@ -332,7 +336,7 @@ void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int 
   const bool sink = kMods && p.sinks != nullptr;
   std::fill(m, m + kBlockM, sink ? p.sinks[h] * kLog2e : kNegInf);
   std::fill(l, l + kBlockM, sink ? 1.0f : 0.0f);
-  std::fill(o, o + rows_pad * d, 0.0f);
+  std::fill(o, o + rows_pad * dv, 0.0f);
 
   // Keys [k_lo, k_hi] in tiles of up to kBlockN.
   auto scan = [&](int k_lo, int k_hi, const TaskMods* mods) {
@@ -343,7 +347,7 @@ void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int 
       for (int j = 0; j < nc; ++j) {
         for (int c = 0; c < d; ++c) kt[c * kBlockN + j] = v[j * d + c];
       }
-      for (int j = 0; j < nc; ++j) kv.LoadV(j0 + j, hk, v + j * d);
+      for (int j = 0; j < nc; ++j) kv.LoadV(j0 + j, hk, v + j * dv);
 
       ScoreTile(q, kt, d, rows_pad, s);
 
@@ -376,13 +380,13 @@ void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int 
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
         if (alpha != 1.0f) {
-          float* o_row = o + r * d;
-          for (int c = 0; c < d; ++c) o_row[c] *= alpha;
+          float* o_row = o + r * dv;
+          for (int c = 0; c < dv; ++c) o_row[c] *= alpha;
         }
       }
       std::fill(s + rows * kBlockN, s + rows_pad * kBlockN, 0.0f);
 
-      PvTile(s, v, d, rows_pad, nc, o);
+      PvTile(s, v, dv, rows_pad, nc, o);
     }
   };
 
@@ -419,10 +423,10 @@ void AttentionTaskOver(const AttnParams& p, const SeqPrefix& prefix, int b, int 
   // Normalise once; rows that saw no key keep O = 0 and get LSE = -inf (or,
   // with a sink, l = its share and LSE = the sink).
   for (int r = 0; r < rows; ++r) {
-    float* o_row = o + r * d;
+    float* o_row = o + r * dv;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int c = 0; c < d; ++c) o_row[c] *= inv;
-    StoreRow(o_row, d, OutputDType(p.dtype), p.o, QOffset(p, q_start + i0 + r, h));
+    for (int c = 0; c < dv; ++c) o_row[c] *= inv;
+    StoreRow(o_row, dv, OutputDType(p.dtype), p.o, OOffset(p, q_start + i0 + r, h));
     if (p.lse != nullptr) {
       p.lse[LseOffset(p, b, h, i0 + r)] = l[r] > 0.0f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
     }
@@ -439,7 +443,7 @@ struct ContiguousKvRows {
     LoadRow(p.k, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst, p.k_descale);
   }
   void LoadV(int j, int hk, float* dst) const {
-    LoadRow(p.v, p.dtype, KVOffset(p, k_start + j, hk), p.head_dim, dst, p.v_descale);
+    LoadRow(p.v, p.dtype, VOffset(p, k_start + j, hk), HeadDimV(p), dst, p.v_descale);
   }
 };
 
@@ -448,26 +452,36 @@ struct ContiguousKvRows {
 struct PagedKvRows {
   const PagedAttnParams& p;
   const int32_t* table;  // sequence b's row of the block table
-  void Load(void* const* slabs, int j, int hk, float* dst) const {
+  // The first n elements of key j's row of kv head hk in slabs whose rows
+  // have `row_dim` elements.
+  void Load(void* const* slabs, int row_dim, int n, int j, int hk, float* dst) const {
     const int32_t page = table[j >> p.pages.page_shift];
     const int t = j & (p.pages.page_size - 1);
-    const int64_t offset =
-        PageRowOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, hk);
+    const int64_t offset = PageRowOffset(p.pages, page, t, p.attn.num_heads_kv, row_dim, hk);
     const void* slab = slabs[PageSlab(p.pages, page)];
     if (!p.pages.fp8_e4m3) {
-      LoadRow(slab, p.attn.dtype, offset, p.attn.head_dim, dst, 1.0f);
+      LoadRow(slab, p.attn.dtype, offset, n, dst, 1.0f);
       return;
     }
     // FP8 cache: codes times the row's scale (paged_kv.h's slab layout).
     float scale;
     std::memcpy(&scale,
                 static_cast<const char*>(slab) +
-                    PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, hk),
+                    PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, row_dim, hk),
                 sizeof(scale));
-    LoadRow(slab, DType::kFP8E4M3, offset, p.attn.head_dim, dst, scale);
+    LoadRow(slab, DType::kFP8E4M3, offset, n, dst, scale);
   }
-  void LoadK(int j, int hk, float* dst) const { Load(p.pages.k_slabs, j, hk, dst); }
-  void LoadV(int j, int hk, float* dst) const { Load(p.pages.v_slabs, j, hk, dst); }
+  void LoadK(int j, int hk, float* dst) const {
+    Load(p.pages.k_slabs, p.attn.head_dim, p.attn.head_dim, j, hk, dst);
+  }
+  // V in K's pages (v_in_k): the first Dv elements of the K row.
+  void LoadV(int j, int hk, float* dst) const {
+    if (p.pages.v_in_k) {
+      Load(p.pages.k_slabs, p.attn.head_dim, HeadDimV(p.attn), j, hk, dst);
+    } else {
+      Load(p.pages.v_slabs, HeadDimV(p.attn), HeadDimV(p.attn), j, hk, dst);
+    }
+  }
 };
 
 // The kernel for p's mods over any K/V row source: the plain loop unless

@@ -71,28 +71,33 @@ inline Vec8 Exp2NonPositive8(Vec8 x) {
 }
 inline float Exp2NonPositive(float x) { return Exp2NonPositive8(Splat8(x))[0]; }
 
-// Per-thread working memory, sized for one head dim: O(kBlockM·D + kBlockN·D +
-// kBlockM·kBlockN) floats, independent of the sequence lengths.
+// Per-thread working memory, sized for one pair of head dims (D of Q and K,
+// Dv of V and O; head_dim_v 0 means Dv = D): O(kBlockM·D + kBlockN·max(D, Dv)
+// + kBlockM·Dv + kBlockM·kBlockN) floats, independent of the sequence lengths.
 class Scratch {
  public:
   // Null on allocation failure (the caller reports RESOURCE_EXHAUSTED).
-  static std::unique_ptr<Scratch> Create(int head_dim);
+  static std::unique_ptr<Scratch> Create(int head_dim, int head_dim_v = 0);
   // Bytes this scratch holds (the benchmark's memory accounting cross-check).
-  static int64_t BytesFor(int head_dim);
+  static int64_t BytesFor(int head_dim, int head_dim_v = 0);
 
   float* q() { return buf_.get(); }               // [kBlockM, D], pre-scaled
   float* kt() { return q() + kBlockM * d_; }      // [D, kBlockN], K tile transposed
-  float* v() { return kt() + d_ * kBlockN; }      // [kBlockN, D]
-  float* s() { return v() + kBlockN * d_; }       // [kBlockM, kBlockN], scores then P
-  float* o() { return s() + kBlockM * kBlockN; }  // [kBlockM, D], unnormalised
-  float* m() { return o() + kBlockM * d_; }       // [kBlockM] running max (log2 units)
+  float* v() { return kt() + d_ * kBlockN; }      // [kBlockN, max(D, Dv)]: K rows, then V's
+  float* s() { return v() + kBlockN * wide_; }    // [kBlockM, kBlockN], scores then P
+  float* o() { return s() + kBlockM * kBlockN; }  // [kBlockM, Dv], unnormalised
+  float* m() { return o() + kBlockM * dv_; }      // [kBlockM] running max (log2 units)
   float* l() { return m() + kBlockM; }            // [kBlockM] running sum
   int head_dim() const { return d_; }
+  int head_dim_v() const { return dv_; }
 
  private:
-  Scratch(std::unique_ptr<float[]> buf, int d) : buf_(std::move(buf)), d_(d) {}
+  Scratch(std::unique_ptr<float[]> buf, int d, int dv)
+      : buf_(std::move(buf)), d_(d), dv_(dv), wide_(d > dv ? d : dv) {}
   std::unique_ptr<float[]> buf_;
   int d_;
+  int dv_;
+  int wide_;
 };
 
 // Per-sequence offsets of a varlen call's pair-layout modifiers (bias,
@@ -133,7 +138,9 @@ void AttentionTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, i
 // p.seqlens_k[b] tokens its block table names (new rows already appended),
 // read in place from the pages, with p.attn's q, o, lse, options and per-head
 // score modifiers (ALiBi over positions in the whole sequence, sinks); a bias,
-// element mask or block mask is refused by CheckPagedParams.
+// element mask or block mask is refused by CheckPagedParams. V rows have
+// HeadDimV(p.attn) elements, read from the V pages or, with pages.v_in_k, as
+// the first Dv elements of the K rows.
 void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch);
 
 }  // namespace cpu

@@ -76,7 +76,7 @@ absl::Status CpuBackend::RunTasks(const AttnParams& params, const Task& run_task
   pool_.Run(num_tasks, [&](int worker, int64_t task) {
     std::unique_ptr<cpu::Scratch>& mine = scratch[worker];
     if (!mine) {
-      mine = cpu::Scratch::Create(params.head_dim);
+      mine = cpu::Scratch::Create(params.head_dim, HeadDimV(params));
       if (!mine) {
         out_of_memory.store(true, std::memory_order_relaxed);
         return;
@@ -94,9 +94,9 @@ absl::Status CpuBackend::RunTasks(const AttnParams& params, const Task& run_task
     run_task(b, h, m_block, mine.get());
   });
   if (out_of_memory.load()) {
-    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ",
-                                                     cpu::Scratch::BytesFor(params.head_dim),
-                                                     " bytes of per-thread scratch"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cpu backend: cannot allocate ", cpu::Scratch::BytesFor(params.head_dim, HeadDimV(params)),
+        " bytes of per-thread scratch"));
   }
   return absl::OkStatus();
 }

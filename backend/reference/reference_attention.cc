@@ -39,11 +39,12 @@ inline double Input(Precision prec, const AttnParams& p, const void* data, float
 
 // Element c of row `row`, kv head hk, of an FP8 cache's K or V (KvRowScales):
 // code x scale, exact in float64; rounded to p.dtype in the low-precision run.
+// `offset` is KVOffset (K) or VOffset (V) of (row, hk).
 inline double CacheInput(Precision prec, const AttnParams& p, const void* codes,
-                         const float* scales, int64_t row, int hk, int c) {
-  const double x = static_cast<double>(Fp8E4M3ToFloat(
-                       static_cast<const uint8_t*>(codes)[KVOffset(p, row, hk) + c])) *
-                   static_cast<double>(scales[row * p.num_heads_kv + hk]);
+                         const float* scales, int64_t offset, int64_t row, int hk, int c) {
+  const double x =
+      static_cast<double>(Fp8E4M3ToFloat(static_cast<const uint8_t*>(codes)[offset + c])) *
+      static_cast<double>(scales[row * p.num_heads_kv + hk]);
   return prec == Precision::kExact ? x : RoundTo(p.dtype, static_cast<float>(x));
 }
 
@@ -59,10 +60,11 @@ ReferenceOutput Run(const AttnParams& p, Precision prec, const KvRowScales* cach
   const DType t = OutputDType(p.dtype);
   const int hq = p.num_heads_q;
   const int d = p.head_dim;
+  const int dv = HeadDimV(p);  // V's and O's (MLA: != d)
   const int64_t total_q = p.total_q;
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   ReferenceOutput out;
-  out.o.assign(static_cast<size_t>(total_q * hq * d), 0.0);
+  out.o.assign(static_cast<size_t>(total_q * hq * dv), 0.0);
   out.lse.assign(static_cast<size_t>(total_q * hq), kNegInf);
   const double scale = p.softmax_scale;
   const double cap = p.softcap;
@@ -71,7 +73,7 @@ ReferenceOutput Run(const AttnParams& p, Precision prec, const KvRowScales* cach
   std::vector<char> kept;      // [sk] of the current row: survives band and masks
   std::vector<double> qrow(d);
   std::vector<double> krows;  // [sk, d], widened once per (b, h)
-  std::vector<double> vrows;
+  std::vector<double> vrows;  // [sk, dv]
   for (int b = 0; b < p.batch; ++b) {
     const int sq = SeqLenQ(p, b);
     const int sk = SeqLenK(p, b);
@@ -82,18 +84,19 @@ ReferenceOutput Run(const AttnParams& p, Precision prec, const KvRowScales* cach
     for (int h = 0; h < hq; ++h) {
       const int hk = KVHead(p, h);
       krows.assign(static_cast<size_t>(sk) * d, 0.0);
-      vrows.assign(static_cast<size_t>(sk) * d, 0.0);
+      vrows.assign(static_cast<size_t>(sk) * dv, 0.0);
       for (int j = 0; j < sk; ++j) {
         const int64_t off = KVOffset(p, k0 + j, hk);
+        const int64_t voff = VOffset(p, k0 + j, hk);
         for (int c = 0; c < d; ++c) {
           const size_t at = static_cast<size_t>(j) * d + c;
-          if (cache != nullptr) {
-            krows[at] = CacheInput(prec, p, p.k, cache->k, k0 + j, hk, c);
-            vrows[at] = CacheInput(prec, p, p.v, cache->v, k0 + j, hk, c);
-          } else {
-            krows[at] = Input(prec, p, p.k, p.k_descale, off + c);
-            vrows[at] = Input(prec, p, p.v, p.v_descale, off + c);
-          }
+          krows[at] = cache != nullptr ? CacheInput(prec, p, p.k, cache->k, off, k0 + j, hk, c)
+                                       : Input(prec, p, p.k, p.k_descale, off + c);
+        }
+        for (int c = 0; c < dv; ++c) {
+          const size_t at = static_cast<size_t>(j) * dv + c;
+          vrows[at] = cache != nullptr ? CacheInput(prec, p, p.v, cache->v, voff, k0 + j, hk, c)
+                                       : Input(prec, p, p.v, p.v_descale, voff + c);
         }
       }
       scores.assign(static_cast<size_t>(sq) * sk, 0.0);
@@ -177,17 +180,17 @@ ReferenceOutput Run(const AttnParams& p, Precision prec, const KvRowScales* cach
                                            : std::exp(static_cast<float>(sink - m));
         }
         if (prec == Precision::kLow) sum = static_cast<float>(sum);
-        double* orow = out.o.data() + QOffset(p, q0 + i, h);
+        double* orow = out.o.data() + OOffset(p, q0 + i, h);
         for (int j = lo; j <= hi; ++j) {
           if (!kept[static_cast<size_t>(j)]) continue;
           const double pj = Round(prec, t, srow[j] / sum);
-          const double* vr = vrows.data() + static_cast<size_t>(j) * d;
-          for (int c = 0; c < d; ++c) orow[c] += pj * vr[c];
+          const double* vr = vrows.data() + static_cast<size_t>(j) * dv;
+          for (int c = 0; c < dv; ++c) orow[c] += pj * vr[c];
           if (prec == Precision::kLow) {
-            for (int c = 0; c < d; ++c) orow[c] = static_cast<float>(orow[c]);
+            for (int c = 0; c < dv; ++c) orow[c] = static_cast<float>(orow[c]);
           }
         }
-        for (int c = 0; c < d; ++c) orow[c] = Round(prec, t, orow[c]);
+        for (int c = 0; c < dv; ++c) orow[c] = Round(prec, t, orow[c]);
         const double lse = std::log(sum) + m;
         out.lse[static_cast<size_t>(LseOffset(p, b, h, i))] =
             prec == Precision::kExact ? lse : static_cast<float>(lse);

@@ -10,7 +10,7 @@
 namespace attnserve {
 
 struct ReferenceOutput {
-  std::vector<double> o;  // [total_q, Hq, D], the layout of params.o
+  std::vector<double> o;  // [total_q, Hq, Dv], the layout of params.o
   // The layout of params.lse (always filled); for rows that see no key -inf,
   // or sink[h] when the call has sinks.
   std::vector<double> lse;
@@ -32,7 +32,7 @@ ReferenceOutput ReferenceAttention(const AttnParams& p);
 ReferenceOutput ReferenceAttentionLowPrecision(const AttnParams& p);
 
 // K and V read from an FP8 K/V cache (paged_kv.h), laid out as contiguous
-// rows: p.k and p.v hold E4M3 codes [total_k, Hkv, D] (not p.dtype, which is
+// rows: p.k and p.v hold E4M3 codes [total_k, Hkv, D or Dv] (not p.dtype, which is
 // Q's and O's: FP16 or BF16) and k/v their scales [total_k, Hkv]; an element
 // is code x its row's scale. The float64 run takes that product exactly (the
 // reference over the dequantised cache); the low-precision run rounds it to

@@ -80,9 +80,10 @@ void LocateRow(const AttnParams& p, int64_t row, int* b, int64_t* i) {
 }
 
 std::string OCoord(const AttnParams& p, int64_t idx) {
-  const int64_t row = idx / (int64_t{p.num_heads_q} * p.head_dim);
-  const int h = static_cast<int>((idx / p.head_dim) % p.num_heads_q);
-  const int c = static_cast<int>(idx % p.head_dim);
+  const int dv = HeadDimV(p);
+  const int64_t row = idx / (int64_t{p.num_heads_q} * dv);
+  const int h = static_cast<int>((idx / dv) % p.num_heads_q);
+  const int c = static_cast<int>(idx % dv);
   int b;
   int64_t i;
   LocateRow(p, row, &b, &i);
@@ -122,7 +123,7 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
     for (int64_t i = 0; i < n; ++i) lowp_err = std::max(lowp_err, std::fabs(rl.o[i] - ref.o[i]));
   }
   // FP32: each element's allowance scales with the largest |ref| of its vector.
-  const int d = p.head_dim;
+  const int d = HeadDimV(p);
   std::vector<double> vec_scale(static_cast<size_t>(n / d), 0.0);
   for (int64_t i = 0; i < n; ++i) {
     vec_scale[i / d] = std::max(vec_scale[i / d], std::fabs(ref.o[i]));
@@ -249,6 +250,7 @@ std::string TestCase::Name() const {
   }
   s += "_h" + std::to_string(num_heads_q) + "x" + std::to_string(num_heads_kv);
   s += "_d" + std::to_string(head_dim);
+  if (head_dim_v != 0) s += "_dv" + std::to_string(head_dim_v);
   if (causal) s += "_causal";
   if (window_left != kNoWindow) s += "_wl" + std::to_string(window_left);
   if (window_right != kNoWindow) s += "_wr" + std::to_string(window_right);
@@ -269,6 +271,7 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
   shape.num_heads_q = tc.num_heads_q;
   shape.num_heads_kv = tc.num_heads_kv;
   shape.head_dim = tc.head_dim;
+  shape.head_dim_v = tc.head_dim_v;
   if (tc.varlen()) {
     shape.batch = static_cast<int32_t>(tc.seqlens_q.size());
     cu_q_.assign(1, 0);
@@ -302,12 +305,12 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
   std::mt19937 rng(tc.seed != 0 ? tc.seed : Fnv1a(tc.Name()));
   FillRandom(&q_, tc.dtype, p.total_q * p.num_heads_q * p.head_dim, &rng);
   FillRandom(&k_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
-  FillRandom(&v_, tc.dtype, p.total_k * p.num_heads_kv * p.head_dim, &rng);
+  FillRandom(&v_, tc.dtype, p.total_k * p.num_heads_kv * HeadDimV(p), &rng);
   if (tc.mods.any()) {
     mods_ = std::make_unique<HostMods>(tc.mods, p, static_cast<uint32_t>(rng()));
     mods_->ApplyTo(&p);
   }
-  o_.assign(static_cast<size_t>(p.total_q * p.num_heads_q * p.head_dim *
+  o_.assign(static_cast<size_t>(p.total_q * p.num_heads_q * HeadDimV(p) *
                                 DTypeSize(OutputDType(tc.dtype))),
             0);
   lse_.assign(static_cast<size_t>(p.total_q * p.num_heads_q), 0.0f);
@@ -320,7 +323,7 @@ HostBuffers::HostBuffers(const TestCase& tc) : tc_(tc) {
 }
 
 int64_t HostBuffers::o_elements() const {
-  return params_.total_q * params_.num_heads_q * params_.head_dim;
+  return params_.total_q * params_.num_heads_q * HeadDimV(params_);
 }
 
 int64_t HostBuffers::lse_elements() const {

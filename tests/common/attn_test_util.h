@@ -41,6 +41,7 @@ struct TestCase {
   int num_heads_q = 1;
   int num_heads_kv = 1;
   int head_dim = 64;
+  int head_dim_v = 0;  // V's and O's head dim (MLA); 0: head_dim
   bool causal = false;
   int window_left = kNoWindow;
   int window_right = kNoWindow;
@@ -108,9 +109,10 @@ class HostBuffers {
   const HostMods* mods() const { return mods_.get(); }
 
   int64_t q_bytes() const { return static_cast<int64_t>(q_.size()); }
-  int64_t kv_bytes() const { return static_cast<int64_t>(k_.size()); }
+  int64_t kv_bytes() const { return static_cast<int64_t>(k_.size()); }  // K (and V when Dv == D)
+  int64_t v_bytes() const { return static_cast<int64_t>(v_.size()); }
   int64_t o_bytes() const { return static_cast<int64_t>(o_.size()); }
-  int64_t o_elements() const;    // total_q * Hq * D
+  int64_t o_elements() const;    // total_q * Hq * Dv
   int64_t lse_elements() const;  // Hq * total_q (0 without return_lse)
 
   // Re-poisons o and lse (before each run of a backend on the same inputs).
