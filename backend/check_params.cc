@@ -225,6 +225,15 @@ absl::Status CheckHeadDims(const AttnParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status RefuseDistinctHeadDimV(const AttnParams& p, const char* backend) {
+  if (HeadDimV(p) == p.head_dim) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      backend, ": head_dim_v expected 0 or head_dim ", p.head_dim,
+      " (this backend's kernels need V's head dim equal to Q's and K's; the CPU backend runs "
+      "MLA shapes), got ",
+      p.head_dim_v));
+}
+
 absl::Status CheckParams(const AttnParams& p) {
   if (p.dtype != DType::kFP16 && p.dtype != DType::kBF16 && p.dtype != DType::kFP32 &&
       p.dtype != DType::kFP8E4M3) {

@@ -22,6 +22,10 @@ inline constexpr int kMaxMlaHeadDimV = 512;
 // and head_dim_v in [8, 512].
 absl::Status CheckHeadDims(const AttnParams& p);
 
+// For a backend whose kernels need Dv == D: UNIMPLEMENTED naming head_dim_v
+// when V's head dim differs (the message starts with `backend`), else OK.
+absl::Status RefuseDistinctHeadDimV(const AttnParams& p, const char* backend);
+
 // OK, or INVALID_ARGUMENT naming the field, the expected and the actual value.
 // Checks: dtype known; q/k/v_descale finite and in (0, kMaxDescale] for
 // FP8_E4M3 and exactly 1 for any other dtype; batch >= 0; heads > 0 and Hq % Hkv == 0; head dims as

@@ -29,8 +29,8 @@ bool CanShareLaunch(const AttnParams& a, const AttnParams& b) {
                      HasDeviceTensors(a) || HasDeviceTensors(b);
   return !alone && a.dtype == b.dtype && a.num_heads_q == b.num_heads_q &&
          a.num_heads_kv == b.num_heads_kv && a.head_dim == b.head_dim &&
-         a.softmax_scale == b.softmax_scale && a.softcap == b.softcap &&
-         a.is_causal == b.is_causal && a.window_left == b.window_left &&
+         HeadDimV(a) == HeadDimV(b) && a.softmax_scale == b.softmax_scale &&
+         a.softcap == b.softcap && a.is_causal == b.is_causal && a.window_left == b.window_left &&
          a.window_right == b.window_right && a.q_descale == b.q_descale &&
          a.k_descale == b.k_descale && a.v_descale == b.v_descale &&
          (a.lse != nullptr) == (b.lse != nullptr) &&
@@ -42,8 +42,9 @@ PackedBatch::PackedBatch(std::vector<const AttnParams*> members) : members_(std:
   const AttnParams& first = *members_.front();
   const int64_t elem = DTypeSize(first.dtype);
   q_row_bytes_ = int64_t{first.num_heads_q} * first.head_dim * elem;
-  o_row_bytes_ = int64_t{first.num_heads_q} * first.head_dim * DTypeSize(OutputDType(first.dtype));
+  o_row_bytes_ = int64_t{first.num_heads_q} * HeadDimV(first) * DTypeSize(OutputDType(first.dtype));
   kv_row_bytes_ = int64_t{first.num_heads_kv} * first.head_dim * elem;
+  v_row_bytes_ = int64_t{first.num_heads_kv} * HeadDimV(first) * elem;
   for (const AttnParams* m : members_) {
     total_q_ += m->total_q;
     total_k_ += m->total_k;
@@ -70,7 +71,7 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& r
     AttnParams p = *members_.front();
     copies.push_back({q, p.q, size_t(q_bytes())});
     copies.push_back({k, p.k, size_t(kv_bytes())});
-    copies.push_back({v, p.v, size_t(kv_bytes())});
+    copies.push_back({v, p.v, size_t(v_bytes())});
     RunCopies(run, copies);
     if (IsVarlen(p)) {
       std::memcpy(buffers.cu_seqlens_q, p.cu_seqlens_q, cu_seqlens_bytes());
@@ -94,7 +95,7 @@ AttnParams PackedBatch::Gather(const PackedBuffers& buffers, const CopyRunner& r
   for (const AttnParams* m : members_) {
     copies.push_back({q + q_off * q_row_bytes_, m->q, size_t(m->total_q * q_row_bytes_)});
     copies.push_back({k + k_off * kv_row_bytes_, m->k, size_t(m->total_k * kv_row_bytes_)});
-    copies.push_back({v + k_off * kv_row_bytes_, m->v, size_t(m->total_k * kv_row_bytes_)});
+    copies.push_back({v + k_off * v_row_bytes_, m->v, size_t(m->total_k * v_row_bytes_)});
     for (int b = 0; b < m->batch; ++b) {
       ++seq;
       cu_q[seq] = static_cast<int32_t>(q_off + SeqStartQ(*m, b) + SeqLenQ(*m, b));
@@ -157,7 +158,7 @@ HostPackedBatch::HostPackedBatch(std::vector<const AttnParams*> members)
   q_.reset(new char[packed_.q_bytes()]);
   o_.reset(new char[packed_.o_bytes()]);
   k_.reset(new char[packed_.kv_bytes()]);
-  v_.reset(new char[packed_.kv_bytes()]);
+  v_.reset(new char[packed_.v_bytes()]);
   lse_.resize(static_cast<size_t>(packed_.lse_bytes() / 4));
   cu_seqlens_q_.resize(static_cast<size_t>(packed_.cu_seqlens_bytes() / 4));
   cu_seqlens_k_.resize(cu_seqlens_q_.size());

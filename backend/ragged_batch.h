@@ -61,7 +61,8 @@ class PackedBatch {
   // Bytes of each packed tensor.
   int64_t q_bytes() const { return total_q_ * q_row_bytes_; }
   int64_t o_bytes() const { return total_q_ * o_row_bytes_; }    // OutputDType (BF16 for FP8)
-  int64_t kv_bytes() const { return total_k_ * kv_row_bytes_; }  // each of K and V
+  int64_t kv_bytes() const { return total_k_ * kv_row_bytes_; }  // K (and V when Dv == D)
+  int64_t v_bytes() const { return total_k_ * v_row_bytes_; }    // V: rows of Dv
   int64_t lse_bytes() const;
   int64_t cu_seqlens_bytes() const;  // each of cu_seqlens_q/k; 0 for one dense member
 
@@ -78,6 +79,7 @@ class PackedBatch {
   int64_t q_row_bytes_ = 0;
   int64_t o_row_bytes_ = 0;
   int64_t kv_row_bytes_ = 0;
+  int64_t v_row_bytes_ = 0;
   int64_t total_q_ = 0;
   int64_t total_k_ = 0;
   int32_t batch_ = 0;  // sequences over all members

@@ -40,7 +40,7 @@ struct StagingLayout {
     StagingOffsets off;
     q = off.Take(batch.q_bytes());
     k = off.Take(batch.kv_bytes());
-    v = off.Take(batch.kv_bytes());
+    v = off.Take(batch.v_bytes());
     cu_q = off.Take(batch.cu_seqlens_bytes());
     cu_k = off.Take(batch.cu_seqlens_bytes());
     mods = ScoreModArrays(*batch.members().front(), &off);
@@ -88,7 +88,7 @@ struct DirectLayout {
     const PackedBatch sizes({&p});
     q = TensorOf(p.q, p.devices.q, sizes.q_bytes(), here);
     k = TensorOf(p.k, p.devices.k, sizes.kv_bytes(), here);
-    v = TensorOf(p.v, p.devices.v, sizes.kv_bytes(), here);
+    v = TensorOf(p.v, p.devices.v, sizes.v_bytes(), here);
     o = TensorOf(p.o, p.devices.o, sizes.o_bytes(), here);
     lse = TensorOf(p.lse, p.devices.lse, sizes.lse_bytes(), here);
     StagingOffsets off;
@@ -199,7 +199,8 @@ CudaBackend::~CudaBackend() {
 
 absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
   RETURN_IF_ERROR(CheckParams(params));
-  if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
+  RETURN_IF_ERROR(RefuseDistinctHeadDimV(params, "cuda"));  // no MLA-shape kernel (Dv != D)
+  if (params.dtype == DType::kFP32) return Plan();          // the SIMT kernel takes any head dim
   return PlanFor(params);
 }
 

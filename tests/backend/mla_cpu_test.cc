@@ -12,6 +12,7 @@
 #include "backend/backend_factory.h"
 #include "backend/check_params.h"
 #include "backend/make_params.h"
+#include "backend/ragged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 
@@ -128,6 +129,45 @@ TEST(MlaCpuTest, EqualHeadDimVIsTheOrdinaryCall) {
   ASSERT_TRUE(Backend().Forward(Plan(), plain.params(), nullptr).ok());
   ASSERT_TRUE(Backend().Forward(Plan(), same, nullptr).ok());
   EXPECT_EQ(0, std::memcmp(o.data(), plain.o(), o.size()));
+}
+
+// Packed launches (the server's batching): MLA calls with the same dims share
+// one and each gets the reference's answer; different Dv never share.
+TEST(MlaCpuTest, PackedLaunch) {
+  TestCase dense = Mla(DType::kBF16, 192, 128, 20, 33, 4, 2);
+  dense.batch = 2;
+  dense.causal = true;
+  TestCase varlen = Mla(DType::kBF16, 192, 128, 0, 0, 4, 2);
+  varlen.seqlens_q = {1, 0, 70};
+  varlen.seqlens_k = {40, 5, 70};
+  varlen.causal = true;
+  HostBuffers a(dense), b(varlen);
+  ASSERT_TRUE(CanShareLaunch(a.params(), b.params()));
+  HostPackedBatch packed({&a.params(), &b.params()});
+  ASSERT_TRUE(Backend().Forward(Plan(), packed.params(), nullptr).ok());
+  packed.Scatter();
+  EXPECT_TRUE(CheckOutput(a));
+  EXPECT_TRUE(CheckOutput(b));
+  TestCase other = dense;
+  other.head_dim_v = 64;
+  HostBuffers c(other);
+  EXPECT_FALSE(CanShareLaunch(a.params(), c.params()));
+  other.head_dim_v = 0;
+  HostBuffers d(other);
+  EXPECT_FALSE(CanShareLaunch(a.params(), d.params()));
+}
+
+// Backends without MLA kernels (CUDA) refuse Dv != D as UNIMPLEMENTED naming
+// head_dim_v; equal dims pass.
+TEST(MlaCheckParamsTest, RefuseDistinctHeadDimV) {
+  HostBuffers mla(Mla(DType::kBF16, 192, 128, 1, 1, 1, 1));
+  const absl::Status s = RefuseDistinctHeadDimV(mla.params(), "cuda");
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_EQ(std::string(s.message()).rfind("cuda: head_dim_v expected 0 or head_dim 192", 0), 0u)
+      << s;
+  EXPECT_NE(std::string(s.message()).find("got 128"), std::string::npos) << s;
+  HostBuffers plain(Mla(DType::kBF16, 192, 0, 1, 1, 1, 1));
+  EXPECT_TRUE(RefuseDistinctHeadDimV(plain.params(), "cuda").ok());
 }
 
 // CheckParams: the field, the expected range and the actual value.
