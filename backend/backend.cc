@@ -114,9 +114,9 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> AttentionBackend::StartPagedForwa
   PagedBuffers buffers;
   try {
     q.resize(size_t(batch.q_bytes()));
-    o.resize(size_t(batch.q_bytes()));
+    o.resize(size_t(batch.o_bytes()));
     k.resize(size_t(batch.kv_new_bytes()));
-    v.resize(size_t(batch.kv_new_bytes()));
+    v.resize(size_t(batch.v_new_bytes()));
     lse.resize(size_t(batch.lse_bytes() / 4));
     k_scale.resize(size_t(batch.kv_scale_bytes() / 4));
     v_scale.resize(k_scale.size());

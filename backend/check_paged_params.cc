@@ -26,7 +26,25 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
         p.attn.mask != nullptr ? " mask" : "",
         HasBlockMask(p.attn) ? absl::StrCat(" block_q ", p.attn.block_q) : ""));
   }
-  RETURN_IF_ERROR(CheckParams(p.attn));
+  const bool v_in_k = p.pages.v_in_k;
+  if ((HeadDimV(p.attn) != p.attn.head_dim || v_in_k) && !supported.mla) {
+    return absl::UnimplementedError(absl::StrCat(
+        "paged params: head_dim_v expected 0 or head_dim ", p.attn.head_dim,
+        " and pages.v_in_k false (this backend's paged kernels need V pages as wide as K's), got "
+        "head_dim_v ",
+        p.attn.head_dim_v, ", v_in_k ", v_in_k ? "true" : "false"));
+  }
+  if (v_in_k && HeadDimV(p.attn) > p.attn.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged params: head_dim_v expected <= head_dim ", p.attn.head_dim,
+        " with pages.v_in_k (V is the first Dv elements of each K row), got ", HeadDimV(p.attn)));
+  }
+  {
+    // With V in K's pages the call's attn.v is never read.
+    AttnParams attn = p.attn;
+    if (v_in_k) attn.v = attn.k;
+    RETURN_IF_ERROR(CheckParams(attn));
+  }
   if (p.attn.dtype == DType::kFP8E4M3) {
     // Q and O are never FP8 on a paged call; an FP8 cache says so in its pages.
     return absl::InvalidArgumentError(
@@ -38,11 +56,11 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
         "paged params: attn.dtype expected FP16 or BF16 with an FP8 cache (pages.fp8_e4m3), got "
         "FP32");
   }
-  if ((p.k_new_scale == nullptr) != (p.v_new_scale == nullptr) ||
+  if ((p.k_new_scale != nullptr && !v_in_k) != (p.v_new_scale != nullptr) ||
       (!p.pages.fp8_e4m3 && p.k_new_scale != nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "paged params: k_new_scale and v_new_scale expected both set (FP8 rows, FP8 cache) or "
-        "both unset, got k_new_scale ",
+        "paged params: k_new_scale and v_new_scale expected both set (FP8 rows, FP8 cache; "
+        "k_new_scale alone with pages.v_in_k) or both unset, got k_new_scale ",
         p.k_new_scale != nullptr ? "set" : "unset", ", v_new_scale ",
         p.v_new_scale != nullptr ? "set" : "unset", " on a ",
         p.pages.fp8_e4m3 ? "FP8" : "16/32-bit", " cache"));
@@ -53,6 +71,7 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
     const int64_t n = p.attn.total_k * p.attn.num_heads_kv;
     for (int64_t i = 0; i < n; ++i) {
       for (const float* s : {p.k_new_scale, p.v_new_scale}) {
+        if (s == nullptr) continue;  // v_in_k: K's scales alone
         if (!(s[i] > 0.0f) || !std::isfinite(s[i])) {
           return absl::InvalidArgumentError(
               absl::StrCat("paged params: ", s == p.k_new_scale ? "k_new_scale" : "v_new_scale",

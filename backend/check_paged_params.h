@@ -14,6 +14,9 @@ namespace attnserve {
 struct PagedModSupport {
   bool alibi_slopes = false;
   bool sinks = false;
+  // MLA geometry: V's head dim differing from K's (attn.head_dim_v) and V
+  // read from K's pages (pages.v_in_k).
+  bool mla = false;
 };
 
 // OK, or INVALID_ARGUMENT naming the field, expected and actual values.
@@ -24,12 +27,14 @@ struct PagedModSupport {
 // and every page id that the launch reads, writes or copies (< the pages of
 // num_slabs slabs); an FP8 cache (pages.fp8_e4m3) only with FP16/BF16 Q and
 // O, and given new-row scales (k_new_scale, v_new_scale: both or neither, FP8
-// caches only) finite and > 0. Reads the block table rows the lengths cover
-// and the given scales (host memory).
+// caches only) finite and > 0. With pages.v_in_k: Dv <= D, no v_new_scale
+// (the K row's scale covers V) and attn.v unused (may be null). Reads the
+// block table rows the lengths cover and the given scales (host memory).
 // UNIMPLEMENTED for a bias, element mask or block mask (laid out over a call's
 // own keys, they have no paged form; attend_pages is the paged sparsity), and
 // for ALiBi slopes or sinks unless `supported` says the caller's paged kernels
-// apply them (the default: none, so a backend opts in).
+// apply them (the default: none, so a backend opts in); likewise for Dv != D
+// or pages.v_in_k unless `supported.mla`.
 absl::Status CheckPagedParams(const PagedAttnParams& p,
                               PagedModSupport supported = PagedModSupport());
 

@@ -15,11 +15,22 @@ namespace {
 int64_t QRowBytes(const AttnParams& p) {
   return int64_t{p.num_heads_q} * p.head_dim * DTypeSize(p.dtype);
 }
+// O's rows have V's head dim (paged O is attn.dtype: never FP8).
+int64_t ORowBytes(const AttnParams& p) {
+  return int64_t{p.num_heads_q} * HeadDimV(p) * DTypeSize(p.dtype);
+}
 // A new K or V row as the call carries it: E4M3 codes when it gives scales
 // (FP8 cache), else attn.dtype.
 int64_t KvRowBytes(const PagedAttnParams& m) {
   const AttnParams& p = m.attn;
   return int64_t{p.num_heads_kv} * p.head_dim * (m.k_new_scale != nullptr ? 1 : DTypeSize(p.dtype));
+}
+// A new V row: Dv wide, none at all when V lives in K's pages (v_in_k).
+int64_t VRowBytes(const PagedAttnParams& m) {
+  const AttnParams& p = m.attn;
+  if (m.pages.v_in_k) return 0;
+  return int64_t{p.num_heads_kv} * HeadDimV(p) *
+         (m.k_new_scale != nullptr ? 1 : DTypeSize(p.dtype));
 }
 
 }  // namespace
@@ -44,7 +55,9 @@ PagedBatch::PagedBatch(std::vector<const PagedAttnParams*> members) : members_(s
 }
 
 int64_t PagedBatch::q_bytes() const { return total_q_ * QRowBytes(members_.front()->attn); }
+int64_t PagedBatch::o_bytes() const { return total_q_ * ORowBytes(members_.front()->attn); }
 int64_t PagedBatch::kv_new_bytes() const { return total_new_ * KvRowBytes(*members_.front()); }
+int64_t PagedBatch::v_new_bytes() const { return total_new_ * VRowBytes(*members_.front()); }
 bool PagedBatch::has_new_scales() const { return members_.front()->k_new_scale != nullptr; }
 int64_t PagedBatch::kv_scale_bytes() const {
   return has_new_scales() ? total_new_ * members_.front()->attn.num_heads_kv * 4 : 0;
@@ -61,8 +74,10 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
   const AttnParams& first = members_.front()->attn;
   const int64_t q_row = QRowBytes(first);
   const int64_t kv_row = KvRowBytes(*members_.front());
+  const int64_t v_row = VRowBytes(*members_.front());
   const int64_t scale_row = int64_t{first.num_heads_kv} * 4;
   const bool scales = has_new_scales();
+  const bool v_in_k = members_.front()->pages.v_in_k;  // no V rows, no V scales
   char* q = static_cast<char*>(buffers.q);
   char* k = static_cast<char*>(buffers.k_new);
   char* v = static_cast<char*>(buffers.v_new);
@@ -77,12 +92,14 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
     if (m->pages.num_slabs > widest->pages.num_slabs) widest = m;
     copies.push_back({q + q_off * q_row, a.q, size_t(a.total_q * q_row)});
     copies.push_back({k + k_off * kv_row, a.k, size_t(a.total_k * kv_row)});
-    copies.push_back({v + k_off * kv_row, a.v, size_t(a.total_k * kv_row)});
+    if (!v_in_k) copies.push_back({v + k_off * v_row, a.v, size_t(a.total_k * v_row)});
     if (scales && a.total_k > 0) {
       copies.push_back({reinterpret_cast<char*>(buffers.k_scale) + k_off * scale_row,
                         m->k_new_scale, size_t(a.total_k * scale_row)});
-      copies.push_back({reinterpret_cast<char*>(buffers.v_scale) + k_off * scale_row,
-                        m->v_new_scale, size_t(a.total_k * scale_row)});
+      if (!v_in_k) {
+        copies.push_back({reinterpret_cast<char*>(buffers.v_scale) + k_off * scale_row,
+                          m->v_new_scale, size_t(a.total_k * scale_row)});
+      }
     }
     for (int b = 0; b < a.batch; ++b) {
       buffers.cu_seqlens_q[seq + 1] = static_cast<int32_t>(q_off + a.cu_seqlens_q[b + 1]);
@@ -110,7 +127,7 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
   p.pages = widest->pages;
   p.attn.q = q;
   p.attn.k = k;
-  p.attn.v = v;
+  p.attn.v = v_in_k ? k : v;
   p.attn.o = buffers.o;
   p.attn.lse = wants_lse() ? buffers.lse : nullptr;
   p.attn.batch = batch_;
@@ -127,12 +144,12 @@ PagedAttnParams PagedBatch::Gather(const PagedBuffers& buffers, const CopyRunner
   p.copy_dst = buffers.copy_dst;
   p.num_page_copies = num_page_copies_;
   p.k_new_scale = scales ? buffers.k_scale : nullptr;
-  p.v_new_scale = scales ? buffers.v_scale : nullptr;
+  p.v_new_scale = scales && !v_in_k ? buffers.v_scale : nullptr;
   return p;
 }
 
 void PagedBatch::Scatter(const void* o, const float* lse, const CopyRunner& run) const {
-  const int64_t q_row = QRowBytes(members_.front()->attn);
+  const int64_t q_row = ORowBytes(members_.front()->attn);
   const char* packed_o = static_cast<const char*>(o);
   std::vector<HostCopy> copies;
   int64_t off = 0;

@@ -34,7 +34,7 @@ struct PagedBuffers {
   void* v_new = nullptr;
   float* k_scale = nullptr;  // [Tnew, Hkv] when the members give FP8 rows' scales
   float* v_scale = nullptr;
-  void* o = nullptr;                // like q
+  void* o = nullptr;                // [Tq, Hq, Dv]
   float* lse = nullptr;             // [Hq, Tq] when the members want LSE
   int32_t* cu_seqlens_q = nullptr;  // [B+1]
   int32_t* cu_seqlens_k = nullptr;  // [B+1], of the new rows
@@ -59,8 +59,10 @@ class PagedBatch {
   int32_t block_table_stride() const { return block_table_stride_; }
   int32_t num_page_copies() const { return num_page_copies_; }
   // Bytes of each buffer of PagedBuffers, in its order.
-  int64_t q_bytes() const;       // also O's
-  int64_t kv_new_bytes() const;  // each of k_new and v_new
+  int64_t q_bytes() const;
+  int64_t o_bytes() const;       // q's unless Dv != D
+  int64_t kv_new_bytes() const;  // k_new's (and v_new's when Dv == D)
+  int64_t v_new_bytes() const;   // v_new's: rows of Dv, 0 with pages.v_in_k
   // The members give FP8 codes with scales (PagedAttnParams::k_new_scale).
   bool has_new_scales() const;
   int64_t kv_scale_bytes() const;  // each of k_scale and v_scale (0 without)

@@ -25,29 +25,30 @@ int64_t ElemBytes(const PagedAttnParams& p) {
   return p.pages.fp8_e4m3 ? 1 : DTypeSize(p.attn.dtype);
 }
 
-// Bytes of one page's K (or V) codes or elements: page_size rows of [Hkv, D].
-int64_t PageBytes(const PagedAttnParams& p) {
-  return int64_t{p.pages.page_size} * p.attn.num_heads_kv * p.attn.head_dim * ElemBytes(p);
+// `d` below is the row width of the slabs at hand: D for K's, Dv for V's.
+
+// Bytes of one page's K (or V) codes or elements: page_size rows of [Hkv, d].
+int64_t PageBytes(const PagedAttnParams& p, int d) {
+  return int64_t{p.pages.page_size} * p.attn.num_heads_kv * d * ElemBytes(p);
 }
 
-char* PageAddress(void* const* slabs, const PagedAttnParams& p, int32_t page) {
+char* PageAddress(void* const* slabs, const PagedAttnParams& p, int d, int32_t page) {
   return static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
-         PageRowOffset(p.pages, page, 0, p.attn.num_heads_kv, p.attn.head_dim, 0) * ElemBytes(p);
+         PageRowOffset(p.pages, page, 0, p.attn.num_heads_kv, d, 0) * ElemBytes(p);
 }
 
 // FP8 caches: the address of the scale of (token t of page, kv head h).
-float* ScaleAddress(void* const* slabs, const PagedAttnParams& p, int32_t page, int t, int h) {
-  return reinterpret_cast<float*>(
-      static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
-      PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, p.attn.head_dim, h));
+float* ScaleAddress(void* const* slabs, const PagedAttnParams& p, int d, int32_t page, int t,
+                    int h) {
+  return reinterpret_cast<float*>(static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
+                                  PageScaleOffset(p.pages, page, t, p.attn.num_heads_kv, d, h));
 }
 
 // One new row (all kv heads) of K or V into its page: a copy, or for an FP8
 // cache codes and scales (given, or quantised from attn.dtype here).
-void AppendRow(const PagedAttnParams& p, void* const* slabs, const void* src, const float* scales,
-               int64_t r, int32_t page, int t) {
+void AppendRow(const PagedAttnParams& p, void* const* slabs, int d, const void* src,
+               const float* scales, int64_t r, int32_t page, int t) {
   const int hkv = p.attn.num_heads_kv;
-  const int d = p.attn.head_dim;
   char* dst = static_cast<char*>(slabs[PageSlab(p.pages, page)]) +
               PageRowOffset(p.pages, page, t, hkv, d, 0) * ElemBytes(p);
   if (!p.pages.fp8_e4m3) {
@@ -66,21 +67,28 @@ void AppendRow(const PagedAttnParams& p, void* const* slabs, const void* src, co
       scale =
           QuantiseFp8Row(src, p.attn.dtype, (r * hkv + h) * int64_t{d}, d, codes + int64_t{h} * d);
     }
-    *ScaleAddress(slabs, p, page, t, h) = scale;
+    *ScaleAddress(slabs, p, d, page, t, h) = scale;
   }
 }
 
 // Steps 1 and 2 of paged_kv.h: page copies, then the new rows into their pages.
 void CopyAndAppend(const PagedAttnParams& p) {
-  const int64_t page_bytes = PageBytes(p);
   const int64_t scale_bytes = int64_t{p.pages.page_size} * p.attn.num_heads_kv * 4;
+  const int dk = p.attn.head_dim;
+  const int dv = HeadDimV(p.attn);
+  // V in K's pages (v_in_k): K's slabs alone hold the rows.
+  const int kinds = p.pages.v_in_k ? 1 : 2;
+  void* const* slabs_of[2] = {p.pages.k_slabs, p.pages.v_slabs};
+  const int dim_of[2] = {dk, dv};
   for (int i = 0; i < p.num_page_copies; ++i) {
-    for (void* const* slabs : {p.pages.k_slabs, p.pages.v_slabs}) {
-      std::memcpy(PageAddress(slabs, p, p.copy_dst[i]), PageAddress(slabs, p, p.copy_src[i]),
-                  size_t(page_bytes));
+    for (int x = 0; x < kinds; ++x) {
+      void* const* slabs = slabs_of[x];
+      const int d = dim_of[x];
+      std::memcpy(PageAddress(slabs, p, d, p.copy_dst[i]), PageAddress(slabs, p, d, p.copy_src[i]),
+                  size_t(PageBytes(p, d)));
       if (p.pages.fp8_e4m3) {  // a page's scales are contiguous (all heads)
-        std::memcpy(ScaleAddress(slabs, p, p.copy_dst[i], 0, 0),
-                    ScaleAddress(slabs, p, p.copy_src[i], 0, 0), size_t(scale_bytes));
+        std::memcpy(ScaleAddress(slabs, p, d, p.copy_dst[i], 0, 0),
+                    ScaleAddress(slabs, p, d, p.copy_src[i], 0, 0), size_t(scale_bytes));
       }
     }
   }
@@ -93,8 +101,8 @@ void CopyAndAppend(const PagedAttnParams& p) {
       const int32_t page = table[pos >> p.pages.page_shift];
       const int t = pos & (p.pages.page_size - 1);
       const int64_t row = SeqStartK(p.attn, b) + r;
-      AppendRow(p, p.pages.k_slabs, p.attn.k, p.k_new_scale, row, page, t);
-      AppendRow(p, p.pages.v_slabs, p.attn.v, p.v_new_scale, row, page, t);
+      AppendRow(p, p.pages.k_slabs, dk, p.attn.k, p.k_new_scale, row, page, t);
+      if (!p.pages.v_in_k) AppendRow(p, p.pages.v_slabs, dv, p.attn.v, p.v_new_scale, row, page, t);
     }
   }
 }
@@ -120,6 +128,7 @@ absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params
   PagedModSupport mods;
   mods.alibi_slopes = true;
   mods.sinks = true;
+  mods.mla = true;  // Dv != D and V in K's pages (cpu_attention_kernel.cc)
   RETURN_IF_ERROR(CheckPagedParams(params, mods));
   RETURN_IF_ERROR(CheckHostTensors(params.attn, "cpu"));
   return Plan();
