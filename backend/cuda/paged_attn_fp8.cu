@@ -370,14 +370,25 @@ cudaError_t LaunchFp8(const PagedFwdLaunch& l, cudaStream_t stream) {
   return LaunchFp8Heads<T, 256>(l, grid, group, stream);
 }
 
-// kAhead: the steps a warp's loads run ahead of its math (Fp8DecodeAhead);
-// negative: the production choice for the row tiles.
+// kAhead: the steps a warp's loads run ahead of its math; negative: the
+// production choice (the shared-memory ring where the head dim has one, else
+// Fp8DecodeAhead's register loads).
 template <typename T, int kD, int kAhead = -1>
 cudaError_t LaunchDecode(const fp8_decode::Launch& l, cudaStream_t stream) {
   const AttnParams& p = l.p;
   const int rows = p.seqlen_q * (p.num_heads_q / p.num_heads_kv);
   const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
-  if (rows <= 8) {
+  constexpr int kStages = kAhead < 0 ? Fp8DecodeRingStages(kD) : 0;
+  if constexpr (kStages > 0) {
+    constexpr int kSmem = fp8_decode::kWarps * kStages * fp8_decode::kRingStageBytes;
+    auto kernel = rows <= 8 ? fp8_decode::PagedFp8DecodeKernel<T, kD, 1, 0, kStages>
+                            : fp8_decode::PagedFp8DecodeKernel<T, kD, 2, 0, kStages>;
+    // Per launch: the attribute belongs to the current device's context.
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, fp8_decode::kThreads, kSmem, stream>>>(l);
+  } else if (rows <= 8) {
     constexpr int kA = kAhead >= 0 ? kAhead : Fp8DecodeAhead(kD, 1);
     fp8_decode::PagedFp8DecodeKernel<T, kD, 1, kA><<<grid, fp8_decode::kThreads, 0, stream>>>(l);
   } else {

@@ -32,6 +32,12 @@ constexpr int kFp8InvariantMinChunks = 32;
 // SM at D 128 with 8 rows; the bench's ablation row times it.
 constexpr int Fp8DecodeAhead(int /*head_dim*/, int /*row_tiles*/) { return 1; }
 
+// Steps of the per-warp shared-memory ring that cp.async fills instead of
+// register loads (0: none). The ring keeps four steps of loads in flight per
+// warp without the registers they would take, which the bench shows is what
+// the load-bound D 128 decode lacks; D 64 has no ring variant.
+constexpr int Fp8DecodeRingStages(int head_dim) { return head_dim == 128 ? 4 : 0; }
+
 // True when the decode kernel serves `p` (FP16/BF16 q over an FP8 cache):
 // D 64 or 128, at most kFp8DecodeMaxRows packed rows, keys present.
 inline bool Fp8DecodeCovers(const AttnParams& p) {
