@@ -74,6 +74,10 @@ ABSL_FLAG(std::string, moved_to, "follow",
           "drained replica with --handoff_peer): follow (retry the call at the named address), "
           "retry (at --target again: a proxy that sends it on once the drained replica is "
           "gone; plain UNAVAILABLE is retried too) or off (an error).");
+ABSL_FLAG(bool, keep_cache, false,
+          "Leave the cache and its sequences on the server when the run ends (its id is "
+          "printed) instead of freeing and dropping them: a full cache to time move-kv or "
+          "export-kv on.");
 ABSL_FLAG(bool, stateless, false,
           "No cache: every step sends each sequence's whole context with Forward (impl "
           "attnserve_stateless), the baseline the K/V service is compared with.");
@@ -203,8 +207,12 @@ void PrintResult(const DecodeLoopConfig& c, const DecodeLoopResult& r) {
             << Fixed(r.client_ms, 3) << " ms)\n"
             << "  prefill " << Fixed(r.prefill_s, 3) << " s";
   if (!r.cache_id.empty()) {
-    std::cout << "; cache " << r.cache_id << ", page size " << r.page_size
-              << ", pages used after free " << r.pages_used_after_free;
+    std::cout << "; cache " << r.cache_id << ", page size " << r.page_size;
+    if (c.keep_cache) {
+      std::cout << ", kept on the server";
+    } else {
+      std::cout << ", pages used after free " << r.pages_used_after_free;
+    }
   }
   std::cout << "\n";
   if (c.check) std::cout << "  check: " << r.checked << " outputs held to the reference\n";
@@ -239,6 +247,7 @@ int RunLoadKv(const std::vector<std::string>& args) {
   c.stream = absl::GetFlag(FLAGS_stream);
   c.check = absl::GetFlag(FLAGS_check);
   c.stateless = absl::GetFlag(FLAGS_stateless);
+  c.keep_cache = absl::GetFlag(FLAGS_keep_cache);
   c.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   c.prefill_attend = absl::GetFlag(FLAGS_prefill_attend);
   c.attend_fraction = absl::GetFlag(FLAGS_attend_fraction);
@@ -277,6 +286,9 @@ int RunLoadKv(const std::vector<std::string>& args) {
   absl::StatusOr<std::vector<int>> levels =
       ParseLengthList("concurrency", levels_text.empty() ? "1" : levels_text);
   if (!levels.ok()) return UsageError(kCmd, levels.status().message());
+  if (c.stateless && c.keep_cache) {
+    return UsageError(kCmd, "--keep_cache keeps a cache; --stateless has none");
+  }
   if (c.stateless && (FlagWasSet("page_size") || FlagWasSet("device"))) {
     return UsageError(kCmd, "--page_size and --device describe a cache; --stateless has none");
   }

@@ -670,7 +670,7 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
   }
   if (result.decode_s > 0) result.tokens_per_s = result.generated / result.decode_s;
 
-  if (!c.stateless) {
+  if (!c.stateless && !c.keep_cache) {
     absl::StatusOr<v1::CacheStats> freed = kv.FreeSequences(result.cache_id, all_ids);
     if (freed.ok()) {
       result.pages_used_after_free = freed->pages_used();

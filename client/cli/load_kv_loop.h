@@ -46,6 +46,7 @@ struct DecodeLoopConfig {
   bool stream = false;       // AppendAttendStream instead of unary AppendAttend
   bool check = false;        // verify every output against the float64 reference
   bool stateless = false;    // Forward with the whole context, no cache
+  bool keep_cache = false;   // leave the cache and its sequences on the server at the end
   int prefill_chunk = 1024;  // most prompt tokens of one sequence in one prefill call
   // False: prompts are appended without queries (num_queries = 0), so a
   // prefill moves only K/V: how a benchmark fills 32 layers x 64 x 8k without
