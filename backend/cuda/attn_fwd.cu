@@ -14,6 +14,7 @@
 #include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
 #include "backend/cuda/kv_rows.cuh"
+#include "backend/cuda/launch_splits.h"
 #include "backend/cuda/mods_prefix.cuh"
 
 namespace attnserve {
@@ -74,6 +75,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int s = 0; s < num_splits; ++s) {
         const float w = weight[s];
+        if (w == 0.f) continue;  // an empty split (as split_combine.cuh)
         const float4 x =
             *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * tid);
         acc.x = fmaf(w, x.x, acc.x);
@@ -162,7 +164,7 @@ bool DeviceRunsSm90Kernels(int device) {
 FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace) {
   FwdLaunch l;
   l.p = dev;
-  l.num_splits = plan.num_splits;
+  l.num_splits = LaunchSplits(dev, plan);  // plan.num_splits, or fewer (invariant decode)
   l.pack_gqa = plan.pack_gqa;
   const TileConfig tile = TileForPlan(plan);
   l.num_m_blocks =
@@ -186,6 +188,12 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   const int64_t groups = int64_t{l.num_m_blocks} * dev.batch *
                          (plan.pack_gqa > 1 ? dev.num_heads_kv : dev.num_heads_q);
   l.fused_combine = split && plan.tile_kind == TileKind::kDecode && groups <= kMaxSplitGroups;
+  // Batch-invariant decode splits: each CTA sizes its split from its own
+  // sequence's key tiles and S = the plan's split count (LocateCta); the
+  // launch runs as many splits as the longest sequence needs (LaunchSplits).
+  const bool invariant = split && dev.batch_invariant && plan.tile_kind == TileKind::kDecode;
+  l.invariant_splits = invariant ? plan.num_splits : 0;
+  l.invariant_min_tiles = invariant ? InvariantMinTiles() : 0;
   // The FP8 path's Q K^T runs on the codes: their descales join the scale.
   const float qk_scale = dev.softmax_scale * (plan.fp8_qk ? dev.q_descale * dev.k_descale : 1.f);
   l.scale_log2 = qk_scale * kLog2e;

@@ -31,6 +31,11 @@ struct FwdLaunch {
   float softcap_in;    // softmax_scale / softcap: raw Q.K -> argument of tanh
   float softcap_out;   // softcap * log2(e): tanh -> log2-domain score
   TileKind tile_kind;  // the plan's tile table (TileFor)
+  // A batch-invariant decode split launch: S and T of its split rule
+  // (InvariantTilesPerSplit, attn_fwd_plan.h); 0 otherwise (ceil(tiles /
+  // num_splits) per split).
+  int invariant_splits;
+  int invariant_min_tiles;
 };
 
 // True when `device` is compute capability 9.0, this build has the Hopper

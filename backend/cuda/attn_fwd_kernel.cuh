@@ -481,6 +481,18 @@ struct CtaWork {
   KeyTileOrder order;
 };
 
+// Key tiles (or kept-tile positions) per split of a CTA whose scan has
+// `tiles`: ceil(tiles / splits), or under batch-invariant decode a function
+// of `tiles` alone (InvariantTilesPerSplit; the launch's splits cover the
+// longest sequence, shorter ones leave the last splits empty). The branch is
+// uniform over the launch.
+__device__ __forceinline__ int SplitTiles(const FwdLaunch& L, int tiles) {
+  if (L.invariant_splits > 0) {
+    return InvariantTilesPerSplit(tiles, L.invariant_splits, L.invariant_min_tiles);
+  }
+  return (tiles + L.num_splits - 1) / L.num_splits;
+}
+
 // False when the CTA's rows lie past its problem (nothing to do).
 template <int kBlockM, int kBlockN, bool kIsBanded, typename Rows, bool kMods = false>
 __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, CtaWork* w) {
@@ -510,12 +522,12 @@ __device__ __forceinline__ bool LocateCta(const typename Rows::Launch& launch, C
     const int count =
         BlockMaskTiles<kBlockN>(p, ModsPrefixOf(L), w->b, G > 1 ? w->head * G : w->head, i_first,
                                 w->n_begin, w->n_end, &w->order);
-    const int per_split = (count + splits - 1) / splits;
+    const int per_split = SplitTiles(L, count);
     w->t_begin = w->split * per_split;
     w->t_end = min(count, w->t_begin + per_split);
   } else {
     if (splits > 1) {
-      const int per_split = (max(w->n_end - w->n_begin, 0) + splits - 1) / splits;
+      const int per_split = SplitTiles(L, max(w->n_end - w->n_begin, 0));
       w->n_begin += w->split * per_split;
       w->n_end = min(w->n_end, w->n_begin + per_split);
     }

@@ -3,8 +3,10 @@
 #include "backend/cuda/attn_fwd_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/generated/kernel_set.h"
+#include "backend/cuda/launch_splits.h"
 #include "backend/cuda/mods_prefix.h"
 
 namespace attnserve {
@@ -51,20 +53,6 @@ int64_t DecodeSplits(int64_t base, int64_t n_blocks, int64_t wave, int num_sms,
   return best;
 }
 
-// Batch-invariant decode (AttnParams::batch_invariant): every decode-tile
-// launch splits each sequence's key tiles into the same number of splits,
-// kInvariantDecodeCtas / heads (heads: the CTAs of one sequence's m block),
-// whatever the batch, the longest sequence or the SM count. A split's key
-// range is then a function of the sequence's own length (the kernel gives
-// split s tiles [s x per, (s + 1) x per) of its own range, per =
-// ceil(tiles / splits)), and the combine runs in split order. 128 CTAs is
-// about one per SM of a large GPU for a single sequence, what the Hopper
-// decode kernel's own plan aims at; larger batches get more, shorter CTAs.
-constexpr int64_t kInvariantDecodeCtas = 128;
-int64_t InvariantDecodeSplits(int64_t heads) {
-  return std::max<int64_t>(1, std::min<int64_t>(kInvariantDecodeCtas / heads, kMaxSplits));
-}
-
 // The Hopper kernel for `p` (its head dim), or 0 when the family does not
 // cover the call: it runs FP16/BF16 prefill, dense and varlen, with one KV
 // tile loop per CTA (no split-KV, no GQA packing into M) and reads Q/K/V
@@ -107,6 +95,24 @@ bool Sm90DecodeCovers(const AttnParams& p) {
 }
 
 }  // namespace
+
+int InvariantMinTiles() {
+  static const int tiles = [] {
+    const char* env = std::getenv("ATTNSERVE_CUDA_INVARIANT_MIN_TILES");
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v >= 1 && v <= kInvariantMinTilesMax ? v : kInvariantMinTiles;
+  }();
+  return tiles;
+}
+
+int LaunchSplits(const AttnParams& p, const Plan& plan) {
+  if (!p.batch_invariant || plan.tile_kind != TileKind::kDecode || plan.num_splits <= 1) {
+    return plan.num_splits;
+  }
+  const int64_t block_n = TileForPlan(plan).block_n;
+  const int64_t tiles = (int64_t{p.seqlen_k} + block_n - 1) / block_n;
+  return InvariantDecodeGrid(tiles, plan.num_splits, InvariantMinTiles());
+}
 
 TileConfig TileForPlan(const Plan& plan) {
   if (plan.kernel_family != KernelFamily::kSm90) {
@@ -211,9 +217,10 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   const int64_t wave = int64_t{num_sms} * CtasPerSm(tile, PlanSmemBytes(plan));
   int64_t splits = 1;
   if (p.batch_invariant) {
-    // Sizes and SM count play no part; prefill tiles never split.
+    // S, whatever the sizes and SM count (the launch runs as many of them as
+    // its longest sequence needs: LaunchSplits); prefill tiles never split.
     if (plan.tile_kind == TileKind::kDecode && p.seqlen_k > 0) {
-      plan.num_splits = static_cast<int>(InvariantDecodeSplits(heads));
+      plan.num_splits = InvariantDecodeSplits(heads);
     }
   } else if (base > kMaxSplitGroups) {
     // No split: one ticket counter per group would not fit the workspace's block.

@@ -223,6 +223,48 @@ inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
          int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4;
 }
 
+// Batch-invariant decode (AttnParams::batch_invariant): a split's key range
+// is a function of its own sequence, never of the batch. A CTA scanning
+// `tiles` key tiles takes splits of max(ceil(tiles / S), T) tiles
+// (InvariantTilesPerSplit): S = InvariantDecodeSplits(heads), about one CTA
+// per SM of a large GPU for one long sequence; T = InvariantMinTiles(), so a
+// short sequence takes few splits and a large batch of them is not cut into
+// CTAs of a tile or two (each split costs a Q load, a pipeline ramp and a
+// share of the combine). The launch's split count (InvariantDecodeGrid; the
+// plan holds S) covers every sequence up to the longest; a shorter one leaves
+// trailing splits empty, which the combine weighs 0.
+constexpr int kInvariantDecodeCtas = 128;
+constexpr int kInvariantMinTiles = 8;
+// ATTNSERVE_CUDA_INVARIANT_MIN_TILES overrides T up to this (the bench's
+// ablation; 1 is the rule before T: ceil(tiles / S) per split).
+constexpr int kInvariantMinTilesMax = 1024;
+// S for a launch whose m block has `heads` CTAs (KV heads when GQA packs
+// into M, else query heads).
+constexpr int InvariantDecodeSplits(int64_t heads) {
+  const int64_t s = heads > 0 ? kInvariantDecodeCtas / heads : 1;
+  return s < 1 ? 1 : (s > kMaxSplits ? kMaxSplits : static_cast<int>(s));
+}
+ATTN_HOST_DEVICE int InvariantTilesPerSplit(int tiles, int splits, int min_tiles) {
+  const int per = (tiles + splits - 1) / splits;
+  return per > min_tiles ? per : min_tiles;
+}
+// Splits of an invariant decode launch whose longest sequence spans
+// max_tiles key tiles. A sequence of n tiles needs ceil(n / per(n)): that is
+// ceil(n / T) up to S x T tiles (S splits of T) and at most S past it, so
+// min(S, ceil(max_tiles / T)) covers every sequence up to the longest. At
+// least 2 when S is: a sequence then always ends in the combine, whether it
+// runs alone or with longer ones (the unsplit epilogue adds a sink, and
+// rounds, its own way).
+constexpr int InvariantDecodeGrid(int64_t max_tiles, int splits, int min_tiles) {
+  if (splits <= 1 || max_tiles <= 0 || min_tiles <= 0) return 1;
+  const int64_t need = (max_tiles + min_tiles - 1) / min_tiles;
+  return need >= splits ? splits : (need < 2 ? 2 : static_cast<int>(need));
+}
+// T: kInvariantMinTiles, or ATTNSERVE_CUDA_INVARIANT_MIN_TILES (1 to
+// kInvariantMinTilesMax) read once per process: the launch's split count
+// (LaunchSplits, launch_splits.h) and the kernel's T come from this value.
+int InvariantMinTiles();
+
 // How the warpgroups of a CTA share the work (bench/NOTES-cuda.md's ablation
 // has one row per schedule):
 //  - kTmaSync: 2 consumer warpgroups (64 query rows each, wgmma for both

@@ -48,8 +48,9 @@ __device__ __forceinline__ int64_t PartialIndex(const AttnParams& p, int split, 
 // Needs smem_floats >= 4 * kThreads + L.num_splits. kSinks: the launch may
 // have sinks (a mods kernel; the plain kernels' combine never reads them).
 // Batch-invariant launches (AttnParams::batch_invariant) sum each output
-// over its splits one after another, in split order, as the combine kernel
-// does for them (attn_fwd.cu): the same bits whichever of the two combines.
+// over its splits of nonzero weight one after another, in split order, as the
+// combine kernel does for them (attn_fwd.cu): the same bits whichever of the
+// two combines, and however many empty splits trail a sequence's own.
 template <typename T, int kBlockM, int kThreads, bool kSinks = false>
 __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const QueryRows& qr, int b,
                                                  int m0, int rows, float* smem, int smem_floats,
@@ -124,7 +125,29 @@ __device__ __forceinline__ void CombineSplitRows(const FwdLaunch& L, const Query
           *reinterpret_cast<const uint2*>(out);
     };
     const int items = nr * chunks;
-    if (2 * items > kThreads || p.batch_invariant) {
+    if (p.batch_invariant) {
+      // Splits of weight 0 (a sequence's trailing empty splits, which a
+      // longer batch-mate adds) are skipped, not added as zeros: + 0 would
+      // turn a -0 sum into +0.
+      for (int it = tid; it < items; it += kThreads) {
+        const int r = it / chunks, c = it % chunks;
+        int h;
+        const int64_t row = qr.Row(m0 + r0 + r, &h);
+        const float* src = L.o_accum + PartialIndex(p, 0, h, row) * p.head_dim + 4 * c;
+        const float* w = weight + r * splits;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < splits; ++s) {
+          const float ws = w[s];
+          if (ws == 0.f) continue;
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(src + s * stride * p.head_dim));
+          acc.x = fmaf(ws, x.x, acc.x);
+          acc.y = fmaf(ws, x.y, acc.y);
+          acc.z = fmaf(ws, x.z, acc.z);
+          acc.w = fmaf(ws, x.w, acc.w);
+        }
+        store(it, acc);
+      }
+    } else if (2 * items > kThreads) {
       for (int it = tid; it < items; it += kThreads) store(it, accumulate(it, 0, 1));
     } else {
       const int parts = kThreads / items;

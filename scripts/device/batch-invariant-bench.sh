@@ -11,8 +11,15 @@
 # passes' medians) and writes every row to
 # $OUT/batch-invariant-<gpu>-<date>.csv ('#' lines: GPU, clocks, commit).
 # The target: ours_bi / ours <= 1.10 on every decode and quick prefill row.
-# Usage: [KERNELS=dev|all] [COMMIT=sha] scripts/device/batch-invariant-bench.sh
-#          [--no-sanitizer] [--no-tests] [--no-bench]
+# The ablation of the decode split rule's minimum split size T
+# (attn_fwd_plan.h, kInvariantMinTiles) in the same run: the decode grid again
+# as ours_bi under ATTNSERVE_CUDA_INVARIANT_MIN_TILES=T for each T of
+# T_SWEEP (default "1 4 16 32"; 1 is the rule before T, ceil(tiles / S) per
+# split), rows named ours_bi_t<T>, one more ratio column each.
+# GRID=decodesweep T_GRID=decodesweep: the same over B = 1 and 16 at 1k..32k
+# keys instead (what T costs a single short sequence).
+# Usage: [KERNELS=dev|all] [COMMIT=sha] [T_SWEEP="1 4 16 32"] [GRID=quick] [T_GRID=decode]
+#          scripts/device/batch-invariant-bench.sh [--no-sanitizer] [--no-tests] [--no-bench]
 # (a call of the device tool lasts 10 minutes at most: the build stays in $B
 # between calls on a warm machine, so tests and bench may go in two calls)
 set -uo pipefail
@@ -35,7 +42,7 @@ t0=$(date +%s)
 if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
   -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
   -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-  ninja -C $B -j16 cuda_batch_invariance_test cuda_backend_test attn_bench >"$OUT/build.log" 2>&1; then
+  ninja -C $B -j16 cuda_batch_invariance_test cuda_backend_test attn_bench plan_invariant_split_test >"$OUT/build.log" 2>&1; then
   note build "ok ($(($(date +%s) - t0)) s, KERNELS=$KERNELS)"
 else
   note build "FAILED (see build.log)"
@@ -54,6 +61,7 @@ run_test() { # run_test NAME LOG CMD...
   grep -E '^\[  FAILED  \]|Failure|Which is|differ' "$OUT/$log" | head -10
 }
 if [ $TESTS = 1 ]; then
+  run_test "invariant split plan (host)" plan.log $B/tests/backend/plan_invariant_split_test
   run_test "invariance (planner's choice)" inv-default.log $T/cuda_batch_invariance_test
   ATTNSERVE_CUDA_PORTABLE=1 run_test "invariance (portable)" inv-portable.log $T/cuda_batch_invariance_test
   run_test "cuda_backend_test split cases" split.log $T/cuda_backend_test --gtest_filter='Split/*:CudaSplitWorkspace.*'
@@ -77,8 +85,16 @@ rows=$OUT/rows.csv
 : >"$rows"
 for order in ours,ours_bi ours_bi,ours; do
   tag=${order%%,*}
-  $B/bench/cuda/attn_bench --grid=quick --dtypes=bf16 --impls=$order --csv="$OUT/b-$tag.csv" \
+  $B/bench/cuda/attn_bench --grid="${GRID:-quick}" --dtypes=bf16 --impls=$order --csv="$OUT/b-$tag.csv" \
     2>>"$OUT/attn_bench.log" && tail -n +2 "$OUT/b-$tag.csv" >>"$rows"
+done
+# The T ablation: decode grid only, its rows renamed ours_bi_t<T>.
+ABL=()
+for t in ${T_SWEEP-1 4 16 32}; do
+  ATTNSERVE_CUDA_INVARIANT_MIN_TILES=$t $B/bench/cuda/attn_bench --grid="${T_GRID:-decode}" --dtypes=bf16 \
+    --impls=ours_bi --csv="$OUT/b-t$t.csv" 2>>"$OUT/attn_bench.log" &&
+    tail -n +2 "$OUT/b-t$t.csv" | awk -F, -v OFS=, -v t="$t" '{ $10 = "ours_bi_t" t; print }' >>"$rows"
+  ABL+=("ours_bi_t$t")
 done
 note attn_bench "$(($(date +%s) - t1)) s, $(wc -l <"$rows") rows; $(grep -cE 'SKIP|FAIL|error' "$OUT/attn_bench.log") skips/errors"
 grep -E 'SKIP|FAIL|error' "$OUT/attn_bench.log" | head -5
@@ -90,7 +106,8 @@ csv="$OUT/batch-invariant-$slug-$(date +%Y-%m-%d).csv"
   echo "# gpu: $gpu"
   echo "# clocks (sm, max sm, mem MHz): $(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | head -1)"
   echo "# commit: ${COMMIT:-unknown}; date: $(date +%Y-%m-%d); KERNELS=$KERNELS; grid quick (prefill N 1k/8k, decode grid), bf16"
-  echo "# impls: ours = the planner's choice, ours_bi = the same planned batch-invariant; two passes in opposite orders"
+  echo "# impls: ours = the planner's choice, ours_bi = the same planned batch-invariant; two passes in opposite orders;"
+  echo "#   ours_bi_t<T> = ours_bi with the invariant decode split minimum T (ATTNSERVE_CUDA_INVARIANT_MIN_TILES; default T $(grep -oE 'kInvariantMinTiles = [0-9]+' backend/cuda/attn_fwd_plan.h | grep -oE '[0-9]+$'))"
   echo "kind,dtype,d,b,hq,hkv,sq,sk,causal,impl,ms,tflops,tbps,peak_mem_bytes"
   cat "$rows"
 } >"$csv"
@@ -99,12 +116,15 @@ csv="$OUT/batch-invariant-$slug-$(date +%Y-%m-%d).csv"
 echo
 printf '%s\n' "${SUMMARY[@]}"
 echo
-awk -F, '
+awk -F, -v abl="${ABL[*]}" '
+  BEGIN { na = split(abl, ab, " ") }
   { key = $1 "," $3 "," $4 "," $5 "," $6 "," $7 "," $8 "," $9
     if (!(key in seen)) { seen[key] = 1; order[++n] = key }
     sum[key "|" $10] += $11; cnt[key "|" $10]++ }
   END {
-    printf "%-8s %4s %4s %4s %4s %6s %6s %-6s %10s %10s %7s\n", "kind", "d", "b", "hq", "hkv", "sq", "sk", "causal", "ours_ms", "bi_ms", "ratio"
+    printf "%-8s %4s %4s %4s %4s %6s %6s %-6s %10s %10s %7s", "kind", "d", "b", "hq", "hkv", "sq", "sk", "causal", "ours_ms", "bi_ms", "ratio"
+    for (j = 1; j <= na; ++j) printf " %13s", ab[j] "/ours"
+    printf "\n"
     worst = 0
     for (i = 1; i <= n; ++i) {
       k = order[i]
@@ -113,7 +133,12 @@ awk -F, '
       split(k, f, ",")
       r = b / a
       if (r > worst) { worst = r; wk = k }
-      printf "%-8s %4s %4s %4s %4s %6s %6s %-6s %10.4f %10.4f %7.3f%s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], a, b, r, r > 1.10 ? "  > 1.10" : ""
+      printf "%-8s %4s %4s %4s %4s %6s %6s %-6s %10.4f %10.4f %7.3f", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], a, b, r
+      for (j = 1; j <= na; ++j) {
+        c = cnt[k "|" ab[j]]
+        if (c > 0) printf " %13.3f", sum[k "|" ab[j]] / c / a; else printf " %13s", "-"
+      }
+      printf "%s\n", (r > 1.10 ? "  > 1.10" : "")
     }
     printf "worst ratio %.3f at %s (target <= 1.10)\n", worst, wk
   }' "$rows" | tee "$OUT/ratios.txt"

@@ -5,6 +5,12 @@
 //  - decode, B = 1 alone against B = 64 packed with random context lengths
 //    (without the option the planner splits the two launches differently and
 //    the bytes differ: the test can fail);
+//  - decode under the split rule's edges (attn_fwd_plan.h: splits of
+//    max(ceil(tiles / S), T) tiles, the launch's count covering the
+//    longest): sequences shorter than T tiles, at S x T tiles and one past
+//    it, and long enough for S splits, alone against packed with a few mates
+//    of very different lengths, so the packed launch holds more splits than
+//    the target's own;
 //  - decode with more tile groups than the fused combine's counters hold
 //    (the combine kernel then runs, with the same bits as the fused one);
 //  - prefill alone against packed varlen (the Hopper kernel on sm_90), every
@@ -21,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend/backend.h"
 #include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/launch_splits.h"
 #include "backend/ragged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
@@ -53,6 +60,7 @@ int64_t Differing(const std::string& a, const std::string& b) {
 struct Outcome {
   std::string alone, packed;
   Plan alone_plan, packed_plan;
+  int alone_splits = 0, packed_splits = 0;  // what each launch ran (cuda::LaunchSplits)
   bool ok = false;
 };
 
@@ -75,6 +83,7 @@ Outcome AloneAndPacked(AttentionBackend* backend, HostBuffers* target,
   EXPECT_TRUE(plan.ok()) << plan.status();
   if (!plan.ok()) return out;
   out.alone_plan = *plan;
+  out.alone_splits = cuda::LaunchSplits(alone, *plan);
   BackendTimings t;
   target->Poison();
   absl::Status s = backend->Forward(*plan, alone, &t);
@@ -99,6 +108,7 @@ Outcome AloneAndPacked(AttentionBackend* backend, HostBuffers* target,
   EXPECT_TRUE(plan.ok()) << plan.status();
   if (!plan.ok()) return out;
   out.packed_plan = *plan;
+  out.packed_splits = cuda::LaunchSplits(launch, *plan);
   target->Poison();
   s = backend->Forward(*plan, launch, &t);
   EXPECT_TRUE(s.ok()) << s;
@@ -159,6 +169,57 @@ TEST(CudaBatchInvarianceTest, DecodeAloneEqualsPackedIntoB64) {
           EXPECT_GT(Differing(off.alone, off.packed), 0)
               << "splits alone " << off.alone_plan.num_splits << ", packed "
               << off.packed_plan.num_splits;
+        }
+      }
+    }
+  }
+}
+
+// The invariant split rule at its edges. S = 16 (8 KV heads) or 4 (32
+// unpacked heads), T = InvariantMinTiles(); 64-key tiles. Targets: under T
+// tiles (one non-empty split of 2), a few T (splits of exactly T), S x T
+// tiles (S splits of T), one tile past it (splits of T + 1: fewer than S
+// alone, S packed) and over twice S x T (S splits of more than T). Mates: one
+// under T tiles, one mid, one past S x T (so the packed launch runs S), in a
+// random order around the target. Alone, the target's launch runs its own
+// split count; packed, S. A split sized from the launch's split count, or
+// trailing empty splits adding anything, changes bytes here.
+TEST(CudaBatchInvarianceTest, DecodeSplitsFollowTheSequenceAlone) {
+  AttentionBackend* backend = Backend();
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device";
+  std::mt19937 rng(21);
+  const int t_keys = cuda::InvariantMinTiles() * 64;
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    for (int d : {64, 128}) {
+      for (auto [hq, hkv] : {std::pair<int, int>{32, 8}, std::pair<int, int>{32, 32}}) {
+        const int s = cuda::InvariantDecodeSplits(hkv);
+        const int st_keys = s * t_keys;
+        for (int sk : {t_keys / 2 + 7, 3 * t_keys - 5, st_keys, st_keys + 64, 2 * st_keys + 100}) {
+          SCOPED_TRACE(absl::StrCat("dtype ", static_cast<int>(t), " d ", d, " hq ", hq, " hkv ",
+                                    hkv, " sk ", sk));
+          HostBuffers target(Decode(t, d, hq, hkv, sk, 7 + sk + d + hkv));
+          if (!Runs(backend, target)) continue;
+          std::vector<std::unique_ptr<HostBuffers>> mates;
+          const int lengths[] = {
+              std::uniform_int_distribution<int>(1, t_keys - 1)(rng),
+              std::uniform_int_distribution<int>(t_keys, st_keys - 1)(rng),
+              std::uniform_int_distribution<int>(st_keys + 1, 2 * st_keys)(rng),
+          };
+          for (int i = 0; i < 3; ++i) {
+            mates.push_back(
+                std::make_unique<HostBuffers>(Decode(t, d, hq, hkv, lengths[i], 900 + sk + i)));
+          }
+          std::shuffle(mates.begin(), mates.end(), rng);
+          const int at = std::uniform_int_distribution<int>(0, 3)(rng);
+          const Outcome on = AloneAndPacked(backend, &target, mates, at, /*invariant=*/true);
+          ASSERT_TRUE(on.ok);
+          EXPECT_TRUE(SamePlanned(on.alone_plan, on.packed_plan));
+          EXPECT_EQ(on.alone_plan.num_splits, s);
+          const int own = cuda::InvariantDecodeGrid((sk + 63) / 64, s, cuda::InvariantMinTiles());
+          EXPECT_EQ(on.alone_splits, own);
+          EXPECT_EQ(on.packed_splits, s);
+          EXPECT_EQ(Differing(on.alone, on.packed), 0)
+              << "splits alone " << on.alone_splits << ", packed " << on.packed_splits;
         }
       }
     }
