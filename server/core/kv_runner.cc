@@ -33,6 +33,7 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   // serves, the per-head lists' length when sent (the backend checks them).
   c->num_heads_q = static_cast<int32_t>(KvCallHeadsQ(call, g.num_heads_kv));
   c->head_dim = g.head_dim;
+  c->head_dim_v = g.head_dim_v;
   c->options = ToAttnOptions(call.options);
   c->inputs.q = call.q.bytes.data();
   c->inputs.k = call.k.bytes.data();
@@ -57,14 +58,15 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   return c;
 }
 
-// The outputs' shapes: o [Tq, Hq, D], lse [Hq, Tq].
+// The outputs' shapes: o [Tq, Hq, Dv], lse [Hq, Tq].
 OutputLayout KvLayoutOf(const KvAppendAttend& c) {
   int64_t total_q = 0;
   for (const KvStep& s : c.steps) total_q += s.num_queries;
   OutputLayout layout;
   layout.o_dtype = c.dtype;
-  layout.o_shape = {total_q, c.num_heads_q, c.head_dim};
-  layout.o_bytes = total_q * c.num_heads_q * c.head_dim * DTypeSize(c.dtype);
+  const int32_t dv = c.head_dim_v > 0 ? c.head_dim_v : c.head_dim;
+  layout.o_shape = {total_q, c.num_heads_q, dv};
+  layout.o_bytes = total_q * c.num_heads_q * dv * DTypeSize(c.dtype);
   if (c.return_lse) {
     layout.lse_shape = {c.num_heads_q, total_q};
     layout.lse_bytes = total_q * c.num_heads_q * int64_t{sizeof(float)};

@@ -6,8 +6,10 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backend/check_params.h"
 #include "backend/score_range.h"
 #include "common/dtype.h"
 #include "common/shape_string.h"
@@ -136,14 +138,17 @@ absl::Status CheckShapes(const AttentionCall& c, const FieldNames& n) {
   RETURN_IF_ERROR(CheckByteLength(n.k, k, n));
   RETURN_IF_ERROR(CheckByteLength(n.v, v, n));
 
-  for (size_t i = 0; i < rank; ++i) {
-    if (v.shape[i] != k.shape[i]) {
-      return Invalid(absl::StrCat(n.v, ".shape: expected ", ShapeString(k.shape), " (the shape of ",
-                                  n.k, "), got ", ShapeString(v.shape)));
-    }
-  }
   const size_t h_axis = rank - 2;
   const size_t d_axis = rank - 1;
+  // V is K's shape except its head dim (Dv, which may differ: MLA).
+  for (size_t i = 0; i < d_axis; ++i) {
+    if (v.shape[i] != k.shape[i]) {
+      std::vector<int64_t> want(k.shape.begin(), k.shape.end());
+      want[d_axis] = v.shape[d_axis];
+      return Invalid(absl::StrCat(n.v, ".shape: expected ", ShapeString(want), " (the shape of ",
+                                  n.k, " but for its head dim), got ", ShapeString(v.shape)));
+    }
+  }
   if (dense && k.shape[0] != q.shape[0]) {
     return Invalid(absl::StrCat(n.k, ".shape[0]: expected batch ", q.shape[0], " (", n.q,
                                 ".shape[0]), got ", k.shape[0]));
@@ -162,15 +167,24 @@ absl::Status CheckShapes(const AttentionCall& c, const FieldNames& n) {
                                 " (Hq % Hkv == 0 for GQA/MQA), got Hkv = ", k.shape[h_axis]));
   }
   const int64_t d = q.shape[d_axis];
-  if (d < kMinHeadDim || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
+  const int64_t dv = v.shape[d_axis];
+  // Equal dims: [8, 256]. V's differing (MLA): Dqk up to 576, Dv up to 512
+  // (backend/check_params.h says why).
+  const int64_t max_d = dv == d ? kMaxHeadDim : kMaxMlaHeadDimQk;
+  if (d < kMinHeadDim || d > max_d || d % kHeadDimMultiple != 0) {
     return Invalid(absl::StrCat(n.q, ".shape[", d_axis, "]: expected head dim D a multiple of ",
-                                kHeadDimMultiple, " in [", kMinHeadDim, ", ", kMaxHeadDim,
-                                "], got ", d));
+                                kHeadDimMultiple, " in [", kMinHeadDim, ", ", max_d, "]",
+                                dv == d ? "" : absl::StrCat(" (V's head dim ", dv, " differs)"),
+                                ", got ", d));
   }
   if (k.shape[d_axis] != d) {
     return Invalid(absl::StrCat(n.k, ".shape[", d_axis, "]: expected head dim ", d, " (", n.q,
-                                ".shape[", d_axis, "]; V has the same D as K), got ",
-                                k.shape[d_axis]));
+                                ".shape[", d_axis, "]; Q and K share D), got ", k.shape[d_axis]));
+  }
+  if (dv != d && (dv < kMinHeadDim || dv > kMaxMlaHeadDimV || dv % kHeadDimMultiple != 0)) {
+    return Invalid(absl::StrCat(n.v, ".shape[", d_axis, "]: expected V's head dim Dv = D (", d,
+                                ") or a multiple of ", kHeadDimMultiple, " in [", kMinHeadDim, ", ",
+                                kMaxMlaHeadDimV, "], got ", dv));
   }
   return absl::OkStatus();
 }
@@ -253,7 +267,7 @@ absl::Status CheckDescale(const char* field, const std::optional<float>& value, 
 // positive multiple of `heads_multiple` (q's Hq). An absent tensor stands for
 // zero rows.
 absl::Status CheckRows(const char* name, const TensorView& t, const KvGeometry& g, int64_t rows,
-                       int64_t heads, int64_t heads_multiple, const FieldNames& n,
+                       int64_t heads, int64_t heads_multiple, int64_t dim, const FieldNames& n,
                        bool fp8 = false) {
   if (rows == 0 && t.absent) return absl::OkStatus();
   RETURN_IF_ERROR(ValidateTensor(name, t, n));
@@ -272,11 +286,11 @@ absl::Status CheckRows(const char* name, const TensorView& t, const KvGeometry& 
   const bool heads_ok =
       t.shape.size() == 3 &&
       (heads > 0 ? t.shape[1] == heads : t.shape[1] > 0 && t.shape[1] % heads_multiple == 0);
-  if (t.shape.size() != 3 || t.shape[0] != rows || !heads_ok || t.shape[2] != g.head_dim) {
+  if (t.shape.size() != 3 || t.shape[0] != rows || !heads_ok || t.shape[2] != dim) {
     return Invalid(absl::StrCat(
         name, ".shape: expected [", rows, ", ",
         heads > 0 ? absl::StrCat(heads) : absl::StrCat("Hq (a multiple of ", heads_multiple, ")"),
-        ", ", g.head_dim, "] (rows from ", n.steps, ", the cache's geometry), got ",
+        ", ", dim, "] (rows from ", n.steps, ", the cache's geometry), got ",
         ShapeString(t.shape)));
   }
   return absl::OkStatus();
@@ -387,6 +401,7 @@ absl::StatusOr<AttnParams> ValidateAttentionCall(const AttentionCall& c,
   shape.num_heads_q = static_cast<int32_t>(c.q.shape[h_axis]);
   shape.num_heads_kv = static_cast<int32_t>(c.k.shape[h_axis]);
   shape.head_dim = static_cast<int32_t>(head_dim);
+  shape.head_dim_v = static_cast<int32_t>(c.v.shape[rank - 1]);
   if (rank == 4) {
     shape.batch = static_cast<int32_t>(c.q.shape[0]);
     shape.seqlen_q = static_cast<int32_t>(c.q.shape[1]);
@@ -412,8 +427,10 @@ OutputLayout OutputLayoutOf(const AttnParams& p, absl::Span<const int64_t> q_sha
                             bool return_lse) {
   OutputLayout out;
   out.o_dtype = OutputDType(p.dtype);
+  // O is Q's shape with V's head dim.
   out.o_shape.assign(q_shape.begin(), q_shape.end());
-  out.o_bytes = p.total_q * p.num_heads_q * p.head_dim * DTypeSize(out.o_dtype);
+  if (!out.o_shape.empty()) out.o_shape.back() = HeadDimV(p);
+  out.o_bytes = p.total_q * p.num_heads_q * HeadDimV(p) * DTypeSize(out.o_dtype);
   if (return_lse) {
     out.lse_bytes = p.total_q * p.num_heads_q * int64_t{sizeof(float)};
     if (dense) {
@@ -460,15 +477,25 @@ absl::Status ValidateKvCall(const KvCall& c, const KvGeometry& g, const RequestL
         absl::StrCat(n.steps, ": expected at most ", limits.max_tokens,
                      " query plus new rows (--max_tokens), got ", total_q + total_new));
   }
-  RETURN_IF_ERROR(CheckRows(n.q, c.q, g, total_q, 0, g.num_heads_kv, n));
+  RETURN_IF_ERROR(CheckRows(n.q, c.q, g, total_q, 0, g.num_heads_kv, g.head_dim, n));
   // An FP8 cache takes the step's K/V as the cache's dtype (quantised by the
   // server) or as FP8_E4M3 codes with k_scale and v_scale.
   const bool fp8_rows =
       IsFp8Cache(g) && !c.k.absent && c.k.dtype == static_cast<int>(DType::kFP8E4M3);
-  RETURN_IF_ERROR(CheckRows(n.k, c.k, g, total_new, g.num_heads_kv, 1, n, fp8_rows));
-  RETURN_IF_ERROR(CheckRows(n.v, c.v, g, total_new, g.num_heads_kv, 1, n, fp8_rows));
+  RETURN_IF_ERROR(CheckRows(n.k, c.k, g, total_new, g.num_heads_kv, 1, g.head_dim, n, fp8_rows));
+  if (g.v_in_k) {
+    // V is read from K's rows: a v sent anyway would be silently ignored.
+    if (!c.v.absent) {
+      return Invalid(absl::StrCat(n.v,
+                                  ": expected none (the cache's geometry.v_in_k: V is the "
+                                  "first head_dim_v elements of each k row), got a tensor"));
+    }
+  } else {
+    RETURN_IF_ERROR(
+        CheckRows(n.v, c.v, g, total_new, g.num_heads_kv, 1, KvHeadDimV(g), n, fp8_rows));
+  }
   RETURN_IF_ERROR(CheckKvScale("k_scale", c.k_scale, g, total_new, fp8_rows, n));
-  RETURN_IF_ERROR(CheckKvScale("v_scale", c.v_scale, g, total_new, fp8_rows, n));
+  RETURN_IF_ERROR(CheckKvScale("v_scale", c.v_scale, g, total_new, fp8_rows && !g.v_in_k, n));
   // A cache's dtype is never FP8 (server/kv), so descales are refused here.
   RETURN_IF_ERROR(ValidateOptions(c.options, g.head_dim, static_cast<int>(g.dtype), n));
   return ValidateKvScoreMods(c, g.num_heads_kv, n);

@@ -139,9 +139,9 @@ KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry,
       device_(device),
       budget_(budget),
       ledger_(std::move(ledger)),
-      allocator_(backend, std::move(budget), page_size,
-                 KvGeometryPageBytes(geometry, page_size) / 2, capacity_pages,
-                 IsFp8Cache(geometry)),
+      allocator_(backend, std::move(budget), page_size, KvKPageBytes(geometry, page_size),
+                 capacity_pages, IsFp8Cache(geometry), KvVPageBytes(geometry, page_size),
+                 geometry.v_in_k),
       last_used_(absl::Now()) {}
 
 KvCache::~KvCache() {

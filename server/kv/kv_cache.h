@@ -90,13 +90,31 @@ struct KvGeometry {
   // and KV head, paged_kv.h). Unset (0) as sent means `dtype`; a created
   // cache always holds the resolved value.
   DType cache_dtype = DType{0};
+  // V's head dim when it differs from head_dim (MLA); 0 = head_dim.
+  int32_t head_dim_v = 0;
+  // V is the first Dv elements of each K row: the pages hold K alone
+  // (KvPages::v_in_k), the steps carry no v.
+  bool v_in_k = false;
 };
 
 // True for a cache whose pages hold E4M3 codes and scales.
 inline bool IsFp8Cache(const KvGeometry& g) { return g.cache_dtype == DType::kFP8E4M3; }
-// Bytes one page of K plus V takes (codes and scales for an FP8 cache).
+// V's head dim: head_dim_v, or head_dim when it is 0.
+inline int32_t KvHeadDimV(const KvGeometry& g) {
+  return g.head_dim_v > 0 ? g.head_dim_v : g.head_dim;
+}
+// Bytes one page of K, and of V (none when V lives in K's pages), takes
+// (codes and scales for an FP8 cache).
+inline int64_t KvKPageBytes(const KvGeometry& g, int page_size) {
+  return KvPageBytes(page_size, g.num_heads_kv, g.head_dim, g.dtype, IsFp8Cache(g));
+}
+inline int64_t KvVPageBytes(const KvGeometry& g, int page_size) {
+  if (g.v_in_k) return 0;
+  return KvPageBytes(page_size, g.num_heads_kv, KvHeadDimV(g), g.dtype, IsFp8Cache(g));
+}
+// Bytes one page of K plus V takes: what the cache is charged per page.
 inline int64_t KvGeometryPageBytes(const KvGeometry& g, int page_size) {
-  return 2 * KvPageBytes(page_size, g.num_heads_kv, g.head_dim, g.dtype, IsFp8Cache(g));
+  return KvKPageBytes(g, page_size) + KvVPageBytes(g, page_size);
 }
 
 // A new sequence, optionally forked from a prefix of another (all layers).

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backend/check_params.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
@@ -31,9 +32,26 @@ absl::Status CheckGeometry(const KvGeometry& g) {
     return absl::InvalidArgumentError(
         absl::StrCat("geometry.num_heads_kv: expected >= 1, got ", g.num_heads_kv));
   }
-  if (g.head_dim < 8 || g.head_dim > 256 || g.head_dim % 8 != 0) {
+  // Equal head dims: [8, 256]; V's differing (MLA): D up to 576, Dv up to
+  // 512 (backend/check_params.h says why).
+  const bool mla = g.head_dim_v != 0 && g.head_dim_v != g.head_dim;
+  const int max_d = mla ? kMaxMlaHeadDimQk : 256;
+  if (g.head_dim < 8 || g.head_dim > max_d || g.head_dim % 8 != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("geometry.head_dim: expected a multiple of 8 in [8, 256], got ", g.head_dim));
+        absl::StrCat("geometry.head_dim: expected a multiple of 8 in [8, ", max_d, "]",
+                     mla ? " (geometry.head_dim_v differs)" : "", ", got ", g.head_dim));
+  }
+  if (g.head_dim_v < 0 ||
+      (mla && (g.head_dim_v < 8 || g.head_dim_v > kMaxMlaHeadDimV || g.head_dim_v % 8 != 0))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim_v: expected 0 (head_dim) or a multiple of 8 in [8, ",
+                     kMaxMlaHeadDimV, "], got ", g.head_dim_v));
+  }
+  if (g.v_in_k && KvHeadDimV(g) > g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.head_dim_v: expected <= head_dim ", g.head_dim,
+        " with geometry.v_in_k (V is the first head_dim_v elements of each K row), got ",
+        g.head_dim_v));
   }
   if (g.dtype == DType::kFP8E4M3) {
     // Q, O and the steps' K/V values are 16 or 32 bits; FP8 pages are
@@ -61,15 +79,18 @@ absl::Status CheckGeometry(const KvGeometry& g) {
 // A call's shape: its steps' query and new K/V rows, attending over
 // `seqlens_k` (the sequences' lengths after the append; null until reserved).
 AttnShape ShapeOf(const KvAppendAttend& c, const int32_t* seqlens_k) {
-  return PagedShape(c.dtype, static_cast<int32_t>(c.steps.size()), c.num_heads_q, c.num_heads_kv,
-                    c.head_dim, c.cu_q.data(), c.cu_k.data(), seqlens_k);
+  AttnShape s = PagedShape(c.dtype, static_cast<int32_t>(c.steps.size()), c.num_heads_q,
+                           c.num_heads_kv, c.head_dim, c.cu_q.data(), c.cu_k.data(), seqlens_k);
+  s.head_dim_v = c.head_dim_v;
+  return s;
 }
 
 // Just before the launch: binds the call's outputs, reserves its pages (all or
 // nothing) and builds its launch's params, once.
 absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
   const int64_t total_q = c.cu_q.back();
-  const int64_t o_bytes = total_q * c.num_heads_q * c.head_dim * DTypeSize(c.dtype);
+  const int64_t o_bytes =
+      total_q * c.num_heads_q * (c.head_dim_v > 0 ? c.head_dim_v : c.head_dim) * DTypeSize(c.dtype);
   if (c.o_out != nullptr && c.o_out_bytes != o_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("o: expected an output place of ", o_bytes, " bytes, got ", c.o_out_bytes));

@@ -88,6 +88,7 @@ struct KvAppendAttend {
   int32_t num_heads_q = 0;
   int32_t num_heads_kv = 0;
   int32_t head_dim = 0;
+  int32_t head_dim_v = 0;  // V's and O's when it differs (MLA); 0: head_dim
   AttnOptions options;
   AttnPointers inputs;
   // FP8 caches given FP8_E4M3 k and v: their scales [Tnew, Hkv] (request

@@ -178,6 +178,15 @@ class KvTransferAccess {
 
 namespace {
 
+// Chunks carry K and V rows of one width; a cache with a value head dim
+// (head_dim_v, v_in_k) has no such form yet: refused, naming the cache.
+absl::Status RefuseValueDim(const KvGeometry& g, const std::string& id, const char* what) {
+  if (g.head_dim_v == 0 && !g.v_in_k) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "cache_id: cache '", id, "' has geometry.head_dim_v ", g.head_dim_v, " / v_in_k ",
+      g.v_in_k ? "true" : "false", "; ", what, " moves caches whose V rows are K's width only"));
+}
+
 // Bytes of one token row of K (or V) as it sits in a page and on the wire.
 int64_t RowBytes(const KvGeometry& g) {
   return int64_t{g.num_heads_kv} * g.head_dim * (IsFp8Cache(g) ? 1 : DTypeSize(g.cache_dtype));
@@ -298,6 +307,7 @@ uint32_t KvChunkCrc32c(const KvTransferChunk& c) {
 absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Start(std::shared_ptr<KvCache> cache,
                                                               const KvExportOptions& o) {
   const KvGeometry& g = cache->geometry();
+  RETURN_IF_ERROR(RefuseValueDim(g, cache->id(), "an export"));
   const int ps = cache->page_size();
   if (o.token_begin < 0) {
     return InvalidArgument("token_begin", absl::StrCat("expected >= 0, got ", o.token_begin));
@@ -786,6 +796,7 @@ absl::Status CheckHeader(const KvTransferHeader& h, const KvCache& cache) {
   }
   const KvGeometry& a = h.geometry;
   const KvGeometry& b = cache.geometry();
+  RETURN_IF_ERROR(RefuseValueDim(b, cache.id(), "an import"));
   const std::pair<const char*, std::pair<int, int>> fields[] = {
       {"header.geometry.num_layers", {a.num_layers, b.num_layers}},
       {"header.geometry.num_heads_kv", {a.num_heads_kv, b.num_heads_kv}},

@@ -18,13 +18,15 @@ bool DeviceBudget::TryTake(int64_t bytes) {
 
 PageAllocator::PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget,
                              int page_size, int64_t page_bytes, int64_t capacity_pages,
-                             bool fp8_e4m3)
+                             bool fp8_e4m3, int64_t v_page_bytes, bool v_in_k)
     : backend_(backend),
       budget_(std::move(budget)),
       page_bytes_(page_bytes),
+      v_page_bytes_(v_in_k ? 0 : (v_page_bytes < 0 ? page_bytes : v_page_bytes)),
       capacity_pages_(capacity_pages) {
   kv_.page_size = page_size;
   kv_.fp8_e4m3 = fp8_e4m3;
+  kv_.v_in_k = v_in_k;
   while ((1 << kv_.page_shift) < page_size) ++kv_.page_shift;
   // Worked example: 100,000 pages over 32 slabs is 3,125 per slab, rounded up
   // to 4,096: the cache grows in steps of 4,096 pages and 25 slabs hold it.
@@ -34,7 +36,7 @@ PageAllocator::PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBu
 PageAllocator::~PageAllocator() {
   for (int s = 0; s < kv_.num_slabs; ++s) {
     backend_->FreeKvMemory(kv_.k_slabs[s]);
-    backend_->FreeKvMemory(kv_.v_slabs[s]);
+    if (kv_.v_slabs[s] != nullptr) backend_->FreeKvMemory(kv_.v_slabs[s]);
   }
   budget_->Give(bytes_allocated());
 }
@@ -46,13 +48,15 @@ absl::Status PageAllocator::AddSlab() {
         "the device's K/V budget (--kv_cache_bytes ", budget_->limit(), ") has ",
         budget_->limit() - budget_->used(), " bytes left, a slab of this cache needs ", bytes));
   }
-  const int64_t half = bytes / 2;
-  absl::StatusOr<void*> k = backend_->AllocateKvMemory(half);
+  const int64_t k_bytes = page_bytes_ << kv_.slab_shift;
+  absl::StatusOr<void*> k = backend_->AllocateKvMemory(k_bytes);
   if (!k.ok()) {
     budget_->Give(bytes);
     return k.status();
   }
-  absl::StatusOr<void*> v = backend_->AllocateKvMemory(half);
+  // V in K's pages: no V slab (and none charged).
+  absl::StatusOr<void*> v =
+      kv_.v_in_k ? absl::StatusOr<void*>(nullptr) : backend_->AllocateKvMemory(bytes - k_bytes);
   if (!v.ok()) {
     backend_->FreeKvMemory(*k);
     budget_->Give(bytes);

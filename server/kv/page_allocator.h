@@ -39,8 +39,11 @@ class PageAllocator {
   // `backend` must outlive the allocator. The budget is shared: a cache can
   // outlive its pool (an executor's completion callback may hold the last
   // reference after the pool is gone), and its pages go back on destruction.
+  // page_bytes is one page's K; v_page_bytes its V (-1: as K's; 0 with
+  // v_in_k: V lives in K's pages, no V slabs).
   PageAllocator(AttentionBackend* backend, std::shared_ptr<DeviceBudget> budget, int page_size,
-                int64_t page_bytes, int64_t capacity_pages, bool fp8_e4m3 = false);
+                int64_t page_bytes, int64_t capacity_pages, bool fp8_e4m3 = false,
+                int64_t v_page_bytes = -1, bool v_in_k = false);
   // Frees every slab and returns its bytes to the budget.
   ~PageAllocator();
   PageAllocator(const PageAllocator&) = delete;
@@ -63,8 +66,8 @@ class PageAllocator {
   int64_t capacity_pages() const { return capacity_pages_; }
   int64_t pages_used() const { return used_; }
   int64_t pages_free() const { return capacity_pages_ - used_; }
-  int64_t page_bytes() const { return 2 * page_bytes_; }  // K and V
-  int64_t slab_bytes() const { return 2 * (page_bytes_ << kv_.slab_shift); }
+  int64_t page_bytes() const { return page_bytes_ + v_page_bytes_; }  // K and V
+  int64_t slab_bytes() const { return page_bytes() << kv_.slab_shift; }
   int64_t bytes_allocated() const { return int64_t{kv_.num_slabs} * slab_bytes(); }
   // What bytes_allocated() reaches at full capacity (the last slab is whole).
   int64_t ceiling_bytes() const {
@@ -78,7 +81,8 @@ class PageAllocator {
 
   AttentionBackend* const backend_;
   const std::shared_ptr<DeviceBudget> budget_;
-  const int64_t page_bytes_;
+  const int64_t page_bytes_;    // K's
+  const int64_t v_page_bytes_;  // V's: 0 when V lives in K's pages
   const int64_t capacity_pages_;
   KvPages kv_{};
   std::vector<int32_t> free_;  // a stack of free page ids

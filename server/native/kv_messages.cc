@@ -14,6 +14,8 @@ KvCreateCache DecodeCreateCache(const v1::CreateCacheRequest& r) {
   c.geometry.head_dim = r.geometry().head_dim();
   c.geometry.dtype = static_cast<DType>(r.geometry().dtype());
   c.geometry.cache_dtype = static_cast<DType>(r.geometry().cache_dtype());
+  c.geometry.head_dim_v = r.geometry().head_dim_v();
+  c.geometry.v_in_k = r.geometry().v_in_k();
   c.page_size = r.page_size();
   c.capacity_tokens = r.capacity_tokens();
   c.capacity_bytes = r.capacity_bytes();
@@ -87,6 +89,8 @@ void FillCacheStats(const KvCacheStats& s, v1::CacheStats* out) {
   out->mutable_geometry()->set_head_dim(s.geometry.head_dim);
   out->mutable_geometry()->set_dtype(static_cast<v1::DType>(s.geometry.dtype));
   out->mutable_geometry()->set_cache_dtype(static_cast<v1::DType>(s.geometry.cache_dtype));
+  out->mutable_geometry()->set_head_dim_v(s.geometry.head_dim_v);
+  out->mutable_geometry()->set_v_in_k(s.geometry.v_in_k);
   out->set_page_size(s.page_size);
   out->set_device(s.device);
   out->set_capacity_pages(s.capacity_pages);
