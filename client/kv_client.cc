@@ -202,6 +202,21 @@ v1::KvCache::Stub& KvClient::StubFor(const std::string& cache_id) {
   return Next();
 }
 
+absl::StatusOr<v1::KvCache::Stub*> KvClient::RouteTo(const std::string& cache_id,
+                                                     const std::string& address) {
+  absl::MutexLock lock(&routes_mu_);
+  if (moved_stubs_.count(address) == 0) {
+    // Same credentials and settings as the client's own target.
+    absl::StatusOr<std::unique_ptr<AttentionClient>> made =
+        AttentionClient::Create(address, client_.options());
+    if (!made.ok()) return made.status();
+    moved_stubs_[address] = v1::KvCache::NewStub((*made)->channel(0));
+    moved_clients_[address] = *std::move(made);
+  }
+  routes_[cache_id] = address;
+  return moved_stubs_.at(address).get();
+}
+
 grpc::Status KvClient::Invoke(
     const CallOptions& call, const std::string& cache_id,
     const std::function<grpc::Status(v1::KvCache::Stub&, grpc::ClientContext*)>& rpc) {
@@ -220,16 +235,7 @@ grpc::Status KvClient::Invoke(
     if (moved_.policy == KvMovedOptions::Policy::kFollow) {
       if (moved_to == trailers.end()) return status;
       const std::string address(moved_to->second.data(), moved_to->second.size());
-      absl::MutexLock lock(&routes_mu_);
-      if (moved_stubs_.count(address) == 0) {
-        // Same credentials and settings as the client's own target.
-        absl::StatusOr<std::unique_ptr<AttentionClient>> made =
-            AttentionClient::Create(address, client_.options());
-        if (!made.ok()) return status;
-        moved_stubs_[address] = v1::KvCache::NewStub((*made)->channel(0));
-        moved_clients_[address] = *std::move(made);
-      }
-      routes_[cache_id] = address;
+      if (!RouteTo(cache_id, address).ok()) return status;
     } else {
       // Through a proxy: the drained replica answers until it exits, then
       // the proxy sends the call to the replica that holds the cache.
@@ -403,25 +409,60 @@ absl::StatusOr<std::unique_ptr<AppendAttendStream>> KvClient::OpenStream(
   if (channel < 0) {
     return absl::InvalidArgumentError(absl::StrCat("channel must be >= 0, got ", channel));
   }
-  auto stub = v1::KvCache::NewStub(client_.channel(channel % client_.num_channels()));
-  std::unique_ptr<AppendAttendStream> stream(
-      new AppendAttendStream(cache_id, std::move(stub), call, client_.options()));
+  v1::KvCache::Stub* stub = stubs_[channel % stubs_.size()].get();
+  {
+    absl::MutexLock lock(&routes_mu_);
+    auto route = routes_.find(cache_id);
+    if (route != routes_.end()) stub = moved_stubs_.at(route->second).get();
+  }
+  AppendAttendStream::Reopen reopen;
+  if (moved_.policy == KvMovedOptions::Policy::kFollow) {
+    reopen = [this, cache_id](const std::string& address) {
+      moved_retries_.fetch_add(1, std::memory_order_relaxed);
+      return RouteTo(cache_id, address);
+    };
+  } else if (moved_.policy == KvMovedOptions::Policy::kRetry) {
+    // Through a proxy: the same target, once the drained replica has gone.
+    reopen = [this, stub, backoff = absl::Milliseconds(5)](
+                 const std::string&) mutable -> absl::StatusOr<v1::KvCache::Stub*> {
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(100));
+      moved_retries_.fetch_add(1, std::memory_order_relaxed);
+      return stub;
+    };
+  }
+  std::unique_ptr<AppendAttendStream> stream(new AppendAttendStream(
+      cache_id, stub, call, client_.options(), std::move(reopen), moved_.budget));
   return stream;
 }
 
 // --- AppendAttendStream ---
 
-AppendAttendStream::AppendAttendStream(std::string cache_id,
-                                       std::unique_ptr<v1::KvCache::Stub> stub,
-                                       const CallOptions& call, const ClientOptions& options)
-    : cache_id_(std::move(cache_id)), stub_(std::move(stub)) {
-  if (call.timeout && *call.timeout != absl::InfiniteDuration()) {
-    context_.set_deadline(absl::ToChronoTime(absl::Now() + *call.timeout));
+AppendAttendStream::AppendAttendStream(std::string cache_id, v1::KvCache::Stub* stub,
+                                       const CallOptions& call, const ClientOptions& options,
+                                       Reopen reopen, absl::Duration budget)
+    : cache_id_(std::move(cache_id)),
+      call_(call),
+      options_(options),
+      reopen_(std::move(reopen)),
+      budget_(budget) {
+  {
+    absl::MutexLock lock(&write_mu_);
+    Open(stub);
   }
-  context_.set_wait_for_ready(call.wait_for_ready.value_or(options.wait_for_ready));
-  context_.AddMetadata(kCacheIdHeader, cache_id_);
-  stream_ = stub_->AppendAttendStream(&context_);
   reader_ = std::thread([this] { ReadLoop(); });
+}
+
+void AppendAttendStream::Open(v1::KvCache::Stub* stub) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  if (call_.timeout && *call_.timeout != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + *call_.timeout));
+  }
+  context->set_wait_for_ready(call_.wait_for_ready.value_or(options_.wait_for_ready));
+  context->AddMetadata(kCacheIdHeader, cache_id_);
+  rpcs_.push_back(stub->AppendAttendStream(context.get()));
+  contexts_.push_back(std::move(context));
+  stream_ = rpcs_.back().get();
 }
 
 AppendAttendStream::~AppendAttendStream() { Finish().IgnoreError(); }
@@ -431,32 +472,39 @@ int64_t AppendAttendStream::in_flight() const {
   return static_cast<int64_t>(pending_.size());
 }
 
+int64_t AppendAttendStream::reopened() const {
+  absl::MutexLock lock(&mu_);
+  return reopened_;
+}
+
 absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done) {
   if (request.cache_id() != cache_id_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request cache_id '", request.cache_id(), "' is not the stream's cache '", cache_id_, "'"));
   }
+  // Registered and written under one lock, so a reopened stream sends the
+  // unanswered requests in the order they were written.
+  absl::MutexLock write_lock(&write_mu_);
+  write_mu_.Await(absl::Condition(this, &AppendAttendStream::NotResending));
+  auto shared = std::make_shared<v1::AppendAttendRequest>(std::move(request));
   {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::FailedPreconditionError("the stream is closed");
-    if (request.request_id().empty()) {
+    if (shared->request_id().empty()) {
       // A prefix no caller-chosen id is likely to use.
-      request.set_request_id(absl::StrCat("s", next_id_++));
+      shared->set_request_id(absl::StrCat("s", next_id_++));
     }
-    if (pending_.count(request.request_id()) > 0) {
-      return absl::InvalidArgumentError(absl::StrCat("request_id '", request.request_id(),
+    if (pending_.count(shared->request_id()) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("request_id '", shared->request_id(),
                                                      "' is already in flight on this stream"));
     }
-    pending_.emplace(request.request_id(), std::move(done));
+    pending_.emplace(shared->request_id(), Pending{next_order_++, std::move(done),
+                                                   reopen_ != nullptr ? shared : nullptr});
   }
-  bool written = false;
-  {
-    absl::MutexLock lock(&write_mu_);
-    written = stream_->Write(request);
-  }
-  if (!written) {
+  if (!stream_->Write(*shared) && reopen_ == nullptr) {
     // The stream broke: the reader fails everything pending with the stream's
-    // status, this request included (unless it already did).
+    // status, this request included (unless it already did). A stream that
+    // follows moves learns from the reader whether it goes on.
     absl::MutexLock lock(&mu_);
     closed_ = true;
   }
@@ -509,23 +557,51 @@ absl::StatusOr<AppendAttendResult> AppendAttendStream::Call(v1::AppendAttendRequ
 }
 
 void AppendAttendStream::ReadLoop() {
-  v1::AppendAttendResponse response;
-  while (stream_->Read(&response)) {
-    Done done;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = pending_.find(response.request_id());
-      if (it == pending_.end()) continue;  // not ours: nothing waits for it
-      done = std::move(it->second);
-      pending_.erase(it);
-    }
-    done(std::move(response));
-    response.Clear();
+  absl::Time give_up = absl::InfiniteFuture();  // of the moves followed in a row
+  Rpc* stream;
+  {
+    absl::MutexLock lock(&write_mu_);
+    stream = stream_;
   }
+  absl::Status status;
+  while (true) {
+    v1::AppendAttendResponse response;
+    while (stream->Read(&response)) {
+      give_up = absl::InfiniteFuture();
+      Done done;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = pending_.find(response.request_id());
+        if (it == pending_.end()) continue;  // not ours: nothing waits for it
+        done = std::move(it->second.done);
+        pending_.erase(it);
+      }
+      done(std::move(response));
+      response.Clear();
+    }
+    grpc::ClientContext* context;
+    {
+      absl::MutexLock lock(&write_mu_);
+      context = contexts_.back().get();
+    }
+    status = ToAbslStatus(stream->Finish());
+    // The server ended the stream because the cache moved: what it did not
+    // answer, it did not apply.
+    const auto& trailers = context->GetServerTrailingMetadata();
+    const auto moved_to = trailers.find(kMovedToHeader);
+    if (reopen_ == nullptr || !absl::IsUnavailable(status) || moved_to == trailers.end()) break;
+    if (give_up == absl::InfiniteFuture()) give_up = absl::Now() + budget_;
+    if (absl::Now() >= give_up ||
+        !FollowMove(std::string(moved_to->second.data(), moved_to->second.size()))) {
+      break;
+    }
+    absl::MutexLock lock(&write_mu_);
+    stream = stream_;
+  }
+  if (resender_.joinable()) resender_.join();
   // The server closed the stream (or it broke): whatever is still pending
   // will never be answered.
-  absl::Status status = ToAbslStatus(stream_->Finish());
-  std::map<std::string, Done> orphans;
+  std::map<std::string, Pending> orphans;
   {
     absl::MutexLock lock(&mu_);
     closed_ = true;
@@ -534,8 +610,40 @@ void AppendAttendStream::ReadLoop() {
   const absl::Status orphan_status =
       status.ok() ? absl::UnavailableError("the stream ended before this request was answered")
                   : status;
-  for (auto& [id, done] : orphans) done(orphan_status);
+  for (auto& [id, p] : orphans) p.done(orphan_status);
   final_status_ = status;
+}
+
+bool AppendAttendStream::FollowMove(const std::string& address) {
+  if (resender_.joinable()) resender_.join();
+  absl::StatusOr<v1::KvCache::Stub*> stub = reopen_(address);
+  if (!stub.ok()) return false;
+  std::vector<std::shared_ptr<const v1::AppendAttendRequest>> again;
+  {
+    absl::MutexLock write_lock(&write_mu_);
+    Open(*stub);
+    std::vector<const Pending*> order;
+    {
+      absl::MutexLock lock(&mu_);
+      ++reopened_;
+      for (const auto& [id, p] : pending_) order.push_back(&p);
+      std::sort(order.begin(), order.end(),
+                [](const Pending* a, const Pending* b) { return a->order < b->order; });
+      for (const Pending* p : order) again.push_back(p->request);
+    }
+    resending_ = true;
+  }
+  // Written on a thread of their own while this one reads the answers (a
+  // long backlog must not wait on a server that waits for its reads).
+  resender_ = std::thread([this, again = std::move(again)] {
+    absl::MutexLock write_lock(&write_mu_);
+    for (const auto& request : again) {
+      if (!stream_->Write(*request)) break;  // the reader learns why
+    }
+    if (writes_done_) stream_->WritesDone();
+    resending_ = false;
+  });
+  return true;
 }
 
 absl::Status AppendAttendStream::Finish() {
@@ -547,7 +655,9 @@ absl::Status AppendAttendStream::Finish() {
   }
   {
     absl::MutexLock lock(&write_mu_);
+    write_mu_.Await(absl::Condition(this, &AppendAttendStream::NotResending));
     stream_->WritesDone();
+    writes_done_ = true;
   }
   reader_.join();
   return final_status_;

@@ -26,8 +26,15 @@
 // expected_length, so an append is never applied twice) per KvMovedOptions:
 // at the named address (and every later call of that cache goes there), or
 // at the same target after a short backoff (a proxy sends it on to the
-// replica that now holds the cache once the drained one has gone). Streams
-// do not follow: their requests fail in-band with that status and message.
+// replica that now holds the cache once the drained one has gone).
+//
+// Streams follow too: a replica whose cache moves ends an AppendAttendStream
+// with the same moved-to status once the requests it had started are
+// answered; the requests it did not answer were refused with no state change
+// (or never read). The stream then reopens itself (at the named address, or
+// at the same target after a backoff) and sends those requests again in the
+// order they were first sent, so every request is answered exactly once. A
+// stream that ends any other way fails its unanswered requests as before.
 //
 // A separate class rather than more AttentionClient methods: the stateless
 // Attention client stays what a serving stack without a cache links against,
@@ -186,25 +193,52 @@ class AppendAttendStream {
 
   const std::string& cache_id() const { return cache_id_; }
   int64_t in_flight() const;
+  // Times the stream reopened after a moved-to end.
+  int64_t reopened() const;
 
  private:
   friend class KvClient;
-  AppendAttendStream(std::string cache_id, std::unique_ptr<v1::KvCache::Stub> stub,
-                     const CallOptions& call, const ClientOptions& options);
+  using Rpc = grpc::ClientReaderWriter<v1::AppendAttendRequest, v1::AppendAttendResponse>;
+  // Where the stream goes on after a moved-to end naming `address`: the stub
+  // to reopen it on, or the error that ends it.
+  using Reopen = std::function<absl::StatusOr<v1::KvCache::Stub*>(const std::string& address)>;
+  struct Pending {
+    uint64_t order = 0;  // sending order, kept when sent again
+    Done done;
+    // Kept to send again after a move (null when the stream does not follow).
+    std::shared_ptr<const v1::AppendAttendRequest> request;
+  };
+  // `reopen` null: the stream does not follow moves.
+  AppendAttendStream(std::string cache_id, v1::KvCache::Stub* stub, const CallOptions& call,
+                     const ClientOptions& options, Reopen reopen, absl::Duration budget);
+  void Open(v1::KvCache::Stub* stub) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   void ReadLoop();
+  // After a moved-to end: reopens and sends the unanswered requests again.
+  // False when the stream cannot go on.
+  bool FollowMove(const std::string& address);
+  bool NotResending() const ABSL_SHARED_LOCKS_REQUIRED(write_mu_) { return !resending_; }
 
   const std::string cache_id_;
-  std::unique_ptr<v1::KvCache::Stub> stub_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AppendAttendRequest, v1::AppendAttendResponse>>
-      stream_;
+  const CallOptions call_;
+  const ClientOptions options_;
+  const Reopen reopen_;
+  const absl::Duration budget_;
   absl::Mutex write_mu_;  // one Write at a time (gRPC's rule for a sync stream)
+  // The RPC now and those it replaced (kept until the stream goes).
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_ ABSL_GUARDED_BY(write_mu_);
+  std::vector<std::unique_ptr<Rpc>> rpcs_ ABSL_GUARDED_BY(write_mu_);
+  Rpc* stream_ ABSL_GUARDED_BY(write_mu_) = nullptr;
+  bool resending_ ABSL_GUARDED_BY(write_mu_) = false;
+  bool writes_done_ ABSL_GUARDED_BY(write_mu_) = false;
   mutable absl::Mutex mu_;
-  std::map<std::string, Done> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_order_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;  // writes done or the stream broke
+  int64_t reopened_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ = false;
   absl::Status final_status_;
+  std::thread resender_;  // the reader's; joined by the reader
   std::thread reader_;
 };
 
@@ -266,8 +300,10 @@ class KvClient {
                          std::function<void(absl::StatusOr<v1::AppendAttendResponse>)> done);
 
   // Opens an AppendAttendStream for `cache_id` on channel `channel` (modulo
-  // the number of channels). The stream has no deadline unless
-  // `call.timeout` sets one: a generation loop outlives any one call.
+  // the number of channels), or at the address the cache moved to. The
+  // stream has no deadline unless `call.timeout` sets one: a generation loop
+  // outlives any one call. It follows moves per KvMovedOptions (the top of
+  // this file), so it must not outlive this KvClient.
   absl::StatusOr<std::unique_ptr<AppendAttendStream>> OpenStream(
       const std::string& cache_id, int channel = 0, const CallOptions& call = CallOptions());
 
@@ -282,6 +318,9 @@ class KvClient {
   v1::KvCache::Stub& Next();
   // The stub for a cache's calls: the address it moved to, else Next().
   v1::KvCache::Stub& StubFor(const std::string& cache_id);
+  // Routes the cache's calls to `address` from now on; its stub.
+  absl::StatusOr<v1::KvCache::Stub*> RouteTo(const std::string& cache_id,
+                                             const std::string& address);
   // Runs `rpc` (a fresh context each attempt) and retries it per moved_.
   grpc::Status Invoke(
       const CallOptions& call, const std::string& cache_id,

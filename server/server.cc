@@ -551,6 +551,7 @@ class AttnServerImpl final : public AttnServer {
                          kv_transfer_service_.RenderMetrics() + executors_.RenderDeviceGauges() +
                          kserve_.RenderBufferedMetrics();
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
+      if (handoff_gate_ != nullptr) text += RenderHandoffMetrics(*handoff_gate_);
       return text;
     });
     metrics_.SetDevices(description_.devices);

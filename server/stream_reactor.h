@@ -4,9 +4,12 @@
 // reading while earlier requests run, writes responses as they complete (so
 // possibly out of order), one write in flight and the rest queued. A failed
 // request becomes an in-band error response (the protocol's `fail` hook) and
-// the stream goes on. The RPC finishes once the client has half-closed (or the
-// call is gone) and every started request has completed and been written (or
-// can no longer be).
+// the stream goes on, unless the protocol's `ends` hook says the status ends
+// the stream: that request is then not answered, no request read after it
+// starts, and once the requests already started are answered the RPC
+// finishes with that status (a K/V cache that moved elsewhere). The RPC finishes once the client
+// has half-closed (or the call is gone) and every started request has completed and been written
+// (or can no longer be).
 //
 // Flow control (stream_flow_control.h), the same for every stream: the next
 // read starts only while the stream's ledger is under its limits; otherwise
@@ -51,17 +54,22 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   using Start = std::function<void(Call* call, Done done)>;
   // Turns `call`'s response into the in-band report of a failed request.
   using Fail = std::function<void(Call* call, const absl::Status& status)>;
+  // True when a failed request's `status` ends the stream; `first` for the
+  // first such status (the hook may add trailing metadata then).
+  using Ends = std::function<bool(const absl::Status& status, bool first)>;
 
   // `in_flight` counts every request until its response is written or dropped;
   // `cancelled` is set when the RPC is cancelled (the requests see it);
   // `limits` bound what the stream holds, `gauge` (may be null; must outlive
   // the reactor) sums it over the server's streams.
   PipelinedStreamReactor(InFlightCounter* in_flight, std::shared_ptr<std::atomic<bool>> cancelled,
-                         Start start, Fail fail, const StreamLimits& limits, StreamGauge* gauge)
+                         Start start, Fail fail, const StreamLimits& limits, StreamGauge* gauge,
+                         Ends ends = nullptr)
       : in_flight_(in_flight),
         cancelled_(std::move(cancelled)),
         start_(std::move(start)),
         fail_(std::move(fail)),
+        ends_(std::move(ends)),
         ledger_(limits, gauge) {
     this->StartRead(&incoming_);
   }
@@ -76,6 +84,21 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
         finish = ShouldFinishLocked();
       }
       if (finish) FinishStream();
+      return;
+    }
+    bool ended = false;
+    bool finish_now = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) {
+        // Read as the stream ended: not started, never answered.
+        incoming_.Clear();
+        reads_done_ = ended = true;
+        finish_now = ShouldFinishLocked();
+      }
+    }
+    if (ended) {
+      if (finish_now) FinishStream();
       return;
     }
     auto owned = std::make_unique<Call>();
@@ -115,7 +138,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
     {
       absl::MutexLock lock(&mu_);
       starting_ = false;
-      read = (read_next || resume_after_start_) && !reads_done_;
+      read = (read_next || resume_after_start_) && !reads_done_ && !ending_;
       resume_after_start_ = false;
       finish = !read && ShouldFinishLocked();
     }
@@ -162,7 +185,30 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   void OnDone() override { delete this; }
 
  private:
+  // A request whose status ends the stream: dropped unanswered (see the top).
+  bool EndsStream(Call* call, const absl::Status& status) {
+    if (ends_ == nullptr) return false;
+    Response* next;
+    bool finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ends_(status, !ending_)) return false;
+      if (!ending_) {
+        ending_ = true;
+        end_status_ = status;
+      }
+      --pending_;
+      in_flight_->Done();
+      RemoveLocked(call);
+      next = NextWriteLocked();
+      finish = next == nullptr && ShouldFinishLocked();
+    }
+    Proceed(false, next, finish);
+    return true;
+  }
+
   void OnRequestDone(Call* call, const absl::Status& status) {
+    if (!status.ok() && EndsStream(call, status)) return;
     if (!status.ok()) fail_(call, status);
     // `done` (and `fail`) were the last uses of the request: free it now (Swap
     // with an empty message releases the buffers; Clear would keep them).
@@ -199,7 +245,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   // has room again; the caller then starts the read after unlocking.
   // While a request is starting, the read waits for it (OnReadDone starts it).
   bool ResumeReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!ledger_.paused() || reads_done_ || ledger_.Full()) return false;
+    if (!ledger_.paused() || reads_done_ || ending_ || ledger_.Full()) return false;
     ledger_.SetPaused(false);
     if (starting_) {
       resume_after_start_ = true;
@@ -224,7 +270,9 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
 
   // Never while a request is starting: OnReadDone still uses `this` after start_.
   bool ShouldFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || starting_ || !reads_done_ || pending_ > 0 || writing_ || !ready_.empty()) {
+    // An ending stream finishes with a read still outstanding (it then fails).
+    if (finished_ || starting_ || (!reads_done_ && !ending_) || pending_ > 0 || writing_ ||
+        !ready_.empty()) {
       return false;
     }
     finished_ = true;
@@ -242,6 +290,16 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   }
 
   void FinishStream() {
+    absl::Status ended;
+    {
+      absl::MutexLock lock(&mu_);
+      ended = end_status_;
+    }
+    if (!ended.ok() && !cancelled_->load(std::memory_order_acquire)) {
+      this->Finish(
+          grpc::Status(static_cast<grpc::StatusCode>(ended.code()), std::string(ended.message())));
+      return;
+    }
     // Per-request errors travel in responses; the stream itself succeeded
     // unless the client went away.
     this->Finish(cancelled_->load(std::memory_order_acquire)
@@ -253,6 +311,7 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   const std::shared_ptr<std::atomic<bool>> cancelled_;
   const Start start_;
   const Fail fail_;
+  const Ends ends_;
   Request incoming_;  // the buffer of the one read in flight
 
   absl::Mutex mu_;
@@ -265,6 +324,8 @@ class PipelinedStreamReactor final : public grpc::ServerBidiReactor<Request, Res
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool starting_ ABSL_GUARDED_BY(mu_) = false;            // OnReadDone is in start_
   bool resume_after_start_ ABSL_GUARDED_BY(mu_) = false;  // a resume came meanwhile
+  bool ending_ ABSL_GUARDED_BY(mu_) = false;              // a request's status ends the stream
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
   StreamLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -108,18 +108,27 @@ void KvHandoffGate::Enter(Call call, Go go) {
     auto it = entries_.find(key);
     const bool fetching = it != entries_.end() && it->second.fetching;
     const bool here = !call.create && pool_->Find(call.tenant, call.cache_id).ok();
+    const bool gone = moved_.count(key) > 0;  // this server moved it away
     bool wait = fetching || moving_.count(key) > 0;
     bool fetch = false;
-    if (draining_) {
-      if (!wait && !here) refused = MovedStatus(call.cache_id, peer_);
-    } else if (!wait && !here && !call.create && fetch_ != nullptr) {
-      wait = fetch = true;
+    if (call.create) moved_.erase(key);  // a new cache of that id starts here
+    if (!wait && !here && !call.create) {
+      if (draining_ || (gone && (call.read_only || call.stream))) {
+        refused = MovedStatus(call.cache_id, peer_);
+        ++counters_.refused_moved;
+      } else if (!call.read_only && fetch_ != nullptr) {
+        wait = fetch = true;
+      }
+    } else if (draining_ && call.create && !wait) {
+      refused = MovedStatus(call.cache_id, peer_);
+      ++counters_.refused_moved;
     }
     if (wait) {
       Entry& entry = entries_[key];
       entry.waiting.push_back({call, std::move(go)});
       if (fetch) {
         entry.fetching = true;
+        ++counters_.fetches;
         Spawn([this, call] { RunFetch(call); });
       }
       return;
@@ -140,6 +149,8 @@ void KvHandoffGate::RunFetch(Call call) {
     spdlog::info("handoff: cache {} (tenant {}) fetched from {} in {}", call.cache_id, call.tenant,
                  peer_, absl::FormatDuration(absl::Now() - begin));
   } else if (!absl::IsNotFound(fetched)) {
+    absl::MutexLock lock(&mu_);
+    ++counters_.failures;
     spdlog::warn("handoff: fetching cache {} (tenant {}) from {} failed: {}", call.cache_id,
                  call.tenant, peer_, fetched.ToString());
   }
@@ -151,9 +162,12 @@ void KvHandoffGate::RunFetch(Call call) {
     entry.fetching = false;
     waiting.swap(entry.waiting);
     if (fetched.ok()) {
-      ++fetched_;
+      ++counters_.fetched;
+      moved_.erase(key);
       known_.insert(key);
       for (size_t i = 0; i < waiting.size(); ++i) passes.push_back(PassFor(key));
+    } else if (MovedToOf(fetched).has_value()) {
+      counters_.refused_moved += static_cast<int64_t>(waiting.size());
     }
     Tidy(key);
   }
@@ -195,15 +209,18 @@ bool KvHandoffGate::WaitIdle(const std::string& tenant, const std::string& cache
   }
 }
 
-void KvHandoffGate::Moved(const std::string& tenant, const std::string& cache_id) {
+void KvHandoffGate::Moved(const std::string& tenant, const std::string& cache_id, int64_t bytes) {
   const Key key(tenant, cache_id);
   std::vector<Waiting> waiting;
   {
     absl::MutexLock lock(&mu_);
     moving_.erase(key);
     moved_.insert(key);
+    ++counters_.pushed;
+    counters_.bytes_pushed += bytes;
     auto it = entries_.find(key);
     if (it != entries_.end()) waiting.swap(it->second.waiting);
+    counters_.refused_moved += static_cast<int64_t>(waiting.size());
     Tidy(key);
   }
   for (Waiting& w : waiting) w.go(MovedStatus(cache_id, peer_), Pass());
@@ -216,6 +233,7 @@ void KvHandoffGate::Release(const std::string& tenant, const std::string& cache_
   {
     absl::MutexLock lock(&mu_);
     moving_.erase(key);
+    ++counters_.failures;
     auto it = entries_.find(key);
     if (it != entries_.end()) waiting.swap(it->second.waiting);
     for (size_t i = 0; i < waiting.size(); ++i) passes.push_back(PassFor(key));
@@ -236,12 +254,14 @@ void KvHandoffGate::Give(const std::string& tenant, const std::string& cache_id,
   moving_.insert(key);
   Spawn([this, cache = *std::move(cache), tenant, cache_id, authorization, done = std::move(done)] {
     const absl::Time begin = absl::Now();
-    absl::Status status = WaitIdle(tenant, cache_id, begin + absl::Seconds(60))
-                              ? push_(cache, authorization)
-                              : absl::DeadlineExceededError("calls on the cache still in flight");
+    absl::StatusOr<int64_t> pushed =
+        WaitIdle(tenant, cache_id, begin + absl::Seconds(60))
+            ? push_(cache, authorization)
+            : absl::DeadlineExceededError("calls on the cache still in flight");
+    const absl::Status status = pushed.status();
     if (status.ok()) {
       pool_->DropCache(tenant, cache_id).IgnoreError();
-      Moved(tenant, cache_id);
+      Moved(tenant, cache_id, *pushed);
       spdlog::info("handoff: cache {} (tenant {}) given to {} in {}", cache_id, tenant, peer_,
                    absl::FormatDuration(absl::Now() - begin));
     } else {
@@ -251,9 +271,14 @@ void KvHandoffGate::Give(const std::string& tenant, const std::string& cache_id,
   });
 }
 
+KvHandoffGate::Counters KvHandoffGate::counters() const {
+  absl::MutexLock lock(&mu_);
+  return counters_;
+}
+
 int64_t KvHandoffGate::fetched() const {
   absl::MutexLock lock(&mu_);
-  return fetched_;
+  return counters_.fetched;
 }
 
 int64_t KvHandoffGate::moved() const {

@@ -13,7 +13,13 @@
 //  - draining: calls on the caches being moved wait until their cache has
 //    moved and then get UNAVAILABLE "cache <id> moved to <peer>"
 //    (MovedStatus); calls on caches not here (CreateCache included) get it at
-//    once; calls on a cache that stays (its move failed) go on.
+//    once; calls on a cache that stays (its move failed) go on;
+//  - read-only calls (GetCacheStats) never fetch: they answer from what is
+//    here, or MovedStatus for a cache this server moved away (or drains);
+//  - a stream's request on a cache this server moved away gets MovedStatus
+//    rather than fetching it back: the stream ends there and its client
+//    reopens it at the peer (a request read just after the move must not pull
+//    the cache back ahead of the requests the move refused).
 // Protocol-free: the gRPC front-end turns MovedStatus into the trailing
 // metadata x-attnserve-moved-to (server/native/kv_moved.h).
 #pragma once
@@ -80,6 +86,8 @@ class KvHandoffGate {
     std::string cache_id;
     std::string authorization;  // the caller's header, for a fetch as the caller
     bool create = false;        // CreateCache: never fetched
+    bool read_only = false;     // changes nothing: never fetched
+    bool stream = false;        // a request of an AppendAttendStream
   };
   // Held by an admitted call until it has completed.
   using Pass = std::shared_ptr<void>;
@@ -90,8 +98,9 @@ class KvHandoffGate {
   using Fetch = std::function<absl::Status(const Call& call)>;
   // Copies `cache` to the peer, as the caller of `authorization` (empty: as
   // the cache's tenant by the shared tokens file).
-  using Push = std::function<absl::Status(const std::shared_ptr<KvCache>& cache,
-                                          const std::string& authorization)>;
+  // Returns the payload bytes sent.
+  using Push = std::function<absl::StatusOr<int64_t>(const std::shared_ptr<KvCache>& cache,
+                                                     const std::string& authorization)>;
 
   // `pool` must outlive the gate; `fetch` null: nothing is fetched.
   KvHandoffGate(KvPool* pool, std::string peer, Fetch fetch, Push push);
@@ -110,9 +119,9 @@ class KvHandoffGate {
   std::vector<std::shared_ptr<KvCache>> BeginDrain();
   // True once no admitted call holds a pass on the cache; false at deadline.
   bool WaitIdle(const std::string& tenant, const std::string& cache_id, absl::Time deadline);
-  // The cache is on the peer now: its waiting calls, and later ones, get
-  // MovedStatus.
-  void Moved(const std::string& tenant, const std::string& cache_id);
+  // The cache is on the peer now (`bytes` of payload pushed): its waiting
+  // calls, and later ones, get MovedStatus.
+  void Moved(const std::string& tenant, const std::string& cache_id, int64_t bytes);
   // The move failed: its waiting calls go on (and meet the drain's refusal).
   void Release(const std::string& tenant, const std::string& cache_id);
 
@@ -122,7 +131,17 @@ class KvHandoffGate {
   void Give(const std::string& tenant, const std::string& cache_id,
             const std::string& authorization, std::function<void(const absl::Status&)> done);
 
-  // Caches fetched from the peer, and moved to it, since start (metrics, tests).
+  // What the gate has done since start (/metrics: RenderHandoffMetrics).
+  struct Counters {
+    int64_t refused_moved = 0;  // calls answered MovedStatus
+    int64_t pushed = 0;         // caches moved to the peer (drain and give)
+    int64_t bytes_pushed = 0;   // their payload bytes
+    int64_t fetches = 0;        // fetches started (a call missed the cache)
+    int64_t fetched = 0;        // of those, the cache came here
+    int64_t failures = 0;       // pushes that failed, fetches that failed other than NOT_FOUND
+  };
+  Counters counters() const;
+  // Caches fetched from the peer, and moved to it, since start (tests).
   int64_t fetched() const;
   int64_t moved() const;
 
@@ -157,7 +176,7 @@ class KvHandoffGate {
   std::set<Key> moving_ ABSL_GUARDED_BY(mu_);  // the drain's, until Moved or Release
   std::set<Key> moved_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t fetched_ ABSL_GUARDED_BY(mu_) = 0;
+  Counters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   std::set<std::thread::id> finished_ ABSL_GUARDED_BY(mu_);  // to join at the next Spawn
 };

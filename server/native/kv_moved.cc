@@ -20,6 +20,7 @@
 #include "common/cache_id_header.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "server/metrics.h"
 #include "server/native/kv_messages.h"
 #include "server/native/kv_transfer_service.h"
 #include "server/tenant.h"
@@ -69,6 +70,26 @@ void PrepareContext(grpc::ClientContext* context, const std::string& cache_id,
 }
 
 }  // namespace
+
+std::string RenderHandoffMetrics(const KvHandoffGate& gate) {
+  const KvHandoffGate::Counters c = gate.counters();
+  std::string out;
+  auto one = [&out](const char* name, const char* help, int64_t value) {
+    AppendFamily(&out, name, "counter", help, {{"", absl::StrCat(value)}});
+  };
+  one("attnserve_handoff_refused_moved_total",
+      "K/V calls answered UNAVAILABLE moved-to (x-attnserve-moved-to)", c.refused_moved);
+  one("attnserve_handoff_pushed_caches_total", "Caches moved to --handoff_peer (drain and give)",
+      c.pushed);
+  one("attnserve_handoff_pushed_bytes_total", "Payload bytes of the caches moved to the peer",
+      c.bytes_pushed);
+  one("attnserve_handoff_fetches_total", "Fetches from the peer started by a call that missed",
+      c.fetches);
+  one("attnserve_handoff_fetched_caches_total", "Fetches that brought the cache here", c.fetched);
+  one("attnserve_handoff_failures_total",
+      "Pushes that failed, and fetches that failed other than NOT_FOUND", c.failures);
+  return out;
+}
 
 void AddMovedToTrailer(grpc::ServerContextBase* context, const absl::Status& status) {
   std::optional<std::string> address = MovedToOf(status);
@@ -142,8 +163,8 @@ absl::Status KvPeer::Fetch(const KvHandoffGate::Call& call) {
   return MovedStatus(id, options_.peer);
 }
 
-absl::Status KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl::Time deadline,
-                          const std::string& authorization) {
+absl::StatusOr<int64_t> KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl::Time deadline,
+                                     const std::string& authorization) {
   std::string as = authorization;
   if (as.empty()) {
     ASSIGN_OR_RETURN(const std::string token, TokenOfTenant(tokens_file_, cache->tenant()));
@@ -167,7 +188,8 @@ absl::Status KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl::Time dead
     create.set_cache_id(cache->id());
     v1::CreateCacheResponse response;
     const absl::Status made = ToAbslStatus(kv->CreateCache(&context, create, &response));
-    return made.ok() || absl::IsAlreadyExists(made) ? absl::OkStatus() : made;
+    if (!made.ok() && !absl::IsAlreadyExists(made)) return made;
+    return int64_t{0};
   }
   OpenChunks open =
       [cache](const v1::ImportResumePoint* resume,
@@ -183,7 +205,7 @@ absl::Status KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl::Time dead
   spdlog::info("handoff: cache {} (tenant {}) moved to {}: {} sequences, {} bytes in {:.3f} s",
                cache->id(), cache->tenant(), options_.peer, moved.sequences, moved.bytes,
                moved.seconds);
-  return absl::OkStatus();
+  return moved.bytes;
 }
 
 void KvPeer::Drain(KvHandoffGate* gate, absl::Time deadline) {
@@ -195,13 +217,14 @@ void KvPeer::Drain(KvHandoffGate* gate, absl::Time deadline) {
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < caches.size();) {
       const std::shared_ptr<KvCache>& cache = caches[i];
-      absl::Status status = gate->WaitIdle(cache->tenant(), cache->id(), deadline)
-                                ? Push(cache, deadline)
-                                : absl::DeadlineExceededError("calls still in flight");
+      absl::StatusOr<int64_t> pushed = gate->WaitIdle(cache->tenant(), cache->id(), deadline)
+                                           ? Push(cache, deadline)
+                                           : absl::DeadlineExceededError("calls still in flight");
+      const absl::Status status = pushed.status();
       if (status.ok()) {
         // Its pages go now; the calls that wait hear where it went.
         pool_->DropCache(cache->tenant(), cache->id()).IgnoreError();
-        gate->Moved(cache->tenant(), cache->id());
+        gate->Moved(cache->tenant(), cache->id(), *pushed);
         moved.fetch_add(1);
       } else {
         spdlog::warn("handoff: cache {} (tenant {}) not moved to {}: {}", cache->id(),

@@ -43,6 +43,10 @@ inline constexpr char kHandoffGiveHeader[] = "x-attnserve-handoff";
 // True when the call carries kHandoffGiveHeader: give.
 bool AsksToGive(const grpc::CallbackServerContext* context);
 
+// The gate's counters (KvHandoffGate::Counters) as attnserve_handoff_*
+// families for /metrics.
+std::string RenderHandoffMetrics(const KvHandoffGate& gate);
+
 class KvPeer {
  public:
   // `tls`: this server's own files (TLS to the peer when tls.cert_file is
@@ -59,8 +63,9 @@ class KvPeer {
 
   // Copies `cache` to the peer before `deadline`, as the caller of
   // `authorization` (empty: as the cache's tenant by the tokens file).
-  absl::Status Push(const std::shared_ptr<KvCache>& cache, absl::Time deadline,
-                    const std::string& authorization = std::string());
+  // Returns the payload bytes sent.
+  absl::StatusOr<int64_t> Push(const std::shared_ptr<KvCache>& cache, absl::Time deadline,
+                               const std::string& authorization = std::string());
 
   // The drain: every cache the gate knows moves to the peer (a few at a
   // time), each dropped here once the peer holds it; then the gate answers

@@ -181,28 +181,33 @@ grpc::ServerUnaryReactor* KvService::FreeSequences(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* context,
                                                    const v1::GetCacheStatsRequest* request,
                                                    v1::GetCacheStatsResponse* response) {
-  return Gated(context, request->cache_id(), /*create=*/false, [=] {
-    // Statistics stay readable during a drain: they change nothing.
-    absl::StatusOr<std::shared_ptr<KvCache>> cache =
-        pool_->Find(TenantOf(auth_, context), request->cache_id());
-    if (!cache.ok()) return cache.status();
-    absl::StatusOr<std::vector<uint64_t>> ids = StatsIds(*request, (*cache)->geometry().num_layers);
-    if (!ids.ok()) return ids.status();
-    absl::Status status;
-    FillCacheStats((*cache)->Stats(), response->mutable_stats());
-    for (uint64_t id : *ids) {
-      absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
-      if (!lengths.ok()) {
-        status = lengths.status();
-        response->Clear();
-        break;
-      }
-      v1::SequenceLengths* out = response->add_sequences();
-      out->set_sequence_id(id);
-      for (int32_t len : *lengths) out->add_lengths(len);
-    }
-    return status;
-  });
+  // Read-only: answered from what is here (never fetched from a peer).
+  return Gated(
+      context, request->cache_id(), /*create=*/false,
+      [=] {
+        // Statistics stay readable during a drain: they change nothing.
+        absl::StatusOr<std::shared_ptr<KvCache>> cache =
+            pool_->Find(TenantOf(auth_, context), request->cache_id());
+        if (!cache.ok()) return cache.status();
+        absl::StatusOr<std::vector<uint64_t>> ids =
+            StatsIds(*request, (*cache)->geometry().num_layers);
+        if (!ids.ok()) return ids.status();
+        absl::Status status;
+        FillCacheStats((*cache)->Stats(), response->mutable_stats());
+        for (uint64_t id : *ids) {
+          absl::StatusOr<std::vector<int32_t>> lengths = (*cache)->Lengths(id);
+          if (!lengths.ok()) {
+            status = lengths.status();
+            response->Clear();
+            break;
+          }
+          v1::SequenceLengths* out = response->add_sequences();
+          out->set_sequence_id(id);
+          for (int32_t len : *lengths) out->add_lengths(len);
+        }
+        return status;
+      },
+      /*read_only=*/true);
 }
 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
@@ -302,23 +307,34 @@ KvService::AppendAttendStream(grpc::CallbackServerContext* context) {
                         });
     };
     if (gate_ == nullptr) return go(absl::OkStatus(), nullptr);
-    gate_->Enter({who->tenant(), call->request.cache_id(), authorization}, std::move(go));
+    gate_->Enter({who->tenant(), call->request.cache_id(), authorization, /*create=*/false,
+                  /*read_only=*/false, /*stream=*/true},
+                 std::move(go));
   };
   // A failed call is answered in-band and the stream goes on.
   auto fail = [](Reactor::Call* call, const absl::Status& status) {
     call->response.set_error_code(ToRpcCode(status));
     call->response.set_error_message(std::string(status.message()));
   };
+  // A moved cache ends the stream with the moved-to trailer; its client
+  // reopens the stream there and sends the unanswered requests again.
+  auto ends = [context](const absl::Status& status, bool first) {
+    if (!MovedToOf(status).has_value()) return false;
+    if (first) AddMovedToTrailer(context, status);
+    return true;
+  };
   return new Reactor(&in_flight_, std::move(cancelled), std::move(start), std::move(fail),
-                     stream_limits_, metrics_ != nullptr ? &metrics_->streams() : nullptr);
+                     stream_limits_, metrics_ != nullptr ? &metrics_->streams() : nullptr,
+                     std::move(ends));
 }
 
 grpc::ServerUnaryReactor* KvService::Gated(grpc::CallbackServerContext* context,
                                            const std::string& cache_id, bool create,
-                                           std::function<absl::Status()> body) {
+                                           std::function<absl::Status()> body, bool read_only) {
   if (gate_ == nullptr) return Answer(context, body());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  KvHandoffGate::Call call{TenantOf(auth_, context), cache_id, AuthorizationOf(context), create};
+  KvHandoffGate::Call call{TenantOf(auth_, context), cache_id, AuthorizationOf(context), create,
+                           read_only};
   gate_->Enter(std::move(call), [context, reactor, body = std::move(body)](
                                     const absl::Status& refused, KvHandoffGate::Pass pass) {
     const absl::Status status = refused.ok() ? body() : refused;

@@ -89,8 +89,10 @@ class KvService final : public v1::KvCache::CallbackService {
 
   // Answers a unary call through the gate: `body` runs once the call may go
   // (now, or later on another thread) and returns the call's status.
+  // `read_only`: the call changes nothing (never fetched from the peer).
   grpc::ServerUnaryReactor* Gated(grpc::CallbackServerContext* context, const std::string& cache_id,
-                                  bool create, std::function<absl::Status()> body);
+                                  bool create, std::function<absl::Status()> body,
+                                  bool read_only = false);
 };
 
 }  // namespace attnserve
