@@ -1,6 +1,7 @@
 #include "backend/backend_factory.h"
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -42,6 +43,20 @@ absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeCudaBackends(
 
 }  // namespace
 
+absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeCpuBackends(int count,
+                                                                               int threads) {
+  if (count < 1 || count > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu_devices: expected a count in [1, 64], got ", count));
+  }
+  if (count == 1) return One(MakeCpuBackend(threads));
+  const int total =
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::unique_ptr<AttentionBackend>> backends;
+  for (int i = 0; i < count; ++i) backends.push_back(MakeCpuBackend(std::max(1, total / count)));
+  return backends;
+}
+
 absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& devices) {
   std::vector<int> out;
   if (devices == "all") return out;
@@ -65,7 +80,7 @@ absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(
     const BackendOptions& options) {
   absl::StatusOr<std::vector<int>> devices = ParseDeviceList(options.devices);
   if (!devices.ok()) return devices.status();
-  if (options.kind == "cpu") return One(MakeCpuBackend(options.cpu_threads));
+  if (options.kind == "cpu") return MakeCpuBackends(options.cpu_devices, options.cpu_threads);
   if (options.kind == "cuda" || options.kind == "auto") {
 #if ATTNSERVE_HAVE_CUDA
     const bool any_gpu = CudaDeviceCount().ok();
@@ -76,7 +91,7 @@ absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(
           "backend: \"cuda\" requested but this build has no CUDA backend");
     }
 #endif
-    return One(MakeCpuBackend(options.cpu_threads));
+    return MakeCpuBackends(options.cpu_devices, options.cpu_threads);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("backend: expected one of auto, cpu, cuda; got \"", options.kind, "\""));

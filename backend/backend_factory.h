@@ -17,6 +17,11 @@ struct BackendOptions {
   // CUDA devices to serve on: "all" (every visible one) or a comma-separated
   // list of CUDA indices such as "0,2". The CPU backend ignores it.
   std::string devices = "all";
+  // The CPU backend as this many devices (--cpu_devices), numbered from 0,
+  // each a backend with its own threads (cpu_threads split between them)
+  // and, in the server, its own executor and K/V pool: what CI runs where
+  // a server with several GPUs would (caches that span devices).
+  int cpu_devices = 1;
 };
 
 // Parses BackendOptions::devices: "all" (returned as an empty list) or
@@ -32,6 +37,11 @@ absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeBackends(
 
 // Implemented by backend/cpu.
 std::unique_ptr<AttentionBackend> MakeCpuBackend(int threads);
+// `count` CPU devices sharing `threads` (0: one per hardware thread), at
+// least one thread each; INVALID_ARGUMENT naming --cpu_devices unless count
+// is in [1, 64].
+absl::StatusOr<std::vector<std::unique_ptr<AttentionBackend>>> MakeCpuBackends(int count,
+                                                                               int threads);
 
 // Implemented by backend/cuda when built (ATTNSERVE_HAVE_CUDA); UNAVAILABLE
 // when no usable device is present.

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/lse_merge.h"
 #include "common/shape_string.h"
 
 namespace attnserve {
@@ -88,39 +89,26 @@ absl::StatusOr<MergedAttention> MergeAttentionPartials(absl::Span<const HostTens
   std::vector<float> lse_out(static_cast<size_t>(lead * heads * seq), neg_inf);
   std::vector<float> o_out(static_cast<size_t>(outs[0]->num_elements()), 0.0f);
   std::vector<float> weight(n);
-  std::vector<float> acc(static_cast<size_t>(dim));
+  std::vector<float> row_lse(n);
   for (int64_t b = 0; b < lead; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t s = 0; s < seq; ++s) {
         const int64_t lse_at = (b * heads + h) * seq + s;
-        float m = neg_inf;
         for (size_t i = 0; i < n; ++i) {
           const float l = static_cast<const float*>(lses[i]->data())[lse_at];
           if (std::isnan(l) || l == std::numeric_limits<float>::infinity()) {
             return absl::InvalidArgumentError(absl::StrCat(
                 Field(i, "lse.data"), "[", lse_at, "]: expected a finite value or -inf, got ", l));
           }
-          weight[i] = l;
-          m = std::max(m, l);
+          row_lse[i] = l;
         }
-        if (m == neg_inf) continue;  // no partial saw a key: O 0, LSE -inf
-        float total = 0.0f;
-        for (size_t i = 0; i < n; ++i) {
-          weight[i] = weight[i] == neg_inf ? 0.0f : std::exp(weight[i] - m);
-          total += weight[i];
-        }
-        // total >= 1: the largest partial's weight is exp(0).
-        std::fill(acc.begin(), acc.end(), 0.0f);
         const int64_t o_at = ((b * seq + s) * heads + h) * dim;
-        for (size_t i = 0; i < n; ++i) {
-          if (weight[i] == 0.0f) continue;  // its O holds nothing of this row
-          const float w = weight[i] / total;
-          for (int64_t d = 0; d < dim; ++d) {
-            acc[d] += w * LoadAsFloat(outs[i]->data(), outs[i]->dtype(), o_at + d);
-          }
-        }
-        std::copy(acc.begin(), acc.end(), o_out.begin() + o_at);
-        lse_out[lse_at] = m + std::log(total);
+        lse_out[lse_at] = MergeLseRow(
+            static_cast<int>(n), row_lse.data(), dim,
+            [&](int i, int64_t d) {
+              return LoadAsFloat(outs[size_t(i)]->data(), outs[size_t(i)]->dtype(), o_at + d);
+            },
+            weight.data(), o_out.data() + o_at);
       }
     }
   }

@@ -2,6 +2,7 @@
 #include "server/kv/kv_cache.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -129,26 +130,69 @@ void KvLedger::Refund(const std::string& tenant, int device, int64_t pages, int6
   if (it->second.pages == 0 && it->second.bytes.empty()) held_.erase(it);
 }
 
+namespace {
+
+std::vector<std::unique_ptr<PageAllocator>> MakeShards(const std::vector<KvShardSpec>& specs,
+                                                       const KvGeometry& g, int page_size) {
+  std::vector<std::unique_ptr<PageAllocator>> shards;
+  for (const KvShardSpec& spec : specs) {
+    shards.push_back(std::make_unique<PageAllocator>(
+        spec.backend, spec.budget, page_size, KvKPageBytes(g, page_size), spec.capacity_pages,
+        IsFp8Cache(g), KvVPageBytes(g, page_size), g.v_in_k));
+  }
+  return shards;
+}
+
+std::vector<int32_t> ShardBases(const std::vector<KvShardSpec>& specs) {
+  std::vector<int32_t> bases;
+  int64_t next = 0;
+  for (const KvShardSpec& spec : specs) {
+    bases.push_back(static_cast<int32_t>(next));
+    next += spec.capacity_pages;
+  }
+  return bases;
+}
+
+std::vector<int> DevicesOf(const std::vector<KvShardSpec>& specs) {
+  std::vector<int> devices;
+  for (const KvShardSpec& spec : specs) devices.push_back(spec.device);
+  return devices;
+}
+
+}  // namespace
+
 KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
                  int64_t capacity_pages, int device, AttentionBackend* backend,
                  std::shared_ptr<DeviceBudget> budget, std::shared_ptr<KvLedger> ledger)
+    : KvCache(std::move(tenant), std::move(id), geometry, page_size,
+              {KvShardSpec{device, backend, std::move(budget), capacity_pages}},
+              std::move(ledger)) {}
+
+KvCache::KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
+                 const std::vector<KvShardSpec>& shards, std::shared_ptr<KvLedger> ledger)
     : tenant_(std::move(tenant)),
       id_(std::move(id)),
       geometry_(geometry),
       page_size_(page_size),
-      device_(device),
-      budget_(budget),
+      device_(shards.front().device),
+      devices_(DevicesOf(shards)),
+      budget_(shards.front().budget),
       ledger_(std::move(ledger)),
-      allocator_(backend, std::move(budget), page_size, KvKPageBytes(geometry, page_size),
-                 capacity_pages, IsFp8Cache(geometry), KvVPageBytes(geometry, page_size),
-                 geometry.v_in_k),
+      shards_(MakeShards(shards, geometry, page_size)),
+      shard_base_(ShardBases(shards)),
+      allocator_(*shards_.front()),
       last_used_(absl::Now()) {}
 
 KvCache::~KvCache() {
   absl::MutexLock lock(&mu_);
   if (ledger_ != nullptr) {
     ledger_->Refund(tenant_, device_, bookkeeping_pages_, bookkeeping_bytes_);
-    if (joined_) ledger_->Refund(tenant_, device_, allocator_.capacity_pages(), ceiling_bytes());
+    if (joined_) {
+      for (size_t i = 0; i < shards_.size(); ++i) {
+        ledger_->Refund(tenant_, devices_[i], shards_[i]->capacity_pages(),
+                        shards_[i]->ceiling_bytes());
+      }
+    }
   }
   budget_->Give(bookkeeping_bytes_);
 }
@@ -156,9 +200,41 @@ KvCache::~KvCache() {
 absl::Status KvCache::Join() {
   absl::MutexLock lock(&mu_);
   if (ledger_ == nullptr || joined_) return absl::OkStatus();
-  RETURN_IF_ERROR(ledger_->Charge(tenant_, device_, allocator_.capacity_pages(), ceiling_bytes()));
+  // Each shard's capacity is charged to its device, all or nothing.
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const absl::Status charged = ledger_->Charge(tenant_, devices_[i], shards_[i]->capacity_pages(),
+                                                 shards_[i]->ceiling_bytes());
+    if (!charged.ok()) {
+      for (size_t j = 0; j < i; ++j) {
+        ledger_->Refund(tenant_, devices_[j], shards_[j]->capacity_pages(),
+                        shards_[j]->ceiling_bytes());
+      }
+      return charged;
+    }
+  }
   joined_ = true;
   return absl::OkStatus();
+}
+
+int KvCache::ShardOf(int32_t page) const {
+  return static_cast<int>(std::upper_bound(shard_base_.begin(), shard_base_.end(), page) -
+                          shard_base_.begin()) -
+         1;
+}
+
+void KvCache::AddRefPage(int32_t page) {
+  const int s = ShardOf(page);
+  shards_[size_t(s)]->AddRef(page - shard_base_[size_t(s)]);
+}
+
+void KvCache::ReleasePage(int32_t page) {
+  const int s = ShardOf(page);
+  shards_[size_t(s)]->Release(page - shard_base_[size_t(s)]);
+}
+
+int32_t KvCache::RefsOf(int32_t page) const {
+  const int s = ShardOf(page);
+  return shards_[size_t(s)]->refs(page - shard_base_[size_t(s)]);
 }
 
 absl::Status KvCache::ChargeSequences(int64_t count) {
@@ -189,7 +265,8 @@ int64_t KvCache::page_bytes() const { return KvGeometryPageBytes(geometry_, page
 
 absl::Status KvCache::ReserveAll() {
   absl::MutexLock lock(&mu_);
-  return allocator_.ReserveAll();
+  for (const auto& shard : shards_) RETURN_IF_ERROR(shard->ReserveAll());
+  return absl::OkStatus();
 }
 
 void KvCache::Touch() {
@@ -245,6 +322,7 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
     Sequence seq;
     seq.pages.resize(size_t(geometry_.num_layers));
     seq.lengths.assign(size_t(geometry_.num_layers), 0);
+    if (spanning()) seq.segments.resize(size_t(geometry_.num_layers));
     seq.last_used = now;
     if (s.fork_from.has_value()) {
       Sequence& src = sequences_.at(*s.fork_from);
@@ -253,9 +331,11 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
         const int32_t len = s.fork_length.value_or(src.lengths[l]);
         // Shares every page the prefix touches, the partial last one too: the
         // first append that writes into it copies it (Reserve).
-        const int64_t n = PagesFor(len, page_size_);
+        if (spanning()) seq.segments[l] = src.segments[l];
+        const int64_t n = spanning() ? KeepSegments(&seq.segments[l], len, page_size_)
+                                     : PagesFor(len, page_size_);
         seq.pages[l].assign(src.pages[l].begin(), src.pages[l].begin() + n);
-        for (int32_t p : seq.pages[l]) allocator_.AddRef(p);
+        for (int32_t p : seq.pages[l]) AddRefPage(p);
         seq.lengths[l] = len;
       }
     }
@@ -266,8 +346,9 @@ absl::Status KvCache::CreateSequences(const std::vector<KvSequenceSpec>& specs,
 
 void KvCache::TruncateLayer(Sequence& s, int layer, int32_t length) {
   std::vector<int32_t>& pages = s.pages[layer];
-  const int64_t keep = PagesFor(length, page_size_);
-  for (size_t i = size_t(keep); i < pages.size(); ++i) allocator_.Release(pages[i]);
+  const int64_t keep = spanning() ? KeepSegments(&s.segments[layer], length, page_size_)
+                                  : PagesFor(length, page_size_);
+  for (size_t i = size_t(keep); i < pages.size(); ++i) ReleasePage(pages[i]);
   pages.resize(size_t(keep));
   s.lengths[layer] = length;
 }
@@ -302,9 +383,10 @@ absl::Status KvCache::Truncate(uint64_t sequence_id, std::optional<int32_t> laye
 
 void KvCache::ReleaseSequence(Sequence& s) {
   for (std::vector<int32_t>& layer : s.pages) {
-    for (int32_t p : layer) allocator_.Release(p);
+    for (int32_t p : layer) ReleasePage(p);
     layer.clear();
   }
+  for (std::vector<KvSegment>& layer : s.segments) layer.clear();
   ChargeSequences(-1).IgnoreError();  // a refund cannot fail
 }
 
@@ -363,12 +445,16 @@ KvCacheStats KvCache::Stats() {
   s.geometry = geometry_;
   s.page_size = page_size_;
   s.device = device_;
-  s.capacity_pages = allocator_.capacity_pages();
-  s.pages_used = allocator_.pages_used();
   s.page_bytes = allocator_.page_bytes();
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const PageAllocator& a = *shards_[i];
+    s.shards.push_back({devices_[i], a.capacity_pages(), a.pages_used(), a.bytes_allocated()});
+    s.capacity_pages += a.capacity_pages();
+    s.pages_used += a.pages_used();
+    s.bytes_allocated += a.bytes_allocated();
+  }
   s.sequences = static_cast<int64_t>(sequences_.size());
   s.expired_sequences = expired_;
-  s.bytes_allocated = allocator_.bytes_allocated();
   for (const auto& [id, seq] : sequences_) {
     for (int32_t len : seq.lengths) s.tokens += len;
   }
@@ -444,6 +530,10 @@ std::vector<std::shared_ptr<KvCache::Ticket>> KvCache::Release(const Ticket& tic
 
 absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r,
                               const FieldNames& names) {
+  if (spanning()) {
+    return absl::InternalError(
+        absl::StrCat("cache '", id_, "' spans devices: use ReserveSpanning"));
+  }
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   last_used_ = now;
@@ -511,6 +601,177 @@ absl::Status KvCache::Reserve(int32_t layer, const std::vector<KvStep>& steps, K
   return absl::OkStatus();
 }
 
+absl::Status KvCache::ReserveSpanning(int32_t layer, const std::vector<KvStep>& steps,
+                                      KvReservation* r, const FieldNames& names) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  last_used_ = now;
+  const size_t n_shards = shards_.size();
+  std::vector<int64_t> free_pages(n_shards);
+  for (size_t sh = 0; sh < n_shards; ++sh) free_pages[sh] = shards_[sh]->pages_free();
+  // First pass: each step's placement, so allocation is all or nothing.
+  struct StepPlan {
+    KvPlacement at;
+    bool copy = false;  // copy-on-write of a shared partial last page
+  };
+  std::vector<StepPlan> plans(steps.size());
+  std::vector<int64_t> needed(n_shards, 0);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const KvStep& st = steps[i];
+    auto found = Find(st.sequence_id);
+    if (!found.ok()) return found.status();
+    const Sequence& s = **found;
+    const int32_t len = s.lengths[layer];
+    if (st.expected_length != kAnyLength && st.expected_length != len) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          names.step(static_cast<int>(i), "expected_length"), ": sequence ", st.sequence_id,
+          " has ", len, " tokens at layer ", layer, ", the call expected ", st.expected_length,
+          " (a retry of a call that already applied, or a call out of order); nothing was "
+          "appended"));
+    }
+    if (!st.attend_pages.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          names.step(static_cast<int>(i), "attend_pages"), ": expected none on cache '", id_,
+          "', which spans ", n_shards, " devices (its pages are numbered per device), got ",
+          st.attend_pages.size(), "; nothing was appended"));
+    }
+    const std::vector<KvSegment>& segs = s.segments[layer];
+    StepPlan& plan = plans[i];
+    if (st.num_new == 0) {  // attend only: nothing placed
+      plan.at = {segs.empty() ? 0 : segs.back().shard, true};
+      continue;
+    }
+    int64_t extend = -1;
+    if (!segs.empty()) {
+      const KvSegment& last = segs.back();
+      const int64_t tokens = int64_t{len} - last.token_begin;
+      const int64_t held = static_cast<int64_t>(s.pages[layer].size()) - last.page_begin;
+      plan.copy = tokens % page_size_ != 0 && RefsOf(s.pages[layer].back()) > 1;
+      extend = PagesFor(tokens + st.num_new, page_size_) - held + (plan.copy ? 1 : 0);
+      // A segment grows to at most its device's share of the cache over the
+      // layers, so one long sequence spreads each layer over the devices
+      // (whose launches then run at once) instead of filling one first.
+      const int64_t cap = std::max<int64_t>(
+          1, shards_[size_t(last.shard)]->capacity_pages() / geometry_.num_layers);
+      if (PagesFor(tokens + st.num_new, page_size_) > cap) {
+        extend = std::numeric_limits<int64_t>::max();
+      }
+    }
+    const int64_t open = PagesFor(st.num_new, page_size_);
+    plan.at = PlaceAppend(free_pages, segs.empty() ? -1 : segs.back().shard, extend, open);
+    if (plan.at.shard < 0) {
+      std::string free_list;
+      for (size_t sh = 0; sh < n_shards; ++sh) {
+        absl::StrAppend(&free_list, sh == 0 ? "" : ", ", "device ", devices_[sh], ": ",
+                        free_pages[sh]);
+      }
+      return absl::ResourceExhaustedError(absl::StrCat(
+          names.step(static_cast<int>(i), "num_new_tokens"), ": sequence ", st.sequence_id,
+          " needs ", open, " free pages on one device for its ", st.num_new,
+          " new tokens (an append is not split across devices); the cache's free pages are ",
+          free_list, "; nothing was appended"));
+    }
+    if (!plan.at.extend) plan.copy = false;
+    const int64_t pages = plan.at.extend ? extend : open;
+    free_pages[size_t(plan.at.shard)] -= pages;
+    needed[size_t(plan.at.shard)] += pages;
+  }
+  std::vector<std::vector<int32_t>> fresh(n_shards);
+  for (size_t sh = 0; sh < n_shards; ++sh) {
+    if (needed[sh] == 0) continue;
+    const absl::Status allocated = shards_[sh]->Allocate(needed[sh], &fresh[sh]);
+    if (!allocated.ok()) {
+      for (size_t j = 0; j < sh; ++j) {
+        for (int32_t p : fresh[j]) shards_[j]->Release(p);
+      }
+      return allocated;
+    }
+  }
+  r->fresh.clear();
+  for (size_t sh = 0; sh < n_shards; ++sh) {
+    for (int32_t p : fresh[sh]) r->fresh.push_back(shard_base_[sh] + p);
+  }
+  r->block_table.clear();
+  r->stride = 1;
+  r->seqlens.clear();
+  r->copy_src.clear();
+  r->copy_dst.clear();
+  r->lengths.clear();
+  r->tables.clear();
+  r->replaced.clear();
+  r->parts.clear();
+  r->segments.clear();
+  std::vector<size_t> next(n_shards, 0);
+  auto take = [&](int sh) {
+    return shard_base_[size_t(sh)] + fresh[size_t(sh)][next[size_t(sh)]++];
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const KvStep& st = steps[i];
+    Sequence& s = sequences_.at(st.sequence_id);
+    s.last_used = now;
+    const int32_t len = s.lengths[layer];
+    const int64_t after = int64_t{len} + st.num_new;
+    std::vector<int32_t> table = s.pages[layer];
+    std::vector<KvSegment> segs = s.segments[layer];
+    const StepPlan& plan = plans[i];
+    const int sh = plan.at.shard;
+    int32_t copy_src = -1, copy_dst = -1;
+    if (st.num_new > 0) {
+      if (plan.at.extend) {
+        if (plan.copy) {
+          const int32_t page = take(sh);
+          copy_src = table.back() - shard_base_[size_t(sh)];
+          copy_dst = page - shard_base_[size_t(sh)];
+          r->replaced.push_back(table.back());
+          table.back() = page;
+        }
+      } else {
+        segs.push_back({sh, len, static_cast<int32_t>(table.size())});
+      }
+      const KvSegment& last = segs.back();
+      while (static_cast<int64_t>(table.size()) <
+             last.page_begin + PagesFor(after - last.token_begin, page_size_)) {
+        table.push_back(take(sh));
+      }
+    }
+    if (segs.empty()) {  // no token: an empty part answers the queries
+      KvSpanPart part;
+      part.step = static_cast<int32_t>(i);
+      part.shard = sh;
+      part.last = true;
+      r->parts.push_back(std::move(part));
+    }
+    for (size_t k = 0; k < segs.size(); ++k) {
+      const bool last = k + 1 == segs.size();
+      const int64_t token_end = last ? after : segs[k + 1].token_begin;
+      const size_t page_end = last ? table.size() : size_t(segs[k + 1].page_begin);
+      KvSpanPart part;
+      part.step = static_cast<int32_t>(i);
+      part.shard = segs[k].shard;
+      part.last = last;
+      part.tokens = static_cast<int32_t>(token_end - segs[k].token_begin);
+      part.new_tokens = last ? st.num_new : 0;
+      const int32_t base = shard_base_[size_t(segs[k].shard)];
+      for (size_t p = size_t(segs[k].page_begin); p < page_end; ++p) {
+        part.pages.push_back(table[p] - base);
+      }
+      if (last) {
+        part.copy_src = copy_src;
+        part.copy_dst = copy_dst;
+      }
+      r->parts.push_back(std::move(part));
+    }
+    r->lengths.push_back(static_cast<int32_t>(after));
+    r->tables.push_back(std::move(table));
+    r->segments.push_back(std::move(segs));
+  }
+  r->shard_pages.clear();
+  for (const auto& shard : shards_) r->shard_pages.push_back(shard->pages());
+  r->shard_devices = devices_;
+  r->active = true;
+  return absl::OkStatus();
+}
+
 void KvCache::Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r) {
   absl::MutexLock lock(&mu_);
   if (!r->active) return;
@@ -518,15 +779,17 @@ void KvCache::Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservat
     Sequence& s = sequences_.at(steps[i].sequence_id);  // held by the call's claim
     s.pages[layer] = std::move(r->tables[i]);
     s.lengths[layer] = r->lengths[i];
+    if (!r->segments.empty()) s.segments[layer] = std::move(r->segments[i]);
   }
-  for (int32_t p : r->replaced) allocator_.Release(p);
+  for (int32_t p : r->replaced) ReleasePage(p);
+  r->segments.clear();
   r->active = false;
 }
 
 void KvCache::Rollback(KvReservation* r) {
   absl::MutexLock lock(&mu_);
   if (!r->active) return;
-  for (int32_t p : r->fresh) allocator_.Release(p);
+  for (int32_t p : r->fresh) ReleasePage(p);
   r->active = false;
 }
 

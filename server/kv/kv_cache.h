@@ -1,7 +1,8 @@
-// One K/V cache (DESIGN §6, docs/kv-cache.md): a geometry on one device, its
-// pages (PageAllocator), its sequences with a block table and a length per
-// layer, and the bookkeeping that makes append-and-attend calls all-or-nothing
-// and ordered:
+// One K/V cache (DESIGN §6, docs/kv-cache.md): a geometry on one device, or
+// spanning several (each a shard with its own pages; a sequence's tokens then
+// lie in segments, server/kv/segments.h), its pages (PageAllocator per shard),
+// its sequences with a block table and a length per layer, and the
+// bookkeeping that makes append-and-attend calls all-or-nothing and ordered:
 //  - Admit/Release: a call claims its (sequence, layer) pairs; a call naming
 //    a pair that an earlier call still holds waits, in arrival order, until
 //    that call completes (Release hands back the calls that may go now).
@@ -36,6 +37,7 @@
 #include "server/auth/tenants.h"
 #include "server/core/field_names.h"
 #include "server/kv/page_allocator.h"
+#include "server/kv/segments.h"
 
 namespace attnserve {
 
@@ -141,6 +143,28 @@ struct KvStep {
   absl::Span<const int32_t> attend_pages = {};
 };
 
+// One device's part of a cache: its pages come from that device's budget.
+struct KvShardSpec {
+  int device = 0;
+  AttentionBackend* backend = nullptr;
+  std::shared_ptr<DeviceBudget> budget;
+  int64_t capacity_pages = 0;
+};
+
+// One segment of one step of a call on a cache that spans devices: a launch
+// on its shard attends the step's queries over its tokens (the last segment
+// also takes the step's new rows and any copy-on-write page).
+struct KvSpanPart {
+  int32_t step = 0;
+  int32_t shard = 0;
+  bool last = false;
+  int32_t tokens = 0;          // after the append
+  int32_t new_tokens = 0;      // appended here (last segment only)
+  std::vector<int32_t> pages;  // the shard's page ids, in token order
+  int32_t copy_src = -1;       // shard page ids of a copy-on-write, or -1
+  int32_t copy_dst = -1;
+};
+
 // What Reserve set aside for one call: the launch's tables (host memory the
 // PagedAttnParams point at) and each sequence's page list after the call.
 struct KvReservation {
@@ -155,7 +179,21 @@ struct KvReservation {
   std::vector<std::vector<int32_t>> tables;  // per step: the page list after commit
   std::vector<int32_t> fresh;                // pages allocated (freed on rollback)
   std::vector<int32_t> replaced;             // shared pages a copy replaced (released on commit)
+  // A cache that spans devices (ReserveSpanning): the launch parts, each
+  // shard's pages, and per step its segments after commit (`tables` holds
+  // the block tables; block_table, stride and copies are unused).
+  std::vector<KvSpanPart> parts;
+  std::vector<KvPages> shard_pages;
+  std::vector<int> shard_devices;
+  std::vector<std::vector<KvSegment>> segments;
   bool active = false;
+};
+
+struct KvShardStats {
+  int32_t device = 0;
+  int64_t capacity_pages = 0;
+  int64_t pages_used = 0;
+  int64_t bytes_allocated = 0;
 };
 
 struct KvCacheStats {
@@ -170,6 +208,7 @@ struct KvCacheStats {
   int64_t expired_sequences = 0;
   int64_t tokens = 0;
   int64_t bytes_allocated = 0;
+  std::vector<KvShardStats> shards;  // one per device the cache spans
 };
 
 class KvCache {
@@ -187,6 +226,10 @@ class KvCache {
   KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
           int64_t capacity_pages, int device, AttentionBackend* backend,
           std::shared_ptr<DeviceBudget> budget, std::shared_ptr<KvLedger> ledger = nullptr);
+  // A cache over several devices (two or more shards: spanning()); the first
+  // shard's device is device() and holds the sequences' bookkeeping charge.
+  KvCache(std::string tenant, std::string id, const KvGeometry& geometry, int page_size,
+          const std::vector<KvShardSpec>& shards, std::shared_ptr<KvLedger> ledger = nullptr);
   // Refunds what Join and the live sequences charged.
   ~KvCache();
   KvCache(const KvCache&) = delete;
@@ -197,18 +240,27 @@ class KvCache {
   absl::Status Join();
   // The device bytes the cache holds at full capacity (whole slabs).
   int64_t ceiling_bytes() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return allocator_.ceiling_bytes();
+    int64_t bytes = 0;
+    for (const auto& a : shards_) bytes += a->ceiling_bytes();
+    return bytes;
   }
 
   const std::string& tenant() const { return tenant_; }
   const std::string& id() const { return id_; }
   const KvGeometry& geometry() const { return geometry_; }
   int page_size() const { return page_size_; }
-  // Pages the cache may grow to (fixed at creation; no lock needed).
+  // Pages the cache may grow to over all its devices (fixed at creation; no
+  // lock needed).
   int64_t capacity_pages() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return allocator_.capacity_pages();
+    int64_t pages = 0;
+    for (const auto& a : shards_) pages += a->capacity_pages();
+    return pages;
   }
+  // The first (or only) device; devices(): every device, one per shard.
   int device() const { return device_; }
+  const std::vector<int>& devices() const { return devices_; }
+  // True when the cache's sequences may hold pages on several devices.
+  bool spanning() const { return devices_.size() > 1; }
   // KvCreateCache::keep: set once by the pool before the cache is shared.
   void set_keep(bool keep) { keep_ = keep; }
   bool keep() const { return keep_; }
@@ -246,6 +298,15 @@ class KvCache {
 
   absl::Status Reserve(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r,
                        const FieldNames& names = FieldNames());
+  // A cache that spans devices: Reserve's counterpart (attend_pages is
+  // refused). Each step's append goes to one device whole: its last
+  // segment's while that shard has the pages and the segment stays within
+  // the shard's capacity over the layers, else a new segment on the shard
+  // with the most free pages; RESOURCE_EXHAUSTED when none has them. Fills
+  // r->parts (a step with no token still gets an empty last part on its
+  // placement's shard, so its queries are answered) and r->segments.
+  absl::Status ReserveSpanning(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r,
+                               const FieldNames& names = FieldNames());
   void Commit(int32_t layer, const std::vector<KvStep>& steps, KvReservation* r);
   void Rollback(KvReservation* r);
 
@@ -263,8 +324,10 @@ class KvCache {
   struct Sequence {
     std::vector<std::vector<int32_t>> pages;  // per layer: the block table
     std::vector<int32_t> lengths;             // per layer, committed
-    int active_calls = 0;                     // admitted and not released
-    bool free_when_idle = false;              // FreeWhenIdle ran while busy
+    // Per layer, a cache that spans devices only: where the tokens lie.
+    std::vector<std::vector<KvSegment>> segments;
+    int active_calls = 0;         // admitted and not released
+    bool free_when_idle = false;  // FreeWhenIdle ran while busy
     absl::Time last_used;
   };
   using Key = std::pair<uint64_t, int32_t>;
@@ -277,6 +340,12 @@ class KvCache {
   // sequences to the ledger and the device budget; a charge is all or nothing.
   absl::Status ChargeSequences(int64_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TruncateLayer(Sequence& s, int layer, int32_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Page ids in block tables are the cache's: shard s's page p is
+  // shard_base_[s] + p (a cache on one device: its allocator's ids).
+  int ShardOf(int32_t page) const;
+  void AddRefPage(int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleasePage(int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int32_t RefsOf(int32_t page) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string tenant_;
   bool keep_ = false;
@@ -284,12 +353,17 @@ class KvCache {
   const KvGeometry geometry_;
   const int page_size_;
   const int device_;
+  const std::vector<int> devices_;  // per shard
   const std::shared_ptr<DeviceBudget> budget_;
   const std::shared_ptr<KvLedger> ledger_;
   bool joined_ = false;  // Join charged the capacity
 
   absl::Mutex mu_;
-  PageAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  // One allocator per shard; allocator_ is the first (the only one of a
+  // cache on one device, which export and import use).
+  std::vector<std::unique_ptr<PageAllocator>> shards_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> shard_base_;
+  PageAllocator& allocator_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<uint64_t, Sequence> sequences_ ABSL_GUARDED_BY(mu_);
   std::set<Key> claimed_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Ticket>> waiting_ ABSL_GUARDED_BY(mu_);

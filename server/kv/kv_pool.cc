@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "backend/check_params.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
@@ -85,9 +86,8 @@ AttnShape ShapeOf(const KvAppendAttend& c, const int32_t* seqlens_k) {
   return s;
 }
 
-// Just before the launch: binds the call's outputs, reserves its pages (all or
-// nothing) and builds its launch's params, once.
-absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
+// The call's o (or its output place, checked) and lse.
+absl::Status BindOutputs(KvAppendAttend& c) {
   const int64_t total_q = c.cu_q.back();
   const int64_t o_bytes =
       total_q * c.num_heads_q * (c.head_dim_v > 0 ? c.head_dim_v : c.head_dim) * DTypeSize(c.dtype);
@@ -102,6 +102,13 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", o_bytes, " bytes for the output"));
   }
+  return absl::OkStatus();
+}
+
+// Just before the launch: binds the call's outputs, reserves its pages (all or
+// nothing) and builds its launch's params, once.
+absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
+  RETURN_IF_ERROR(BindOutputs(c));
   RETURN_IF_ERROR(cache.Reserve(c.layer, c.steps, &c.reservation, *c.names));
   const KvReservation& r = c.reservation;
   AttnPointers io = c.inputs;
@@ -217,26 +224,32 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": expected at least one page (", page_bytes, " bytes), got ", asked));
   }
-  const int64_t max_pages =
-      std::min<int64_t>(int64_t{1} << 30, options_.cache_bytes_per_device / page_bytes);
-  if (capacity_pages > max_pages) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(field, ": ", asked, " is ", capacity_pages, " pages of ", page_bytes,
-                     " bytes, more than the device's K/V budget holds (--kv_cache_bytes ",
-                     options_.cache_bytes_per_device, ": at most ", max_pages, " pages)"));
-  }
   if (devices_.empty()) return absl::UnimplementedError("K/V caches: the server has no device");
-  int device = 0;
-  if (r.device.has_value()) {
-    auto it = std::find_if(devices_.begin(), devices_.end(),
-                           [&](const KvDevice& d) { return d.index == *r.device; });
-    if (it == devices_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device: expected one of the server's devices (GetServerInfo), got ", *r.device));
-    }
-    device = static_cast<int>(it - devices_.begin());
-  } else {
-    device = LeastCommittedDevice();
+  ASSIGN_OR_RETURN(const std::vector<int> placed, PlaceCache(r));
+  const int64_t n_devices = static_cast<int64_t>(placed.size());
+  if (n_devices > 1 && (KvHeadDimV(geometry) != geometry.head_dim || geometry.v_in_k)) {
+    // The launches of a spanning cache gather V rows and O rows of head_dim.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "devices: a cache that spans devices takes geometry.head_dim_v 0 (or head_dim) and "
+        "geometry.v_in_k false, got head_dim_v ",
+        geometry.head_dim_v, " and v_in_k ", geometry.v_in_k ? "true" : "false"));
+  }
+  // A cache that spans devices splits its capacity evenly: each device's
+  // share is a cache's capacity there.
+  const int64_t per_device_max =
+      std::min<int64_t>(int64_t{1} << 30, options_.cache_bytes_per_device / page_bytes);
+  const int64_t max_pages = std::min<int64_t>(int64_t{1} << 30, per_device_max * n_devices);
+  if (capacity_pages > max_pages) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        field, ": ", asked, " is ", capacity_pages, " pages of ", page_bytes, " bytes, more than ",
+        n_devices == 1 ? "the device's" : absl::StrCat(n_devices, " devices'"),
+        " K/V budget holds (--kv_cache_bytes ", options_.cache_bytes_per_device,
+        n_devices == 1 ? "" : " each", ": at most ", max_pages, " pages)"));
+  }
+  if (capacity_pages < n_devices) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected at least one page (",
+                                                   page_bytes, " bytes) per device, ", n_devices,
+                                                   " devices, got ", asked));
   }
   if (!r.cache_id.empty() && !ValidCacheId(r.cache_id)) {
     return absl::InvalidArgumentError(
@@ -254,9 +267,13 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
       return absl::AlreadyExistsError(absl::StrCat("cache_id: '", id, "' already exists"));
     }
   }
-  const KvDevice& d = devices_[size_t(device)];
-  auto cache = std::make_shared<KvCache>(tenant, id, geometry, page_size, capacity_pages, d.index,
-                                         d.backend, budgets_[size_t(device)], ledger_);
+  std::vector<KvShardSpec> shards;
+  for (int64_t k = 0; k < n_devices; ++k) {
+    const size_t at = size_t(placed[size_t(k)]);
+    shards.push_back({devices_[at].index, devices_[at].backend, budgets_[at],
+                      capacity_pages / n_devices + (k < capacity_pages % n_devices ? 1 : 0)});
+  }
+  auto cache = std::make_shared<KvCache>(tenant, id, geometry, page_size, shards, ledger_);
   cache->set_keep(r.keep);
   // The ledger checks and charges in one step, so two concurrent creates
   // cannot both fit under a quota; a cache that goes refunds on destruction.
@@ -269,6 +286,47 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::CreateCache(const std::string& 
   return cache;
 }
 
+absl::StatusOr<std::vector<int>> KvPool::PlaceCache(const KvCreateCache& r) {
+  if (r.device.has_value() && (!r.devices.empty() || r.all_devices)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device, devices: expected at most one of them set, got device ", *r.device,
+        " and devices [", absl::StrJoin(r.devices, ","), r.all_devices ? "all" : "", "]"));
+  }
+  auto position = [this](int32_t index) {
+    auto it = std::find_if(devices_.begin(), devices_.end(),
+                           [&](const KvDevice& d) { return d.index == index; });
+    return it == devices_.end() ? -1 : static_cast<int>(it - devices_.begin());
+  };
+  std::vector<int> placed;
+  if (r.all_devices) {
+    for (size_t i = 0; i < devices_.size(); ++i) placed.push_back(static_cast<int>(i));
+  } else if (!r.devices.empty()) {
+    for (size_t i = 0; i < r.devices.size(); ++i) {
+      const int at = position(r.devices[i]);
+      if (at < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "devices[", i, "]: expected one of the server's devices (GetServerInfo), got ",
+            r.devices[i]));
+      }
+      if (std::find(placed.begin(), placed.end(), at) != placed.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("devices[", i, "]: device ", r.devices[i], " is listed twice"));
+      }
+      placed.push_back(at);
+    }
+  } else if (r.device.has_value()) {
+    const int at = position(*r.device);
+    if (at < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: expected one of the server's devices (GetServerInfo), got ", *r.device));
+    }
+    placed.push_back(at);
+  } else {
+    placed.push_back(LeastCommittedDevice());
+  }
+  return placed;
+}
+
 int KvPool::LeastCommittedDevice() {
   // A new cache's pages come later: counting only pages in use would put
   // every cache created before the first append on one device. So each device
@@ -277,9 +335,11 @@ int KvPool::LeastCommittedDevice() {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, cache] : caches_) {
-      for (size_t i = 0; i < devices_.size(); ++i) {
-        if (devices_[i].index == cache->device()) {
-          committed[i] += cache->capacity_pages() * cache->page_bytes();
+      for (const KvShardStats& shard : cache->Stats().shards) {
+        for (size_t i = 0; i < devices_.size(); ++i) {
+          if (devices_[i].index == shard.device) {
+            committed[i] += shard.capacity_pages * cache->page_bytes();
+          }
         }
       }
     }
@@ -321,9 +381,9 @@ absl::StatusOr<std::shared_ptr<KvCache>> KvPool::Find(const std::string& tenant,
   return it->second;
 }
 
-Executor* KvPool::ExecutorOf(const KvCache& cache) const {
+Executor* KvPool::ExecutorOfDevice(int device) const {
   for (const KvDevice& d : devices_) {
-    if (d.index == cache.device()) return d.executor;
+    if (d.index == device) return d.executor;
   }
   return nullptr;
 }
@@ -332,10 +392,13 @@ absl::Status KvPool::AppendAttend(const std::shared_ptr<KvCache>& cache,
                                   std::shared_ptr<KvAppendAttend> call, Done done) {
   // Refused now during a drain, even when it would wait for another call
   // (those already waiting still run).
-  Executor* executor = ExecutorOf(*cache);
-  if (executor == nullptr) return absl::InternalError("the cache's device has no executor");
-  RETURN_IF_ERROR(executor->Admitting());
+  for (int device : cache->devices()) {
+    Executor* executor = ExecutorOfDevice(device);
+    if (executor == nullptr) return absl::InternalError("the cache's device has no executor");
+    RETURN_IF_ERROR(executor->Admitting());
+  }
   KvAppendAttend& c = *call;
+  if (cache->spanning()) RETURN_IF_ERROR(CheckSpanningCall(c));
   c.cu_q.assign(1, 0);
   c.cu_k.assign(1, 0);
   for (const KvStep& st : c.steps) {
@@ -357,6 +420,7 @@ absl::Status KvPool::AppendAttend(const std::shared_ptr<KvCache>& cache,
 void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
                     const std::shared_ptr<KvAppendAttend>& call, const Done& done,
                     const std::shared_ptr<KvCache::Ticket>& ticket, bool waited) {
+  if (cache->spanning()) return SubmitSpanning(cache, call, done, ticket, waited);
   WorkItem item;
   item.received = call->received;
   item.deadline = call->deadline;
@@ -399,6 +463,100 @@ void KvPool::Submit(const std::shared_ptr<KvCache>& cache,
   }
 }
 
+void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
+                            const std::shared_ptr<KvAppendAttend>& call, const Done& done,
+                            const std::shared_ptr<KvCache::Ticket>& ticket, bool waited) {
+  KvAppendAttend& c = *call;
+  // Reserved now, not at each launch: the launches on several devices must
+  // see one reservation. Calls on the same (sequence, layer) still apply in
+  // order (the next one goes after this one's Release).
+  absl::Status status = BindOutputs(c);
+  if (status.ok()) status = cache->ReserveSpanning(c.layer, c.steps, &c.reservation, *c.names);
+  if (status.ok()) {
+    status = BuildSpanGroups(c, &c.span_groups);
+    if (!status.ok()) cache->Rollback(&c.reservation);
+  }
+  if (!status.ok()) {
+    Finish(cache, *ticket);
+    done(status, WorkTimings{});
+    return;
+  }
+  struct Join {
+    absl::Mutex mu;
+    size_t remaining ABSL_GUARDED_BY(mu) = 0;
+    absl::Status status ABSL_GUARDED_BY(mu);
+    WorkTimings timings ABSL_GUARDED_BY(mu);
+  };
+  auto join = std::make_shared<Join>();
+  {
+    absl::MutexLock lock(&join->mu);
+    join->remaining = c.span_groups.size();
+    join->timings.device = cache->device();
+  }
+  // Runs once, after the last launch: the merge, then commit or rollback.
+  auto complete = [this, cache, call, done, ticket, join] {
+    absl::Status status;
+    WorkTimings timings;
+    {
+      absl::MutexLock lock(&join->mu);
+      status = join->status;
+      timings = join->timings;
+    }
+    if (status.ok() && call->inputs_intact) status = call->inputs_intact();
+    if (status.ok()) {
+      MergeSpanGroups(*call, call->span_groups);
+      cache->Commit(call->layer, call->steps, &call->reservation);
+      call->lengths = call->reservation.lengths;
+    } else {
+      cache->Rollback(&call->reservation);
+    }
+    call->span_groups.clear();
+    Finish(cache, *ticket);
+    done(status, timings);
+  };
+  auto launched = [join, complete](const absl::Status& s, const WorkTimings& t) {
+    bool last = false;
+    {
+      absl::MutexLock lock(&join->mu);
+      if (!s.ok() && join->status.ok()) join->status = s;
+      WorkTimings& w = join->timings;
+      w.queue_us = std::max(w.queue_us, t.queue_us);
+      w.host_to_device_us = std::max(w.host_to_device_us, t.host_to_device_us);
+      w.compute_us = std::max(w.compute_us, t.compute_us);
+      w.device_to_host_us = std::max(w.device_to_host_us, t.device_to_host_us);
+      last = --join->remaining == 0;
+    }
+    if (last) complete();
+  };
+  // The groups live in the call until `complete`; each launch's params are
+  // built already.
+  // By index: once the last launch is submitted, `complete` may clear them.
+  const size_t n_groups = c.span_groups.size();
+  for (size_t gi = 0; gi < n_groups; ++gi) {
+    KvSpanGroup& g = c.span_groups[gi];
+    WorkItem item;
+    item.received = c.received;
+    item.deadline = c.deadline;
+    item.cancelled = c.cancelled;
+    item.follows_admitted = waited;
+    item.tenant = cache->tenant();
+    PagedWork work;
+    work.cache = &g;  // its own launch: never shared with another call's
+    work.layer = c.layer;
+    work.rows = PagedShape(c.dtype, g.params.attn.batch, c.num_heads_q, c.num_heads_kv, c.head_dim,
+                           g.cu_q.data(), g.cu_k.data(), nullptr);
+    const PagedAttnParams* params = &g.params;
+    work.reserve = [params]() -> absl::StatusOr<PagedAttnParams> { return *params; };
+    item.paged = std::move(work);
+    item.done = launched;
+    Executor* executor = ExecutorOfDevice(c.reservation.shard_devices[size_t(g.shard)]);
+    const absl::Status admitted = executor != nullptr
+                                      ? executor->Submit(std::move(item))
+                                      : absl::InternalError("the cache's device has no executor");
+    if (!admitted.ok()) launched(admitted, WorkTimings{});
+  }
+}
+
 void KvPool::Finish(const std::shared_ptr<KvCache>& cache, const KvCache::Ticket& ticket) {
   for (const std::shared_ptr<KvCache::Ticket>& next : cache->Release(ticket)) next->go(next);
 }
@@ -424,10 +582,12 @@ KvPoolStats KvPool::Stats() {
     const KvCacheStats cs = cache->Stats();
     s.sequences += cs.sequences;
     s.expired_sequences += cs.expired_sequences;
-    for (KvPoolStats::Device& d : s.devices) {
-      if (d.index != cs.device) continue;
-      d.pages_used += cs.pages_used;
-      d.pages_capacity += cs.capacity_pages;
+    for (const KvShardStats& shard : cs.shards) {
+      for (KvPoolStats::Device& d : s.devices) {
+        if (d.index != shard.device) continue;
+        d.pages_used += shard.pages_used;
+        d.pages_capacity += shard.capacity_pages;
+      }
     }
   }
   return s;

@@ -9,7 +9,10 @@
 // that may go is submitted to the executor of the cache's device (never
 // another) as paged work, where the pool reserves its pages just before the
 // launch and builds its params (once), and commits or rolls back when the
-// launch is over.
+// launch is over. A cache that spans devices reserves when the call may go
+// and submits one launch per device and role (server/kv/span_launch.h) to
+// those devices' executors; when all are over it merges their partial
+// outputs, then commits, or rolls back if any failed.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +38,7 @@
 #include "server/executor.h"
 #include "server/kv/kv_cache.h"
 #include "server/kv/page_allocator.h"
+#include "server/kv/span_launch.h"
 
 namespace attnserve {
 
@@ -68,6 +72,12 @@ struct KvCreateCache {
   int64_t capacity_bytes = 0;
   std::string cache_id;
   std::optional<int32_t> device;
+  // Two or more devices: the cache spans them (its capacity split evenly,
+  // each share charged to its device); exclusive with `device`. One: as
+  // `device`. all_devices: every device of the server (the startup spec's
+  // devices=all).
+  std::vector<int32_t> devices;
+  bool all_devices = false;
   bool reserve = false;
   // Never removed as a whole by idle expiry (--kv_startup_cache: clients
   // that cannot create it again rely on it); its idle sequences still expire.
@@ -117,6 +127,8 @@ struct KvAppendAttend {
   // the pages reserved for the launch.
   std::vector<int32_t> cu_q, cu_k;
   KvReservation reservation;
+  // A cache that spans devices: its launches (span_launch.h).
+  std::vector<KvSpanGroup> span_groups;
 };
 
 struct KvPoolStats {
@@ -175,12 +187,20 @@ class KvPool {
   // call, so it was accepted before any drain that began since.
   void Submit(const std::shared_ptr<KvCache>& cache, const std::shared_ptr<KvAppendAttend>& call,
               const Done& done, const std::shared_ptr<KvCache::Ticket>& ticket, bool waited);
+  // Submit for a cache that spans devices.
+  void SubmitSpanning(const std::shared_ptr<KvCache>& cache,
+                      const std::shared_ptr<KvAppendAttend>& call, const Done& done,
+                      const std::shared_ptr<KvCache::Ticket>& ticket, bool waited);
   void Finish(const std::shared_ptr<KvCache>& cache, const KvCache::Ticket& ticket);
+  // The positions in devices_ a create names (one for a cache on one device);
+  // INVALID_ARGUMENT naming device or devices.
+  absl::StatusOr<std::vector<int>> PlaceCache(const KvCreateCache& request);
   // Where a cache that names no device goes: the device whose caches' capacities
   // (or allocated bytes, when larger) add up to the least. Ties go to the first.
   int LeastCommittedDevice();
   // The executor of the cache's device: its calls go there only.
-  Executor* ExecutorOf(const KvCache& cache) const;
+  Executor* ExecutorOf(const KvCache& cache) const { return ExecutorOfDevice(cache.device()); }
+  Executor* ExecutorOfDevice(int device) const;
   void ExpiryLoop();
   // UNAUTHENTICATED for the withdrawn tenant (server/auth/tenants.h): it
   // owns nothing and may create nothing.

@@ -302,10 +302,24 @@ uint32_t KvChunkCrc32c(const KvTransferChunk& c) {
   return crc;
 }
 
+namespace {
+
+// Export and import move one device's pages; a cache whose sequences span
+// devices has no such form (yet): refused, naming the cache.
+absl::Status RefuseSpanning(const KvCache& cache, const char* what) {
+  if (!cache.spanning()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat("cache_id: cache '", cache.id(), "' spans ",
+                                               cache.devices().size(), " devices; ", what,
+                                               " moves the pages of a cache on one device only"));
+}
+
+}  // namespace
+
 // --- Export ---
 
 absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Start(std::shared_ptr<KvCache> cache,
                                                               const KvExportOptions& o) {
+  RETURN_IF_ERROR(RefuseSpanning(*cache, "an export"));
   const KvGeometry& g = cache->geometry();
   RETURN_IF_ERROR(RefuseValueDim(g, cache->id(), "an export"));
   const int ps = cache->page_size();
@@ -907,6 +921,7 @@ absl::StatusOr<std::shared_ptr<KvImportSession>> KvImportSessions::Attach(
     }
   }
   if (!cache.ok()) return cache.status();
+  RETURN_IF_ERROR(RefuseSpanning(**cache, "an import"));
   RETURN_IF_ERROR(CheckHeader(header, **cache));
   auto session = std::make_shared<KvImportSession>(this, tenant, header, *cache);
   {

@@ -46,6 +46,19 @@ absl::Status ParseKey(absl::string_view cache, absl::string_view key, absl::stri
     c.device = device;
     return absl::OkStatus();
   }
+  if (key == "devices") {
+    // `all`, or indices joined by '+' (',' separates the keys): 0+1.
+    if (value == "all") {
+      c.all_devices = true;
+      return absl::OkStatus();
+    }
+    for (absl::string_view part : absl::StrSplit(value, '+')) {
+      int32_t device = 0;
+      RETURN_IF_ERROR(ParseInt<int32_t>(cache, "devices", part, 0, &device));
+      c.devices.push_back(device);
+    }
+    return absl::OkStatus();
+  }
   if (key == "reserve") {
     if (value != "0" && value != "1") {
       return Bad(cache, absl::StrCat("reserve: expected 0 or 1, got '", value, "'"));
@@ -83,7 +96,7 @@ absl::Status ParseKey(absl::string_view cache, absl::string_view key, absl::stri
       cache,
       absl::StrCat("unknown key '", key,
                    "' (expected layers, hkv, d, dtype, cache_dtype, page_size, capacity_tokens, "
-                   "capacity_bytes, device, reserve or tenant)"));
+                   "capacity_bytes, device, devices, reserve or tenant)"));
 }
 
 }  // namespace

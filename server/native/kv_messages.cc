@@ -21,6 +21,7 @@ KvCreateCache DecodeCreateCache(const v1::CreateCacheRequest& r) {
   c.capacity_bytes = r.capacity_bytes();
   c.cache_id = r.cache_id();
   if (r.has_device()) c.device = r.device();
+  c.devices.assign(r.devices().begin(), r.devices().end());
   c.reserve = r.reserve();
   return c;
 }
