@@ -27,7 +27,7 @@ fi
 # variable, when set and not empty, becomes one flag. They are put before the
 # command line's flags, so those take precedence.
 flags="
-host port backend threads devices
+host port backend threads devices cpu_devices
 max_request_bytes max_buffered_bytes max_tokens max_queue_size launch_timeout
 batching batch_max_delay_us batch_max_tokens batch_invariant
 metrics_host metrics_port http_port allow_client_shm max_shm_regions max_shm_regions_per_tenant

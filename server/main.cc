@@ -27,6 +27,9 @@ ABSL_FLAG(int, threads, 0, "Worker threads of the CPU backend; 0 = one per hardw
 ABSL_FLAG(std::string, devices, "all",
           "GPUs the CUDA backend serves on: \"all\" visible ones, or CUDA indices such as 0,1. "
           "One executor per GPU; each request goes to the least-loaded");
+ABSL_FLAG(int, cpu_devices, 1,
+          "The CPU backend as this many devices, numbered from 0, sharing --threads: each "
+          "has its own executor and K/V pool (what CI runs where a server has several GPUs)");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
 ABSL_FLAG(int64_t, max_buffered_bytes, 0,
@@ -211,6 +214,7 @@ int main(int argc, char** argv) {
   options.backend.kind = absl::GetFlag(FLAGS_backend);
   options.backend.cpu_threads = absl::GetFlag(FLAGS_threads);
   options.backend.devices = absl::GetFlag(FLAGS_devices);
+  options.backend.cpu_devices = absl::GetFlag(FLAGS_cpu_devices);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.max_buffered_bytes = absl::GetFlag(FLAGS_max_buffered_bytes);
