@@ -119,6 +119,18 @@ WorkJob JobOf(WorkItem& item) {
   return DenseJob{item.params, std::move(item.bind_outputs), Plan()};
 }
 
+// What the thread that launches a ready call runs of it (inline_max_cost):
+// without a pipeline the whole call, a K/V call's context included; with one
+// only the launch's start, which stages the call's own rows.
+int64_t WorkOnLaunchingThread(const DenseJob& j, bool) { return RequestCost(j.params); }
+int64_t WorkOnLaunchingThread(const PagedJob& j, bool finishes_here) {
+  return finishes_here ? RequestCost(j.params) : RequestCost(j.work.rows);
+}
+
+// The executor whose call this thread runs inline, if any: a call submitted
+// from its `done` (or from any executor's) queues instead of nesting.
+thread_local const void* t_running_inline = nullptr;
+
 absl::Status DroppedAtShutdown() {
   return absl::UnavailableError("server is shutting down: request dropped before compute");
 }
@@ -157,7 +169,7 @@ Executor::~Executor() { Shutdown(); }
 absl::Status Executor::Submit(WorkItem item) { return Offer(&item); }
 
 absl::Status Executor::Offer(WorkItem* item) {
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   if (!admitting_ && (stopping_ || !item->follows_admitted)) {
     return absl::UnavailableError(refusal_);
   }
@@ -171,13 +183,58 @@ absl::Status Executor::Offer(WorkItem* item) {
   Queued q(std::move(*item));
   outstanding_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
   outstanding_work_.fetch_add(q.cost, std::memory_order_relaxed);
-  queued_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
   q.admitted = absl::Now();
+  if (MayRunHere(q)) {
+    // Claimed as the launcher claims what it picks: the launcher waits, and
+    // WaitIdle counts it, until RunHere clears launching_.
+    launching_ = true;
+    lock.Release();
+    RunHere(std::move(q));
+    return absl::OkStatus();
+  }
+  queued_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
   const std::string tenant = q.meta.tenant;
   const int64_t cost = q.cost;
   queue_.Push(tenant, cost, std::move(q));
   ++submitted_;
   return absl::OkStatus();
+}
+
+bool Executor::MayRunHere(const Queued& q) const {
+  return options_.inline_max_cost > 0 && t_running_inline == nullptr &&
+         q.cost <= options_.inline_max_cost && queue_.empty() && !launching_ &&
+         in_flight_.empty() && !completing_ && open_launches_ == 0 && !watchdog_failing_ &&
+         !stopping_ && stalled_.empty();
+}
+
+void Executor::RunHere(Queued q) {
+  t_running_inline = this;
+  q.timings.queue_us = Micros(absl::Now() - q.admitted);
+  absl::Status ready = CheckStillWanted(q.meta);
+  if (ready.ok()) {
+    ready = std::visit(
+        [this](auto& job) { return MakeReady(*backend_, job, options_.batch_invariant); }, q.job);
+  }
+  const bool finishes_here = max_in_flight_ == 1;
+  if (!ready.ok()) {
+    Fail(std::move(q), ready);
+  } else if (std::visit([&](const auto& j) { return WorkOnLaunchingThread(j, finishes_here); },
+                        q.job) > options_.inline_max_cost) {
+    // Too long to hold this thread (a K/V call over a long context): the
+    // launcher runs it, ready, ahead of anything queued since.
+    absl::MutexLock lock(&mu_);
+    q.rerun_alone = true;
+    queued_tokens_.fetch_add(q.tokens, std::memory_order_relaxed);
+    queue_.PushFront(std::move(q));
+    ++submitted_;
+  } else {
+    std::vector<Queued> alone;
+    alone.push_back(std::move(q));
+    StartLaunch(std::move(alone));
+  }
+  t_running_inline = nullptr;
+  absl::MutexLock lock(&mu_);
+  launching_ = false;
 }
 
 void Executor::StopAdmitting() {
@@ -209,7 +266,10 @@ void Executor::Shutdown() {
   // down: it must not join either thread, since the other may be waiting for
   // it. The flags are set; the owner's Shutdown or destructor joins.
   const std::thread::id self = std::this_thread::get_id();
-  if (self == launcher_id_ || self == completer_id_ || self == watchdog_id_) return;
+  if (self == launcher_id_ || self == completer_id_ || self == watchdog_id_ ||
+      t_running_inline == this) {
+    return;
+  }
   absl::MutexLock lock(&join_mu_);
   for (std::thread* t : {&launcher_, &completer_, &watchdog_}) {
     if (t->joinable()) t->join();
@@ -261,8 +321,10 @@ void Executor::LauncherLoop() {
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]()
-                       ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
+      // A call running inline holds launching_: it goes first.
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return !launching_ && (!queue_.empty() || stopping_);
+      };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) {  // stopping, and nothing left to complete
         launcher_done_ = true;

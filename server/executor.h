@@ -9,8 +9,9 @@
 // started and reports each call through its callback; with a backend that runs
 // one launch at a time and nothing else waiting, the launcher finishes its
 // launch and answers itself (no hand-off). Front-ends and the K/V
-// pool submit work here and never block: they are called back when the work
-// is done.
+// pool submit work here and are called back when the work is done; a small
+// call that finds the executor idle may run on the submitting thread instead
+// (ExecutorOptions::inline_max_cost), which then blocks for that call only.
 #pragma once
 
 #include <atomic>
@@ -74,8 +75,10 @@ struct WorkMetadata {
   // Set by the front-end when the client cancels; checked before compute, and
   // a cancelled item is dropped with CANCELLED. May be null.
   std::shared_ptr<const std::atomic<bool>> cancelled;
-  // Called exactly once for an admitted item, on one of the executor's
-  // threads, never under the executor's lock.
+  // Called exactly once for an admitted item, never under the executor's
+  // lock: on one of the executor's threads, or, for a call run inline
+  // (ExecutorOptions::inline_max_cost), on the submitting thread before Submit
+  // returns OK. So a submitter must not hold a lock `done` takes.
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
   // The server's own work (the start-up warm-up): left out of the metrics.
   bool internal = false;
@@ -157,6 +160,20 @@ struct ExecutorOptions {
   absl::Duration launch_timeout = absl::InfiniteDuration();
   // Called (on an executor thread, no lock held) when Healthy() changes.
   std::function<void()> on_health_change;
+  // Runs a call on the thread that submits it, saving the wake-up of the
+  // launcher (and, without a pipeline, of the completer), when the executor
+  // is idle: nothing queued, launching, in flight or completing, and the
+  // submitting thread is not already running a call inline. Everything else
+  // is as on the launcher: the same admission (queue bound, drain, health),
+  // the deadline and cancellation checks, the watchdog, WaitIdle waiting for
+  // it; items submitted meanwhile queue and start once it is launched. Only
+  // small calls, so the submitting thread (a gRPC callback thread) is held
+  // briefly: RequestCost of at most this, counted on what the submitting
+  // thread runs. Without a pipeline that is the whole call, a K/V call's
+  // context included, checked again once its pages are known (over it, the
+  // ready call goes to the launcher); with one, only the launch's start (its
+  // own rows), the completer finishing it. 0: never.
+  int64_t inline_max_cost = 0;
 };
 
 class Executor {
@@ -169,9 +186,9 @@ class Executor {
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  // Admits `item` (OK: `done` will be called) or refuses it without calling
-  // `done`: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once
-  // StopAdmitting or Shutdown has been called.
+  // Admits `item` (OK: `done` will be called, or has been for a call run
+  // inline) or refuses it without calling `done`: RESOURCE_EXHAUSTED when the
+  // queue is full, UNAVAILABLE once StopAdmitting or Shutdown has been called.
   absl::Status Submit(WorkItem item);
   // The same, moving from `*item` only when it is admitted: a refused item
   // is intact, for the multi-device dispatcher to offer to another executor.
@@ -226,8 +243,9 @@ class Executor {
     int64_t cost = 0;    // RequestCost: the fair queue's charge and outstanding_work
     absl::Time admitted;
     WorkTimings timings;
-    // Set for the members of a packed launch that failed: they come back to
-    // the front of the queue, ready and planned, to run one by one.
+    // Set for the members of a packed launch that failed, and for a call
+    // made ready inline that turned out too large to run there: they come
+    // back to the front of the queue, ready and planned, to run one by one.
     bool rerun_alone = false;
   };
   // A launch the backend has started and the completer has yet to finish, or
@@ -266,6 +284,11 @@ class Executor {
   // fails to start is retried one member at a time, so an out-of-memory or a
   // bad request fails only itself.
   void StartLaunch(std::vector<Queued> group);
+  // Whether an admitted item may run on the submitting thread now
+  // (ExecutorOptions::inline_max_cost); the caller then claims the launcher.
+  bool MayRunHere(const Queued& q) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Does for one claimed item what the launcher would, on this thread.
+  void RunHere(Queued q);
   // Hands an item that failed before launch to the completer.
   void Fail(Queued q, absl::Status status);
   // Fills the item's final timings, calls its `done` and releases its tokens.
@@ -287,7 +310,9 @@ class Executor {
   int64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // wakes a batch waiting for company
   bool admitting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool launching_ ABSL_GUARDED_BY(mu_) = false;      // the launcher holds picked items
+  // The launcher holds picked items, or a submitting thread runs one inline
+  // (the launcher waits until it is clear).
+  bool launching_ ABSL_GUARDED_BY(mu_) = false;
   bool completing_ ABSL_GUARDED_BY(mu_) = false;     // the completer holds popped items
   bool launcher_done_ ABSL_GUARDED_BY(mu_) = false;  // it has exited: nothing more starts
   std::string refusal_ ABSL_GUARDED_BY(mu_);

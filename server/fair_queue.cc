@@ -50,4 +50,19 @@ int64_t RequestCost(const AttnShape& s) {
               Pairs(s.batch, s.seqlen_q, s.seqlen_k, s.cu_seqlens_q, s.cu_seqlens_k));
 }
 
+int64_t RequestCost(const PagedAttnParams& p) {
+  const AttnParams& a = p.attn;
+  int64_t total_q = 0;
+  int64_t total_k = 0;
+  int64_t pairs = 0;
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t rows = SeqLenQ(a, b);
+    total_q += rows;
+    const int64_t context = p.seqlens_k != nullptr ? p.seqlens_k[b] : 0;
+    total_k += context;
+    pairs += rows * context;
+  }
+  return Cost(a.dtype, a.num_heads_q, a.num_heads_kv, a.head_dim, total_q, total_k, pairs);
+}
+
 }  // namespace attnserve

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "backend/make_params.h"
+#include "backend/paged_kv.h"
 #include "backend/params.h"
 
 namespace attnserve {
@@ -56,6 +57,9 @@ int64_t RequestCost(const AttnParams& p);
 // The same from a call's shape (a K/V call's query and new rows, before its
 // params exist).
 int64_t RequestCost(const AttnShape& shape);
+// A K/V call once its pages are reserved: its query rows against each
+// sequence's whole context (seqlens_k), which it reads from the cache.
+int64_t RequestCost(const PagedAttnParams& p);
 
 template <typename T>
 class FairQueue {

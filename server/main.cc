@@ -74,6 +74,11 @@ ABSL_FLAG(absl::Duration, launch_timeout, absl::Minutes(5),
           "its queued requests fail with UNAVAILABLE, new ones go to the other devices, health "
           "is NOT_SERVING when no device answers, and the device serves again as soon as the "
           "call returns; 'inf' = never");
+ABSL_FLAG(int64_t, inline_max_cost, int64_t{1} << 22,
+          "A request whose device is idle (nothing queued or running) and whose estimated "
+          "work is at most this (cost units: bytes moved, or FLOPs / 64 when larger; a K/V "
+          "step's context counted) runs on the thread that received it instead of waking the "
+          "device's executor threads; 0 = always hand it to them");
 ABSL_FLAG(int, stream_max_pending_requests, 64,
           "Stream flow control (ForwardStream, ModelStreamInfer, AppendAttendStream): requests "
           "one stream may hold (read and not yet answered, or answered and not yet sent to the "
@@ -220,6 +225,7 @@ int main(int argc, char** argv) {
   options.max_buffered_bytes = absl::GetFlag(FLAGS_max_buffered_bytes);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.launch_timeout = absl::GetFlag(FLAGS_launch_timeout);
+  options.inline_max_cost = absl::GetFlag(FLAGS_inline_max_cost);
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   options.kv_page_size = absl::GetFlag(FLAGS_kv_page_size);
   options.kv_idle_timeout = absl::GetFlag(FLAGS_kv_idle_timeout);

@@ -640,6 +640,7 @@ class AttnServerImpl final : public AttnServer {
     e.batch_max_tokens = options.batch_max_tokens;
     e.batch_invariant = options.batch_invariant;
     e.launch_timeout = options.launch_timeout;
+    e.inline_max_cost = options.inline_max_cost;
     e.on_health_change = [this] { OnDeviceHealthChange(); };
     return e;
   }

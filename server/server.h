@@ -37,6 +37,10 @@ struct ServerOptions {
   // A backend call running longer than this marks its device as not
   // answering (ExecutorOptions::launch_timeout); infinite: never.
   absl::Duration launch_timeout = absl::Minutes(5);
+  // Small calls that find their device idle run on the receiving thread
+  // (ExecutorOptions::inline_max_cost). Off here so in-process servers (tests
+  // that hold a backend) keep every call on the executor; main.cc turns it on.
+  int64_t inline_max_cost = 0;
   // Prometheus /metrics over HTTP (metrics.h) on metrics_host:metrics_port;
   // port 0 picks a free one (AttnServer::metrics_port() tells which). Off by
   // default here so in-process servers (tests) bind nothing extra; main.cc
