@@ -50,7 +50,8 @@ trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
 t0=$(date +%s)
 "$bin/attnctl" --target="127.0.0.1:${ports[0]}" --timeout=600s load-kv --heads_q=32 --heads_kv=8 \
   --head_dim=128 --dtype=bf16 --page_size=64 --sequences="$SEQS" --prompt="$CONTEXT" --tokens=1 \
-  --layers="$LAYERS" --prefill_attend=false --keep_cache >"$OUT/fill.txt" 2>"$OUT/fill.err" ||
+  --layers="$LAYERS" --prefill_attend=false --concurrency=8 --channels=8 --prefill_chunk=4096 \
+  --keep_cache >"$OUT/fill.txt" 2>"$OUT/fill.err" ||
   { echo "fill failed: $(tail -3 "$OUT/fill.txt" "$OUT/fill.err")"; exit 1; }
 cache=$(sed -nE 's/.*; cache ([^,]+), page size.*/\1/p' "$OUT/fill.txt" | head -1)
 echo "filled cache $cache on server 0 in $(( $(date +%s) - t0 )) s ($(grep -m1 prefill "$OUT/fill.txt"))"
