@@ -56,7 +56,11 @@ v1::ForwardRequest BuildRequest(Inputs&& inputs) {
 // that disagrees is a server bug, reported as INTERNAL rather than read past.
 absl::Status CheckResultShapes(const v1::ForwardRequest& request, const ForwardResult& result) {
   const auto& q_shape = request.q().shape();
-  const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  // O has V's head dim (MLA shapes: not Q's).
+  if (!want_o.empty() && request.v().shape_size() == static_cast<int>(want_o.size())) {
+    want_o.back() = request.v().shape(request.v().shape_size() - 1);
+  }
   const DType want_dtype = OutputDType(*DTypeFromProto(request.q().dtype()));
   if (result.o.shape() != want_o || result.o.dtype() != want_dtype) {
     return absl::InternalError(absl::StrCat("server returned o ", result.o.DebugString(),
@@ -122,8 +126,10 @@ absl::StatusOr<ShmOutputSpans> PlaceForwardInArena(ShmArena& arena, v1::ForwardR
   for (v1::Tensor* t : {request->mutable_q(), request->mutable_k(), request->mutable_v()}) {
     RETURN_IF_ERROR(arena.MoveIn(t));
   }
+  const auto& v_shape = request->v().shape();
   return AllocateOutputSpans(arena, request->q(), request->options().return_lse(),
-                             request->mutable_output_shm());
+                             request->mutable_output_shm(),
+                             v_shape.empty() ? 0 : v_shape[v_shape.size() - 1]);
 }
 
 absl::Status TakeForwardOutputs(const ShmArena& arena, const ShmOutputSpans& spans,
@@ -295,6 +301,7 @@ absl::StatusOr<ForwardResult> AttentionClient::Forward(const AttentionInputs& in
   // The shapes stay for the check; the bytes move into the arena.
   v1::ForwardRequest shapes;
   *shapes.mutable_q()->mutable_shape() = request.q().shape();
+  *shapes.mutable_v()->mutable_shape() = request.v().shape();  // O has V's head dim
   shapes.mutable_q()->set_dtype(request.q().dtype());
   shapes.mutable_options()->set_return_lse(request.options().return_lse());
   shapes.mutable_cu_seqlens_q()->CopyFrom(request.cu_seqlens_q());

@@ -69,10 +69,10 @@ std::vector<int32_t> CuSeqlensFromLengths(const std::vector<int>& lengths) {
 
 absl::StatusOr<AttentionInputs> MakeRandomInputs(const AttentionShape& s, uint64_t seed) {
   const bool varlen = !s.seqlens_q.empty() || !s.seqlens_k.empty();
-  if (s.heads_q <= 0 || s.heads_kv <= 0 || s.head_dim <= 0) {
+  if (s.heads_q <= 0 || s.heads_kv <= 0 || s.head_dim <= 0 || s.head_dim_v < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("heads_q, heads_kv and head_dim must be > 0, got ", s.heads_q, ", ",
-                     s.heads_kv, ", ", s.head_dim));
+        absl::StrCat("heads_q, heads_kv and head_dim must be > 0 and head_dim_v >= 0, got ",
+                     s.heads_q, ", ", s.heads_kv, ", ", s.head_dim, ", ", s.head_dim_v));
   }
   if (s.heads_q % s.heads_kv != 0) {
     return absl::InvalidArgumentError(absl::StrCat("heads_q must be a multiple of heads_kv, got ",
@@ -117,17 +117,21 @@ absl::StatusOr<AttentionInputs> MakeRandomInputs(const AttentionShape& s, uint64
   };
   in.q = RandomTensor(s.dtype, shape(rows_q, s.seqlen_q, s.heads_q), &rng);
   in.k = RandomTensor(s.dtype, shape(rows_k, s.seqlen_k, s.heads_kv), &rng);
-  in.v = RandomTensor(s.dtype, shape(rows_k, s.seqlen_k, s.heads_kv), &rng);
+  std::vector<int64_t> v_shape = shape(rows_k, s.seqlen_k, s.heads_kv);
+  if (s.head_dim_v > 0) v_shape.back() = s.head_dim_v;
+  in.v = RandomTensor(s.dtype, std::move(v_shape), &rng);
   return in;
 }
 
 std::string InputsSummary::ToString() const {
+  const std::string dv =
+      head_dim_v != 0 && head_dim_v != head_dim ? absl::StrCat(" Dv=", head_dim_v) : "";
   if (varlen) {
     return absl::StrCat("varlen B=", batch, " Tq=", total_q, " Tk=", total_k, " Hq=", heads_q,
-                        " Hkv=", heads_kv, " D=", head_dim, " ", std::string(DTypeName(dtype)));
+                        " Hkv=", heads_kv, " D=", head_dim, dv, " ", std::string(DTypeName(dtype)));
   }
   return absl::StrCat("dense B=", batch, " Sq=", seqlen_q, " Sk=", seqlen_k, " Hq=", heads_q,
-                      " Hkv=", heads_kv, " D=", head_dim, " ", std::string(DTypeName(dtype)));
+                      " Hkv=", heads_kv, " D=", head_dim, dv, " ", std::string(DTypeName(dtype)));
 }
 
 absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
@@ -148,11 +152,16 @@ absl::StatusOr<InputsSummary> SummarizeInputs(const AttentionInputs& in) {
           absl::StrCat(name, " must have rank ", rank, " (", layout, "), got ", t->DebugString()));
     }
   }
-  if (in.k.shape() != in.v.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "k and v must have the same shape, got ", in.k.DebugString(), " and ", in.v.DebugString()));
-  }
   const int h = rank - 2, d = rank - 1;
+  // V is K's shape but for its head dim (MLA: Dv != D).
+  for (int i = 0; i < d; ++i) {
+    if (in.k.dim(i) != in.v.dim(i)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("k and v must have the same shape but for the head dim, got ",
+                       in.k.DebugString(), " and ", in.v.DebugString()));
+    }
+  }
+  s.head_dim_v = in.v.dim(d);
   s.heads_q = in.q.dim(h);
   s.heads_kv = in.k.dim(h);
   s.head_dim = in.q.dim(d);

@@ -25,6 +25,7 @@ struct AttentionShape {
   int heads_q = 8;
   int heads_kv = 8;
   int head_dim = 64;
+  int head_dim_v = 0;  // V's (and O's) head dim when it differs (MLA); 0: head_dim
   std::vector<int> seqlens_q;
   std::vector<int> seqlens_k;
 };
@@ -58,9 +59,11 @@ struct InputsSummary {
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;
+  int64_t head_dim_v = 0;  // V's and O's (v's last dim): head_dim except for MLA shapes
   DType dtype = DType::kFP32;
 
-  // "dense B=2 Sq=128 Sk=128 Hq=8 Hkv=2 D=64 BF16" or "varlen B=3 Tq=20 ...".
+  // "dense B=2 Sq=128 Sk=128 Hq=8 Hkv=2 D=64 BF16" or "varlen B=3 Tq=20 ...";
+  // " Dv=128" after D when V's head dim differs.
   std::string ToString() const;
 };
 

@@ -71,10 +71,14 @@ const char* ShmModeName(ShmMode mode) {
 
 bool ShmCudaAvailable() { return ATTNSERVE_HAVE_CUDA != 0; }
 
-uint64_t ShmOBytes(const v1::Tensor& q) {
+uint64_t ShmOBytes(const v1::Tensor& q, int64_t head_dim_v) {
   absl::StatusOr<DType> dtype = DTypeFromProto(q.dtype());
   if (!dtype.ok()) return 0;
-  return static_cast<uint64_t>(ProductOf(q.shape(), 0) * DTypeSize(OutputDType(*dtype)));
+  int64_t elements = ProductOf(q.shape(), 0);
+  if (head_dim_v > 0 && q.shape_size() > 0 && q.shape(q.shape_size() - 1) > 0) {
+    elements = elements / q.shape(q.shape_size() - 1) * head_dim_v;
+  }
+  return static_cast<uint64_t>(elements * DTypeSize(OutputDType(*dtype)));
 }
 
 uint64_t ShmLseBytes(const v1::Tensor& q) {
@@ -82,9 +86,10 @@ uint64_t ShmLseBytes(const v1::Tensor& q) {
 }
 
 absl::StatusOr<ShmOutputSpans> AllocateOutputSpans(ShmArena& arena, const v1::Tensor& q,
-                                                   bool return_lse, v1::OutputRegions* regions) {
+                                                   bool return_lse, v1::OutputRegions* regions,
+                                                   int64_t head_dim_v) {
   ShmOutputSpans spans;
-  const uint64_t o_bytes = ShmOBytes(q);
+  const uint64_t o_bytes = ShmOBytes(q, head_dim_v);
   if (o_bytes == 0) return spans;
   absl::StatusOr<ShmSpan> o = arena.Allocate(o_bytes);
   if (!o.ok()) return o.status();

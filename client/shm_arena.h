@@ -145,15 +145,18 @@ class ShmArena {
   AttentionClient* client_ = nullptr;
 };
 
-// Bytes of an output of `q`: O (OutputDType of q's dtype, q's shape), and LSE
-// (FP32, one per query row and head).
-uint64_t ShmOBytes(const v1::Tensor& q);
+// Bytes of an output of `q`: O (OutputDType of q's dtype, q's shape with
+// V's head dim `head_dim_v`, 0 meaning q's), and LSE (FP32, one per query row
+// and head).
+uint64_t ShmOBytes(const v1::Tensor& q, int64_t head_dim_v = 0);
 uint64_t ShmLseBytes(const v1::Tensor& q);
 
 // Allocates the spans of q's outputs in `arena` (O, and LSE with `return_lse`)
 // and names them in `regions` (a request's output_shm). No query rows: no
 // spans, the empty O comes in the message.
+// O's head dim is `head_dim_v` (0: q's).
 absl::StatusOr<ShmOutputSpans> AllocateOutputSpans(ShmArena& arena, const v1::Tensor& q,
-                                                   bool return_lse, v1::OutputRegions* regions);
+                                                   bool return_lse, v1::OutputRegions* regions,
+                                                   int64_t head_dim_v = 0);
 
 }  // namespace attnserve

@@ -91,6 +91,14 @@ std::vector<V2Input> InputsOf(const v1::ForwardRequest& r) {
   return inputs;
 }
 
+// Bytes of o: q's with V's head dim (they differ for MLA shapes).
+int64_t OBytes(const v1::ForwardRequest& r) {
+  const int64_t q = static_cast<int64_t>(r.q().data().size());
+  const int n = r.q().shape_size();
+  if (n == 0 || r.v().shape_size() != n || r.q().shape(n - 1) <= 0) return q;
+  return q / r.q().shape(n - 1) * r.v().shape(n - 1);
+}
+
 // Bytes of lse for q: FP32, one per query row and head.
 int64_t LseBytes(const v1::Tensor& q) {
   int64_t rows_heads = 1;
@@ -191,7 +199,7 @@ absl::StatusOr<v1::ForwardResponse> FromModelInferResponse(
 int64_t V2SlotBytes(const v1::ForwardRequest& request) {
   int64_t bytes = 0;
   for (const V2Input& in : InputsOf(request)) bytes += static_cast<int64_t>(in.bytes.size());
-  bytes += static_cast<int64_t>(request.q().data().size());  // o is like q
+  bytes += OBytes(request);
   if (request.options().return_lse()) bytes += LseBytes(request.q());
   return bytes;
 }
@@ -450,7 +458,7 @@ absl::StatusOr<v1::ForwardResponse> V2Client::InferThroughRegion(const v1::Forwa
   SetParameters(request.options(), &v2);
   auto* o = v2.add_outputs();
   o->set_name("o");
-  place(o->mutable_parameters(), static_cast<int64_t>(request.q().data().size()));
+  place(o->mutable_parameters(), OBytes(request));
   if (request.options().return_lse()) {
     auto* lse = v2.add_outputs();
     lse->set_name("lse");

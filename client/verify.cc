@@ -34,6 +34,7 @@ AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
   shape.num_heads_q = static_cast<int32_t>(s.heads_q);
   shape.num_heads_kv = static_cast<int32_t>(s.heads_kv);
   shape.head_dim = static_cast<int32_t>(s.head_dim);
+  shape.head_dim_v = static_cast<int32_t>(s.head_dim_v);
   shape.seqlen_q = static_cast<int32_t>(s.seqlen_q);
   shape.seqlen_k = static_cast<int32_t>(s.seqlen_k);
   if (s.varlen) {
@@ -52,8 +53,8 @@ AttnParams MakeParams(const AttentionInputs& in, const InputsSummary& s) {
 
 // Index into ReferenceOutput::lse of the row that o element `idx` belongs to.
 int64_t LseIndexOfO(const AttnParams& p, int64_t idx) {
-  const int64_t row = idx / (int64_t{p.num_heads_q} * p.head_dim);
-  const int h = static_cast<int>((idx / p.head_dim) % p.num_heads_q);
+  const int64_t row = idx / (int64_t{p.num_heads_q} * HeadDimV(p));
+  const int h = static_cast<int>((idx / HeadDimV(p)) % p.num_heads_q);
   if (IsVarlen(p)) return int64_t{h} * p.total_q + row;
   const int b = static_cast<int>(row / p.seqlen_q);
   return LseOffset(p, b, h, static_cast<int>(row % p.seqlen_q));
@@ -62,7 +63,7 @@ int64_t LseIndexOfO(const AttnParams& p, int64_t idx) {
 void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutput* lowp,
             const std::vector<float>& out, VerifyReport* r) {
   // The scale of each output vector (one query row of one head).
-  const int64_t d = p.head_dim;
+  const int64_t d = HeadDimV(p);
   std::vector<double> vec_scale(out.size() / std::max<int64_t>(d, 1), 0.0);
   for (size_t i = 0; i < out.size(); ++i) {
     vec_scale[i / d] = std::max(vec_scale[i / d], std::fabs(ref.o[i]));
@@ -173,6 +174,7 @@ absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& i
   auto state = std::make_shared<State>();
   state->params = MakeParams(inputs, *s);
   state->o_shape = inputs.q.shape();
+  if (!state->o_shape.empty()) state->o_shape.back() = s->head_dim_v;  // O has V's head dim
   state->dtype = OutputDType(inputs.q.dtype());
   state->ref = ReferenceAttention(state->params);
   if (state->params.dtype != DType::kFP32) {

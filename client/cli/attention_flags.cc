@@ -27,7 +27,10 @@ ABSL_FLAG(
     "Random inputs: key/value heads Hkv; Hq must be a multiple (GQA/MQA). Default: --heads_q.");
 ABSL_FLAG(int, head_dim, 64,
           "Random inputs: head dimension D (the server accepts multiples of "
-          "8 from 8 to 256).");
+          "8 from 8 to 256, and up to 576 with --head_dim_v).");
+ABSL_FLAG(int, head_dim_v, 0,
+          "Random inputs: V's (and O's) head dimension Dv when it differs from --head_dim (MLA "
+          "shapes, e.g. --head_dim=192 --head_dim_v=128); 0 = --head_dim.");
 ABSL_FLAG(std::string, varlen_q, "",
           "Packed variable-length random inputs: comma-separated query lengths, one per sequence, "
           "zeros allowed (e.g. 3,0,17). Replaces --batch/--seqlen_q/--seqlen_k.");
@@ -153,13 +156,15 @@ absl::StatusOr<AttentionInputs> RandomInputsFromFlags(DType dtype, uint64_t seed
   s.heads_q = absl::GetFlag(FLAGS_heads_q);
   s.heads_kv = absl::GetFlag(FLAGS_heads_kv).value_or(s.heads_q);
   s.head_dim = absl::GetFlag(FLAGS_head_dim);
+  s.head_dim_v = absl::GetFlag(FLAGS_head_dim_v);
   const struct {
     const char* flag;
     int value;
     int min;
-  } checks[] = {{"batch", s.batch, 0},       {"seqlen_q", s.seqlen_q, 0},
-                {"seqlen_k", s.seqlen_k, 0}, {"heads_q", s.heads_q, 1},
-                {"heads_kv", s.heads_kv, 1}, {"head_dim", s.head_dim, 1}};
+  } checks[] = {{"batch", s.batch, 0},          {"seqlen_q", s.seqlen_q, 0},
+                {"seqlen_k", s.seqlen_k, 0},    {"heads_q", s.heads_q, 1},
+                {"heads_kv", s.heads_kv, 1},    {"head_dim", s.head_dim, 1},
+                {"head_dim_v", s.head_dim_v, 0}};
   for (const auto& c : checks) {
     if (c.value < c.min) {
       return UsageStatus(absl::StrCat("--", c.flag, " must be >= ", c.min, ", got ", c.value));

@@ -30,8 +30,8 @@ namespace cli {
 inline constexpr char kAttentionFlagsFile[] = "client/cli/attention_flags.cc";
 
 // The flags that only make sense for random inputs.
-inline constexpr const char* kShapeFlags[] = {"batch",    "seqlen_q", "seqlen_k", "heads_q",
-                                              "heads_kv", "head_dim", "seed"};
+inline constexpr const char* kShapeFlags[] = {"batch",    "seqlen_q", "seqlen_k",   "heads_q",
+                                              "heads_kv", "head_dim", "head_dim_v", "seed"};
 
 // Random inputs of the shape the flags give, with `seed`. INVALID_ARGUMENT
 // naming the flag for a bad size or list (a usage error for the caller).

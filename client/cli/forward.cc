@@ -216,9 +216,12 @@ int RunForward(const std::vector<std::string>& args) {
   if (!protocol->v2 && protocol->shm != ShmMode::kNone) {
     std::cout << "protocol: " << protocol->ToString() << "\n";
     request = MakeForwardRequest(*inputs);
-    const uint64_t bytes = request.q().data().size() + request.k().data().size() +
-                           request.v().data().size() + ShmOBytes(request.q()) +
-                           ShmLseBytes(request.q()) + 4 * kShmAlignment;
+    const uint64_t bytes =
+        request.q().data().size() + request.k().data().size() + request.v().data().size() +
+        ShmOBytes(request.q(), request.v().shape_size() > 0
+                                   ? request.v().shape(request.v().shape_size() - 1)
+                                   : 0) +
+        ShmLseBytes(request.q()) + 4 * kShmAlignment;
     absl::StatusOr<std::unique_ptr<ShmArena>> made = MakeArena(**client, *protocol, bytes);
     if (!made.ok()) return PrintError("--shm", made.status());
     arena = *std::move(made);
