@@ -126,12 +126,16 @@ class CacheBase:
               dtype: Any, capacity_tokens: Optional[int], capacity_bytes: Optional[int],
               page_size: int, cache_id: Optional[str], device: Optional[int], reserve: bool,
               timeout: Optional[float], shm: Any = None,
-              shm_tenant: str = _shm.DEFAULT_TENANT) -> kv_pb2.CreateCacheRequest:
+              shm_tenant: str = _shm.DEFAULT_TENANT, head_dim_v: int = 0,
+              v_in_k: bool = False) -> kv_pb2.CreateCacheRequest:
         self.client = client
         self.shm = shm
         self.shm_tenant = shm_tenant
         self._shm_pools: Dict[Tuple[str, str], _shm.Pool] = {}
         self.num_heads_kv = num_heads_kv
+        # O's head dim: V's (MLA geometry, docs/kv-cache.md), else head_dim.
+        self.head_dim_v = head_dim_v or head_dim
+        self.v_in_k = bool(v_in_k)  # V read from K's rows: steps send no v
         self.cache_id = cache_id if cache_id is not None else f"py-{uuid.uuid4().hex}"
         self.timeout = timeout
         self._metadata = ((CACHE_ID_HEADER, self.cache_id),)
@@ -141,7 +145,8 @@ class CacheBase:
         self._closed = False
         req = kv_pb2.CreateCacheRequest(
             geometry=kv_pb2.KvGeometry(num_layers=num_layers, num_heads_kv=num_heads_kv,
-                                       head_dim=head_dim, dtype=wire_dtype(dtype)),
+                                       head_dim=head_dim, dtype=wire_dtype(dtype),
+                                       head_dim_v=head_dim_v, v_in_k=v_in_k),
             page_size=page_size, capacity_tokens=capacity_tokens or 0,
             capacity_bytes=capacity_bytes or 0, cache_id=self.cache_id, reserve=reserve)
         if device is not None:
@@ -308,6 +313,9 @@ class Cache(CacheBase):
         is CUDA, else a POSIX shm object), "system" or "cuda"; each call's shm= overrides.
       shm_tenant: the tenant whose key prefix system regions take ("/attnserve.<tenant>.";
         the server's tenant of this client's token, "default" without tokens).
+      head_dim_v, v_in_k: MLA geometry (docs/kv-cache.md, "MLA caches"): V's head dim
+        when it differs from head_dim (0 = head_dim; O has it too), and V as the first
+        head_dim_v elements of each K row (pages hold K alone; steps send no v).
     """
 
     def __init__(self, client: Client, *, num_layers: int, num_heads_kv: int, head_dim: int,
@@ -315,10 +323,11 @@ class Cache(CacheBase):
                  capacity_bytes: Optional[int] = None, page_size: int = 0,
                  cache_id: Optional[str] = None, device: Optional[int] = None,
                  reserve: bool = False, timeout: Optional[float] = None, shm: Any = None,
-                 shm_tenant: str = _shm.DEFAULT_TENANT):
+                 shm_tenant: str = _shm.DEFAULT_TENANT, head_dim_v: int = 0,
+                 v_in_k: bool = False):
         req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
                          capacity_bytes, page_size, cache_id, device, reserve, timeout, shm,
-                         shm_tenant)
+                         shm_tenant, head_dim_v, v_in_k)
         self._run(self._op_create_cache(req))
 
     def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
@@ -586,7 +595,10 @@ class _AppendCall:
                  request_id: Optional[str] = None, shm: Any = None):
         if not 0 <= layer < cache.num_layers:
             raise invalid_argument(f"layer: expected in [0, {cache.num_layers}), got {layer}")
-        if (k is None) != (v is None):
+        if cache.v_in_k and v is not None:
+            raise invalid_argument("v: expected None on a v_in_k cache (V is the first "
+                                   "head_dim_v elements of each k row)")
+        if (k is None) != (v is None) and not cache.v_in_k:
             raise invalid_argument("k, v: give both (append) or neither (attend only)")
         self.cache = cache
         self.layer = layer
@@ -594,7 +606,8 @@ class _AppendCall:
         self.like = q if q is not None else k
         self.lease: Optional[_shm.Lease] = None
         shm_kind = _shm.kind_for(cache.client, cache.shm if shm is None else shm, self.like)
-        self.q_shape = None if q is None else tuple(q.shape)
+        # O is shaped like q with V's head dim (MLA geometry: not q's).
+        self.q_shape = None if q is None else tuple(q.shape)[:-1] + (cache.head_dim_v,)
         batch = len(self.sequences)
         q, nq = _packed("q", q, "cu_seqlens_q", cu_seqlens_q, batch)
         k, nk = _packed("k", k, "cu_seqlens_k", cu_seqlens_k, batch)
@@ -699,6 +712,8 @@ def _shm_inputs(cache: CacheBase, kind: str, req: kv_pb2.AppendAttendRequest,
             out = _tensors.to_out(name, x)
             named.append((name, out.dtype, out.shape, out.data))
     o_bytes = _shm.nbytes(named[0][3]) if named[0][0] == "q" else 0
+    if o_bytes and named[0][2][-1]:  # O has V's head dim
+        o_bytes = o_bytes // named[0][2][-1] * cache.head_dim_v
     lease = _shm.Lease(cache._shm_pool(kind, like), [(n, p) for n, _, _, p in named], o_bytes)
     for name, wire, shape, _ in named:
         t = getattr(req, name)

@@ -78,14 +78,15 @@ class AsyncCache(CacheBase):
                capacity_bytes: Optional[int] = None, page_size: int = 0,
                cache_id: Optional[str] = None, device: Optional[int] = None,
                reserve: bool = False, timeout: Optional[float] = None, shm: Any = None,
-               shm_tenant: str = _shm.DEFAULT_TENANT) -> Made["AsyncCache"]:
+               shm_tenant: str = _shm.DEFAULT_TENANT, head_dim_v: int = 0,
+               v_in_k: bool = False) -> Made["AsyncCache"]:
         """CreateCache (see attnserve.kv.Cache for the arguments). With shm, a region is
         registered by a blocking call when the cache's pool first needs one (or a larger
         one), on this client's blocking twin channel."""
         self = cls()
         req = self._init(client, num_layers, num_heads_kv, head_dim, dtype, capacity_tokens,
                          capacity_bytes, page_size, cache_id, device, reserve, timeout, shm,
-                         shm_tenant)
+                         shm_tenant, head_dim_v, v_in_k)
 
         async def making() -> "AsyncCache":
             await self._run(self._op_create_cache(req))
