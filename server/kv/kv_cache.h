@@ -256,6 +256,12 @@ class KvCache {
     for (const auto& a : shards_) pages += a->capacity_pages();
     return pages;
   }
+  // Pages each shard may grow to, in devices() order (fixed; no lock needed).
+  std::vector<int64_t> shard_capacity_pages() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    std::vector<int64_t> pages;
+    for (const auto& a : shards_) pages.push_back(a->capacity_pages());
+    return pages;
+  }
   // The first (or only) device; devices(): every device, one per shard.
   int device() const { return device_; }
   const std::vector<int>& devices() const { return devices_; }

@@ -335,10 +335,11 @@ int KvPool::LeastCommittedDevice() {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, cache] : caches_) {
-      for (const KvShardStats& shard : cache->Stats().shards) {
+      const std::vector<int64_t> capacities = cache->shard_capacity_pages();
+      for (size_t s = 0; s < capacities.size(); ++s) {
         for (size_t i = 0; i < devices_.size(); ++i) {
-          if (devices_[i].index == shard.device) {
-            committed[i] += shard.capacity_pages * cache->page_bytes();
+          if (devices_[i].index == cache->devices()[s]) {
+            committed[i] += capacities[s] * cache->page_bytes();
           }
         }
       }
