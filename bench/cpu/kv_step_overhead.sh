@@ -9,18 +9,21 @@
 #   mean is printed, but on a loaded host a few slow wake-ups inflate means)
 # per transport: unary and one stream, the bytes in the message and in a
 # system shared-memory region (--shm=system). Rounds alternate the DIRs
-# (bin/attnserve and bin/attnctl, or a build folder's server/ and client/).
+# (bin/attnserve and bin/attnctl, or a build folder's server/ and client/);
+# NAME=DIR:FLAG,FLAG runs DIR's server with those flags under NAME, so one
+# build can be set against itself (inline=B handoff=B:--inline_max_cost=0).
 # PERF=1 also records the server with `perf record -g` during each K/V run
 # ($OUT/NAME-rN-CONFIG.perf.data; `perf report -i FILE --no-children`).
 # Rows: $OUT/kv-step-cpu.csv (load-kv's and load's columns, label =
-# dir-round-config); a table is printed last.
+# name-round-config); a table is printed last, then each name's and
+# configuration's medians over the rounds.
 # CONFIGS="unary: stream-shm:--stream,--shm=system" picks configurations
 # (label:flags, flags split at commas; the default is all four).
 # Usage: [PERF=1] [TOKENS=100] [CONFIGS=...] bench/cpu/kv_step_overhead.sh ROUNDS DIR [DIR...]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
-[ $# -ge 2 ] || { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=${OUT:-$PWD/kv-step-cpu-out}
 mkdir -p "$OUT"
 rounds=$1
@@ -39,14 +42,17 @@ bin_of() {  # bin_of DIR NAME: the binary NAME in an install-like or a build fol
 pid=""
 trap '[ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; wait' EXIT
 for round in $(seq 1 "$rounds"); do
-  for dir in "$@"; do
-    name=$(basename "$dir")
+  for spec in "$@"; do
+    dir=${spec#*=}
+    extra=()
+    if [[ $dir == *:* ]]; then IFS=, read -r -a extra <<<"${dir#*:}"; dir=${dir%%:*}; fi
+    if [[ $spec == *=* ]]; then name=${spec%%=*}; else name=$(basename "$dir"); fi
     port=$(free_port)
     ctl=("$(bin_of "$dir" attnctl)" --target="127.0.0.1:$port" --timeout=120s)
     log=$OUT/$name-r$round
     start_server "$log-server.log" 60 "${ctl[@]}" -- "$(bin_of "$dir" attnserve)" --backend=cpu \
       --host=127.0.0.1 --port="$port" --log_level=warn --metrics_port=0 --http_port=0 \
-      --allow_client_shm --kv_cache_bytes=$((256 << 20)) ||
+      --allow_client_shm --kv_cache_bytes=$((256 << 20)) "${extra[@]}" ||
       { echo "$name: server did not start"; continue; }
     pid=$SERVER_PID
     for config in "${configs[@]}"; do
@@ -78,6 +84,7 @@ def rows(path):
         return []
 echo = {r["label"].rsplit("-", 1)[0]: float(r["p50_ms"]) * 1e3 for r in rows(sys.argv[2])}
 cols = ("p50", "p99", "echo_p50", "beyond_echo", "queue", "compute", "server", "outside_p50")
+by = {}
 print(f"{'label (us; queue, compute, server: means)':>44} " + " ".join(f"{c:>11}" for c in cols))
 for r in rows(sys.argv[1]):
     label = r["label"]
@@ -88,4 +95,13 @@ for r in rows(sys.argv[1]):
          float(r["queue_ms"]) * 1e3, float(r["compute_ms"]) * 1e3,
          float(r["server_total_ms"]) * 1e3, float(r["outside_server_p50_ms"]) * 1e3]
     print(f"{label:>44} " + " ".join(f"{x:11.0f}" if x is not None else f"{'':>11}" for x in v))
+    name, rnd, config = run.rsplit("-", 1)[0], run.rsplit("-", 1)[1], label[len(run) + 1:]
+    by.setdefault((name, config), []).append(v)
+print(f"\nmedians over rounds ({'p50, p99, echo_p50, beyond_echo, queue, compute, server, outside_p50'})")
+for (name, config), vs in sorted(by.items()):
+    med = []
+    for i in range(len(cols)):
+        xs = sorted(x[i] for x in vs if x[i] is not None)
+        med.append(xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2 if xs else None)
+    print(f"{name + ' ' + config + f' ({len(vs)} rounds)':>44} " + " ".join(f"{x:11.0f}" if x is not None else f"{'':>11}" for x in med))
 EOF
