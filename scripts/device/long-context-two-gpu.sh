@@ -21,6 +21,9 @@
 #   ldd .device-carry/bin/long_context_bench | awk '/=> \//{print $3}' | grep -vE '/(libc|libm|libdl|librt|libpthread|libresolv|ld-linux-x86-64|libgcc_s|libstdc\+\+)\.so' | xargs -r cp -L -t .device-carry/lib/
 # Usage: [LAYERS=32] [STEPS=16] [CONFIGS="one-128k two-128k one-256k two-256k"]
 #        scripts/device/long-context-two-gpu.sh
+# Tried here on two CPU devices: BIN=build/tests/kv BACKEND=cpu SHORT=2048 LONG=4096
+# GIB=1 LAYERS=2 scripts/device/long-context-two-gpu.sh (SHORT and LONG replace
+# 131072 and 262144; GIB the per-device budgets).
 # If 32 layers do not fit the call's time, LAYERS=8 measures fewer and the
 # table scales the step to 32 layers (the layers run one after another, so
 # a step is layers x the per-layer time; say so when reporting).
@@ -36,11 +39,11 @@ steps=${STEPS:-16}
 configs=" ${CONFIGS:-one-128k two-128k one-256k two-256k} "
 csv=$OUT/long-context.csv
 rm -f "$csv"
-nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv >"$OUT/env.txt" 2>&1
+nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv >"$OUT/env.txt" 2>&1 || true
 run() {  # run LABEL CONFIG CONTEXT GIB
   [[ $configs == *" $1 "* ]] || return 0
   echo "== $1" >&2
-  timeout "${RUN_TIMEOUT:-200}" "$bin" --backend=cuda --config="$2" --context="$3" \
+  timeout "${RUN_TIMEOUT:-200}" "$bin" --backend="${BACKEND:-cuda}" --config="$2" --context="$3" \
     --layers="$layers" --hq=32 --hkv=8 --d=128 --dtype=bf16 --page_size=64 --chunk=8192 \
     --steps="$steps" --warmup=2 --kv_cache_gib="$4" --csv="$csv" --label="$1" \
     >"$OUT/$1.txt" 2>&1
@@ -48,10 +51,12 @@ run() {  # run LABEL CONFIG CONTEXT GIB
   cat "$OUT/$1.txt"
   [ $rc -eq 0 ] || echo "$1 failed (rc $rc)"
 }
-run one-128k one 131072 40
-run two-128k two 131072 40
-run one-256k one 262144 40
-run two-256k two 262144 20
+short=${SHORT:-131072}
+long=${LONG:-262144}
+run one-128k one "$short" "${GIB:-40}"
+run two-128k two "$short" "${GIB:-40}"
+run one-256k one "$long" "${GIB:-40}"
+run two-256k two "$long" "${GIB:-20}"
 [ -f "$csv" ] || { echo "no rows"; exit 1; }
 python3 - "$csv" "$layers" <<'PY'
 import csv, sys
