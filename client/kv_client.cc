@@ -119,6 +119,7 @@ v1::CreateCacheRequest MakeCreateCacheRequest(const CacheSpec& spec) {
   request.set_capacity_bytes(spec.capacity_bytes);
   request.set_cache_id(spec.cache_id);
   if (spec.device) request.set_device(*spec.device);
+  for (int d : spec.devices) request.add_devices(d);
   request.set_reserve(spec.reserve);
   return request;
 }

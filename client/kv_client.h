@@ -87,6 +87,9 @@ struct CacheSpec {
   // an empty id lets the server choose.
   std::string cache_id;
   std::optional<int> device;  // unset: the server chooses
+  // Two or more: the cache spans these devices (docs/kv-cache.md, "Caches
+  // that span devices"); exclusive with `device`.
+  std::vector<int> devices;
   bool reserve = false;
 };
 
