@@ -489,9 +489,11 @@ class Cache(CacheBase):
         """append_attend(), returning an AppendAttendResult (O, LSE, lengths, timing)."""
         return self._run(self._op_append_attend(layer, sequences, q, k, v, timeout, options))
 
-    def stream(self, *, timeout: Optional[float] = None) -> "AppendAttendStream":
-        """An AppendAttendStream on this cache (close it, or use it as a context manager)."""
-        return AppendAttendStream(self, timeout=timeout)
+    def stream(self, *, timeout: Optional[float] = None,
+               follow_moves: bool = True) -> "AppendAttendStream":
+        """An AppendAttendStream on this cache (close it, or use it as a context manager).
+        follow_moves: reopen it where the cache moved (see AppendAttendStream)."""
+        return AppendAttendStream(self, timeout=timeout, follow_moves=follow_moves)
 
     # -- moving it ---------------------------------------------------------------
     def export_to(self, dest: Any, *, cache_id: Optional[str] = None,
@@ -790,10 +792,18 @@ class AppendAttendStream(BidiStream):
             outs = [f.result().o for f in futures]
     """
 
-    def __init__(self, cache: Cache, *, timeout: Optional[float] = None):
+    def __init__(self, cache: Cache, *, timeout: Optional[float] = None,
+                 follow_moves: bool = True):
         self.cache = cache
-        super().__init__("AppendAttendStream", cache.client._kv.AppendAttendStream,
-                         timeout=timeout, metadata=cache._metadata)
+
+        def reopen(address: str) -> Any:
+            cache._follow(address)
+            return cache._moved_stub.AppendAttendStream
+
+        stub = getattr(cache, "_moved_stub", None) or cache.client._kv
+        super().__init__("AppendAttendStream", stub.AppendAttendStream, timeout=timeout,
+                         metadata=cache._metadata, reopen=reopen if follow_moves else None,
+                         moved_to=_moved_to, reopen_budget_s=MOVED_BUDGET_S)
 
     def submit(self, layer: int, sequences: Seq[Sequence], q: Any, k: Any = None, v: Any = None,
                **options: Any) -> "Future[AppendAttendResult]":
@@ -801,6 +811,12 @@ class AppendAttendStream(BidiStream):
         call = _AppendCall(self.cache, layer, sequences, q, k, v, **options)
         try:
             return self._submit(call.request, call.parse, on_error=call.roll_back)
+    A moved cache (--handoff_peer): the replica ends the stream UNAVAILABLE
+    moved-to once it has answered the calls it had started; it applied none of
+    the others. With follow_moves (the default) the stream reopens at that
+    address and sends the unanswered calls again in their order, so each future
+    resolves once; each call's bytes are copied at submit() to that end.
+
         except AttnServeError:
             call.roll_back()
             raise
