@@ -787,6 +787,12 @@ class AppendAttendStream(BidiStream):
     same (sequence, layer) then fail with FAILED_PRECONDITION: nothing is
     applied out of order); the stream goes on.
 
+    A moved cache (--handoff_peer): the replica ends the stream UNAVAILABLE
+    moved-to once it has answered the calls it had started; it applied none of
+    the others. With follow_moves (the default) the stream reopens at that
+    address and sends the unanswered calls again in their order, so each future
+    resolves once; each call's bytes are copied at submit() to that end.
+
         with cache.stream() as s:
             futures = [s.submit(layer, seqs, q[layer], k[layer], v[layer]) for layer in ...]
             outs = [f.result().o for f in futures]
@@ -811,12 +817,6 @@ class AppendAttendStream(BidiStream):
         call = _AppendCall(self.cache, layer, sequences, q, k, v, **options)
         try:
             return self._submit(call.request, call.parse, on_error=call.roll_back)
-    A moved cache (--handoff_peer): the replica ends the stream UNAVAILABLE
-    moved-to once it has answered the calls it had started; it applied none of
-    the others. With follow_moves (the default) the stream reopens at that
-    address and sends the unanswered calls again in their order, so each future
-    resolves once; each call's bytes are copied at submit() to that end.
-
         except AttnServeError:
             call.roll_back()
             raise
