@@ -6,6 +6,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/ucx/frame.h"
 
@@ -13,7 +14,9 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "server/ucx/worker.h"
 #endif
@@ -88,6 +91,24 @@ absl::StatusOr<AppendAttendResult> UcxStepConnection::AppendAttend(const AppendA
 
 #if ATTNSERVE_HAVE_UCX
 
+namespace {
+
+// ATTNSERVE_UCX_TAGGED_BYTES: steps whose q, k and v come to at least this
+// many bytes send them (and get O and LSE back) as tagged messages; "off"
+// (or a negative value): never. Default 64 KiB.
+int64_t TaggedBytes() {
+  static const int64_t bytes = [] {
+    const char* text = getenv("ATTNSERVE_UCX_TAGGED_BYTES");
+    if (text == nullptr || *text == '\0') return int64_t{64} << 10;
+    if (absl::string_view(text) == "off") return int64_t{-1};
+    int64_t value = 0;
+    return absl::SimpleAtoi(text, &value) ? value : int64_t{64} << 10;
+  }();
+  return bytes;
+}
+
+}  // namespace
+
 class UcxStepConnection::Impl {
  public:
   ~Impl() {
@@ -139,21 +160,28 @@ class UcxStepConnection::Impl {
     return absl::OkStatus();
   }
 
-  // Sends a frame (prefix + header, then the payloads) and reads the reply.
+  // Sends a frame (prefix + header, then the payloads: on the stream, or as
+  // tagged messages of step `tagged`) and reads the reply.
   absl::StatusOr<v1::AppendAttendResponse> Exchange(const std::string& head,
                                                     const std::string* payloads[3],
                                                     ucx::FrameType expect, absl::Time deadline,
-                                                    std::string* o, std::string* lse) {
+                                                    std::string* o, std::string* lse,
+                                                    std::optional<uint32_t> tagged = std::nullopt) {
     if (broken_) return Broken();
     int sends_left = 0;
     bool send_failed = false;
+    int index = -1;  // the payload being sent; -1: the head
     auto send = [&](const std::string& piece) {
       if (piece.empty()) return;
+      auto done = [&](ucs_status_t st, size_t) {
+        --sends_left;
+        if (st != UCS_OK) send_failed = true;
+      };
       const ucs_status_t s =
-          ucx::StartSend(ep_, piece.data(), piece.size(), [&](ucs_status_t st, size_t) {
-            --sends_left;
-            if (st != UCS_OK) send_failed = true;
-          });
+          index >= 0 && tagged.has_value()
+              ? ucx::StartTagSend(ep_, piece.data(), piece.size(),
+                                  ucx::PayloadTag(tag_base_, *tagged, /*reply=*/false, index), done)
+              : ucx::StartSend(ep_, piece.data(), piece.size(), done);
       if (s == UCS_INPROGRESS) {
         ++sends_left;
       } else if (s != UCS_OK) {
@@ -162,6 +190,7 @@ class UcxStepConnection::Impl {
     };
     send(head);
     for (int i = 0; i < 3 && payloads != nullptr; ++i) {
+      index = i;
       if (payloads[i] != nullptr) send(*payloads[i]);
     }
     absl::StatusOr<v1::AppendAttendResponse> reply = ReadReply(expect, deadline, o, lse);
@@ -195,9 +224,18 @@ class UcxStepConnection::Impl {
     got = Recv(header.data(), header.size(), deadline);
     std::string scratch_o, scratch_lse;
     std::string* outs[2] = {o != nullptr ? o : &scratch_o, lse != nullptr ? lse : &scratch_lse};
-    for (int i = 0; i < 2 && got.ok(); ++i) {
-      outs[i]->resize(prefix->payload_bytes[i]);
-      got = Recv(outs[i]->data(), outs[i]->size(), deadline);
+    const bool tagged = (prefix->flags & ucx::kFlagTagged) != 0;
+    if (prefix->type == ucx::FrameType::kHelloReply) {
+      // The server's tag base: steps may send their payloads tagged.
+      if (tagged) tag_base_ = prefix->tag;
+    } else if (tagged && got.ok()) {
+      for (int i = 0; i < 2; ++i) outs[i]->resize(prefix->payload_bytes[i]);
+      got = RecvTagged(outs, prefix->tag, deadline);
+    } else {
+      for (int i = 0; i < 2 && got.ok(); ++i) {
+        outs[i]->resize(prefix->payload_bytes[i]);
+        got = Recv(outs[i]->data(), outs[i]->size(), deadline);
+      }
     }
     if (!got.ok()) return got;
     v1::AppendAttendResponse response;
@@ -213,8 +251,60 @@ class UcxStepConnection::Impl {
   }
 
   bool broken() const { return broken_; }
+  // The server's tag base from its hello reply; 0: it takes no tagged payloads.
+  uint32_t tag_base() const { return tag_base_; }
+  uint32_t NextSeq() {
+    ++tagged_steps_;
+    return next_seq_++;
+  }
+  int64_t tagged_bytes = TaggedBytes();
+  int64_t tagged_steps() const { return tagged_steps_; }
 
  private:
+  // Receives a step reply's O and LSE as tagged messages of step `seq`, each
+  // straight into its buffer. On failure the receives still posted are
+  // cancelled (they belong to the worker) before the buffers go.
+  absl::Status RecvTagged(std::string* outs[2], uint32_t seq, absl::Time deadline) {
+    int left = 0;
+    ucs_status_t failed = UCS_OK;
+    void* requests[2] = {nullptr, nullptr};
+    for (int i = 0; i < 2; ++i) {
+      if (outs[i]->empty()) continue;
+      const ucs_status_t s = ucx::StartTagRecv(
+          worker_->get(), outs[i]->data(), outs[i]->size(),
+          ucx::PayloadTag(tag_base_, seq, /*reply=*/true, i),
+          [&, i](ucs_status_t st, size_t) {
+            --left;
+            requests[i] = nullptr;
+            if (st != UCS_OK) failed = st;
+          },
+          &requests[i]);
+      if (s == UCS_INPROGRESS) {
+        ++left;
+      } else if (s != UCS_OK) {
+        failed = s;
+      }
+    }
+    const absl::Status waited = worker_->WaitFor(
+        [&] { return left == 0 || (broken_ && absl::Now() - broken_at_ > kCloseGrace); }, deadline);
+    if (left > 0) {
+      for (void* r : requests) {
+        if (r != nullptr) ucp_request_cancel(worker_->get(), r);
+      }
+      worker_->WaitFor([&] { return left == 0; }, absl::Now() + absl::Seconds(1)).IgnoreError();
+      broken_ = true;
+    }
+    const std::string what = absl::StrCat("UCX tagged reply from ", where_);
+    if (!waited.ok())
+      return absl::Status(waited.code(), absl::StrCat(what, ": ", waited.message()));
+    if (failure_ != UCS_OK && left > 0) return ucx::StatusOf(failure_, what);
+    if (failed != UCS_OK) {
+      broken_ = true;
+      return ucx::StatusOf(failed, what);
+    }
+    return absl::OkStatus();
+  }
+
   // Receives exactly `size` bytes. Stops waiting as soon as the peer is gone
   // (UCX's error handler ran): the endpoint is closed here, which completes
   // the receive while `data` is still alive.
@@ -260,12 +350,17 @@ class UcxStepConnection::Impl {
   absl::Time broken_at_;
   ucs_status_t failure_ = UCS_OK;
   std::string where_;
+  uint32_t tag_base_ = 0;
+  uint32_t next_seq_ = 0;
+  int64_t tagged_steps_ = 0;
 };
 
 UcxStepConnection::UcxStepConnection(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 UcxStepConnection::~UcxStepConnection() = default;
 
 bool UcxStepConnection::broken() const { return impl_->broken(); }
+void UcxStepConnection::set_tagged_bytes(int64_t bytes) { impl_->tagged_bytes = bytes; }
+int64_t UcxStepConnection::tagged_steps() const { return impl_->tagged_steps(); }
 
 absl::StatusOr<std::unique_ptr<UcxStepConnection>> UcxStepConnection::Connect(
     const std::string& host, int port, const std::string& authorization, absl::Duration timeout) {
@@ -301,10 +396,20 @@ absl::StatusOr<v1::AppendAttendResponse> UcxStepConnection::AppendAttend(
   prefix.payload_bytes[ucx::kK] = k.size();
   prefix.payload_bytes[ucx::kV] = v.size();
   const std::string* payloads[3] = {&q, &k, &v};
+  // Large steps send their payloads tagged (one rendezvous transfer each
+  // where UCX picks it) when the server takes them.
+  std::optional<uint32_t> tagged;
+  const int64_t threshold = impl_->tagged_bytes;
+  if (impl_->tag_base() != 0 && threshold >= 0 &&
+      static_cast<int64_t>(prefix.payload_total()) >= threshold) {
+    tagged = impl_->NextSeq() & 0xffffffu;
+    prefix.flags = ucx::kFlagTagged;
+    prefix.tag = *tagged;
+  }
   std::string o, lse;
   absl::StatusOr<v1::AppendAttendResponse> reply =
       impl_->Exchange(ucx::EncodePrefix(prefix) + header, payloads, ucx::FrameType::kStepReply,
-                      absl::Now() + timeout, &o, &lse);
+                      absl::Now() + timeout, &o, &lse, tagged);
   *request->mutable_q()->mutable_data() = std::move(q);
   *request->mutable_k()->mutable_data() = std::move(k);
   *request->mutable_v()->mutable_data() = std::move(v);
@@ -330,6 +435,8 @@ UcxStepConnection::UcxStepConnection(std::unique_ptr<Impl> impl) : impl_(std::mo
 UcxStepConnection::~UcxStepConnection() = default;
 
 bool UcxStepConnection::broken() const { return true; }
+void UcxStepConnection::set_tagged_bytes(int64_t) {}
+int64_t UcxStepConnection::tagged_steps() const { return 0; }
 
 absl::StatusOr<std::unique_ptr<UcxStepConnection>> UcxStepConnection::Connect(const std::string&,
                                                                               int,

@@ -17,6 +17,7 @@
 // worker); a decode loop gives each group its own.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -81,6 +82,15 @@ class UcxStepConnection {
                                                           absl::Duration timeout);
 
   bool broken() const;
+
+  // Steps whose q, k and v come to at least `bytes` send them, and get O and
+  // LSE back, as UCX tagged messages (rendezvous for large ones: one transfer
+  // straight between the buffers where the transport allows) instead of on
+  // the stream, when the server takes them (its hello reply says so); < 0:
+  // never. Default: ATTNSERVE_UCX_TAGGED_BYTES, else 64 KiB.
+  void set_tagged_bytes(int64_t bytes);
+  // Steps sent tagged so far.
+  int64_t tagged_steps() const;
 
   class Impl;
 

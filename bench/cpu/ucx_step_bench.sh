@@ -3,7 +3,8 @@
 # (one group, one call in flight) with its q/k/v and O carried by gRPC bytes,
 # by a registered system shared-memory region (--shm=system), by UCX over
 # shared memory (UCX_TLS=sm,tcp; tcp only for UCX's connection manager) and
-# by UCX over TCP (UCX_TLS=tcp), each against a fresh CPU server started
+# by UCX over TCP (UCX_TLS=tcp), each with large steps tagged (rendezvous) and
+# all on the stream (-stream), each against a fresh CPU server started
 # with that UCX_TLS. Two shapes: "tiny" (8
 # sequences x 64 context, Hq 8 / Hkv 2 / D 64, FP16: compute near nothing,
 # the transport is the step) and "wide" (64 sequences x 16 context, Hq 32 /
@@ -16,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
-[ $# -ge 1 ] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 bin=$1
 OUT=${OUT:-$PWD/ucx-step-out}
 ROUNDS=${ROUNDS:-3}
@@ -31,13 +32,19 @@ declare -A shapes=(
   [wide]="--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --sequences=64 --prompt=16"
 )
 # transport name -> UCX_TLS of both processes, and load-kv's flags
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp
+  [ucx-sm-stream]="sm,tcp" [ucx-tcp-stream]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
-  [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
+  [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx"
+  [ucx-sm-stream]="--transport=ucx" [ucx-tcp-stream]="--transport=ucx")
+# The client's ATTNSERVE_UCX_TAGGED_BYTES: ucx-* send steps of 64 KiB or more
+# as tagged messages (rendezvous), ucx-*-stream every step on the stream.
+declare -A tagged=([grpc]="" [shm-system]="" [ucx-sm]="" [ucx-tcp]="" [ucx-sm-stream]=off
+  [ucx-tcp-stream]=off)
 pid=""
 trap '[ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; wait' EXIT
 for round in $(seq 1 "$ROUNDS"); do
-  for t in grpc shm-system ucx-sm ucx-tcp; do
+  for t in grpc shm-system ucx-sm ucx-sm-stream ucx-tcp ucx-tcp-stream; do
     port=$(free_port)
     ucx_port=$(free_port)
     export UCX_TLS=${tls[$t]}
@@ -49,7 +56,7 @@ for round in $(seq 1 "$ROUNDS"); do
     pid=$SERVER_PID
     for shape in tiny wide; do
       # shellcheck disable=SC2086  # the shape and flags are lists of words
-      "${ctl[@]}" load-kv ${shapes[$shape]} --page_size=64 --layers=1 --tokens="$TOKENS" \
+      ATTNSERVE_UCX_TAGGED_BYTES=${tagged[$t]} "${ctl[@]}" load-kv ${shapes[$shape]} --page_size=64 --layers=1 --tokens="$TOKENS" \
         --warmup_tokens=20 --prefill_attend=false --concurrency=1 ${flags[$t]} --csv="$csv" \
         --label="$shape-$t-r$round" >"$OUT/$shape-$t-r$round.txt" 2>&1 ||
         echo "$shape $t round $round failed: $(tail -1 "$OUT/$shape-$t-r$round.txt")"

@@ -3,8 +3,10 @@
 # decode loop (64 sequences x 8k context, Hq 32 / Hkv 8 / D 128, BF16, pages
 # of 64, one layer) with q/k/v and O carried by gRPC bytes, by system shared
 # memory (--shm=system), by UCX over shared memory (UCX_TLS=sm,tcp: tcp only
-# for UCX's connection manager) and by UCX over TCP (UCX_TLS=tcp), each
-# against a fresh CUDA server started with that UCX_TLS, rounds alternated; first one short --check loop over UCX-sm.
+# for UCX's connection manager) and by UCX over TCP (UCX_TLS=tcp), each with
+# its payloads as tagged messages (rendezvous: ucx-sm, ucx-tcp) and on the
+# stream (ucx-sm-stream, ucx-tcp-stream), each against a fresh CUDA server
+# started with that UCX_TLS, rounds alternated; first one short --check loop over UCX-sm.
 # Prints p50 per transport beside the server's compute (the kernel) and
 # p50 - compute, the transport's share, against the 100 us target.
 #
@@ -50,9 +52,15 @@ rm -f "$csv"
 shape=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --page_size=64 --sequences=64
   --prompt=8192 --tokens="${TOKENS:-48}" --warmup_tokens=4 --layers=1 --prefill_attend=false
   --concurrency=1)
-declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp)
+declare -A tls=([grpc]=tcp [shm-system]=tcp [ucx-sm]="sm,tcp" [ucx-tcp]=tcp
+  [ucx-sm-stream]="sm,tcp" [ucx-tcp-stream]=tcp)
 declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
-  [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx")
+  [ucx-sm]="--transport=ucx" [ucx-tcp]="--transport=ucx"
+  [ucx-sm-stream]="--transport=ucx" [ucx-tcp-stream]="--transport=ucx")
+# The client's ATTNSERVE_UCX_TAGGED_BYTES: ucx-* send steps of 64 KiB or more
+# as tagged messages (rendezvous), ucx-*-stream every step on the stream.
+declare -A tagged=([grpc]="" [shm-system]="" [ucx-sm]="" [ucx-tcp]="" [ucx-sm-stream]=off
+  [ucx-tcp-stream]=off)
 pid=""
 trap '[ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; wait' EXIT
 start() {  # start TRANSPORT: a fresh server with that transport's UCX_TLS
@@ -79,11 +87,11 @@ if start ucx-sm; then
   stop
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for t in grpc shm-system ucx-sm ucx-tcp; do
+  for t in grpc shm-system ucx-sm ucx-sm-stream ucx-tcp ucx-tcp-stream; do
     start "$t" || { echo "$t: server did not start"; continue; }
     echo "round $round: $t" >&2
     # shellcheck disable=SC2086  # flags is a list of words
-    timeout 300 "${ctl[@]}" load-kv "${shape[@]}" ${flags[$t]} --csv="$csv" --label="$t-r$round" \
+    ATTNSERVE_UCX_TAGGED_BYTES=${tagged[$t]} timeout 300 "${ctl[@]}" load-kv "${shape[@]}" ${flags[$t]} --csv="$csv" --label="$t-r$round" \
       >"$OUT/$t-r$round.txt" 2>&1 || echo "$t round $round failed: $(tail -2 "$OUT/$t-r$round.txt")"
     stop
   done

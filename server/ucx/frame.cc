@@ -51,6 +51,7 @@ std::string EncodePrefix(const FramePrefix& p) {
   Store<uint16_t>(&out, kTypeAt, static_cast<uint16_t>(p.type));
   Store<uint16_t>(&out, kFlagsAt, p.flags);
   Store<uint32_t>(&out, kHeaderAt, p.header_bytes);
+  Store<uint32_t>(&out, kReservedAt, p.tag);
   for (int i = 0; i < kMaxPayloads; ++i) {
     Store<uint64_t>(&out, kPayloadsAt + 8 * i, p.payload_bytes[i]);
   }
@@ -60,6 +61,20 @@ std::string EncodePrefix(const FramePrefix& p) {
 void MarkClosing(std::string* head) {
   if (head->size() < kPrefixBytes) return;
   Store<uint16_t>(head, kFlagsAt, kFlagClosing);
+  Store<uint32_t>(head, kReservedAt, 0);
+}
+
+void MarkTagged(std::string* head, uint32_t tag) {
+  if (head->size() < kPrefixBytes) return;
+  Store<uint16_t>(
+      head, kFlagsAt,
+      Load<uint16_t>(reinterpret_cast<const uint8_t*>(head->data()), kFlagsAt) | kFlagTagged);
+  Store<uint32_t>(head, kReservedAt, tag);
+}
+
+uint64_t PayloadTag(uint32_t base, uint32_t seq, bool reply, int index) {
+  return (uint64_t{base} << 32) | (uint64_t{seq & 0xffffffu} << 8) | (reply ? 0x80u : 0u) |
+         static_cast<uint64_t>(index & 0x7f);
 }
 
 const char* PayloadName(FrameType type, int index) {
@@ -90,17 +105,25 @@ absl::StatusOr<FramePrefix> ParsePrefix(const uint8_t* data, size_t size, const 
                                                    ", got ", type));
   }
   const uint16_t flags = Load<uint16_t>(data, kFlagsAt);
-  const uint16_t allowed = receiver == Receiver::kClient ? kFlagClosing : 0;
+  // A step may come tagged; a reply may close and come tagged.
+  const uint16_t allowed =
+      receiver == Receiver::kClient
+          ? kFlagClosing | kFlagTagged
+          : (type == static_cast<uint16_t>(FrameType::kStep) ? kFlagTagged : 0);
   if ((flags & ~allowed) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "flags: expected ", receiver == Receiver::kClient ? "0 or 1" : "0", ", got ", flags));
+        "flags: expected ", receiver == Receiver::kClient ? "0 to 3" : "0 or 2 (tagged step)",
+        ", got ", flags));
   }
-  if (const uint32_t reserved = Load<uint32_t>(data, kReservedAt); reserved != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("reserved: expected 0, got ", reserved));
+  const uint32_t reserved = Load<uint32_t>(data, kReservedAt);
+  if ((flags & kFlagTagged) == 0 && reserved != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reserved: expected 0 (the flags carry no tag), got ", reserved));
   }
   FramePrefix p;
   p.type = static_cast<FrameType>(type);
   p.flags = flags;
+  p.tag = reserved;
   p.header_bytes = Load<uint32_t>(data, kHeaderAt);
   const bool hello = p.type == FrameType::kHello || p.type == FrameType::kHelloReply;
   const uint32_t max_header = hello ? limits.max_hello_bytes : limits.max_header_bytes;

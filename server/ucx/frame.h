@@ -39,6 +39,13 @@ enum class FrameType : uint16_t {
 // reply (a refused hello, a frame that broke the framing). The peer closes
 // its end; the server closes it anyway after a grace period.
 inline constexpr uint16_t kFlagClosing = 1;
+// Tagged payloads: on a hello reply, the server takes a step's payloads as
+// UCX tagged messages (rendezvous for large ones: one transfer, no copy
+// through the stream's bounce buffers) and `tag` is the connection's tag
+// base; on a step, its payloads follow as tagged messages (PayloadTag, `tag`
+// the step's sequence number) instead of on the stream; on a step reply, O
+// and LSE do, under the step's sequence number.
+inline constexpr uint16_t kFlagTagged = 2;
 
 // Indices of a step's payloads and of its reply's.
 enum StepPayload { kQ = 0, kK = 1, kV = 2 };
@@ -46,8 +53,9 @@ enum ReplyPayload { kO = 0, kLse = 1 };
 
 struct FramePrefix {
   FrameType type = FrameType::kHello;
-  uint16_t flags = 0;  // kFlagClosing on replies; 0 otherwise
+  uint16_t flags = 0;  // kFlagClosing on replies, kFlagTagged; 0 otherwise
   uint32_t header_bytes = 0;
+  uint32_t tag = 0;  // bytes 12-15: 0 unless kFlagTagged
   std::array<uint64_t, kMaxPayloads> payload_bytes{};
 
   uint64_t payload_total() const {
@@ -70,6 +78,10 @@ struct FrameLimits {
 // client only the replies.
 enum class Receiver { kServer, kClient };
 
+// The UCX tag of payload `index` of step `seq` on the connection whose tag
+// base is `base`; `reply`: the step reply's O or LSE.
+uint64_t PayloadTag(uint32_t base, uint32_t seq, bool reply, int index);
+
 // The 48 bytes of `prefix`.
 std::string EncodePrefix(const FramePrefix& prefix);
 
@@ -82,6 +94,8 @@ absl::StatusOr<FramePrefix> ParsePrefix(const uint8_t* data, size_t size, const 
 
 // Sets kFlagClosing in the prefix at the start of `head`.
 void MarkClosing(std::string* head);
+// Sets kFlagTagged and `tag` in the prefix at the start of `head`.
+void MarkTagged(std::string* head, uint32_t tag);
 
 // "q", "k", "v" for a step's payloads, "o", "lse" for a reply's.
 const char* PayloadName(FrameType type, int index);

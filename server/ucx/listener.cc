@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -142,7 +143,7 @@ class Listener::Impl {
   }
 
  private:
-  enum class Reading { kPrefix, kHeader, kPayload };
+  enum class Reading { kPrefix, kHeader, kPayload, kTagged };
 
   struct Connection {
     Impl* owner = nullptr;
@@ -160,6 +161,11 @@ class Listener::Impl {
     bool close_after_send = false;  // a refused hello or a bad frame: answered, then closed
     int outstanding = 0;            // UCX operations not yet completed
     int in_flight = 0;              // steps handed to the handler and not yet answered
+    uint32_t tag_base = 0;          // tags of this connection's tagged payloads
+    int tags_left = 0;              // tagged payloads of the current frame not yet received
+    // The tagged receives posted and not yet completed (null once done), to
+    // cancel on close: they belong to the worker, not the endpoint.
+    std::vector<std::shared_ptr<void*>> tag_requests;
     std::shared_ptr<const Session> session;
     std::shared_ptr<std::atomic<bool>> cancelled = std::make_shared<std::atomic<bool>>(false);
   };
@@ -172,6 +178,9 @@ class Listener::Impl {
     auto c = std::make_unique<Connection>();
     c->id = next_id_++;
     c->owner = this;
+    // Never 0 (no tag); random, so one connection cannot aim at another's
+    // tags by counting.
+    while (c->tag_base == 0) c->tag_base = static_cast<uint32_t>(random_());
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -218,6 +227,7 @@ class Listener::Impl {
           buffer = c->frame->payloads[c->payload].get();
           size = c->frame->prefix.payload_bytes[c->payload];
           break;
+        case Reading::kTagged: return ReceiveTagged(c);
       }
       if (size == 0) {
         Advance(c);
@@ -245,14 +255,59 @@ class Listener::Impl {
     switch (c->reading) {
       case Reading::kPrefix: return OnPrefix(c);
       case Reading::kHeader:
-        c->reading = Reading::kPayload;
+        c->reading =
+            (c->frame->prefix.flags & kFlagTagged) != 0 ? Reading::kTagged : Reading::kPayload;
         c->payload = 0;
         return;
+      case Reading::kTagged:
+        c->reading = Reading::kPrefix;
+        return OnFrame(c, std::exchange(c->frame, nullptr));
       case Reading::kPayload:
         if (++c->payload < kMaxPayloads) return;
         c->reading = Reading::kPrefix;
         return OnFrame(c, std::exchange(c->frame, nullptr));
     }
+  }
+
+  // Posts the receives of a tagged step's payloads (each straight into its
+  // buffer, by rendezvous where UCX picks it); the stream is not read until
+  // they are all in.
+  void ReceiveTagged(Connection* c) {
+    const FramePrefix& prefix = c->frame->prefix;
+    c->recv_pending = true;
+    c->tags_left = 1;  // released below, once every receive is posted
+    for (int i = 0; i < kMaxPayloads && !c->closing; ++i) {
+      if (prefix.payload_bytes[i] == 0) continue;
+      auto slot = std::make_shared<void*>(nullptr);
+      ++c->tags_left;
+      ++c->outstanding;
+      const ucs_status_t s = StartTagRecv(
+          worker_->get(), c->frame->payloads[i].get(), prefix.payload_bytes[i],
+          PayloadTag(c->tag_base, prefix.tag, /*reply=*/false, i),
+          [this, c, slot](ucs_status_t st, size_t) {
+            *slot = nullptr;
+            --c->outstanding;
+            if (st != UCS_OK) return Close(c, "tagged receive failed");
+            TaggedArrived(c);
+          },
+          slot.get());
+      if (s == UCS_INPROGRESS) {
+        c->tag_requests.push_back(std::move(slot));
+        continue;
+      }
+      --c->outstanding;
+      --c->tags_left;
+      if (s != UCS_OK) return Close(c, "tagged receive failed");
+    }
+    TaggedArrived(c);
+  }
+
+  void TaggedArrived(Connection* c) {
+    if (--c->tags_left > 0 || c->closing) return;
+    c->tag_requests.clear();
+    c->recv_pending = false;
+    Advance(c);
+    Pump(c);
   }
 
   void OnPrefix(Connection* c) {
@@ -299,14 +354,23 @@ class Listener::Impl {
       absl::StatusOr<std::shared_ptr<const Session>> session = handler_->Hello(frame->header);
       if (!session.ok()) return BadFrame(c, session.status());
       c->session = *std::move(session);
-      return Send(c, handler_->StatusReply(FrameType::kHelloReply, absl::OkStatus(), ""));
+      Reply reply = handler_->StatusReply(FrameType::kHelloReply, absl::OkStatus(), "");
+      MarkTagged(&reply.head, c->tag_base);  // steps may send their payloads tagged
+      return Send(c, std::move(reply));
     }
     ++c->in_flight;
     ++in_flight_;
     owner_->steps_.fetch_add(1, std::memory_order_relaxed);
-    handler_->Step(c->session, std::move(frame), [mailbox = mailbox_, id = c->id](Reply reply) {
-      mailbox->Post(id, std::move(reply));
-    });
+    std::optional<uint32_t> tagged;
+    if ((frame->prefix.flags & kFlagTagged) != 0) tagged = frame->prefix.tag;
+    handler_->Step(c->session, std::move(frame),
+                   [mailbox = mailbox_, id = c->id, tagged](Reply reply) {
+                     if (tagged.has_value()) {
+                       MarkTagged(&reply.head, *tagged);
+                       reply.tagged = tagged;
+                     }
+                     mailbox->Post(id, std::move(reply));
+                   });
   }
 
   // Answers a frame that broke the framing or was refused at the door, then
@@ -331,14 +395,19 @@ class Listener::Impl {
     if (c->closing) return;
     auto held = std::make_shared<Reply>(std::move(reply));
     const std::string* pieces[] = {&held->head, &held->payloads[0], &held->payloads[1]};
-    for (const std::string* piece : pieces) {
+    for (int i = 0; i < 3; ++i) {
+      const std::string* piece = pieces[i];
       if (piece->empty()) continue;
       ++c->outstanding;
+      auto done = [this, c, held](ucs_status_t st, size_t) {
+        --c->outstanding;
+        if (st != UCS_OK) Close(c, "send failed");
+      };
       const ucs_status_t s =
-          StartSend(c->ep, piece->data(), piece->size(), [this, c, held](ucs_status_t st, size_t) {
-            --c->outstanding;
-            if (st != UCS_OK) Close(c, "send failed");
-          });
+          i > 0 && held->tagged.has_value()
+              ? StartTagSend(c->ep, piece->data(), piece->size(),
+                             PayloadTag(c->tag_base, *held->tagged, /*reply=*/true, i - 1), done)
+              : StartSend(c->ep, piece->data(), piece->size(), done);
       if (s == UCS_INPROGRESS) continue;
       --c->outstanding;
       if (s != UCS_OK) return Close(c, "send failed");
@@ -370,6 +439,11 @@ class Listener::Impl {
       if (it == connections_.end() || it->second->close_issued) continue;
       Connection* c = it->second.get();
       c->close_issued = true;
+      // Tagged receives are the worker's: cancelled here, they complete
+      // (UCS_ERR_CANCELED) while their buffers are still alive.
+      for (const std::shared_ptr<void*>& slot : std::exchange(c->tag_requests, {})) {
+        if (*slot != nullptr) ucp_request_cancel(worker_->get(), *slot);
+      }
       ucp_request_param_t param{};
       param.op_attr_mask =
           UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -477,6 +551,7 @@ class Listener::Impl {
   // Listener thread only.
   std::map<uint64_t, std::unique_ptr<Connection>> connections_;
   uint64_t next_id_ = 1;
+  std::random_device random_;
   int64_t in_flight_ = 0;
   bool stopping_ = false;
   std::vector<uint64_t> pending_errors_;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,10 +61,12 @@ struct StepFrame {
   }
 };
 
-// A reply: its prefix and header in one buffer, then up to two payloads.
+// A reply: its prefix and header in one buffer, then up to two payloads
+// (on the stream, or as tagged messages of the step's sequence number).
 struct Reply {
   std::string head;
   std::string payloads[2];
+  std::optional<uint32_t> tagged;  // the step's sequence number (kFlagTagged)
 };
 
 // What the listener asks of the service behind it (server/ucx/kv_steps.h).

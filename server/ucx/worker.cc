@@ -25,6 +25,20 @@ void RecvDone(void* request, ucs_status_t status, size_t length, void* user_data
   (*done)(status, length);
 }
 
+struct TagRecv {
+  OpDone done;
+  size_t expected = 0;
+};
+
+void TagRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                 void* user_data) {
+  std::unique_ptr<TagRecv> recv(static_cast<TagRecv*>(user_data));
+  ucp_request_free(request);
+  const size_t length = info != nullptr ? info->length : 0;
+  if (status == UCS_OK && length != recv->expected) status = UCS_ERR_MESSAGE_TRUNCATED;
+  recv->done(status, length);
+}
+
 // The outcome of an nbx call: OK (completed now), INPROGRESS (the callback
 // owns `done`), or the error.
 ucs_status_t Started(ucs_status_ptr_t request, std::unique_ptr<OpDone>* done) {
@@ -82,8 +96,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
     ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  // Streams for the frames; wake-up so an idle thread sleeps instead of spinning.
-  params.features = UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;
+  // Streams for the frames, tags for payloads that go by rendezvous; wake-up
+  // so an idle thread sleeps instead of spinning.
+  params.features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   s = ucp_init(&params, config, &w->context_);
   ucp_config_release(config);
   if (s != UCS_OK) return StatusOf(s, "ucp_init");
@@ -148,6 +163,40 @@ ucs_status_t StartRecv(ucp_ep_h ep, void* data, size_t size, OpDone done) {
   param.flags = UCP_STREAM_RECV_FLAG_WAITALL;
   size_t length = 0;
   return Started(ucp_stream_recv_nbx(ep, data, size, &length, &param), &owned);
+}
+
+ucs_status_t StartTagSend(ucp_ep_h ep, const void* data, size_t size, uint64_t tag, OpDone done) {
+  auto owned = std::make_unique<OpDone>(std::move(done));
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.send = SendDone;
+  param.user_data = owned.get();
+  param.datatype = ucp_dt_make_contig(1);
+  return Started(ucp_tag_send_nbx(ep, data, size, tag, &param), &owned);
+}
+
+ucs_status_t StartTagRecv(ucp_worker_h worker, void* data, size_t size, uint64_t tag, OpDone done,
+                          void** request) {
+  auto owned = std::make_unique<TagRecv>();
+  owned->done = std::move(done);
+  owned->expected = size;
+  ucp_request_param_t param{};
+  // Always through the callback, which is told the message's length (a
+  // receive completed at once is not, and a short message must not pass).
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  param.cb.recv = TagRecvDone;
+  param.user_data = owned.get();
+  param.datatype = ucp_dt_make_contig(1);
+  ucs_status_ptr_t r = ucp_tag_recv_nbx(worker, data, size, tag, ~uint64_t{0}, &param);
+  *request = nullptr;
+  // Not expected with NO_IMM_CMPL; its length unknown, it is not trusted.
+  if (r == nullptr) return UCS_ERR_MESSAGE_TRUNCATED;
+  if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
+  owned.release();  // the callback deletes it
+  *request = r;
+  return UCS_INPROGRESS;
 }
 
 absl::Status SendAll(Worker& worker, ucp_ep_h ep, const void* data, size_t size,

@@ -65,6 +65,18 @@ ucs_status_t StartSend(ucp_ep_h ep, const void* data, size_t size, OpDone done);
 // outcome; an error: nothing started.
 ucs_status_t StartRecv(ucp_ep_h ep, void* data, size_t size, OpDone done);
 
+// Starts sending `size` bytes at `data` to `ep` as a tagged message (UCX
+// picks eager or rendezvous by size: a large buffer moves in one zero-copy
+// transfer where the transport allows). Returns as StartSend.
+ucs_status_t StartTagSend(ucp_ep_h ep, const void* data, size_t size, uint64_t tag, OpDone done);
+// Posts a receive of exactly `size` bytes tagged `tag` (from any endpoint of
+// the worker). UCS_INPROGRESS: `done` runs with the outcome
+// (UCS_ERR_MESSAGE_TRUNCATED for a message of another size, shorter ones
+// included) and `*request` is set, to cancel with ucp_request_cancel; an
+// error: nothing started.
+ucs_status_t StartTagRecv(ucp_worker_h worker, void* data, size_t size, uint64_t tag, OpDone done,
+                          void** request);
+
 // Blocking forms for one-call-at-a-time clients: progress `worker` until
 // the operation completes or `deadline` passes.
 absl::Status SendAll(Worker& worker, ucp_ep_h ep, const void* data, size_t size,

@@ -117,6 +117,42 @@ TEST_F(UcxStepTest, ServerOffersUcxAndStepsMatchTheReference) {
   RunSteps(ucx.get());
 }
 
+TEST_F(UcxStepTest, TaggedAndStreamStepsMatchTheReferenceOnOneConnection) {
+  StartServer(false);
+  stub_ = v1::KvCache::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                                   grpc::InsecureChannelCredentials()));
+  std::unique_ptr<UcxStepConnection> ucx = Connect();
+  ASSERT_NE(ucx, nullptr);
+  Context a, b;
+  // A large prefill (160 KiB of q, k and v) tagged, then decode steps
+  // alternating between tagged payloads (threshold 0) and the stream (-1).
+  ucx->set_tagged_bytes(64 << 10);
+  std::vector<Part> parts = {Step(1, &a, 300, 300), Step(2, &b, 100, 100)};
+  v1::AppendAttendRequest r = MakeCall(cache_, parts);
+  absl::StatusOr<v1::AppendAttendResponse> resp = ucx->AppendAttend(&r, absl::Seconds(20));
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  CheckResponse(*resp, parts, {&a, &b}, Mods());
+  EXPECT_EQ(ucx->tagged_steps(), 1);
+  for (int t = 0; t < 6; ++t) {
+    ucx->set_tagged_bytes(t % 2 == 0 ? 0 : -1);
+    parts = {Step(1, &a, 1 + t, 1 + t), Step(2, &b, 2, 1)};
+    r = MakeCall(cache_, parts);
+    resp = ucx->AppendAttend(&r, absl::Seconds(20));
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    CheckResponse(*resp, parts, {&a, &b}, Mods());
+  }
+  EXPECT_EQ(ucx->tagged_steps(), 4);
+  // A small step under the threshold stays on the stream.
+  ucx->set_tagged_bytes(64 << 10);
+  parts = {Step(1, &a, 1, 1)};
+  r = MakeCall(cache_, parts);
+  resp = ucx->AppendAttend(&r, absl::Seconds(20));
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  CheckResponse(*resp, parts, {&a}, Mods());
+  EXPECT_EQ(ucx->tagged_steps(), 4);
+  EXPECT_EQ(Length(1, true), a.length());
+}
+
 TEST_F(UcxStepTest, RefusalsCarryTheGrpcCodeAndMessageAndTheConnectionGoesOn) {
   StartServer(false);
   stub_ = v1::KvCache::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
