@@ -5,7 +5,7 @@
 # two CUDA servers on the same host, one GPU each, over gRPC on loopback.
 # `attnctl load-kv --keep_cache --prefill_attend=false` fills the first server's
 # cache (SEQS sequences x CONTEXT tokens x LAYERS layers, Hkv 8 / D 128, BF16,
-# pages of 64: the default is the 34 GB of 64 x 8k x 32 layers), then
+# pages of 64: the default is the 69 GB of K and V of 64 x 8k x 32 layers), then
 # `attnctl move-kv` copies it to the second server ROUNDS times (a new cache
 # each round, dropped after it; the receiver's sequence and token counts
 # recorded). Prints each move's GB/s and writes $OUT/kv-move.csv.
@@ -27,9 +27,10 @@ if [ "$BACKEND" = cuda ]; then
   gpus=$(nvidia-smi -L | wc -l)
   [ "$gpus" -ge 2 ] || { echo "needs two GPUs, found $gpus" >&2; exit 2; }
 fi
-# Both servers hold the whole cache (pages of 64 round each sequence up).
+# Both servers hold the whole cache (pages of 64 round each sequence up; the
+# pool grows in slabs of up to 4 GiB, hence the margin).
 bytes=$(( SEQS * ((CONTEXT + 1 + 63) / 64 * 64) * LAYERS * 8 * 128 * 2 * 2 ))
-pool=$(( bytes + (2 << 30) ))
+pool=$(( bytes + (8 << 30) ))
 ports=(50181 50182)
 pids=()
 for d in 0 1; do
@@ -52,7 +53,7 @@ t0=$(date +%s)
   --head_dim=128 --dtype=bf16 --page_size=64 --sequences="$SEQS" --prompt="$CONTEXT" --tokens=1 \
   --layers="$LAYERS" --prefill_attend=false --concurrency=8 --channels=8 --prefill_chunk=4096 \
   --keep_cache >"$OUT/fill.txt" 2>"$OUT/fill.err" ||
-  { echo "fill failed: $(tail -3 "$OUT/fill.txt" "$OUT/fill.err")"; exit 1; }
+  { echo "fill failed: $(tail -n 3 "$OUT/fill.txt")"; exit 1; }
 cache=$(sed -nE 's/.*; cache ([^,]+), page size.*/\1/p' "$OUT/fill.txt" | head -1)
 echo "filled cache $cache on server 0 in $(( $(date +%s) - t0 )) s ($(grep -m1 prefill "$OUT/fill.txt"))"
 [ -n "$cache" ] || { echo "no cache id in fill.txt"; exit 1; }
