@@ -94,15 +94,15 @@ absl::StatusOr<AppendAttendResult> UcxStepConnection::AppendAttend(const AppendA
 namespace {
 
 // ATTNSERVE_UCX_TAGGED_BYTES: steps whose q, k and v come to at least this
-// many bytes send them (and get O and LSE back) as tagged messages; "off"
-// (or a negative value): never. Default 64 KiB.
+// many bytes send them (and get O and LSE back) as tagged messages; unset,
+// "off" or negative: never (on the CPU the rendezvous handshakes cost more
+// than the stream's copies: bench/NOTES-serving.md).
 int64_t TaggedBytes() {
   static const int64_t bytes = [] {
     const char* text = getenv("ATTNSERVE_UCX_TAGGED_BYTES");
-    if (text == nullptr || *text == '\0') return int64_t{64} << 10;
-    if (absl::string_view(text) == "off") return int64_t{-1};
-    int64_t value = 0;
-    return absl::SimpleAtoi(text, &value) ? value : int64_t{64} << 10;
+    int64_t value = -1;
+    if (text == nullptr || !absl::SimpleAtoi(text, &value)) return int64_t{-1};
+    return value;
   }();
   return bytes;
 }

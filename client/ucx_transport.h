@@ -87,7 +87,7 @@ class UcxStepConnection {
   // LSE back, as UCX tagged messages (rendezvous for large ones: one transfer
   // straight between the buffers where the transport allows) instead of on
   // the stream, when the server takes them (its hello reply says so); < 0:
-  // never. Default: ATTNSERVE_UCX_TAGGED_BYTES, else 64 KiB.
+  // never. Default: ATTNSERVE_UCX_TAGGED_BYTES, else never.
   void set_tagged_bytes(int64_t bytes);
   // Steps sent tagged so far.
   int64_t tagged_steps() const;

@@ -39,7 +39,7 @@ declare -A flags=([grpc]="--transport=grpc" [shm-system]="--shm=system"
   [ucx-sm-stream]="--transport=ucx" [ucx-tcp-stream]="--transport=ucx")
 # The client's ATTNSERVE_UCX_TAGGED_BYTES: ucx-* send steps of 64 KiB or more
 # as tagged messages (rendezvous), ucx-*-stream every step on the stream.
-declare -A tagged=([grpc]="" [shm-system]="" [ucx-sm]="" [ucx-tcp]="" [ucx-sm-stream]=off
+declare -A tagged=([grpc]="" [shm-system]="" [ucx-sm]=65536 [ucx-tcp]=65536 [ucx-sm-stream]=off
   [ucx-tcp-stream]=off)
 pid=""
 trap '[ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; wait' EXIT
