@@ -76,4 +76,4 @@ print(",".join([r, "0", "1", m.group(1), str(int(float(m.group(2)) * 1e9)), m.gr
 EOF
   "$bin/attnctl" --target="127.0.0.1:${ports[1]}" kv drop --cache="moved-$r" >/dev/null 2>&1
 done
-column -s, -t < <(grep -v '^#' "$OUT/kv-move.csv")
+grep -v "^#" "$OUT/kv-move.csv" | tr , "\t"
