@@ -28,7 +28,7 @@ fi
 # command line's flags, so those take precedence.
 flags="
 host port backend threads devices cpu_devices
-max_request_bytes max_buffered_bytes max_tokens max_queue_size launch_timeout
+max_request_bytes max_buffered_bytes max_tokens max_queue_size launch_timeout inline_max_cost
 batching batch_max_delay_us batch_max_tokens batch_invariant
 metrics_host metrics_port http_port allow_client_shm max_shm_regions max_shm_regions_per_tenant
 stream_max_pending_requests stream_max_pending_bytes max_streams_per_tenant
