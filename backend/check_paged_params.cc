@@ -13,19 +13,22 @@ namespace attnserve {
 absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supported) {
   const bool alibi = p.attn.alibi_slopes != nullptr && !supported.alibi_slopes;
   const bool sinks = p.attn.sinks != nullptr && !supported.sinks;
-  if (alibi || sinks || p.attn.bias != nullptr || p.attn.mask != nullptr || HasBlockMask(p.attn)) {
-    // A call this backend's paged kernels cannot run: a bias, element mask or
-    // block mask has no paged form (their layouts count a call's own keys;
-    // attend_pages is the paged sparsity), per-head mods may lack a kernel.
+  const bool bias = p.attn.bias != nullptr && !supported.element_masks;
+  const bool mask = p.attn.mask != nullptr && !supported.element_masks;
+  if (alibi || sinks || bias || mask || HasBlockMask(p.attn)) {
+    // A call this backend's paged kernels cannot run: a block mask has no
+    // paged form (attend_pages is the paged sparsity); the per-head mods and
+    // the element masks may lack a kernel.
     return absl::UnimplementedError(absl::StrCat(
         "paged params: ", supported.alibi_slopes ? "" : "alibi_slopes, ",
-        supported.sinks ? "" : "sinks, ",
-        "bias, mask and the block mask (block_q) expected unset on a paged call (this backend's "
-        "paged kernels do not apply them), got",
-        alibi ? " alibi_slopes" : "", sinks ? " sinks" : "", p.attn.bias != nullptr ? " bias" : "",
-        p.attn.mask != nullptr ? " mask" : "",
+        supported.sinks ? "" : "sinks, ", supported.element_masks ? "" : "bias, mask, ",
+        "the block mask (block_q) expected unset on a paged call (this backend's paged kernels "
+        "do not apply them), got",
+        alibi ? " alibi_slopes" : "", sinks ? " sinks" : "", bias ? " bias" : "",
+        mask ? " mask" : "",
         HasBlockMask(p.attn) ? absl::StrCat(" block_q ", p.attn.block_q) : ""));
   }
+  const bool element_masks = p.attn.bias != nullptr || p.attn.mask != nullptr;
   const bool v_in_k = p.pages.v_in_k;
   if ((HeadDimV(p.attn) != p.attn.head_dim || v_in_k) && !supported.mla) {
     return absl::UnimplementedError(absl::StrCat(
@@ -43,6 +46,14 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
     // With V in K's pages the call's attn.v is never read.
     AttnParams attn = p.attn;
     if (v_in_k) attn.v = attn.k;
+    if (element_masks && attn.cu_seqlens_q != nullptr && attn.cu_seqlens_k != nullptr) {
+      // CheckParams counts pairs over the new rows; a paged bias or mask
+      // covers each sequence's whole history (checked below, with seqlens_k).
+      attn.total_pairs = 0;
+      for (int b = 0; b < attn.batch; ++b) {
+        attn.total_pairs += int64_t{SeqLenQ(attn, b)} * SeqLenK(attn, b);
+      }
+    }
     RETURN_IF_ERROR(CheckParams(attn));
   }
   if (p.attn.dtype == DType::kFP8E4M3) {
@@ -140,6 +151,16 @@ absl::Status CheckPagedParams(const PagedAttnParams& p, PagedModSupport supporte
     return absl::InvalidArgumentError(
         absl::StrCat("paged params: attn.seqlen_k expected the longest seqlens_k ", longest,
                      ", got ", p.attn.seqlen_k));
+  }
+  if (element_masks) {
+    int64_t pairs = 0;
+    for (int b = 0; b < p.attn.batch; ++b) pairs += int64_t{SeqLenQ(p.attn, b)} * p.seqlens_k[b];
+    if (p.attn.total_pairs != pairs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "paged params: attn.total_pairs expected the sum of seqlen_q * seqlens_k[b] (a paged "
+          "bias or mask covers each sequence's whole history) ",
+          pairs, ", got ", p.attn.total_pairs));
+    }
   }
   return absl::OkStatus();
 }

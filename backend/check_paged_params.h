@@ -17,6 +17,9 @@ struct PagedModSupport {
   // MLA geometry: V's head dim differing from K's (attn.head_dim_v) and V
   // read from K's pages (pages.v_in_k).
   bool mla = false;
+  // A bias and element mask (attn.bias, attn.mask) over each sequence's whole
+  // history: [Hq or 1, total_pairs], sequence b's block [sq_b, seqlens_k[b]].
+  bool element_masks = false;
 };
 
 // OK, or INVALID_ARGUMENT naming the field, expected and actual values.
@@ -30,11 +33,12 @@ struct PagedModSupport {
 // caches only) finite and > 0. With pages.v_in_k: Dv <= D, no v_new_scale
 // (the K row's scale covers V) and attn.v unused (may be null). Reads the
 // block table rows the lengths cover and the given scales (host memory).
-// UNIMPLEMENTED for a bias, element mask or block mask (laid out over a call's
-// own keys, they have no paged form; attend_pages is the paged sparsity), and
-// for ALiBi slopes or sinks unless `supported` says the caller's paged kernels
-// apply them (the default: none, so a backend opts in); likewise for Dv != D
-// or pages.v_in_k unless `supported.mla`.
+// UNIMPLEMENTED for a block mask (no paged form; attend_pages is the paged
+// sparsity), and for ALiBi slopes, sinks, a bias or an element mask unless
+// `supported` says the caller's paged kernels apply them (the default: none,
+// so a backend opts in); likewise for Dv != D or pages.v_in_k unless
+// `supported.mla`. A paged bias or mask is laid out varlen over each
+// sequence's whole history: attn.total_pairs = sum of sq_b x seqlens_k[b].
 absl::Status CheckPagedParams(const PagedAttnParams& p,
                               PagedModSupport supported = PagedModSupport());
 

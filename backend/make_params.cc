@@ -73,10 +73,14 @@ AttnParams MakeAttnParams(const AttnShape& shape, const AttnOptions& options,
   p.block_per_head = m.block_per_head;
   // Host cu_seqlens (the shape's) give the packed per-sequence extent; paged
   // calls (seqlens_k) carry no pair tensors.
-  if (shape.cu_seqlens_q != nullptr && shape.seqlens_k == nullptr) {
+  if (shape.cu_seqlens_q != nullptr) {
+    // Paged: a step's bias or mask covers each sequence's whole key history
+    // (its length after the append), not its new rows.
     for (int b = 0; b < shape.batch; ++b) {
-      p.total_pairs += int64_t{shape.cu_seqlens_q[b + 1] - shape.cu_seqlens_q[b]} *
-                       (shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b]);
+      const int64_t sk = shape.seqlens_k != nullptr
+                             ? shape.seqlens_k[b]
+                             : shape.cu_seqlens_k[b + 1] - shape.cu_seqlens_k[b];
+      p.total_pairs += int64_t{shape.cu_seqlens_q[b + 1] - shape.cu_seqlens_q[b]} * sk;
     }
   } else if (shape.cu_seqlens_q == nullptr) {
     p.total_pairs = int64_t{shape.batch} * shape.seqlen_q * shape.seqlen_k;

@@ -117,8 +117,8 @@ struct AttnPointers {
 };
 
 // Sizes and totals from `shape` (paged: total_k the new rows, seqlen_k the
-// longest seqlens_k); softmax_scale defaulting to 1/sqrt(D) and
-// softmax_scale_log2 = softmax_scale * kLog2e (params.h); causal folded into
+// longest seqlens_k, total_pairs the sum of sq_b x seqlens_k[b]); softmax_scale defaulting to
+// 1/sqrt(D) and softmax_scale_log2 = softmax_scale * kLog2e (params.h); causal folded into
 // window_right = 0 (the causal bound wins over a wider right window); unset
 // windows kNoWindow; unset descales 1. Checks nothing: callers validate first (the server's
 // request validation) or build valid calls (tests), and CheckParams

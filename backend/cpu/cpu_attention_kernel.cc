@@ -195,7 +195,11 @@ std::atomic<int64_t> seq_prefix_steps{0};
 
 int64_t SeqPrefixSteps() { return seq_prefix_steps.load(std::memory_order_relaxed); }
 
-bool SeqPrefix::Build(const AttnParams& p) {
+bool SeqPrefix::Build(const AttnParams& p) { return Build(p, nullptr); }
+
+bool SeqPrefix::Build(const PagedAttnParams& p) { return Build(p.attn, p.seqlens_k); }
+
+bool SeqPrefix::Build(const AttnParams& p, const int32_t* seqlens_k) {
   pairs_before_.reset();
   rows_before_.reset();
   rows_total_ = HasBlockMask(p) && !IsVarlen(p) ? BlockRowsOf(p, 0) : 0;
@@ -216,7 +220,7 @@ bool SeqPrefix::Build(const AttnParams& p) {
   for (int s = 0; s < batch; ++s) {
     if (pairs) pairs_before_[s] = n_pairs;
     if (rows) rows_before_[s] = n_rows;
-    n_pairs += int64_t{SeqLenQ(p, s)} * SeqLenK(p, s);
+    n_pairs += int64_t{SeqLenQ(p, s)} * (seqlens_k != nullptr ? seqlens_k[s] : SeqLenK(p, s));
     if (rows) n_rows += BlockRowsOf(p, s);
   }
   if (pairs) pairs_before_[batch] = n_pairs;
@@ -238,7 +242,7 @@ inline int64_t TaskBlockRow(const AttnParams& p, const SeqPrefix& prefix, int b,
 // units: every additive term is multiplied by log2(e) like the scores.
 struct TaskMods {
   const AttnParams& p;
-  int b, h, i0, sq, sk;
+  int b, h, i0, sq, sk;  // sk: the task's keys (a paged sequence's whole length)
   int64_t pairs_before;  // PairsBefore(p, b), for bias and mask offsets
   float alibi_log2;      // slope × log2(e); 0 without ALiBi
 
@@ -247,6 +251,13 @@ struct TaskMods {
       : p(params), b(b_), h(h_), i0(i0_), sq(sq_), sk(sk_) {
     pairs_before = prefix.PairsBefore(b);
     alibi_log2 = p.alibi_slopes != nullptr ? p.alibi_slopes[h] * kLog2e : 0.0f;
+  }
+
+  // PairOffset with the task's own sk: a paged sequence's rows of a bias or
+  // mask span its whole history, not the call's new rows (SeqLenK).
+  int64_t Offset(bool per_batch, bool per_head, int i, int j0) const {
+    if (!IsVarlen(p)) return PairOffset(p, per_batch, per_head, pairs_before, b, h, i, j0);
+    return (per_head ? h : 0) * p.total_pairs + pairs_before + int64_t{i} * sk + j0;
   }
 
   // Columns [a, e) of row r's score tile (keys j0 + a ..): + ALiBi, + bias,
@@ -259,8 +270,7 @@ struct TaskMods {
       for (int j = a; j < e; ++j) s_row[j] -= alibi_log2 * std::fabs(dist0 - static_cast<float>(j));
     }
     if (p.bias != nullptr) {
-      const int64_t off =
-          PairOffset(p, p.bias_per_batch, p.bias_per_head, pairs_before, b, h, i, j0);
+      const int64_t off = Offset(p.bias_per_batch, p.bias_per_head, i, j0);
       switch (p.bias_dtype) {
         case DType::kFP32: {
           const float* src = static_cast<const float*>(p.bias) + off;
@@ -281,8 +291,7 @@ struct TaskMods {
       }
     }
     if (p.mask != nullptr) {
-      const uint8_t* m =
-          p.mask + PairOffset(p, p.mask_per_batch, p.mask_per_head, pairs_before, b, h, i, j0);
+      const uint8_t* m = p.mask + Offset(p.mask_per_batch, p.mask_per_head, i, j0);
       for (int j = a; j < e; ++j) s_row[j] = m[j] != 0 ? s_row[j] : kNegInf;
     }
   }
@@ -503,12 +512,11 @@ void AttentionTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, i
   RunTask(p, prefix, b, h, m_block, SeqLenK(p, b), ContiguousKvRows{p, SeqStartK(p, b)}, scratch);
 }
 
-void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch) {
+void PagedAttentionTask(const PagedAttnParams& p, const SeqPrefix& prefix, int b, int h,
+                        int m_block, Scratch* scratch) {
   // sk is the whole sequence, so ALiBi's bottom-right diagonal counts the
-  // cached keys; CheckPagedParams leaves only the per-head mods (ALiBi,
-  // sinks), whose TaskMods never read a pair layout.
-  static const SeqPrefix kNone;  // per-head mods only: no pair or block-row layout
-  RunTask(p.attn, kNone, b, h, m_block, p.seqlens_k[b],
+  // cached keys and a bias or mask row spans the sequence's history.
+  RunTask(p.attn, prefix, b, h, m_block, p.seqlens_k[b],
           PagedKvRows{p, p.block_table + int64_t{b} * p.block_table_stride}, scratch);
 }
 

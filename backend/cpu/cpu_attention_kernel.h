@@ -111,11 +111,14 @@ class SeqPrefix {
   // Fills the arrays for p (B + 1 entries each where needed); false when they
   // cannot be allocated.
   bool Build(const AttnParams& p);
+  // A paged launch: sequence b's pairs span its whole history, seqlens_k[b].
+  bool Build(const PagedAttnParams& p);
   int64_t PairsBefore(int b) const { return pairs_before_ ? pairs_before_[b] : 0; }
   int64_t BlockRowsBefore(int b) const { return rows_before_ ? rows_before_[b] : 0; }
   int64_t BlockRowsTotal() const { return rows_total_; }
 
  private:
+  bool Build(const AttnParams& p, const int32_t* seqlens_k);
   std::unique_ptr<int64_t[]> pairs_before_;
   std::unique_ptr<int64_t[]> rows_before_;
   int64_t rows_total_ = 0;
@@ -136,12 +139,14 @@ void AttentionTask(const AttnParams& p, const SeqPrefix& prefix, int b, int h, i
 
 // The same for sequence b of a paged launch (paged_kv.h): its keys are the
 // p.seqlens_k[b] tokens its block table names (new rows already appended),
-// read in place from the pages, with p.attn's q, o, lse, options and per-head
-// score modifiers (ALiBi over positions in the whole sequence, sinks); a bias,
-// element mask or block mask is refused by CheckPagedParams. V rows have
-// HeadDimV(p.attn) elements, read from the V pages or, with pages.v_in_k, as
-// the first Dv elements of the K rows.
-void PagedAttentionTask(const PagedAttnParams& p, int b, int h, int m_block, Scratch* scratch);
+// read in place from the pages, with p.attn's q, o, lse, options and score
+// modifiers (ALiBi over positions in the whole sequence, sinks, a bias and
+// element mask whose sequence-b rows span its seqlens_k[b] keys); a block
+// mask is refused by CheckPagedParams. V rows have HeadDimV(p.attn)
+// elements, read from the V pages or, with pages.v_in_k, as the first Dv
+// elements of the K rows. `prefix` is SeqPrefix::Build(p)'s.
+void PagedAttentionTask(const PagedAttnParams& p, const SeqPrefix& prefix, int b, int h,
+                        int m_block, Scratch* scratch);
 
 }  // namespace cpu
 }  // namespace attnserve

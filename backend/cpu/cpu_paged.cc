@@ -3,7 +3,8 @@
 // through the block tables and attends with the same tiled online-softmax
 // kernel as Forward, reading K/V in place through the block table. FP8 caches:
 // the append quantises 16-bit rows (or copies given codes and scales) and the
-// kernel reads codes times their row's scale.
+// kernel reads codes times their row's scale. A bias or element mask has, per
+// sequence, rows over its whole history (CheckPagedParams).
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -128,7 +129,8 @@ absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params
   PagedModSupport mods;
   mods.alibi_slopes = true;
   mods.sinks = true;
-  mods.mla = true;  // Dv != D and V in K's pages (cpu_attention_kernel.cc)
+  mods.mla = true;            // Dv != D and V in K's pages (cpu_attention_kernel.cc)
+  mods.element_masks = true;  // bias and mask rows over each sequence's history
   RETURN_IF_ERROR(CheckPagedParams(params, mods));
   RETURN_IF_ERROR(CheckHostTensors(params.attn, "cpu"));
   return Plan();
@@ -138,10 +140,15 @@ absl::Status CpuBackend::PagedForward(const Plan& /*plan*/, const PagedAttnParam
                                       BackendTimings* timings) {
   std::lock_guard<std::mutex> lock(forward_mu_);
   const auto start = std::chrono::steady_clock::now();
+  cpu::SeqPrefix prefix;
+  if (!prefix.Build(params)) {
+    return absl::ResourceExhaustedError("cpu backend: cannot allocate the per-sequence offsets");
+  }
   CopyAndAppend(params);
-  RETURN_IF_ERROR(RunTasks(params.attn, [&params](int b, int h, int m_block, cpu::Scratch* s) {
-    cpu::PagedAttentionTask(params, b, h, m_block, s);
-  }));
+  RETURN_IF_ERROR(
+      RunTasks(params.attn, [&params, &prefix](int b, int h, int m_block, cpu::Scratch* s) {
+        cpu::PagedAttentionTask(params, prefix, b, h, m_block, s);
+      }));
   if (timings != nullptr) {
     timings->compute_us = std::chrono::duration_cast<std::chrono::microseconds>(
                               std::chrono::steady_clock::now() - start)

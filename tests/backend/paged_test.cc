@@ -3,7 +3,8 @@
 // contiguous kernel's output bit for bit and pass the float64 reference over
 // the whole context; PagedBatch packing (the default StartPagedForward) must
 // give what one launch gives; CheckPagedParams refuses bad tables. ALiBi and
-// sinks (the per-head score modifiers) go through the same grid.
+// sinks (the per-head score modifiers) and element masks and biases (rows
+// over each sequence's whole history) go through the same grid.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -286,6 +287,28 @@ std::vector<PagedTestCase> Grid() {
   alibi_only.mods.alibi = true;
   alibi_only.mods.alibi_max_slope = 1.0f;
   add(alibi_only, {0}, false);
+  // Element masks and biases: each sequence's rows span its whole history,
+  // so a layout counted over the new rows alone reads the wrong bytes.
+  TestCase decode_masks = decode;  // a per-head mask with empty rows, a shared bias
+  decode_masks.mods.mask_density = 0.5f;
+  decode_masks.mods.mask_empty_rows = 0.25f;
+  decode_masks.mods.bias = true;
+  decode_masks.mods.bias_per_head = false;
+  add(decode_masks, {1}, true);
+  TestCase prefill_masks = prefill;  // a shared mask, a BF16 bias with -inf, sinks
+  prefill_masks.mods.mask_density = 0.3f;
+  prefill_masks.mods.mask_empty_rows = 0.1f;
+  prefill_masks.mods.mask_per_head = false;
+  prefill_masks.mods.bias = true;
+  prefill_masks.mods.bias_dtype = DType::kBF16;
+  prefill_masks.mods.bias_neg_inf = 0.1f;
+  prefill_masks.mods.sinks = true;
+  add(prefill_masks, {33, 5, 64}, true);
+  TestCase window_masks = window;  // windows, softcap, ALiBi, an FP16 bias alone
+  window_masks.mods.bias = true;
+  window_masks.mods.bias_dtype = DType::kFP16;
+  window_masks.mods.alibi = true;
+  add(window_masks, {33, 0, 10}, false);
   return grid;
 }
 
@@ -317,6 +340,11 @@ TEST_P(PagedGridTest, PackedMembersEqualOneLaunch) {
   PagedCase paged(buf, c.page_size, c.new_rows, c.cow, 9);
   auto first = paged.Slice(0, 1);
   auto rest = paged.Slice(1, batch);
+  if (c.tc.mods.bias || c.tc.mods.mask_density >= 0.0f) {
+    // Laid out over their own call's sequences: such calls run alone.
+    EXPECT_FALSE(CanSharePagedLaunch(first->p, rest->p));
+    return;
+  }
   ASSERT_TRUE(CanSharePagedLaunch(first->p, rest->p));
   PagedBatch packed({&first->p, &rest->p});
   EXPECT_EQ(packed.batch(), batch);
@@ -358,9 +386,11 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedGridTest, ::testing::ValuesIn(Grid()),
 
 // `iters` random shapes, page sizes and splits drawn from `rng_seed` (the
 // cases seeded from `case_seed`, fewer than `query_span` queries a sequence),
-// with `per_head_mods` ALiBi, sinks or both: the reference over the whole context.
+// with `per_head_mods` ALiBi, sinks or both, with `element_masks` a random
+// mask (some rows fully masked) and/or bias, each per head or shared: the
+// reference over the whole context.
 void CheckRandomCases(uint32_t rng_seed, int iters, int case_seed, int query_span,
-                      bool per_head_mods) {
+                      bool per_head_mods, bool element_masks = false) {
   std::mt19937 rng(rng_seed);
   for (int iter = 0; iter < iters; ++iter) {
     TestCase tc;
@@ -373,6 +403,20 @@ void CheckRandomCases(uint32_t rng_seed, int iters, int case_seed, int query_spa
     if (per_head_mods) {
       tc.mods.alibi = iter % 3 != 1;
       tc.mods.sinks = iter % 3 != 0;
+    }
+    if (element_masks) {
+      if (iter % 3 != 1) {
+        tc.mods.mask_density = 0.1f + 0.2f * float(rng() % 5);
+        tc.mods.mask_empty_rows = 0.2f;
+        tc.mods.mask_per_head = rng() % 2 == 0;
+      }
+      if (iter % 3 != 0) {
+        const DType bias_dtypes[] = {DType::kFP32, DType::kFP16, DType::kBF16};
+        tc.mods.bias = true;
+        tc.mods.bias_dtype = bias_dtypes[rng() % 3];
+        tc.mods.bias_per_head = rng() % 2 == 0;
+        tc.mods.bias_neg_inf = 0.05f;
+      }
     }
     tc.seed = case_seed + iter;
     const int batch = 1 + int(rng() % 4);
@@ -452,8 +496,34 @@ TEST(PagedTest, PackingNeedsEqualPerHeadMods) {
   EXPECT_TRUE(CanSharePagedLaunch(a->p, b->p));
 }
 
-// A backend opts in to the per-head mods (the CPU backend does); without
-// PagedModSupport they stay UNIMPLEMENTED, and a bias, element mask or
+TEST(PagedTest, RandomCasesWithElementMasks) {
+  CheckRandomCases(/*rng_seed=*/77, /*iters=*/12, /*case_seed=*/300, /*query_span=*/70,
+                   /*per_head_mods=*/false, /*element_masks=*/true);
+}
+
+// A paged bias or mask covers each sequence's whole history: total_pairs
+// counted over the new rows alone (the contiguous rule) is refused.
+TEST(PagedTest, ElementMaskPairsSpanTheHistory) {
+  TestCase tc;
+  tc.num_heads_q = 2;
+  tc.seqlens_q = {2, 1};
+  tc.seqlens_k = {20, 9};
+  tc.mods.mask_density = 0.5f;
+  HostBuffers buf(tc);
+  PagedCase paged(buf, 16, {2, 1}, false, 5);
+  PagedAttnParams p = paged.params();
+  EXPECT_EQ(p.attn.total_pairs, 2 * 20 + 1 * 9);
+  EXPECT_TRUE(Backend().CanImplementPaged(p).ok());
+  p.attn.total_pairs = 2 * 2 + 1 * 1;
+  const absl::Status s = Backend().CanImplementPaged(p).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("attn.total_pairs expected the sum of seqlen_q * seqlens_k[b]"),
+            std::string::npos)
+      << s;
+}
+
+// A backend opts in to the per-head mods and the element masks (the CPU
+// backend does); without PagedModSupport they stay UNIMPLEMENTED, and a
 // block mask is refused on every paged call.
 TEST(PagedTest, ModSupportIsOptIn) {
   TestCase tc;
@@ -480,12 +550,12 @@ TEST(PagedTest, ModSupportIsOptIn) {
   const float bias = 0.0f;
   const uint8_t mask = 1;
   p.attn.bias = &bias;
-  s = Backend().CanImplementPaged(p).status();
+  s = CheckPagedParams(p, both);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("got bias"), std::string::npos) << s;
   p.attn.bias = nullptr;
   p.attn.mask = &mask;
-  s = Backend().CanImplementPaged(p).status();
+  s = CheckPagedParams(p, both);
   EXPECT_NE(s.message().find("got mask"), std::string::npos) << s;
   p.attn.mask = nullptr;
   p.attn.block_q = 128;
