@@ -166,7 +166,8 @@ struct KvCall {
   TensorView k_scale{0, {}, {}, /*absent=*/true};
   TensorView v_scale{0, {}, {}, /*absent=*/true};
   StatedOptions options;
-  // ALiBi slopes and sinks apply; a bias or mask of either kind is refused.
+  // ALiBi slopes, sinks, a bias and an element mask apply (validate_mods.h
+  // says their K/V layout); a block mask is refused.
   ScoreModsView mods;
   int64_t request_bytes = 0;
   // False: the steps append at whatever length the calls before them left

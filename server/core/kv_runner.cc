@@ -46,10 +46,11 @@ std::shared_ptr<KvAppendAttend> PoolCallOf(const KvCall& call, const KvCache& ca
   c->inputs.devices.q = call.q.device;
   c->inputs.devices.k = call.k.device;
   c->inputs.devices.v = call.v.device;
-  // The per-head score modifiers (ValidateKvCall refused every other one).
+  // The score modifiers (ValidateKvCall refused a block mask).
   if (call.mods.alibi_slopes.has_value())
     c->inputs.mods.alibi_slopes = call.mods.alibi_slopes->data();
   if (call.mods.sinks.has_value()) c->inputs.mods.sinks = call.mods.sinks->data();
+  SetKvElementMasks(call, &c->inputs.mods);
   c->return_lse = call.options.return_lse;
   c->names = &names;
   c->received = call.meta.received;

@@ -240,6 +240,70 @@ absl::Status CheckBlockMask(const BlockMaskView& m, const AttnParams& p, const F
   return absl::OkStatus();
 }
 
+// A K/V step's bias or mask: [Hq or 1, P], P = the sum over the steps of
+// num_queries x (expected_length + num_new_tokens): each sequence's query rows
+// over its whole history after the append.
+absl::Status CheckKvPairShape(const char* name, absl::Span<const int64_t> shape, int64_t heads,
+                              int64_t pairs, bool* per_head) {
+  if (shape.size() != 2 || (shape[0] != heads && shape[0] != 1) || shape[1] != pairs) {
+    return Invalid(absl::StrCat(name, ".shape: expected [Hq or 1, P] = [", heads, " or 1, ", pairs,
+                                "] (P = sum over the steps of num_queries * (expected_length + "
+                                "num_new_tokens): each sequence's queries over its whole "
+                                "history), got ",
+                                ShapeString(shape)));
+  }
+  *per_head = shape[0] != 1;
+  return absl::OkStatus();
+}
+
+// The bias and element mask of a K/V call (shapes, dtype, bytes, values);
+// `heads` is KvCallHeadsQ.
+absl::Status CheckKvElementMasks(const KvCall& c, int64_t heads, const FieldNames& n) {
+  const ScoreModsView& mods = c.mods;
+  const char* name = !mods.bias.absent ? n.bias : n.mask;
+  if (!c.check_lengths) {
+    return Invalid(absl::StrCat(
+        name,
+        ": needs each step's expected_length (its rows span the sequence's length after "
+        "the append), which this call does not give"));
+  }
+  for (size_t i = 0; i < c.steps.size(); ++i) {
+    if (c.steps[i].attend_pages.empty()) continue;
+    // The compacted keys are not the history the rows are laid out over.
+    return Invalid(absl::StrCat(name,
+                                ": not supported together with attend_pages (its rows span the "
+                                "whole history, which the left-out pages would shift); ",
+                                n.step(static_cast<int>(i), "attend_pages"), " is set"));
+  }
+  int64_t pairs = 0;
+  for (const KvStepRequest& s : c.steps) {
+    pairs += int64_t{s.num_queries} * (int64_t{s.expected_length} + s.num_new_tokens);
+  }
+  bool per_head = false;
+  if (!mods.bias.absent) {
+    const TensorView& t = mods.bias;
+    const DType dtype = static_cast<DType>(t.dtype);
+    if (dtype != DType::kFP32 && dtype != DType::kFP16 && dtype != DType::kBF16) {
+      return Invalid(absl::StrCat(n.bias, ".", n.dtype, ": expected FP32, FP16 or BF16, got ",
+                                  n.dtype_name(t.dtype)));
+    }
+    RETURN_IF_ERROR(CheckKvPairShape(n.bias, t.shape, heads, pairs, &per_head));
+    RETURN_IF_ERROR(ValidateTensor(n.bias, t, n));
+    RETURN_IF_ERROR(CheckBiasValues(n.bias, t));
+  }
+  if (!mods.mask.absent) {
+    const TensorView& t = mods.mask;
+    RETURN_IF_ERROR(CheckKvPairShape(n.mask, t.shape, heads, pairs, &per_head));
+    const int64_t elements = PairTensorElements(t.shape);
+    if (static_cast<int64_t>(t.bytes.size()) != elements) {
+      return Invalid(absl::StrCat(n.mask, ".data: expected ", elements, " bytes (",
+                                  ShapeString(t.shape), ", one byte per element), got ",
+                                  t.bytes.size(), " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<AttnMods> ValidateScoreMods(const ScoreModsView& mods, const AttnParams& p,
@@ -268,20 +332,13 @@ int64_t KvCallHeadsQ(const KvCall& c, int64_t num_heads_kv) {
 
 absl::Status ValidateKvScoreMods(const KvCall& c, int64_t num_heads_kv, const FieldNames& n) {
   const ScoreModsView& mods = c.mods;
-  // Laid out over a call's own keys, they mean nothing for keys that live in
-  // the cache; attend_pages is the K/V path's sparsity.
-  const char* unsupported = !mods.bias.absent         ? n.bias
-                            : !mods.mask.absent       ? n.mask
-                            : mods.block_mask.present ? n.block_q
-                                                      : nullptr;
-  if (unsupported != nullptr) {
-    std::string name(unsupported);
-    if (unsupported == n.block_q) {
-      // The whole block mask, not its block_q ("options.block_mask").
-      const size_t dot = name.rfind('.');
-      if (dot != std::string::npos && name.compare(dot, std::string::npos, ".block_q") == 0) {
-        name.resize(dot);
-      }
+  if (mods.block_mask.present) {
+    // Laid out over a call's own key blocks: attend_pages is the K/V path's
+    // sparsity. The whole block mask, not its block_q ("options.block_mask").
+    std::string name(n.block_q);
+    const size_t dot = name.rfind('.');
+    if (dot != std::string::npos && name.compare(dot, std::string::npos, ".block_q") == 0) {
+      name.resize(dot);
     }
     return Invalid(absl::StrCat(
         name, ": not supported on K/V calls; use attend_pages for page-level sparsity"));
@@ -307,7 +364,23 @@ absl::Status ValidateKvScoreMods(const KvCall& c, int64_t num_heads_kv, const Fi
     }
   }
   if (mods.sinks.has_value()) RETURN_IF_ERROR(CheckPerHead(n.sinks, *mods.sinks, heads));
+  if (!mods.bias.absent || !mods.mask.absent) RETURN_IF_ERROR(CheckKvElementMasks(c, heads, n));
   return absl::OkStatus();
+}
+
+void SetKvElementMasks(const KvCall& c, AttnMods* mods) {
+  // Varlen rows: per sequence always; per head unless the first dim is 1.
+  if (!c.mods.bias.absent) {
+    mods->bias = c.mods.bias.bytes.data();
+    mods->bias_dtype = static_cast<DType>(c.mods.bias.dtype);
+    mods->bias_per_batch = true;
+    mods->bias_per_head = c.mods.bias.shape[0] != 1;
+  }
+  if (!c.mods.mask.absent) {
+    mods->mask = reinterpret_cast<const uint8_t*>(c.mods.mask.bytes.data());
+    mods->mask_per_batch = true;
+    mods->mask_per_head = c.mods.mask.shape[0] != 1;
+  }
 }
 
 }  // namespace attnserve

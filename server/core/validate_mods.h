@@ -29,9 +29,16 @@ int64_t KvCallHeadsQ(const KvCall& call, int64_t num_heads_kv);
 // The score modifiers of a K/V call (shapes already valid): ALiBi slopes and
 // sinks, Hq finite values each (KvCallHeadsQ); ALiBi not with any step's
 // attend_pages (the compacted keys' positions are not the sequence's); a
-// bias, element mask or block mask refused, naming the field
-// ("not supported on K/V calls; use attend_pages for page-level sparsity").
+// bias (FP32, FP16 or BF16) and element mask laid out [Hq or 1, P], P = the
+// sum over the steps of num_queries x (expected_length + num_new_tokens), each
+// sequence's query rows over its whole history after the append, not with
+// attend_pages and only with each step's expected_length (check_lengths); a
+// block mask refused ("use attend_pages for page-level sparsity").
 // INVALID_ARGUMENT naming the first bad field.
 absl::Status ValidateKvScoreMods(const KvCall& call, int64_t num_heads_kv, const FieldNames& names);
+
+// A valid K/V call's bias and element mask into `mods` (varlen, per head
+// unless their first dim is 1); the rest of `mods` is left as it is.
+void SetKvElementMasks(const KvCall& call, AttnMods* mods);
 
 }  // namespace attnserve

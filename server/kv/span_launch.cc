@@ -40,6 +40,14 @@ absl::Status CheckSpanningCall(const KvAppendAttend& c) {
                      "sequence, which no one device's launch sees), got ",
                      c.num_heads_q, " slopes"));
   }
+  if (c.inputs.mods.bias != nullptr || c.inputs.mods.mask != nullptr) {
+    // Each launch sees one segment's keys; the rows span the whole history.
+    return absl::UnimplementedError(
+        absl::StrCat(c.inputs.mods.bias != nullptr ? names.bias : names.mask,
+                     ": expected unset on cache '", c.cache_id,
+                     "', which spans devices (its rows span each sequence's whole history, which "
+                     "no one device's launch sees)"));
+  }
   const TensorDevices& at = c.inputs.devices;
   if (at.q != kHostMemory || at.k != kHostMemory || at.v != kHostMemory) {
     return absl::UnimplementedError(absl::StrCat(

@@ -35,8 +35,9 @@ struct KvSpanGroup {
 
 // What a spanning cache refuses before anything is reserved: sliding windows
 // and ALiBi (they depend on a key's position in the whole sequence, which a
-// segment's launch does not see) and inputs in device memory (the launches'
-// rows are gathered on the host). INVALID_ARGUMENT or UNIMPLEMENTED naming
+// segment's launch does not see), a bias or element mask (rows over the whole
+// history) and inputs in device memory (the launches' rows are gathered on
+// the host). INVALID_ARGUMENT or UNIMPLEMENTED naming
 // the field.
 absl::Status CheckSpanningCall(const KvAppendAttend& c);
 

@@ -4,9 +4,10 @@
 // against the float64 reference over all the K/V appended so far (ALiBi's
 // distances count positions in the whole sequence, bottom-right aligned),
 // over the native unary call, the native stream (calls with different sinks
-// in flight at once) and the KServe v2 model attention_kv. A bias, element
-// mask or block mask, ALiBi with attend_pages and malformed slopes or sinks
-// are refused naming the field and change no length.
+// in flight at once) and the KServe v2 model attention_kv; an element mask
+// over each sequence's whole history. A malformed bias or mask, a mask with
+// attend_pages, a block mask, ALiBi with attend_pages and malformed slopes or
+// sinks are refused naming the field and change no length.
 #include <cmath>
 #include <map>
 #include <string>
@@ -158,6 +159,56 @@ TEST_F(KvModsTest, SinksWithAttendPages) {
   EXPECT_EQ(Length(1), 41);
 }
 
+// An element mask on K/V steps: each sequence's query rows over its whole
+// history after the append (packed one sequence after another, shared by the
+// heads), non-causal so the mask is the whole pattern; each row against the
+// reference over exactly its kept keys.
+TEST_F(KvModsTest, ElementMaskOverTheWholeHistory) {
+  CreateSequences({1, 2});
+  Context a, b;
+  RunAndCheck({Step(1, &a, 37, 0), Step(2, &b, 5, 0)}, {&a, &b}, Mods());
+  std::bernoulli_distribution keep(0.4);
+  for (int step = 0; step < 3; ++step) {
+    const int nq[2] = {3, 1};
+    std::vector<Part> parts = {Step(1, &a, 2, nq[0]), Step(2, &b, 1, nq[1])};
+    const Context* ctxs[2] = {&a, &b};
+    std::string mask;
+    std::vector<std::vector<std::vector<int32_t>>> kept(2);
+    for (int j = 0; j < 2; ++j) {
+      for (int i = 0; i < nq[j]; ++i) {
+        kept[j].emplace_back();
+        for (int32_t t = 0; t < ctxs[j]->length(); ++t) {
+          const bool on = keep(rng_) || t == ctxs[j]->length() - 1;  // no empty row
+          mask.push_back(on ? '\1' : '\0');
+          if (on) kept[j][i].push_back(t);
+        }
+      }
+    }
+    v1::AppendAttendRequest r = MakeCall(cache_, parts, Mods(), /*causal=*/false);
+    r.mutable_options()->mutable_mask()->add_shape(1);
+    r.mutable_options()->mutable_mask()->add_shape(int64_t(mask.size()));
+    r.mutable_options()->mutable_mask()->set_data(mask);
+    v1::AppendAttendResponse resp;
+    const grpc::Status s = Call(r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    int64_t row0 = 0;
+    for (int j = 0; j < 2; ++j) {
+      for (int i = 0; i < nq[j]; ++i) {
+        EXPECT_TRUE(RowsMatch(resp.o().data(), resp.lse().data(), 4, row0 + i,
+                              parts[j].q.data() + i * kQRow, 1, *ctxs[j], Mods(), false,
+                              kept[j][i]))
+            << "step " << step << " sequence " << j << " query " << i;
+      }
+      // Without the mask the rows are not these (the check above can fail).
+      EXPECT_FALSE(RowsMatch(resp.o().data(), resp.lse().data(), 4, row0, parts[j].q.data(), 1,
+                             *ctxs[j], Mods(), false));
+      row0 += nq[j];
+    }
+  }
+  EXPECT_EQ(Length(1), 43);
+  EXPECT_EQ(Length(2), 8);
+}
+
 // Every refusal names the field and appends nothing, for any sequence of
 // the call.
 TEST_F(KvModsTest, RefusalsChangeNothing) {
@@ -171,13 +222,34 @@ TEST_F(KvModsTest, RefusalsChangeNothing) {
   const std::string unsupported =
       ": not supported on K/V calls; use attend_pages for page-level sparsity";
 
+  // A bias or mask spans each sequence's history after the append: P = 1 x 6
+  // + 1 x 41 here.
   v1::AppendAttendRequest r = next(a, alibi_sinks_);
   SetFp32Tensor(r.mutable_options()->mutable_bias(), 1, 1, std::string(4, '\0'));
-  ExpectRefused(r, {"options.bias" + unsupported}, 1, 40);
+  ExpectRefused(r, {"options.bias.shape: expected [Hq or 1, P] = [4 or 1, 47]"}, 1, 40);
   r = next(a, Mods());
   r.mutable_options()->mutable_mask()->add_shape(1);
   r.mutable_options()->mutable_mask()->set_data(std::string(1, '\1'));
-  ExpectRefused(r, {"options.mask" + unsupported}, 1, 40);
+  ExpectRefused(r, {"options.mask.shape: expected [Hq or 1, P] = [4 or 1, 47]"}, 1, 40);
+  r = next(a, Mods());
+  r.mutable_options()->mutable_mask()->add_shape(1);
+  r.mutable_options()->mutable_mask()->add_shape(47);
+  r.mutable_options()->mutable_mask()->set_data(std::string(46, '\1'));
+  ExpectRefused(r, {"options.mask.data: expected 47 bytes", "got 46"}, 1, 40);
+  r = next(a, Mods(), {0});
+  r.mutable_options()->mutable_mask()->add_shape(1);
+  r.mutable_options()->mutable_mask()->add_shape(47);
+  r.mutable_options()->mutable_mask()->set_data(std::string(47, '\1'));
+  ExpectRefused(
+      r, {"options.mask: not supported together with attend_pages", "sequences[1].attend_pages"}, 1,
+      40);
+  r = next(a, Mods());
+  SetFp32Tensor(r.mutable_options()->mutable_bias(), 1, 1, std::string(47 * 4, '\0'));
+  r.mutable_options()->mutable_bias()->clear_shape();
+  r.mutable_options()->mutable_bias()->add_shape(1);
+  r.mutable_options()->mutable_bias()->add_shape(47);
+  r.mutable_options()->mutable_bias()->set_dtype(v1::FP8_E4M3);
+  ExpectRefused(r, {"options.bias.dtype: expected FP32, FP16 or BF16"}, 1, 40);
   r = next(a, Mods());
   r.mutable_options()->mutable_block_mask()->set_block_q(128);
   ExpectRefused(r, {"options.block_mask" + unsupported}, 1, 40);
