@@ -12,8 +12,9 @@ the server, stateless (transformers' own cache holds K/V):
     row two packed sequences, block-diagonal causal; one row a prefix-LM,
     bidirectional within its prefix), as eager's additive float, as a boolean
     mask, and as an additive mask with a per-head finite bias: identical greedy
-    tokens; the mask does change eager's logits. With ServerCache a 4-D mask is
-    refused (append-and-attend takes no element mask or bias).
+    tokens; the mask does change eager's logits. The same with K/V on the
+    server (ServerCache): the mask and bias go on the append-and-attend calls,
+    each row's columns its sequence's whole history.
   packed sequences found from position_ids (no mask given): attnserve_mask
     materializes transformers' block-diagonal mask, as eager does.
 """
@@ -199,12 +200,14 @@ def mask_4d(keep: torch.Tensor, q_cols: torch.Tensor, kind: str, heads: int) -> 
     return torch.where(keep[:, None], -slopes * distance, lowest)  # [2, Hq, Sq, Sk]
 
 
-def greedy_4d(model, ids: torch.Tensor, kind: str, steps: int):
-    """Greedy tokens and logits, every forward given the rows' 4-D masks."""
+def greedy_4d(model, ids: torch.Tensor, kind: str, steps: int, cache=None):
+    """Greedy tokens and logits, every forward given the rows' 4-D masks (transformers'
+    DynamicCache unless `cache`)."""
     heads = model.config.num_attention_heads
     positions = torch.stack([torch.cat([torch.arange(SEGMENT_A), torch.arange(WIDTH - SEGMENT_A)]),
                              torch.arange(WIDTH)])
-    cache = transformers.DynamicCache(config=model.config)
+    if cache is None:
+        cache = transformers.DynamicCache(config=model.config)
     tokens, logits = ids, []
     q_cols, step_ids, step_pos = torch.arange(WIDTH), ids, positions
     with torch.no_grad():
@@ -278,24 +281,44 @@ def test_packed_sequences_from_position_ids_match_eager(recorded, llama_eager):
     assert torch.equal(calls[0]["mask"][0, 0], allowed(torch.arange(WIDTH), WIDTH)[0])
 
 
-def test_custom_4d_mask_kv_on_server_is_refused(server, llama_eager):
-    """The server's append-and-attend takes no element mask or bias: a 4-D mask with
-    ServerCache is refused before anything is appended."""
-    reference, ids, _ = llama_eager
-    client = attnserve.hf.register(Client(server.target, timeout=120))
-    try:
-        ours = hf_compare.build_model(hf_compare.small_llama_config(), "attnserve",
-                                      torch.float32, "cpu", reference.state_dict())
-        heads = ours.config.num_attention_heads
-        mask = mask_4d(allowed(torch.arange(WIDTH), WIDTH), torch.arange(WIDTH), "additive",
-                       heads)
-        with ServerCache(client, ours.config, max_tokens=WIDTH) as cache, torch.no_grad():
-            with pytest.raises(NotImplementedError,
-                               match=r"a 4-D attention mask with K/V on the server"):
-                ours(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            assert cache.cache.stats().tokens == 0
-    finally:
-        client.close()
+@pytest.mark.parametrize("kind", ["additive", "boolean", "bias"])
+def test_custom_4d_mask_kv_on_server_matches_eager_fp32(kv_recorded, llama_eager, kind):
+    """K/V on the server (ServerCache): the 4-D mask (and the bias) go on every
+    append-and-attend call over each row's whole history; eager's greedy tokens."""
+    client, calls, _ = kv_recorded
+    reference, ids, want = llama_eager
+    ours = hf_compare.build_model(hf_compare.small_llama_config(), "attnserve", torch.float32,
+                                  "cpu", reference.state_dict())
+    layers, heads = ours.config.num_hidden_layers, ours.config.num_attention_heads
+    want_tokens, want_logits = want["bias" if kind == "bias" else "additive"]
+    with ServerCache(client, ours.config, max_tokens=WIDTH + NEW_TOKENS) as cache:
+        got_tokens, got_logits = greedy_4d(ours, ids, kind, NEW_TOKENS, cache=cache)
+        assert [s.lengths for s in cache.sequences] == [[WIDTH + NEW_TOKENS - 1] * layers] * 2
+    assert_same(want_tokens, got_tokens, want_logits, got_logits)
+    assert len(calls) == layers * NEW_TOKENS
+    prefill = calls[0]
+    assert not prefill["causal"] and prefill["window"] is None  # the mask is the whole pattern
+    assert prefill["mask"].shape == (2, 1, WIDTH, WIDTH)
+    assert torch.equal(prefill["mask"][:, 0], allowed(torch.arange(WIDTH), WIDTH))
+    assert ("bias" in prefill) == (kind == "bias")
+    if kind == "bias":
+        assert prefill["bias"].shape == (2, heads, WIDTH, WIDTH)
+    # Decode: one query over the whole history; row 0 still excludes sequence A.
+    last = calls[-1]["mask"]
+    assert last.shape == (2, 1, 1, WIDTH + NEW_TOKENS - 1)
+    assert not last[0, 0, 0, :SEGMENT_A].any() and last[0, 0, 0, SEGMENT_A:].all()
+
+
+def test_custom_4d_mask_kv_on_server_comparison_can_fail(kv_recorded, llama_eager):
+    """Without the mask on the K/V calls: not eager's logits."""
+    client, _, dropped = kv_recorded
+    dropped.append("mask")
+    reference, ids, want = llama_eager
+    ours = hf_compare.build_model(hf_compare.small_llama_config(), "attnserve", torch.float32,
+                                  "cpu", reference.state_dict())
+    with ServerCache(client, ours.config, max_tokens=WIDTH + 2) as cache:
+        _, got_logits = greedy_4d(ours, ids, "additive", 1, cache=cache)
+    assert (got_logits[0] - want["additive"][1][0]).abs().max().item() > 1e-2
 
 
 def test_additive_mask_rule():

@@ -1,6 +1,6 @@
 """forward()'s score modifiers and masks (alibi_slopes, sinks, bias, mask, block_mask) into
 a request's AttentionOptions, checked against the call's shapes first; and the K/V API's
-(append_attend's alibi_slopes, sinks and per-sequence attend_pages).
+(append_attend's alibi_slopes, sinks, bias, mask and per-sequence attend_pages).
 
 The checks are the ones the server makes on sizes and structure, so a mistake is reported
 here with the argument's name before anything is sent; the values of a bias (NaN, +inf)
@@ -172,6 +172,54 @@ def apply_kv(opts: pb.AttentionOptions, heads: Optional[int], heads_kv: int, *,
         opts.alibi_slopes.extend(_per_head("alibi_slopes", alibi_slopes, heads, heads_kv))
     if sinks is not None:
         opts.sinks.extend(_per_head("sinks", sinks, heads, heads_kv))
+
+
+def _packed_pairs(name: str, x: Any, nq: List[int], after: List[int]) -> Any:
+    """A K/V step's bias or mask as the wire's [Hq or 1, P]: 2-D as given; 4-D
+    [B or 1, Hq or 1, Sq, L] when every sequence has Sq queries and L tokens after the
+    append, each sequence's [Sq, L] block laid out one after another per head."""
+    if _tensors.is_torch(x):
+        ndim, shape = x.dim(), tuple(x.shape)
+    else:
+        x = np.asarray(x)
+        ndim, shape = x.ndim, x.shape
+    if ndim == 2:
+        return x
+    batch = len(nq)
+    if ndim != 4 or shape[0] not in (1, batch):
+        raise invalid_argument(f"{name}: expected [Hq or 1, P] (packed: each sequence's "
+                               f"[num_queries, length after the append] one after another) or "
+                               f"[B or 1, Hq or 1, Sq, L] with B = {batch}, got {list(shape)}")
+    if set(nq) != {shape[2]} or set(after) != {shape[3]}:
+        raise invalid_argument(f"{name}: a 4-D {list(shape)} needs every sequence to have Sq = "
+                               f"{shape[2]} queries and L = {shape[3]} tokens after the append, "
+                               f"got queries {nq} and lengths {after}; send the packed "
+                               f"[Hq or 1, P] layout instead")
+    full = (batch, shape[1], shape[2], shape[3])
+    if _tensors.is_torch(x):
+        return x.expand(full).permute(1, 0, 2, 3).reshape(shape[1], -1)
+    return np.ascontiguousarray(np.broadcast_to(x, full).transpose(1, 0, 2, 3)).reshape(
+        shape[1], -1)
+
+
+def kv_pair_tensors(heads: Optional[int], nq: List[int], after: List[int], *, bias: Any = None,
+                    mask: Any = None) -> List[Tuple[str, Any]]:
+    """append_attend's bias and mask: each sequence's queries (nq) over its whole history
+    after the append (after), [Hq or 1, P] with P = sum of nq_b * after_b (kv.proto), as
+    ("options.bias" / "options.mask", tensor) pieces for attnserve._wire.encode."""
+    pairs = sum(a * b for a, b in zip(nq, after))
+    out: List[Tuple[str, Any]] = []
+    for name, x, to_tensor in (("bias", bias, _bias_tensor), ("mask", mask, _mask_tensor)):
+        if x is None:
+            continue
+        t = to_tensor(_packed_pairs(name, x, nq, after))
+        if (len(t.shape) != 2 or t.shape[1] != pairs
+                or (heads is not None and t.shape[0] not in (1, heads))):
+            raise invalid_argument(f"{name}: expected [Hq or 1, P] = [{heads or 'Hq'} or 1, "
+                                   f"{pairs}] (P = sum over the sequences of num_queries * "
+                                   f"their length after the append), got {list(t.shape)}")
+        out.append((f"options.{name}", t))
+    return out
 
 
 def attend_pages_of(attend_pages: Any, batch: int) -> List[Optional[List[int]]]:

@@ -38,8 +38,10 @@ reads.
 Attention sinks (gpt-oss passes its per-head logits as `s_aux`) go as
 `sinks=`: one logit per head in the softmax denominator, eager's contract,
 in both modes (with K/V on the server, on the append-and-attend call, as are
-sliding windows). With K/V on the server a 4-D mask is refused: the server's
-append-and-attend call takes no element mask or bias.
+sliding windows). With K/V on the server a 4-D mask goes on the append-and-attend
+call the same way (its key columns are each sequence's whole history: every row's
+sequence must hold exactly the mask's Sk tokens after the append, so no padding
+beside it).
 """
 
 from __future__ import annotations
@@ -196,11 +198,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     from attnserve import hf_cache  # not at the top: hf_cache imports this module
     layer = hf_cache.take_pending(key)
     if layer is not None:  # K/V on the server: this call's new tokens only
-        if full_mask:
-            raise NotImplementedError(
-                "attnserve.hf: a 4-D attention mask with K/V on the server "
-                "(attnserve.hf_cache.ServerCache): the server's append-and-attend call takes "
-                "no element mask or bias; use the stateless mode (transformers' own cache)")
+        if full_mask:  # the whole pattern, over each sequence's history after the append
+            options.update(causal=False, window=None, **_converted_mask(attention_mask))
+            return layer.attend(query, key, value, None, options), None
         return layer.attend(query, key, value, attention_mask, options), None
     client = _client
     if client is None:

@@ -23,6 +23,11 @@ new positions are real tokens: only those are appended and queried, packed
 real tokens and padding costs nothing. transformers still counts padded
 columns (get_seq_length is the padded width), as with its own caches.
 
+A custom 4-D mask given to the model goes on each append-and-attend call
+(attnserve.hf): its key columns are each row's whole history, so every row's
+sequence must hold exactly Sk tokens after the append (no 2-D padding mask in
+the same generation).
+
 Not supported (NotImplementedError): beam search (reorder_cache,
 batch_select_indices), crop (assisted decoding), a batch that changes size.
 """
@@ -91,7 +96,8 @@ class ServerLayer(CacheLayerMixin):
                attention_mask: Optional[torch.Tensor], options: Dict[str, Any]) -> torch.Tensor:
         """Appends the real new tokens of each row to its sequence and attends their
         queries (query [B, Hq, Sq, D], key/value [B, Hkv, Sq, D], the 2-D padding
-        mask or None). Returns [B, Sq, Hq, D], padded query rows 0."""
+        mask or None; a 4-D mask comes in `options` as mask= and bias=, its columns
+        each row's whole history). Returns [B, Sq, Hq, D], padded query rows 0."""
         batch, _, q_len, _ = query.shape
         if key.shape[2] != q_len:
             raise ValueError(f"attnserve.hf_cache: expected as many new keys as queries, got "
