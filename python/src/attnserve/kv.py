@@ -434,8 +434,8 @@ class Cache(CacheBase):
                       softcap: float = 0.0, scale: Optional[float] = None,
                       return_lse: bool = False, cu_seqlens_q: Any = None,
                       cu_seqlens_k: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-                      attend_pages: Any = None, timeout: Optional[float] = None,
-                      shm: Any = None) -> Any:
+                      bias: Any = None, mask: Any = None, attend_pages: Any = None,
+                      timeout: Optional[float] = None, shm: Any = None) -> Any:
         """Appends the new tokens' K/V to each sequence at `layer`, then attends the
         new queries over everything the sequence holds there. Returns O like q,
         or (O, LSE) with return_lse.
@@ -454,6 +454,12 @@ class Cache(CacheBase):
           alibi_slopes: ALiBi, minus slope[h] * |i - j| with i and j positions in the
             whole sequence (the queries are its last positions);
           sinks: one logit per head joining each row's softmax denominator (gpt-oss).
+        bias (float32/float16/bfloat16) and mask (bool, True = attend): each sequence's
+          queries over its whole history after the append (key j = its token j), added /
+          applied after scale and softcap as in forward(); [Hq or 1, P] packed, each
+          sequence's [num_queries, length after the append] block one after another (P the
+          sum of those sizes), or [B or 1, Hq or 1, Sq, L] when every sequence has Sq
+          queries and L tokens after the append. Not with attend_pages.
         attend_pages: page-level sparsity, one entry per sequence: None (all of its
           history), or the pages of its history to attend (page p holds tokens
           [p * page_size, (p + 1) * page_size) of the sequence's tokens before this
@@ -479,8 +485,8 @@ class Cache(CacheBase):
         result = self.append_attend_result(
             layer, sequences, q, k, v, causal=causal, window=window, softcap=softcap,
             scale=scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, sinks=sinks,
-            attend_pages=attend_pages, timeout=timeout, shm=shm)
+            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, sinks=sinks, bias=bias,
+            mask=mask, attend_pages=attend_pages, timeout=timeout, shm=shm)
         return (result.o, result.lse) if return_lse else result.o
 
     def append_attend_result(self, layer: int, sequences: Seq["Sequence"], q: Any, k: Any = None,
@@ -594,7 +600,8 @@ class _AppendCall:
                  scale: Optional[float] = None, return_lse: bool = False,
                  cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                  alibi_slopes: Any = None, sinks: Any = None, attend_pages: Any = None,
-                 request_id: Optional[str] = None, shm: Any = None):
+                 request_id: Optional[str] = None, shm: Any = None, bias: Any = None,
+                 mask: Any = None):
         if not 0 <= layer < cache.num_layers:
             raise invalid_argument(f"layer: expected in [0, {cache.num_layers}), got {layer}")
         if cache.v_in_k and v is not None:
@@ -627,6 +634,15 @@ class _AppendCall:
         pages = _mods.attend_pages_of(attend_pages, batch)
         if any(pages):
             _check_sparse(req.options, pages, nq, nk)
+        if bias is not None or mask is not None:  # over each history after the append
+            if any(pages):
+                raise invalid_argument("bias, mask: not with attend_pages (their rows span "
+                                       "each sequence's whole history)")
+            after = [(s._lengths[layer] if s._lengths is not None else 0) + n
+                     for s, n in zip(self.sequences, nk)]
+            pieces = _mods.kv_pair_tensors(heads, nq, after, bias=bias, mask=mask)
+        else:
+            pieces = []
         if shm_kind is not None:  # last before the lengths advance: released if they cannot
             tensors = []
             self.lease = _shm_inputs(cache, shm_kind, req, (("q", q), ("k", k), ("v", v)))
@@ -638,7 +654,7 @@ class _AppendCall:
             raise
         self.steps = req.sequences
         # Encoded last: nothing raises after the lengths advanced above.
-        self.request = _wire.encode(req, tensors)
+        self.request = _wire.encode(req, tensors + pieces)
 
     def _advance(self, cache: CacheBase, req: kv_pb2.AppendAttendRequest, layer: int,
                  pages: List[Any], nq: List[int], nk: List[int]) -> None:
