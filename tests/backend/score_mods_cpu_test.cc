@@ -326,12 +326,11 @@ TEST(ScoreModsCpuEdgeTest, VarlenOffsetsSummedOncePerCall) {
   }
 }
 
-// Paged calls with a bias (or mask, or block mask) are refused before
-// anything runs; ALiBi and sinks run there (paged_test).
+// Paged calls with a block mask are refused before anything runs; ALiBi,
+// sinks, a bias and an element mask run there (paged_test).
 TEST(ScoreModsCpuEdgeTest, PagedRefused) {
-  const float bias = 1.0f;
   PagedAttnParams p{};
-  p.attn.bias = &bias;
+  p.attn.block_q = 128;
   EXPECT_EQ(Backend().CanImplementPaged(p).status().code(), absl::StatusCode::kUnimplemented);
 }
 
