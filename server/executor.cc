@@ -201,7 +201,7 @@ absl::Status Executor::Offer(WorkItem* item) {
 }
 
 bool Executor::MayRunHere(const Queued& q) const {
-  return options_.inline_max_cost > 0 && t_running_inline == nullptr &&
+  return options_.inline_max_cost > 0 && !q.meta.no_inline && t_running_inline == nullptr &&
          q.cost <= options_.inline_max_cost && queue_.empty() && !launching_ &&
          in_flight_.empty() && !completing_ && open_launches_ == 0 && !watchdog_failing_ &&
          !stopping_ && stalled_.empty();

@@ -76,9 +76,9 @@ struct WorkMetadata {
   // a cancelled item is dropped with CANCELLED. May be null.
   std::shared_ptr<const std::atomic<bool>> cancelled;
   // Called exactly once for an admitted item, never under the executor's
-  // lock: on one of the executor's threads, or, for a call run inline
-  // (ExecutorOptions::inline_max_cost), on the submitting thread before Submit
-  // returns OK. So a submitter must not hold a lock `done` takes.
+  // lock: on one of the executor's threads or, for a call run inline
+  // (ExecutorOptions::inline_max_cost), possibly on the submitting thread
+  // before Submit returns OK. So a submitter must not hold a lock `done` takes.
   std::function<void(const absl::Status& status, const WorkTimings& timings)> done;
   // The server's own work (the start-up warm-up): left out of the metrics.
   bool internal = false;
@@ -88,6 +88,10 @@ struct WorkMetadata {
   // Who the call acts for (server/tenant.h): the device is shared fairly
   // between tenants (fair_queue.h). Empty: the server's own work.
   std::string tenant;
+  // Never run on the submitting thread (ExecutorOptions::inline_max_cost): one
+  // of several launches of a step on several devices, which must not wait for
+  // each other by running one after another on the thread that submits them.
+  bool no_inline = false;
 };
 
 // One call: a dense attention call (params and bind_outputs) or, when `paged`

@@ -541,6 +541,9 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     item.cancelled = c.cancelled;
     item.follows_admitted = waited;
     item.tenant = cache->tenant();
+    // The devices' launches run at once, none on this thread before the next
+    // is submitted.
+    item.no_inline = n_groups > 1;
     PagedWork work;
     work.cache = &g;  // its own launch: never shared with another call's
     work.layer = c.layer;

@@ -240,6 +240,18 @@ TEST(ExecutorInlineTest, ACallOverTheLimitGoesToTheLauncher) {
   EXPECT_NE(backend.threads()[0], std::this_thread::get_id());
 }
 
+TEST(ExecutorInlineTest, ACallMarkedNoInlineGoesToTheLauncher) {
+  RecordingBackend backend(/*depth=*/1);
+  Executor executor(&backend, InlineOptions());
+  Completions c;
+  WorkItem item = c.Item(1);
+  item.no_inline = true;
+  ASSERT_TRUE(executor.Submit(std::move(item)).ok());
+  EXPECT_NE(c.Await(1)[0].thread, std::this_thread::get_id());
+  EXPECT_NE(backend.threads()[0], std::this_thread::get_id());
+  EXPECT_TRUE(executor.WaitIdle(absl::Seconds(5)));
+}
+
 // A K/V step: one query and one new row (small before its pages are known)
 // over `context` keys.
 struct Step {
