@@ -8,6 +8,7 @@
 // (so its H2D copy still overlaps the previous launch's compute).
 #include <algorithm>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "backend/cuda/cuda_staging.h"
 #include "backend/cuda/paged_attn.h"
 #include "backend/cuda/paged_attn_fp8.h"
+#include "backend/cuda/paged_mla.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 
@@ -145,11 +147,38 @@ absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) co
   // writes or copies), then whether this build and device have its kernel.
   // CheckPagedParams may refuse every mod (backends without paged mods):
   // it sees the call without its slopes and sinks, which CheckParams checks.
+  // MLA geometry runs on the absorbed kernel alone (paged_mla.h); any other
+  // value head dim, or V inside K's pages of another shape, is refused.
+  const bool mla = HeadDimV(a) != a.head_dim || p.pages.v_in_k;
+  if (mla && !cuda::MlaDecodeCovers(a, p.pages)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda: paged params: head_dim_v, pages.v_in_k: the CUDA MLA kernel takes the absorbed "
+        "form alone (pages.v_in_k, head_dim ",
+        cuda::kMlaHeadDim, ", head_dim_v ", cuda::kMlaHeadDimV,
+        ", num_heads_kv 1, fp16 or bf16 pages, not fp8), got head_dim ", a.head_dim,
+        ", head_dim_v ", HeadDimV(a), ", v_in_k ", p.pages.v_in_k ? "true" : "false",
+        ", num_heads_kv ", a.num_heads_kv, ", dtype ", std::string(DTypeName(a.dtype)),
+        p.pages.fp8_e4m3 ? ", fp8 pages" : ""));
+  }
+  PagedModSupport support;
+  support.mla = mla;
   PagedAttnParams plain = p;
   plain.attn.alibi_slopes = nullptr;
   plain.attn.sinks = nullptr;
-  RETURN_IF_ERROR(CheckPagedParams(plain));
+  RETURN_IF_ERROR(CheckPagedParams(plain, support));
   if (a.alibi_slopes != nullptr || a.sinks != nullptr) RETURN_IF_ERROR(CheckParams(a));
+  if (mla) {
+    const Plan plan = cuda::PlanPagedMla(a, num_sms_);
+    const int64_t rows = int64_t{a.seqlen_q} * a.num_heads_q;
+    const int smem =
+        cuda::MlaSmemBytes(cuda::MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64))));
+    if (smem > max_smem_per_block_) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda: paged params: head_dim_v ", cuda::kMlaHeadDimV, ": the absorbed MLA kernel needs ",
+          smem, " bytes of shared memory; this device allows ", max_smem_per_block_));
+    }
+    return plan;
+  }
   // FP8 caches: the decode kernel's plan, or Plan() for the SIMT kernel,
   // which takes any head dim (as FP32's does).
   if (p.pages.fp8_e4m3) return cuda::PlanPagedFp8(p.attn, num_sms_);
@@ -167,6 +196,15 @@ absl::Status CudaBackend::LaunchPagedKernels(const Plan& plan, const PagedAttnPa
     // reads (or written pages this one copies).
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(slot->stream, paged_done_, 0),
                               "order paged launches");
+  }
+  if (dev.pages.v_in_k) {
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchMlaKvAppend(dev, slot->stream),
+                              "MLA page copies and append");
+    RETURN_IF_ERROR(ReserveSplitWorkspace(slot, plan));
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchPagedMla(dev, plan, slot->workspace.ptr(), slot->stream),
+                              "paged MLA decode kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(paged_done_, slot->stream), "event");
+    return absl::OkStatus();
   }
   if (dev.pages.fp8_e4m3) {
     ATTN_CUDA_RETURN_IF_ERROR(cuda::LaunchKvAppendFp8(dev, slot->stream),
@@ -231,6 +269,9 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
         // sizes only, so the device params do).
         if (batch.size() == 1 || dev.attn.dtype == DType::kFP32) {
           return LaunchPagedKernels(plan, dev, slot);
+        }
+        if (dev.pages.v_in_k) {
+          return LaunchPagedKernels(cuda::PlanPagedMla(dev.attn, num_sms_), dev, slot);
         }
         if (dev.pages.fp8_e4m3) {
           return LaunchPagedKernels(cuda::PlanPagedFp8(dev.attn, num_sms_), dev, slot);

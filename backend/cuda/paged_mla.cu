@@ -1,0 +1,634 @@
+// The absorbed-MLA paged path (paged_mla.h): K-only append and page copies,
+// the decode kernel and the combine of its splits.
+//
+// Decode over a 576-wide latent cache streams K once: a CTA takes one
+// sequence's packed rows (token x query head, 16 kMT of them) and one split
+// of its keys, and every row shares each 32-key stage. Per stage:
+//  1. S = Q K^T: warp w takes m-group w % kGroups (kSM m16 tiles) x all 32
+//     keys over the head-dim steps kk = w / kGroups (mod kDSplit), so Q and
+//     K fragments are each reused several times; the kDSplit partial sums go
+//     to shared memory (fp32).
+//  2. softmax: warp w owns rows w + 8 i, lane j key j: the partial sums
+//     added, masked, the running max and the rescale factor per row; P is
+//     written (FP16/BF16) over the row's own partial sums.
+//  3. O += P V: warp w owns O columns [64 w, 64 w + 64) of every row, V read
+//     from the stage's first 512 dims with ldmatrix.trans.
+// Shared rows of 1152 bytes are swizzled at 16 bytes (chunk c of row r at
+// c ^ (r & 7)) so ldmatrix's eight rows fall in distinct banks.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/paged_attn.h"
+#include "backend/cuda/paged_mla.h"
+#include "common/dtype.h"
+
+namespace attnserve {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kD = kMlaHeadDim;
+constexpr int kDv = kMlaHeadDimV;
+constexpr int kTile = kMlaKeyTile;
+constexpr int kRowBytes = kD * 2;           // 1152: 72 chunks of 16 bytes
+constexpr int kKSteps = kD / 16;            // 36 m16n8k16 steps over the head dim
+constexpr int kColsPerWarp = kDv / kWarps;  // 64 O columns
+constexpr float kLog2eF = 1.4426950408889634f;
+
+static_assert(kThreads / 8 == kTile, "a stage's load: 8 threads a key row");
+
+struct MlaLaunch {
+  AttnParams p;
+  PagedKv kv;
+  int num_splits;
+  bool invariant;
+  // Split partials: [split, total_q, Hq, Dv] normalised O and [split,
+  // total_q, Hq] log2-domain LSE; nullptr: the CTA writes O and LSE itself.
+  float* part_o;
+  float* part_lse;
+};
+
+template <int kMT>
+struct Cfg {
+  static constexpr int kRows = 16 * kMT;
+  static constexpr int kSM = kMT < 2 ? kMT : 2;  // m16 tiles of one S unit
+  static constexpr int kGroups = kMT / kSM;
+  static constexpr int kDSplit = kWarps / kGroups;
+  static constexpr int kStages = kMT == 1 ? 5 : kMT == 2 ? 4 : 3;
+  static constexpr int kQBytes = kRows * kRowBytes;
+  static constexpr int kStageBytes = kTile * kRowBytes;
+  static constexpr int kSBytes = kDSplit * kRows * kTile * 4;
+  static constexpr int kRingOff = kQBytes;
+  static constexpr int kSOff = kRingOff + kStages * kStageBytes;
+  static constexpr int kStatOff = kSOff + kSBytes;  // alpha, m, l, lo, hi, slope
+  static constexpr int kSmem = kStatOff + 6 * kRows * 4;
+  static_assert(kSmem == MlaSmemBytes(kRows) && kStages == MlaStages(kRows), "plan's smem");
+};
+
+__device__ __forceinline__ uint32_t Swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, bool real) {
+  const int bytes = real ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                   uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
+  const T v[2] = {FromFloat<T>(lo), FromFloat<T>(hi)};
+  uint32_t out;
+  memcpy(&out, v, 4);
+  return out;
+}
+
+// CTA (split blockIdx.x, row block blockIdx.y, sequence blockIdx.z): packed
+// rows R = blockIdx.y x kRows + r, query token R / Hq, head R % Hq.
+template <typename T, int kMT>
+__global__ void __launch_bounds__(kThreads, 1)
+    PagedMlaDecodeKernel(const __grid_constant__ MlaLaunch L) {
+  using C = Cfg<kMT>;
+  constexpr int kRows = C::kRows;
+  constexpr int kStages = C::kStages;
+  constexpr int kRowsPerWarp = kRows / kWarps;
+  const AttnParams& p = L.p;
+  const PagedKv& kv = L.kv;
+  const int split = blockIdx.x;
+  const int b = blockIdx.z;
+  const int sq = SeqLenQ(p, b);
+  const int hq = p.num_heads_q;
+  const int n_rows = sq * hq;
+  const int r0 = blockIdx.y * kRows;
+  if (r0 >= n_rows) return;
+  const int rows_here = min(kRows, n_rows - r0);
+  const int sk = kv.seqlens_k[b];
+  const int64_t q_start = SeqStartQ(p, b);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  // Keys some row of the block sees (both bounds grow with the token index).
+  int lo_all, hi_all, unused;
+  VisibleKeys(p, r0 / hq, sq, sk, &lo_all, &unused);
+  VisibleKeys(p, (r0 + rows_here - 1) / hq, sq, sk, &unused, &hi_all);
+  const int t_lo = lo_all / kTile;
+  const int n_tiles = hi_all >= lo_all ? hi_all / kTile - t_lo + 1 : 0;
+  const int per = MlaTilesPerSplit(n_tiles, L.num_splits, L.invariant);
+  const int t_begin = t_lo + split * per;
+  const int t_end = t_lo + min(n_tiles, (split + 1) * per);
+  if (t_begin >= t_end && L.part_o != nullptr) {
+    // An empty split: nothing for the combine to weigh.
+    for (int idx = tid; idx < rows_here * kDv; idx += kThreads) {
+      const int R = r0 + idx / kDv;
+      const int64_t at = (int64_t{split} * p.total_q + q_start + R / hq) * hq + R % hq;
+      L.part_o[at * kDv + idx % kDv] = 0.0f;
+      if (idx % kDv == 0) L.part_lse[at] = -INFINITY;
+    }
+    return;
+  }
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t s_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t q_addr = s_base;
+  const uint32_t ring_addr = s_base + C::kRingOff;
+  float* s_part = reinterpret_cast<float*>(smem + C::kSOff);
+  const uint32_t s_addr = s_base + C::kSOff;
+  float* s_alpha = reinterpret_cast<float*>(smem + C::kStatOff);
+  float* s_m = s_alpha + kRows;
+  float* s_l = s_m + kRows;
+  int* s_lo = reinterpret_cast<int*>(s_l + kRows);
+  int* s_hi = s_lo + kRows;
+  float* s_slope = reinterpret_cast<float*>(s_hi + kRows);
+
+  // Q rows (zero past the block's rows), then the per-row key bounds.
+  for (int idx = tid; idx < kRows * (kD / 8); idx += kThreads) {
+    const int r = idx / (kD / 8);
+    const int c = idx % (kD / 8);
+    const int R = r0 + r;
+    const bool real = r < rows_here;
+    const T* src =
+        static_cast<const T*>(p.q) + (real ? QOffset(p, q_start + R / hq, R % hq) + c * 8 : 0);
+    CpAsync16(q_addr + Swz(r, c), src, real);
+  }
+  CpAsyncCommit();
+  for (int r = tid; r < kRows; r += kThreads) {
+    const int R = r0 + r;
+    int lo = 0, hi = -1;  // padding rows see no key
+    if (r < rows_here) VisibleKeys(p, R / hq, sq, sk, &lo, &hi);
+    s_lo[r] = lo;
+    s_hi[r] = hi;
+    s_slope[r] = p.alibi_slopes != nullptr && r < rows_here ? p.alibi_slopes[R % hq] : 0.0f;
+  }
+
+  // A stage's load: thread t copies chunks t % 8 + 8 k of key row t / 8;
+  // keys past the sequence are zero-filled (their pages may not exist).
+  const int32_t* table = kv.block_table + int64_t{b} * kv.block_table_stride;
+  auto issue = [&](int t, int stage) {
+    const int row = tid / 8;
+    const int sub = tid % 8;
+    const int key = t * kTile + row;
+    const bool real = key < sk;
+    const char* src = static_cast<const char*>(p.q);
+    if (real) {
+      const int32_t page = __ldg(table + (key >> kv.pages.page_shift));
+      src = static_cast<const char*>(kv.pages.k_slabs[PageSlab(kv.pages, page)]) +
+            PageRowOffset(kv.pages, page, key & (kv.pages.page_size - 1), 1, kD, 0) * 2;
+    }
+    const uint32_t dst = ring_addr + stage * C::kStageBytes;
+#pragma unroll
+    for (int k = 0; k < kD / 64; ++k) {
+      const int c = sub + 8 * k;
+      CpAsync16(dst + Swz(row, c), src + c * 16, real);
+    }
+  };
+#pragma unroll
+  for (int u = 0; u < kStages - 1; ++u) {
+    if (t_begin + u < t_end) issue(t_begin + u, u);
+    CpAsyncCommit();
+  }
+
+  const bool mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const float scale = mods ? p.softmax_scale : p.softmax_scale_log2;
+  float m_run[kRowsPerWarp], l_run[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.0f;
+  }
+  float acc[kMT][kColsPerWarp / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int n = 0; n < kColsPerWarp / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][n][e] = 0.0f;
+
+  const int grp = warp % C::kGroups;
+  const int ds = warp / C::kGroups;
+  const int g = lane / 4;
+  const int qd = lane % 4;
+
+  for (int t = t_begin, k = 0; t < t_end; ++t, ++k) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // stage k % kStages landed; every warp left stage k - 1
+    if (t + kStages - 1 < t_end) issue(t + kStages - 1, (k + kStages - 1) % kStages);
+    CpAsyncCommit();
+    const uint32_t stage = ring_addr + (k % kStages) * C::kStageBytes;
+
+    // 1. Partial S over this warp's head-dim steps.
+    {
+      float s[C::kSM][4][4];
+#pragma unroll
+      for (int mi = 0; mi < C::kSM; ++mi)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][n][e] = 0.0f;
+#pragma unroll 2
+      for (int kk = ds; kk < kKSteps; kk += C::kDSplit) {
+        uint32_t a[C::kSM][4];
+#pragma unroll
+        for (int mi = 0; mi < C::kSM; ++mi) {
+          const int row = (grp * C::kSM + mi) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          Ldsm4(a[mi], q_addr + Swz(row, 2 * kk + (lane >> 4)));
+        }
+        uint32_t bk[2][4];
+#pragma unroll
+        for (int nh = 0; nh < 2; ++nh) {
+          const int key = nh * 16 + (lane & 7) + (lane >> 4) * 8;
+          Ldsm4(bk[nh], stage + Swz(key, 2 * kk + ((lane >> 3) & 1)));
+        }
+#pragma unroll
+        for (int mi = 0; mi < C::kSM; ++mi)
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+            Mma<T>(s[mi][n], a[mi], bk[n / 2][2 * (n % 2)], bk[n / 2][2 * (n % 2) + 1]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < C::kSM; ++mi) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int row = (grp * C::kSM + mi) * 16 + g + 8 * h2;
+            const int col = n * 8 + 2 * qd;
+            float* dst =
+                s_part + (ds * kRows + row) * kTile + (((col >> 2) ^ (row & 7)) << 2) + (col & 3);
+            *reinterpret_cast<float2*>(dst) = make_float2(s[mi][n][2 * h2], s[mi][n][2 * h2 + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // 2. Softmax of rows warp + 8 i, lane = key; P over the row's partials.
+    {
+      const int key = t * kTile + lane;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int r = warp + 8 * i;
+        const int at = (((lane >> 2) ^ (r & 7)) << 2) + (lane & 3);
+        float x = 0.0f;
+#pragma unroll
+        for (int d = 0; d < C::kDSplit; ++d) x += s_part[(d * kRows + r) * kTile + at];
+        float v = x * scale;
+        if (mods) {
+          if (p.softcap > 0.0f) v = p.softcap * tanhf(v / p.softcap);
+          if (p.alibi_slopes != nullptr) v += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
+          v *= kLog2eF;
+        }
+        if (key < s_lo[r] || key > s_hi[r]) v = -INFINITY;
+        float mx = v;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_new = fmaxf(m_run[i], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f(m_run[i] - m_use);
+        const float pv = exp2f(v - m_use);
+        l_run[i] = l_run[i] * alpha + pv;
+        m_run[i] = m_new;
+        if (lane == 0) s_alpha[r] = alpha;
+        // P row r: 4 chunks of 8 keys at the start of its own partial row.
+        const T pt = FromFloat<T>(pv);
+        *reinterpret_cast<T*>(smem + C::kSOff + r * (kTile * 4) + ((((lane >> 3) ^ (r & 7))) << 4) +
+                              (lane & 7) * 2) = pt;
+      }
+    }
+    __syncthreads();
+
+    // 3. O = alpha O + P V over this warp's 64 columns.
+    {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const float a_lo = s_alpha[mt * 16 + g];
+        const float a_hi = s_alpha[mt * 16 + g + 8];
+#pragma unroll
+        for (int n = 0; n < kColsPerWarp / 8; ++n) {
+          acc[mt][n][0] *= a_lo;
+          acc[mt][n][1] *= a_lo;
+          acc[mt][n][2] *= a_hi;
+          acc[mt][n][3] *= a_hi;
+        }
+      }
+#pragma unroll
+      for (int k2 = 0; k2 < kTile / 16; ++k2) {
+        uint32_t bv[kColsPerWarp / 16][4];
+#pragma unroll
+        for (int np = 0; np < kColsPerWarp / 16; ++np) {
+          const int key = k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+          const int chunk = warp * (kColsPerWarp / 8) + 2 * np + (lane >> 4);
+          Ldsm4T(bv[np], stage + Swz(key, chunk));
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t pa[4];
+          const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int chunk = 2 * k2 + (lane >> 4);
+          Ldsm4(pa, s_addr + row * (kTile * 4) + ((chunk ^ (row & 7)) << 4));
+#pragma unroll
+          for (int n = 0; n < kColsPerWarp / 8; ++n)
+            Mma<T>(acc[mt][n], pa, bv[n / 2][2 * (n % 2)], bv[n / 2][2 * (n % 2) + 1]);
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // Row statistics: each lane's share of l summed; m is the same in every lane.
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    float l = l_run[i];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) {
+      s_m[warp + 8 * i] = m_run[i];
+      s_l[warp + 8 * i] = l;
+    }
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int r = mt * 16 + g + 8 * h2;
+      if (r >= rows_here) continue;
+      const int R = r0 + r;
+      const int head = R % hq;
+      const int64_t row = q_start + R / hq;
+      const float mm = s_m[r];
+      float total = s_l[r];
+      if (L.part_o != nullptr) {
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        const int64_t at = (int64_t{split} * p.total_q + row) * hq + head;
+        float* dst = L.part_o + at * kDv + warp * kColsPerWarp + 2 * qd;
+#pragma unroll
+        for (int n = 0; n < kColsPerWarp / 8; ++n) {
+          __stcg(reinterpret_cast<float2*>(dst + 8 * n),
+                 make_float2(acc[mt][n][2 * h2] * inv, acc[mt][n][2 * h2 + 1] * inv));
+        }
+        if (warp == 0 && qd == 0) L.part_lse[at] = total > 0.0f ? mm + log2f(total) : -INFINITY;
+        continue;
+      }
+      float f = 1.0f;
+      float lse2 = mm;
+      if (p.sinks != nullptr) {
+        const float sink = p.sinks[head] * kLog2eF;
+        const float mn = fmaxf(mm, sink);
+        f = mm == -INFINITY ? 0.0f : exp2f(mm - mn);
+        total = total * f + exp2f(sink - mn);
+        lse2 = mn;
+      }
+      const float scale_o = total > 0.0f ? f / total : 0.0f;
+      T* dst = static_cast<T*>(p.o) + OOffset(p, row, head) + warp * kColsPerWarp + 2 * qd;
+#pragma unroll
+      for (int n = 0; n < kColsPerWarp / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * n) =
+            Pack2<T>(acc[mt][n][2 * h2] * scale_o, acc[mt][n][2 * h2 + 1] * scale_o);
+      }
+      if (warp == 0 && qd == 0 && p.lse != nullptr) {
+        p.lse[LseOffset(p, b, head, R / hq)] =
+            total > 0.0f ? (lse2 + log2f(total)) / kLog2eF : -INFINITY;
+      }
+    }
+  }
+}
+
+// The splits' partials of (q row blockIdx.x, query head blockIdx.y), thread
+// d taking columns 4d..4d+3, added in split order (splits of weight 0
+// skipped), with the sink's share.
+template <typename T>
+__global__ void __launch_bounds__(kDv / 4) CombineMlaSplits(const __grid_constant__ MlaLaunch L) {
+  const AttnParams& p = L.p;
+  const int64_t row = blockIdx.x;
+  const int head = blockIdx.y;
+  const int d = threadIdx.x * 4;
+  const int64_t stride = p.total_q * p.num_heads_q;
+  const int64_t at = row * p.num_heads_q + head;
+  float mm = -INFINITY;
+  for (int s = 0; s < L.num_splits; ++s) mm = fmaxf(mm, __ldcg(L.part_lse + s * stride + at));
+  const float sink = p.sinks != nullptr ? p.sinks[head] * kLog2eF : -INFINITY;
+  mm = fmaxf(mm, sink);
+  float total = 0.0f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mm != -INFINITY) {
+    for (int s = 0; s < L.num_splits; ++s) {
+      const float w = exp2f(__ldcg(L.part_lse + s * stride + at) - mm);
+      if (w == 0.0f) continue;
+      total += w;
+      const float4 x =
+          __ldcg(reinterpret_cast<const float4*>(L.part_o + (s * stride + at) * kDv + d));
+      o.x = fmaf(w, x.x, o.x);
+      o.y = fmaf(w, x.y, o.y);
+      o.z = fmaf(w, x.z, o.z);
+      o.w = fmaf(w, x.w, o.w);
+    }
+    if (p.sinks != nullptr) total += exp2f(sink - mm);
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  T* dst = static_cast<T*>(p.o) + OOffset(p, row, head) + d;
+  const uint32_t w0 = Pack2<T>(o.x * inv, o.y * inv);
+  const uint32_t w1 = Pack2<T>(o.z * inv, o.w * inv);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(w0, w1);
+  if (threadIdx.x == 0 && p.lse != nullptr) {
+    // The row's sequence: the last b with cu_seqlens_q[b] <= row.
+    int lo = 0, hi = p.batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (SeqStartQ(p, mid) <= row)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    p.lse[LseOffset(p, lo, head, static_cast<int>(row - SeqStartQ(p, lo)))] =
+        total > 0.0f ? (mm + log2f(total)) / kLog2eF : -INFINITY;
+  }
+}
+
+// Page copies of the K slabs: CTA (x, i) copies its share of page
+// copy_src[i] to copy_dst[i], 16 bytes per thread per step.
+__global__ void CopyKPagesKernel(const __grid_constant__ KvPages pages, const int32_t* copy_src,
+                                 const int32_t* copy_dst, int64_t page_vecs, int64_t page_bytes) {
+  const int i = blockIdx.y;
+  const int32_t from = copy_src[i];
+  const int32_t to = copy_dst[i];
+  const int64_t in_from = from & ((int32_t{1} << pages.slab_shift) - 1);
+  const int64_t in_to = to & ((int32_t{1} << pages.slab_shift) - 1);
+  const uint4* src = reinterpret_cast<const uint4*>(
+      static_cast<const char*>(pages.k_slabs[PageSlab(pages, from)]) + in_from * page_bytes);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pages.k_slabs[PageSlab(pages, to)]) +
+                                        in_to * page_bytes);
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < page_vecs;
+       v += int64_t{gridDim.x} * blockDim.x) {
+    dst[v] = src[v];
+  }
+}
+
+// Append of K rows alone: new row r of sequence b goes to token
+// seqlens_k[b] - new_b + (r - cu_seqlens_k[b]); one thread per 16 bytes.
+__global__ void AppendKRowsKernel(const __grid_constant__ PagedAttnParams p, int row_vecs,
+                                  int elem_bytes) {
+  const int64_t total = p.attn.total_k * row_vecs;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = idx / row_vecs;
+    const int c = static_cast<int>(idx % row_vecs);
+    int lo = 0, hi = p.attn.batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.attn.cu_seqlens_k[mid] <= r)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int b = lo;
+    const int new_b = p.attn.cu_seqlens_k[b + 1] - p.attn.cu_seqlens_k[b];
+    const int t = p.seqlens_k[b] - new_b + static_cast<int>(r - p.attn.cu_seqlens_k[b]);
+    const int32_t page =
+        p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
+    const int64_t dst = PageRowOffset(p.pages, page, t & (p.pages.page_size - 1),
+                                      p.attn.num_heads_kv, p.attn.head_dim, 0) *
+                            elem_bytes +
+                        int64_t{c} * 16;
+    const int64_t src = r * int64_t{row_vecs} * 16 + int64_t{c} * 16;
+    *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.k_slabs[PageSlab(p.pages, page)]) + dst) =
+        *reinterpret_cast<const uint4*>(static_cast<const char*>(p.attn.k) + src);
+  }
+}
+
+template <typename T, int kMT>
+cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmem = Cfg<kMT>::kSmem;
+  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  PagedMlaDecodeKernel<T, kMT><<<grid, kThreads, kSmem, stream>>>(l);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
+  cudaError_t err;
+  if (rows_per_cta == 16)
+    err = RunDecode<T, 1>(l, grid, stream);
+  else if (rows_per_cta == 32)
+    err = RunDecode<T, 2>(l, grid, stream);
+  else
+    err = RunDecode<T, 4>(l, grid, stream);
+  if (err != cudaSuccess || l.part_o == nullptr) return err;
+  CombineMlaSplits<T>
+      <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kDv / 4, 0, stream>>>(l);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
+  const int elem_bytes = static_cast<int>(DTypeSize(dev.attn.dtype));
+  const int64_t row_bytes = int64_t{dev.attn.num_heads_kv} * dev.attn.head_dim * elem_bytes;
+  if (dev.num_page_copies > 0) {
+    if (dev.num_page_copies > 65535) return cudaErrorInvalidConfiguration;
+    const int64_t page_bytes = row_bytes * dev.pages.page_size;
+    const int64_t page_vecs = page_bytes / 16;
+    const unsigned x = static_cast<unsigned>(std::min<int64_t>((page_vecs + 255) / 256, 64));
+    CopyKPagesKernel<<<dim3(x, dev.num_page_copies), 256, 0, stream>>>(
+        dev.pages, dev.copy_src, dev.copy_dst, page_vecs, page_bytes);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (dev.attn.total_k > 0 && dev.attn.batch > 0) {
+    const int row_vecs = static_cast<int>(row_bytes / 16);
+    const int64_t total = dev.attn.total_k * row_vecs;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 4096));
+    AppendKRowsKernel<<<blocks, 256, 0, stream>>>(dev, row_vecs, elem_bytes);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                           cudaStream_t stream) {
+  const AttnParams& p = dev.attn;
+  if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
+  const int64_t rows = int64_t{p.seqlen_q} * p.num_heads_q;
+  const int per_cta = MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64)));
+  const int64_t row_blocks = (rows + per_cta - 1) / per_cta;
+  if (row_blocks > 65535 || p.batch > 65535 || plan.num_splits < 1 ||
+      p.total_q > int64_t{INT32_MAX} || p.num_heads_q > 65535) {
+    return cudaErrorInvalidConfiguration;
+  }
+  MlaLaunch l{};
+  l.p = p;
+  l.kv.pages = dev.pages;
+  l.kv.block_table = dev.block_table;
+  l.kv.block_table_stride = dev.block_table_stride;
+  l.kv.seqlens_k = dev.seqlens_k;
+  l.num_splits = plan.num_splits;
+  l.invariant = p.batch_invariant;
+  if (plan.num_splits > 1 || p.batch_invariant) {
+    if (workspace == nullptr || plan.workspace_bytes < MlaWorkspaceBytes(p, plan.num_splits))
+      return cudaErrorInvalidValue;
+    l.part_o = reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes);
+    l.part_lse = l.part_o + int64_t{plan.num_splits} * p.total_q * p.num_heads_q * kDv;
+  }
+  const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(row_blocks),
+                  static_cast<unsigned>(p.batch));
+  if (p.dtype == DType::kBF16) return RunMla<__nv_bfloat16>(l, per_cta, grid, stream);
+  if (p.dtype == DType::kFP16) return RunMla<__half>(l, per_cta, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace attnserve
