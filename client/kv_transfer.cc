@@ -3,7 +3,9 @@
 
 #include <grpcpp/client_context.h>
 
+#include <algorithm>
 #include <deque>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -106,6 +108,18 @@ class ChunkQueue {
 
 using Key = std::tuple<uint64_t, int32_t, int32_t>;
 
+// The export side of a move over a data plane: the transfer's header (an
+// export with header_only), and an export from `resume` (null: the start)
+// whose chunks the source sends to `plane` itself, returning the payload
+// bytes the receiver kept.
+struct DataPlaneExport {
+  std::function<absl::StatusOr<v1::KvTransferHeader>(const std::string& transfer_id)> header;
+  std::function<absl::StatusOr<int64_t>(const v1::ImportResumePoint* resume,
+                                        const std::string& transfer_id,
+                                        const v1::KvDataPlane& plane)>
+      run;
+};
+
 // One attempt: the import stream from its first message to its end.
 struct Attempt {
   absl::Status status;  // OK: every sequence live
@@ -115,8 +129,9 @@ struct Attempt {
 class Pusher {
  public:
   Pusher(const std::shared_ptr<grpc::Channel>& dest, std::string cache_id, const OpenChunks& open,
-         const MoveOptions& options)
-      : stub_(v1::KvTransfer::NewStub(dest)),
+         const MoveOptions& options, const DataPlaneExport* data_plane = nullptr)
+      : data_plane_(data_plane),
+        stub_(v1::KvTransfer::NewStub(dest)),
         cache_id_(std::move(cache_id)),
         open_(open),
         options_(options),
@@ -127,8 +142,9 @@ class Pusher {
 
   absl::StatusOr<MoveResult> Run() {
     const absl::Time start = absl::Now();
+    result_.data_plane = "grpc";
     while (true) {
-      const absl::Status status = Once();
+      const absl::Status status = data_plane_ != nullptr ? OnceDataPlane() : Once();
       if (status.ok()) break;
       if (!Resumable(status) || result_.resumes >= options_.max_resumes) {
         return absl::Status(status.code(),
@@ -145,6 +161,69 @@ class Pusher {
   }
 
  private:
+  // One attempt over the data plane: the import asks for it, the export
+  // sends the chunks there; this thread only waits for both. A receiver
+  // without one sends this and every later attempt down the gRPC path.
+  absl::Status OnceDataPlane() {
+    if (!header_.has_value()) {
+      absl::StatusOr<v1::KvTransferHeader> header = data_plane_->header(result_.transfer_id);
+      if (!header.ok()) return header.status();
+      header_ = *std::move(header);
+    }
+    grpc::ClientContext context;
+    Prepare(&context, options_.dest_metadata, cache_id_, deadline_);
+    auto stream = stub_->ImportSequences(&context);
+    v1::ImportSequencesRequest opening;
+    opening.set_cache_id(cache_id_);
+    if (options_.create.has_value()) *opening.mutable_create() = *options_.create;
+    *opening.mutable_header() = *header_;
+    opening.set_data_plane(options_.data_plane);
+    v1::ImportSequencesResponse answer;
+    if (!stream->Write(opening) || !stream->Read(&answer)) return ToAbslStatus(stream->Finish());
+    result_.dest_stats = answer.stats();
+    if (!answer.has_data_plane()) {
+      // No data plane there: end this stream (the receiver lets the session
+      // go before it answers) and carry on in the gRPC streams.
+      result_.data_plane_fallback = answer.data_plane_refused().empty()
+                                        ? "the receiver answered no data plane"
+                                        : answer.data_plane_refused();
+      data_plane_ = nullptr;
+      stream->WritesDone();
+      v1::ImportSequencesResponse rest;
+      while (stream->Read(&rest)) {
+      }
+      stream->Finish().ok();  // ABORTED (nothing sent yet) is expected
+      return Once();
+    }
+    result_.data_plane = "ucx";
+    const v1::ImportResumePoint at = answer.resume();
+    const bool fresh = at.committed_sequence_ids_size() == 0 && !at.has_sequence_id();
+    const int64_t kept_before = answer.bytes_received();
+    absl::Mutex answers_mu;
+    v1::ImportSequencesResponse last = answer;
+    std::thread answers([&] {
+      v1::ImportSequencesResponse r;
+      while (stream->Read(&r)) {
+        absl::MutexLock lock(&answers_mu);
+        last = r;
+      }
+    });
+    const absl::StatusOr<int64_t> sent =
+        data_plane_->run(fresh ? nullptr : &at, result_.transfer_id, answer.data_plane());
+    // A half-close: the receiver stops its data plane and answers what it kept.
+    stream->WritesDone();
+    answers.join();
+    const absl::Status finished = ToAbslStatus(stream->Finish());
+    {
+      absl::MutexLock lock(&answers_mu);
+      result_.dest_stats = last.stats();
+      result_.sequences = last.resume().committed_sequence_ids_size();
+      result_.bytes += std::max<int64_t>(0, last.bytes_received() - kept_before);
+    }
+    if (!sent.ok()) return sent.status();
+    return finished;
+  }
+
   absl::Status Once() {
     std::unique_ptr<KvChunkReader> reader;
     std::optional<v1::KvChunk> first;
@@ -261,6 +340,7 @@ class Pusher {
     return finished;
   }
 
+  const DataPlaneExport* data_plane_;
   const std::unique_ptr<v1::KvTransfer::Stub> stub_;
   const std::string cache_id_;
   const OpenChunks& open_;
@@ -314,9 +394,99 @@ absl::StatusOr<MoveResult> PushChunks(const std::shared_ptr<grpc::Channel>& dest
   return Pusher(dest, dest_cache_id, open, options).Run();
 }
 
+namespace {
+
+v1::ExportSequencesRequest BaseExport(const std::string& cache_id, const MoveOptions& options,
+                                      const v1::ImportResumePoint* resume,
+                                      const std::string& transfer_id) {
+  v1::ExportSequencesRequest request;
+  request.set_cache_id(cache_id);
+  for (uint64_t id : options.sequence_ids) request.add_sequence_ids(id);
+  request.set_token_begin(options.token_begin);
+  if (options.token_end.has_value()) request.set_token_end(*options.token_end);
+  if (resume != nullptr) *request.mutable_resume() = *resume;
+  request.set_max_chunk_bytes(options.max_chunk_bytes);
+  request.set_transfer_id(transfer_id);
+  return request;
+}
+
+// An export with header_only: the transfer's header.
+absl::StatusOr<v1::KvTransferHeader> ExportHeader(v1::KvTransfer::Stub* stub,
+                                                  v1::ExportSequencesRequest request,
+                                                  const MoveOptions& options, absl::Time deadline) {
+  request.set_header_only(true);
+  grpc::ClientContext context;
+  Prepare(&context, options.source_metadata, request.cache_id(), deadline);
+  auto reader = stub->ExportSequences(&context, request);
+  v1::KvChunk chunk;
+  std::optional<v1::KvTransferHeader> header;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header() && !header.has_value()) header = chunk.header();
+  }
+  const absl::Status status = ToAbslStatus(reader->Finish());
+  if (!status.ok()) return absl::Status(status.code(), absl::StrCat("export: ", status.message()));
+  if (!header.has_value()) return absl::InternalError("export: the header-only export sent none");
+  return *header;
+}
+
+// Lanes: the sequences in contiguous shares, each moved by a MoveCache of
+// its own at the same time.
+absl::StatusOr<MoveResult> MoveLanes(const std::shared_ptr<grpc::Channel>& source,
+                                     const std::shared_ptr<grpc::Channel>& dest,
+                                     const std::string& cache_id, const MoveOptions& options) {
+  const absl::Time start = absl::Now();
+  auto stub = v1::KvTransfer::NewStub(source);
+  const absl::Time deadline = options.timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + options.timeout;
+  const std::string base = options.transfer_id.empty() ? RandomTransferId() : options.transfer_id;
+  absl::StatusOr<v1::KvTransferHeader> header =
+      ExportHeader(stub.get(), BaseExport(cache_id, options, nullptr, base), options, deadline);
+  if (!header.ok()) return header.status();
+  std::vector<uint64_t> ids;
+  for (const v1::SequenceLengths& s : header->sequences()) ids.push_back(s.sequence_id());
+  const int lanes = std::max(1, std::min<int>(options.lanes, static_cast<int>(ids.size())));
+  std::vector<absl::StatusOr<MoveResult>> results(size_t(lanes), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int l = 0; l < lanes; ++l) {
+    MoveOptions lane = options;
+    lane.lanes = 1;
+    lane.transfer_id = absl::StrCat(base, "-l", l);
+    const size_t from = ids.size() * size_t(l) / size_t(lanes);
+    const size_t to = ids.size() * size_t(l + 1) / size_t(lanes);
+    lane.sequence_ids.assign(ids.begin() + long(from), ids.begin() + long(to));
+    threads.emplace_back(
+        [&, l, lane] { results[size_t(l)] = MoveCache(source, dest, cache_id, lane); });
+  }
+  for (std::thread& t : threads) t.join();
+  MoveResult out;
+  out.transfer_id = base;
+  out.lanes = lanes;
+  out.data_plane = "";
+  for (absl::StatusOr<MoveResult>& r : results) {
+    if (!r.ok()) return r.status();
+    out.bytes += r->bytes;
+    out.bytes_resent += r->bytes_resent;
+    out.sequences += r->sequences;
+    out.resumes += r->resumes;
+    if (out.data_plane.empty() || r->data_plane == "grpc") out.data_plane = r->data_plane;
+    if (out.data_plane_fallback.empty()) out.data_plane_fallback = r->data_plane_fallback;
+    if (r->dest_stats.sequences() >= out.dest_stats.sequences()) out.dest_stats = r->dest_stats;
+  }
+  out.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<MoveResult> MoveCache(const std::shared_ptr<grpc::Channel>& source,
                                      const std::shared_ptr<grpc::Channel>& dest,
                                      const std::string& cache_id, const MoveOptions& options) {
+  if (options.data_plane != "grpc" && options.data_plane != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_plane: expected \"grpc\" or \"ucx\", got '", options.data_plane, "'"));
+  }
+  if (options.lanes > 1) return MoveLanes(source, dest, cache_id, options);
   auto stub = v1::KvTransfer::NewStub(source);
   const absl::Time deadline = options.timeout == absl::InfiniteDuration()
                                   ? absl::InfiniteFuture()
@@ -324,18 +494,53 @@ absl::StatusOr<MoveResult> MoveCache(const std::shared_ptr<grpc::Channel>& sourc
   OpenChunks open =
       [&](const v1::ImportResumePoint* resume,
           const std::string& transfer_id) -> absl::StatusOr<std::unique_ptr<KvChunkReader>> {
-    v1::ExportSequencesRequest request;
-    request.set_cache_id(cache_id);
-    for (uint64_t id : options.sequence_ids) request.add_sequence_ids(id);
-    request.set_token_begin(options.token_begin);
-    if (options.token_end.has_value()) request.set_token_end(*options.token_end);
-    if (resume != nullptr) *request.mutable_resume() = *resume;
-    request.set_max_chunk_bytes(options.max_chunk_bytes);
-    request.set_transfer_id(transfer_id);
-    return std::unique_ptr<KvChunkReader>(new ExportReader(stub.get(), request, options, deadline));
+    return std::unique_ptr<KvChunkReader>(new ExportReader(
+        stub.get(), BaseExport(cache_id, options, resume, transfer_id), options, deadline));
   };
-  return PushChunks(dest, options.dest_cache_id.empty() ? cache_id : options.dest_cache_id, open,
-                    options);
+  const std::string dest_cache = options.dest_cache_id.empty() ? cache_id : options.dest_cache_id;
+  if (options.data_plane == "grpc") return PushChunks(dest, dest_cache, open, options);
+  DataPlaneExport plane;
+  plane.header = [&](const std::string& transfer_id) {
+    return ExportHeader(stub.get(), BaseExport(cache_id, options, nullptr, transfer_id), options,
+                        deadline);
+  };
+  plane.run = [&](const v1::ImportResumePoint* resume, const std::string& transfer_id,
+                  const v1::KvDataPlane& offer) -> absl::StatusOr<int64_t> {
+    v1::ExportSequencesRequest request = BaseExport(cache_id, options, resume, transfer_id);
+    *request.mutable_data_plane() = offer;
+    grpc::ClientContext context;
+    Prepare(&context, options.source_metadata, cache_id, deadline);
+    // The seam's cut may come after this attempt: it then finds no context.
+    struct Cut {
+      absl::Mutex mu;
+      grpc::ClientContext* context ABSL_GUARDED_BY(mu) = nullptr;
+    };
+    auto cut = std::make_shared<Cut>();
+    {
+      absl::MutexLock lock(&cut->mu);
+      cut->context = &context;
+    }
+    if (options.data_plane_started_for_testing) {
+      options.data_plane_started_for_testing([cut] {
+        absl::MutexLock lock(&cut->mu);
+        if (cut->context != nullptr) cut->context->TryCancel();
+      });
+    }
+    auto reader = stub->ExportSequences(&context, request);
+    v1::KvChunk chunk;
+    int64_t bytes = 0;
+    while (reader->Read(&chunk)) bytes += chunk.data_plane_bytes();
+    const absl::Status status = ToAbslStatus(reader->Finish());
+    {
+      absl::MutexLock lock(&cut->mu);
+      cut->context = nullptr;
+    }
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("export over UCX: ", status.message()));
+    }
+    return bytes;
+  };
+  return Pusher(dest, dest_cache, open, options, &plane).Run();
 }
 
 }  // namespace attnserve

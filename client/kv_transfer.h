@@ -60,6 +60,22 @@ struct MoveOptions {
   std::multimap<std::string, std::string> dest_metadata;
   // Whole move; infinite: none.
   absl::Duration timeout = absl::InfiniteDuration();
+  // What carries the chunks (MoveCache only): "grpc" (in the two streams,
+  // through this client), or "ucx": the receiver offers a UCX address in its
+  // first answer and the source sends the chunks there itself, server to
+  // server, the streams carrying only the control messages. A receiver that
+  // offers no UCX (no --ucx_port, built without it) gets the chunks in the
+  // gRPC streams: MoveResult.data_plane is then "grpc" and
+  // data_plane_fallback says why.
+  std::string data_plane = "grpc";
+  // Transfers run at once (MoveCache only), each a contiguous share of the
+  // sequences with streams (and UCX connection) of its own and transfer id
+  // `transfer_id-lN`: the page copies of each side run on that many threads.
+  int lanes = 1;
+  // Test seam (data_plane "ucx"): called as each attempt's export starts,
+  // with a function that cuts that export (cancels its stream) from any
+  // thread; the move then resumes where the receiver stands.
+  std::function<void(std::function<void()> cut)> data_plane_started_for_testing;
   // Test seam: called with a running count of the chunks about to be
   // written (from 0, across resumes; a chunk refused here and sent again
   // after the resume counts twice); an error breaks the import stream there:
@@ -75,7 +91,10 @@ struct MoveResult {
   int64_t sequences = 0;     // sequences live on the receiver from this transfer
   int32_t resumes = 0;       // broken streams resumed
   double seconds = 0;
-  v1::CacheStats dest_stats;  // the receiver's cache after the last chunk
+  v1::CacheStats dest_stats;        // the receiver's cache after the last chunk
+  std::string data_plane = "grpc";  // what carried the chunks ("ucx" or "grpc")
+  std::string data_plane_fallback;  // why not UCX, when it was asked for
+  int lanes = 1;
 };
 
 // A chunk stream PushChunks reads: Read fills `chunk` and returns true, or

@@ -590,6 +590,7 @@ class AttnServerImpl final : public AttnServer {
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::Listener> listener, ucx::Listener::Start(o, &ucx_steps_));
     ucx_port_.store(listener->port(), std::memory_order_release);
     ucx_listener_ = std::move(listener);
+    kv_transfer_service_.set_data_plane_host(options_.ucx_host);  // K/V imports over UCX
     spdlog::info("UCX steps on {}:{} (UCX_TLS={})", options_.ucx_host, ucx_port(),
                  getenv("UCX_TLS") != nullptr ? getenv("UCX_TLS") : "all");
     if (auth_ == nullptr && !IsLoopback(options_.ucx_host)) {

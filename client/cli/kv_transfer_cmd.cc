@@ -61,6 +61,15 @@ ABSL_FLAG(std::string, transfer_id, "",
           "move-kv, import-kv: the transfer's id on the receiver (default: a random one); running "
           "the same command again with the id of a cut transfer resumes it there.");
 
+ABSL_FLAG(std::string, data_plane, "grpc",
+          "move-kv: what carries the pages: grpc (both streams, through attnctl) or ucx (the "
+          "source sends them to the receiver over UCX itself, gRPC carrying the control "
+          "messages; a receiver without UCX gets them over gRPC and the output says why).");
+ABSL_FLAG(int, lanes, 1,
+          "move-kv: transfers at once, each a contiguous share of the sequences with streams (and "
+          "a UCX connection) of its own: the page copies on each server run on that many "
+          "threads.");
+
 namespace attnserve {
 namespace cli {
 namespace {
@@ -358,6 +367,11 @@ void PrintMoved(const std::string& what, const MoveResult& r) {
             << "\n"
             << "transfer:   " << r.transfer_id << "; " << r.resumes << " resumed, "
             << Gb(r.bytes_resent) << " sent again\n";
+  std::cout << "data plane: " << r.data_plane
+            << (r.data_plane_fallback.empty()
+                    ? std::string()
+                    : absl::StrCat(" (fallback from UCX: ", r.data_plane_fallback, ")"))
+            << (r.lanes > 1 ? absl::StrCat(", ", r.lanes, " lanes") : std::string()) << "\n";
   const v1::CacheStats& s = r.dest_stats;
   std::cout << "receiver:   cache " << s.cache_id() << " (device " << s.device()
             << "): " << s.sequences() << " sequences, " << s.tokens() << " tokens, "
@@ -385,7 +399,25 @@ int RunMove() {
   options.dest_cache_id = dest_cache;
   const std::shared_ptr<grpc::Channel> source_channel = (*source)->channel(0);
   absl::StatusOr<MoveResult> moved;
-  {
+  const std::string data_plane = absl::GetFlag(FLAGS_data_plane);
+  const int lanes = absl::GetFlag(FLAGS_lanes);
+  if (data_plane != "grpc" && data_plane != "ucx") {
+    return UsageError("move-kv",
+                      absl::StrCat("--data_plane: expected grpc or ucx, got '", data_plane, "'"));
+  }
+  if (lanes < 1) {
+    return UsageError("move-kv", absl::StrCat("--lanes: expected >= 1, got ", lanes));
+  }
+  if (data_plane != "grpc" || lanes > 1) {
+    // The servers move the pages (or several transfers run): MoveCache.
+    options.data_plane = data_plane;
+    options.lanes = lanes;
+    options.sequence_ids = f->sequence_ids;
+    options.token_begin = f->token_begin;
+    options.token_end = f->token_end;
+    options.max_chunk_bytes = f->max_chunk_bytes;
+    moved = MoveCache(source_channel, (*dest)->channel(0), f->cache_id, options);
+  } else {
     TransferProgress progress("move-kv");
     const ExportFlags& flags = *f;
     OpenChunks open =
@@ -546,9 +578,10 @@ int RunMoveKv(const std::vector<std::string>& args) {
   if (!args.empty()) {
     return UsageError("move-kv", absl::StrCat("move-kv takes no arguments, got '", args[0], "'"));
   }
-  const int bad = CheckFlags("move-kv", {"from", "to", "cache", "to_cache", "seq", "token_begin",
-                                         "token_end", "max_chunk_bytes", "transfer_id",
-                                         "capacity_tokens", "capacity_bytes", "device", "reserve"});
+  const int bad =
+      CheckFlags("move-kv", {"from", "to", "cache", "to_cache", "seq", "token_begin", "token_end",
+                             "max_chunk_bytes", "transfer_id", "capacity_tokens", "capacity_bytes",
+                             "device", "reserve", "data_plane", "lanes"});
   return bad != kExitOk ? bad : RunMove();
 }
 

@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "server/metrics.h"
 #include "server/native/kv_messages.h"
 #include "server/tenant.h"
+#include "server/ucx/kv_bulk.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -151,11 +153,27 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       return;
     }
     exporter_ = *std::move(exporter);
+    if (request.header_only()) {
+      // The header alone: a mover learns the sequences before the import.
+      final_ = true;
+      EncodeTransferHeader(exporter_->header(), message_.mutable_header());
+      StartWrite(&message_);
+      return;
+    }
+    if (request.has_data_plane()) {
+      StartDataPlane(request);
+      return;
+    }
     WriteNext();
   }
 
   void OnWriteDone(bool ok) override {
     charge_.Release();
+    if (final_) {
+      Finish(ok ? grpc::Status::OK
+                : grpc::Status(grpc::StatusCode::CANCELLED, "the export stream was cut"));
+      return;
+    }
     if (!ok) {
       // The client went away (or cancelled): nothing more is read.
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the export stream was cut"));
@@ -164,9 +182,78 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     WriteNext();
   }
 
-  void OnDone() override { delete this; }
+  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+
+  void OnDone() override {
+    if (sender_.joinable()) {
+      if (sender_.get_id() == std::this_thread::get_id()) {
+        sender_.detach();  // its last act was Finish
+      } else {
+        sender_.join();
+      }
+    }
+    delete this;
+  }
 
  private:
+  // The chunks go over UCX to the receiver the request names
+  // (server/ucx/kv_bulk.h), read from the pages on the sender's own thread
+  // ahead of the UCX transfers; this stream then carries one chunk: the
+  // header and the bytes the receiver kept. The chunks the sender holds
+  // (its window) are charged to the tenant until it is done.
+  void StartDataPlane(const v1::ExportSequencesRequest& request) {
+    const v1::KvDataPlane& plane = request.data_plane();
+    if (plane.transport() != "ucx") {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "data_plane.transport: expected \"ucx\", got '", plane.transport().substr(0, 32), "'"))));
+      return;
+    }
+    ucx::BulkOptions options;
+    const int64_t chunk =
+        request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : kDefaultKvChunkBytes;
+    const int64_t held = std::min<int64_t>(exporter_->remaining_bytes(), options.window * chunk);
+    if (tenants_ != nullptr && held > 0) {
+      absl::StatusOr<InFlightCharge> charge = tenants_->ChargeInFlight(tenant_, held);
+      if (!charge.ok()) {
+        Finish(ToGrpcStatus(charge.status()));
+        return;
+      }
+      charge_ = *std::move(charge);
+    }
+    const ucx::BulkOffer offer{plane.host(), plane.port(), plane.ticket()};
+    spdlog::info("kv export transfer={} over UCX to {}:{}", exporter_->header().transfer_id,
+                 offer.host, offer.port);
+    sender_ = std::thread([this, offer, options] {
+      ucx::BulkSendResult sent;
+      const absl::Status status = ucx::SendChunks(
+          offer,
+          [this](KvTransferChunk* c) -> absl::StatusOr<bool> {
+            absl::StatusOr<bool> more = exporter_->Next(c);
+            if (more.ok() && *more) {
+              counters_->bytes_exported.fetch_add(c->payload_bytes(), std::memory_order_relaxed);
+              counters_->chunks_exported.fetch_add(1, std::memory_order_relaxed);
+              if (c->sequence_end) {
+                counters_->sequences_exported.fetch_add(1, std::memory_order_relaxed);
+              }
+            }
+            return more;
+          },
+          options, &cancelled_, &sent);
+      charge_.Release();
+      if (!status.ok()) {
+        spdlog::info("kv export transfer={} over UCX stopped after {} bytes: {}",
+                     exporter_->header().transfer_id, sent.bytes, status.ToString());
+        Finish(ToGrpcStatus(status));
+        return;
+      }
+      final_ = true;
+      message_.Clear();
+      EncodeTransferHeader(exporter_->header(), message_.mutable_header());
+      message_.set_data_plane_bytes(sent.bytes);
+      StartWrite(&message_);
+    });
+  }
+
   void WriteNext() {
     absl::StatusOr<bool> more = exporter_->Next(&chunk_);
     if (!more.ok()) {
@@ -206,6 +293,9 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   v1::KvChunk message_;
   InFlightCharge charge_;
   bool first_ = true;
+  bool final_ = false;  // the last message (header only, or after the data plane)
+  std::atomic<bool> cancelled_{false};
+  std::thread sender_;
 };
 
 // ImportSequences: one message read and kept at a time; an answer after the
@@ -214,8 +304,10 @@ class ImportReactor final
     : public grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse> {
  public:
   ImportReactor(KvRunner* runner, KvImportSessions* sessions, TenantDirectory* tenants,
-                InFlightCounter* in_flight, std::shared_ptr<const StreamTenant> who)
-      : runner_(runner),
+                InFlightCounter* in_flight, std::shared_ptr<const StreamTenant> who,
+                std::string data_plane_host)
+      : data_plane_host_(std::move(data_plane_host)),
+        runner_(runner),
         sessions_(sessions),
         tenants_(tenants),
         hold_(in_flight),
@@ -242,6 +334,7 @@ class ImportReactor final
   }
 
   void OnDone() override {
+    if (receiver_ != nullptr) receiver_->Stop();
     if (session_ != nullptr) session_->Detach();
     delete this;
   }
@@ -291,6 +384,7 @@ class ImportReactor final
     spdlog::info("kv import transfer={} cache={} sequences={} resumed_after={}", header.transfer_id,
                  request_.cache_id(), header.sequences.size(), session_->Progress().bytes_received);
     Answer(session_->Progress());
+    if (!request_.data_plane().empty()) OfferDataPlane();
     // A first message with a chunk carries rows too (the header alone is
     // the `header` field).
     if (request_.has_chunk()) return Keep();
@@ -304,6 +398,52 @@ class ImportReactor final
     return absl::OkStatus();
   }
 
+  // The first message asked for the chunks over UCX: a receiver of this
+  // import's own (server/ucx/kv_bulk.h) applies them to the session in order,
+  // each charged to the tenant while it is checked and copied, and the first
+  // answer names it; else the answer says why not and the chunks come in
+  // this stream.
+  void OfferDataPlane() {
+    const std::string& want = request_.data_plane();
+    std::string why;
+    if (want != "ucx") {
+      why = absl::StrCat("data_plane: expected \"ucx\", got '", want.substr(0, 32), "'");
+    } else if (!ucx::BulkBuilt()) {
+      why = "this attnserve was built without UCX";
+    } else if (data_plane_host_.empty()) {
+      why = "the receiver offers no UCX (started without --ucx_port)";
+    } else {
+      std::shared_ptr<KvImportSession> session = session_;
+      TenantDirectory* tenants = tenants_;
+      std::shared_ptr<const StreamTenant> who = who_;
+      absl::StatusOr<std::unique_ptr<ucx::BulkReceiver>> receiver = ucx::BulkReceiver::Start(
+          data_plane_host_, [session, tenants, who](const KvTransferChunk& chunk) -> absl::Status {
+            RETURN_IF_ERROR(who->StillValid());
+            InFlightCharge charge;
+            if (tenants != nullptr) {
+              ASSIGN_OR_RETURN(charge,
+                               tenants->ChargeInFlight(who->tenant(), chunk.payload_bytes()));
+            }
+            return session->Accept(chunk).status();
+          });
+      if (receiver.ok()) {
+        receiver_ = *std::move(receiver);
+        v1::KvDataPlane* plane = response_.mutable_data_plane();
+        plane->set_transport("ucx");
+        plane->set_host(receiver_->offer().host);
+        plane->set_port(receiver_->offer().port);
+        plane->set_ticket(receiver_->offer().ticket);
+        spdlog::info("kv import transfer={} takes its chunks over UCX on {}:{}",
+                     session_->transfer_id(), plane->host(), plane->port());
+        return;
+      }
+      why = absl::StrCat("the UCX data plane did not start: ", receiver.status().message());
+    }
+    response_.set_data_plane_refused(why);
+    spdlog::info("kv import transfer={} takes its chunks in the gRPC stream: {}",
+                 session_->transfer_id(), why);
+  }
+
   void Answer(const KvImportProgress& progress) {
     response_.Clear();
     response_.set_transfer_id(session_->transfer_id());
@@ -314,6 +454,9 @@ class ImportReactor final
   }
 
   void HalfClosed() {
+    // Chunks received over UCX and not yet applied are dropped (a resume
+    // sends them again); the answer below says what was kept.
+    if (receiver_ != nullptr) receiver_->Stop();
     if (session_ == nullptr) {
       End(ToGrpcStatus(absl::InvalidArgumentError(
           "header: the stream ended before its first message (cache_id and the header)")));
@@ -343,6 +486,7 @@ class ImportReactor final
 
   // The session is free for a resume before the sender can see the status.
   void End(const grpc::Status& status) {
+    if (receiver_ != nullptr) receiver_->Stop();
     if (session_ != nullptr) {
       session_->Detach();
       session_.reset();
@@ -350,12 +494,14 @@ class ImportReactor final
     Finish(status);
   }
 
+  const std::string data_plane_host_;
   KvRunner* const runner_;
   KvImportSessions* const sessions_;
   TenantDirectory* const tenants_;
   InFlightCounter::Hold hold_;
   const std::shared_ptr<const StreamTenant> who_;
   std::shared_ptr<KvImportSession> session_;
+  std::unique_ptr<ucx::BulkReceiver> receiver_;
   v1::ImportSequencesRequest request_;
   v1::ImportSequencesResponse response_;
   KvTransferChunk chunk_;
@@ -377,8 +523,13 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::ExportSequences(
 
 grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>*
 KvTransferService::ImportSequences(grpc::CallbackServerContext* context) {
+  std::string host;
+  {
+    absl::MutexLock lock(&data_plane_mu_);
+    host = data_plane_host_;
+  }
   return new ImportReactor(runner_, sessions_, tenants_, &in_flight_,
-                           StreamTenantOf(auth_, context));
+                           StreamTenantOf(auth_, context), std::move(host));
 }
 
 std::string KvTransferService::RenderMetrics() {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "attnserve/v1/kv_transfer.grpc.pb.h"
 #include "server/auth/authenticator.h"
 #include "server/auth/tenants.h"
@@ -70,6 +71,12 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   void set_auth(const Authenticator* auth) { auth_ = auth; }
   // Charges the bytes a stream holds to its tenant (null: not charged).
   void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
+  // Imports that ask for it take their chunks over UCX on this host (the
+  // UCX listener's, --ucx_host); empty (the default): never offered.
+  void set_data_plane_host(const std::string& host) {
+    absl::MutexLock lock(&data_plane_mu_);
+    data_plane_host_ = host;
+  }
 
   // Waits until every stream has finished. True when none is left.
   bool WaitForStreams(absl::Duration timeout) { return in_flight_.WaitForZero(timeout); }
@@ -87,6 +94,8 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   TenantDirectory* tenants_ = nullptr;
   KvTransferCounters counters_;
   InFlightCounter in_flight_;
+  absl::Mutex data_plane_mu_;
+  std::string data_plane_host_ ABSL_GUARDED_BY(data_plane_mu_);
 };
 
 }  // namespace attnserve

@@ -1,0 +1,844 @@
+// Bulk K/V chunks over UCX; see kv_bulk.h.
+#include "server/ucx/kv_bulk.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/ucx/worker.h"
+#include "spdlog/spdlog.h"
+
+namespace attnserve {
+namespace ucx {
+namespace {
+
+constexpr uint32_t kBulkMagic = 0x31564b41;  // "AKV1" little-endian
+enum BulkType : uint16_t { kHello = 1, kHelloReply = 2, kChunk = 3, kAck = 4 };
+constexpr uint16_t kSequenceEnd = 1;
+constexpr uint32_t kMaxText = 4096;
+
+// One message's fixed part (the host's byte order: little-endian machines).
+struct BulkFrame {
+  uint32_t magic = kBulkMagic;
+  uint16_t type = 0;
+  uint16_t flags = 0;
+  uint64_t index = 0;  // the chunk's number on its connection (chunk, ack)
+  uint64_t sequence_id = 0;
+  int32_t layer = 0;
+  int32_t token_begin = 0;
+  int32_t num_tokens = 0;
+  uint32_t crc32c = 0;
+  uint32_t sizes[4] = {0, 0, 0, 0};  // k, v, k_scale, v_scale
+  int32_t code = 0;                  // replies: absl::StatusCode
+  uint32_t message_bytes = 0;        // text after the frame
+};
+static_assert(sizeof(BulkFrame) == 64, "BulkFrame is 64 bytes on the wire");
+
+// The tag of payload `i` of chunk `index`.
+uint64_t ChunkTag(uint64_t index, int i) {
+  return (uint64_t{0xb0} << 56) | ((index & ((uint64_t{1} << 52) - 1)) << 2) | uint64_t(i);
+}
+
+std::string* Part(KvTransferChunk* c, int i) {
+  switch (i) {
+    case 0: return &c->k;
+    case 1: return &c->v;
+    case 2: return &c->k_scale;
+    default: return &c->v_scale;
+  }
+}
+
+absl::Status StatusOfReply(const BulkFrame& f, const std::string& text) {
+  return absl::Status(static_cast<absl::StatusCode>(f.code), text);
+}
+
+// An eventfd another thread writes to wake the UCX thread's sleep.
+class WakeFd {
+ public:
+  WakeFd() : fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~WakeFd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int fd() const { return fd_; }
+  void Wake() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(fd_, &one, sizeof(one));
+  }
+  void Drain() {
+    uint64_t count;
+    [[maybe_unused]] ssize_t n = read(fd_, &count, sizeof(count));
+  }
+
+ private:
+  const int fd_;
+};
+
+absl::StatusOr<sockaddr_storage> Resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = absl::StrCat(port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("UCX data plane: cannot resolve '", host, "': ", gai_strerror(rc)));
+  }
+  sockaddr_storage out{};
+  std::memcpy(&out, found->ai_addr, found->ai_addrlen);
+  freeaddrinfo(found);
+  return out;
+}
+
+socklen_t LengthOf(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+}
+
+std::string RandomTicket() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) out += absl::StrCat(absl::Hex(rd(), absl::kZeroPad8));
+  return out;
+}
+
+}  // namespace
+
+bool BulkBuilt() { return true; }
+
+// --- Receiver ---
+
+class BulkReceiver::Impl {
+ public:
+  Impl(Apply apply, const BulkOptions& options) : apply_(std::move(apply)), options_(options) {}
+
+  ~Impl() {
+    Stop();
+    worker_.reset();
+  }
+
+  absl::Status Init(const std::string& host) {
+    if (wake_.fd() < 0) return absl::InternalError("eventfd for the UCX data plane failed");
+    absl::StatusOr<std::unique_ptr<Worker>> worker = Worker::Create();
+    if (!worker.ok()) return worker.status();
+    worker_ = *std::move(worker);
+    absl::StatusOr<sockaddr_storage> address = Resolve(host, 0, true);
+    if (!address.ok()) return address.status();
+    ucp_listener_params_t params{};
+    params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&*address);
+    params.sockaddr.addrlen = LengthOf(*address);
+    params.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      static_cast<Impl*>(arg)->OnConnectionRequest(request);
+    };
+    params.conn_handler.arg = this;
+    ucs_status_t s = ucp_listener_create(worker_->get(), &params, &listener_);
+    if (s != UCS_OK) return StatusOf(s, absl::StrCat("UCX data plane: listen on ", host));
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    s = ucp_listener_query(listener_, &attr);
+    if (s != UCS_OK) return StatusOf(s, "ucp_listener_query");
+    offer_.host = host;
+    offer_.port = attr.sockaddr.ss_family == AF_INET
+                      ? ntohs(reinterpret_cast<const sockaddr_in&>(attr.sockaddr).sin_port)
+                      : ntohs(reinterpret_cast<const sockaddr_in6&>(attr.sockaddr).sin6_port);
+    offer_.ticket = RandomTicket();
+    for (int i = 0; i < std::max(options_.window, 1); ++i) {
+      free_.push_back(std::make_unique<Slot>());
+    }
+    progress_ = std::thread([this] { Run(); });
+    applier_ = std::thread([this] { ApplyLoop(); });
+    return absl::OkStatus();
+  }
+
+  const BulkOffer& offer() const { return offer_; }
+  int64_t chunks() const { return chunks_.load(std::memory_order_relaxed); }
+  int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (applier_.joinable()) applier_.join();
+    wake_.Wake();
+    if (progress_.joinable()) progress_.join();
+  }
+
+ private:
+  // A chunk being received or waiting to be applied.
+  struct Slot {
+    KvTransferChunk chunk;
+    uint64_t index = 0;
+    int tags_left = 0;
+    std::vector<std::shared_ptr<void*>> requests;
+  };
+  struct Ack {
+    uint64_t index = 0;
+    absl::Status status;
+  };
+
+  void OnConnectionRequest(ucp_conn_request_h request) {
+    // One sender per import stream: a resumed export comes with a new stream.
+    if (connected_once_ || stop_seen_) {
+      ucp_listener_reject(listener_, request);
+      return;
+    }
+    connected_once_ = true;
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.conn_request = request;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+      static_cast<Impl*>(arg)->peer_gone_ = true;
+    };
+    params.err_handler.arg = this;
+    if (ucp_ep_create(worker_->get(), &params, &ep_) != UCS_OK) {
+      ep_ = nullptr;
+      return;
+    }
+    ReadFrame();
+  }
+
+  void ReadFrame() {
+    if (ep_ == nullptr || broken_ || stop_seen_) return;
+    reading_ = true;
+    ++outstanding_;
+    const ucs_status_t s = StartRecv(ep_, &in_, sizeof(in_), [this](ucs_status_t st, size_t) {
+      --outstanding_;
+      reading_ = false;
+      if (st != UCS_OK) return Break("receive failed");
+      OnFrame();
+    });
+    if (s == UCS_INPROGRESS) return;
+    --outstanding_;
+    reading_ = false;
+    if (s != UCS_OK) return Break("receive failed");
+    OnFrame();
+  }
+
+  void OnFrame() {
+    if (in_.magic != kBulkMagic || in_.message_bytes > kMaxText) {
+      return Break("a frame with a bad magic or text size");
+    }
+    if (in_.type == kHello && !hello_done_) {
+      text_.assign(in_.message_bytes, '\0');
+      if (text_.empty()) return OnHello();
+      ++outstanding_;
+      const ucs_status_t s =
+          StartRecv(ep_, text_.data(), text_.size(), [this](ucs_status_t st, size_t) {
+            --outstanding_;
+            if (st != UCS_OK) return Break("receive failed");
+            OnHello();
+          });
+      if (s == UCS_INPROGRESS) return;
+      --outstanding_;
+      if (s != UCS_OK) return Break("receive failed");
+      return OnHello();
+    }
+    if (in_.type != kChunk || !hello_done_) return Break("a frame out of order");
+    return OnChunkFrame();
+  }
+
+  void OnHello() {
+    BulkFrame reply;
+    reply.type = kHelloReply;
+    std::string text;
+    if (text_ != offer_.ticket) {
+      reply.code = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
+      text = "ticket: not this import's (the UCX data plane takes the ticket its import answered)";
+    }
+    reply.message_bytes = static_cast<uint32_t>(text.size());
+    SendFrame(reply, text);
+    if (reply.code != 0) return Break("a hello with a wrong ticket");
+    hello_done_ = true;
+    ReadFrame();
+  }
+
+  // A chunk's frame is in: its payloads are received into a free slot (the
+  // stream is read on at once: many chunks in flight), or the stream waits
+  // for a slot.
+  void OnChunkFrame() {
+    uint64_t total = 0;
+    for (uint32_t s : in_.sizes) total += s;
+    if (int64_t(total) > options_.max_chunk_bytes || in_.num_tokens < 0) {
+      return Break("a chunk over the data plane's size limit");
+    }
+    std::unique_ptr<Slot> slot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        slot = std::move(free_.front());
+        free_.pop_front();
+      }
+    }
+    if (slot == nullptr) {
+      waiting_slot_ = true;  // DeliverAcks resumes once the applier frees one
+      return;
+    }
+    waiting_slot_ = false;
+    KvTransferChunk& c = slot->chunk;
+    c.sequence_id = in_.sequence_id;
+    c.layer = in_.layer;
+    c.token_begin = in_.token_begin;
+    c.num_tokens = in_.num_tokens;
+    c.crc32c = in_.crc32c;
+    c.sequence_end = (in_.flags & kSequenceEnd) != 0;
+    slot->index = in_.index;
+    slot->tags_left = 1;  // released below, once every receive is posted
+    slot->requests.clear();
+    Slot* raw = slot.get();
+    receiving_.emplace(raw->index, std::move(slot));
+    for (int i = 0; i < 4; ++i) {
+      std::string* part = Part(&raw->chunk, i);
+      part->resize(in_.sizes[i]);
+      if (part->empty()) continue;
+      auto request = std::make_shared<void*>(nullptr);
+      ++raw->tags_left;
+      ++outstanding_;
+      const ucs_status_t s = StartTagRecv(
+          worker_->get(), part->data(), part->size(), ChunkTag(raw->index, i),
+          [this, raw, request](ucs_status_t st, size_t) {
+            *request = nullptr;
+            --outstanding_;
+            if (st != UCS_OK) return Break("a tagged receive failed");
+            Arrived(raw);
+          },
+          request.get());
+      if (s != UCS_INPROGRESS) {
+        --outstanding_;
+        --raw->tags_left;
+        return Break("a tagged receive failed");
+      }
+      raw->requests.push_back(std::move(request));
+    }
+    Arrived(raw);
+    ReadFrame();
+  }
+
+  void Arrived(Slot* slot) {
+    if (--slot->tags_left > 0 || broken_) return;
+    auto it = receiving_.find(slot->index);
+    if (it == receiving_.end()) return;
+    std::unique_ptr<Slot> done = std::move(it->second);
+    receiving_.erase(it);
+    done->requests.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.emplace(done->index, std::move(done));
+    }
+    cv_.notify_all();
+  }
+
+  // The apply thread: chunks in index order, each acknowledged.
+  void ApplyLoop() {
+    uint64_t next = 0;
+    bool failed = false;
+    for (;;) {
+      std::unique_ptr<Slot> slot;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || (!failed && ready_.count(next) > 0); });
+        if (stopping_) return;
+        auto it = ready_.find(next);
+        slot = std::move(it->second);
+        ready_.erase(it);
+      }
+      Ack ack;
+      ack.index = next;
+      ack.status = apply_(slot->chunk);
+      if (ack.status.ok()) {
+        chunks_.fetch_add(1, std::memory_order_relaxed);
+        bytes_.fetch_add(slot->chunk.payload_bytes(), std::memory_order_relaxed);
+      } else {
+        failed = true;  // nothing after a refusal is applied
+      }
+      ++next;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        acks_.push_back(std::move(ack));
+        free_.push_back(std::move(slot));
+      }
+      wake_.Wake();
+    }
+  }
+
+  void DeliverAcks() {
+    std::deque<Ack> acks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      acks.swap(acks_);
+    }
+    for (const Ack& a : acks) {
+      BulkFrame f;
+      f.type = kAck;
+      f.index = a.index;
+      f.code = static_cast<int32_t>(a.status.code());
+      const std::string text(a.status.message().substr(0, kMaxText));
+      f.message_bytes = static_cast<uint32_t>(text.size());
+      SendFrame(f, text);
+    }
+    if (waiting_slot_ && !broken_) OnChunkFrame();
+  }
+
+  void SendFrame(const BulkFrame& f, const std::string& text) {
+    if (ep_ == nullptr || broken_) return;
+    auto held = std::make_shared<std::string>(sizeof(f) + text.size(), '\0');
+    std::memcpy(held->data(), &f, sizeof(f));
+    std::memcpy(held->data() + sizeof(f), text.data(), text.size());
+    ++outstanding_;
+    const ucs_status_t s =
+        StartSend(ep_, held->data(), held->size(), [this, held](ucs_status_t st, size_t) {
+          --outstanding_;
+          if (st != UCS_OK) Break("send failed");
+        });
+    if (s == UCS_INPROGRESS) return;
+    --outstanding_;
+    if (s != UCS_OK) Break("send failed");
+  }
+
+  // The connection is done for: what was received and not applied is dropped.
+  void Break(const char* why) {
+    if (broken_) return;
+    broken_ = true;
+    spdlog::info("kv import over UCX: connection ended ({})", why);
+  }
+
+  void CloseConnection() {
+    for (auto& [index, slot] : receiving_) {
+      for (const std::shared_ptr<void*>& r : slot->requests) {
+        if (*r != nullptr) ucp_request_cancel(worker_->get(), *r);
+      }
+    }
+    if (ep_ != nullptr) {
+      CloseEndpoint(*worker_, ep_, absl::Now() + absl::Seconds(1));
+      ep_ = nullptr;
+    }
+    const absl::Time until = absl::Now() + absl::Seconds(2);
+    while (outstanding_ > 0 && absl::Now() < until) worker_->Progress();
+  }
+
+  void Run() {
+    absl::Time active = absl::Now();
+    for (;;) {
+      bool busy = worker_->Progress();
+      bool stop;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop = stopping_;
+        busy |= !acks_.empty();
+      }
+      if (stop) {
+        stop_seen_ = true;
+        break;
+      }
+      wake_.Drain();
+      DeliverAcks();
+      if (peer_gone_ && !broken_) Break("the sender is gone");
+      if (busy) {
+        active = absl::Now();
+        continue;
+      }
+      if (absl::Now() - active < absl::Microseconds(100)) continue;
+      worker_->Sleep(wake_.fd(), absl::Milliseconds(100));
+      active = absl::Now();
+    }
+    broken_ = true;
+    CloseConnection();
+    if (listener_ != nullptr) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    receiving_.clear();
+  }
+
+  const Apply apply_;
+  const BulkOptions options_;
+  std::unique_ptr<Worker> worker_;
+  ucp_listener_h listener_ = nullptr;
+  BulkOffer offer_;
+  WakeFd wake_;
+  std::thread progress_, applier_;
+  std::atomic<int64_t> chunks_{0}, bytes_{0};
+
+  // The progress thread's.
+  ucp_ep_h ep_ = nullptr;
+  bool connected_once_ = false;
+  bool hello_done_ = false;
+  bool reading_ = false;
+  bool waiting_slot_ = false;
+  bool broken_ = false;
+  bool stop_seen_ = false;
+  std::atomic<bool> peer_gone_{false};
+  int outstanding_ = 0;
+  BulkFrame in_;
+  std::string text_;
+  std::map<uint64_t, std::unique_ptr<Slot>> receiving_;
+
+  // Shared with the apply thread.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::deque<std::unique_ptr<Slot>> free_;
+  std::map<uint64_t, std::unique_ptr<Slot>> ready_;
+  std::deque<Ack> acks_;
+};
+
+BulkReceiver::BulkReceiver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BulkReceiver::~BulkReceiver() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<BulkReceiver>> BulkReceiver::Start(const std::string& host,
+                                                                  Apply apply,
+                                                                  const BulkOptions& options) {
+  auto impl = std::make_unique<Impl>(std::move(apply), options);
+  absl::Status init = impl->Init(host);
+  if (!init.ok()) return init;
+  return std::unique_ptr<BulkReceiver>(new BulkReceiver(std::move(impl)));
+}
+
+const BulkOffer& BulkReceiver::offer() const { return impl_->offer(); }
+void BulkReceiver::Stop() {
+  if (impl_ != nullptr) impl_->Stop();
+}
+int64_t BulkReceiver::chunks() const { return impl_->chunks(); }
+int64_t BulkReceiver::bytes() const { return impl_->bytes(); }
+
+// --- Sender ---
+
+namespace {
+
+class Sender {
+ public:
+  Sender(const BulkOptions& options, const std::atomic<bool>* cancelled)
+      : options_(options), cancelled_(cancelled) {}
+
+  ~Sender() {
+    StopProducer();
+    if (worker_ != nullptr) {
+      if (ep_ != nullptr) CloseEndpoint(*worker_, ep_, absl::Now() + absl::Seconds(1));
+      const absl::Time until = absl::Now() + absl::Seconds(2);
+      while (outstanding_ > 0 && absl::Now() < until) worker_->Progress();
+    }
+  }
+
+  absl::Status Run(const BulkOffer& offer, const NextChunk& next, BulkSendResult* result) {
+    result_ = result;
+    if (wake_.fd() < 0) return absl::InternalError("eventfd for the UCX data plane failed");
+    absl::StatusOr<std::unique_ptr<Worker>> worker = Worker::Create();
+    if (!worker.ok()) return worker.status();
+    worker_ = *std::move(worker);
+    where_ = absl::StrCat(offer.host, ":", offer.port);
+    absl::StatusOr<sockaddr_storage> address = Resolve(offer.host, offer.port, false);
+    if (!address.ok()) return address.status();
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&*address);
+    params.sockaddr.addrlen = LengthOf(*address);
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+      static_cast<Sender*>(arg)->peer_gone_ = true;
+    };
+    params.err_handler.arg = this;
+    const ucs_status_t s = ucp_ep_create(worker_->get(), &params, &ep_);
+    if (s != UCS_OK) {
+      ep_ = nullptr;
+      return StatusOf(s, absl::StrCat("UCX data plane: connect to ", where_));
+    }
+    RETURN_IF_ERROR(Hello(offer.ticket));
+    for (int i = 0; i < std::max(options_.window, 1); ++i) {
+      free_.push_back(std::make_unique<Slot>());
+    }
+    producer_ = std::thread([this, &next] { Produce(next); });
+    ReadAck();
+    return Loop();
+  }
+
+ private:
+  struct Slot {
+    KvTransferChunk chunk;
+    BulkFrame frame;
+    int sends_left = 0;
+    bool acked = false;
+  };
+
+  absl::Status Hello(const std::string& ticket) {
+    const absl::Time deadline = absl::Now() + options_.timeout;
+    BulkFrame hello;
+    hello.type = kHello;
+    hello.message_bytes = static_cast<uint32_t>(ticket.size());
+    std::string bytes(sizeof(hello) + ticket.size(), '\0');
+    std::memcpy(bytes.data(), &hello, sizeof(hello));
+    std::memcpy(bytes.data() + sizeof(hello), ticket.data(), ticket.size());
+    RETURN_IF_ERROR(Wrap(SendAll(*worker_, ep_, bytes.data(), bytes.size(), deadline)));
+    BulkFrame reply;
+    RETURN_IF_ERROR(Wrap(RecvAll(*worker_, ep_, &reply, sizeof(reply), deadline)));
+    if (reply.magic != kBulkMagic || reply.type != kHelloReply || reply.message_bytes > kMaxText) {
+      return absl::InternalError(absl::StrCat("UCX data plane at ", where_, ": a bad hello reply"));
+    }
+    std::string text(reply.message_bytes, '\0');
+    RETURN_IF_ERROR(Wrap(RecvAll(*worker_, ep_, text.data(), text.size(), deadline)));
+    return StatusOfReply(reply, text);
+  }
+
+  absl::Status Wrap(const absl::Status& s) const {
+    if (s.ok()) return s;
+    return absl::Status(s.code(), absl::StrCat("UCX data plane at ", where_, ": ", s.message()));
+  }
+
+  // The producer thread: reads chunks (the pages' copies) ahead of the sends.
+  void Produce(const NextChunk& next) {
+    for (;;) {
+      std::unique_ptr<Slot> slot;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !free_.empty(); });
+        if (stop_) return;
+        slot = std::move(free_.front());
+        free_.pop_front();
+      }
+      absl::StatusOr<bool> more = next(&slot->chunk);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!more.ok() || !*more) {
+          produced_all_ = true;
+          produce_status_ = more.status();
+        } else {
+          produced_.push_back(std::move(slot));
+        }
+      }
+      wake_.Wake();
+      if (!more.ok() || !*more) return;
+    }
+  }
+
+  void StopProducer() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (producer_.joinable()) producer_.join();
+  }
+
+  void SendChunk(std::unique_ptr<Slot> slot) {
+    Slot* s = slot.get();
+    const KvTransferChunk& c = s->chunk;
+    BulkFrame& f = s->frame;
+    f = BulkFrame();
+    f.type = kChunk;
+    f.flags = c.sequence_end ? kSequenceEnd : 0;
+    f.index = next_index_++;
+    f.sequence_id = c.sequence_id;
+    f.layer = c.layer;
+    f.token_begin = c.token_begin;
+    f.num_tokens = c.num_tokens;
+    f.crc32c = c.crc32c;
+    for (int i = 0; i < 4; ++i) {
+      f.sizes[i] = static_cast<uint32_t>(Part(const_cast<KvTransferChunk*>(&c), i)->size());
+    }
+    s->sends_left = 0;
+    s->acked = false;
+    in_flight_.emplace(f.index, std::move(slot));
+    auto done = [this, s](ucs_status_t st, size_t) {
+      --outstanding_;
+      --s->sends_left;
+      if (st != UCS_OK) failure_ = st;
+      MaybeFree(s->frame.index);
+    };
+    auto start = [&](ucs_status_t started) {
+      if (started == UCS_INPROGRESS) {
+        ++outstanding_;
+        ++s->sends_left;
+      } else if (started != UCS_OK) {
+        failure_ = started;
+      }
+    };
+    start(StartSend(ep_, &f, sizeof(f), done));
+    for (int i = 0; i < 4; ++i) {
+      const std::string* part = Part(&s->chunk, i);
+      if (part->empty()) continue;
+      start(StartTagSend(ep_, part->data(), part->size(), ChunkTag(f.index, i), done));
+    }
+  }
+
+  // A chunk's slot goes back to the producer once it is sent and acknowledged.
+  void MaybeFree(uint64_t index) {
+    auto it = in_flight_.find(index);
+    if (it == in_flight_.end() || it->second->sends_left > 0 || !it->second->acked) return;
+    std::unique_ptr<Slot> slot = std::move(it->second);
+    in_flight_.erase(it);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(std::move(slot));
+    }
+    cv_.notify_all();
+  }
+
+  // Acks are read one after another for as long as the connection lives.
+  void ReadAck() {
+    ++outstanding_;
+    const ucs_status_t s = StartRecv(ep_, &ack_, sizeof(ack_), [this](ucs_status_t st, size_t) {
+      --outstanding_;
+      if (st != UCS_OK) {
+        failure_ = st;
+        return;
+      }
+      OnAckFrame();
+    });
+    if (s == UCS_INPROGRESS) return;
+    --outstanding_;
+    if (s != UCS_OK) {
+      failure_ = s;
+      return;
+    }
+    OnAckFrame();
+  }
+
+  void OnAckFrame() {
+    if (ack_.magic != kBulkMagic || ack_.type != kAck || ack_.message_bytes > kMaxText) {
+      error_ = absl::InternalError(absl::StrCat("UCX data plane at ", where_, ": a bad ack"));
+      return;
+    }
+    ack_text_.assign(ack_.message_bytes, '\0');
+    if (ack_text_.empty()) return OnAck();
+    ++outstanding_;
+    const ucs_status_t s =
+        StartRecv(ep_, ack_text_.data(), ack_text_.size(), [this](ucs_status_t st, size_t) {
+          --outstanding_;
+          if (st != UCS_OK) {
+            failure_ = st;
+            return;
+          }
+          OnAck();
+        });
+    if (s == UCS_INPROGRESS) return;
+    --outstanding_;
+    if (s != UCS_OK) {
+      failure_ = s;
+      return;
+    }
+    OnAck();
+  }
+
+  void OnAck() {
+    last_ack_ = absl::Now();
+    if (ack_.code != 0) {
+      error_ = StatusOfReply(ack_, ack_text_);
+      return;
+    }
+    auto it = in_flight_.find(ack_.index);
+    if (it == in_flight_.end()) {
+      error_ = absl::InternalError(absl::StrCat("UCX data plane at ", where_, ": an ack of chunk ",
+                                                ack_.index, ", which is not in flight"));
+      return;
+    }
+    it->second->acked = true;
+    if (result_ != nullptr) {
+      ++result_->chunks;
+      result_->bytes += it->second->chunk.payload_bytes();
+    }
+    MaybeFree(ack_.index);
+    ReadAck();
+  }
+
+  absl::Status Loop() {
+    absl::Time active = absl::Now();
+    last_ack_ = active;
+    for (;;) {
+      bool busy = worker_->Progress();
+      if (!error_.ok()) return error_;
+      if (failure_ != UCS_OK || peer_gone_) {
+        return absl::UnavailableError(absl::StrCat(
+            "UCX data plane at ", where_, ": the connection broke (",
+            ucs_status_string(failure_ != UCS_OK ? failure_ : UCS_ERR_CONNECTION_RESET), ")"));
+      }
+      if (cancelled_ != nullptr && cancelled_->load(std::memory_order_acquire)) {
+        return absl::CancelledError("the export was cancelled");
+      }
+      std::deque<std::unique_ptr<Slot>> produced;
+      bool all = false;
+      absl::Status produce_status;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        produced.swap(produced_);
+        all = produced_all_;
+        produce_status = produce_status_;
+      }
+      wake_.Drain();
+      for (auto& slot : produced) SendChunk(std::move(slot));
+      busy |= !produced.empty();
+      if (all && produced.empty() && in_flight_.empty()) return produce_status;
+      if (all && !produce_status.ok()) return produce_status;
+      const absl::Time now = absl::Now();
+      if (!in_flight_.empty() && now - last_ack_ > options_.timeout) {
+        return absl::DeadlineExceededError(absl::StrCat("UCX data plane at ", where_,
+                                                        ": no acknowledgement in ",
+                                                        absl::FormatDuration(options_.timeout)));
+      }
+      if (busy) {
+        active = now;
+        continue;
+      }
+      if (now - active < absl::Microseconds(100)) continue;
+      worker_->Sleep(wake_.fd(), absl::Milliseconds(20));
+      active = absl::Now();
+    }
+  }
+
+  const BulkOptions options_;
+  const std::atomic<bool>* const cancelled_;
+  BulkSendResult* result_ = nullptr;
+  std::unique_ptr<Worker> worker_;
+  ucp_ep_h ep_ = nullptr;
+  std::string where_;
+  WakeFd wake_;
+  std::thread producer_;
+
+  // The UCX thread's.
+  std::atomic<bool> peer_gone_{false};
+  ucs_status_t failure_ = UCS_OK;
+  absl::Status error_;
+  int outstanding_ = 0;
+  uint64_t next_index_ = 0;
+  std::map<uint64_t, std::unique_ptr<Slot>> in_flight_;
+  BulkFrame ack_;
+  std::string ack_text_;
+  absl::Time last_ack_;
+
+  // Shared with the producer.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool produced_all_ = false;
+  absl::Status produce_status_;
+  std::deque<std::unique_ptr<Slot>> free_;
+  std::deque<std::unique_ptr<Slot>> produced_;
+};
+
+}  // namespace
+
+absl::Status SendChunks(const BulkOffer& offer, const NextChunk& next, const BulkOptions& options,
+                        const std::atomic<bool>* cancelled, BulkSendResult* result) {
+  Sender sender(options, cancelled);
+  return sender.Run(offer, next, result);
+}
+
+}  // namespace ucx
+}  // namespace attnserve

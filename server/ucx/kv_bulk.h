@@ -1,0 +1,101 @@
+// Bulk K/V page transfer over UCX (docs/kv-transfer.md, "Over UCX"): the
+// data plane of a KvTransfer whose chunks do not ride the gRPC stream. The
+// importing server starts a BulkReceiver for its import session (its own UCX
+// worker and listener on an ephemeral port, one connection at a time); the
+// exporting server's SendChunks connects there with the ticket the import
+// answered and sends every chunk as a small header on the UCX stream and its
+// k, v (and FP8 scales) as tagged messages, which UCX moves by rendezvous
+// (one transfer between the two buffers where the transport allows). Many
+// chunks are in flight at once; on each side a thread of its own reads the
+// pages (D2H) or writes them (H2D) while the UCX thread moves the next ones.
+// The receiver applies chunks in order and acknowledges each with its status;
+// the first refusal stops the sender with that status (same codes and
+// messages as the gRPC import). Protocol-free of gRPC: the service drives it.
+//
+// Wire (little-endian): every message on the stream is a 64-byte BulkFrame,
+// then `message_bytes` of text (a hello's ticket, a refusal's message).
+// Types: 1 hello (sender first), 2 hello reply, 3 chunk (its payloads follow
+// as tagged messages ChunkTag(index, i)), 4 ack (the chunk's status).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/kv/kv_transfer.h"
+
+namespace attnserve {
+namespace ucx {
+
+// Whether this server was built with UCX (the data plane can be offered).
+bool BulkBuilt();
+
+// Where a receiver takes chunks (KvDataPlane on the wire).
+struct BulkOffer {
+  std::string host;
+  int port = 0;
+  std::string ticket;
+};
+
+struct BulkOptions {
+  // Chunks in flight (sent and not yet acknowledged): the sender's window
+  // and the receiver's staging slots.
+  int window = 8;
+  // A chunk's payload above this is refused before it is received.
+  int64_t max_chunk_bytes = int64_t{256} << 20;
+  // Connect, hello and one ack: a peer silent this long is gone.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+// The receiving side of one import stream. `apply` keeps one chunk (the
+// import session's Accept), called in order on the receiver's apply thread;
+// its error is sent back to the sender and nothing after it is applied.
+class BulkReceiver {
+ public:
+  using Apply = std::function<absl::Status(const KvTransferChunk& chunk)>;
+  static absl::StatusOr<std::unique_ptr<BulkReceiver>> Start(const std::string& host, Apply apply,
+                                                             const BulkOptions& options = {});
+  ~BulkReceiver();  // Stop()
+  BulkReceiver(const BulkReceiver&) = delete;
+  BulkReceiver& operator=(const BulkReceiver&) = delete;
+
+  const BulkOffer& offer() const;
+  // Stops taking chunks: the one being applied finishes, the ones received
+  // and not applied are dropped (a resume sends them again), the connection
+  // closes. Safe twice.
+  void Stop();
+  // Chunks and payload bytes applied so far.
+  int64_t chunks() const;
+  int64_t bytes() const;
+
+  class Impl;
+
+ private:
+  explicit BulkReceiver(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct BulkSendResult {
+  int64_t chunks = 0;  // acknowledged by the receiver
+  int64_t bytes = 0;   // their payload bytes
+};
+
+// Fills `chunk` (its buffers reused) with the next chunk; false at the end.
+using NextChunk = std::function<absl::StatusOr<bool>(KvTransferChunk* chunk)>;
+
+// Connects to `offer` and sends every chunk `next` gives, `options.window`
+// in flight, `next` running on a thread of its own ahead of the sends.
+// Returns once the receiver has acknowledged every chunk, or the first
+// error: the receiver's refusal (its code and message), UNAVAILABLE for a
+// broken connection, CANCELLED once `*cancelled` is set. `result` (may be
+// null) counts what was acknowledged either way.
+absl::Status SendChunks(const BulkOffer& offer, const NextChunk& next, const BulkOptions& options,
+                        const std::atomic<bool>* cancelled, BulkSendResult* result);
+
+}  // namespace ucx
+}  // namespace attnserve
