@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (tid == 0) lse_row = lse;
   }
   __syncthreads();
-  // D <= 256 is at most 64 float4 chunks, so one pass covers the row.
-  const int chunks = p.head_dim / 4;
+  // Dv <= 256 is at most 64 float4 chunks, so one pass covers the row.
+  const int dv = HeadDimV(p);
+  const int chunks = dv / 4;
   if (p.batch_invariant) {
     // split_combine.cuh's order for these launches: each output summed over
     // its splits one after another (fmaf, split order), so this combine and
@@ -77,13 +78,13 @@ __global__ void __launch_bounds__(kCombineThreads)
         const float w = weight[s];
         if (w == 0.f) continue;  // an empty split (as split_combine.cuh)
         const float4 x =
-            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * tid);
+            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * dv + 4 * tid);
         acc.x = fmaf(w, x.x, acc.x);
         acc.y = fmaf(w, x.y, acc.y);
         acc.z = fmaf(w, x.z, acc.z);
         acc.w = fmaf(w, x.w, acc.w);
       }
-      T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * tid;
+      T* out = static_cast<T*>(p.o) + OOffset(p, row, h) + 4 * tid;
       out[0] = T(acc.x);
       out[1] = T(acc.y);
       out[2] = T(acc.z);
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         const float w = weight[s];
         if (w == 0.f) continue;
         const float4 x =
-            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * p.head_dim + 4 * c);
+            *reinterpret_cast<const float4*>(o_accum + (s * stride + idx) * dv + 4 * c);
         acc.x += w * x.x;
         acc.y += w * x.y;
         acc.z += w * x.z;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         acc.z += x.z;
         acc.w += x.w;
       }
-      T* out = static_cast<T*>(p.o) + QOffset(p, row, h) + 4 * c;
+      T* out = static_cast<T*>(p.o) + OOffset(p, row, h) + 4 * c;
       out[0] = T(acc.x);
       out[1] = T(acc.y);
       out[2] = T(acc.z);
@@ -179,7 +180,7 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   l.o_accum = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes +
                                                ModsPrefixBytes(dev))
                     : nullptr;
-  l.lse_accum = split ? l.o_accum + partial_rows * dev.head_dim : nullptr;
+  l.lse_accum = split ? l.o_accum + partial_rows * HeadDimV(dev) : nullptr;
   // Decode tiles combine in the forward kernel (FinishSplit): never slower
   // than the combine kernel on the decode grid. It takes one ticket counter
   // per group: a batch-invariant launch with more groups than the counter

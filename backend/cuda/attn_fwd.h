@@ -20,7 +20,7 @@ namespace cuda {
 struct FwdLaunch {
   AttnParams p;
   int num_splits;      // 1: write p.o / p.lse; > 1: write the fp32 partials below
-  float* o_accum;      // [num_splits, Hq, total_q, D], each split normalised by its own sum
+  float* o_accum;      // [num_splits, Hq, total_q, Dv], each split normalised by its own sum
   float* lse_accum;    // [num_splits, Hq, total_q], natural log; -inf for an empty split
   int* split_tickets;  // one counter per tile group, zero at rest (attn_fwd_plan.h)
   int* item_counters;  // Hopper kPersistentDynamic: [next item, CTAs done], zero at rest
@@ -71,6 +71,11 @@ cudaError_t LaunchForwardFp32(const AttnParams& dev, cudaStream_t stream);
 // sliding-window band (IsBanded).
 template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream);
+// ... for calls whose V and O head dim (HeadDimV) differs from Q's and K's
+// (MLA shapes): Q K^T over kHeadDim, P V and O over kHeadDimV < kHeadDim,
+// each zero-padded; the request's K/V tensors only.
+template <int kHeadDim, int kHeadDimV, typename T, bool kIsBanded>
+cudaError_t RunAttnFwdDv(const FwdLaunch& launch, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/kv_rows.cuh"
@@ -277,13 +278,26 @@ __device__ __forceinline__ void AddSinks(float (&acc_o)[kMTiles][kDTiles][4],
     }
 }
 
+// O's head dim and the element offset of (row, head) in o. kDistinctV: a
+// kernel whose V and O rows have their own head dim (MLA shapes, HeadDimV);
+// the other kernels keep reading head_dim, as before the value dim existed.
+template <bool kDistinctV>
+__device__ __forceinline__ int OutDim(const AttnParams& p) {
+  return kDistinctV ? HeadDimV(p) : p.head_dim;
+}
+template <bool kDistinctV>
+__device__ __forceinline__ int64_t OutOffset(const AttnParams& p, int64_t row, int head) {
+  return kDistinctV ? OOffset(p, row, head) : QOffset(p, row, head);
+}
+
 // Epilogue of a CTA whose key range is empty (fully masked rows, Sk = 0, or an
 // empty split): O = 0 and LSE = -inf (a mods kernel's unsplit row with
 // sinks: its sink), written directly.
-template <typename T, int kBlockM, int kThreads, bool kMods = false>
+template <typename T, int kBlockM, int kThreads, bool kMods = false, bool kDistinctV = false>
 __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRows& qr, int b,
                                                int split, int m0, int rows, int tid) {
   const AttnParams& p = L.p;
+  const int dv = OutDim<kDistinctV>(p);
   for (int idx = tid; idx < kBlockM; idx += kThreads) {
     const int m = m0 + idx;
     if (m >= rows) break;
@@ -291,11 +305,11 @@ __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRo
     const int64_t row = qr.Row(m, &h);
     if (L.num_splits > 1) {
       const int64_t acc = PartialIndex(p, split, h, row);
-      for (int d = 0; d < p.head_dim; ++d) L.o_accum[acc * p.head_dim + d] = 0.f;
+      for (int d = 0; d < dv; ++d) L.o_accum[acc * dv + d] = 0.f;
       L.lse_accum[acc] = -INFINITY;
     } else {
-      T* o = static_cast<T*>(p.o) + QOffset(p, row, h);
-      for (int d = 0; d < p.head_dim; ++d) o[d] = T(0.f);
+      T* o = static_cast<T*>(p.o) + OutOffset<kDistinctV>(p, row, h);
+      for (int d = 0; d < dv; ++d) o[d] = T(0.f);
       if (p.lse != nullptr) {
         p.lse[LseOffset(p, b, h, m / qr.G)] = kMods && p.sinks != nullptr ? p.sinks[h] : -INFINITY;
       }
@@ -306,13 +320,14 @@ __device__ __forceinline__ void StoreEmptyRows(const FwdLaunch& L, const QueryRo
 // Split epilogue: fp32 partials (each normalised by its own sum) and LSE
 // straight from the fragments (decode-sized outputs); the group's last CTA
 // (FinishSplit) or the combine kernel merges the splits.
-template <int kMTiles, int kDTiles>
+template <int kMTiles, int kDTiles, bool kDistinctV = false>
 __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const QueryRows& qr,
                                                    int split,
                                                    const float (&acc_o)[kMTiles][kDTiles][4],
                                                    const float (&lse)[kMTiles * 2], int row0,
                                                    int rows, int quad) {
   const AttnParams& p = L.p;
+  const int dv = OutDim<kDistinctV>(p);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -322,11 +337,11 @@ __device__ __forceinline__ void StoreSplitPartials(const FwdLaunch& L, const Que
       int h;
       const int64_t row = qr.Row(m, &h);
       const int64_t acc = PartialIndex(p, split, h, row);
-      float* dst = L.o_accum + acc * p.head_dim;
+      float* dst = L.o_accum + acc * dv;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int d = dt * 8 + quad * 2;
-        if (d < p.head_dim) {
+        if (d < dv) {
           *reinterpret_cast<float2*>(dst + d) =
               make_float2(acc_o[mt][dt][half * 2], acc_o[mt][dt][half * 2 + 1]);
         }
@@ -369,14 +384,15 @@ __device__ __forceinline__ void FinishSplit(const FwdLaunch& L, const QueryRows&
 // other warp reads them any more), then write 16-byte chunks coalesced along
 // D, and LSE. The first __syncwarp orders the warp's last ldmatrix reads of
 // these rows before the writes (racecheck flagged it with 2 stages, where no
-// CTA barrier follows the last Q.K^T).
-template <typename T, int kMTiles, int kDTiles, int kStride, int kChunks>
+// CTA barrier follows the last Q.K^T). kChunks: 16-byte chunks of an O row
+// (kDTiles of them); sQ's rows are at least that wide.
+template <typename T, int kMTiles, int kDTiles, int kStride, int kChunks, bool kDistinctV = false>
 __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows& qr, int b,
                                             const float (&acc_o)[kMTiles][kDTiles][4],
                                             const float (&lse)[kMTiles * 2], T* sQ, int m0,
                                             int warp_row0, int rows, int lane) {
   const int group = lane / 4, quad = lane % 4;
-  const int d_chunks = p.head_dim / 8;
+  const int d_chunks = OutDim<kDistinctV>(p) / 8;
   __syncwarp();
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -396,7 +412,7 @@ __device__ __forceinline__ void StoreOutput(const AttnParams& p, const QueryRows
     if (m >= rows || c >= d_chunks) continue;
     int h;
     const int64_t row = qr.Row(m, &h);
-    *reinterpret_cast<uint4*>(o_ptr + QOffset(p, row, h) + c * 8) =
+    *reinterpret_cast<uint4*>(o_ptr + OutOffset<kDistinctV>(p, row, h) + c * 8) =
         *reinterpret_cast<const uint4*>(sQ + (warp_row0 + rr) * kStride + c * 8);
   }
   if (p.lse != nullptr && quad == 0) {
@@ -639,6 +655,35 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
 
 }  // namespace detail
 
+// K/V rows of sequence b in the request's own tensors when V's head dim
+// differs from K's (MLA shapes, HeadDimV): kv_rows.cuh's ContiguousRows with
+// V rows of Dv elements. Kept apart so the kernels of equal dims are
+// unchanged.
+template <typename T>
+struct ContiguousRowsDv {
+  using Launch = FwdLaunch;
+  static constexpr bool kPaged = false;
+
+  __host__ __device__ __forceinline__ static const FwdLaunch& Fwd(const Launch& l) { return l; }
+  __device__ __forceinline__ static int SeqLen(const Launch& l, int b) { return SeqLenK(l.p, b); }
+
+  __device__ __forceinline__ ContiguousRowsDv(const Launch& l, int b, int kv_head)
+      : k(static_cast<const T*>(l.p.k) + KVOffset(l.p, SeqStartK(l.p, b), kv_head)),
+        v(static_cast<const T*>(l.p.v) + VOffset(l.p, SeqStartK(l.p, b), kv_head)),
+        stride(int64_t{l.p.num_heads_kv} * l.p.head_dim),
+        v_stride(int64_t{l.p.num_heads_kv} * HeadDimV(l.p)) {}
+
+  // Row j of K (kv = 0) or V (kv = 1), element 0 of this kv head.
+  __device__ __forceinline__ const T* Row(int kv, int j) const {
+    return kv ? v + j * v_stride : k + j * stride;
+  }
+
+  const T* k;
+  const T* v;
+  int64_t stride;    // elements between consecutive K rows
+  int64_t v_stride;  // ... and V rows
+};
+
 // The kernel body. kHeadDim: instantiated head dim (params.head_dim <=
 // kHeadDim, zero-padded). kIsBanded: banded mask policy (MaskPolicy<true>):
 // tiles outside the band are skipped and band-boundary tiles masked; without
@@ -649,13 +694,21 @@ __device__ __forceinline__ void FinishDecodeTile(const FwdLaunch& L, const Query
 // score_log2 is 1), else the band's tiles are masked as without mods; unsplit
 // rows fold in their sinks (AddSinks). Rows: where K/V rows are read from
 // (kv_rows.cuh: ContiguousRows for the request's tensors, PagedRows for a
-// cache's pages); Rows::Launch is the kernel's argument.
+// cache's pages); Rows::Launch is the kernel's argument. kHeadDimV: V's and
+// O's head dim when it differs (MLA shapes: Q K^T over kHeadDim, P V and O
+// over kHeadDimV <= kHeadDim, params' HeadDimV zero-padded to it; Rows is
+// then ContiguousRowsDv). V tiles keep K's smem row pitch, their columns
+// past HeadDimV zero-filled, and only the first kHeadDimV are read.
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
-          bool kIsBanded, typename Rows, bool kMods = false>
+          bool kIsBanded, typename Rows, bool kMods = false, int kHeadDimV = kHeadDim>
 __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch) {
   using namespace detail;
   using Mask = MaskPolicy<kIsBanded>;
   static_assert(!kMods || kIsBanded, "mods run the banded mask policy");
+  constexpr bool kDistinctV = kHeadDimV != kHeadDim;
+  static_assert(!kDistinctV || (kHeadDimV < kHeadDim && kHeadDimV % 16 == 0 &&
+                                std::is_same<Rows, ContiguousRowsDv<T>>::value && kBlockM != 16),
+                "a distinct value dim: narrower than Q's, the request's tensors, no decode tile");
   constexpr int kThreads = kNWarps * 32;
   // m16 tiles per warp. A 16-row (decode) tile splits the keys instead: all
   // warps hold the same 16 rows, warp w < kComputeWarps computes keys
@@ -675,9 +728,9 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   static_assert(!kKeySplit || (kComputeWarps - 1) * (kHeadDim / 2 + 4) * 32 * 4 <=
                                   kStages * kBlockN * (kHeadDim + 8) * 2,
                 "the warps' states must fit the K buffers they are merged through");
-  constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  constexpr int kStride = kHeadDim + 8;  // smem row pitch (elements), +16 B pad
+  constexpr int kDTiles = kHeadDimV / 8;  // n8 tiles of O
+  constexpr int kChunks = kHeadDim / 8;   // 16-byte chunks per row
+  constexpr int kStride = kHeadDim + 8;   // smem row pitch (elements), +16 B pad
   static_assert(
       (kBlockM % (16 * kNWarps) == 0 || kBlockM == 16) && kHeadDim % 16 == 0 && kBlockN % 16 == 0,
       "tile shape");
@@ -739,7 +792,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   };
 
   if (u_begin >= u_end) {
-    StoreEmptyRows<T, kBlockM, kThreads, kMods>(L, qr, b, split, m0, rows, tid);
+    StoreEmptyRows<T, kBlockM, kThreads, kMods, kDistinctV>(L, qr, b, split, m0, rows, tid);
     if (fused) finish();
     return;
   }
@@ -748,6 +801,8 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const T* q_ptr = static_cast<const T*>(p.q);
   const Rows kv(launch, b, kv_head);
   const int d_chunks = p.head_dim / 8;
+  // V's 16-byte chunks per row (its tile's columns past them zero-filled).
+  const int dv_chunks = kDistinctV ? HeadDimV(p) / 8 : d_chunks;
 
   auto load_q = [&]() {
     for (int idx = tid; idx < kBlockM * kChunks; idx += kThreads) {
@@ -780,6 +835,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
   const bool ld_c_ok = ld_c < d_chunks;
   // which: 0 = K, 1 = V.
   auto load_kv = [&](T* dst, int which, int n) {
+    [[maybe_unused]] const int row_chunks = kDistinctV && which ? dv_chunks : d_chunks;
     if constexpr (kRowSteps && Rows::kPaged) {
       const int j0 = n * kBlockN + ld_r * kRowsPerThread;
       const T* src = kv.Row(which, min(j0, sk - 1)) + ld_c * 8;
@@ -794,12 +850,18 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     } else if constexpr (kRowSteps) {
       const T* base = kv.Row(which, 0);
       const int j0 = n * kBlockN + ld_r;
-      const T* src = base + int64_t{j0} * kv.stride + ld_c * 8;
+      int64_t row_stride = kv.stride;
+      bool c_ok = ld_c_ok;
+      if constexpr (kDistinctV) {
+        row_stride = which ? kv.v_stride : kv.stride;
+        c_ok = ld_c < row_chunks;
+      }
+      const T* src = base + int64_t{j0} * row_stride + ld_c * 8;
       T* d = dst + ld_r * kStride + ld_c * 8;
-      const int64_t step = kRowsPerIt * kv.stride;
+      const int64_t step = kRowsPerIt * row_stride;
 #pragma unroll
       for (int it = 0; it < kRowsPerThread; ++it) {
-        const bool ok = ld_c_ok && j0 + it * kRowsPerIt < sk;
+        const bool ok = c_ok && j0 + it * kRowsPerIt < sk;
         CpAsync16(d + it * kRowsPerIt * kStride, ok ? src : base, ok);
         src += step;
       }
@@ -809,7 +871,7 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
         const int idx = tid + it * kThreads;
         const int r = idx / kChunks, c = idx % kChunks;
         const int j = n * kBlockN + r;
-        const bool ok = idx < kBlockN * kChunks && j < sk && c < d_chunks;
+        const bool ok = idx < kBlockN * kChunks && j < sk && c < row_chunks;
         const T* src = ok ? kv.Row(which, j) + c * 8 : q_ptr;
         if (idx < kBlockN * kChunks) CpAsync16(dst + r * kStride + c * 8, src, ok);
       }
@@ -948,10 +1010,10 @@ __device__ __forceinline__ void AttnFwdBody(const typename Rows::Launch& launch)
     }
     NormalizeRows(acc_o, row_max, row_sum, score_log2, lse);
     if (splits > 1) {
-      StoreSplitPartials(L, qr, split, acc_o, lse, row0, rows, quad);
+      StoreSplitPartials<kMTiles, kDTiles, kDistinctV>(L, qr, split, acc_o, lse, row0, rows, quad);
     } else {
-      StoreOutput<T, kMTiles, kDTiles, kStride, kChunks>(p, qr, b, acc_o, lse, sQ, m0, warp_row0,
-                                                         rows, lane);
+      StoreOutput<T, kMTiles, kDTiles, kStride, kHeadDimV / 8, kDistinctV>(
+          p, qr, b, acc_o, lse, sQ, m0, warp_row0, rows, lane);
     }
   }
 }
@@ -966,6 +1028,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kBlockM == 16 ? 3 : 1)
     AttnFwdKernel(const FwdLaunch L) {
   AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRows<T>, kMods>(
       L);
+}
+// ... with V and O rows of kHeadDimV (MLA shapes).
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
+          typename T, bool kIsBanded, bool kMods = false>
+__global__ void __launch_bounds__(kNWarps * 32, 1) AttnFwdKernelDv(const FwdLaunch L) {
+  AttnFwdBody<kHeadDim, kBlockM, kBlockN, kNWarps, kStages, T, kIsBanded, ContiguousRowsDv<T>,
+              kMods, kHeadDimV>(L);
 }
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, typename T,
           bool kIsBanded, bool kMods = false>
@@ -999,8 +1068,9 @@ cudaError_t LaunchTileKernel(Kernel kernel, const TileConfig& tile, int smem, co
 // The mods kernel (kMods, banded policy) of `kKind`'s tile for either row
 // source. Score modifiers and masks run in the banded instantiation only
 // (PlanForward marks such calls banded); on pages only ALiBi and sinks
-// (CanImplementPaged refuses the other mods).
-template <int kHeadDim, typename T, TileKind kKind, typename Rows>
+// (CanImplementPaged refuses the other mods). kHeadDimV != kHeadDim: the
+// MLA-shape kernel on kHeadDim's tile (the request's tensors only).
+template <int kHeadDim, typename T, TileKind kKind, typename Rows, int kHeadDimV = kHeadDim>
 cudaError_t RunAttnFwdModsTile(const typename Rows::Launch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
@@ -1008,6 +1078,10 @@ cudaError_t RunAttnFwdModsTile(const typename Rows::Launch& launch, cudaStream_t
     return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
                                                kTile.num_warps, kTile.stages, T, true, true>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+  } else if constexpr (kHeadDimV != kHeadDim) {
+    return LaunchTileKernel(AttnFwdKernelDv<kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n,
+                                            kTile.num_warps, kTile.stages, T, true, true>,
+                            kTile, SmemBytes(kTile), launch, launch, stream);
   } else {
     return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
                                           kTile.stages, T, true, true>,
@@ -1015,19 +1089,24 @@ cudaError_t RunAttnFwdModsTile(const typename Rows::Launch& launch, cudaStream_t
   }
 }
 
-template <int kHeadDim, typename T, bool kIsBanded, TileKind kKind, typename Rows>
+template <int kHeadDim, typename T, bool kIsBanded, TileKind kKind, typename Rows,
+          int kHeadDimV = kHeadDim>
 cudaError_t RunAttnFwdTile(const typename Rows::Launch& launch, cudaStream_t stream) {
   constexpr TileConfig kTile = TileFor(kKind, kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from the tile table");
   if constexpr (kIsBanded) {
     if (HasScoreMods(Rows::Fwd(launch).p)) {
-      return RunAttnFwdModsTile<kHeadDim, T, kKind, Rows>(launch, stream);
+      return RunAttnFwdModsTile<kHeadDim, T, kKind, Rows, kHeadDimV>(launch, stream);
     }
   }
   if constexpr (Rows::kPaged) {
     return LaunchTileKernel(PagedAttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n,
                                                kTile.num_warps, kTile.stages, T, kIsBanded>,
                             kTile, SmemBytes(kTile), Rows::Fwd(launch), launch, stream);
+  } else if constexpr (kHeadDimV != kHeadDim) {
+    return LaunchTileKernel(AttnFwdKernelDv<kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n,
+                                            kTile.num_warps, kTile.stages, T, kIsBanded>,
+                            kTile, SmemBytes(kTile), launch, launch, stream);
   } else {
     return LaunchTileKernel(AttnFwdKernel<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps,
                                           kTile.stages, T, kIsBanded>,
@@ -1041,18 +1120,20 @@ constexpr bool HasTile(TileKind kind) {
   return TileFor(kind, kHeadDim).head_dim == kHeadDim;
 }
 
-// Picks the tile the plan chose (FwdLaunch::tile_kind) for either row source.
-template <int kHeadDim, typename T, bool kIsBanded, typename Rows>
+// Picks the tile the plan chose (FwdLaunch::tile_kind) for either row source
+// (kHeadDimV != kHeadDim: never the decode tile; PlanForward gives such calls none).
+template <int kHeadDim, typename T, bool kIsBanded, typename Rows, int kHeadDimV = kHeadDim>
 cudaError_t RunAttnFwdRows(const typename Rows::Launch& launch, cudaStream_t stream) {
   const TileKind tile_kind = Rows::Fwd(launch).tile_kind;
-  if constexpr (HasTile<kHeadDim>(TileKind::kDecode)) {
+  if constexpr (kHeadDimV == kHeadDim && HasTile<kHeadDim>(TileKind::kDecode)) {
     if (tile_kind == TileKind::kDecode) {
       return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kDecode, Rows>(launch, stream);
     }
   }
   if constexpr (kIsBanded && HasTile<kHeadDim>(TileKind::kBanded)) {
     if (tile_kind == TileKind::kBanded) {
-      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kBanded, Rows>(launch, stream);
+      return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kBanded, Rows, kHeadDimV>(launch,
+                                                                                        stream);
     }
   }
   if (tile_kind != TileKind::kPrefill) return cudaErrorInvalidValue;
@@ -1061,9 +1142,10 @@ cudaError_t RunAttnFwdRows(const typename Rows::Launch& launch, cudaStream_t str
     // the prefill tile (its mods kernel only: no plain banded kernel on it).
     const AttnParams& p = Rows::Fwd(launch).p;
     if (IsBanded(p) || !HasScoreMods(p)) return cudaErrorInvalidValue;
-    return RunAttnFwdModsTile<kHeadDim, T, TileKind::kPrefill, Rows>(launch, stream);
+    return RunAttnFwdModsTile<kHeadDim, T, TileKind::kPrefill, Rows, kHeadDimV>(launch, stream);
   } else {
-    return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kPrefill, Rows>(launch, stream);
+    return RunAttnFwdTile<kHeadDim, T, kIsBanded, TileKind::kPrefill, Rows, kHeadDimV>(launch,
+                                                                                       stream);
   }
 }
 
@@ -1075,6 +1157,12 @@ cudaError_t RunAttnFwd(const FwdLaunch& launch, cudaStream_t stream) {
 template <int kHeadDim, typename T, bool kIsBanded>
 cudaError_t RunAttnFwd(const PagedFwdLaunch& launch, cudaStream_t stream) {
   return RunAttnFwdRows<kHeadDim, T, kIsBanded, PagedRows<T>>(launch, stream);
+}
+
+template <int kHeadDim, int kHeadDimV, typename T, bool kIsBanded>
+cudaError_t RunAttnFwdDv(const FwdLaunch& launch, cudaStream_t stream) {
+  static_assert(kHeadDimV != kHeadDim, "equal dims run RunAttnFwd");
+  return RunAttnFwdRows<kHeadDim, T, kIsBanded, ContiguousRowsDv<T>, kHeadDimV>(launch, stream);
 }
 
 }  // namespace cuda

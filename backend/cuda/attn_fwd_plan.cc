@@ -176,10 +176,18 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   }
   const AttnParams& p = params;
   Plan plan;
-  for (const TileConfig& t : kTileTable) {
-    if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {
-      plan.kernel_head_dim = t.head_dim;
-      break;
+  // MLA shapes (V/O head dim differing): a portable pair, tensors only.
+  const bool distinct_v = HeadDimV(p) != p.head_dim;
+  if (distinct_v) {
+    if (kv == KvRows::kTensors) {
+      plan.kernel_head_dim = DvKernelFor(p.head_dim, HeadDimV(p)).head_dim;
+    }
+  } else {
+    for (const TileConfig& t : kTileTable) {
+      if (t.head_dim >= p.head_dim && CompiledHeadDim(t.head_dim)) {
+        plan.kernel_head_dim = t.head_dim;
+        break;
+      }
     }
   }
   if (plan.kernel_head_dim == 0) return plan;
@@ -205,7 +213,8 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   const bool per_head_blocks = HasBlockMask(p) && p.block_per_head;
   plan.pack_gqa = (group > 1 && p.seqlen_q <= 16 && !per_head_blocks) ? group : 1;
   const int64_t rows = int64_t{p.seqlen_q} * plan.pack_gqa;
-  if (rows <= kDecodeMaxRows && TileFor(TileKind::kDecode, plan.kernel_head_dim).head_dim != 0) {
+  if (rows <= kDecodeMaxRows && !distinct_v &&
+      TileFor(TileKind::kDecode, plan.kernel_head_dim).head_dim != 0) {
     plan.tile_kind = TileKind::kDecode;
     if (allow_sm90 && Sm90DecodeCovers(p) && !mods) plan.kernel_family = KernelFamily::kSm90;
   }
@@ -240,7 +249,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
   const int sm90_head_dim =
-      allow_sm90 && kv == KvRows::kTensors && Sm90PrefillTakesMods(p) ? Sm90HeadDimFor(p, plan) : 0;
+      allow_sm90 && kv == KvRows::kTensors && !distinct_v && Sm90PrefillTakesMods(p)
+          ? Sm90HeadDimFor(p, plan)
+          : 0;
   // A block mask goes to the Hopper kernel only when its key tiles lie in
   // whole key blocks (Sm90BlockMaskFits), and then on kSm90TileTable's tile.
   const bool sm90_blocks_fit =

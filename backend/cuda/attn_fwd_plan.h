@@ -217,10 +217,11 @@ constexpr int64_t kMaxSplitGroups = 8192;
 // Splits of one launch at most (the combine's smem holds one weight each).
 constexpr int kMaxSplits = 128;
 constexpr int64_t kSplitCounterBytes = kMaxSplitGroups * 4;
-// Workspace bytes of a launch of `p` with `num_splits` > 1 splits.
+// Workspace bytes of a launch of `p` with `num_splits` > 1 splits (partial
+// rows of O's head dim, HeadDimV).
 inline int64_t SplitWorkspaceBytes(const AttnParams& p, int num_splits) {
   return kSplitCounterBytes +
-         int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{p.head_dim} + 1) * 4;
+         int64_t{num_splits} * p.num_heads_q * p.total_q * (int64_t{HeadDimV(p)} + 1) * 4;
 }
 
 // Batch-invariant decode (AttnParams::batch_invariant): a split's key range
@@ -320,11 +321,13 @@ enum class KvRows { kTensors, kPages };
 // runs) plus Plan::fp8_qk where the Hopper prefill kernel takes them (host
 // memory is fine: only sizes are read); num_sms: the
 // device's SM count. kernel_head_dim is 0 when this build compiled no kernel
-// for params.head_dim. allow_sm90: the device is sm90 and the caller allows
-// the Hopper family (CudaBackend: unless ATTNSERVE_CUDA_PORTABLE=1); the plan
-// then takes it for what it covers (SupportsSm90). A pure host function
-// (attn_fwd_plan.cc, compiled by the host compiler in every build),
-// unit-tested without a GPU.
+// for params.head_dim. A call whose V/O head dim differs (HeadDimV, MLA
+// shapes) runs on the portable kernel of the pair DvKernelFor picks
+// (kernel_head_dim its Q/K dim), never on the decode tile or the Hopper
+// family, and over the request's tensors only (pages: kernel_head_dim 0). allow_sm90: the device is
+// sm90 and the caller allows the Hopper family (CudaBackend: unless ATTNSERVE_CUDA_PORTABLE=1); the
+// plan then takes it for what it covers (SupportsSm90). A pure host function (attn_fwd_plan.cc,
+// compiled by the host compiler in every build), unit-tested without a GPU.
 Plan PlanForward(const AttnParams& p, int num_sms, bool allow_sm90 = false,
                  KvRows kv = KvRows::kTensors);
 

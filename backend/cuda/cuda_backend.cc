@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -199,14 +200,35 @@ CudaBackend::~CudaBackend() {
 
 absl::StatusOr<Plan> CudaBackend::CanImplement(const AttnParams& params) const {
   RETURN_IF_ERROR(CheckParams(params));
-  RETURN_IF_ERROR(RefuseDistinctHeadDimV(params, "cuda"));  // no MLA-shape kernel (Dv != D)
-  if (params.dtype == DType::kFP32) return Plan();          // the SIMT kernel takes any head dim
+  // MLA shapes (V's head dim differing) run on the FP16/BF16 portable
+  // kernels (PlanFor); the SIMT FP32 kernel and the FP8 dequantise step
+  // read V rows of head_dim.
+  if (HeadDimV(params) != params.head_dim &&
+      (params.dtype == DType::kFP32 || params.dtype == DType::kFP8E4M3)) {
+    return absl::UnimplementedError(
+        absl::StrCat("cuda: head_dim_v expected 0 or head_dim ", params.head_dim, " for dtype ",
+                     std::string(DTypeName(params.dtype)),
+                     " (V's own head dim runs in FP16 and BF16), got ", params.head_dim_v));
+  }
+  if (params.dtype == DType::kFP32) return Plan();  // the SIMT kernel takes any head dim
   return PlanFor(params);
 }
 
 absl::StatusOr<Plan> CudaBackend::PlanFor(const AttnParams& params, cuda::KvRows kv) const {
   // FP8 params are planned as the kernel that runs them (PlanForward).
   const Plan plan = cuda::PlanForward(params, num_sms_, allow_sm90_, kv);
+  if (plan.kernel_head_dim == 0 && HeadDimV(params) != params.head_dim) {
+    std::string pairs;
+    for (const cuda::HeadDimPair& k : cuda::kCompiledDvHeadDims) {
+      if (k.head_dim != 0)
+        absl::StrAppend(&pairs, pairs.empty() ? "" : ", ", k.head_dim, "/", k.head_dim_v);
+    }
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda: head_dim ", params.head_dim, " with head_dim_v ", params.head_dim_v,
+        " has no kernel", kv == cuda::KvRows::kPages ? " over a cache's pages" : " in this build",
+        " (head_dim/head_dim_v pairs compiled for the request's own K/V: ",
+        pairs.empty() ? "none" : pairs, ")"));
+  }
   if (plan.kernel_head_dim == 0) {
     return absl::UnimplementedError(
         absl::StrCat("cuda: head_dim ", params.head_dim,

@@ -29,6 +29,12 @@ import subprocess
 
 HEAD_DIMS = [64, 96, 128, 192, 256]
 DEV_HEAD_DIMS = [128]
+# (Q/K head dim, V/O head dim) pairs of the portable kernel for calls whose
+# value dim differs (MLA shapes; RunAttnFwdDv, the request's K/V tensors only),
+# ascending: a call runs on the first pair that covers both of its dims.
+# 192/128: DeepSeek-V3's prefill (in the dev set too, so its GPU test runs there).
+DV_PAIRS = [(192, 128)]
+DEV_DV_PAIRS = [(192, 128)]
 # The Hopper family (backend/cuda/hopper/, kSm90TileTable): prefill (dense, varlen),
 # FP16/BF16 and the FP8 path's (Q K^T on E4M3 codes), compiled for sm_90a
 # only (target attn_cuda_sm90).
@@ -90,6 +96,17 @@ template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Sched
 }}  // namespace attnserve
 """
 
+DV_INSTANTIATION = GENERATED + """// Instantiates the portable forward kernel over the request's K/V tensors for
+// Q/K head dim {d} and V/O head dim {dv}, {dtype}, {mask}.
+#include "backend/cuda/attn_fwd_kernel.cuh"
+
+namespace attnserve {{
+namespace cuda {{
+template cudaError_t RunAttnFwdDv<{d}, {dv}, {ctype}, {is_banded}>(const FwdLaunch&, cudaStream_t);
+}}  // namespace cuda
+}}  // namespace attnserve
+"""
+
 INSTANTIATION = GENERATED + """// Instantiates the portable forward kernel over {what} for head dim {d},
 // {dtype}, {mask}.
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -104,6 +121,16 @@ template cudaError_t RunAttnFwd<{d}, {ctype}, {is_banded}>(const {launch}&, cuda
 
 def dims_list(ds):
     return ", ".join(str(d) for d in ds)
+
+
+def pairs_list(ps):
+    return ", ".join(f"{{{d}, {dv}}}" for d, dv in ps) or "{0, 0}"
+
+
+def dv_cases(ps):
+    return "".join(
+        f"    case {d} * 1024 + {dv}:\n"
+        f"      return RunAttnFwdDv<{d}, {dv}, T, kIsBanded>(launch, stream);\n" for d, dv in ps)
 
 
 def sm90_dispatch_cases(ds, long_key_ds):
@@ -139,16 +166,24 @@ def kernel_set_header():
 namespace attnserve {{
 namespace cuda {{
 
+// A kernel's Q/K and V/O head dims (portable kernels for MLA shapes).
+struct HeadDimPair {{
+  int head_dim;
+  int head_dim_v;
+}};
+
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
 inline constexpr int kCompiledHeadDims[] = {{{dims_list(DEV_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(DEV_SM90_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(DEV_SM90_DECODE_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(DEV_SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
+inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{{pairs_list(DEV_DV_PAIRS)}}};
 #else
 inline constexpr int kCompiledHeadDims[] = {{{dims_list(HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(SM90_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(SM90_DECODE_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
+inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{{pairs_list(DV_PAIRS)}}};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -192,6 +227,16 @@ constexpr bool CompiledSm90LongKeyHeadDim(int kernel_head_dim) {{
   return false;
 }}
 
+// The portable kernel for a call whose V/O head dim differs from its Q/K
+// head dim: the first compiled pair covering both (the call's dims
+// zero-padded to it), or {{0, 0}} when none does.
+constexpr HeadDimPair DvKernelFor(int head_dim, int head_dim_v) {{
+  for (const HeadDimPair& k : kCompiledDvHeadDims) {{
+    if (k.head_dim != 0 && k.head_dim >= head_dim && k.head_dim_v >= head_dim_v) return k;
+  }}
+  return HeadDimPair{{0, 0}};
+}}
+
 }}  // namespace cuda
 }}  // namespace attnserve
 """
@@ -210,6 +255,7 @@ def kernel_dispatch_header():
 #include <type_traits>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/generated/kernel_set.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 
@@ -263,6 +309,21 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
   }}
 }}
 
+// Runs the portable instantiation for a call whose V/O head dim differs
+// (DvKernelFor's pair `k`), or returns cudaErrorInvalidValue.
+template <typename T, bool kIsBanded>
+cudaError_t RunDvForHeadDims(HeadDimPair k, const FwdLaunch& launch, cudaStream_t stream) {{
+  switch (k.head_dim * 1024 + k.head_dim_v) {{
+#if defined(ATTNSERVE_CUDA_DEV_KERNELS)
+{dv_cases(DEV_DV_PAIRS)}#else
+{dv_cases(DV_PAIRS)}#endif
+    default:
+      (void)launch;
+      (void)stream;
+      return cudaErrorInvalidValue;
+  }}
+}}
+
 // Runs the instantiation `plan` chose (its kernel head dim and band) for
 // `dtype` (FP16 or BF16) over either launch struct.
 template <typename Launch>
@@ -277,6 +338,19 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
                        : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
   }}
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {{
+    if (HeadDimV(launch.p) != launch.p.head_dim) {{
+      // MLA shapes: the portable pair PlanForward chose (its Q/K head dim).
+      const HeadDimPair k = DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
+      if (plan.kernel_family != KernelFamily::kPortable || k.head_dim != d) {{
+        return cudaErrorInvalidValue;
+      }}
+      if (dtype == DType::kFP16) {{
+        return plan.banded ? RunDvForHeadDims<__half, true>(k, launch, stream)
+                           : RunDvForHeadDims<__half, false>(k, launch, stream);
+      }}
+      return plan.banded ? RunDvForHeadDims<__nv_bfloat16, true>(k, launch, stream)
+                         : RunDvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
+    }}
     if (plan.kernel_family == KernelFamily::kSm90) {{
       if (plan.fp8_qk) {{
         return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
@@ -291,6 +365,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
     }}
   }}
   if (plan.kernel_family != KernelFamily::kPortable) return cudaErrorInvalidValue;
+  if constexpr (!std::is_same_v<Launch, FwdLaunch>) {{
+    // A cache's pages have no MLA-shape portable kernel (PlanForward plans none).
+    if (HeadDimV(launch.fwd.p) != launch.fwd.p.head_dim) return cudaErrorInvalidValue;
+  }}
   if (dtype == DType::kFP16) {{
     return plan.banded ? RunForHeadDim<__half, true>(d, launch, stream)
                        : RunForHeadDim<__half, false>(d, launch, stream);
@@ -412,6 +490,16 @@ def main():
                     all_files.append(f"generated/{name}")
                     if d in DEV_HEAD_DIMS:
                         dev_files.append(f"generated/{name}")
+    for d, dv in DV_PAIRS:
+        for dtype, ctype in DTYPES.items():
+            for mask, is_banded in MASKS.items():
+                name = f"attn_fwd_hdim{d}v{dv}_{dtype}_{mask}_sm80.cu"
+                with open(os.path.join(out, name), "w") as f:
+                    f.write(DV_INSTANTIATION.format(d=d, dv=dv, dtype=dtype, mask=mask,
+                                                    ctype=ctype, is_banded=is_banded))
+                all_files.append(f"generated/{name}")
+                if (d, dv) in DEV_DV_PAIRS:
+                    dev_files.append(f"generated/{name}")
     sm90_all, sm90_dev = [], []
     for suffix, (long_keys, tile, dims, dev_dims) in SM90_TILES.items():
         for d in dims:

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "backend/cuda/attn_fwd.h"
+#include "backend/cuda/generated/kernel_set.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/paged_attn.h"
 
@@ -87,6 +88,23 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
   }
 }
 
+// Runs the portable instantiation for a call whose V/O head dim differs
+// (DvKernelFor's pair `k`), or returns cudaErrorInvalidValue.
+template <typename T, bool kIsBanded>
+cudaError_t RunDvForHeadDims(HeadDimPair k, const FwdLaunch& launch, cudaStream_t stream) {
+  switch (k.head_dim * 1024 + k.head_dim_v) {
+#if defined(ATTNSERVE_CUDA_DEV_KERNELS)
+    case 192 * 1024 + 128: return RunAttnFwdDv<192, 128, T, kIsBanded>(launch, stream);
+#else
+    case 192 * 1024 + 128: return RunAttnFwdDv<192, 128, T, kIsBanded>(launch, stream);
+#endif
+    default:
+      (void)launch;
+      (void)stream;
+      return cudaErrorInvalidValue;
+  }
+}
+
 // Runs the instantiation `plan` chose (its kernel head dim and band) for
 // `dtype` (FP16 or BF16) over either launch struct.
 template <typename Launch>
@@ -101,6 +119,19 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
                        : RunSm90DecodeForHeadDim<__nv_bfloat16, false>(d, launch, stream);
   }
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {
+    if (HeadDimV(launch.p) != launch.p.head_dim) {
+      // MLA shapes: the portable pair PlanForward chose (its Q/K head dim).
+      const HeadDimPair k = DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
+      if (plan.kernel_family != KernelFamily::kPortable || k.head_dim != d) {
+        return cudaErrorInvalidValue;
+      }
+      if (dtype == DType::kFP16) {
+        return plan.banded ? RunDvForHeadDims<__half, true>(k, launch, stream)
+                           : RunDvForHeadDims<__half, false>(k, launch, stream);
+      }
+      return plan.banded ? RunDvForHeadDims<__nv_bfloat16, true>(k, launch, stream)
+                         : RunDvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
+    }
     if (plan.kernel_family == KernelFamily::kSm90) {
       if (plan.fp8_qk) {
         return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
@@ -115,6 +146,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
     }
   }
   if (plan.kernel_family != KernelFamily::kPortable) return cudaErrorInvalidValue;
+  if constexpr (!std::is_same_v<Launch, FwdLaunch>) {
+    // A cache's pages have no MLA-shape portable kernel (PlanForward plans none).
+    if (HeadDimV(launch.fwd.p) != launch.fwd.p.head_dim) return cudaErrorInvalidValue;
+  }
   if (dtype == DType::kFP16) {
     return plan.banded ? RunForHeadDim<__half, true>(d, launch, stream)
                        : RunForHeadDim<__half, false>(d, launch, stream);

@@ -7,16 +7,24 @@
 namespace attnserve {
 namespace cuda {
 
+// A kernel's Q/K and V/O head dims (portable kernels for MLA shapes).
+struct HeadDimPair {
+  int head_dim;
+  int head_dim_v;
+};
+
 #if defined(ATTNSERVE_CUDA_DEV_KERNELS)
 inline constexpr int kCompiledHeadDims[] = {128};
 inline constexpr int kCompiledSm90HeadDims[] = {128};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {128};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {0};
+inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{192, 128}};
 #else
 inline constexpr int kCompiledHeadDims[] = {64, 96, 128, 192, 256};
 inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 192, 256};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {64, 96, 128};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {64};
+inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{192, 128}};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -58,6 +66,16 @@ constexpr bool CompiledSm90LongKeyHeadDim(int kernel_head_dim) {
 #endif
   (void)kernel_head_dim;
   return false;
+}
+
+// The portable kernel for a call whose V/O head dim differs from its Q/K
+// head dim: the first compiled pair covering both (the call's dims
+// zero-padded to it), or {0, 0} when none does.
+constexpr HeadDimPair DvKernelFor(int head_dim, int head_dim_v) {
+  for (const HeadDimPair& k : kCompiledDvHeadDims) {
+    if (k.head_dim != 0 && k.head_dim >= head_dim && k.head_dim_v >= head_dim_v) return k;
+  }
+  return HeadDimPair{0, 0};
 }
 
 }  // namespace cuda

@@ -40,6 +40,10 @@ set(ATTN_FWD_KERNELS_ALL
   generated/paged_attn_fwd_hdim256_fp16_unbanded_sm80.cu
   generated/paged_attn_fwd_hdim256_bf16_banded_sm80.cu
   generated/paged_attn_fwd_hdim256_bf16_unbanded_sm80.cu
+  generated/attn_fwd_hdim192v128_fp16_banded_sm80.cu
+  generated/attn_fwd_hdim192v128_fp16_unbanded_sm80.cu
+  generated/attn_fwd_hdim192v128_bf16_banded_sm80.cu
+  generated/attn_fwd_hdim192v128_bf16_unbanded_sm80.cu
 )
 set(ATTN_FWD_KERNELS_DEV
   generated/attn_fwd_hdim128_fp16_banded_sm80.cu
@@ -50,6 +54,10 @@ set(ATTN_FWD_KERNELS_DEV
   generated/paged_attn_fwd_hdim128_fp16_unbanded_sm80.cu
   generated/paged_attn_fwd_hdim128_bf16_banded_sm80.cu
   generated/paged_attn_fwd_hdim128_bf16_unbanded_sm80.cu
+  generated/attn_fwd_hdim192v128_fp16_banded_sm80.cu
+  generated/attn_fwd_hdim192v128_fp16_unbanded_sm80.cu
+  generated/attn_fwd_hdim192v128_bf16_banded_sm80.cu
+  generated/attn_fwd_hdim192v128_bf16_unbanded_sm80.cu
 )
 set(ATTN_FWD_SM90_KERNELS_ALL
   generated/attn_fwd_hdim64_fp16_banded_sm90.cu
