@@ -136,7 +136,8 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
 
 // CTA (split blockIdx.x, row block blockIdx.y, sequence blockIdx.z): packed
 // rows R = blockIdx.y x kRows + r, query token R / Hq, head R % Hq.
-template <typename T, int kMT>
+// kLoadsOnly (the bench's ablation): the stage ring alone, no math.
+template <typename T, int kMT, bool kLoadsOnly = false>
 __global__ void __launch_bounds__(kThreads, 1)
     PagedMlaDecodeKernel(const __grid_constant__ MlaLaunch L) {
   using C = Cfg<kMT>;
@@ -266,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t + kStages - 1 < t_end) issue(t + kStages - 1, (k + kStages - 1) % kStages);
     CpAsyncCommit();
     const uint32_t stage = ring_addr + (k % kStages) * C::kStageBytes;
+    if constexpr (kLoadsOnly) continue;
 
     // 1. Partial S over this warp's head-dim steps.
     {
@@ -548,25 +550,25 @@ __global__ void AppendKRowsKernel(const __grid_constant__ PagedAttnParams p, int
   }
 }
 
-template <typename T, int kMT>
+template <typename T, int kMT, bool kLoadsOnly>
 cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = Cfg<kMT>::kSmem;
-  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT>,
+  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kLoadsOnly>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  PagedMlaDecodeKernel<T, kMT><<<grid, kThreads, kSmem, stream>>>(l);
+  PagedMlaDecodeKernel<T, kMT, kLoadsOnly><<<grid, kThreads, kSmem, stream>>>(l);
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, bool kLoadsOnly = false>
 cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
   cudaError_t err;
   if (rows_per_cta == 16)
-    err = RunDecode<T, 1>(l, grid, stream);
+    err = RunDecode<T, 1, kLoadsOnly>(l, grid, stream);
   else if (rows_per_cta == 32)
-    err = RunDecode<T, 2>(l, grid, stream);
+    err = RunDecode<T, 2, kLoadsOnly>(l, grid, stream);
   else
-    err = RunDecode<T, 4>(l, grid, stream);
+    err = RunDecode<T, 4, kLoadsOnly>(l, grid, stream);
   if (err != cudaSuccess || l.part_o == nullptr) return err;
   CombineMlaSplits<T>
       <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kDv / 4, 0, stream>>>(l);
@@ -598,12 +600,17 @@ cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                           cudaStream_t stream) {
+namespace {
+
+// rows_per_cta 0: the plan's (MlaRowsPerCta); loads_only: BF16 alone.
+cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                      int rows_per_cta, bool loads_only, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
   const int64_t rows = int64_t{p.seqlen_q} * p.num_heads_q;
-  const int per_cta = MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64)));
+  const int per_cta = rows_per_cta > 0
+                          ? rows_per_cta
+                          : MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64)));
   const int64_t row_blocks = (rows + per_cta - 1) / per_cta;
   if (row_blocks > 65535 || p.batch > 65535 || plan.num_splits < 1 ||
       p.total_q > int64_t{INT32_MAX} || p.num_heads_q > 65535) {
@@ -625,9 +632,26 @@ cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* w
   }
   const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(p.batch));
+  if (loads_only) {
+    if (p.dtype != DType::kBF16) return cudaErrorInvalidValue;
+    return RunMla<__nv_bfloat16, true>(l, per_cta, grid, stream);
+  }
   if (p.dtype == DType::kBF16) return RunMla<__nv_bfloat16>(l, per_cta, grid, stream);
   if (p.dtype == DType::kFP16) return RunMla<__half>(l, per_cta, grid, stream);
   return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                           cudaStream_t stream) {
+  return LaunchMla(dev, plan, workspace, 0, false, stream);
+}
+
+cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                                   int rows_per_cta, bool loads_only, cudaStream_t stream) {
+  if (rows_per_cta != 16 && rows_per_cta != 32 && rows_per_cta != 64) return cudaErrorInvalidValue;
+  return LaunchMla(dev, plan, workspace, rows_per_cta, loads_only, stream);
 }
 
 }  // namespace cuda

@@ -28,5 +28,12 @@ cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream);
 cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                            cudaStream_t stream);
 
+// The bench's ablation (bench/cuda/mla_decode_bench.cu): the kernel with
+// `rows_per_cta` (16, 32 or 64) packed rows a CTA whatever the call's rows;
+// loads_only (BF16): the stage ring streams the keys and no math runs (O is
+// not meaningful), the pipeline's own ceiling.
+cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
+                                   int rows_per_cta, bool loads_only, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace attnserve

@@ -8,7 +8,11 @@
 // (from the GPU's name: H200 4.8 TB/s, H100 SXM 3.35 TB/s) and TFLOP/s
 // (2 x Hq x keys x (576 + 512) a sequence). Small caches rotate over several
 // copies so the timed reads come from HBM, not L2.
-// Usage: mla_decode_bench [--iters=50] [--sk=8192] [--splits=N] [--csv=FILE]
+// Ablation rows (--ablate=0: none): loads_only, the kernel's stage ring with
+// no math (the pipeline's own ceiling), and rows64, the 64-row tile on a
+// call whose rows fit a smaller one (what the padding rows' math costs).
+// Usage: mla_decode_bench [--iters=50] [--sk=8192] [--splits=N] [--ablate=0]
+//        [--csv=FILE]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -20,6 +24,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/paged_mla.h"
@@ -66,6 +71,7 @@ double PeakGBs(const std::string& name) {
 
 int main(int argc, char** argv) {
   int iters = 50, sk_arg = 8192, force_splits = 0;
+  bool ablate = true;
   std::string csv;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -73,6 +79,7 @@ int main(int argc, char** argv) {
     if (a.rfind("--sk=", 0) == 0) sk_arg = std::atoi(a.c_str() + 5);
     if (a.rfind("--splits=", 0) == 0) force_splits = std::atoi(a.c_str() + 9);
     if (a.rfind("--csv=", 0) == 0) csv = a.substr(6);
+    if (a == "--ablate=0") ablate = false;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -222,33 +229,52 @@ int main(int argc, char** argv) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int w = 0; w < 5; ++w) {
-      dev.block_table = table_of(w % copies);
-      CK(cuda::LaunchPagedMla(dev, plan, ws, nullptr));
+    // variant: 0 the production launch; 16/32/64 that many rows a CTA;
+    // -16/-32/-64 loads only (the stage ring with no math) at that tile.
+    auto launch = [&](int variant) {
+      if (variant == 0) return cuda::LaunchPagedMla(dev, plan, ws, nullptr);
+      return cuda::LaunchPagedMlaAblation(dev, plan, ws, std::abs(variant), variant < 0, nullptr);
+    };
+    const int own_tile = cuda::MlaRowsPerCta(std::min(r.hq, 64));
+    std::vector<std::pair<std::string, int>> variants = {{"plan", 0}};
+    if (ablate) {
+      variants.push_back({"loads_only", -own_tile});
+      if (own_tile != 64) variants.push_back({"rows64", 64});
     }
-    std::vector<float> ms;
-    for (int it = 0; it < iters; ++it) {
-      dev.block_table = table_of(it % copies);
-      CK(cudaEventRecord(e0));
-      CK(cuda::LaunchPagedMla(dev, plan, ws, nullptr));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float t = 0.0f;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double us = 1000.0 * ms[ms.size() / 2];
-    const double bytes = double(r.batch) * r.sk * kD * 2 + double(r.batch) * r.hq * (kD + kDv) * 2;
-    const double gbs = bytes / us / 1e3;
-    const double flops = 2.0 * r.batch * r.hq * double(r.sk) * (kD + kDv);
-    const double tflops = flops / us / 1e6;
-    const double pct = peak > 0 ? 100.0 * gbs / peak : 0.0;
-    std::printf("%6d %6d %4d %6d %9.1f %8.0f %6.1f %8.1f %9.2e%s\n", r.batch, r.sk, r.hq,
-                plan.num_splits, us, gbs, pct, tflops, rel, rel > 1e-2 ? "  CHECK FAILED" : "");
-    if (out) {
-      std::fprintf(out, "%d,%d,%d,%d,%.2f,%.1f,%.2f,%.2f,%.3e\n", r.batch, r.sk, r.hq,
-                   plan.num_splits, us, gbs, pct, tflops, rel);
+    for (const auto& [label, variant] : variants) {
+      for (int w = 0; w < 5; ++w) {
+        dev.block_table = table_of(w % copies);
+        CK(launch(variant));
+      }
+      std::vector<float> ms;
+      for (int it = 0; it < iters; ++it) {
+        dev.block_table = table_of(it % copies);
+        CK(cudaEventRecord(e0));
+        CK(launch(variant));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float t = 0.0f;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double us = 1000.0 * ms[ms.size() / 2];
+      const double bytes =
+          double(r.batch) * r.sk * kD * 2 + double(r.batch) * r.hq * (kD + kDv) * 2;
+      const double gbs = bytes / us / 1e3;
+      const double flops = 2.0 * r.batch * r.hq * double(r.sk) * (kD + kDv);
+      const double tflops = flops / us / 1e6;
+      const double pct = peak > 0 ? 100.0 * gbs / peak : 0.0;
+      const bool checked = variant == 0;
+      char err_text[32] = "-";
+      if (checked) std::snprintf(err_text, sizeof(err_text), "%.2e", rel);
+      std::printf("%-11s %6d %6d %4d %6d %9.1f %8.0f %6.1f %8.1f %9s%s\n", label.c_str(), r.batch,
+                  r.sk, r.hq, plan.num_splits, us, gbs, pct, tflops, err_text,
+                  checked && !(rel < 1e-2) ? "  CHECK FAILED" : "");
+      if (out) {
+        std::fprintf(out, "%s,%d,%d,%d,%d,%.2f,%.1f,%.2f,%.2f,%.3e\n", label.c_str(), r.batch, r.sk,
+                     r.hq, plan.num_splits, us, gbs, pct, tflops, checked ? rel : 0.0);
+      }
     }
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
