@@ -211,7 +211,8 @@ int64_t ScaleBlockOffset(const KvPages& kv, const KvGeometry& g, int32_t page) {
   return PageScaleOffset(kv, page, 0, g.num_heads_kv, g.head_dim, 0);
 }
 
-// Reads rows [a, b) of `page` (K or V, `v`) into `rows` and, for FP8, their
+// Reads rows [a, b) of `page` (K or V, `v`; b may pass the page's end into
+// the pages that follow it in its slab, RunEnd) into `rows` and, for FP8, their
 // scales into `scales` ([b - a, Hkv] FP32, token-major as on the wire).
 absl::Status ReadPageRows(AttentionBackend* backend, const KvPages& kv, const KvGeometry& g,
                           int32_t page, bool v, int32_t a, int32_t b, char* rows, char* scales,
@@ -233,7 +234,8 @@ absl::Status ReadPageRows(AttentionBackend* backend, const KvPages& kv, const Kv
   return absl::OkStatus();
 }
 
-// Writes rows [a, b) of `page` from `rows` (and FP8 scales, token-major).
+// Writes rows [a, b) of `page` (a run, as ReadPageRows) from `rows` (and FP8
+// scales, token-major).
 absl::Status WritePageRows(AttentionBackend* backend, const KvPages& kv, const KvGeometry& g,
                            int32_t page, bool v, int32_t a, int32_t b, const char* rows,
                            const char* scales, std::vector<float>* block) {
@@ -254,6 +256,25 @@ absl::Status WritePageRows(AttentionBackend* backend, const KvPages& kv, const K
     }
   }
   return backend->CopyToKvMemory(at, block->data(), int64_t(block->size()) * 4);
+}
+
+// Where rows [t, stop) of one layer (its pages from `first_page`, token
+// units) run contiguously in a slab: consecutive page ids of one slab hold
+// consecutive rows (PageRowOffset), so one copy moves a run of them instead
+// of one copy per page. FP8 caches go page by page (each page's scales are a
+// block of their own). Returns the run's end (> t).
+int32_t RunEnd(const KvPages& kv, const KvGeometry& g, const std::vector<int32_t>& pages,
+               int64_t first_page, int32_t t, int32_t stop, int ps) {
+  int32_t end = std::min(stop, t / ps * ps + ps);
+  if (IsFp8Cache(g)) return end;
+  int32_t last = pages[size_t(t / ps - first_page)];
+  while (end < stop) {
+    const int32_t next = pages[size_t(end / ps - first_page)];
+    if (next != last + 1 || PageSlab(kv, next) != PageSlab(kv, last)) break;
+    last = next;
+    end = std::min(stop, end + ps);
+  }
+  return end;
 }
 
 absl::Status InvalidArgument(const std::string& field, const std::string& what) {
@@ -459,7 +480,7 @@ absl::StatusOr<bool> KvExporter::Next(KvTransferChunk* chunk) {
   std::vector<float> block;
   for (int32_t t = token_; t < stop;) {
     const int32_t in_page = t % ps;
-    const int32_t take = std::min(stop - t, ps - in_page);
+    const int32_t take = RunEnd(kv, g, p.pages[size_t(layer_)], first_page, t, stop, ps) - t;
     const int32_t page = p.pages[size_t(layer_)][size_t(t / ps - first_page)];
     const size_t at = size_t(t - token_);
     for (bool v : {false, true}) {
@@ -711,7 +732,7 @@ absl::Status KvImportSession::Stage(const KvTransferChunk& c) {
   const int32_t stop = c.token_begin + c.num_tokens;
   for (int32_t t = c.token_begin; t < stop;) {
     const int32_t in_page = t % ps;
-    const int32_t take = std::min(stop - t, ps - in_page);
+    const int32_t take = RunEnd(kv, g, pages, staged_.base / ps, t, stop, ps) - t;
     const int32_t page = pages[size_t((t - staged_.base) / ps)];
     const size_t at = size_t(t - c.token_begin);
     for (bool v : {false, true}) {

@@ -212,6 +212,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     const int64_t chunk =
         request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : kDefaultKvChunkBytes;
     const int64_t held = std::min<int64_t>(exporter_->remaining_bytes(), options.window * chunk);
+    options.chunk_bytes = chunk;
     if (tenants_ != nullptr && held > 0) {
       absl::StatusOr<InFlightCharge> charge = tenants_->ChargeInFlight(tenant_, held);
       if (!charge.ok()) {

@@ -22,6 +22,10 @@
 #include "server/ucx/worker.h"
 #include "spdlog/spdlog.h"
 
+#if ATTNSERVE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace attnserve {
 namespace ucx {
 namespace {
@@ -85,6 +89,43 @@ class WakeFd {
 
  private:
   const int fd_;
+};
+
+// A staging buffer (a std::string's storage) page-locked for the GPU copies
+// while it is this size or smaller; registered again if it moves. A no-op
+// without CUDA (and where registering fails: the copies then stage as usual).
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { Unpin(); }
+  void Track(std::string* s) {
+#if ATTNSERVE_HAVE_CUDA
+    if (s->capacity() == 0) return;
+    if (s->data() == ptr_ && s->capacity() <= bytes_) return;
+    Unpin();
+    if (cudaHostRegister(s->data(), s->capacity(), cudaHostRegisterPortable) == cudaSuccess) {
+      ptr_ = s->data();
+      bytes_ = s->capacity();
+    } else {
+      cudaGetLastError();  // not sticky: the copies run from pageable memory
+    }
+#else
+    (void)s;
+#endif
+  }
+
+ private:
+  void Unpin() {
+#if ATTNSERVE_HAVE_CUDA
+    if (ptr_ != nullptr) cudaHostUnregister(ptr_);
+#endif
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& host, int port, bool passive) {
@@ -185,6 +226,7 @@ class BulkReceiver::Impl {
   // A chunk being received or waiting to be applied.
   struct Slot {
     KvTransferChunk chunk;
+    PinnedBuffer pinned[2];  // k, v: the H2D copies' sources
     uint64_t index = 0;
     int tags_left = 0;
     std::vector<std::shared_ptr<void*>> requests;
@@ -309,6 +351,7 @@ class BulkReceiver::Impl {
     for (int i = 0; i < 4; ++i) {
       std::string* part = Part(&raw->chunk, i);
       part->resize(in_.sizes[i]);
+      if (i < 2) raw->pinned[i].Track(part);
       if (part->empty()) continue;
       auto request = std::make_shared<void*>(nullptr);
       ++raw->tags_left;
@@ -418,7 +461,7 @@ class BulkReceiver::Impl {
   void Break(const char* why) {
     if (broken_) return;
     broken_ = true;
-    spdlog::info("kv import over UCX: connection ended ({})", why);
+    spdlog::debug("kv import over UCX: connection ended ({})", why);
   }
 
   void CloseConnection() {
@@ -563,7 +606,15 @@ class Sender {
     }
     RETURN_IF_ERROR(Hello(offer.ticket));
     for (int i = 0; i < std::max(options_.window, 1); ++i) {
-      free_.push_back(std::make_unique<Slot>());
+      auto slot = std::make_unique<Slot>();
+      if (options_.chunk_bytes > 0) {
+        // K and V take half a chunk each at most; sized now, they never move.
+        for (int p = 0; p < 2; ++p) {
+          Part(&slot->chunk, p)->reserve(size_t(options_.chunk_bytes / 2));
+          slot->pinned[p].Track(Part(&slot->chunk, p));
+        }
+      }
+      free_.push_back(std::move(slot));
     }
     producer_ = std::thread([this, &next] { Produce(next); });
     ReadAck();
@@ -573,6 +624,7 @@ class Sender {
  private:
   struct Slot {
     KvTransferChunk chunk;
+    PinnedBuffer pinned[2];  // k, v: the D2H copies' destinations
     BulkFrame frame;
     int sends_left = 0;
     bool acked = false;
@@ -614,6 +666,8 @@ class Sender {
         free_.pop_front();
       }
       absl::StatusOr<bool> more = next(&slot->chunk);
+      // A chunk larger than the slots were sized for moved them: pinned again.
+      for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (!more.ok() || !*more) {

@@ -7,7 +7,10 @@
 // k, v (and FP8 scales) as tagged messages, which UCX moves by rendezvous
 // (one transfer between the two buffers where the transport allows). Many
 // chunks are in flight at once; on each side a thread of its own reads the
-// pages (D2H) or writes them (H2D) while the UCX thread moves the next ones.
+// pages (D2H) or writes them (H2D) while the UCX thread moves the next ones;
+// in a CUDA build the slots' k and v buffers are page-locked
+// (cudaHostRegister), so those copies go by DMA without the driver's own
+// staging through a bounce buffer.
 // The receiver applies chunks in order and acknowledges each with its status;
 // the first refusal stops the sender with that status (same codes and
 // messages as the gRPC import). Protocol-free of gRPC: the service drives it.
@@ -48,6 +51,9 @@ struct BulkOptions {
   int window = 8;
   // A chunk's payload above this is refused before it is received.
   int64_t max_chunk_bytes = int64_t{256} << 20;
+  // The sender's chunks' payload at most (its slots' buffers are sized and
+  // page-locked for it up front); 0: as they come.
+  int64_t chunk_bytes = 0;
   // Connect, hello and one ack: a peer silent this long is gone.
   absl::Duration timeout = absl::Seconds(60);
 };
