@@ -468,6 +468,7 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
                             const std::shared_ptr<KvAppendAttend>& call, const Done& done,
                             const std::shared_ptr<KvCache::Ticket>& ticket, bool waited) {
   KvAppendAttend& c = *call;
+  const absl::Time t_prepare = absl::Now();
   // Reserved now, not at each launch: the launches on several devices must
   // see one reservation. Calls on the same (sequence, layer) still apply in
   // order (the next one goes after this one's Release).
@@ -482,6 +483,9 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     done(status, WorkTimings{});
     return;
   }
+  const size_t n_groups = c.span_groups.size();
+  c.span_times = {};
+  c.span_times.launches.resize(n_groups);
   struct Join {
     absl::Mutex mu;
     size_t remaining ABSL_GUARDED_BY(mu) = 0;
@@ -491,7 +495,7 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
   auto join = std::make_shared<Join>();
   {
     absl::MutexLock lock(&join->mu);
-    join->remaining = c.span_groups.size();
+    join->remaining = n_groups;
     join->timings.device = cache->device();
   }
   // Runs once, after the last launch: the merge, then commit or rollback.
@@ -505,7 +509,9 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     }
     if (status.ok() && call->inputs_intact) status = call->inputs_intact();
     if (status.ok()) {
+      const absl::Time t_merge = absl::Now();
       MergeSpanGroups(*call, call->span_groups);
+      call->span_times.merge_us = absl::ToInt64Microseconds(absl::Now() - t_merge);
       cache->Commit(call->layer, call->steps, &call->reservation);
       call->lengths = call->reservation.lengths;
     } else {
@@ -515,11 +521,15 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     Finish(cache, *ticket);
     done(status, timings);
   };
-  auto launched = [join, complete](const absl::Status& s, const WorkTimings& t) {
+  // Each launch reports into its own slot of span_times (written before the
+  // last launch's `complete`, which reads them, under join's lock).
+  KvAppendAttend::SpanTimes* times = &c.span_times;
+  auto launched = [join, complete, times](size_t gi, const absl::Status& s, const WorkTimings& t) {
     bool last = false;
     {
       absl::MutexLock lock(&join->mu);
       if (!s.ok() && join->status.ok()) join->status = s;
+      times->launches[gi] = t;
       WorkTimings& w = join->timings;
       w.queue_us = std::max(w.queue_us, t.queue_us);
       w.host_to_device_us = std::max(w.host_to_device_us, t.host_to_device_us);
@@ -529,21 +539,30 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     }
     if (last) complete();
   };
+  c.span_times.prepare_us = absl::ToInt64Microseconds(absl::Now() - t_prepare);
   // The groups live in the call until `complete`; each launch's params are
-  // built already.
+  // built already (BuildSpanGroups orders them: the steps' last segments,
+  // which also append, start first).
   // By index: once the last launch is submitted, `complete` may clear them.
-  const size_t n_groups = c.span_groups.size();
   for (size_t gi = 0; gi < n_groups; ++gi) {
     KvSpanGroup& g = c.span_groups[gi];
+    const int device = c.reservation.shard_devices[size_t(g.shard)];
+    const KvDevice* at = nullptr;
+    for (const KvDevice& d : devices_) {
+      if (d.index == device) at = &d;
+    }
     WorkItem item;
     item.received = c.received;
     item.deadline = c.deadline;
     item.cancelled = c.cancelled;
     item.follows_admitted = waited;
     item.tenant = cache->tenant();
-    // The devices' launches run at once, none on this thread before the next
-    // is submitted.
-    item.no_inline = n_groups > 1;
+    // The devices' launches run at once. A backend with a pipeline only
+    // starts a launch on the submitting thread (its completer waits for it),
+    // so this thread may start them all back to back without waking each
+    // device's launcher; without one the whole launch would run here, one
+    // device after the other.
+    item.no_inline = n_groups > 1 && (at == nullptr || at->backend->max_launches_in_flight() <= 1);
     PagedWork work;
     work.cache = &g;  // its own launch: never shared with another call's
     work.layer = c.layer;
@@ -552,12 +571,12 @@ void KvPool::SubmitSpanning(const std::shared_ptr<KvCache>& cache,
     const PagedAttnParams* params = &g.params;
     work.reserve = [params]() -> absl::StatusOr<PagedAttnParams> { return *params; };
     item.paged = std::move(work);
-    item.done = launched;
-    Executor* executor = ExecutorOfDevice(c.reservation.shard_devices[size_t(g.shard)]);
+    item.done = [launched, gi](const absl::Status& s, const WorkTimings& t) { launched(gi, s, t); };
+    Executor* executor = at != nullptr ? at->executor : nullptr;
     const absl::Status admitted = executor != nullptr
                                       ? executor->Submit(std::move(item))
                                       : absl::InternalError("the cache's device has no executor");
-    if (!admitted.ok()) launched(admitted, WorkTimings{});
+    if (!admitted.ok()) launched(gi, admitted, WorkTimings{});
   }
 }
 

@@ -129,6 +129,16 @@ struct KvAppendAttend {
   KvReservation reservation;
   // A cache that spans devices: its launches (span_launch.h).
   std::vector<KvSpanGroup> span_groups;
+  // And where its time went, set before `done` (long_context_bench prints
+  // it): the host's work before the first launch (outputs bound, pages
+  // reserved, launches built), each launch's timings (WorkTimings::device
+  // says where it ran) and the merge of their partials.
+  struct SpanTimes {
+    int64_t prepare_us = 0;
+    int64_t merge_us = 0;
+    std::vector<WorkTimings> launches;
+  };
+  SpanTimes span_times;
 };
 
 struct KvPoolStats {

@@ -21,6 +21,43 @@ void SizeAtLeastOne(std::vector<T>* v, size_t n) {
   v->assign(std::max<size_t>(n, 1), T{});
 }
 
+// out[d] += w * element (at + d) of `data`, a buffer of `dtype` values.
+void AddScaledRow(const char* data, DType dtype, int64_t at, int64_t dim, float w, float* out) {
+  switch (dtype) {
+    case DType::kBF16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + at;
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * Bf16ToFloat(p[d]);
+      return;
+    }
+    case DType::kFP16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + at;
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * Fp16ToFloat(p[d]);
+      return;
+    }
+    case DType::kFP32: {
+      const float* p = reinterpret_cast<const float*>(data) + at;
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * p[d];
+      return;
+    }
+    default:
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * LoadAsFloat(data, dtype, at + d);
+  }
+}
+
+// Elements [at, at + dim) of `data` (a buffer of `dtype` values) = row, rounded.
+void StoreRow(const float* row, int64_t dim, DType dtype, int64_t at, char* data) {
+  switch (dtype) {
+    case DType::kBF16: {
+      uint16_t* p = reinterpret_cast<uint16_t*>(data) + at;
+      for (int64_t d = 0; d < dim; ++d) p[d] = FloatToBf16(row[d]);
+      return;
+    }
+    case DType::kFP32: std::memcpy(data + at * 4, row, size_t(dim) * 4); return;
+    default:
+      for (int64_t d = 0; d < dim; ++d) StoreFromFloat(data, dtype, at + d, row[d]);
+  }
+}
+
 }  // namespace
 
 absl::Status CheckSpanningCall(const KvAppendAttend& c) {
@@ -85,8 +122,10 @@ absl::Status BuildSpanGroups(const KvAppendAttend& c, std::vector<KvSpanGroup>* 
   const int64_t o_row = int64_t{c.num_heads_q} * c.head_dim * DTypeSize(c.dtype);
   groups->clear();
   const int n_shards = static_cast<int>(r.shard_pages.size());
-  for (int shard = 0; shard < n_shards; ++shard) {
-    for (bool last : {false, true}) {
+  // The steps' last segments first: they also append, so their launches
+  // start first (SubmitSpanning submits in this order).
+  for (bool last : {true, false}) {
+    for (int shard = 0; shard < n_shards; ++shard) {
       KvSpanGroup g;
       g.shard = shard;
       g.last = last;
@@ -209,17 +248,16 @@ void MergeSpanGroups(KvAppendAttend& c, const std::vector<KvSpanGroup>& groups) 
           const KvSpanGroup& g = *partials[size_t(k)].first;
           lses[size_t(k)] = g.lse[size_t(h * g.cu_q.back() + partials[size_t(k)].second + q)];
         }
-        const float merged = MergeLseRow(
-            n, lses.data(), dim,
-            [&](int k, int64_t d) {
-              const KvSpanGroup& g = *partials[size_t(k)].first;
-              const int64_t at = ((partials[size_t(k)].second + q) * hq + h) * dim + d;
-              return LoadAsFloat(g.o.data(), c.dtype, at);
-            },
-            weights.data(), row.data());
-        for (int64_t d = 0; d < dim; ++d) {
-          StoreFromFloat(o, c.dtype, (out_row * hq + h) * dim + d, row[size_t(d)]);
+        // MergeLseRow's arithmetic, each partial's row read in one typed loop.
+        const float merged = LseMergeWeights(n, lses.data(), weights.data());
+        std::fill(row.begin(), row.end(), 0.0f);
+        for (int k = 0; k < n; ++k) {
+          if (weights[size_t(k)] == 0.0f) continue;  // its O holds nothing of this row
+          const KvSpanGroup& g = *partials[size_t(k)].first;
+          const int64_t at = ((partials[size_t(k)].second + q) * hq + h) * dim;
+          AddScaledRow(g.o.data(), c.dtype, at, dim, weights[size_t(k)], row.data());
         }
+        StoreRow(row.data(), dim, c.dtype, (out_row * hq + h) * dim, o);
         if (lse != nullptr) lse[h * total_q + out_row] = merged;
       }
     }

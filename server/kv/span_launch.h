@@ -43,7 +43,8 @@ absl::Status CheckSpanningCall(const KvAppendAttend& c);
 
 // After ReserveSpanning: with a causal call, each step's queries must lie in
 // its last segment (INVALID_ARGUMENT naming the step's num_queries
-// otherwise); then the groups with their params, outputs bound.
+// otherwise); then the groups with their params, outputs bound: every
+// device's last-segment group first, then the earlier segments' groups.
 absl::Status BuildSpanGroups(const KvAppendAttend& c, std::vector<KvSpanGroup>* groups);
 
 // Merges the groups' partial outputs into the call's o (or o_out) and lse.

@@ -12,8 +12,12 @@
 //
 // Usage: long_context_bench --backend=cuda|cpu --config=one|two --context=N
 //   [--layers=32 --hq=32 --hkv=8 --d=128 --dtype=bf16 --page_size=64 --chunk=8192
-//    --steps=16 --warmup=2 --kv_cache_gib=40 --csv=PATH --label=NAME --threads=0]
-// Prints one line; appends a CSV row. Exit 1 on an error or a failed check.
+//    --steps=16 --warmup=2 --kv_cache_gib=40 --csv=PATH --label=NAME --threads=0
+//    --inline_max_cost=4194304 --breakdown_csv=PATH]
+// Prints one line and where a layer-call's time went (per device: queue,
+// copies in, kernels, copies out, as the backend times them; on the host:
+// the work before the launches, the merge, and the rest); appends a CSV row
+// to each file. Exit 1 on an error or a failed check.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -86,6 +90,11 @@ struct Rng {
 struct Call {
   absl::Status status;
   std::string o, lse;
+  // Where the call's time went: its wall time on this thread, the launch's
+  // timings (one device) or each launch's and the host's (spanning).
+  double wall_us = 0;
+  WorkTimings timings;
+  KvAppendAttend::SpanTimes span;
 };
 
 Call Run(KvPool& pool, const std::shared_ptr<KvCache>& cache, int32_t layer, uint64_t id,
@@ -105,17 +114,68 @@ Call Run(KvPool& pool, const std::shared_ptr<KvCache>& cache, int32_t layer, uin
   c->return_lse = nq > 0;
   Call out;
   absl::Notification done;
+  const auto t0 = std::chrono::steady_clock::now();
   const absl::Status s =
-      pool.AppendAttend(cache, c, [&](const absl::Status& st, const WorkTimings&) {
+      pool.AppendAttend(cache, c, [&](const absl::Status& st, const WorkTimings& t) {
         out.status = st;
+        out.timings = t;
         done.Notify();
       });
-  if (!s.ok()) return {s, {}, {}};
+  if (!s.ok()) {
+    out.status = s;
+    return out;
+  }
   done.WaitForNotification();
+  out.wall_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   out.o = std::move(c->o);
   out.lse = std::move(c->lse);
+  out.span = std::move(c->span_times);
   return out;
 }
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Per measured layer-call: where the time went (microseconds), per device
+// from the backend's own timings (a GPU's from its events: kernels, copies
+// in with the host's gather, copies out with the scatter) and on the host.
+struct Breakdown {
+  static constexpr int kDevices = 2;
+  std::vector<double> wall, queue[kDevices], h2d[kDevices], kernel[kDevices], d2h[kDevices];
+  std::vector<double> prepare, merge, rest;
+
+  void Add(const Call& c, int n_devices) {
+    double q[kDevices] = {}, in[kDevices] = {}, k[kDevices] = {}, out[kDevices] = {};
+    auto add = [&](const WorkTimings& t) {
+      const int d = std::min(std::max(t.device, 0), kDevices - 1);
+      q[d] = std::max(q[d], double(t.queue_us));
+      in[d] += double(t.host_to_device_us);
+      k[d] += double(t.compute_us);
+      out[d] += double(t.device_to_host_us);
+    };
+    if (c.span.launches.empty()) {
+      add(c.timings);
+    } else {
+      for (const WorkTimings& t : c.span.launches) add(t);
+    }
+    double slowest = 0;
+    for (int d = 0; d < n_devices; ++d) {
+      queue[d].push_back(q[d]);
+      h2d[d].push_back(in[d]);
+      kernel[d].push_back(k[d]);
+      d2h[d].push_back(out[d]);
+      slowest = std::max(slowest, q[d] + in[d] + k[d] + out[d]);
+    }
+    wall.push_back(c.wall_us);
+    prepare.push_back(double(c.span.prepare_us));
+    merge.push_back(double(c.span.merge_us));
+    rest.push_back(c.wall_us - slowest - double(c.span.prepare_us) - double(c.span.merge_us));
+  }
+};
 
 int Main(int argc, char** argv) {
   const auto a = ParseArgs(argc, argv);
@@ -133,7 +193,11 @@ int Main(int argc, char** argv) {
   const int warmup = static_cast<int>(Int(a, "warmup", 2));
   const int64_t budget = Int(a, "kv_cache_gib", 40) << 30;
   const std::string csv = Str(a, "csv", "");
+  const std::string breakdown_csv = Str(a, "breakdown_csv", "");
   const std::string label = Str(a, "label", config);
+  // The server's default (--inline_max_cost): a small call's launch starts
+  // on the thread that submits it when its device is idle.
+  const int64_t inline_max_cost = Int(a, "inline_max_cost", int64_t{1} << 22);
 
   BackendOptions bo;
   bo.kind = backend_kind;
@@ -155,6 +219,7 @@ int Main(int argc, char** argv) {
   for (int i = 0; i < n_devices; ++i) {
     ExecutorOptions eo;
     eo.device = i;
+    eo.inline_max_cost = inline_max_cost;
     executors.push_back(std::make_unique<Executor>((*backends)[size_t(i)].get(), eo));
     devices.push_back({(*backends)[size_t(i)].get(), executors.back().get(), i});
   }
@@ -215,6 +280,7 @@ int Main(int argc, char** argv) {
   std::vector<char> q(size_t(int64_t{hq} * d * esize));
   std::vector<float> qf(size_t(hq) * d);
   std::vector<double> step_ms;
+  Breakdown parts;
   bool check_ok = true;
   std::string check = "not run";
   int32_t len = static_cast<int32_t>(context);
@@ -237,6 +303,7 @@ int Main(int argc, char** argv) {
         std::cerr << "step " << s << " layer " << l << ": " << c.status << "\n";
         return 1;
       }
+      if (s >= warmup) parts.Add(c, n_devices);
       if (l == 0) first = std::move(c);
     }
     const double ms =
@@ -296,6 +363,41 @@ int Main(int argc, char** argv) {
     f << label << "," << backend_kind << "," << n_devices << "," << context << "," << layers << ","
       << hq << "," << hkv << "," << d << "," << gb << "," << step_ms.size() << "," << p50 << ","
       << mean << "," << 1000 * p50 / layers << "," << (check_ok ? "PASS" : "FAIL") << "\n";
+  }
+  std::printf(
+      "%s: per layer-call, median us: wall %.1f = host before the launches %.1f + slowest "
+      "device's launch + merge %.1f + the rest %.1f (hand-offs, waits)\n",
+      label.c_str(), Median(parts.wall), Median(parts.prepare), Median(parts.merge),
+      Median(parts.rest));
+  for (int dv = 0; dv < n_devices; ++dv) {
+    std::printf(
+        "%s:   device %d: queue %.1f, in %.1f (gather and copy), kernels %.1f, out %.1f "
+        "(copy and scatter)\n",
+        label.c_str(), dv, Median(parts.queue[dv]), Median(parts.h2d[dv]), Median(parts.kernel[dv]),
+        Median(parts.d2h[dv]));
+  }
+  if (!breakdown_csv.empty()) {
+    const bool fresh = !std::ifstream(breakdown_csv).good();
+    std::ofstream f(breakdown_csv, std::ios::app);
+    if (fresh) {
+      f << "label,backend,devices,context,layers,wall_us,prepare_us,merge_us,rest_us";
+      for (int dv = 0; dv < Breakdown::kDevices; ++dv) {
+        f << ",queue_us_" << dv << ",in_us_" << dv << ",kernel_us_" << dv << ",out_us_" << dv;
+      }
+      f << "\n";
+    }
+    f << label << "," << backend_kind << "," << n_devices << "," << context << "," << layers << ","
+      << Median(parts.wall) << "," << Median(parts.prepare) << "," << Median(parts.merge) << ","
+      << Median(parts.rest);
+    for (int dv = 0; dv < Breakdown::kDevices; ++dv) {
+      if (dv < n_devices) {
+        f << "," << Median(parts.queue[dv]) << "," << Median(parts.h2d[dv]) << ","
+          << Median(parts.kernel[dv]) << "," << Median(parts.d2h[dv]);
+      } else {
+        f << ",,,,";
+      }
+    }
+    f << "\n";
   }
   return check_ok ? 0 : 1;
 }
