@@ -13,13 +13,21 @@
 # Each run checks layer 0 of its last step against the float64 reference
 # over the whole sequence (BF16 rule, backend/reference/tolerance.h). The
 # target: two-GPU step <= 0.6x the one-GPU step at the same length.
-# Rows go to $OUT/long-context.csv; the table is printed last.
+# Rows go to $OUT/long-context.csv; the table is printed last, then where a
+# layer-call's time went ($OUT/long-context-breakdown.csv, medians in us): per
+# device the queue, copies in (the host's gather and the H2D copy), kernels
+# and copies out (D2H and the scatter) as the backend's events time them; on
+# the host the work before the launches (reserve, gather per device), the
+# merge of the partials, and the rest (hand-offs between threads, waits).
+# INLINE_MAX_COST (default the server's 4194304; 0 = never) is the executors'
+# --inline_max_cost: with it a step's launches start on the calling thread.
 # Expects .device-carry/bin/long_context_bench built with CUDA, with the
 # libraries it loads in .device-carry/lib (as pack-device-deps.sh --server
 # does for attnserve): from a CUDA build dir B,
 #   ninja -C B long_context_bench && strip -o .device-carry/bin/long_context_bench B/tests/kv/long_context_bench
 #   ldd .device-carry/bin/long_context_bench | awk '/=> \//{print $3}' | grep -vE '/(libc|libm|libdl|librt|libpthread|libresolv|ld-linux-x86-64|libgcc_s|libstdc\+\+)\.so' | xargs -r cp -L -t .device-carry/lib/
-# Usage: [LAYERS=32] [STEPS=16] [CONFIGS="one-128k two-128k one-256k two-256k"]
+# Usage: [LAYERS=32] [STEPS=16] [INLINE_MAX_COST=4194304]
+#        [CONFIGS="one-128k two-128k one-256k two-256k"]
 #        scripts/device/long-context-two-gpu.sh
 # Tried here on two CPU devices: BIN=build/tests/kv BACKEND=cpu SHORT=2048 LONG=4096
 # GIB=1 LAYERS=2 scripts/device/long-context-two-gpu.sh (SHORT and LONG replace
@@ -38,7 +46,8 @@ layers=${LAYERS:-32}
 steps=${STEPS:-16}
 configs=" ${CONFIGS:-one-128k two-128k one-256k two-256k} "
 csv=$OUT/long-context.csv
-rm -f "$csv"
+breakdown=$OUT/long-context-breakdown.csv
+rm -f "$csv" "$breakdown"
 nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv >"$OUT/env.txt" 2>&1 || true
 run() {  # run LABEL CONFIG CONTEXT GIB
   [[ $configs == *" $1 "* ]] || return 0
@@ -46,6 +55,7 @@ run() {  # run LABEL CONFIG CONTEXT GIB
   timeout "${RUN_TIMEOUT:-200}" "$bin" --backend="${BACKEND:-cuda}" --config="$2" --context="$3" \
     --layers="$layers" --hq=32 --hkv=8 --d=128 --dtype=bf16 --page_size=64 --chunk=8192 \
     --steps="$steps" --warmup=2 --kv_cache_gib="$4" --csv="$csv" --label="$1" \
+    --inline_max_cost="${INLINE_MAX_COST:-4194304}" --breakdown_csv="$breakdown" \
     >"$OUT/$1.txt" 2>&1
   local rc=$?
   cat "$OUT/$1.txt"
@@ -58,7 +68,7 @@ run two-128k two "$short" "${GIB:-40}"
 run one-256k one "$long" "${GIB:-40}"
 run two-256k two "$long" "${GIB:-20}"
 [ -f "$csv" ] || { echo "no rows"; exit 1; }
-python3 - "$csv" "$layers" <<'PY'
+python3 - "$csv" "$layers" "$breakdown" <<'PY'
 import csv, sys
 rows = {r["label"]: r for r in csv.DictReader(open(sys.argv[1]))}
 layers = int(sys.argv[2])
@@ -75,4 +85,18 @@ for n in ("128k", "256k"):
         print(f"two/one at {n}: {ratio:.3f} (target <= 0.6: {'met' if ratio <= 0.6 else 'NOT met'})")
 if layers != 32:
     print(f"measured {layers} layers; 32-layer ms scaled x{scale:g}")
+try:
+    parts = list(csv.DictReader(open(sys.argv[3])))
+except OSError:
+    parts = []
+if parts:
+    print("per layer-call, median us: wall = before + slowest device (queue+in+kernels+out) + merge + rest")
+    print(f"{'config':<10} {'wall':>8} {'before':>7} {'merge':>6} {'rest':>7}  per device: queue/in/kernels/out")
+    f = lambda x: float(x) if x not in ("", None) else 0.0
+    for r in parts:
+        devs = "  ".join(
+            f"d{d} {f(r[f'queue_us_{d}']):.0f}/{f(r[f'in_us_{d}']):.0f}/{f(r[f'kernel_us_{d}']):.0f}/{f(r[f'out_us_{d}']):.0f}"
+            for d in range(int(r["devices"])))
+        print(f"{r['label']:<10} {f(r['wall_us']):>8.1f} {f(r['prepare_us']):>7.1f} "
+              f"{f(r['merge_us']):>6.1f} {f(r['rest_us']):>7.1f}  {devs}")
 PY
