@@ -19,6 +19,7 @@
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
+#include "common/dtype.h"
 #include "common/lse_merge.h"
 #include "gtest/gtest.h"
 #include "server/executor.h"
@@ -199,6 +200,91 @@ TEST_F(SpanningTest, SequenceLongerThanOneDevicesPoolDecodes) {
   mods_.sinks = sinks.data();
   ASSERT_TRUE(Step(cache, 1, &h, 1, 1, causal, "with sinks").status.ok());
   mods_ = {};
+}
+
+// FP16 and BF16 caches over both devices: the merge reads each partial's O
+// in the cache's dtype and rounds the merged row once; decode steps and an
+// attend-only step of several queries against the float64 reference with
+// the low-precision rule (backend/reference/tolerance.h). Scores are large,
+// so the partials' LSEs differ by much and a wrong weight fails.
+TEST_F(SpanningTest, HalfPrecisionMergeMatchesReference) {
+  MakePool(8);  // FP32-sized pages: a half-precision cache's 16 fit twice
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const std::string name(DTypeName(dtype));
+    KvCreateCache r;
+    r.geometry = {1, kHkv, kD, dtype};
+    r.page_size = kPage;
+    r.capacity_tokens = 16 * kPage;
+    r.devices = {0, 1};
+    r.cache_id = "half-" + name;
+    absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->CreateCache("t", r);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    ASSERT_TRUE((*cache)->CreateSequences({{1, {}, {}}}).ok());
+    const int64_t es = DTypeSize(dtype);
+    std::string hk, hv;  // the sequence's rows so far, in dtype
+    auto rows = [&](int64_t n, float scale) {
+      std::string b(size_t(n * es), '\0');
+      const std::vector<float> f = Random(&rng_, n);
+      for (int64_t i = 0; i < n; ++i) StoreFromFloat(b.data(), dtype, i, scale * f[size_t(i)]);
+      return b;
+    };
+    auto step = [&](int n, int nq, bool causal) {
+      const int32_t len = static_cast<int32_t>(hk.size() / size_t(kRow * es));
+      const std::string q = rows(int64_t{nq} * kHq * kD + 1, 3.0f);
+      const std::string k = rows(n * kRow + 1, 1.0f), v = rows(n * kRow + 1, 1.0f);
+      auto c = std::make_shared<KvAppendAttend>();
+      c->steps = {{1, len, n, nq}};
+      c->dtype = dtype;
+      c->num_heads_q = kHq;
+      c->num_heads_kv = kHkv;
+      c->head_dim = kD;
+      c->options.causal = causal;
+      c->inputs.q = q.data();
+      c->inputs.k = k.data();
+      c->inputs.v = v.data();
+      c->return_lse = true;
+      absl::Status status;
+      absl::Notification done;
+      ASSERT_TRUE(pool_
+                      ->AppendAttend(*cache, c,
+                                     [&](const absl::Status& st, const WorkTimings&) {
+                                       status = st;
+                                       done.Notify();
+                                     })
+                      .ok());
+      done.WaitForNotification();
+      ASSERT_TRUE(status.ok()) << status;
+      hk.append(k.data(), size_t(n * kRow * es));
+      hv.append(v.data(), size_t(n * kRow * es));
+      AttnPointers io;
+      io.q = q.data();
+      io.k = hk.data();
+      io.v = hv.data();
+      AttnOptions options;
+      options.causal = causal;
+      const AttnParams p =
+          MakeAttnParams(DenseShape(dtype, 1, nq, len + n, kHq, kHkv, kD), options, io);
+      const ReferenceOutput ref = ReferenceAttention(p);
+      const ReferenceOutput low = ReferenceAttentionLowPrecision(p);
+      double err = 0, low_err = 0, lse_err = 0, low_lse_err = 0;
+      for (size_t i = 0; i < ref.o.size(); ++i) {
+        err = std::max(err, std::fabs(LoadAsFloat(c->o.data(), dtype, int64_t(i)) - ref.o[i]));
+        low_err = std::max(low_err, std::fabs(low.o[i] - ref.o[i]));
+      }
+      const float* lse = reinterpret_cast<const float*>(c->lse.data());
+      for (size_t i = 0; i < ref.lse.size(); ++i) {
+        lse_err = std::max(lse_err, std::fabs(lse[i] - ref.lse[i]));
+        low_lse_err = std::max(low_lse_err, std::fabs(low.lse[i] - ref.lse[i]));
+      }
+      const std::string where = name + " length " + std::to_string(len + n);
+      EXPECT_LE(err, 2 * low_err + tolerance::OutputFloor(dtype)) << where;
+      EXPECT_LE(lse_err, 2 * low_lse_err + tolerance::kLowpLseFloor) << where;
+    };
+    step(120, 1, true);                             // 8 pages on device 0
+    for (int i = 0; i < 30; ++i) step(1, 1, true);  // a segment on device 1
+    EXPECT_EQ(PagesUsed(*cache), (std::vector<int64_t>{8, 2})) << name;
+    step(0, 3, false);  // attend only, several queries over both segments
+  }
 }
 
 // An append goes whole to the last segment's device while it has the pages;
