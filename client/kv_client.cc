@@ -3,6 +3,8 @@
 // request_id matching (see kv_client.h).
 #include "client/kv_client.h"
 
+#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/support/status.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "client/async_unary.h"
 #include "common/dtype.h"
 #include "common/shape_string.h"
+#include "common/tensor_wire_slices.h"
 
 namespace attnserve {
 namespace {
@@ -179,7 +182,8 @@ absl::Status TakeAppendAttendOutputs(const ShmArena& arena, const ShmOutputSpans
 
 KvClient::KvClient(AttentionClient& client, KvMovedOptions moved) : client_(client), moved_(moved) {
   for (int i = 0; i < client.num_channels(); ++i) {
-    stubs_.push_back(v1::KvCache::NewStub(client.channel(i)));
+    channels_.push_back(client.channel(i));
+    stubs_.push_back(v1::KvCache::NewStub(channels_.back()));
   }
 }
 
@@ -189,16 +193,20 @@ void KvClient::Prepare(const CallOptions& call, const std::string& cache_id,
   if (!cache_id.empty()) context->AddMetadata(kCacheIdHeader, cache_id);
 }
 
-v1::KvCache::Stub& KvClient::Next() {
-  if (stubs_.size() == 1) return *stubs_[0];
-  return *stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()];
+KvClient::Route KvClient::Next() {
+  const size_t i =
+      stubs_.size() == 1 ? 0 : next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size();
+  return {stubs_[i].get(), channels_[i].get()};
 }
 
-v1::KvCache::Stub& KvClient::StubFor(const std::string& cache_id) {
+KvClient::Route KvClient::RouteFor(const std::string& cache_id) {
   {
     absl::MutexLock lock(&routes_mu_);
     auto route = routes_.find(cache_id);
-    if (route != routes_.end()) return *moved_stubs_.at(route->second);
+    if (route != routes_.end()) {
+      return {moved_stubs_.at(route->second).get(),
+              moved_clients_.at(route->second)->channel(0).get()};
+    }
   }
   return Next();
 }
@@ -220,13 +228,13 @@ absl::StatusOr<v1::KvCache::Stub*> KvClient::RouteTo(const std::string& cache_id
 
 grpc::Status KvClient::Invoke(
     const CallOptions& call, const std::string& cache_id,
-    const std::function<grpc::Status(v1::KvCache::Stub&, grpc::ClientContext*)>& rpc) {
+    const std::function<grpc::Status(const Route&, grpc::ClientContext*)>& rpc) {
   const absl::Time give_up = absl::Now() + moved_.budget;
   absl::Duration backoff = absl::Milliseconds(5);
   while (true) {
     grpc::ClientContext context;
     Prepare(call, cache_id, &context);
-    const grpc::Status status = rpc(StubFor(cache_id), &context);
+    const grpc::Status status = rpc(RouteFor(cache_id), &context);
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
         moved_.policy == KvMovedOptions::Policy::kOff || absl::Now() >= give_up) {
       return status;
@@ -266,8 +274,8 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateCache(const v1::CreateCacheReques
   // Without an id (the server chooses one) the call carries no header.
   v1::CreateCacheResponse response;
   const grpc::Status status =
-      Invoke(call, request.cache_id(), [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.CreateCache(context, request, &response);
+      Invoke(call, request.cache_id(), [&](const Route& route, grpc::ClientContext* context) {
+        return route.stub->CreateCache(context, request, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
@@ -277,10 +285,9 @@ absl::Status KvClient::DropCache(const std::string& cache_id, const CallOptions&
   v1::DropCacheRequest request;
   request.set_cache_id(cache_id);
   v1::DropCacheResponse response;
-  return ToAbslStatus(
-      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.DropCache(context, request, &response);
-      }));
+  return ToAbslStatus(Invoke(call, cache_id, [&](const Route& route, grpc::ClientContext* context) {
+    return route.stub->DropCache(context, request, &response);
+  }));
 }
 
 absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cache_id,
@@ -296,8 +303,8 @@ absl::StatusOr<v1::CacheStats> KvClient::CreateSequences(const std::string& cach
   }
   v1::CreateSequencesResponse response;
   const grpc::Status status =
-      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.CreateSequences(context, request, &response);
+      Invoke(call, cache_id, [&](const Route& route, grpc::ClientContext* context) {
+        return route.stub->CreateSequences(context, request, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
@@ -313,8 +320,8 @@ absl::StatusOr<v1::CacheStats> KvClient::Truncate(const std::string& cache_id, u
   request.set_length(length);
   v1::TruncateResponse response;
   const grpc::Status status =
-      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.Truncate(context, request, &response);
+      Invoke(call, cache_id, [&](const Route& route, grpc::ClientContext* context) {
+        return route.stub->Truncate(context, request, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
@@ -328,8 +335,8 @@ absl::StatusOr<v1::CacheStats> KvClient::FreeSequences(const std::string& cache_
   request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
   v1::FreeSequencesResponse response;
   const grpc::Status status =
-      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.FreeSequences(context, request, &response);
+      Invoke(call, cache_id, [&](const Route& route, grpc::ClientContext* context) {
+        return route.stub->FreeSequences(context, request, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return std::move(*response.mutable_stats());
@@ -343,8 +350,8 @@ absl::StatusOr<v1::GetCacheStatsResponse> KvClient::GetCacheStats(
   request.mutable_sequence_ids()->Assign(sequence_ids.begin(), sequence_ids.end());
   v1::GetCacheStatsResponse response;
   const grpc::Status status =
-      Invoke(call, cache_id, [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
-        return stub.GetCacheStats(context, request, &response);
+      Invoke(call, cache_id, [&](const Route& route, grpc::ClientContext* context) {
+        return route.stub->GetCacheStats(context, request, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return response;
@@ -354,9 +361,37 @@ absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(
     const v1::AppendAttendRequest& request, const CallOptions& call) {
   v1::AppendAttendResponse response;
   const grpc::Status status =
-      Invoke(call, request.cache_id(), [&](v1::KvCache::Stub& stub, grpc::ClientContext* context) {
+      Invoke(call, request.cache_id(), [&](const Route& route, grpc::ClientContext* context) {
         response.Clear();
-        return stub.AppendAttend(context, request, &response);
+        return route.stub->AppendAttend(context, request, &response);
+      });
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(v1::AppendAttendRequest* request,
+                                                                const CallOptions& call) {
+  // The generated stub would serialize the request into one buffer (a copy
+  // of every tensor byte); this call sends its own encoding instead, through
+  // the same blocking path the stub takes.
+  static const grpc::internal::RpcMethod kMethod("/attnserve.v1.KvCache/AppendAttend",
+                                                 grpc::internal::RpcMethod::NORMAL_RPC);
+  // Only the tensors present: mutable_* would create an absent one (an
+  // append-only call has no q).
+  TensorWireSlices tensors;
+  using R = v1::AppendAttendRequest;
+  static_assert(v1::Tensor::kDataFieldNumber == 3, "TensorWireSlices writes Tensor.data as 3");
+  if (request->has_q()) tensors.TakeData(R::kQFieldNumber, request->mutable_q()->mutable_data());
+  if (request->has_k()) tensors.TakeData(R::kKFieldNumber, request->mutable_k()->mutable_data());
+  if (request->has_v()) tensors.TakeData(R::kVFieldNumber, request->mutable_v()->mutable_data());
+  const grpc::ByteBuffer wire = tensors.Encode(*request);
+  v1::AppendAttendResponse response;
+  const grpc::Status status =
+      Invoke(call, request->cache_id(), [&](const Route& route, grpc::ClientContext* context) {
+        response.Clear();
+        return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AppendAttendResponse,
+                                                 grpc::ByteBuffer, grpc::protobuf::MessageLite>(
+            route.channel, kMethod, context, wire, &response);
       });
   if (!status.ok()) return ToAbslStatus(status);
   return response;
@@ -364,8 +399,9 @@ absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(
 
 absl::StatusOr<AppendAttendResult> KvClient::AppendAttend(const AppendAttendInputs& inputs,
                                                           const CallOptions& call) {
-  const v1::AppendAttendRequest request = MakeAppendAttendRequest(inputs);
-  absl::StatusOr<v1::AppendAttendResponse> response = AppendAttend(request, call);
+  v1::AppendAttendRequest request = MakeAppendAttendRequest(inputs);
+  // The tensors' bytes go onto the wire; their shapes stay for the check.
+  absl::StatusOr<v1::AppendAttendResponse> response = AppendAttend(&request, call);
   if (!response.ok()) return response.status();
   return AppendAttendResultFromProto(request, *std::move(response));
 }
@@ -399,7 +435,7 @@ void KvClient::AppendAttendAsync(
       request, [&](grpc::ClientContext* context) { Prepare(call, request.cache_id(), context); },
       [&](grpc::ClientContext* context, const v1::AppendAttendRequest* req,
           v1::AppendAttendResponse* resp, std::function<void(grpc::Status)> reaction) {
-        Next().async()->AppendAttend(context, req, resp, std::move(reaction));
+        Next().stub->async()->AppendAttend(context, req, resp, std::move(reaction));
       },
       std::move(done));
 }

@@ -288,6 +288,12 @@ class KvClient {
   // response's shapes.
   absl::StatusOr<v1::AppendAttendResponse> AppendAttend(const v1::AppendAttendRequest& request,
                                                         const CallOptions& call = CallOptions());
+  // The same, moving q, k and v's bytes onto the wire instead of copying them
+  // into a serialized message (common/tensor_wire_slices.h): `request` keeps
+  // every other field (the tensors' dtypes and shapes too) but no tensor
+  // bytes afterwards. The typed calls below send this way.
+  absl::StatusOr<v1::AppendAttendResponse> AppendAttend(v1::AppendAttendRequest* request,
+                                                        const CallOptions& call = CallOptions());
   absl::StatusOr<AppendAttendResult> AppendAttend(const AppendAttendInputs& inputs,
                                                   const CallOptions& call = CallOptions());
   // Both through `arena` (one call at a time per arena): q, k and v go into
@@ -314,24 +320,30 @@ class KvClient {
   int64_t moved_retries() const { return moved_retries_.load(std::memory_order_relaxed); }
 
  private:
+  // One target's stub and its channel (for the AppendAttend that sends its
+  // own encoding).
+  struct Route {
+    v1::KvCache::Stub* stub;
+    grpc::ChannelInterface* channel;
+  };
   // A context with the client's deadline and wait-for-ready and the cache id
   // header.
   void Prepare(const CallOptions& call, const std::string& cache_id,
                grpc::ClientContext* context) const;
-  v1::KvCache::Stub& Next();
-  // The stub for a cache's calls: the address it moved to, else Next().
-  v1::KvCache::Stub& StubFor(const std::string& cache_id);
+  Route Next();
+  // The route for a cache's calls: the address it moved to, else Next().
+  Route RouteFor(const std::string& cache_id);
   // Routes the cache's calls to `address` from now on; its stub.
   absl::StatusOr<v1::KvCache::Stub*> RouteTo(const std::string& cache_id,
                                              const std::string& address);
   // Runs `rpc` (a fresh context each attempt) and retries it per moved_.
-  grpc::Status Invoke(
-      const CallOptions& call, const std::string& cache_id,
-      const std::function<grpc::Status(v1::KvCache::Stub&, grpc::ClientContext*)>& rpc);
+  grpc::Status Invoke(const CallOptions& call, const std::string& cache_id,
+                      const std::function<grpc::Status(const Route&, grpc::ClientContext*)>& rpc);
 
   AttentionClient& client_;
   const KvMovedOptions moved_;
   std::vector<std::unique_ptr<v1::KvCache::Stub>> stubs_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;  // stubs_[i]'s
   std::atomic<uint64_t> next_{0};
   std::atomic<int64_t> moved_retries_{0};
   absl::Mutex routes_mu_;

@@ -8,7 +8,10 @@
 # Each DIR holds bin/attnserve and bin/attnctl (a server built with CUDA;
 # libraries from .device-carry/lib). Newer attnctl builds also print the
 # server's total and the time outside the server; their lines are kept.
-# Usage: bench/gpu/kv_step_overhead.sh ROUNDS DIR [DIR...]   (OUT: results folder)
+# NAME=SDIR:CDIR runs SDIR's server with CDIR's attnctl under NAME, so a
+# client change and a server change each get their own share (Echo always
+# runs CDIR's attnctl against SDIR's server).
+# Usage: bench/gpu/kv_step_overhead.sh ROUNDS DIR|NAME=SDIR:CDIR [...]   (OUT: results folder)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
@@ -21,14 +24,18 @@ port=50071
 table=$OUT/kv-step-overhead.txt
 : >"$table"
 for round in $(seq 1 "$rounds"); do
-  for dir in "$@"; do
-    name=$(basename "$dir")
+  for spec in "$@"; do
+    if [[ $spec == *=*:* ]]; then
+      name=${spec%%=*}; sdir=${spec#*=}; cdir=${sdir#*:}; sdir=${sdir%%:*}
+    else
+      name=$(basename "$spec"); sdir=$spec; cdir=$spec
+    fi
     log=$OUT/$name-r$round
-    start_server "$log-server.log" 60 "$dir/bin/attnctl" --target="127.0.0.1:$port" -- \
-      "$dir/bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" --log_level=warn \
+    start_server "$log-server.log" 60 "$cdir/bin/attnctl" --target="127.0.0.1:$port" -- \
+      "$sdir/bin/attnserve" --backend=cuda --host=127.0.0.1 --port="$port" --log_level=warn \
       --metrics_port=0 --http_port=0 --devices=0 --kv_cache_bytes=$((8 << 30)) || { echo "$name: server did not start"; continue; }
     pid=$SERVER_PID
-    ctl=("$dir/bin/attnctl" --target="127.0.0.1:$port" --timeout=600s)
+    ctl=("$cdir/bin/attnctl" --target="127.0.0.1:$port" --timeout=600s)
     timeout 200 "${ctl[@]}" load-kv "${shape[@]}" --page_size=64 --sequences=64 --prompt=8192 \
       --tokens=40 --warmup_tokens=4 --layers=1 >"$log-kv.txt" 2>&1
     timeout 60 "${ctl[@]}" load --rpc=echo --batch=64 --seqlen_q=1 --seqlen_k=1 "${shape[@]}" \

@@ -342,7 +342,9 @@ class Group {
       spans = *placed;
       *client_time += absl::Now() - start;
     }
-    absl::StatusOr<v1::AppendAttendResponse> r = kv->AppendAttend(request);
+    // The request's tensor bytes go onto the wire (not copied); its shapes
+    // stay for the check below.
+    absl::StatusOr<v1::AppendAttendResponse> r = kv->AppendAttend(&request);
     if (!r.ok()) return r.status();
     const absl::Time answered = absl::Now();
     if (arena_ != nullptr) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/tensor_wire_slices.h"
 #include "server/call_deadline.h"
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
@@ -30,7 +31,8 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const abs
   return reactor;
 }
 
-// Unary AppendAttend: the pool's completion finishes the RPC.
+// Unary AppendAttend: the pool's completion finishes the RPC. It holds the
+// call's messages: the method is raw (kv_service.h), so gRPC holds bytes.
 class AppendAttendReactor final : public grpc::ServerUnaryReactor {
  public:
   explicit AppendAttendReactor(InFlightCounter* in_flight)
@@ -44,10 +46,32 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
     delete this;
   }
 
+  v1::AppendAttendRequest request;
+  v1::AppendAttendResponse response;
+
  private:
   InFlightCounter* const in_flight_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
 };
+
+// Parses a raw request as gRPC's generated handler would (the same status
+// for bytes that are no AppendAttendRequest).
+grpc::Status ParseAppendAttend(const grpc::ByteBuffer& bytes, v1::AppendAttendRequest* request) {
+  grpc::ByteBuffer owned(bytes);  // shares the slices; parsing consumes this handle only
+  return grpc::SerializationTraits<v1::AppendAttendRequest>::Deserialize(&owned, request);
+}
+
+// `response` with o's and lse's bytes as slices it hands over, not copies.
+grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response) {
+  using R = v1::AppendAttendResponse;
+  static_assert(v1::Tensor::kDataFieldNumber == 3, "TensorWireSlices writes Tensor.data as 3");
+  TensorWireSlices tensors;
+  if (response->has_o()) tensors.TakeData(R::kOFieldNumber, response->mutable_o()->mutable_data());
+  if (response->has_lse()) {
+    tensors.TakeData(R::kLseFieldNumber, response->mutable_lse()->mutable_data());
+  }
+  return tensors.Encode(*response);
+}
 
 }  // namespace
 
@@ -255,15 +279,28 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
 }
 
 grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* context,
-                                                  const v1::AppendAttendRequest* request,
-                                                  v1::AppendAttendResponse* response) {
+                                                  const grpc::ByteBuffer* request_bytes,
+                                                  grpc::ByteBuffer* response_bytes) {
   auto* reactor = new AppendAttendReactor(&in_flight_);
+  const grpc::Status parsed = ParseAppendAttend(*request_bytes, &reactor->request);
+  if (!parsed.ok()) {
+    reactor->Finish(parsed);
+    return reactor;
+  }
+  const v1::AppendAttendRequest* request = &reactor->request;
+  v1::AppendAttendResponse* response = &reactor->response;
   // Finish may run before this returns (a refused call); the callback API
   // holds it until the reactor is bound to the call.
-  auto start = [this, context, reactor, request, response](KvHandoffGate::Pass pass) {
+  auto start = [this, context, reactor, request, response,
+                response_bytes](KvHandoffGate::Pass pass) {
     StartAppendAttend(
         CallMetaOf(TenantOf(auth_, context), DeadlineOf(context), reactor->cancelled()), request,
-        response, [reactor, pass = std::move(pass)](const absl::Status& status) mutable {
+        response,
+        [reactor, response, response_bytes,
+         pass = std::move(pass)](const absl::Status& status) mutable {
+          // A failed call's body is not sent (the status is), so only an OK
+          // one is encoded.
+          if (status.ok()) *response_bytes = EncodeAppendAttend(response);
           reactor->Finish(ToGrpcStatus(status));
           pass.reset();
         });

@@ -22,7 +22,12 @@
 
 namespace attnserve {
 
-class KvService final : public v1::KvCache::CallbackService {
+// Unary AppendAttend is registered raw (bytes in, bytes out) so that its
+// response's o and lse leave as slices that own them (common/
+// tensor_wire_slices.h) instead of being copied into a serialized message;
+// the request is parsed as gRPC would. Every other method is typed.
+class KvService final
+    : public v1::KvCache::WithRawCallbackMethod_AppendAttend<v1::KvCache::CallbackService> {
  public:
   // `runner` and `metrics` (may be null) must outlive the service;
   // `stream_limits` bound each AppendAttendStream (stream_flow_control.h).
@@ -38,8 +43,8 @@ class KvService final : public v1::KvCache::CallbackService {
                                             const v1::CreateSequencesRequest* request,
                                             v1::CreateSequencesResponse* response) override;
   grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* context,
-                                         const v1::AppendAttendRequest* request,
-                                         v1::AppendAttendResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<v1::AppendAttendRequest, v1::AppendAttendResponse>* AppendAttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context,
