@@ -1,0 +1,309 @@
+// K/V sequences moved between two real servers (CPU backend, loopback) with
+// the pages over UCX (server/ucx/kv_bulk.h; UCX_TLS from the environment: the
+// test runs over tcp and over sm,tcp): the receiver holds byte for byte the
+// source's rows; a move cut mid-way resumes where the receiver stands and
+// still ends with the same rows; a receiver without UCX takes the pages in the
+// gRPC streams and the result says why; a receiver too small refuses over UCX
+// as over gRPC; lanes split the sequences.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnserve/v1/kv.grpc.pb.h"
+#include "attnserve/v1/kv_transfer.grpc.pb.h"
+#include "backend/backend_factory.h"
+#include "client/kv_transfer.h"
+#include "common/dtype.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+
+namespace attnserve {
+namespace {
+
+constexpr int kHq = 4, kHkv = 2, kD = 16, kLayers = 3;
+
+struct Server {
+  std::unique_ptr<AttnServer> server;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::KvCache::Stub> kv;
+  std::unique_ptr<v1::KvTransfer::Stub> transfer;
+};
+
+Server StartServer(bool ucx) {
+  ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.kv_cache_bytes = int64_t{256} << 20;
+  o.kv_page_size = 16;
+  if (ucx) o.ucx_port = -1;  // any free port
+  Server s;
+  auto server = AttnServer::Create(o, MakeCpuBackend(2));
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return s;
+  s.server = *std::move(server);
+  EXPECT_TRUE(s.server->Start().ok());
+  s.channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", s.server->port()),
+                                  grpc::InsecureChannelCredentials());
+  s.kv = v1::KvCache::NewStub(s.channel);
+  s.transfer = v1::KvTransfer::NewStub(s.channel);
+  return s;
+}
+
+std::string RandomBf16(std::mt19937* rng, int64_t n) {
+  std::normal_distribution<float> normal;
+  std::string out(size_t(n) * 2, '\0');
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = FloatToBf16(normal(*rng));
+    std::memcpy(out.data() + i * 2, &h, 2);
+  }
+  return out;
+}
+
+void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, std::string data) {
+  t->set_dtype(v1::BF16);
+  for (int64_t d : shape) t->add_shape(d);
+  t->set_data(std::move(data));
+}
+
+using Rows = std::map<std::pair<uint64_t, int32_t>, std::string>;
+
+// A cache of `sequences` sequences of `tokens` rows at every layer, appended
+// `step` rows at a time for all of them (a page per step: each sequence's
+// pages then alternate with the others', not one run of consecutive pages).
+void MakeCache(Server& s, const std::string& cache, v1::DType cache_dtype, int sequences,
+               int tokens, uint32_t seed, int step = 1 << 30, Rows* appended = nullptr) {
+  std::mt19937 rng(seed);
+  std::map<std::pair<uint64_t, int32_t>, std::string> ks, vs;
+  {
+    v1::CreateCacheRequest r;
+    r.set_cache_id(cache);
+    r.mutable_geometry()->set_num_layers(kLayers);
+    r.mutable_geometry()->set_num_heads_kv(kHkv);
+    r.mutable_geometry()->set_head_dim(kD);
+    r.mutable_geometry()->set_dtype(v1::BF16);
+    r.mutable_geometry()->set_cache_dtype(cache_dtype);
+    r.set_page_size(16);
+    r.set_capacity_tokens(int64_t{sequences} * kLayers * (tokens + 16));
+    grpc::ClientContext ctx;
+    v1::CreateCacheResponse resp;
+    const grpc::Status st = s.kv->CreateCache(&ctx, r, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  {
+    v1::CreateSequencesRequest r;
+    r.set_cache_id(cache);
+    for (int i = 0; i < sequences; ++i) r.add_sequences()->set_sequence_id(uint64_t(100 + i));
+    grpc::ClientContext ctx;
+    v1::CreateSequencesResponse resp;
+    const grpc::Status st = s.kv->CreateSequences(&ctx, r, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  for (int done = 0; done < tokens; done += step) {
+    const int n = std::min(step, tokens - done);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      v1::AppendAttendRequest r;
+      r.set_cache_id(cache);
+      r.set_layer(layer);
+      for (int i = 0; i < sequences; ++i) {
+        v1::SequenceStep* seq = r.add_sequences();
+        seq->set_sequence_id(uint64_t(100 + i));
+        seq->set_num_new_tokens(n);
+        seq->set_expected_length(done);
+      }
+      const int64_t rows = int64_t{sequences} * n;
+      std::string k = RandomBf16(&rng, rows * kHkv * kD);
+      std::string v = RandomBf16(&rng, rows * kHkv * kD);
+      const size_t each = size_t(n) * kHkv * kD * 2;
+      for (int i = 0; i < sequences; ++i) {
+        ks[{uint64_t(100 + i), layer}] += k.substr(size_t(i) * each, each);
+        vs[{uint64_t(100 + i), layer}] += v.substr(size_t(i) * each, each);
+      }
+      SetTensor(r.mutable_q(), {0, kHq, kD}, "");
+      SetTensor(r.mutable_k(), {rows, kHkv, kD}, std::move(k));
+      SetTensor(r.mutable_v(), {rows, kHkv, kD}, std::move(v));
+      grpc::ClientContext ctx;
+      v1::AppendAttendResponse resp;
+      const grpc::Status st = s.kv->AppendAttend(&ctx, r, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+    }
+  }
+  if (appended != nullptr) {
+    for (const auto& [key, k] : ks) (*appended)[key] = k + vs[key];
+  }
+}
+
+// What a cache holds, chunking aside: per (sequence, layer) its K, V and
+// scales as one string (an export over gRPC).
+Rows CacheRows(Server& s, const std::string& cache) {
+  v1::ExportSequencesRequest r;
+  r.set_cache_id(cache);
+  grpc::ClientContext ctx;
+  auto reader = s.transfer->ExportSequences(&ctx, r);
+  std::map<std::pair<uint64_t, int32_t>, std::string> k, v, ks, vs;
+  v1::KvChunk c;
+  while (reader->Read(&c)) {
+    const std::pair<uint64_t, int32_t> key{c.sequence_id(), c.layer()};
+    k[key] += c.k();
+    v[key] += c.v();
+    ks[key] += c.k_scale();
+    vs[key] += c.v_scale();
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  Rows rows;
+  for (const auto& [key, bytes] : k) rows[key] = bytes + v[key] + ks[key] + vs[key];
+  return rows;
+}
+
+int64_t PagesUsed(Server& s, const std::string& cache) {
+  v1::GetCacheStatsRequest r;
+  r.set_cache_id(cache);
+  grpc::ClientContext ctx;
+  v1::GetCacheStatsResponse resp;
+  if (!s.kv->GetCacheStats(&ctx, r, &resp).ok()) return -1;
+  return resp.stats().pages_used();
+}
+
+MoveOptions UcxMove(int64_t capacity_tokens) {
+  MoveOptions o;
+  o.data_plane = "ucx";
+  o.create.emplace();
+  o.create->set_capacity_tokens(capacity_tokens);
+  return o;
+}
+
+class UcxKvTransferTest : public ::testing::TestWithParam<v1::DType> {};
+
+TEST_P(UcxKvTransferTest, ReceiverHoldsTheSameRows) {
+  Server a = StartServer(true), b = StartServer(true);
+  Rows appended;
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", GetParam(), 6, 200, 1, /*step=*/16, &appended));
+  MoveOptions o = UcxMove(6 * kLayers * 256);
+  o.max_chunk_bytes = 16 << 10;  // many chunks in flight
+  absl::StatusOr<MoveResult> moved = MoveCache(a.channel, b.channel, "kv0", o);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->data_plane, "ucx") << moved->data_plane_fallback;
+  EXPECT_EQ(moved->sequences, 6);
+  EXPECT_EQ(moved->resumes, 0);
+  EXPECT_EQ(moved->dest_stats.sequences(), 6);
+  const Rows want = CacheRows(a, "kv0");
+  ASSERT_EQ(want.size(), size_t{6 * kLayers});
+  int64_t total = 0;
+  for (const auto& [key, bytes] : want) total += int64_t(bytes.size());
+  EXPECT_EQ(moved->bytes, total);
+  EXPECT_TRUE(CacheRows(b, "kv0") == want) << "the receiver's rows differ from the source's";
+  // BF16 pages hold the appended rows as they were sent (FP8 ones their codes).
+  if (GetParam() == v1::BF16) EXPECT_TRUE(want == appended) << "the export differs from the rows";
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+TEST_P(UcxKvTransferTest, LanesSplitTheSequences) {
+  Server a = StartServer(true), b = StartServer(true);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", GetParam(), 7, 100, 2));
+  MoveOptions o = UcxMove(7 * kLayers * 128);
+  o.lanes = 3;
+  absl::StatusOr<MoveResult> moved = MoveCache(a.channel, b.channel, "kv0", o);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->lanes, 3);
+  EXPECT_EQ(moved->data_plane, "ucx");
+  EXPECT_EQ(moved->sequences, 7);
+  EXPECT_TRUE(CacheRows(b, "kv0") == CacheRows(a, "kv0"));
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, UcxKvTransferTest, ::testing::Values(v1::BF16, v1::FP8_E4M3),
+                         [](const auto& info) {
+                           return std::string(info.param == v1::BF16 ? "Bf16" : "Fp8");
+                         });
+
+// The export is cut once the receiver holds rows (evidence: its pages in
+// use), part way through: the move resumes from the receiver's resume point
+// (a resume that sent from the start would be refused: those sequences are
+// live) and ends with the source's rows.
+TEST(UcxKvTransferCutTest, CutExportResumesWhereTheReceiverStands) {
+  Server a = StartServer(true), b = StartServer(true);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", v1::BF16, 24, 1000, 3));
+  MoveOptions o = UcxMove(24 * kLayers * 1024);
+  o.max_chunk_bytes = 8 << 10;  // small chunks: the transfer takes a while
+  std::atomic<int> attempts{0};
+  std::atomic<int64_t> pages_at_cut{-1};
+  std::thread cutter;
+  o.data_plane_started_for_testing = [&](std::function<void()> cut) {
+    if (attempts.fetch_add(1) > 0) return;
+    cutter = std::thread([&, cut] {
+      const absl::Time until = absl::Now() + absl::Seconds(30);
+      int64_t used = 0;
+      while ((used = PagesUsed(b, "kv0")) < 24 * kLayers * 8 && absl::Now() < until) {
+      }
+      pages_at_cut = used;
+      cut();
+    });
+  };
+  absl::StatusOr<MoveResult> moved = MoveCache(a.channel, b.channel, "kv0", o);
+  if (cutter.joinable()) cutter.join();
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->data_plane, "ucx");
+  EXPECT_GE(moved->resumes, 1) << "the cut (at " << pages_at_cut << " pages) came after the end";
+  EXPECT_EQ(attempts.load(), moved->resumes + 1);
+  EXPECT_EQ(moved->sequences, 24);
+  EXPECT_EQ(moved->dest_stats.sequences(), 24);
+  EXPECT_TRUE(CacheRows(b, "kv0") == CacheRows(a, "kv0"));
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+// A receiver started without --ucx_port: the move asks for UCX, gets the
+// reason in the first answer and sends the pages in the gRPC streams.
+TEST(UcxKvTransferFallbackTest, ReceiverWithoutUcxTakesTheChunksOverGrpc) {
+  Server a = StartServer(true), b = StartServer(false);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", v1::BF16, 4, 150, 4));
+  absl::StatusOr<MoveResult> moved =
+      MoveCache(a.channel, b.channel, "kv0", UcxMove(4 * kLayers * 160));
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->data_plane, "grpc");
+  EXPECT_TRUE(absl::StrContains(moved->data_plane_fallback, "no UCX"))
+      << moved->data_plane_fallback;
+  EXPECT_EQ(moved->resumes, 0);
+  EXPECT_EQ(moved->sequences, 4);
+  EXPECT_TRUE(CacheRows(b, "kv0") == CacheRows(a, "kv0"));
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+// The receiver's refusals come back over UCX with the gRPC import's code and
+// message: a cache too small for the second sequence is RESOURCE_EXHAUSTED,
+// the first stays live (all or nothing per sequence), the second is not.
+TEST(UcxKvTransferQuotaTest, ReceiverTooSmallRefusesWithTheImportsStatus) {
+  Server a = StartServer(true), b = StartServer(true);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", v1::BF16, 2, 160, 5));
+  absl::StatusOr<MoveResult> moved =
+      MoveCache(a.channel, b.channel, "kv0", UcxMove(kLayers * (160 + 80)));
+  ASSERT_FALSE(moved.ok());
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kResourceExhausted) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(), "over UCX")) << moved.status();
+  v1::GetCacheStatsRequest r;
+  r.set_cache_id("kv0");
+  grpc::ClientContext ctx;
+  v1::GetCacheStatsResponse resp;
+  ASSERT_TRUE(b.kv->GetCacheStats(&ctx, r, &resp).ok());
+  EXPECT_EQ(resp.stats().sequences(), 1);
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+}  // namespace
+}  // namespace attnserve
