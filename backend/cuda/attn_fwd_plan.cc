@@ -69,6 +69,9 @@ int Sm90HeadDimFor(const AttnParams& p, const Plan& portable) {
   // Prefill that the portable plan would split: taken when the query run is
   // long enough to fill 64-row warpgroup tiles; shorter ones keep split-KV.
   if (portable.num_splits > 1 && p.seqlen_q < 64) return 0;
+  // MLA shapes (V's head dim differing): the compiled pair whose boxes the
+  // call's dims reach into (Sm90DvKernelFor), on kSm90DvTileTable's tile.
+  if (HeadDimV(p) != p.head_dim) return Sm90DvKernelFor(p.head_dim, HeadDimV(p)).head_dim;
   for (const TileConfig& t : kSm90TileTable) {
     if (t.head_dim < p.head_dim || !CompiledSm90HeadDim(t.head_dim)) continue;
     return p.head_dim > t.head_dim - 64 ? t.head_dim : 0;
@@ -176,7 +179,8 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   }
   const AttnParams& p = params;
   Plan plan;
-  // MLA shapes (V/O head dim differing): a portable pair, tensors only.
+  // MLA shapes (V/O head dim differing): a portable pair (the Hopper
+  // family's below where it takes the call), tensors only.
   const bool distinct_v = HeadDimV(p) != p.head_dim;
   if (distinct_v) {
     if (kv == KvRows::kTensors) {
@@ -249,22 +253,22 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
   }
   const int sm90_head_dim =
-      allow_sm90 && kv == KvRows::kTensors && !distinct_v && Sm90PrefillTakesMods(p)
-          ? Sm90HeadDimFor(p, plan)
-          : 0;
+      allow_sm90 && kv == KvRows::kTensors && Sm90PrefillTakesMods(p) ? Sm90HeadDimFor(p, plan) : 0;
   // A block mask goes to the Hopper kernel only when its key tiles lie in
-  // whole key blocks (Sm90BlockMaskFits), and then on kSm90TileTable's tile.
+  // whole key blocks (Sm90BlockMaskFits), and then on kSm90TileTable's tile
+  // (MLA shapes: kSm90DvTileTable's).
+  const int sm90_block_n = distinct_v ? Sm90DvTileFor(sm90_head_dim, HeadDimV(p)).block_n
+                                      : Sm90TileFor(sm90_head_dim).block_n;
   const bool sm90_blocks_fit =
       !HasBlockMask(p) ||
-      (sm90_head_dim != 0 &&
-       Sm90BlockMaskFits(Sm90TileFor(sm90_head_dim).block_n, p.block_q, p.block_k));
+      (sm90_head_dim != 0 && Sm90BlockMaskFits(sm90_block_n, p.block_q, p.block_k));
   if (sm90_head_dim != 0 && sm90_blocks_fit) {
     plan.kernel_family = KernelFamily::kSm90;
     plan.kernel_head_dim = sm90_head_dim;
     // Both Hopper instantiations carry the mods kernels: a call without a
     // band takes the unbanded one's (no per-tile band test).
     plan.banded = IsBanded(p);
-    const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk && !HasBlockMask(p) &&
+    const bool long_keys = p.seqlen_k >= kSm90LongKeysMinSk && !HasBlockMask(p) && !distinct_v &&
                            Sm90LongKeyTileFor(sm90_head_dim).head_dim != 0 &&
                            CompiledSm90LongKeyHeadDim(sm90_head_dim);
     plan.tile_kind = long_keys ? TileKind::kLongKeys : TileKind::kPrefill;

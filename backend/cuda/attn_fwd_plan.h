@@ -116,24 +116,50 @@ constexpr TileConfig kSm90TileTable[] = {
 // to align the tiles to 1024 bytes (the swizzle atom) and the mbarriers.
 // qk_bytes: bytes of a Q/K element (2; 1 for the FP8 path's codes, whose
 // rows round up to whole 128-byte boxes); V is always 16-bit.
+// v_dim: V's head dim when it differs (MLA shapes; 0: t.head_dim).
 constexpr int kSm90MaxSmemBytes = 227 * 1024;  // a CTA's opt-in limit on sm_90
-constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots) {
+constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots, int v_dim = 0) {
   const int qk_row = (t.head_dim * qk_bytes + 127) / 128 * 128;
   return (q_slots * t.block_m + t.stages * t.block_n) * qk_row +
-         t.stages * t.block_n * t.head_dim * 2 + 1024 + 256;
+         t.stages * t.block_n * (v_dim > 0 ? v_dim : t.head_dim) * 2 + 1024 + 256;
 }
 // Q slots of a Hopper prefill tile: two where they fit (D 64 and 128; FP8
 // Q/K up to 256), so a persistent CTA's producer loads the next item's Q,
 // and behind it that item's first K/V tiles, while this item still runs
 // (with one slot it waits for this item's last Q K^T); one where they do not
 // (16-bit D 192 and 256).
-constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2) {
-  return Sm90SmemBytesWith(t, qk_bytes, 2) <= kSm90MaxSmemBytes ? 2 : 1;
+constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2, int v_dim = 0) {
+  return Sm90SmemBytesWith(t, qk_bytes, 2, v_dim) <= kSm90MaxSmemBytes ? 2 : 1;
 }
-constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2) {
-  return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes));
+constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2, int v_dim = 0) {
+  return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes, v_dim), v_dim);
 }
 constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
+
+// The Hopper prefill kernel for MLA shapes (V's and O's head dim Dv
+// differing from Q's and K's D), one row per (D, Dv) pair: Q K^T over D's
+// 64-column boxes, P V and O over Dv's (16-bit only; Sm90FwdConfig's
+// kHeadDimV).
+//  - 192/128: 128x128, 2 stages, 1 Q slot (209 KB: Q 48 + K 96 + V 64;
+//    two Q slots would be 257 KB). V at 128 columns leaves room for
+//    128-key tiles, where the equal-dims 192 kernel takes 112; registers
+//    are D 128's (S 64 + O 64 + P 32). A plan on it names kernel_head_dim
+//    192, so PlanSmemBytes reports the equal-dims 192 tile's 217 KB: over
+//    this one's, and within the limit it is checked against.
+struct Sm90DvTile {
+  int head_dim_v;
+  TileConfig tile;
+};
+constexpr Sm90DvTile kSm90DvTileTable[] = {
+    {128, {192, 128, 128, 12, 2, 232}},
+};
+// The tile of the (head_dim, head_dim_v) pair, or all zeros when the table has none.
+constexpr TileConfig Sm90DvTileFor(int head_dim, int head_dim_v) {
+  for (const Sm90DvTile& t : kSm90DvTileTable) {
+    if (t.tile.head_dim == head_dim && t.head_dim_v == head_dim_v) return t.tile;
+  }
+  return TileConfig{0, 0, 0, 0, 0, 0};
+}
 
 // True when the Hopper prefill kernel on a tile of block_n keys takes a
 // block mask of (block_q, block_k): its 128-row query tiles lie in one query
@@ -322,9 +348,10 @@ enum class KvRows { kTensors, kPages };
 // memory is fine: only sizes are read); num_sms: the
 // device's SM count. kernel_head_dim is 0 when this build compiled no kernel
 // for params.head_dim. A call whose V/O head dim differs (HeadDimV, MLA
-// shapes) runs on the portable kernel of the pair DvKernelFor picks
-// (kernel_head_dim its Q/K dim), never on the decode tile or the Hopper
-// family, and over the request's tensors only (pages: kernel_head_dim 0). allow_sm90: the device is
+// shapes) runs on a (D, Dv) pair's kernel (kernel_head_dim its D): the
+// Hopper family's (Sm90DvKernelFor) where it would take the call, else the
+// portable kernel's (DvKernelFor), never on the decode tile, and over the
+// request's tensors only (pages: kernel_head_dim 0). allow_sm90: the device is
 // sm90 and the caller allows the Hopper family (CudaBackend: unless ATTNSERVE_CUDA_PORTABLE=1); the
 // plan then takes it for what it covers (SupportsSm90). A pure host function (attn_fwd_plan.cc,
 // compiled by the host compiler in every build), unit-tested without a GPU.

@@ -35,6 +35,10 @@ DEV_HEAD_DIMS = [128]
 # 192/128: DeepSeek-V3's prefill (in the dev set too, so its GPU test runs there).
 DV_PAIRS = [(192, 128)]
 DEV_DV_PAIRS = [(192, 128)]
+# ... and of the Hopper prefill kernel (kSm90DvTileTable; FP16/BF16 on the
+# default schedule), sm_90a only.
+SM90_DV_PAIRS = [(192, 128)]
+DEV_SM90_DV_PAIRS = [(192, 128)]
 # The Hopper family (backend/cuda/hopper/, kSm90TileTable): prefill (dense, varlen),
 # FP16/BF16 and the FP8 path's (Q K^T on E4M3 codes), compiled for sm_90a
 # only (target attn_cuda_sm90).
@@ -83,6 +87,19 @@ template cudaError_t RunAttnDecodeSm90<{d}, {ctype}, {is_banded}>(const PagedFwd
 }}  // namespace attnserve
 """
 
+SM90_DV_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for Q/K head dim {d} and
+// V/O head dim {dv}, {mask}, {dtype}, on kSm90DvTileTable's tile, with the
+// default warpgroup schedule (kDefaultSm90Schedule).
+#include "backend/cuda/hopper/attn_fwd_sm90.cuh"
+
+namespace attnserve {{
+namespace cuda {{
+template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule, false, false,
+                                    {dv}>(const FwdLaunch&, cudaStream_t);
+}}  // namespace cuda
+}}  // namespace attnserve
+"""
+
 SM90_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {mask},
 // {what}, on {tile},
 // with the default warpgroup schedule (kDefaultSm90Schedule).
@@ -125,6 +142,13 @@ def dims_list(ds):
 
 def pairs_list(ps):
     return ", ".join(f"{{{d}, {dv}}}" for d, dv in ps) or "{0, 0}"
+
+
+def sm90_dv_cases(ps):
+    return "".join(
+        f"    case {d} * 1024 + {dv}:\n"
+        f"      return RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, false, false, {dv}>("
+        f"launch, stream);\n" for d, dv in ps)
 
 
 def dv_cases(ps):
@@ -178,12 +202,14 @@ inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(DEV_SM90_HEAD_DIMS)}
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(DEV_SM90_DECODE_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(DEV_SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
 inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{{pairs_list(DEV_DV_PAIRS)}}};
+inline constexpr HeadDimPair kCompiledSm90DvHeadDims[] = {{{pairs_list(DEV_SM90_DV_PAIRS)}}};
 #else
 inline constexpr int kCompiledHeadDims[] = {{{dims_list(HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90HeadDims[] = {{{dims_list(SM90_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {{{dims_list(SM90_DECODE_HEAD_DIMS)}}};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {{{dims_list(SM90_LONG_KEY_HEAD_DIMS) or "0"}}};
 inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{{pairs_list(DV_PAIRS)}}};
+inline constexpr HeadDimPair kCompiledSm90DvHeadDims[] = {{{pairs_list(SM90_DV_PAIRS)}}};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -234,6 +260,22 @@ constexpr HeadDimPair DvKernelFor(int head_dim, int head_dim_v) {{
   for (const HeadDimPair& k : kCompiledDvHeadDims) {{
     if (k.head_dim != 0 && k.head_dim >= head_dim && k.head_dim_v >= head_dim_v) return k;
   }}
+  return HeadDimPair{{0, 0}};
+}}
+// ... and the Hopper kernel's (ATTNSERVE_CUDA_SM90): the compiled pair each
+// of whose dims the call's reaches into the last 64-column box of (the TMA
+// boxes zero-fill the rest), or {{0, 0}} when none (or no Hopper kernels).
+constexpr HeadDimPair Sm90DvKernelFor(int head_dim, int head_dim_v) {{
+#if defined(ATTNSERVE_CUDA_SM90)
+  for (const HeadDimPair& k : kCompiledSm90DvHeadDims) {{
+    if (k.head_dim != 0 && head_dim <= k.head_dim && head_dim > k.head_dim - 64 &&
+        head_dim_v <= k.head_dim_v && head_dim_v > k.head_dim_v - 64) {{
+      return k;
+    }}
+  }}
+#endif
+  (void)head_dim;
+  (void)head_dim_v;
   return HeadDimPair{{0, 0}};
 }}
 
@@ -309,6 +351,22 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
   }}
 }}
 
+// Runs the Hopper instantiation for a call whose V/O head dim differs
+// (Sm90DvKernelFor's pair `k`), or returns cudaErrorInvalidValue (also in
+// builds without it).
+template <typename T, bool kIsBanded>
+cudaError_t RunSm90DvForHeadDims(HeadDimPair k, const FwdLaunch& launch, cudaStream_t stream) {{
+  switch (k.head_dim * 1024 + k.head_dim_v) {{
+#if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
+{sm90_dv_cases(DEV_SM90_DV_PAIRS)}#elif defined(ATTNSERVE_CUDA_SM90)
+{sm90_dv_cases(SM90_DV_PAIRS)}#endif
+    default:
+      (void)launch;
+      (void)stream;
+      return cudaErrorInvalidValue;
+  }}
+}}
+
 // Runs the portable instantiation for a call whose V/O head dim differs
 // (DvKernelFor's pair `k`), or returns cudaErrorInvalidValue.
 template <typename T, bool kIsBanded>
@@ -339,7 +397,17 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
   }}
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {{
     if (HeadDimV(launch.p) != launch.p.head_dim) {{
-      // MLA shapes: the portable pair PlanForward chose (its Q/K head dim).
+      // MLA shapes: the Hopper or portable pair PlanForward chose (its Q/K head dim).
+      if (plan.kernel_family == KernelFamily::kSm90) {{
+        const HeadDimPair k = Sm90DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
+        if (k.head_dim != d || plan.fp8_qk) return cudaErrorInvalidValue;
+        if (dtype == DType::kFP16) {{
+          return plan.banded ? RunSm90DvForHeadDims<__half, true>(k, launch, stream)
+                             : RunSm90DvForHeadDims<__half, false>(k, launch, stream);
+        }}
+        return plan.banded ? RunSm90DvForHeadDims<__nv_bfloat16, true>(k, launch, stream)
+                           : RunSm90DvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
+      }}
       const HeadDimPair k = DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
       if (plan.kernel_family != KernelFamily::kPortable || k.head_dim != d) {{
         return cudaErrorInvalidValue;
@@ -513,6 +581,16 @@ def main():
                     sm90_all.append(f"generated/{name}")
                     if d in dev_dims:
                         sm90_dev.append(f"generated/{name}")
+    for d, dv in SM90_DV_PAIRS:
+        for dtype, ctype in DTYPES.items():
+            for mask, is_banded in MASKS.items():
+                name = f"attn_fwd_hdim{d}v{dv}_{dtype}_{mask}_sm90.cu"
+                with open(os.path.join(out, name), "w") as f:
+                    f.write(SM90_DV_INSTANTIATION.format(d=d, dv=dv, dtype=dtype, mask=mask,
+                                                         ctype=ctype, is_banded=is_banded))
+                sm90_all.append(f"generated/{name}")
+                if (d, dv) in DEV_SM90_DV_PAIRS:
+                    sm90_dev.append(f"generated/{name}")
     for d in SM90_DECODE_HEAD_DIMS:
         for dtype, ctype in DTYPES.items():
             for mask, is_banded in MASKS.items():

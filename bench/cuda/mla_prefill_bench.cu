@@ -9,6 +9,8 @@
 // equal-dims kernel at D = Dqk on the same N (V of Dqk: what a caller padding
 // V would run), where this build compiled it. Timing: CUDA events, L2
 // flushed by a 256 MB memset before every run, 5 warm-ups, median of 25.
+// On sm90 every shape also runs on the portable kernel (impl ours_portable;
+// --portable=1: that kernel alone).
 // Rows: kind,dtype,dqk,dv,b,hq,hkv,sq,sk,causal,impl,kernel,ms,tflops (CSV).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -73,12 +75,13 @@ struct Launch {
   void* ws = nullptr;
 };
 
-bool Prepare(const Args& a, const AttnShape& shape, bool causal, const AttnPointers& ptrs,
+// portable: plan without the Hopper family.
+bool Prepare(const AttnShape& shape, bool causal, bool portable, const AttnPointers& ptrs,
              Arena* arena, Launch* l) {
   int num_sms = 0;
   CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   l->p = MakeAttnParams(shape, Options(causal), ptrs);
-  l->plan = cuda::PlanForward(l->p, num_sms, !a.portable && cuda::DeviceRunsSm90Kernels(0));
+  l->plan = cuda::PlanForward(l->p, num_sms, !portable && cuda::DeviceRunsSm90Kernels(0));
   if (l->plan.kernel_head_dim == 0) return false;
   if (l->plan.workspace_bytes > 0) {
     l->ws = arena->Alloc(l->plan.workspace_bytes);
@@ -97,7 +100,7 @@ bool Upload(Arena* a, const void* src, int64_t bytes, void** dst) {
 
 // Relative L2 error of O on a small shape (B 2, N 600, H 2: partial tiles,
 // rows past the diagonal) against the float64 reference.
-bool Validate(const Args& a, bool causal, double* err) {
+bool Validate(const Args& a, bool causal, bool portable, double* err) {
   const int b = 2, n = 600, h = 2;
   const int64_t nq = int64_t{b} * n * h * a.dqk, nv = int64_t{b} * n * h * a.dv;
   std::vector<uint16_t> hq(nq), hk(nq), hv(nv), ho(nv);
@@ -116,8 +119,8 @@ bool Validate(const Args& a, bool causal, double* err) {
   if (dout == nullptr) return false;
   const AttnShape shape = Shape(a, b, n, h, a.dv);
   Launch l;
-  if (!Prepare(a, shape, causal, {dq, dk, dv, dout, nullptr, TensorDevices{}, AttnMods{}}, &arena,
-               &l)) {
+  if (!Prepare(shape, causal, portable, {dq, dk, dv, dout, nullptr, TensorDevices{}, AttnMods{}},
+               &arena, &l)) {
     return false;
   }
   CK(cuda::LaunchForward(l.p, l.plan, l.ws, nullptr));
@@ -148,7 +151,7 @@ void Fill(void* x, int64_t n, uint32_t seed) {
 
 // Median milliseconds of B x N x H at V/O head dim dv, or < 0 when this
 // build has no kernel for it or a launch failed.
-double Time(const Args& a, int b, int n, int h, int dv, bool causal, void* flush,
+double Time(const Args& a, int b, int n, int h, int dv, bool causal, bool portable, void* flush,
             std::string* kernel) {
   const int64_t nq = int64_t{b} * n * h * a.dqk, nv = int64_t{b} * n * h * dv;
   Arena arena;
@@ -162,8 +165,8 @@ double Time(const Args& a, int b, int n, int h, int dv, bool causal, void* flush
   (bf16 ? Fill<__nv_bfloat16> : Fill<__half>)(k, nq, 2);
   (bf16 ? Fill<__nv_bfloat16> : Fill<__half>)(v, nv, 3);
   Launch l;
-  if (!Prepare(a, Shape(a, b, n, h, dv), causal, {q, k, v, o, nullptr, TensorDevices{}, AttnMods{}},
-               &arena, &l)) {
+  if (!Prepare(Shape(a, b, n, h, dv), causal, portable,
+               {q, k, v, o, nullptr, TensorDevices{}, AttnMods{}}, &arena, &l)) {
     return -1;
   }
   *kernel = l.plan.kernel_family == KernelFamily::kSm90 ? "sm90" : "portable";
@@ -244,12 +247,19 @@ int Main(int argc, char** argv) {
     return 1;
   }
   int failures = 0;
+  // On sm90 the plan's kernel (Hopper where it covers the shape) and the
+  // portable one beside it.
+  const bool both = !a.portable && cuda::DeviceRunsSm90Kernels(0);
   for (int causal : a.causals) {
-    double err = 0;
-    const bool ok = Validate(a, causal != 0, &err);
-    std::printf("validate %s %d/%d causal=%d: rel L2 err %.2e %s\n", dn, a.dqk, a.dv, causal, err,
-                ok ? "ok" : "FAILED");
-    if (!ok) ++failures;
+    for (bool portable : {a.portable, true}) {
+      if (portable && !a.portable && !both) continue;
+      double err = 0;
+      const bool ok = Validate(a, causal != 0, portable, &err);
+      std::printf("validate %s %d/%d causal=%d %s: rel L2 err %.2e %s\n", dn, a.dqk, a.dv, causal,
+                  portable ? "portable" : "plan", err, ok ? "ok" : "FAILED");
+      if (!ok) ++failures;
+      if (a.portable) break;
+    }
   }
   std::printf("%-6s %5s %4s %6s %6s %-16s %-18s %9s %8s\n", "dtype", "hq", "b", "n", "causal",
               "impl", "kernel", "ms", "TFLOP/s");
@@ -257,11 +267,17 @@ int Main(int argc, char** argv) {
     for (int n : a.ns) {
       const int b = std::max(1, a.tokens / n);
       for (int causal : a.causals) {
-        std::vector<std::pair<std::string, int>> impls{{"ours", a.dv}};
-        if (a.same_dims) impls.push_back({"ours_same_dims", a.dqk});
-        for (const auto& [impl, dv] : impls) {
+        struct Impl {
+          std::string name;
+          int dv;
+          bool portable;
+        };
+        std::vector<Impl> impls{{"ours", a.dv, a.portable}};
+        if (both) impls.push_back({"ours_portable", a.dv, true});
+        if (a.same_dims) impls.push_back({"ours_same_dims", a.dqk, a.portable});
+        for (const auto& [impl, dv, portable] : impls) {
           std::string kernel = "none";
-          const double ms = Time(a, b, n, h, dv, causal != 0, flush, &kernel);
+          const double ms = Time(a, b, n, h, dv, causal != 0, portable, flush, &kernel);
           if (ms < 0) {
             std::printf("%-6s %5d %4d %6d %6d %-16s %-18s %9s\n", dn, h, b, n, causal, impl.c_str(),
                         kernel.c_str(), "skipped");

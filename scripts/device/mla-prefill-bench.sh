@@ -2,13 +2,14 @@
 # On the GPU machine (device `run`, with .device-carry carried): MLA-shape
 # prefill (Q/K head dim 192, V/O 128: DeepSeek-V3's). Builds the CUDA
 # backend's MLA tests and bench/cuda/mla_prefill_bench (server off, as
-# scripts/device/fp8-kv-bench.sh does), runs cuda_mla_prefill_test and
-# cuda_mla_refusal_test (and, REGRESS=1, the portable kernels' own tests,
+# scripts/device/fp8-kv-bench.sh does), runs cuda_mla_prefill_test (on the
+# plan's kernels, Hopper where it covers a case, then all on the portable
+# kernel) and cuda_mla_refusal_test (and, REGRESS=1, the portable kernels' own tests,
 # whose body the value dim went into: cuda_backend_test without its Hopper
 # and FP8 suites, cuda_score_mods_test), compute-sanitizer memcheck and
 # racecheck on a few MLA cases, then times our 192/128 prefill at N 1k-16k
 # with B x N = 16k tokens, Hq 128 and 16 (K/V heads = query heads), causal
-# and not, against PyTorch SDPA on the same GPU (bench/gpu/mla_sdpa_bench.py:
+# and not (ours: the plan's kernel, and the portable one beside it), against PyTorch SDPA on the same GPU (bench/gpu/mla_sdpa_bench.py:
 # each backend on the shape as it is where it takes Dv != Dqk, else with V
 # zero-padded to 192). TFLOP/s counts 2 x B x H x N x N x (Dqk + Dv), halved
 # for causal, for every row. Prints a summary and one table (ours against
@@ -44,8 +45,10 @@ else
   note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
   printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
-# ptxas' spill warnings of the MLA kernels (AttnFwdKernelDv), if any.
-grep -E "spill" "$OUT/build.log" | grep -c "AttnFwdKernelDv" >"$OUT/spills.txt"
+# ptxas' spill warnings of the MLA kernels (AttnFwdKernelDv; the Hopper
+# ones: AttnFwdSm90Kernel instantiated with 192 and 128), if any.
+grep -E "spill" "$OUT/build.log" | grep -cE "AttnFwdKernelDv|AttnFwdSm90KernelILi192ELi128E.*Li128EEEv" \
+  >"$OUT/spills.txt"
 note "MLA kernel spill warnings" "$(cat "$OUT/spills.txt")"
 T=$B/tests/cuda
 
@@ -55,7 +58,9 @@ run_test() {  # run_test NAME LOG ARGS...
   note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is' "$OUT/$log" | head -10
 }
-run_test "mla prefill tests" mla-tests.log $T/cuda_mla_prefill_test
+run_test "mla prefill tests (plan)" mla-tests.log $T/cuda_mla_prefill_test
+ATTNSERVE_CUDA_PORTABLE=1 run_test "mla prefill tests (portable)" mla-tests-portable.log \
+  $T/cuda_mla_prefill_test
 run_test "mla refusal tests" mla-refusal.log $T/cuda_mla_refusal_test
 if [ "$REGRESS" = 1 ]; then
   ATTNSERVE_CUDA_PORTABLE=1 run_test "cuda_backend_test (portable)" backend-tests.log \
@@ -71,6 +76,9 @@ if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
       --gtest_filter="$filt" >"$OUT/sanitizer-$tool.log" 2>&1
     note "sanitizer $tool" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
   done
+  ATTNSERVE_CUDA_PORTABLE=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    $T/cuda_mla_prefill_test --gtest_filter="$filt" >"$OUT/sanitizer-memcheck-portable.log" 2>&1
+  note "sanitizer memcheck (portable)" "rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-memcheck-portable.log" | tail -1)"
 fi
 
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)

@@ -1,7 +1,9 @@
 // MLA-shape prefill on the CUDA backend (V's and O's head dim Dv differing
-// from Q's and K's D, params.h head_dim_v): the portable kernel's 192/128
-// pair (DeepSeek-V3's prefill shape) against the float64 reference with the
-// tolerance policy, through the backend's staging path. Dense and varlen
+// from Q's and K's D, params.h head_dim_v): the 192/128 pair (DeepSeek-V3's
+// prefill shape) against the float64 reference with the tolerance policy,
+// through the backend's staging path, on the kernel the plan picks (the
+// Hopper kernel on sm90 where it covers the call; ATTNSERVE_CUDA_PORTABLE=1
+// runs every case on the portable kernel). Dense and varlen
 // (zero-length sequences on both sides), causal or not, windows, softcap,
 // GQA 4:1 and MQA (packed into M for short query runs), Sq != Sk both ways,
 // Sk = 0, split-KV (the combine reads partial rows of Dv), every score
@@ -150,16 +152,18 @@ class CudaMlaPrefillTest : public ::testing::TestWithParam<TestCase> {
     backend_ = testing_util::SharedCudaBackend(&why);
     if (backend_ == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
   }
-  // Plans (the portable kernel's pair; never the Hopper family), then runs
-  // twice on re-poisoned outputs and checks both against the reference.
+  // Plans (the 192/128 pair, either family), then runs twice on re-poisoned
+  // outputs and checks both against the reference. min_splits: the portable
+  // plan's (the Hopper kernel never splits).
   void RunAndCheck(const TestCase& tc, int min_splits = 1) {
     HostBuffers buf(tc);
     ASSERT_EQ(HeadDimV(buf.params()), tc.head_dim_v);
     const absl::StatusOr<Plan> plan = backend_->CanImplement(buf.params());
     ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_EQ(plan->kernel_family, KernelFamily::kPortable);
     EXPECT_EQ(plan->kernel_head_dim, 192);
-    EXPECT_GE(plan->num_splits, min_splits) << tc.Name();
+    if (plan->kernel_family == KernelFamily::kPortable) {
+      EXPECT_GE(plan->num_splits, min_splits) << tc.Name();
+    }
     for (int run = 0; run < 2; ++run) {
       buf.Poison();
       BackendTimings t;

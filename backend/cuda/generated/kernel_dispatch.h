@@ -88,6 +88,28 @@ cudaError_t RunForHeadDim(int kernel_head_dim, const Launch& launch, cudaStream_
   }
 }
 
+// Runs the Hopper instantiation for a call whose V/O head dim differs
+// (Sm90DvKernelFor's pair `k`), or returns cudaErrorInvalidValue (also in
+// builds without it).
+template <typename T, bool kIsBanded>
+cudaError_t RunSm90DvForHeadDims(HeadDimPair k, const FwdLaunch& launch, cudaStream_t stream) {
+  switch (k.head_dim * 1024 + k.head_dim_v) {
+#if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
+    case 192 * 1024 + 128:
+      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, false, false, 128>(launch,
+                                                                                        stream);
+#elif defined(ATTNSERVE_CUDA_SM90)
+    case 192 * 1024 + 128:
+      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, false, false, 128>(launch,
+                                                                                        stream);
+#endif
+    default:
+      (void)launch;
+      (void)stream;
+      return cudaErrorInvalidValue;
+  }
+}
+
 // Runs the portable instantiation for a call whose V/O head dim differs
 // (DvKernelFor's pair `k`), or returns cudaErrorInvalidValue.
 template <typename T, bool kIsBanded>
@@ -120,7 +142,17 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
   }
   if constexpr (std::is_same_v<Launch, FwdLaunch>) {
     if (HeadDimV(launch.p) != launch.p.head_dim) {
-      // MLA shapes: the portable pair PlanForward chose (its Q/K head dim).
+      // MLA shapes: the Hopper or portable pair PlanForward chose (its Q/K head dim).
+      if (plan.kernel_family == KernelFamily::kSm90) {
+        const HeadDimPair k = Sm90DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
+        if (k.head_dim != d || plan.fp8_qk) return cudaErrorInvalidValue;
+        if (dtype == DType::kFP16) {
+          return plan.banded ? RunSm90DvForHeadDims<__half, true>(k, launch, stream)
+                             : RunSm90DvForHeadDims<__half, false>(k, launch, stream);
+        }
+        return plan.banded ? RunSm90DvForHeadDims<__nv_bfloat16, true>(k, launch, stream)
+                           : RunSm90DvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
+      }
       const HeadDimPair k = DvKernelFor(launch.p.head_dim, HeadDimV(launch.p));
       if (plan.kernel_family != KernelFamily::kPortable || k.head_dim != d) {
         return cudaErrorInvalidValue;

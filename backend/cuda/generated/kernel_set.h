@@ -19,12 +19,14 @@ inline constexpr int kCompiledSm90HeadDims[] = {128};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {128};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {0};
 inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{192, 128}};
+inline constexpr HeadDimPair kCompiledSm90DvHeadDims[] = {{192, 128}};
 #else
 inline constexpr int kCompiledHeadDims[] = {64, 96, 128, 192, 256};
 inline constexpr int kCompiledSm90HeadDims[] = {64, 128, 192, 256};
 inline constexpr int kCompiledSm90DecodeHeadDims[] = {64, 96, 128};
 inline constexpr int kCompiledSm90LongKeyHeadDims[] = {64};
 inline constexpr HeadDimPair kCompiledDvHeadDims[] = {{192, 128}};
+inline constexpr HeadDimPair kCompiledSm90DvHeadDims[] = {{192, 128}};
 #endif
 
 // True when this build compiled kernels for `kernel_head_dim`.
@@ -75,6 +77,22 @@ constexpr HeadDimPair DvKernelFor(int head_dim, int head_dim_v) {
   for (const HeadDimPair& k : kCompiledDvHeadDims) {
     if (k.head_dim != 0 && k.head_dim >= head_dim && k.head_dim_v >= head_dim_v) return k;
   }
+  return HeadDimPair{0, 0};
+}
+// ... and the Hopper kernel's (ATTNSERVE_CUDA_SM90): the compiled pair each
+// of whose dims the call's reaches into the last 64-column box of (the TMA
+// boxes zero-fill the rest), or {0, 0} when none (or no Hopper kernels).
+constexpr HeadDimPair Sm90DvKernelFor(int head_dim, int head_dim_v) {
+#if defined(ATTNSERVE_CUDA_SM90)
+  for (const HeadDimPair& k : kCompiledSm90DvHeadDims) {
+    if (k.head_dim != 0 && head_dim <= k.head_dim && head_dim > k.head_dim - 64 &&
+        head_dim_v <= k.head_dim_v && head_dim_v > k.head_dim_v - 64) {
+      return k;
+    }
+  }
+#endif
+  (void)head_dim;
+  (void)head_dim_v;
   return HeadDimPair{0, 0};
 }
 

@@ -90,6 +90,10 @@ set(ATTN_FWD_SM90_KERNELS_ALL
   generated/attn_fwd_hdim64_bf16_unbanded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_fp8_banded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_fp8_unbanded_longkeys_sm90.cu
+  generated/attn_fwd_hdim192v128_fp16_banded_sm90.cu
+  generated/attn_fwd_hdim192v128_fp16_unbanded_sm90.cu
+  generated/attn_fwd_hdim192v128_bf16_banded_sm90.cu
+  generated/attn_fwd_hdim192v128_bf16_unbanded_sm90.cu
   generated/attn_decode_hdim64_fp16_banded_sm90.cu
   generated/attn_decode_hdim64_fp16_unbanded_sm90.cu
   generated/attn_decode_hdim64_bf16_banded_sm90.cu
@@ -110,6 +114,10 @@ set(ATTN_FWD_SM90_KERNELS_DEV
   generated/attn_fwd_hdim128_bf16_unbanded_sm90.cu
   generated/attn_fwd_hdim128_fp8_banded_sm90.cu
   generated/attn_fwd_hdim128_fp8_unbanded_sm90.cu
+  generated/attn_fwd_hdim192v128_fp16_banded_sm90.cu
+  generated/attn_fwd_hdim192v128_fp16_unbanded_sm90.cu
+  generated/attn_fwd_hdim192v128_bf16_banded_sm90.cu
+  generated/attn_fwd_hdim192v128_bf16_unbanded_sm90.cu
   generated/attn_decode_hdim128_fp16_banded_sm90.cu
   generated/attn_decode_hdim128_fp16_unbanded_sm90.cu
   generated/attn_decode_hdim128_bf16_banded_sm90.cu

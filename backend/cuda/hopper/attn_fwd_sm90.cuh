@@ -45,14 +45,16 @@ namespace sm90 {
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
 // schedule only): ALiBi, sinks and the block mask; kElemMods also the
-// additive bias and element mask (Sm90FwdConfig).
+// additive bias and element mask (Sm90FwdConfig). kHeadDimV: V's and O's
+// head dim (MLA shapes).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false>
+          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false,
+          int kHeadDimV = kHeadDim>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk,
-                            kMods, kElemMods>;
+                            kMods, kElemMods, kHeadDimV>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -173,12 +175,21 @@ inline bool Sm90ModsOneKernel() {
 // with cudaErrorNotSupported, as the default schedule does a bias of another
 // dtype than FP16/BF16 and a block mask whose key blocks the tile's
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
+// kHeadDimV != kHeadDim: MLA shapes (HeadDimV(p) differing from head_dim) on
+// kSm90DvTileTable's tile, 16-bit on the default schedule only.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
-          bool kLongKeys>
+          bool kLongKeys, int kHeadDimV>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
-  constexpr TileConfig kTile = kLongKeys ? Sm90LongKeyTileFor(kHeadDim) : Sm90TileFor(kHeadDim);
+  constexpr bool kDistinctV = kHeadDimV != kHeadDim;
+  static_assert(!kDistinctV || (!kFp8Qk && !kLongKeys && kSchedule == kDefaultSm90Schedule),
+                "a distinct value dim: 16-bit, the default schedule, kSm90DvTileTable's tile");
+  constexpr TileConfig kTile = kDistinctV  ? Sm90DvTileFor(kHeadDim, kHeadDimV)
+                               : kLongKeys ? Sm90LongKeyTileFor(kHeadDim)
+                                           : Sm90TileFor(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from its Hopper tile table");
   const AttnParams& p = launch.p;
+  // The V map's columns (and the epilogue's O rows): Dv where it differs.
+  const int64_t v_dim = kDistinctV ? HeadDimV(p) : p.head_dim;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
   // Which kernel: the bias / element mask one (kElemMods), the register
   // modifiers' one (ALiBi, block mask, sinks beside them), or the plain one
@@ -224,27 +235,28 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
                               kTile.block_n);
   }
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, p.head_dim,
+    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, v_dim,
                               kTile.block_n);
   }
   if (err != cudaSuccess) return err;
   constexpr int kQKBytes = kFp8Qk ? 1 : 2;
-  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes);
+  constexpr int kVDim = kDistinctV ? kHeadDimV : 0;  // Sm90SmemBytes' v_dim
+  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes, kVDim);
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                              kSchedule, kFp8Qk, false>;
+                              kSchedule, kFp8Qk, false, false, kHeadDimV>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                       kSchedule, kFp8Qk, true, true>;
+                                       kSchedule, kFp8Qk, true, true, kHeadDimV>;
     } else if (mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                       kSchedule, kFp8Qk, true, false>;
+                                       kSchedule, kFp8Qk, true, false, kHeadDimV>;
     }
   }
   using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                      kSchedule, kFp8Qk, true, true>;
-  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes);
+                                      kSchedule, kFp8Qk, true, true, kHeadDimV>;
+  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.
   const int smem = elem_mods ? ElemCfg::kSmemBytes : kSmem;

@@ -45,9 +45,11 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 // kSm90TileTable's. Score modifiers (HasScoreMods): ALiBi, an FP16/BF16
 // bias, an element mask, sinks and a block mask run on the default
 // schedule without kFp8Qk (a block mask only where Sm90BlockMaskFits);
-// anything else is cudaErrorNotSupported.
+// anything else is cudaErrorNotSupported. kHeadDimV != kHeadDim: MLA shapes
+// (HeadDimV(params) differing; kSm90DvTileTable's pairs), FP16/BF16 on the
+// default schedule.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,
-          bool kLongKeys = false>
+          bool kLongKeys = false, int kHeadDimV = kHeadDim>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // What the Hopper decode kernel reads over a cache's pages: the portable

@@ -39,12 +39,18 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 // registers: ALiBi, sinks, a block mask. kElemMods (with kMods): also an
 // additive bias and an element mask, whose per-element reads and prefetch
 // buffer the others do not carry. The plain one carries none of their code
-// but the sinks' epilogue (a sinks-only call runs there).
+// but the sinks' epilogue (a sinks-only call runs there). kHeadDimV_: V's
+// and O's head dim (MLA shapes; kHeadDim_ otherwise): P V, O and the V ring
+// run over it, Q K^T over kHeadDim_.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
-          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false>
+          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false,
+          int kHeadDimV_ = kHeadDim_>
 struct Sm90FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  // O rows of their own head dim (params' HeadDimV) rather than head_dim.
+  static constexpr bool kDistinctV = kHeadDimV_ != kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kQSlots = kQSlots_;
@@ -69,16 +75,16 @@ struct Sm90FwdConfig {
   // reach (the default schedule without kFp8Qk, RunAttnFwdSm90).
   static constexpr bool kSinks = kMods || (kDynamic && !kFp8Qk);
 
-  static constexpr int kDBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks of a V row
+  static constexpr int kDBlocks = kHeadDimV / 64;  // 64-column (128-byte) swizzle blocks of a V row
   static constexpr int kNTiles = kBlockN / 8;
-  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kDTiles = kHeadDimV / 8;
   // Q and K rows: 128-byte boxes of kQKCols elements (64 16-bit or 128 FP8).
   static constexpr int kQKCols = kFp8Qk ? 128 : 64;
   static constexpr int kQKBlocks = (kHeadDim + kQKCols - 1) / kQKCols;
   static constexpr int kQKSteps = kHeadDim * (kFp8Qk ? 1 : 2) / 32;  // k16 (k32 FP8) steps of Q K^T
   static constexpr int kQBytes = kQKBlocks * kBlockM * 128;
   static constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
-  static constexpr int kVBytes = kBlockN * kHeadDim * 2;     // one V tile
+  static constexpr int kVBytes = kBlockN * kHeadDimV * 2;    // one V tile
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   // Shared memory without and (kElemMods) with the bias / mask prefetch buffer
   // (a word per fragment pair per consumer thread, Sm90FwdMainloop::
@@ -90,7 +96,8 @@ struct Sm90FwdConfig {
   static constexpr int kPreBytes =
       kElemMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
   static constexpr int kSmemBytes = kBaseSmemBytes + kPreBytes;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+  static_assert(!kDistinctV || !kFp8Qk, "a distinct value dim runs 16-bit Q K^T");
   static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
 };
 

@@ -30,7 +30,8 @@ struct Sm90FwdEpilogue {
     if (Cfg::kSinks && F.p.sinks != nullptr) {
       StoreEmptySink(F, qr, t, ctid);
     } else {
-      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads>(F, qr, t.b, 0, t.m0, t.sq, ctid);
+      detail::StoreEmptyRows<T, kBlockM, kConsumerThreads, false, Cfg::kDistinctV>(
+          F, qr, t.b, 0, t.m0, t.sq, ctid);
     }
   }
 
@@ -41,8 +42,9 @@ struct Sm90FwdEpilogue {
     const AttnParams& p = F.p;
     const float sink = __ldg(p.sinks + t.head);
     for (int m = t.m0 + ctid; m < t.m0 + kBlockM && m < t.sq; m += kConsumerThreads) {
-      T* o = static_cast<T*>(p.o) + QOffset(p, qr.q_start + m, t.head);
-      for (int d = 0; d < p.head_dim; d += 2) *reinterpret_cast<uint32_t*>(o + d) = 0u;
+      T* o = static_cast<T*>(p.o) + detail::OutOffset<Cfg::kDistinctV>(p, qr.q_start + m, t.head);
+      const int dv = detail::OutDim<Cfg::kDistinctV>(p);
+      for (int d = 0; d < dv; d += 2) *reinterpret_cast<uint32_t*>(o + d) = 0u;
       if (p.lse != nullptr) p.lse[LseOffset(p, t.b, t.head, m)] = sink;
     }
   }
@@ -86,15 +88,16 @@ struct Sm90FwdEpilogue {
       detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
     }
     T* o_ptr = static_cast<T*>(p.o);
+    const int dv = detail::OutDim<Cfg::kDistinctV>(p);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int m = row0 + half * 8;
       if (m >= t.sq) continue;
-      T* dst = o_ptr + QOffset(p, qr.q_start + m, t.head);
+      T* dst = o_ptr + detail::OutOffset<Cfg::kDistinctV>(p, qr.q_start + m, t.head);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + quad * 2;
-        if (col < p.head_dim) {
+        if (col < dv) {
           *reinterpret_cast<uint32_t*>(dst + col) =
               detail::PackPair<T>(o[0][dt][half * 2], o[0][dt][half * 2 + 1]);
         }

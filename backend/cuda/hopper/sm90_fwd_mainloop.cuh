@@ -436,7 +436,7 @@ class Sm90FwdMainloop {
     for (int kk = 0; kk < kNTiles / 2; ++kk) {
       const uint64_t bd =
           SmemDesc(sm_.sV() + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64, kBlockN * 128, 1024);
-      Wgmma<Cfg::kHeadDim, T>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+      Wgmma<Cfg::kHeadDimV, T>::RS(Flat(acc_.o), acc_.pa[kk], bd);
     }
     WgmmaCommit();
     FenceRegs(Flat(acc_.o));
