@@ -3,8 +3,9 @@
 // decodes and matches the float64 reference over its whole length, appends
 // open segments where the free pages are, a failed step changes nothing, an
 // over-quota cache charges nothing, the log-sum-exp merge is exact for
-// partials of very different sizes (an empty one too), and what does not map
-// onto segments is refused by name.
+// partials of very different sizes (an empty one too) and for FP16 and BF16
+// caches, a step's launches start on the submitting thread only on pipelined
+// backends, and what does not map onto segments is refused by name.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,10 +13,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "backend/backend_factory.h"
+#include "backend/cpu/cpu_backend.h"
 #include "backend/make_params.h"
 #include "backend/reference/reference_attention.h"
 #include "backend/reference/tolerance.h"
@@ -506,6 +510,132 @@ TEST_F(SpanningTest, RefusesWhatDoesNotMapOntoSegments) {
   bad.devices = {0, 1};
   bad.device = 0;
   EXPECT_EQ(pool_->CreateCache("t", bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The CPU backend recording the thread that starts each paged launch.
+// Pipelined, it only records at the start and runs the launch in Finish (as a
+// GPU backend queues its work there and waits for it in Finish), with two
+// launches in flight; otherwise it runs the launch at the start.
+class StartRecordingBackend final : public CpuBackend {
+ public:
+  explicit StartRecordingBackend(bool pipelined) : CpuBackend(1), pipelined_(pipelined) {}
+  int max_launches_in_flight() const override { return pipelined_ ? 2 : 1; }
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
+      const Plan& plan, const PagedBatch& batch) override {
+    {
+      absl::MutexLock lock(&mu_);
+      starts_.push_back(std::this_thread::get_id());
+    }
+    if (!pipelined_) return CpuBackend::StartPagedForward(plan, batch);
+    return std::unique_ptr<PendingLaunch>(new Deferred(this, plan, batch.members()));
+  }
+  std::vector<std::thread::id> TakeStarts() {
+    absl::MutexLock lock(&mu_);
+    return std::move(starts_);
+  }
+
+ private:
+  class Deferred final : public PendingLaunch {
+   public:
+    Deferred(StartRecordingBackend* b, const Plan& plan,
+             std::vector<const PagedAttnParams*> members)
+        : b_(b), plan_(plan), members_(std::move(members)) {}
+    absl::Status Finish(BackendTimings* timings) override {
+      absl::StatusOr<std::unique_ptr<PendingLaunch>> launch =
+          b_->CpuBackend::StartPagedForward(plan_, PagedBatch(members_));
+      if (!launch.ok()) return launch.status();
+      return (*launch)->Finish(timings);
+    }
+
+   private:
+    StartRecordingBackend* const b_;
+    const Plan plan_;
+    const std::vector<const PagedAttnParams*> members_;
+  };
+
+  const bool pipelined_;
+  absl::Mutex mu_;
+  std::vector<std::thread::id> starts_ ABSL_GUARDED_BY(mu_);
+};
+
+// With small calls inline (--inline_max_cost), a step over both devices
+// starts each device's launch on the submitting thread when the backend is
+// pipelined (only the start runs there), and never there when it is not
+// (the whole launch would, one device after the other); right either way.
+TEST(SpanningInlineTest, PipelinedDevicesStartOnTheSubmittingThread) {
+  for (bool pipelined : {true, false}) {
+    const std::string where = pipelined ? "pipelined" : "not pipelined";
+    StartRecordingBackend b0(pipelined), b1(pipelined);
+    ExecutorOptions eo;
+    eo.inline_max_cost = int64_t{1} << 22;
+    Executor ex0(&b0, eo), ex1(&b1, eo);
+    KvPoolOptions o;
+    o.cache_bytes_per_device = 9 * kPageBytes;
+    o.idle_timeout = absl::ZeroDuration();
+    KvPool pool(o, std::vector<KvDevice>{{&b0, &ex0, 0}, {&b1, &ex1, 1}});
+    KvCreateCache r;
+    r.geometry = {1, kHkv, kD, DType::kFP32};
+    r.page_size = kPage;
+    r.capacity_tokens = 16 * kPage;
+    r.devices = {0, 1};
+    absl::StatusOr<std::shared_ptr<KvCache>> cache = pool.CreateCache("t", r);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    ASSERT_TRUE((*cache)->CreateSequences({{1, {}, {}}}).ok());
+    std::mt19937 rng(5);
+    std::vector<float> hk, hv;
+    for (int n : {120, 20, 1}) {  // 8 pages on device 0, then a segment on device 1
+      const int32_t len = static_cast<int32_t>(hk.size() / size_t(kRow));
+      std::vector<float> q = Random(&rng, int64_t{kHq} * kD);
+      std::vector<float> k = Random(&rng, n * kRow), v = Random(&rng, n * kRow);
+      auto c = std::make_shared<KvAppendAttend>();
+      c->steps = {{1, len, n, 1}};
+      c->dtype = DType::kFP32;
+      c->num_heads_q = kHq;
+      c->num_heads_kv = kHkv;
+      c->head_dim = kD;
+      c->options.causal = true;
+      c->inputs.q = q.data();
+      c->inputs.k = k.data();
+      c->inputs.v = v.data();
+      c->return_lse = true;
+      // Both devices idle, so the executors may take the call inline.
+      ASSERT_TRUE(ex0.WaitIdle(absl::Seconds(30)) && ex1.WaitIdle(absl::Seconds(30)));
+      b0.TakeStarts();
+      b1.TakeStarts();
+      absl::Status status;
+      absl::Notification done;
+      ASSERT_TRUE(pool.AppendAttend(*cache, c,
+                                    [&](const absl::Status& st, const WorkTimings&) {
+                                      status = st;
+                                      done.Notify();
+                                    })
+                      .ok());
+      done.WaitForNotification();
+      ASSERT_TRUE(status.ok()) << status;
+      hk.insert(hk.end(), k.begin(), k.end());
+      hv.insert(hv.end(), v.begin(), v.end());
+      AttnPointers io;
+      io.q = q.data();
+      io.k = hk.data();
+      io.v = hv.data();
+      const AttnParams p =
+          MakeAttnParams(DenseShape(DType::kFP32, 1, 1, len + n, kHq, kHkv, kD), c->options, io);
+      std::vector<float> got_o(c->o.size() / 4), got_lse(c->lse.size() / 4);
+      std::memcpy(got_o.data(), c->o.data(), c->o.size());
+      std::memcpy(got_lse.data(), c->lse.data(), c->lse.size());
+      ExpectMatchesReference(got_o, got_lse, ReferenceAttention(p), 1,
+                             where + " length " + std::to_string(len + n));
+      if (n != 1) continue;
+      // The decode step: one launch per device.
+      const std::vector<std::thread::id> s0 = b0.TakeStarts(), s1 = b1.TakeStarts();
+      ASSERT_EQ(s0.size(), 1u) << where;
+      ASSERT_EQ(s1.size(), 1u) << where;
+      const std::thread::id here = std::this_thread::get_id();
+      EXPECT_EQ(s0[0] == here, pipelined) << where;
+      EXPECT_EQ(s1[0] == here, pipelined) << where;
+    }
+    EXPECT_EQ(*(*cache)->Lengths(1), std::vector<int32_t>{141}) << where;
+  }
 }
 
 // The merge rule against the float64 reference: keys split into partials of
