@@ -53,13 +53,20 @@ for d in 0 1; do
   ctl=("$bin/attnctl" --target="127.0.0.1:${ports[$d]}" --timeout=600s)
   device=(); [ "$BACKEND" = cuda ] && device=(--devices="$d")
   mport=0; [ "$d" = 0 ] && mport=$metrics
-  start_server "$OUT/server$d.log" 90 "${ctl[@]}" -- "$bin/attnserve" --backend="$BACKEND" \
-    --host=127.0.0.1 --port="${ports[$d]}" "${device[@]}" --log_level=info --metrics_port="$mport" \
-    --http_port=0 --kv_cache_bytes="$pool" --ucx_port=-1 || exit 1
+  server=("$bin/attnserve" --backend="$BACKEND" --host=127.0.0.1 --port="${ports[$d]}" "${device[@]}"
+    --log_level=info --http_port=0 --kv_cache_bytes="$pool" --ucx_port=-1)
+  if ! start_server "$OUT/server$d.log" 90 "${ctl[@]}" -- "${server[@]}" --metrics_port="$mport"; then
+    # A build without /metrics (static): no resent_bytes column then.
+    kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
+    metrics=""
+    start_server "$OUT/server$d.log" 90 "${ctl[@]}" -- "${server[@]}" --metrics_port=0 || exit 1
+  fi
   pids+=("$SERVER_PID")
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
-exported() { metric_value "http://127.0.0.1:$metrics/metrics" attnserve_kv_transfer_bytes_total; }
+exported() {
+  [ -n "$metrics" ] && metric_value "http://127.0.0.1:$metrics/metrics" attnserve_kv_transfer_bytes_total
+}
 {
   [ "$BACKEND" = cuda ] && nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | sed 's/^/# /'
   echo "# commit ${ATTNSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; $SEQS x $CONTEXT x $LAYERS layers, Hkv 8, D 128, BF16, pages of 64; UCX_TLS=$UCX_TLS; ucx chunks $CHUNK bytes"

@@ -1,0 +1,156 @@
+// The UCX data plane of K/V transfers alone (server/ucx/kv_bulk.h), over
+// loopback with UCX_TLS from the environment: chunks of every size (empty
+// ones and FP8 scales included) arrive whole and in order with a window in
+// flight; a hello with another ticket is refused before anything is applied;
+// the receiver's refusal of one chunk stops the sender with that status and
+// nothing after it is applied; a cancelled sender stops.
+#include "server/ucx/kv_bulk.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace ucx {
+namespace {
+
+KvTransferChunk RandomChunk(std::mt19937* rng, int index) {
+  KvTransferChunk c;
+  c.sequence_id = uint64_t(1000 + index / 4);
+  c.layer = index % 4;
+  c.token_begin = index * 3;
+  c.num_tokens = index % 7;
+  c.sequence_end = index % 4 == 3;
+  const size_t rows = size_t(index % 7) * (index % 3 == 0 ? 4096 : 64);
+  for (std::string* part : {&c.k, &c.v}) {
+    part->resize(rows);
+    for (char& b : *part) b = static_cast<char>((*rng)());
+  }
+  if (index % 5 == 0) {  // FP8-like scales on some
+    c.k_scale.assign(size_t(index % 7) * 8, 'k');
+    c.v_scale.assign(size_t(index % 7) * 8, 'v');
+  }
+  c.crc32c = static_cast<uint32_t>((*rng)());
+  return c;
+}
+
+bool Same(const KvTransferChunk& a, const KvTransferChunk& b) {
+  return a.sequence_id == b.sequence_id && a.layer == b.layer && a.token_begin == b.token_begin &&
+         a.num_tokens == b.num_tokens && a.sequence_end == b.sequence_end && a.crc32c == b.crc32c &&
+         a.k == b.k && a.v == b.v && a.k_scale == b.k_scale && a.v_scale == b.v_scale;
+}
+
+struct Received {
+  std::mutex mu;
+  std::vector<KvTransferChunk> chunks;
+};
+
+NextChunk From(const std::vector<KvTransferChunk>* chunks, std::atomic<size_t>* at) {
+  return [chunks, at](KvTransferChunk* c) -> absl::StatusOr<bool> {
+    const size_t i = at->fetch_add(1);
+    if (i >= chunks->size()) return false;
+    *c = (*chunks)[i];
+    return true;
+  };
+}
+
+TEST(KvBulkTest, ChunksArriveWholeAndInOrder) {
+  std::mt19937 rng(7);
+  std::vector<KvTransferChunk> sent;
+  for (int i = 0; i < 60; ++i) sent.push_back(RandomChunk(&rng, i));
+  Received got;
+  BulkOptions options;
+  options.window = 4;
+  auto receiver = BulkReceiver::Start(
+      "127.0.0.1",
+      [&](const KvTransferChunk& c) {
+        std::lock_guard<std::mutex> lock(got.mu);
+        got.chunks.push_back(c);
+        return absl::OkStatus();
+      },
+      options);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  std::atomic<size_t> at{0};
+  BulkSendResult result;
+  const absl::Status sent_status =
+      SendChunks((*receiver)->offer(), From(&sent, &at), options, nullptr, &result);
+  ASSERT_TRUE(sent_status.ok()) << sent_status;
+  (*receiver)->Stop();
+  EXPECT_EQ(result.chunks, 60);
+  int64_t bytes = 0;
+  for (const KvTransferChunk& c : sent) bytes += c.payload_bytes();
+  EXPECT_EQ(result.bytes, bytes);
+  EXPECT_EQ((*receiver)->bytes(), bytes);
+  ASSERT_EQ(got.chunks.size(), sent.size());
+  for (size_t i = 0; i < sent.size(); ++i) EXPECT_TRUE(Same(got.chunks[i], sent[i])) << i;
+}
+
+TEST(KvBulkTest, AnotherTicketIsRefusedBeforeAnythingIsApplied) {
+  std::atomic<int> applied{0};
+  auto receiver = BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    ++applied;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  BulkOffer wrong = (*receiver)->offer();
+  wrong.ticket[0] = wrong.ticket[0] == '0' ? '1' : '0';
+  std::mt19937 rng(1);
+  std::vector<KvTransferChunk> sent = {RandomChunk(&rng, 1)};
+  std::atomic<size_t> at{0};
+  const absl::Status status = SendChunks(wrong, From(&sent, &at), {}, nullptr, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "ticket")) << status;
+  (*receiver)->Stop();
+  EXPECT_EQ(applied.load(), 0);
+}
+
+TEST(KvBulkTest, ARefusedChunkStopsTheSenderWithItsStatus) {
+  std::mt19937 rng(3);
+  std::vector<KvTransferChunk> sent;
+  for (int i = 0; i < 40; ++i) sent.push_back(RandomChunk(&rng, i));
+  std::atomic<int> applied{0};
+  auto receiver = BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    if (applied.fetch_add(1) == 7) return absl::DataLossError("chunk.crc32c: expected 1, got 2");
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  std::atomic<size_t> at{0};
+  BulkSendResult result;
+  const absl::Status status =
+      SendChunks((*receiver)->offer(), From(&sent, &at), {}, nullptr, &result);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_EQ(status.message(), "chunk.crc32c: expected 1, got 2");
+  (*receiver)->Stop();
+  EXPECT_EQ(applied.load(), 8) << "chunks after the refused one were applied";
+  EXPECT_EQ(result.chunks, 7);
+  EXPECT_EQ((*receiver)->chunks(), 7);
+}
+
+TEST(KvBulkTest, ACancelledSenderStops) {
+  auto receiver =
+      BulkReceiver::Start("127.0.0.1", [](const KvTransferChunk&) { return absl::OkStatus(); });
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  std::atomic<bool> cancelled{false};
+  std::atomic<int> produced{0};
+  std::mt19937 rng(5);
+  const KvTransferChunk chunk = RandomChunk(&rng, 2);
+  // Endless chunks: the sender ends only because it is cancelled (after 20).
+  NextChunk next = [&](KvTransferChunk* c) -> absl::StatusOr<bool> {
+    if (produced.fetch_add(1) == 20) cancelled = true;
+    *c = chunk;
+    return true;
+  };
+  const absl::Status status = SendChunks((*receiver)->offer(), next, {}, &cancelled, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  (*receiver)->Stop();
+}
+
+}  // namespace
+}  // namespace ucx
+}  // namespace attnserve
