@@ -8,9 +8,10 @@
 //     keys over the head-dim steps kk = w / kGroups (mod kDSplit), so Q and
 //     K fragments are each reused several times; the kDSplit partial sums go
 //     to shared memory (fp32).
-//  2. softmax: warp w owns rows w + 8 i, lane j key j: the partial sums
-//     added, masked, the running max and the rescale factor per row; P is
-//     written (FP16/BF16) over the row's own partial sums.
+//  2. softmax: each thread one row and 2-8 consecutive keys (a row's lanes
+//     adjacent in one warp): the partial sums added, masked, the running
+//     max and the rescale factor per row; P is written (FP16/BF16) over the
+//     row's own partial sums.
 //  3. O += P V: warp w owns O columns [64 w, 64 w + 64) of every row, V read
 //     from the stage's first 512 dims with ldmatrix.trans.
 // Shared rows of 1152 bytes are swizzled at 16 bytes (chunk c of row r at
@@ -143,7 +144,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   using C = Cfg<kMT>;
   constexpr int kRows = C::kRows;
   constexpr int kStages = C::kStages;
-  constexpr int kRowsPerWarp = kRows / kWarps;
+  // The softmax's threads: kLanesPerRow consecutive lanes per row, each
+  // kKeysPerLane consecutive keys of the stage (every thread one row).
+  constexpr int kKeysPerLane = kRows / kWarps;
+  constexpr int kLanesPerRow = kTile / kKeysPerLane;
+  static_assert(kKeysPerLane == 2 || kKeysPerLane == 4 || kKeysPerLane == 8, "softmax lanes");
   const AttnParams& p = L.p;
   const PagedKv& kv = L.kv;
   const int split = blockIdx.x;
@@ -242,12 +247,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const bool mods = p.softcap > 0.0f || p.alibi_slopes != nullptr;
   const float scale = mods ? p.softmax_scale : p.softmax_scale_log2;
-  float m_run[kRowsPerWarp], l_run[kRowsPerWarp];
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    m_run[i] = -INFINITY;
-    l_run[i] = 0.0f;
-  }
+  const int sm_row = tid / kLanesPerRow;
+  const int sm_key = (tid % kLanesPerRow) * kKeysPerLane;
+  float m_run = -INFINITY;  // the row's running max (log2 units), the same in its lanes
+  float l_run = 0.0f;       // this lane's share of the row's sum
   float acc[kMT][kColsPerWarp / 8][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -315,37 +318,75 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // 2. Softmax of rows warp + 8 i, lane = key; P over the row's partials.
+    // 2. Softmax: row sm_row, keys sm_key.. of the stage; P over the row's
+    // own partial sums (the lanes reading them are the lanes writing P).
     {
-      const int key = t * kTile + lane;
+      const int r = sm_row;
+      float v[kKeysPerLane];
 #pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int r = warp + 8 * i;
-        const int at = (((lane >> 2) ^ (r & 7)) << 2) + (lane & 3);
-        float x = 0.0f;
+      for (int j = 0; j < kKeysPerLane; ++j) v[j] = 0.0f;
 #pragma unroll
-        for (int d = 0; d < C::kDSplit; ++d) x += s_part[(d * kRows + r) * kTile + at];
-        float v = x * scale;
-        if (mods) {
-          if (p.softcap > 0.0f) v = p.softcap * tanhf(v / p.softcap);
-          if (p.alibi_slopes != nullptr) v += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
-          v *= kLog2eF;
+      for (int d = 0; d < C::kDSplit; ++d) {
+        const float* row = s_part + (d * kRows + r) * kTile;
+        if constexpr (kKeysPerLane == 2) {
+          const float2 x = *reinterpret_cast<const float2*>(row + (((sm_key >> 2) ^ (r & 7)) << 2) +
+                                                            (sm_key & 3));
+          v[0] += x.x;
+          v[1] += x.y;
+        } else {
+#pragma unroll
+          for (int c = 0; c < kKeysPerLane / 4; ++c) {
+            const float4 x =
+                *reinterpret_cast<const float4*>(row + ((((sm_key >> 2) + c) ^ (r & 7)) << 2));
+            v[4 * c] += x.x;
+            v[4 * c + 1] += x.y;
+            v[4 * c + 2] += x.z;
+            v[4 * c + 3] += x.w;
+          }
         }
-        if (key < s_lo[r] || key > s_hi[r]) v = -INFINITY;
-        float mx = v;
+      }
+      const int lo = s_lo[r], hi = s_hi[r];
+      float mx = -INFINITY;
 #pragma unroll
-        for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float m_new = fmaxf(m_run[i], mx);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = exp2f(m_run[i] - m_use);
-        const float pv = exp2f(v - m_use);
-        l_run[i] = l_run[i] * alpha + pv;
-        m_run[i] = m_new;
-        if (lane == 0) s_alpha[r] = alpha;
-        // P row r: 4 chunks of 8 keys at the start of its own partial row.
-        const T pt = FromFloat<T>(pv);
-        *reinterpret_cast<T*>(smem + C::kSOff + r * (kTile * 4) + ((((lane >> 3) ^ (r & 7))) << 4) +
-                              (lane & 7) * 2) = pt;
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        const int key = t * kTile + sm_key + j;
+        float x = v[j] * scale;
+        if (mods) {
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          if (p.alibi_slopes != nullptr) x += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
+          x *= kLog2eF;
+        }
+        if (key < lo || key > hi) x = -INFINITY;
+        v[j] = x;
+        mx = fmaxf(mx, x);
+      }
+#pragma unroll
+      for (int o = kLanesPerRow / 2; o > 0; o /= 2)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m_run, mx);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = exp2f(m_run - m_use);
+      m_run = m_new;
+      float sum = 0.0f;
+      alignas(16) T pt[kKeysPerLane];
+#pragma unroll
+      for (int j = 0; j < kKeysPerLane; ++j) {
+        const float pv = exp2f(v[j] - m_use);
+        sum += pv;
+        pt[j] = FromFloat<T>(pv);
+      }
+      l_run = l_run * alpha + sum;
+      if (sm_key == 0) s_alpha[r] = alpha;
+      __syncwarp();  // the row's partial sums are read before P overwrites them
+      // P row r: 4 chunks of 8 keys at the start of its own partial row.
+      uint8_t* dst =
+          smem + C::kSOff + r * (kTile * 4) + (((sm_key >> 3) ^ (r & 7)) << 4) + (sm_key & 7) * 2;
+      if constexpr (kKeysPerLane == 2) {
+        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pt);
+      } else if constexpr (kKeysPerLane == 4) {
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(pt);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(pt);
       }
     }
     __syncthreads();
@@ -388,16 +429,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   CpAsyncWait<0>();
 
-  // Row statistics: each lane's share of l summed; m is the same in every lane.
+  // Row statistics: the lanes' shares of l summed; m is the same in them.
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    float l = l_run[i];
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) {
-      s_m[warp + 8 * i] = m_run[i];
-      s_l[warp + 8 * i] = l;
-    }
+  for (int o = kLanesPerRow / 2; o > 0; o /= 2) l_run += __shfl_xor_sync(0xffffffffu, l_run, o);
+  if (sm_key == 0) {
+    s_m[sm_row] = m_run;
+    s_l[sm_row] = l_run;
   }
   __syncthreads();
 
