@@ -92,8 +92,11 @@ class WakeFd {
 };
 
 // A staging buffer (a std::string's storage) page-locked for the GPU copies
-// while it is this size or smaller; registered again if it moves. A no-op
-// without CUDA (and where registering fails: the copies then stage as usual).
+// while it is this size or smaller; registered again if it moves. Called on
+// the thread that copies, after a copy: the backend has made the cache's
+// device current there (a thread with none would start another device's
+// context). A no-op without CUDA (and where registering fails: the copies
+// then stage as usual).
 class PinnedBuffer {
  public:
   PinnedBuffer() = default;
@@ -105,9 +108,15 @@ class PinnedBuffer {
     if (s->capacity() == 0) return;
     if (s->data() == ptr_ && s->capacity() <= bytes_) return;
     Unpin();
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
     if (cudaHostRegister(s->data(), s->capacity(), cudaHostRegisterPortable) == cudaSuccess) {
       ptr_ = s->data();
       bytes_ = s->capacity();
+      device_ = device;
     } else {
       cudaGetLastError();  // not sticky: the copies run from pageable memory
     }
@@ -119,13 +128,22 @@ class PinnedBuffer {
  private:
   void Unpin() {
 #if ATTNSERVE_HAVE_CUDA
-    if (ptr_ != nullptr) cudaHostUnregister(ptr_);
+    if (ptr_ != nullptr) {
+      // On the device it was registered on; the thread's own is put back.
+      int current = -1;
+      if (cudaGetDevice(&current) != cudaSuccess) current = -1;
+      if (current != device_) cudaSetDevice(device_);
+      cudaHostUnregister(ptr_);
+      if (current >= 0 && current != device_) cudaSetDevice(current);
+      cudaGetLastError();
+    }
 #endif
     ptr_ = nullptr;
     bytes_ = 0;
   }
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+  int device_ = -1;
 };
 
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& host, int port, bool passive) {
@@ -351,7 +369,6 @@ class BulkReceiver::Impl {
     for (int i = 0; i < 4; ++i) {
       std::string* part = Part(&raw->chunk, i);
       part->resize(in_.sizes[i]);
-      if (i < 2) raw->pinned[i].Track(part);
       if (part->empty()) continue;
       auto request = std::make_shared<void*>(nullptr);
       ++raw->tags_left;
@@ -407,6 +424,8 @@ class BulkReceiver::Impl {
       Ack ack;
       ack.index = next;
       ack.status = apply_(slot->chunk);
+      // Page-locked after its first copy, for the chunks this slot takes next.
+      for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
       if (ack.status.ok()) {
         chunks_.fetch_add(1, std::memory_order_relaxed);
         bytes_.fetch_add(slot->chunk.payload_bytes(), std::memory_order_relaxed);
@@ -609,10 +628,8 @@ class Sender {
       auto slot = std::make_unique<Slot>();
       if (options_.chunk_bytes > 0) {
         // K and V take half a chunk each at most; sized now, they never move.
-        for (int p = 0; p < 2; ++p) {
+        for (int p = 0; p < 2; ++p)
           Part(&slot->chunk, p)->reserve(size_t(options_.chunk_bytes / 2));
-          slot->pinned[p].Track(Part(&slot->chunk, p));
-        }
       }
       free_.push_back(std::move(slot));
     }
@@ -666,7 +683,7 @@ class Sender {
         free_.pop_front();
       }
       absl::StatusOr<bool> more = next(&slot->chunk);
-      // A chunk larger than the slots were sized for moved them: pinned again.
+      // Page-locked after its first copy (and again if a larger chunk moved it).
       for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
       {
         std::lock_guard<std::mutex> lock(mu_);
