@@ -8,7 +8,8 @@
 // GQA 4:1 and MQA (packed into M for short query runs), Sq != Sk both ways,
 // Sk = 0, split-KV (the combine reads partial rows of Dv), every score
 // modifier (ALiBi, sinks, bias, element and block masks), and dims the pair
-// serves zero-padded (176/112, 128/64, 64/128). LSE is checked too; outputs
+// serves zero-padded (176/112, 128/64, 64/128), and two calls packed into
+// one launch. LSE is checked too; outputs
 // are NaN-poisoned before each of two runs. Without a GPU each test calls
 // GTEST_SKIP with the reason.
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/params.h"
+#include "backend/ragged_batch.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 #include "tests/common/score_mods_util.h"
@@ -178,6 +180,34 @@ class CudaMlaPrefillTest : public ::testing::TestWithParam<TestCase> {
 TEST_P(CudaMlaPrefillTest, MatchesReference) { RunAndCheck(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaMlaPrefillTest, ::testing::ValuesIn(Grid()), CaseName);
 INSTANTIATE_TEST_SUITE_P(Mods, CudaMlaPrefillTest, ::testing::ValuesIn(ModsGrid()), CaseName);
+
+// Two MLA calls packed into one launch (dense and varlen with a zero-length
+// query run, as the executor packs them): one plan over the packed rows, and
+// each member gets the reference's answer back in its own layout.
+TEST(CudaMlaPackedTest, PackedLaunch) {
+  std::string why;
+  AttentionBackend* backend = testing_util::SharedCudaBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    TestCase dense = Mla(t, 2, 120, 133, 4, 2);
+    dense.causal = true;
+    TestCase varlen = Varlen(t, {1, 0, 170}, {40, 5, 170}, 4, 2);
+    varlen.causal = true;
+    HostBuffers a(dense), b(varlen);
+    ASSERT_TRUE(CanShareLaunch(a.params(), b.params()));
+    HostPackedBatch packed({&a.params(), &b.params()});
+    const absl::StatusOr<Plan> plan = backend->CanImplement(packed.params());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    a.Poison();
+    b.Poison();
+    BackendTimings timings;
+    const absl::Status st = backend->Forward(*plan, packed.params(), &timings);
+    ASSERT_TRUE(st.ok()) << st;
+    packed.Scatter();
+    EXPECT_TRUE(CheckOutput(a)) << dense.Name();
+    EXPECT_TRUE(CheckOutput(b)) << varlen.Name();
+  }
+}
 
 class CudaMlaSplitTest : public CudaMlaPrefillTest {};
 TEST_P(CudaMlaSplitTest, SplitsMatchReference) { RunAndCheck(GetParam(), 2); }
