@@ -60,7 +60,10 @@ class MlaDeviceCase {
     }
     // Slabs of 2^slab_shift pages, so a sequence spans several slabs.
     int slab_shift = 2;
-    while (((pages_needed >> slab_shift) + 1) > kMaxKvSlabs) ++slab_shift;
+    while ((pages_needed + (int64_t{1} << slab_shift) - 1) / (int64_t{1} << slab_shift) + 1 >
+           kMaxKvSlabs) {
+      ++slab_shift;
+    }
     const int per_slab = 1 << slab_shift;
     const int num_slabs = static_cast<int>((pages_needed + per_slab - 1) / per_slab) + 1;
     KvPages& kv = params_.pages;
