@@ -137,8 +137,9 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
 
 // CTA (split blockIdx.x, row block blockIdx.y, sequence blockIdx.z): packed
 // rows R = blockIdx.y x kRows + r, query token R / Hq, head R % Hq.
-// kLoadsOnly (the bench's ablation): the stage ring alone, no math.
-template <typename T, int kMT, bool kLoadsOnly = false>
+// kPhases < 3 (the bench's ablation): only the stage ring and the first
+// kPhases phases of each stage run (0: loads alone; 1: + S; 2: + softmax).
+template <typename T, int kMT, int kPhases = 3>
 __global__ void __launch_bounds__(kThreads, 1)
     PagedMlaDecodeKernel(const __grid_constant__ MlaLaunch L) {
   using C = Cfg<kMT>;
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t + kStages - 1 < t_end) issue(t + kStages - 1, (k + kStages - 1) % kStages);
     CpAsyncCommit();
     const uint32_t stage = ring_addr + (k % kStages) * C::kStageBytes;
-    if constexpr (kLoadsOnly) continue;
+    if constexpr (kPhases == 0) continue;
 
     // 1. Partial S over this warp's head-dim steps.
     {
@@ -317,6 +318,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
+
+    if constexpr (kPhases == 1) continue;
 
     // 2. Softmax: row sm_row, keys sm_key.. of the stage; P over the row's
     // own partial sums (the lanes reading them are the lanes writing P).
@@ -390,6 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
+
+    if constexpr (kPhases == 2) continue;
 
     // 3. O = alpha O + P V over this warp's 64 columns.
     {
@@ -587,25 +592,25 @@ __global__ void AppendKRowsKernel(const __grid_constant__ PagedAttnParams p, int
   }
 }
 
-template <typename T, int kMT, bool kLoadsOnly>
+template <typename T, int kMT, int kPhases>
 cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = Cfg<kMT>::kSmem;
-  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kLoadsOnly>,
+  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kPhases>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  PagedMlaDecodeKernel<T, kMT, kLoadsOnly><<<grid, kThreads, kSmem, stream>>>(l);
+  PagedMlaDecodeKernel<T, kMT, kPhases><<<grid, kThreads, kSmem, stream>>>(l);
   return cudaGetLastError();
 }
 
-template <typename T, bool kLoadsOnly = false>
+template <typename T, int kPhases = 3>
 cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
   cudaError_t err;
   if (rows_per_cta == 16)
-    err = RunDecode<T, 1, kLoadsOnly>(l, grid, stream);
+    err = RunDecode<T, 1, kPhases>(l, grid, stream);
   else if (rows_per_cta == 32)
-    err = RunDecode<T, 2, kLoadsOnly>(l, grid, stream);
+    err = RunDecode<T, 2, kPhases>(l, grid, stream);
   else
-    err = RunDecode<T, 4, kLoadsOnly>(l, grid, stream);
+    err = RunDecode<T, 4, kPhases>(l, grid, stream);
   if (err != cudaSuccess || l.part_o == nullptr) return err;
   CombineMlaSplits<T>
       <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kDv / 4, 0, stream>>>(l);
@@ -639,9 +644,9 @@ cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
 
 namespace {
 
-// rows_per_cta 0: the plan's (MlaRowsPerCta); loads_only: BF16 alone.
+// rows_per_cta 0: the plan's (MlaRowsPerCta); phases < 3: BF16 alone.
 cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                      int rows_per_cta, bool loads_only, cudaStream_t stream) {
+                      int rows_per_cta, int phases, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
   const int64_t rows = int64_t{p.seqlen_q} * p.num_heads_q;
@@ -669,9 +674,11 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
   }
   const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(p.batch));
-  if (loads_only) {
+  if (phases < 3) {
     if (p.dtype != DType::kBF16) return cudaErrorInvalidValue;
-    return RunMla<__nv_bfloat16, true>(l, per_cta, grid, stream);
+    if (phases == 0) return RunMla<__nv_bfloat16, 0>(l, per_cta, grid, stream);
+    if (phases == 1) return RunMla<__nv_bfloat16, 1>(l, per_cta, grid, stream);
+    return RunMla<__nv_bfloat16, 2>(l, per_cta, grid, stream);
   }
   if (p.dtype == DType::kBF16) return RunMla<__nv_bfloat16>(l, per_cta, grid, stream);
   if (p.dtype == DType::kFP16) return RunMla<__half>(l, per_cta, grid, stream);
@@ -682,13 +689,14 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
 
 cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                            cudaStream_t stream) {
-  return LaunchMla(dev, plan, workspace, 0, false, stream);
+  return LaunchMla(dev, plan, workspace, 0, 3, stream);
 }
 
 cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                                   int rows_per_cta, bool loads_only, cudaStream_t stream) {
+                                   int rows_per_cta, int phases, cudaStream_t stream) {
   if (rows_per_cta != 16 && rows_per_cta != 32 && rows_per_cta != 64) return cudaErrorInvalidValue;
-  return LaunchMla(dev, plan, workspace, rows_per_cta, loads_only, stream);
+  if (phases < 0 || phases > 3) return cudaErrorInvalidValue;
+  return LaunchMla(dev, plan, workspace, rows_per_cta, phases, stream);
 }
 
 }  // namespace cuda

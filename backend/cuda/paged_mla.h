@@ -29,11 +29,12 @@ cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* w
                            cudaStream_t stream);
 
 // The bench's ablation (bench/cuda/mla_decode_bench.cu): the kernel with
-// `rows_per_cta` (16, 32 or 64) packed rows a CTA whatever the call's rows;
-// loads_only (BF16): the stage ring streams the keys and no math runs (O is
-// not meaningful), the pipeline's own ceiling.
+// `rows_per_cta` (16, 32 or 64) packed rows a CTA whatever the call's rows,
+// running the first `phases` of each stage's three (S, softmax, P V; below 3
+// BF16 only, and O is not meaningful): 0 is the stage ring streaming the
+// keys with no math, the pipeline's own ceiling.
 cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                                   int rows_per_cta, bool loads_only, cudaStream_t stream);
+                                   int rows_per_cta, int phases, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

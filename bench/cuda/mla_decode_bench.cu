@@ -9,8 +9,9 @@
 // (2 x Hq x keys x (576 + 512) a sequence). Small caches rotate over several
 // copies so the timed reads come from HBM, not L2.
 // Ablation rows (--ablate=0: none): loads_only, the kernel's stage ring with
-// no math (the pipeline's own ceiling), and rows64, the 64-row tile on a
-// call whose rows fit a smaller one (what the padding rows' math costs).
+// no math (the pipeline's own ceiling); loads+S and +softmax, the first one
+// and two of each stage's three phases (what each costs); rows64, the 64-row
+// tile on a call whose rows fit a smaller one (what the padding rows cost).
 // Usage: mla_decode_bench [--iters=50] [--sk=8192] [--splits=N] [--ablate=0]
 //        [--csv=FILE]
 #include <cuda_bf16.h>
@@ -229,17 +230,19 @@ int main(int argc, char** argv) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    // variant: 0 the production launch; 16/32/64 that many rows a CTA;
-    // -16/-32/-64 loads only (the stage ring with no math) at that tile.
+    // variant: 0 the production launch; else 10 x rows a CTA + phases run
+    // (LaunchPagedMlaAblation: 0 loads alone, 1 + S, 2 + softmax, 3 all).
     auto launch = [&](int variant) {
       if (variant == 0) return cuda::LaunchPagedMla(dev, plan, ws, nullptr);
-      return cuda::LaunchPagedMlaAblation(dev, plan, ws, std::abs(variant), variant < 0, nullptr);
+      return cuda::LaunchPagedMlaAblation(dev, plan, ws, variant / 10, variant % 10, nullptr);
     };
     const int own_tile = cuda::MlaRowsPerCta(std::min(r.hq, 64));
     std::vector<std::pair<std::string, int>> variants = {{"plan", 0}};
     if (ablate) {
-      variants.push_back({"loads_only", -own_tile});
-      if (own_tile != 64) variants.push_back({"rows64", 64});
+      variants.push_back({"loads_only", own_tile * 10});
+      variants.push_back({"loads+S", own_tile * 10 + 1});
+      variants.push_back({"+softmax", own_tile * 10 + 2});
+      if (own_tile != 64) variants.push_back({"rows64", 643});
     }
     for (const auto& [label, variant] : variants) {
       for (int w = 0; w < 5; ++w) {
