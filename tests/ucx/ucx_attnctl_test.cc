@@ -1,6 +1,7 @@
 // `attnctl load-kv --transport=ucx --check` against a real server with a UCX
 // listener (the transports UCX_TLS names; ctest runs tcp and sm), and the
-// fallback to gRPC bytes against a server without one.
+// fallback to gRPC bytes against a server without one; `attnctl move-kv
+// --data_plane=ucx` between two such servers, and its fallback.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -83,6 +84,54 @@ TEST(UcxAttnctlTest, FallsBackToGrpcWhenTheServerHasNoUcx) {
       << run.output;
   EXPECT_NE(run.output.find("PASS"), std::string::npos) << run.output;
   server->Shutdown(absl::Seconds(5));
+}
+
+// A cache filled with load-kv --keep_cache on `from`, moved to `to` with
+// move-kv --data_plane=ucx --lanes=2; the output says what carried it.
+CommandRun FillAndMove(AttnServer& from, AttnServer& to) {
+  const CommandRun fill = Attnctl(absl::StrCat(
+      "--target=127.0.0.1:", from.port(),
+      " load-kv --sequences=5 --prompt=300 --tokens=1 --layers=2 --heads_q=4 --heads_kv=2 "
+      "--head_dim=32 --page_size=16 --prefill_attend=false --keep_cache"));
+  EXPECT_EQ(fill.exit_code, 0) << fill.output;
+  const size_t at = fill.output.find("; cache ");
+  EXPECT_NE(at, std::string::npos) << fill.output;
+  if (at == std::string::npos) return fill;
+  const size_t end = fill.output.find(',', at);
+  const std::string cache = fill.output.substr(at + 8, end - at - 8);
+  return Attnctl(absl::StrCat("move-kv --from=127.0.0.1:", from.port(),
+                              " --to=127.0.0.1:", to.port(), " --cache=", cache,
+                              " --to_cache=moved --capacity_tokens=8192 --data_plane=ucx "
+                              "--lanes=2"));
+}
+
+TEST(UcxAttnctlTest, MoveKvOverUcxMovesEverySequence) {
+  std::unique_ptr<AttnServer> a = StartServer(true), b = StartServer(true);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const CommandRun run = FillAndMove(*a, *b);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find(": 5 sequences,"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("data plane: ucx, 2 lanes"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("cache moved (device 0): 5 sequences, 3010 tokens"), std::string::npos)
+      << run.output;
+  b->Shutdown(absl::Seconds(5));
+  a->Shutdown(absl::Seconds(5));
+}
+
+TEST(UcxAttnctlTest, MoveKvFallsBackToGrpcWhenTheReceiverHasNoUcx) {
+  std::unique_ptr<AttnServer> a = StartServer(true), b = StartServer(false);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const CommandRun run = FillAndMove(*a, *b);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("data plane: grpc (fallback from UCX: the receiver offers no UCX"),
+            std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("cache moved (device 0): 5 sequences, 3010 tokens"), std::string::npos)
+      << run.output;
+  b->Shutdown(absl::Seconds(5));
+  a->Shutdown(absl::Seconds(5));
 }
 
 TEST(UcxAttnctlTest, UcxWithStreamIsAUsageError) {
