@@ -16,6 +16,7 @@
 #include <grpcpp/support/slice.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,8 +30,17 @@ class TensorWireSlices {
   // Call for every tensor before Encode; an empty one is skipped.
   void TakeData(uint32_t field, std::string* data) {
     if (data->empty()) return;
-    tails_.push_back({field, new std::string(std::move(*data))});
+    auto* owned = new std::string(std::move(*data));
     data->clear();
+    tails_.push_back({field, owned->data(), owned->size(), owned, &FreeString});
+  }
+  // The same for data held elsewhere: `bytes` (n of them) stay alive as long
+  // as gRPC needs them.
+  void ShareData(uint32_t field, std::shared_ptr<const char> bytes, size_t n) {
+    if (n == 0) return;
+    const char* data = bytes.get();
+    tails_.push_back(
+        {field, data, n, new std::shared_ptr<const char>(std::move(bytes)), &FreeShared});
   }
 
   // `message` (its data fields taken) followed by the taken tensors' data.
@@ -41,7 +51,7 @@ class TensorWireSlices {
     std::vector<grpc::Slice> slices;
     slices.emplace_back(message.SerializeAsString());
     for (Tail& t : tails_) {
-      const uint32_t n = static_cast<uint32_t>(t.bytes->size());
+      const uint32_t n = static_cast<uint32_t>(t.size);
       const uint32_t inner = 1 + CodedOutputStream::VarintSize32(n) + n;
       uint8_t head[32];
       uint8_t* p = head;
@@ -52,9 +62,9 @@ class TensorWireSlices {
           WireFormatLite::MakeTag(kTensorDataField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
       p = CodedOutputStream::WriteVarint32ToArray(n, p);
       slices.emplace_back(head, static_cast<size_t>(p - head));
-      // The slice owns the string from here (freed when gRPC is done with it).
-      slices.emplace_back(t.bytes->data(), t.bytes->size(), &Free, t.bytes);
-      t.bytes = nullptr;
+      // The slice owns the bytes from here (freed when gRPC is done with them).
+      slices.emplace_back(const_cast<char*>(t.data), t.size, t.free, t.owner);
+      t.owner = nullptr;
     }
     tails_.clear();
     return grpc::ByteBuffer(slices.data(), slices.size());
@@ -64,15 +74,19 @@ class TensorWireSlices {
   TensorWireSlices(const TensorWireSlices&) = delete;
   TensorWireSlices& operator=(const TensorWireSlices&) = delete;
   ~TensorWireSlices() {
-    for (Tail& t : tails_) delete t.bytes;
+    for (Tail& t : tails_) t.free(t.owner);
   }
 
  private:
   struct Tail {
     uint32_t field;
-    std::string* bytes;
+    const char* data;
+    size_t size;
+    void* owner;
+    void (*free)(void* owner);
   };
-  static void Free(void* bytes) { delete static_cast<std::string*>(bytes); }
+  static void FreeString(void* owner) { delete static_cast<std::string*>(owner); }
+  static void FreeShared(void* owner) { delete static_cast<std::shared_ptr<const char>*>(owner); }
 
   std::vector<Tail> tails_;
 };

@@ -75,6 +75,16 @@ OutputLayout KvLayoutOf(const KvAppendAttend& c) {
   return layout;
 }
 
+// Whether every step appends at least as many tokens as it has queries, so
+// each query row (causal ones too) has its own token to attend and no
+// kernel can leave it unwritten.
+bool EveryQueryHasKeys(const KvAppendAttend& c) {
+  for (const KvStep& s : c.steps) {
+    if (s.num_new < s.num_queries) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 KvRunner::KvRunner(KvPool* pool, std::string backend_name, const RequestLimits& limits,
@@ -142,11 +152,23 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
   c->inputs_intact = std::move(inputs_intact);
   c->o_out = o_place.o;
   c->o_out_bytes = o_place.o_bytes;
+  std::shared_ptr<char> o_shared;
+  if (o_place.o == nullptr && o_place.shared && EveryQueryHasKeys(*c)) {
+    // Not zeroed: the kernel writes all of it (the pool's string would be
+    // zero-filled first, a memset of the whole o per step).
+    const int64_t o_bytes = KvLayoutOf(*c).o_bytes;
+    if (o_bytes > 0) {
+      o_shared.reset(new char[size_t(o_bytes)], std::default_delete<char[]>());
+      c->o_out = o_shared.get();
+      c->o_out_bytes = o_bytes;
+    }
+  }
   status = pool_->AppendAttend(
-      *cache, c, [c, finish](const absl::Status& s, const WorkTimings& timings) {
+      *cache, c, [c, finish, o_shared](const absl::Status& s, const WorkTimings& timings) {
         KvResult result;
         if (s.ok()) {
           result.layout = KvLayoutOf(*c);
+          result.o_shared = o_shared;
           result.o = std::move(c->o);
           result.lse = std::move(c->lse);
           result.lengths = std::move(c->lengths);

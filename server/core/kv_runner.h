@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -26,12 +27,19 @@ namespace attnserve {
 struct KvOutputPlace {
   char* o = nullptr;
   int64_t o_bytes = 0;
+  // Without `o`: the caller may take o as KvResult::o_shared, a buffer the
+  // runner allocates without zeroing it (the string KvResult::o is
+  // zero-filled first), used when every step appends at least as many
+  // tokens as it has queries (no query row without a key: the kernel writes
+  // all of o); otherwise o comes in KvResult::o as before.
+  bool shared = false;
 };
 
 // What a successful call produced, for the front-end to encode.
 struct KvResult {
   OutputLayout layout;  // o [Tq, Hq, D] in the cache's dtype; lse [Hq, Tq] with return_lse
-  std::string o;        // empty when written to a KvOutputPlace
+  std::string o;        // empty when written to a KvOutputPlace or into o_shared
+  std::shared_ptr<const char> o_shared;  // layout.o_bytes of o (KvOutputPlace::shared)
   std::string lse;
   std::vector<int32_t> lengths;  // each sequence's length at the layer after the call
 };

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/tensor_wire_slices.h"
 #include "server/call_deadline.h"
@@ -48,6 +49,7 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
 
   v1::AppendAttendRequest request;
   v1::AppendAttendResponse response;
+  std::shared_ptr<const char> o;  // o's bytes when not in response.o (KvOutputPlace::shared)
 
  private:
   InFlightCounter* const in_flight_;
@@ -61,11 +63,18 @@ grpc::Status ParseAppendAttend(const grpc::ByteBuffer& bytes, v1::AppendAttendRe
   return grpc::SerializationTraits<v1::AppendAttendRequest>::Deserialize(&owned, request);
 }
 
-// `response` with o's and lse's bytes as slices it hands over, not copies.
-grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response) {
+// `response` with o's and lse's bytes as slices it hands over, not copies;
+// o's from `o` (OutputLayout's o_bytes) when the runner wrote it there.
+grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response,
+                                    std::shared_ptr<const char> o) {
   using R = v1::AppendAttendResponse;
   static_assert(v1::Tensor::kDataFieldNumber == 3, "TensorWireSlices writes Tensor.data as 3");
   TensorWireSlices tensors;
+  if (o != nullptr && response->has_o()) {
+    int64_t bytes = DTypeSize(static_cast<DType>(response->o().dtype()));
+    for (int64_t d : response->o().shape()) bytes *= d;
+    tensors.ShareData(R::kOFieldNumber, std::move(o), static_cast<size_t>(bytes));
+  }
   if (response->has_o()) tensors.TakeData(R::kOFieldNumber, response->mutable_o()->mutable_data());
   if (response->has_lse()) {
     tensors.TakeData(R::kLseFieldNumber, response->mutable_lse()->mutable_data());
@@ -236,7 +245,8 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
-                                  std::function<void(const absl::Status&)> done) {
+                                  std::function<void(const absl::Status&)> done,
+                                  std::shared_ptr<const char>* o_shared) {
   // The call and its regions live until its completion has run (the
   // completion holds them).
   auto call = std::make_shared<KvCall>(KvCallOf(*request, std::move(meta)));
@@ -256,14 +266,17 @@ void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* 
   std::function<absl::Status()> inputs_intact;
   if (regions->any()) inputs_intact = [regions] { return regions->CheckIntact(); };
   // A mapped o span is written by the launch itself (no copy after the call).
-  const KvOutputPlace o_place = KvShmOutputPlace(*outputs);
+  KvOutputPlace o_place = KvShmOutputPlace(*outputs);
+  o_place.shared = o_shared != nullptr;
   runner_->Start(
       call.get(), NativeFieldNames(),
-      [call, regions, outputs = *std::move(outputs), o_place, response, done = std::move(done)](
-          const absl::Status& status, const WorkTimings& timings, KvResult* result) {
+      [call, regions, outputs = *std::move(outputs), o_place, response, o_shared,
+       done = std::move(done)](const absl::Status& status, const WorkTimings& timings,
+                               KvResult* result) {
         absl::Status delivered = status;
         if (delivered.ok()) {
           FillAppendAttendResponse(result, response);
+          if (o_shared != nullptr) *o_shared = std::move(result->o_shared);
           // After the append: a region failing here fails the
           // answer, not the append (docs/shared-memory.md).
           delivered = DeliverKvShm(outputs, o_place.o != nullptr, response);
@@ -300,10 +313,11 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
          pass = std::move(pass)](const absl::Status& status) mutable {
           // A failed call's body is not sent (the status is), so only an OK
           // one is encoded.
-          if (status.ok()) *response_bytes = EncodeAppendAttend(response);
+          if (status.ok()) *response_bytes = EncodeAppendAttend(response, std::move(reactor->o));
           reactor->Finish(ToGrpcStatus(status));
           pass.reset();
-        });
+        },
+        &reactor->o);
   };
   if (gate_ == nullptr) {
     start(nullptr);

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "attnserve/v1/kv.grpc.pb.h"
@@ -78,9 +79,12 @@ class KvService final
 
   // Decodes and starts one append-and-attend; `done` exactly once, after
   // `response` is complete. `request` and `response` stay valid until then.
+  // `o_shared` (may be null): where o's bytes may go instead of response's
+  // o.data (KvOutputPlace::shared; o.data is then empty), valid until `done`.
   void StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                          v1::AppendAttendResponse* response,
-                         std::function<void(const absl::Status&)> done);
+                         std::function<void(const absl::Status&)> done,
+                         std::shared_ptr<const char>* o_shared = nullptr);
 
  private:
   KvRunner* const runner_;

@@ -12,6 +12,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/inputs.h"
 #include "client/kv_client.h"
+#include "common/tensor_wire_slices.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,6 +45,11 @@ class RecordingKvService final : public v1::KvCache::Service {
   std::vector<std::pair<std::string, std::string>> Calls() {
     absl::MutexLock lock(&mu_);
     return calls_;
+  }
+  // The last unary AppendAttend as this (generated, typed) service parsed it.
+  v1::AppendAttendRequest LastAppend() {
+    absl::MutexLock lock(&mu_);
+    return last_append_;
   }
 
   grpc::Status CreateCache(grpc::ServerContext* ctx, const v1::CreateCacheRequest* req,
@@ -84,6 +91,10 @@ class RecordingKvService final : public v1::KvCache::Service {
   grpc::Status AppendAttend(grpc::ServerContext* ctx, const v1::AppendAttendRequest* req,
                             v1::AppendAttendResponse* resp) override {
     Record("AppendAttend", ctx);
+    {
+      absl::MutexLock lock(&mu_);
+      last_append_ = *req;
+    }
     Answer(*req, resp);
     return fail;
   }
@@ -146,6 +157,7 @@ class RecordingKvService final : public v1::KvCache::Service {
 
   absl::Mutex mu_;
   std::vector<std::pair<std::string, std::string>> calls_ ABSL_GUARDED_BY(mu_);
+  v1::AppendAttendRequest last_append_ ABSL_GUARDED_BY(mu_);
 };
 
 class KvClientWireTest : public ::testing::Test {
@@ -337,6 +349,53 @@ TEST_F(KvClientWireTest, ResponseOfTheWrongShapeIsInternal) {
   const absl::StatusOr<AppendAttendResult> r = kv_->AppendAttend(Step(0, 1));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(r.status().message(), HasSubstr("FP16[3, 4, 8]"));
+}
+
+// The unary call sends q, k and v as slices after the message's encoding
+// (common/tensor_wire_slices.h): a stock parser reads exactly the request the
+// one-piece encoding carries, and the caller's request keeps its shapes.
+TEST_F(KvClientWireTest, TensorBytesTravelAsSlicesAndParseAsOneMessage) {
+  const AppendAttendInputs in = Step(3, 7);
+  const v1::AppendAttendRequest want = MakeAppendAttendRequest(in);
+  v1::AppendAttendRequest sent = want;
+  const absl::StatusOr<v1::AppendAttendResponse> r = kv_->AppendAttend(&sent);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::AppendAttendRequest got = service_.LastAppend();
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  EXPECT_EQ(got.k().data(), in.k.bytes());
+  EXPECT_EQ(got.v().data(), in.v.bytes());
+  EXPECT_EQ(r->o().data(), in.q.bytes());  // the recording service answers o = q
+  // Moved onto the wire; everything else stays.
+  EXPECT_TRUE(sent.q().data().empty());
+  EXPECT_THAT(sent.q().shape(), ElementsAre(2, 4, 8));
+  EXPECT_EQ(sent.sequences_size(), 2);
+  // The typed call sends the same way and checks the answer's shapes.
+  const absl::StatusOr<AppendAttendResult> typed = kv_->AppendAttend(in);
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  EXPECT_EQ(typed->o.bytes(), in.q.bytes());
+  EXPECT_EQ(service_.LastAppend().SerializeAsString(), want.SerializeAsString());
+}
+
+// The encoding itself: a response with o and lse (the server's side), an
+// empty tensor skipped, parsed back whole.
+TEST(TensorWireSlicesTest, ParsesBackToTheSameMessage) {
+  std::mt19937_64 rng(11);
+  v1::AppendAttendResponse want;
+  want.set_request_id("r1");
+  RandomTensor(DType::kBF16, {3, 4, 16}, &rng).CopyToProto(want.mutable_o());
+  RandomTensor(DType::kFP32, {4, 3}, &rng).CopyToProto(want.mutable_lse());
+  want.add_lengths(9);
+  want.set_backend("cpu");
+  v1::AppendAttendResponse message = want;
+  TensorWireSlices tensors;
+  tensors.TakeData(v1::AppendAttendResponse::kOFieldNumber, message.mutable_o()->mutable_data());
+  tensors.TakeData(v1::AppendAttendResponse::kLseFieldNumber,
+                   message.mutable_lse()->mutable_data());
+  EXPECT_TRUE(message.o().data().empty());
+  grpc::ByteBuffer wire = tensors.Encode(message);
+  v1::AppendAttendResponse got;
+  ASSERT_TRUE(grpc::SerializationTraits<v1::AppendAttendResponse>::Deserialize(&wire, &got).ok());
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
 }
 
 }  // namespace
