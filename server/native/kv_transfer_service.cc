@@ -401,7 +401,7 @@ class ImportReactor final
 
   // The first message asked for the chunks over UCX: a receiver of this
   // import's own (server/ucx/kv_bulk.h) applies them to the session in order,
-  // each charged to the tenant while it is checked and copied, and the first
+  // each charged to the tenant from its arrival until it is kept, and the first
   // answer names it; else the answer says why not and the chunks come in
   // this stream.
   void OfferDataPlane() {
@@ -417,16 +417,21 @@ class ImportReactor final
       std::shared_ptr<KvImportSession> session = session_;
       TenantDirectory* tenants = tenants_;
       std::shared_ptr<const StreamTenant> who = who_;
+      ucx::BulkOptions options;
+      if (tenants != nullptr) {
+        // Each chunk from its frame's arrival until it is kept.
+        options.charge = [tenants, who](int64_t bytes) -> absl::StatusOr<std::shared_ptr<void>> {
+          ASSIGN_OR_RETURN(InFlightCharge charge, tenants->ChargeInFlight(who->tenant(), bytes));
+          return std::shared_ptr<void>(std::make_shared<InFlightCharge>(std::move(charge)));
+        };
+      }
       absl::StatusOr<std::unique_ptr<ucx::BulkReceiver>> receiver = ucx::BulkReceiver::Start(
-          data_plane_host_, [session, tenants, who](const KvTransferChunk& chunk) -> absl::Status {
+          data_plane_host_,
+          [session, who](const KvTransferChunk& chunk) -> absl::Status {
             RETURN_IF_ERROR(who->StillValid());
-            InFlightCharge charge;
-            if (tenants != nullptr) {
-              ASSIGN_OR_RETURN(charge,
-                               tenants->ChargeInFlight(who->tenant(), chunk.payload_bytes()));
-            }
             return session->Accept(chunk).status();
-          });
+          },
+          options);
       if (receiver.ok()) {
         receiver_ = *std::move(receiver);
         v1::KvDataPlane* plane = response_.mutable_data_plane();

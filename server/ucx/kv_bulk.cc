@@ -244,7 +244,8 @@ class BulkReceiver::Impl {
   // A chunk being received or waiting to be applied.
   struct Slot {
     KvTransferChunk chunk;
-    PinnedBuffer pinned[2];  // k, v: the H2D copies' sources
+    PinnedBuffer pinned[2];        // k, v: the H2D copies' sources
+    std::shared_ptr<void> charge;  // BulkOptions::charge's token, until applied
     uint64_t index = 0;
     int tags_left = 0;
     std::vector<std::shared_ptr<void*>> requests;
@@ -339,7 +340,21 @@ class BulkReceiver::Impl {
     uint64_t total = 0;
     for (uint32_t s : in_.sizes) total += s;
     if (int64_t(total) > options_.max_chunk_bytes || in_.num_tokens < 0) {
+      Refuse(in_.index, absl::InvalidArgumentError(absl::StrCat(
+                            "chunk: ", total, " payload bytes; the UCX data plane takes at most ",
+                            options_.max_chunk_bytes, " per chunk (max_chunk_bytes)")));
       return Break("a chunk over the data plane's size limit");
+    }
+    std::shared_ptr<void> charge;
+    if (options_.charge && !waiting_slot_) {
+      absl::StatusOr<std::shared_ptr<void>> charged = options_.charge(int64_t(total));
+      if (!charged.ok()) {
+        Refuse(in_.index, charged.status());
+        return Break("a chunk over the tenant's budget");
+      }
+      charge = *std::move(charged);
+    } else if (options_.charge) {
+      charge = std::move(waiting_charge_);
     }
     std::unique_ptr<Slot> slot;
     {
@@ -351,9 +366,11 @@ class BulkReceiver::Impl {
     }
     if (slot == nullptr) {
       waiting_slot_ = true;  // DeliverAcks resumes once the applier frees one
+      waiting_charge_ = std::move(charge);
       return;
     }
     waiting_slot_ = false;
+    slot->charge = std::move(charge);
     KvTransferChunk& c = slot->chunk;
     c.sequence_id = in_.sequence_id;
     c.layer = in_.layer;
@@ -424,6 +441,7 @@ class BulkReceiver::Impl {
       Ack ack;
       ack.index = next;
       ack.status = apply_(slot->chunk);
+      slot->charge.reset();
       // Page-locked after its first copy, for the chunks this slot takes next.
       for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
       if (ack.status.ok()) {
@@ -458,6 +476,17 @@ class BulkReceiver::Impl {
       SendFrame(f, text);
     }
     if (waiting_slot_ && !broken_) OnChunkFrame();
+  }
+
+  // Refuses chunk `index` before it is received: the sender stops on it.
+  void Refuse(uint64_t index, const absl::Status& status) {
+    BulkFrame f;
+    f.type = kAck;
+    f.index = index;
+    f.code = static_cast<int32_t>(status.code());
+    const std::string text(status.message().substr(0, kMaxText));
+    f.message_bytes = static_cast<uint32_t>(text.size());
+    SendFrame(f, text);
   }
 
   void SendFrame(const BulkFrame& f, const std::string& text) {
@@ -550,6 +579,7 @@ class BulkReceiver::Impl {
   int outstanding_ = 0;
   BulkFrame in_;
   std::string text_;
+  std::shared_ptr<void> waiting_charge_;  // the charge of the frame waiting for a slot
   std::map<uint64_t, std::unique_ptr<Slot>> receiving_;
 
   // Shared with the apply thread.

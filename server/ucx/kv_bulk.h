@@ -50,7 +50,12 @@ struct BulkOptions {
   // and the receiver's staging slots.
   int window = 8;
   // A chunk's payload above this is refused before it is received.
-  int64_t max_chunk_bytes = int64_t{256} << 20;
+  int64_t max_chunk_bytes = int64_t{64} << 20;
+  // The receiver's budget: called with a chunk's payload bytes when its frame
+  // arrives, before they are received; the token it returns is held until
+  // the chunk has been applied (or dropped). An error is sent back as that
+  // chunk's refusal and ends the transfer. Unset: not charged.
+  std::function<absl::StatusOr<std::shared_ptr<void>>(int64_t bytes)> charge;
   // The sender's chunks' payload at most (its slots' buffers are sized and
   // page-locked for it up front); 0: as they come.
   int64_t chunk_bytes = 0;

@@ -6,6 +6,7 @@
 // nothing after it is applied; a cancelled sender stops.
 #include "server/ucx/kv_bulk.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -130,6 +131,46 @@ TEST(KvBulkTest, ARefusedChunkStopsTheSenderWithItsStatus) {
   EXPECT_EQ(applied.load(), 8) << "chunks after the refused one were applied";
   EXPECT_EQ(result.chunks, 7);
   EXPECT_EQ((*receiver)->chunks(), 7);
+}
+
+// Every chunk is charged from its arrival until it is applied; a charge
+// refused stops the sender with that status, and every charge is given back.
+TEST(KvBulkTest, ChunksAreChargedUntilAppliedAndARefusedChargeStopsTheSender) {
+  std::mt19937 rng(9);
+  std::vector<KvTransferChunk> sent;
+  for (int i = 0; i < 30; ++i) sent.push_back(RandomChunk(&rng, i));
+  std::atomic<int64_t> held{0};
+  std::atomic<int> charges{0};
+  std::atomic<int64_t> held_while_applying{-1};
+  BulkOptions options;
+  options.charge = [&](int64_t bytes) -> absl::StatusOr<std::shared_ptr<void>> {
+    if (charges.fetch_add(1) == 20) {
+      return absl::ResourceExhaustedError("bytes_in_flight: the tenant holds too much");
+    }
+    held += bytes;
+    return std::shared_ptr<void>(new int(0), [&held, bytes](void* p) {
+      held -= bytes;
+      delete static_cast<int*>(p);
+    });
+  };
+  auto receiver = BulkReceiver::Start(
+      "127.0.0.1",
+      [&](const KvTransferChunk& c) {
+        if (c.payload_bytes() > 0)
+          held_while_applying = std::max<int64_t>(held_while_applying, held);
+        return absl::OkStatus();
+      },
+      options);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  std::atomic<size_t> at{0};
+  const absl::Status status =
+      SendChunks((*receiver)->offer(), From(&sent, &at), options, nullptr, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "bytes_in_flight")) << status;
+  (*receiver)->Stop();
+  EXPECT_GT(held_while_applying.load(), 0) << "a chunk was applied without its charge";
+  EXPECT_EQ(held.load(), 0) << "charges were not given back";
+  EXPECT_LE((*receiver)->chunks(), 20);
 }
 
 TEST(KvBulkTest, ACancelledSenderStops) {
