@@ -166,7 +166,11 @@ absl::StatusOr<Plan> CudaBackend::CanImplementPaged(const PagedAttnParams& p) co
   plain.attn.alibi_slopes = nullptr;
   plain.attn.sinks = nullptr;
   RETURN_IF_ERROR(CheckPagedParams(plain, support));
-  if (a.alibi_slopes != nullptr || a.sinks != nullptr) RETURN_IF_ERROR(CheckParams(a));
+  if (a.alibi_slopes != nullptr || a.sinks != nullptr) {
+    AttnParams mods = a;
+    if (p.pages.v_in_k) mods.v = mods.k;  // V lives in K's pages: the call has no v
+    RETURN_IF_ERROR(CheckParams(mods));
+  }
   if (mla) {
     const Plan plan = cuda::PlanPagedMla(a, num_sms_);
     const int64_t rows = int64_t{a.seqlen_q} * a.num_heads_q;
