@@ -54,19 +54,23 @@ constexpr RequestLimits kLimits{int64_t{1} << 20, 96};
 constexpr char kTenant[] = "fuzz";
 
 struct Harness {
-  Harness()
+  explicit Harness(bool inline_calls)
       : backend(MakeCpuBackend(1)),
-        executor(backend.get(), MakeExecutorOptions()),
+        executor(backend.get(), MakeExecutorOptions(inline_calls)),
         pool(KvPoolOptions{kBudgetBytes, 16, absl::ZeroDuration()},
              {KvDevice{backend.get(), &executor, 0}}),
         runner(&pool, "cpu", kLimits, nullptr) {
     spdlog::set_level(spdlog::level::off);
   }
-  static ExecutorOptions MakeExecutorOptions() {
+  // `inline_calls`: every call that finds the executor idle runs on the
+  // submitting thread (ExecutorOptions::inline_max_cost, the server's
+  // --inline_max_cost), saving the hand-off to the launcher and back.
+  static ExecutorOptions MakeExecutorOptions(bool inline_calls) {
     ExecutorOptions o;
     o.max_queue_size = 8;
     o.batching = true;  // calls of one cache and layer may share a launch
     o.batch_max_delay = absl::Microseconds(50);
+    if (inline_calls) o.inline_max_cost = int64_t{1} << 40;
     return o;
   }
   std::unique_ptr<AttentionBackend> backend;
@@ -118,7 +122,10 @@ struct ModelSeq {
 
 class Program {
  public:
-  Program(Harness* h, FuzzedDataProvider* in) : h_(h), in_(in) {}
+  // `handoff` and `inline_calls`: the two harnesses (Harness's argument);
+  // the input's seed picks one per program.
+  Program(Harness* handoff, Harness* inline_calls, FuzzedDataProvider* in)
+      : handoff_(handoff), inline_(inline_calls), h_(handoff), in_(in) {}
 
   void Run() {
     if (!CreateCache()) return;
@@ -190,6 +197,10 @@ class Program {
     r.set_reserve(in_->ConsumeBool());
     heads_q_mult_ = in_->ConsumeIntegralInRange(1, 2);
     seed_ = in_->ConsumeIntegral<uint64_t>();
+    // Both ways a call reaches the backend: handed to the executor's threads
+    // (batching, the completer, two calls in flight queued behind each other)
+    // or run on this thread when the executor is idle (cheaper per call).
+    h_ = (seed_ & 1) != 0 ? inline_ : handoff_;
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         h_->pool.CreateCache(kTenant, DecodeCreateCache(r));
     if (!cache.ok()) {
@@ -549,7 +560,9 @@ class Program {
         absl::StrCat("pages used ", stats.pages_used, " outside [", longest, ", ", unshared, "]"));
   }
 
-  Harness* const h_;
+  Harness* const handoff_;
+  Harness* const inline_;
+  Harness* h_;
   FuzzedDataProvider* const in_;
   std::shared_ptr<KvCache> cache_;
   KvGeometry geometry_;
@@ -565,8 +578,10 @@ class Program {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attnserve;
-  static Harness* harness = new Harness();  // lives for the process, as the server's does
+  // They live for the process, as the server's do.
+  static Harness* handoff = new Harness(/*inline_calls=*/false);
+  static Harness* inline_calls = new Harness(/*inline_calls=*/true);
   FuzzedDataProvider in(data, size);
-  Program(harness, &in).Run();
+  Program(handoff, inline_calls, &in).Run();
   return 0;
 }
