@@ -451,8 +451,8 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
 
 
 # wgmma m64nNk16 shapes the Hopper kernels use: N = the key tile of S = Q K^T
-# (64, 112, 128, 192) and the head dim of O = P V (64, 128, 192, 256).
-WGMMA_N = [64, 112, 128, 192, 256]
+# (64, 96, 112, 128, 192) and the head dim of O = P V (64, 128, 192, 256).
+WGMMA_N = [64, 96, 112, 128, 192, 256]
 # FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path.
 WGMMA_E4M3_N = [64, 112, 128, 192]
 WGMMA_TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}

@@ -10,7 +10,9 @@
 // V would run), where this build compiled it. Timing: CUDA events, L2
 // flushed by a 256 MB memset before every run, 5 warm-ups, median of 25.
 // On sm90 every shape also runs on the portable kernel (impl ours_portable;
-// --portable=1: that kernel alone).
+// --portable=1: that kernel alone; --portable_rows=0: not). --tag names the
+// plan's rows (an A/B pass under an environment knob, e.g.
+// ATTNSERVE_SM90_MLA_SHORT_TILE=1).
 // Rows: kind,dtype,dqk,dv,b,hq,hkv,sq,sk,causal,impl,kernel,ms,tflops (CSV).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,7 +44,9 @@ struct Args {
   int dqk = 192, dv = 128;
   DType dtype = DType::kBF16;
   bool same_dims = false;
-  bool portable = false;  // allow_sm90 off: the portable kernels only
+  bool portable = false;      // allow_sm90 off: the portable kernels only
+  bool portable_rows = true;  // on sm90, the portable kernel's rows beside the plan's
+  std::string tag = "ours";   // the impl name of the plan's rows
   std::string csv;
 };
 
@@ -226,13 +230,18 @@ int Main(int argc, char** argv) {
       a.same_dims = std::atoi(v) != 0;
     } else if (const char* v = val("--portable")) {
       a.portable = std::atoi(v) != 0;
+    } else if (const char* v = val("--portable_rows")) {
+      a.portable_rows = std::atoi(v) != 0;
+    } else if (const char* v = val("--tag")) {
+      a.tag = v;
     } else if (const char* v = val("--csv")) {
       a.csv = v;
     } else {
       std::fprintf(stderr,
                    "usage: mla_prefill_bench [--ns=1024,...] [--hqs=128,16] [--causal=0,1] "
                    "[--tokens=16384] [--dqk=192] [--dv=128] [--dtype=bf16|fp16] "
-                   "[--same_dims=0|1] [--portable=0|1] [--csv=FILE]\n");
+                   "[--same_dims=0|1] [--portable=0|1] [--portable_rows=0|1] [--tag=ours] "
+                   "[--csv=FILE]\n");
       return 2;
     }
   }
@@ -249,7 +258,7 @@ int Main(int argc, char** argv) {
   int failures = 0;
   // On sm90 the plan's kernel (Hopper where it covers the shape) and the
   // portable one beside it.
-  const bool both = !a.portable && cuda::DeviceRunsSm90Kernels(0);
+  const bool both = !a.portable && a.portable_rows && cuda::DeviceRunsSm90Kernels(0);
   for (int causal : a.causals) {
     for (bool portable : {a.portable, true}) {
       if (portable && !a.portable && !both) continue;
@@ -272,7 +281,7 @@ int Main(int argc, char** argv) {
           int dv;
           bool portable;
         };
-        std::vector<Impl> impls{{"ours", a.dv, a.portable}};
+        std::vector<Impl> impls{{a.tag, a.dv, a.portable}};
         if (both) impls.push_back({"ours_portable", a.dv, true});
         if (a.same_dims) impls.push_back({"ours_same_dims", a.dqk, a.portable});
         for (const auto& [impl, dv, portable] : impls) {
@@ -281,7 +290,7 @@ int Main(int argc, char** argv) {
           if (ms < 0) {
             std::printf("%-6s %5d %4d %6d %6d %-16s %-18s %9s\n", dn, h, b, n, causal, impl.c_str(),
                         kernel.c_str(), "skipped");
-            if (impl == "ours") ++failures;
+            if (impl == a.tag) ++failures;
             continue;
           }
           // The MLA shape's useful work, for every row (equal-dims rows too).

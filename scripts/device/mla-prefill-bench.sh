@@ -14,8 +14,11 @@
 # zero-padded to 192). TFLOP/s counts 2 x B x H x N x N x (Dqk + Dv), halved
 # for causal, for every row. Prints a summary and one table (ours against
 # the fastest SDPA row per shape); CSV and logs under $OUT.
+# SHORT_TILE=1 (default) adds an A/B pass of the Hopper kernel on its
+# short-range tile (ATTNSERVE_SM90_MLA_SHORT_TILE=1: 128x96 keys, two Q
+# slots; impl ours_short_tile) and runs the MLA test under it too.
 # Usage: [KERNELS=dev|all (all: also the equal-dims D 192 rows, --same_dims)]
-#   [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1]
+#   [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1] [SHORT_TILE=0|1]
 #   scripts/device/mla-prefill-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -26,7 +29,7 @@ mkdir -p "$OUT"
 SAN=1
 for a in "$@"; do case $a in --no-sanitizer) SAN=0;; esac; done
 KERNELS=${KERNELS:-dev}; DTYPES=${DTYPES:-bf16}; NS=${NS:-1024,2048,4096,8192,16384}
-HQS=${HQS:-128,16}; REGRESS=${REGRESS:-1}; PEERS=${PEERS:-1}
+HQS=${HQS:-128,16}; REGRESS=${REGRESS:-1}; PEERS=${PEERS:-1}; SHORT_TILE=${SHORT_TILE:-1}
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
@@ -61,6 +64,10 @@ run_test() {  # run_test NAME LOG ARGS...
 run_test "mla prefill tests (plan)" mla-tests.log $T/cuda_mla_prefill_test
 ATTNSERVE_CUDA_PORTABLE=1 run_test "mla prefill tests (portable)" mla-tests-portable.log \
   $T/cuda_mla_prefill_test
+if [ "$SHORT_TILE" = 1 ]; then
+  ATTNSERVE_SM90_MLA_SHORT_TILE=1 run_test "mla prefill tests (short tile)" mla-tests-short.log \
+    $T/cuda_mla_prefill_test
+fi
 run_test "mla refusal tests" mla-refusal.log $T/cuda_mla_refusal_test
 if [ "$REGRESS" = 1 ]; then
   ATTNSERVE_CUDA_PORTABLE=1 run_test "cuda_backend_test (portable)" backend-tests.log \
@@ -97,6 +104,13 @@ for dt in $DTYPES; do
     --csv="$OUT/ours-$dt.csv" >>"$OUT/bench.log" 2>&1
   note "mla_prefill_bench $dt" "rc=$? $(grep -c FAILED "$OUT/bench.log") failed, $(grep -c skipped "$OUT/bench.log") skipped"
   grep -v '^kind' "$OUT/ours-$dt.csv" >>"$CSV" 2>/dev/null
+  if [ "$SHORT_TILE" = 1 ]; then
+    ATTNSERVE_SM90_MLA_SHORT_TILE=1 timeout 300 $B/bench/cuda/mla_prefill_bench --dtype=$dt \
+      --ns=$NS --hqs=$HQS --portable_rows=0 --tag=ours_short_tile \
+      --csv="$OUT/ours-short-$dt.csv" >>"$OUT/bench.log" 2>&1
+    note "mla_prefill_bench $dt short tile" "rc=$?"
+    grep -v '^kind' "$OUT/ours-short-$dt.csv" >>"$CSV" 2>/dev/null
+  fi
   if [ "$PEERS" = 1 ]; then
     timeout 600 python3 bench/gpu/mla_sdpa_bench.py --dtype=$dt --ns=$NS --hqs=$HQS \
       --csv="$OUT/sdpa-$dt.csv" 2>"$OUT/sdpa-$dt.log"
@@ -117,17 +131,20 @@ rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if not l.startswi
 key = lambda r: (r["dtype"], int(r["hq"]), int(r["sq"]), int(r["causal"]))
 shapes = sorted({key(r) for r in rows}, key=lambda k: (k[0], -k[1], k[2], k[3]))
 print(f"{'dtype':5} {'hq':>4} {'b':>3} {'n':>6} {'c':>2} {'ours':>7} {'kernel':<18} "
-      f"{'best sdpa':>9} {'impl':<22} {'ours/sdpa':>9}  (TFLOP/s)")
+      f"{'best sdpa':>9} {'impl':<22} {'ours/sdpa':>9} {'short/ours':>10}  (TFLOP/s)")
 for k in shapes:
     mine = [r for r in rows if key(r) == k and r["impl"] == "ours"]
     peers = [r for r in rows if key(r) == k and r["impl"].startswith("sdpa")]
     best = max(peers, key=lambda r: float(r["tflops"])) if peers else None
+    short = [r for r in rows if key(r) == k and r["impl"] == "ours_short_tile"]
     o = float(mine[0]["tflops"]) if mine else float("nan")
     p = float(best["tflops"]) if best else float("nan")
+    s = float(short[0]["tflops"]) / o if short and mine else float("nan")
     b = (mine or peers)[0]["b"]
     print(f"{k[0]:5} {k[1]:>4} {b:>3} {k[2]:>6} {k[3]:>2} {o:7.1f} "
           f"{mine[0]['kernel'] if mine else '-':<18} {p:9.1f} "
-          f"{best['impl'] if best else '-':<22} {o / p if best and mine else float('nan'):9.3f}")
+          f"{best['impl'] if best else '-':<22} {o / p if best and mine else float('nan'):9.3f} "
+          f"{s:10.3f}")
 same = [r for r in rows if r["impl"] == "ours_same_dims"]
 if same:
     print("\nequal dims (D 192, V padded), same useful FLOPs:")
