@@ -444,10 +444,43 @@ absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Start(std::shared_ptr<Kv
       e->remaining_bytes_ += PayloadBytes(g, e->pinned_[i].ends[size_t(l)] - from);
     }
   }
+  e->start_bytes_ = e->remaining_bytes_;
+  if (o.read_ahead) {
+    {
+      absl::MutexLock lock(&e->ahead_mu_);
+      e->ahead_want_ = true;  // the first chunk, at once
+    }
+    KvExporter* raw = e.get();
+    e->ahead_ = std::thread([raw] { raw->ReadAhead(); });
+  }
   return e;
 }
 
+void KvExporter::ReadAhead() {
+  while (true) {
+    {
+      absl::MutexLock lock(&ahead_mu_);
+      auto wanted = [this]() ABSL_SHARED_LOCKS_REQUIRED(ahead_mu_) {
+        return ahead_want_ || ahead_stop_;
+      };
+      ahead_mu_.Await(absl::Condition(&wanted));
+      if (ahead_stop_) return;
+    }
+    absl::StatusOr<bool> more = Read(&ahead_chunk_);
+    absl::MutexLock lock(&ahead_mu_);
+    ahead_want_ = false;
+    ahead_result_ = std::move(more);
+  }
+}
+
 KvExporter::~KvExporter() {
+  if (ahead_.joinable()) {
+    {
+      absl::MutexLock lock(&ahead_mu_);
+      ahead_stop_ = true;
+    }
+    ahead_.join();
+  }
   if (cache_ == nullptr) return;
   for (const Pinned& p : pinned_) {
     for (const std::vector<int32_t>& layer : p.pages) KvTransferAccess::Release(*cache_, layer);
@@ -455,6 +488,22 @@ KvExporter::~KvExporter() {
 }
 
 absl::StatusOr<bool> KvExporter::Next(KvTransferChunk* chunk) {
+  if (!ahead_.joinable()) return Read(chunk);
+  absl::MutexLock lock(&ahead_mu_);
+  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(ahead_mu_) { return ahead_result_.has_value(); };
+  ahead_mu_.Await(absl::Condition(&ready));
+  absl::StatusOr<bool> result = *std::move(ahead_result_);
+  ahead_result_.reset();
+  if (!result.ok() || !*result) {
+    ahead_result_ = result;  // the end (or the error) stays the answer
+    return result;
+  }
+  std::swap(*chunk, ahead_chunk_);
+  ahead_want_ = true;  // the next one, while the caller sends this one
+  return result;
+}
+
+absl::StatusOr<bool> KvExporter::Read(KvTransferChunk* chunk) {
   if (seq_ >= pinned_.size()) return false;
   Pinned& p = pinned_[seq_];
   const KvGeometry& g = header_.geometry;

@@ -86,6 +86,11 @@ struct KvExportOptions {
   std::optional<KvResumePoint> resume;
   int64_t max_chunk_bytes = 0;  // 0: kDefaultKvChunkBytes
   std::string transfer_id;      // empty: one is made
+  // Read the next chunk out of the pages on a thread of the exporter's own
+  // while the caller sends this one (one chunk ahead): the page copies
+  // (D2H on a GPU) and the checksum leave the caller's thread (a gRPC
+  // thread) and overlap the send.
+  bool read_ahead = false;
 };
 
 // Reads a cache's sequences out of their pages, one chunk at a time. Start
@@ -106,12 +111,25 @@ class KvExporter {
 
   // The transfer's header (the whole list of sequences, resumed or not).
   const KvTransferHeader& header() const { return header_; }
-  // Payload bytes still to send from the current position (resume skipped).
-  int64_t remaining_bytes() const { return remaining_bytes_; }
-  // Fills *chunk (its buffers reused) with the next chunk; false when done.
+  // Payload bytes still to send from the start position (resume skipped),
+  // as Start found them.
+  int64_t remaining_bytes() const { return start_bytes_; }
+  // Fills *chunk (its buffers reused, or swapped with the read-ahead's) with
+  // the next chunk; false when done.
   absl::StatusOr<bool> Next(KvTransferChunk* chunk);
 
  private:
+  absl::StatusOr<bool> Read(KvTransferChunk* chunk);
+  void ReadAhead();
+
+  // The read-ahead thread's one chunk ahead, handed over under ahead_mu_.
+  absl::Mutex ahead_mu_;
+  bool ahead_want_ ABSL_GUARDED_BY(ahead_mu_) = false;  // read the next one
+  bool ahead_stop_ ABSL_GUARDED_BY(ahead_mu_) = false;
+  std::optional<absl::StatusOr<bool>> ahead_result_ ABSL_GUARDED_BY(ahead_mu_);
+  KvTransferChunk ahead_chunk_;  // the read-ahead thread's while ahead_want_
+  std::thread ahead_;
+
   struct Pinned {
     uint64_t sequence_id = 0;
     std::vector<std::vector<int32_t>> pages;  // per layer, pinned
@@ -125,6 +143,7 @@ class KvExporter {
   std::vector<Pinned> pinned_;  // the sequences still to send, in order
   int64_t rows_per_chunk_ = 0;
   int64_t remaining_bytes_ = 0;
+  int64_t start_bytes_ = 0;
   size_t seq_ = 0;
   int32_t layer_ = 0;
   int32_t token_ = 0;

@@ -26,6 +26,9 @@ KvExportOptions DecodeExportRequest(const v1::ExportSequencesRequest& r) {
   if (r.has_resume()) o.resume = DecodeResumePoint(r.resume());
   o.max_chunk_bytes = r.max_chunk_bytes();
   o.transfer_id = r.transfer_id();
+  // Chunks in this stream: read one ahead, off the gRPC thread (the data
+  // plane's sender reads on a thread of its own already).
+  o.read_ahead = !r.header_only() && !r.has_data_plane();
   return o;
 }
 

@@ -555,7 +555,11 @@ class BulkReceiver::Impl {
     CloseConnection();
     if (listener_ != nullptr) ucp_listener_destroy(listener_);
     listener_ = nullptr;
+    // Chunks received and not applied are dropped, and their charges go.
     receiving_.clear();
+    waiting_charge_.reset();
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.clear();
   }
 
   const Apply apply_;
