@@ -86,7 +86,10 @@ struct MoveOptions {
 
 struct MoveResult {
   std::string transfer_id;
-  int64_t bytes = 0;         // payload bytes written to the import (resent ones included)
+  // Payload bytes written to the import (resent ones included); over UCX,
+  // what the receiver kept (the chunks in flight at a cut, sent again, are
+  // not seen here: bytes_resent stays 0).
+  int64_t bytes = 0;
   int64_t bytes_resent = 0;  // of those, chunks sent again after a cut
   int64_t sequences = 0;     // sequences live on the receiver from this transfer
   int32_t resumes = 0;       // broken streams resumed
