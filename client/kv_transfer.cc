@@ -220,6 +220,14 @@ class Pusher {
       result_.sequences = last.resume().committed_sequence_ids_size();
       result_.bytes += std::max<int64_t>(0, last.bytes_received() - kept_before);
     }
+    if (absl::IsUnimplemented(sent.status())) {
+      // The source sends nothing over UCX: the rest goes in the gRPC streams
+      // (the receiver kept nothing from this attempt; Once resumes there).
+      result_.data_plane = "grpc";
+      result_.data_plane_fallback = std::string(sent.status().message());
+      data_plane_ = nullptr;
+      return Once();
+    }
     if (!sent.ok()) return sent.status();
     return finished;
   }

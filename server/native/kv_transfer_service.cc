@@ -142,8 +142,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
  public:
   ExportReactor(KvPool* pool, TenantDirectory* tenants, KvTransferCounters* counters,
                 InFlightCounter* in_flight, std::string tenant,
-                const v1::ExportSequencesRequest& request)
-      : tenants_(tenants), counters_(counters), hold_(in_flight), tenant_(std::move(tenant)) {
+                const v1::ExportSequencesRequest& request, bool ucx_enabled)
+      : tenants_(tenants),
+        counters_(counters),
+        hold_(in_flight),
+        tenant_(std::move(tenant)),
+        ucx_enabled_(ucx_enabled) {
     absl::StatusOr<std::shared_ptr<KvCache>> cache = pool->Find(tenant_, request.cache_id());
     if (!cache.ok()) {
       Finish(ToGrpcStatus(cache.status()));
@@ -206,6 +210,13 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   // (its window) are charged to the tenant until it is done.
   void StartDataPlane(const v1::ExportSequencesRequest& request) {
     const v1::KvDataPlane& plane = request.data_plane();
+    if (!ucx::BulkBuilt() || !ucx_enabled_) {
+      // The operator opts in with --ucx_port: a server without it sends nothing over UCX.
+      Finish(ToGrpcStatus(absl::UnimplementedError(
+          "data_plane: the source offers no UCX (started without --ucx_port, or built without "
+          "UCX); export over gRPC")));
+      return;
+    }
     if (plane.transport() != "ucx") {
       Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
           "data_plane.transport: expected \"ucx\", got '", plane.transport().substr(0, 32), "'"))));
@@ -292,6 +303,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   KvTransferCounters* const counters_;
   InFlightCounter::Hold hold_;
   const std::string tenant_;
+  const bool ucx_enabled_;
   std::unique_ptr<KvExporter> exporter_;
   KvTransferChunk chunk_;
   v1::KvChunk message_;
@@ -526,8 +538,13 @@ KvTransferService::KvTransferService(KvRunner* runner, KvImportSessions* session
 
 grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::ExportSequences(
     grpc::CallbackServerContext* context, const v1::ExportSequencesRequest* request) {
+  bool ucx_enabled;
+  {
+    absl::MutexLock lock(&data_plane_mu_);
+    ucx_enabled = !data_plane_host_.empty();
+  }
   return new ExportReactor(pool_, tenants_, &counters_, &in_flight_, TenantOf(auth_, context),
-                           *request);
+                           *request, ucx_enabled);
 }
 
 grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>*

@@ -341,6 +341,23 @@ TEST(UcxKvTransferFallbackTest, ReceiverWithoutUcxTakesTheChunksOverGrpc) {
   a.server->Shutdown(absl::ZeroDuration());
 }
 
+// A source started without --ucx_port sends nothing over UCX: the export
+// says so and the move goes on in the gRPC streams.
+TEST(UcxKvTransferFallbackTest, SourceWithoutUcxExportsOverGrpc) {
+  Server a = StartServer(false), b = StartServer(true);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", v1::BF16, 4, 150, 8));
+  absl::StatusOr<MoveResult> moved =
+      MoveCache(a.channel, b.channel, "kv0", UcxMove(4 * kLayers * 160));
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->data_plane, "grpc");
+  EXPECT_TRUE(absl::StrContains(moved->data_plane_fallback, "the source offers no UCX"))
+      << moved->data_plane_fallback;
+  EXPECT_EQ(moved->sequences, 4);
+  EXPECT_TRUE(CacheRows(b, "kv0") == CacheRows(a, "kv0"));
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
 // The receiver's refusals come back over UCX with the gRPC import's code and
 // message: a cache too small for the second sequence is RESOURCE_EXHAUSTED,
 // the first stays live (all or nothing per sequence), the second is not.
