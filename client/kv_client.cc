@@ -6,6 +6,7 @@
 #include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/support/status.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <algorithm>
 #include <random>
@@ -90,6 +91,20 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
     }
   }
   return absl::OkStatus();
+}
+
+// `request`'s encoding with q, k and v's bytes moved into slices (their
+// shapes stay in `request`).
+grpc::ByteBuffer EncodeRequest(v1::AppendAttendRequest* request) {
+  // Only the tensors present: mutable_* would create an absent one (an
+  // append-only call has no q).
+  TensorWireSlices tensors;
+  using R = v1::AppendAttendRequest;
+  static_assert(v1::Tensor::kDataFieldNumber == 3, "TensorWireSlices writes Tensor.data as 3");
+  if (request->has_q()) tensors.TakeData(R::kQFieldNumber, request->mutable_q()->mutable_data());
+  if (request->has_k()) tensors.TakeData(R::kKFieldNumber, request->mutable_k()->mutable_data());
+  if (request->has_v()) tensors.TakeData(R::kVFieldNumber, request->mutable_v()->mutable_data());
+  return tensors.Encode(*request);
 }
 
 // What AppendAttendResultFromProto reads of a request, without the bytes.
@@ -211,8 +226,8 @@ KvClient::Route KvClient::RouteFor(const std::string& cache_id) {
   return Next();
 }
 
-absl::StatusOr<v1::KvCache::Stub*> KvClient::RouteTo(const std::string& cache_id,
-                                                     const std::string& address) {
+absl::StatusOr<KvClient::Route> KvClient::RouteTo(const std::string& cache_id,
+                                                  const std::string& address) {
   absl::MutexLock lock(&routes_mu_);
   if (moved_stubs_.count(address) == 0) {
     // Same credentials and settings as the client's own target.
@@ -223,7 +238,7 @@ absl::StatusOr<v1::KvCache::Stub*> KvClient::RouteTo(const std::string& cache_id
     moved_clients_[address] = *std::move(made);
   }
   routes_[cache_id] = address;
-  return moved_stubs_.at(address).get();
+  return Route{moved_stubs_.at(address).get(), moved_clients_.at(address)->channel(0).get()};
 }
 
 grpc::Status KvClient::Invoke(
@@ -376,15 +391,7 @@ absl::StatusOr<v1::AppendAttendResponse> KvClient::AppendAttend(v1::AppendAttend
   // the same blocking path the stub takes.
   static const grpc::internal::RpcMethod kMethod("/attnserve.v1.KvCache/AppendAttend",
                                                  grpc::internal::RpcMethod::NORMAL_RPC);
-  // Only the tensors present: mutable_* would create an absent one (an
-  // append-only call has no q).
-  TensorWireSlices tensors;
-  using R = v1::AppendAttendRequest;
-  static_assert(v1::Tensor::kDataFieldNumber == 3, "TensorWireSlices writes Tensor.data as 3");
-  if (request->has_q()) tensors.TakeData(R::kQFieldNumber, request->mutable_q()->mutable_data());
-  if (request->has_k()) tensors.TakeData(R::kKFieldNumber, request->mutable_k()->mutable_data());
-  if (request->has_v()) tensors.TakeData(R::kVFieldNumber, request->mutable_v()->mutable_data());
-  const grpc::ByteBuffer wire = tensors.Encode(*request);
+  const grpc::ByteBuffer wire = EncodeRequest(request);
   v1::AppendAttendResponse response;
   const grpc::Status status =
       Invoke(call, request->cache_id(), [&](const Route& route, grpc::ClientContext* context) {
@@ -446,36 +453,39 @@ absl::StatusOr<std::unique_ptr<AppendAttendStream>> KvClient::OpenStream(
   if (channel < 0) {
     return absl::InvalidArgumentError(absl::StrCat("channel must be >= 0, got ", channel));
   }
-  v1::KvCache::Stub* stub = stubs_[channel % stubs_.size()].get();
+  grpc::ChannelInterface* target = channels_[channel % channels_.size()].get();
   {
     absl::MutexLock lock(&routes_mu_);
     auto route = routes_.find(cache_id);
-    if (route != routes_.end()) stub = moved_stubs_.at(route->second).get();
+    if (route != routes_.end()) target = moved_clients_.at(route->second)->channel(0).get();
   }
   AppendAttendStream::Reopen reopen;
   if (moved_.policy == KvMovedOptions::Policy::kFollow) {
-    reopen = [this, cache_id](const std::string& address) {
+    reopen = [this,
+              cache_id](const std::string& address) -> absl::StatusOr<grpc::ChannelInterface*> {
       moved_retries_.fetch_add(1, std::memory_order_relaxed);
-      return RouteTo(cache_id, address);
+      absl::StatusOr<Route> route = RouteTo(cache_id, address);
+      if (!route.ok()) return route.status();
+      return route->channel;
     };
   } else if (moved_.policy == KvMovedOptions::Policy::kRetry) {
     // Through a proxy: the same target, once the drained replica has gone.
-    reopen = [this, stub, backoff = absl::Milliseconds(5)](
-                 const std::string&) mutable -> absl::StatusOr<v1::KvCache::Stub*> {
+    reopen = [this, target, backoff = absl::Milliseconds(5)](
+                 const std::string&) mutable -> absl::StatusOr<grpc::ChannelInterface*> {
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, absl::Milliseconds(100));
       moved_retries_.fetch_add(1, std::memory_order_relaxed);
-      return stub;
+      return target;
     };
   }
   std::unique_ptr<AppendAttendStream> stream(new AppendAttendStream(
-      cache_id, stub, call, client_.options(), std::move(reopen), moved_.budget));
+      cache_id, target, call, client_.options(), std::move(reopen), moved_.budget));
   return stream;
 }
 
 // --- AppendAttendStream ---
 
-AppendAttendStream::AppendAttendStream(std::string cache_id, v1::KvCache::Stub* stub,
+AppendAttendStream::AppendAttendStream(std::string cache_id, grpc::ChannelInterface* channel,
                                        const CallOptions& call, const ClientOptions& options,
                                        Reopen reopen, absl::Duration budget)
     : cache_id_(std::move(cache_id)),
@@ -485,19 +495,25 @@ AppendAttendStream::AppendAttendStream(std::string cache_id, v1::KvCache::Stub* 
       budget_(budget) {
   {
     absl::MutexLock lock(&write_mu_);
-    Open(stub);
+    Open(channel);
   }
   reader_ = std::thread([this] { ReadLoop(); });
 }
 
-void AppendAttendStream::Open(v1::KvCache::Stub* stub) {
+void AppendAttendStream::Open(grpc::ChannelInterface* channel) {
+  // The generated stub's stream would serialize each request (a copy of its
+  // tensors); this one writes their encoding.
+  static const grpc::internal::RpcMethod kMethod("/attnserve.v1.KvCache/AppendAttendStream",
+                                                 grpc::internal::RpcMethod::BIDI_STREAMING);
   auto context = std::make_unique<grpc::ClientContext>();
   if (call_.timeout && *call_.timeout != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + *call_.timeout));
   }
   context->set_wait_for_ready(call_.wait_for_ready.value_or(options_.wait_for_ready));
   context->AddMetadata(kCacheIdHeader, cache_id_);
-  rpcs_.push_back(stub->AppendAttendStream(context.get()));
+  rpcs_.emplace_back(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::AppendAttendResponse>::Create(
+          channel, kMethod, context.get()));
   contexts_.push_back(std::move(context));
   stream_ = rpcs_.back().get();
 }
@@ -523,22 +539,23 @@ absl::Status AppendAttendStream::Send(v1::AppendAttendRequest request, Done done
   // unanswered requests in the order they were written.
   absl::MutexLock write_lock(&write_mu_);
   write_mu_.Await(absl::Condition(this, &AppendAttendStream::NotResending));
-  auto shared = std::make_shared<v1::AppendAttendRequest>(std::move(request));
+  std::shared_ptr<const grpc::ByteBuffer> wire;
   {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::FailedPreconditionError("the stream is closed");
-    if (shared->request_id().empty()) {
+    if (request.request_id().empty()) {
       // A prefix no caller-chosen id is likely to use.
-      shared->set_request_id(absl::StrCat("s", next_id_++));
+      request.set_request_id(absl::StrCat("s", next_id_++));
     }
-    if (pending_.count(shared->request_id()) > 0) {
-      return absl::InvalidArgumentError(absl::StrCat("request_id '", shared->request_id(),
+    if (pending_.count(request.request_id()) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("request_id '", request.request_id(),
                                                      "' is already in flight on this stream"));
     }
-    pending_.emplace(shared->request_id(), Pending{next_order_++, std::move(done),
-                                                   reopen_ != nullptr ? shared : nullptr});
+    wire = std::make_shared<const grpc::ByteBuffer>(EncodeRequest(&request));
+    pending_.emplace(request.request_id(),
+                     Pending{next_order_++, std::move(done), reopen_ != nullptr ? wire : nullptr});
   }
-  if (!stream_->Write(*shared) && reopen_ == nullptr) {
+  if (!stream_->Write(*wire) && reopen_ == nullptr) {
     // The stream broke: the reader fails everything pending with the stream's
     // status, this request included (unless it already did). A stream that
     // follows moves learns from the reader whether it goes on.
@@ -653,12 +670,12 @@ void AppendAttendStream::ReadLoop() {
 
 bool AppendAttendStream::FollowMove(const std::string& address) {
   if (resender_.joinable()) resender_.join();
-  absl::StatusOr<v1::KvCache::Stub*> stub = reopen_(address);
-  if (!stub.ok()) return false;
-  std::vector<std::shared_ptr<const v1::AppendAttendRequest>> again;
+  absl::StatusOr<grpc::ChannelInterface*> channel = reopen_(address);
+  if (!channel.ok()) return false;
+  std::vector<std::shared_ptr<const grpc::ByteBuffer>> again;
   {
     absl::MutexLock write_lock(&write_mu_);
-    Open(*stub);
+    Open(*channel);
     std::vector<const Pending*> order;
     {
       absl::MutexLock lock(&mu_);

@@ -201,20 +201,23 @@ class AppendAttendStream {
 
  private:
   friend class KvClient;
-  using Rpc = grpc::ClientReaderWriter<v1::AppendAttendRequest, v1::AppendAttendResponse>;
-  // Where the stream goes on after a moved-to end naming `address`: the stub
-  // to reopen it on, or the error that ends it.
-  using Reopen = std::function<absl::StatusOr<v1::KvCache::Stub*>(const std::string& address)>;
+  // Requests are written as their encoding (TensorWireSlices: the tensors'
+  // bytes as slices, not copied into a serialized message).
+  using Rpc = grpc::ClientReaderWriter<grpc::ByteBuffer, v1::AppendAttendResponse>;
+  // Where the stream goes on after a moved-to end naming `address`: the
+  // channel to reopen it on, or the error that ends it.
+  using Reopen = std::function<absl::StatusOr<grpc::ChannelInterface*>(const std::string& address)>;
   struct Pending {
     uint64_t order = 0;  // sending order, kept when sent again
     Done done;
-    // Kept to send again after a move (null when the stream does not follow).
-    std::shared_ptr<const v1::AppendAttendRequest> request;
+    // Its encoding, kept to send again after a move (null when the stream
+    // does not follow).
+    std::shared_ptr<const grpc::ByteBuffer> request;
   };
   // `reopen` null: the stream does not follow moves.
-  AppendAttendStream(std::string cache_id, v1::KvCache::Stub* stub, const CallOptions& call,
+  AppendAttendStream(std::string cache_id, grpc::ChannelInterface* channel, const CallOptions& call,
                      const ClientOptions& options, Reopen reopen, absl::Duration budget);
-  void Open(v1::KvCache::Stub* stub) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  void Open(grpc::ChannelInterface* channel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   void ReadLoop();
   // After a moved-to end: reopens and sends the unanswered requests again.
   // False when the stream cannot go on.
@@ -320,8 +323,8 @@ class KvClient {
   int64_t moved_retries() const { return moved_retries_.load(std::memory_order_relaxed); }
 
  private:
-  // One target's stub and its channel (for the AppendAttend that sends its
-  // own encoding).
+  // One target's stub and its channel (AppendAttend and its stream send
+  // their own encoding on the channel).
   struct Route {
     v1::KvCache::Stub* stub;
     grpc::ChannelInterface* channel;
@@ -333,9 +336,8 @@ class KvClient {
   Route Next();
   // The route for a cache's calls: the address it moved to, else Next().
   Route RouteFor(const std::string& cache_id);
-  // Routes the cache's calls to `address` from now on; its stub.
-  absl::StatusOr<v1::KvCache::Stub*> RouteTo(const std::string& cache_id,
-                                             const std::string& address);
+  // Routes the cache's calls to `address` from now on; its route.
+  absl::StatusOr<Route> RouteTo(const std::string& cache_id, const std::string& address);
   // Runs `rpc` (a fresh context each attempt) and retries it per moved_.
   grpc::Status Invoke(const CallOptions& call, const std::string& cache_id,
                       const std::function<grpc::Status(const Route&, grpc::ClientContext*)>& rpc);
