@@ -53,21 +53,27 @@ struct MlaLaunch {
   float* part_lse;
 };
 
-template <int kMT>
+// kOverlap (the bench's variant): P gets a buffer of its own so that a
+// stage's S runs beside the previous stage's P V (two barriers a stage, one
+// stage fewer in flight).
+template <int kMT, bool kOverlap = false>
 struct Cfg {
   static constexpr int kRows = 16 * kMT;
   static constexpr int kSM = kMT < 2 ? kMT : 2;  // m16 tiles of one S unit
   static constexpr int kGroups = kMT / kSM;
   static constexpr int kDSplit = kWarps / kGroups;
-  static constexpr int kStages = kMT == 1 ? 5 : kMT == 2 ? 4 : 3;
+  static constexpr int kStages = MlaStages(kRows);
   static constexpr int kQBytes = kRows * kRowBytes;
   static constexpr int kStageBytes = kTile * kRowBytes;
   static constexpr int kSBytes = kDSplit * kRows * kTile * 4;
+  static constexpr int kPBytes = kOverlap ? kRows * kTile * 4 : 0;
   static constexpr int kRingOff = kQBytes;
   static constexpr int kSOff = kRingOff + kStages * kStageBytes;
-  static constexpr int kStatOff = kSOff + kSBytes;  // alpha, m, l, lo, hi, slope
+  static constexpr int kPOff = kOverlap ? kSOff + kSBytes : kSOff;  // P rows of 128 bytes
+  static constexpr int kStatOff = kSOff + kSBytes + kPBytes;        // alpha, m, l, lo, hi, slope
   static constexpr int kSmem = kStatOff + 6 * kRows * 4;
-  static_assert(kSmem == MlaSmemBytes(kRows) && kStages == MlaStages(kRows), "plan's smem");
+  static_assert(kOverlap || kSmem == MlaSmemBytes(kRows), "plan's smem");
+  static_assert(kSmem <= 227 * 1024, "shared memory");
 };
 
 __device__ __forceinline__ uint32_t Swz(int row, int chunk) {
@@ -139,10 +145,11 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
 // rows R = blockIdx.y x kRows + r, query token R / Hq, head R % Hq.
 // kPhases < 3 (the bench's ablation): only the stage ring and the first
 // kPhases phases of each stage run (0: loads alone; 1: + S; 2: + softmax).
-template <typename T, int kMT, int kPhases = 3>
+template <typename T, int kMT, int kPhases = 3, bool kOverlap = false>
 __global__ void __launch_bounds__(kThreads, 1)
     PagedMlaDecodeKernel(const __grid_constant__ MlaLaunch L) {
-  using C = Cfg<kMT>;
+  static_assert(!kOverlap || kPhases == 3, "the overlapped loop runs every phase");
+  using C = Cfg<kMT, kOverlap>;
   constexpr int kRows = C::kRows;
   constexpr int kStages = C::kStages;
   // The softmax's threads: kLanesPerRow consecutive lanes per row, each
@@ -191,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_addr = s_base;
   const uint32_t ring_addr = s_base + C::kRingOff;
   float* s_part = reinterpret_cast<float*>(smem + C::kSOff);
-  const uint32_t s_addr = s_base + C::kSOff;
+  uint8_t* p_smem = smem + C::kPOff;
+  const uint32_t p_addr = s_base + C::kPOff;
   float* s_alpha = reinterpret_cast<float*>(smem + C::kStatOff);
   float* s_m = s_alpha + kRows;
   float* s_l = s_m + kRows;
@@ -240,8 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       CpAsync16(dst + Swz(row, c), src + c * 16, real);
     }
   };
+  constexpr int kAhead = kOverlap ? kStages - 2 : kStages - 1;  // stages in flight
 #pragma unroll
-  for (int u = 0; u < kStages - 1; ++u) {
+  for (int u = 0; u < kAhead; ++u) {
     if (t_begin + u < t_end) issue(t_begin + u, u);
     CpAsyncCommit();
   }
@@ -265,171 +274,188 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4;
   const int qd = lane % 4;
 
-  for (int t = t_begin, k = 0; t < t_end; ++t, ++k) {
-    CpAsyncWait<kStages - 2>();
-    __syncthreads();  // stage k % kStages landed; every warp left stage k - 1
-    if (t + kStages - 1 < t_end) issue(t + kStages - 1, (k + kStages - 1) % kStages);
-    CpAsyncCommit();
-    const uint32_t stage = ring_addr + (k % kStages) * C::kStageBytes;
-    if constexpr (kPhases == 0) continue;
-
-    // 1. Partial S over this warp's head-dim steps.
-    {
-      float s[C::kSM][4][4];
+  // 1. Partial S over this warp's head-dim steps.
+  auto s_phase = [&](uint32_t stage) {
+    float s[C::kSM][4][4];
+#pragma unroll
+    for (int mi = 0; mi < C::kSM; ++mi)
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][n][e] = 0.0f;
+#pragma unroll 2
+    for (int kk = ds; kk < kKSteps; kk += C::kDSplit) {
+      uint32_t a[C::kSM][4];
+#pragma unroll
+      for (int mi = 0; mi < C::kSM; ++mi) {
+        const int row = (grp * C::kSM + mi) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        Ldsm4(a[mi], q_addr + Swz(row, 2 * kk + (lane >> 4)));
+      }
+      uint32_t bk[2][4];
+#pragma unroll
+      for (int nh = 0; nh < 2; ++nh) {
+        const int key = nh * 16 + (lane & 7) + (lane >> 4) * 8;
+        Ldsm4(bk[nh], stage + Swz(key, 2 * kk + ((lane >> 3) & 1)));
+      }
 #pragma unroll
       for (int mi = 0; mi < C::kSM; ++mi)
 #pragma unroll
         for (int n = 0; n < 4; ++n)
+          Mma<T>(s[mi][n], a[mi], bk[n / 2][2 * (n % 2)], bk[n / 2][2 * (n % 2) + 1]);
+    }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][n][e] = 0.0f;
-#pragma unroll 2
-      for (int kk = ds; kk < kKSteps; kk += C::kDSplit) {
-        uint32_t a[C::kSM][4];
+    for (int mi = 0; mi < C::kSM; ++mi) {
 #pragma unroll
-        for (int mi = 0; mi < C::kSM; ++mi) {
-          const int row = (grp * C::kSM + mi) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          Ldsm4(a[mi], q_addr + Swz(row, 2 * kk + (lane >> 4)));
-        }
-        uint32_t bk[2][4];
+      for (int n = 0; n < 4; ++n) {
 #pragma unroll
-        for (int nh = 0; nh < 2; ++nh) {
-          const int key = nh * 16 + (lane & 7) + (lane >> 4) * 8;
-          Ldsm4(bk[nh], stage + Swz(key, 2 * kk + ((lane >> 3) & 1)));
-        }
-#pragma unroll
-        for (int mi = 0; mi < C::kSM; ++mi)
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-            Mma<T>(s[mi][n], a[mi], bk[n / 2][2 * (n % 2)], bk[n / 2][2 * (n % 2) + 1]);
-      }
-#pragma unroll
-      for (int mi = 0; mi < C::kSM; ++mi) {
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int row = (grp * C::kSM + mi) * 16 + g + 8 * h2;
-            const int col = n * 8 + 2 * qd;
-            float* dst =
-                s_part + (ds * kRows + row) * kTile + (((col >> 2) ^ (row & 7)) << 2) + (col & 3);
-            *reinterpret_cast<float2*>(dst) = make_float2(s[mi][n][2 * h2], s[mi][n][2 * h2 + 1]);
-          }
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int row = (grp * C::kSM + mi) * 16 + g + 8 * h2;
+          const int col = n * 8 + 2 * qd;
+          float* dst =
+              s_part + (ds * kRows + row) * kTile + (((col >> 2) ^ (row & 7)) << 2) + (col & 3);
+          *reinterpret_cast<float2*>(dst) = make_float2(s[mi][n][2 * h2], s[mi][n][2 * h2 + 1]);
         }
       }
     }
-    __syncthreads();
-
-    if constexpr (kPhases == 1) continue;
-
-    // 2. Softmax: row sm_row, keys sm_key.. of the stage; P over the row's
-    // own partial sums (the lanes reading them are the lanes writing P).
-    {
-      const int r = sm_row;
-      float v[kKeysPerLane];
+  };
+  // 2. Softmax: row sm_row, keys sm_key.. of the stage; P over the row's
+  // own partial sums (the lanes reading them are the lanes writing P).
+  auto softmax_phase = [&](int t) {
+    const int r = sm_row;
+    float v[kKeysPerLane];
 #pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) v[j] = 0.0f;
+    for (int j = 0; j < kKeysPerLane; ++j) v[j] = 0.0f;
 #pragma unroll
-      for (int d = 0; d < C::kDSplit; ++d) {
-        const float* row = s_part + (d * kRows + r) * kTile;
-        if constexpr (kKeysPerLane == 2) {
-          const float2 x = *reinterpret_cast<const float2*>(row + (((sm_key >> 2) ^ (r & 7)) << 2) +
-                                                            (sm_key & 3));
-          v[0] += x.x;
-          v[1] += x.y;
-        } else {
-#pragma unroll
-          for (int c = 0; c < kKeysPerLane / 4; ++c) {
-            const float4 x =
-                *reinterpret_cast<const float4*>(row + ((((sm_key >> 2) + c) ^ (r & 7)) << 2));
-            v[4 * c] += x.x;
-            v[4 * c + 1] += x.y;
-            v[4 * c + 2] += x.z;
-            v[4 * c + 3] += x.w;
-          }
-        }
-      }
-      const int lo = s_lo[r], hi = s_hi[r];
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) {
-        const int key = t * kTile + sm_key + j;
-        float x = v[j] * scale;
-        if (mods) {
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          if (p.alibi_slopes != nullptr) x += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
-          x *= kLog2eF;
-        }
-        if (key < lo || key > hi) x = -INFINITY;
-        v[j] = x;
-        mx = fmaxf(mx, x);
-      }
-#pragma unroll
-      for (int o = kLanesPerRow / 2; o > 0; o /= 2)
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float m_new = fmaxf(m_run, mx);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = exp2f(m_run - m_use);
-      m_run = m_new;
-      float sum = 0.0f;
-      alignas(16) T pt[kKeysPerLane];
-#pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) {
-        const float pv = exp2f(v[j] - m_use);
-        sum += pv;
-        pt[j] = FromFloat<T>(pv);
-      }
-      l_run = l_run * alpha + sum;
-      if (sm_key == 0) s_alpha[r] = alpha;
-      __syncwarp();  // the row's partial sums are read before P overwrites them
-      // P row r: 4 chunks of 8 keys at the start of its own partial row.
-      uint8_t* dst =
-          smem + C::kSOff + r * (kTile * 4) + (((sm_key >> 3) ^ (r & 7)) << 4) + (sm_key & 7) * 2;
+    for (int d = 0; d < C::kDSplit; ++d) {
+      const float* row = s_part + (d * kRows + r) * kTile;
       if constexpr (kKeysPerLane == 2) {
-        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pt);
-      } else if constexpr (kKeysPerLane == 4) {
-        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(pt);
+        const float2 x =
+            *reinterpret_cast<const float2*>(row + (((sm_key >> 2) ^ (r & 7)) << 2) + (sm_key & 3));
+        v[0] += x.x;
+        v[1] += x.y;
       } else {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(pt);
+#pragma unroll
+        for (int c = 0; c < kKeysPerLane / 4; ++c) {
+          const float4 x =
+              *reinterpret_cast<const float4*>(row + ((((sm_key >> 2) + c) ^ (r & 7)) << 2));
+          v[4 * c] += x.x;
+          v[4 * c + 1] += x.y;
+          v[4 * c + 2] += x.z;
+          v[4 * c + 3] += x.w;
+        }
       }
     }
-    __syncthreads();
-
-    if constexpr (kPhases == 2) continue;
-
-    // 3. O = alpha O + P V over this warp's 64 columns.
-    {
+    const int lo = s_lo[r], hi = s_hi[r];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      const int key = t * kTile + sm_key + j;
+      float x = v[j] * scale;
+      if (mods) {
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+        if (p.alibi_slopes != nullptr) x += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
+        x *= kLog2eF;
+      }
+      if (key < lo || key > hi) x = -INFINITY;
+      v[j] = x;
+      mx = fmaxf(mx, x);
+    }
+#pragma unroll
+    for (int o = kLanesPerRow / 2; o > 0; o /= 2)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = exp2f(m_run - m_use);
+    m_run = m_new;
+    float sum = 0.0f;
+    alignas(16) T pt[kKeysPerLane];
+#pragma unroll
+    for (int j = 0; j < kKeysPerLane; ++j) {
+      const float pv = exp2f(v[j] - m_use);
+      sum += pv;
+      pt[j] = FromFloat<T>(pv);
+    }
+    l_run = l_run * alpha + sum;
+    if (sm_key == 0) s_alpha[r] = alpha;
+    __syncwarp();  // the row's partial sums are read before P overwrites them
+    // P row r: 4 chunks of 8 keys at the start of its own partial row.
+    uint8_t* dst = p_smem + r * (kTile * 4) + (((sm_key >> 3) ^ (r & 7)) << 4) + (sm_key & 7) * 2;
+    if constexpr (kKeysPerLane == 2) {
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pt);
+    } else if constexpr (kKeysPerLane == 4) {
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(pt);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(pt);
+    }
+  };
+  // 3. O = alpha O + P V over this warp's 64 columns.
+  auto pv_phase = [&](uint32_t stage) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const float a_lo = s_alpha[mt * 16 + g];
+      const float a_hi = s_alpha[mt * 16 + g + 8];
+#pragma unroll
+      for (int n = 0; n < kColsPerWarp / 8; ++n) {
+        acc[mt][n][0] *= a_lo;
+        acc[mt][n][1] *= a_lo;
+        acc[mt][n][2] *= a_hi;
+        acc[mt][n][3] *= a_hi;
+      }
+    }
+#pragma unroll
+    for (int k2 = 0; k2 < kTile / 16; ++k2) {
+      uint32_t bv[kColsPerWarp / 16][4];
+#pragma unroll
+      for (int np = 0; np < kColsPerWarp / 16; ++np) {
+        const int key = k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        const int chunk = warp * (kColsPerWarp / 8) + 2 * np + (lane >> 4);
+        Ldsm4T(bv[np], stage + Swz(key, chunk));
+      }
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const float a_lo = s_alpha[mt * 16 + g];
-        const float a_hi = s_alpha[mt * 16 + g + 8];
+        uint32_t pa[4];
+        const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int chunk = 2 * k2 + (lane >> 4);
+        Ldsm4(pa, p_addr + row * (kTile * 4) + ((chunk ^ (row & 7)) << 4));
 #pragma unroll
-        for (int n = 0; n < kColsPerWarp / 8; ++n) {
-          acc[mt][n][0] *= a_lo;
-          acc[mt][n][1] *= a_lo;
-          acc[mt][n][2] *= a_hi;
-          acc[mt][n][3] *= a_hi;
-        }
+        for (int n = 0; n < kColsPerWarp / 8; ++n)
+          Mma<T>(acc[mt][n], pa, bv[n / 2][2 * (n % 2)], bv[n / 2][2 * (n % 2) + 1]);
       }
-#pragma unroll
-      for (int k2 = 0; k2 < kTile / 16; ++k2) {
-        uint32_t bv[kColsPerWarp / 16][4];
-#pragma unroll
-        for (int np = 0; np < kColsPerWarp / 16; ++np) {
-          const int key = k2 * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-          const int chunk = warp * (kColsPerWarp / 8) + 2 * np + (lane >> 4);
-          Ldsm4T(bv[np], stage + Swz(key, chunk));
-        }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          uint32_t pa[4];
-          const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          const int chunk = 2 * k2 + (lane >> 4);
-          Ldsm4(pa, s_addr + row * (kTile * 4) + ((chunk ^ (row & 7)) << 4));
-#pragma unroll
-          for (int n = 0; n < kColsPerWarp / 8; ++n)
-            Mma<T>(acc[mt][n], pa, bv[n / 2][2 * (n % 2)], bv[n / 2][2 * (n % 2) + 1]);
-        }
-      }
+    }
+  };
+  auto stage_at = [&](int k) { return ring_addr + (k % kStages) * C::kStageBytes; };
+
+  if constexpr (!kOverlap) {
+    for (int t = t_begin, k = 0; t < t_end; ++t, ++k) {
+      CpAsyncWait<kStages - 2>();
+      __syncthreads();  // stage k landed; every warp left stage k - 1
+      if (t + kStages - 1 < t_end) issue(t + kStages - 1, (k + kStages - 1) % kStages);
+      CpAsyncCommit();
+      if constexpr (kPhases == 0) continue;
+      s_phase(stage_at(k));
+      __syncthreads();
+      if constexpr (kPhases == 1) continue;
+      softmax_phase(t);
+      __syncthreads();
+      if constexpr (kPhases == 2) continue;
+      pv_phase(stage_at(k));
+    }
+  } else {
+    // Stage k's S beside stage k - 1's P V, then stage k's softmax; stage k
+    // is refilled once stage k + 1's S and stage k's P V are done.
+    for (int t = t_begin, k = 0; t < t_end; ++t, ++k) {
+      CpAsyncWait<kStages - 3>();
+      __syncthreads();  // stage k landed; P and alpha of stage k - 1 written
+      if (t + kStages - 2 < t_end) issue(t + kStages - 2, (k + kStages - 2) % kStages);
+      CpAsyncCommit();
+      s_phase(stage_at(k));
+      if (k > 0) pv_phase(stage_at(k - 1));
+      __syncthreads();
+      softmax_phase(t);
+    }
+    if (t_end > t_begin) {
+      __syncthreads();
+      pv_phase(stage_at(t_end - t_begin - 1));
     }
   }
   CpAsyncWait<0>();
@@ -592,25 +618,25 @@ __global__ void AppendKRowsKernel(const __grid_constant__ PagedAttnParams p, int
   }
 }
 
-template <typename T, int kMT, int kPhases>
+template <typename T, int kMT, int kPhases, bool kOverlap>
 cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
-  constexpr int kSmem = Cfg<kMT>::kSmem;
-  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kPhases>,
+  constexpr int kSmem = Cfg<kMT, kOverlap>::kSmem;
+  const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kPhases, kOverlap>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  PagedMlaDecodeKernel<T, kMT, kPhases><<<grid, kThreads, kSmem, stream>>>(l);
+  PagedMlaDecodeKernel<T, kMT, kPhases, kOverlap><<<grid, kThreads, kSmem, stream>>>(l);
   return cudaGetLastError();
 }
 
-template <typename T, int kPhases = 3>
+template <typename T, int kPhases = 3, bool kOverlap = false>
 cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
   cudaError_t err;
   if (rows_per_cta == 16)
-    err = RunDecode<T, 1, kPhases>(l, grid, stream);
+    err = RunDecode<T, 1, kPhases, kOverlap>(l, grid, stream);
   else if (rows_per_cta == 32)
-    err = RunDecode<T, 2, kPhases>(l, grid, stream);
+    err = RunDecode<T, 2, kPhases, kOverlap>(l, grid, stream);
   else
-    err = RunDecode<T, 4, kPhases>(l, grid, stream);
+    err = RunDecode<T, 4, kPhases, kOverlap>(l, grid, stream);
   if (err != cudaSuccess || l.part_o == nullptr) return err;
   CombineMlaSplits<T>
       <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kDv / 4, 0, stream>>>(l);
@@ -644,9 +670,10 @@ cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
 
 namespace {
 
-// rows_per_cta 0: the plan's (MlaRowsPerCta); phases < 3: BF16 alone.
+// rows_per_cta 0: the plan's (MlaRowsPerCta); phases < 3 or overlap: BF16
+// alone.
 cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                      int rows_per_cta, int phases, cudaStream_t stream) {
+                      int rows_per_cta, int phases, bool overlap, cudaStream_t stream) {
   const AttnParams& p = dev.attn;
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
   const int64_t rows = int64_t{p.seqlen_q} * p.num_heads_q;
@@ -674,6 +701,10 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
   }
   const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(p.batch));
+  if (overlap) {
+    if (p.dtype != DType::kBF16 || phases != 3) return cudaErrorInvalidValue;
+    return RunMla<__nv_bfloat16, 3, true>(l, per_cta, grid, stream);
+  }
   if (phases < 3) {
     if (p.dtype != DType::kBF16) return cudaErrorInvalidValue;
     if (phases == 0) return RunMla<__nv_bfloat16, 0>(l, per_cta, grid, stream);
@@ -689,14 +720,15 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
 
 cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* workspace,
                            cudaStream_t stream) {
-  return LaunchMla(dev, plan, workspace, 0, 3, stream);
+  return LaunchMla(dev, plan, workspace, 0, 3, false, stream);
 }
 
 cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                                   int rows_per_cta, int phases, cudaStream_t stream) {
+                                   int rows_per_cta, int phases, bool overlap,
+                                   cudaStream_t stream) {
   if (rows_per_cta != 16 && rows_per_cta != 32 && rows_per_cta != 64) return cudaErrorInvalidValue;
   if (phases < 0 || phases > 3) return cudaErrorInvalidValue;
-  return LaunchMla(dev, plan, workspace, rows_per_cta, phases, stream);
+  return LaunchMla(dev, plan, workspace, rows_per_cta, phases, overlap, stream);
 }
 
 }  // namespace cuda

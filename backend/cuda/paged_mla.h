@@ -32,9 +32,11 @@ cudaError_t LaunchPagedMla(const PagedAttnParams& dev, const Plan& plan, void* w
 // `rows_per_cta` (16, 32 or 64) packed rows a CTA whatever the call's rows,
 // running the first `phases` of each stage's three (S, softmax, P V; below 3
 // BF16 only, and O is not meaningful): 0 is the stage ring streaming the
-// keys with no math, the pipeline's own ceiling.
+// keys with no math, the pipeline's own ceiling. overlap (BF16, phases 3):
+// each stage's S runs beside the previous stage's P V, P in a buffer of its
+// own (two barriers a stage instead of three, one stage fewer in flight).
 cudaError_t LaunchPagedMlaAblation(const PagedAttnParams& dev, const Plan& plan, void* workspace,
-                                   int rows_per_cta, int phases, cudaStream_t stream);
+                                   int rows_per_cta, int phases, bool overlap, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnserve

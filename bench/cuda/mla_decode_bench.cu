@@ -11,7 +11,8 @@
 // Ablation rows (--ablate=0: none): loads_only, the kernel's stage ring with
 // no math (the pipeline's own ceiling); loads+S and +softmax, the first one
 // and two of each stage's three phases (what each costs); rows64, the 64-row
-// tile on a call whose rows fit a smaller one (what the padding rows cost).
+// tile on a call whose rows fit a smaller one (what the padding rows cost);
+// overlap, each stage's S beside the previous stage's P V (checked too).
 // Usage: mla_decode_bench [--iters=50] [--sk=8192] [--splits=N] [--ablate=0]
 //        [--csv=FILE]
 #include <cuda_bf16.h>
@@ -185,63 +186,71 @@ int main(int argc, char** argv) {
     if (plan.workspace_bytes > 0) CK(cudaMalloc(&ws, plan.workspace_bytes));
     auto table_of = [&](int copy) { return d_table + int64_t{copy} * r.batch * pages_per_seq; };
 
-    // Check copy 0: sequences 0 and batch - 1 against float64.
-    dev.block_table = table_of(0);
-    CK(cuda::LaunchPagedMla(dev, plan, ws, nullptr));
-    CK(cudaDeviceSynchronize());
-    std::vector<uint16_t> o(static_cast<size_t>(o_elems));
-    CK(cudaMemcpy(o.data(), d_o, o.size() * 2, cudaMemcpyDeviceToHost));
-    double err2 = 0.0, ref2 = 0.0;
-    for (int b : {0, r.batch - 1}) {
-      std::vector<const uint16_t*> krow(r.sk);
-      for (int j = 0; j < r.sk; ++j) {
-        const int32_t page = perm[size_t(b) * pages_per_seq + j / kPage];
-        krow[j] = host_slabs[page >> slab_shift].data() +
-                  (int64_t{page & (per_slab - 1)} * kPage + j % kPage) * kD;
-      }
-      std::vector<double> s(r.sk), acc(kDv);
-      for (int h = 0; h < r.hq; ++h) {
-        if (h >= 8 && h != r.hq - 1) continue;  // a few heads: the check is O(sk x D) each
-        const uint16_t* qr = q.data() + (int64_t{b} * r.hq + h) * kD;
-        double mx = -1e300;
+    // variant: 0 the production launch; else 10 x rows a CTA + phases run
+    // (LaunchPagedMlaAblation: 0 loads alone, 1 + S, 2 + softmax, 3 all; 4:
+    // all, on the overlapped loop).
+    auto launch = [&](int variant) {
+      if (variant == 0) return cuda::LaunchPagedMla(dev, plan, ws, nullptr);
+      const int phases = variant % 10;
+      return cuda::LaunchPagedMlaAblation(dev, plan, ws, variant / 10, phases == 4 ? 3 : phases,
+                                          phases == 4, nullptr);
+    };
+    // Check copy 0 after one launch of `variant`: sequences 0 and batch - 1
+    // (nine heads each) against float64; O is poisoned first.
+    auto check = [&](int variant) {
+      dev.block_table = table_of(0);
+      CK(cudaMemset(d_o, 0xFF, o_elems * 2));
+      CK(launch(variant));
+      CK(cudaDeviceSynchronize());
+      std::vector<uint16_t> o(static_cast<size_t>(o_elems));
+      CK(cudaMemcpy(o.data(), d_o, o.size() * 2, cudaMemcpyDeviceToHost));
+      double err2 = 0.0, ref2 = 0.0;
+      for (int b : {0, r.batch - 1}) {
+        std::vector<const uint16_t*> krow(r.sk);
         for (int j = 0; j < r.sk; ++j) {
-          double dot = 0.0;
-          for (int d = 0; d < kD; ++d) dot += double(Bf(qr[d])) * Bf(krow[j][d]);
-          s[j] = dot * p.softmax_scale;
-          mx = std::max(mx, s[j]);
+          const int32_t page = perm[size_t(b) * pages_per_seq + j / kPage];
+          krow[j] = host_slabs[page >> slab_shift].data() +
+                    (int64_t{page & (per_slab - 1)} * kPage + j % kPage) * kD;
         }
-        double sum = 0.0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int j = 0; j < r.sk; ++j) {
-          const double w = std::exp(s[j] - mx);
-          sum += w;
-          for (int d = 0; d < kDv; ++d) acc[d] += w * Bf(krow[j][d]);
-        }
-        for (int d = 0; d < kDv; ++d) {
-          const double ref = acc[d] / sum;
-          const double got = Bf(o[(int64_t{b} * r.hq + h) * kDv + d]);
-          err2 += (got - ref) * (got - ref);
-          ref2 += ref * ref;
+        std::vector<double> s(r.sk), acc(kDv);
+        for (int h = 0; h < r.hq; ++h) {
+          if (h >= 8 && h != r.hq - 1) continue;  // a few heads: the check is O(sk x D) each
+          const uint16_t* qr = q.data() + (int64_t{b} * r.hq + h) * kD;
+          double mx = -1e300;
+          for (int j = 0; j < r.sk; ++j) {
+            double dot = 0.0;
+            for (int d = 0; d < kD; ++d) dot += double(Bf(qr[d])) * Bf(krow[j][d]);
+            s[j] = dot * p.softmax_scale;
+            mx = std::max(mx, s[j]);
+          }
+          double sum = 0.0;
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int j = 0; j < r.sk; ++j) {
+            const double w = std::exp(s[j] - mx);
+            sum += w;
+            for (int d = 0; d < kDv; ++d) acc[d] += w * Bf(krow[j][d]);
+          }
+          for (int d = 0; d < kDv; ++d) {
+            const double ref = acc[d] / sum;
+            const double got = Bf(o[(int64_t{b} * r.hq + h) * kDv + d]);
+            err2 += (got - ref) * (got - ref);
+            ref2 += ref * ref;
+          }
         }
       }
-    }
-    const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+      return std::sqrt(err2 / std::max(ref2, 1e-300));
+    };
 
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    // variant: 0 the production launch; else 10 x rows a CTA + phases run
-    // (LaunchPagedMlaAblation: 0 loads alone, 1 + S, 2 + softmax, 3 all).
-    auto launch = [&](int variant) {
-      if (variant == 0) return cuda::LaunchPagedMla(dev, plan, ws, nullptr);
-      return cuda::LaunchPagedMlaAblation(dev, plan, ws, variant / 10, variant % 10, nullptr);
-    };
     const int own_tile = cuda::MlaRowsPerCta(std::min(r.hq, 64));
     std::vector<std::pair<std::string, int>> variants = {{"plan", 0}};
     if (ablate) {
       variants.push_back({"loads_only", own_tile * 10});
       variants.push_back({"loads+S", own_tile * 10 + 1});
       variants.push_back({"+softmax", own_tile * 10 + 2});
+      variants.push_back({"overlap", own_tile * 10 + 4});
       if (own_tile != 64) variants.push_back({"rows64", 643});
     }
     for (const auto& [label, variant] : variants) {
@@ -268,7 +277,8 @@ int main(int argc, char** argv) {
       const double flops = 2.0 * r.batch * r.hq * double(r.sk) * (kD + kDv);
       const double tflops = flops / us / 1e6;
       const double pct = peak > 0 ? 100.0 * gbs / peak : 0.0;
-      const bool checked = variant == 0;
+      const bool checked = variant == 0 || variant % 10 >= 3;  // every full-math variant
+      const double rel = checked ? check(variant) : 0.0;
       char err_text[32] = "-";
       if (checked) std::snprintf(err_text, sizeof(err_text), "%.2e", rel);
       std::printf("%-11s %6d %6d %4d %6d %9.1f %8.0f %6.1f %8.1f %9s%s\n", label.c_str(), r.batch,
