@@ -16,7 +16,7 @@
 #           row's time and run again with the same --transfer_id: the resume.
 #           resent_bytes = what the source read for sending beyond the cache
 #           (its attnserve_kv_transfer_bytes_total{direction="export"} counter);
-#           resumed counts the rerun as one
+#           resumed counts the rerun as one (0: the move ended before the cut)
 # UCX rows use CHUNK-byte chunks (default 16 MiB), gRPC rows the default 4 MiB.
 # Prints each row's GB/s and writes $OUT/kv-move.csv.
 # BACKEND=cpu tries the script here on two CPU servers (small shapes; bin=
@@ -100,6 +100,7 @@ for row in $ROWS; do
   echo "row $n ($row): server 0 -> server 1" >&2
   before=$(exported)
   start=$(date +%s.%N)
+  rerun=0
   if [ "$plane" = cut ]; then
     # The first run is killed part way; the second, same transfer id, resumes.
     wait_s=$(python3 -c "print(max(1.0, ${CUT_FRACTION} * float('${last_ucx_s:-10}')))")
@@ -112,6 +113,7 @@ for row in $ROWS; do
       echo "row $n: finished before the cut at ${wait_s} s (no resume; raise CUT_FRACTION's base)" >&2
       cp "$OUT/move-$n-cut.txt" "$OUT/move-$n.txt"
     else
+      rerun=1
       "${move[@]}" --transfer_id="cut-$n" >"$OUT/move-$n.txt" 2>&1 ||
         { echo "move $n failed: $(tail -3 "$OUT/move-$n.txt")"; continue; }
     fi
@@ -121,10 +123,10 @@ for row in $ROWS; do
   fi
   end=$(date +%s.%N)
   after=$(exported)
-  python3 - "$row" "$OUT/move-$n.txt" "$start" "$end" "${before:-}" "${after:-}" \
+  python3 - "$row" "$OUT/move-$n.txt" "$start" "$end" "${before:-}" "${after:-}" "$rerun" \
     >>"$OUT/kv-move.csv" <<'EOF'
 import re, sys
-row, path, start, end, before, after = sys.argv[1:]
+row, path, start, end, before, after, rerun = sys.argv[1:]
 t = open(path).read()
 m = re.search(r": (\d+) sequences, ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)", t)
 res = re.search(r"; (\d+) resumed", t)
@@ -140,7 +142,7 @@ if kind == "cut":
     moved = -1
 print(",".join([row, plane.group(1) if plane else "", lanes, "0", "1", m.group(1), str(moved),
                 "%.3f" % seconds, "%.2f" % (moved / 1e9 / seconds if seconds > 0 else 0),
-                str(int(res.group(1) if res else 0) + (1 if kind == "cut" else 0)), str(sent), recv.group(1) if recv else "",
+                str(int(res.group(1) if res else 0) + int(rerun)), str(sent), recv.group(1) if recv else "",
                 recv.group(2) if recv else ""]))
 EOF
   [ "$plane" = ucx ] && last_ucx_s=$(tail -1 "$OUT/kv-move.csv" | cut -d, -f8)
