@@ -110,7 +110,7 @@ for row in $ROWS; do
     kill -TERM "$mpid" 2>/dev/null
     wait "$mpid" 2>/dev/null
     if grep -q "^moved cache" "$OUT/move-$n-cut.txt"; then
-      echo "row $n: finished before the cut at ${wait_s} s (no resume; raise CUT_FRACTION's base)" >&2
+      echo "row $n: finished before the cut at ${wait_s} s (no resume: lower CUT_FRACTION)" >&2
       cp "$OUT/move-$n-cut.txt" "$OUT/move-$n.txt"
     else
       rerun=1
