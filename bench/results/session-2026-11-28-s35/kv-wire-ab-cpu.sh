@@ -18,7 +18,7 @@ for r in $(seq 1 "$rounds"); do
     sp=$!
     for i in $(seq 100); do "$cdir/bin/attnctl" --target=127.0.0.1:$port --timeout=2s health >/dev/null 2>&1 && break; sleep 0.1; done
     ctl=("$cdir/bin/attnctl" --target=127.0.0.1:$port --timeout=120s)
-    perf stat -x, -e task-clock -o "$log-kv.stat" "${ctl[@]}" load-kv "${kv[@]}" >"$log-kv.txt" 2>&1
+    perf stat -x, -e task-clock -o "$log-kv.stat" "${ctl[@]}" load-kv "${kv[@]}" ${KV_EXTRA:-} >"$log-kv.txt" 2>&1
     "${ctl[@]}" load --rpc=echo --batch=64 --seqlen_q=1 --seqlen_k=1 "${heads[@]}" --concurrency=1 \
       --warmup=1s --duration=${ECHO_S:-3}s --csv="$log-echo.csv" --label=echo >"$log-echo.txt" 2>&1
     kill -TERM $sp; wait $sp 2>/dev/null
