@@ -47,7 +47,7 @@ if [ "$mode" = pack ]; then
   source scripts/lib-sanitized-build.sh
   configure_sanitized_build "$build" >/dev/null
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
-  rm -rf "$carry" .device-carry/fuzz.tar.xz
+  rm -rf "$carry"
   mkdir -p "$carry/bin" "$carry/lib" "$carry/corpus"
   for t in "${targets[@]}"; do
     strip --strip-debug -o "$carry/bin/$t" "$build/tests/fuzz/$t"
@@ -59,7 +59,9 @@ if [ "$mode" = pack ]; then
     grep -vE '/(libc|libm|libdl|librt|libpthread|libresolv|ld-linux-x86-64|libgcc_s|libstdc\+\+)\.so' |
     while read -r lib; do cp -L "$lib" "$carry/lib/"; done
   strip --strip-unneeded "$carry"/lib/*.so* 2>/dev/null || true
-  tar -C .device-carry -cJf .device-carry/fuzz.tar.xz fuzz
+  # Written aside and renamed: a carry taken meanwhile gets the old one whole.
+  tar -C .device-carry -cJf .device-carry/fuzz.tar.xz.new fuzz
+  mv .device-carry/fuzz.tar.xz.new .device-carry/fuzz.tar.xz
   rm -rf "$carry"
   du -h .device-carry/fuzz.tar.xz
   exit 0
