@@ -18,9 +18,10 @@
 #           workers (default: the cores less two) at `nice -n $NICE`, the
 #           targets one after another, sharing SECONDS between them; it ends
 #           by itself within SECONDS of starting. Each worker is a plain
-#           libFuzzer process restarted every ROUND seconds (default 120) and
-#           after a finding; the workers share one corpus directory (libFuzzer
-#           reloads what the others add). $OUT/fuzz-long/totals.txt holds the
+#           libFuzzer process, restarted after a finding and every ROUND
+#           seconds (default 600: a restart replays the whole shared corpus);
+#           the workers share one corpus directory (libFuzzer reloads what the
+#           others add). $OUT/fuzz-long/totals.txt holds the
 #           executions so far per target, rewritten every 10 s, so a run
 #           killed at its end still says what it did; failing inputs and logs
 #           go to $OUT/fuzz-long/<target>/; exit 1 on any finding.
@@ -77,7 +78,7 @@ t_end=$((t_start + seconds))
 cores=$(nproc)
 jobs=${JOBS:-$((cores > 2 ? cores - 2 : 1))}
 niceness=${NICE:-10}
-round=${ROUND:-120}
+round=${ROUND:-600}
 OUT=${OUT:-$PWD/fuzz-long-out}
 top="$OUT/fuzz-long"
 mkdir -p "$top"
