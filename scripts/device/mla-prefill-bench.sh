@@ -2,14 +2,15 @@
 # On the GPU machine (device `run`, with .device-carry carried): MLA-shape
 # prefill (Q/K head dim 192, V/O 128: DeepSeek-V3's). Builds the CUDA
 # backend's MLA tests and bench/cuda/mla_prefill_bench (server off, as
-# scripts/device/fp8-kv-bench.sh does), runs cuda_mla_prefill_test (on the
-# plan's kernels, Hopper where it covers a case, then all on the portable
-# kernel) and cuda_mla_refusal_test (and, REGRESS=1, the portable kernels' own tests,
-# whose body the value dim went into: cuda_backend_test without its Hopper
-# and FP8 suites, cuda_score_mods_test), compute-sanitizer memcheck and
-# racecheck on a few MLA cases, then times our 192/128 prefill at N 1k-16k
-# with B x N = 16k tokens, Hq 128 and 16 (K/V heads = query heads), causal
-# and not (ours: the plan's kernel, and the portable one beside it), against PyTorch SDPA on the same GPU (bench/gpu/mla_sdpa_bench.py:
+# scripts/device/fp8-kv-bench.sh does); runs cuda_mla_prefill_test on the
+# plan's kernels (Hopper where it covers a case), then all on the portable
+# kernel, and cuda_mla_refusal_test; with REGRESS=1 the portable kernels' own
+# tests (the body the value dim went into: cuda_backend_test without its
+# Hopper and FP8 suites, cuda_score_mods_test); compute-sanitizer memcheck,
+# racecheck and synccheck on a few MLA cases. Then times our 192/128 prefill
+# (the plan's kernel, and the portable one beside it) at N 1k-16k with
+# B x N = 16k tokens, Hq 128 and 16 (K/V heads = query heads), causal and
+# not, against PyTorch SDPA on the same GPU (bench/gpu/mla_sdpa_bench.py:
 # each backend on the shape as it is where it takes Dv != Dqk, else with V
 # zero-padded to 192). TFLOP/s counts 2 x B x H x N x N x (Dqk + Dv), halved
 # for causal, for every row. Prints a summary and one table (ours against
