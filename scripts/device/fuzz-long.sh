@@ -23,8 +23,9 @@
 #           the workers share one corpus directory (libFuzzer reloads what the
 #           others add). $OUT/fuzz-long/totals.txt holds the
 #           executions so far per target, rewritten every 10 s, so a run
-#           killed at its end still says what it did; failing inputs and logs
-#           go to $OUT/fuzz-long/<target>/; exit 1 on any finding.
+#           killed at its end still says what it did; failing inputs, logs
+#           and the inputs the run added (corpus.tar.gz) go to
+#           $OUT/fuzz-long/<target>/; exit 1 on any finding.
 #
 # Default target: kv_ops_fuzzer (the one still short of 10M executions).
 # Example for the lead, in the background of a ~550 s GPU call on 32 cores:
@@ -123,14 +124,14 @@ write_totals() {
 # stats) if it is still going at `hard`.
 worker() {
   local t=$1 w=$2 until=$3 hard=$4 dir="$top/$1" r=0 left
-  while left=$((until - $(date +%s))); [ "$left" -ge 5 ]; do
+  while left=$((until - $(date +%s))); [ "$left" -ge 3 ]; do
     r=$((r + 1))
     [ "$left" -gt "$round" ] && left=$round
     # shellcheck disable=SC2086
     ASAN_OPTIONS=${asan_opts[$t]:-$asan_default} timeout -s INT -k 2 $((hard - $(date +%s))) \
       nice -n "$niceness" "$bin" ${extra[$t]:-} \
       -max_total_time="$left" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
-      -artifact_prefix="$dir/artifacts/" "$dir/corpus" "$work/fuzz/corpus/$t" \
+      -artifact_prefix="$dir/artifacts/" "$work/corpus-$t" "$work/fuzz/corpus/$t" \
       >"$dir/logs/w$w-r$r.log" 2>&1 </dev/null
   done
 }
@@ -144,15 +145,15 @@ status=0
 left_targets=${#targets[@]}
 for t in "${targets[@]}"; do
   dir="$top/$t"
-  mkdir -p "$dir/artifacts" "$dir/corpus" "$dir/logs"
+  mkdir -p "$dir/artifacts" "$dir/logs" "$work/corpus-$t"
   bin="$work/fuzz/bin/$t"
   left_targets=$((left_targets - 1))
   [ -x "$bin" ] || { echo "fuzz-long.sh: $t was not packed" >&2; status=1; continue; }
   # This target's share of what is left, less a few seconds for the last
   # input, the exit's leak check, the final stats and the totals.
-  share=$(( (t_end - $(date +%s) - 2) / (left_targets + 1) ))
+  share=$(( (t_end - $(date +%s) - 3) / (left_targets + 1) ))
   hard=$(( $(date +%s) + share ))
-  until=$(( hard - 4 ))
+  until=$(( hard - 2 ))
   echo "fuzz-long.sh: $t: $jobs workers for $share s (nice $niceness, rounds of $round s)"
   pids=()
   for w in $(seq 1 "$jobs"); do
@@ -168,7 +169,10 @@ for t in "${targets[@]}"; do
   wait "${pids[@]}"
   write_totals
   found=$(find "$dir/artifacts" -type f | wc -l)
-  corpus=$(find "$dir/corpus" -type f | wc -l)
+  # The inputs the run added, as one file (thousands of small ones are slow
+  # to bring back).
+  corpus=$(find "$work/corpus-$t" -type f | wc -l)
+  tar -C "$work" -czf "$dir/corpus.tar.gz" "corpus-$t"
   cov=$(grep -ahoE 'cov: [0-9]+ ft: [0-9]+' "$dir"/logs/*.log | sort -t' ' -k2,2n | tail -1)
   echo "fuzz-long.sh: $t: $(executions "$t") executions in $share s x $jobs workers; $found failing inputs kept; corpus $corpus new inputs; best worker ${cov:-?}"
   if [ "$found" -gt 0 ]; then
