@@ -199,7 +199,7 @@ class Program {
     seed_ = in_->ConsumeIntegral<uint64_t>();
     // Both ways a call reaches the backend: handed to the executor's threads
     // (batching, the completer, two calls in flight queued behind each other)
-    // or run on this thread when the executor is idle (cheaper per call).
+    // or run on this thread when the executor is idle (--inline_max_cost).
     h_ = (seed_ & 1) != 0 ? inline_ : handoff_;
     absl::StatusOr<std::shared_ptr<KvCache>> cache =
         h_->pool.CreateCache(kTenant, DecodeCreateCache(r));
