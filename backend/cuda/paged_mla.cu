@@ -518,26 +518,45 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // The splits' partials of (q row blockIdx.x, query head blockIdx.y), thread
 // d taking columns 4d..4d+3, added in split order (splits of weight 0
-// skipped), with the sink's share.
+// skipped), with the sink's share. The splits' LSEs are read at once (one
+// per thread) and their weights shared, so the partials' loads do not wait
+// on one another (a split at a time, 64 splits took ~20 us).
+constexpr int kCombineThreads = kDv / 4;
+static_assert(kCombineThreads >= kMaxSplits, "one split's LSE per combine thread");
 template <typename T>
-__global__ void __launch_bounds__(kDv / 4) CombineMlaSplits(const __grid_constant__ MlaLaunch L) {
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineMlaSplits(const __grid_constant__ MlaLaunch L) {
+  __shared__ float s_w[kMaxSplits];
+  __shared__ float s_max[kCombineThreads / 32];
   const AttnParams& p = L.p;
   const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
-  const int d = threadIdx.x * 4;
+  const int tid = threadIdx.x;
+  const int d = tid * 4;
+  const int splits = L.num_splits;
   const int64_t stride = p.total_q * p.num_heads_q;
   const int64_t at = row * p.num_heads_q + head;
-  float mm = -INFINITY;
-  for (int s = 0; s < L.num_splits; ++s) mm = fmaxf(mm, __ldcg(L.part_lse + s * stride + at));
+  const float lse_s = tid < splits ? __ldcg(L.part_lse + tid * stride + at) : -INFINITY;
+  float mx = lse_s;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (tid % 32 == 0) s_max[tid / 32] = mx;
+  __syncthreads();
+  float mm = s_max[0];
+#pragma unroll
+  for (int i = 1; i < kCombineThreads / 32; ++i) mm = fmaxf(mm, s_max[i]);
   const float sink = p.sinks != nullptr ? p.sinks[head] * kLog2eF : -INFINITY;
   mm = fmaxf(mm, sink);
+  if (tid < splits) s_w[tid] = mm == -INFINITY ? 0.0f : exp2f(lse_s - mm);
+  __syncthreads();
   float total = 0.0f;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   if (mm != -INFINITY) {
-    for (int s = 0; s < L.num_splits; ++s) {
-      const float w = exp2f(__ldcg(L.part_lse + s * stride + at) - mm);
+    for (int s = 0; s < splits; ++s) total += s_w[s];  // split order (+0 leaves it alone)
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const float w = s_w[s];
       if (w == 0.0f) continue;
-      total += w;
       const float4 x =
           __ldcg(reinterpret_cast<const float4*>(L.part_o + (s * stride + at) * kDv + d));
       o.x = fmaf(w, x.x, o.x);
@@ -639,7 +658,8 @@ cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t
     err = RunDecode<T, 4, kPhases, kOverlap>(l, grid, stream);
   if (err != cudaSuccess || l.part_o == nullptr) return err;
   CombineMlaSplits<T>
-      <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kDv / 4, 0, stream>>>(l);
+      <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kCombineThreads, 0, stream>>>(
+          l);
   return cudaGetLastError();
 }
 
@@ -682,7 +702,7 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
                           : MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64)));
   const int64_t row_blocks = (rows + per_cta - 1) / per_cta;
   if (row_blocks > 65535 || p.batch > 65535 || plan.num_splits < 1 ||
-      p.total_q > int64_t{INT32_MAX} || p.num_heads_q > 65535) {
+      plan.num_splits > kMaxSplits || p.total_q > int64_t{INT32_MAX} || p.num_heads_q > 65535) {
     return cudaErrorInvalidConfiguration;
   }
   MlaLaunch l{};

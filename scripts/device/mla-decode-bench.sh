@@ -10,7 +10,9 @@
 # HBM peak, TFLOP/s, each row checked against float64 first.
 # NCU=1 adds an Nsight Compute pass (DRAM throughput, stalls) into ncu.txt.
 # Prints a summary and the bench's table; CSV and logs under $OUT.
-# Usage: [KERNELS=dev|all] [BENCH_ARGS="--sk=8192"] [NCU=1]
+# SAN_TOOLS / SAN_FILTER narrow the sanitizer pass (default: memcheck,
+# racecheck and synccheck over four small cases).
+# Usage: [KERNELS=dev|all] [BENCH_ARGS="--sk=8192"] [NCU=1] [SAN_TOOLS=...] [SAN_FILTER=...]
 #        scripts/device/mla-decode-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -49,9 +51,9 @@ run_test() {  # run_test NAME LOG ARGS...
 run_test "mla paged tests" mla-tests.log $T
 run_test "mla refusal tests" mla-refusal.log $TR
 if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $T \
-      --gtest_filter='*decode_bf16_h16:*chunk_causal_h16:*empty_sequences:*fully_masked_rows' \
+      --gtest_filter="${SAN_FILTER:-*decode_bf16_h16:*chunk_causal_h16:*empty_sequences:*fully_masked_rows}" \
       >"$OUT/sanitizer-$tool.log" 2>&1
     note "sanitizer $tool" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
   done
