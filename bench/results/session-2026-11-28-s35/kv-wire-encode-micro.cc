@@ -1,18 +1,23 @@
 // Per-step CPU of the encodings the K/V unary step changed, at the GPU loop's bytes
 // (q 512 KiB, k/v 128 KiB each, o 512 KiB), old and new alternated, medians.
 #include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
+
 #include "absl/time/clock.h"
 #include "client/inputs.h"
 #include "client/kv_client.h"
-#include "common/tensor_wire_slices.h"
 #include "common/malloc_tuning.h"
+#include "common/tensor_wire_slices.h"
 using namespace attnserve;
-static double Med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+static double Med(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 int main(int argc, char** argv) {
   TuneMallocForTensors();  // as attnctl and attnserve do
   const int N = argc > 1 ? atoi(argv[1]) : 2000;
@@ -36,12 +41,17 @@ int main(int argc, char** argv) {
     for (int s = 0; s < 64; ++s) in.sequences.push_back({uint64_t(s), 100 + i, 1, 1});
     const HostTensor& q = qs[i % P];
     const std::string& o_src = os[(i + P / 2) % P];
-    in.q = q; in.k = ks[i % P]; in.v = vs[i % P];
+    in.q = q;
+    in.k = ks[i % P];
+    in.v = vs[i % P];
     v1::AppendAttendRequest req = MakeAppendAttendRequest(std::move(in));
     v1::AppendAttendRequest req2 = req;
     // Client request: the stub's serialization (old) vs the slices (new); each buffer freed.
     absl::Time a = absl::Now();
-    { grpc::ByteBuffer bb; grpc::SerializationTraits<v1::AppendAttendRequest>::Serialize(req, &bb, &own); }
+    {
+      grpc::ByteBuffer bb;
+      grpc::SerializationTraits<v1::AppendAttendRequest>::Serialize(req, &bb, &own);
+    }
     absl::Time b = absl::Now();
     {
       TensorWireSlices t;
@@ -85,6 +95,9 @@ int main(int argc, char** argv) {
       resp_new.push_back(absl::ToDoubleMicroseconds(e - d));
     }
   }
-  printf("inputs cycled %d: client request encode", P); printf(" (768 KiB of q/k/v): old %.1f us, new %.1f us (median of %zu)\n", Med(req_old), Med(req_new), req_old.size());
-  printf("server o: fill + write + encode (512 KiB):  old %.1f us, new %.1f us\n", Med(resp_old), Med(resp_new));
+  printf("inputs cycled %d: client request encode", P);
+  printf(" (768 KiB of q/k/v): old %.1f us, new %.1f us (median of %zu)\n", Med(req_old),
+         Med(req_new), req_old.size());
+  printf("server o: fill + write + encode (512 KiB):  old %.1f us, new %.1f us\n", Med(resp_old),
+         Med(resp_new));
 }
