@@ -117,6 +117,7 @@ const Command kCommands[] = {
      "  create      --heads_kv=H [--layers=L] [--head_dim=D] [--dtype=T] [--page_size=P]\n"
      "              (--capacity_tokens=N | --capacity_bytes=N) [--cache=ID] [--device=I] "
      "[--reserve]\n"
+     "              [--head_dim_v=DV [--v_in_k]]   an MLA cache (docs/kv-cache.md)\n"
      "  info        --cache=ID [--seq=1,2]     (also: stats) statistics and sequence lengths\n"
      "  drop        --cache=ID                 frees every page of the cache\n"
      "  create-seq  --cache=ID --seq=1,2 [--fork_from=S [--fork_length=N]]\n"
@@ -137,7 +138,7 @@ const Command kCommands[] = {
      kKvFlagsFile,
      nullptr,
      RunKv,
-     {"heads_kv", "head_dim", "dtype", "json"}},
+     {"heads_kv", "head_dim", "head_dim_v", "dtype", "json"}},
     {"load-kv",
      "Decode-loop load test of the K/V cache: prefill, then per-layer steps per token.",
      "attnctl [--target=host:port] load-kv [--sequences=N] [--prompt=N] [--tokens=N] [--layers=L]\n"
@@ -145,7 +146,8 @@ const Command kCommands[] = {
      "        [--concurrency=G[,G...]] [--channels=N] [--stream] [--check] [--stateless]\n"
      "        [--warmup_tokens=N] [--prefill_chunk=N] [--prefill_attend=false] [--csv=FILE]\n"
      "        [--attend_fraction=F] [--label=TEXT] [--shm=none|system|cuda [--shm_prefix=P]]\n"
-     "        [--transport=grpc|ucx|auto] [--moved_to=follow|retry|off]\n\n"
+     "        [--transport=grpc|ucx|auto] [--moved_to=follow|retry|off]\n"
+     "        [--head_dim_v=DV [--v_in_k]]\n\n"
      "Examples:\n"
      "  attnctl load-kv --sequences=4 --prompt=40 --tokens=4 --layers=2 --heads_q=4 \\\n"
      "      --heads_kv=2 --head_dim=32 --page_size=16 --check\n"
@@ -153,7 +155,9 @@ const Command kCommands[] = {
      "      --prefill_attend=false --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 \\\n"
      "      --stream --channels=4 --concurrency=1,4 --csv=kv.csv\n"
      "  attnctl load-kv --stateless --sequences=16 --prompt=4096 ... --csv=kv.csv\n"
-     "  attnctl load-kv --shm=system --stream --concurrency=4 --check ...\n\n"
+     "  attnctl load-kv --shm=system --stream --concurrency=4 --check ...\n"
+     "  attnctl load-kv --heads_q=16 --heads_kv=1 --head_dim=576 --head_dim_v=512 --v_in_k \\\n"
+     "      --dtype=bf16 --page_size=64 --check\n\n"
      "Creates a cache and --sequences sequences, prefills each with --prompt tokens (append\n"
      "with Q, causal, in --prefill_chunk pieces; K/V alone with --prefill_attend=false), then\n"
      "for each of --tokens generated tokens and each layer sends one append-and-attend step per\n"
@@ -167,6 +171,9 @@ const Command kCommands[] = {
      "--check keeps every sequence's K/V per layer on the client and holds every output\n"
      "(prefill unless --prefill_attend=false, and decode) to the float64 reference over the\n"
      "whole context.\n"
+     "--head_dim_v=DV makes an MLA cache whose V rows have DV elements (K and Q keep\n"
+     "--head_dim); with --v_in_k V is the first DV elements of each K row (the absorbed form:\n"
+     "no V pages, the steps send no v, and --check takes V from K the same way).\n"
      "--attend_fraction=F (0 < F < 1) names, at every decode step and for each sequence, a\n"
      "random F of its history pages (attend_pages): the server reads only those and the pages\n"
      "of the new token (page-level sparse decode); --check then uses exactly those tokens.\n"
@@ -190,8 +197,9 @@ const Command kCommands[] = {
      "client/cli/load_kv.cc",
      nullptr,
      RunLoadKv,
-     {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "dtype", "seed",
-      "concurrency", "channels", "stream", "check", "csv", "label", "shm", "shm_prefix"}},
+     {"layers", "page_size", "device", "heads_q", "heads_kv", "head_dim", "head_dim_v", "v_in_k",
+      "dtype", "seed", "concurrency", "channels", "stream", "check", "csv", "label", "shm",
+      "shm_prefix"}},
     {"move-kv",
      "Move a K/V cache's sequences from one server to another (resumes a cut stream).",
      "attnctl move-kv --from=host:port --to=host:port --cache=ID [--to_cache=ID] [--seq=1,2]\n"

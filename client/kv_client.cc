@@ -58,7 +58,7 @@ v1::AppendAttendRequest BuildRequest(Inputs&& in) {
   return request;
 }
 
-// O must be [sum num_queries, Hq, D] in q's dtype and LSE FP32 [Hq, sum
+// O must be [sum num_queries, Hq, Dv] in q's dtype and LSE FP32 [Hq, sum
 // num_queries]; anything else is a server bug, INTERNAL rather than read past.
 absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAttendResult& r) {
   const auto& q_shape = request.q().shape();
@@ -69,7 +69,16 @@ absl::Status CheckShapes(const v1::AppendAttendRequest& request, const AppendAtt
           absl::StrCat("server returned o ", r.o.DebugString(), " for a call without queries"));
     }
   }
-  const std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  std::vector<int64_t> want_o(q_shape.begin(), q_shape.end());
+  // O rows have V's head dim: v's last dim when v is sent; without v (an
+  // attend-only call, or an MLA cache whose V is part of K) any width up to q's.
+  const auto& v_shape = request.v().shape();
+  if (!want_o.empty() && !v_shape.empty()) {
+    want_o.back() = v_shape[v_shape.size() - 1];
+  } else if (!want_o.empty() && r.o.shape().size() == want_o.size() && r.o.shape().back() > 0 &&
+             r.o.shape().back() <= want_o.back()) {
+    want_o.back() = r.o.shape().back();
+  }
   absl::StatusOr<DType> want_dtype = DTypeFromProto(request.q().dtype());
   if (!q_shape.empty() && want_dtype.ok() &&
       (r.o.shape() != want_o || r.o.dtype() != *want_dtype)) {
@@ -126,6 +135,8 @@ v1::KvGeometry KvGeometryToProto(const KvClientGeometry& g) {
   out.set_head_dim(g.head_dim);
   out.set_dtype(DTypeToProto(g.dtype));
   if (g.cache_dtype != DType{0}) out.set_cache_dtype(DTypeToProto(g.cache_dtype));
+  out.set_head_dim_v(g.head_dim_v);
+  out.set_v_in_k(g.v_in_k);
   return out;
 }
 

@@ -72,6 +72,10 @@ struct KvClientGeometry {
   // What the pages hold: DType{0} (unset: `dtype`) or kFP8E4M3 (E4M3 codes
   // with a scale per token and KV head; the server quantises 16-bit steps).
   DType cache_dtype = DType{0};
+  // MLA caches: V rows of their own width (0: head_dim), or V read as the
+  // first head_dim_v elements of each K row (v_in_k: steps carry no v).
+  int head_dim_v = 0;
+  bool v_in_k = false;
 };
 
 // Mirrors CreateCacheRequest: exactly one of capacity_tokens and

@@ -23,6 +23,7 @@
 
 ABSL_DECLARE_FLAG(std::optional<int>, heads_kv);
 ABSL_DECLARE_FLAG(int, head_dim);
+ABSL_DECLARE_FLAG(int, head_dim_v);
 ABSL_DECLARE_FLAG(bool, json);
 
 ABSL_FLAG(int, layers, 1,
@@ -31,6 +32,10 @@ ABSL_FLAG(int, layers, 1,
 ABSL_FLAG(int, page_size, 0,
           "Tokens per page of a new cache: a power of two in [16, 256]; 0 = the server's default "
           "(attnctl info shows it).");
+ABSL_FLAG(bool, v_in_k, false,
+          "kv create, load-kv: an MLA cache in the absorbed form: one K row per token and KV "
+          "head whose first --head_dim_v elements (all of it when 0) are V; no V pages, and the "
+          "steps send no v (e.g. --heads_kv=1 --head_dim=576 --head_dim_v=512 --v_in_k).");
 ABSL_FLAG(std::optional<int>, device, std::nullopt,
           "Device index of a new cache (default: the server picks the device with the most free "
           "K/V budget).");
@@ -84,8 +89,10 @@ void PrintStats(const v1::CacheStats& s) {
   const v1::KvGeometry& g = s.geometry();
   std::cout << "cache:      " << s.cache_id() << " (device " << s.device() << ")\n"
             << "geometry:   " << g.num_layers() << " layers, Hkv " << g.num_heads_kv() << ", D "
-            << g.head_dim() << ", " << v1::DType_Name(g.dtype()) << "; pages of " << s.page_size()
-            << " tokens, " << s.page_bytes() << " bytes each\n"
+            << g.head_dim()
+            << (g.head_dim_v() > 0 ? absl::StrCat(", Dv ", g.head_dim_v()) : std::string())
+            << (g.v_in_k() ? " (V in K)" : "") << ", " << v1::DType_Name(g.dtype()) << "; pages of "
+            << s.page_size() << " tokens, " << s.page_bytes() << " bytes each\n"
             << "pages:      " << s.pages_used() << " used, " << s.pages_free() << " free of "
             << s.capacity_pages() << "\n"
             << "sequences:  " << s.sequences() << " live, " << s.expired_sequences() << " expired; "
@@ -105,6 +112,8 @@ int RunCreate(KvClient& kv) {
   absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return UsageError(kCmd, absl::StrCat("--dtype: ", dtype.status().message()));
   spec.geometry = {absl::GetFlag(FLAGS_layers), *heads_kv, absl::GetFlag(FLAGS_head_dim), *dtype};
+  spec.geometry.head_dim_v = absl::GetFlag(FLAGS_head_dim_v);
+  spec.geometry.v_in_k = absl::GetFlag(FLAGS_v_in_k);
   spec.page_size = absl::GetFlag(FLAGS_page_size);
   spec.capacity_tokens = absl::GetFlag(FLAGS_capacity_tokens);
   spec.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
@@ -187,8 +196,8 @@ int RunTruncate(KvClient& kv) {
 
 const Op kOps[] = {
     {"create",
-     {"cache", "layers", "heads_kv", "head_dim", "dtype", "page_size", "capacity_tokens",
-      "capacity_bytes", "device", "reserve", "json"},
+     {"cache", "layers", "heads_kv", "head_dim", "head_dim_v", "v_in_k", "dtype", "page_size",
+      "capacity_tokens", "capacity_bytes", "device", "reserve", "json"},
      RunCreate},
     {"info", {"cache", "seq", "json"}, RunInfo},
     {"drop", {"cache"}, RunDrop},

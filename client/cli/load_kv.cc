@@ -35,6 +35,7 @@
 ABSL_DECLARE_FLAG(int, heads_q);
 ABSL_DECLARE_FLAG(std::optional<int>, heads_kv);
 ABSL_DECLARE_FLAG(int, head_dim);
+ABSL_DECLARE_FLAG(int, head_dim_v);
 ABSL_DECLARE_FLAG(std::string, concurrency);
 ABSL_DECLARE_FLAG(int, channels);
 ABSL_DECLARE_FLAG(bool, stream);
@@ -242,6 +243,8 @@ int RunLoadKv(const std::vector<std::string>& args) {
   c.heads_q = absl::GetFlag(FLAGS_heads_q);
   c.heads_kv = absl::GetFlag(FLAGS_heads_kv).value_or(c.heads_q);
   c.head_dim = absl::GetFlag(FLAGS_head_dim);
+  c.head_dim_v = absl::GetFlag(FLAGS_head_dim_v);
+  c.v_in_k = absl::GetFlag(FLAGS_v_in_k);
   c.page_size = absl::GetFlag(FLAGS_page_size);
   c.device = absl::GetFlag(FLAGS_device);
   c.stream = absl::GetFlag(FLAGS_stream);
@@ -343,8 +346,11 @@ int RunLoadKv(const std::vector<std::string>& args) {
             << " over " << transport_name << ", " << c.sequences << " sequences x " << c.prompt
             << " prompt + " << c.tokens << " generated tokens (" << c.warmup_tokens << " warm-up), "
             << c.layers << " layers, Hq " << c.heads_q << ", Hkv " << c.heads_kv << ", D "
-            << c.head_dim << ", " << DTypeName(c.dtype) << ", " << (*client)->num_channels()
-            << " channel(s), seed " << c.seed << ", check " << (c.check ? "on" : "off")
+            << c.head_dim
+            << (c.head_dim_v > 0 ? absl::StrCat(", Dv ", c.head_dim_v) : std::string())
+            << (c.v_in_k ? " (V in K)" : "") << ", " << DTypeName(c.dtype) << ", "
+            << (*client)->num_channels() << " channel(s), seed " << c.seed << ", check "
+            << (c.check ? "on" : "off")
             << (c.attend_fraction < 1.0 ? absl::StrCat(", attend fraction ", c.attend_fraction)
                                         : std::string())
             << "\n";

@@ -163,9 +163,9 @@ class Group {
       const int64_t g = static_cast<int64_t>(ids_.size());
       prefill_q_ = Random(chunk, c.heads_q);
       prefill_k_ = Random(chunk, c.heads_kv);
-      prefill_v_ = Random(chunk, c.heads_kv);
+      prefill_v_ = RandomV(chunk);
       for (int i = 0; i < kPoolSize; ++i) {
-        pool_.push_back({Random(g, c.heads_q), Random(g, c.heads_kv), Random(g, c.heads_kv)});
+        pool_.push_back({Random(g, c.heads_q), Random(g, c.heads_kv), RandomV(g)});
       }
     }
   }
@@ -193,12 +193,12 @@ class Group {
           if (keep_) {
             q = Random(n, c_.heads_q);
             k = Random(n, c_.heads_kv);
-            v = Random(n, c_.heads_kv);
+            v = RandomV(n);
             Append(s, layer, k, v, 0, n);
           } else {
             q = *prefill_q_.SliceRows(0, n);
             k = *prefill_k_.SliceRows(0, n);
-            v = *prefill_v_.SliceRows(0, n);
+            if (!c_.v_in_k) v = *prefill_v_.SliceRows(0, n);
           }
           if (c_.stateless) continue;
           AppendAttendInputs in;
@@ -238,7 +238,7 @@ class Group {
     if (keep_) {
       q = Random(g, c_.heads_q);
       k = Random(g, c_.heads_kv);
-      v = Random(g, c_.heads_kv);
+      v = RandomV(g);
       for (int64_t s = 0; s < g; ++s) Append(s, layer, k, v, s, 1);
     } else {
       const Tensors& p = pool_[(t * c_.layers + layer) % kPoolSize];
@@ -292,7 +292,8 @@ class Group {
       return false;
     }
     if (measured) {
-      const int64_t row_bytes = int64_t{2} * c_.heads_kv * c_.head_dim * DTypeSize(c_.dtype);
+      const int64_t row_bytes =
+          int64_t{c_.heads_kv} * (c_.head_dim + (c_.v_in_k ? 0 : Dv())) * DTypeSize(c_.dtype);
       tally->Step(latency, out->timing, attended * row_bytes,
                   absl::ToInt64Microseconds(client_time));
     }
@@ -310,14 +311,31 @@ class Group {
   HostTensor Random(int64_t rows, int heads) {
     return RandomTensor(c_.dtype, {rows, heads, c_.head_dim}, &rng_);
   }
+  // A step's v rows; none (nothing on the wire) when V lives in K.
+  HostTensor RandomV(int64_t rows) {
+    if (c_.v_in_k) return HostTensor();
+    return RandomTensor(c_.dtype, {rows, c_.heads_kv, Dv()}, &rng_);
+  }
+  int Dv() const { return c_.head_dim_v > 0 ? c_.head_dim_v : c_.head_dim; }
 
   // Rows [first, first + n) of k/v become sequence `s`'s next rows at `layer`.
+  // With v_in_k the reference's V is the first Dv elements of each K head.
   void Append(size_t s, int layer, const HostTensor& k, const HostTensor& v, int64_t first,
               int64_t n) {
     History& h = history_[s][layer];
     const size_t row = k.bytes().size() / std::max<int64_t>(1, k.dim(0));
     h.k.append(k.bytes(), first * row, n * row);
-    h.v.append(v.bytes(), first * row, n * row);
+    if (c_.v_in_k) {
+      const size_t es = DTypeSize(c_.dtype), head = es * c_.head_dim, part = es * Dv();
+      for (int64_t r = first; r < first + n; ++r) {
+        for (int hd = 0; hd < c_.heads_kv; ++hd) {
+          h.v.append(k.bytes(), r * row + hd * head, part);
+        }
+      }
+    } else {
+      const size_t v_row = v.bytes().size() / std::max<int64_t>(1, v.dim(0));
+      h.v.append(v.bytes(), first * v_row, n * v_row);
+    }
     h.length += n;
   }
 
@@ -368,6 +386,7 @@ class Group {
     std::vector<int> q_lengths, k_lengths;
     const int64_t q_rows = q.dim(0) / static_cast<int64_t>(rows.size());
     const size_t row = static_cast<size_t>(DTypeSize(c_.dtype)) * c_.heads_kv * c_.head_dim;
+    const size_t v_row = static_cast<size_t>(DTypeSize(c_.dtype)) * c_.heads_kv * Dv();
     for (size_t i = 0; i < rows.size(); ++i) {
       const History& h = history_[rows[i]][layer];
       q_lengths.push_back(static_cast<int>(q_rows));
@@ -381,7 +400,7 @@ class Group {
       for (int64_t t = 0; t < h.length; ++t) {
         if (!Attended(t, h.length - 1, page_size_, (*pages)[i])) continue;
         k.append(h.k, size_t(t) * row, row);
-        v.append(h.v, size_t(t) * row, row);
+        v.append(h.v, size_t(t) * v_row, v_row);
         ++kept;
       }
       k_lengths.push_back(static_cast<int>(kept));
@@ -389,7 +408,7 @@ class Group {
     const int64_t total =
         static_cast<int64_t>(k.size()) / (int64_t{c_.heads_kv} * c_.head_dim * DTypeSize(c_.dtype));
     in.k = *HostTensor::FromBytes(c_.dtype, {total, c_.heads_kv, c_.head_dim}, std::move(k));
-    in.v = *HostTensor::FromBytes(c_.dtype, {total, c_.heads_kv, c_.head_dim}, std::move(v));
+    in.v = *HostTensor::FromBytes(c_.dtype, {total, c_.heads_kv, Dv()}, std::move(v));
     in.cu_seqlens_q = CuSeqlensFromLengths(q_lengths);
     in.cu_seqlens_k = CuSeqlensFromLengths(k_lengths);
     in.options.causal = causal;
@@ -453,9 +472,13 @@ class Group {
 uint64_t ArenaBytes(const DecodeLoopConfig& c, int64_t rows) {
   const int64_t es = DTypeSize(c.dtype);
   const int64_t q_row = int64_t{c.heads_q} * c.head_dim * es;
+  // K rows and V rows (none when V lives in K; MLA's V may be narrower):
+  // q, k, v and O (O no wider than q) at most twice the widest row each.
   const int64_t kv_row = int64_t{c.heads_kv} * c.head_dim * es;
+  const int64_t v_row =
+      c.v_in_k ? 0 : int64_t{c.heads_kv} * std::max(c.head_dim, c.head_dim_v) * es;
   auto call = [&](int64_t q_rows, int64_t kv_rows) {
-    return q_rows * 2 * q_row + kv_rows * 2 * kv_row;
+    return q_rows * 2 * q_row + kv_rows * (kv_row + v_row);
   };
   const int64_t chunk = std::min(c.prompt, c.prefill_chunk);
   int64_t bytes = std::max(call(chunk, chunk), call(rows, rows));
@@ -478,11 +501,17 @@ absl::Status ValidateDecodeLoopConfig(const DecodeLoopConfig& c) {
     const char* flag;
     int value;
     int min;
-  } checks[] = {{"sequences", c.sequences, 1}, {"prompt", c.prompt, 0},
-                {"tokens", c.tokens, 1},       {"warmup_tokens", c.warmup_tokens, 0},
-                {"layers", c.layers, 1},       {"heads_q", c.heads_q, 1},
-                {"heads_kv", c.heads_kv, 1},   {"head_dim", c.head_dim, 1},
-                {"concurrency", c.groups, 1},  {"prefill_chunk", c.prefill_chunk, 1},
+  } checks[] = {{"sequences", c.sequences, 1},
+                {"prompt", c.prompt, 0},
+                {"tokens", c.tokens, 1},
+                {"warmup_tokens", c.warmup_tokens, 0},
+                {"layers", c.layers, 1},
+                {"heads_q", c.heads_q, 1},
+                {"heads_kv", c.heads_kv, 1},
+                {"head_dim", c.head_dim, 1},
+                {"head_dim_v", c.head_dim_v, 0},
+                {"concurrency", c.groups, 1},
+                {"prefill_chunk", c.prefill_chunk, 1},
                 {"page_size", c.page_size, 0}};
   for (const auto& ch : checks) {
     if (ch.value < ch.min) {
@@ -564,8 +593,9 @@ absl::StatusOr<DecodeLoopResult> RunDecodeLoop(AttentionClient& client, const De
     const int64_t page = EffectivePageSize(client, c.page_size);
     const int64_t per_sequence = (c.prompt + c.tokens + page - 1) / page * page;
     CacheSpec spec;
-    spec.geometry = {c.layers, c.heads_kv, c.head_dim, c.dtype,
-                     c.fp8_cache ? DType::kFP8E4M3 : DType{0}};
+    spec.geometry = {
+        c.layers,     c.heads_kv, c.head_dim, c.dtype, c.fp8_cache ? DType::kFP8E4M3 : DType{0},
+        c.head_dim_v, c.v_in_k};
     spec.page_size = c.page_size;
     spec.capacity_tokens = per_sequence * c.layers * c.sequences;
     spec.device = c.device;

@@ -36,6 +36,10 @@ struct DecodeLoopConfig {
   int heads_q = 8;
   int heads_kv = 8;
   int head_dim = 64;
+  // MLA caches: V's head dim (0: head_dim), and v_in_k (V is the first
+  // head_dim_v elements of each K row: the steps send no v).
+  int head_dim_v = 0;
+  bool v_in_k = false;
   DType dtype = DType::kFP16;
   // An FP8 cache (geometry.cache_dtype FP8_E4M3): the server quantises the
   // steps' 16-bit K/V into E4M3 pages.

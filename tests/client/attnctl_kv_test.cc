@@ -166,6 +166,43 @@ TEST_F(AttnctlKvTest, AppendOnlyPrefillThenCheckedDecode) {
   EXPECT_THAT(r.out, HasSubstr("pages used after free 0"));
 }
 
+// MLA caches from the shell: V rows of their own width, and the absorbed form
+// (V is the first head_dim_v elements of each K row, no v on the wire). The
+// check holds every prefill and decode output to the reference with V taken
+// the same way, over unary calls and a stream.
+TEST_F(AttnctlKvTest, MlaCachesDecodeLoopChecked) {
+  SKIP_WITHOUT_KV();
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--heads_kv=1", "--head_dim=48", "--head_dim_v=32"},
+        {"--heads_kv=1", "--head_dim=72", "--head_dim_v=64", "--v_in_k"},
+        {"--heads_kv=1", "--head_dim=72", "--head_dim_v=64", "--v_in_k", "--stream"},
+        {"--heads_kv=2", "--head_dim=40", "--v_in_k"},
+        {"--heads_kv=1", "--head_dim=72", "--head_dim_v=64", "--v_in_k", "--stateless"}}) {
+    std::vector<std::string> args = extra;
+    // Stateless: the decode steps only (4 tokens x 2 layers); with a cache
+    // the prefill outputs (4 sequences x 2 layers) too.
+    const bool stateless = std::find(args.begin(), args.end(), "--stateless") != args.end();
+    if (!stateless) args.push_back("--page_size=16");
+    args.push_back("--check");
+    const CliResult r = Run(LoadKv(args));
+    SCOPED_TRACE(Describe(r));
+    ASSERT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("check: ", stateless ? 8 : 16,
+                                              " outputs held to the reference")));
+    EXPECT_THAT(r.out, HasSubstr("PASS"));
+  }
+  CliResult r = Run({"kv", "create", "--cache=mla", "--heads_kv=1", "--head_dim=576",
+                     "--head_dim_v=512", "--v_in_k", "--capacity_tokens=64"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("D 576, Dv 512 (V in K)"));
+  r = Run({"kv", "drop", "--cache=mla"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  r = Run({"kv", "create", "--cache=mla2", "--heads_kv=1", "--head_dim=64", "--head_dim_v=128",
+           "--v_in_k", "--capacity_tokens=64"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_THAT(r.err, HasSubstr("geometry.head_dim_v"));
+}
+
 TEST_F(AttnctlKvTest, CacheLifecycleFromTheShell) {
   SKIP_WITHOUT_KV();
   CliResult r = Run({"kv", "create", "--cache=shell", "--layers=2", "--heads_kv=2", "--head_dim=32",
