@@ -37,6 +37,15 @@ absl::Status ParseKey(absl::string_view cache, absl::string_view key, absl::stri
   if (key == "layers") return ParseInt<int32_t>(cache, key, value, 1, &c.geometry.num_layers);
   if (key == "hkv") return ParseInt<int32_t>(cache, key, value, 1, &c.geometry.num_heads_kv);
   if (key == "d") return ParseInt<int32_t>(cache, key, value, 1, &c.geometry.head_dim);
+  // MLA caches: V's head dim, and V inside K (the pool checks the pairing).
+  if (key == "dv") return ParseInt<int32_t>(cache, key, value, 1, &c.geometry.head_dim_v);
+  if (key == "v_in_k") {
+    if (value != "0" && value != "1") {
+      return Bad(cache, absl::StrCat("v_in_k: expected 0 or 1, got '", value, "'"));
+    }
+    c.geometry.v_in_k = value == "1";
+    return absl::OkStatus();
+  }
   if (key == "page_size") return ParseInt<int32_t>(cache, key, value, 1, &c.page_size);
   if (key == "capacity_tokens") return ParseInt<int64_t>(cache, key, value, 1, &c.capacity_tokens);
   if (key == "capacity_bytes") return ParseInt<int64_t>(cache, key, value, 1, &c.capacity_bytes);
@@ -92,11 +101,10 @@ absl::Status ParseKey(absl::string_view cache, absl::string_view key, absl::stri
     return Bad(cache, absl::StrCat("cache_dtype: expected FP8_E4M3, FP16, BF16 or FP32, got '",
                                    value, "'"));
   }
-  return Bad(
-      cache,
-      absl::StrCat("unknown key '", key,
-                   "' (expected layers, hkv, d, dtype, cache_dtype, page_size, capacity_tokens, "
-                   "capacity_bytes, device, devices, reserve or tenant)"));
+  return Bad(cache,
+             absl::StrCat("unknown key '", key,
+                          "' (expected layers, hkv, d, dv, v_in_k, dtype, cache_dtype, page_size, "
+                          "capacity_tokens, capacity_bytes, device, devices, reserve or tenant)"));
 }
 
 }  // namespace

@@ -20,10 +20,13 @@ struct KvStartupCache {
 
 // Syntax: caches separated by ';', each `ID:key=value,key=value,...` with
 //   layers, hkv, d, dtype (FP16|BF16|FP32), cache_dtype (optional: FP8_E4M3
-//   for FP8 pages, with dtype FP16 or BF16), capacity_tokens or capacity_bytes
+//   for FP8 pages, with dtype FP16 or BF16), dv (optional: V's head dim of an
+//   MLA cache), v_in_k (0|1, optional: V is the first dv elements of each K
+//   row, the absorbed MLA form), capacity_tokens or capacity_bytes
 //   (required), page_size, device, devices (all, or indices joined by '+'
 //   such as 0+1: the cache spans them), reserve (0|1), tenant (optional).
 // Example: kv0:layers=2,hkv=8,d=128,dtype=BF16,page_size=64,capacity_tokens=65536
+// MLA: mla0:layers=1,hkv=1,d=576,dv=512,v_in_k=1,dtype=BF16,capacity_tokens=65536
 // INVALID_ARGUMENT naming the cache and key (expected vs actual) otherwise.
 absl::StatusOr<std::vector<KvStartupCache>> ParseStartupCaches(absl::string_view flag);
 

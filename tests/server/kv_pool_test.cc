@@ -347,7 +347,20 @@ TEST(StartupCacheTest, ParsesSpecsAndNamesTheBadKey) {
   EXPECT_EQ(b.device, 0);
   EXPECT_TRUE(b.reserve);
   EXPECT_EQ((*caches)[1].tenant, "t1");
+  EXPECT_EQ(a.geometry.head_dim_v, 0);
+  EXPECT_FALSE(a.geometry.v_in_k);
   EXPECT_TRUE(ParseStartupCaches("")->empty());
+  // MLA caches: V's own width, and V inside K.
+  caches = ParseStartupCaches(
+      "m:layers=1,hkv=1,d=576,dv=512,v_in_k=1,dtype=BF16,capacity_tokens=64;"
+      "n:layers=1,hkv=2,d=192,dv=128,v_in_k=0,dtype=FP16,capacity_tokens=64");
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  ASSERT_EQ(caches->size(), 2u);
+  EXPECT_EQ((*caches)[0].create.geometry.head_dim, 576);
+  EXPECT_EQ((*caches)[0].create.geometry.head_dim_v, 512);
+  EXPECT_TRUE((*caches)[0].create.geometry.v_in_k);
+  EXPECT_EQ((*caches)[1].create.geometry.head_dim_v, 128);
+  EXPECT_FALSE((*caches)[1].create.geometry.v_in_k);
   const std::pair<const char*, const char*> bad[] = {
       {"layers=1", "expected ID:key=value"},
       {"a:layers=x,hkv=1,d=64,dtype=FP16,capacity_tokens=1",
@@ -358,6 +371,10 @@ TEST(StartupCacheTest, ParsesSpecsAndNamesTheBadKey) {
       {"a:layers=1,hkv=1,d=64,dtype=FP16", "exactly one of capacity_tokens and capacity_bytes"},
       {"a:layers=1,layers=2", "key 'layers' given twice"},
       {"a:layers=1,heads=2", "unknown key 'heads'"},
+      {"a:layers=1,hkv=1,d=64,dv=0,dtype=FP16,capacity_tokens=1",
+       "dv: expected an integer >= 1, got '0'"},
+      {"a:layers=1,hkv=1,d=64,v_in_k=yes,dtype=FP16,capacity_tokens=1",
+       "v_in_k: expected 0 or 1, got 'yes'"},
       {"a:layers=1,hkv=1,d=64,dtype=FP16,capacity_tokens=1;a:layers=1,hkv=1,d=64,dtype=FP16,"
        "capacity_tokens=1",
        "named twice"},
