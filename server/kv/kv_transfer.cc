@@ -178,37 +178,39 @@ class KvTransferAccess {
 
 namespace {
 
-// Chunks carry K and V rows of one width; a cache with a value head dim
-// (head_dim_v, v_in_k) has no such form yet: refused, naming the cache.
-absl::Status RefuseValueDim(const KvGeometry& g, const std::string& id, const char* what) {
-  if (g.head_dim_v == 0 && !g.v_in_k) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      "cache_id: cache '", id, "' has geometry.head_dim_v ", g.head_dim_v, " / v_in_k ",
-      g.v_in_k ? "true" : "false", "; ", what, " moves caches whose V rows are K's width only"));
-}
+// The head dim of K's rows or V's (`v`): MLA caches' V rows have head_dim_v.
+int32_t SideDim(const KvGeometry& g, bool v) { return v ? KvHeadDimV(g) : g.head_dim; }
+// Whether the pages hold V rows of their own (not with v_in_k: V is part of K).
+bool HasV(const KvGeometry& g) { return !g.v_in_k; }
 
-// Bytes of one token row of K (or V) as it sits in a page and on the wire.
-int64_t RowBytes(const KvGeometry& g) {
-  return int64_t{g.num_heads_kv} * g.head_dim * (IsFp8Cache(g) ? 1 : DTypeSize(g.cache_dtype));
+// Bytes of one token row of K (or V, `v`) as it sits in a page and on the
+// wire; 0 for V when V lives inside K (chunks then carry no v).
+int64_t RowBytes(const KvGeometry& g, bool v) {
+  if (v && !HasV(g)) return 0;
+  return int64_t{g.num_heads_kv} * SideDim(g, v) * (IsFp8Cache(g) ? 1 : DTypeSize(g.cache_dtype));
 }
 // FP8 caches: bytes of one token row's scales (one FP32 per KV head).
-int64_t ScaleRowBytes(const KvGeometry& g) { return IsFp8Cache(g) ? 4 * g.num_heads_kv : 0; }
+int64_t ScaleRowBytes(const KvGeometry& g, bool v) {
+  if (v && !HasV(g)) return 0;
+  return IsFp8Cache(g) ? 4 * g.num_heads_kv : 0;
+}
 // Payload bytes of `rows` token rows: K, V and their scales.
 int64_t PayloadBytes(const KvGeometry& g, int64_t rows) {
-  return rows * 2 * (RowBytes(g) + ScaleRowBytes(g));
+  return rows * (RowBytes(g, false) + RowBytes(g, true) + ScaleRowBytes(g, false) +
+                 ScaleRowBytes(g, true));
 }
 
 char* SlabOf(const KvPages& kv, bool v, int32_t page) {
   return static_cast<char*>(v ? kv.v_slabs[PageSlab(kv, page)] : kv.k_slabs[PageSlab(kv, page)]);
 }
-// Byte offset of (page, token) in its slab: codes are 1 byte, else the element.
-int64_t RowOffset(const KvPages& kv, const KvGeometry& g, int32_t page, int32_t token) {
+// Byte offset of (page, token) in its K or V slab: codes are 1 byte, else the element.
+int64_t RowOffset(const KvPages& kv, const KvGeometry& g, bool v, int32_t page, int32_t token) {
   const int64_t elem = IsFp8Cache(g) ? 1 : DTypeSize(g.cache_dtype);
-  return PageRowOffset(kv, page, token, g.num_heads_kv, g.head_dim, 0) * elem;
+  return PageRowOffset(kv, page, token, g.num_heads_kv, SideDim(g, v), 0) * elem;
 }
-// Byte offset of page's scale block ([Hkv, page_size] FP32) in its slab.
-int64_t ScaleBlockOffset(const KvPages& kv, const KvGeometry& g, int32_t page) {
-  return PageScaleOffset(kv, page, 0, g.num_heads_kv, g.head_dim, 0);
+// Byte offset of page's scale block ([Hkv, page_size] FP32) in its K or V slab.
+int64_t ScaleBlockOffset(const KvPages& kv, const KvGeometry& g, bool v, int32_t page) {
+  return PageScaleOffset(kv, page, 0, g.num_heads_kv, SideDim(g, v), 0);
 }
 
 // Reads rows [a, b) of `page` (K or V, `v`; b may pass the page's end into
@@ -217,13 +219,14 @@ int64_t ScaleBlockOffset(const KvPages& kv, const KvGeometry& g, int32_t page) {
 absl::Status ReadPageRows(AttentionBackend* backend, const KvPages& kv, const KvGeometry& g,
                           int32_t page, bool v, int32_t a, int32_t b, char* rows, char* scales,
                           std::vector<float>* block) {
+  if (v && !HasV(g)) return absl::OkStatus();
   char* slab = SlabOf(kv, v, page);
-  RETURN_IF_ERROR(
-      backend->CopyFromKvMemory(rows, slab + RowOffset(kv, g, page, a), (b - a) * RowBytes(g)));
+  RETURN_IF_ERROR(backend->CopyFromKvMemory(rows, slab + RowOffset(kv, g, v, page, a),
+                                            (b - a) * RowBytes(g, v)));
   if (!IsFp8Cache(g)) return absl::OkStatus();
   const int32_t hkv = g.num_heads_kv;
   block->resize(size_t(hkv) * kv.page_size);
-  RETURN_IF_ERROR(backend->CopyFromKvMemory(block->data(), slab + ScaleBlockOffset(kv, g, page),
+  RETURN_IF_ERROR(backend->CopyFromKvMemory(block->data(), slab + ScaleBlockOffset(kv, g, v, page),
                                             int64_t(block->size()) * 4));
   float* out = reinterpret_cast<float*>(scales);
   for (int32_t t = a; t < b; ++t) {
@@ -239,13 +242,14 @@ absl::Status ReadPageRows(AttentionBackend* backend, const KvPages& kv, const Kv
 absl::Status WritePageRows(AttentionBackend* backend, const KvPages& kv, const KvGeometry& g,
                            int32_t page, bool v, int32_t a, int32_t b, const char* rows,
                            const char* scales, std::vector<float>* block) {
+  if (v && !HasV(g)) return absl::OkStatus();
   char* slab = SlabOf(kv, v, page);
   RETURN_IF_ERROR(
-      backend->CopyToKvMemory(slab + RowOffset(kv, g, page, a), rows, (b - a) * RowBytes(g)));
+      backend->CopyToKvMemory(slab + RowOffset(kv, g, v, page, a), rows, (b - a) * RowBytes(g, v)));
   if (!IsFp8Cache(g)) return absl::OkStatus();
   const int32_t hkv = g.num_heads_kv;
   block->resize(size_t(hkv) * kv.page_size);
-  char* at = slab + ScaleBlockOffset(kv, g, page);
+  char* at = slab + ScaleBlockOffset(kv, g, v, page);
   // The page's other rows may hold scales already (an earlier chunk).
   RETURN_IF_ERROR(backend->CopyFromKvMemory(block->data(), at, int64_t(block->size()) * 4));
   std::vector<float> in(size_t(b - a) * hkv);
@@ -303,6 +307,7 @@ absl::Status KvTransferAccess::CopyPageRows(AttentionBackend* backend, const KvP
                                             const KvGeometry& g, int32_t from, int32_t to,
                                             int32_t rows, int64_t row_bytes, int64_t scale_bytes) {
   if (rows <= 0) return absl::OkStatus();
+  // K's rows are the widest (V's are K's width or narrower, or none).
   std::string buf(size_t(rows * row_bytes), '\0');
   std::string scales(size_t(rows * scale_bytes), '\0');
   std::vector<float> block;
@@ -342,7 +347,6 @@ absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Start(std::shared_ptr<Kv
                                                               const KvExportOptions& o) {
   RETURN_IF_ERROR(RefuseSpanning(*cache, "an export"));
   const KvGeometry& g = cache->geometry();
-  RETURN_IF_ERROR(RefuseValueDim(g, cache->id(), "an export"));
   const int ps = cache->page_size();
   if (o.token_begin < 0) {
     return InvalidArgument("token_begin", absl::StrCat("expected >= 0, got ", o.token_begin));
@@ -517,12 +521,10 @@ absl::StatusOr<bool> KvExporter::Read(KvTransferChunk* chunk) {
   chunk->layer = layer_;
   chunk->token_begin = token_;
   chunk->num_tokens = n;
-  const int64_t row = RowBytes(g);
-  const int64_t srow = ScaleRowBytes(g);
-  chunk->k.resize(size_t(n * row));
-  chunk->v.resize(size_t(n * row));
-  chunk->k_scale.resize(size_t(n * srow));
-  chunk->v_scale.resize(size_t(n * srow));
+  chunk->k.resize(size_t(n * RowBytes(g, false)));
+  chunk->v.resize(size_t(n * RowBytes(g, true)));
+  chunk->k_scale.resize(size_t(n * ScaleRowBytes(g, false)));
+  chunk->v_scale.resize(size_t(n * ScaleRowBytes(g, true)));
   const KvPages kv = KvTransferAccess::Pages(*cache_);
   AttentionBackend* backend = KvTransferAccess::Backend(*cache_);
   const int64_t first_page = header_.token_begin / ps;
@@ -535,6 +537,8 @@ absl::StatusOr<bool> KvExporter::Read(KvTransferChunk* chunk) {
     for (bool v : {false, true}) {
       std::string& rows = v ? chunk->v : chunk->k;
       std::string& scales = v ? chunk->v_scale : chunk->k_scale;
+      const int64_t row = RowBytes(g, v), srow = ScaleRowBytes(g, v);
+      if (row == 0) continue;
       RETURN_IF_ERROR(ReadPageRows(backend, kv, g, page, v, in_page, in_page + take,
                                    rows.data() + at * size_t(row),
                                    srow > 0 ? scales.data() + at * size_t(srow) : nullptr, &block));
@@ -650,7 +654,8 @@ namespace {
 
 bool SameGeometry(const KvGeometry& a, const KvGeometry& b) {
   return a.num_layers == b.num_layers && a.num_heads_kv == b.num_heads_kv &&
-         a.head_dim == b.head_dim && a.dtype == b.dtype && a.cache_dtype == b.cache_dtype;
+         a.head_dim == b.head_dim && a.dtype == b.dtype && a.cache_dtype == b.cache_dtype &&
+         KvHeadDimV(a) == KvHeadDimV(b) && a.v_in_k == b.v_in_k;
 }
 
 }  // namespace
@@ -705,21 +710,20 @@ absl::Status KvImportSession::Check(const KvTransferChunk& c) {
         absl::StrCat("expected [", lo, ", ", end - token_, "] (sequence ", seq.sequence_id,
                      " layer ", layer_, " ends at ", end, "), got ", c.num_tokens));
   }
-  const int64_t row = RowBytes(g);
-  const int64_t srow = ScaleRowBytes(g);
-  const std::pair<const char*, std::pair<size_t, int64_t>> sizes[] = {
-      {"chunk.k", {c.k.size(), c.num_tokens * row}},
-      {"chunk.v", {c.v.size(), c.num_tokens * row}},
-      {"chunk.k_scale", {c.k_scale.size(), c.num_tokens * srow}},
-      {"chunk.v_scale", {c.v_scale.size(), c.num_tokens * srow}}};
-  for (const auto& [field, size] : sizes) {
-    if (static_cast<int64_t>(size.first) != size.second) {
+  // With v_in_k, v and v_scale are empty: V is part of K's rows.
+  const struct {
+    const char* field;
+    size_t size;
+    int64_t row;
+  } sizes[] = {{"chunk.k", c.k.size(), RowBytes(g, false)},
+               {"chunk.v", c.v.size(), RowBytes(g, true)},
+               {"chunk.k_scale", c.k_scale.size(), ScaleRowBytes(g, false)},
+               {"chunk.v_scale", c.v_scale.size(), ScaleRowBytes(g, true)}};
+  for (const auto& sz : sizes) {
+    if (static_cast<int64_t>(sz.size) != c.num_tokens * sz.row) {
       return InvalidArgument(
-          field,
-          absl::StrCat(
-              "expected ", size.second, " bytes (", c.num_tokens, " rows of ",
-              field == std::string("chunk.k") || field == std::string("chunk.v") ? row : srow,
-              "), got ", size.first));
+          sz.field, absl::StrCat("expected ", c.num_tokens * sz.row, " bytes (", c.num_tokens,
+                                 " rows of ", sz.row, "), got ", sz.size));
     }
   }
   const bool last = layer_ == g.num_layers - 1 && token_ + c.num_tokens == end;
@@ -775,8 +779,6 @@ absl::Status KvImportSession::Stage(const KvTransferChunk& c) {
   }
   const KvPages kv = KvTransferAccess::Pages(cache);
   AttentionBackend* backend = KvTransferAccess::Backend(cache);
-  const int64_t row = RowBytes(g);
-  const int64_t srow = ScaleRowBytes(g);
   std::vector<float> block;
   const int32_t stop = c.token_begin + c.num_tokens;
   for (int32_t t = c.token_begin; t < stop;) {
@@ -787,6 +789,8 @@ absl::Status KvImportSession::Stage(const KvTransferChunk& c) {
     for (bool v : {false, true}) {
       const std::string& rows = v ? c.v : c.k;
       const std::string& scales = v ? c.v_scale : c.k_scale;
+      const int64_t row = RowBytes(g, v), srow = ScaleRowBytes(g, v);
+      if (row == 0) continue;
       RETURN_IF_ERROR(WritePageRows(
           backend, kv, g, page, v, in_page, in_page + take, rows.data() + at * size_t(row),
           srow > 0 ? scales.data() + at * size_t(srow) : nullptr, &block));
@@ -799,9 +803,10 @@ absl::Status KvImportSession::Stage(const KvTransferChunk& c) {
 absl::Status KvImportSession::Install() {
   const KvTransferHeader& h = header_;
   const KvTransferSequence& seq = h.sequences[next_seq_];
-  return KvTransferAccess::Install(*cache_, seq.sequence_id, h.token_begin, staged_.base,
-                                   &staged_.pages, seq.lengths, RowBytes(h.geometry),
-                                   ScaleRowBytes(h.geometry));
+  return KvTransferAccess::Install(
+      *cache_, seq.sequence_id, h.token_begin, staged_.base, &staged_.pages, seq.lengths,
+      std::max(RowBytes(h.geometry, false), RowBytes(h.geometry, true)),
+      ScaleRowBytes(h.geometry, false));
 }
 
 absl::StatusOr<KvImportProgress> KvImportSession::Accept(const KvTransferChunk& c) {
@@ -880,11 +885,12 @@ absl::Status CheckHeader(const KvTransferHeader& h, const KvCache& cache) {
   }
   const KvGeometry& a = h.geometry;
   const KvGeometry& b = cache.geometry();
-  RETURN_IF_ERROR(RefuseValueDim(b, cache.id(), "an import"));
   const std::pair<const char*, std::pair<int, int>> fields[] = {
       {"header.geometry.num_layers", {a.num_layers, b.num_layers}},
       {"header.geometry.num_heads_kv", {a.num_heads_kv, b.num_heads_kv}},
       {"header.geometry.head_dim", {a.head_dim, b.head_dim}},
+      {"header.geometry.head_dim_v", {KvHeadDimV(a), KvHeadDimV(b)}},
+      {"header.geometry.v_in_k", {a.v_in_k ? 1 : 0, b.v_in_k ? 1 : 0}},
       {"header.geometry.dtype", {static_cast<int>(a.dtype), static_cast<int>(b.dtype)}},
       {"header.geometry.cache_dtype",
        {static_cast<int>(a.cache_dtype == DType{0} ? a.dtype : a.cache_dtype),

@@ -41,6 +41,8 @@ KvTransferHeader DecodeTransferHeader(const v1::KvTransferHeader& h) {
   out.geometry.head_dim = h.geometry().head_dim();
   out.geometry.dtype = static_cast<DType>(h.geometry().dtype());
   out.geometry.cache_dtype = static_cast<DType>(h.geometry().cache_dtype());
+  out.geometry.head_dim_v = h.geometry().head_dim_v();
+  out.geometry.v_in_k = h.geometry().v_in_k();
   if (out.geometry.cache_dtype == DType{0}) out.geometry.cache_dtype = out.geometry.dtype;
   out.source_page_size = h.source_page_size();
   for (const v1::SequenceLengths& s : h.sequences()) {
@@ -63,6 +65,8 @@ void EncodeTransferHeader(const KvTransferHeader& h, v1::KvTransferHeader* out) 
   g->set_head_dim(h.geometry.head_dim);
   g->set_dtype(static_cast<v1::DType>(h.geometry.dtype));
   g->set_cache_dtype(static_cast<v1::DType>(h.geometry.cache_dtype));
+  g->set_head_dim_v(h.geometry.head_dim_v);
+  g->set_v_in_k(h.geometry.v_in_k);
   out->set_source_page_size(h.source_page_size);
   for (const KvTransferSequence& s : h.sequences) {
     v1::SequenceLengths* seq = out->add_sequences();

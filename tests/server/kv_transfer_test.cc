@@ -37,6 +37,15 @@ constexpr int kHq = 4, kHkv = 2, kD = 16, kLayers = 3;
 constexpr char kTokenA[] = "token-of-tenant-a-0123456789";
 constexpr char kTokenB[] = "token-of-tenant-b-0123456789";
 
+// A cache's head dims: K's (and Q's), V's (MLA: its own width, 0 = d), and
+// whether V is the first dv elements of each K row (the steps send no v).
+struct Geo {
+  int d = kD;
+  int dv = 0;
+  bool v_in_k = false;
+  int Dv() const { return dv > 0 ? dv : d; }
+};
+
 struct Server {
   std::unique_ptr<AttnServer> server;
   std::shared_ptr<grpc::Channel> channel;
@@ -111,12 +120,14 @@ void SetTensor(v1::Tensor* t, v1::DType dtype, std::vector<int64_t> shape, std::
 }
 
 v1::CreateCacheRequest CacheRequest(const std::string& id, v1::DType dtype, v1::DType cache_dtype,
-                                    int page_size, int64_t capacity_tokens) {
+                                    int page_size, int64_t capacity_tokens, const Geo& geo = {}) {
   v1::CreateCacheRequest r;
   r.set_cache_id(id);
   r.mutable_geometry()->set_num_layers(kLayers);
   r.mutable_geometry()->set_num_heads_kv(kHkv);
-  r.mutable_geometry()->set_head_dim(kD);
+  r.mutable_geometry()->set_head_dim(geo.d);
+  r.mutable_geometry()->set_head_dim_v(geo.dv);
+  r.mutable_geometry()->set_v_in_k(geo.v_in_k);
   r.mutable_geometry()->set_dtype(dtype);
   r.mutable_geometry()->set_cache_dtype(cache_dtype);
   r.set_page_size(page_size);
@@ -135,7 +146,7 @@ grpc::Status CreateCache(Server& s, const v1::CreateCacheRequest& r,
 // Sequences with per-layer lengths, filled by append-only steps.
 void Fill(Server& s, const std::string& cache, v1::DType dtype,
           const std::map<uint64_t, std::vector<int32_t>>& lengths, std::mt19937* rng,
-          const std::string& token = "") {
+          const std::string& token = "", const Geo& geo = {}) {
   {
     grpc::ClientContext ctx;
     Authorize(&ctx, token);
@@ -157,9 +168,13 @@ void Fill(Server& s, const std::string& cache, v1::DType dtype,
       step->set_num_new_tokens(lens[size_t(layer)]);
       rows += lens[size_t(layer)];
     }
-    SetTensor(r.mutable_q(), dtype, {0, kHq, kD}, "");
-    SetTensor(r.mutable_k(), dtype, {rows, kHkv, kD}, RandomRows(rng, dtype, rows * kHkv * kD));
-    SetTensor(r.mutable_v(), dtype, {rows, kHkv, kD}, RandomRows(rng, dtype, rows * kHkv * kD));
+    SetTensor(r.mutable_q(), dtype, {0, kHq, geo.d}, "");
+    SetTensor(r.mutable_k(), dtype, {rows, kHkv, geo.d},
+              RandomRows(rng, dtype, rows * kHkv * geo.d));
+    if (!geo.v_in_k) {
+      SetTensor(r.mutable_v(), dtype, {rows, kHkv, geo.Dv()},
+                RandomRows(rng, dtype, rows * kHkv * geo.Dv()));
+    }
     grpc::ClientContext ctx;
     Authorize(&ctx, token);
     v1::AppendAttendResponse resp;
@@ -225,7 +240,7 @@ Rows CacheRows(Server& s, const std::string& cache, const std::string& token = "
 // the same seed gives both servers the same inputs.
 std::vector<std::string> DecodeStep(Server& s, const std::string& cache, v1::DType dtype,
                                     const std::map<uint64_t, std::vector<int32_t>>& lengths,
-                                    int layer, uint32_t seed) {
+                                    int layer, uint32_t seed, const Geo& geo = {}) {
   std::mt19937 rng(seed);
   v1::AppendAttendRequest r;
   r.set_cache_id(cache);
@@ -238,9 +253,12 @@ std::vector<std::string> DecodeStep(Server& s, const std::string& cache, v1::DTy
     step->set_num_queries(1);
   }
   const int64_t n = static_cast<int64_t>(lengths.size());
-  SetTensor(r.mutable_q(), dtype, {n, kHq, kD}, RandomRows(&rng, dtype, n * kHq * kD));
-  SetTensor(r.mutable_k(), dtype, {n, kHkv, kD}, RandomRows(&rng, dtype, n * kHkv * kD));
-  SetTensor(r.mutable_v(), dtype, {n, kHkv, kD}, RandomRows(&rng, dtype, n * kHkv * kD));
+  SetTensor(r.mutable_q(), dtype, {n, kHq, geo.d}, RandomRows(&rng, dtype, n * kHq * geo.d));
+  SetTensor(r.mutable_k(), dtype, {n, kHkv, geo.d}, RandomRows(&rng, dtype, n * kHkv * geo.d));
+  if (!geo.v_in_k) {
+    SetTensor(r.mutable_v(), dtype, {n, kHkv, geo.Dv()},
+              RandomRows(&rng, dtype, n * kHkv * geo.Dv()));
+  }
   r.mutable_options()->set_causal(true);
   r.mutable_options()->set_return_lse(true);
   grpc::ClientContext ctx;
@@ -286,6 +304,7 @@ struct MoveCase {
   v1::DType dtype;
   v1::DType cache_dtype;
   int source_page, dest_page;
+  Geo geo = {};
 };
 
 class KvTransferMoveTest : public ::testing::TestWithParam<MoveCase> {};
@@ -294,11 +313,14 @@ TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
   const MoveCase& c = GetParam();
   Server src = StartServer(Spec(c.source_page));
   Server dst = StartServer(Spec(c.dest_page));
-  ASSERT_TRUE(CreateCache(src, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192)).ok());
+  grpc::Status created =
+      CreateCache(src, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192, c.geo));
+  ASSERT_TRUE(created.ok()) << created.error_message();
   // The receiver's cache exists already, with its own page size.
-  ASSERT_TRUE(CreateCache(dst, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192)).ok());
+  created = CreateCache(dst, CacheRequest("kv0", c.dtype, c.cache_dtype, 0, 8192, c.geo));
+  ASSERT_TRUE(created.ok()) << created.error_message();
   std::mt19937 rng(11);
-  Fill(src, "kv0", c.dtype, kLengths, &rng);
+  Fill(src, "kv0", c.dtype, kLengths, &rng, "", c.geo);
 
   MoveOptions options;
   options.max_chunk_bytes = 1;  // one source page per chunk: many chunks
@@ -328,8 +350,9 @@ TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
 
   // The same decode step on both attends over the same context.
   for (int layer = 0; layer < kLayers; ++layer) {
-    const auto a = DecodeStep(src, "kv0", c.dtype, kLengths, layer, 100 + layer);
-    const auto b = DecodeStep(dst, "kv0", c.dtype, kLengths, layer, 100 + layer);
+    const auto a = DecodeStep(src, "kv0", c.dtype, kLengths, layer, 100 + layer, c.geo);
+    const auto b = DecodeStep(dst, "kv0", c.dtype, kLengths, layer, 100 + layer, c.geo);
+    ASSERT_EQ(a[0].size(), kLengths.size() * kHq * c.geo.Dv() * (c.dtype == v1::BF16 ? 2 : 4));
     if (c.source_page == c.dest_page) {
       EXPECT_EQ(a[0], b[0]) << "layer " << layer;
       EXPECT_EQ(a[1], b[1]) << "layer " << layer;
@@ -349,10 +372,20 @@ TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
 
 INSTANTIATE_TEST_SUITE_P(
     Caches, KvTransferMoveTest,
-    ::testing::Values(MoveCase{"Fp32SamePages", v1::FP32, v1::DTYPE_UNSPECIFIED, 16, 16},
-                      MoveCase{"Bf16ToLargerPages", v1::BF16, v1::DTYPE_UNSPECIFIED, 16, 32},
-                      MoveCase{"Fp8ToSmallerPages", v1::BF16, v1::FP8_E4M3, 32, 16},
-                      MoveCase{"Fp8SamePages", v1::BF16, v1::FP8_E4M3, 16, 16}),
+    ::testing::Values(
+        MoveCase{"Fp32SamePages", v1::FP32, v1::DTYPE_UNSPECIFIED, 16, 16},
+        MoveCase{"Bf16ToLargerPages", v1::BF16, v1::DTYPE_UNSPECIFIED, 16, 32},
+        MoveCase{"Fp8ToSmallerPages", v1::BF16, v1::FP8_E4M3, 32, 16},
+        MoveCase{"Fp8SamePages", v1::BF16, v1::FP8_E4M3, 16, 16},
+        // MLA caches: V pages of their own width, and K-only pages.
+        MoveCase{"MlaValueDimSamePages", v1::FP32, v1::DTYPE_UNSPECIFIED, 16, 16,
+                 Geo{24, 16, false}},
+        MoveCase{"MlaVInKToLargerPages", v1::BF16, v1::DTYPE_UNSPECIFIED, 16, 32,
+                 Geo{24, 16, true}},
+        MoveCase{"MlaVInKSamePages", v1::FP32, v1::DTYPE_UNSPECIFIED, 16, 16, Geo{24, 0, true}},
+        MoveCase{"MlaFp8ValueDimToSmallerPages", v1::BF16, v1::FP8_E4M3, 32, 16,
+                 Geo{24, 16, false}},
+        MoveCase{"MlaFp8VInKSamePages", v1::BF16, v1::FP8_E4M3, 16, 16, Geo{24, 16, true}}),
     [](const ::testing::TestParamInfo<MoveCase>& info) { return info.param.name; });
 
 class KvTransferTest : public ::testing::Test {
@@ -385,6 +418,63 @@ TEST_F(KvTransferTest, CreatesTheCacheFromTheHeader) {
   bare.dest_cache_id = "absent";
   auto refused = MoveCache(src_.channel, dst.channel, "kv0", bare);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound) << refused.status();
+}
+
+// An MLA cache's export carries its geometry: chunks of K rows alone with
+// v_in_k (no v), a receiver created from the header takes the same geometry,
+// and one whose cache has another value geometry refuses naming the field.
+TEST_F(KvTransferTest, MlaGeometryTravelsInTheHeaderAndAMismatchIsRefused) {
+  const Geo absorbed{24, 16, true};
+  ASSERT_TRUE(
+      CreateCache(src_, CacheRequest("mla", v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096, absorbed))
+          .ok());
+  std::mt19937 rng(9);
+  Fill(src_, "mla", v1::BF16, kLengths, &rng, "", absorbed);
+  v1::ExportSequencesRequest r;
+  r.set_cache_id("mla");
+  auto chunks = ExportAll(src_, r);
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  ASSERT_FALSE(chunks->empty());
+  EXPECT_EQ(chunks->front().header().geometry().head_dim_v(), 16);
+  EXPECT_TRUE(chunks->front().header().geometry().v_in_k());
+  for (const v1::KvChunk& c : *chunks) {
+    EXPECT_TRUE(c.v().empty());
+    EXPECT_EQ(c.k().size(), size_t(c.num_tokens()) * kHkv * 24 * 2);
+  }
+
+  Server dst = StartServer(Spec(16));
+  MoveOptions options;
+  options.dest_cache_id = "mla";
+  options.create.emplace();
+  options.create->set_capacity_tokens(4096);
+  auto moved = MoveCache(src_.channel, dst.channel, "mla", options);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto stats = Stats(dst, "mla");
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->stats().geometry().head_dim_v(), 16);
+  EXPECT_TRUE(stats->stats().geometry().v_in_k());
+  EXPECT_EQ(CacheRows(src_, "mla"), CacheRows(dst, "mla"));
+
+  // Receivers whose cache differs in V's geometry: refused by name, nothing kept.
+  const struct {
+    const char* id;
+    Geo geo;
+    const char* field;
+  } others[] = {{"sep", Geo{24, 16, false}, "header.geometry.v_in_k"},
+                {"wide", Geo{24, 8, true}, "header.geometry.head_dim_v"},
+                {"plain", Geo{}, "header.geometry.head_dim"}};
+  for (const auto& o : others) {
+    ASSERT_TRUE(
+        CreateCache(dst, CacheRequest(o.id, v1::BF16, v1::DTYPE_UNSPECIFIED, 0, 4096, o.geo)).ok());
+    MoveOptions into;
+    into.dest_cache_id = o.id;
+    auto refused = MoveCache(src_.channel, dst.channel, "mla", into);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find(o.field), std::string::npos) << refused.status();
+    auto after = Stats(dst, o.id);
+    ASSERT_TRUE(after.ok());
+    EXPECT_EQ(after->stats().sequences(), 0);
+  }
 }
 
 TEST_F(KvTransferTest, CutStreamResumesWithoutResendingKeptChunks) {
