@@ -41,7 +41,12 @@ void PrintText(const v1::GetServerInfoResponse& info) {
   for (int t : info.dtypes()) dtypes.push_back(v1::DType_Name(static_cast<v1::DType>(t)));
   std::cout << "dtypes:     " << absl::StrJoin(dtypes, ", ") << "\n"
             << "head dims:  " << info.min_head_dim() << " to " << info.max_head_dim()
-            << ", multiples of " << info.head_dim_multiple() << "\n"
+            << ", multiples of " << info.head_dim_multiple()
+            << (info.max_head_dim_qk() > 0
+                    ? absl::StrCat("; with V's own (MLA): Q/K up to ", info.max_head_dim_qk(),
+                                   ", V up to ", info.max_head_dim_v())
+                    : std::string())
+            << "\n"
             << "limits:     request " << Bytes(info.limits().max_request_bytes()) << ", "
             << info.limits().max_tokens() << " tokens, queue " << info.limits().max_queue_size()
             << "\n"

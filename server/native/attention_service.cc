@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "backend/check_params.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "server/call_deadline.h"
@@ -285,6 +286,10 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_min_head_dim(d.min_head_dim);
   response->set_max_head_dim(d.max_head_dim);
   response->set_head_dim_multiple(d.head_dim_multiple);
+  // MLA shapes pass the same checks on every backend (backend/check_params.h);
+  // a backend without a kernel for one answers UNIMPLEMENTED naming head_dim_v.
+  response->set_max_head_dim_qk(kMaxMlaHeadDimQk);
+  response->set_max_head_dim_v(kMaxMlaHeadDimV);
   v1::ServerLimits* limits = response->mutable_limits();
   limits->set_max_request_bytes(info_.max_request_bytes);
   limits->set_max_tokens(info_.max_tokens);

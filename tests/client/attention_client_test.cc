@@ -192,6 +192,9 @@ TEST_F(AttentionClientTest, GetServerInfo) {
   EXPECT_EQ(info->dtypes_size(), 4);  // FP16, BF16, FP32, FP8_E4M3
   EXPECT_EQ(info->min_head_dim(), 8);
   EXPECT_EQ(info->max_head_dim(), 256);
+  // V's head dim of its own (MLA): Q and K up to 576, V up to 512.
+  EXPECT_EQ(info->max_head_dim_qk(), 576);
+  EXPECT_EQ(info->max_head_dim_v(), 512);
   EXPECT_GT(info->limits().max_request_bytes(), 0);
 }
 

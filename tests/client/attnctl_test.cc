@@ -98,10 +98,12 @@ TEST_F(AttnctlTest, Info) {
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
   EXPECT_THAT(r.out, HasSubstr("backend:    cpu"));
   EXPECT_THAT(r.out, HasSubstr("FP16, BF16, FP32, FP8_E4M3"));
+  EXPECT_THAT(r.out, HasSubstr("with V's own (MLA): Q/K up to 576, V up to 512"));
   const CliResult json = Run({"info", "--json"});
   EXPECT_EQ(json.exit_code, 0) << Describe(json);
   EXPECT_THAT(json.out, HasSubstr("\"backend\": \"cpu\""));
   EXPECT_THAT(json.out, HasSubstr("\"max_head_dim\": 256"));
+  EXPECT_THAT(json.out, HasSubstr("\"max_head_dim_qk\": 576"));
 }
 
 // Every dtype, causal and not, dense GQA, plus windows and softcap.
