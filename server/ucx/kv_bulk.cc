@@ -315,6 +315,15 @@ class BulkReceiver::Impl {
       return OnHello();
     }
     if (in_.type != kChunk || !hello_done_) return Break("a frame out of order");
+    // Chunks are numbered 0, 1, 2, ... on their connection: a repeated or
+    // skipped number would alias a slot being received (and its tags).
+    if (in_.index != next_index_) {
+      Refuse(in_.index, absl::InvalidArgumentError(
+                            absl::StrCat("chunk.index: expected ", next_index_, ", got ", in_.index,
+                                         " (the UCX data plane numbers chunks in order from 0)")));
+      return Break("a chunk out of order");
+    }
+    ++next_index_;
     return OnChunkFrame();
   }
 
@@ -382,7 +391,12 @@ class BulkReceiver::Impl {
     slot->tags_left = 1;  // released below, once every receive is posted
     slot->requests.clear();
     Slot* raw = slot.get();
-    receiving_.emplace(raw->index, std::move(slot));
+    if (!receiving_.try_emplace(raw->index, std::move(slot)).second) {
+      slot->charge.reset();
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(std::move(slot));
+      return Break("a chunk index already being received");
+    }
     for (int i = 0; i < 4; ++i) {
       std::string* part = Part(&raw->chunk, i);
       part->resize(in_.sizes[i]);
@@ -419,7 +433,14 @@ class BulkReceiver::Impl {
     done->requests.clear();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ready_.emplace(done->index, std::move(done));
+      const uint64_t index = done->index;
+      if (!ready_.try_emplace(index, std::move(done)).second) {
+        // Unreachable with indexes checked in order; the slot stays in the pool.
+        done->charge.reset();
+        free_.push_back(std::move(done));
+        broken_ = true;
+        return;
+      }
     }
     cv_.notify_all();
   }
@@ -575,6 +596,7 @@ class BulkReceiver::Impl {
   ucp_ep_h ep_ = nullptr;
   bool connected_once_ = false;
   bool hello_done_ = false;
+  uint64_t next_index_ = 0;  // the next chunk frame's index
   bool reading_ = false;
   bool waiting_slot_ = false;
   bool broken_ = false;

@@ -6,8 +6,12 @@
 // nothing after it is applied; a cancelled sender stops.
 #include "server/ucx/kv_bulk.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -16,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "server/ucx/worker.h"
 
 namespace attnserve {
 namespace ucx {
@@ -190,6 +195,106 @@ TEST(KvBulkTest, ACancelledSenderStops) {
   const absl::Status status = SendChunks((*receiver)->offer(), next, {}, &cancelled, nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
   (*receiver)->Stop();
+}
+
+// The data plane's frame as a hostile sender writes it (kv_bulk.cc's
+// BulkFrame: 64 bytes, host byte order).
+struct RawFrame {
+  uint32_t magic = 0x31564b41;
+  uint16_t type = 0;
+  uint16_t flags = 0;
+  uint64_t index = 0;
+  uint64_t sequence_id = 0;
+  int32_t layer = 0;
+  int32_t token_begin = 0;
+  int32_t num_tokens = 0;
+  uint32_t crc32c = 0;
+  uint32_t sizes[4] = {0, 0, 0, 0};
+  int32_t code = 0;
+  uint32_t message_bytes = 0;
+};
+static_assert(sizeof(RawFrame) == 64, "the wire frame is 64 bytes");
+
+// A sender that writes frames of its own choosing to a receiver's offer.
+class RawSender {
+ public:
+  explicit RawSender(const BulkOffer& offer) {
+    auto worker = Worker::Create();
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return;
+    worker_ = *std::move(worker);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(uint16_t(offer.port));
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    params.sockaddr.addrlen = sizeof(addr);
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    EXPECT_EQ(ucp_ep_create(worker_->get(), &params, &ep_), UCS_OK);
+  }
+  ~RawSender() {
+    if (ep_ != nullptr) CloseEndpoint(*worker_, ep_, absl::Now() + absl::Seconds(1));
+  }
+  absl::Status Send(const RawFrame& f, const std::string& text = "") {
+    std::string bytes(sizeof(f) + text.size(), '\0');
+    std::memcpy(bytes.data(), &f, sizeof(f));
+    std::memcpy(bytes.data() + sizeof(f), text.data(), text.size());
+    return SendAll(*worker_, ep_, bytes.data(), bytes.size(), Deadline());
+  }
+  // The next reply's status (its code and text), or the receive's error.
+  absl::Status Reply(RawFrame* f) {
+    absl::Status s = RecvAll(*worker_, ep_, f, sizeof(*f), Deadline());
+    if (!s.ok()) return s;
+    std::string text(f->message_bytes, '\0');
+    s = RecvAll(*worker_, ep_, text.data(), text.size(), Deadline());
+    if (!s.ok()) return s;
+    return absl::Status(static_cast<absl::StatusCode>(f->code), text);
+  }
+  absl::Status Hello(const std::string& ticket) {
+    RawFrame hello;
+    hello.type = 1;
+    hello.message_bytes = uint32_t(ticket.size());
+    absl::Status s = Send(hello, ticket);
+    if (!s.ok()) return s;
+    RawFrame reply;
+    return Reply(&reply);
+  }
+
+ private:
+  static absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
+  std::unique_ptr<Worker> worker_;
+  ucp_ep_h ep_ = nullptr;
+};
+
+// Two chunk frames with one index, before any payload: the second would
+// alias the first's slot and tags. It is refused naming chunk.index.
+TEST(KvBulkTest, AChunkIndexOutOfOrderIsRefused) {
+  std::atomic<int> applied{0};
+  auto receiver = BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    ++applied;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  RawSender raw((*receiver)->offer());
+  ASSERT_TRUE(raw.Hello((*receiver)->offer().ticket).ok());
+  RawFrame chunk;
+  chunk.type = 3;
+  chunk.index = 0;
+  chunk.num_tokens = 1;
+  chunk.sizes[0] = 4096;
+  ASSERT_TRUE(raw.Send(chunk).ok());
+  ASSERT_TRUE(raw.Send(chunk).ok());
+  RawFrame reply;
+  const absl::Status status = raw.Reply(&reply);
+  EXPECT_EQ(reply.type, 4);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "chunk.index: expected 1, got 0")) << status;
+  (*receiver)->Stop();
+  EXPECT_EQ(applied.load(), 0);
 }
 
 }  // namespace
