@@ -196,6 +196,74 @@ TEST_F(AttnctlTransferTest, MoveKvOfSomeSequencesAndTokensToAnotherId) {
   EXPECT_THAT(r.err, HasSubstr("move-kv failed: NOT_FOUND"));
 }
 
+// An absorbed-form MLA cache (one K head whose first 16 elements are V, no V
+// pages) through a chunk file and move-kv: the copies are created from the
+// header with the same geometry and attend identically.
+TEST_F(AttnctlTransferTest, MlaCacheThroughAFileAndMoveKv) {
+  constexpr int kD = 24, kDv = 16;
+  KvClient source(*clients_[0]);
+  CacheSpec spec;
+  spec.geometry = {kLayers, 1, kD, DType::kBF16};
+  spec.geometry.head_dim_v = kDv;
+  spec.geometry.v_in_k = true;
+  spec.page_size = kPage;
+  spec.capacity_tokens = 4096;
+  spec.cache_id = "mla";
+  ASSERT_TRUE(source.CreateCache(spec).ok());
+  std::vector<SequenceSpec> specs;
+  for (const auto& [seq, n] : kSequences) specs.push_back({seq});
+  ASSERT_TRUE(source.CreateSequences("mla", specs).ok());
+  std::mt19937 rng(3);
+  for (const auto& [seq, n] : kSequences) {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      AppendAttendInputs in;
+      in.cache_id = "mla";
+      in.layer = layer;
+      in.sequences = {{seq, 0, n, 0}};
+      in.k = Random(rng, DType::kBF16, {n, 1, kD});
+      const auto r = source.AppendAttend(in);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+  }
+  auto attend = [&](int i, const std::string& id) {
+    KvClient kv(*clients_[i]);
+    std::mt19937 q_rng(11);
+    std::vector<std::string> out;
+    for (const auto& [seq, n] : kSequences) {
+      for (int layer = 0; layer < kLayers; ++layer) {
+        AppendAttendInputs in;
+        in.cache_id = id;
+        in.layer = layer;
+        in.sequences = {{seq, n, 0, 1}};
+        in.q = Random(q_rng, DType::kBF16, {1, kHeadsQ, kD});
+        const auto r = kv.AppendAttend(in);
+        EXPECT_TRUE(r.ok()) << "server " << i << " cache " << id << ": " << r.status();
+        if (!r.ok()) return out;
+        EXPECT_EQ(r->o.dim(2), kDv);
+        out.push_back(r->o.bytes());
+      }
+    }
+    return out;
+  };
+  const std::string file = absl::StrCat(::testing::TempDir(), "/mla.chunks");
+  std::remove(file.c_str());
+  CliResult r = RunCli({"export-kv", "--target=" + Target(0), "--cache=mla", "--out=" + file});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"import-kv", "--target=" + Target(1), "--in=" + file, "--cache=mla-file",
+              "--capacity_tokens=4096"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"move-kv", "--from=" + Target(0), "--to=" + Target(1), "--cache=mla",
+              "--to_cache=mla-moved", "--capacity_tokens=4096"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"kv", "info", "--target=" + Target(1), "--cache=mla-moved"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_THAT(r.out, HasSubstr("D 24, Dv 16 (V in K)"));
+  const std::vector<std::string> want = attend(0, "mla");
+  ASSERT_EQ(want.size(), kSequences.size() * kLayers);
+  EXPECT_TRUE(want == attend(1, "mla-file"));
+  EXPECT_TRUE(want == attend(1, "mla-moved"));
+}
+
 TEST_F(AttnctlTransferTest, ExportThenImportRoundTrip) {
   MakeSource(0, "snap", DType::kBF16);
   const std::string file = absl::StrCat(::testing::TempDir(), "/snap.chunks");
