@@ -708,18 +708,49 @@ class Sender {
     BulkFrame hello;
     hello.type = kHello;
     hello.message_bytes = static_cast<uint32_t>(ticket.size());
-    std::string bytes(sizeof(hello) + ticket.size(), '\0');
-    std::memcpy(bytes.data(), &hello, sizeof(hello));
-    std::memcpy(bytes.data() + sizeof(hello), ticket.data(), ticket.size());
-    RETURN_IF_ERROR(Wrap(SendAll(*worker_, ep_, bytes.data(), bytes.size(), deadline)));
-    BulkFrame reply;
-    RETURN_IF_ERROR(Wrap(RecvAll(*worker_, ep_, &reply, sizeof(reply), deadline)));
+    hello_bytes_.assign(sizeof(hello) + ticket.size(), '\0');
+    std::memcpy(hello_bytes_.data(), &hello, sizeof(hello));
+    std::memcpy(hello_bytes_.data() + sizeof(hello), ticket.data(), ticket.size());
+    RETURN_IF_ERROR(Wrap(Await("UCX stream send", deadline, [&](OpDone done) {
+      return StartSend(ep_, hello_bytes_.data(), hello_bytes_.size(), std::move(done));
+    })));
+    BulkFrame& reply = ack_;
+    RETURN_IF_ERROR(Wrap(Await("UCX stream receive", deadline, [&](OpDone done) {
+      return StartRecv(ep_, &reply, sizeof(reply), std::move(done));
+    })));
     if (reply.magic != kBulkMagic || reply.type != kHelloReply || reply.message_bytes > kMaxText) {
       return absl::InternalError(absl::StrCat("UCX data plane at ", where_, ": a bad hello reply"));
     }
-    std::string text(reply.message_bytes, '\0');
-    RETURN_IF_ERROR(Wrap(RecvAll(*worker_, ep_, text.data(), text.size(), deadline)));
-    return StatusOfReply(reply, text);
+    ack_text_.assign(reply.message_bytes, '\0');
+    if (!ack_text_.empty()) {
+      RETURN_IF_ERROR(Wrap(Await("UCX stream receive", deadline, [&](OpDone done) {
+        return StartRecv(ep_, ack_text_.data(), ack_text_.size(), std::move(done));
+      })));
+    }
+    return StatusOfReply(reply, ack_text_);
+  }
+
+  // One stream operation on the hello, waited for until `deadline` or until
+  // the export is cancelled (its buffer is a member: it outlives a wait given up).
+  absl::Status Await(const char* what, absl::Time deadline,
+                     const std::function<ucs_status_t(OpDone)>& start) {
+    auto state = std::make_shared<std::pair<bool, ucs_status_t>>(false, UCS_OK);
+    const ucs_status_t started = start([state](ucs_status_t st, size_t) {
+      state->first = true;
+      state->second = st;
+    });
+    if (started == UCS_OK) return absl::OkStatus();
+    if (started != UCS_INPROGRESS) return StatusOf(started, what);
+    const absl::Status waited = worker_->WaitFor(
+        [&] {
+          return state->first ||
+                 (cancelled_ != nullptr && cancelled_->load(std::memory_order_acquire));
+        },
+        deadline);
+    if (!waited.ok())
+      return absl::Status(waited.code(), absl::StrCat(what, ": ", waited.message()));
+    if (!state->first) return absl::CancelledError("the export was cancelled");
+    return state->second == UCS_OK ? absl::OkStatus() : StatusOf(state->second, what);
   }
 
   absl::Status Wrap(const absl::Status& s) const {
@@ -947,6 +978,7 @@ class Sender {
   std::map<uint64_t, std::unique_ptr<Slot>> in_flight_;
   BulkFrame ack_;
   std::string ack_text_;
+  std::string hello_bytes_;
   absl::Time last_ack_;
 
   // Shared with the producer.

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -295,6 +296,61 @@ TEST(KvBulkTest, AChunkIndexOutOfOrderIsRefused) {
   EXPECT_TRUE(absl::StrContains(status.message(), "chunk.index: expected 1, got 0")) << status;
   (*receiver)->Stop();
   EXPECT_EQ(applied.load(), 0);
+}
+
+// A receiver that takes the connection and never answers the hello: a
+// cancelled export stops at once instead of waiting out its timeout.
+TEST(KvBulkTest, ACancelledSenderStopsInItsHello) {
+  std::atomic<int> port{0};
+  std::atomic<bool> stop{false};
+  std::thread silent([&] {
+    auto worker = Worker::Create();
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    struct Accepted {
+      Worker* worker;
+      std::vector<ucp_ep_h> eps;
+    } accepted{worker->get(), {}};
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    ucp_listener_params_t params{};
+    params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    params.sockaddr.addrlen = sizeof(addr);
+    params.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      auto* a = static_cast<Accepted*>(arg);
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+      ep.conn_request = request;
+      ucp_ep_h h = nullptr;
+      if (ucp_ep_create(a->worker->get(), &ep, &h) == UCS_OK) a->eps.push_back(h);
+    };
+    params.conn_handler.arg = &accepted;
+    ucp_listener_h listener = nullptr;
+    ASSERT_EQ(ucp_listener_create(accepted.worker->get(), &params, &listener), UCS_OK);
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    ASSERT_EQ(ucp_listener_query(listener, &attr), UCS_OK);
+    port = ntohs(reinterpret_cast<const sockaddr_in&>(attr.sockaddr).sin_port);
+    while (!stop) accepted.worker->Progress();
+    for (ucp_ep_h h : accepted.eps) {
+      CloseEndpoint(*accepted.worker, h, absl::Now() + absl::Seconds(1));
+    }
+    ucp_listener_destroy(listener);
+  });
+  while (port == 0) std::this_thread::yield();
+  BulkOptions options;
+  options.timeout = absl::Seconds(20);
+  std::atomic<bool> cancelled{true};
+  const absl::Time start = absl::Now();
+  const absl::Status status = SendChunks(
+      BulkOffer{"127.0.0.1", port, "ticket"},
+      [](KvTransferChunk*) -> absl::StatusOr<bool> { return false; }, options, &cancelled, nullptr);
+  const absl::Duration took = absl::Now() - start;
+  stop = true;
+  silent.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_LT(took, absl::Seconds(10)) << "the hello waited out its timeout";
 }
 
 }  // namespace
