@@ -65,6 +65,71 @@ TEST_F(KvHandoffTest, DrainMovesCachesAnswersMovedToAndARestartFetchesThemBack) 
   EXPECT_EQ(stats.stats().tokens(), c1.length() + c2.length());
 }
 
+// A drain hands an absorbed-form MLA cache (K pages alone) over like any
+// other: the peer holds it with the same geometry and the same rows.
+TEST_F(KvHandoffTest, DrainMovesAnMlaCache) {
+  constexpr int kMlaD = 24, kMlaDv = 16, kTokens = 37;
+  {
+    grpc::ClientContext ctx;
+    v1::CreateCacheRequest r;
+    r.mutable_geometry()->set_num_layers(1);
+    r.mutable_geometry()->set_num_heads_kv(1);
+    r.mutable_geometry()->set_head_dim(kMlaD);
+    r.mutable_geometry()->set_head_dim_v(kMlaDv);
+    r.mutable_geometry()->set_v_in_k(true);
+    r.mutable_geometry()->set_dtype(v1::FP32);
+    r.set_capacity_tokens(1024);
+    r.set_cache_id("mla");
+    v1::CreateCacheResponse resp;
+    ASSERT_TRUE(stub_[0]->CreateCache(&ctx, r, &resp).ok());
+    grpc::ClientContext seq_ctx;
+    v1::CreateSequencesRequest sr;
+    sr.set_cache_id("mla");
+    sr.add_sequences()->set_sequence_id(4);
+    v1::CreateSequencesResponse s_resp;
+    ASSERT_TRUE(stub_[0]->CreateSequences(&seq_ctx, sr, &s_resp).ok());
+  }
+  // Attend-only query after an append: O rows of V's width, the same bytes on both.
+  auto step = [&](int i, int new_tokens, int before) {
+    v1::AppendAttendRequest r;
+    r.set_cache_id("mla");
+    v1::SequenceStep* st = r.add_sequences();
+    st->set_sequence_id(4);
+    st->set_expected_length(before);
+    st->set_num_new_tokens(new_tokens);
+    st->set_num_queries(1);
+    std::vector<float> q(size_t(kHq) * kMlaD), k(size_t(new_tokens) * kMlaD);
+    for (size_t j = 0; j < q.size(); ++j) q[j] = float((j * 7) % 13) / 13.0f - 0.5f;
+    for (size_t j = 0; j < k.size(); ++j) k[j] = float((j * 5) % 11) / 11.0f - 0.5f;
+    v1::Tensor* tq = r.mutable_q();
+    tq->set_dtype(v1::FP32);
+    for (int64_t d : {int64_t{1}, int64_t{kHq}, int64_t{kMlaD}}) tq->add_shape(d);
+    tq->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+    if (new_tokens > 0) {
+      v1::Tensor* tk = r.mutable_k();
+      tk->set_dtype(v1::FP32);
+      for (int64_t d : {int64_t{new_tokens}, int64_t{1}, int64_t{kMlaD}}) tk->add_shape(d);
+      tk->set_data(std::string(reinterpret_cast<const char*>(k.data()), k.size() * 4));
+    }
+    v1::AppendAttendResponse resp;
+    const grpc::Status st_call = Call(i, r, &resp);
+    EXPECT_TRUE(st_call.ok()) << st_call.error_message();
+    EXPECT_EQ(resp.o().data().size(), size_t(kHq) * kMlaDv * 4);
+    return resp.o().data();
+  };
+  step(0, kTokens, 0);
+  const std::string before = step(0, 0, kTokens);
+  DrainInBackground(0);
+  WaitMoved(0, "mla");
+  v1::GetCacheStatsResponse stats;
+  ASSERT_TRUE(Stats(1, "mla", &stats).ok());
+  EXPECT_EQ(stats.stats().geometry().head_dim_v(), kMlaDv);
+  EXPECT_TRUE(stats.stats().geometry().v_in_k());
+  EXPECT_EQ(stats.stats().tokens(), kTokens);
+  EXPECT_EQ(step(1, 0, kTokens), before);
+  Joined();
+}
+
 TEST_F(KvHandoffTest, MissingCacheIsFetchedFromThePeerOrNotFound) {
   CreateCache(1, "on-b", {5});
   Context c;
