@@ -158,6 +158,10 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
     // zero-filled first, a memset of the whole o per step).
     const int64_t o_bytes = KvLayoutOf(*c).o_bytes;
     if (o_bytes > 0) {
+      // Held from here through the queue wait until the answer is sent, so it
+      // is charged like the request (the pool's own bind comes too late).
+      status = HoldInFlight(pool_->tenants(), call->meta.tenant, o_bytes, &finish);
+      if (!status.ok()) return refuse(status);
       o_shared.reset(new char[size_t(o_bytes)], std::default_delete<char[]>());
       c->o_out = o_shared.get();
       c->o_out_bytes = o_bytes;

@@ -56,13 +56,6 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
   const std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
-// Parses a raw request as gRPC's generated handler would (the same status
-// for bytes that are no AppendAttendRequest).
-grpc::Status ParseAppendAttend(const grpc::ByteBuffer& bytes, v1::AppendAttendRequest* request) {
-  grpc::ByteBuffer owned(bytes);  // shares the slices; parsing consumes this handle only
-  return grpc::SerializationTraits<v1::AppendAttendRequest>::Deserialize(&owned, request);
-}
-
 // `response` with o's and lse's bytes as slices it hands over, not copies;
 // o's from `o` (OutputLayout's o_bytes) when the runner wrote it there.
 grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response,
@@ -83,6 +76,13 @@ grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response,
 }
 
 }  // namespace
+
+grpc::Status ParseAppendAttend(grpc::ByteBuffer* bytes, v1::AppendAttendRequest* request) {
+  const grpc::Status status =
+      grpc::SerializationTraits<v1::AppendAttendRequest>::Deserialize(bytes, request);
+  bytes->Clear();  // already cleared by a successful parse; a failed one may not
+  return status;
+}
 
 KvService::KvService(KvRunner* runner, ServerMetrics* metrics, const StreamLimits& stream_limits)
     : runner_(runner), pool_(runner->pool()), stream_limits_(stream_limits), metrics_(metrics) {}
@@ -295,7 +295,10 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
                                                   const grpc::ByteBuffer* request_bytes,
                                                   grpc::ByteBuffer* response_bytes) {
   auto* reactor = new AppendAttendReactor(&in_flight_);
-  const grpc::Status parsed = ParseAppendAttend(*request_bytes, &reactor->request);
+  // gRPC owns the request's buffer until the call is done but never reads it
+  // again: parsing empties it, so the raw bytes go now, not at OnDone.
+  const grpc::Status parsed =
+      ParseAppendAttend(const_cast<grpc::ByteBuffer*>(request_bytes), &reactor->request);
   if (!parsed.ok()) {
     reactor->Finish(parsed);
     return reactor;

@@ -23,6 +23,11 @@
 
 namespace attnserve {
 
+// Parses a raw AppendAttendRequest as gRPC's generated handler would (the
+// same status for bytes that are none) and empties `bytes` either way, so that
+// the raw bytes are released here rather than when the call is done.
+grpc::Status ParseAppendAttend(grpc::ByteBuffer* bytes, v1::AppendAttendRequest* request);
+
 // Unary AppendAttend is registered raw (bytes in, bytes out) so that its
 // response's o and lse leave as slices that own them (common/
 // tensor_wire_slices.h) instead of being copied into a serialized message;
