@@ -34,6 +34,8 @@ constexpr uint32_t kBulkMagic = 0x31564b41;  // "AKV1" little-endian
 enum BulkType : uint16_t { kHello = 1, kHelloReply = 2, kChunk = 3, kAck = 4 };
 constexpr uint16_t kSequenceEnd = 1;
 constexpr uint32_t kMaxText = 4096;
+// A connection to a receiver says its hello within this, or it is closed.
+constexpr absl::Duration kHelloDeadline = absl::Seconds(5);
 
 // One message's fixed part (the host's byte order: little-endian machines).
 struct BulkFrame {
@@ -256,12 +258,15 @@ class BulkReceiver::Impl {
   };
 
   void OnConnectionRequest(ucp_conn_request_h request) {
-    // One sender per import stream: a resumed export comes with a new stream.
-    if (connected_once_ || stop_seen_) {
+    // One sender per import stream (a resumed export comes with a new
+    // stream), and one connection at a time until it has said its hello: the
+    // ticket is used up only by a hello that carries it.
+    if (hello_done_ || ep_ != nullptr || stop_seen_) {
       ucp_listener_reject(listener_, request);
       return;
     }
-    connected_once_ = true;
+    hello_deadline_ = absl::Now() + kHelloDeadline;
+    drop_at_ = hello_deadline_;
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -337,7 +342,11 @@ class BulkReceiver::Impl {
     }
     reply.message_bytes = static_cast<uint32_t>(text.size());
     SendFrame(reply, text);
-    if (reply.code != 0) return Break("a hello with a wrong ticket");
+    if (reply.code != 0) {
+      // Closed once the sender has read the reply and gone, or a second on.
+      drop_at_ = absl::Now() + absl::Seconds(1);
+      return Break("a hello with a wrong ticket");
+    }
     hello_done_ = true;
     ReadFrame();
   }
@@ -547,6 +556,17 @@ class BulkReceiver::Impl {
     while (outstanding_ > 0 && absl::Now() < until) worker_->Progress();
   }
 
+  // A connection that never said a good hello is closed once its reply is
+  // out (UCX stops queuing what it sends), and the listener takes the next.
+  void DropUnhelloed() {
+    if (!(peer_gone_ && outstanding_ == 0) && absl::Now() < drop_at_) return;
+    CloseConnection();
+    broken_ = false;
+    reading_ = false;
+    peer_gone_ = false;
+    text_.clear();
+  }
+
   void Run() {
     absl::Time active = absl::Now();
     for (;;) {
@@ -564,6 +584,11 @@ class BulkReceiver::Impl {
       wake_.Drain();
       DeliverAcks();
       if (peer_gone_ && !broken_) Break("the sender is gone");
+      if (ep_ != nullptr && !hello_done_ && !broken_ && absl::Now() > hello_deadline_) {
+        drop_at_ = absl::Now();
+        Break("no hello before the deadline");
+      }
+      if (ep_ != nullptr && !hello_done_ && broken_) DropUnhelloed();
       if (busy) {
         active = absl::Now();
         continue;
@@ -594,7 +619,8 @@ class BulkReceiver::Impl {
 
   // The progress thread's.
   ucp_ep_h ep_ = nullptr;
-  bool connected_once_ = false;
+  absl::Time hello_deadline_;  // the connection's hello by then, or it is closed
+  absl::Time drop_at_;         // a connection refused before its hello: closed by then
   bool hello_done_ = false;
   uint64_t next_index_ = 0;  // the next chunk frame's index
   bool reading_ = false;

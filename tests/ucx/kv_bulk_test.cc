@@ -353,6 +353,36 @@ TEST(KvBulkTest, ACancelledSenderStopsInItsHello) {
   EXPECT_LT(took, absl::Seconds(10)) << "the hello waited out its timeout";
 }
 
+// A connection with another ticket is refused and closed; it does not use up
+// the import: the sender with the ticket connects after it.
+TEST(KvBulkTest, AnotherTicketDoesNotUseUpTheImport) {
+  std::mt19937 rng(11);
+  std::vector<KvTransferChunk> sent;
+  for (int i = 0; i < 5; ++i) sent.push_back(RandomChunk(&rng, i));
+  std::atomic<int> applied{0};
+  auto receiver = BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    ++applied;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  BulkOffer wrong = (*receiver)->offer();
+  wrong.ticket[0] = wrong.ticket[0] == '0' ? '1' : '0';
+  std::atomic<size_t> at{0};
+  const absl::Status refused = SendChunks(wrong, From(&sent, &at), {}, nullptr, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << refused;
+  at = 0;
+  absl::Status status;
+  // The refused connection is closed on the receiver's next turn: a connect
+  // before that is turned away (UNAVAILABLE) and tried again.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  do {
+    status = SendChunks((*receiver)->offer(), From(&sent, &at), {}, nullptr, nullptr);
+  } while (status.code() == absl::StatusCode::kUnavailable && absl::Now() < until);
+  EXPECT_TRUE(status.ok()) << status;
+  (*receiver)->Stop();
+  EXPECT_EQ(applied.load(), 5);
+}
+
 }  // namespace
 }  // namespace ucx
 }  // namespace attnserve
