@@ -69,6 +69,11 @@ std::string* Part(KvTransferChunk* c, int i) {
 }
 
 absl::Status StatusOfReply(const BulkFrame& f, const std::string& text) {
+  // absl's codes are 0..16: another is no status the server can answer with.
+  if (f.code < 0 || f.code > 16) {
+    return absl::InternalError(
+        absl::StrCat("UCX data plane: a reply's code: expected 0..16, got ", f.code));
+  }
   return absl::Status(static_cast<absl::StatusCode>(f.code), text);
 }
 
@@ -212,7 +217,11 @@ class BulkReceiver::Impl {
     ucp_listener_attr_t attr{};
     attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
     s = ucp_listener_query(listener_, &attr);
-    if (s != UCS_OK) return StatusOf(s, "ucp_listener_query");
+    if (s != UCS_OK) {
+      ucp_listener_destroy(listener_);
+      listener_ = nullptr;
+      return StatusOf(s, "ucp_listener_query");
+    }
     offer_.host = host;
     offer_.port = attr.sockaddr.ss_family == AF_INET
                       ? ntohs(reinterpret_cast<const sockaddr_in&>(attr.sockaddr).sin_port)

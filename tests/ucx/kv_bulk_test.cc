@@ -353,6 +353,72 @@ TEST(KvBulkTest, ACancelledSenderStopsInItsHello) {
   EXPECT_LT(took, absl::Seconds(10)) << "the hello waited out its timeout";
 }
 
+// A receiver whose hello reply carries a code absl has not: the sender
+// stops with INTERNAL naming the reply's code.
+TEST(KvBulkTest, AReplyWithAnUnknownCodeIsRefused) {
+  std::atomic<int> port{0};
+  std::atomic<bool> stop{false};
+  std::thread silent([&] {
+    auto worker = Worker::Create();
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    struct Accepted {
+      Worker* worker;
+      std::vector<ucp_ep_h> eps;
+    } accepted{worker->get(), {}};
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    ucp_listener_params_t params{};
+    params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    params.sockaddr.addrlen = sizeof(addr);
+    params.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      auto* a = static_cast<Accepted*>(arg);
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+      ep.conn_request = request;
+      ucp_ep_h h = nullptr;
+      if (ucp_ep_create(a->worker->get(), &ep, &h) == UCS_OK) a->eps.push_back(h);
+    };
+    params.conn_handler.arg = &accepted;
+    ucp_listener_h listener = nullptr;
+    ASSERT_EQ(ucp_listener_create(accepted.worker->get(), &params, &listener), UCS_OK);
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    ASSERT_EQ(ucp_listener_query(listener, &attr), UCS_OK);
+    port = ntohs(reinterpret_cast<const sockaddr_in&>(attr.sockaddr).sin_port);
+    bool replied = false;
+    while (!stop) {
+      accepted.worker->Progress();
+      if (replied || accepted.eps.empty()) continue;
+      replied = true;
+      char hello[64 + 6];
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      if (!RecvAll(*accepted.worker, accepted.eps[0], hello, sizeof(hello), deadline).ok())
+        continue;
+      RawFrame reply;
+      reply.type = 2;
+      reply.code = 1234;
+      SendAll(*accepted.worker, accepted.eps[0], &reply, sizeof(reply), deadline).IgnoreError();
+    }
+    for (ucp_ep_h h : accepted.eps) {
+      CloseEndpoint(*accepted.worker, h, absl::Now() + absl::Seconds(1));
+    }
+    ucp_listener_destroy(listener);
+  });
+  while (port == 0) std::this_thread::yield();
+  BulkOptions options;
+  options.timeout = absl::Seconds(20);
+  std::atomic<bool> cancelled{false};
+  const absl::Status status = SendChunks(
+      BulkOffer{"127.0.0.1", port, "ticket"},
+      [](KvTransferChunk*) -> absl::StatusOr<bool> { return false; }, options, &cancelled, nullptr);
+  stop = true;
+  silent.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "code: expected 0..16, got 1234")) << status;
+}
+
 // A connection with another ticket is refused and closed; it does not use up
 // the import: the sender with the ticket connects after it.
 TEST(KvBulkTest, AnotherTicketDoesNotUseUpTheImport) {
