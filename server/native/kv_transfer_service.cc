@@ -1,6 +1,7 @@
 // Reactors of the K/V transfer front-end; see kv_transfer_service.h.
 #include "server/native/kv_transfer_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -25,6 +26,9 @@ KvExportOptions DecodeExportRequest(const v1::ExportSequencesRequest& r) {
   if (r.has_token_end()) o.token_end = r.token_end();
   if (r.has_resume()) o.resume = DecodeResumePoint(r.resume());
   o.max_chunk_bytes = r.max_chunk_bytes();
+  // Over UCX a chunk is at most what a receiver takes (ucx::BulkOptions).
+  const int64_t most = ucx::BulkOptions{}.max_chunk_bytes;
+  if (r.has_data_plane() && o.max_chunk_bytes > most) o.max_chunk_bytes = most;
   o.transfer_id = r.transfer_id();
   // Chunks in this stream: read one ahead, off the gRPC thread (the data
   // plane's sender reads on a thread of its own already).
@@ -227,9 +231,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       return;
     }
     ucx::BulkOptions options;
-    const int64_t chunk =
+    // The window's slots are reserved (and page-locked in CUDA builds) at the
+    // chunk size before anything is read, so the chunk is at most what a
+    // receiver takes and what is left to send, and the charge is all of them.
+    const int64_t requested =
         request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : kDefaultKvChunkBytes;
-    const int64_t held = std::min<int64_t>(exporter_->remaining_bytes(), options.window * chunk);
+    const int64_t chunk = std::max<int64_t>(
+        1, std::min({requested, options.max_chunk_bytes, exporter_->remaining_bytes()}));
+    const int64_t held = std::max(options.window, 1) * chunk;
     options.chunk_bytes = chunk;
     if (tenants_ != nullptr && held > 0) {
       absl::StatusOr<InFlightCharge> charge = tenants_->ChargeInFlight(tenant_, held);
