@@ -168,7 +168,7 @@ constexpr TileConfig Sm90DvTileFor(int head_dim, int head_dim_v) {
 // only under ATTNSERVE_SM90_MLA_SHORT_TILE=1 for calls without score
 // modifiers (attn_fwd_sm90.cuh): 128x96 keys with two Q slots (217 KB), so
 // a persistent CTA loads its next item's Q and first tiles under this
-// item's tail, as D 128's two slots do (+3-6% there at N <= 2k), for
+// item's tail, as D 128's two slots do, for
 // narrower key tiles (S 48 + O 64 + P 24 registers).
 constexpr Sm90DvTile kSm90DvShortTileTable[] = {
     {128, {192, 128, 96, 12, 2, 232}},

@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // d taking columns 4d..4d+3, added in split order (splits of weight 0
 // skipped), with the sink's share. The splits' LSEs are read at once (one
 // per thread) and their weights shared, so the partials' loads do not wait
-// on one another (a split at a time, 64 splits took ~20 us).
+// on one another.
 constexpr int kCombineThreads = kDv / 4;
 static_assert(kCombineThreads >= kMaxSplits, "one split's LSE per combine thread");
 template <typename T>

@@ -140,7 +140,7 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Per measured layer-call: where the time went (microseconds), per device
+// Where a layer-call's time went (microseconds), per device
 // from the backend's own timings (a GPU's from its events: kernels, copies
 // in with the host's gather, copies out with the scatter) and on the host.
 struct Breakdown {
