@@ -26,17 +26,9 @@ int64_t CtasPerSm(const TileConfig& t, int smem_bytes) {
 // 3-per-SM wave.
 constexpr int64_t kDecodeCtasPerSm = 2;
 // The Hopper decode kernel's: one. Its TMA ring keeps ~100 KB in flight per
-// CTA, and one CTA per SM is at or above two by CUDA events.
-// ATTNSERVE_CUDA_SM90_DECODE_CTAS_PER_SM=2 aims at two (the kernel fits two),
-// for side-by-side runs under Nsight Compute, where B = 1 trails cuDNN.
+// CTA, and one CTA per SM is at or above two by CUDA events and under Nsight
+// Compute alike.
 constexpr int64_t kSm90DecodeCtasPerSm = 1;
-int64_t Sm90DecodeCtasPerSm() {
-  static const int64_t ctas = [] {
-    const char* env = std::getenv("ATTNSERVE_CUDA_SM90_DECODE_CTAS_PER_SM");
-    return env != nullptr && std::atoi(env) == 2 ? int64_t{2} : kSm90DecodeCtasPerSm;
-  }();
-  return ctas;
-}
 
 // Decode: splits of at least 2 key tiles, at most kMaxSplits. Base under
 // ctas_per_sm per SM: as many splits as reach that. Otherwise the fewest
@@ -249,7 +241,7 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   } else if (plan.tile_kind == TileKind::kDecode && base > 0 && n_blocks >= 4) {
     splits = DecodeSplits(
         base, n_blocks, wave, num_sms,
-        plan.kernel_family == KernelFamily::kSm90 ? Sm90DecodeCtasPerSm() : kDecodeCtasPerSm);
+        plan.kernel_family == KernelFamily::kSm90 ? kSm90DecodeCtasPerSm : kDecodeCtasPerSm);
   } else if (base > 0 && base * 2 <= wave && n_blocks >= 4) {
     splits = std::min<int64_t>({wave / base, n_blocks / 2, kMaxSplits});
   }

@@ -164,18 +164,6 @@ constexpr TileConfig Sm90DvTileRowFor(const Sm90DvTile (&table)[N], int head_dim
 constexpr TileConfig Sm90DvTileFor(int head_dim, int head_dim_v) {
   return Sm90DvTileRowFor(kSm90DvTileTable, head_dim, head_dim_v);
 }
-// A variant for measuring short key ranges, compiled beside it and run
-// only under ATTNSERVE_SM90_MLA_SHORT_TILE=1 for calls without score
-// modifiers (attn_fwd_sm90.cuh): 128x96 keys with two Q slots (217 KB), so
-// a persistent CTA loads its next item's Q and first tiles under this
-// item's tail, as D 128's two slots do, for
-// narrower key tiles (S 48 + O 64 + P 24 registers).
-constexpr Sm90DvTile kSm90DvShortTileTable[] = {
-    {128, {192, 128, 96, 12, 2, 232}},
-};
-constexpr TileConfig Sm90DvShortTileFor(int head_dim, int head_dim_v) {
-  return Sm90DvTileRowFor(kSm90DvShortTileTable, head_dim, head_dim_v);
-}
 
 // True when the Hopper prefill kernel on a tile of block_n keys takes a
 // block mask of (block_q, block_k): its 128-row query tiles lie in one query

@@ -175,9 +175,7 @@ struct Launch {
 // --sm90_mods: which Hopper kernels a modifier call takes. split (the
 // plan's): the register modifiers' kernel or the bias / mask one, unbanded
 // without a band; banded: the same kernels, always the banded
-// instantiation; one: every modifier call on the bias / mask kernel of the
-// banded instantiation (the kernels before the split; set in main through
-// ATTNSERVE_SM90_MODS_ONE_KERNEL).
+// instantiation.
 std::string g_sm90_mods = "split";
 
 bool Prepare(const Case& c, bool allow_sm90, const AttnPointers& ptrs, Arena* a, Launch* l) {
@@ -317,7 +315,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: mask_bench [--grid=sparse|bias|mods|all] [--impls=ours,portable] [--csv=FILE]\n"
           "                  [--mask_dir=DIR] [--dims=64,128 (sparse grid head dims)]\n"
-          "                  [--ns=8192,16384 (sparse grid N)] [--sm90_mods=split|banded|one]\n"
+          "                  [--ns=8192,16384 (sparse grid N)] [--sm90_mods=split|banded]\n"
           "Times block-sparse masks, biases, ALiBi and sinks against the same shapes without\n"
           "them (BF16, CUDA events, L2 flushed, median of 15), each validated first against\n"
           "the float64 reference; CSV rows, one per case.\n");
@@ -331,12 +329,11 @@ int main(int argc, char** argv) {
     if (!val("--ns=").empty()) ns = val("--ns=");
     if (!val("--sm90_mods=").empty()) g_sm90_mods = val("--sm90_mods=");
   }
-  if (g_sm90_mods != "split" && g_sm90_mods != "banded" && g_sm90_mods != "one") {
-    std::fprintf(stderr, "--sm90_mods: split, banded or one, not %s\n", g_sm90_mods.c_str());
+  if (g_sm90_mods != "split" && g_sm90_mods != "banded") {
+    std::fprintf(stderr, "--sm90_mods: split or banded, not %s\n", g_sm90_mods.c_str());
     return 1;
   }
   // Read once, at the first Hopper launch: set before any.
-  if (g_sm90_mods == "one") setenv("ATTNSERVE_SM90_MODS_ONE_KERNEL", "1", 1);
   std::vector<Case> cases;
   const bool all = grid == "all";
   if (all || grid == "sparse") {

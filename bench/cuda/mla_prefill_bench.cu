@@ -11,8 +11,7 @@
 // flushed by a 256 MB memset before every run, 5 warm-ups, median of 25.
 // On sm90 every shape also runs on the portable kernel (impl ours_portable;
 // --portable=1: that kernel alone; --portable_rows=0: not). --tag names the
-// plan's rows (an A/B pass under an environment knob, e.g.
-// ATTNSERVE_SM90_MLA_SHORT_TILE=1).
+// plan's rows (an A/B pass under an environment knob).
 // Rows: kind,dtype,dqk,dv,b,hq,hkv,sq,sk,causal,impl,kernel,ms,tflops (CSV).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

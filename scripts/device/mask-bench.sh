@@ -6,7 +6,7 @@
 # table printed last.
 # Usage: [GRID=all|sparse|bias|mods] [IMPLS=ours,portable] [DIMS=64,128]
 #   [NS=8192,16384,32768 (sparse N)] [KERNELS=all|dev (dev: D 128 only, a faster build)]
-#   [VARIANTS="split banded one" (mask_bench --sm90_mods, one run each, in turn;
+#   [VARIANTS="split banded" (mask_bench --sm90_mods, one run each, in turn;
 #    the first one's CSV meets the peers)] [PEERS=0 (no peers: ours alone)]
 #   [TESTS=1 (first the CUDA mask tests, then after the bench a compute-sanitizer
 #    memcheck subset of them)] [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh

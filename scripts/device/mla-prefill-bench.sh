@@ -15,11 +15,8 @@
 # zero-padded to 192). TFLOP/s counts 2 x B x H x N x N x (Dqk + Dv), halved
 # for causal, for every row. Prints a summary and one table (ours against
 # the fastest SDPA row per shape); CSV and logs under $OUT.
-# SHORT_TILE=1 (default) adds an A/B pass of the Hopper kernel on its
-# short-range tile (ATTNSERVE_SM90_MLA_SHORT_TILE=1: 128x96 keys, two Q
-# slots; impl ours_short_tile) and runs the MLA test under it too.
 # Usage: [KERNELS=dev|all (all: also the equal-dims D 192 rows, --same_dims)]
-#   [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1] [SHORT_TILE=0|1]
+#   [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1]
 #   scripts/device/mla-prefill-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -30,7 +27,7 @@ mkdir -p "$OUT"
 SAN=1
 for a in "$@"; do case $a in --no-sanitizer) SAN=0;; esac; done
 KERNELS=${KERNELS:-dev}; DTYPES=${DTYPES:-bf16}; NS=${NS:-1024,2048,4096,8192,16384}
-HQS=${HQS:-128,16}; REGRESS=${REGRESS:-1}; PEERS=${PEERS:-1}; SHORT_TILE=${SHORT_TILE:-1}
+HQS=${HQS:-128,16}; REGRESS=${REGRESS:-1}; PEERS=${PEERS:-1}
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
@@ -65,10 +62,6 @@ run_test() {  # run_test NAME LOG ARGS...
 run_test "mla prefill tests (plan)" mla-tests.log $T/cuda_mla_prefill_test
 ATTNSERVE_CUDA_PORTABLE=1 run_test "mla prefill tests (portable)" mla-tests-portable.log \
   $T/cuda_mla_prefill_test
-if [ "$SHORT_TILE" = 1 ]; then
-  ATTNSERVE_SM90_MLA_SHORT_TILE=1 run_test "mla prefill tests (short tile)" mla-tests-short.log \
-    $T/cuda_mla_prefill_test
-fi
 run_test "mla refusal tests" mla-refusal.log $T/cuda_mla_refusal_test
 if [ "$REGRESS" = 1 ]; then
   ATTNSERVE_CUDA_PORTABLE=1 run_test "cuda_backend_test (portable)" backend-tests.log \
@@ -105,13 +98,6 @@ for dt in $DTYPES; do
     --csv="$OUT/ours-$dt.csv" >>"$OUT/bench.log" 2>&1
   note "mla_prefill_bench $dt" "rc=$? $(grep -c FAILED "$OUT/bench.log") failed, $(grep -c skipped "$OUT/bench.log") skipped"
   grep -v '^kind' "$OUT/ours-$dt.csv" >>"$CSV" 2>/dev/null
-  if [ "$SHORT_TILE" = 1 ]; then
-    ATTNSERVE_SM90_MLA_SHORT_TILE=1 timeout 300 $B/bench/cuda/mla_prefill_bench --dtype=$dt \
-      --ns=$NS --hqs=$HQS --portable_rows=0 --tag=ours_short_tile \
-      --csv="$OUT/ours-short-$dt.csv" >>"$OUT/bench.log" 2>&1
-    note "mla_prefill_bench $dt short tile" "rc=$?"
-    grep -v '^kind' "$OUT/ours-short-$dt.csv" >>"$CSV" 2>/dev/null
-  fi
   if [ "$PEERS" = 1 ]; then
     timeout 600 python3 bench/gpu/mla_sdpa_bench.py --dtype=$dt --ns=$NS --hqs=$HQS \
       --csv="$OUT/sdpa-$dt.csv" 2>"$OUT/sdpa-$dt.log"

@@ -20,8 +20,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -152,26 +150,6 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 
 }  // namespace sm90
 
-// ATTNSERVE_SM90_MLA_SHORT_TILE=1: MLA-shape calls without modifiers on
-// kSm90DvShortTileTable's tile (A/B measurements; read once).
-inline bool Sm90MlaShortTile() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTNSERVE_SM90_MLA_SHORT_TILE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
-}
-
-// ATTNSERVE_SM90_MODS_ONE_KERNEL=1: every modifier call on the kElemMods
-// kernel (A/B measurements of the split; read once).
-inline bool Sm90ModsOneKernel() {
-  static const bool one = [] {
-    const char* v = std::getenv("ATTNSERVE_SM90_MODS_ONE_KERNEL");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return one;
-}
-
 // Launches the instantiation: tensor maps over the request's Q, K and V
 // (dense: [B, S, H, D]; varlen: one batch of all T rows, the kernel starting
 // each sequence at its cu_seqlens offset; one box = one 128-byte row of 64
@@ -186,41 +164,26 @@ inline bool Sm90ModsOneKernel() {
 // dtype than FP16/BF16 and a block mask whose key blocks the tile's
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 // kHeadDimV != kHeadDim: MLA shapes (HeadDimV(p) differing from head_dim) on
-// kSm90DvTileTable's tile, 16-bit on the default schedule only; kDvShort:
-// kSm90DvShortTileTable's, its plain kernel only (the instantiation without
-// it runs it under ATTNSERVE_SM90_MLA_SHORT_TILE=1 for calls without
-// modifiers).
+// kSm90DvTileTable's tile, 16-bit on the default schedule only.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
-          bool kLongKeys, int kHeadDimV, bool kDvShort>
+          bool kLongKeys, int kHeadDimV>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr bool kDistinctV = kHeadDimV != kHeadDim;
   static_assert(!kDistinctV || (!kFp8Qk && !kLongKeys && kSchedule == kDefaultSm90Schedule),
                 "a distinct value dim: 16-bit, the default schedule, kSm90DvTileTable's tile");
-  static_assert(!kDvShort || kDistinctV, "the short tile is an MLA-shape variant");
-  constexpr TileConfig kTile = kDvShort     ? Sm90DvShortTileFor(kHeadDim, kHeadDimV)
-                               : kDistinctV ? Sm90DvTileFor(kHeadDim, kHeadDimV)
-                               : kLongKeys  ? Sm90LongKeyTileFor(kHeadDim)
-                                            : Sm90TileFor(kHeadDim);
+  constexpr TileConfig kTile = kDistinctV  ? Sm90DvTileFor(kHeadDim, kHeadDimV)
+                               : kLongKeys ? Sm90LongKeyTileFor(kHeadDim)
+                                           : Sm90TileFor(kHeadDim);
   static_assert(kTile.head_dim == kHeadDim, "head dim missing from its Hopper tile table");
   const AttnParams& p = launch.p;
-  if constexpr (kDistinctV && !kDvShort) {
-    if (Sm90MlaShortTile() && !HasScoreMods(p)) {
-      return RunAttnFwdSm90<kHeadDim, T, kIsBanded, kSchedule, kFp8Qk, kLongKeys, kHeadDimV, true>(
-          launch, stream);
-    }
-  }
-  if (kDvShort && HasScoreMods(p)) return cudaErrorNotSupported;  // its plain kernel only
   // The V map's columns (and the epilogue's O rows): Dv where it differs.
   const int64_t v_dim = kDistinctV ? HeadDimV(p) : p.head_dim;
   if (launch.num_splits != 1 || launch.pack_gqa != 1) return cudaErrorInvalidValue;
   // Which kernel: the bias / element mask one (kElemMods), the register
   // modifiers' one (ALiBi, block mask, sinks beside them), or the plain one
   // (no modifier, or sinks alone: only its epilogue differs).
-  // ATTNSERVE_SM90_MODS_ONE_KERNEL=1 (A/B measurements) sends every modifier
-  // call to the kElemMods kernel, as before the kernels were split.
   const bool any_mods = HasScoreMods(p);
-  const bool elem_mods =
-      p.bias != nullptr || p.mask != nullptr || (any_mods && Sm90ModsOneKernel());
+  const bool elem_mods = p.bias != nullptr || p.mask != nullptr;
   const bool mods = elem_mods || p.alibi_slopes != nullptr || HasBlockMask(p);
   if (any_mods) {
     constexpr bool kHasMods = kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk;
@@ -267,7 +230,7 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                               kSchedule, kFp8Qk, false, false, kHeadDimV>;
-  if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk && !kDvShort) {
+  if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                                        kSchedule, kFp8Qk, true, true, kHeadDimV>;

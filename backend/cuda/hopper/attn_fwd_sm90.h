@@ -47,11 +47,9 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 // schedule without kFp8Qk (a block mask only where Sm90BlockMaskFits);
 // anything else is cudaErrorNotSupported. kHeadDimV != kHeadDim: MLA shapes
 // (HeadDimV(params) differing; kSm90DvTileTable's pairs), FP16/BF16 on the
-// default schedule; kDvShort: kSm90DvShortTileTable's tile (the
-// instantiation without it runs it for calls without modifiers under
-// ATTNSERVE_SM90_MLA_SHORT_TILE=1).
+// default schedule.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,
-          bool kLongKeys = false, int kHeadDimV = kHeadDim, bool kDvShort = false>
+          bool kLongKeys = false, int kHeadDimV = kHeadDim>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // What the Hopper decode kernel reads over a cache's pages: the portable
