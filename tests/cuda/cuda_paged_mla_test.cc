@@ -2,9 +2,10 @@
 // K/V head whose first 512 dims are V (pages.v_in_k), 16..128 query heads,
 // decode and short causal query runs, BF16 and FP16, page sizes 16 and 64,
 // splits of long contexts, softcap, windows, ALiBi, sinks, empty sequences
-// and fully masked rows, batch-invariant launches; each through the
-// backend's append-and-attend (the K-only append, then the kernel) against
-// the float64 reference over the whole context. MLA shapes the kernel does
+// and fully masked rows, batch-invariant launches, copy-on-write of partial
+// pages; each through the backend's append-and-attend (the K-only page
+// copies and append, then the kernel) against the float64 reference over
+// the whole context. MLA shapes the kernel does
 // not take stay UNIMPLEMENTED naming head_dim_v. Skips without a GPU.
 #include <cuda_runtime.h>
 
@@ -33,11 +34,14 @@ using testing_util::TestCase;
 // A case's varlen inputs as a paged launch over device slabs: each
 // sequence's last `new_rows` K rows arrive with the launch (the append
 // writes them), the rest are copied into shuffled pages beforehand. buf's V
-// is first made the first Dv elements of its K, what the cache reads.
+// is first made the first Dv elements of its K, what the cache reads. cow: a
+// sequence's partial last page of old rows lies in a page outside its table
+// (a shared one), which the launch copies (copy-on-write) to the table's,
+// left poisoned, before the append.
 class MlaDeviceCase {
  public:
   MlaDeviceCase(AttentionBackend* backend, HostBuffers& buf, int page_size, int new_rows,
-                uint32_t seed)
+                uint32_t seed, bool cow = false)
       : backend_(backend) {
     const AttnParams& a = buf.params();
     const int d = a.head_dim;
@@ -93,8 +97,18 @@ class MlaDeviceCase {
         free_pages.pop_back();
       }
       const int64_t k0 = SeqStartK(a, b);
-      for (int r = 0; r < len - added; ++r) {
-        const int32_t page = table_[size_t(b) * stride + r / page_size];
+      const int old_rows = len - added;
+      int32_t shared = -1;
+      if (cow && old_rows % page_size != 0) {
+        shared = free_pages.back();
+        free_pages.pop_back();
+        copy_src_.push_back(shared);
+        copy_dst_.push_back(table_[size_t(b) * stride + old_rows / page_size]);
+      }
+      for (int r = 0; r < old_rows; ++r) {
+        const int32_t page = shared >= 0 && r / page_size == old_rows / page_size
+                                 ? shared
+                                 : table_[size_t(b) * stride + r / page_size];
         std::memcpy(host[PageSlab(kv, page)].data() +
                         PageRowOffset(kv, page, r % page_size, a.num_heads_kv, d, 0) * elem,
                     k + (k0 + r) * k_row, size_t(k_row));
@@ -123,6 +137,9 @@ class MlaDeviceCase {
     params_.block_table = table_.data();
     params_.block_table_stride = stride;
     params_.seqlens_k = seqlens_.data();
+    params_.copy_src = copy_src_.data();
+    params_.copy_dst = copy_dst_.data();
+    params_.num_page_copies = static_cast<int32_t>(copy_src_.size());
   }
   ~MlaDeviceCase() {
     for (int s = 0; s < kMaxKvSlabs; ++s) backend_->FreeKvMemory(params_.pages.k_slabs[s]);
@@ -143,7 +160,7 @@ class MlaDeviceCase {
   AttentionBackend* backend_;
   absl::Status status_;
   PagedAttnParams params_{};
-  std::vector<int32_t> table_, seqlens_, cu_new_;
+  std::vector<int32_t> table_, seqlens_, cu_new_, copy_src_, copy_dst_;
   std::vector<uint8_t> k_new_, o_;
   std::vector<float> lse_;
 };
@@ -161,6 +178,7 @@ struct Spec {
   bool alibi = false;
   bool sinks = false;
   bool invariant = false;
+  bool cow = false;
 };
 
 void PrintTo(const Spec& s, std::ostream* os) { *os << s.name; }
@@ -224,6 +242,21 @@ std::vector<Spec> Grid() {
                false,
                true,
                true});
+  // Copy-on-write of each sequence's partial last page (K slabs alone).
+  g.push_back({"cow_decode_bf16_h16",
+               DType::kBF16,
+               16,
+               {1, 2, 1},
+               {70, 1000, 16},
+               2,
+               16,
+               false,
+               kNoWindow,
+               0.0f,
+               false,
+               false,
+               false,
+               true});
   return g;
 }
 
@@ -258,8 +291,9 @@ class CudaPagedMlaTest : public ::testing::TestWithParam<Spec> {
 TEST_P(CudaPagedMlaTest, MatchesReference) {
   const Spec& s = GetParam();
   HostBuffers buf(CaseOf(s));
-  MlaDeviceCase paged(backend_, buf, s.page_size, s.new_rows, 7);
+  MlaDeviceCase paged(backend_, buf, s.page_size, s.new_rows, 7, s.cow);
   ASSERT_TRUE(paged.status().ok()) << paged.status();
+  ASSERT_EQ(paged.params().num_page_copies > 0, s.cow);
   paged.params().attn.batch_invariant = s.invariant;
   const absl::StatusOr<Plan> plan = backend_->CanImplementPaged(paged.params());
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -272,6 +306,7 @@ TEST_P(CudaPagedMlaTest, MatchesReference) {
   std::vector<int32_t> cu_zero(size_t(again.attn.batch) + 1, 0);
   again.attn.cu_seqlens_k = cu_zero.data();
   again.attn.total_k = 0;
+  again.num_page_copies = 0;
   paged.Poison();
   const absl::StatusOr<Plan> plan2 = backend_->CanImplementPaged(again);
   ASSERT_TRUE(plan2.ok()) << plan2.status();
