@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # What the scripts under scripts/ and bench/ share: polling for a condition
 # with a deadline, starting a server and waiting until it answers SERVING, a
-# free loopback port, reading one Prometheus metric, and the GPU machine's
-# library path for the carried libraries. Source it:
+# free loopback port, reading one Prometheus metric, and on the GPU machine
+# the library path for the carried libraries and the CUDA build. Source it:
 #   . "$(dirname "$0")/lib/common.sh"            (from scripts/)
 # Nothing here exits the caller: functions return non-zero and the caller
 # decides.
@@ -94,4 +94,34 @@ use_carried_libs() {
     esac
   done
   return 0
+}
+
+# cuda_build SRC DIR LOG [-DNAME=VALUE...] TARGET...: on the GPU machine
+# (from the repository root), configures the source tree SRC into the build
+# folder DIR (server off, CUDA on, sm_90, the carried Abseil, KERNELS's kernel
+# set, all when unset; CUDA_FLAGS's extra nvcc flags, none when unset; the -D
+# arguments passed on to cmake) and builds TARGET... with ninja. A folder
+# built before is reused: ninja rebuilds what changed. LOG gets cmake's and
+# ninja's output; on failure its error lines are printed and the status is
+# non-zero.
+cuda_build() {
+  local src=$1 dir=$2 log=$3
+  shift 3
+  local cmake_args=() ninja_targets=() a
+  for a in "$@"; do
+    case $a in
+      -D*) cmake_args+=("$a") ;;
+      *) ninja_targets+=("$a") ;;
+    esac
+  done
+  if cmake -S "$src" -B "$dir" -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
+       -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
+       -DATTNSERVE_CUDA_KERNELS="${KERNELS:-all}" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
+       ${cmake_args[@]+"${cmake_args[@]}"} >"$log" 2>&1 &&
+     ninja -C "$dir" -j16 "${ninja_targets[@]}" >>"$log" 2>&1; then
+    return 0
+  fi
+  echo "cuda_build: building ${ninja_targets[*]} in $dir failed; from $log:" >&2
+  grep -E 'error|Error|FAILED' "$log" | head -30 >&2
+  return 1
 }
