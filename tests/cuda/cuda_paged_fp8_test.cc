@@ -73,6 +73,8 @@ std::vector<Case> Grid() {
   TestCase plain = Decode(DType::kBF16, 32, 8, 128, {640, 64});
   plain.return_lse = false;
   grid.push_back({plain, 64, 0, false});
+  // D 64 split: the combine's 64-column form.
+  grid.push_back({Decode(DType::kFP16, 8, 2, 64, {3000, 1700}), 64, 1, true});
   return grid;
 }
 
