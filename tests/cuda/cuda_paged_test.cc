@@ -35,6 +35,7 @@
 #include "gtest/gtest.h"
 #include "tests/backend/paged_fp8_case.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/device_slabs.h"
 #include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
@@ -671,55 +672,12 @@ class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
   AttentionBackend* backend_ = nullptr;
 };
 
-// Device copies of a case's host slabs; CopyBack refreshes the host ones.
-class DeviceSlabs {
- public:
-  DeviceSlabs(AttentionBackend* backend, testing_util::Fp8PagedCase* c) : backend_(backend), c_(c) {
-    for (size_t s = 0; s < c->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c->v_slabs()[s] : c->k_slabs()[s];
-        absl::StatusOr<void*> m = backend->AllocateKvMemory(int64_t(host.size()));
-        status_.Update(m.status());
-        if (!m.ok()) return;
-        (kv ? pages_.v_slabs : pages_.k_slabs)[s] = *m;
-        cudaMemcpy(*m, host.data(), host.size(), cudaMemcpyHostToDevice);
-      }
-    }
-    KvPages p = c->params().pages;
-    std::copy(pages_.k_slabs, pages_.k_slabs + kMaxKvSlabs, p.k_slabs);
-    std::copy(pages_.v_slabs, pages_.v_slabs + kMaxKvSlabs, p.v_slabs);
-    pages_ = p;
-  }
-  ~DeviceSlabs() {
-    for (int s = 0; s < kMaxKvSlabs; ++s) {
-      backend_->FreeKvMemory(pages_.k_slabs[s]);
-      backend_->FreeKvMemory(pages_.v_slabs[s]);
-    }
-  }
-  void CopyBack() {
-    for (size_t s = 0; s < c_->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c_->v_slabs()[s] : c_->k_slabs()[s];
-        cudaMemcpy(host.data(), (kv ? pages_.v_slabs : pages_.k_slabs)[s], host.size(),
-                   cudaMemcpyDeviceToHost);
-      }
-    }
-  }
-  const absl::Status& status() const { return status_; }
-  const KvPages& pages() const { return pages_; }
-
- private:
-  AttentionBackend* backend_;
-  testing_util::Fp8PagedCase* c_;
-  KvPages pages_{};
-  absl::Status status_;
-};
-
 TEST_P(CudaPagedFp8Test, PagesAndOutputPassTheReference) {
   const Fp8CudaCase& c = GetParam();
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, c.given_scales, c.cow, 7);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams p = paged.params();
   p.pages = slabs.pages();
@@ -741,7 +699,8 @@ TEST_F(CudaPagedFp8Test, PackedMembersWithScales) {
   const Fp8CudaCase c = Fp8Grid()[1];
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, true, true, 11);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams p = paged.params();
   p.pages = slabs.pages();
