@@ -42,6 +42,7 @@ namespace attnserve {
 namespace {
 
 using testing_util::CheckOutput;
+using testing_util::Fp8Case;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
 constexpr auto SharedBackend = testing_util::SharedCudaBackend;
@@ -601,68 +602,24 @@ TEST(CudaPaged, PagedModsAreAlibiAndSinksOnly) {
 // FP8 caches: Fp8PagedCase's host pages copied to device slabs, the launch
 // through the backend (staging as in serving), the pages copied back and
 // checked with the output.
-struct Fp8CudaCase {
-  TestCase tc;
-  int page_size;
-  int new_rows;
-  bool given_scales;
-  bool cow;
-};
-void PrintTo(const Fp8CudaCase& c, std::ostream* os) {
-  *os << c.tc.Name() << " page " << c.page_size << " new " << c.new_rows
-      << (c.given_scales ? " given-scales" : " quantised") << (c.cow ? " cow" : "");
-}
-
-std::vector<Fp8CudaCase> Fp8Grid() {
-  std::vector<Fp8CudaCase> grid;
-  TestCase decode;
-  decode.dtype = DType::kBF16;
-  decode.num_heads_q = 8;
-  decode.num_heads_kv = 2;
-  decode.head_dim = 128;
-  decode.seqlens_q = {1, 1, 1, 1};
-  decode.seqlens_k = {1, 97, 300, 17};
-  decode.causal = true;
-  grid.push_back({decode, 16, 1, false, true});
-  grid.push_back({decode, 64, 1, true, true});
-  TestCase mqa = decode;  // 8 heads of one kv head per CTA, FP16, D 64
+// Fp8CaseGrid's cases, and what the CUDA kernels take apart: 8 query heads
+// of one kv head per CTA (FP16, D 64), and D 72 (below its padded tile).
+std::vector<Fp8Case> Fp8Grid() {
+  std::vector<Fp8Case> grid = testing_util::Fp8CaseGrid();
+  TestCase mqa = grid[0].tc;
   mqa.dtype = DType::kFP16;
   mqa.num_heads_q = 16;
   mqa.num_heads_kv = 1;
   mqa.head_dim = 64;
   grid.push_back({mqa, 32, 1, false, false});
-  TestCase prefill;
-  prefill.dtype = DType::kFP16;
-  prefill.num_heads_q = 4;
-  prefill.num_heads_kv = 1;
-  prefill.seqlens_q = {33, 0, 64};
-  prefill.seqlens_k = {150, 20, 64};
-  prefill.causal = true;
-  grid.push_back({prefill, 32, 33, false, true});
-  grid.push_back({prefill, 128, 40, true, false});
-  TestCase window = prefill;  // D 256, windows and softcap
-  window.dtype = DType::kBF16;
-  window.head_dim = 256;
-  window.causal = false;
-  window.window_left = 40;
-  window.window_right = 3;
-  window.softcap = 20.0f;
-  grid.push_back({window, 256, 10, false, false});
-  TestCase odd = decode;  // D 72: a head dim below its padded tile
+  TestCase odd = grid[0].tc;
   odd.head_dim = 72;
   odd.num_heads_q = 6;
   grid.push_back({odd, 16, 1, false, true});
-  TestCase mods = decode;
-  mods.mods.alibi = true;
-  mods.mods.sinks = true;
-  grid.push_back({mods, 32, 1, false, true});
-  TestCase attend_only = decode;
-  attend_only.return_lse = false;
-  grid.push_back({attend_only, 16, 0, false, false});
   return grid;
 }
 
-class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
+class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8Case> {
  protected:
   void SetUp() override {
     std::string why;
@@ -673,7 +630,7 @@ class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
 };
 
 TEST_P(CudaPagedFp8Test, PagesAndOutputPassTheReference) {
-  const Fp8CudaCase& c = GetParam();
+  const Fp8Case& c = GetParam();
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, c.given_scales, c.cow, 7);
   testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
@@ -696,7 +653,7 @@ INSTANTIATE_TEST_SUITE_P(Fp8, CudaPagedFp8Test, ::testing::ValuesIn(Fp8Grid()));
 // Two calls packed into one launch (StartPagedForward's staging of the
 // members' codes and scales): the same call twice, each member gets its O.
 TEST_F(CudaPagedFp8Test, PackedMembersWithScales) {
-  const Fp8CudaCase c = Fp8Grid()[1];
+  const Fp8Case c = Fp8Grid()[1];
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, true, true, 11);
   testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
