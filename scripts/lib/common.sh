@@ -2,7 +2,8 @@
 # What the scripts under scripts/ and bench/ share: polling for a condition
 # with a deadline, starting a server and waiting until it answers SERVING, a
 # free loopback port, reading one Prometheus metric, and on the GPU machine
-# the library path for the carried libraries and the CUDA build. Source it:
+# the library path for the carried libraries, the carried Python client and
+# server, and the CUDA build. Source it:
 #   . "$(dirname "$0")/lib/common.sh"            (from scripts/)
 # Nothing here exits the caller: functions return non-zero and the caller
 # decides.
@@ -124,4 +125,40 @@ cuda_build() {
   echo "cuda_build: building ${ninja_targets[*]} in $dir failed; from $log:" >&2
   grep -E 'error|Error|FAILED' "$log" | head -30 >&2
   return 1
+}
+
+# use_carried_python CARRY PYTHON: on the GPU machine, the carried Python
+# client and server (scripts/device/pack-python-carry.sh, pack-device-deps.sh
+# --server): installs CARRY/wheels/*.whl with PYTHON into CARRY/pylib (no
+# index) and puts it first on PYTHONPATH; unpacks CARRY/server.tgz when
+# CARRY/bin has no server; writes CARRY/pybin/attnserve and attnctl, wrappers
+# that put CARRY/lib on those two's library path alone (the machine's Python
+# loads the machine's libraries). Sets CARRIED_COMMIT to the wheels' commit
+# ("unknown" when not recorded). Returns 2, saying what is missing, when
+# something is.
+use_carried_python() {
+  local carry=$1 py=$2 tool
+  [ -d "$carry"/wheels ] ||
+    { echo "no $carry/wheels: run scripts/device/pack-python-carry.sh here and carry it"; return 2; }
+  rm -rf "$carry"/pylib
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
+    "$carry"/wheels/*.whl || return 2
+  export PYTHONPATH=$carry/pylib${PYTHONPATH:+:$PYTHONPATH}
+  # shellcheck disable=SC2034  # read by the caller
+  CARRIED_COMMIT=$(cat "$carry"/wheels/COMMIT 2>/dev/null || echo unknown)
+  if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
+    tar -C "$carry" -xzf "$carry"/server.tgz || return 2
+  fi
+  if [ ! -x "$carry"/bin/attnserve ] || [ ! -x "$carry"/bin/attnctl ]; then
+    echo "no $carry/bin/attnserve and attnctl: scripts/device/pack-device-deps.sh --server BUILD"
+    return 2
+  fi
+  rm -rf "$carry"/pybin
+  mkdir -p "$carry"/pybin
+  for tool in attnserve attnctl; do
+    # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and "$@" are the wrapper's
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$carry/lib" "$carry/bin/$tool" >"$carry/pybin/$tool"
+    chmod +x "$carry/pybin/$tool"
+  done
 }
