@@ -75,7 +75,8 @@ def import_frontend():
     lib = find_torch_cudnn()
     if lib:
         d = os.path.dirname(lib)
-        os.environ["LD_LIBRARY_PATH"] = d + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else "")
+        rest = os.environ.get("LD_LIBRARY_PATH", "")
+        os.environ["LD_LIBRARY_PATH"] = d + (":" + rest if rest else "")
     try:
         import cudnn
     except Exception as e:  # ImportError, or the backend library failing to load
