@@ -55,7 +55,7 @@ run_test() { # run_test NAME LOG CMD...
   shift 2
   timeout 400 "$@" >"$OUT/$log" 2>&1
   local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$OUT/$log" | tr '\n' ' ')"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|differ' "$OUT/$log" | head -10
 }
 if [ $TESTS = 1 ]; then

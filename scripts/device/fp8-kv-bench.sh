@@ -43,7 +43,7 @@ T8=$B/tests/cuda/cuda_paged_fp8_test
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is' "$OUT/$log" | head -10
 }
 run_test "fp8 paged tests" fp8-tests.log $T --gtest_filter='*Fp8*'

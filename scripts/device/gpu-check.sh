@@ -71,7 +71,7 @@ for t in $MODS_TESTS; do
     log="$OUT/$t-$fam.log"
     if [ $fam = portable ]; then ATTNSERVE_CUDA_PORTABLE=1 timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?
     else timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?; fi
-    note "$t ($fam)" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$log" | tr '\n' ' ')"
+    note "$t ($fam)" "rc=$rc $(gtest_counts "$log")"
     grep -E '^\[  FAILED  \]' "$log" | head -10
   done
 done

@@ -38,7 +38,7 @@ note setup "$(( $(date +%s) - t0 )) s, ${BIN:+prebuilt }binaries"
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 240 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|differs' "$OUT/$log" | head -10
 }
 run_test cuda_backend_test backend.log $TESTS/cuda_backend_test --gtest_filter='Shapes/*:Split/*:CudaSplitWorkspace.*'

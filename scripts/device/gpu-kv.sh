@@ -31,7 +31,7 @@ fi
 
 for t in ${TESTS:-cuda_paged_test cuda_backend_test}; do
   timeout 300 $B/tests/cuda/$t >"$OUT/$t.log" 2>&1; rc=$?
-  note "$t" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$t.log" | tr '\n' ' ') failed=$(grep -c '^\[  FAILED  \]' "$OUT/$t.log")"
+  note "$t" "rc=$rc $(gtest_counts "$OUT/$t.log")"
   grep -E '^\[  FAILED  \]|Failure|Expected|Which is|differs|error' "$OUT/$t.log" | head -20
 done
 

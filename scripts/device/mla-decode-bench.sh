@@ -41,7 +41,7 @@ TR=$B/tests/cuda/cuda_mla_refusal_test
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|error|mismatch|max' "$OUT/$log" | head -40
 }
 run_test "mla paged tests" mla-tests.log $T

@@ -1,9 +1,9 @@
 # shellcheck shell=bash
 # What the scripts under scripts/ and bench/ share: polling for a condition
 # with a deadline, starting a server and waiting until it answers SERVING, a
-# free loopback port, reading one Prometheus metric, and on the GPU machine
-# the library path for the carried libraries, the carried Python client and
-# server, and the CUDA build. Source it:
+# free loopback port, reading one Prometheus metric, a gtest log's totals,
+# and on the GPU machine the library path for the carried libraries, the
+# carried Python client and server, and the CUDA build. Source it:
 #   . "$(dirname "$0")/lib/common.sh"            (from scripts/)
 # Nothing here exits the caller: functions return non-zero and the caller
 # decides.
@@ -95,6 +95,13 @@ use_carried_libs() {
     esac
   done
   return 0
+}
+
+# gtest_counts LOG: a gtest binary's outcome from its LOG on one line: its
+# PASSED, FAILED and SKIPPED totals (nothing when it died before them, which
+# its exit status shows).
+gtest_counts() {
+  grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$1" | tr '\n' ' '
 }
 
 # cuda_build SRC DIR LOG [-DNAME=VALUE...] TARGET...: on the GPU machine
