@@ -145,6 +145,10 @@ ABSL_FLAG(std::string, handoff_peer_ca, "",
 ABSL_FLAG(absl::Duration, handoff_linger, absl::Milliseconds(500),
           "After every cache has moved to --handoff_peer, how long the server still answers "
           "moved-to before it stops listening (within --shutdown_grace)");
+ABSL_FLAG(std::string, handoff_transport, "auto",
+          "What carries the pages of a cache moved to --handoff_peer: auto (UCX when this build "
+          "has it and the peer's import offers it, i.e. the peer runs with --ucx_port; else the "
+          "gRPC stream), ucx (a peer without UCX fails the move) or grpc");
 ABSL_FLAG(int, ucx_port, 0,
           "AppendAttend steps over UCX on this port (docs/ucx.md; UCX_TLS picks the transports: "
           "tcp, sm for same-host shared memory, rc/ud verbs); 0: off. gRPC stays the control "
@@ -265,6 +269,7 @@ int main(int argc, char** argv) {
   options.handoff.peer = absl::GetFlag(FLAGS_handoff_peer);
   options.handoff.peer_ca_file = absl::GetFlag(FLAGS_handoff_peer_ca);
   options.handoff.linger = absl::GetFlag(FLAGS_handoff_linger);
+  options.handoff.transport = absl::GetFlag(FLAGS_handoff_transport);
 
   // Gives back the free pages malloc's heap keeps (malloc_tuning.h says
   // why); outlives the server.
