@@ -163,6 +163,11 @@ void KvPool::ExpiryLoop() {
   }
 }
 
+std::shared_ptr<char> KvPool::AllocateHostTensor(int64_t bytes) const {
+  if (devices_.empty() || bytes < 0) return nullptr;
+  return devices_.front().backend->AllocateHostTensor(bytes);
+}
+
 void KvPool::ExpireIdle(absl::Time now) {
   if (options_.idle_timeout <= absl::ZeroDuration()) return;
   const absl::Time cutoff = now - options_.idle_timeout;

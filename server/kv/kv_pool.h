@@ -186,6 +186,12 @@ class KvPool {
   absl::Status AppendAttend(const std::shared_ptr<KvCache>& cache,
                             std::shared_ptr<KvAppendAttend> call, Done done);
 
+  // Host memory for a call's tensors that every device's launches read and
+  // write where it lies (AttentionBackend::AllocateHostTensor of the first
+  // device's backend: page-locked for all devices on CUDA); null when none
+  // is left.
+  std::shared_ptr<char> AllocateHostTensor(int64_t bytes) const;
+
   // Removes what has been idle for the timeout (the expiry thread calls it;
   // tests may too).
   void ExpireIdle(absl::Time now);
