@@ -301,10 +301,13 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   // again: parsing empties it, so the raw bytes go now, not at OnDone. q, k
   // and v land once, in memory the backend's copies read where it lies.
   KvPool* pool = pool_;
-  const grpc::Status parsed = ParseAppendAttendStaged(
-      const_cast<grpc::ByteBuffer*>(request_bytes),
-      [pool](int64_t bytes) { return pool->AllocateHostTensor(bytes); }, &reactor->request,
-      &reactor->staged);
+  auto* raw = const_cast<grpc::ByteBuffer*>(request_bytes);
+  const grpc::Status parsed =
+      pool->host_tensors()
+          ? ParseAppendAttendStaged(
+                raw, [pool](int64_t bytes) { return pool->AllocateHostTensor(bytes); },
+                &reactor->request, &reactor->staged)
+          : ParseAppendAttend(raw, &reactor->request);
   if (!parsed.ok()) {
     reactor->Finish(parsed);
     return reactor;

@@ -198,7 +198,8 @@ TEST(ParseAppendAttendStagedTest, ErrorsAndFallbacks) {
 // holds is released when it is answered; a refused call appends nothing.
 class StagedServerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Start(); }
+  void Start() {
     spdlog::set_level(spdlog::level::warn);
     ServerOptions o;
     o.host = "127.0.0.1";
@@ -303,6 +304,30 @@ TEST_F(StagedServerTest, RefusedCallChangesNothing) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   EXPECT_EQ(backend_->host_tensor_counts().live_bytes, 0);
+}
+
+// The A/B switch: with ATTNSERVE_KV_HOST_TENSORS=0 the step parses into the
+// message and o is heap memory, as before; the answer is the same.
+class HostTensorsOffTest : public StagedServerTest {
+ protected:
+  void SetUp() override {
+    setenv("ATTNSERVE_KV_HOST_TENSORS", "0", 1);
+    Start();
+    unsetenv("ATTNSERVE_KV_HOST_TENSORS");
+  }
+};
+
+TEST_F(HostTensorsOffTest, StepsRunOnTheMessagesBytes) {
+  Context ctx;
+  const Part part = Step(&ctx, 5);
+  v1::AppendAttendResponse resp;
+  grpc::ClientContext cctx;
+  const grpc::Status st = stub_->AppendAttend(&cctx, MakeCall(cache_, {part}), &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ctx.k = part.k;
+  ctx.v = part.v;
+  CheckResponse(resp, {part}, {&ctx}, Mods());
+  EXPECT_EQ(backend_->host_tensor_counts().allocations, 0);
 }
 
 }  // namespace
