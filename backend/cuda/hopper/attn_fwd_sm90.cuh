@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -35,6 +37,18 @@
 namespace attnserve {
 namespace cuda {
 namespace sm90 {
+
+// ATTNSERVE_SM90_ITEM_ORDER (read once): head (the default), global or
+// natural.
+inline ItemOrder ItemOrderFromEnv() {
+  static const ItemOrder mode = [] {
+    const char* v = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
+    if (v != nullptr && std::strcmp(v, "global") == 0) return ItemOrder::kGlobal;
+    if (v != nullptr && std::strcmp(v, "natural") == 0) return ItemOrder::kNatural;
+    return ItemOrder::kHead;
+  }();
+  return mode;
+}
 
 // The kernel: the warp-specialised schedules' producer warpgroup (128
 // threads, one of which issues TMA) hands the consumers each item's tiles;
@@ -80,10 +94,12 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         // whole warp) and publishes it with the item; lane 0 loads.
         if (tid < 32) {
           const int64_t* prefix = ModsPrefixOf(F);  // varlen block mask: rows_before
+          // A block mask: items drawn in OrderItemsKernel's order.
+          const int* order = HasBlockMask(p) ? ItemOrderOf(F, num_items) : nullptr;
           Sm90FwdProducer<Cfg> producer(L, sm);
           if (tid == 0) producer.PrefetchMaps();
           for (int k = 0;; ++k) {
-            const int item = scheduler.DrawItem(k);
+            const int item = scheduler.DrawItem(k, order, num_items);
             Sm90Tile t;
             t.num_tiles = 0;
             t.e_top = -1;
@@ -250,6 +266,20 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   dim3 grid;
   err = Scheduler::Grid(items, p.num_heads_q, &grid);
   if (err != cudaSuccess) return err;
+  // A block mask: the item order the producer draws through, first.
+  if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
+    int* order = HasBlockMask(p) ? ItemOrderOf(launch, items) : nullptr;
+    if (order != nullptr) {
+      const sm90::ItemOrder mode = sm90::ItemOrderFromEnv();
+      const int64_t per_head = items / p.num_heads_q;
+      const int64_t seg = mode == sm90::ItemOrder::kGlobal ? items : per_head;
+      sm90::OrderItemsKernel<kTile.block_n, kIsBanded>
+          <<<static_cast<unsigned>((items + seg - 1) / seg), sm90::kOrderThreads, 0, stream>>>(
+              launch, static_cast<int>(items), static_cast<int>(seg), mode, order);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  }
   kernel<<<grid, sm90::ThreadsOf(kSchedule), smem, stream>>>(l);
   return cudaGetLastError();
 }
