@@ -64,8 +64,9 @@ struct HandoffOptions {
   // Longest one fetch from the peer may take (a pull on miss).
   absl::Duration fetch_timeout = absl::Seconds(60);
   // What carries a pushed cache's pages: "auto" (UCX when this build has it
-  // and the peer's import offers it, else the gRPC stream), "ucx" (a peer
-  // without UCX fails the push) or "grpc".
+  // and the peer's import offers it, else the gRPC stream; the binary makes
+  // it "grpc" without --ucx_port), "ucx" (a peer without UCX fails the push)
+  // or "grpc".
   std::string transport = "auto";
 };
 
