@@ -24,7 +24,7 @@
 # their lib/ and UCX modules). Both replicas listen for UCX (--ucx_port=-1)
 # unless UCX=0. BACKEND=cpu runs it on two CPU servers (bench/cpu/rolling_restart.sh
 # does, with small shapes).
-# Usage: [SEQS=64] [CONTEXT=8192] [LAYERS=4] [TOKENS=64] [MIN_TOKENS=8]
+# Usage: [SEQS=64] [CONTEXT=8192] [LAYERS=4] [TOKENS=32] [MIN_TOKENS=6]
 #        [TRANSPORTS="auto grpc"] [UCX=1] [UCX_TLS=sm,tcp] [RUNS=1] [PROXY=none|nginx]
 #        [CHECK=1] [CONCURRENCY=8] [HEADS_Q=32] [HEADS_KV=8] [HEAD_DIM=128] [DTYPE=bf16]
 #        [BACKEND=cuda|cpu] [bin=DIR] [OUT=DIR] scripts/device/rolling-restart.sh
@@ -43,8 +43,8 @@ use_carried_libs lib
 [ -d .device-carry/lib/ucx ] && export UCX_MODULE_DIR=$PWD/.device-carry/lib/ucx
 export UCX_TLS=${UCX_TLS:-sm,tcp}
 bin=${bin:-.device-carry/bin}
-SEQS=${SEQS:-64} CONTEXT=${CONTEXT:-8192} LAYERS=${LAYERS:-4} TOKENS=${TOKENS:-64}
-MIN_TOKENS=${MIN_TOKENS:-8} TRANSPORTS=${TRANSPORTS:-auto grpc} UCX=${UCX:-1} RUNS=${RUNS:-1}
+SEQS=${SEQS:-64} CONTEXT=${CONTEXT:-8192} LAYERS=${LAYERS:-4} TOKENS=${TOKENS:-32}
+MIN_TOKENS=${MIN_TOKENS:-6} TRANSPORTS=${TRANSPORTS:-auto grpc} UCX=${UCX:-1} RUNS=${RUNS:-1}
 PROXY=${PROXY:-none} CHECK=${CHECK:-1} CONCURRENCY=${CONCURRENCY:-8}
 HEADS_Q=${HEADS_Q:-32} HEADS_KV=${HEADS_KV:-8} HEAD_DIM=${HEAD_DIM:-128} DTYPE=${DTYPE:-bf16}
 PAGE=${PAGE:-64} BACKEND=${BACKEND:-cuda}
