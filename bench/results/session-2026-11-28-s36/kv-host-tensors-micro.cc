@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
   }
   for (auto* v : {&old_us, &new_us}) std::sort(v->begin(), v->end());
   auto q = [](const std::vector<double>& v, double f) { return v[size_t(f * (v.size() - 1))]; };
-  std::printf("steps %d each, us: old p10 %.1f p50 %.1f p90 %.1f | new p10 %.1f p50 %.1f p90 %.1f\n",
-              steps, q(old_us, .1), q(old_us, .5), q(old_us, .9), q(new_us, .1), q(new_us, .5),
-              q(new_us, .9));
+  std::printf(
+      "steps %d each, us: old p10 %.1f p50 %.1f p90 %.1f | new p10 %.1f p50 %.1f p90 %.1f\n", steps,
+      q(old_us, .1), q(old_us, .5), q(old_us, .9), q(new_us, .1), q(new_us, .5), q(new_us, .9));
 }
