@@ -38,6 +38,16 @@ namespace attnserve {
 namespace cuda {
 namespace sm90 {
 
+// ATTNSERVE_SM90_BIAS_ROWS=0 (read once): a bias that could be read in
+// whole rows reads fragment words instead (the bench's ablation).
+inline bool BiasRowsFromEnv() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTNSERVE_SM90_BIAS_ROWS");
+    return !(v != nullptr && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 // ATTNSERVE_SM90_ITEM_ORDER (read once): head (the default), global or
 // natural.
 inline ItemOrder ItemOrderFromEnv() {
@@ -57,10 +67,11 @@ inline ItemOrder ItemOrderFromEnv() {
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
 // schedule only): ALiBi, sinks and the block mask; kElemMods also the
-// additive bias and element mask (Sm90FwdConfig). kHeadDimV: V's and O's
+// additive bias and element mask, 2 a 16-bit bias alone read in whole rows
+// (Sm90FwdConfig). kHeadDimV: V's and O's
 // head dim (MLA shapes).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false,
+          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, int kElemMods = 0,
           int kHeadDimV = kHeadDim>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
@@ -246,17 +257,27 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                               kSchedule, kFp8Qk, false, false, kHeadDimV>;
+  using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                      kSchedule, kFp8Qk, true, 1, kHeadDimV>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
-    if (elem_mods) {
+    // A 16-bit bias alone whose rows are whole 16-byte chunks (dense, Sk a
+    // multiple of 8, an aligned base): the whole-row kernel where it fits.
+    const bool bias_rows = ElemCfg::kBiasRowsFit && p.bias != nullptr && p.mask == nullptr &&
+                           !varlen && p.seqlen_k % 8 == 0 &&
+                           reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && sm90::BiasRowsFromEnv();
+    if (bias_rows) {
+      if constexpr (ElemCfg::kBiasRowsFit) {
+        kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T,
+                                         kIsBanded, kSchedule, kFp8Qk, true, 2, kHeadDimV>;
+      }
+    } else if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                       kSchedule, kFp8Qk, true, true, kHeadDimV>;
+                                       kSchedule, kFp8Qk, true, 1, kHeadDimV>;
     } else if (mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                                        kSchedule, kFp8Qk, true, false, kHeadDimV>;
     }
   }
-  using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                      kSchedule, kFp8Qk, true, true, kHeadDimV>;
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.

@@ -43,7 +43,7 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 // and O's head dim (MLA shapes; kHeadDim_ otherwise): P V, O and the V ring
 // run over it, Q K^T over kHeadDim_.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
-          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false,
+          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, int kElemMods_ = 0,
           int kHeadDimV_ = kHeadDim_>
 struct Sm90FwdConfig {
   using T = T_;
@@ -58,7 +58,11 @@ struct Sm90FwdConfig {
   static constexpr Sm90Schedule kSchedule = kSchedule_;
   static constexpr bool kFp8Qk = kFp8Qk_;
   static constexpr bool kMods = kMods_;
-  static constexpr bool kElemMods = kMods_ && kElemMods_;
+  static constexpr bool kElemMods = kMods_ && kElemMods_ != 0;
+  // kElemMods_ 2: a 16-bit bias alone over rows of 16-byte multiples, read
+  // in whole rows (Sm90FwdMainloop::PrefetchBiasRows) instead of fragment
+  // words; RunAttnFwdSm90 picks it where kBiasRowsFit.
+  static constexpr bool kBiasRows = kElemMods && kElemMods_ == 2;
 
   // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
   static constexpr bool kWS = WarpSpecialized(kSchedule);
@@ -96,6 +100,10 @@ struct Sm90FwdConfig {
   static constexpr int kPreBytes =
       kElemMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
   static constexpr int kSmemBytes = kBaseSmemBytes + kPreBytes;
+  // Whole bias rows: the buffer holds a key tile's 128 rows, rows of 8k
+  // 16-byte chunks (the swizzle), a warp-wide copy step whole rows.
+  static constexpr bool kBiasRowsFit =
+      kPreBytes >= kBlockM * kBlockN * 2 && kNTiles % 8 == 0 && 32 % kNTiles == 0;
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0, "tile shape");
   static_assert(!kDistinctV || !kFp8Qk, "a distinct value dim runs 16-bit Q K^T");
   static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");

@@ -566,28 +566,13 @@ class Sm90FwdMainloop {
     return reinterpret_cast<uint32_t*>(sm_.pre()) + k * kConsumerThreads + ctid;
   }
 
-  // A 16-bit bias alone over dense rows of 16-byte multiples (Sk % 8 == 0,
-  // an aligned base) goes through the buffer as whole rows (PrefetchBiasRows):
-  // a launch-wide choice, so both layouts never share the buffer in one
-  // launch. Varlen rows start at any pair; they keep the fragment words.
-  __device__ __forceinline__ bool BiasRowsTiled() const {
-    if constexpr (!kBiasRowsTiledShape) {
-      return false;
-    } else {
-      const AttnParams& p = L_.fwd.p;
-      return Bias16() && p.mask == nullptr && !IsVarlen(p) && p.seqlen_k % 8 == 0 &&
-             reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
-    }
-  }
-
-  // This warp's share of the buffer under BiasRowsTiled: its 16 rows of a
-  // key tile, kBlockN 16-bit values each, 16-byte chunk c of row r at chunk
-  // c ^ (r % 8), so the fragment reads (8 rows x 4 words) hit 32 banks.
+  // Cfg::kBiasRows (a 16-bit bias alone over dense rows of 16-byte
+  // multiples, RunAttnFwdSm90 checks): the buffer holds whole bias rows
+  // (PrefetchBiasRows), each warp's 16 rows of a key tile, kBlockN 16-bit
+  // values each, 16-byte chunk c of row r at chunk c ^ (r % 8), so the
+  // fragment reads (8 rows x 4 words) hit 32 banks.
+  static constexpr bool kBiasRowsPath = Cfg::kBiasRows && Cfg::kBiasRowsFit;
   static constexpr int kBiasRowBytes = kBlockN * 2;
-  static constexpr int kBiasTileBytes = kConsumerThreads / 32 * 16 * kBiasRowBytes;
-  // The swizzle needs rows of 8k chunks; a warp-wide step, whole rows.
-  static constexpr bool kBiasRowsTiledShape =
-      kBiasTileBytes <= Cfg::kPreBytes && kNTiles % 8 == 0 && 32 % kNTiles == 0;
   __device__ __forceinline__ unsigned char* BiasRows() const {
     return sm_.pre() + (ctid / 32) * 16 * kBiasRowBytes;
   }
@@ -597,7 +582,7 @@ class Sm90FwdMainloop {
   // sk and rows past sq zero-filled. The warp first meets so no lane still
   // reads the tile before (AddBias16); AddBias16 waits and meets again.
   __device__ __forceinline__ void PrefetchBiasRows(const Sm90Tile& t, int n) {
-    if constexpr (kBiasRowsTiledShape) {
+    if constexpr (kBiasRowsPath) {
       constexpr int kRowsPerStep = 32 / kNTiles;  // rows a warp-wide step copies
       const AttnParams& p = L_.fwd.p;
       __syncwarp();
@@ -635,7 +620,7 @@ class Sm90FwdMainloop {
   // (the mask folded in as -inf bias), are read here and stored.
   __device__ __forceinline__ void PrefetchMods(const Sm90Tile& t, int n) {
     if constexpr (Cfg::kPreBytes > 0) {
-      if (BiasRowsTiled()) {
+      if constexpr (kBiasRowsPath) {
         PrefetchBiasRows(t, n);
         return;
       }
@@ -709,7 +694,7 @@ class Sm90FwdMainloop {
   __device__ __forceinline__ void AddBias16(const Sm90Tile& t, int key0) {
     detail::CpAsyncWaitAll();
     const float coef = kLog2e / score_log2;
-    if (BiasRowsTiled()) {
+    if constexpr (kBiasRowsPath) {
       __syncwarp();             // the other lanes' copies landed too
       const int sw = lane / 4;  // r % 8 of both the thread's rows
 #pragma unroll
@@ -757,7 +742,7 @@ class Sm90FwdMainloop {
   // Keys whose element-mask byte is 0 become -inf (beside a 16-bit bias
   // in a prefetch buffer, the mask is folded into it).
   __device__ __forceinline__ void MaskElements(const Sm90Tile& t, int key0) {
-    if (L_.fwd.p.mask == nullptr) return;
+    if (kBiasRowsPath || L_.fwd.p.mask == nullptr) return;  // kBiasRows: no mask
     const bool folded = Cfg::kPreBytes > 0 && Bias16();
     if (folded) return;
     detail::CpAsyncWaitAll();
