@@ -11,6 +11,8 @@
 #   [ORDERS="head natural global" (ATTNSERVE_SM90_ITEM_ORDER: how a block-masked
 #    Hopper launch orders its items; each variant runs once per order, the CSVs
 #    ours-<variant>-<order>.csv, a table comparing them last)]
+#   [BIAS_ROWS="1 0" (ATTNSERVE_SM90_BIAS_ROWS: 0 reads a bias in fragment words
+#    even where whole rows fit; one run per value, ours-<variant>-rows<value>.csv)]
 #   [TESTS=1 (first the CUDA mask tests, the block-sparse one under every item
 #    order, then after the bench a compute-sanitizer memcheck subset of them;
 #    MEMCHECK=0 skips the memcheck)] [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh
@@ -21,7 +23,7 @@ OUT=${OUT:-$PWD/mask-bench-out}
 mkdir -p "$OUT"
 GRID=${GRID:-all}; IMPLS=${IMPLS:-ours}; DIMS=${DIMS:-64,128}; NS=${NS:-8192,16384,32768}
 KERNELS=${KERNELS:-all}; VARIANTS=${VARIANTS:-split}; PEERS=${PEERS:-1}; TESTS=${TESTS:-0}
-ORDERS=${ORDERS:-head}; MEMCHECK=${MEMCHECK:-$TESTS}
+ORDERS=${ORDERS:-head}; BIAS_ROWS=${BIAS_ROWS:-1}; MEMCHECK=${MEMCHECK:-$TESTS}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
 MASK_TESTS="sm90_block_sparse_test sm90_bias_test cuda_score_mods_test cuda_backend_test"
@@ -76,18 +78,21 @@ masks=$(mktemp -d)
 first=1
 TAGS=()
 for o in $ORDERS; do
-  for v in $VARIANTS; do
-    tag=$v
-    [ "$ORDERS" != head ] && tag="$v-$o"
-    TAGS+=("$tag")
-    mask_args=()
-    [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
-    ATTNSERVE_SM90_ITEM_ORDER=$o $B/bench/cuda/mask_bench --grid="$GRID" --impls="$IMPLS" \
-      --dims="$DIMS" --ns="$NS" --sm90_mods="$v" --csv="$OUT/ours-$tag.csv" "${mask_args[@]}" \
-      2>"$OUT/mask_bench-$tag.log"
-    echo "mask_bench --sm90_mods=$v (order $o) rc=$?"; tail -2 "$OUT/mask_bench-$tag.log"
-    [ $first = 1 ] && cp "$OUT/ours-$tag.csv" "$OUT/ours.csv"
-    first=0
+  for br in $BIAS_ROWS; do
+    for v in $VARIANTS; do
+      tag=$v
+      [ "$ORDERS" != head ] && tag="$tag-$o"
+      [ "$BIAS_ROWS" != 1 ] && tag="$tag-rows$br"
+      TAGS+=("$tag")
+      mask_args=()
+      [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
+      ATTNSERVE_SM90_ITEM_ORDER=$o ATTNSERVE_SM90_BIAS_ROWS=$br $B/bench/cuda/mask_bench \
+        --grid="$GRID" --impls="$IMPLS" --dims="$DIMS" --ns="$NS" --sm90_mods="$v" \
+        --csv="$OUT/ours-$tag.csv" "${mask_args[@]}" 2>"$OUT/mask_bench-$tag.log"
+      echo "mask_bench --sm90_mods=$v (order $o, bias rows $br) rc=$?"; tail -2 "$OUT/mask_bench-$tag.log"
+      [ $first = 1 ] && cp "$OUT/ours-$tag.csv" "$OUT/ours.csv"
+      first=0
+    done
   done
 done
 if [ "$PEERS" = 1 ]; then
