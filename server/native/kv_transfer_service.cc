@@ -19,16 +19,24 @@
 
 namespace attnserve {
 
+namespace {
+
+// A chunk over UCX: what the export asked for (0: the default), at most what
+// a receiver takes (ucx::BulkOptions).
+int64_t UcxChunkBytes(int64_t requested) {
+  const int64_t asked = requested > 0 ? requested : kDefaultKvChunkBytes;
+  return std::min(asked, ucx::BulkOptions{}.max_chunk_bytes);
+}
+
+}  // namespace
+
 KvExportOptions DecodeExportRequest(const v1::ExportSequencesRequest& r) {
   KvExportOptions o;
   o.sequence_ids.assign(r.sequence_ids().begin(), r.sequence_ids().end());
   o.token_begin = r.token_begin();
   if (r.has_token_end()) o.token_end = r.token_end();
   if (r.has_resume()) o.resume = DecodeResumePoint(r.resume());
-  o.max_chunk_bytes = r.max_chunk_bytes();
-  // Over UCX a chunk is at most what a receiver takes (ucx::BulkOptions).
-  const int64_t most = ucx::BulkOptions{}.max_chunk_bytes;
-  if (r.has_data_plane() && o.max_chunk_bytes > most) o.max_chunk_bytes = most;
+  o.max_chunk_bytes = r.has_data_plane() ? UcxChunkBytes(r.max_chunk_bytes()) : r.max_chunk_bytes();
   o.transfer_id = r.transfer_id();
   // Chunks in this stream: read one ahead, off the gRPC thread (the data
   // plane's sender reads on a thread of its own already).
@@ -234,10 +242,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     // The window's slots are reserved (and page-locked in CUDA builds) at the
     // chunk size before anything is read, so the chunk is at most what a
     // receiver takes and what is left to send, and the charge is all of them.
-    const int64_t requested =
-        request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : kDefaultKvChunkBytes;
     const int64_t chunk = std::max<int64_t>(
-        1, std::min({requested, options.max_chunk_bytes, exporter_->remaining_bytes()}));
+        1, std::min(UcxChunkBytes(request.max_chunk_bytes()), exporter_->remaining_bytes()));
     const int64_t held = std::max(options.window, 1) * chunk;
     options.chunk_bytes = chunk;
     if (tenants_ != nullptr && held > 0) {
