@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
 #include "server/kv/startup_cache.h"
+#include "server/native/kv_transfer_service.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -157,6 +158,11 @@ ABSL_FLAG(int, ucx_port, 0,
 ABSL_FLAG(std::string, ucx_host, "127.0.0.1",
           "Address the UCX listener binds (UCX carries tensors unencrypted: with --tls_cert "
           "only a loopback address is accepted)");
+ABSL_FLAG(int, ucx_max_exports, attnserve::kDefaultUcxMaxExports,
+          "UCX exports (ExportSequences with data_plane) running at once on this server; one "
+          "more is refused with RESOURCE_EXHAUSTED before anything is reserved; 0: no limit");
+ABSL_FLAG(int, ucx_max_exports_per_tenant, attnserve::kDefaultUcxMaxExportsPerTenant,
+          "UCX exports running at once per tenant (as --ucx_max_exports); 0: no limit");
 ABSL_FLAG(std::string, log_level, "info",
           "Log level: trace, debug, info, warn, error, critical or off");
 
@@ -267,6 +273,13 @@ int main(int argc, char** argv) {
   options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
   options.ucx_port = absl::GetFlag(FLAGS_ucx_port);
   options.ucx_host = absl::GetFlag(FLAGS_ucx_host);
+  if (absl::GetFlag(FLAGS_ucx_max_exports) < 0 ||
+      absl::GetFlag(FLAGS_ucx_max_exports_per_tenant) < 0) {
+    std::fprintf(stderr, "ucx_max_exports, ucx_max_exports_per_tenant: expected >= 0\n");
+    return 2;
+  }
+  attnserve::SetUcxExportLimits(absl::GetFlag(FLAGS_ucx_max_exports),
+                                absl::GetFlag(FLAGS_ucx_max_exports_per_tenant));
   options.handoff.peer = absl::GetFlag(FLAGS_handoff_peer);
   options.handoff.peer_ca_file = absl::GetFlag(FLAGS_handoff_peer_ca);
   options.handoff.linger = absl::GetFlag(FLAGS_handoff_linger);
