@@ -161,7 +161,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
       static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
   b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);
   b->scatter_pool_ = std::make_unique<ThreadPool>(copy_threads);
-  b->host_tensors_ = std::make_shared<PinnedHostPool>();
+  b->host_tensors_ = std::make_shared<PinnedHostPool>(device);
   for (std::unique_ptr<Slot>& slot : b->slots_) {
     slot = std::make_unique<Slot>();
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking),

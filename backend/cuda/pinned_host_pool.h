@@ -25,6 +25,10 @@ class PinnedHostPool : public std::enable_shared_from_this<PinnedHostPool> {
   // Free blocks kept for reuse, in bytes; more are given back to the driver.
   static constexpr int64_t kMaxCachedBytes = int64_t{512} << 20;
 
+  // Fresh blocks are allocated in `device`'s context (the calling thread's
+  // current device is set to it), so a server on other GPUs than 0 never
+  // creates a context on GPU 0.
+  explicit PinnedHostPool(int device) : device_(device) {}
   ~PinnedHostPool() {
     for (auto& [size, blocks] : free_) {
       for (char* p : blocks) cudaFreeHost(p);
@@ -39,7 +43,8 @@ class PinnedHostPool : public std::enable_shared_from_this<PinnedHostPool> {
     char* p = Take(size);
     if (p == nullptr) {
       void* fresh = nullptr;
-      if (cudaHostAlloc(&fresh, static_cast<size_t>(size), cudaHostAllocPortable) != cudaSuccess) {
+      if (cudaSetDevice(device_) != cudaSuccess ||
+          cudaHostAlloc(&fresh, static_cast<size_t>(size), cudaHostAllocPortable) != cudaSuccess) {
         cudaGetLastError();  // not sticky: the call falls back to pageable memory
         return Heap(bytes);
       }
@@ -86,6 +91,7 @@ class PinnedHostPool : public std::enable_shared_from_this<PinnedHostPool> {
     cudaFreeHost(block);
   }
 
+  const int device_;
   mutable std::mutex mu_;
   std::map<int64_t, std::vector<char*>> free_;  // size class -> free blocks
   int64_t cached_ = 0;
