@@ -303,6 +303,7 @@ class BulkReceiver::Impl {
     absl::Time deadline;                          // its hello by then, or closed
     absl::Time drop_at = absl::InfiniteFuture();  // refused: closed by then
     bool gone = false;                            // the peer went (or an error)
+    bool closing = false;                         // no longer heard
     int outstanding = 0;
   };
 
@@ -359,6 +360,7 @@ class BulkReceiver::Impl {
   }
 
   void OnPendingFrame(const std::shared_ptr<Pending>& p) {
+    if (p->closing) return;
     if (p->in.magic != kBulkMagic || p->in.type != kHello || p->in.message_bytes > kMaxText) {
       p->drop_at = absl::Now();  // not a sender of this protocol
       return;
@@ -379,6 +381,7 @@ class BulkReceiver::Impl {
   }
 
   void OnHello(const std::shared_ptr<Pending>& p) {
+    if (p->closing) return;
     BulkFrame reply;
     reply.type = kHelloReply;
     if (p->text != offer_.ticket || hello_done_) {
@@ -411,7 +414,9 @@ class BulkReceiver::Impl {
   // Closes a connection that never said a good hello (UCX stops queuing
   // what it sends); the listener hears the next.
   void ClosePending(std::shared_ptr<Pending> p) {
-    pending_.erase(std::find(pending_.begin(), pending_.end(), p));
+    p->closing = true;  // its operations' completions (in the progress below) do nothing
+    auto it = std::find(pending_.begin(), pending_.end(), p);
+    if (it != pending_.end()) pending_.erase(it);
     if (p->ep != nullptr) CloseEndpoint(*worker_, p->ep, absl::Now() + absl::Seconds(1));
     p->ep = nullptr;
     const absl::Time until = absl::Now() + absl::Seconds(1);

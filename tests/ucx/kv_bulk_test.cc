@@ -527,14 +527,17 @@ TEST(KvBulkTest, ATagOutsideTheWindowClosesTheConnection) {
   ASSERT_TRUE(receiver.ok()) << receiver.status();
   RawSender raw((*receiver)->offer());
   ASSERT_TRUE(raw.Hello((*receiver)->offer().ticket).ok());
+  // Small (eager) and large (rendezvous, where UCX sends the payload only
+  // once it is matched): both are taken out of the queue.
   ASSERT_TRUE(raw.SendTagged(RawChunkTag(1000, 0), std::string(4096, 'x')).ok());
+  raw.SendTagged(RawChunkTag(1001, 0), std::string(4 << 20, 'y')).IgnoreError();
   // Closed: the reply's receive fails at once (not at its 10 s deadline).
   const absl::Time start = absl::Now();
   RawFrame reply;
   const absl::Status status = raw.Reply(&reply);
   EXPECT_FALSE(status.ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the connection stayed open: " << status;
-  EXPECT_EQ((*receiver)->discarded(), 1);
+  EXPECT_GE((*receiver)->discarded(), 1);
   (*receiver)->Stop();
   EXPECT_EQ(applied.load(), 0);
 }
