@@ -27,14 +27,16 @@ __host__ __device__ __forceinline__ const int64_t* ModsPrefixOf(const FwdLaunch&
 }
 
 // The item order of a block-masked Hopper launch F of num_items items
-// (ItemOrderBytes): null when the call has none (no block mask, too many
-// items, no workspace).
-__host__ __device__ __forceinline__ int* ItemOrderOf(const FwdLaunch& F, int64_t num_items) {
+// (ItemOrderBytes; an entry per item: the item, its walk's num_tiles, e_top,
+// top_excess): null when the call has none (no block mask, too many items,
+// no workspace).
+__host__ __device__ __forceinline__ int4* ItemOrderOf(const FwdLaunch& F, int64_t num_items) {
   const int64_t bytes = ItemOrderBytes(F.p);
-  if (bytes == 0 || num_items * 4 > bytes || F.num_splits > 1 || F.item_counters == nullptr) {
+  if (bytes == 0 || num_items * kItemOrderEntryBytes > bytes || F.num_splits > 1 ||
+      F.item_counters == nullptr) {
     return nullptr;
   }
-  return reinterpret_cast<int*>(reinterpret_cast<char*>(F.item_counters) + ItemOrderOffset(F.p));
+  return reinterpret_cast<int4*>(reinterpret_cast<char*>(F.item_counters) + ItemOrderOffset(F.p));
 }
 
 namespace detail {

@@ -11,9 +11,11 @@
 //   int64 pairs_before[B + 1]   pairs of sequences 0..b-1 ([B]: all)
 //   int64 rows_before[B + 1]    query blocks of sequences 0..b-1 (0 without
 //                               a block mask)
-//   int32 item_order[items]     the Hopper prefill kernel's block-masked work
+//   int32 item_order[items][4]  the Hopper prefill kernel's block-masked work
 //                               items in the order its scheduler hands them
-//                               out (ItemOrderBytes; dense calls too)
+//                               out, each with its walk of the block mask
+//                               (ItemOrderBytes; dense calls too; 16-byte
+//                               aligned)
 #pragma once
 
 #include <cstdint>
@@ -44,15 +46,16 @@ ATTN_HOST_DEVICE int64_t Sm90ItemsOf(const AttnParams& p) {
 }
 
 // A block-masked Hopper launch orders its items by kept key blocks, longest
-// first (OrderItemsKernel): one int32 per item, after the staged offsets.
-// Past kMaxOrderedItems (a varlen batch of very many short sequences) the
-// items run in their natural order: the order's 4 bytes an item would cost
-// more than its balance buys.
-constexpr int64_t kMaxOrderedItems = int64_t{1} << 22;
+// first (OrderItemsKernel): an entry of 4 int32 per item (the item and its
+// walk), after the staged offsets. Past kMaxOrderedItems (a varlen batch of
+// very many short sequences) the items run in their natural order, walked
+// as drawn: the 16 bytes an item would cost more than its balance buys.
+constexpr int64_t kMaxOrderedItems = int64_t{1} << 20;
+constexpr int64_t kItemOrderEntryBytes = 16;
 ATTN_HOST_DEVICE int64_t ItemOrderBytes(const AttnParams& p) {
   if (!HasBlockMask(p)) return 0;
   const int64_t items = Sm90ItemsOf(p);
-  return items <= kMaxOrderedItems ? 4 * items : 0;
+  return items <= kMaxOrderedItems ? kItemOrderEntryBytes * items : 0;
 }
 ATTN_HOST_DEVICE int64_t ItemOrderOffset(const AttnParams& p) {
   return kModsPrefixOffset + ModsPrefixBytes(p);

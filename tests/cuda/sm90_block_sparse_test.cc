@@ -361,44 +361,69 @@ bool Compiled(int d) { return cuda::CompiledSm90HeadDim(d); }
 class Sm90ModsTest : public ::testing::TestWithParam<Case> {};
 
 // The block-masked launch's item order (the workspace after the staged
-// offsets): every item exactly once; without a band, each query head's items
-// (ATTNSERVE_SM90_ITEM_ORDER=global: all items) by their CSR row's kept
+// offsets; an entry per item: the item and its walk of the block mask):
+// every item exactly once; without a band, each item's walk as WalkBlockRow
+// would find it (its kept blocks' key tiles below the sequence's last, the
+// run's top entry, the tiles of the top block past that), and each query
+// head's items (ATTNSERVE_SM90_ITEM_ORDER=global: all items) by their kept
 // blocks, most first (items past their sequence's rows count 0).
 void CheckItemOrder(const Problem& pr, const Case& c, const Staged& st) {
   const AttnParams& p = pr.p;
   const int nmb = st.l.num_m_blocks;
   const int64_t items = int64_t{nmb} * p.batch * p.num_heads_q;
-  ASSERT_GT(cuda::ItemOrderBytes(p), 0);
-  std::vector<int32_t> order(items);
+  ASSERT_GE(cuda::ItemOrderBytes(p), items * 16);
+  std::vector<int32_t> order(items * 4);
   CUDA_OK(cudaMemcpy(order.data(),
                      static_cast<const char*>(st.counters.ptr) + cuda::ItemOrderOffset(p),
-                     items * 4, cudaMemcpyDeviceToHost));
+                     items * 16, cudaMemcpyDeviceToHost));
   std::vector<int> seen(items, 0);
-  for (int32_t i : order) {
+  for (int64_t j = 0; j < items; ++j) {
+    const int32_t i = order[4 * j];
     ASSERT_TRUE(i >= 0 && i < items) << "item " << i << " of " << items;
     ++seen[i];
   }
   EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), items) << "an item drawn twice or never";
-  if (IsBanded(p)) return;  // counts inside the band: the kernel's own rule
+  if (IsBanded(p)) return;  // walks inside the band: the kernel's results check them
   const int64_t per_head = int64_t{nmb} * p.batch;
-  auto kept = [&](int64_t i) -> int {
+  const int block_n = cuda::Sm90TileFor(c.d).block_n, tpb = p.block_k / block_n;
+  // Item i's CSR row, or -1 past its sequence's rows.
+  auto row_of = [&](int64_t i) -> int64_t {
     const int h = static_cast<int>(i / per_head);
     const int b = static_cast<int>(i % per_head / nmb), m = static_cast<int>(i % nmb);
-    if (m * 128 >= SeqLenQ(p, b)) return 0;
-    const int64_t row = BlockRow(p, BlockRowsBefore(p, b), b, h, m * 128 / p.block_q);
-    return pr.row_ptr[row + 1] - pr.row_ptr[row];
+    if (m * 128 >= SeqLenQ(p, b)) return -1;
+    return BlockRow(p, BlockRowsBefore(p, b), b, h, m * 128 / p.block_q);
   };
+  auto kept = [&](int64_t i) {
+    const int64_t row = row_of(i);
+    return row < 0 ? 0 : pr.row_ptr[row + 1] - pr.row_ptr[row];
+  };
+  int64_t bad_walks = 0;
+  for (int64_t j = 0; j < items; ++j) {
+    const int32_t* e = &order[4 * j];
+    const int64_t row = row_of(e[0]);
+    if (row < 0) continue;  // not drawn into work
+    const int b = static_cast<int>(e[0] % per_head / nmb);
+    const int n_end = (SeqLenK(p, b) + block_n - 1) / block_n;
+    const int e0 = pr.row_ptr[row], e1 = pr.row_ptr[row + 1];
+    int tiles = 0;
+    for (int x = e0; x < e1; ++x) {
+      tiles += std::max(0, std::min(n_end, (pr.col_idx[x] + 1) * tpb) - pr.col_idx[x] * tpb);
+    }
+    const int excess = e1 > e0 ? std::max(0, (pr.col_idx[e1 - 1] + 1) * tpb - n_end) : 0;
+    if (e[1] != tiles || (e1 > e0 && (e[2] != e1 - 1 || e[3] != excess))) ++bad_walks;
+  }
+  EXPECT_EQ(bad_walks, 0) << c.name << ": walks other than WalkBlockRow's";
   const char* env = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
   const std::string mode = env != nullptr ? env : "head";
   if (mode == "natural") {
-    for (int64_t j = 0; j < items; ++j) EXPECT_EQ(order[j], j);
+    for (int64_t j = 0; j < items; ++j) EXPECT_EQ(order[4 * j], j);
     return;
   }
   const int64_t seg = mode == "global" ? items : per_head;
   int64_t out_of_order = 0, other_head = 0;
   for (int64_t j = 0; j < items; ++j) {
-    if (j % seg != 0 && kept(order[j]) > kept(order[j - 1])) ++out_of_order;
-    if (seg == per_head && order[j] / per_head != j / per_head) ++other_head;
+    if (j % seg != 0 && kept(order[4 * j]) > kept(order[4 * (j - 1)])) ++out_of_order;
+    if (seg == per_head && order[4 * j] / per_head != j / per_head) ++other_head;
   }
   EXPECT_EQ(out_of_order, 0) << c.name << ": items not longest first";
   EXPECT_EQ(other_head, 0) << c.name << ": an item outside its head's segment";

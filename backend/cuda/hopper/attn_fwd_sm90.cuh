@@ -105,18 +105,26 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         // whole warp) and publishes it with the item; lane 0 loads.
         if (tid < 32) {
           const int64_t* prefix = ModsPrefixOf(F);  // varlen block mask: rows_before
-          // A block mask: items drawn in OrderItemsKernel's order.
-          const int* order = HasBlockMask(p) ? ItemOrderOf(F, num_items) : nullptr;
+          // A block mask: items drawn in OrderItemsKernel's order, each
+          // with its walk (none read here), else walked here.
+          const int4* order = HasBlockMask(p) ? ItemOrderOf(F, num_items) : nullptr;
           Sm90FwdProducer<Cfg> producer(L, sm);
           if (tid == 0) producer.PrefetchMaps();
           for (int k = 0;; ++k) {
-            const int item = scheduler.DrawItem(k, order, num_items);
+            int drawn = 0;  // lane 0: the index drawn (its order entry)
+            const int item = scheduler.DrawItem(k, order, num_items, &drawn);
             Sm90Tile t;
             t.num_tiles = 0;
             t.e_top = -1;
             t.top_excess = 0;
             const bool ok = item < num_items && DecodeTile<kBlockN, kIsBanded>(F, item, &t);
-            if (ok && HasBlockMask(p)) WalkBlockRow<kBlockN>(p, prefix, &t);
+            if (ok && HasBlockMask(p)) {
+              if (order == nullptr) {
+                WalkBlockRow<kBlockN>(p, prefix, &t);
+              } else if (tid == 0) {  // only lane 0 publishes and loads
+                Scheduler::ItemWalkAt(order, drawn, &t);
+              }
+            }
             scheduler.Publish(k, item, t);
             if (item >= num_items) break;
             if (ok && t.num_tiles > 0 && tid == 0) producer.LoadItem(t);
@@ -289,7 +297,7 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // A block mask: the item order the producer draws through, first.
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
-    int* order = HasBlockMask(p) ? ItemOrderOf(launch, items) : nullptr;
+    int4* order = HasBlockMask(p) ? ItemOrderOf(launch, items) : nullptr;
     if (order != nullptr) {
       const sm90::ItemOrder mode = sm90::ItemOrderFromEnv();
       const int64_t per_head = items / p.num_heads_q;

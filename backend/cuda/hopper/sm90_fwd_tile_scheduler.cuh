@@ -138,68 +138,106 @@ constexpr int kOrderThreads = 512;
 // Buckets of kept-block counts; counts past the last share it.
 constexpr int kOrderBuckets = 512;
 
-// Item `index`'s kept key blocks inside its band: its CSR row's entries
-// meeting the band's key tiles [n_begin, n_end) (binary searches: the
-// entries are sorted). 0 when its rows lie past Sq.
+// Item `index`'s walk of its CSR row (WalkBlockRow's num_tiles, e_top,
+// top_excess, by one thread: the run of entries meeting the band's key
+// tiles [n_begin, n_end) found by binary searches, the entries being
+// sorted) as an order entry {index, num_tiles, e_top, top_excess}; *kept
+// its kept blocks inside the band (0 when its rows lie past Sq).
 template <int kBlockN, bool kIsBanded>
-__device__ __forceinline__ int KeptBlocks(const FwdLaunch& F, const int64_t* prefix, int index) {
+__device__ __forceinline__ int4 ItemWalk(const FwdLaunch& F, const int64_t* prefix, int index,
+                                         int* kept) {
   const AttnParams& p = F.p;
+  int4 e = make_int4(index, 0, -1, 0);
+  *kept = 0;
   Sm90Tile t;
-  if (!DecodeTile<kBlockN, kIsBanded>(F, index, &t) || t.num_tiles <= 0) return 0;
+  if (!DecodeTile<kBlockN, kIsBanded>(F, index, &t) || t.num_tiles <= 0) return e;
   const bool varlen = IsVarlen(p);
   const int64_t row =
       StagedBlockRow(p, varlen ? __ldg(prefix + p.batch + 1 + t.b) : 0,
                      varlen ? __ldg(prefix + 2 * p.batch + 1) : 0, t.b, t.head, t.m0 / p.block_q);
   const int e0 = __ldg(p.block_row_ptr + row);
   const int e1 = __ldg(p.block_row_ptr + row + 1);
-  if (!kIsBanded) return e1 - e0;
   const int tpb = p.block_k / kBlockN;
-  const int lo_block = t.n_begin / tpb, hi_block = (t.n_end + tpb - 1) / tpb;
-  // The first entry at or past block c, for c = lo_block and hi_block.
-  auto lower = [&](int c) {
-    int lo = e0, hi = e1;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (__ldg(p.block_col_idx + mid) < c) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+  int e_lo = e0, e_hi = e1;  // unbanded: every kept block lies below n_end
+  if constexpr (kIsBanded) {
+    // The first entry at or past key block c.
+    auto lower = [&](int c) {
+      int lo = e0, hi = e1;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (__ldg(p.block_col_idx + mid) < c) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
       }
-    }
-    return lo;
-  };
-  return lower(hi_block) - lower(lo_block);
+      return lo;
+    };
+    e_lo = lower(t.n_begin / tpb);
+    e_hi = lower((t.n_end + tpb - 1) / tpb);
+  }
+  e.z = e_hi - 1;
+  if (e_hi > e_lo) {
+    const int c_top = __ldg(p.block_col_idx + e_hi - 1);
+    const int c_bot = __ldg(p.block_col_idx + e_lo);
+    e.w = max(0, (c_top + 1) * tpb - t.n_end);
+    e.y = (e_hi - e_lo) * tpb - e.w - max(0, t.n_begin - c_bot * tpb);
+    *kept = e_hi - e_lo;
+  }
+  return e;
 }
 
 // Writes order[seg0 .. seg0 + seg_items) for CTA x's segment of the items
 // [x * seg_items, ...): its items by kept blocks, most first (a counting
-// sort over kOrderBuckets; within a count, about their natural order). A
+// sort over kOrderBuckets; within a count, about their natural order), each
+// with its walk (ItemWalk), so the producer drawing it reads no CSR. A
 // dynamic scheduler mapping its drawn indices through the order starts the
 // long items first and ends on the short ones, so its CTAs finish together.
-// kNatural writes the identity. Run on the forward kernel's stream, before it.
+// kNatural keeps the identity order. Run on the forward kernel's stream,
+// before it.
 template <int kBlockN, bool kIsBanded>
 __global__ void __launch_bounds__(kOrderThreads)
-    OrderItemsKernel(const FwdLaunch F, int num_items, int seg_items, ItemOrder mode, int* order) {
+    OrderItemsKernel(const FwdLaunch F, int num_items, int seg_items, ItemOrder mode, int4* order) {
   __shared__ int bucket_start[kOrderBuckets];
   __shared__ int warp_sum[kOrderThreads / 32];
   const int seg0 = blockIdx.x * seg_items;
   const int seg1 = min(num_items, seg0 + seg_items);
   const int tid = threadIdx.x;
+  const int64_t* prefix = ModsPrefixOf(F);
   if (mode == ItemOrder::kNatural) {
-    for (int i = seg0 + tid; i < seg1; i += kOrderThreads) order[i] = i;
+    int kept;
+    for (int i = seg0 + tid; i < seg1; i += kOrderThreads) {
+      order[i] = ItemWalk<kBlockN, kIsBanded>(F, prefix, i, &kept);
+    }
     return;
   }
-  const int64_t* prefix = ModsPrefixOf(F);
   // Bucket r holds the items of kOrderBuckets - 1 - r kept blocks (clamped):
-  // ascending r is the order wanted.
-  auto bucket_of = [&](int i) {
-    const int kept = KeptBlocks<kBlockN, kIsBanded>(F, prefix, i);
-    return kOrderBuckets - 1 - min(kept, kOrderBuckets - 1);
+  // ascending r is the order wanted. A thread's first kKeep walks stay in
+  // registers between the passes; later ones are walked again.
+  constexpr int kKeep = 4;
+  int4 walks[kKeep];
+  int buckets[kKeep];
+  auto walk = [&](int i, int* bucket) {
+    int kept;
+    const int4 e = ItemWalk<kBlockN, kIsBanded>(F, prefix, i, &kept);
+    *bucket = kOrderBuckets - 1 - min(kept, kOrderBuckets - 1);
+    return e;
   };
   static_assert(kOrderBuckets == kOrderThreads, "one bucket per thread in the scan");
   bucket_start[tid] = 0;
   __syncthreads();
-  for (int i = seg0 + tid; i < seg1; i += kOrderThreads) atomicAdd(&bucket_start[bucket_of(i)], 1);
+  {
+    int k = 0;
+    for (int i = seg0 + tid; i < seg1; i += kOrderThreads, ++k) {
+      int bucket;
+      const int4 e = walk(i, &bucket);
+      if (k < kKeep) {
+        walks[k] = e;
+        buckets[k] = bucket;
+      }
+      atomicAdd(&bucket_start[bucket], 1);
+    }
+  }
   __syncthreads();
   // Exclusive scan of the counts: thread tid owns bucket tid.
   const int lane = tid % 32, warp = tid / 32;
@@ -224,8 +262,21 @@ __global__ void __launch_bounds__(kOrderThreads)
   __syncthreads();
   bucket_start[tid] = incl - count + (warp > 0 ? warp_sum[warp - 1] : 0);
   __syncthreads();
-  for (int i = seg0 + tid; i < seg1; i += kOrderThreads) {
-    order[seg0 + atomicAdd(&bucket_start[bucket_of(i)], 1)] = i;
+  {
+    int k = 0;
+    for (int i = seg0 + tid; i < seg1; i += kOrderThreads, ++k) {
+      int4 e;
+      int bucket;
+#pragma unroll
+      for (int q = 0; q < kKeep; ++q) {
+        if (q == k) {
+          e = walks[q];
+          bucket = buckets[q];
+        }
+      }
+      if (k >= kKeep) e = walk(i, &bucket);
+      order[seg0 + atomicAdd(&bucket_start[bucket], 1)] = e;
+    }
   }
 }
 
@@ -313,15 +364,25 @@ struct Sm90DynamicTileScheduler {
   // every lane gets it), computes its walk (WalkBlockRow), then lane 0
   // publishes both (Publish).
   // order (a block-masked launch's OrderItemsKernel, or null): the drawn
-  // index i names item order[i].
-  __device__ __forceinline__ int DrawItem(int k, const int* order, int num_items) const {
+  // index (*drawn) names item order[*drawn].x (its walk: ItemWalkAt).
+  __device__ __forceinline__ int DrawItem(int k, const int4* order, int num_items,
+                                          int* drawn) const {
     int item = 0;
     if (threadIdx.x % 32 == 0) {
       if (k >= 2) MbarWait(&sched_empty[k & 1], ((k >> 1) - 1) & 1);
       item = k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
-      if (order != nullptr && item < num_items) item = __ldg(order + item);
+      *drawn = item;
+      if (order != nullptr && item < num_items) item = __ldg(&order[item].x);
     }
     return __shfl_sync(0xffffffffu, item, 0);
+  }
+  // Lane 0's drawn item's walk from its order entry (read again after
+  // DecodeTile rather than held through it: the producer has 40 registers).
+  __device__ __forceinline__ static void ItemWalkAt(const int4* order, int drawn, Sm90Tile* t) {
+    const int4 e = __ldg(order + drawn);
+    t->num_tiles = e.y;
+    t->e_top = e.z;
+    t->top_excess = e.w;
   }
   __device__ __forceinline__ void Publish(int k, int item, const Sm90Tile& t) const {
     if (threadIdx.x % 32 != 0) return;
