@@ -66,10 +66,9 @@ inline ItemOrder ItemOrderFromEnv() {
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
-// schedule only): ALiBi, sinks and the block mask; kElemMods also the
+// schedule only): ALiBi, sinks and the block mask; kElemMods 1 also the
 // additive bias and element mask, 2 a 16-bit bias alone read in whole rows
-// (Sm90FwdConfig). kHeadDimV: V's and O's
-// head dim (MLA shapes).
+// (Sm90FwdConfig). kHeadDimV: V's and O's head dim (MLA shapes).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, int kElemMods = 0,
           int kHeadDimV = kHeadDim>
