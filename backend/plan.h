@@ -41,6 +41,10 @@ struct Plan {
   // dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
   // Q, K and V are all dequantised and the BF16 kernel of this plan runs.
   bool fp8_qk = false;
+  // With fp8_qk, where the tile's key width allows it: P V runs on FP8 wgmma
+  // too (P requantised to E4M3 per tile, V transposed to V^T's codes instead
+  // of dequantised; tolerance.h states the accuracy rule).
+  bool fp8_pv = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
@@ -52,7 +56,7 @@ struct Plan {
 inline bool SamePlanned(const Plan& a, const Plan& b) {
   return a.kernel_head_dim == b.kernel_head_dim && a.tile_kind == b.tile_kind &&
          a.kernel_family == b.kernel_family && a.banded == b.banded && a.fp8_qk == b.fp8_qk &&
-         a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
+         a.fp8_pv == b.fp8_pv && a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
 }
 
 }  // namespace attnserve

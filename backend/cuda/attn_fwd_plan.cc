@@ -132,8 +132,9 @@ TileConfig TileForPlan(const Plan& plan) {
 int PlanSmemBytes(const Plan& plan) {
   const TileConfig tile = TileForPlan(plan);
   if (plan.kernel_family != KernelFamily::kSm90) return SmemBytes(tile);
-  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeSmemBytes(tile)
-                                             : Sm90SmemBytes(tile, plan.fp8_qk ? 1 : 2);
+  return plan.tile_kind == TileKind::kDecode
+             ? Sm90DecodeSmemBytes(tile)
+             : Sm90SmemBytes(tile, plan.fp8_qk ? 1 : 2, 0, plan.fp8_pv ? 1 : 2);
 }
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
@@ -176,6 +177,8 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     // run dequantised on the portable kernel.
     Plan plan = PlanForward(bf16, num_sms, allow_sm90 && !HasScoreMods(params), kv);
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
+    // ... and P V too where the tile's key width takes FP8 steps.
+    plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n);
     return plan;
   }
   const AttnParams& p = params;

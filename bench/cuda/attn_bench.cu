@@ -19,10 +19,12 @@
 //             BF16 prefill only, either mask):
 //             the Hopper kernel under each warpgroup schedule (Sm90Schedule),
 //             the ablation of bench/NOTES-cuda.md.
-//   fp8, fp8_dequant (BF16 prefill shapes): the shape's inputs as FP8 E4M3
-//             codes, run as CudaBackend runs an FP8 call (dequantisation
-//             included): fp8 the planner's choice (on sm90 Q K^T on the
-//             codes), fp8_dequant every input dequantised to BF16 first.
+//   fp8, fp8_qk, fp8_dequant (BF16 prefill shapes): the shape's inputs as
+//             FP8 E4M3 codes, run as CudaBackend runs an FP8 call (its pass
+//             over V included): fp8 the planner's choice (on sm90 both GEMMs
+//             on the codes, Plan::fp8_pv), fp8_qk Q K^T alone on the codes
+//             (V dequantised, P V in BF16), fp8_dequant every input
+//             dequantised to BF16 first.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
@@ -485,12 +487,13 @@ __global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m
 // FP8 E4M3 inputs on the BF16 grid's prefill shapes: the shape's inputs
 // quantised to codes once in Setup (descale 1; Validate rounds the
 // reference's inputs to E4M3 the same way), then what CudaBackend runs for
-// an FP8 call, dequantisation included. native: the planner's choice (on
-// sm90 Q K^T on the codes, Plan::fp8_qk); otherwise every input dequantised
-// to BF16 first (the path before it). O is BF16.
+// an FP8 call, dequantisation included. Level 2: the planner's choice (on
+// sm90 both GEMMs on the codes where the tile takes it, Plan::fp8_pv); 1: Q
+// K^T on the codes only (Plan::fp8_qk, V dequantised: the path before
+// fp8_pv); 0: every input dequantised to BF16 first. O is BF16.
 struct Fp8 : Impl {
-  explicit Fp8(bool n) : native(n) {}
-  bool native;
+  explicit Fp8(int l) : level(l) {}
+  int level;
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -516,14 +519,15 @@ struct Fp8 : Impl {
     p.k = codes[1];
     p.v = codes[2];
     plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
-    if (!native) plan.fp8_qk = false;
+    if (level < 2) plan.fp8_pv = false;
+    if (level < 1) plan.fp8_qk = false;
     if (plan.kernel_head_dim == 0) return false;
-    scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk));
+    scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk, plan.fp8_pv));
     return scratch != nullptr && AllocWorkspace(&plan, &arena, &ws);
   }
   bool Run() override {
     AttnParams run;
-    CK(cuda::DequantiseFp8(p, plan.fp8_qk, scratch, nullptr, &run));
+    CK(cuda::DequantiseFp8(p, plan.fp8_qk, plan.fp8_pv, scratch, nullptr, &run));
     CK(cuda::LaunchForward(run, plan, ws, nullptr));
     return true;
   }
@@ -583,8 +587,9 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "paged64") return std::make_unique<Paged>(64, true);
   if (name == "paged16_portable") return std::make_unique<Paged>(16, false);
   if (name == "kvread") return std::make_unique<KvRead>();
-  if (name == "fp8") return std::make_unique<Fp8>(true);
-  if (name == "fp8_dequant") return std::make_unique<Fp8>(false);
+  if (name == "fp8") return std::make_unique<Fp8>(2);
+  if (name == "fp8_qk") return std::make_unique<Fp8>(1);
+  if (name == "fp8_dequant") return std::make_unique<Fp8>(0);
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
   return nullptr;
@@ -749,7 +754,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,ours_bi,portable,varlen,varlen_bi,standard,fa1,fp8,\n"
-          "                           fp8_dequant,paged16,\n"
+          "                           fp8_qk,fp8_dequant,paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
           "ours,standard,fa1)\n"

@@ -24,6 +24,7 @@
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
 #include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/fp8_vt_layout.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_fwd_epilogue.cuh"
@@ -44,15 +45,16 @@ namespace sm90 {
 // step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
 // schedule only): ALiBi, sinks and the block mask; kElemMods also the
 // additive bias and element mask (Sm90FwdConfig). kHeadDimV: V's and O's
-// head dim (MLA shapes).
+// head dim (MLA shapes). kFp8Pv (with kFp8Qk): P V on FP8 wgmma too, P
+// requantised to E4M3 per tile and V read as V^T's codes (fp8_vt_layout.h).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false,
-          int kHeadDimV = kHeadDim>
+          int kHeadDimV = kHeadDim, bool kFp8Pv = false>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk,
-                            kMods, kElemMods, kHeadDimV>;
+                            kMods, kElemMods, kHeadDimV, kFp8Pv>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -165,8 +167,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 // kHeadDimV != kHeadDim: MLA shapes (HeadDimV(p) differing from head_dim) on
 // kSm90DvTileTable's tile, 16-bit on the default schedule only.
+// kFp8Pv: p.v is V^T's codes (one map over its rows, boxes of kVtChunk keys).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
-          bool kLongKeys, int kHeadDimV>
+          bool kLongKeys, int kHeadDimV, bool kFp8Pv>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr bool kDistinctV = kHeadDimV != kHeadDim;
   static_assert(!kDistinctV || (!kFp8Qk && !kLongKeys && kSchedule == kDefaultSm90Schedule),
@@ -219,17 +222,21 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
     err = EncodeRowsTensorMap(&l.k, p.k, qk_dtype, batch, kv_rows, p.num_heads_kv, p.head_dim,
                               kTile.block_n);
   }
+  constexpr int kVtChunk = kTile.block_n % 128 == 0 ? 128 : 64;  // Sm90FwdConfig::kVtChunk
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, v_dim,
-                              kTile.block_n);
+    err = kFp8Pv ? EncodeVtTensorMap(&l.v, p.v, VtWidth(p), p.head_dim, p.num_heads_kv, kVtChunk,
+                                     kHeadDimV)
+                 : EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, v_dim,
+                                       kTile.block_n);
   }
   if (err != cudaSuccess) return err;
   constexpr int kQKBytes = kFp8Qk ? 1 : 2;
+  constexpr int kVBytes = kFp8Pv ? 1 : 2;
   constexpr int kVDim = kDistinctV ? kHeadDimV : 0;  // Sm90SmemBytes' v_dim
-  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes, kVDim);
+  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes, kVDim, kVBytes);
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                              kSchedule, kFp8Qk, false, false, kHeadDimV>;
+                              kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
@@ -240,8 +247,8 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
     }
   }
   using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                      kSchedule, kFp8Qk, true, true, kHeadDimV>;
-  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim);
+                                      kSchedule, kFp8Qk, true, true, kHeadDimV, kFp8Pv>;
+  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim, kVBytes);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.
   const int smem = elem_mods ? ElemCfg::kSmemBytes : kSmem;
