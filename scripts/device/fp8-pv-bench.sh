@@ -3,10 +3,11 @@
 # with P V on FP8 wgmma (Plan::fp8_pv) against the path before it (Q K^T
 # alone on the codes, V dequantised: attn_bench's fp8_qk). Builds (or takes
 # BUILD=<dir>, a configured build tree whose kernels are built) the CUDA
-# backend's tests and attn_bench; runs cuda_backend_test's FP8 cases (the
-# Fp8/ grid, the Sm90/ FP8 cases, the Fp8Pv layout and permutation tests,
-# the planner's check) and compute-sanitizer memcheck (and racecheck) on one
-# small FP8 case; then attn_bench's FP8 rows at D 64/128/256, N 1k-16k
+# backend's tests and attn_bench; runs cuda_fp8_pv_test (V^T's layout, the
+# transpose pass, rows dominated by a few keys, a broken permutation that
+# must fail), cuda_backend_test's FP8 cases (the Fp8/ grid, the Sm90/ FP8
+# case, the planner's check; then the Fp8/ grid on the portable kernel) and
+# compute-sanitizer memcheck and racecheck on small FP8 cases; then attn_bench's FP8 rows at D 64/128/256, N 1k-16k
 # (B x N = 16k tokens, 2048 / D heads), causal and not, new (fp8), old
 # (fp8_qk) and everything dequantised (fp8_dequant) side by side, and BF16
 # (ours) beside them. D 64 and 256 need the full kernel set (KERNELS=all, the
@@ -34,7 +35,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,me
 use_carried_libs absl lib
 if [ -n "${BUILD:-}" ]; then
   B=$BUILD
-  ninja -C $B -j16 cuda_backend_test attn_bench >"$OUT/build.log" 2>&1 &&
+  ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test attn_bench >"$OUT/build.log" 2>&1 &&
     note build "ok (BUILD=$B)" || { note build "FAILED (BUILD=$B, build.log)"; tail -30 "$OUT/build.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 else
   B=build-gpu-$KERNELS
@@ -42,7 +43,7 @@ else
   if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
        -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
        -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-     ninja -C $B -j16 cuda_backend_test attn_bench >"$OUT/build.log" 2>&1; then
+     ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test attn_bench >"$OUT/build.log" 2>&1; then
     note build "ok ($(( $(date +%s) - t0 )) s, KERNELS=$KERNELS)"
   else
     note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
@@ -52,6 +53,7 @@ fi
 grep -E "spill" "$OUT/build.log" | grep -cE "ELi(64|128|256)ELb1EEEvNS0_13Sm90FwdLaunch" >"$OUT/fp8pv-spills.txt"
 note "fp8 P V kernel spill warnings" "$(cat "$OUT/fp8pv-spills.txt")"
 T=$B/tests/cuda/cuda_backend_test
+TP=$B/tests/cuda/cuda_fp8_pv_test
 
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
@@ -60,20 +62,24 @@ run_test() {  # run_test NAME LOG ARGS...
   grep -E '^\[  FAILED  \]|Failure|Which is|allowed' "$OUT/$log" | head -12
 }
 if [ "$TESTS" = 1 ]; then
+  run_test "cuda_fp8_pv_test" fp8-pv-tests.log $TP
   run_test "fp8 tests (plan: fp8_pv)" fp8-tests.log $T \
-    --gtest_filter='Fp8/*:Sm90/*fp8*:*Fp8Pv*:CudaBackendSm90.PlannerPicks*'
+    --gtest_filter='Fp8/*:Sm90/*fp8*:CudaBackendSm90.PlannerPicks*'
   # The portable kernel on the same FP8 cases: the tolerance's FP8 term must
   # not hide anything there either.
   ATTNSERVE_CUDA_PORTABLE=1 run_test "fp8 tests (portable)" fp8-tests-portable.log $T \
     --gtest_filter='Fp8/*'
   if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
-    # One small FP8 prefill case on the new path (2 x 1025 causal, D 128),
-    # and the layout test (the transpose pass over a varlen batch).
-    filt='Fp8/*_7:*Fp8Pv*TransposeMatchesTheLayout*'
+    # One small FP8 prefill case on the new path (1 x 1025 causal, D 128),
+    # the transpose pass over a varlen batch and a varlen sharp case.
     for tool in memcheck racecheck; do
-      timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter="$filt" \
+      timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter='Fp8/*_7' \
         >"$OUT/sanitizer-$tool.log" 2>&1
-      note "sanitizer $tool (fp8)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+      note "sanitizer $tool (Fp8/*_7)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+      timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $TP \
+        --gtest_filter='CudaFp8Pv.TransposeMatchesTheLayout:*PassesTheFp8Rule/*_6' \
+        >"$OUT/sanitizer-$tool-pv.log" 2>&1
+      note "sanitizer $tool (fp8 pv test)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool-pv.log" | tail -1)"
     done
   fi
 fi
