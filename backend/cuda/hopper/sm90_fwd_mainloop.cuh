@@ -52,7 +52,7 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&r
     const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
     corr[half] = detail::Exp2(row_max[half] * score_log2 - mx_log2);
     row_max[half] = mx;
-    const float arg0 = static_cast<float>(kPExp) - mx_log2;
+    const float arg0 = kPExp == 0 ? -mx_log2 : static_cast<float>(kPExp) - mx_log2;
     float sum = row_sum[half] * corr[half];
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
