@@ -24,7 +24,10 @@
 //             over V included): fp8 the planner's choice (on sm90 both GEMMs
 //             on the codes, Plan::fp8_pv), fp8_qk Q K^T alone on the codes
 //             (V dequantised, P V in BF16), fp8_dequant every input
-//             dequantised to BF16 first.
+//             dequantised to BF16 first. fp8_pass, fp8_qk_pass: the pass
+//             over the inputs of fp8 / fp8_qk alone (V^T's codes / BF16 V),
+//             no kernel; their TFLOP/s column is meaningless, ms is the
+//             pass's time.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
@@ -490,10 +493,12 @@ __global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m
 // an FP8 call, dequantisation included. Level 2: the planner's choice (on
 // sm90 both GEMMs on the codes where the tile takes it, Plan::fp8_pv); 1: Q
 // K^T on the codes only (Plan::fp8_qk, V dequantised: the path before
-// fp8_pv); 0: every input dequantised to BF16 first. O is BF16.
+// fp8_pv); 0: every input dequantised to BF16 first. O is BF16. pass_only:
+// the pass over the inputs alone (the ablation's split of a level's time).
 struct Fp8 : Impl {
-  explicit Fp8(int l) : level(l) {}
+  explicit Fp8(int l, bool pass = false) : level(l), pass_only(pass) {}
   int level;
+  bool pass_only;
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -528,7 +533,7 @@ struct Fp8 : Impl {
   bool Run() override {
     AttnParams run;
     CK(cuda::DequantiseFp8(p, plan.fp8_qk, plan.fp8_pv, scratch, nullptr, &run));
-    CK(cuda::LaunchForward(run, plan, ws, nullptr));
+    if (!pass_only) CK(cuda::LaunchForward(run, plan, ws, nullptr));
     return true;
   }
   int64_t ExtraBytes() const override { return arena.bytes; }
@@ -589,6 +594,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "fp8") return std::make_unique<Fp8>(2);
   if (name == "fp8_qk") return std::make_unique<Fp8>(1);
+  if (name == "fp8_pass") return std::make_unique<Fp8>(2, true);
+  if (name == "fp8_qk_pass") return std::make_unique<Fp8>(1, true);
   if (name == "fp8_dequant") return std::make_unique<Fp8>(0);
   if (name == "standard") return std::make_unique<Standard<T>>();
   if (name == "fa1") return std::make_unique<Fa1<T>>();
@@ -659,7 +666,9 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
 
 bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {
   double err = 0;
-  if (name != "kvread" && !Validate(name, s, &err)) {
+  // kvread and the FP8 passes alone write no O to validate.
+  const bool no_output = name == "kvread" || name.find("_pass") != std::string::npos;
+  if (!no_output && !Validate(name, s, &err)) {
     std::fprintf(stderr, "SKIP/FAIL validate %s d=%d causal=%d err=%g\n", name.c_str(), s.d,
                  s.causal, err);
     return false;
@@ -754,7 +763,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,ours_bi,portable,varlen,varlen_bi,standard,fa1,fp8,\n"
-          "                           fp8_qk,fp8_dequant,paged16,\n"
+          "                           fp8_qk,fp8_dequant,fp8_pass,fp8_qk_pass,paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
           "ours,standard,fa1)\n"
