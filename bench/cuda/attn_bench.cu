@@ -33,7 +33,8 @@
 //             over several slabs), read by the paged decode kernel through the
 //             block tables; on sm90 the planner's choice (the Hopper decode
 //             kernel at D = 64/96/128). paged16_portable: the portable one.
-// Grids (--grid=): anchor (docs/design.md §5: D 64/128/256 x N 512..16k),
+// Grids (--grid=): anchor (docs/design.md §5: D 64/128/256 x N 512..16k;
+// --ds=64,256 and --ns=1024,8192 keep those of its head dims and lengths),
 // quick (its N = 1k and 8k, and the decode grid), decode, all (anchor and
 // decode), decodesweep (split-KV: B 1 and 16 x contexts 1k..32k), hdims (D
 // 32/96/192 at the anchor shapes, N = 1k and 8k).
@@ -753,6 +754,10 @@ std::vector<std::string> SplitList(const std::string& list) {
 int main(int argc, char** argv) {
   using namespace attnserve;
   std::string grid = "anchor", impls = "ours,standard,fa1", out;
+  std::string anchor_ds, anchor_ns;  // ",64,256,": the anchor grid's D / N kept (empty: all)
+  auto kept = [](const std::string& list, int x) {
+    return list.empty() || list.find("," + std::to_string(x) + ",") != std::string::npos;
+  };
   std::string dtypes = "bf16,fp16";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -767,7 +772,8 @@ int main(int argc, char** argv) {
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
           "ours,standard,fa1)\n"
-          "                  [--dtypes=bf16,fp16] [--csv=FILE] [--decode_splits=N] "
+          "                  [--dtypes=bf16,fp16] [--ds=64,..] [--ns=1024,..] [--csv=FILE]\n"
+          "                  [--decode_splits=N] "
           "[--kv_csv=FILE]\n"
           "Times each version (validated against the float64 reference first) with CUDA\n"
           "events, L2 flushed, median of 25 runs; CSV rows (docs/design.md section 5).\n");
@@ -777,6 +783,8 @@ int main(int argc, char** argv) {
     if (!val("--impls=").empty()) impls = val("--impls=");
     if (!val("--dtypes=").empty()) dtypes = val("--dtypes=");
     if (!val("--csv=").empty()) out = val("--csv=");
+    if (!val("--ds=").empty()) anchor_ds = "," + val("--ds=") + ",";
+    if (!val("--ns=").empty()) anchor_ns = "," + val("--ns=") + ",";
     if (!val("--decode_splits=").empty())
       g_decode_splits = std::atoi(val("--decode_splits=").c_str());
     if (!val("--kv_csv=").empty()) {
@@ -795,6 +803,7 @@ int main(int argc, char** argv) {
       for (int d : {64, 128, 256}) {
         for (int n : {512, 1024, 2048, 4096, 8192, 16384}) {
           if (grid == "quick" && n != 1024 && n != 8192) continue;
+          if (!kept(anchor_ds, d) || !kept(anchor_ns, n)) continue;
           for (bool c : {false, true})
             shapes.push_back({"prefill", t, d, 16384 / n, 2048 / d, 2048 / d, n, n, c});
         }

@@ -95,6 +95,7 @@ if [ "$BENCH" = 1 ]; then
   [ "$BF16" = 1 ] && impls=$impls,ours
   # The anchor grid (D 64/128/256 x N 512..16k), BF16 shapes as FP8 codes.
   timeout 540 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=$impls \
+    --ds="$(echo $DS | tr ' ' ',')" --ns="$NS" \
     --csv="$OUT/bench-raw.csv" >"$OUT/bench.log" 2>&1
   note "attn_bench (anchor, $impls)" "rc=$? $(grep -c 'FAIL' "$OUT/bench.log") failed/skipped"
   grep -E 'FAIL|SKIP' "$OUT/bench.log" | head -8
