@@ -37,8 +37,8 @@ struct Plan {
   // modifiers and masks (their kernels live in the banded instantiations).
   bool banded = false;
   // FP8 E4M3 calls on the Hopper prefill kernel: Q K^T runs on the FP8 codes
-  // (FP8 wgmma), the descales folded into the softmax scale; V is
-  // dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
+  // (FP8 wgmma), the descales folded into the softmax scale; without
+  // fp8_pv, V is dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
   // Q, K and V are all dequantised and the BF16 kernel of this plan runs.
   bool fp8_qk = false;
   // With fp8_qk, where the tile's key width allows it: P V runs on FP8 wgmma

@@ -42,7 +42,7 @@ namespace sm90 {
 // kTmaSync has no producer (consumer thread 0 loads, see Sm90FwdMainloop).
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
-// step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
+// step of 16-bit values is); V, P and O stay T (BF16) unless kFp8Pv. kMods (the dynamic
 // schedule only): ALiBi, sinks and the block mask; kElemMods also the
 // additive bias and element mask (Sm90FwdConfig). kHeadDimV: V's and O's
 // head dim (MLA shapes). kFp8Pv (with kFp8Qk): P V on FP8 wgmma too, P
@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // block, batch, query head), or one per SM for the persistent schedules
 // (the schedule's Sm90TileScheduler picks).
 // launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
-// and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
+// and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16 (but for
+// kFp8Pv's V^T codes).
 // Score modifiers (HasScoreMods) run the kMods instantiation, which only the
 // 16-bit default schedule has (Sm90SupportsMods); the others refuse them
 // with cudaErrorNotSupported, as the default schedule does a bias of another
