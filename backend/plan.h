@@ -45,6 +45,10 @@ struct Plan {
   // too (P requantised to E4M3 per tile, V transposed to V^T's codes instead
   // of dequantised; tolerance.h states the accuracy rule).
   bool fp8_pv = false;
+  // With fp8_pv: a quarter of P's exp2 on the FMA pipe (a polynomial) rather
+  // than the MUFU unit, which the softmax of an FP8 tile otherwise keeps as
+  // busy as the tensor cores (16 exp2 per clock per SM).
+  bool fp8_poly_exp2 = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
@@ -56,7 +60,8 @@ struct Plan {
 inline bool SamePlanned(const Plan& a, const Plan& b) {
   return a.kernel_head_dim == b.kernel_head_dim && a.tile_kind == b.tile_kind &&
          a.kernel_family == b.kernel_family && a.banded == b.banded && a.fp8_qk == b.fp8_qk &&
-         a.fp8_pv == b.fp8_pv && a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
+         a.fp8_pv == b.fp8_pv && a.fp8_poly_exp2 == b.fp8_poly_exp2 &&
+         a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
 }
 
 }  // namespace attnserve

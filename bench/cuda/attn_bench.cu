@@ -24,7 +24,8 @@
 //             over V included): fp8 the planner's choice (on sm90 both GEMMs
 //             on the codes, Plan::fp8_pv), fp8_qk Q K^T alone on the codes
 //             (V dequantised, P V in BF16), fp8_dequant every input
-//             dequantised to BF16 first. fp8_pass, fp8_qk_pass: the pass
+//             dequantised to BF16 first. fp8_poly, fp8_mufu: fp8 with
+//             Plan::fp8_poly_exp2 set / clear. fp8_pass, fp8_qk_pass: the pass
 //             over the inputs of fp8 / fp8_qk alone (V^T's codes / BF16 V),
 //             no kernel; their TFLOP/s column is meaningless, ms is the
 //             pass's time.
@@ -497,9 +498,11 @@ __global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m
 // fp8_pv); 0: every input dequantised to BF16 first. O is BF16. pass_only:
 // the pass over the inputs alone (the ablation's split of a level's time).
 struct Fp8 : Impl {
-  explicit Fp8(int l, bool pass = false) : level(l), pass_only(pass) {}
+  explicit Fp8(int l, bool pass = false, bool poly = false)
+      : level(l), pass_only(pass), poly_exp2(poly) {}
   int level;
   bool pass_only;
+  bool poly_exp2;  // Plan::fp8_poly_exp2 (level 2)
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -526,6 +529,7 @@ struct Fp8 : Impl {
     p.v = codes[2];
     plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
     if (level < 2) plan.fp8_pv = false;
+    if (level == 2) plan.fp8_poly_exp2 = poly_exp2;
     if (level < 1) plan.fp8_qk = false;
     if (plan.kernel_head_dim == 0) return false;
     scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk, plan.fp8_pv));
@@ -595,6 +599,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "fp8") return std::make_unique<Fp8>(2);
   if (name == "fp8_qk") return std::make_unique<Fp8>(1);
+  if (name == "fp8_poly") return std::make_unique<Fp8>(2, false, true);
+  if (name == "fp8_mufu") return std::make_unique<Fp8>(2, false, false);
   if (name == "fp8_pass") return std::make_unique<Fp8>(2, true);
   if (name == "fp8_qk_pass") return std::make_unique<Fp8>(1, true);
   if (name == "fp8_dequant") return std::make_unique<Fp8>(0);
@@ -768,7 +774,8 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,ours_bi,portable,varlen,varlen_bi,standard,fa1,fp8,\n"
-          "                           fp8_qk,fp8_dequant,fp8_pass,fp8_qk_pass,paged16,\n"
+          "                           fp8_qk,fp8_dequant,fp8_poly,fp8_mufu,fp8_pass,fp8_qk_pass,\n"
+          "                           paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "
           "ours,standard,fa1)\n"

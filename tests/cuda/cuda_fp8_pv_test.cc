@@ -236,12 +236,17 @@ TEST_P(CudaFp8PvSharp, PassesTheFp8Rule) {
   if (cuda::DeviceRunsSm90Kernels(0) && plan->kernel_family == KernelFamily::kSm90) {
     EXPECT_TRUE(plan->fp8_pv) << GetParam().Name();
   }
-  for (int run = 0; run < 2; ++run) {
+  // Twice as planned, then with Plan::fp8_poly_exp2 flipped (both exp2 forms
+  // of the FP8 P V's softmax).
+  for (int run = 0; run < (plan->fp8_pv ? 3 : 2); ++run) {
+    Plan use = *plan;
+    if (run == 2) use.fp8_poly_exp2 = !plan->fp8_poly_exp2;
     buf.Poison();
     BackendTimings t;
-    const absl::Status st = backend->Forward(*plan, buf.params(), &t);
+    const absl::Status st = backend->Forward(use, buf.params(), &t);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_TRUE(CheckOutput(buf)) << GetParam().Name() << " run " << run;
+    EXPECT_TRUE(CheckOutput(buf)) << GetParam().Name() << " run " << run << " poly_exp2 "
+                                  << use.fp8_poly_exp2;
   }
 }
 

@@ -49,12 +49,12 @@ namespace sm90 {
 // requantised to E4M3 per tile and V read as V^T's codes (fp8_vt_layout.h).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false,
-          int kHeadDimV = kHeadDim, bool kFp8Pv = false>
+          int kHeadDimV = kHeadDim, bool kFp8Pv = false, bool kPolyExp2 = false>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk,
-                            kMods, kElemMods, kHeadDimV, kFp8Pv>;
+                            kMods, kElemMods, kHeadDimV, kFp8Pv, kPolyExp2>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -238,6 +238,12 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                               kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv>;
+  if constexpr (kFp8Pv) {
+    if (launch.poly_exp2) {
+      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                       kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv, true>;
+    }
+  }
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,

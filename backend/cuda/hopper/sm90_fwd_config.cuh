@@ -42,10 +42,11 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 // but the sinks' epilogue (a sinks-only call runs there). kHeadDimV_: V's
 // and O's head dim (MLA shapes; kHeadDim_ otherwise): P V, O and the V ring
 // run over it, Q K^T over kHeadDim_.
-// kFp8Pv_ (with kFp8Qk_): P V on FP8 wgmma, V's ring holding V^T's codes.
+// kFp8Pv_ (with kFp8Qk_): P V on FP8 wgmma, V's ring holding V^T's codes;
+// kPolyExp2_ (with it): Plan::fp8_poly_exp2.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
           Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false,
-          int kHeadDimV_ = kHeadDim_, bool kFp8Pv_ = false>
+          int kHeadDimV_ = kHeadDim_, bool kFp8Pv_ = false, bool kPolyExp2_ = false>
 struct Sm90FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -68,6 +69,8 @@ struct Sm90FwdConfig {
   // the same factor, so O's normalisation cancels it and the LSE subtracts it).
   static constexpr int kVtChunk = kBlockN % 128 == 0 ? 128 : 64;
   static constexpr int kPExp = kFp8Pv ? 8 : 0;
+  // kFp8Pv: a quarter of P's exp2 by Exp2Poly (Plan::fp8_poly_exp2).
+  static constexpr bool kPolyExp2 = kFp8Pv && kPolyExp2_;
 
   // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
   static constexpr bool kWS = WarpSpecialized(kSchedule);

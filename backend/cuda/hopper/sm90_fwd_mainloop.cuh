@@ -30,13 +30,27 @@ namespace attnserve {
 namespace cuda {
 namespace sm90 {
 
+// 2^x on the FMA and integer pipes, not MUFU (Plan::fp8_poly_exp2): x
+// rounded to the nearest integer j by the 1.5 * 2^23 trick, 2^(x - j) by a
+// cubic on [-0.5, 0.5] (relative error under 2^-11.9, against E4M3's 2^-4),
+// j added to the exponent field. x below -120 (masked keys: -inf) gives
+// 2^-120, which rounds to an E4M3 zero and adds nothing measurable to a sum.
+__device__ __forceinline__ float Exp2Poly(float x) {
+  x = fmaxf(x, -120.f);
+  const float t = x + 12582912.f;  // 1.5 * 2^23: the low mantissa bits hold j
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.05286327f, f, 0.2419271f), f, 0.69355154f), f, 1.f);
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
 // One online-softmax step over this thread's two rows of an S tile (in place:
 // S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
 // row's O and sum must be scaled by for the new max (applied to the sum here,
 // to O by the caller, which may do it later: the P V of the previous tile can
 // still be in flight). row_max in raw-score units; row_sum thread-partial.
-// kPExp: P comes out scaled by 2^kPExp (the FP8 P V's, Sm90FwdConfig).
-template <int kPExp = 0, int kNTiles>
+// kPExp: P comes out scaled by 2^kPExp (the FP8 P V's, Sm90FwdConfig);
+// kPoly: every fourth n8 tile's exp2 by Exp2Poly.
+template <int kPExp = 0, bool kPoly = false, int kNTiles>
 __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
                                             float (&row_sum)[2], float (&corr)[2],
                                             float score_log2) {
@@ -58,7 +72,8 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&r
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, arg0));
+        const float x = fmaf(s[0][nt][half * 2 + e], score_log2, arg0);
+        const float pv = kPoly && nt % 4 == 3 ? Exp2Poly(x) : detail::Exp2(x);
         s[0][nt][half * 2 + e] = pv;
         sum += pv;
       }
@@ -838,7 +853,8 @@ class Sm90FwdMainloop {
     if constexpr (Cfg::kMods && !Cfg::kElemMods) {
       SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2, off);
     } else {
-      SoftmaxStep<Cfg::kPExp>(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
+      SoftmaxStep<Cfg::kPExp, Cfg::kPolyExp2>(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr,
+                                              score_log2);
     }
   }
 
