@@ -49,6 +49,9 @@ struct Plan {
   // than the MUFU unit, which the softmax of an FP8 tile otherwise keeps as
   // busy as the tensor cores (16 exp2 per clock per SM).
   bool fp8_poly_exp2 = false;
+  // With fp8_pv: one more K/V stage than the tile's (the FP8 tiles, half
+  // the bytes, leave room), for the faster GEMMs' loads.
+  bool fp8_extra_stage = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
@@ -61,7 +64,8 @@ inline bool SamePlanned(const Plan& a, const Plan& b) {
   return a.kernel_head_dim == b.kernel_head_dim && a.tile_kind == b.tile_kind &&
          a.kernel_family == b.kernel_family && a.banded == b.banded && a.fp8_qk == b.fp8_qk &&
          a.fp8_pv == b.fp8_pv && a.fp8_poly_exp2 == b.fp8_poly_exp2 &&
-         a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
+         a.fp8_extra_stage == b.fp8_extra_stage && a.num_splits == b.num_splits &&
+         a.pack_gqa == b.pack_gqa;
 }
 
 }  // namespace attnserve

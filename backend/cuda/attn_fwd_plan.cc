@@ -130,7 +130,10 @@ TileConfig TileForPlan(const Plan& plan) {
 }
 
 int PlanSmemBytes(const Plan& plan) {
-  const TileConfig tile = TileForPlan(plan);
+  TileConfig tile = TileForPlan(plan);
+  if (plan.kernel_family == KernelFamily::kSm90 && plan.fp8_pv && plan.fp8_extra_stage) {
+    ++tile.stages;
+  }
   if (plan.kernel_family != KernelFamily::kSm90) return SmemBytes(tile);
   return plan.tile_kind == TileKind::kDecode
              ? Sm90DecodeSmemBytes(tile)

@@ -25,7 +25,8 @@
 //             on the codes, Plan::fp8_pv), fp8_qk Q K^T alone on the codes
 //             (V dequantised, P V in BF16), fp8_dequant every input
 //             dequantised to BF16 first. fp8_poly, fp8_mufu: fp8 with
-//             Plan::fp8_poly_exp2 set / clear. fp8_pass, fp8_qk_pass: the pass
+//             Plan::fp8_poly_exp2 set / clear; fp8_stage, fp8_poly_stage:
+//             fp8_mufu / fp8_poly with Plan::fp8_extra_stage. fp8_pass, fp8_qk_pass: the pass
 //             over the inputs of fp8 / fp8_qk alone (V^T's codes / BF16 V),
 //             no kernel; their TFLOP/s column is meaningless, ms is the
 //             pass's time.
@@ -498,11 +499,12 @@ __global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m
 // fp8_pv); 0: every input dequantised to BF16 first. O is BF16. pass_only:
 // the pass over the inputs alone (the ablation's split of a level's time).
 struct Fp8 : Impl {
-  explicit Fp8(int l, bool pass = false, bool poly = false)
-      : level(l), pass_only(pass), poly_exp2(poly) {}
+  explicit Fp8(int l, bool pass = false, bool poly = false, bool stage = false)
+      : level(l), pass_only(pass), poly_exp2(poly), extra_stage(stage) {}
   int level;
   bool pass_only;
-  bool poly_exp2;  // Plan::fp8_poly_exp2 (level 2)
+  bool poly_exp2;    // Plan::fp8_poly_exp2 (level 2)
+  bool extra_stage;  // Plan::fp8_extra_stage (level 2)
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -529,7 +531,10 @@ struct Fp8 : Impl {
     p.v = codes[2];
     plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
     if (level < 2) plan.fp8_pv = false;
-    if (level == 2) plan.fp8_poly_exp2 = poly_exp2;
+    if (level == 2) {
+      plan.fp8_poly_exp2 = poly_exp2;
+      plan.fp8_extra_stage = extra_stage;
+    }
     if (level < 1) plan.fp8_qk = false;
     if (plan.kernel_head_dim == 0) return false;
     scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk, plan.fp8_pv));
@@ -601,6 +606,8 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "fp8_qk") return std::make_unique<Fp8>(1);
   if (name == "fp8_poly") return std::make_unique<Fp8>(2, false, true);
   if (name == "fp8_mufu") return std::make_unique<Fp8>(2, false, false);
+  if (name == "fp8_stage") return std::make_unique<Fp8>(2, false, false, true);
+  if (name == "fp8_poly_stage") return std::make_unique<Fp8>(2, false, true, true);
   if (name == "fp8_pass") return std::make_unique<Fp8>(2, true);
   if (name == "fp8_qk_pass") return std::make_unique<Fp8>(1, true);
   if (name == "fp8_dequant") return std::make_unique<Fp8>(0);
@@ -774,7 +781,9 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: attn_bench [--grid=anchor|quick|decode|all|decodesweep|hdims]\n"
           "                  [--impls=ours,ours_bi,portable,varlen,varlen_bi,standard,fa1,fp8,\n"
-          "                           fp8_qk,fp8_dequant,fp8_poly,fp8_mufu,fp8_pass,fp8_qk_pass,\n"
+          "                           "
+          "fp8_qk,fp8_dequant,fp8_poly,fp8_mufu,fp8_stage,fp8_poly_stage,\n"
+          "                           fp8_pass,fp8_qk_pass,\n"
           "                           paged16,\n"
           "                           paged64,paged16_portable,kvread,sm90_tma,sm90_ws,sm90_pp,\n"
           "                           sm90_ppo,sm90_persist,sm90_dynamic] (default "

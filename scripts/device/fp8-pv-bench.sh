@@ -9,12 +9,13 @@
 # case, the planner's check; then the Fp8/ grid on the portable kernel) and
 # compute-sanitizer memcheck and racecheck on small FP8 cases; then attn_bench's FP8 rows at D 64/128/256, N 1k-16k
 # (B x N = 16k tokens, 2048 / D heads), causal and not, new (fp8), old
-# (fp8_qk) and everything dequantised (fp8_dequant) side by side, and BF16
-# (ours) beside them. D 64 and 256 need the full kernel set (KERNELS=all, the
+# (fp8_qk), two variants of new (fp8_poly, fp8_stage) and each path's pass
+# over V alone (fp8_pass, fp8_qk_pass) side by side, and BF16 (ours). D 64 and 256 need the full kernel set (KERNELS=all, the
 # default); with KERNELS=dev only D 128 runs on the Hopper kernel.
 # Prints a summary and, last, one table (TFLOP/s new, old, ratio); CSV and
 # logs under $OUT.
 # Usage: [BUILD=dir] [KERNELS=all|dev] [NS=1024,...] [DS="64 128 256"] [BF16=1]
+#        [EXTRA_IMPLS=fp8_dequant,fp8_poly_stage]
 #        scripts/device/fp8-pv-bench.sh [--no-sanitizer] [--no-tests] [--no-bench]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -91,7 +92,7 @@ if [ "$BENCH" = 1 ]; then
     echo "# gpu: $gpu; driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
     echo "# tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted'); KERNELS=$KERNELS; $(date -u +%Y-%m-%dT%H:%MZ)"
   } >"$CSV"
-  impls=fp8,fp8_poly,fp8_qk,fp8_dequant,fp8_pass,fp8_qk_pass
+  impls=fp8,fp8_poly,fp8_stage,fp8_qk,fp8_pass,fp8_qk_pass${EXTRA_IMPLS:+,$EXTRA_IMPLS}
   [ "$BF16" = 1 ] && impls=$impls,ours
   # The anchor grid (D 64/128/256 x N 512..16k), BF16 shapes as FP8 codes.
   timeout 540 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=$impls \
@@ -107,8 +108,9 @@ echo
 [ "$BENCH" = 1 ] || exit 0
 # The table: per shape (D, N, causal) in DS and NS, TFLOP/s of fp8 (new, as
 # planned), fp8_qk (old), new / old, fp8_poly (new with a quarter of P's
-# exp2 as a polynomial: Plan::fp8_poly_exp2) and poly / new, fp8_dequant and
-# BF16 beside them; then the
+# exp2 as a polynomial: Plan::fp8_poly_exp2) and poly / new, fp8_stage (new
+# with one more K/V stage: Plan::fp8_extra_stage) and stage / new, BF16
+# beside them; then the
 # ablation's split: each path's pass over V alone (ms) and its kernel (the
 # call's ms less the pass's), new / old for each.
 python3 - "$CSV" "$NS" "$DS" <<'EOF'
@@ -122,12 +124,12 @@ for r in rows:
     t[k], ms[k] = float(r["tflops"]), float(r["ms"])
 shapes = sorted({k[:3] for k in t if k[0] in ds and k[1] in ns})
 print(f"{'D':>4} {'N':>6} {'causal':>6} {'new fp8':>8} {'old fp8_qk':>10} {'new/old':>8} "
-      f"{'fp8_poly':>8} {'poly/new':>8} {'dequant':>8} {'bf16':>7}  (TFLOP/s)")
+      f"{'fp8_poly':>8} {'poly/new':>8} {'fp8_stage':>9} {'stage/new':>9} {'bf16':>7}  (TFLOP/s)")
 for d, n, c in shapes:
     g = lambda i: t.get((d, n, c, i), float("nan"))
-    new, old, poly = g("fp8"), g("fp8_qk"), g("fp8_poly")
+    new, old, poly, stage = g("fp8"), g("fp8_qk"), g("fp8_poly"), g("fp8_stage")
     print(f"{d:>4} {n:>6} {c:>6} {new:8.1f} {old:10.1f} {new / old:8.3f} {poly:8.1f} "
-          f"{poly / new:8.3f} {g('fp8_dequant'):8.1f} {g('ours'):7.1f}")
+          f"{poly / new:8.3f} {stage:9.1f} {stage / new:9.3f} {g('ours'):7.1f}")
 print()
 print(f"{'D':>4} {'N':>6} {'causal':>6} {'pass new':>9} {'pass old':>9} {'kern new':>9} "
       f"{'kern old':>9} {'pass n/o':>8} {'kern n/o':>8}  (ms)")

@@ -237,16 +237,17 @@ TEST_P(CudaFp8PvSharp, PassesTheFp8Rule) {
     EXPECT_TRUE(plan->fp8_pv) << GetParam().Name();
   }
   // Twice as planned, then with Plan::fp8_poly_exp2 flipped (both exp2 forms
-  // of the FP8 P V's softmax).
-  for (int run = 0; run < (plan->fp8_pv ? 3 : 2); ++run) {
+  // of the FP8 P V's softmax), then with Plan::fp8_extra_stage flipped too.
+  for (int run = 0; run < (plan->fp8_pv ? 4 : 2); ++run) {
     Plan use = *plan;
-    if (run == 2) use.fp8_poly_exp2 = !plan->fp8_poly_exp2;
+    if (run >= 2) use.fp8_poly_exp2 = !plan->fp8_poly_exp2;
+    if (run == 3) use.fp8_extra_stage = !plan->fp8_extra_stage;
     buf.Poison();
     BackendTimings t;
     const absl::Status st = backend->Forward(use, buf.params(), &t);
     ASSERT_TRUE(st.ok()) << st;
     EXPECT_TRUE(CheckOutput(buf)) << GetParam().Name() << " run " << run << " poly_exp2 "
-                                  << use.fp8_poly_exp2;
+                                  << use.fp8_poly_exp2 << " extra_stage " << use.fp8_extra_stage;
   }
 }
 

@@ -238,8 +238,22 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                               kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv>;
+  int fp8_smem = 0;  // kFp8Pv with one more stage: its smem
   if constexpr (kFp8Pv) {
-    if (launch.poly_exp2) {
+    // Plan::fp8_extra_stage: the tile with one more K/V stage.
+    constexpr TileConfig kTile1 = {kTile.head_dim,  kTile.block_m,    kTile.block_n,
+                                   kTile.num_warps, kTile.stages + 1, kTile.regs};
+    constexpr int kQSlots1 = Sm90QSlots(kTile1, 1, 0, 1);
+    static_assert(Sm90SmemBytes(kTile1, 1, 0, 1) <= kSm90MaxSmemBytes, "FP8 extra stage");
+    if (launch.extra_stage) {
+      fp8_smem = Sm90SmemBytes(kTile1, 1, 0, 1);
+      kernel = launch.poly_exp2 ? sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
+                                                          kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
+                                                          false, false, kHeadDimV, kFp8Pv, true>
+                                : sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
+                                                          kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
+                                                          false, false, kHeadDimV, kFp8Pv, false>;
+    } else if (launch.poly_exp2) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                                        kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv, true>;
     }
@@ -258,7 +272,7 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim, kVBytes);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.
-  const int smem = elem_mods ? ElemCfg::kSmemBytes : kSmem;
+  const int smem = fp8_smem > 0 ? fp8_smem : elem_mods ? ElemCfg::kSmemBytes : kSmem;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid;
