@@ -6,7 +6,8 @@
 # backend's tests and attn_bench; runs cuda_fp8_pv_test (V^T's layout, the
 # transpose pass, rows dominated by a few keys, a broken permutation that
 # must fail), cuda_backend_test's FP8 cases (the Fp8/ grid, the Sm90/ FP8
-# case, the planner's check; then the Fp8/ grid on the portable kernel) and
+# case, the planner's check; then the Fp8/ grid on the portable kernel), the
+# batch-invariant prefill test (FP8 alone against packed) and
 # compute-sanitizer memcheck and racecheck on small FP8 cases; then attn_bench's FP8 rows at D 64/128/256, N 1k-16k
 # (B x N = 16k tokens, 2048 / D heads), causal and not, new (fp8), old
 # (fp8_qk), two variants of new (fp8_poly, fp8_stage) and each path's pass
@@ -36,7 +37,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,me
 use_carried_libs absl lib
 if [ -n "${BUILD:-}" ]; then
   B=$BUILD
-  ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test attn_bench >"$OUT/build.log" 2>&1 &&
+  ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test cuda_batch_invariance_test attn_bench >"$OUT/build.log" 2>&1 &&
     note build "ok (BUILD=$B)" || { note build "FAILED (BUILD=$B, build.log)"; tail -30 "$OUT/build.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 else
   B=build-gpu-$KERNELS
@@ -44,7 +45,7 @@ else
   if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
        -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
        -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-     ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test attn_bench >"$OUT/build.log" 2>&1; then
+     ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test cuda_batch_invariance_test attn_bench >"$OUT/build.log" 2>&1; then
     note build "ok ($(( $(date +%s) - t0 )) s, KERNELS=$KERNELS)"
   else
     note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
@@ -70,6 +71,10 @@ if [ "$TESTS" = 1 ]; then
   # not hide anything there either.
   ATTNSERVE_CUDA_PORTABLE=1 run_test "fp8 tests (portable)" fp8-tests-portable.log $T \
     --gtest_filter='Fp8/*'
+  # A call's bytes alone and packed with others (FP8 among the dtypes): V^T's
+  # columns move with the packing, the tiles' math must not.
+  run_test "batch invariance (prefill)" batch-invariance.log \
+    $B/tests/cuda/cuda_batch_invariance_test --gtest_filter='*PrefillAloneEqualsPackedVarlen*'
   if [ "$SAN" = 1 ] && command -v compute-sanitizer >/dev/null; then
     # One small FP8 prefill case on the new path (1 x 1025 causal, D 128),
     # the transpose pass over a varlen batch and a varlen sharp case.
