@@ -45,9 +45,9 @@ struct Plan {
   // too (P requantised to E4M3 per tile, V transposed to V^T's codes instead
   // of dequantised; tolerance.h states the accuracy rule).
   bool fp8_pv = false;
-  // With fp8_pv: a quarter of P's exp2 on the FMA pipe (a polynomial) rather
-  // than the MUFU unit, which the softmax of an FP8 tile otherwise keeps as
-  // busy as the tensor cores (16 exp2 per clock per SM).
+  // With fp8_pv (PlanForward sets it): a quarter of P's exp2 on the FMA pipe
+  // (a polynomial) rather than the MUFU unit, which the softmax of an FP8
+  // tile otherwise keeps as busy as the tensor cores (16 exp2 per clock per SM).
   bool fp8_poly_exp2 = false;
   // With fp8_pv: one more K/V stage than the tile's (the FP8 tiles, half
   // the bytes, leave room), for the faster GEMMs' loads.

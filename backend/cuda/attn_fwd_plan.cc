@@ -182,6 +182,9 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
     // ... and P V too where the tile's key width takes FP8 steps.
     plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n);
+    // Its softmax with a quarter of the exp2 off the MUFU unit (faster in
+    // the A/B of bench/NOTES-cuda.md's "FP8 P V on FP8 wgmma").
+    plan.fp8_poly_exp2 = plan.fp8_pv;
     return plan;
   }
   const AttnParams& p = params;

@@ -80,7 +80,7 @@ __device__ int64_t VtSourceRow(const AttnParams& p, int64_t c) {
     }
     b = lo;
   } else {
-    b = static_cast<int>(c / (int64_t{p.seqlen_k} + kFp8VtGap));
+    b = static_cast<int>(c / VtDensePeriod(p));
   }
   if (b >= p.batch) return -1;
   const int64_t pos = c - VtSeqStart(p, b);

@@ -5,9 +5,12 @@
 // read by the kernel through a TMA map (attn_fwd_sm90.cuh). nvcc-safe, plain
 // C++ on the host (the tests model it).
 //
-// Columns: sequence b's keys start at column VtSeqStart(p, b) = SeqStartK(p,
-// b) + b * kFp8VtGap; the kFp8VtGap columns after a sequence's keys are
-// zeros, so a key tile reaching past the sequence's end reads zeros (P is 0
+// Columns: sequence b's keys start at column VtSeqStart(p, b), a multiple
+// of kFp8VtAlign (a TMA box's first column must be 16-byte aligned: an
+// unaligned one is an illegal instruction), at least kFp8VtGap - 63 zero
+// columns after the sequence before (dense: b x (Sk + kFp8VtGap) rounded
+// up; varlen: SeqStartK(p, b) + b x kFp8VtGap rounded up, no prefix sum
+// needed), so a key tile reaching past a sequence's end reads zeros (P is 0
 // there, and 0 x a finite code is 0) and never the next sequence's codes.
 //
 // Keys are permuted inside each aligned group of 32 (a k32 step of FP8
@@ -29,9 +32,11 @@
 namespace attnserve {
 namespace cuda {
 
-// Zero columns after each sequence: at least the widest key tile (192) of a
-// kernel that reads V^T, so a last partial tile stays inside them.
+// Zero columns after each sequence: kFp8VtGap - (kFp8VtAlign - 1) = 193 at
+// least, the widest key tile (192) of a kernel that reads V^T less one, so a
+// last partial tile stays inside them.
 constexpr int kFp8VtGap = 256;
+constexpr int kFp8VtAlign = 64;
 // The permutation's group: one k32 step of FP8 wgmma.
 constexpr int kFp8VtGroup = 32;
 
@@ -40,16 +45,27 @@ ATTN_HOST_DEVICE constexpr int Fp8VtKeyAt(int c) {
   return 16 * (c / 16) + 8 * ((c % 4) / 2) + 2 * ((c % 16) / 4) + c % 2;
 }
 
-// Sequence b's first column.
+ATTN_HOST_DEVICE int64_t VtAlignUp(int64_t x) {
+  return (x + kFp8VtAlign - 1) / kFp8VtAlign * kFp8VtAlign;
+}
+
+// Dense calls: the columns from one sequence's start to the next's.
+ATTN_HOST_DEVICE int64_t VtDensePeriod(const AttnParams& p) {
+  return VtAlignUp(int64_t{p.seqlen_k} + kFp8VtGap);
+}
+
+// Sequence b's first column (b = batch: the end of the last one's gap).
 ATTN_HOST_DEVICE int64_t VtSeqStart(const AttnParams& p, int b) {
-  return SeqStartK(p, b) + int64_t{b} * kFp8VtGap;
+  return IsVarlen(p) ? VtAlignUp(SeqStartK(p, b) + int64_t{b} * kFp8VtGap)
+                     : int64_t{b} * VtDensePeriod(p);
 }
 
 // Columns of a V^T row: every sequence and its gap, rounded up to 64 (the
 // transpose pass's column block; a multiple of 16 bytes, which a TMA row
 // stride must be).
 ATTN_HOST_DEVICE int64_t VtWidth(const AttnParams& p) {
-  const int64_t w = p.total_k + int64_t{p.batch} * kFp8VtGap;
+  const int64_t w = IsVarlen(p) ? VtAlignUp(p.total_k + int64_t{p.batch} * kFp8VtGap)
+                                : int64_t{p.batch} * VtDensePeriod(p);
   return (w + 63) / 64 * 64;
 }
 

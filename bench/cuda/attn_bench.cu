@@ -25,11 +25,10 @@
 //             on the codes, Plan::fp8_pv), fp8_qk Q K^T alone on the codes
 //             (V dequantised, P V in BF16), fp8_dequant every input
 //             dequantised to BF16 first. fp8_poly, fp8_mufu: fp8 with
-//             Plan::fp8_poly_exp2 set / clear; fp8_stage, fp8_poly_stage:
-//             fp8_mufu / fp8_poly with Plan::fp8_extra_stage. fp8_pass, fp8_qk_pass: the pass
-//             over the inputs of fp8 / fp8_qk alone (V^T's codes / BF16 V),
-//             no kernel; their TFLOP/s column is meaningless, ms is the
-//             pass's time.
+//             Plan::fp8_poly_exp2 set / clear; fp8_stage: fp8 with
+//             Plan::fp8_extra_stage, fp8_poly_stage: fp8_poly with it. fp8_pass, fp8_qk_pass: the
+//             pass over the inputs of fp8 / fp8_qk alone (V^T's codes / BF16 V), no kernel; their
+//             TFLOP/s column is meaningless, ms is the pass's time.
 //   paged16, paged64 (decode shapes): the same K/V scattered by the GPU append
 //             kernel into a cache's pages of 16 / 64 tokens (page ids shuffled
 //             over several slabs), read by the paged decode kernel through the
@@ -499,12 +498,12 @@ __global__ void QuantiseToE4m3(const __nv_bfloat16* src, int64_t n, __nv_fp8_e4m
 // fp8_pv); 0: every input dequantised to BF16 first. O is BF16. pass_only:
 // the pass over the inputs alone (the ablation's split of a level's time).
 struct Fp8 : Impl {
-  explicit Fp8(int l, bool pass = false, bool poly = false, bool stage = false)
+  explicit Fp8(int l, bool pass = false, int poly = -1, int stage = -1)
       : level(l), pass_only(pass), poly_exp2(poly), extra_stage(stage) {}
   int level;
   bool pass_only;
-  bool poly_exp2;    // Plan::fp8_poly_exp2 (level 2)
-  bool extra_stage;  // Plan::fp8_extra_stage (level 2)
+  int poly_exp2;    // level 2: Plan::fp8_poly_exp2 set (1), clear (0) or as planned (-1)
+  int extra_stage;  // level 2: Plan::fp8_extra_stage likewise
   AttnParams p{};
   Plan plan;
   Arena arena;
@@ -531,10 +530,8 @@ struct Fp8 : Impl {
     p.v = codes[2];
     plan = cuda::PlanForward(p, num_sms, cuda::DeviceRunsSm90Kernels(0));
     if (level < 2) plan.fp8_pv = false;
-    if (level == 2) {
-      plan.fp8_poly_exp2 = poly_exp2;
-      plan.fp8_extra_stage = extra_stage;
-    }
+    if (level == 2 && poly_exp2 >= 0) plan.fp8_poly_exp2 = poly_exp2 == 1;
+    if (level == 2 && extra_stage >= 0) plan.fp8_extra_stage = extra_stage == 1;
     if (level < 1) plan.fp8_qk = false;
     if (plan.kernel_head_dim == 0) return false;
     scratch = arena.Alloc(cuda::Fp8ScratchBytes(p, plan.fp8_qk, plan.fp8_pv));
@@ -604,10 +601,10 @@ std::unique_ptr<Impl> MakeImpl(const std::string& name) {
   if (name == "kvread") return std::make_unique<KvRead>();
   if (name == "fp8") return std::make_unique<Fp8>(2);
   if (name == "fp8_qk") return std::make_unique<Fp8>(1);
-  if (name == "fp8_poly") return std::make_unique<Fp8>(2, false, true);
-  if (name == "fp8_mufu") return std::make_unique<Fp8>(2, false, false);
-  if (name == "fp8_stage") return std::make_unique<Fp8>(2, false, false, true);
-  if (name == "fp8_poly_stage") return std::make_unique<Fp8>(2, false, true, true);
+  if (name == "fp8_poly") return std::make_unique<Fp8>(2, false, 1);
+  if (name == "fp8_mufu") return std::make_unique<Fp8>(2, false, 0);
+  if (name == "fp8_stage") return std::make_unique<Fp8>(2, false, -1, 1);
+  if (name == "fp8_poly_stage") return std::make_unique<Fp8>(2, false, 1, 1);
   if (name == "fp8_pass") return std::make_unique<Fp8>(2, true);
   if (name == "fp8_qk_pass") return std::make_unique<Fp8>(1, true);
   if (name == "fp8_dequant") return std::make_unique<Fp8>(0);
@@ -675,7 +672,14 @@ bool Validate(const std::string& name, const Shape& big, double* rel_err) {
     den += ref.o[i] * ref.o[i];
   }
   *rel_err = std::sqrt(num / std::max(den, 1e-30));
-  return *rel_err < 2e-2;
+  // FP8 P V (Plan::fp8_pv) rounds each softmax weight to E4M3: 3 mantissa
+  // bits, a relative error of up to 2^-4 (rms ~2^-4 / sqrt(3)) per weight,
+  // which for rows spread over many keys leaves O itself a few percent off
+  // (tolerance.h's FP8 rule bounds it); the other versions' operands are
+  // BF16 or FP16 (near 3e-3).
+  const bool fp8_p =
+      name.rfind("fp8", 0) == 0 && name.rfind("fp8_qk", 0) != 0 && name != "fp8_dequant";
+  return *rel_err < (fp8_p ? 6e-2 : 2e-2);
 }
 
 bool Bench(const std::string& name, const Shape& s, void* flush, FILE* csv) {

@@ -10,7 +10,7 @@
 # batch-invariant prefill test (FP8 alone against packed) and
 # compute-sanitizer memcheck and racecheck on small FP8 cases; then attn_bench's FP8 rows at D 64/128/256, N 1k-16k
 # (B x N = 16k tokens, 2048 / D heads), causal and not, new (fp8), old
-# (fp8_qk), two variants of new (fp8_poly, fp8_stage) and each path's pass
+# (fp8_qk), two variants of new (fp8_mufu, fp8_stage) and each path's pass
 # over V alone (fp8_pass, fp8_qk_pass) side by side, and BF16 (ours). D 64 and 256 need the full kernel set (KERNELS=all, the
 # default); with KERNELS=dev only D 128 runs on the Hopper kernel.
 # Prints a summary and, last, one table (TFLOP/s new, old, ratio); CSV and
@@ -97,7 +97,7 @@ if [ "$BENCH" = 1 ]; then
     echo "# gpu: $gpu; driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
     echo "# tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted'); KERNELS=$KERNELS; $(date -u +%Y-%m-%dT%H:%MZ)"
   } >"$CSV"
-  impls=fp8,fp8_poly,fp8_stage,fp8_qk,fp8_pass,fp8_qk_pass${EXTRA_IMPLS:+,$EXTRA_IMPLS}
+  impls=fp8,fp8_mufu,fp8_stage,fp8_qk,fp8_pass,fp8_qk_pass${EXTRA_IMPLS:+,$EXTRA_IMPLS}
   [ "$BF16" = 1 ] && impls=$impls,ours
   # The anchor grid (D 64/128/256 x N 512..16k), BF16 shapes as FP8 codes.
   timeout 540 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=$impls \
@@ -112,10 +112,10 @@ printf '%s\n' "${SUMMARY[@]}"
 echo
 [ "$BENCH" = 1 ] || exit 0
 # The table: per shape (D, N, causal) in DS and NS, TFLOP/s of fp8 (new, as
-# planned), fp8_qk (old), new / old, fp8_poly (new with a quarter of P's
-# exp2 as a polynomial: Plan::fp8_poly_exp2) and poly / new, fp8_stage (new
-# with one more K/V stage: Plan::fp8_extra_stage) and stage / new, BF16
-# beside them; then the
+# planned: a quarter of P's exp2 as a polynomial), fp8_qk (old), new / old,
+# fp8_mufu (new with every exp2 on MUFU: Plan::fp8_poly_exp2 clear) and new /
+# mufu, fp8_stage (new with one more K/V stage: Plan::fp8_extra_stage) and
+# stage / new, BF16 beside them; then the
 # ablation's split: each path's pass over V alone (ms) and its kernel (the
 # call's ms less the pass's), new / old for each.
 python3 - "$CSV" "$NS" "$DS" <<'EOF'
@@ -129,12 +129,12 @@ for r in rows:
     t[k], ms[k] = float(r["tflops"]), float(r["ms"])
 shapes = sorted({k[:3] for k in t if k[0] in ds and k[1] in ns})
 print(f"{'D':>4} {'N':>6} {'causal':>6} {'new fp8':>8} {'old fp8_qk':>10} {'new/old':>8} "
-      f"{'fp8_poly':>8} {'poly/new':>8} {'fp8_stage':>9} {'stage/new':>9} {'bf16':>7}  (TFLOP/s)")
+      f"{'fp8_mufu':>8} {'new/mufu':>8} {'fp8_stage':>9} {'stage/new':>9} {'bf16':>7}  (TFLOP/s)")
 for d, n, c in shapes:
     g = lambda i: t.get((d, n, c, i), float("nan"))
-    new, old, poly, stage = g("fp8"), g("fp8_qk"), g("fp8_poly"), g("fp8_stage")
-    print(f"{d:>4} {n:>6} {c:>6} {new:8.1f} {old:10.1f} {new / old:8.3f} {poly:8.1f} "
-          f"{poly / new:8.3f} {stage:9.1f} {stage / new:9.3f} {g('ours'):7.1f}")
+    new, old, mufu, stage = g("fp8"), g("fp8_qk"), g("fp8_mufu"), g("fp8_stage")
+    print(f"{d:>4} {n:>6} {c:>6} {new:8.1f} {old:10.1f} {new / old:8.3f} {mufu:8.1f} "
+          f"{new / mufu:8.3f} {stage:9.1f} {stage / new:9.3f} {g('ours'):7.1f}")
 print()
 print(f"{'D':>4} {'N':>6} {'causal':>6} {'pass new':>9} {'pass old':>9} {'kern new':>9} "
       f"{'kern old':>9} {'pass n/o':>8} {'kern n/o':>8}  (ms)")

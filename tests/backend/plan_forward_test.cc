@@ -214,6 +214,8 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_TRUE(p.fp8_qk);
   EXPECT_TRUE(p.fp8_pv);
+  EXPECT_TRUE(p.fp8_poly_exp2);
+  EXPECT_FALSE(p.fp8_extra_stage);
   EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1, 0, 1));
   EXPECT_LT(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1));
   // A decode step dequantises all three (the decode kernel is BF16).

@@ -188,6 +188,11 @@ TEST(CudaFp8Pv, TransposeMatchesTheLayout) {
     std::vector<uint8_t> got(static_cast<size_t>(cuda::VtBytes(call.dev)));
     ASSERT_EQ(cudaMemcpy(got.data(), scratch.get(), got.size(), cudaMemcpyDeviceToHost),
               cudaSuccess);
+    // Every sequence's first column is 16-byte aligned (TMA boxes start
+    // there; an unaligned start is an illegal instruction).
+    for (int b = 0; b <= call.dev.batch; ++b) {
+      EXPECT_EQ(cuda::VtSeqStart(buf.params(), b) % 16, 0) << tc.Name() << " sequence " << b;
+    }
     const std::vector<uint8_t> want = VtModel(buf.params());
     const int64_t w = cuda::VtWidth(call.dev);
     int64_t bad = 0;

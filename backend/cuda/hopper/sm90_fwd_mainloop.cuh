@@ -208,8 +208,9 @@ struct Sm90FwdLoads {
       // V^T: boxes of kVtChunk key columns x kHeadDimV rows, from the
       // sequence's first column (fp8_vt_layout.h's VtSeqStart).
       const AttnParams& p = L.fwd.p;
-      const int col0 =
-          t.k_row0 + (IsVarlen(p) ? 0 : t.b * p.seqlen_k) + t.b * kFp8VtGap + n * kBlockN;
+      const int col0 = static_cast<int>(IsVarlen(p) ? VtAlignUp(t.k_row0 + int64_t{t.b} * kFp8VtGap)
+                                                    : t.b * VtDensePeriod(p)) +
+                       n * kBlockN;
       unsigned char* dst = reinterpret_cast<unsigned char*>(sm.sV()) + stage * Cfg::kVBytes;
 #pragma unroll
       for (int c = 0; c < kBlockN / Cfg::kVtChunk; ++c) {
