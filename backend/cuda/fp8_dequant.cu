@@ -93,7 +93,9 @@ __device__ int64_t VtSourceRow(const AttnParams& p, int64_t c) {
 __global__ void __launch_bounds__(256)
     TransposeVtE4M3(const AttnParams p, int64_t width, uint8_t* __restrict__ vt) {
   __shared__ int64_t src[kVtCols];
-  __shared__ __align__(8) uint8_t tile[kVtCols][kVtMaxDim + 8];
+  // [column][d], rows padded by a word: an odd number of words a row keeps
+  // the second phase's word reads at most two to a bank.
+  __shared__ __align__(4) uint8_t tile[kVtCols][kVtMaxDim + 4];
   const int d = p.head_dim;
   const int hk = blockIdx.y;
   const int64_t c0 = int64_t{blockIdx.x} * kVtCols;
@@ -107,16 +109,37 @@ __global__ void __launch_bounds__(256)
     const int64_t row = src[c];
     const uint2 x = row >= 0 ? *reinterpret_cast<const uint2*>(v + VOffset(p, row, hk) + part * 8)
                              : make_uint2(0, 0);
-    *reinterpret_cast<uint2*>(&tile[c][part * 8]) = x;
+    *reinterpret_cast<uint32_t*>(&tile[c][part * 8]) = x.x;
+    *reinterpret_cast<uint32_t*>(&tile[c][part * 8 + 4]) = x.y;
   }
   __syncthreads();
-  for (int i = tid; i < d * (kVtCols / 8); i += blockDim.x) {
-    const int r = i / (kVtCols / 8), run = i % (kVtCols / 8);
-    uint32_t w[2] = {0, 0};
+  // Each task: rows d0 .. d0 + 3 of 8 columns (a run), from 8 words (one
+  // column's 4 rows each) by 4 x 4 byte transposes; the 8 tasks of a row
+  // group are adjacent lanes, so each output row is written as 64 contiguous
+  // bytes.
+  for (int i = tid; i < (d / 4) * (kVtCols / 8); i += blockDim.x) {
+    const int d0 = i / (kVtCols / 8) * 4, run = i % (kVtCols / 8);
+    uint32_t w[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) w[e / 4] |= uint32_t{tile[run * 8 + e][r]} << (8 * (e % 4));
-    *reinterpret_cast<uint2*>(vt + (int64_t{hk} * d + r) * width + c0 + run * 8) =
-        make_uint2(w[0], w[1]);
+    for (int e = 0; e < 8; ++e) w[e] = *reinterpret_cast<const uint32_t*>(&tile[run * 8 + e][d0]);
+    uint32_t lo[4], hi[4];  // row r's bytes of columns 0-3 and 4-7
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t* x = w + 4 * h;
+      // t0: byte 0 and 1 of columns 0, 1 interleaved; t1 their bytes 2, 3; t2, t3 columns 2, 3.
+      const uint32_t t0 = __byte_perm(x[0], x[1], 0x5140), t1 = __byte_perm(x[0], x[1], 0x7362);
+      const uint32_t t2 = __byte_perm(x[2], x[3], 0x5140), t3 = __byte_perm(x[2], x[3], 0x7362);
+      uint32_t* out = h == 0 ? lo : hi;
+      out[0] = __byte_perm(t0, t2, 0x5410);
+      out[1] = __byte_perm(t0, t2, 0x7632);
+      out[2] = __byte_perm(t1, t3, 0x5410);
+      out[3] = __byte_perm(t1, t3, 0x7632);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      *reinterpret_cast<uint2*>(vt + (int64_t{hk} * d + d0 + r) * width + c0 + run * 8) =
+          make_uint2(lo[r], hi[r]);
+    }
   }
 }
 
