@@ -2,6 +2,7 @@
 // see backend.h.
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -90,6 +91,12 @@ absl::Status AttentionBackend::CopyFromKvMemory(void* host, const void* kv, int6
 absl::Status AttentionBackend::CopyToKvMemory(void* kv, const void* host, int64_t bytes) {
   if (bytes > 0) std::memcpy(kv, host, static_cast<size_t>(bytes));
   return absl::OkStatus();
+}
+std::shared_ptr<char> AttentionBackend::AllocateHostTensor(int64_t bytes) {
+  if (bytes < 0) return nullptr;
+  char* p = new (std::nothrow) char[static_cast<size_t>(std::max<int64_t>(bytes, 1))];
+  if (p == nullptr) return nullptr;
+  return std::shared_ptr<char>(p, std::default_delete<char[]>());
 }
 absl::StatusOr<Plan> AttentionBackend::CanImplementPaged(const PagedAttnParams&) const {
   return NoPagedPath(*this);

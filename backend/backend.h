@@ -121,6 +121,14 @@ class AttentionBackend {
   virtual absl::Status CopyFromKvMemory(void* host, const void* kv, int64_t bytes);
   virtual absl::Status CopyToKvMemory(void* kv, const void* host, int64_t bytes);
 
+  // `bytes` of host memory for a call's input or output tensor that this
+  // backend's launches read and write without staging it first (page-locked
+  // memory for a GPU backend, so one DMA moves it), not zeroed; null when
+  // none is left. Front-ends parse tensors into it and send outputs from it.
+  // Usable from any thread and on every device of the server; the memory may
+  // outlive the backend. The default is plain heap memory.
+  virtual std::shared_ptr<char> AllocateHostTensor(int64_t bytes);
+
   // The one check of an append-and-attend call, and its plan, as CanImplement
   // for dense calls: CheckPagedParams (INVALID_ARGUMENT for params that would
   // reach outside the cache's pages or break the contract), then this

@@ -108,17 +108,10 @@ class ChunkQueue {
 
 using Key = std::tuple<uint64_t, int32_t, int32_t>;
 
-// The export side of a move over a data plane: the transfer's header (an
-// export with header_only), and an export from `resume` (null: the start)
-// whose chunks the source sends to `plane` itself, returning the payload
-// bytes the receiver kept.
-struct DataPlaneExport {
-  std::function<absl::StatusOr<v1::KvTransferHeader>(const std::string& transfer_id)> header;
-  std::function<absl::StatusOr<int64_t>(const v1::ImportResumePoint* resume,
-                                        const std::string& transfer_id,
-                                        const v1::KvDataPlane& plane)>
-      run;
-};
+// The export side of a move over a data plane (DataPlaneSender): for
+// MoveCache, an export with header_only and one whose chunks the source
+// server sends to the offer itself.
+using DataPlaneExport = DataPlaneSender;
 
 // One attempt: the import stream from its first message to its end.
 struct Attempt {
@@ -193,6 +186,7 @@ class Pusher {
       while (stream->Read(&rest)) {
       }
       stream->Finish().ok();  // ABORTED (nothing sent yet) is expected
+      if (options_.data_plane_required) return Required();
       return Once();
     }
     result_.data_plane = "ucx";
@@ -226,10 +220,18 @@ class Pusher {
       result_.data_plane = "grpc";
       result_.data_plane_fallback = std::string(sent.status().message());
       data_plane_ = nullptr;
+      if (options_.data_plane_required) return Required();
       return Once();
     }
     if (!sent.ok()) return sent.status();
     return finished;
+  }
+
+  // data_plane_required and no data plane: nothing was sent.
+  absl::Status Required() const {
+    return absl::FailedPreconditionError(
+        absl::StrCat("data_plane: \"", options_.data_plane,
+                     "\" required, not offered: ", result_.data_plane_fallback));
   }
 
   absl::Status Once() {
@@ -400,6 +402,17 @@ absl::StatusOr<MoveResult> PushChunks(const std::shared_ptr<grpc::Channel>& dest
                                       const std::string& dest_cache_id, const OpenChunks& open,
                                       const MoveOptions& options) {
   return Pusher(dest, dest_cache_id, open, options).Run();
+}
+
+absl::StatusOr<MoveResult> PushChunks(const std::shared_ptr<grpc::Channel>& dest,
+                                      const std::string& dest_cache_id, const OpenChunks& open,
+                                      const MoveOptions& options, const DataPlaneSender& sender) {
+  if (options.data_plane == "grpc") return PushChunks(dest, dest_cache_id, open, options);
+  if (options.data_plane != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_plane: expected \"grpc\" or \"ucx\", got '", options.data_plane, "'"));
+  }
+  return Pusher(dest, dest_cache_id, open, options, &sender).Run();
 }
 
 namespace {

@@ -68,6 +68,10 @@ struct MoveOptions {
   // gRPC streams: MoveResult.data_plane is then "grpc" and
   // data_plane_fallback says why.
   std::string data_plane = "grpc";
+  // With data_plane "ucx": a receiver (or a source) without UCX fails the
+  // move with FAILED_PRECONDITION, saying why, instead of falling back to
+  // the gRPC streams.
+  bool data_plane_required = false;
   // Transfers run at once (MoveCache only), each a contiguous share of the
   // sequences with streams (and UCX connection) of its own and transfer id
   // `transfer_id-lN`: the page copies of each side run on that many threads.
@@ -119,6 +123,25 @@ using OpenChunks = std::function<absl::StatusOr<std::unique_ptr<KvChunkReader>>(
 absl::StatusOr<MoveResult> PushChunks(const std::shared_ptr<grpc::Channel>& dest,
                                       const std::string& dest_cache_id, const OpenChunks& open,
                                       const MoveOptions& options);
+
+// A sender that puts the chunks on the data plane itself (a server handing
+// its caches to a peer): `header` gives the transfer's header; `run` sends
+// the chunks from `resume` (null: the start) to the receiver's offer and
+// returns the payload bytes the receiver kept (UNIMPLEMENTED: this sender
+// has no UCX, and the chunks go in the gRPC stream, from `open`).
+struct DataPlaneSender {
+  std::function<absl::StatusOr<v1::KvTransferHeader>(const std::string& transfer_id)> header;
+  std::function<absl::StatusOr<int64_t>(const v1::ImportResumePoint* resume,
+                                        const std::string& transfer_id,
+                                        const v1::KvDataPlane& offer)>
+      run;
+};
+// PushChunks whose chunks go over the data plane options.data_plane names
+// ("ucx") when the receiver offers it, else (unless data_plane_required)
+// in the import stream; MoveResult.data_plane says which.
+absl::StatusOr<MoveResult> PushChunks(const std::shared_ptr<grpc::Channel>& dest,
+                                      const std::string& dest_cache_id, const OpenChunks& open,
+                                      const MoveOptions& options, const DataPlaneSender& sender);
 
 absl::StatusOr<MoveResult> MoveCache(const std::shared_ptr<grpc::Channel>& source,
                                      const std::shared_ptr<grpc::Channel>& dest,

@@ -13,6 +13,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
@@ -201,7 +202,9 @@ absl::Status ShmArena::Register(AttentionClient& client) {
     return status;
   }
   std::string hint;
-  if (status.code() == absl::StatusCode::kFailedPrecondition) {
+  // A server that says the flag itself (every attnserve does) needs no hint.
+  if (status.code() == absl::StatusCode::kFailedPrecondition &&
+      !absl::StrContains(status.message(), "--allow_client_shm")) {
     hint = " (the server must run with --allow_client_shm)";
   } else if (status.code() == absl::StatusCode::kUnimplemented) {
     hint = " (this server has no attnserve.v1.SharedMemory service)";

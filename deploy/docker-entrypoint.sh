@@ -34,7 +34,7 @@ metrics_host metrics_port http_port allow_client_shm max_shm_regions max_shm_reg
 stream_max_pending_requests stream_max_pending_bytes max_streams_per_tenant
 kv_cache_bytes kv_page_size kv_idle_timeout kv_startup_cache kv_import_idle_timeout ucx_port ucx_host
 tls_cert tls_key tls_client_ca tls_reload_interval auth_tokens_file auth_reload_interval
-handoff_peer handoff_peer_ca handoff_linger
+handoff_peer handoff_peer_ca handoff_linger handoff_transport
 shutdown_grace log_level
 "
 # Reversed, so that prepending each keeps the list's order.

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/malloc_tuning.h"
 #include "server/kv/startup_cache.h"
+#include "server/native/kv_transfer_service.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -145,6 +146,11 @@ ABSL_FLAG(std::string, handoff_peer_ca, "",
 ABSL_FLAG(absl::Duration, handoff_linger, absl::Milliseconds(500),
           "After every cache has moved to --handoff_peer, how long the server still answers "
           "moved-to before it stops listening (within --shutdown_grace)");
+ABSL_FLAG(std::string, handoff_transport, "auto",
+          "What carries the pages of a cache moved to --handoff_peer: auto (UCX when this server "
+          "runs with --ucx_port, the operator's opt-in to connect out over UCX, and the peer's "
+          "import offers it, i.e. the peer runs with --ucx_port too; else the gRPC stream), ucx "
+          "(a peer without UCX fails the move) or grpc");
 ABSL_FLAG(int, ucx_port, 0,
           "AppendAttend steps over UCX on this port (docs/ucx.md; UCX_TLS picks the transports: "
           "tcp, sm for same-host shared memory, rc/ud verbs); 0: off. gRPC stays the control "
@@ -152,6 +158,11 @@ ABSL_FLAG(int, ucx_port, 0,
 ABSL_FLAG(std::string, ucx_host, "127.0.0.1",
           "Address the UCX listener binds (UCX carries tensors unencrypted: with --tls_cert "
           "only a loopback address is accepted)");
+ABSL_FLAG(int, ucx_max_exports, attnserve::kDefaultUcxMaxExports,
+          "UCX exports (ExportSequences with data_plane) running at once on this server; one "
+          "more is refused with RESOURCE_EXHAUSTED before anything is reserved; 0: no limit");
+ABSL_FLAG(int, ucx_max_exports_per_tenant, attnserve::kDefaultUcxMaxExportsPerTenant,
+          "UCX exports running at once per tenant (as --ucx_max_exports); 0: no limit");
 ABSL_FLAG(std::string, log_level, "info",
           "Log level: trace, debug, info, warn, error, critical or off");
 
@@ -262,9 +273,21 @@ int main(int argc, char** argv) {
   options.auth.reload_interval = absl::GetFlag(FLAGS_auth_reload_interval);
   options.ucx_port = absl::GetFlag(FLAGS_ucx_port);
   options.ucx_host = absl::GetFlag(FLAGS_ucx_host);
+  if (absl::GetFlag(FLAGS_ucx_max_exports) < 0 ||
+      absl::GetFlag(FLAGS_ucx_max_exports_per_tenant) < 0) {
+    std::fprintf(stderr, "ucx_max_exports, ucx_max_exports_per_tenant: expected >= 0\n");
+    return 2;
+  }
+  attnserve::SetUcxExportLimits(absl::GetFlag(FLAGS_ucx_max_exports),
+                                absl::GetFlag(FLAGS_ucx_max_exports_per_tenant));
   options.handoff.peer = absl::GetFlag(FLAGS_handoff_peer);
   options.handoff.peer_ca_file = absl::GetFlag(FLAGS_handoff_peer_ca);
   options.handoff.linger = absl::GetFlag(FLAGS_handoff_linger);
+  options.handoff.transport = absl::GetFlag(FLAGS_handoff_transport);
+  // A server connects out over UCX only when the operator opted in.
+  if (options.handoff.transport == "auto" && options.ucx_port == 0) {
+    options.handoff.transport = "grpc";
+  }
 
   // Gives back the free pages malloc's heap keeps (malloc_tuning.h says
   // why); outlives the server.

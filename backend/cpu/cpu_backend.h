@@ -3,6 +3,8 @@
 // embedded default where no GPU is usable, and the baseline of bench/cpu.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -37,7 +39,20 @@ class CpuBackend : public AttentionBackend {
   absl::Status PagedForward(const Plan& plan, const PagedAttnParams& params,
                             BackendTimings* timings) override;
 
+  // Plain heap memory (the kernels read host memory where it lies), counted
+  // so that a test can see which tensors a front-end parsed into it.
+  std::shared_ptr<char> AllocateHostTensor(int64_t bytes) override;
+  struct HostTensorCounts {
+    int64_t allocations = 0;  // since the backend was made
+    int64_t bytes = 0;        // allocated since the backend was made
+    int64_t live_bytes = 0;   // allocated and not yet freed
+  };
+  HostTensorCounts host_tensor_counts() const;
+
  private:
+  struct HostTensorCounters {
+    std::atomic<int64_t> allocations{0}, bytes{0}, live_bytes{0};
+  };
   // Splits a call into (sequence, query head, query block) tasks and runs
   // `task` for each on the pool; the caller holds forward_mu_.
   using Task = std::function<void(int b, int h, int m_block, cpu::Scratch* scratch)>;
@@ -46,6 +61,8 @@ class CpuBackend : public AttentionBackend {
   BackendDescription description_;
   std::mutex forward_mu_;  // the pool runs one Forward at a time
   ThreadPool pool_;
+  // Shared with the memory's deleters: a tensor may outlive the backend.
+  const std::shared_ptr<HostTensorCounters> host_tensors_ = std::make_shared<HostTensorCounters>();
 };
 
 }  // namespace attnserve

@@ -8,7 +8,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "backend/check_paged_params.h"
@@ -122,6 +124,29 @@ absl::StatusOr<void*> CpuBackend::AllocateKvMemory(int64_t bytes) {
 }
 
 void CpuBackend::FreeKvMemory(void* memory) { std::free(memory); }
+
+std::shared_ptr<char> CpuBackend::AllocateHostTensor(int64_t bytes) {
+  std::shared_ptr<char> memory = AttentionBackend::AllocateHostTensor(bytes);
+  if (memory == nullptr) return nullptr;
+  std::shared_ptr<HostTensorCounters> counts = host_tensors_;
+  counts->allocations.fetch_add(1, std::memory_order_relaxed);
+  counts->bytes.fetch_add(bytes, std::memory_order_relaxed);
+  counts->live_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  // The deleter holds the memory and counts its release.
+  auto release = [memory, counts, bytes](char*) mutable {
+    memory.reset();
+    counts->live_bytes.fetch_sub(bytes, std::memory_order_relaxed);
+  };
+  return std::shared_ptr<char>(memory.get(), std::move(release));
+}
+
+CpuBackend::HostTensorCounts CpuBackend::host_tensor_counts() const {
+  HostTensorCounts c;
+  c.allocations = host_tensors_->allocations.load(std::memory_order_relaxed);
+  c.bytes = host_tensors_->bytes.load(std::memory_order_relaxed);
+  c.live_bytes = host_tensors_->live_bytes.load(std::memory_order_relaxed);
+  return c;
+}
 
 absl::StatusOr<Plan> CpuBackend::CanImplementPaged(const PagedAttnParams& params) const {
   // Every valid launch runs here: the checks keep it inside the cache's pages.

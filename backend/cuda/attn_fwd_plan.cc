@@ -290,6 +290,11 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
   if (NeedsModsPrefix(p)) {
     plan.workspace_bytes = std::max(plan.workspace_bytes, kSplitCounterBytes) + ModsPrefixBytes(p);
   }
+  // A block-masked Hopper launch: its item order after them (never split).
+  if (plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode &&
+      ItemOrderBytes(p) > 0) {
+    plan.workspace_bytes = ItemOrderOffset(p) + ItemOrderBytes(p);
+  }
   return plan;
 }
 

@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_staging.h"
 #include "backend/cuda/fp8_dequant.h"
 #include "backend/cuda/generated/kernel_set.h"
+#include "backend/cuda/pinned_host_pool.h"
 #include "backend/ragged_batch.h"
 #include "common/dtype.h"
 #include "common/host_copy.h"
@@ -127,6 +128,10 @@ struct DirectLayout {
   }
 };
 
+std::shared_ptr<char> CudaBackend::AllocateHostTensor(int64_t bytes) {
+  return host_tensors_->Allocate(bytes);
+}
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
   if (device < 0 || device >= count) {
@@ -156,6 +161,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
       static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u));
   b->gather_pool_ = std::make_unique<ThreadPool>(copy_threads);
   b->scatter_pool_ = std::make_unique<ThreadPool>(copy_threads);
+  b->host_tensors_ = std::make_shared<PinnedHostPool>(device);
   for (std::unique_ptr<Slot>& slot : b->slots_) {
     slot = std::make_unique<Slot>();
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking),

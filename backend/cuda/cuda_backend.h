@@ -29,6 +29,8 @@
 
 namespace attnserve {
 
+class PinnedHostPool;
+
 class CudaBackend final : public AttentionBackend {
  public:
   // Three slots keep every stage busy: one packing (host), one copying in or
@@ -69,6 +71,10 @@ class CudaBackend final : public AttentionBackend {
                             BackendTimings* timings) override;
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartPagedForward(
       const Plan& plan, const PagedBatch& batch) override;
+  // Page-locked memory from a pool (pinned_host_pool.h): a tensor parsed
+  // into it goes to the device in one DMA, and an o sent from it is written
+  // by the device-to-host copy itself. Small tensors get heap memory.
+  std::shared_ptr<char> AllocateHostTensor(int64_t bytes) override;
 
   // A pipeline slot and a launch queued on one (cuda_staging.h; internal to
   // the backend's .cc files).
@@ -81,6 +87,15 @@ class CudaBackend final : public AttentionBackend {
   struct DeviceInput {
     const void* ptr;
     int device;
+  };
+  // A member's output that lies in host memory, and where the launch's
+  // device buffer holds it (`offset` bytes in): the staged launch copies it
+  // there from the device straight when it is page-locked and large, else
+  // through the pinned staging buffer as before.
+  struct HostOutput {
+    void* dst;
+    int64_t offset;
+    int64_t bytes;
   };
 
  private:
@@ -96,10 +111,13 @@ class CudaBackend final : public AttentionBackend {
   // moves the gathered params' pointers from the pinned to the device buffer.
   // `device_inputs`: inputs of a lone member that lie in device memory
   // (DeviceInput); the gather leaves them out of the pinned buffer.
+  // `host_outputs`: the members' outputs that may be written straight from
+  // the device (HostOutput); the scatter leaves those it wrote out.
   template <typename Layout, typename Batch, typename Rebase, typename Kernels>
   absl::StatusOr<std::unique_ptr<PendingLaunch>> StartStaged(
       const Batch& batch, Rebase rebase, Kernels kernels,
-      const std::vector<DeviceInput>& device_inputs = {});
+      const std::vector<DeviceInput>& device_inputs = {},
+      const std::vector<HostOutput>& host_outputs = {});
   // One call with tensors in device memory (params.devices), alone in its
   // launch: those on this device are read and written where they lie (no
   // copy; a misaligned one is copied within the device), those on another
@@ -138,6 +156,8 @@ class CudaBackend final : public AttentionBackend {
   // stream waits for it (StartPagedForward is called from one thread at a
   // time, so "the previous" is well defined). Created on first use.
   cudaEvent_t paged_done_ = nullptr;
+  // Shared with the blocks it hands out, which may outlive the backend.
+  std::shared_ptr<PinnedHostPool> host_tensors_;
 };
 
 }  // namespace attnserve

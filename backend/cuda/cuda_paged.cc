@@ -264,6 +264,22 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
       }
     }
   }
+  // Each member's o, where the packed o holds it: one in page-locked memory
+  // (a buffer the answer is sent from) is written by the device-to-host copy.
+  std::vector<HostOutput> host_outputs;
+  {
+    const PagedLayout layout(batch);
+    const AttnParams& first = batch.members().front()->attn;
+    const int64_t o_row = int64_t{first.num_heads_q} * HeadDimV(first) * DTypeSize(first.dtype);
+    int64_t row = 0;
+    for (const PagedAttnParams* m : batch.members()) {
+      const int64_t bytes = int64_t{m->attn.total_q} * o_row;
+      if (m->attn.o != nullptr && m->attn.devices.o == kHostMemory && bytes > 0) {
+        host_outputs.push_back({m->attn.o, layout.o + row * o_row, bytes});
+      }
+      row += m->attn.total_q;
+    }
+  }
   return StartStaged<PagedLayout>(
       batch, rebase,
       [this, &plan, &batch](const PagedAttnParams& dev, Slot* slot) {
@@ -283,7 +299,7 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartPagedForward(
         ASSIGN_OR_RETURN(const Plan packed_plan, PlanFor(dev.attn, cuda::KvRows::kPages));
         return LaunchPagedKernels(packed_plan, dev, slot);
       },
-      device_inputs);
+      device_inputs, host_outputs);
 }
 
 absl::Status CudaBackend::PagedForward(const Plan& plan, const PagedAttnParams& params,

@@ -302,17 +302,12 @@ struct DeviceInputCopy {
   int64_t bytes;
 };
 
-// The parts of [0, end) of the staging buffer that hold gathered bytes: all
-// of it but the places `direct` fills from elsewhere, as [begin, end) pairs.
-inline std::vector<std::pair<int64_t, int64_t>> StagedRanges(
-    const char* device, int64_t end, const std::vector<DeviceInputCopy>& direct) {
-  std::vector<std::pair<int64_t, int64_t>> holes;
-  for (const DeviceInputCopy& c : direct) {
-    holes.emplace_back(c.dst - device, c.dst - device + c.bytes);
-  }
+// [from, end) without `holes` ([begin, end) pairs), as [begin, end) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> RangesOutside(
+    int64_t from, int64_t end, std::vector<std::pair<int64_t, int64_t>> holes) {
   std::sort(holes.begin(), holes.end());
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  int64_t at = 0;
+  int64_t at = from;
   for (const auto& [begin, stop] : holes) {
     if (begin > at && at < end) ranges.emplace_back(at, std::min(begin, end));
     at = std::max(at, stop);
@@ -321,15 +316,28 @@ inline std::vector<std::pair<int64_t, int64_t>> StagedRanges(
   return ranges;
 }
 
+// The parts of [0, end) of the staging buffer that hold gathered bytes: all
+// of it but the places `direct` fills from elsewhere, as [begin, end) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> StagedRanges(
+    const char* device, int64_t end, const std::vector<DeviceInputCopy>& direct) {
+  std::vector<std::pair<int64_t, int64_t>> holes;
+  for (const DeviceInputCopy& c : direct) {
+    holes.emplace_back(c.dst - device, c.dst - device + c.bytes);
+  }
+  return RangesOutside(0, end, std::move(holes));
+}
+
 // Queues one staged launch on the slot's stream: the gathered inputs of
 // [0, inputs_end) of the pinned buffer to the device (the places of
 // `device_inputs` left out), then the device inputs and page-locked host
-// inputs into their places, `kernels`, outputs [out_begin, out_end) back,
-// with the slot's four events around the phases.
+// inputs into their places, `kernels`, outputs [out_begin, out_end) back
+// (those of `host_outputs` straight to their page-locked places, the rest
+// into the pinned buffer), with the slot's four events around the phases.
 inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int device, int64_t inputs_end,
                                       int64_t out_begin, int64_t out_end,
                                       const std::vector<DeviceInputCopy>& device_inputs,
-                                      const std::function<absl::Status()>& kernels) {
+                                      const std::function<absl::Status()>& kernels,
+                                      const std::vector<CudaBackend::HostOutput>& host_outputs) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[0], slot->stream), "event");
   for (const auto& [begin, end] : StagedRanges(slot->device.ptr(), inputs_end, device_inputs)) {
     ATTN_CUDA_RETURN_IF_ERROR(
@@ -346,11 +354,20 @@ inline absl::Status QueueStagedLaunch(CudaBackend::Slot* slot, int device, int64
   const absl::Status st = kernels();
   if (!st.ok()) return st;
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[2], slot->stream), "event");
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(slot->host.ptr() + out_begin, slot->device.ptr() + out_begin,
-                      static_cast<size_t>(out_end - out_begin), cudaMemcpyDeviceToHost,
-                      slot->stream),
-      "copy outputs to host");
+  std::vector<std::pair<int64_t, int64_t>> holes;
+  for (const CudaBackend::HostOutput& out : host_outputs) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.dst, slot->device.ptr() + out.offset, static_cast<size_t>(out.bytes),
+                        cudaMemcpyDeviceToHost, slot->stream),
+        "copy an output to its page-locked place");
+    holes.emplace_back(out.offset, out.offset + out.bytes);
+  }
+  for (const auto& [begin, end] : RangesOutside(out_begin, out_end, std::move(holes))) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot->host.ptr() + begin, slot->device.ptr() + begin,
+                        static_cast<size_t>(end - begin), cudaMemcpyDeviceToHost, slot->stream),
+        "copy outputs to host");
+  }
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot->events[3], slot->stream), "event");
   return absl::OkStatus();
 }
@@ -411,7 +428,7 @@ class CudaBackend::Launch final : public PendingLaunch {
 template <typename Layout, typename Batch, typename Rebase, typename Kernels>
 absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(
     const Batch& batch, Rebase rebase, Kernels kernels,
-    const std::vector<DeviceInput>& device_inputs) {
+    const std::vector<DeviceInput>& device_inputs, const std::vector<HostOutput>& host_outputs) {
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "set device");
   Slot* slot = AcquireSlot();
   // Until the Launch owns the slot, an error must hand it back with nothing
@@ -464,11 +481,32 @@ absl::StatusOr<std::unique_ptr<PendingLaunch>> CudaBackend::StartStaged(
     if (!here || !Redirect(&dev, c.dst, c.src)) copies.push_back(c);
   }
 
-  st = QueueStagedLaunch(slot, device_, layout.inputs_end, layout.o, layout.end, copies,
-                         [&]() { return kernels(dev, slot); });
+  // A large output in page-locked memory (a buffer the answer is sent
+  // from) is written by the device-to-host copy; the scatter skips it.
+  std::vector<HostOutput> direct_out;
+  for (const HostOutput& out : host_outputs) {
+    if (out.bytes >= kDirectHostCopyBytes && IsPageLockedHost(out.dst)) direct_out.push_back(out);
+  }
+  st = QueueStagedLaunch(
+      slot, device_, layout.inputs_end, layout.o, layout.end, copies,
+      [&]() { return kernels(dev, slot); }, direct_out);
   if (!st.ok()) return fail(st);
-  Launch::Scatter scatter = [batch, layout](const char* host, const CopyRunner& run) {
-    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), run);
+  Launch::Scatter scatter = [batch, layout, direct_out](const char* host, const CopyRunner& run) {
+    CopyRunner left = run;
+    if (!direct_out.empty()) {
+      left = [&run, &direct_out](const std::vector<HostCopy>& copies) {
+        std::vector<HostCopy> rest;
+        for (const HostCopy& c : copies) {
+          const bool written =
+              std::any_of(direct_out.begin(), direct_out.end(), [&](const HostOutput& out) {
+                return out.dst == c.dst && static_cast<size_t>(out.bytes) == c.bytes;
+              });
+          if (!written) rest.push_back(c);
+        }
+        RunCopies(run, rest);
+      };
+    }
+    batch.Scatter(host + layout.o, reinterpret_cast<const float*>(host + layout.lse), left);
   };
   return std::unique_ptr<PendingLaunch>(new Launch(this, slot, std::move(scatter), gather_us));
 }

@@ -26,6 +26,17 @@ __host__ __device__ __forceinline__ const int64_t* ModsPrefixOf(const FwdLaunch&
   return reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(ws) + kModsPrefixOffset);
 }
 
+// The item order of a block-masked Hopper launch F of num_items items
+// (ItemOrderBytes): null when the call has none (no block mask, too many
+// items, no workspace).
+__host__ __device__ __forceinline__ int* ItemOrderOf(const FwdLaunch& F, int64_t num_items) {
+  const int64_t bytes = ItemOrderBytes(F.p);
+  if (bytes == 0 || num_items * 4 > bytes || F.num_splits > 1 || F.item_counters == nullptr) {
+    return nullptr;
+  }
+  return reinterpret_cast<int*>(reinterpret_cast<char*>(F.item_counters) + ItemOrderOffset(F.p));
+}
+
 namespace detail {
 
 constexpr int kPrefixThreads = 1024;

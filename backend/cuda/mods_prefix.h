@@ -11,6 +11,9 @@
 //   int64 pairs_before[B + 1]   pairs of sequences 0..b-1 ([B]: all)
 //   int64 rows_before[B + 1]    query blocks of sequences 0..b-1 (0 without
 //                               a block mask)
+//   int32 item_order[items]     the Hopper prefill kernel's block-masked work
+//                               items in the order its scheduler hands them
+//                               out (ItemOrderBytes; dense calls too)
 #pragma once
 
 #include <cstdint>
@@ -32,6 +35,28 @@ ATTN_HOST_DEVICE int64_t ModsPrefixBytes(const AttnParams& p) {
 
 // Their byte offset in the workspace: after the counter block.
 constexpr int64_t kModsPrefixOffset = kSplitCounterBytes;
+
+// The Hopper prefill kernel's work items (128 query rows of one head of one
+// sequence) of p: an upper bound (pack_gqa 1) of its launch's count.
+constexpr int kSm90ItemRows = 128;
+ATTN_HOST_DEVICE int64_t Sm90ItemsOf(const AttnParams& p) {
+  return (int64_t{p.seqlen_q} + kSm90ItemRows - 1) / kSm90ItemRows * p.batch * p.num_heads_q;
+}
+
+// A block-masked Hopper launch orders its items by kept key blocks, longest
+// first (OrderItemsKernel): one int32 per item, after the staged offsets.
+// Past kMaxOrderedItems (a varlen batch of very many short sequences) the
+// items run in their natural order: the order's 4 bytes an item would cost
+// more than its balance buys.
+constexpr int64_t kMaxOrderedItems = int64_t{1} << 22;
+ATTN_HOST_DEVICE int64_t ItemOrderBytes(const AttnParams& p) {
+  if (!HasBlockMask(p)) return 0;
+  const int64_t items = Sm90ItemsOf(p);
+  return items <= kMaxOrderedItems ? 4 * items : 0;
+}
+ATTN_HOST_DEVICE int64_t ItemOrderOffset(const AttnParams& p) {
+  return kModsPrefixOffset + ModsPrefixBytes(p);
+}
 
 // BlockRow (params.h) with the staged offsets: rows_before = rows_before[b],
 // rows_total = rows_before[B] (params.h's walks the sequences for both).

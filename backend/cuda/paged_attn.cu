@@ -1,7 +1,8 @@
 // Host side and small kernels of the paged CUDA path (paged_attn.h): the page
-// copies and the append of new K/V rows into their pages, the paged attention
-// launch (the fused kernel with the paged row source, split-KV combined as
-// on the contiguous path), and the paged FP32 kernel.
+// copies and the append of new K/V rows into their pages (K alone for MLA
+// caches, paged_mla.h), the paged attention launch (the fused kernel with the
+// paged row source, split-KV combined as on the contiguous path), and the
+// paged FP32 kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -9,6 +10,7 @@
 
 #include "backend/cuda/attn_fwd_fp32.cuh"
 #include "backend/cuda/generated/kernel_dispatch.h"
+#include "backend/cuda/kv_append.cuh"
 #include "backend/cuda/kv_rows.cuh"
 #include "backend/cuda/paged_attn.h"
 #include "common/dtype.h"
@@ -18,7 +20,8 @@ namespace cuda {
 namespace {
 
 // Page copies: CTA (x, i, kv) copies its share of page copy_src[i] to
-// copy_dst[i] in K (kv = 0) or V (kv = 1), 16 bytes per thread per step.
+// copy_dst[i] in K (kv = 0) or V (kv = 1; none for MLA caches, whose pages
+// hold K alone), 16 bytes per thread per step.
 // A page of [page_size, Hkv, D] elements is a multiple of 16 bytes (D is a
 // multiple of 8).
 __global__ void CopyPagesKernel(const __grid_constant__ KvPages pages, const int32_t* copy_src,
@@ -40,9 +43,10 @@ __global__ void CopyPagesKernel(const __grid_constant__ KvPages pages, const int
   }
 }
 
-// Append: new row r (of Tnew, varlen over cu_seqlens_k) of sequence b goes
-// to token t = seqlens_k[b] - new_b + (r - cu_seqlens_k[b]) of b's pages.
-// One thread per 16 bytes of a row (Hkv x D elements), K and V.
+// Append: new row r (of Tnew) goes to its AppendSlot, one thread per 16
+// bytes of a row (Hkv x D elements), K and (kWithV) V; MLA caches
+// (pages.v_in_k) take K alone.
+template <bool kWithV>
 __global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int row_vecs,
                                  int elem_bytes) {
   const int64_t total = p.attn.total_k * row_vecs;
@@ -51,30 +55,19 @@ __global__ void AppendRowsKernel(const __grid_constant__ PagedAttnParams p, int 
        idx += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = idx / row_vecs;
     const int c = static_cast<int>(idx % row_vecs);
-    // The sequence of row r: the last b with cu_seqlens_k[b] <= r.
-    int lo = 0, hi = p.attn.batch - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.attn.cu_seqlens_k[mid] <= r)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int b = lo;
-    const int new_b = p.attn.cu_seqlens_k[b + 1] - p.attn.cu_seqlens_k[b];
-    const int t = p.seqlens_k[b] - new_b + static_cast<int>(r - p.attn.cu_seqlens_k[b]);
-    const int32_t page =
-        p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
-    const int64_t dst = PageRowOffset(p.pages, page, t & (p.pages.page_size - 1),
-                                      p.attn.num_heads_kv, p.attn.head_dim, 0) *
-                            elem_bytes +
-                        int64_t{c} * 16;
+    const PageSlot at = AppendSlot(p, r);
+    const int64_t dst =
+        PageRowOffset(p.pages, at.page, at.token, p.attn.num_heads_kv, p.attn.head_dim, 0) *
+            elem_bytes +
+        int64_t{c} * 16;
     const int64_t src = r * row_elems * elem_bytes + int64_t{c} * 16;
-    const int slab = PageSlab(p.pages, page);
+    const int slab = PageSlab(p.pages, at.page);
     *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.k_slabs[slab]) + dst) =
         *reinterpret_cast<const uint4*>(static_cast<const char*>(p.attn.k) + src);
-    *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.v_slabs[slab]) + dst) =
-        *reinterpret_cast<const uint4*>(static_cast<const char*>(p.attn.v) + src);
+    if constexpr (kWithV) {
+      *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.v_slabs[slab]) + dst) =
+          *reinterpret_cast<const uint4*>(static_cast<const char*>(p.attn.v) + src);
+    }
   }
 }
 
@@ -108,7 +101,8 @@ cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
     if (dev.num_page_copies > 65535) return cudaErrorInvalidConfiguration;
     const int64_t page_vecs = row_bytes * dev.pages.page_size / 16;
     const unsigned x = static_cast<unsigned>(std::min<int64_t>((page_vecs + 255) / 256, 64));
-    CopyPagesKernel<<<dim3(x, dev.num_page_copies, 2), 256, 0, stream>>>(
+    const unsigned kvs = dev.pages.v_in_k ? 1 : 2;
+    CopyPagesKernel<<<dim3(x, dev.num_page_copies, kvs), 256, 0, stream>>>(
         dev.pages, dev.copy_src, dev.copy_dst, page_vecs, dev.attn.num_heads_kv, dev.attn.head_dim,
         elem_bytes);
     const cudaError_t err = cudaGetLastError();
@@ -118,7 +112,11 @@ cudaError_t LaunchKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
     const int row_vecs = static_cast<int>(row_bytes / 16);
     const int64_t total = dev.attn.total_k * row_vecs;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 4096));
-    AppendRowsKernel<<<blocks, 256, 0, stream>>>(dev, row_vecs, elem_bytes);
+    if (dev.pages.v_in_k) {
+      AppendRowsKernel<false><<<blocks, 256, 0, stream>>>(dev, row_vecs, elem_bytes);
+    } else {
+      AppendRowsKernel<true><<<blocks, 256, 0, stream>>>(dev, row_vecs, elem_bytes);
+    }
     return cudaGetLastError();
   }
   return cudaSuccess;

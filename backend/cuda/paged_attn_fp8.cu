@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backend/cuda/kv_append.cuh"
 #include "backend/cuda/kv_quantize.cuh"
 #include "backend/cuda/paged_attn.h"
 #include "backend/cuda/paged_attn_fp8.h"
@@ -33,19 +34,6 @@ namespace cuda {
 namespace {
 
 constexpr int kFp8Warps = 4;
-
-// The sequence of new row r: the last b with cu_seqlens_k[b] <= r.
-__device__ __forceinline__ int SequenceOfRow(const AttnParams& a, int64_t r) {
-  int lo = 0, hi = a.batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a.cu_seqlens_k[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
 
 // Page copies of an FP8 cache: CTA (x, i, kv) copies its share of page
 // copy_src[i]'s codes and then its scales to copy_dst[i], 16 bytes a step
@@ -77,7 +65,8 @@ __global__ void CopyFp8PagesKernel(const __grid_constant__ KvPages pages, const 
   }
 }
 
-// Append into an FP8 cache: one warp per (new row r, kv head h), K then V.
+// Append into an FP8 cache: one warp per (new row r, kv head h), K then V,
+// at r's AppendSlot.
 // Given scales: the codes (8 bytes a lane-step) and the scale as sent;
 // otherwise the row of T values quantised (QuantiseRowWarp).
 template <typename T>
@@ -91,15 +80,10 @@ __global__ void AppendFp8RowsKernel(const __grid_constant__ PagedAttnParams p) {
   for (int64_t w = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; w < warps; w += stride) {
     const int64_t r = w / hkv;
     const int h = static_cast<int>(w % hkv);
-    const int b = SequenceOfRow(a, r);
-    const int new_b = a.cu_seqlens_k[b + 1] - a.cu_seqlens_k[b];
-    const int t = p.seqlens_k[b] - new_b + static_cast<int>(r - a.cu_seqlens_k[b]);
-    const int32_t page =
-        p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
-    const int slab = PageSlab(p.pages, page);
-    const int tp = t & (p.pages.page_size - 1);
-    const int64_t code_off = PageRowOffset(p.pages, page, tp, hkv, d, h);
-    const int64_t scale_off = PageScaleOffset(p.pages, page, tp, hkv, d, h);
+    const PageSlot at = AppendSlot(p, r);
+    const int slab = PageSlab(p.pages, at.page);
+    const int64_t code_off = PageRowOffset(p.pages, at.page, at.token, hkv, d, h);
+    const int64_t scale_off = PageScaleOffset(p.pages, at.page, at.token, hkv, d, h);
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       char* base = static_cast<char*>(kv ? p.pages.v_slabs[slab] : p.pages.k_slabs[slab]);
@@ -374,7 +358,7 @@ cudaError_t LaunchFp8(const PagedFwdLaunch& l, cudaStream_t stream) {
 // production choice (the shared-memory ring where the head dim has one, else
 // Fp8DecodeAhead's register loads).
 template <typename T, int kD, int kAhead = -1>
-cudaError_t LaunchDecode(const fp8_decode::Launch& l, cudaStream_t stream) {
+cudaError_t LaunchDecode(const PagedDecodeLaunch& l, cudaStream_t stream) {
   const AttnParams& p = l.p;
   const int rows = p.seqlen_q * (p.num_heads_q / p.num_heads_kv);
   const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
@@ -397,35 +381,20 @@ cudaError_t LaunchDecode(const fp8_decode::Launch& l, cudaStream_t stream) {
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || l.part_o == nullptr) return err;
-  fp8_decode::CombineFp8Splits<T, kD>
-      <<<dim3(static_cast<unsigned>(p.total_q), p.num_heads_q), fp8_decode::kThreads, 0, stream>>>(
-          l);
-  return cudaGetLastError();
+  return LaunchDecodeCombine<T, kD>(l, stream);
 }
 
-// The decode launch of `dev` in `num_splits` splits; partials in
-// `workspace` (the split workspace's layout, past its counters) when given.
-cudaError_t MakeDecodeLaunch(const PagedAttnParams& dev, int num_splits, void* workspace,
-                             fp8_decode::Launch* l) {
+// The decode launch of `dev` in `num_splits` splits (MakeDecodeLaunch), its
+// grids' bounds checked.
+cudaError_t CheckedDecodeLaunch(const PagedAttnParams& dev, int num_splits, void* workspace,
+                                PagedDecodeLaunch* l) {
   const AttnParams& p = dev.attn;
   if (p.batch > 65535 || p.num_heads_kv > 65535 || p.num_heads_q > 65535 ||
       p.total_q > 0x7fffffff || num_splits < 1 || num_splits > kMaxSplits) {
     return cudaErrorInvalidConfiguration;
   }
   if (workspace == nullptr && num_splits > 1) return cudaErrorInvalidValue;
-  l->p = p;
-  l->kv.pages = dev.pages;
-  l->kv.block_table = dev.block_table;
-  l->kv.block_table_stride = dev.block_table_stride;
-  l->kv.seqlens_k = dev.seqlens_k;
-  l->num_splits = num_splits;
-  l->invariant = p.batch_invariant;
-  l->part_o = nullptr;
-  l->part_lse = nullptr;
-  if (workspace != nullptr) {
-    l->part_o = reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes);
-    l->part_lse = l->part_o + int64_t{num_splits} * p.total_q * p.num_heads_q * p.head_dim;
-  }
+  *l = MakeDecodeLaunch(dev, num_splits, workspace, p.head_dim);
   return cudaSuccess;
 }
 
@@ -441,9 +410,9 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, const Plan& plan, 
       (workspace == nullptr || plan.workspace_bytes < SplitWorkspaceBytes(p, plan.num_splits))) {
     return cudaErrorInvalidValue;
   }
-  fp8_decode::Launch l;
+  PagedDecodeLaunch l;
   const cudaError_t err =
-      MakeDecodeLaunch(dev, plan.num_splits, plan.workspace_bytes > 0 ? workspace : nullptr, &l);
+      CheckedDecodeLaunch(dev, plan.num_splits, plan.workspace_bytes > 0 ? workspace : nullptr, &l);
   if (err != cudaSuccess) return err;
   const bool bf16 = p.dtype == DType::kBF16;
   if (p.head_dim == 64) {
@@ -459,8 +428,8 @@ cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_spl
       p.seqlen_q * (p.num_heads_q / p.num_heads_kv) > 8 || variant < 0 || variant > 3) {
     return cudaErrorInvalidValue;
   }
-  fp8_decode::Launch l;
-  cudaError_t err = MakeDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
+  PagedDecodeLaunch l;
+  cudaError_t err = CheckedDecodeLaunch(dev, num_splits, num_splits > 1 ? workspace : nullptr, &l);
   if (err != cudaSuccess) return err;
   const dim3 grid(l.num_splits, p.num_heads_kv, p.batch);
   auto ring = [&](auto stages) {
@@ -484,10 +453,7 @@ cudaError_t LaunchPagedFp8DecodeAblation(const PagedAttnParams& dev, int num_spl
   }
   err = cudaGetLastError();
   if (err != cudaSuccess || l.part_o == nullptr) return err;
-  fp8_decode::CombineFp8Splits<__nv_bfloat16, 128>
-      <<<dim3(static_cast<unsigned>(p.total_q), p.num_heads_q), fp8_decode::kThreads, 0, stream>>>(
-          l);
-  return cudaGetLastError();
+  return LaunchDecodeCombine<__nv_bfloat16, 128>(l, stream);
 }
 
 cudaError_t LaunchKvAppendFp8(const PagedAttnParams& dev, cudaStream_t stream) {
@@ -523,10 +489,7 @@ cudaError_t LaunchPagedForwardFp8(const PagedAttnParams& dev, cudaStream_t strea
   if (p.seqlen_q > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   PagedFwdLaunch l{};
   l.fwd.p = p;
-  l.kv.pages = dev.pages;
-  l.kv.block_table = dev.block_table;
-  l.kv.block_table_stride = dev.block_table_stride;
-  l.kv.seqlens_k = dev.seqlens_k;
+  l.kv = PagedKvOf(dev);
   if (p.dtype == DType::kBF16) return LaunchFp8<__nv_bfloat16>(l, stream);
   if (p.dtype == DType::kFP16) return LaunchFp8<__half>(l, stream);
   return cudaErrorInvalidValue;

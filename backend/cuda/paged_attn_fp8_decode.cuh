@@ -34,6 +34,7 @@
 #include "backend/cuda/kv_quantize.cuh"
 #include "backend/cuda/paged_attn.h"
 #include "backend/cuda/paged_attn_fp8.h"
+#include "backend/cuda/paged_decode_splits.cuh"
 
 namespace attnserve {
 namespace cuda {
@@ -41,17 +42,6 @@ namespace fp8_decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-
-struct Launch {
-  AttnParams p;
-  PagedKv kv;
-  int num_splits;
-  bool invariant;  // Fp8ChunksPerSplit's batch-invariant rule
-  // Split partials ([split, total_q, Hq, D] normalised O and [split, total_q,
-  // Hq] log2-domain LSE); nullptr: the CTA writes O (and LSE) itself.
-  float* part_o;
-  float* part_lse;
-};
 
 // Two E4M3 codes (low byte first) to an FP16 pair, low half first.
 __device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint32_t two) {
@@ -160,17 +150,6 @@ struct Step {
   float2 vs[2];
 };
 
-template <typename T>
-__device__ __forceinline__ float ToFloat(T x);
-template <>
-__device__ __forceinline__ float ToFloat<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
 // CTA (split, kv head, sequence): packed rows r = i x group + (head within
 // the group) of kv head blockIdx.y over the split's share of the keys.
 // kAhead: steps a warp's register loads run ahead of its math; kStages > 0:
@@ -178,7 +157,7 @@ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
 // cp.async (D 128), the bench's ablation only.
 template <typename T, int kD, int kRowTiles, int kAhead, int kStages = 0>
 __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
-    PagedFp8DecodeKernel(const __grid_constant__ Launch L) {
+    PagedFp8DecodeKernel(const __grid_constant__ PagedDecodeLaunch L) {
   constexpr int kRows = 8 * kRowTiles;
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
@@ -222,8 +201,7 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
     // An empty split: nothing for the combine to weigh.
     for (int idx = tid; idx < n_rows * kD; idx += kThreads) {
       const int r = idx / kD;
-      const int64_t at = (int64_t{split} * p.total_q + q_start + r / group) * p.num_heads_q +
-                         h * group + r % group;
+      const int64_t at = DecodePartialAt(p, split, q_start + r / group, h * group + r % group);
       L.part_o[at * kD + idx % kD] = 0.0f;
       if (idx % kD == 0) L.part_lse[at] = -INFINITY;
     }
@@ -243,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
                    part * kPer;
 #pragma unroll
     for (int c = 0; c < kPer; ++c) {
-      x[c] = real ? ToFloat<T>(src[c]) : 0.0f;
+      x[c] = real ? KvToFloat<T>(src[c]) : 0.0f;
       mx = fmaxf(mx, fabsf(x[c]));
     }
 #pragma unroll
@@ -602,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
     const int head = h * group + r % group;
     const int64_t row = q_start + r / group;
     if (L.part_o != nullptr) {
-      const int64_t at = (int64_t{split} * p.total_q + row) * p.num_heads_q + head;
+      const int64_t at = DecodePartialAt(p, split, row, head);
       L.part_o[at * kD + d] = total > 0.0f ? o / total : 0.0f;
       if (d == 0) L.part_lse[at] = total > 0.0f ? mm + log2f(total) : -INFINITY;
       continue;
@@ -621,48 +599,6 @@ __global__ void __launch_bounds__(kThreads, kFp8DecodeCtasPerSm)
       p.lse[LseOffset(p, b, head, static_cast<int>(row - q_start))] =
           total > 0.0f ? (mm + log2f(total)) / kLog2e : -INFINITY;
     }
-  }
-}
-
-// The splits' partials of (q row blockIdx.x, query head blockIdx.y) added in
-// split order (a fixed order: batch-invariant), with the sink's share.
-template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) CombineFp8Splits(const __grid_constant__ Launch L) {
-  const AttnParams& p = L.p;
-  const int64_t row = blockIdx.x;
-  const int head = blockIdx.y;
-  const int d = threadIdx.x;
-  const int64_t stride = p.total_q * p.num_heads_q;
-  const int64_t at = row * p.num_heads_q + head;
-  float mm = -INFINITY;
-  for (int s = 0; s < L.num_splits; ++s) mm = fmaxf(mm, L.part_lse[s * stride + at]);
-  const float sink = p.sinks != nullptr ? p.sinks[head] * kLog2e : -INFINITY;
-  mm = fmaxf(mm, sink);
-  float total = 0.0f, o = 0.0f;
-  if (mm != -INFINITY) {
-    for (int s = 0; s < L.num_splits; ++s) {
-      const float w = exp2f(L.part_lse[s * stride + at] - mm);
-      total += w;
-      if (d < kD) o += w * L.part_o[(s * stride + at) * kD + d];
-    }
-    if (p.sinks != nullptr) total += exp2f(sink - mm);
-  }
-  if (d < kD) {
-    static_cast<T*>(p.o)[QOffset(p, row, head) + d] =
-        static_cast<T>(total > 0.0f ? o / total : 0.0f);
-  }
-  if (d == 0 && p.lse != nullptr) {
-    // The row's sequence: the last b with cu_seqlens_q[b] <= row.
-    int lo = 0, hi = p.batch - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (SeqStartQ(p, mid) <= row)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    p.lse[LseOffset(p, lo, head, static_cast<int>(row - SeqStartQ(p, lo)))] =
-        total > 0.0f ? (mm + log2f(total)) / kLog2e : -INFINITY;
   }
 }
 

@@ -4,10 +4,10 @@
 // tests plan with it; the kernel reads the split rule), like attn_fwd_plan.h.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/paged_decode_plan.h"
 #include "backend/params.h"
 #include "backend/plan.h"
 
@@ -50,54 +50,23 @@ inline bool Fp8DecodeCovers(const AttnParams& p) {
 
 // Chunks per split of a sequence whose visible keys span n_chunks chunks.
 ATTN_HOST_DEVICE int Fp8ChunksPerSplit(int n_chunks, int num_splits, bool invariant) {
-  if (invariant) {
-    const int per = (n_chunks + kFp8InvariantSplits - 1) / kFp8InvariantSplits;
-    return per > kFp8InvariantMinChunks ? per : kFp8InvariantMinChunks;
-  }
-  return (n_chunks + num_splits - 1) / num_splits;
+  return DecodeUnitsPerSplit(n_chunks, num_splits, invariant, kFp8InvariantSplits,
+                             kFp8InvariantMinChunks);
 }
 
 // The plan of an FP8-cache call: Plan() (the SIMT kernel) when the decode
-// kernel does not cover it; else tile_kind kDecode, kernel_head_dim D, and
-// num_splits: batch-invariant, enough for the longest sequence under the
-// fixed rule above; otherwise the fewest splits whose CTAs (batch x Hkv x
-// splits, kFp8DecodeCtasPerSm per SM) fill >= 90% of the waves they take,
-// each split at least 8 chunks (two steps per warp). A split launch (and
-// every batch-invariant one, whose results must not depend on whether it
-// split) takes the split workspace's layout for its fp32 partials.
+// kernel does not cover it; else kernel_head_dim D, pack_gqa the group, and
+// the splits of PlanDecodeSplits over 16-key chunks, a split's CTAs batch x
+// Hkv, kFp8DecodeCtasPerSm per SM, each split at least 8 chunks (two steps
+// per warp).
 inline Plan PlanPagedFp8(const AttnParams& p, int num_sms) {
-  Plan plan;
-  if (!Fp8DecodeCovers(p)) return plan;
-  plan.kernel_head_dim = p.head_dim;
-  plan.tile_kind = TileKind::kDecode;
-  plan.banded = IsBanded(p);
-  plan.pack_gqa = p.num_heads_q / p.num_heads_kv;
+  if (!Fp8DecodeCovers(p)) return Plan();
   const int64_t n_chunks = (int64_t{p.seqlen_k} + kFp8DecodeChunk - 1) / kFp8DecodeChunk;
-  int64_t splits = 1;
-  if (p.batch_invariant) {
-    const int64_t per = Fp8ChunksPerSplit(static_cast<int>(n_chunks), 1, true);
-    splits = (n_chunks + per - 1) / per;
-  } else {
-    const int64_t base = int64_t{p.batch} * p.num_heads_kv;
-    const int64_t wave = std::max<int64_t>(1, int64_t{num_sms} * kFp8DecodeCtasPerSm);
-    const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(n_chunks / 8, kMaxSplits));
-    double best_eff = 0.0;
-    for (int64_t s = 1; s <= max_splits && base > 0; ++s) {
-      const int64_t ctas = base * s;
-      const double eff =
-          static_cast<double>(ctas) / (static_cast<double>((ctas + wave - 1) / wave) * wave);
-      if (eff > best_eff + 1e-9) {
-        splits = s;
-        best_eff = eff;
-      }
-      if (eff >= 0.9) break;
-    }
-    const int64_t per = (n_chunks + splits - 1) / splits;
-    splits = (n_chunks + per - 1) / per;
-  }
-  plan.num_splits = static_cast<int32_t>(splits);
-  if (splits > 1 || p.batch_invariant)
-    plan.workspace_bytes = SplitWorkspaceBytes(p, plan.num_splits);
+  Plan plan =
+      PlanDecodeSplits(p, {kFp8InvariantSplits, kFp8InvariantMinChunks, 8, kFp8DecodeCtasPerSm},
+                       n_chunks, int64_t{p.batch} * p.num_heads_kv, num_sms);
+  plan.kernel_head_dim = p.head_dim;
+  plan.pack_gqa = p.num_heads_q / p.num_heads_kv;
   return plan;
 }
 

@@ -1,5 +1,5 @@
-// The absorbed-MLA paged path (paged_mla.h): K-only append and page copies,
-// the decode kernel and the combine of its splits.
+// The absorbed-MLA paged path (paged_mla.h): the decode kernel (its K-only
+// append is paged_attn.cu's, its splits' combine paged_decode_splits.cuh's).
 //
 // Decode over a 576-wide latent cache streams K once: a CTA takes one
 // sequence's packed rows (token x query head, 16 kMT of them) and one split
@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "backend/cuda/paged_attn.h"
+#include "backend/cuda/paged_decode_splits.cuh"
 #include "backend/cuda/paged_mla.h"
 #include "common/dtype.h"
 
@@ -38,20 +39,8 @@ constexpr int kTile = kMlaKeyTile;
 constexpr int kRowBytes = kD * 2;           // 1152: 72 chunks of 16 bytes
 constexpr int kKSteps = kD / 16;            // 36 m16n8k16 steps over the head dim
 constexpr int kColsPerWarp = kDv / kWarps;  // 64 O columns
-constexpr float kLog2eF = 1.4426950408889634f;
 
 static_assert(kThreads / 8 == kTile, "a stage's load: 8 threads a key row");
-
-struct MlaLaunch {
-  AttnParams p;
-  PagedKv kv;
-  int num_splits;
-  bool invariant;
-  // Split partials: [split, total_q, Hq, Dv] normalised O and [split,
-  // total_q, Hq] log2-domain LSE; nullptr: the CTA writes O and LSE itself.
-  float* part_o;
-  float* part_lse;
-};
 
 // kOverlap (the bench's variant): P gets a buffer of its own so that a
 // stage's S runs beside the previous stage's P V (two barriers a stage, one
@@ -147,7 +136,7 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
 // kPhases phases of each stage run (0: loads alone; 1: + S; 2: + softmax).
 template <typename T, int kMT, int kPhases = 3, bool kOverlap = false>
 __global__ void __launch_bounds__(kThreads, 1)
-    PagedMlaDecodeKernel(const __grid_constant__ MlaLaunch L) {
+    PagedMlaDecodeKernel(const __grid_constant__ PagedDecodeLaunch L) {
   static_assert(!kOverlap || kPhases == 3, "the overlapped loop runs every phase");
   using C = Cfg<kMT, kOverlap>;
   constexpr int kRows = C::kRows;
@@ -186,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // An empty split: nothing for the combine to weigh.
     for (int idx = tid; idx < rows_here * kDv; idx += kThreads) {
       const int R = r0 + idx / kDv;
-      const int64_t at = (int64_t{split} * p.total_q + q_start + R / hq) * hq + R % hq;
+      const int64_t at = DecodePartialAt(p, split, q_start + R / hq, R % hq);
       L.part_o[at * kDv + idx % kDv] = 0.0f;
       if (idx % kDv == 0) L.part_lse[at] = -INFINITY;
     }
@@ -354,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (mods) {
         if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
         if (p.alibi_slopes != nullptr) x += AlibiBias(s_slope[r], (r0 + r) / hq, key, sq, sk);
-        x *= kLog2eF;
+        x *= kLog2e;
       }
       if (key < lo || key > hi) x = -INFINITY;
       v[j] = x;
@@ -482,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float total = s_l[r];
       if (L.part_o != nullptr) {
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        const int64_t at = (int64_t{split} * p.total_q + row) * hq + head;
+        const int64_t at = DecodePartialAt(p, split, row, head);
         float* dst = L.part_o + at * kDv + warp * kColsPerWarp + 2 * qd;
 #pragma unroll
         for (int n = 0; n < kColsPerWarp / 8; ++n) {
@@ -495,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float f = 1.0f;
       float lse2 = mm;
       if (p.sinks != nullptr) {
-        const float sink = p.sinks[head] * kLog2eF;
+        const float sink = p.sinks[head] * kLog2e;
         const float mn = fmaxf(mm, sink);
         f = mm == -INFINITY ? 0.0f : exp2f(mm - mn);
         total = total * f + exp2f(sink - mn);
@@ -510,135 +499,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (warp == 0 && qd == 0 && p.lse != nullptr) {
         p.lse[LseOffset(p, b, head, R / hq)] =
-            total > 0.0f ? (lse2 + log2f(total)) / kLog2eF : -INFINITY;
+            total > 0.0f ? (lse2 + log2f(total)) / kLog2e : -INFINITY;
       }
     }
   }
 }
 
-// The splits' partials of (q row blockIdx.x, query head blockIdx.y), thread
-// d taking columns 4d..4d+3, added in split order (splits of weight 0
-// skipped), with the sink's share. The splits' LSEs are read at once (one
-// per thread) and their weights shared, so the partials' loads do not wait
-// on one another.
-constexpr int kCombineThreads = kDv / 4;
-static_assert(kCombineThreads >= kMaxSplits, "one split's LSE per combine thread");
-template <typename T>
-__global__ void __launch_bounds__(kCombineThreads)
-    CombineMlaSplits(const __grid_constant__ MlaLaunch L) {
-  __shared__ float s_w[kMaxSplits];
-  __shared__ float s_max[kCombineThreads / 32];
-  const AttnParams& p = L.p;
-  const int64_t row = blockIdx.x;
-  const int head = blockIdx.y;
-  const int tid = threadIdx.x;
-  const int d = tid * 4;
-  const int splits = L.num_splits;
-  const int64_t stride = p.total_q * p.num_heads_q;
-  const int64_t at = row * p.num_heads_q + head;
-  const float lse_s = tid < splits ? __ldcg(L.part_lse + tid * stride + at) : -INFINITY;
-  float mx = lse_s;
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  if (tid % 32 == 0) s_max[tid / 32] = mx;
-  __syncthreads();
-  float mm = s_max[0];
-#pragma unroll
-  for (int i = 1; i < kCombineThreads / 32; ++i) mm = fmaxf(mm, s_max[i]);
-  const float sink = p.sinks != nullptr ? p.sinks[head] * kLog2eF : -INFINITY;
-  mm = fmaxf(mm, sink);
-  if (tid < splits) s_w[tid] = mm == -INFINITY ? 0.0f : exp2f(lse_s - mm);
-  __syncthreads();
-  float total = 0.0f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (mm != -INFINITY) {
-    for (int s = 0; s < splits; ++s) total += s_w[s];  // split order (+0 leaves it alone)
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float w = s_w[s];
-      if (w == 0.0f) continue;
-      const float4 x =
-          __ldcg(reinterpret_cast<const float4*>(L.part_o + (s * stride + at) * kDv + d));
-      o.x = fmaf(w, x.x, o.x);
-      o.y = fmaf(w, x.y, o.y);
-      o.z = fmaf(w, x.z, o.z);
-      o.w = fmaf(w, x.w, o.w);
-    }
-    if (p.sinks != nullptr) total += exp2f(sink - mm);
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  T* dst = static_cast<T*>(p.o) + OOffset(p, row, head) + d;
-  const uint32_t w0 = Pack2<T>(o.x * inv, o.y * inv);
-  const uint32_t w1 = Pack2<T>(o.z * inv, o.w * inv);
-  *reinterpret_cast<uint2*>(dst) = make_uint2(w0, w1);
-  if (threadIdx.x == 0 && p.lse != nullptr) {
-    // The row's sequence: the last b with cu_seqlens_q[b] <= row.
-    int lo = 0, hi = p.batch - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (SeqStartQ(p, mid) <= row)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    p.lse[LseOffset(p, lo, head, static_cast<int>(row - SeqStartQ(p, lo)))] =
-        total > 0.0f ? (mm + log2f(total)) / kLog2eF : -INFINITY;
-  }
-}
-
-// Page copies of the K slabs: CTA (x, i) copies its share of page
-// copy_src[i] to copy_dst[i], 16 bytes per thread per step.
-__global__ void CopyKPagesKernel(const __grid_constant__ KvPages pages, const int32_t* copy_src,
-                                 const int32_t* copy_dst, int64_t page_vecs, int64_t page_bytes) {
-  const int i = blockIdx.y;
-  const int32_t from = copy_src[i];
-  const int32_t to = copy_dst[i];
-  const int64_t in_from = from & ((int32_t{1} << pages.slab_shift) - 1);
-  const int64_t in_to = to & ((int32_t{1} << pages.slab_shift) - 1);
-  const uint4* src = reinterpret_cast<const uint4*>(
-      static_cast<const char*>(pages.k_slabs[PageSlab(pages, from)]) + in_from * page_bytes);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(pages.k_slabs[PageSlab(pages, to)]) +
-                                        in_to * page_bytes);
-  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < page_vecs;
-       v += int64_t{gridDim.x} * blockDim.x) {
-    dst[v] = src[v];
-  }
-}
-
-// Append of K rows alone: new row r of sequence b goes to token
-// seqlens_k[b] - new_b + (r - cu_seqlens_k[b]); one thread per 16 bytes.
-__global__ void AppendKRowsKernel(const __grid_constant__ PagedAttnParams p, int row_vecs,
-                                  int elem_bytes) {
-  const int64_t total = p.attn.total_k * row_vecs;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = idx / row_vecs;
-    const int c = static_cast<int>(idx % row_vecs);
-    int lo = 0, hi = p.attn.batch - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.attn.cu_seqlens_k[mid] <= r)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int b = lo;
-    const int new_b = p.attn.cu_seqlens_k[b + 1] - p.attn.cu_seqlens_k[b];
-    const int t = p.seqlens_k[b] - new_b + static_cast<int>(r - p.attn.cu_seqlens_k[b]);
-    const int32_t page =
-        p.block_table[int64_t{b} * p.block_table_stride + (t >> p.pages.page_shift)];
-    const int64_t dst = PageRowOffset(p.pages, page, t & (p.pages.page_size - 1),
-                                      p.attn.num_heads_kv, p.attn.head_dim, 0) *
-                            elem_bytes +
-                        int64_t{c} * 16;
-    const int64_t src = r * int64_t{row_vecs} * 16 + int64_t{c} * 16;
-    *reinterpret_cast<uint4*>(static_cast<char*>(p.pages.k_slabs[PageSlab(p.pages, page)]) + dst) =
-        *reinterpret_cast<const uint4*>(static_cast<const char*>(p.attn.k) + src);
-  }
-}
-
 template <typename T, int kMT, int kPhases, bool kOverlap>
-cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
+cudaError_t RunDecode(const PagedDecodeLaunch& l, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = Cfg<kMT, kOverlap>::kSmem;
   const cudaError_t err = cudaFuncSetAttribute(PagedMlaDecodeKernel<T, kMT, kPhases, kOverlap>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -648,7 +516,7 @@ cudaError_t RunDecode(const MlaLaunch& l, dim3 grid, cudaStream_t stream) {
 }
 
 template <typename T, int kPhases = 3, bool kOverlap = false>
-cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
+cudaError_t RunMla(const PagedDecodeLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t stream) {
   cudaError_t err;
   if (rows_per_cta == 16)
     err = RunDecode<T, 1, kPhases, kOverlap>(l, grid, stream);
@@ -657,35 +525,13 @@ cudaError_t RunMla(const MlaLaunch& l, int rows_per_cta, dim3 grid, cudaStream_t
   else
     err = RunDecode<T, 4, kPhases, kOverlap>(l, grid, stream);
   if (err != cudaSuccess || l.part_o == nullptr) return err;
-  CombineMlaSplits<T>
-      <<<dim3(static_cast<unsigned>(l.p.total_q), l.p.num_heads_q), kCombineThreads, 0, stream>>>(
-          l);
-  return cudaGetLastError();
+  return LaunchDecodeCombine<T, kDv>(l, stream);
 }
 
 }  // namespace
 
 cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream) {
-  const int elem_bytes = static_cast<int>(DTypeSize(dev.attn.dtype));
-  const int64_t row_bytes = int64_t{dev.attn.num_heads_kv} * dev.attn.head_dim * elem_bytes;
-  if (dev.num_page_copies > 0) {
-    if (dev.num_page_copies > 65535) return cudaErrorInvalidConfiguration;
-    const int64_t page_bytes = row_bytes * dev.pages.page_size;
-    const int64_t page_vecs = page_bytes / 16;
-    const unsigned x = static_cast<unsigned>(std::min<int64_t>((page_vecs + 255) / 256, 64));
-    CopyKPagesKernel<<<dim3(x, dev.num_page_copies), 256, 0, stream>>>(
-        dev.pages, dev.copy_src, dev.copy_dst, page_vecs, page_bytes);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  if (dev.attn.total_k > 0 && dev.attn.batch > 0) {
-    const int row_vecs = static_cast<int>(row_bytes / 16);
-    const int64_t total = dev.attn.total_k * row_vecs;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 4096));
-    AppendKRowsKernel<<<blocks, 256, 0, stream>>>(dev, row_vecs, elem_bytes);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
+  return LaunchKvAppend(dev, stream);
 }
 
 namespace {
@@ -705,20 +551,13 @@ cudaError_t LaunchMla(const PagedAttnParams& dev, const Plan& plan, void* worksp
       plan.num_splits > kMaxSplits || p.total_q > int64_t{INT32_MAX} || p.num_heads_q > 65535) {
     return cudaErrorInvalidConfiguration;
   }
-  MlaLaunch l{};
-  l.p = p;
-  l.kv.pages = dev.pages;
-  l.kv.block_table = dev.block_table;
-  l.kv.block_table_stride = dev.block_table_stride;
-  l.kv.seqlens_k = dev.seqlens_k;
-  l.num_splits = plan.num_splits;
-  l.invariant = p.batch_invariant;
-  if (plan.num_splits > 1 || p.batch_invariant) {
-    if (workspace == nullptr || plan.workspace_bytes < MlaWorkspaceBytes(p, plan.num_splits))
-      return cudaErrorInvalidValue;
-    l.part_o = reinterpret_cast<float*>(static_cast<char*>(workspace) + kSplitCounterBytes);
-    l.part_lse = l.part_o + int64_t{plan.num_splits} * p.total_q * p.num_heads_q * kDv;
+  const bool split = plan.num_splits > 1 || p.batch_invariant;
+  if (split &&
+      (workspace == nullptr || plan.workspace_bytes < SplitWorkspaceBytes(p, plan.num_splits))) {
+    return cudaErrorInvalidValue;
   }
+  const PagedDecodeLaunch l =
+      MakeDecodeLaunch(dev, plan.num_splits, split ? workspace : nullptr, kDv);
   const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(p.batch));
   if (overlap) {

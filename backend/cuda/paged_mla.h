@@ -20,7 +20,8 @@ namespace attnserve {
 namespace cuda {
 
 // Page copies (copy-on-write, K slabs only), then the scatter of the new K
-// rows (dev.attn.k, varlen over cu_seqlens_k) into their pages, on `stream`.
+// rows (dev.attn.k, varlen over cu_seqlens_k) into their pages, on `stream`:
+// LaunchKvAppend (paged_attn.h), which takes pages.v_in_k caches' K alone.
 cudaError_t LaunchMlaKvAppend(const PagedAttnParams& dev, cudaStream_t stream);
 
 // Attention of dev.attn.q over an absorbed cache (MlaDecodeCovers) as `plan`

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/paged_decode_plan.h"
 #include "backend/paged_kv.h"
 #include "backend/params.h"
 #include "backend/plan.h"
@@ -43,19 +44,8 @@ inline bool MlaDecodeCovers(const AttnParams& p, const KvPages& pages) {
 
 // Key tiles per split of a CTA whose visible keys span n_tiles tiles.
 ATTN_HOST_DEVICE int MlaTilesPerSplit(int n_tiles, int num_splits, bool invariant) {
-  if (invariant) {
-    const int per = (n_tiles + kMlaInvariantSplits - 1) / kMlaInvariantSplits;
-    return per > kMlaInvariantMinTiles ? per : kMlaInvariantMinTiles;
-  }
-  return (n_tiles + num_splits - 1) / num_splits;
-}
-
-// Workspace of a split launch: the split counters every workspace starts
-// with (cleared on allocation, unused here), then fp32 partials [split,
-// total_q, Hq, Dv] and their log2-domain LSE [split, total_q, Hq].
-inline int64_t MlaWorkspaceBytes(const AttnParams& p, int num_splits) {
-  return kSplitCounterBytes +
-         int64_t{num_splits} * p.total_q * p.num_heads_q * (kMlaHeadDimV + 1) * 4;
+  return DecodeUnitsPerSplit(n_tiles, num_splits, invariant, kMlaInvariantSplits,
+                             kMlaInvariantMinTiles);
 }
 
 // Pipeline stages of the kernel with `rows` rows a CTA: as many 32-key
@@ -68,46 +58,21 @@ constexpr int MlaSmemBytes(int rows) {
          (rows == 64 ? 4 : 8) * rows * kMlaKeyTile * 4 + 6 * rows * 4;
 }
 
-// The plan of a call MlaDecodeCovers: tile_kind kDecode, kernel_head_dim
-// 576, pack_gqa Hq, and num_splits: batch-invariant, enough for the longest
-// sequence under the fixed rule above; otherwise the fewest splits whose CTAs
-// (batch x row blocks x splits, one per SM) fill >= 90% of the waves they
-// take, each split at least kMlaMinTilesPerSplit tiles.
+// The plan of a call MlaDecodeCovers: kernel_head_dim 576, pack_gqa Hq, and
+// the splits of PlanDecodeSplits over 32-key tiles, a split's CTAs batch x
+// row blocks, one per SM, each split at least kMlaMinTilesPerSplit tiles.
+// Its split workspace holds fp32 partials [split, total_q, Hq, Dv] and their
+// log2-domain LSE [split, total_q, Hq] past the counters (unused here).
 inline Plan PlanPagedMla(const AttnParams& p, int num_sms) {
-  Plan plan;
-  plan.kernel_head_dim = kMlaHeadDim;
-  plan.tile_kind = TileKind::kDecode;
-  plan.banded = IsBanded(p);
-  plan.pack_gqa = p.num_heads_q;
   const int64_t rows = int64_t{p.seqlen_q} * p.num_heads_q;
   const int64_t per_cta = MlaRowsPerCta(static_cast<int>(std::min<int64_t>(rows, 64)));
   const int64_t row_blocks = (rows + per_cta - 1) / per_cta;
   const int64_t n_tiles = (int64_t{p.seqlen_k} + kMlaKeyTile - 1) / kMlaKeyTile;
-  int64_t splits = 1;
-  if (p.batch_invariant) {
-    const int64_t per = MlaTilesPerSplit(static_cast<int>(n_tiles), 1, true);
-    splits = std::max<int64_t>(1, (n_tiles + per - 1) / per);
-  } else {
-    const int64_t base = int64_t{p.batch} * row_blocks;
-    const int64_t wave = std::max<int64_t>(1, num_sms);
-    const int64_t max_splits =
-        std::max<int64_t>(1, std::min<int64_t>(n_tiles / kMlaMinTilesPerSplit, kMaxSplits));
-    double best_eff = 0.0;
-    for (int64_t s = 1; s <= max_splits && base > 0; ++s) {
-      const int64_t ctas = base * s;
-      const double eff =
-          static_cast<double>(ctas) / (static_cast<double>((ctas + wave - 1) / wave) * wave);
-      if (eff > best_eff + 1e-9) {
-        splits = s;
-        best_eff = eff;
-      }
-      if (eff >= 0.9) break;
-    }
-    const int64_t per = std::max<int64_t>(1, (n_tiles + splits - 1) / splits);
-    splits = std::max<int64_t>(1, (n_tiles + per - 1) / per);
-  }
-  plan.num_splits = static_cast<int32_t>(splits);
-  if (splits > 1 || p.batch_invariant) plan.workspace_bytes = MlaWorkspaceBytes(p, plan.num_splits);
+  Plan plan =
+      PlanDecodeSplits(p, {kMlaInvariantSplits, kMlaInvariantMinTiles, kMlaMinTilesPerSplit, 1},
+                       n_tiles, int64_t{p.batch} * row_blocks, num_sms);
+  plan.kernel_head_dim = kMlaHeadDim;
+  plan.pack_gqa = p.num_heads_q;
   return plan;
 }
 

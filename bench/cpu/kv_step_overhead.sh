@@ -19,7 +19,12 @@
 # configuration's medians over the rounds.
 # CONFIGS="unary: stream-shm:--stream,--shm=system" picks configurations
 # (label:flags, flags split at commas; the default is all four).
-# Usage: [PERF=1] [TOKENS=100] [CONFIGS=...] bench/cpu/kv_step_overhead.sh ROUNDS DIR [DIR...]
+# SHAPE=gpu-bytes moves the GPU decode loop's bytes per step instead (64
+# sequences, Hq 32 / Hkv 8 / D 128, BF16: q 512 KiB, k/v 128 KiB each, o 512
+# KiB; 1-token prompts, TOKENS (default 24) x 10 layers, so the CPU kernel
+# stays short) with Echo of the same bytes: the host's copies of the tensors
+# are then the part that moves.
+# Usage: [PERF=1] [TOKENS=100] [CONFIGS=...] [SHAPE=gpu-bytes] bench/cpu/kv_step_overhead.sh ROUNDS DIR [DIR...]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
@@ -34,6 +39,13 @@ rm -f "$csv" "$echo_csv"
 heads=(--heads_q=4 --heads_kv=1 --head_dim=64 --dtype=fp16)
 shape=("${heads[@]}" --page_size=64 --sequences=2 --prompt=16 --tokens=${TOKENS:-100}
   --warmup_tokens=5 --layers=20 --prefill_attend=false --concurrency=1)
+echo_batch=2
+if [ "${SHAPE:-}" = gpu-bytes ]; then
+  heads=(--heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16)
+  shape=("${heads[@]}" --page_size=64 --sequences=64 --prompt=1 --tokens=${TOKENS:-24}
+    --warmup_tokens=2 --layers=10 --prefill_attend=false --concurrency=1)
+  echo_batch=64
+fi
 read -r -a configs <<<"${CONFIGS:-unary: stream:--stream unary-shm:--shm=system stream-shm:--stream,--shm=system}"
 bin_of() {  # bin_of DIR NAME: the binary NAME in an install-like or a build folder
   if [ -x "$1/bin/$2" ]; then echo "$1/bin/$2"; elif [ "$2" = attnserve ]; then
@@ -67,7 +79,7 @@ for round in $(seq 1 "$rounds"); do
         >"$log-$label.txt" 2>&1 || echo "$name round $round $label failed: $(tail -1 "$log-$label.txt")"
       [ -n "$perf_pid" ] && { kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null; }
     done
-    "${ctl[@]}" load --rpc=echo --batch=2 --seqlen_q=1 --seqlen_k=1 "${heads[@]}" --concurrency=1 \
+    "${ctl[@]}" load --rpc=echo --batch=$echo_batch --seqlen_q=1 --seqlen_k=1 "${heads[@]}" --concurrency=1 \
       --warmup=1s --duration=5s --csv="$echo_csv" --label="$name-r$round-echo" \
       >"$log-echo.txt" 2>&1 || echo "$name round $round echo failed: $(tail -1 "$log-echo.txt")"
     kill -TERM "$pid"

@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
     Plan plan = cuda::PlanPagedMla(p, prop.multiProcessorCount);
     if (force_splits > 0) {
       plan.num_splits = force_splits;
-      plan.workspace_bytes = cuda::MlaWorkspaceBytes(p, force_splits);
+      plan.workspace_bytes = cuda::SplitWorkspaceBytes(p, force_splits);
     }
     void* ws = nullptr;
     if (plan.workspace_bytes > 0) CK(cudaMalloc(&ws, plan.workspace_bytes));

@@ -24,13 +24,8 @@ rm -rf /tmp/ab && mkdir -p /tmp/ab && tar -C /tmp/ab -xzf .device-carry/old-src.
 use_carried_libs absl lib
 
 # Both trees' attn_bench first, so no build competes with the serving rounds.
-build_bench() {  # build_bench SRC BUILD_DIR LOG
-  cmake -S "$1" -B "$2" -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_CUDA=ON \
-    -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$3" 2>&1 &&
-    ninja -C "$2" -j16 attn_bench >>"$3" 2>&1
-}
-build_bench . build-ab-new "$OUT/build-new.log" || { grep -E 'error|FAILED' "$OUT/build-new.log" | head; exit 1; }
-build_bench /tmp/ab/old build-ab-old "$OUT/build-old.log" || { grep -E 'error|FAILED' "$OUT/build-old.log" | head; exit 1; }
+cuda_build . build-ab-new "$OUT/build-new.log" -DATTNSERVE_BUILD_TESTS=OFF attn_bench || exit 1
+cuda_build /tmp/ab/old build-ab-old "$OUT/build-old.log" -DATTNSERVE_BUILD_TESTS=OFF attn_bench || exit 1
 echo "builds: $(( $(date +%s) - t0 )) s"
 
 port=50071

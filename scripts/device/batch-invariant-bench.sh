@@ -18,7 +18,7 @@
 # split), rows named ours_bi_t<T>, one more ratio column each.
 # GRID=decodesweep T_GRID=decodesweep: the same over B = 1 and 16 at 1k..32k
 # keys instead (what T costs a single short sequence).
-# Usage: [KERNELS=dev|all] [COMMIT=sha] [T_SWEEP="1 4 16 32"] [GRID=quick] [T_GRID=decode]
+# Usage: [KERNELS=dev|all] [BUILD=dir] [COMMIT=sha] [T_SWEEP="1 4 16 32"] [GRID=quick] [T_GRID=decode]
 #          scripts/device/batch-invariant-bench.sh [--no-sanitizer] [--no-tests] [--no-bench]
 # (a call of the device tool lasts 10 minutes at most: the build stays in $B
 # between calls on a warm machine, so tests and bench may go in two calls)
@@ -37,16 +37,14 @@ note() { SUMMARY+=("$(printf '%-40s %s' "$1" "$2")"); }
 KERNELS=${KERNELS:-dev}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
+B=${BUILD:-$B}
 use_carried_libs absl lib
 t0=$(date +%s)
-if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-  -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-  -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-  ninja -C $B -j16 cuda_batch_invariance_test cuda_backend_test attn_bench plan_invariant_split_test >"$OUT/build.log" 2>&1; then
+if cuda_build . "$B" "$OUT/build.log" cuda_batch_invariance_test cuda_backend_test attn_bench \
+  plan_invariant_split_test; then
   note build "ok ($(($(date +%s) - t0)) s, KERNELS=$KERNELS)"
 else
   note build "FAILED (see build.log)"
-  tail -30 "$OUT/build.log" "$OUT/configure.log"
   printf '%s\n' "${SUMMARY[@]}"
   exit 1
 fi
@@ -57,20 +55,20 @@ run_test() { # run_test NAME LOG CMD...
   shift 2
   timeout 400 "$@" >"$OUT/$log" 2>&1
   local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$OUT/$log" | tr '\n' ' ')"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|differ' "$OUT/$log" | head -10
 }
 if [ $TESTS = 1 ]; then
-  run_test "invariant split plan (host)" plan.log $B/tests/backend/plan_invariant_split_test
-  run_test "invariance (planner's choice)" inv-default.log $T/cuda_batch_invariance_test
-  ATTNSERVE_CUDA_PORTABLE=1 run_test "invariance (portable)" inv-portable.log $T/cuda_batch_invariance_test
-  run_test "cuda_backend_test split cases" split.log $T/cuda_backend_test --gtest_filter='Split/*:CudaSplitWorkspace.*'
+  run_test "invariant split plan (host)" plan.log "$B"/tests/backend/plan_invariant_split_test
+  run_test "invariance (planner's choice)" inv-default.log "$T"/cuda_batch_invariance_test
+  ATTNSERVE_CUDA_PORTABLE=1 run_test "invariance (portable)" inv-portable.log "$T"/cuda_batch_invariance_test
+  run_test "cuda_backend_test split cases" split.log "$T"/cuda_backend_test --gtest_filter='Split/*:CudaSplitWorkspace.*'
 fi
 if [ $TESTS = 1 ] && [ $SAN = 1 ]; then
   for tool in memcheck racecheck; do
     log="$OUT/sanitizer-$tool.log"
     timeout 500 compute-sanitizer --tool $tool --error-exitcode 9 \
-      $T/cuda_batch_invariance_test --gtest_filter='*Fused*' >"$log" 2>&1
+      "$T"/cuda_batch_invariance_test --gtest_filter='*Fused*' >"$log" 2>&1
     note "compute-sanitizer $tool (fused/kernel combine)" "rc=$? $(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
   done
 fi
@@ -85,13 +83,13 @@ rows=$OUT/rows.csv
 : >"$rows"
 for order in ours,ours_bi ours_bi,ours; do
   tag=${order%%,*}
-  $B/bench/cuda/attn_bench --grid="${GRID:-quick}" --dtypes=bf16 --impls=$order --csv="$OUT/b-$tag.csv" \
+  "$B"/bench/cuda/attn_bench --grid="${GRID:-quick}" --dtypes=bf16 --impls=$order --csv="$OUT/b-$tag.csv" \
     2>>"$OUT/attn_bench.log" && tail -n +2 "$OUT/b-$tag.csv" >>"$rows"
 done
 # The T ablation: decode grid only, its rows renamed ours_bi_t<T>.
 ABL=()
 for t in ${T_SWEEP-1 4 16 32}; do
-  ATTNSERVE_CUDA_INVARIANT_MIN_TILES=$t $B/bench/cuda/attn_bench --grid="${T_GRID:-decode}" --dtypes=bf16 \
+  ATTNSERVE_CUDA_INVARIANT_MIN_TILES=$t "$B"/bench/cuda/attn_bench --grid="${T_GRID:-decode}" --dtypes=bf16 \
     --impls=ours_bi --csv="$OUT/b-t$t.csv" 2>>"$OUT/attn_bench.log" &&
     tail -n +2 "$OUT/b-t$t.csv" | awk -F, -v OFS=, -v t="$t" '{ $10 = "ours_bi_t" t; print }' >>"$rows"
   ABL+=("ours_bi_t$t")

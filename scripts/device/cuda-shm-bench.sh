@@ -87,8 +87,7 @@ test_bin=$bin/cuda_shm_test
 if [ -x "$test_bin" ]; then
   echo "== cuda_shm_test" >&2
   ATTNSERVE_BINARY=$PWD/$bin/attnserve timeout 300 "$test_bin" >"$OUT/cuda_shm_test.log" 2>&1
-  echo "cuda_shm_test: rc=$? $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' \
-    "$OUT/cuda_shm_test.log" | tr '\n' ' ')"
+  echo "cuda_shm_test: rc=$? $(gtest_counts "$OUT/cuda_shm_test.log")"
   grep -E '^\[  FAILED  \]' "$OUT/cuda_shm_test.log" | head -10
 else
   echo "no $test_bin: the GPU test not run (carry build/tests/cuda/cuda_shm_test there to run it)"

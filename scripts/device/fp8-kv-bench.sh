@@ -14,7 +14,7 @@
 # Nsight Compute pass over the decode kernel and the BF16 one (DRAM
 # throughput, warp stalls) into ncu.txt.
 # Prints a summary and the bench's table; CSV and logs under $OUT.
-# Usage: [KERNELS=dev|all] [BENCH_ARGS="--b=64 --sk=8192"] [SHAPES=...] [NCU=1]
+# Usage: [KERNELS=dev|all] [BUILD=dir] [BENCH_ARGS="--b=64 --sk=8192"] [SHAPES=...] [NCU=1]
 #        scripts/device/fp8-kv-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -29,17 +29,13 @@ note() { SUMMARY+=("$(printf '%-30s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 KERNELS=${KERNELS:-dev}
-B=build-gpu-$KERNELS
+B=${BUILD:-build-gpu-$KERNELS}
 use_carried_libs absl lib
 t0=$(date +%s)
-if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-   ninja -C $B -j16 cuda_paged_test cuda_paged_fp8_test fp8_kv_bench >"$OUT/build.log" 2>&1; then
+if cuda_build . "$B" "$OUT/build.log" cuda_paged_test cuda_paged_fp8_test fp8_kv_bench; then
   note build "ok ($(( $(date +%s) - t0 )) s)"
 else
-  note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
-  printf '%s\n' "${SUMMARY[@]}"; exit 1
+  note build "FAILED (see build.log)"; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 T=$B/tests/cuda/cuda_paged_test
 T8=$B/tests/cuda/cuda_paged_fp8_test
@@ -47,7 +43,7 @@ T8=$B/tests/cuda/cuda_paged_fp8_test
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is' "$OUT/$log" | head -10
 }
 run_test "fp8 paged tests" fp8-tests.log $T --gtest_filter='*Fp8*'

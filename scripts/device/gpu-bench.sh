@@ -17,9 +17,7 @@ B=build-gpu
 # The test binaries link the carried Abseil shared libraries.
 use_carried_libs absl
 if [ ! -x $B/bench/cuda/attn_bench ]; then
-  cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-    -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/bconfigure.log" 2>&1
-  ninja -C $B -j16 attn_bench >"$OUT/bbuild.log" 2>&1 || { tail -20 "$OUT/bbuild.log"; exit 1; }
+  cuda_build . $B "$OUT/bbuild.log" attn_bench || exit 1
 fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 slug=$(echo "$gpu" | tr '[:upper:]' '[:lower:]' | sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')

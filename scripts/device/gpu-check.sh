@@ -12,7 +12,7 @@
 # sm90_block_sparse_test, sm90_bias_test) run too, each under both families, with their own
 # sanitizer subset. KERNELS=dev builds the D 128 kernels only (a faster build;
 # the other head dims' cases skip).
-# Usage: [KERNELS=all|dev] scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
+# Usage: [KERNELS=all|dev] [BUILD=dir] scripts/device/gpu-check.sh [--no-sanitizer] [--no-e2e]
 # Shape and flag lists ($args, $shape, $C) are split into words on purpose.
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -29,18 +29,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,me
 KERNELS=${KERNELS:-all}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
+B=${BUILD:-$B}
 MODS_TESTS="cuda_score_mods_test cuda_paged_test sm90_block_sparse_test sm90_bias_test"
 # The test binaries link the carried Abseil shared libraries; a carried
 # shared-library server brings its own (scripts/device/pack-device-deps.sh --server).
 use_carried_libs absl lib
 t0=$(date +%s)
-if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-   ninja -C $B -j16 cuda_backend_test $MODS_TESTS attn_bench >"$OUT/build.log" 2>&1; then
+if cuda_build . "$B" "$OUT/build.log" cuda_backend_test $MODS_TESTS attn_bench; then
   note build "ok ($(( $(date +%s) - t0 )) s)"
 else
-  note build "FAILED (see build.log)"; tail -30 "$OUT/build.log" "$OUT/configure.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1
+  note build "FAILED (see build.log)"; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 
 T=$B/tests/cuda/cuda_backend_test
@@ -73,7 +71,7 @@ for t in $MODS_TESTS; do
     log="$OUT/$t-$fam.log"
     if [ $fam = portable ]; then ATTNSERVE_CUDA_PORTABLE=1 timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?
     else timeout 400 $B/tests/cuda/$t >"$log" 2>&1; rc=$?; fi
-    note "$t ($fam)" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$log" | tr '\n' ' ')"
+    note "$t ($fam)" "rc=$rc $(gtest_counts "$log")"
     grep -E '^\[  FAILED  \]' "$log" | head -10
   done
 done

@@ -14,9 +14,10 @@
 # attn_bench, optionally attn_bench_base) with the shared libraries they load
 # in DIR/lib, built elsewhere so the GPU machine's time goes to running them;
 # without BIN they are built here as scripts/device/gpu-kv.sh does (carried Abseil).
-# Usage: [BIN=dir] [COMMIT=sha] [SWEEP="8 16 32 64 128"] scripts/device/gpu-decode.sh
+# Usage: [BIN=dir] [BUILD=dir] [COMMIT=sha] [SWEEP="8 16 32 64 128"] scripts/device/gpu-decode.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-decode-out}
 mkdir -p "$OUT"
 declare -a SUMMARY
@@ -26,12 +27,10 @@ if [ -n "${BIN:-}" ]; then
   export LD_LIBRARY_PATH=$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   TESTS=$BIN BENCH=$BIN
 else
-  export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  cmake -S . -B build-gpu -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON -DATTNSERVE_CUDA_KERNELS=dev \
-    -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real >"$OUT/configure.log" 2>&1 &&
-    ninja -C build-gpu -j16 cuda_backend_test cuda_paged_test attn_bench >"$OUT/build.log" 2>&1 ||
-    { grep -E 'error|FAILED' "$OUT/build.log" | head -30; exit 1; }
-  TESTS=build-gpu/tests/cuda BENCH=build-gpu/bench/cuda
+  use_carried_libs absl
+  B=${BUILD:-build-gpu}
+  KERNELS=dev cuda_build . "$B" "$OUT/build.log" cuda_backend_test cuda_paged_test attn_bench || exit 1
+  TESTS=$B/tests/cuda BENCH=$B/bench/cuda
 fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 note setup "$(( $(date +%s) - t0 )) s, ${BIN:+prebuilt }binaries"
@@ -39,7 +38,7 @@ note setup "$(( $(date +%s) - t0 )) s, ${BIN:+prebuilt }binaries"
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 240 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|differs' "$OUT/$log" | head -10
 }
 run_test cuda_backend_test backend.log $TESTS/cuda_backend_test --gtest_filter='Shapes/*:Split/*:CudaSplitWorkspace.*'

@@ -12,31 +12,26 @@
 # SDPA_CSV=FILE reuses SDPA rows from an earlier run instead of timing again.
 # Usage: [KERNELS=dev|all] [TESTS="cuda_paged_test ..."] [BASE=DIR] [NCU=0] [BUILD=dir] [CUDA_FLAGS=..] [SDPA_CSV=file] scripts/device/gpu-kv.sh
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
+. scripts/lib/common.sh
 OUT=${OUT:-$PWD/gpu-kv-out}
 mkdir -p "$OUT"
 KERNELS=${KERNELS:-dev}
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-28s %s' "$1" "$2")"); }
-export LD_LIBRARY_PATH=$PWD/.device-carry/absl/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-build() {  # build(src dir, build dir, targets...)
-  local src=$1 dir=$2; shift 2
-  cmake -S "$src" -B "$dir" -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-    -DATTNSERVE_CUDA_KERNELS="$KERNELS" -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
-    -DCMAKE_CUDA_ARCHITECTURES=90-real >>"$OUT/configure.log" 2>&1 && ninja -C "$dir" -j16 "$@" >>"$OUT/build.log" 2>&1
-}
+use_carried_libs absl
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 t0=$(date +%s)
 B=${BUILD:-build-gpu}
-if build . "$B" cuda_backend_test cuda_paged_test attn_bench; then
+if cuda_build . "$B" "$OUT/build.log" cuda_backend_test cuda_paged_test attn_bench; then
   note build "ok ($(( $(date +%s) - t0 )) s, kernels=$KERNELS, flags=${CUDA_FLAGS:-none})"
 else
-  note build "FAILED"; grep -E 'error|FAILED' "$OUT/build.log" | head -30; printf '%s\n' "${SUMMARY[@]}"; exit 1
+  note build "FAILED"; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 
 for t in ${TESTS:-cuda_paged_test cuda_backend_test}; do
   timeout 300 $B/tests/cuda/$t >"$OUT/$t.log" 2>&1; rc=$?
-  note "$t" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$t.log" | tr '\n' ' ') failed=$(grep -c '^\[  FAILED  \]' "$OUT/$t.log")"
+  note "$t" "rc=$rc $(gtest_counts "$OUT/$t.log")"
   grep -E '^\[  FAILED  \]|Failure|Expected|Which is|differs|error' "$OUT/$t.log" | head -20
 done
 
@@ -47,7 +42,7 @@ timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 $B/tests/cuda/c
   >"$OUT/memcheck.log" 2>&1; rc=$?
 note "memcheck (paged subset)" "rc=$rc tests_ok=$(grep -c '^\[       OK \]' "$OUT/memcheck.log") $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | head -1)"
 
-if [ -n "${BASE:-}" ] && build "$BASE" build-base attn_bench; then
+if [ -n "${BASE:-}" ] && cuda_build "$BASE" build-base "$OUT/build-base.log" attn_bench; then
   for v in base new; do
     bin=$([ $v = base ] && echo build-base || echo $B)/bench/cuda/attn_bench
     $bin --grid=quick --dtypes=bf16 --impls=ours --csv="$OUT/ab-$v.csv" 2>>"$OUT/ab.log"

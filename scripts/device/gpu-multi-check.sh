@@ -14,7 +14,12 @@ OUT=${OUT:-$PWD/gpu-multi-check-out}
 mkdir -p "$OUT"
 bin=.device-carry/bin
 use_carried_libs lib
-ngpu=$(nvidia-smi -L | grep -c '^GPU')
+# The GPUs the server sees: CUDA_VISIBLE_DEVICES's list when set, else all.
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+else
+  ngpu=$(nvidia-smi -L | grep -c '^GPU')
+fi
 port=50931
 C="$bin/attnctl --target=127.0.0.1:$port --timeout=60s"
 # Goes on after a timeout: the checks below then fail and say so.
@@ -27,6 +32,11 @@ $C load --concurrency=32 --warmup=0s --duration=3s --channels=4 --check $shape >
 check_rc=$?
 devices=$(grep -oE 'requests by device: .*' "$OUT/check.log" | sed 's/requests by device: //')
 used=$(echo "$devices" | tr ';' '\n' | grep -c ':')
+# A saturating load without --check (the check's float64 reference on the
+# client would be the bottleneck): each device's share of the requests.
+$C load --concurrency=64 --warmup=1s --duration=6s --channels=8 $shape >"$OUT/balance.log" 2>&1
+balance=$(grep -oE 'requests by device: .*' "$OUT/balance.log" | sed 's/requests by device: //')
+shares=$(echo "$balance" | tr ';' '\n' | awk -F: '{n[$1]=$2; t+=$2} END {for (d in n) printf "%s:%.1f%% ", d, 100*n[d]/t}')
 # SIGTERM while a load runs: in-flight requests finish, the server exits 0.
 $C load --concurrency=16 --warmup=0s --duration=4s $shape >"$OUT/drain-load.log" 2>&1 &
 lpid=$!
@@ -38,5 +48,6 @@ echo "==== gpu-multi-check ($ngpu GPUs)"
 printf '%-28s %s\n' "devices listed by info" "$(grep -c '^device ' "$OUT/info.txt")"
 printf '%-28s %s\n' "load --check rc" "$check_rc ($(grep -E '^concurrency=' "$OUT/check.log" | awk '{print $2" req/s, errors="$NF}'))"
 printf '%-28s %s\n' "requests by device" "${devices:-none} (devices used: $used of $ngpu)"
+printf '%-28s %s\n' "saturating load by device" "${balance:-none} (${shares:-no shares}; $(grep -E '^concurrency=' "$OUT/balance.log" | awk '{print $2" req/s"}'))"
 printf '%-28s %s\n' "SIGTERM under load: exit" "$server_rc ($(grep -cE 'stopped after' "$OUT/server.log") 'stopped after' lines)"
 [ "$check_rc" = 0 ] && [ "$used" = "$ngpu" ] && [ "$server_rc" = 0 ] && echo "RESULT: PASS" || echo "RESULT: FAIL"

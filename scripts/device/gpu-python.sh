@@ -49,34 +49,13 @@ py=${PYTHON:-python3}
 started=$SECONDS
 step() { echo "== $* ($((SECONDS - started)) s)"; }
 
-step "wheels"
-[ -d "$carry"/wheels ] ||
-  { echo "no $carry/wheels: run scripts/device/pack-python-carry.sh here and carry it"; exit 2; }
-rm -rf "$carry"/pylib
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
-  "$carry"/wheels/*.whl || exit 2
-export PYTHONPATH=$carry/pylib${PYTHONPATH:+:$PYTHONPATH}
-commit=$(cat "$carry"/wheels/COMMIT 2>/dev/null || echo unknown)
-
-if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
-  step "unpacking $carry/server.tgz"
-  tar -C "$carry" -xzf "$carry"/server.tgz || exit 2
-fi
-if [ ! -x "$carry"/bin/attnserve ] || [ ! -x "$carry"/bin/attnctl ]; then
-  echo "no $carry/bin/attnserve and attnctl: scripts/device/pack-device-deps.sh --server BUILD"; exit 2
-fi
+step "wheels and server"
 # The carried libraries (Debian's gRPC, protobuf, Abseil, OpenSSL...) go on the
-# library path of the server and attnctl only, through these wrappers, not on
+# library path of the server and attnctl only (pybin's wrappers), not on
 # Python's: the machine's own Python modules load the machine's libraries.
+use_carried_python "$carry" "$py" || exit 2
+commit=$CARRIED_COMMIT
 bin="$carry"/pybin
-rm -rf "$bin"
-mkdir -p "$bin"
-for tool in attnserve attnctl; do
-  # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and "$@" are the wrapper's, not ours
-  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-    "$carry/lib" "$carry/bin/$tool" >"$bin/$tool"
-  chmod +x "$bin/$tool"
-done
 
 if [ "$cpu" = 1 ]; then
   backend=cpu; device=cpu; gpu=cpu

@@ -8,8 +8,14 @@
 #   [NS=8192,16384,32768 (sparse N)] [KERNELS=all|dev (dev: D 128 only, a faster build)]
 #   [VARIANTS="split banded" (mask_bench --sm90_mods, one run each, in turn;
 #    the first one's CSV meets the peers)] [PEERS=0 (no peers: ours alone)]
-#   [TESTS=1 (first the CUDA mask tests, then after the bench a compute-sanitizer
-#    memcheck subset of them)] [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh
+#   [ORDERS="head natural global" (ATTNSERVE_SM90_ITEM_ORDER: how a block-masked
+#    Hopper launch orders its items; each variant runs once per order, the CSVs
+#    ours-<variant>-<order>.csv, a table comparing them last)]
+#   [BIAS_ROWS="1 0" (ATTNSERVE_SM90_BIAS_ROWS: 0 reads a bias in fragment words
+#    even where whole rows fit; one run per value, ours-<variant>-rows<value>.csv)]
+#   [TESTS=1 (first the CUDA mask tests, the block-sparse one under every item
+#    order, then after the bench a compute-sanitizer memcheck subset of them;
+#    MEMCHECK=0 skips the memcheck)] [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
@@ -17,6 +23,7 @@ OUT=${OUT:-$PWD/mask-bench-out}
 mkdir -p "$OUT"
 GRID=${GRID:-all}; IMPLS=${IMPLS:-ours}; DIMS=${DIMS:-64,128}; NS=${NS:-8192,16384,32768}
 KERNELS=${KERNELS:-all}; VARIANTS=${VARIANTS:-split}; PEERS=${PEERS:-1}; TESTS=${TESTS:-0}
+ORDERS=${ORDERS:-head}; BIAS_ROWS=${BIAS_ROWS:-1}; MEMCHECK=${MEMCHECK:-$TESTS}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
 MASK_TESTS="sm90_block_sparse_test sm90_bias_test cuda_score_mods_test cuda_backend_test"
@@ -46,6 +53,13 @@ if [ "$TESTS" = 1 ]; then
     note "$t" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$OUT/test-$t.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUT/test-$t.log" | head -10
   done
+  # The item order's other modes (the test checks the order each one writes).
+  for o in natural global; do
+    ATTNSERVE_SM90_ITEM_ORDER=$o timeout 240 $T/sm90_block_sparse_test --gtest_filter='Sm90/*' \
+      >"$OUT/test-sm90_block_sparse_test-$o.log" 2>&1; rc=$?
+    note "sm90_block_sparse_test (order $o)" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]' "$OUT/test-sm90_block_sparse_test-$o.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$OUT/test-sm90_block_sparse_test-$o.log" | head -10
+  done
   # The plain Hopper kernel (its epilogue takes sinks) and varlen staging.
   timeout 240 $T/cuda_backend_test --gtest_filter='Sm90/*varlen*:Sm90/*_b2_*:CudaBackendVarlen.*' \
     >"$OUT/test-cuda_backend_test.log" 2>&1; rc=$?
@@ -62,14 +76,24 @@ fi
 } >"$OUT/header.txt"
 masks=$(mktemp -d)
 first=1
-for v in $VARIANTS; do
-  mask_args=()
-  [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
-  $B/bench/cuda/mask_bench --grid="$GRID" --impls="$IMPLS" --dims="$DIMS" --ns="$NS" --sm90_mods="$v" \
-    --csv="$OUT/ours-$v.csv" "${mask_args[@]}" 2>"$OUT/mask_bench-$v.log"
-  echo "mask_bench --sm90_mods=$v rc=$?"; tail -2 "$OUT/mask_bench-$v.log"
-  [ $first = 1 ] && cp "$OUT/ours-$v.csv" "$OUT/ours.csv"
-  first=0
+TAGS=()
+for o in $ORDERS; do
+  for br in $BIAS_ROWS; do
+    for v in $VARIANTS; do
+      tag=$v
+      [ "$ORDERS" != head ] && tag="$tag-$o"
+      [ "$BIAS_ROWS" != 1 ] && tag="$tag-rows$br"
+      TAGS+=("$tag")
+      mask_args=()
+      [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
+      ATTNSERVE_SM90_ITEM_ORDER=$o ATTNSERVE_SM90_BIAS_ROWS=$br $B/bench/cuda/mask_bench \
+        --grid="$GRID" --impls="$IMPLS" --dims="$DIMS" --ns="$NS" --sm90_mods="$v" \
+        --csv="$OUT/ours-$tag.csv" "${mask_args[@]}" 2>"$OUT/mask_bench-$tag.log"
+      echo "mask_bench --sm90_mods=$v (order $o, bias rows $br) rc=$?"; tail -2 "$OUT/mask_bench-$tag.log"
+      [ $first = 1 ] && cp "$OUT/ours-$tag.csv" "$OUT/ours.csv"
+      first=0
+    done
+  done
 done
 if [ "$PEERS" = 1 ]; then
   peer_args=()
@@ -81,7 +105,7 @@ if [ "$PEERS" = 1 ]; then
     --out "$OUT/masks-$slug-$date.csv"
 fi
 rm -rf "$masks"
-if [ "$TESTS" = 1 ]; then
+if [ "$MEMCHECK" = 1 ]; then
   # memcheck on a subset: every 4th case of each mask test, the many-sequence
   # varlen cases (staged offsets) and the Hopper plain-kernel varlen cases.
   for t in sm90_block_sparse_test sm90_bias_test cuda_score_mods_test; do
@@ -96,7 +120,18 @@ fi
 echo "==== $gpu: $(( $(date +%s) - t0 )) s"
 [ ${#SUMMARY[@]} -gt 0 ] && printf '%s\n' "${SUMMARY[@]}"
 # One line per case and variant: ms, plain ms, ms / plain (sparse: bound).
-for v in $VARIANTS; do
+for v in "${TAGS[@]}"; do
   awk -F, -v v="$v" 'NR > 1 {printf "%-6s %-7s %-11s n=%-5s s=%-4s %-8s ms=%-8s plain=%-8s x=%s bound=%s\n", \
     v, $1, $3 == "none" ? $2 : $3, $8, $9, $12, $13, $14, $15, $16}' "$OUT/ours-$v.csv"
 done
+# Several runs: one row per case, each run's ms / plain ms (sparse: bound) side by side.
+if [ ${#TAGS[@]} -gt 1 ]; then
+  printf '%-7s %-11s %-6s %-5s' grid case n s; printf ' %14s' "${TAGS[@]}"; echo
+  files=(); for v in "${TAGS[@]}"; do files+=("$OUT/ours-$v.csv"); done
+  awk -F, 'FNR == 1 {f++; next}
+    {k = $1 "," ($3 == "none" ? $2 : $3) "," $5 "," $8 "," $9 "," $11;
+     if (f == 1) keys[++nk] = k; v[k, f] = sprintf("%.4f/%.3f", $13, $16)}
+    END {for (i = 1; i <= nk; i++) {split(keys[i], a, ",");
+      printf "%-7s %-11s %-6s %-5s", a[1], a[2], a[4], a[5];
+      for (j = 1; j <= f; j++) printf " %14s", v[keys[i], j]; printf "\n"}}' "${files[@]}"
+fi

@@ -12,7 +12,7 @@
 # Prints a summary and the bench's table; CSV and logs under $OUT.
 # SAN_TOOLS / SAN_FILTER narrow the sanitizer pass (default: memcheck,
 # racecheck and synccheck over four small cases).
-# Usage: [KERNELS=dev|all] [BENCH_ARGS="--sk=8192"] [NCU=1] [SAN_TOOLS=...] [SAN_FILTER=...]
+# Usage: [KERNELS=dev|all] [BUILD=dir] [BENCH_ARGS="--sk=8192"] [NCU=1] [SAN_TOOLS=...] [SAN_FILTER=...]
 #        scripts/device/mla-decode-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -27,17 +27,13 @@ note() { SUMMARY+=("$(printf '%-30s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 KERNELS=${KERNELS:-dev}
-B=build-gpu-$KERNELS
+B=${BUILD:-build-gpu-$KERNELS}
 use_carried_libs absl lib
 t0=$(date +%s)
-if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-   ninja -C $B -j16 cuda_paged_mla_test cuda_mla_refusal_test mla_decode_bench >"$OUT/build.log" 2>&1; then
+if cuda_build . "$B" "$OUT/build.log" cuda_paged_mla_test cuda_mla_refusal_test mla_decode_bench; then
   note build "ok ($(( $(date +%s) - t0 )) s)"
 else
-  note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
-  printf '%s\n' "${SUMMARY[@]}"; exit 1
+  note build "FAILED (see build.log)"; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 T=$B/tests/cuda/cuda_paged_mla_test
 TR=$B/tests/cuda/cuda_mla_refusal_test
@@ -45,7 +41,7 @@ TR=$B/tests/cuda/cuda_mla_refusal_test
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is|error|mismatch|max' "$OUT/$log" | head -40
 }
 run_test "mla paged tests" mla-tests.log $T

@@ -16,7 +16,7 @@
 # for causal, for every row. Prints a summary and one table (ours against
 # the fastest SDPA row per shape); CSV and logs under $OUT.
 # Usage: [KERNELS=dev|all (all: also the equal-dims D 192 rows, --same_dims)]
-#   [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1]
+#   [BUILD=dir] [DTYPES="bf16 fp16"] [NS=1024,...] [HQS=128,16] [REGRESS=0|1] [PEERS=0|1]
 #   scripts/device/mla-prefill-bench.sh [--no-sanitizer]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -32,19 +32,15 @@ declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-B=build-gpu-$KERNELS
+B=${BUILD:-build-gpu-$KERNELS}
 use_carried_libs absl lib
 targets="cuda_mla_prefill_test cuda_mla_refusal_test mla_prefill_bench"
 [ "$REGRESS" = 1 ] && targets="$targets cuda_backend_test cuda_score_mods_test"
 t0=$(date +%s)
-if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-     -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-     -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-   ninja -C $B -j16 $targets >"$OUT/build.log" 2>&1; then
+if cuda_build . "$B" "$OUT/build.log" $targets; then
   note build "ok ($(( $(date +%s) - t0 )) s)"
 else
-  note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
-  printf '%s\n' "${SUMMARY[@]}"; exit 1
+  note build "FAILED (see build.log)"; printf '%s\n' "${SUMMARY[@]}"; exit 1
 fi
 # ptxas' spill warnings of the MLA kernels (AttnFwdKernelDv; the Hopper
 # ones: AttnFwdSm90Kernel instantiated with 192 and 128), if any.
@@ -56,7 +52,7 @@ T=$B/tests/cuda
 run_test() {  # run_test NAME LOG ARGS...
   local name=$1 log=$2; shift 2
   timeout 300 "$@" >"$OUT/$log" 2>&1; local rc=$?
-  note "$name" "rc=$rc $(grep -E '^\[  PASSED|^\[  SKIPPED \] [0-9]+ tests' "$OUT/$log" | tr '\n' ' ')failed=$(grep -c '^\[  FAILED  \]' "$OUT/$log")"
+  note "$name" "rc=$rc $(gtest_counts "$OUT/$log")"
   grep -E '^\[  FAILED  \]|Failure|Which is' "$OUT/$log" | head -10
 }
 run_test "mla prefill tests (plan)" mla-tests.log $T/cuda_mla_prefill_test

@@ -39,30 +39,12 @@ py=${PYTHON:-python3}
 started=$SECONDS
 step() { echo "== $* ($((SECONDS - started)) s)"; }
 
-step "wheels"
-[ -d "$carry"/wheels ] ||
-  { echo "no $carry/wheels: run scripts/device/pack-python-carry.sh here and carry it"; exit 2; }
-rm -rf "$carry"/pylib
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
-  "$carry"/wheels/*.whl || exit 2
-export PYTHONPATH=$carry/pylib${PYTHONPATH:+:$PYTHONPATH}
-commit=$(cat "$carry"/wheels/COMMIT 2>/dev/null || echo unknown)
-if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
-  tar -C "$carry" -xzf "$carry"/server.tgz || exit 2
-fi
-[ -x "$carry"/bin/attnserve ] && [ -x "$carry"/bin/attnctl ] ||
-  { echo "no $carry/bin/attnserve and attnctl: scripts/device/pack-device-deps.sh --server BUILD"; exit 2; }
-# The carried libraries go on the server's and attnctl's library path only (the
-# machine's Python loads its own).
+step "wheels and server"
+# The carried libraries go on the server's and attnctl's library path only
+# (pybin's wrappers; the machine's Python loads its own).
+use_carried_python "$carry" "$py" || exit 2
+commit=$CARRIED_COMMIT
 bin="$carry"/pybin
-rm -rf "$bin"
-mkdir -p "$bin"
-for tool in attnserve attnctl; do
-  # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and "$@" are the wrapper's
-  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-    "$carry/lib" "$carry/bin/$tool" >"$bin/$tool"
-  chmod +x "$bin/$tool"
-done
 
 if [ "$cpu" = 1 ]; then
   gpu=cpu

@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # What the scripts under scripts/ and bench/ share: polling for a condition
 # with a deadline, starting a server and waiting until it answers SERVING, a
-# free loopback port, reading one Prometheus metric, and the GPU machine's
-# library path for the carried libraries. Source it:
+# free loopback port, reading one Prometheus metric, a gtest log's totals,
+# and on the GPU machine the library path for the carried libraries, the
+# carried Python client and server, and the CUDA build. Source it:
 #   . "$(dirname "$0")/lib/common.sh"            (from scripts/)
 # Nothing here exits the caller: functions return non-zero and the caller
 # decides.
@@ -94,4 +95,77 @@ use_carried_libs() {
     esac
   done
   return 0
+}
+
+# gtest_counts LOG: a gtest binary's outcome from its LOG on one line: its
+# PASSED, FAILED and SKIPPED totals (nothing when it died before them, which
+# its exit status shows).
+gtest_counts() {
+  grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$1" | tr '\n' ' '
+}
+
+# cuda_build SRC DIR LOG [-DNAME=VALUE...] TARGET...: on the GPU machine
+# (from the repository root), configures the source tree SRC into the build
+# folder DIR (server off, CUDA on, sm_90, the carried Abseil, KERNELS's kernel
+# set, all when unset; CUDA_FLAGS's extra nvcc flags, none when unset; the -D
+# arguments passed on to cmake) and builds TARGET... with ninja. A folder
+# built before is reused: ninja rebuilds what changed. LOG gets cmake's and
+# ninja's output; on failure its error lines are printed and the status is
+# non-zero.
+cuda_build() {
+  local src=$1 dir=$2 log=$3
+  shift 3
+  local cmake_args=() ninja_targets=() a
+  for a in "$@"; do
+    case $a in
+      -D*) cmake_args+=("$a") ;;
+      *) ninja_targets+=("$a") ;;
+    esac
+  done
+  if cmake -S "$src" -B "$dir" -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
+       -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
+       -DATTNSERVE_CUDA_KERNELS="${KERNELS:-all}" -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
+       ${cmake_args[@]+"${cmake_args[@]}"} >"$log" 2>&1 &&
+     ninja -C "$dir" -j16 "${ninja_targets[@]}" >>"$log" 2>&1; then
+    return 0
+  fi
+  echo "cuda_build: building ${ninja_targets[*]} in $dir failed; from $log:" >&2
+  grep -E 'error|Error|FAILED' "$log" | head -30 >&2
+  return 1
+}
+
+# use_carried_python CARRY PYTHON: on the GPU machine, the carried Python
+# client and server (scripts/device/pack-python-carry.sh, pack-device-deps.sh
+# --server): installs CARRY/wheels/*.whl with PYTHON into CARRY/pylib (no
+# index) and puts it first on PYTHONPATH; unpacks CARRY/server.tgz when
+# CARRY/bin has no server; writes CARRY/pybin/attnserve and attnctl, wrappers
+# that put CARRY/lib on those two's library path alone (the machine's Python
+# loads the machine's libraries). Sets CARRIED_COMMIT to the wheels' commit
+# ("unknown" when not recorded). Returns 2, saying what is missing, when
+# something is.
+use_carried_python() {
+  local carry=$1 py=$2 tool
+  [ -d "$carry"/wheels ] ||
+    { echo "no $carry/wheels: run scripts/device/pack-python-carry.sh here and carry it"; return 2; }
+  rm -rf "$carry"/pylib
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$carry"/pylib \
+    "$carry"/wheels/*.whl || return 2
+  export PYTHONPATH=$carry/pylib${PYTHONPATH:+:$PYTHONPATH}
+  # shellcheck disable=SC2034  # read by the caller
+  CARRIED_COMMIT=$(cat "$carry"/wheels/COMMIT 2>/dev/null || echo unknown)
+  if [ ! -x "$carry"/bin/attnserve ] && [ -f "$carry"/server.tgz ]; then
+    tar -C "$carry" -xzf "$carry"/server.tgz || return 2
+  fi
+  if [ ! -x "$carry"/bin/attnserve ] || [ ! -x "$carry"/bin/attnctl ]; then
+    echo "no $carry/bin/attnserve and attnctl: scripts/device/pack-device-deps.sh --server BUILD"
+    return 2
+  fi
+  rm -rf "$carry"/pybin
+  mkdir -p "$carry"/pybin
+  for tool in attnserve attnctl; do
+    # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and "$@" are the wrapper's
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$carry/lib" "$carry/bin/$tool" >"$carry/pybin/$tool"
+    chmod +x "$carry/pybin/$tool"
+  done
 }

@@ -162,7 +162,13 @@ void KvRunner::StartOrThrow(const KvCall* call, const FieldNames& names, Finish*
       // is charged like the request (the pool's own bind comes too late).
       status = HoldInFlight(pool_->tenants(), call->meta.tenant, o_bytes, &finish);
       if (!status.ok()) return refuse(status);
-      o_shared.reset(new char[size_t(o_bytes)], std::default_delete<char[]>());
+      // The backend's host tensor memory: on CUDA page-locked, so the
+      // device-to-host copy writes o where the answer is sent from.
+      o_shared = pool_->AllocateHostTensor(o_bytes);
+      if (o_shared == nullptr) {
+        return refuse(absl::ResourceExhaustedError(
+            absl::StrCat("o: cannot allocate ", o_bytes, " bytes of host memory for it")));
+      }
       c->o_out = o_shared.get();
       c->o_out_bytes = o_bytes;
     }

@@ -63,6 +63,11 @@ struct HandoffOptions {
   absl::Duration linger = absl::Milliseconds(500);
   // Longest one fetch from the peer may take (a pull on miss).
   absl::Duration fetch_timeout = absl::Seconds(60);
+  // What carries a pushed cache's pages: "auto" (UCX when this build has it
+  // and the peer's import offers it, else the gRPC stream; the binary makes
+  // it "grpc" without --ucx_port), "ucx" (a peer without UCX fails the push)
+  // or "grpc".
+  std::string transport = "auto";
 };
 
 // UNAVAILABLE "cache <id> moved to <address>", with the address as the

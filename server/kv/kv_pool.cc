@@ -2,7 +2,10 @@
 #include "server/kv/kv_pool.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <new>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -131,9 +134,19 @@ absl::StatusOr<PagedAttnParams> ReserveCall(KvCache& cache, KvAppendAttend& c) {
 
 }  // namespace
 
+namespace {
+
+bool HostTensorsOn(const KvPoolOptions& options) {
+  const char* env = std::getenv("ATTNSERVE_KV_HOST_TENSORS");
+  return options.host_tensors && !(env != nullptr && std::string(env) == "0");
+}
+
+}  // namespace
+
 KvPool::KvPool(const KvPoolOptions& options, std::vector<KvDevice> devices)
     : options_(options),
       devices_(std::move(devices)),
+      host_tensors_(HostTensorsOn(options)),
       ledger_(std::make_shared<KvLedger>(options_.cache_bytes_per_device)) {
   for (size_t i = 0; i < devices_.size(); ++i) {
     budgets_.push_back(std::make_shared<DeviceBudget>(options_.cache_bytes_per_device));
@@ -161,6 +174,16 @@ void KvPool::ExpiryLoop() {
     }
     ExpireIdle(absl::Now());
   }
+}
+
+std::shared_ptr<char> KvPool::AllocateHostTensor(int64_t bytes) const {
+  if (bytes < 0) return nullptr;
+  if (!host_tensors_ || devices_.empty()) {
+    char* p = new (std::nothrow) char[static_cast<size_t>(std::max<int64_t>(bytes, 1))];
+    if (p == nullptr) return nullptr;
+    return std::shared_ptr<char>(p, std::default_delete<char[]>());
+  }
+  return devices_.front().backend->AllocateHostTensor(bytes);
 }
 
 void KvPool::ExpireIdle(absl::Time now) {

@@ -50,6 +50,11 @@ struct KvPoolOptions {
   // Sequences and caches unused this long are removed (--kv_idle_timeout);
   // zero = never.
   absl::Duration idle_timeout = absl::Minutes(10);
+  // Unary steps' q, k, v and o in the backend's host tensor memory
+  // (AllocateHostTensor); false: heap memory and the message's own bytes, as
+  // before (for A/B runs; ATTNSERVE_KV_HOST_TENSORS=0 in the environment
+  // sets it false too).
+  bool host_tensors = true;
 };
 
 // How often an expiry thread scans for what has been idle `idle_timeout`: a
@@ -186,6 +191,13 @@ class KvPool {
   absl::Status AppendAttend(const std::shared_ptr<KvCache>& cache,
                             std::shared_ptr<KvAppendAttend> call, Done done);
 
+  // Host memory for a call's tensors that every device's launches read and
+  // write where it lies (AttentionBackend::AllocateHostTensor of the first
+  // device's backend: page-locked for all devices on CUDA); null when none
+  // is left. Heap memory when host tensors are off (KvPoolOptions).
+  std::shared_ptr<char> AllocateHostTensor(int64_t bytes) const;
+  bool host_tensors() const { return host_tensors_; }
+
   // Removes what has been idle for the timeout (the expiry thread calls it;
   // tests may too).
   void ExpireIdle(absl::Time now);
@@ -218,6 +230,7 @@ class KvPool {
 
   const KvPoolOptions options_;
   const std::vector<KvDevice> devices_;
+  const bool host_tensors_;
   // Shared with each cache's allocator: a cache may outlive the pool.
   std::vector<std::shared_ptr<DeviceBudget>> budgets_;
   TenantDirectory* tenants_ = nullptr;

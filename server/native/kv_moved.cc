@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attnserve/v1/attention.grpc.pb.h"
 #include "attnserve/v1/kv.grpc.pb.h"
 #include "attnserve/v1/kv_transfer.grpc.pb.h"
 #include "client/kv_transfer.h"
@@ -24,6 +25,7 @@
 #include "server/native/kv_messages.h"
 #include "server/native/kv_transfer_service.h"
 #include "server/tenant.h"
+#include "server/ucx/kv_bulk.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -62,11 +64,72 @@ class ExporterReader final : public KvChunkReader {
   bool first_ = true;
 };
 
+// The push over UCX: this server sends a local export's chunks to the
+// receiver the peer's import offers (server/ucx/kv_bulk.h), as
+// ExportSequences does for a move between two other servers.
+DataPlaneSender UcxSender(const std::shared_ptr<KvCache>& cache) {
+  DataPlaneSender sender;
+  sender.header = [cache](const std::string& transfer_id) -> absl::StatusOr<v1::KvTransferHeader> {
+    KvExportOptions options;
+    options.transfer_id = transfer_id;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvExporter> exporter, KvExporter::Start(cache, options));
+    v1::KvTransferHeader header;
+    EncodeTransferHeader(exporter->header(), &header);
+    return header;
+  };
+  sender.run = [cache](const v1::ImportResumePoint* resume, const std::string& transfer_id,
+                       const v1::KvDataPlane& offer) -> absl::StatusOr<int64_t> {
+    if (!ucx::BulkBuilt()) {
+      return absl::UnimplementedError("this attnserve was built without UCX");
+    }
+    if (offer.transport() != "ucx") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data_plane.transport: expected \"ucx\", got '", offer.transport().substr(0, 32), "'"));
+    }
+    KvExportOptions export_options;
+    if (resume != nullptr) export_options.resume = DecodeResumePoint(*resume);
+    export_options.transfer_id = transfer_id;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvExporter> exporter,
+                     KvExporter::Start(cache, export_options));
+    ucx::BulkOptions options;
+    // The window's slots are sized up front: a chunk is at most the default
+    // chunk, what a receiver takes and what is left to send.
+    options.chunk_bytes = std::max<int64_t>(
+        1, std::min({kDefaultKvChunkBytes, options.max_chunk_bytes, exporter->remaining_bytes()}));
+    const std::atomic<bool> cancelled{false};
+    ucx::BulkSendResult sent;
+    RETURN_IF_ERROR(ucx::SendChunks(
+        ucx::BulkOffer{offer.host(), offer.port(), offer.ticket()},
+        [&exporter](KvTransferChunk* chunk) { return exporter->Next(chunk); }, options, &cancelled,
+        &sent));
+    return sent.bytes;
+  };
+  return sender;
+}
+
 void PrepareContext(grpc::ClientContext* context, const std::string& cache_id,
                     const std::string& authorization, absl::Time deadline) {
   context->AddMetadata(kCacheIdHeader, cache_id);
   if (!authorization.empty()) context->AddMetadata("authorization", authorization);
   if (deadline != absl::InfiniteFuture()) context->set_deadline(absl::ToChronoTime(deadline));
+}
+
+// handoff_transport ucx: the peer's server info must name a UCX port before
+// anything is sent (its import would create the cache before refusing UCX).
+absl::Status PeerListensForUcx(const std::shared_ptr<grpc::Channel>& channel,
+                               const std::string& peer, const std::string& authorization,
+                               absl::Time deadline) {
+  std::unique_ptr<v1::Attention::Stub> attention = v1::Attention::NewStub(channel);
+  grpc::ClientContext context;
+  if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+  context.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(10))));
+  v1::GetServerInfoResponse info;
+  RETURN_IF_ERROR(
+      ToAbslStatus(attention->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
+  if (info.kv().ucx_port() > 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("handoff_transport: ucx, but the peer ", peer,
+                   " offers no UCX (its server info's kv.ucx_port is 0: no --ucx_port)"));
 }
 
 }  // namespace
@@ -112,6 +175,14 @@ std::string AuthorizationOf(const grpc::CallbackServerContext* context) {
 absl::StatusOr<std::unique_ptr<KvPeer>> KvPeer::Create(const HandoffOptions& options,
                                                        const TlsFiles& tls, std::string tokens_file,
                                                        KvPool* pool) {
+  if (options.transport != "auto" && options.transport != "ucx" && options.transport != "grpc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "handoff_transport: expected auto, ucx or grpc, got '", options.transport, "'"));
+  }
+  if (options.transport == "ucx" && !ucx::BulkBuilt()) {
+    return absl::InvalidArgumentError(
+        "handoff_transport: ucx, but this attnserve was built without UCX");
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (tls.enabled()) {
     grpc::SslCredentialsOptions ssl;
@@ -201,10 +272,29 @@ absl::StatusOr<int64_t> KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl
                      KvExporter::Start(cache, export_options));
     return std::unique_ptr<KvChunkReader>(new ExporterReader(std::move(exporter)));
   };
-  ASSIGN_OR_RETURN(const MoveResult moved, PushChunks(channel_, cache->id(), open, options));
-  spdlog::info("handoff: cache {} (tenant {}) moved to {}: {} sequences, {} bytes in {:.3f} s",
-               cache->id(), cache->tenant(), options_.peer, moved.sequences, moved.bytes,
-               moved.seconds);
+  // auto asks for UCX when this build has it; the peer's import answers
+  // whether it takes the chunks there (it runs with --ucx_port), else they
+  // come in the stream.
+  const bool ucx =
+      options_.transport == "ucx" || (options_.transport == "auto" && ucx::BulkBuilt());
+  absl::StatusOr<MoveResult> pushed;
+  if (ucx) {
+    if (options_.transport == "ucx")
+      RETURN_IF_ERROR(PeerListensForUcx(channel_, options_.peer, as, deadline));
+    options.data_plane = "ucx";
+    options.data_plane_required = options_.transport == "ucx";
+    pushed = PushChunks(channel_, cache->id(), open, options, UcxSender(cache));
+  } else {
+    pushed = PushChunks(channel_, cache->id(), open, options);
+  }
+  if (!pushed.ok()) return pushed.status();
+  const MoveResult& moved = *pushed;
+  spdlog::info(
+      "handoff: cache {} (tenant {}) moved to {} over {}: {} sequences, {} bytes in {:.3f} s "
+      "({:.3f} GB/s){}{}",
+      cache->id(), cache->tenant(), options_.peer, moved.data_plane, moved.sequences, moved.bytes,
+      moved.seconds, moved.seconds > 0 ? double(moved.bytes) / moved.seconds / 1e9 : 0.0,
+      moved.data_plane_fallback.empty() ? "" : "; not over UCX: ", moved.data_plane_fallback);
   return moved.bytes;
 }
 

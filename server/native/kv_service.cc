@@ -48,6 +48,7 @@ class AppendAttendReactor final : public grpc::ServerUnaryReactor {
   }
 
   v1::AppendAttendRequest request;
+  KvStagedInputs staged;  // q, k and v's bytes, parsed out of the request
   v1::AppendAttendResponse response;
   std::shared_ptr<const char> o;  // o's bytes when not in response.o (KvOutputPlace::shared)
 
@@ -246,10 +247,11 @@ grpc::ServerUnaryReactor* KvService::GetCacheStats(grpc::CallbackServerContext* 
 void KvService::StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                                   v1::AppendAttendResponse* response,
                                   std::function<void(const absl::Status&)> done,
-                                  std::shared_ptr<const char>* o_shared) {
+                                  std::shared_ptr<const char>* o_shared,
+                                  const KvStagedInputs* staged) {
   // The call and its regions live until its completion has run (the
   // completion holds them).
-  auto call = std::make_shared<KvCall>(KvCallOf(*request, std::move(meta)));
+  auto call = std::make_shared<KvCall>(KvCallOf(*request, std::move(meta), staged));
   auto regions = std::make_shared<ShmCall>(shm_, call->meta.tenant);
   // At most kMaxRequestIdBytes back, as Forward does (an over-long id is refused).
   response->set_request_id(request->request_id().substr(0, kMaxRequestIdBytes));
@@ -296,9 +298,16 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
                                                   grpc::ByteBuffer* response_bytes) {
   auto* reactor = new AppendAttendReactor(&in_flight_);
   // gRPC owns the request's buffer until the call is done but never reads it
-  // again: parsing empties it, so the raw bytes go now, not at OnDone.
+  // again: parsing empties it, so the raw bytes go now, not at OnDone. q, k
+  // and v land once, in memory the backend's copies read where it lies.
+  KvPool* pool = pool_;
+  auto* raw = const_cast<grpc::ByteBuffer*>(request_bytes);
   const grpc::Status parsed =
-      ParseAppendAttend(const_cast<grpc::ByteBuffer*>(request_bytes), &reactor->request);
+      pool->host_tensors()
+          ? ParseAppendAttendStaged(
+                raw, [pool](int64_t bytes) { return pool->AllocateHostTensor(bytes); },
+                &reactor->request, &reactor->staged)
+          : ParseAppendAttend(raw, &reactor->request);
   if (!parsed.ok()) {
     reactor->Finish(parsed);
     return reactor;
@@ -320,7 +329,7 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
           reactor->Finish(ToGrpcStatus(status));
           pass.reset();
         },
-        &reactor->o);
+        &reactor->o, &reactor->staged);
   };
   if (gate_ == nullptr) {
     start(nullptr);

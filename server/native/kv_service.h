@@ -23,6 +23,8 @@
 
 namespace attnserve {
 
+struct KvStagedInputs;  // kv_messages.h
+
 // Parses a raw AppendAttendRequest as gRPC's generated handler would (the
 // same status for bytes that are none) and empties `bytes` either way, so that
 // the raw bytes are released here rather than when the call is done.
@@ -31,7 +33,9 @@ grpc::Status ParseAppendAttend(grpc::ByteBuffer* bytes, v1::AppendAttendRequest*
 // Unary AppendAttend is registered raw (bytes in, bytes out) so that its
 // response's o and lse leave as slices that own them (common/
 // tensor_wire_slices.h) instead of being copied into a serialized message;
-// the request is parsed as gRPC would. Every other method is typed.
+// the request is parsed as gRPC would, except that q's, k's and v's bytes go
+// from the received slices straight into the backend's host tensor memory
+// (page-locked on CUDA: one DMA each). Every other method is typed.
 class KvService final
     : public v1::KvCache::WithRawCallbackMethod_AppendAttend<v1::KvCache::CallbackService> {
  public:
@@ -86,10 +90,13 @@ class KvService final
   // `response` is complete. `request` and `response` stay valid until then.
   // `o_shared` (may be null): where o's bytes may go instead of response's
   // o.data (KvOutputPlace::shared; o.data is then empty), valid until `done`.
+  // `staged` (may be null): q, k and v parsed out of the message
+  // (ParseAppendAttendStaged), valid until `done`.
   void StartAppendAttend(CallMeta meta, const v1::AppendAttendRequest* request,
                          v1::AppendAttendResponse* response,
                          std::function<void(const absl::Status&)> done,
-                         std::shared_ptr<const char>* o_shared = nullptr);
+                         std::shared_ptr<const char>* o_shared = nullptr,
+                         const KvStagedInputs* staged = nullptr);
 
  private:
   KvRunner* const runner_;

@@ -19,16 +19,66 @@
 
 namespace attnserve {
 
+namespace {
+
+// A chunk over UCX: what the export asked for (0: the default), at most what
+// a receiver takes (ucx::BulkOptions).
+int64_t UcxChunkBytes(int64_t requested) {
+  const int64_t asked = requested > 0 ? requested : kDefaultKvChunkBytes;
+  return std::min(asked, ucx::BulkOptions{}.max_chunk_bytes);
+}
+
+std::atomic<int> ucx_max_exports{kDefaultUcxMaxExports};
+std::atomic<int> ucx_max_exports_per_tenant{kDefaultUcxMaxExportsPerTenant};
+
+}  // namespace
+
+void SetUcxExportLimits(int per_server, int per_tenant) {
+  ucx_max_exports.store(per_server);
+  ucx_max_exports_per_tenant.store(per_tenant);
+}
+
+absl::StatusOr<UcxExportSlots::Slot> UcxExportSlots::Take(const std::string& tenant) {
+  const int most = ucx_max_exports.load();
+  const int most_per_tenant = ucx_max_exports_per_tenant.load();
+  absl::MutexLock lock(&mu_);
+  if (most > 0 && total_ >= most) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "data_plane: ", total_, " UCX exports are running, the most --ucx_max_exports allows (",
+        most, "); export over gRPC or try again later"));
+  }
+  int& mine = per_tenant_[tenant];
+  if (most_per_tenant > 0 && mine >= most_per_tenant) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("data_plane: ", mine,
+                     " UCX exports of this tenant are running, the most "
+                     "--ucx_max_exports_per_tenant allows (",
+                     most_per_tenant, "); export over gRPC or try again later"));
+  }
+  ++mine;
+  ++total_;
+  return Slot(this, tenant);
+}
+
+void UcxExportSlots::Give(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  --total_;
+  auto it = per_tenant_.find(tenant);
+  if (it != per_tenant_.end() && --it->second <= 0) per_tenant_.erase(it);
+}
+
+int UcxExportSlots::running() {
+  absl::MutexLock lock(&mu_);
+  return total_;
+}
+
 KvExportOptions DecodeExportRequest(const v1::ExportSequencesRequest& r) {
   KvExportOptions o;
   o.sequence_ids.assign(r.sequence_ids().begin(), r.sequence_ids().end());
   o.token_begin = r.token_begin();
   if (r.has_token_end()) o.token_end = r.token_end();
   if (r.has_resume()) o.resume = DecodeResumePoint(r.resume());
-  o.max_chunk_bytes = r.max_chunk_bytes();
-  // Over UCX a chunk is at most what a receiver takes (ucx::BulkOptions).
-  const int64_t most = ucx::BulkOptions{}.max_chunk_bytes;
-  if (r.has_data_plane() && o.max_chunk_bytes > most) o.max_chunk_bytes = most;
+  o.max_chunk_bytes = r.has_data_plane() ? UcxChunkBytes(r.max_chunk_bytes()) : r.max_chunk_bytes();
   o.transfer_id = r.transfer_id();
   // Chunks in this stream: read one ahead, off the gRPC thread (the data
   // plane's sender reads on a thread of its own already).
@@ -149,10 +199,11 @@ namespace {
 class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
  public:
   ExportReactor(KvPool* pool, TenantDirectory* tenants, KvTransferCounters* counters,
-                InFlightCounter* in_flight, std::string tenant,
+                InFlightCounter* in_flight, UcxExportSlots* slots, std::string tenant,
                 const v1::ExportSequencesRequest& request, bool ucx_enabled)
       : tenants_(tenants),
         counters_(counters),
+        slots_(slots),
         hold_(in_flight),
         tenant_(std::move(tenant)),
         ucx_enabled_(ucx_enabled) {
@@ -230,14 +281,19 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
           "data_plane.transport: expected \"ucx\", got '", plane.transport().substr(0, 32), "'"))));
       return;
     }
+    // Counted before anything is reserved: each export holds a UCX worker
+    // and its window of buffers.
+    absl::StatusOr<UcxExportSlots::Slot> slot = slots_->Take(tenant_);
+    if (!slot.ok()) {
+      Finish(ToGrpcStatus(slot.status()));
+      return;
+    }
     ucx::BulkOptions options;
     // The window's slots are reserved (and page-locked in CUDA builds) at the
     // chunk size before anything is read, so the chunk is at most what a
     // receiver takes and what is left to send, and the charge is all of them.
-    const int64_t requested =
-        request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : kDefaultKvChunkBytes;
     const int64_t chunk = std::max<int64_t>(
-        1, std::min({requested, options.max_chunk_bytes, exporter_->remaining_bytes()}));
+        1, std::min(UcxChunkBytes(request.max_chunk_bytes()), exporter_->remaining_bytes()));
     const int64_t held = std::max(options.window, 1) * chunk;
     options.chunk_bytes = chunk;
     if (tenants_ != nullptr && held > 0) {
@@ -248,10 +304,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       }
       charge_ = *std::move(charge);
     }
+    slot_ = *std::move(slot);
     const ucx::BulkOffer offer{plane.host(), plane.port(), plane.ticket()};
     spdlog::info("kv export transfer={} over UCX to {}:{}", exporter_->header().transfer_id,
                  offer.host, offer.port);
-    sender_ = std::thread([this, offer, options] {
+    absl::StatusOr<std::thread> sender = ucx::StartThread("the UCX export", [this, offer, options] {
       ucx::BulkSendResult sent;
       const absl::Status status = ucx::SendChunks(
           offer,
@@ -268,6 +325,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
           },
           options, &cancelled_, &sent);
       charge_.Release();
+      slot_ = UcxExportSlots::Slot();
       if (!status.ok()) {
         spdlog::info("kv export transfer={} over UCX stopped after {} bytes: {}",
                      exporter_->header().transfer_id, sent.bytes, status.ToString());
@@ -280,6 +338,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       message_.set_data_plane_bytes(sent.bytes);
       StartWrite(&message_);
     });
+    if (!sender.ok()) {
+      // Nothing sent: what was taken for it goes back.
+      charge_.Release();
+      slot_ = UcxExportSlots::Slot();
+      Finish(ToGrpcStatus(sender.status()));
+      return;
+    }
+    sender_ = *std::move(sender);
   }
 
   void WriteNext() {
@@ -314,6 +380,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
 
   TenantDirectory* const tenants_;
   KvTransferCounters* const counters_;
+  UcxExportSlots* const slots_;
   InFlightCounter::Hold hold_;
   const std::string tenant_;
   const bool ucx_enabled_;
@@ -321,6 +388,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   KvTransferChunk chunk_;
   v1::KvChunk message_;
   InFlightCharge charge_;
+  UcxExportSlots::Slot slot_;  // the export's place among the UCX exports
   bool first_ = true;
   bool final_ = false;  // the last message (header only, or after the data plane)
   std::atomic<bool> cancelled_{false};
@@ -556,8 +624,8 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::ExportSequences(
     absl::MutexLock lock(&data_plane_mu_);
     ucx_enabled = !data_plane_host_.empty();
   }
-  return new ExportReactor(pool_, tenants_, &counters_, &in_flight_, TenantOf(auth_, context),
-                           *request, ucx_enabled);
+  return new ExportReactor(pool_, tenants_, &counters_, &in_flight_, &ucx_exports_,
+                           TenantOf(auth_, context), *request, ucx_enabled);
 }
 
 grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse>*

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -46,6 +47,57 @@ KvResumePoint DecodeResumePoint(const v1::ImportResumePoint& point);
 absl::Status ExportChunks(KvPool& pool, const std::string& tenant,
                           const v1::ExportSequencesRequest& request,
                           const std::function<absl::Status(v1::KvChunk&&)>& sink);
+
+// UCX exports running at once: per server (--ucx_max_exports) and per
+// tenant (--ucx_max_exports_per_tenant); 0: no limit. Process-wide, set
+// once at start-up (tests may set them again).
+inline constexpr int kDefaultUcxMaxExports = 16;
+inline constexpr int kDefaultUcxMaxExportsPerTenant = 4;
+void SetUcxExportLimits(int per_server, int per_tenant);
+
+// The UCX exports a service runs, counted against those limits.
+class UcxExportSlots {
+ public:
+  // One export's place; given back when destroyed (or replaced).
+  class Slot {
+   public:
+    Slot() = default;
+    Slot(Slot&& o) noexcept : owner_(o.owner_), tenant_(std::move(o.tenant_)) {
+      o.owner_ = nullptr;
+    }
+    Slot& operator=(Slot&& o) noexcept {
+      if (this != &o) {
+        Release();
+        owner_ = o.owner_;
+        tenant_ = std::move(o.tenant_);
+        o.owner_ = nullptr;
+      }
+      return *this;
+    }
+    ~Slot() { Release(); }
+
+   private:
+    friend class UcxExportSlots;
+    Slot(UcxExportSlots* owner, std::string tenant) : owner_(owner), tenant_(std::move(tenant)) {}
+    void Release() {
+      if (owner_ != nullptr) owner_->Give(tenant_);
+      owner_ = nullptr;
+    }
+    UcxExportSlots* owner_ = nullptr;
+    std::string tenant_;
+  };
+
+  // A place for one more export of `tenant`, or RESOURCE_EXHAUSTED naming
+  // the flag whose limit it would pass.
+  absl::StatusOr<Slot> Take(const std::string& tenant);
+  int running();
+
+ private:
+  void Give(const std::string& tenant);
+  absl::Mutex mu_;
+  int total_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> per_tenant_ ABSL_GUARDED_BY(mu_);
+};
 
 // Counters for /metrics (bytes and sequences exported; the import side's are
 // KvImportSessions::Stats).
@@ -85,6 +137,8 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   std::string RenderMetrics();
 
   const KvTransferCounters& counters() const { return counters_; }
+  // UCX exports running now.
+  int ucx_exports_running() { return ucx_exports_.running(); }
 
  private:
   KvRunner* const runner_;
@@ -94,6 +148,7 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   TenantDirectory* tenants_ = nullptr;
   KvTransferCounters counters_;
   InFlightCounter in_flight_;
+  UcxExportSlots ucx_exports_;
   absl::Mutex data_plane_mu_;
   std::string data_plane_host_ ABSL_GUARDED_BY(data_plane_mu_);
 };

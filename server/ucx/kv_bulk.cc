@@ -7,12 +7,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <random>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -36,6 +38,9 @@ constexpr uint16_t kSequenceEnd = 1;
 constexpr uint32_t kMaxText = 4096;
 // A connection to a receiver says its hello within this, or it is closed.
 constexpr absl::Duration kHelloDeadline = absl::Seconds(5);
+// Connections that have not said their hello yet, at most: one more closes
+// the oldest (a real sender says its hello as soon as it connects).
+constexpr size_t kMaxPendingHellos = 8;
 
 // One message's fixed part (the host's byte order: little-endian machines).
 struct BulkFrame {
@@ -194,6 +199,9 @@ class BulkReceiver::Impl {
 
   ~Impl() {
     Stop();
+    // Destroyed by the progress thread; here only when it never started.
+    if (listener_ != nullptr) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
     worker_.reset();
   }
 
@@ -230,14 +238,32 @@ class BulkReceiver::Impl {
     for (int i = 0; i < std::max(options_.window, 1); ++i) {
       free_.push_back(std::make_unique<Slot>());
     }
-    progress_ = std::thread([this] { Run(); });
-    applier_ = std::thread([this] { ApplyLoop(); });
+    // A thread that does not start fails the receiver (its caller answers
+    // with the status); one started is stopped again by Stop.
+    absl::StatusOr<std::thread> progress = StartThread("the receiver", [this] { Run(); });
+    if (!progress.ok()) return progress.status();
+    progress_ = *std::move(progress);
+    absl::StatusOr<std::thread> applier =
+        StartThread("the receiver's apply", [this] { ApplyLoop(); });
+    if (!applier.ok()) return applier.status();
+    applier_ = *std::move(applier);
     return absl::OkStatus();
   }
 
   const BulkOffer& offer() const { return offer_; }
   int64_t chunks() const { return chunks_.load(std::memory_order_relaxed); }
   int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  int64_t buffered_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t total = 0;
+    auto add = [&](Slot& slot) {
+      for (int i = 0; i < 4; ++i) total += int64_t(Part(&slot.chunk, i)->capacity());
+    };
+    for (auto& slot : free_) add(*slot);
+    for (auto& [index, slot] : ready_) add(*slot);
+    return total;
+  }
+  int64_t discarded() const { return discarded_.load(std::memory_order_relaxed); }
 
   void Stop() {
     {
@@ -266,30 +292,144 @@ class BulkReceiver::Impl {
     absl::Status status;
   };
 
+  // A connection before its hello. Several are heard at once (up to
+  // kMaxPendingHellos), so one that says nothing (or a wrong ticket) does
+  // not keep the sender out; the first with the ticket becomes the import's
+  // connection and the others are closed.
+  struct Pending {
+    ucp_ep_h ep = nullptr;
+    BulkFrame in;
+    std::string text;
+    absl::Time deadline;                          // its hello by then, or closed
+    absl::Time drop_at = absl::InfiniteFuture();  // refused: closed by then
+    bool gone = false;                            // the peer went (or an error)
+    int outstanding = 0;
+  };
+
   void OnConnectionRequest(ucp_conn_request_h request) {
     // One sender per import stream (a resumed export comes with a new
-    // stream), and one connection at a time until it has said its hello: the
-    // ticket is used up only by a hello that carries it.
-    if (hello_done_ || ep_ != nullptr || stop_seen_) {
+    // stream): the ticket is used up only by a hello that carries it.
+    if (hello_done_ || stop_seen_) {
       ucp_listener_reject(listener_, request);
       return;
     }
-    hello_deadline_ = absl::Now() + kHelloDeadline;
-    drop_at_ = hello_deadline_;
+    // Closes happen on the progress loop's next turn (not inside UCX's callbacks).
+    size_t live = 0;
+    for (const std::shared_ptr<Pending>& q : pending_) live += q->drop_at == absl::InfiniteFuture();
+    for (const std::shared_ptr<Pending>& q : pending_) {
+      if (live < kMaxPendingHellos) break;
+      if (q->drop_at != absl::InfiniteFuture()) continue;
+      q->drop_at = absl::Now();
+      --live;
+    }
+    auto p = std::make_shared<Pending>();
+    p->deadline = absl::Now() + kHelloDeadline;
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.conn_request = request;
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
-      static_cast<Impl*>(arg)->peer_gone_ = true;
+    params.err_handler.cb = [](void* arg, ucp_ep_h ep, ucs_status_t) {
+      static_cast<Impl*>(arg)->OnEndpointError(ep);
     };
     params.err_handler.arg = this;
-    if (ucp_ep_create(worker_->get(), &params, &ep_) != UCS_OK) {
-      ep_ = nullptr;
+    if (ucp_ep_create(worker_->get(), &params, &p->ep) != UCS_OK) return;
+    pending_.push_back(p);
+    ++p->outstanding;
+    const ucs_status_t s =
+        StartRecv(p->ep, &p->in, sizeof(p->in), [this, p](ucs_status_t st, size_t) {
+          --p->outstanding;
+          if (st != UCS_OK) return void(p->gone = true);
+          OnPendingFrame(p);
+        });
+    if (s == UCS_INPROGRESS) return;
+    --p->outstanding;
+    if (s != UCS_OK) return void(p->gone = true);
+    OnPendingFrame(p);
+  }
+
+  void OnEndpointError(ucp_ep_h ep) {
+    if (ep == ep_) {
+      peer_gone_ = true;
       return;
     }
+    for (const std::shared_ptr<Pending>& p : pending_) {
+      if (p->ep == ep) p->gone = true;
+    }
+  }
+
+  void OnPendingFrame(const std::shared_ptr<Pending>& p) {
+    if (p->in.magic != kBulkMagic || p->in.type != kHello || p->in.message_bytes > kMaxText) {
+      p->drop_at = absl::Now();  // not a sender of this protocol
+      return;
+    }
+    p->text.assign(p->in.message_bytes, '\0');
+    if (p->text.empty()) return OnHello(p);
+    ++p->outstanding;
+    const ucs_status_t s =
+        StartRecv(p->ep, p->text.data(), p->text.size(), [this, p](ucs_status_t st, size_t) {
+          --p->outstanding;
+          if (st != UCS_OK) return void(p->gone = true);
+          OnHello(p);
+        });
+    if (s == UCS_INPROGRESS) return;
+    --p->outstanding;
+    if (s != UCS_OK) return void(p->gone = true);
+    OnHello(p);
+  }
+
+  void OnHello(const std::shared_ptr<Pending>& p) {
+    BulkFrame reply;
+    reply.type = kHelloReply;
+    if (p->text != offer_.ticket || hello_done_) {
+      const std::string text =
+          "ticket: not this import's (the UCX data plane takes the ticket its import answered)";
+      reply.code = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
+      reply.message_bytes = static_cast<uint32_t>(text.size());
+      auto held = std::make_shared<std::string>(sizeof(reply) + text.size(), '\0');
+      std::memcpy(held->data(), &reply, sizeof(reply));
+      std::memcpy(held->data() + sizeof(reply), text.data(), text.size());
+      ++p->outstanding;
+      const ucs_status_t s = StartSend(p->ep, held->data(), held->size(),
+                                       [p, held](ucs_status_t, size_t) { --p->outstanding; });
+      if (s != UCS_INPROGRESS) --p->outstanding;
+      // Closed once the sender has read the reply and gone, or a second on.
+      p->drop_at = absl::Now() + absl::Seconds(1);
+      return;
+    }
+    // The import's sender: the other connections are closed.
+    ep_ = p->ep;
+    p->ep = nullptr;
+    pending_.erase(std::find(pending_.begin(), pending_.end(), p));
+    for (const std::shared_ptr<Pending>& q : pending_) q->drop_at = absl::Now();
+    hello_done_ = true;
+    last_heard_ = absl::Now();
+    SendFrame(reply, "");
     ReadFrame();
+  }
+
+  // Closes a connection that never said a good hello (UCX stops queuing
+  // what it sends); the listener hears the next.
+  void ClosePending(std::shared_ptr<Pending> p) {
+    pending_.erase(std::find(pending_.begin(), pending_.end(), p));
+    if (p->ep != nullptr) CloseEndpoint(*worker_, p->ep, absl::Now() + absl::Seconds(1));
+    p->ep = nullptr;
+    const absl::Time until = absl::Now() + absl::Seconds(1);
+    while (p->outstanding > 0 && absl::Now() < until) worker_->Progress();
+  }
+
+  bool Receiving() const { return !receiving_.empty() || waiting_slot_; }
+
+  void CheckPending() {
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < pending_.size();) {
+      const std::shared_ptr<Pending> p = pending_[i];
+      if ((p->gone && p->outstanding == 0) || now >= p->drop_at || now >= p->deadline) {
+        ClosePending(p);
+      } else {
+        ++i;
+      }
+    }
   }
 
   void ReadFrame() {
@@ -313,22 +453,8 @@ class BulkReceiver::Impl {
     if (in_.magic != kBulkMagic || in_.message_bytes > kMaxText) {
       return Break("a frame with a bad magic or text size");
     }
-    if (in_.type == kHello && !hello_done_) {
-      text_.assign(in_.message_bytes, '\0');
-      if (text_.empty()) return OnHello();
-      ++outstanding_;
-      const ucs_status_t s =
-          StartRecv(ep_, text_.data(), text_.size(), [this](ucs_status_t st, size_t) {
-            --outstanding_;
-            if (st != UCS_OK) return Break("receive failed");
-            OnHello();
-          });
-      if (s == UCS_INPROGRESS) return;
-      --outstanding_;
-      if (s != UCS_OK) return Break("receive failed");
-      return OnHello();
-    }
-    if (in_.type != kChunk || !hello_done_) return Break("a frame out of order");
+    if (in_.type != kChunk) return Break("a frame out of order");
+    last_heard_ = absl::Now();
     // Chunks are numbered 0, 1, 2, ... on their connection: a repeated or
     // skipped number would alias a slot being received (and its tags).
     if (in_.index != next_index_) {
@@ -339,25 +465,6 @@ class BulkReceiver::Impl {
     }
     ++next_index_;
     return OnChunkFrame();
-  }
-
-  void OnHello() {
-    BulkFrame reply;
-    reply.type = kHelloReply;
-    std::string text;
-    if (text_ != offer_.ticket) {
-      reply.code = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
-      text = "ticket: not this import's (the UCX data plane takes the ticket its import answered)";
-    }
-    reply.message_bytes = static_cast<uint32_t>(text.size());
-    SendFrame(reply, text);
-    if (reply.code != 0) {
-      // Closed once the sender has read the reply and gone, or a second on.
-      drop_at_ = absl::Now() + absl::Seconds(1);
-      return Break("a hello with a wrong ticket");
-    }
-    hello_done_ = true;
-    ReadFrame();
   }
 
   // A chunk's frame is in: its payloads are received into a free slot (the
@@ -397,7 +504,9 @@ class BulkReceiver::Impl {
       return;
     }
     waiting_slot_ = false;
-    slot->charge = std::move(charge);
+    slot->charge = std::move(charge);  // the previous chunk's goes
+    // Buffers above this chunk's charge are given back before it is received.
+    for (int i = 0; i < 4; ++i) FitTo(Part(&slot->chunk, i), in_.sizes[i]);
     KvTransferChunk& c = slot->chunk;
     c.sequence_id = in_.sequence_id;
     c.layer = in_.layer;
@@ -427,6 +536,7 @@ class BulkReceiver::Impl {
           [this, raw, request](ucs_status_t st, size_t) {
             *request = nullptr;
             --outstanding_;
+            last_heard_ = absl::Now();
             if (st != UCS_OK) return Break("a tagged receive failed");
             Arrived(raw);
           },
@@ -440,6 +550,17 @@ class BulkReceiver::Impl {
     }
     Arrived(raw);
     ReadFrame();
+  }
+
+  // `s` at `n` bytes in an allocation of about that size (the charge is the
+  // payload's): a larger one from an earlier chunk is given back first.
+  static void FitTo(std::string* s, size_t n) {
+    constexpr size_t kSlack = 64;
+    if (s->capacity() > n + kSlack || s->capacity() < n) {
+      std::string().swap(*s);
+      s->reserve(n);  // exactly (growing in place may double it)
+    }
+    s->resize(n);
   }
 
   void Arrived(Slot* slot) {
@@ -480,7 +601,8 @@ class BulkReceiver::Impl {
       Ack ack;
       ack.index = next;
       ack.status = apply_(slot->chunk);
-      slot->charge.reset();
+      // The slot keeps its buffers for the next chunk, and with them their
+      // charge (replaced by that chunk's, or given back when the connection ends).
       // Page-locked after its first copy, for the chunks this slot takes next.
       for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
       if (ack.status.ok()) {
@@ -493,7 +615,7 @@ class BulkReceiver::Impl {
       {
         std::lock_guard<std::mutex> lock(mu_);
         acks_.push_back(std::move(ack));
-        free_.push_back(std::move(slot));
+        if (!closed_) free_.push_back(std::move(slot));  // else it goes with its charge
       }
       wake_.Wake();
     }
@@ -506,6 +628,7 @@ class BulkReceiver::Impl {
       acks.swap(acks_);
     }
     for (const Ack& a : acks) {
+      ++acks_sent_;
       BulkFrame f;
       f.type = kAck;
       f.index = a.index;
@@ -548,6 +671,9 @@ class BulkReceiver::Impl {
   void Break(const char* why) {
     if (broken_) return;
     broken_ = true;
+    // A refusal just sent gets a moment to reach the sender (which then
+    // goes); a peer already gone is closed at once.
+    close_at_ = absl::Now() + absl::Seconds(1);
     spdlog::debug("kv import over UCX: connection ended ({})", why);
   }
 
@@ -565,15 +691,82 @@ class BulkReceiver::Impl {
     while (outstanding_ > 0 && absl::Now() < until) worker_->Progress();
   }
 
-  // A connection that never said a good hello is closed once its reply is
-  // out (UCX stops queuing what it sends), and the listener takes the next.
-  void DropUnhelloed() {
-    if (!(peer_gone_ && outstanding_ == 0) && absl::Now() < drop_at_) return;
+  // The ticket holder's connection broke (the peer went, a transport error,
+  // a refusal sent): it is closed at once, not left for UCX to queue what
+  // the peer still sends, and what was received and not applied is dropped
+  // with its charge and buffers. The import takes no second connection: a
+  // resume comes with a new import stream and a new ticket.
+  void CloseBroken() {
+    spdlog::info("kv import over UCX: the sender's connection closed after {} chunk(s) applied",
+                 chunks_.load(std::memory_order_relaxed));
     CloseConnection();
-    broken_ = false;
-    reading_ = false;
-    peer_gone_ = false;
-    text_.clear();
+    DropChunks();
+  }
+
+  void DropChunks() {
+    receiving_.clear();
+    waiting_charge_.reset();
+    waiting_slot_ = false;
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    ready_.clear();
+    free_.clear();
+  }
+
+  // Only a chunk payload whose frame is still to be read may wait in UCX's
+  // queue of tagged messages nobody has asked for: one of the window's
+  // chunks (from the next frame's index to the first unacknowledged plus
+  // the window), at most max_chunk_bytes, from the ticket holder. Any other
+  // is taken out of the queue and closes its connection; one that waits
+  // longer than the timeout for its frame does too. So the queue holds at
+  // most the window's chunks.
+  void CheckUnexpected() {
+    for (int n = 0; n < 64; ++n) {
+      ucp_tag_recv_info_t info{};
+      if (ucp_tag_probe_nb(worker_->get(), 0, 0, 0, &info) == nullptr) return;
+      const uint64_t tag = info.sender_tag;
+      const uint64_t index = (tag >> 2) & ((uint64_t{1} << 52) - 1);
+      const uint64_t low = next_index_ - (waiting_slot_ ? 1 : 0);
+      const bool inside = hello_done_ && !broken_ && (tag >> 56) == 0xb0 && index >= low &&
+                          index < acks_sent_ + uint64_t(std::max(options_.window, 1)) &&
+                          int64_t(info.length) <= options_.max_chunk_bytes;
+      if (inside) {
+        const absl::Time now = absl::Now();
+        if (tag != head_tag_ || !head_seen_) {
+          head_tag_ = tag;
+          head_seen_ = true;
+          head_since_ = now;
+        } else if (now - head_since_ > options_.timeout) {
+          Break("a chunk payload whose frame never came");
+        }
+        return;
+      }
+      Discard(tag);
+      if (!hello_done_) {
+        // A real sender sends none before its hello; whose it was cannot be
+        // told, so every connection still before its hello is closed.
+        while (!pending_.empty()) ClosePending(pending_.front());
+        continue;
+      }
+      if (ep_ == nullptr) continue;  // from the connection already closed
+      Break("a tagged message outside the import's window");
+    }
+  }
+
+  // Takes the first message tagged `tag` out of the queue and receives it
+  // truncated into a scratch buffer (UCX then drops its payload).
+  void Discard(uint64_t tag) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h m = ucp_tag_probe_nb(worker_->get(), tag, ~uint64_t{0}, 1, &info);
+    if (m == nullptr) return;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.recv = [](void*, ucs_status_t, const ucp_tag_recv_info_t*, void*) {};
+    param.datatype = ucp_dt_make_contig(1);
+    ucs_status_ptr_t r =
+        ucp_tag_msg_recv_nbx(worker_->get(), scratch_, sizeof(scratch_), m, &param);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX once done
+    ++discarded_;
   }
 
   void Run() {
@@ -593,11 +786,15 @@ class BulkReceiver::Impl {
       wake_.Drain();
       DeliverAcks();
       if (peer_gone_ && !broken_) Break("the sender is gone");
-      if (ep_ != nullptr && !hello_done_ && !broken_ && absl::Now() > hello_deadline_) {
-        drop_at_ = absl::Now();
-        Break("no hello before the deadline");
+      CheckPending();
+      if (ep_ != nullptr && !broken_ && Receiving() &&
+          absl::Now() - last_heard_ > options_.timeout) {
+        Break("a chunk half-received and nothing heard for the timeout");
       }
-      if (ep_ != nullptr && !hello_done_ && broken_) DropUnhelloed();
+      if (ep_ != nullptr && hello_done_ && broken_ && (peer_gone_ || absl::Now() >= close_at_)) {
+        CloseBroken();
+      }
+      CheckUnexpected();
       if (busy) {
         active = absl::Now();
         continue;
@@ -607,14 +804,12 @@ class BulkReceiver::Impl {
       active = absl::Now();
     }
     broken_ = true;
+    while (!pending_.empty()) ClosePending(pending_.front());
     CloseConnection();
     if (listener_ != nullptr) ucp_listener_destroy(listener_);
     listener_ = nullptr;
     // Chunks received and not applied are dropped, and their charges go.
-    receiving_.clear();
-    waiting_charge_.reset();
-    std::lock_guard<std::mutex> lock(mu_);
-    ready_.clear();
+    DropChunks();
   }
 
   const Apply apply_;
@@ -628,8 +823,8 @@ class BulkReceiver::Impl {
 
   // The progress thread's.
   ucp_ep_h ep_ = nullptr;
-  absl::Time hello_deadline_;  // the connection's hello by then, or it is closed
-  absl::Time drop_at_;         // a connection refused before its hello: closed by then
+  std::vector<std::shared_ptr<Pending>> pending_;  // before their hello, oldest first
+  absl::Time last_heard_;                          // the sender's last frame or payload
   bool hello_done_ = false;
   uint64_t next_index_ = 0;  // the next chunk frame's index
   bool reading_ = false;
@@ -639,14 +834,21 @@ class BulkReceiver::Impl {
   std::atomic<bool> peer_gone_{false};
   int outstanding_ = 0;
   BulkFrame in_;
-  std::string text_;
   std::shared_ptr<void> waiting_charge_;  // the charge of the frame waiting for a slot
+  absl::Time close_at_;                   // a broken connection after its hello: closed by then
+  uint64_t acks_sent_ = 0;
+  uint64_t head_tag_ = 0;  // the queue's first unasked-for message, waiting for its frame
+  bool head_seen_ = false;
+  absl::Time head_since_;
+  std::atomic<int64_t> discarded_{0};
+  char scratch_[64];
   std::map<uint64_t, std::unique_ptr<Slot>> receiving_;
 
   // Shared with the apply thread.
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  bool closed_ = false;  // the connection is over: slots are not kept
   std::deque<std::unique_ptr<Slot>> free_;
   std::map<uint64_t, std::unique_ptr<Slot>> ready_;
   std::deque<Ack> acks_;
@@ -670,6 +872,8 @@ void BulkReceiver::Stop() {
 }
 int64_t BulkReceiver::chunks() const { return impl_->chunks(); }
 int64_t BulkReceiver::bytes() const { return impl_->bytes(); }
+int64_t BulkReceiver::buffered_bytes() const { return impl_->buffered_bytes(); }
+int64_t BulkReceiver::discarded() const { return impl_->discarded(); }
 
 // --- Sender ---
 
@@ -724,7 +928,10 @@ class Sender {
       }
       free_.push_back(std::move(slot));
     }
-    producer_ = std::thread([this, &next] { Produce(next); });
+    absl::StatusOr<std::thread> producer =
+        StartThread("the sender's producer", [this, &next] { Produce(next); });
+    if (!producer.ok()) return producer.status();
+    producer_ = *std::move(producer);
     ReadAck();
     return Loop();
   }

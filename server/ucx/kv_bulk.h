@@ -1,7 +1,8 @@
 // Bulk K/V page transfer over UCX (docs/kv-transfer.md, "Over UCX"): the
 // data plane of a KvTransfer whose chunks do not ride the gRPC stream. The
 // importing server starts a BulkReceiver for its import session (its own UCX
-// worker and listener on an ephemeral port, one connection at a time); the
+// worker and listener on an ephemeral port; one sender, the first connection
+// whose hello carries the ticket); the
 // exporting server's SendChunks connects there with the ticket the import
 // answered and sends every chunk as a small header on the UCX stream and its
 // k, v (and FP8 scales) as tagged messages, which UCX moves by rendezvous
@@ -13,7 +14,9 @@
 // staging through a bounce buffer.
 // The receiver applies chunks in order and acknowledges each with its status;
 // the first refusal stops the sender with that status (same codes and
-// messages as the gRPC import). Protocol-free of gRPC: the service drives it.
+// messages as the gRPC import). A broken connection, or a tagged message
+// outside the window, closes the connection at once (SECURITY.md lists the
+// rules). Protocol-free of gRPC: the service drives it.
 //
 // Wire (little-endian): every message on the stream is a 64-byte BulkFrame,
 // then `message_bytes` of text (a hello's ticket, a refusal's message).
@@ -26,9 +29,12 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <system_error>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server/kv/kv_transfer.h"
 
@@ -37,6 +43,26 @@ namespace ucx {
 
 // Whether this server was built with UCX (the data plane can be offered).
 bool BulkBuilt();
+
+// Tests: the `nth` next StartThread (1: the next) fails as if the system had
+// no thread to give; 0: none.
+inline std::atomic<int> fail_thread_start_for_test{0};
+
+// A thread of the data plane (a receiver's, a sender's, an export's): a
+// system without one to give answers RESOURCE_EXHAUSTED naming `what`
+// instead of throwing std::system_error out of a handler.
+inline absl::StatusOr<std::thread> StartThread(const char* what, std::function<void()> body) {
+  try {
+    const int nth = fail_thread_start_for_test.load();
+    if (nth > 0 && fail_thread_start_for_test.fetch_sub(1) == 1) {
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+    }
+    return std::thread(std::move(body));
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start ", what, "'s thread: ", e.what()));
+  }
+}
 
 // Where a receiver takes chunks (KvDataPlane on the wire).
 struct BulkOffer {
@@ -55,7 +81,8 @@ struct BulkOptions {
   // arrives, before they are received; the token it returns is held until
   // the chunk has been applied (or dropped). An error is sent back as that
   // chunk's refusal and ends the transfer. Unset: not charged.
-  std::function<absl::StatusOr<std::shared_ptr<void>>(int64_t bytes)> charge;
+  using Charge = std::function<absl::StatusOr<std::shared_ptr<void>>(int64_t bytes)>;
+  Charge charge;
   // The sender's chunks' payload at most (its slots' buffers are sized and
   // page-locked for it up front); 0: as they come.
   int64_t chunk_bytes = 0;
@@ -83,6 +110,11 @@ class BulkReceiver {
   // Chunks and payload bytes applied so far.
   int64_t chunks() const;
   int64_t bytes() const;
+  // Bytes of the staging buffers its slots hold between chunks (applied or
+  // waiting): each slot's are charged with the chunk they last took.
+  int64_t buffered_bytes() const;
+  // Tagged messages taken out of UCX's queue as outside the import's window.
+  int64_t discarded() const;
 
   class Impl;
 

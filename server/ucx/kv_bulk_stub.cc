@@ -27,6 +27,8 @@ const BulkOffer& BulkReceiver::offer() const { return impl_->offer; }
 void BulkReceiver::Stop() {}
 int64_t BulkReceiver::chunks() const { return 0; }
 int64_t BulkReceiver::bytes() const { return 0; }
+int64_t BulkReceiver::buffered_bytes() const { return 0; }
+int64_t BulkReceiver::discarded() const { return 0; }
 
 absl::Status SendChunks(const BulkOffer&, const NextChunk&, const BulkOptions&,
                         const std::atomic<bool>*, BulkSendResult*) {

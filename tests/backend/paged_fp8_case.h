@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -298,6 +299,65 @@ class Fp8PagedCase {
   std::vector<float> k_scale_new_, v_scale_new_, lse_;
   PagedAttnParams params_{};
 };
+
+// A case of the FP8 paged tests (CPU and CUDA): the call, its page size, how
+// many of each sequence's rows arrive with the launch and how (given codes and
+// scales, or 16-bit rows to quantise), and whether a partial page is copied
+// on write first.
+struct Fp8Case {
+  TestCase tc;
+  int page_size;
+  int new_rows;
+  bool given_scales;
+  bool cow;
+};
+
+inline void PrintTo(const Fp8Case& c, std::ostream* os) {
+  *os << c.tc.Name() << " page " << c.page_size << " new " << c.new_rows
+      << (c.given_scales ? " given-scales" : " quantised") << (c.cow ? " cow" : "");
+}
+
+// The cases every backend runs: decode (GQA 4:1, one new token a sequence)
+// with quantised and given rows, chunked prefill, windows and softcap at
+// D 256, ALiBi and sinks, and a launch that appends nothing.
+inline std::vector<Fp8Case> Fp8CaseGrid() {
+  std::vector<Fp8Case> grid;
+  TestCase decode;
+  decode.dtype = DType::kBF16;
+  decode.num_heads_q = 8;
+  decode.num_heads_kv = 2;
+  decode.head_dim = 128;
+  decode.seqlens_q = {1, 1, 1, 1};
+  decode.seqlens_k = {1, 97, 300, 17};
+  decode.causal = true;
+  grid.push_back({decode, 16, 1, false, true});
+  grid.push_back({decode, 64, 1, true, true});
+  TestCase prefill;  // chunked prefill over cache + new rows, FP16
+  prefill.dtype = DType::kFP16;
+  prefill.num_heads_q = 4;
+  prefill.num_heads_kv = 1;
+  prefill.seqlens_q = {33, 0, 64};
+  prefill.seqlens_k = {150, 20, 64};
+  prefill.causal = true;
+  grid.push_back({prefill, 32, 33, false, true});
+  grid.push_back({prefill, 128, 40, true, false});
+  TestCase window = prefill;  // windows and softcap, BF16, D 256
+  window.dtype = DType::kBF16;
+  window.head_dim = 256;
+  window.causal = false;
+  window.window_left = 40;
+  window.window_right = 3;
+  window.softcap = 20.0f;
+  grid.push_back({window, 256, 10, false, false});
+  TestCase mods = decode;  // ALiBi and sinks over the cached keys
+  mods.mods.alibi = true;
+  mods.mods.sinks = true;
+  grid.push_back({mods, 32, 1, false, true});
+  TestCase attend_only = decode;  // nothing appended
+  attend_only.return_lse = false;
+  grid.push_back({attend_only, 16, 0, false, false});
+  return grid;
+}
 
 }  // namespace testing_util
 }  // namespace attnserve

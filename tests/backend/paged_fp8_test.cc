@@ -16,6 +16,8 @@
 namespace attnserve {
 namespace {
 
+using testing_util::Fp8Case;
+using testing_util::Fp8CaseGrid;
 using testing_util::Fp8PagedCase;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
@@ -23,58 +25,6 @@ using testing_util::TestCase;
 AttentionBackend& Backend() {
   static AttentionBackend* backend = MakeCpuBackend(0).release();
   return *backend;
-}
-
-struct Fp8Case {
-  TestCase tc;
-  int page_size;
-  int new_rows;
-  bool given_scales;
-  bool cow;
-};
-
-void PrintTo(const Fp8Case& c, std::ostream* os) {
-  *os << c.tc.Name() << " page " << c.page_size << " new " << c.new_rows
-      << (c.given_scales ? " given-scales" : " quantised") << (c.cow ? " cow" : "");
-}
-
-std::vector<Fp8Case> Grid() {
-  std::vector<Fp8Case> grid;
-  TestCase decode;  // decode: GQA 4:1, one new token per sequence
-  decode.dtype = DType::kBF16;
-  decode.num_heads_q = 8;
-  decode.num_heads_kv = 2;
-  decode.head_dim = 128;
-  decode.seqlens_q = {1, 1, 1, 1};
-  decode.seqlens_k = {1, 97, 300, 17};
-  decode.causal = true;
-  grid.push_back({decode, 16, 1, false, true});
-  grid.push_back({decode, 64, 1, true, true});
-  TestCase prefill;  // chunked prefill over cache + new rows, FP16
-  prefill.dtype = DType::kFP16;
-  prefill.num_heads_q = 4;
-  prefill.num_heads_kv = 1;
-  prefill.seqlens_q = {33, 0, 64};
-  prefill.seqlens_k = {150, 20, 64};
-  prefill.causal = true;
-  grid.push_back({prefill, 32, 33, false, true});
-  grid.push_back({prefill, 128, 40, true, false});
-  TestCase window = prefill;  // windows and softcap, BF16, D 256
-  window.dtype = DType::kBF16;
-  window.head_dim = 256;
-  window.causal = false;
-  window.window_left = 40;
-  window.window_right = 3;
-  window.softcap = 20.0f;
-  grid.push_back({window, 256, 10, false, false});
-  TestCase mods = decode;  // ALiBi and sinks over the cached keys
-  mods.mods.alibi = true;
-  mods.mods.sinks = true;
-  grid.push_back({mods, 32, 1, false, true});
-  TestCase attend_only = decode;  // nothing appended
-  attend_only.return_lse = false;
-  grid.push_back({attend_only, 16, 0, false, false});
-  return grid;
 }
 
 class PagedFp8Test : public ::testing::TestWithParam<Fp8Case> {};
@@ -91,13 +41,13 @@ TEST_P(PagedFp8Test, PagesAndOutputPassTheReference) {
   EXPECT_EQ(paged.CheckOutput(paged.o(), paged.lse()), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, PagedFp8Test, ::testing::ValuesIn(Grid()));
+INSTANTIATE_TEST_SUITE_P(Grid, PagedFp8Test, ::testing::ValuesIn(Fp8CaseGrid()));
 
 // Packed launches (the default StartPagedForward through PagedBatch) of FP8
 // rows with scales: the same call twice packs both members' rows and scales
 // (appending the same codes to the same places twice) and each gets its O.
 TEST(PagedFp8Batch, PackedMembersWithScalesPass) {
-  TestCase tc = Grid()[1].tc;
+  TestCase tc = Fp8CaseGrid()[1].tc;
   HostBuffers buf(tc);
   Fp8PagedCase paged(buf, 64, 1, /*given_scales=*/true, /*cow=*/true, 11);
   PagedBatch batch({&paged.params(), &paged.params()});
@@ -114,7 +64,7 @@ TEST(PagedFp8Batch, PackedMembersWithScalesPass) {
 }
 
 TEST(PagedFp8Batch, QuantisedAndGivenRowsNeverShareALaunch) {
-  TestCase tc = Grid()[0].tc;
+  TestCase tc = Fp8CaseGrid()[0].tc;
   HostBuffers buf(tc);
   Fp8PagedCase quantised(buf, 16, 1, false, false, 1);
   PagedAttnParams given = quantised.params();
@@ -126,7 +76,7 @@ TEST(PagedFp8Batch, QuantisedAndGivenRowsNeverShareALaunch) {
 }
 
 TEST(PagedFp8Check, RefusesBadScalesAndCombinations) {
-  TestCase tc = Grid()[1].tc;
+  TestCase tc = Fp8CaseGrid()[1].tc;
   HostBuffers buf(tc);
   Fp8PagedCase paged(buf, 64, 1, true, false, 3);
   ASSERT_TRUE(CheckPagedParams(paged.params()).ok());

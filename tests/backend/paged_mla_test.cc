@@ -5,11 +5,9 @@
 // reference over the whole context; packed launches (PagedBatch); the checks
 // that refuse what a backend cannot run.
 #include <algorithm>
-#include <cstring>
+#include <cmath>
 #include <memory>
-#include <numeric>
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -18,6 +16,7 @@
 #include "backend/paged_batch.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "tests/backend/paged_mla_case.h"
 #include "tests/common/attn_test_util.h"
 
 namespace attnserve {
@@ -25,129 +24,13 @@ namespace {
 
 using testing_util::CheckOutput;
 using testing_util::HostBuffers;
+using testing_util::MlaPagedCase;
 using testing_util::TestCase;
 
 AttentionBackend& Backend() {
   static AttentionBackend* backend = MakeCpuBackend(0).release();
   return *backend;
 }
-
-// The case's varlen inputs as a paged launch: each sequence's last `new_rows`
-// K/V rows arrive with the launch, the rest are written into shuffled pages
-// beforehand. With `v_in_k`, buf's V is first made the first Dv elements of
-// its K (what the cache will read), and no V pages or V rows exist.
-class MlaPagedCase {
- public:
-  MlaPagedCase(HostBuffers& buf, int page_size, int new_rows, bool v_in_k, uint32_t seed) {
-    const AttnParams& a = buf.params();
-    const int d = a.head_dim;
-    const int dv = HeadDimV(a);
-    const int64_t elem = DTypeSize(a.dtype);
-    const int64_t k_row = int64_t{a.num_heads_kv} * d * elem;
-    const int64_t v_row = int64_t{a.num_heads_kv} * dv * elem;
-    if (v_in_k) {
-      for (int64_t r = 0; r < a.total_k * a.num_heads_kv; ++r) {
-        std::memcpy(static_cast<char*>(buf.v()) + r * dv * elem,
-                    static_cast<const char*>(buf.k()) + r * d * elem, size_t(dv * elem));
-      }
-    }
-    int page_shift = 0;
-    while ((1 << page_shift) < page_size) ++page_shift;
-    const int batch = a.batch;
-    int stride = 1;
-    int64_t pages_needed = 0;
-    for (int b = 0; b < batch; ++b) {
-      const int pages = (SeqLenK(a, b) + page_size - 1) / page_size;
-      stride = std::max(stride, pages);
-      pages_needed += pages;
-    }
-    const int slab_shift = 2;  // 4 pages a slab: a sequence spans several slabs
-    const int num_slabs = static_cast<int>((pages_needed + 3) / 4) + 1;
-    EXPECT_LE(num_slabs, kMaxKvSlabs);
-    KvPages& kv = params_.pages;
-    kv = KvPages{};
-    kv.num_slabs = num_slabs;
-    kv.slab_shift = slab_shift;
-    kv.page_size = page_size;
-    kv.page_shift = page_shift;
-    kv.v_in_k = v_in_k;
-    for (int s = 0; s < num_slabs; ++s) {
-      // Poisoned: NaN in every dtype, so a read of an unwritten row shows.
-      k_slabs_.emplace_back(size_t(4 * page_size * k_row), uint8_t{0xFF});
-      kv.k_slabs[s] = k_slabs_.back().data();
-      if (!v_in_k) {
-        v_slabs_.emplace_back(size_t(4 * page_size * v_row), uint8_t{0xFF});
-        kv.v_slabs[s] = v_slabs_.back().data();
-      }
-    }
-    std::mt19937 rng(seed);
-    std::vector<int32_t> free_pages(size_t(num_slabs) * 4);
-    std::iota(free_pages.begin(), free_pages.end(), 0);
-    std::shuffle(free_pages.begin(), free_pages.end(), rng);
-    table_.assign(size_t(batch) * stride, -1);
-    cu_new_.push_back(0);
-    const char* k = static_cast<const char*>(a.k);
-    const char* v = static_cast<const char*>(a.v);
-    for (int b = 0; b < batch; ++b) {
-      const int len = SeqLenK(a, b);
-      const int added = std::min(new_rows, len);
-      seqlens_.push_back(len);
-      for (int i = 0; i < (len + page_size - 1) / page_size; ++i) {
-        table_[size_t(b) * stride + i] = free_pages.back();
-        free_pages.pop_back();
-      }
-      const int64_t k0 = SeqStartK(a, b);
-      for (int r = 0; r < len - added; ++r) {
-        const int32_t page = table_[size_t(b) * stride + r / page_size];
-        const int t = r % page_size;
-        const int64_t slab = PageSlab(kv, page);
-        std::memcpy(k_slabs_[slab].data() + PageRowOffset(kv, page, t, a.num_heads_kv, d, 0) * elem,
-                    k + (k0 + r) * k_row, size_t(k_row));
-        if (!v_in_k) {
-          std::memcpy(
-              v_slabs_[slab].data() + PageRowOffset(kv, page, t, a.num_heads_kv, dv, 0) * elem,
-              v + (k0 + r) * v_row, size_t(v_row));
-        }
-      }
-      const int64_t first = k0 + len - added;
-      k_new_.insert(k_new_.end(), k + first * k_row, k + (first + added) * k_row);
-      if (!v_in_k) v_new_.insert(v_new_.end(), v + first * v_row, v + (first + added) * v_row);
-      cu_new_.push_back(cu_new_.back() + added);
-    }
-    o_.assign(size_t(buf.o_bytes()), 0xFF);
-    lse_.assign(size_t(std::max<int64_t>(buf.lse_elements(), 1)), std::nanf(""));
-    params_.attn = a;
-    params_.attn.k = k_new_.data();
-    params_.attn.v = v_in_k ? nullptr : v_new_.data();  // unused with v_in_k
-    params_.attn.o = o_.data();
-    params_.attn.lse = a.lse != nullptr ? lse_.data() : nullptr;
-    params_.attn.cu_seqlens_k = cu_new_.data();
-    params_.attn.total_k = cu_new_.back();
-    params_.attn.seqlen_k = batch > 0 ? *std::max_element(seqlens_.begin(), seqlens_.end()) : 0;
-    params_.block_table = table_.data();
-    params_.block_table_stride = stride;
-    params_.seqlens_k = seqlens_.data();
-    params_.copy_src = nullptr;
-    params_.copy_dst = nullptr;
-    params_.num_page_copies = 0;
-    params_.k_new_scale = nullptr;
-    params_.v_new_scale = nullptr;
-  }
-
-  const PagedAttnParams& params() const { return params_; }
-  PagedAttnParams& mutable_params() { return params_; }
-  const void* o() const { return o_.data(); }
-  const float* lse() const { return params_.attn.lse; }
-  // Bytes the pages hold for these sequences (whole pages, K and V).
-  int64_t v_slab_count() const { return static_cast<int64_t>(v_slabs_.size()); }
-
- private:
-  PagedAttnParams params_{};
-  std::vector<std::vector<uint8_t>> k_slabs_, v_slabs_;
-  std::vector<int32_t> table_, seqlens_, cu_new_;
-  std::vector<uint8_t> k_new_, v_new_, o_;
-  std::vector<float> lse_;
-};
 
 struct MlaPagedSpec {
   DType dtype;
@@ -250,7 +133,7 @@ TEST_P(PagedMlaTest, MatchesReference) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_TRUE(Backend().PagedForward(*plan, paged.params(), nullptr).ok());
   EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse()));
-  EXPECT_EQ(paged.v_slab_count(), 0 + (s.v_in_k ? 0 : paged.params().pages.num_slabs));
+  EXPECT_EQ(int(paged.v_slabs().size()), s.v_in_k ? 0 : paged.params().pages.num_slabs);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, PagedMlaTest, ::testing::ValuesIn(Grid()),

@@ -419,6 +419,8 @@ TEST(PlanForwardTest, ScoreModsTakeTheBandedKernels) {
     EXPECT_EQ(fits.kernel_family, KernelFamily::kSm90);
     EXPECT_EQ(fits.tile_kind, TileKind::kPrefill);
     EXPECT_EQ(cuda::Sm90BlockMaskFits(cuda::Sm90TileFor(128).block_n, 128, 128), true);
+    // Its workspace: the counters, then the item order (one int32 per item).
+    EXPECT_EQ(fits.workspace_bytes, cuda::kSplitCounterBytes + int64_t{128} * 8 * 4);
   }
   // A block mask shared by the heads keeps GQA packing.
   AttnParams shared = with(Dense(1, 1, 8192, 32, 8, 128), 4);

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "tests/backend/paged_fp8_case.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/device_slabs.h"
 #include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
@@ -73,6 +74,8 @@ std::vector<Case> Grid() {
   TestCase plain = Decode(DType::kBF16, 32, 8, 128, {640, 64});
   plain.return_lse = false;
   grid.push_back({plain, 64, 0, false});
+  // D 64 split: the combine's 64-column form.
+  grid.push_back({Decode(DType::kFP16, 8, 2, 64, {3000, 1700}), 64, 1, true});
   return grid;
 }
 
@@ -86,53 +89,12 @@ class CudaPagedFp8DecodeTest : public ::testing::TestWithParam<Case> {
   AttentionBackend* backend_ = nullptr;
 };
 
-// Device copies of a case's host slabs; CopyBack refreshes the host ones.
-class DeviceSlabs {
- public:
-  DeviceSlabs(AttentionBackend* backend, testing_util::Fp8PagedCase* c) : backend_(backend), c_(c) {
-    pages_ = c->params().pages;
-    for (int s = 0; s < kMaxKvSlabs; ++s) pages_.k_slabs[s] = pages_.v_slabs[s] = nullptr;
-    for (size_t s = 0; s < c->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c->v_slabs()[s] : c->k_slabs()[s];
-        absl::StatusOr<void*> m = backend->AllocateKvMemory(int64_t(host.size()));
-        status_.Update(m.status());
-        if (!m.ok()) return;
-        (kv ? pages_.v_slabs : pages_.k_slabs)[s] = *m;
-        cudaMemcpy(*m, host.data(), host.size(), cudaMemcpyHostToDevice);
-      }
-    }
-  }
-  ~DeviceSlabs() {
-    for (int s = 0; s < kMaxKvSlabs; ++s) {
-      backend_->FreeKvMemory(pages_.k_slabs[s]);
-      backend_->FreeKvMemory(pages_.v_slabs[s]);
-    }
-  }
-  void CopyBack() {
-    for (size_t s = 0; s < c_->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c_->v_slabs()[s] : c_->k_slabs()[s];
-        cudaMemcpy(host.data(), (kv ? pages_.v_slabs : pages_.k_slabs)[s], host.size(),
-                   cudaMemcpyDeviceToHost);
-      }
-    }
-  }
-  const absl::Status& status() const { return status_; }
-  const KvPages& pages() const { return pages_; }
-
- private:
-  AttentionBackend* backend_;
-  testing_util::Fp8PagedCase* c_;
-  KvPages pages_{};
-  absl::Status status_;
-};
-
 TEST_P(CudaPagedFp8DecodeTest, DecodeKernelPassesTheReference) {
   const Case& c = GetParam();
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, false, false, 5);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams p = paged.params();
   p.pages = slabs.pages();
@@ -162,7 +124,8 @@ TEST_F(CudaPagedFp8DecodeTest, BatchInvariantAloneEqualsPacked) {
   tc.return_lse = false;
   HostBuffers buf(tc);
   testing_util::Fp8PagedCase paged(buf, 64, 0, false, false, 3);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams all = paged.params();
   all.pages = slabs.pages();

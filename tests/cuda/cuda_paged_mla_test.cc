@@ -2,151 +2,34 @@
 // K/V head whose first 512 dims are V (pages.v_in_k), 16..128 query heads,
 // decode and short causal query runs, BF16 and FP16, page sizes 16 and 64,
 // splits of long contexts, softcap, windows, ALiBi, sinks, empty sequences
-// and fully masked rows, batch-invariant launches; each through the
-// backend's append-and-attend (the K-only append, then the kernel) against
-// the float64 reference over the whole context. MLA shapes the kernel does
+// and fully masked rows, batch-invariant launches, copy-on-write of partial
+// pages; each through the backend's append-and-attend (the K-only page
+// copies and append, then the kernel) against the float64 reference over
+// the whole context. MLA shapes the kernel does
 // not take stay UNIMPLEMENTED naming head_dim_v. Skips without a GPU.
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "tests/backend/paged_mla_case.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/device_slabs.h"
 #include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
 namespace {
 
 using testing_util::CheckOutput;
+using testing_util::DeviceSlabs;
 using testing_util::HostBuffers;
+using testing_util::MlaPagedCase;
 using testing_util::TestCase;
-
-// A case's varlen inputs as a paged launch over device slabs: each
-// sequence's last `new_rows` K rows arrive with the launch (the append
-// writes them), the rest are copied into shuffled pages beforehand. buf's V
-// is first made the first Dv elements of its K, what the cache reads.
-class MlaDeviceCase {
- public:
-  MlaDeviceCase(AttentionBackend* backend, HostBuffers& buf, int page_size, int new_rows,
-                uint32_t seed)
-      : backend_(backend) {
-    const AttnParams& a = buf.params();
-    const int d = a.head_dim;
-    const int dv = HeadDimV(a);
-    const int64_t elem = DTypeSize(a.dtype);
-    const int64_t k_row = int64_t{a.num_heads_kv} * d * elem;
-    for (int64_t r = 0; r < a.total_k * a.num_heads_kv; ++r) {
-      std::memcpy(static_cast<char*>(buf.v()) + r * dv * elem,
-                  static_cast<const char*>(buf.k()) + r * d * elem, size_t(dv * elem));
-    }
-    int page_shift = 0;
-    while ((1 << page_shift) < page_size) ++page_shift;
-    const int batch = a.batch;
-    int stride = 1;
-    int64_t pages_needed = 0;
-    for (int b = 0; b < batch; ++b) {
-      const int pages = (SeqLenK(a, b) + page_size - 1) / page_size;
-      stride = std::max(stride, pages);
-      pages_needed += pages;
-    }
-    // Slabs of 2^slab_shift pages, so a sequence spans several slabs.
-    int slab_shift = 2;
-    while ((pages_needed + (int64_t{1} << slab_shift) - 1) / (int64_t{1} << slab_shift) + 1 >
-           kMaxKvSlabs) {
-      ++slab_shift;
-    }
-    const int per_slab = 1 << slab_shift;
-    const int num_slabs = static_cast<int>((pages_needed + per_slab - 1) / per_slab) + 1;
-    KvPages& kv = params_.pages;
-    kv = KvPages{};
-    kv.num_slabs = num_slabs;
-    kv.slab_shift = slab_shift;
-    kv.page_size = page_size;
-    kv.page_shift = page_shift;
-    kv.v_in_k = true;
-    const int64_t slab_bytes = int64_t{per_slab} * page_size * k_row;
-    // Poisoned: NaN in every dtype, so a read of an unwritten row shows.
-    std::vector<std::vector<uint8_t>> host(num_slabs,
-                                           std::vector<uint8_t>(size_t(slab_bytes), 0xFF));
-    std::mt19937 rng(seed);
-    std::vector<int32_t> free_pages(size_t(num_slabs) * per_slab);
-    std::iota(free_pages.begin(), free_pages.end(), 0);
-    std::shuffle(free_pages.begin(), free_pages.end(), rng);
-    table_.assign(size_t(batch) * stride, -1);
-    cu_new_.push_back(0);
-    const char* k = static_cast<const char*>(a.k);
-    for (int b = 0; b < batch; ++b) {
-      const int len = SeqLenK(a, b);
-      const int added = std::min(new_rows, len);
-      seqlens_.push_back(len);
-      for (int i = 0; i < (len + page_size - 1) / page_size; ++i) {
-        table_[size_t(b) * stride + i] = free_pages.back();
-        free_pages.pop_back();
-      }
-      const int64_t k0 = SeqStartK(a, b);
-      for (int r = 0; r < len - added; ++r) {
-        const int32_t page = table_[size_t(b) * stride + r / page_size];
-        std::memcpy(host[PageSlab(kv, page)].data() +
-                        PageRowOffset(kv, page, r % page_size, a.num_heads_kv, d, 0) * elem,
-                    k + (k0 + r) * k_row, size_t(k_row));
-      }
-      const int64_t first = k0 + len - added;
-      k_new_.insert(k_new_.end(), k + first * k_row, k + (first + added) * k_row);
-      cu_new_.push_back(cu_new_.back() + added);
-    }
-    for (int s = 0; s < num_slabs; ++s) {
-      absl::StatusOr<void*> m = backend->AllocateKvMemory(slab_bytes);
-      status_.Update(m.status());
-      if (!m.ok()) return;
-      kv.k_slabs[s] = *m;
-      status_.Update(backend->CopyToKvMemory(*m, host[s].data(), slab_bytes));
-    }
-    o_.assign(size_t(buf.o_bytes()), 0xFF);
-    lse_.assign(size_t(std::max<int64_t>(buf.lse_elements(), 1)), std::nanf(""));
-    params_.attn = a;
-    params_.attn.k = k_new_.data();
-    params_.attn.v = nullptr;  // V lives in K's pages
-    params_.attn.o = o_.data();
-    params_.attn.lse = a.lse != nullptr ? lse_.data() : nullptr;
-    params_.attn.cu_seqlens_k = cu_new_.data();
-    params_.attn.total_k = cu_new_.back();
-    params_.attn.seqlen_k = batch > 0 ? *std::max_element(seqlens_.begin(), seqlens_.end()) : 0;
-    params_.block_table = table_.data();
-    params_.block_table_stride = stride;
-    params_.seqlens_k = seqlens_.data();
-  }
-  ~MlaDeviceCase() {
-    for (int s = 0; s < kMaxKvSlabs; ++s) backend_->FreeKvMemory(params_.pages.k_slabs[s]);
-  }
-  MlaDeviceCase(const MlaDeviceCase&) = delete;
-  MlaDeviceCase& operator=(const MlaDeviceCase&) = delete;
-
-  const absl::Status& status() const { return status_; }
-  PagedAttnParams& params() { return params_; }
-  const void* o() const { return o_.data(); }
-  const float* lse() const { return params_.attn.lse; }
-  void Poison() {
-    std::fill(o_.begin(), o_.end(), uint8_t{0xFF});
-    std::fill(lse_.begin(), lse_.end(), std::nanf(""));
-  }
-
- private:
-  AttentionBackend* backend_;
-  absl::Status status_;
-  PagedAttnParams params_{};
-  std::vector<int32_t> table_, seqlens_, cu_new_;
-  std::vector<uint8_t> k_new_, o_;
-  std::vector<float> lse_;
-};
 
 struct Spec {
   std::string name;
@@ -161,6 +44,7 @@ struct Spec {
   bool alibi = false;
   bool sinks = false;
   bool invariant = false;
+  bool cow = false;
 };
 
 void PrintTo(const Spec& s, std::ostream* os) { *os << s.name; }
@@ -224,6 +108,21 @@ std::vector<Spec> Grid() {
                false,
                true,
                true});
+  // Copy-on-write of each sequence's partial last page (K slabs alone).
+  g.push_back({"cow_decode_bf16_h16",
+               DType::kBF16,
+               16,
+               {1, 2, 1},
+               {70, 1000, 16},
+               2,
+               16,
+               false,
+               kNoWindow,
+               0.0f,
+               false,
+               false,
+               false,
+               true});
   return g;
 }
 
@@ -258,20 +157,25 @@ class CudaPagedMlaTest : public ::testing::TestWithParam<Spec> {
 TEST_P(CudaPagedMlaTest, MatchesReference) {
   const Spec& s = GetParam();
   HostBuffers buf(CaseOf(s));
-  MlaDeviceCase paged(backend_, buf, s.page_size, s.new_rows, 7);
-  ASSERT_TRUE(paged.status().ok()) << paged.status();
-  paged.params().attn.batch_invariant = s.invariant;
-  const absl::StatusOr<Plan> plan = backend_->CanImplementPaged(paged.params());
+  MlaPagedCase paged(buf, s.page_size, s.new_rows, true, 7, s.cow);
+  DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(), &paged.v_slabs());
+  ASSERT_TRUE(slabs.status().ok()) << slabs.status();
+  PagedAttnParams p = paged.params();
+  p.pages = slabs.pages();
+  ASSERT_EQ(p.num_page_copies > 0, s.cow);
+  p.attn.batch_invariant = s.invariant;
+  const absl::StatusOr<Plan> plan = backend_->CanImplementPaged(p);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  const absl::Status st = backend_->PagedForward(*plan, paged.params(), nullptr);
+  const absl::Status st = backend_->PagedForward(*plan, p, nullptr);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_TRUE(CheckOutput(buf, paged.o(), paged.lse())) << "splits " << plan->num_splits;
   // Attend again over the same pages (nothing new): same answer, so the
   // append wrote every row the kernel reads and nothing else.
-  PagedAttnParams again = paged.params();
+  PagedAttnParams again = p;
   std::vector<int32_t> cu_zero(size_t(again.attn.batch) + 1, 0);
   again.attn.cu_seqlens_k = cu_zero.data();
   again.attn.total_k = 0;
+  again.num_page_copies = 0;
   paged.Poison();
   const absl::StatusOr<Plan> plan2 = backend_->CanImplementPaged(again);
   ASSERT_TRUE(plan2.ok()) << plan2.status();
@@ -300,12 +204,15 @@ TEST_F(CudaPagedMlaTest, BatchInvariantAloneEqualsPacked) {
   std::memcpy(buf_alone.k(), buf_whole.k(), size_t(5000 * 576 * elem));
   HostBuffers* bufs[2] = {&buf_whole, &buf_alone};
   for (int i = 0; i < 2; ++i) {
-    MlaDeviceCase paged(backend_, *bufs[i], 64, 1, 5);
-    ASSERT_TRUE(paged.status().ok()) << paged.status();
-    paged.params().attn.batch_invariant = true;
-    const absl::StatusOr<Plan> plan = backend_->CanImplementPaged(paged.params());
+    MlaPagedCase paged(*bufs[i], 64, 1, true, 5);
+    DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(), &paged.v_slabs());
+    ASSERT_TRUE(slabs.status().ok()) << slabs.status();
+    PagedAttnParams p = paged.params();
+    p.pages = slabs.pages();
+    p.attn.batch_invariant = true;
+    const absl::StatusOr<Plan> plan = backend_->CanImplementPaged(p);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    ASSERT_TRUE(backend_->PagedForward(*plan, paged.params(), nullptr).ok());
+    ASSERT_TRUE(backend_->PagedForward(*plan, p, nullptr).ok());
     EXPECT_TRUE(CheckOutput(*bufs[i], paged.o(), paged.lse()));
     const uint8_t* o = static_cast<const uint8_t*>(paged.o());
     outs[i].assign(o, o + 32 * 512 * elem);  // the first sequence's row

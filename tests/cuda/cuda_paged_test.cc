@@ -35,12 +35,14 @@
 #include "gtest/gtest.h"
 #include "tests/backend/paged_fp8_case.h"
 #include "tests/common/attn_test_util.h"
+#include "tests/cuda/device_slabs.h"
 #include "tests/cuda/shared_cuda_backend.h"
 
 namespace attnserve {
 namespace {
 
 using testing_util::CheckOutput;
+using testing_util::Fp8Case;
 using testing_util::HostBuffers;
 using testing_util::TestCase;
 constexpr auto SharedBackend = testing_util::SharedCudaBackend;
@@ -600,68 +602,24 @@ TEST(CudaPaged, PagedModsAreAlibiAndSinksOnly) {
 // FP8 caches: Fp8PagedCase's host pages copied to device slabs, the launch
 // through the backend (staging as in serving), the pages copied back and
 // checked with the output.
-struct Fp8CudaCase {
-  TestCase tc;
-  int page_size;
-  int new_rows;
-  bool given_scales;
-  bool cow;
-};
-void PrintTo(const Fp8CudaCase& c, std::ostream* os) {
-  *os << c.tc.Name() << " page " << c.page_size << " new " << c.new_rows
-      << (c.given_scales ? " given-scales" : " quantised") << (c.cow ? " cow" : "");
-}
-
-std::vector<Fp8CudaCase> Fp8Grid() {
-  std::vector<Fp8CudaCase> grid;
-  TestCase decode;
-  decode.dtype = DType::kBF16;
-  decode.num_heads_q = 8;
-  decode.num_heads_kv = 2;
-  decode.head_dim = 128;
-  decode.seqlens_q = {1, 1, 1, 1};
-  decode.seqlens_k = {1, 97, 300, 17};
-  decode.causal = true;
-  grid.push_back({decode, 16, 1, false, true});
-  grid.push_back({decode, 64, 1, true, true});
-  TestCase mqa = decode;  // 8 heads of one kv head per CTA, FP16, D 64
+// Fp8CaseGrid's cases, and what the CUDA kernels take apart: 8 query heads
+// of one kv head per CTA (FP16, D 64), and D 72 (below its padded tile).
+std::vector<Fp8Case> Fp8Grid() {
+  std::vector<Fp8Case> grid = testing_util::Fp8CaseGrid();
+  TestCase mqa = grid[0].tc;
   mqa.dtype = DType::kFP16;
   mqa.num_heads_q = 16;
   mqa.num_heads_kv = 1;
   mqa.head_dim = 64;
   grid.push_back({mqa, 32, 1, false, false});
-  TestCase prefill;
-  prefill.dtype = DType::kFP16;
-  prefill.num_heads_q = 4;
-  prefill.num_heads_kv = 1;
-  prefill.seqlens_q = {33, 0, 64};
-  prefill.seqlens_k = {150, 20, 64};
-  prefill.causal = true;
-  grid.push_back({prefill, 32, 33, false, true});
-  grid.push_back({prefill, 128, 40, true, false});
-  TestCase window = prefill;  // D 256, windows and softcap
-  window.dtype = DType::kBF16;
-  window.head_dim = 256;
-  window.causal = false;
-  window.window_left = 40;
-  window.window_right = 3;
-  window.softcap = 20.0f;
-  grid.push_back({window, 256, 10, false, false});
-  TestCase odd = decode;  // D 72: a head dim below its padded tile
+  TestCase odd = grid[0].tc;
   odd.head_dim = 72;
   odd.num_heads_q = 6;
   grid.push_back({odd, 16, 1, false, true});
-  TestCase mods = decode;
-  mods.mods.alibi = true;
-  mods.mods.sinks = true;
-  grid.push_back({mods, 32, 1, false, true});
-  TestCase attend_only = decode;
-  attend_only.return_lse = false;
-  grid.push_back({attend_only, 16, 0, false, false});
   return grid;
 }
 
-class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
+class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8Case> {
  protected:
   void SetUp() override {
     std::string why;
@@ -671,55 +629,12 @@ class CudaPagedFp8Test : public ::testing::TestWithParam<Fp8CudaCase> {
   AttentionBackend* backend_ = nullptr;
 };
 
-// Device copies of a case's host slabs; CopyBack refreshes the host ones.
-class DeviceSlabs {
- public:
-  DeviceSlabs(AttentionBackend* backend, testing_util::Fp8PagedCase* c) : backend_(backend), c_(c) {
-    for (size_t s = 0; s < c->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c->v_slabs()[s] : c->k_slabs()[s];
-        absl::StatusOr<void*> m = backend->AllocateKvMemory(int64_t(host.size()));
-        status_.Update(m.status());
-        if (!m.ok()) return;
-        (kv ? pages_.v_slabs : pages_.k_slabs)[s] = *m;
-        cudaMemcpy(*m, host.data(), host.size(), cudaMemcpyHostToDevice);
-      }
-    }
-    KvPages p = c->params().pages;
-    std::copy(pages_.k_slabs, pages_.k_slabs + kMaxKvSlabs, p.k_slabs);
-    std::copy(pages_.v_slabs, pages_.v_slabs + kMaxKvSlabs, p.v_slabs);
-    pages_ = p;
-  }
-  ~DeviceSlabs() {
-    for (int s = 0; s < kMaxKvSlabs; ++s) {
-      backend_->FreeKvMemory(pages_.k_slabs[s]);
-      backend_->FreeKvMemory(pages_.v_slabs[s]);
-    }
-  }
-  void CopyBack() {
-    for (size_t s = 0; s < c_->k_slabs().size(); ++s) {
-      for (int kv = 0; kv < 2; ++kv) {
-        std::vector<uint8_t>& host = kv ? c_->v_slabs()[s] : c_->k_slabs()[s];
-        cudaMemcpy(host.data(), (kv ? pages_.v_slabs : pages_.k_slabs)[s], host.size(),
-                   cudaMemcpyDeviceToHost);
-      }
-    }
-  }
-  const absl::Status& status() const { return status_; }
-  const KvPages& pages() const { return pages_; }
-
- private:
-  AttentionBackend* backend_;
-  testing_util::Fp8PagedCase* c_;
-  KvPages pages_{};
-  absl::Status status_;
-};
-
 TEST_P(CudaPagedFp8Test, PagesAndOutputPassTheReference) {
-  const Fp8CudaCase& c = GetParam();
+  const Fp8Case& c = GetParam();
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, c.given_scales, c.cow, 7);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams p = paged.params();
   p.pages = slabs.pages();
@@ -738,10 +653,11 @@ INSTANTIATE_TEST_SUITE_P(Fp8, CudaPagedFp8Test, ::testing::ValuesIn(Fp8Grid()));
 // Two calls packed into one launch (StartPagedForward's staging of the
 // members' codes and scales): the same call twice, each member gets its O.
 TEST_F(CudaPagedFp8Test, PackedMembersWithScales) {
-  const Fp8CudaCase c = Fp8Grid()[1];
+  const Fp8Case c = Fp8Grid()[1];
   HostBuffers buf(c.tc);
   testing_util::Fp8PagedCase paged(buf, c.page_size, c.new_rows, true, true, 11);
-  DeviceSlabs slabs(backend_, &paged);
+  testing_util::DeviceSlabs slabs(backend_, paged.params().pages, &paged.k_slabs(),
+                                  &paged.v_slabs());
   ASSERT_TRUE(slabs.status().ok()) << slabs.status();
   PagedAttnParams p = paged.params();
   p.pages = slabs.pages();

@@ -6,7 +6,8 @@
 // Hq or 1]), -inf entries, element masks with fully masked rows with and
 // without sinks, bias and mask together (a 16-bit bias folds the mask in),
 // with ALiBi, softcap and block masks, causal or not, dense and varlen, D 64
-// and 128, odd key counts (rows that miss the prefetch's word alignment).
+// and 128, odd key counts (rows that miss the prefetch's word alignment)
+// and key counts of multiples of 8 (a bias alone read in whole rows).
 // Inputs are fresh random numbers per case, outputs NaN-poisoned before
 // every run. Cases whose head dim this build or device has no Hopper kernel
 // for skip, saying why; without a GPU every test skips.
@@ -80,6 +81,9 @@ std::vector<TestCase> Cases() {
           const bool pb = shape & 1, ph = shape & 2;
           v.push_back(Dense(DType::kBF16, 2, 300, 300, 4, 2, d, causal, Bias(bt, pb, ph)));
           v.push_back(Dense(DType::kFP16, 2, 200, 257, 4, 4, d, causal, Bias(bt, pb, ph)));
+          // Sk a multiple of 8: whole bias rows by 16-byte copies (a partial
+          // last key tile, rows past Sq in the last query tile).
+          v.push_back(Dense(DType::kBF16, 2, 300, 328, 4, 2, d, causal, Bias(bt, pb, ph)));
         }
         v.push_back(Varlen(DType::kBF16, {130, 0, 257, 64}, {129, 17, 300, 255}, 4, 2, d, causal,
                            Bias(bt, true, true)));
@@ -116,6 +120,12 @@ std::vector<TestCase> Cases() {
       all.block_q = all.block_k = 128;
       all.block_density = 0.6f;
       TestCase tc = Dense(DType::kBF16, 2, 400, 512, 4, 2, d, causal, all);
+      tc.softcap = 30.f;
+      v.push_back(tc);
+      // The same without the element mask: whole bias rows beside ALiBi,
+      // softcap and the block mask.
+      all.mask_density = -1.f;
+      tc = Dense(DType::kBF16, 2, 400, 520, 4, 2, d, causal, all);
       tc.softcap = 30.f;
       v.push_back(tc);
     }

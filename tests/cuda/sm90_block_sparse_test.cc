@@ -285,7 +285,9 @@ void Stage(const Problem& pr, const Case& c, Staged* st) {
   CUDA_OK(st->sinks.Up(pr.sinks));
   // The schedule's counters, then (varlen block mask) the per-sequence
   // offsets LaunchForward would stage (mods_prefix.h), summed here on the host.
-  const int64_t ws_bytes = cuda::kSplitCounterBytes + cuda::ModsPrefixBytes(p);
+  // A block mask: the item order after them (the kernel's pre-pass writes it).
+  const int64_t ws_bytes = std::max(cuda::kSplitCounterBytes + cuda::ModsPrefixBytes(p),
+                                    cuda::ItemOrderOffset(p) + cuda::ItemOrderBytes(p));
   CUDA_OK(cudaMalloc(&st->counters.ptr, ws_bytes));
   CUDA_OK(cudaMemset(st->counters.ptr, 0, cuda::kSplitCounterBytes));
   if (cuda::NeedsModsPrefix(p)) {
@@ -358,6 +360,50 @@ bool Compiled(int d) { return cuda::CompiledSm90HeadDim(d); }
 
 class Sm90ModsTest : public ::testing::TestWithParam<Case> {};
 
+// The block-masked launch's item order (the workspace after the staged
+// offsets): every item exactly once; without a band, each query head's items
+// (ATTNSERVE_SM90_ITEM_ORDER=global: all items) by their CSR row's kept
+// blocks, most first (items past their sequence's rows count 0).
+void CheckItemOrder(const Problem& pr, const Case& c, const Staged& st) {
+  const AttnParams& p = pr.p;
+  const int nmb = st.l.num_m_blocks;
+  const int64_t items = int64_t{nmb} * p.batch * p.num_heads_q;
+  ASSERT_GT(cuda::ItemOrderBytes(p), 0);
+  std::vector<int32_t> order(items);
+  CUDA_OK(cudaMemcpy(order.data(),
+                     static_cast<const char*>(st.counters.ptr) + cuda::ItemOrderOffset(p),
+                     items * 4, cudaMemcpyDeviceToHost));
+  std::vector<int> seen(items, 0);
+  for (int32_t i : order) {
+    ASSERT_TRUE(i >= 0 && i < items) << "item " << i << " of " << items;
+    ++seen[i];
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), items) << "an item drawn twice or never";
+  if (IsBanded(p)) return;  // counts inside the band: the kernel's own rule
+  const int64_t per_head = int64_t{nmb} * p.batch;
+  auto kept = [&](int64_t i) -> int {
+    const int h = static_cast<int>(i / per_head);
+    const int b = static_cast<int>(i % per_head / nmb), m = static_cast<int>(i % nmb);
+    if (m * 128 >= SeqLenQ(p, b)) return 0;
+    const int64_t row = BlockRow(p, BlockRowsBefore(p, b), b, h, m * 128 / p.block_q);
+    return pr.row_ptr[row + 1] - pr.row_ptr[row];
+  };
+  const char* env = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
+  const std::string mode = env != nullptr ? env : "head";
+  if (mode == "natural") {
+    for (int64_t j = 0; j < items; ++j) EXPECT_EQ(order[j], j);
+    return;
+  }
+  const int64_t seg = mode == "global" ? items : per_head;
+  int64_t out_of_order = 0, other_head = 0;
+  for (int64_t j = 0; j < items; ++j) {
+    if (j % seg != 0 && kept(order[j]) > kept(order[j - 1])) ++out_of_order;
+    if (seg == per_head && order[j] / per_head != j / per_head) ++other_head;
+  }
+  EXPECT_EQ(out_of_order, 0) << c.name << ": items not longest first";
+  EXPECT_EQ(other_head, 0) << c.name << ": an item outside its head's segment";
+}
+
 TEST_P(Sm90ModsTest, MatchesFloat64Reference) {
   if (!HaveSm90()) GTEST_SKIP() << "no sm90 GPU";
   const Case& c = GetParam();
@@ -373,6 +419,7 @@ TEST_P(Sm90ModsTest, MatchesFloat64Reference) {
     CUDA_OK(cudaDeviceSynchronize());
   }
   const AttnParams& p = pr.p;
+  if (HasBlockMask(p)) CheckItemOrder(pr, c, st);
   std::vector<uint16_t> o16(p.total_q * c.hq * c.d);
   std::vector<float> lse(p.total_q * c.hq);
   CUDA_OK(cudaMemcpy(o16.data(), st.o.ptr, o16.size() * 2, cudaMemcpyDeviceToHost));

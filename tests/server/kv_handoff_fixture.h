@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -66,6 +67,7 @@ class KvHandoffTest : public ::testing::Test {
     o.metrics_enabled = metrics_;
     o.metrics_host = "127.0.0.1";
     o.metrics_port = 0;
+    if (tune_) tune_(i, &o);
     auto server = AttnServer::Create(o, MakeCpuBackend(2));
     ASSERT_TRUE(server.ok()) << server.status();
     server_[i] = *std::move(server);
@@ -164,6 +166,8 @@ class KvHandoffTest : public ::testing::Test {
   }
 
   bool metrics_ = false;  // serve /metrics (set before SetUp)
+  // Changes server i's options before it starts (set before SetUp).
+  std::function<void(int i, ServerOptions* options)> tune_;
   int port_[2] = {0, 0};
   std::unique_ptr<AttnServer> server_[2];
   std::unique_ptr<v1::KvCache::Stub> stub_[2];

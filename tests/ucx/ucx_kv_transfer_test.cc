@@ -4,14 +4,19 @@
 // source's rows; a move cut mid-way resumes where the receiver stands and
 // still ends with the same rows; a receiver without UCX takes the pages in the
 // gRPC streams and the result says why; a receiver too small refuses over UCX
-// as over gRPC; lanes split the sequences.
+// as over gRPC; lanes split the sequences; UCX exports past their limits
+// (or without a thread) are refused naming why.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -27,7 +32,9 @@
 #include "client/kv_transfer.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "server/native/kv_transfer_service.h"
 #include "server/server.h"
+#include "server/ucx/kv_bulk.h"
 
 namespace attnserve {
 namespace {
@@ -377,6 +384,95 @@ TEST(UcxKvTransferQuotaTest, ReceiverTooSmallRefusesWithTheImportsStatus) {
   EXPECT_EQ(resp.stats().sequences(), 1);
   b.server->Shutdown(absl::ZeroDuration());
   a.server->Shutdown(absl::ZeroDuration());
+}
+
+// Waits until `done` holds, at most 10 seconds.
+bool WaitUntil(const std::function<bool()>& done) {
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (!done()) {
+    if (absl::Now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
+v1::ExportSequencesRequest ExportOverUcx(const std::string& cache, const ucx::BulkOffer& offer) {
+  v1::ExportSequencesRequest r;
+  r.set_cache_id(cache);
+  v1::KvDataPlane* plane = r.mutable_data_plane();
+  plane->set_transport("ucx");
+  plane->set_host(offer.host);
+  plane->set_port(offer.port);
+  plane->set_ticket(offer.ticket);
+  return r;
+}
+
+grpc::Status RunExport(Server& s, const v1::ExportSequencesRequest& r) {
+  grpc::ClientContext ctx;
+  auto reader = s.transfer->ExportSequences(&ctx, r);
+  v1::KvChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  return reader->Finish();
+}
+
+// UCX exports running at once are counted per server and per tenant: one
+// more is refused with RESOURCE_EXHAUSTED naming the flag before it reserves
+// or sends anything; an export whose thread does not start is refused the
+// same way and gives back what it took (a later export runs).
+TEST(UcxKvTransferLimitTest, ExportsOverTheLimitsAreRefusedNamingTheFlag) {
+  Server src = StartServer(true);
+  ASSERT_NE(src.server, nullptr);
+  MakeCache(src, "c", v1::BF16, 2, 40, 1);
+  // The first export holds (its receiver's first apply waits) until released.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::atomic<int> applied{0};
+  auto held = ucx::BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    ++applied;
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return release; });
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto other = ucx::BulkReceiver::Start("127.0.0.1",
+                                        [](const KvTransferChunk&) { return absl::OkStatus(); });
+  ASSERT_TRUE(other.ok()) << other.status();
+  SetUcxExportLimits(1, 0);
+  grpc::Status first;
+  std::thread running([&] { first = RunExport(src, ExportOverUcx("c", (*held)->offer())); });
+  ASSERT_TRUE(WaitUntil([&] { return applied > 0; })) << "the first export did not start";
+  grpc::Status second = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  EXPECT_TRUE(absl::StrContains(second.error_message(), "--ucx_max_exports allows (1)"))
+      << second.error_message();
+  SetUcxExportLimits(0, 1);
+  second = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  EXPECT_TRUE(absl::StrContains(second.error_message(), "--ucx_max_exports_per_tenant"))
+      << second.error_message();
+  EXPECT_EQ((*other)->chunks(), 0);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  running.join();
+  EXPECT_TRUE(first.ok()) << first.error_message();
+
+  SetUcxExportLimits(1, 1);
+  ucx::fail_thread_start_for_test = 1;  // the export's sender thread
+  const grpc::Status no_thread = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  ucx::fail_thread_start_for_test = 0;
+  EXPECT_EQ(no_thread.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << no_thread.error_message();
+  EXPECT_TRUE(absl::StrContains(no_thread.error_message(), "UCX export's thread"))
+      << no_thread.error_message();
+  const grpc::Status after = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_GT((*other)->chunks(), 0);
+  SetUcxExportLimits(kDefaultUcxMaxExports, kDefaultUcxMaxExportsPerTenant);
 }
 
 }  // namespace

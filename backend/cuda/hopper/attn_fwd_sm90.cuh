@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -37,6 +39,28 @@ namespace attnserve {
 namespace cuda {
 namespace sm90 {
 
+// ATTNSERVE_SM90_BIAS_ROWS=0 (read once): a bias that could be read in
+// whole rows reads fragment words instead (the bench's ablation).
+inline bool BiasRowsFromEnv() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTNSERVE_SM90_BIAS_ROWS");
+    return !(v != nullptr && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+// ATTNSERVE_SM90_ITEM_ORDER (read once): head (the default), global or
+// natural.
+inline ItemOrder ItemOrderFromEnv() {
+  static const ItemOrder mode = [] {
+    const char* v = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
+    if (v != nullptr && std::strcmp(v, "global") == 0) return ItemOrder::kGlobal;
+    if (v != nullptr && std::strcmp(v, "natural") == 0) return ItemOrder::kNatural;
+    return ItemOrder::kHead;
+  }();
+  return mode;
+}
+
 // The kernel: the warp-specialised schedules' producer warpgroup (128
 // threads, one of which issues TMA) hands the consumers each item's tiles;
 // kTmaSync has no producer (consumer thread 0 loads, see Sm90FwdMainloop).
@@ -44,11 +68,12 @@ namespace sm90 {
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
 // step of 16-bit values is); V, P and O stay T (BF16) unless kFp8Pv. kMods (the dynamic
 // schedule only): ALiBi, sinks and the block mask; kElemMods also the
-// additive bias and element mask (Sm90FwdConfig). kHeadDimV: V's and O's
+// additive bias and element mask, 2 a 16-bit bias alone read in whole rows
+// (Sm90FwdConfig). kHeadDimV: V's and O's
 // head dim (MLA shapes). kFp8Pv (with kFp8Qk): P V on FP8 wgmma too, P
 // requantised to E4M3 per tile and V read as V^T's codes (fp8_vt_layout.h).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
-          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, bool kElemMods = false,
+          Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, int kElemMods = 0,
           int kHeadDimV = kHeadDim, bool kFp8Pv = false, bool kPolyExp2 = false>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
@@ -82,10 +107,12 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
         // whole warp) and publishes it with the item; lane 0 loads.
         if (tid < 32) {
           const int64_t* prefix = ModsPrefixOf(F);  // varlen block mask: rows_before
+          // A block mask: items drawn in OrderItemsKernel's order.
+          const int* order = HasBlockMask(p) ? ItemOrderOf(F, num_items) : nullptr;
           Sm90FwdProducer<Cfg> producer(L, sm);
           if (tid == 0) producer.PrefetchMaps();
           for (int k = 0;; ++k) {
-            const int item = scheduler.DrawItem(k);
+            const int item = scheduler.DrawItem(k, order, num_items);
             Sm90Tile t;
             t.num_tiles = 0;
             t.e_top = -1;
@@ -249,26 +276,36 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
       fp8_smem = Sm90SmemBytes(kTile1, 1, 0, 1);
       kernel = launch.poly_exp2 ? sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
                                                           kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
-                                                          false, false, kHeadDimV, kFp8Pv, true>
+                                                          false, 0, kHeadDimV, kFp8Pv, true>
                                 : sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
                                                           kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
-                                                          false, false, kHeadDimV, kFp8Pv, false>;
+                                                          false, 0, kHeadDimV, kFp8Pv, false>;
     } else if (launch.poly_exp2) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                       kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv, true>;
+                                       kSchedule, kFp8Qk, false, 0, kHeadDimV, kFp8Pv, true>;
     }
   }
+  using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                      kSchedule, kFp8Qk, true, 1, kHeadDimV, kFp8Pv>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
-    if (elem_mods) {
+    // A 16-bit bias alone whose rows are whole 16-byte chunks (dense, Sk a
+    // multiple of 8, an aligned base): the whole-row kernel where it fits.
+    const bool bias_rows = ElemCfg::kBiasRowsFit && p.bias != nullptr && p.mask == nullptr &&
+                           !varlen && p.seqlen_k % 8 == 0 &&
+                           reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && sm90::BiasRowsFromEnv();
+    if (bias_rows) {
+      if constexpr (ElemCfg::kBiasRowsFit) {
+        kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T,
+                                         kIsBanded, kSchedule, kFp8Qk, true, 2, kHeadDimV>;
+      }
+    } else if (elem_mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                       kSchedule, kFp8Qk, true, true, kHeadDimV>;
+                                       kSchedule, kFp8Qk, true, 1, kHeadDimV>;
     } else if (mods) {
       kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
                                        kSchedule, kFp8Qk, true, false, kHeadDimV>;
     }
   }
-  using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                      kSchedule, kFp8Qk, true, true, kHeadDimV, kFp8Pv>;
   constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim, kVBytes);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.
@@ -278,6 +315,20 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   dim3 grid;
   err = Scheduler::Grid(items, p.num_heads_q, &grid);
   if (err != cudaSuccess) return err;
+  // A block mask: the item order the producer draws through, first.
+  if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
+    int* order = HasBlockMask(p) ? ItemOrderOf(launch, items) : nullptr;
+    if (order != nullptr) {
+      const sm90::ItemOrder mode = sm90::ItemOrderFromEnv();
+      const int64_t per_head = items / p.num_heads_q;
+      const int64_t seg = mode == sm90::ItemOrder::kGlobal ? items : per_head;
+      sm90::OrderItemsKernel<kTile.block_n, kIsBanded>
+          <<<static_cast<unsigned>((items + seg - 1) / seg), sm90::kOrderThreads, 0, stream>>>(
+              launch, static_cast<int>(items), static_cast<int>(seg), mode, order);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  }
   kernel<<<grid, sm90::ThreadsOf(kSchedule), smem, stream>>>(l);
   return cudaGetLastError();
 }

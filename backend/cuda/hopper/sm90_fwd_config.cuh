@@ -45,7 +45,7 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 // kFp8Pv_ (with kFp8Qk_): P V on FP8 wgmma, V's ring holding V^T's codes;
 // kPolyExp2_ (with it): Plan::fp8_poly_exp2.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
-          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, bool kElemMods_ = false,
+          Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, int kElemMods_ = 0,
           int kHeadDimV_ = kHeadDim_, bool kFp8Pv_ = false, bool kPolyExp2_ = false>
 struct Sm90FwdConfig {
   using T = T_;
@@ -60,7 +60,11 @@ struct Sm90FwdConfig {
   static constexpr Sm90Schedule kSchedule = kSchedule_;
   static constexpr bool kFp8Qk = kFp8Qk_;
   static constexpr bool kMods = kMods_;
-  static constexpr bool kElemMods = kMods_ && kElemMods_;
+  static constexpr bool kElemMods = kMods_ && kElemMods_ != 0;
+  // kElemMods_ 2: a 16-bit bias alone over rows of 16-byte multiples, read
+  // in whole rows (Sm90FwdMainloop::PrefetchBiasRows) instead of fragment
+  // words; RunAttnFwdSm90 picks it where kBiasRowsFit.
+  static constexpr bool kBiasRows = kElemMods && kElemMods_ == 2;
   static constexpr bool kFp8Pv = kFp8Pv_;
   // kFp8Pv: keys of a V^T box, one swizzled row (128 or 64 bytes; the
   // stage holds kBlockN / kVtChunk boxes of kHeadDimV rows), and P's scale
@@ -110,6 +114,10 @@ struct Sm90FwdConfig {
   static constexpr int kPreBytes =
       kElemMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
   static constexpr int kSmemBytes = kBaseSmemBytes + kPreBytes;
+  // Whole bias rows: the buffer holds a key tile's 128 rows, rows of 8k
+  // 16-byte chunks (the swizzle), a warp-wide copy step whole rows.
+  static constexpr bool kBiasRowsFit =
+      kPreBytes >= kBlockM * kBlockN * 2 && kNTiles % 8 == 0 && 32 % kNTiles == 0;
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0, "tile shape");
   static_assert(!kDistinctV || !kFp8Qk, "a distinct value dim runs 16-bit Q K^T");
   static_assert(!kFp8Pv || (kFp8Qk && Sm90Fp8PvFits(kBlockN)), "FP8 P V: FP8 Q K^T, k32 steps");

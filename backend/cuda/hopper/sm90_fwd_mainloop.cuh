@@ -644,6 +644,50 @@ class Sm90FwdMainloop {
     return reinterpret_cast<uint32_t*>(sm_.pre()) + k * kConsumerThreads + ctid;
   }
 
+  // Cfg::kBiasRows (a 16-bit bias alone over dense rows of 16-byte
+  // multiples, RunAttnFwdSm90 checks): the buffer holds whole bias rows
+  // (PrefetchBiasRows), each warp's 16 rows of a key tile, kBlockN 16-bit
+  // values each, 16-byte chunk c of row r at chunk c ^ (r % 8), so the
+  // fragment reads (8 rows x 4 words) hit 32 banks.
+  static constexpr bool kBiasRowsPath = Cfg::kBiasRows && Cfg::kBiasRowsFit;
+  static constexpr int kBiasRowBytes = kBlockN * 2;
+  __device__ __forceinline__ unsigned char* BiasRows() const {
+    return sm_.pre() + (ctid / 32) * 16 * kBiasRowBytes;
+  }
+
+  // Key tile n's bias for this warp's 16 rows, by the warp: 16-byte
+  // cp.async (L2 only), a row's 16 lanes reading it contiguously; keys past
+  // sk and rows past sq zero-filled. The warp first meets so no lane still
+  // reads the tile before (AddBias16); AddBias16 waits and meets again.
+  __device__ __forceinline__ void PrefetchBiasRows(const Sm90Tile& t, int n) {
+    if constexpr (kBiasRowsPath) {
+      constexpr int kRowsPerStep = 32 / kNTiles;  // rows a warp-wide step copies
+      const AttnParams& p = L_.fwd.p;
+      __syncwarp();
+      // Lane: chunk ch (keys 8 ch .. 8 ch + 7) of rows r0, r0 + kRowsPerStep, ...
+      const int ch = lane % kNTiles, r0 = lane / kNTiles;
+      const int i = t.m0 + wg * 64 + warp * 16 + r0;  // its first row
+      const int key = n * kBlockN + ch * 8;
+      const int valid = min(max(t.sk - key, 0), 8) * 2;  // bytes of the chunk inside Sk
+      const int64_t step = int64_t{kRowsPerStep} * p.seqlen_k * 2;
+      const unsigned char* bias = static_cast<const unsigned char*>(p.bias);
+      const unsigned char* src =
+          bias + PairOffset(p, p.bias_per_batch, p.bias_per_head, 0, t.b, t.head, i, key) * 2;
+      const uint32_t dst = SmemAddr(BiasRows()) + r0 * kBiasRowBytes;
+      // Not unrolled: the consumers' registers are full here (S, O in flight).
+#pragma unroll 1
+      for (int k = 0; k < 16 / kRowsPerStep; ++k) {
+        const int r = r0 + k * kRowsPerStep;
+        const int bytes = i + k * kRowsPerStep < t.sq ? valid : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         dst + k * kRowsPerStep * kBiasRowBytes + ((ch ^ (r & 7)) * 16)),
+                     "l"(bytes > 0 ? src + k * step : bias), "r"(bytes)
+                     : "memory");
+      }
+      detail::CpAsyncCommit();
+    }
+  }
+
   // Key tile n's pairs of the thread's fragment into its prefetch buffer,
   // a tile ahead of their use: a 16-bit bias's, else the element mask's.
   // Aligned rows by
@@ -654,6 +698,10 @@ class Sm90FwdMainloop {
   // (the mask folded in as -inf bias), are read here and stored.
   __device__ __forceinline__ void PrefetchMods(const Sm90Tile& t, int n) {
     if constexpr (Cfg::kPreBytes > 0) {
+      if constexpr (kBiasRowsPath) {
+        PrefetchBiasRows(t, n);
+        return;
+      }
       const AttnParams& p = L_.fwd.p;
       const bool bias16 = Bias16();
       if (!bias16 && p.mask == nullptr) return;
@@ -724,6 +772,30 @@ class Sm90FwdMainloop {
   __device__ __forceinline__ void AddBias16(const Sm90Tile& t, int key0) {
     detail::CpAsyncWaitAll();
     const float coef = kLog2e / score_log2;
+    if constexpr (kBiasRowsPath) {
+      __syncwarp();             // the other lanes' copies landed too
+      const int sw = lane / 4;  // r % 8 of both the thread's rows
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const unsigned char* row = BiasRows() + (sw + half * 8) * kBiasRowBytes + quad * 4;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const uint32_t u = *reinterpret_cast<const uint32_t*>(row + ((nt ^ sw) * 16));
+          float2 b;
+          if constexpr (kBf16) {
+            b = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+          } else {
+            __half2 h;
+            memcpy(&h, &u, 4);
+            b = __half22float2(h);
+          }
+          float* x = &acc_.s[0][nt][half * 2];
+          x[0] = fmaf(b.x, coef, x[0]);
+          x[1] = fmaf(b.y, coef, x[1]);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const unsigned char* row = RowPtr(t, half, false, 2);
@@ -748,7 +820,7 @@ class Sm90FwdMainloop {
   // Keys whose element-mask byte is 0 become -inf (beside a 16-bit bias
   // in a prefetch buffer, the mask is folded into it).
   __device__ __forceinline__ void MaskElements(const Sm90Tile& t, int key0) {
-    if (L_.fwd.p.mask == nullptr) return;
+    if (kBiasRowsPath || L_.fwd.p.mask == nullptr) return;  // kBiasRows: no mask
     const bool folded = Cfg::kPreBytes > 0 && Bias16();
     if (folded) return;
     detail::CpAsyncWaitAll();

@@ -19,6 +19,7 @@
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
+#include "backend/cuda/mods_prefix.cuh"
 #include "backend/cuda/mods_prefix.h"
 
 namespace attnserve {
@@ -125,6 +126,109 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
   return true;
 }
 
+// How a block-masked launch orders its items (OrderItemsKernel), set by
+// ATTNSERVE_SM90_ITEM_ORDER (head | global | natural; the bench's ablation).
+enum class ItemOrder : int {
+  kNatural = 0,  // the identity: DecodeTile's order
+  kHead = 1,     // each query head's items longest first, heads in turn
+  kGlobal = 2,   // every item longest first
+};
+
+constexpr int kOrderThreads = 512;
+// Buckets of kept-block counts; counts past the last share it.
+constexpr int kOrderBuckets = 512;
+
+// Item `index`'s kept key blocks inside its band: its CSR row's entries
+// meeting the band's key tiles [n_begin, n_end) (binary searches: the
+// entries are sorted). 0 when its rows lie past Sq.
+template <int kBlockN, bool kIsBanded>
+__device__ __forceinline__ int KeptBlocks(const FwdLaunch& F, const int64_t* prefix, int index) {
+  const AttnParams& p = F.p;
+  Sm90Tile t;
+  if (!DecodeTile<kBlockN, kIsBanded>(F, index, &t) || t.num_tiles <= 0) return 0;
+  const bool varlen = IsVarlen(p);
+  const int64_t row =
+      StagedBlockRow(p, varlen ? __ldg(prefix + p.batch + 1 + t.b) : 0,
+                     varlen ? __ldg(prefix + 2 * p.batch + 1) : 0, t.b, t.head, t.m0 / p.block_q);
+  const int e0 = __ldg(p.block_row_ptr + row);
+  const int e1 = __ldg(p.block_row_ptr + row + 1);
+  if (!kIsBanded) return e1 - e0;
+  const int tpb = p.block_k / kBlockN;
+  const int lo_block = t.n_begin / tpb, hi_block = (t.n_end + tpb - 1) / tpb;
+  // The first entry at or past block c, for c = lo_block and hi_block.
+  auto lower = [&](int c) {
+    int lo = e0, hi = e1;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (__ldg(p.block_col_idx + mid) < c) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  };
+  return lower(hi_block) - lower(lo_block);
+}
+
+// Writes order[seg0 .. seg0 + seg_items) for CTA x's segment of the items
+// [x * seg_items, ...): its items by kept blocks, most first (a counting
+// sort over kOrderBuckets; within a count, about their natural order). A
+// dynamic scheduler mapping its drawn indices through the order starts the
+// long items first and ends on the short ones, so its CTAs finish together.
+// kNatural writes the identity. Run on the forward kernel's stream, before it.
+template <int kBlockN, bool kIsBanded>
+__global__ void __launch_bounds__(kOrderThreads)
+    OrderItemsKernel(const FwdLaunch F, int num_items, int seg_items, ItemOrder mode, int* order) {
+  __shared__ int bucket_start[kOrderBuckets];
+  __shared__ int warp_sum[kOrderThreads / 32];
+  const int seg0 = blockIdx.x * seg_items;
+  const int seg1 = min(num_items, seg0 + seg_items);
+  const int tid = threadIdx.x;
+  if (mode == ItemOrder::kNatural) {
+    for (int i = seg0 + tid; i < seg1; i += kOrderThreads) order[i] = i;
+    return;
+  }
+  const int64_t* prefix = ModsPrefixOf(F);
+  // Bucket r holds the items of kOrderBuckets - 1 - r kept blocks (clamped):
+  // ascending r is the order wanted.
+  auto bucket_of = [&](int i) {
+    const int kept = KeptBlocks<kBlockN, kIsBanded>(F, prefix, i);
+    return kOrderBuckets - 1 - min(kept, kOrderBuckets - 1);
+  };
+  static_assert(kOrderBuckets == kOrderThreads, "one bucket per thread in the scan");
+  bucket_start[tid] = 0;
+  __syncthreads();
+  for (int i = seg0 + tid; i < seg1; i += kOrderThreads) atomicAdd(&bucket_start[bucket_of(i)], 1);
+  __syncthreads();
+  // Exclusive scan of the counts: thread tid owns bucket tid.
+  const int lane = tid % 32, warp = tid / 32;
+  const int count = bucket_start[tid];
+  int incl = count;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kOrderThreads / 32 ? warp_sum[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < kOrderThreads / 32) warp_sum[lane] = w;
+  }
+  __syncthreads();
+  bucket_start[tid] = incl - count + (warp > 0 ? warp_sum[warp - 1] : 0);
+  __syncthreads();
+  for (int i = seg0 + tid; i < seg1; i += kOrderThreads) {
+    order[seg0 + atomicAdd(&bucket_start[bucket_of(i)], 1)] = i;
+  }
+}
+
 // Persistent grids: one CTA per SM (the tiles' smem allows no second one),
 // never more than there are items.
 inline cudaError_t PersistentGrid(int64_t items, dim3* grid) {
@@ -208,11 +312,14 @@ struct Sm90DynamicTileScheduler {
   // kMods: the producer warp draws item k (lane 0, once slot k % 2 is free;
   // every lane gets it), computes its walk (WalkBlockRow), then lane 0
   // publishes both (Publish).
-  __device__ __forceinline__ int DrawItem(int k) const {
+  // order (a block-masked launch's OrderItemsKernel, or null): the drawn
+  // index i names item order[i].
+  __device__ __forceinline__ int DrawItem(int k, const int* order, int num_items) const {
     int item = 0;
     if (threadIdx.x % 32 == 0) {
       if (k >= 2) MbarWait(&sched_empty[k & 1], ((k >> 1) - 1) & 1);
       item = k == 0 ? first_item : static_cast<int>(gridDim.x) + atomicAdd(&F.item_counters[0], 1);
+      if (order != nullptr && item < num_items) item = __ldg(order + item);
     }
     return __shfl_sync(0xffffffffu, item, 0);
   }
