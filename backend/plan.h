@@ -37,10 +37,21 @@ struct Plan {
   // modifiers and masks (their kernels live in the banded instantiations).
   bool banded = false;
   // FP8 E4M3 calls on the Hopper prefill kernel: Q K^T runs on the FP8 codes
-  // (FP8 wgmma), the descales folded into the softmax scale; V is
-  // dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
+  // (FP8 wgmma), the descales folded into the softmax scale; without
+  // fp8_pv, V is dequantised to BF16 first and P V runs in BF16. Otherwise an FP8 call's
   // Q, K and V are all dequantised and the BF16 kernel of this plan runs.
   bool fp8_qk = false;
+  // With fp8_qk, where the tile's key width allows it: P V runs on FP8 wgmma
+  // too (P requantised to E4M3 per tile, V transposed to V^T's codes instead
+  // of dequantised; tolerance.h states the accuracy rule).
+  bool fp8_pv = false;
+  // With fp8_pv (PlanForward sets it): a quarter of P's exp2 on the FMA pipe
+  // (a polynomial) rather than the MUFU unit, which the softmax of an FP8
+  // tile otherwise keeps as busy as the tensor cores (16 exp2 per clock per SM).
+  bool fp8_poly_exp2 = false;
+  // With fp8_pv: one more K/V stage than the tile's (the FP8 tiles, half
+  // the bytes, leave room), for the faster GEMMs' loads.
+  bool fp8_extra_stage = false;
   int32_t num_splits = 1;       // split-KV: partial (O, LSE) per split, then a combine
   int32_t pack_gqa = 1;         // query heads of one KV head packed into M (1 = off)
   int64_t workspace_bytes = 0;  // split tickets + fp32 partials when num_splits > 1
@@ -52,7 +63,9 @@ struct Plan {
 inline bool SamePlanned(const Plan& a, const Plan& b) {
   return a.kernel_head_dim == b.kernel_head_dim && a.tile_kind == b.tile_kind &&
          a.kernel_family == b.kernel_family && a.banded == b.banded && a.fp8_qk == b.fp8_qk &&
-         a.num_splits == b.num_splits && a.pack_gqa == b.pack_gqa;
+         a.fp8_pv == b.fp8_pv && a.fp8_poly_exp2 == b.fp8_poly_exp2 &&
+         a.fp8_extra_stage == b.fp8_extra_stage && a.num_splits == b.num_splits &&
+         a.pack_gqa == b.pack_gqa;
 }
 
 }  // namespace attnserve

@@ -84,7 +84,8 @@ void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutp
     if (lowp != nullptr) r->lowp_err = std::max(r->lowp_err, std::fabs(lowp->o[i] - ref.o[i]));
   }
   if (lowp != nullptr) {
-    const double floor = OutputFloor(p.dtype);
+    // FP8: the floor carries the E4M3 rounding of P (tolerance::Fp8PTerm).
+    const double floor = OutputFloor(p.dtype) + tolerance::Fp8PTerm(p);
     r->tolerance = 2.0 * r->lowp_err + floor;
     r->tolerance_rule = absl::StrCat("2 * max|ref_lowp - ref| + ", floor);
     if (r->failure.empty() && r->max_abs_err > r->tolerance) {

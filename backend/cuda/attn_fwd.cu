@@ -201,6 +201,8 @@ FwdLaunch MakeFwdLaunch(const AttnParams& dev, const Plan& plan, void* workspace
   l.softcap_in = dev.softcap > 0.f ? qk_scale / dev.softcap : 0.f;
   l.softcap_out = dev.softcap * kLog2e;
   l.tile_kind = plan.tile_kind;
+  l.poly_exp2 = plan.fp8_pv && plan.fp8_poly_exp2;
+  l.extra_stage = plan.fp8_pv && plan.fp8_extra_stage;
   return l;
 }
 

@@ -36,6 +36,8 @@ struct FwdLaunch {
   // num_splits) per split).
   int invariant_splits;
   int invariant_min_tiles;
+  bool poly_exp2;    // Plan::fp8_poly_exp2 (the Hopper kernel's FP8 P V only)
+  bool extra_stage;  // Plan::fp8_extra_stage (likewise)
 };
 
 // True when `device` is compute capability 9.0, this build has the Hopper

@@ -130,10 +130,14 @@ TileConfig TileForPlan(const Plan& plan) {
 }
 
 int PlanSmemBytes(const Plan& plan) {
-  const TileConfig tile = TileForPlan(plan);
+  TileConfig tile = TileForPlan(plan);
+  if (plan.kernel_family == KernelFamily::kSm90 && plan.fp8_pv && plan.fp8_extra_stage) {
+    ++tile.stages;
+  }
   if (plan.kernel_family != KernelFamily::kSm90) return SmemBytes(tile);
-  return plan.tile_kind == TileKind::kDecode ? Sm90DecodeSmemBytes(tile)
-                                             : Sm90SmemBytes(tile, plan.fp8_qk ? 1 : 2);
+  return plan.tile_kind == TileKind::kDecode
+             ? Sm90DecodeSmemBytes(tile)
+             : Sm90SmemBytes(tile, plan.fp8_qk ? 1 : 2, 0, plan.fp8_pv ? 1 : 2);
 }
 
 // Split-KV heuristic. A CTA per (m block, head, batch) is "base"; a wave is
@@ -176,6 +180,13 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     // run dequantised on the portable kernel.
     Plan plan = PlanForward(bf16, num_sms, allow_sm90 && !HasScoreMods(params), kv);
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
+    // ... and P V too where the tile's key width takes FP8 steps, at D 128:
+    // D 64 and 256 read V^T in 64-byte boxes, a kernel path no GPU test has
+    // run yet, so they keep V dequantised.
+    plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n) && params.head_dim == 128;
+    // Its softmax with a quarter of the exp2 off the MUFU unit (faster in
+    // the A/B of bench/NOTES-cuda.md's "FP8 P V on FP8 wgmma").
+    plan.fp8_poly_exp2 = plan.fp8_pv;
     return plan;
   }
   const AttnParams& p = params;

@@ -115,25 +115,31 @@ constexpr TileConfig kSm90TileTable[] = {
 // Dynamic smem of a Hopper tile: q_slots Q tiles, the K and V rings, 1 KB
 // to align the tiles to 1024 bytes (the swizzle atom) and the mbarriers.
 // qk_bytes: bytes of a Q/K element (2; 1 for the FP8 path's codes, whose
-// rows round up to whole 128-byte boxes); V is always 16-bit.
+// rows round up to whole 128-byte boxes); v_bytes: of a V element (2; 1 for
+// V^T's codes, Plan::fp8_pv).
 // v_dim: V's head dim when it differs (MLA shapes; 0: t.head_dim).
 constexpr int kSm90MaxSmemBytes = 227 * 1024;  // a CTA's opt-in limit on sm_90
-constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots, int v_dim = 0) {
+constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots, int v_dim = 0,
+                                int v_bytes = 2) {
   const int qk_row = (t.head_dim * qk_bytes + 127) / 128 * 128;
   return (q_slots * t.block_m + t.stages * t.block_n) * qk_row +
-         t.stages * t.block_n * (v_dim > 0 ? v_dim : t.head_dim) * 2 + 1024 + 256;
+         t.stages * t.block_n * (v_dim > 0 ? v_dim : t.head_dim) * v_bytes + 1024 + 256;
 }
 // Q slots of a Hopper prefill tile: two where they fit (D 64 and 128; FP8
 // Q/K up to 256), so a persistent CTA's producer loads the next item's Q,
 // and behind it that item's first K/V tiles, while this item still runs
 // (with one slot it waits for this item's last Q K^T); one where they do not
 // (16-bit D 192 and 256).
-constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2, int v_dim = 0) {
-  return Sm90SmemBytesWith(t, qk_bytes, 2, v_dim) <= kSm90MaxSmemBytes ? 2 : 1;
+constexpr int Sm90QSlots(const TileConfig& t, int qk_bytes = 2, int v_dim = 0, int v_bytes = 2) {
+  return Sm90SmemBytesWith(t, qk_bytes, 2, v_dim, v_bytes) <= kSm90MaxSmemBytes ? 2 : 1;
 }
-constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2, int v_dim = 0) {
-  return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes, v_dim), v_dim);
+constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2, int v_dim = 0, int v_bytes = 2) {
+  return Sm90SmemBytesWith(t, qk_bytes, Sm90QSlots(t, qk_bytes, v_dim, v_bytes), v_dim, v_bytes);
 }
+// True when the FP8 path's P V can run on FP8 wgmma on a tile of block_n
+// keys (Plan::fp8_pv): its k32 steps and V^T's TMA boxes (64 or 128 keys,
+// one 64- or 128-byte swizzled row) tile it, which D 192's 112 keys do not.
+constexpr bool Sm90Fp8PvFits(int block_n) { return block_n > 0 && block_n % 64 == 0; }
 constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
 
 // The Hopper prefill kernel for MLA shapes (V's and O's head dim Dv

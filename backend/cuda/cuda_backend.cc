@@ -276,13 +276,14 @@ void CudaBackend::ReleaseSlot(Slot* slot) {
 absl::Status CudaBackend::LaunchKernels(const Plan& plan, const AttnParams& dev, Slot* slot) {
   if (dev.dtype == DType::kFP8E4M3) {
     // FP8: BF16 copies in the slot's scratch (of V alone when Q K^T runs on
-    // the codes: plan.fp8_qk), then the BF16 kernel of `plan`, O written as BF16.
-    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev, plan.fp8_qk),
+    // the codes: plan.fp8_qk; none, but V^T's codes, when P V does too:
+    // plan.fp8_pv), then the kernel of `plan`, O written as BF16.
+    RETURN_IF_ERROR(slot->fp8_scratch.Reserve(cuda::Fp8ScratchBytes(dev, plan.fp8_qk, plan.fp8_pv),
                                               "FP8 dequantise buffer"));
     AttnParams bf16;
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cuda::DequantiseFp8(dev, plan.fp8_qk, slot->fp8_scratch.ptr(), slot->stream, &bf16),
-        "fp8 dequantise kernel");
+    ATTN_CUDA_RETURN_IF_ERROR(cuda::DequantiseFp8(dev, plan.fp8_qk, plan.fp8_pv,
+                                                  slot->fp8_scratch.ptr(), slot->stream, &bf16),
+                              "fp8 dequantise kernel");
     return LaunchKernels(plan, bf16, slot);
   }
   if (dev.dtype == DType::kFP32) {

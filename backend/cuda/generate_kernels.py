@@ -53,6 +53,9 @@ SM90_DTYPES = {
     "bf16": ("__nv_bfloat16", "false", "BF16"),
     "fp8": ("__nv_bfloat16", "true", "the FP8 path (Q K^T on E4M3 codes)"),
 }
+# ... and the FP8 path with P V on FP8 wgmma too (Plan::fp8_pv): the head
+# dims whose tiles take it (Sm90Fp8PvFits: not D 192's 112-key tile).
+SM90_FP8PV_HEAD_DIMS = [64, 128, 256]
 # Hopper prefill tiles: file suffix -> (kLongKeys, the tile, head dims, dev head dims).
 SM90_TILES = {
     "": ("false", "kSm90TileTable's tile", SM90_HEAD_DIMS, DEV_SM90_HEAD_DIMS),
@@ -96,6 +99,19 @@ namespace attnserve {{
 namespace cuda {{
 template cudaError_t RunAttnFwdSm90<{d}, {ctype}, {is_banded}, kDefaultSm90Schedule, false, false,
                                     {dv}>(const FwdLaunch&, cudaStream_t);
+}}  // namespace cuda
+}}  // namespace attnserve
+"""
+
+SM90_FP8PV_INSTANTIATION = GENERATED + """// Instantiates the Hopper (sm_90a) forward kernel for head dim {d}, {mask},
+// the FP8 path with both GEMMs on E4M3 codes (Plan::fp8_pv), on {tile},
+// with the default warpgroup schedule (kDefaultSm90Schedule).
+#include "backend/cuda/hopper/attn_fwd_sm90.cuh"
+
+namespace attnserve {{
+namespace cuda {{
+template cudaError_t RunAttnFwdSm90<{d}, __nv_bfloat16, {is_banded}, kDefaultSm90Schedule, true,
+                                    {long_keys}, {d}, true>(const FwdLaunch&, cudaStream_t);
 }}  // namespace cuda
 }}  // namespace attnserve
 """
@@ -159,14 +175,18 @@ def dv_cases(ps):
 
 def sm90_dispatch_cases(ds, long_key_ds):
     def run(d, long_keys):
-        return f"RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, {long_keys}>"
+        pv = "kFp8Pv" if d in SM90_FP8PV_HEAD_DIMS else "false"
+        return (f"RunAttnFwdSm90<{d}, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, {long_keys}, "
+                f"{d}, {pv}>")
     out = []
     for d in ds:
+        # A head dim without the FP8 P V kernel refuses it.
+        guard = "" if d in SM90_FP8PV_HEAD_DIMS else "      if (kFp8Pv) return cudaErrorInvalidValue;\n"
         if d in long_key_ds:
-            out.append(f"    case {d}:\n      return long_keys ? {run(d, 'true')}(launch, stream)\n"
+            out.append(f"    case {d}:\n{guard}      return long_keys ? {run(d, 'true')}(launch, stream)\n"
                        f"                       : {run(d, 'false')}(launch, stream);\n")
         else:
-            out.append(f"    case {d}:\n      return {run(d, 'false')}(launch, stream);\n")
+            out.append(f"    case {d}:\n{guard}      return {run(d, 'false')}(launch, stream);\n")
     return "".join(out)
 
 
@@ -307,8 +327,9 @@ namespace cuda {{
 // The Hopper family's instantiation for `kernel_head_dim` and the launch's
 // tile (TileKind::kLongKeys: the wider key tile), or cudaErrorInvalidValue
 // (also in builds without it). kFp8Qk (T BF16): the FP8 path's kernel
-// (Plan::fp8_qk).
-template <typename T, bool kIsBanded, bool kFp8Qk>
+// (Plan::fp8_qk); kFp8Pv (with kFp8Qk) the one with P V on FP8 too
+// (Plan::fp8_pv).
+template <typename T, bool kIsBanded, bool kFp8Qk, bool kFp8Pv = false>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {{
   const bool long_keys = launch.tile_kind == TileKind::kLongKeys;
   switch (kernel_head_dim) {{
@@ -420,6 +441,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
                          : RunDvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
     }}
     if (plan.kernel_family == KernelFamily::kSm90) {{
+      if (plan.fp8_qk && plan.fp8_pv) {{
+        return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true, true>(d, launch, stream)
+                           : RunSm90ForHeadDim<__nv_bfloat16, false, true, true>(d, launch, stream);
+      }}
       if (plan.fp8_qk) {{
         return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
                            : RunSm90ForHeadDim<__nv_bfloat16, false, true>(d, launch, stream);
@@ -453,8 +478,9 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
 # wgmma m64nNk16 shapes the Hopper kernels use: N = the key tile of S = Q K^T
 # (64, 96, 112, 128, 192) and the head dim of O = P V (64, 128, 192, 256).
 WGMMA_N = [64, 96, 112, 128, 192, 256]
-# FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path.
-WGMMA_E4M3_N = [64, 112, 128, 192]
+# FP8 (E4M3) m64nNk32 shapes: the key tiles of S = Q K^T on the FP8 path,
+# and the head dims of O = P V on it (Plan::fp8_pv).
+WGMMA_E4M3_N = [64, 112, 128, 192, 256]
 WGMMA_TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 
@@ -529,6 +555,15 @@ struct WgmmaE4m3<{n}> {{
         : {douts}
         : "l"(a), "l"(b), "r"(accumulate));
   }}
+  // d += A B, A [64 x 32] E4M3 in registers (mma.sync's m16n8k32 8-bit A
+  // fragment per warp: 4 codes a register), B [32 x {n}] K-major in shared memory.
+  __device__ __forceinline__ static void RS(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t b) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{dlist}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1;\\n}}\\n"
+        : {douts}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  }}
 }};
 """)
     out.append("""
@@ -581,6 +616,17 @@ def main():
                     sm90_all.append(f"generated/{name}")
                     if d in dev_dims:
                         sm90_dev.append(f"generated/{name}")
+            for mask, is_banded in MASKS.items():
+                if d not in SM90_FP8PV_HEAD_DIMS:
+                    continue
+                name = f"attn_fwd_hdim{d}_fp8pv_{mask}{suffix}_sm90.cu"
+                with open(os.path.join(out, name), "w") as f:
+                    f.write(SM90_FP8PV_INSTANTIATION.format(d=d, mask=mask, tile=tile,
+                                                            is_banded=is_banded,
+                                                            long_keys=long_keys))
+                sm90_all.append(f"generated/{name}")
+                if d in dev_dims:
+                    sm90_dev.append(f"generated/{name}")
     for d, dv in SM90_DV_PAIRS:
         for dtype, ctype in DTYPES.items():
             for mask, is_banded in MASKS.items():

@@ -7,9 +7,14 @@
 // The policy (FlashAttention's), with ref the float64 reference and ref_lowp
 // the same function evaluated in the input dtype (reference_attention.h):
 //   O, FP16/BF16:   max|out - ref| <= 2 * max|ref_lowp - ref| + OutputFloor(dtype).
-//   O, FP8_E4M3:    the BF16 rule: ref is float64 on the dequantised inputs
-//                   (code * descale), ref_lowp the BF16 computation on them
-//                   rounded to BF16 (O is BF16), floor kBf16OutputFloor.
+//   O, FP8_E4M3:    the BF16 rule plus Fp8PBound(keys, max|v|): ref is float64
+//                   on the dequantised inputs (code * descale), ref_lowp the
+//                   BF16 computation on them rounded to BF16 (O is BF16),
+//                   floor kBf16OutputFloor; the added term is what rounding
+//                   the softmax weights P to E4M3 for an FP8 P V may cost
+//                   (kFp8PRtol below), keys the most keys any query row
+//                   sees (Sk, the longest sequence's for varlen), max|v| the
+//                   largest |code * v_descale| of V.
 //   O, FP32:        every element |out - ref| <= kFp32Rtol * max|ref of its vector| + kFp32Atol,
 //                   a vector being one query row of one head.
 //   LSE, FP16/BF16 (and FP8_E4M3): max|lse - ref| <= 2 * max|lse_lowp - ref| + kLowpLseFloor.
@@ -24,9 +29,12 @@
 //   is sink[h] and held to the LSE rule above).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "backend/params.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 namespace tolerance {
@@ -79,6 +87,50 @@ inline constexpr double kFp8CodeRtol = 1.0 / 16;
 // largest |v| `max_abs_v`.
 inline double Fp8CacheBound(double delta, double max_abs_v) {
   return (kFp8CodeRtol + (std::exp(2.0 * delta) - 1.0)) * max_abs_v;
+}
+
+// FP8 inputs: a kernel may run P V on FP8 codes (CUDA's Hopper prefill,
+// Plan::fp8_pv): each weight p_j = exp(s_j - m) in [0, 1] (m the row's
+// running max when its tile is scanned) is scaled by 2^8 and rounded to
+// nearest E4M3, and the row sum is that of the unrounded weights. A normal
+// E4M3 value (>= 2^-6) is off by at most half an ulp, 2^-4 of itself
+// (3 mantissa bits); a subnormal one (spacing 2^-9) by at most 2^-10, i.e.
+// 2^-18 once the 2^8 is taken off. Later rescaling by exp(m - M) <= 1 (M the
+// final max) only shrinks both. So with weights w_j = exp(s_j - M), the sum
+// L = sum_j w_j >= 1 (the top key has w = 1) and n visible keys:
+//   |O - O_exact| = |sum_j d_j v_j| / L <= (2^-4 sum_j w_j + n 2^-18) max|v| / L
+//                 <= (2^-4 + n kFp8PAtol) max|v|.
+// V itself is exact (its codes are the inputs; the descale is applied to O in
+// fp32), and the tensor core's accumulation of the E4M3 products (fp32
+// accumulators) adds rounding far below this. A kernel may compute the
+// weights with an exp2 of relative error up to 2^-11 (Plan::fp8_poly_exp2's
+// polynomial) and sum those: the weights' errors then grow to 2^-4 + 2^-10
+// and the sum's to 2^-11, which the extra 2^-9 in kFp8PRtol covers. The bound is loose for
+// diffuse rows (the rounding errors are unbiased and average out) and tight
+// for a row dominated by a few keys, which is where a wrong pairing of P and
+// V shows: it moves O by a whole |v_a - v_b|.
+inline constexpr double kFp8PRtol = 1.0 / 16 + 1.0 / 512;
+inline constexpr double kFp8PAtol = 1.0 / (1 << 18);
+
+// The FP8 term of O's bound for rows of at most `keys` visible keys and V
+// values of largest magnitude `max_abs_v` (code * v_descale).
+inline double Fp8PBound(int64_t keys, double max_abs_v) {
+  return (kFp8PRtol + static_cast<double>(keys) * kFp8PAtol) * max_abs_v;
+}
+
+// Fp8PBound for the call `p` with host-memory inputs: its longest sequence's
+// keys and V's largest |code * v_descale|. 0 for other dtypes.
+inline double Fp8PTerm(const AttnParams& p) {
+  if (p.dtype != DType::kFP8E4M3) return 0.0;
+  int64_t keys = 0;
+  for (int b = 0; b < p.batch; ++b) keys = std::max<int64_t>(keys, SeqLenK(p, b));
+  double max_v = 0.0;
+  const int64_t nv = p.total_k * p.num_heads_kv * HeadDimV(p);
+  for (int64_t i = 0; i < nv; ++i) {
+    max_v = std::max(max_v, std::fabs(static_cast<double>(LoadAsFloat(p.v, p.dtype, i)) *
+                                      static_cast<double>(p.v_descale)));
+  }
+  return Fp8PBound(keys, max_v);
 }
 
 // The absolute floor of O's bound for inputs of dtype `t` (FP32: kFp32Atol).

@@ -199,7 +199,8 @@ TEST(PlanForwardTest, Sm90DecodeTakesDecodeTilesItCovers) {
 }
 
 // FP8 E4M3 calls plan as their BF16 view; on the Hopper prefill kernel Q K^T
-// stays on the codes (fp8_qk), with smaller Q and K tiles in smem.
+// stays on the codes (fp8_qk), and P V runs on them too where the key tile
+// takes k32 steps (fp8_pv), with smaller Q, K and V tiles in smem.
 TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   AttnParams fp8 = Dense(2, 1024, 1024, 8, 2, 128, /*causal=*/true);
   fp8.dtype = DType::kFP8E4M3;
@@ -212,12 +213,31 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   p = PlanForward(fp8, kH100Sms, /*allow_sm90=*/true);
   EXPECT_EQ(p.kernel_family, KernelFamily::kSm90);
   EXPECT_TRUE(p.fp8_qk);
-  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1));
-  EXPECT_LT(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128)));
+  EXPECT_TRUE(p.fp8_pv);
+  EXPECT_TRUE(p.fp8_poly_exp2);
+  EXPECT_FALSE(p.fp8_extra_stage);
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1, 0, 1));
+  EXPECT_LT(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90TileFor(128), 1));
   // A decode step dequantises all three (the decode kernel is BF16).
   AttnParams step = Dense(2, 1, 4096, 32, 8, 128);
   step.dtype = DType::kFP8E4M3;
   EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_qk);
+  EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_pv);
+  // D 64 and 256 keep V dequantised: FP8 P V is planned at D 128 only.
+  for (int d : {64, 256}) {
+    if (!cuda::CompiledSm90HeadDim(d)) continue;
+    AttnParams other = Dense(2, 1024, 1024, 8, 2, d, /*causal=*/true);
+    other.dtype = DType::kFP8E4M3;
+    const Plan q = PlanForward(other, kH100Sms, true);
+    EXPECT_TRUE(q.fp8_qk) << d;
+    EXPECT_FALSE(q.fp8_pv) << d;
+  }
+  // FP8 P V needs whole k32 steps in 64- or 128-key V^T boxes: every Hopper
+  // tile but D 192's 112 keys.
+  for (const cuda::TileConfig& t : cuda::kSm90TileTable) {
+    EXPECT_EQ(cuda::Sm90Fp8PvFits(t.block_n), t.head_dim != 192) << t.head_dim;
+  }
+  EXPECT_TRUE(cuda::Sm90Fp8PvFits(cuda::Sm90LongKeyTileFor(64).block_n));
 }
 
 // Varlen prefill and every head dim, through the next kernel up (boxes

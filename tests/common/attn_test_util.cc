@@ -116,12 +116,14 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   const ReferenceOutput& ref = buf.Reference();
   const bool lowp = p.dtype != DType::kFP32;
   const DType o_dtype = OutputDType(p.dtype);  // BF16 for FP8 inputs
-  // Low precision: docs/design.md §4, max|out - ref| <= 2 * max|ref_lowp - ref| + floor.
+  // Low precision: docs/design.md §4, max|out - ref| <= 2 * max|ref_lowp - ref| + floor
+  // (FP8: + tolerance::Fp8PBound, the E4M3 rounding of P).
   double lowp_err = 0.0;
   if (lowp) {
     const ReferenceOutput& rl = buf.ReferenceLowPrecision();
     for (int64_t i = 0; i < n; ++i) lowp_err = std::max(lowp_err, std::fabs(rl.o[i] - ref.o[i]));
   }
+  const double o_floor = OutputFloor(p.dtype) + tolerance::Fp8PTerm(p);
   // FP32: each element's allowance scales with the largest |ref| of its vector.
   const int d = HeadDimV(p);
   std::vector<double> vec_scale(static_cast<size_t>(n / d), 0.0);
@@ -143,7 +145,7 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
     const double err = std::fabs(out - ref.o[i]);
     max_err = std::max(max_err, err);
     const double allowed =
-        lowp ? 2.0 * lowp_err + OutputFloor(p.dtype) : kFp32Rtol * vec_scale[i / d] + kFp32Atol;
+        lowp ? 2.0 * lowp_err + o_floor : kFp32Rtol * vec_scale[i / d] + kFp32Atol;
     if (err / allowed > worst_excess) {
       worst_excess = err / allowed;
       worst = i;
@@ -155,8 +157,8 @@ std::string CheckO(const HostBuffers& buf, const void* o) {
   os << OCoord(p, worst) << " = " << LoadAsFloat(o, o_dtype, worst) << ", reference "
      << ref.o[worst] << ", |err| " << std::fabs(LoadAsFloat(o, o_dtype, worst) - ref.o[worst]);
   if (lowp) {
-    os << " (max |err| " << max_err << ") > allowed 2 * " << lowp_err << " + "
-       << OutputFloor(p.dtype) << " = " << 2.0 * lowp_err + OutputFloor(p.dtype);
+    os << " (max |err| " << max_err << ") > allowed 2 * " << lowp_err << " + " << o_floor << " = "
+       << 2.0 * lowp_err + o_floor;
   } else {
     os << " > allowed " << kFp32Rtol << " * max|ref of the vector| (" << vec_scale[worst / d]
        << ") + " << kFp32Atol << " (x" << worst_excess << ")";

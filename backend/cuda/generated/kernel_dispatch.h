@@ -21,26 +21,33 @@ namespace cuda {
 // The Hopper family's instantiation for `kernel_head_dim` and the launch's
 // tile (TileKind::kLongKeys: the wider key tile), or cudaErrorInvalidValue
 // (also in builds without it). kFp8Qk (T BF16): the FP8 path's kernel
-// (Plan::fp8_qk).
-template <typename T, bool kIsBanded, bool kFp8Qk>
+// (Plan::fp8_qk); kFp8Pv (with kFp8Qk) the one with P V on FP8 too
+// (Plan::fp8_pv).
+template <typename T, bool kIsBanded, bool kFp8Qk, bool kFp8Pv = false>
 cudaError_t RunSm90ForHeadDim(int kernel_head_dim, const FwdLaunch& launch, cudaStream_t stream) {
   const bool long_keys = launch.tile_kind == TileKind::kLongKeys;
   switch (kernel_head_dim) {
 #if defined(ATTNSERVE_CUDA_SM90) && defined(ATTNSERVE_CUDA_DEV_KERNELS)
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false, 128, kFp8Pv>(
+          launch, stream);
 #elif defined(ATTNSERVE_CUDA_SM90)
     case 64:
-      return long_keys ? RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, true>(
-                             launch, stream)
-                       : RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(
-                             launch, stream);
+      return long_keys
+                 ? RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, true, 64, kFp8Pv>(
+                       launch, stream)
+                 : RunAttnFwdSm90<64, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false, 64,
+                                  kFp8Pv>(launch, stream);
     case 128:
-      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
+      return RunAttnFwdSm90<128, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false, 128, kFp8Pv>(
+          launch, stream);
     case 192:
-      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
+      if (kFp8Pv) return cudaErrorInvalidValue;
+      return RunAttnFwdSm90<192, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false, 192, false>(
+          launch, stream);
     case 256:
-      return RunAttnFwdSm90<256, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false>(launch, stream);
+      return RunAttnFwdSm90<256, T, kIsBanded, kDefaultSm90Schedule, kFp8Qk, false, 256, kFp8Pv>(
+          launch, stream);
 #endif
     default:
       (void)launch;
@@ -165,6 +172,10 @@ cudaError_t RunForPlan(const Plan& plan, DType dtype, const Launch& launch, cuda
                          : RunDvForHeadDims<__nv_bfloat16, false>(k, launch, stream);
     }
     if (plan.kernel_family == KernelFamily::kSm90) {
+      if (plan.fp8_qk && plan.fp8_pv) {
+        return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true, true>(d, launch, stream)
+                           : RunSm90ForHeadDim<__nv_bfloat16, false, true, true>(d, launch, stream);
+      }
       if (plan.fp8_qk) {
         return plan.banded ? RunSm90ForHeadDim<__nv_bfloat16, true, true>(d, launch, stream)
                            : RunSm90ForHeadDim<__nv_bfloat16, false, true>(d, launch, stream);

@@ -66,12 +66,16 @@ set(ATTN_FWD_SM90_KERNELS_ALL
   generated/attn_fwd_hdim64_bf16_unbanded_sm90.cu
   generated/attn_fwd_hdim64_fp8_banded_sm90.cu
   generated/attn_fwd_hdim64_fp8_unbanded_sm90.cu
+  generated/attn_fwd_hdim64_fp8pv_banded_sm90.cu
+  generated/attn_fwd_hdim64_fp8pv_unbanded_sm90.cu
   generated/attn_fwd_hdim128_fp16_banded_sm90.cu
   generated/attn_fwd_hdim128_fp16_unbanded_sm90.cu
   generated/attn_fwd_hdim128_bf16_banded_sm90.cu
   generated/attn_fwd_hdim128_bf16_unbanded_sm90.cu
   generated/attn_fwd_hdim128_fp8_banded_sm90.cu
   generated/attn_fwd_hdim128_fp8_unbanded_sm90.cu
+  generated/attn_fwd_hdim128_fp8pv_banded_sm90.cu
+  generated/attn_fwd_hdim128_fp8pv_unbanded_sm90.cu
   generated/attn_fwd_hdim192_fp16_banded_sm90.cu
   generated/attn_fwd_hdim192_fp16_unbanded_sm90.cu
   generated/attn_fwd_hdim192_bf16_banded_sm90.cu
@@ -84,12 +88,16 @@ set(ATTN_FWD_SM90_KERNELS_ALL
   generated/attn_fwd_hdim256_bf16_unbanded_sm90.cu
   generated/attn_fwd_hdim256_fp8_banded_sm90.cu
   generated/attn_fwd_hdim256_fp8_unbanded_sm90.cu
+  generated/attn_fwd_hdim256_fp8pv_banded_sm90.cu
+  generated/attn_fwd_hdim256_fp8pv_unbanded_sm90.cu
   generated/attn_fwd_hdim64_fp16_banded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_fp16_unbanded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_bf16_banded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_bf16_unbanded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_fp8_banded_longkeys_sm90.cu
   generated/attn_fwd_hdim64_fp8_unbanded_longkeys_sm90.cu
+  generated/attn_fwd_hdim64_fp8pv_banded_longkeys_sm90.cu
+  generated/attn_fwd_hdim64_fp8pv_unbanded_longkeys_sm90.cu
   generated/attn_fwd_hdim192v128_fp16_banded_sm90.cu
   generated/attn_fwd_hdim192v128_fp16_unbanded_sm90.cu
   generated/attn_fwd_hdim192v128_bf16_banded_sm90.cu
@@ -114,6 +122,8 @@ set(ATTN_FWD_SM90_KERNELS_DEV
   generated/attn_fwd_hdim128_bf16_unbanded_sm90.cu
   generated/attn_fwd_hdim128_fp8_banded_sm90.cu
   generated/attn_fwd_hdim128_fp8_unbanded_sm90.cu
+  generated/attn_fwd_hdim128_fp8pv_banded_sm90.cu
+  generated/attn_fwd_hdim128_fp8pv_unbanded_sm90.cu
   generated/attn_fwd_hdim192v128_fp16_banded_sm90.cu
   generated/attn_fwd_hdim192v128_fp16_unbanded_sm90.cu
   generated/attn_fwd_hdim192v128_bf16_banded_sm90.cu

@@ -26,6 +26,7 @@
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
 #include "backend/cuda/attn_fwd_plan.h"
+#include "backend/cuda/fp8_vt_layout.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_fwd_epilogue.cuh"
@@ -65,18 +66,20 @@ inline ItemOrder ItemOrderFromEnv() {
 // kTmaSync has no producer (consumer thread 0 loads, see Sm90FwdMainloop).
 // kFp8Qk: Q and K are FP8 E4M3 codes (1 byte; 128-column boxes) and S =
 // Q K^T runs on FP8 wgmma (k32 steps: 32 bytes of a 128-byte row, as a k16
-// step of 16-bit values is); V, P and O stay T (BF16). kMods (the dynamic
-// schedule only): ALiBi, sinks and the block mask; kElemMods 1 also the
-// additive bias and element mask, 2 a 16-bit bias alone read in whole rows
-// (Sm90FwdConfig). kHeadDimV: V's and O's head dim (MLA shapes).
+// step of 16-bit values is); V, P and O stay T (BF16) unless kFp8Pv. kMods
+// (the dynamic schedule only): ALiBi, sinks and the block mask; kElemMods 1
+// also the additive bias and element mask, 2 a 16-bit bias alone read in
+// whole rows (Sm90FwdConfig). kHeadDimV: V's and O's head dim (MLA shapes).
+// kFp8Pv (with kFp8Qk): P V on FP8 wgmma too, P requantised to E4M3 per tile
+// and V read as V^T's codes (fp8_vt_layout.h).
 template <int kHeadDim, int kBlockN, int kStages, int kQSlots, typename T, bool kIsBanded,
           Sm90Schedule kSchedule, bool kFp8Qk, bool kMods, int kElemMods = 0,
-          int kHeadDimV = kHeadDim>
+          int kHeadDimV = kHeadDim, bool kFp8Pv = false, bool kPolyExp2 = false>
 __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     AttnFwdSm90Kernel(const __grid_constant__ Sm90FwdLaunch L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Sm90FwdConfig<kHeadDim, kBlockN, kStages, kQSlots, T, kIsBanded, kSchedule, kFp8Qk,
-                            kMods, kElemMods, kHeadDimV>;
+                            kMods, kElemMods, kHeadDimV, kFp8Pv, kPolyExp2>;
   using Scheduler = Sm90TileScheduler<kSchedule>;
   using Epilogue = Sm90FwdEpilogue<Cfg>;
 
@@ -191,7 +194,8 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // block, batch, query head), or one per SM for the persistent schedules
 // (the schedule's Sm90TileScheduler picks).
 // launch.num_splits must be 1 (the planner never splits here). kFp8Qk: p.q
-// and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16.
+// and p.k hold FP8 E4M3 codes (Plan::fp8_qk), the rest is BF16 (but for
+// kFp8Pv's V^T codes).
 // Score modifiers (HasScoreMods) run the kMods instantiation, which only the
 // 16-bit default schedule has (Sm90SupportsMods); the others refuse them
 // with cudaErrorNotSupported, as the default schedule does a bias of another
@@ -199,8 +203,9 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
 // key tiles do not divide (D 192's 112 keys, the long-key tile's 192).
 // kHeadDimV != kHeadDim: MLA shapes (HeadDimV(p) differing from head_dim) on
 // kSm90DvTileTable's tile, 16-bit on the default schedule only.
+// kFp8Pv: p.v is V^T's codes (one map over its rows, boxes of kVtChunk keys).
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk,
-          bool kLongKeys, int kHeadDimV>
+          bool kLongKeys, int kHeadDimV, bool kFp8Pv>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   constexpr bool kDistinctV = kHeadDimV != kHeadDim;
   static_assert(!kDistinctV || (!kFp8Qk && !kLongKeys && kSchedule == kDefaultSm90Schedule),
@@ -253,19 +258,43 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
     err = EncodeRowsTensorMap(&l.k, p.k, qk_dtype, batch, kv_rows, p.num_heads_kv, p.head_dim,
                               kTile.block_n);
   }
+  constexpr int kVtChunk = kTile.block_n % 128 == 0 ? 128 : 64;  // Sm90FwdConfig::kVtChunk
   if (err == cudaSuccess) {
-    err = EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, v_dim,
-                              kTile.block_n);
+    err = kFp8Pv ? EncodeVtTensorMap(&l.v, p.v, VtWidth(p), p.head_dim, p.num_heads_kv, kVtChunk,
+                                     kHeadDimV)
+                 : EncodeRowsTensorMap(&l.v, p.v, p.dtype, batch, kv_rows, p.num_heads_kv, v_dim,
+                                       kTile.block_n);
   }
   if (err != cudaSuccess) return err;
   constexpr int kQKBytes = kFp8Qk ? 1 : 2;
+  constexpr int kVBytes = kFp8Pv ? 1 : 2;
   constexpr int kVDim = kDistinctV ? kHeadDimV : 0;  // Sm90SmemBytes' v_dim
-  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes, kVDim);
+  constexpr int kQSlots = Sm90QSlots(kTile, kQKBytes, kVDim, kVBytes);
   void (*kernel)(const Sm90FwdLaunch) =
       sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                              kSchedule, kFp8Qk, false, false, kHeadDimV>;
+                              kSchedule, kFp8Qk, false, false, kHeadDimV, kFp8Pv>;
+  int fp8_smem = 0;  // kFp8Pv with one more stage: its smem
+  if constexpr (kFp8Pv) {
+    // Plan::fp8_extra_stage: the tile with one more K/V stage.
+    constexpr TileConfig kTile1 = {kTile.head_dim,  kTile.block_m,    kTile.block_n,
+                                   kTile.num_warps, kTile.stages + 1, kTile.regs};
+    constexpr int kQSlots1 = Sm90QSlots(kTile1, 1, 0, 1);
+    static_assert(Sm90SmemBytes(kTile1, 1, 0, 1) <= kSm90MaxSmemBytes, "FP8 extra stage");
+    if (launch.extra_stage) {
+      fp8_smem = Sm90SmemBytes(kTile1, 1, 0, 1);
+      kernel = launch.poly_exp2 ? sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
+                                                          kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
+                                                          false, 0, kHeadDimV, kFp8Pv, true>
+                                : sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile1.stages,
+                                                          kQSlots1, T, kIsBanded, kSchedule, kFp8Qk,
+                                                          false, 0, kHeadDimV, kFp8Pv, false>;
+    } else if (launch.poly_exp2) {
+      kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
+                                       kSchedule, kFp8Qk, false, 0, kHeadDimV, kFp8Pv, true>;
+    }
+  }
   using ElemCfg = sm90::Sm90FwdConfig<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T, kIsBanded,
-                                      kSchedule, kFp8Qk, true, 1, kHeadDimV>;
+                                      kSchedule, kFp8Qk, true, 1, kHeadDimV, kFp8Pv>;
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     // A 16-bit bias alone whose rows are whole 16-byte chunks (dense, Sk a
     // multiple of 8, an aligned base): the whole-row kernel where it fits.
@@ -285,10 +314,10 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
                                        kSchedule, kFp8Qk, true, false, kHeadDimV>;
     }
   }
-  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim);
+  constexpr int kSmem = Sm90SmemBytes(kTile, kQKBytes, kVDim, kVBytes);
   static_assert(ElemCfg::kBaseSmemBytes == kSmem, "the kernel's and the plan's smem layouts");
   // The kElemMods kernel adds its prefetch buffer where it fits.
-  const int smem = elem_mods ? ElemCfg::kSmemBytes : kSmem;
+  const int smem = fp8_smem > 0 ? fp8_smem : elem_mods ? ElemCfg::kSmemBytes : kSmem;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid;

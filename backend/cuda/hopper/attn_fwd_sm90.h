@@ -38,6 +38,14 @@ struct Sm90FwdLaunch {
 cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t head_dim, int box_rows);
 
+// Fills `map` over V^T's E4M3 codes at `base` (fp8_vt_layout.h: heads x
+// head_dim rows of `width` columns) as a 4-d map (columns, rows, heads, 1)
+// with boxes of box_cols columns (128 or 64: one 128- or 64-byte swizzled
+// row, the swizzle matching) x box_rows rows of one head; rows past head_dim
+// read as zeros.
+cudaError_t EncodeVtTensorMap(CUtensorMap* map, const void* base, int64_t width, int64_t head_dim,
+                              int64_t heads, int box_cols, int box_rows);
+
 // One instantiation (generated/*_sm90.cu): kHeadDim 64/128/192/256, T __half
 // or __nv_bfloat16, kIsBanded as the portable kernel's; kFp8Qk (T BF16): Q
 // and K are FP8 E4M3 codes and Q K^T runs on FP8 wgmma (Plan::fp8_qk);
@@ -47,9 +55,10 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
 // schedule without kFp8Qk (a block mask only where Sm90BlockMaskFits);
 // anything else is cudaErrorNotSupported. kHeadDimV != kHeadDim: MLA shapes
 // (HeadDimV(params) differing; kSm90DvTileTable's pairs), FP16/BF16 on the
-// default schedule.
+// default schedule. kFp8Pv (with kFp8Qk; Plan::fp8_pv): P V on FP8 wgmma
+// too, p.v holding V^T's codes (fp8_vt_layout.h) and p.v_descale V's descale.
 template <int kHeadDim, typename T, bool kIsBanded, Sm90Schedule kSchedule, bool kFp8Qk = false,
-          bool kLongKeys = false, int kHeadDimV = kHeadDim>
+          bool kLongKeys = false, int kHeadDimV = kHeadDim, bool kFp8Pv = false>
 cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream);
 
 // What the Hopper decode kernel reads over a cache's pages: the portable

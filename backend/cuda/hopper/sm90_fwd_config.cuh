@@ -42,9 +42,11 @@ constexpr int ThreadsOf(Sm90Schedule s) {
 // but the sinks' epilogue (a sinks-only call runs there). kHeadDimV_: V's
 // and O's head dim (MLA shapes; kHeadDim_ otherwise): P V, O and the V ring
 // run over it, Q K^T over kHeadDim_.
+// kFp8Pv_ (with kFp8Qk_): P V on FP8 wgmma, V's ring holding V^T's codes;
+// kPolyExp2_ (with it): Plan::fp8_poly_exp2.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQSlots_, typename T_, bool kIsBanded_,
           Sm90Schedule kSchedule_, bool kFp8Qk_, bool kMods_ = false, int kElemMods_ = 0,
-          int kHeadDimV_ = kHeadDim_>
+          int kHeadDimV_ = kHeadDim_, bool kFp8Pv_ = false, bool kPolyExp2_ = false>
 struct Sm90FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -63,6 +65,16 @@ struct Sm90FwdConfig {
   // in whole rows (Sm90FwdMainloop::PrefetchBiasRows) instead of fragment
   // words; RunAttnFwdSm90 picks it where kBiasRowsFit.
   static constexpr bool kBiasRows = kElemMods && kElemMods_ == 2;
+  static constexpr bool kFp8Pv = kFp8Pv_;
+  // kFp8Pv: keys of a V^T box, one swizzled row (128 or 64 bytes; the
+  // stage holds kBlockN / kVtChunk boxes of kHeadDimV rows), and P's scale
+  // 2^kPExp before it is rounded to E4M3 (P <= 1 becomes <= 256 < 448, the
+  // largest code, and values down to 2^-14 stay normal; the row sum carries
+  // the same factor, so O's normalisation cancels it and the LSE subtracts it).
+  static constexpr int kVtChunk = kBlockN % 128 == 0 ? 128 : 64;
+  static constexpr int kPExp = kFp8Pv ? 8 : 0;
+  // kFp8Pv: a quarter of P's exp2 by Exp2Poly (Plan::fp8_poly_exp2).
+  static constexpr bool kPolyExp2 = kFp8Pv && kPolyExp2_;
 
   // A producer warpgroup issues the TMA loads (else consumer thread 0 does).
   static constexpr bool kWS = WarpSpecialized(kSchedule);
@@ -87,8 +99,10 @@ struct Sm90FwdConfig {
   static constexpr int kQKBlocks = (kHeadDim + kQKCols - 1) / kQKCols;
   static constexpr int kQKSteps = kHeadDim * (kFp8Qk ? 1 : 2) / 32;  // k16 (k32 FP8) steps of Q K^T
   static constexpr int kQBytes = kQKBlocks * kBlockM * 128;
-  static constexpr int kKBytes = kQKBlocks * kBlockN * 128;  // one K tile
-  static constexpr int kVBytes = kBlockN * kHeadDimV * 2;    // one V tile
+  static constexpr int kKBytes = kQKBlocks * kBlockN * 128;               // one K tile
+  static constexpr int kVBytes = kBlockN * kHeadDimV * (kFp8Pv ? 1 : 2);  // one V tile
+  // P's A fragments per thread: one per k16 step (k32 for FP8 P V) of keys.
+  static constexpr int kPSteps = kFp8Pv ? kBlockN / 32 : kNTiles / 2;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   // Shared memory without and (kElemMods) with the bias / mask prefetch buffer
   // (a word per fragment pair per consumer thread, Sm90FwdMainloop::
@@ -106,6 +120,7 @@ struct Sm90FwdConfig {
       kPreBytes >= kBlockM * kBlockN * 2 && kNTiles % 8 == 0 && 32 % kNTiles == 0;
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0, "tile shape");
   static_assert(!kDistinctV || !kFp8Qk, "a distinct value dim runs 16-bit Q K^T");
+  static_assert(!kFp8Pv || (kFp8Qk && Sm90Fp8PvFits(kBlockN)), "FP8 P V: FP8 Q K^T, k32 steps");
   static_assert(kQSlots == 1 || kQSlots == 2, "Q slots");
 };
 

@@ -87,6 +87,20 @@ struct Sm90FwdEpilogue {
     } else {
       detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
     }
+    if constexpr (Cfg::kFp8Pv) {
+      // O summed V's codes: times V's descale. P and the row sum carried
+      // 2^kPExp: the normalisation cancelled it, the LSE drops it.
+      const float vd = p.v_descale;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        lse[half] -= static_cast<float>(Cfg::kPExp) * detail::kLn2;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[0][dt][half * 2] *= vd;
+          o[0][dt][half * 2 + 1] *= vd;
+        }
+      }
+    }
     T* o_ptr = static_cast<T*>(p.o);
     const int dv = detail::OutDim<Cfg::kDistinctV>(p);
 #pragma unroll

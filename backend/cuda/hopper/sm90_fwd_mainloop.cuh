@@ -9,6 +9,7 @@
 
 #include <cuda.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -17,6 +18,7 @@
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
+#include "backend/cuda/fp8_vt_layout.h"
 #include "backend/cuda/generated/sm90_wgmma.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
@@ -28,12 +30,27 @@ namespace attnserve {
 namespace cuda {
 namespace sm90 {
 
+// 2^x on the FMA and integer pipes, not MUFU (Plan::fp8_poly_exp2): x
+// rounded to the nearest integer j by the 1.5 * 2^23 trick, 2^(x - j) by a
+// cubic on [-0.5, 0.5] (relative error under 2^-11.9, against E4M3's 2^-4),
+// j added to the exponent field. x below -120 (masked keys: -inf) gives
+// 2^-120, which rounds to an E4M3 zero and adds nothing measurable to a sum.
+__device__ __forceinline__ float Exp2Poly(float x) {
+  x = fmaxf(x, -120.f);
+  const float t = x + 12582912.f;  // 1.5 * 2^23: the low mantissa bits hold j
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.05286327f, f, 0.2419271f), f, 0.69355154f), f, 1.f);
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
 // One online-softmax step over this thread's two rows of an S tile (in place:
 // S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
 // row's O and sum must be scaled by for the new max (applied to the sum here,
 // to O by the caller, which may do it later: the P V of the previous tile can
 // still be in flight). row_max in raw-score units; row_sum thread-partial.
-template <int kNTiles>
+// kPExp: P comes out scaled by 2^kPExp (the FP8 P V's, Sm90FwdConfig);
+// kPoly: every fourth n8 tile's exp2 by Exp2Poly.
+template <int kPExp = 0, bool kPoly = false, int kNTiles>
 __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&row_max)[2],
                                             float (&row_sum)[2], float (&corr)[2],
                                             float score_log2) {
@@ -49,12 +66,14 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[1][kNTiles][4], float (&r
     const float mx_log2 = mx == -INFINITY ? 0.f : mx * score_log2;
     corr[half] = detail::Exp2(row_max[half] * score_log2 - mx_log2);
     row_max[half] = mx;
+    const float arg0 = kPExp == 0 ? -mx_log2 : static_cast<float>(kPExp) - mx_log2;
     float sum = row_sum[half] * corr[half];
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = detail::Exp2(fmaf(s[0][nt][half * 2 + e], score_log2, -mx_log2));
+        const float x = fmaf(s[0][nt][half * 2 + e], score_log2, arg0);
+        const float pv = kPoly && nt % 4 == 3 ? Exp2Poly(x) : detail::Exp2(x);
         s[0][nt][half * 2 + e] = pv;
         sum += pv;
       }
@@ -119,6 +138,31 @@ __device__ __forceinline__ void ConvertP(const float (&s)[1][kNTiles][4],
   }
 }
 
+// P (fp32 S fragments, scaled: Sm90FwdConfig::kPExp) -> FP8 wgmma A
+// fragments, one per k32 step of keys: n8 tiles 4kk .. 4kk + 3, each row's
+// values in register order (tiles 4kk, 4kk + 1 into registers 0 / 1, tiles
+// 4kk + 2, 4kk + 3 into 2 / 3), rounded to nearest E4M3. That order is not
+// the keys' (fp8_vt_layout.h): V^T's columns are permuted to match it.
+template <int kNTiles>
+__device__ __forceinline__ void ConvertPE4m3(const float (&s)[1][kNTiles][4],
+                                             uint32_t (&pa)[kNTiles / 4][4]) {
+  auto pack = [](float a, float b, float c, float d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
+  };
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 4; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // r: the thread's row (fragment values 2r, 2r + 1)
+      pa[kk][r] = pack(s[0][4 * kk][2 * r], s[0][4 * kk][2 * r + 1], s[0][4 * kk + 1][2 * r],
+                       s[0][4 * kk + 1][2 * r + 1]);
+      pa[kk][2 + r] = pack(s[0][4 * kk + 2][2 * r], s[0][4 * kk + 2][2 * r + 1],
+                           s[0][4 * kk + 3][2 * r], s[0][4 * kk + 3][2 * r + 1]);
+    }
+  }
+}
+
 template <int kA, int kB, int kC>
 __device__ __forceinline__ float (&Flat(float (&x)[kA][kB][kC]))[kA * kB * kC] {
   return reinterpret_cast<float(&)[kA * kB * kC]>(x);
@@ -160,10 +204,25 @@ struct Sm90FwdLoads {
     }
     if (g >= kStages) MbarWait(&sm.v_empty()[stage], parity);
     MbarArriveExpectTx(&sm.v_full()[stage], Cfg::kVBytes);
+    if constexpr (Cfg::kFp8Pv) {
+      // V^T: boxes of kVtChunk key columns x kHeadDimV rows, from the
+      // sequence's first column (fp8_vt_layout.h's VtSeqStart).
+      const AttnParams& p = L.fwd.p;
+      const int col0 = static_cast<int>(IsVarlen(p) ? VtAlignUp(t.k_row0 + int64_t{t.b} * kFp8VtGap)
+                                                    : t.b * VtDensePeriod(p)) +
+                       n * kBlockN;
+      unsigned char* dst = reinterpret_cast<unsigned char*>(sm.sV()) + stage * Cfg::kVBytes;
 #pragma unroll
-    for (int db = 0; db < Cfg::kDBlocks; ++db) {
-      TmaLoad4d(sm.sV() + (stage * Cfg::kDBlocks + db) * kBlockN * 64, &L.v, &sm.v_full()[stage],
-                db * 64, t.kv_head, key0, t.map_b);
+      for (int c = 0; c < kBlockN / Cfg::kVtChunk; ++c) {
+        TmaLoad4d(dst + c * Cfg::kHeadDimV * Cfg::kVtChunk, &L.v, &sm.v_full()[stage],
+                  col0 + c * Cfg::kVtChunk, 0, t.kv_head, 0);
+      }
+    } else {
+#pragma unroll
+      for (int db = 0; db < Cfg::kDBlocks; ++db) {
+        TmaLoad4d(sm.sV() + (stage * Cfg::kDBlocks + db) * kBlockN * 64, &L.v, &sm.v_full()[stage],
+                  db * 64, t.kv_head, key0, t.map_b);
+      }
     }
   }
 };
@@ -222,7 +281,7 @@ struct Sm90FwdAccum {
   float row_max[2], row_sum[2];
   float corr[2] = {1.f, 1.f};
   float s[1][Cfg::kNTiles][4];
-  uint32_t pa[Cfg::kNTiles / 2][4];
+  uint32_t pa[Cfg::kPSteps][4];
 };
 
 // The two consumer warpgroups: warpgroup wg owns rows m0 + 64 wg .. + 63 of
@@ -323,7 +382,7 @@ class Sm90FwdMainloop {
         const int n = TileAt(t, it);
         Softmax(t, row0, n);
         RescaleO(acc_.o, acc_.corr);
-        ConvertP<T>(acc_.s, acc_.pa);
+        ConvertPa();
         MbarWait(&sm_.v_full()[stage], parity);
         ClearVTail(t, stage, n);
         GemmPV(stage);
@@ -358,7 +417,7 @@ class Sm90FwdMainloop {
           PrefetchMods(t, w.n);
         }
       }
-      ConvertP<T>(acc_.s, acc_.pa);
+      ConvertPa();
       for (int it = 1; it < num_tiles; ++it) {
         const int stage = (g + it) % kStages;
         const int prev = (g + it - 1) % kStages;
@@ -384,7 +443,7 @@ class Sm90FwdMainloop {
         WgmmaWait<0>();
         FenceRegs(Flat(acc_.o));
         Release(&sm_.v_empty()[prev]);
-        ConvertP<T>(acc_.s, acc_.pa);
+        ConvertPa();
         if constexpr (Cfg::kMods) n_prev = n_it;
       }
       const int last = (g + num_tiles - 1) % kStages;
@@ -425,18 +484,37 @@ class Sm90FwdMainloop {
     FenceRegs(Flat(acc_.s));
   }
 
+  __device__ __forceinline__ void ConvertPa() {
+    if constexpr (Cfg::kFp8Pv) {
+      ConvertPE4m3(acc_.s, acc_.pa);
+    } else {
+      ConvertP<T>(acc_.s, acc_.pa);
+    }
+  }
+
   // O += P V: V is the MN-major B operand (keys x 64 d-columns per block,
   // blocks kBlockN x 128 bytes apart = LBO); a k16 step is 16 keys = 2048 B.
+  // kFp8Pv: V^T is the K-major B operand (kHeadDimV rows of kVtChunk key
+  // bytes per box, swizzled as K's rows are); a k32 step is +32 bytes of a row.
   __device__ __forceinline__ void GemmPV(int stage) {
     FenceRegs(Flat(acc_.o));
 #pragma unroll
-    for (int kk = 0; kk < kNTiles / 2; ++kk) FenceRegs(acc_.pa[kk]);
+    for (int kk = 0; kk < Cfg::kPSteps; ++kk) FenceRegs(acc_.pa[kk]);
     WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < kNTiles / 2; ++kk) {
-      const uint64_t bd =
-          SmemDesc(sm_.sV() + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64, kBlockN * 128, 1024);
-      Wgmma<Cfg::kHeadDimV, T>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+    for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+      if constexpr (Cfg::kFp8Pv) {
+        constexpr int kChunk = Cfg::kVtChunk;
+        const unsigned char* box =
+            reinterpret_cast<const unsigned char*>(sm_.sV()) + stage * Cfg::kVBytes +
+            (kk * 32 / kChunk) * Cfg::kHeadDimV * kChunk + (kk * 32) % kChunk;
+        const uint64_t bd = kChunk == 128 ? SmemDesc(box, 16, 1024) : SmemDescSw64(box);
+        WgmmaE4m3<Cfg::kHeadDimV>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+      } else {
+        const uint64_t bd = SmemDesc(sm_.sV() + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64,
+                                     kBlockN * 128, 1024);
+        Wgmma<Cfg::kHeadDimV, T>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+      }
     }
     WgmmaCommit();
     FenceRegs(Flat(acc_.o));
@@ -848,7 +926,8 @@ class Sm90FwdMainloop {
     if constexpr (Cfg::kMods && !Cfg::kElemMods) {
       SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2, off);
     } else {
-      SoftmaxStep(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr, score_log2);
+      SoftmaxStep<Cfg::kPExp, Cfg::kPolyExp2>(acc_.s, acc_.row_max, acc_.row_sum, acc_.corr,
+                                              score_log2);
     }
   }
 
@@ -859,7 +938,9 @@ class Sm90FwdMainloop {
   // row), fence the stores into wgmma's (async) proxy and meet at named
   // barrier 3. Only the sequence's last key tile, once per item; the test is
   // uniform over the consumers, so all or none reach the barrier.
+  // (kFp8Pv: V^T's columns past a sequence are zeros already.)
   __device__ __forceinline__ void ClearVTail(const Sm90Tile& t, int stage, int n) const {
+    if constexpr (Cfg::kFp8Pv) return;
     const int valid = t.sk - n * kBlockN;  // rows < valid are the sequence's
     if (!IsVarlen(L_.fwd.p) || valid >= kBlockN) return;
     uint4* tile = reinterpret_cast<uint4*>(sm_.sV() + stage * kDBlocks * kBlockN * 64);

@@ -123,6 +123,16 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* smem, uint32_t lbo_byte
   d |= uint64_t{1} << 62;
   return d;
 }
+// A K-major operand in 64-byte swizzled rows (layout 2: what TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_64B; 512-byte aligned blocks of 8 rows): SBO = 512,
+// LBO unused. A k32 step of FP8 is +32 bytes inside the row.
+__device__ __forceinline__ uint64_t SmemDescSw64(const void* smem) {
+  uint64_t d = (SmemAddr(smem) & 0x3FFFFu) >> 4;
+  d |= uint64_t{1} << 16;
+  d |= static_cast<uint64_t>(512 >> 4) << 32;
+  d |= uint64_t{2} << 62;
+  return d;
+}
 
 // ---- wgmma ordering. Fence: prior register writes (accumulators, A
 // fragments) are visible to the next wgmma. Commit: the wgmmas issued since

@@ -63,6 +63,26 @@ cudaError_t EncodeRowsTensorMap(CUtensorMap* map, const void* base, DType dtype,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaError_t EncodeVtTensorMap(CUtensorMap* map, const void* base, int64_t width, int64_t head_dim,
+                              int64_t heads, int box_cols, int box_rows) {
+  const EncodeTiledFn encode = EncodeTiled();
+  if (encode == nullptr || (box_cols != 128 && box_cols != 64)) return cudaErrorInvalidValue;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(head_dim),
+                              static_cast<cuuint64_t>(heads), 1};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(width),
+                                 static_cast<cuuint64_t>(width * head_dim),
+                                 static_cast<cuuint64_t>(width * head_dim * heads)};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows),
+                             1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 namespace {
 
 // (base, dtype, rows, heads, head_dim, box_rows): everything a map encodes.
