@@ -8,14 +8,10 @@
 #   [NS=8192,16384,32768 (sparse N)] [KERNELS=all|dev (dev: D 128 only, a faster build)]
 #   [VARIANTS="split banded" (mask_bench --sm90_mods, one run each, in turn;
 #    the first one's CSV meets the peers)] [PEERS=0 (no peers: ours alone)]
-#   [ORDERS="head natural global" (ATTNSERVE_SM90_ITEM_ORDER: how a block-masked
-#    Hopper launch orders its items; each variant runs once per order, the CSVs
-#    ours-<variant>-<order>.csv, a table comparing them last)]
-#   [BIAS_ROWS="1 0" (ATTNSERVE_SM90_BIAS_ROWS: 0 reads a bias in fragment words
-#    even where whole rows fit; one run per value, ours-<variant>-rows<value>.csv)]
-#   [TESTS=1 (first the CUDA mask tests, the block-sparse one under every item
-#    order, then after the bench a compute-sanitizer memcheck subset of them;
-#    MEMCHECK=0 skips the memcheck)] [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh
+#   [TESTS=1 (first the CUDA mask tests, then after the bench a compute-sanitizer
+#    memcheck subset of them; MEMCHECK=0 skips the memcheck)]
+#   [ATTNSERVE_COMMIT=sha] scripts/device/mask-bench.sh
+# More than one variant: a table of each case's ms / bound per variant side by side last.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 . scripts/lib/common.sh
@@ -23,7 +19,7 @@ OUT=${OUT:-$PWD/mask-bench-out}
 mkdir -p "$OUT"
 GRID=${GRID:-all}; IMPLS=${IMPLS:-ours}; DIMS=${DIMS:-64,128}; NS=${NS:-8192,16384,32768}
 KERNELS=${KERNELS:-all}; VARIANTS=${VARIANTS:-split}; PEERS=${PEERS:-1}; TESTS=${TESTS:-0}
-ORDERS=${ORDERS:-head}; BIAS_ROWS=${BIAS_ROWS:-1}; MEMCHECK=${MEMCHECK:-$TESTS}
+MEMCHECK=${MEMCHECK:-$TESTS}
 B=build-gpu
 [ "$KERNELS" = dev ] && B=build-gpu-dev
 MASK_TESTS="sm90_block_sparse_test sm90_bias_test cuda_score_mods_test cuda_backend_test"
@@ -53,13 +49,6 @@ if [ "$TESTS" = 1 ]; then
     note "$t" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]|^\[  SKIPPED \] [0-9]' "$OUT/test-$t.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUT/test-$t.log" | head -10
   done
-  # The item order's other modes (the test checks the order each one writes).
-  for o in natural global; do
-    ATTNSERVE_SM90_ITEM_ORDER=$o timeout 240 $T/sm90_block_sparse_test --gtest_filter='Sm90/*' \
-      >"$OUT/test-sm90_block_sparse_test-$o.log" 2>&1; rc=$?
-    note "sm90_block_sparse_test (order $o)" "rc=$rc $(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]' "$OUT/test-sm90_block_sparse_test-$o.log" | tr '\n' ' ')"
-    grep -E '^\[  FAILED  \]' "$OUT/test-sm90_block_sparse_test-$o.log" | head -10
-  done
   # The plain Hopper kernel (its epilogue takes sinks) and varlen staging.
   timeout 240 $T/cuda_backend_test --gtest_filter='Sm90/*varlen*:Sm90/*_b2_*:CudaBackendVarlen.*' \
     >"$OUT/test-cuda_backend_test.log" 2>&1; rc=$?
@@ -77,23 +66,15 @@ fi
 masks=$(mktemp -d)
 first=1
 TAGS=()
-for o in $ORDERS; do
-  for br in $BIAS_ROWS; do
-    for v in $VARIANTS; do
-      tag=$v
-      [ "$ORDERS" != head ] && tag="$tag-$o"
-      [ "$BIAS_ROWS" != 1 ] && tag="$tag-rows$br"
-      TAGS+=("$tag")
-      mask_args=()
-      [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
-      ATTNSERVE_SM90_ITEM_ORDER=$o ATTNSERVE_SM90_BIAS_ROWS=$br $B/bench/cuda/mask_bench \
-        --grid="$GRID" --impls="$IMPLS" --dims="$DIMS" --ns="$NS" --sm90_mods="$v" \
-        --csv="$OUT/ours-$tag.csv" "${mask_args[@]}" 2>"$OUT/mask_bench-$tag.log"
-      echo "mask_bench --sm90_mods=$v (order $o, bias rows $br) rc=$?"; tail -2 "$OUT/mask_bench-$tag.log"
-      [ $first = 1 ] && cp "$OUT/ours-$tag.csv" "$OUT/ours.csv"
-      first=0
-    done
-  done
+for v in $VARIANTS; do
+  TAGS+=("$v")
+  mask_args=()
+  [ $first = 1 ] && mask_args+=(--mask_dir="$masks")
+  $B/bench/cuda/mask_bench --grid="$GRID" --impls="$IMPLS" --dims="$DIMS" --ns="$NS" --sm90_mods="$v" \
+    --csv="$OUT/ours-$v.csv" "${mask_args[@]}" 2>"$OUT/mask_bench-$v.log"
+  echo "mask_bench --sm90_mods=$v rc=$?"; tail -2 "$OUT/mask_bench-$v.log"
+  [ $first = 1 ] && cp "$OUT/ours-$v.csv" "$OUT/ours.csv"
+  first=0
 done
 if [ "$PEERS" = 1 ]; then
   peer_args=()

@@ -365,8 +365,8 @@ class Sm90ModsTest : public ::testing::TestWithParam<Case> {};
 // every item exactly once; without a band, each item's walk as WalkBlockRow
 // would find it (its kept blocks' key tiles below the sequence's last, the
 // run's top entry, the tiles of the top block past that), and each query
-// head's items (ATTNSERVE_SM90_ITEM_ORDER=global: all items) by their kept
-// blocks, most first (items past their sequence's rows count 0).
+// head's items in the head's own segment by their kept blocks, most first
+// (items past their sequence's rows count 0).
 void CheckItemOrder(const Problem& pr, const Case& c, const Staged& st) {
   const AttnParams& p = pr.p;
   const int nmb = st.l.num_m_blocks;
@@ -413,17 +413,10 @@ void CheckItemOrder(const Problem& pr, const Case& c, const Staged& st) {
     if (e[1] != tiles || (e1 > e0 && (e[2] != e1 - 1 || e[3] != excess))) ++bad_walks;
   }
   EXPECT_EQ(bad_walks, 0) << c.name << ": walks other than WalkBlockRow's";
-  const char* env = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
-  const std::string mode = env != nullptr ? env : "head";
-  if (mode == "natural") {
-    for (int64_t j = 0; j < items; ++j) EXPECT_EQ(order[4 * j], j);
-    return;
-  }
-  const int64_t seg = mode == "global" ? items : per_head;
   int64_t out_of_order = 0, other_head = 0;
   for (int64_t j = 0; j < items; ++j) {
-    if (j % seg != 0 && kept(order[4 * j]) > kept(order[4 * (j - 1)])) ++out_of_order;
-    if (seg == per_head && order[4 * j] / per_head != j / per_head) ++other_head;
+    if (j % per_head != 0 && kept(order[4 * j]) > kept(order[4 * (j - 1)])) ++out_of_order;
+    if (order[4 * j] / per_head != j / per_head) ++other_head;
   }
   EXPECT_EQ(out_of_order, 0) << c.name << ": items not longest first";
   EXPECT_EQ(other_head, 0) << c.name << ": an item outside its head's segment";

@@ -20,8 +20,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "backend/cuda/attn_fwd.h"
 #include "backend/cuda/attn_fwd_kernel.cuh"
@@ -38,28 +36,6 @@
 namespace attnserve {
 namespace cuda {
 namespace sm90 {
-
-// ATTNSERVE_SM90_BIAS_ROWS=0 (read once): a bias that could be read in
-// whole rows reads fragment words instead (the bench's ablation).
-inline bool BiasRowsFromEnv() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTNSERVE_SM90_BIAS_ROWS");
-    return !(v != nullptr && std::strcmp(v, "0") == 0);
-  }();
-  return on;
-}
-
-// ATTNSERVE_SM90_ITEM_ORDER (read once): head (the default), global or
-// natural.
-inline ItemOrder ItemOrderFromEnv() {
-  static const ItemOrder mode = [] {
-    const char* v = std::getenv("ATTNSERVE_SM90_ITEM_ORDER");
-    if (v != nullptr && std::strcmp(v, "global") == 0) return ItemOrder::kGlobal;
-    if (v != nullptr && std::strcmp(v, "natural") == 0) return ItemOrder::kNatural;
-    return ItemOrder::kHead;
-  }();
-  return mode;
-}
 
 // The kernel: the warp-specialised schedules' producer warpgroup (128
 // threads, one of which issues TMA) hands the consumers each item's tiles;
@@ -300,7 +276,7 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
     // multiple of 8, an aligned base): the whole-row kernel where it fits.
     const bool bias_rows = ElemCfg::kBiasRowsFit && p.bias != nullptr && p.mask == nullptr &&
                            !varlen && p.seqlen_k % 8 == 0 &&
-                           reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && sm90::BiasRowsFromEnv();
+                           reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
     if (bias_rows) {
       if constexpr (ElemCfg::kBiasRowsFit) {
         kernel = sm90::AttnFwdSm90Kernel<kHeadDim, kTile.block_n, kTile.stages, kQSlots, T,
@@ -327,12 +303,11 @@ cudaError_t RunAttnFwdSm90(const FwdLaunch& launch, cudaStream_t stream) {
   if constexpr (kSchedule == Sm90Schedule::kPersistentDynamic && !kFp8Qk) {
     int4* order = HasBlockMask(p) ? ItemOrderOf(launch, items) : nullptr;
     if (order != nullptr) {
-      const sm90::ItemOrder mode = sm90::ItemOrderFromEnv();
+      // One CTA per query head: its items, longest first.
       const int64_t per_head = items / p.num_heads_q;
-      const int64_t seg = mode == sm90::ItemOrder::kGlobal ? items : per_head;
       sm90::OrderItemsKernel<kTile.block_n, kIsBanded>
-          <<<static_cast<unsigned>((items + seg - 1) / seg), sm90::kOrderThreads, 0, stream>>>(
-              launch, static_cast<int>(items), static_cast<int>(seg), mode, order);
+          <<<static_cast<unsigned>(p.num_heads_q), sm90::kOrderThreads, 0, stream>>>(
+              launch, static_cast<int>(items), static_cast<int>(per_head), order);
       err = cudaGetLastError();
       if (err != cudaSuccess) return err;
     }

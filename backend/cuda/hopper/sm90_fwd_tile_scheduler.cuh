@@ -126,14 +126,6 @@ __device__ __forceinline__ bool DecodeTile(const FwdLaunch& F, int index, Sm90Ti
   return true;
 }
 
-// How a block-masked launch orders its items (OrderItemsKernel), set by
-// ATTNSERVE_SM90_ITEM_ORDER (head | global | natural; the bench's ablation).
-enum class ItemOrder : int {
-  kNatural = 0,  // the identity: DecodeTile's order
-  kHead = 1,     // each query head's items longest first, heads in turn
-  kGlobal = 2,   // every item longest first
-};
-
 constexpr int kOrderThreads = 512;
 // Buckets of kept-block counts; counts past the last share it.
 constexpr int kOrderBuckets = 512;
@@ -187,30 +179,23 @@ __device__ __forceinline__ int4 ItemWalk(const FwdLaunch& F, const int64_t* pref
   return e;
 }
 
-// Writes order[seg0 .. seg0 + seg_items) for CTA x's segment of the items
-// [x * seg_items, ...): its items by kept blocks, most first (a counting
-// sort over kOrderBuckets; within a count, about their natural order), each
-// with its walk (ItemWalk), so the producer drawing it reads no CSR. A
-// dynamic scheduler mapping its drawn indices through the order starts the
-// long items first and ends on the short ones, so its CTAs finish together.
-// kNatural keeps the identity order. Run on the forward kernel's stream,
-// before it.
+// Writes CTA x's segment of the order: the items of query head x,
+// order[x * seg_items ...], by kept blocks, most first (a counting sort over
+// kOrderBuckets; within a count, about their natural order), each with its
+// walk (ItemWalk), so the producer drawing it reads no CSR. The dynamic
+// scheduler, drawing through the order, starts each head's long items first
+// and ends on the short ones, so its CTAs finish together; heads stay in
+// turn, so the CTAs running together still share one head's K/V in L2.
+// Run on the forward kernel's stream, before it.
 template <int kBlockN, bool kIsBanded>
 __global__ void __launch_bounds__(kOrderThreads)
-    OrderItemsKernel(const FwdLaunch F, int num_items, int seg_items, ItemOrder mode, int4* order) {
+    OrderItemsKernel(const FwdLaunch F, int num_items, int seg_items, int4* order) {
   __shared__ int bucket_start[kOrderBuckets];
   __shared__ int warp_sum[kOrderThreads / 32];
   const int seg0 = blockIdx.x * seg_items;
   const int seg1 = min(num_items, seg0 + seg_items);
   const int tid = threadIdx.x;
   const int64_t* prefix = ModsPrefixOf(F);
-  if (mode == ItemOrder::kNatural) {
-    int kept;
-    for (int i = seg0 + tid; i < seg1; i += kOrderThreads) {
-      order[i] = ItemWalk<kBlockN, kIsBanded>(F, prefix, i, &kept);
-    }
-    return;
-  }
   // Bucket r holds the items of kOrderBuckets - 1 - r kept blocks (clamped):
   // ascending r is the order wanted. A thread's first kKeep walks stay in
   // registers between the passes; later ones are walked again.
