@@ -60,10 +60,14 @@ class PinnedHostPool : public std::enable_shared_from_this<PinnedHostPool> {
   }
 
  private:
+  // Sixteenths of the power of two at or above `bytes`: a block is at most
+  // 1/8 larger than what its caller is charged (whole powers of two let a
+  // tenant hold nearly twice its in-flight bytes in page-locked memory).
   static int64_t SizeClass(int64_t bytes) {
-    int64_t size = kMinPinnedBytes;
-    while (size < bytes) size *= 2;
-    return size;
+    int64_t power = kMinPinnedBytes;
+    while (power < bytes) power *= 2;
+    const int64_t step = power / 16;
+    return (bytes + step - 1) / step * step;
   }
   static std::shared_ptr<char> Heap(int64_t bytes) {
     char* p = new (std::nothrow) char[static_cast<size_t>(bytes > 0 ? bytes : 1)];

@@ -115,6 +115,9 @@ class PinnedBuffer {
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() { Unpin(); }
+  // Before the tracked storage is freed: registered memory must not be
+  // freed, and a new allocation at the same address is not registered.
+  void Release() { Unpin(); }
   void Track(std::string* s) {
 #if ATTNSERVE_HAVE_CUDA
     if (s->capacity() == 0) return;
@@ -510,8 +513,13 @@ class BulkReceiver::Impl {
     }
     waiting_slot_ = false;
     slot->charge = std::move(charge);  // the previous chunk's goes
-    // Buffers above this chunk's charge are given back before it is received.
-    for (int i = 0; i < 4; ++i) FitTo(Part(&slot->chunk, i), in_.sizes[i]);
+    // Buffers above this chunk's charge are given back before it is received
+    // (k's and v's page-locking undone first).
+    for (int i = 0; i < 4; ++i) {
+      std::string* part = Part(&slot->chunk, i);
+      if (i < 2 && Refits(*part, in_.sizes[i])) slot->pinned[i].Release();
+      FitTo(part, in_.sizes[i]);
+    }
     KvTransferChunk& c = slot->chunk;
     c.sequence_id = in_.sequence_id;
     c.layer = in_.layer;
@@ -559,9 +567,12 @@ class BulkReceiver::Impl {
 
   // `s` at `n` bytes in an allocation of about that size (the charge is the
   // payload's): a larger one from an earlier chunk is given back first.
-  static void FitTo(std::string* s, size_t n) {
+  static bool Refits(const std::string& s, size_t n) {
     constexpr size_t kSlack = 64;
-    if (s->capacity() > n + kSlack || s->capacity() < n) {
+    return s.capacity() > n + kSlack || s.capacity() < n;
+  }
+  static void FitTo(std::string* s, size_t n) {
+    if (Refits(*s, n)) {
       std::string().swap(*s);
       s->reserve(n);  // exactly (growing in place may double it)
     }
