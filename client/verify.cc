@@ -60,8 +60,10 @@ int64_t LseIndexOfO(const AttnParams& p, int64_t idx) {
   return LseOffset(p, b, h, static_cast<int>(row % p.seqlen_q));
 }
 
+// fp8_p_term: tolerance::Fp8PTerm of the call (0 unless FP8), computed while
+// its V was still in memory.
 void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutput* lowp,
-            const std::vector<float>& out, VerifyReport* r) {
+            double fp8_p_term, const std::vector<float>& out, VerifyReport* r) {
   // The scale of each output vector (one query row of one head).
   const int64_t d = HeadDimV(p);
   std::vector<double> vec_scale(out.size() / std::max<int64_t>(d, 1), 0.0);
@@ -84,8 +86,8 @@ void CheckO(const AttnParams& p, const ReferenceOutput& ref, const ReferenceOutp
     if (lowp != nullptr) r->lowp_err = std::max(r->lowp_err, std::fabs(lowp->o[i] - ref.o[i]));
   }
   if (lowp != nullptr) {
-    // FP8: the floor carries the E4M3 rounding of P (tolerance::Fp8PTerm).
-    const double floor = OutputFloor(p.dtype) + tolerance::Fp8PTerm(p);
+    // FP8: the floor carries the E4M3 rounding of P.
+    const double floor = OutputFloor(p.dtype) + fp8_p_term;
     r->tolerance = 2.0 * r->lowp_err + floor;
     r->tolerance_rule = absl::StrCat("2 * max|ref_lowp - ref| + ", floor);
     if (r->failure.empty() && r->max_abs_err > r->tolerance) {
@@ -163,6 +165,7 @@ struct ForwardVerifier::State {
   DType dtype;  // O's (BF16 for FP8 inputs)
   ReferenceOutput ref;
   std::optional<ReferenceOutput> lowp;  // FP16/BF16/FP8 only
+  double fp8_p_term = 0.0;              // tolerance::Fp8PTerm, taken while V is at hand
 };
 
 absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& inputs) {
@@ -181,6 +184,7 @@ absl::StatusOr<ForwardVerifier> ForwardVerifier::Create(const AttentionInputs& i
   if (state->params.dtype != DType::kFP32) {
     state->lowp = ReferenceAttentionLowPrecision(state->params);
   }
+  state->fp8_p_term = tolerance::Fp8PTerm(state->params);
   state->params.q = state->params.k = state->params.v = nullptr;
   // Like q/k/v, the mods' arrays belong to the inputs; Check reads no mods.
   state->params.alibi_slopes = state->params.sinks = nullptr;
@@ -205,7 +209,7 @@ absl::StatusOr<VerifyReport> ForwardVerifier::Check(const ForwardResult& result)
   }
   const ReferenceOutput* lowp = st.lowp ? &*st.lowp : nullptr;
   VerifyReport r;
-  CheckO(st.params, st.ref, lowp, result.o.ToFloats(), &r);
+  CheckO(st.params, st.ref, lowp, st.fp8_p_term, result.o.ToFloats(), &r);
   if (result.lse) {
     if (result.lse->num_elements() != static_cast<int64_t>(st.ref.lse.size())) {
       return absl::InvalidArgumentError(absl::StrCat(
