@@ -183,7 +183,8 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     // ... and P V too where the tile's key width takes FP8 steps, at D 128:
     // D 64 and 256 read V^T in 64-byte boxes, a kernel path no GPU test has
     // run yet, so they keep V dequantised.
-    plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n) && params.head_dim == 128;
+    plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n) &&
+                  params.head_dim == 128 && HeadDimV(params) == params.head_dim;
     // Its softmax with a quarter of the exp2 off the MUFU unit (faster in
     // the A/B of bench/NOTES-cuda.md's "FP8 P V on FP8 wgmma").
     plan.fp8_poly_exp2 = plan.fp8_pv;
