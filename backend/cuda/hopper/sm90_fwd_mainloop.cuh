@@ -766,6 +766,21 @@ class Sm90FwdMainloop {
     }
   }
 
+  // x[0..1] += coef * one 16-bit pair of bias values (BF16 or FP16 in `u`).
+  template <bool kBf16>
+  __device__ __forceinline__ static void AddBiasPair(uint32_t u, float coef, float* x) {
+    float2 b;
+    if constexpr (kBf16) {
+      b = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+    } else {
+      __half2 h;
+      memcpy(&h, &u, 4);
+      b = __half22float2(h);
+    }
+    x[0] = fmaf(b.x, coef, x[0]);
+    x[1] = fmaf(b.y, coef, x[1]);
+  }
+
   // S += bias (natural-log units, times kLog2e / score_log2 into S's
   // units) from 16-bit pairs.
   template <bool kBf16>
@@ -780,18 +795,8 @@ class Sm90FwdMainloop {
         const unsigned char* row = BiasRows() + (sw + half * 8) * kBiasRowBytes + quad * 4;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          const uint32_t u = *reinterpret_cast<const uint32_t*>(row + ((nt ^ sw) * 16));
-          float2 b;
-          if constexpr (kBf16) {
-            b = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-          } else {
-            __half2 h;
-            memcpy(&h, &u, 4);
-            b = __half22float2(h);
-          }
-          float* x = &acc_.s[0][nt][half * 2];
-          x[0] = fmaf(b.x, coef, x[0]);
-          x[1] = fmaf(b.y, coef, x[1]);
+          AddBiasPair<kBf16>(*reinterpret_cast<const uint32_t*>(row + ((nt ^ sw) * 16)), coef,
+                             &acc_.s[0][nt][half * 2]);
         }
       }
       return;
@@ -801,18 +806,7 @@ class Sm90FwdMainloop {
       const unsigned char* row = RowPtr(t, half, false, 2);
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
-        const uint32_t u = PairAt<2>(row, half, nt, key0, t.sk);
-        float2 b;
-        if constexpr (kBf16) {
-          b = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-        } else {
-          __half2 h;
-          memcpy(&h, &u, 4);
-          b = __half22float2(h);
-        }
-        float* x = &acc_.s[0][nt][half * 2];
-        x[0] = fmaf(b.x, coef, x[0]);
-        x[1] = fmaf(b.y, coef, x[1]);
+        AddBiasPair<kBf16>(PairAt<2>(row, half, nt, key0, t.sk), coef, &acc_.s[0][nt][half * 2]);
       }
     }
   }
