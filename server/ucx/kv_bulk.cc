@@ -107,58 +107,36 @@ class WakeFd {
 // while it is this size or smaller; registered again if it moves. Called on
 // the thread that copies, after a copy: the backend has made the cache's
 // device current there (a thread with none would start another device's
-// context). A no-op without CUDA (and where registering fails: the copies
+// context). A no-op without a PinHost (and where pinning fails: the copies
 // then stage as usual).
 class PinnedBuffer {
  public:
-  PinnedBuffer() = default;
+  explicit PinnedBuffer(const PinHost* pin) : pin_(pin) {}
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { Unpin(); }
-  // Before the tracked storage is freed: registered memory must not be
-  // freed, and a new allocation at the same address is not registered.
-  void Release() { Unpin(); }
-  void Track(std::string* s) {
-#if ATTNSERVE_HAVE_CUDA
-    if (s->capacity() == 0) return;
-    if (s->data() == ptr_ && s->capacity() <= bytes_) return;
-    Unpin();
-    int device = -1;
-    if (cudaGetDevice(&device) != cudaSuccess) {
-      cudaGetLastError();
-      return;
-    }
-    if (cudaHostRegister(s->data(), s->capacity(), cudaHostRegisterPortable) == cudaSuccess) {
-      ptr_ = s->data();
-      bytes_ = s->capacity();
-      device_ = device;
-    } else {
-      cudaGetLastError();  // not sticky: the copies run from pageable memory
-    }
-#else
-    (void)s;
-#endif
-  }
-
- private:
-  void Unpin() {
-#if ATTNSERVE_HAVE_CUDA
-    if (ptr_ != nullptr) {
-      // On the device it was registered on; the thread's own is put back.
-      int current = -1;
-      if (cudaGetDevice(&current) != cudaSuccess) current = -1;
-      if (current != device_) cudaSetDevice(device_);
-      cudaHostUnregister(ptr_);
-      if (current >= 0 && current != device_) cudaSetDevice(current);
-      cudaGetLastError();
-    }
-#endif
+  ~PinnedBuffer() { Release(); }
+  // Before the tracked storage is freed or handed on: registered memory must
+  // not be freed, and a new allocation at the same address is not registered.
+  void Release() {
+    handle_.reset();
     ptr_ = nullptr;
     bytes_ = 0;
   }
+  void Track(std::string* s) {
+    if (pin_ == nullptr || !*pin_ || s->capacity() == 0) return;
+    if (s->data() == ptr_ && s->capacity() <= bytes_) return;
+    Release();
+    handle_ = (*pin_)(s->data(), s->capacity());
+    if (handle_ == nullptr) return;
+    ptr_ = s->data();
+    bytes_ = s->capacity();
+  }
+
+ private:
+  const PinHost* const pin_;
+  std::shared_ptr<void> handle_;
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
-  int device_ = -1;
 };
 
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& host, int port, bool passive) {
@@ -193,6 +171,33 @@ std::string RandomTicket() {
 }  // namespace
 
 bool BulkBuilt() { return true; }
+
+PinHost DefaultPinHost() {
+#if ATTNSERVE_HAVE_CUDA
+  return [](void* data, size_t bytes) -> std::shared_ptr<void> {
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    if (cudaHostRegister(data, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: the copies run from pageable memory
+      return nullptr;
+    }
+    // Undone on the device it was registered on; the thread's own is put back.
+    return std::shared_ptr<void>(data, [device](void* p) {
+      int current = -1;
+      if (cudaGetDevice(&current) != cudaSuccess) current = -1;
+      if (current != device) cudaSetDevice(device);
+      cudaHostUnregister(p);
+      if (current >= 0 && current != device) cudaSetDevice(current);
+      cudaGetLastError();
+    });
+  };
+#else
+  return nullptr;
+#endif
+}
 
 // --- Receiver ---
 
@@ -239,7 +244,7 @@ class BulkReceiver::Impl {
                       : ntohs(reinterpret_cast<const sockaddr_in6&>(attr.sockaddr).sin6_port);
     offer_.ticket = RandomTicket();
     for (int i = 0; i < std::max(options_.window, 1); ++i) {
-      free_.push_back(std::make_unique<Slot>());
+      free_.push_back(std::make_unique<Slot>(&options_.pin_host));
     }
     // A thread that does not start fails the receiver (its caller answers
     // with the status); one started is stopped again by Stop.
@@ -283,6 +288,7 @@ class BulkReceiver::Impl {
  private:
   // A chunk being received or waiting to be applied.
   struct Slot {
+    explicit Slot(const PinHost* pin) : pinned{PinnedBuffer(pin), PinnedBuffer(pin)} {}
     KvTransferChunk chunk;
     PinnedBuffer pinned[2];        // k, v: the H2D copies' sources
     std::shared_ptr<void> charge;  // BulkOptions::charge's token, until applied
@@ -936,7 +942,7 @@ class Sender {
     }
     RETURN_IF_ERROR(Hello(offer.ticket));
     for (int i = 0; i < std::max(options_.window, 1); ++i) {
-      auto slot = std::make_unique<Slot>();
+      auto slot = std::make_unique<Slot>(&options_.pin_host);
       if (options_.chunk_bytes > 0) {
         // K and V take half a chunk each at most; sized now, they never move.
         for (int p = 0; p < 2; ++p)
@@ -954,6 +960,7 @@ class Sender {
 
  private:
   struct Slot {
+    explicit Slot(const PinHost* pin) : pinned{PinnedBuffer(pin), PinnedBuffer(pin)} {}
     KvTransferChunk chunk;
     PinnedBuffer pinned[2];  // k, v: the D2H copies' destinations
     BulkFrame frame;

@@ -71,6 +71,15 @@ struct BulkOffer {
   std::string ticket;
 };
 
+// Page-locks a staging buffer for the GPU copies (DMA): the handle undoes
+// it when destroyed, which must happen before the buffer is freed or moves.
+// Null where it cannot (the copies then stage as usual). A seam: the build's
+// own (DefaultPinHost) is CUDA's host registration, and tests observe it.
+using PinHost = std::function<std::shared_ptr<void>(void* data, size_t bytes)>;
+// cudaHostRegister/cudaHostUnregister in a CUDA build; unset without CUDA
+// (nothing is page-locked).
+PinHost DefaultPinHost();
+
 struct BulkOptions {
   // Chunks in flight (sent and not yet acknowledged): the sender's window
   // and the receiver's staging slots.
@@ -88,6 +97,8 @@ struct BulkOptions {
   int64_t chunk_bytes = 0;
   // Connect, hello and one ack: a peer silent this long is gone.
   absl::Duration timeout = absl::Seconds(60);
+  // Page-locks the slots' k and v buffers (both sides); unset: nothing is.
+  PinHost pin_host = DefaultPinHost();
 };
 
 // The receiving side of one import stream. `apply` keeps one chunk (the

@@ -11,6 +11,7 @@ absl::Status NotBuilt() {
 }  // namespace
 
 bool BulkBuilt() { return false; }
+PinHost DefaultPinHost() { return nullptr; }
 
 class BulkReceiver::Impl {
  public:
