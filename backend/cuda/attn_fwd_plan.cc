@@ -98,7 +98,25 @@ bool Sm90DecodeCovers(const AttnParams& p) {
          CompiledSm90DecodeHeadDim(p.head_dim) && p.seqlen_k > 0;
 }
 
+// FP8 P V at D 64 and 256 too (their V^T boxes are 64 bytes, D 128's 128):
+// the one-line switch, false until a GPU run of scripts/device/fp8-pv-bench.sh
+// passes there (tests/backend/plan_forward_test.cc's D 64 / 256 lines flip
+// with it). ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1 turns it on for that run.
+constexpr bool kFp8PvEveryHeadDim = false;
+
 }  // namespace
+
+bool Fp8PvEveryHeadDim() {
+  static const bool on = [] {
+    const char* env = std::getenv("ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM");
+    return kFp8PvEveryHeadDim || (env != nullptr && env[0] == '1' && env[1] == '\0');
+  }();
+  return on;
+}
+
+bool Fp8PvPlannedAt(int head_dim) {
+  return head_dim == 128 || (Fp8PvEveryHeadDim() && (head_dim == 64 || head_dim == 256));
+}
 
 int InvariantMinTiles() {
   static const int tiles = [] {
@@ -180,11 +198,11 @@ Plan PlanForward(const AttnParams& params, int num_sms, bool allow_sm90, KvRows 
     // run dequantised on the portable kernel.
     Plan plan = PlanForward(bf16, num_sms, allow_sm90 && !HasScoreMods(params), kv);
     plan.fp8_qk = plan.kernel_family == KernelFamily::kSm90 && plan.tile_kind != TileKind::kDecode;
-    // ... and P V too where the tile's key width takes FP8 steps, at D 128:
-    // D 64 and 256 read V^T in 64-byte boxes, a kernel path no GPU test has
-    // run yet, so they keep V dequantised.
+    // ... and P V too where the tile's key width takes FP8 steps, at D 128
+    // (Fp8PvPlannedAt: D 64 and 256 read V^T in 64-byte boxes, and wait for
+    // their GPU run).
     plan.fp8_pv = plan.fp8_qk && Sm90Fp8PvFits(TileForPlan(plan).block_n) &&
-                  params.head_dim == 128 && HeadDimV(params) == params.head_dim;
+                  Fp8PvPlannedAt(params.head_dim) && HeadDimV(params) == params.head_dim;
     // Its softmax with a quarter of the exp2 off the MUFU unit (faster in
     // the A/B of bench/NOTES-cuda.md's "FP8 P V on FP8 wgmma").
     plan.fp8_poly_exp2 = plan.fp8_pv;

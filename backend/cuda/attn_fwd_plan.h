@@ -122,8 +122,10 @@ constexpr int kSm90MaxSmemBytes = 227 * 1024;  // a CTA's opt-in limit on sm_90
 constexpr int Sm90SmemBytesWith(const TileConfig& t, int qk_bytes, int q_slots, int v_dim = 0,
                                 int v_bytes = 2) {
   const int qk_row = (t.head_dim * qk_bytes + 127) / 128 * 128;
+  // FP8 V^T (v_bytes 1) adds the 1024-byte ones tile of its row sums.
   return (q_slots * t.block_m + t.stages * t.block_n) * qk_row +
-         t.stages * t.block_n * (v_dim > 0 ? v_dim : t.head_dim) * v_bytes + 1024 + 256;
+         t.stages * t.block_n * (v_dim > 0 ? v_dim : t.head_dim) * v_bytes +
+         (v_bytes == 1 ? 1024 : 0) + 1024 + 256;
 }
 // Q slots of a Hopper prefill tile: two where they fit (D 64 and 128; FP8
 // Q/K up to 256), so a persistent CTA's producer loads the next item's Q,
@@ -140,6 +142,11 @@ constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2, int v_dim = 0
 // keys (Plan::fp8_pv): its k32 steps and V^T's TMA boxes (64 or 128 keys,
 // one 64- or 128-byte swizzled row) tile it, which D 192's 112 keys do not.
 constexpr bool Sm90Fp8PvFits(int block_n) { return block_n > 0 && block_n % 64 == 0; }
+// The FP8 call head dims PlanForward gives FP8 P V where the tile fits: 128,
+// and 64 and 256 once Fp8PvEveryHeadDim (attn_fwd_plan.cc's switch, or
+// ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1, read once per process).
+bool Fp8PvEveryHeadDim();
+bool Fp8PvPlannedAt(int head_dim);
 constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
 
 // The Hopper prefill kernel for MLA shapes (V's and O's head dim Dv

@@ -4,10 +4,17 @@
 // whose rows are dominated by a few keys (where pairing P with the wrong V
 // rows shows) through the backend against the float64 reference with the FP8
 // rule (tolerance.h), and the same call with V^T's keys left unpermuted,
-// which must fail that check. Without a GPU the device tests GTEST_SKIP.
+// which must fail that check; rows of a few top keys among many whose
+// weights round to E4M3 zero, over V constant along the keys, where O must
+// come out as V's row (the normalisation sums the weights O summed); and the
+// polynomial exp2 over every kind of input (host). Without a GPU the device
+// tests GTEST_SKIP.
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,6 +23,7 @@
 #include "backend/cuda/attn_fwd_plan.h"
 #include "backend/cuda/fp8_dequant.h"
 #include "backend/cuda/fp8_vt_layout.h"
+#include "backend/cuda/hopper/sm90_exp2_poly.h"
 #include "gtest/gtest.h"
 #include "tests/common/attn_test_util.h"
 #include "tests/cuda/shared_cuda_backend.h"
@@ -48,6 +56,54 @@ TEST(Fp8PvLayout, KeyPermutationMatchesTheFragments) {
     ++keys[cuda::Fp8VtKeyAt(c)];
   }
   for (int k = 0; k < cuda::kFp8VtGroup; ++k) EXPECT_EQ(keys[k], 1) << "key " << k;
+}
+
+// Exp2Poly (the FP8 P V softmax's polynomial exp2) is a finite positive
+// number for every argument (NaN included), within 2^-11.5 of 2^x on [-126,
+// 127], and 2^-126 / 2^127 past the ends; the version before the clamp's
+// upper end gave NaN from x = 127.5 up (j overflowing the exponent field) and
+// at +inf.
+TEST(Fp8PvExp2Poly, FiniteAndAccurateEverywhere) {
+  using cuda::sm90::Exp2Poly;
+  const float lo = std::ldexp(1.0f, -126), hi = std::ldexp(1.0f, 127);
+  auto check = [&](float x) {
+    const float r = Exp2Poly(x);
+    ASSERT_TRUE(std::isfinite(r) && r > 0.f) << "x = " << x << " gives " << r;
+    // NaN: 2^-126 on the GPU (its min / max drop a NaN operand); the host's
+    // fmaxf keeps a signalling one, and fminf then gives 127.
+    if (std::isnan(x)) return;
+    if (x < -126.f) {
+      ASSERT_EQ(r, lo) << "x = " << x;
+    } else if (x > 127.f) {
+      ASSERT_EQ(r, hi) << "x = " << x;
+    } else {
+      const double rel = std::fabs(r / std::exp2(static_cast<double>(x)) - 1.0);
+      ASSERT_LE(rel, std::ldexp(1.0, -11) * 0.71) << "x = " << x;  // 2^-11.5
+    }
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {-inf, inf, std::numeric_limits<float>::quiet_NaN(), 0.f, -0.f,
+                  std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::denorm_min(), 127.4f, 127.5f, 127.99f, 128.f, 129.f,
+                  1e9f, -126.f, -126.5f, -127.f, -1e9f}) {
+    check(x);
+  }
+  // Every half-integer boundary of the rounding to j, and its neighbours.
+  for (int i = -300; i <= 300; ++i) {
+    const float b = 0.5f * static_cast<float>(i);
+    check(b);
+    check(std::nextafter(b, -inf));
+    check(std::nextafter(b, inf));
+  }
+  // A stride through all 2^32 bit patterns (every sign, exponent and NaN).
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 997) {
+    const uint32_t bits = static_cast<uint32_t>(u);
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    check(x);
+  }
+  // Densely over the range the kernel uses (arguments <= 8 + rounding).
+  for (float x = -140.f; x <= 10.f; x += 1.f / 1024) check(x);
 }
 
 bool HaveGpu(std::string* why) { return testing_util::SharedCudaBackend(why) != nullptr; }
@@ -237,8 +293,9 @@ TEST_P(CudaFp8PvSharp, PassesTheFp8Rule) {
   }
   ASSERT_TRUE(plan.ok()) << plan.status();
   // On an sm90 GPU the Hopper kernel's FP8 P V runs every case here whose
-  // head dim this build compiled for it.
-  if (cuda::DeviceRunsSm90Kernels(0) && plan->kernel_family == KernelFamily::kSm90) {
+  // head dim this build compiled for it and the planner gives it to.
+  if (cuda::DeviceRunsSm90Kernels(0) && plan->kernel_family == KernelFamily::kSm90 &&
+      cuda::Fp8PvPlannedAt(GetParam().head_dim)) {
     EXPECT_TRUE(plan->fp8_pv) << GetParam().Name();
   }
   // Twice as planned, then with Plan::fp8_poly_exp2 flipped (both exp2 forms
@@ -260,6 +317,72 @@ INSTANTIATE_TEST_SUITE_P(Fp8Pv, CudaFp8PvSharp, ::testing::ValuesIn(SharpCases()
                          [](const ::testing::TestParamInfo<TestCase>& info) {
                            return info.param.Name() + "_" + std::to_string(info.index);
                          });
+
+// A row sum that O does not share shows: two top keys (the first and last,
+// so whichever end the kernel scans first holds one) and Sk - 2 keys whose
+// weight is 2^-18.05 of theirs, so that FP8 P (scaled by 2^8) rounds each to
+// an E4M3 zero, over V rows equal along the keys. O must be V's row: the
+// normalisation has to sum the weights O summed. Summing the unrounded ones
+// (the kernel before) divides by 2 + 16382 x 2^-18.05 instead of 2, 2.9%
+// low, which the FP8 rule's n 2^-17 term would admit at 16k keys; here
+// |O - v| must stay within 2^-8 |v| (O's BF16 rounding, 2^-9). Every head
+// dim the plan gives FP8 P V, both exp2 forms, the extra stage.
+TEST(CudaFp8Pv, FlushedWeightsLeaveTheRowSum) {
+  std::string why;
+  AttentionBackend* backend = testing_util::SharedCudaBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  constexpr int kSk = 16384;
+  // s_top - s_tiny = (2 - 1) x 1 x scale; times log2(e): 18.05.
+  const float scale = static_cast<float>(18.05 / std::log2(std::exp(1.0)));
+  for (int d : {64, 128, 256}) {
+    TestCase tc = Fp8Case(1, 64, kSk, 1, 1, d, false, scale);
+    HostBuffers buf(tc);
+    const AttnParams& p = buf.params();
+    // Q: code 1.0 in column 0 of every row, 0 elsewhere (E4M3 0x38 is 1.0,
+    // 0x40 2.0, 0x00 0). Q's buffer has no mutable accessor: the test owns
+    // the HostBuffers, whose params point at it.
+    uint8_t* q = static_cast<uint8_t*>(const_cast<void*>(buf.q()));
+    std::memset(q, 0, static_cast<size_t>(buf.q_bytes()));
+    for (int64_t r = 0; r < p.total_q * p.num_heads_q; ++r) q[r * d] = 0x38;
+    // K: column 0 is 2.0 for the top keys, 1.0 for the rest; 0 elsewhere.
+    uint8_t* k = static_cast<uint8_t*>(buf.k());
+    std::memset(k, 0, static_cast<size_t>(buf.kv_bytes()));
+    for (int j = 0; j < kSk; ++j) k[int64_t{j} * d] = j == 0 || j == kSk - 1 ? 0x40 : 0x38;
+    // V: row c of every key is code (c % 7 + 1) / 4 x (-1)^c (0.25 .. 1.75).
+    uint8_t* v = static_cast<uint8_t*>(buf.v());
+    const uint8_t codes[7] = {0x28, 0x30, 0x34, 0x38, 0x3a, 0x3c, 0x3e};
+    for (int j = 0; j < kSk; ++j) {
+      for (int c = 0; c < d; ++c) v[int64_t{j} * d + c] = codes[c % 7] | (c % 2 ? 0x80 : 0);
+    }
+    const absl::StatusOr<Plan> plan = backend->CanImplement(p);
+    if (plan.status().code() == absl::StatusCode::kUnimplemented) continue;
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (int run = 0; run < (plan->fp8_pv ? 3 : 1); ++run) {
+      Plan use = *plan;
+      if (run >= 1) use.fp8_poly_exp2 = !plan->fp8_poly_exp2;
+      if (run == 2) use.fp8_extra_stage = !plan->fp8_extra_stage;
+      buf.Poison();
+      BackendTimings t;
+      const absl::Status st = backend->Forward(use, p, &t);
+      ASSERT_TRUE(st.ok()) << st;
+      const std::string what = "d " + std::to_string(d) + " fp8_pv " + std::to_string(use.fp8_pv) +
+                               " poly_exp2 " + std::to_string(use.fp8_poly_exp2) + " extra_stage " +
+                               std::to_string(use.fp8_extra_stage);
+      const uint16_t* o = static_cast<const uint16_t*>(buf.o());  // BF16
+      double worst = 0.0;
+      for (int64_t i = 0; i < buf.o_elements(); ++i) {
+        const int c = static_cast<int>(i % d);
+        const double want = (c % 2 ? -1.0 : 1.0) * (c % 7 + 1) / 4.0 * p.v_descale;
+        const uint32_t bits = uint32_t{o[i]} << 16;
+        float got;
+        std::memcpy(&got, &bits, sizeof(got));
+        worst = std::max(worst, std::fabs(got - want) / std::fabs(want));
+      }
+      EXPECT_LE(worst, 1.0 / 256) << what << ": O is off V's row by this fraction of it";
+      EXPECT_TRUE(CheckOutput(buf)) << what;
+    }
+  }
+}
 
 // The check can fail: the same launch with V^T's keys left in key order
 // inside each group (the pass's output, un-permuted on the host) pairs each

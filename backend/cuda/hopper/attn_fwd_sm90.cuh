@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
   const Scheduler scheduler(F, sm, num_items);
   const int tid = threadIdx.x;
 
+  sm.FillOnes(tid);
   if (tid == 0) {
     sm.InitPipelineBarriers();
     scheduler.InitBarriers();
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(ThreadsOf(kSchedule), 1)
     }
     const int row0 = mainloop.Row0(t);
     mainloop.Mma(t, row0);
-    Epilogue::Store(F, qr, t, row0, mainloop.quad, acc.o, acc.row_max, acc.row_sum,
+    Epilogue::Store(F, qr, t, row0, mainloop.quad, acc.o, acc.row_max, acc.row_sum, acc.psum,
                     mainloop.score_log2);
   }
   mainloop.EndTurns();

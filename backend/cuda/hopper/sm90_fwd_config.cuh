@@ -108,8 +108,11 @@ struct Sm90FwdConfig {
   // (a word per fragment pair per consumer thread, Sm90FwdMainloop::
   // PrefetchMods), kept where it fits (else those pairs are read when the
   // tile is scored).
-  static constexpr int kBaseSmemBytes =
-      (kQSlots * kBlockM + kStages * kBlockN) * kQKBlocks * 128 + kStages * kVBytes + 1024 + 256;
+  // kFp8Pv: a 1024-byte swizzle atom of E4M3 ones, the B of the row sums'
+  // wgmma (Sm90FwdSmem::ones).
+  static constexpr int kOnesBytes = kFp8Pv ? 1024 : 0;
+  static constexpr int kBaseSmemBytes = (kQSlots * kBlockM + kStages * kBlockN) * kQKBlocks * 128 +
+                                        kStages * kVBytes + kOnesBytes + 1024 + 256;
   static constexpr int kPreBytesWanted = kConsumerThreads * 2 * kNTiles * 4;
   static constexpr int kPreBytes =
       kElemMods && kBaseSmemBytes + kPreBytesWanted <= kSm90MaxSmemBytes ? kPreBytesWanted : 0;
@@ -149,9 +152,13 @@ struct Sm90FwdSmem {
   __device__ __forceinline__ T* sV() const {
     return reinterpret_cast<T*>(sK() + Cfg::kStages * Cfg::kKBytes);
   }
+  // kFp8Pv: Cfg::kOnesBytes of E4M3 1.0 (FillOnes), 1024-byte aligned after the V ring
+  __device__ __forceinline__ unsigned char* ones() const {
+    return sK() + Cfg::kStages * (Cfg::kKBytes + Cfg::kVBytes);
+  }
   // [kQSlots]: Q landed
   __device__ __forceinline__ uint64_t* q_full() const {
-    return reinterpret_cast<uint64_t*>(sK() + Cfg::kStages * (Cfg::kKBytes + Cfg::kVBytes));
+    return reinterpret_cast<uint64_t*>(ones() + Cfg::kOnesBytes);
   }
   // [kQSlots]: every consumer warp ran its last Q K^T
   __device__ __forceinline__ uint64_t* q_empty() const { return q_full() + 2; }
@@ -175,6 +182,16 @@ struct Sm90FwdSmem {
   // 256 bytes of mbarriers and item slots.
   __device__ __forceinline__ unsigned char* pre() const {
     return reinterpret_cast<unsigned char*>(q_full()) + 256;
+  }
+
+  // kFp8Pv: threads tid < 256 write the ones and fence them into the async
+  // proxy (wgmma reads them); the caller's barrier follows.
+  __device__ __forceinline__ void FillOnes(int tid) const {
+    if constexpr (Cfg::kFp8Pv) {
+      static_assert(Cfg::kOnesBytes == 256 * 4, "one word per thread");
+      if (tid < 256) reinterpret_cast<uint32_t*>(ones())[tid] = 0x38383838u;  // E4M3 1.0
+      FenceProxyAsyncShared();
+    }
   }
 
   // The Q slots' and the K/V ring's mbarriers (one thread; the caller fences).

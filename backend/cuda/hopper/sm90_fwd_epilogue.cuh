@@ -74,32 +74,45 @@ struct Sm90FwdEpilogue {
     }
   }
 
+  // kFp8Pv: O over the row sum of the rounded P it summed (psum, whole per
+  // thread: Sm90FwdAccum), times V's descale (O summed V's codes); the LSE
+  // from the unrounded sum (row_sum, quad-partial), less P's 2^kPExp, which
+  // the normalisation cancelled. (FP8 calls take no sinks.)
+  __device__ __forceinline__ static void NormalizeRowsFp8Pv(
+      float (&o)[1][kDTiles][4], const float (&row_max)[2], const float (&row_sum)[2],
+      const float (&psum)[4], float score_log2, float v_descale, float (&lse)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = detail::QuadSum(row_sum[half]);
+      const float l = psum[half * 2];
+      const float inv = l > 0.f ? v_descale / l : 0.f;
+      lse[half] = sum > 0.f ? (row_max[half] * score_log2 + __log2f(sum)) * detail::kLn2 -
+                                  static_cast<float>(Cfg::kPExp) * detail::kLn2
+                            : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o[0][dt][half * 2] *= inv;
+        o[0][dt][half * 2 + 1] *= inv;
+      }
+    }
+  }
+
   // The thread's rows row0 and row0 + 8 of item t: o (normalised in place),
-  // row_max and row_sum as the mainloop left them.
+  // row_max, row_sum and (kFp8Pv) psum as the mainloop left them.
   __device__ __forceinline__ static void Store(const FwdLaunch& F, const detail::QueryRows& qr,
                                                const Sm90Tile& t, int row0, int quad,
                                                float (&o)[1][kDTiles][4], const float (&row_max)[2],
-                                               const float (&row_sum)[2], float score_log2) {
+                                               const float (&row_sum)[2], const float (&psum)[4],
+                                               float score_log2) {
     const AttnParams& p = F.p;
     float lse[2];
-    if (Cfg::kSinks && p.sinks != nullptr) {
+    if constexpr (Cfg::kFp8Pv) {
+      static_assert(!Cfg::kSinks, "FP8 P V without sinks");
+      NormalizeRowsFp8Pv(o, row_max, row_sum, psum, score_log2, p.v_descale, lse);
+    } else if (Cfg::kSinks && p.sinks != nullptr) {
       NormalizeRowsSink(o, row_max, row_sum, score_log2, __ldg(p.sinks + t.head), lse);
     } else {
       detail::NormalizeRows<1, kDTiles>(o, row_max, row_sum, score_log2, lse);
-    }
-    if constexpr (Cfg::kFp8Pv) {
-      // O summed V's codes: times V's descale. P and the row sum carried
-      // 2^kPExp: the normalisation cancelled it, the LSE drops it.
-      const float vd = p.v_descale;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        lse[half] -= static_cast<float>(Cfg::kPExp) * detail::kLn2;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[0][dt][half * 2] *= vd;
-          o[0][dt][half * 2 + 1] *= vd;
-        }
-      }
     }
     T* o_ptr = static_cast<T*>(p.o);
     const int dv = detail::OutDim<Cfg::kDistinctV>(p);

@@ -21,6 +21,7 @@
 #include "backend/cuda/fp8_vt_layout.h"
 #include "backend/cuda/generated/sm90_wgmma.h"
 #include "backend/cuda/hopper/attn_fwd_sm90.h"
+#include "backend/cuda/hopper/sm90_exp2_poly.h"
 #include "backend/cuda/hopper/sm90_fwd_config.cuh"
 #include "backend/cuda/hopper/sm90_fwd_tile_scheduler.cuh"
 #include "backend/cuda/hopper/sm90_primitives.cuh"
@@ -29,19 +30,6 @@
 namespace attnserve {
 namespace cuda {
 namespace sm90 {
-
-// 2^x on the FMA and integer pipes, not MUFU (Plan::fp8_poly_exp2): x
-// rounded to the nearest integer j by the 1.5 * 2^23 trick, 2^(x - j) by a
-// cubic on [-0.5, 0.5] (relative error under 2^-11.9, against E4M3's 2^-4),
-// j added to the exponent field. x below -120 (masked keys: -inf) gives
-// 2^-120, which rounds to an E4M3 zero and adds nothing measurable to a sum.
-__device__ __forceinline__ float Exp2Poly(float x) {
-  x = fmaxf(x, -120.f);
-  const float t = x + 12582912.f;  // 1.5 * 2^23: the low mantissa bits hold j
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05286327f, f, 0.2419271f), f, 0.69355154f), f, 1.f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
 
 // One online-softmax step over this thread's two rows of an S tile (in place:
 // S becomes P = exp2(S * score_log2 - max)); corr[half] is the factor the
@@ -282,6 +270,12 @@ struct Sm90FwdAccum {
   float corr[2] = {1.f, 1.f};
   float s[1][Cfg::kNTiles][4];
   uint32_t pa[Cfg::kPSteps][4];
+  // kFp8Pv: each row's sum of the E4M3-rounded P that O sums, by the tensor
+  // core (P times a ones tile, Sm90FwdSmem::ones: every column is the row's
+  // sum; 0, 1 of row r, 2, 3 of row r + 8), rescaled with O. O is normalised
+  // by it, so O stays a convex combination of V rows; the unrounded row_sum
+  // gives the LSE.
+  float psum[4];
 };
 
 // The two consumer warpgroups: warpgroup wg owns rows m0 + 64 wg .. + 63 of
@@ -361,6 +355,8 @@ class Sm90FwdMainloop {
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_.o[0][dt][e] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_.psum[e] = 0.f;
     acc_.row_max[0] = acc_.row_max[1] = -INFINITY;
     acc_.row_sum[0] = acc_.row_sum[1] = 0.f;
     const int q_slot = items_done_ % Cfg::kQSlots;
@@ -381,13 +377,13 @@ class Sm90FwdMainloop {
         ReleaseK(stage, it, num_tiles, q_slot);
         const int n = TileAt(t, it);
         Softmax(t, row0, n);
-        RescaleO(acc_.o, acc_.corr);
+        RescaleAcc();
         ConvertPa();
         MbarWait(&sm_.v_full()[stage], parity);
         ClearVTail(t, stage, n);
         GemmPV(stage);
         WgmmaWait<0>();
-        FenceRegs(Flat(acc_.o));
+        FenceAcc();
         Release(&sm_.v_empty()[stage]);
       }
     } else {
@@ -427,7 +423,7 @@ class Sm90FwdMainloop {
         ClearVTail(t, prev, Cfg::kMods ? n_prev : TileAt(t, it - 1));
         TurnBegin();
         GemmQK(stage);  // S of tile it ...
-        RescaleO(acc_.o, acc_.corr);
+        RescaleAcc();
         GemmPV(prev);  // ... while O += P V of tile it - 1
         TurnEnd();
         WgmmaWait<1>();  // S landed; P V may still run during the softmax
@@ -441,7 +437,7 @@ class Sm90FwdMainloop {
           }
         }
         WgmmaWait<0>();
-        FenceRegs(Flat(acc_.o));
+        FenceAcc();
         Release(&sm_.v_empty()[prev]);
         ConvertPa();
         if constexpr (Cfg::kMods) n_prev = n_it;
@@ -450,11 +446,11 @@ class Sm90FwdMainloop {
       MbarWait(&sm_.v_full()[last], ((g + num_tiles - 1) / kStages) & 1);
       ClearVTail(t, last, Cfg::kMods ? n_prev : TileAt(t, num_tiles - 1));
       TurnBegin();
-      RescaleO(acc_.o, acc_.corr);
+      RescaleAcc();
       GemmPV(last);
       TurnEnd();
       WgmmaWait<0>();
-      FenceRegs(Flat(acc_.o));
+      FenceAcc();
       Release(&sm_.v_empty()[last]);
     }
     g_ += num_tiles;
@@ -497,7 +493,7 @@ class Sm90FwdMainloop {
   // kFp8Pv: V^T is the K-major B operand (kHeadDimV rows of kVtChunk key
   // bytes per box, swizzled as K's rows are); a k32 step is +32 bytes of a row.
   __device__ __forceinline__ void GemmPV(int stage) {
-    FenceRegs(Flat(acc_.o));
+    FenceAcc();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kPSteps; ++kk) FenceRegs(acc_.pa[kk]);
     WgmmaFence();
@@ -510,6 +506,7 @@ class Sm90FwdMainloop {
             (kk * 32 / kChunk) * Cfg::kHeadDimV * kChunk + (kk * 32) % kChunk;
         const uint64_t bd = kChunk == 128 ? SmemDesc(box, 16, 1024) : SmemDescSw64(box);
         WgmmaE4m3<Cfg::kHeadDimV>::RS(Flat(acc_.o), acc_.pa[kk], bd);
+        WgmmaE4m3N8RS(acc_.psum, acc_.pa[kk], SmemDesc(sm_.ones(), 16, 1024));
       } else {
         const uint64_t bd = SmemDesc(sm_.sV() + stage * kDBlocks * kBlockN * 64 + kk * 16 * 64,
                                      kBlockN * 128, 1024);
@@ -517,7 +514,24 @@ class Sm90FwdMainloop {
       }
     }
     WgmmaCommit();
+    FenceAcc();
+  }
+
+  // O's accumulators (and kFp8Pv's row sums, written by the same wgmma
+  // group) fenced against the asynchronous P V.
+  __device__ __forceinline__ void FenceAcc() {
     FenceRegs(Flat(acc_.o));
+    if constexpr (Cfg::kFp8Pv) FenceRegs(acc_.psum);
+  }
+  // O (and kFp8Pv's row sums) times the softmax step's corr.
+  __device__ __forceinline__ void RescaleAcc() {
+    RescaleO(acc_.o, acc_.corr);
+    if constexpr (Cfg::kFp8Pv) {
+      acc_.psum[0] *= acc_.corr[0];
+      acc_.psum[1] *= acc_.corr[0];
+      acc_.psum[2] *= acc_.corr[1];
+      acc_.psum[3] *= acc_.corr[1];
+    }
   }
 
   __device__ __forceinline__ void Release(uint64_t* bar) const {

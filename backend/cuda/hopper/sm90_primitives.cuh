@@ -160,6 +160,18 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// d += A B with A [64 x 32] E4M3 in registers (the P V's A fragment) and B
+// [32 x 8] K-major E4M3 in shared memory: the FP8 P V's row sums, B a tile
+// of ones (Sm90FwdSmem::ones). d: rows r, r + 8 of the thread, 2 columns each.
+__device__ __forceinline__ void WgmmaE4m3N8RS(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "%8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
 // ---- Register reallocation between warpgroups (the kernel must have a
 // register cap at entry: __launch_bounds__(threads, 1)).
 template <int kRegs>
