@@ -13,10 +13,14 @@
 # (fp8_qk), two variants of new (fp8_mufu, fp8_stage) and each path's pass
 # over V alone (fp8_pass, fp8_qk_pass) side by side, and BF16 (ours). D 64 and 256 need the full kernel set (KERNELS=all, the
 # default); with KERNELS=dev only D 128 runs on the Hopper kernel.
+# EVERY_DIM=1 (the default) runs it all with ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1:
+# FP8 P V planned at D 64 and 256 too (attn_fwd_plan.cc's switch, off until
+# such a run passes); EVERY_DIM=0: as planned (D 128 only). IMPLS replaces
+# the bench's list of implementations.
 # Prints a summary and, last, one table (TFLOP/s new, old, ratio); CSV and
 # logs under $OUT.
 # Usage: [BUILD=dir] [KERNELS=all|dev] [NS=1024,...] [DS="64 128 256"] [BF16=1]
-#        [EXTRA_IMPLS=fp8_dequant,fp8_poly_stage]
+#        [EVERY_DIM=1] [IMPLS=fp8,fp8_qk,...] [EXTRA_IMPLS=fp8_dequant,fp8_poly_stage]
 #        scripts/device/fp8-pv-bench.sh [--no-sanitizer] [--no-tests] [--no-bench]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -30,6 +34,8 @@ for a in "$@"; do
 done
 KERNELS=${KERNELS:-all}; NS=${NS:-1024,2048,4096,8192,16384}; DS=${DS:-64 128 256}
 BF16=${BF16:-1}
+EVERY_DIM=${EVERY_DIM:-1}
+[ "$EVERY_DIM" = 1 ] && export ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
@@ -42,16 +48,15 @@ if [ -n "${BUILD:-}" ]; then
 else
   B=build-gpu-$KERNELS
   t0=$(date +%s)
-  if cmake -S . -B $B -G Ninja -DATTNSERVE_BUILD_SERVER=OFF -DATTNSERVE_CUDA=ON \
-       -DCMAKE_PREFIX_PATH="$PWD/.device-carry/absl" -DCMAKE_CUDA_ARCHITECTURES=90-real \
-       -DATTNSERVE_CUDA_KERNELS="$KERNELS" >"$OUT/configure.log" 2>&1 &&
-     ninja -C $B -j16 cuda_backend_test cuda_fp8_pv_test cuda_batch_invariance_test attn_bench >"$OUT/build.log" 2>&1; then
+  if KERNELS=$KERNELS cuda_build . $B "$OUT/build.log" cuda_backend_test cuda_fp8_pv_test \
+       cuda_batch_invariance_test attn_bench; then
     note build "ok ($(( $(date +%s) - t0 )) s, KERNELS=$KERNELS)"
   else
-    note build "FAILED (see build.log)"; grep -E 'error|FAILED' "$OUT/build.log" | head -30
+    note build "FAILED (see build.log)"
     printf '%s\n' "${SUMMARY[@]}"; exit 1
   fi
 fi
+note "FP8 P V at every head dim" "EVERY_DIM=$EVERY_DIM"
 grep -E "spill" "$OUT/build.log" | grep -cE "ELi(64|128|256)ELb1EEEvNS0_13Sm90FwdLaunch" >"$OUT/fp8pv-spills.txt"
 note "fp8 P V kernel spill warnings" "$(cat "$OUT/fp8pv-spills.txt")"
 T=$B/tests/cuda/cuda_backend_test
@@ -82,8 +87,10 @@ if [ "$TESTS" = 1 ]; then
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $T --gtest_filter='Fp8/*_7' \
         >"$OUT/sanitizer-$tool.log" 2>&1
       note "sanitizer $tool (Fp8/*_7)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+      # Sharp cases _3 (D 64, the 192-key tile) and _4 (D 256), whose V^T
+      # boxes are 64 bytes, and _6 (varlen, D 128).
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $TP \
-        --gtest_filter='CudaFp8Pv.TransposeMatchesTheLayout:*PassesTheFp8Rule/*_6' \
+        --gtest_filter='CudaFp8Pv.TransposeMatchesTheLayout:*PassesTheFp8Rule/*_[346]' \
         >"$OUT/sanitizer-$tool-pv.log" 2>&1
       note "sanitizer $tool (fp8 pv test)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool-pv.log" | tail -1)"
     done
@@ -97,7 +104,7 @@ if [ "$BENCH" = 1 ]; then
     echo "# gpu: $gpu; driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
     echo "# tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted'); KERNELS=$KERNELS; $(date -u +%Y-%m-%dT%H:%MZ)"
   } >"$CSV"
-  impls=fp8,fp8_mufu,fp8_stage,fp8_qk,fp8_pass,fp8_qk_pass${EXTRA_IMPLS:+,$EXTRA_IMPLS}
+  impls=${IMPLS:-fp8,fp8_mufu,fp8_stage,fp8_qk,fp8_pass,fp8_qk_pass}${EXTRA_IMPLS:+,$EXTRA_IMPLS}
   [ "$BF16" = 1 ] && impls=$impls,ours
   # The anchor grid (D 64/128/256 x N 512..16k), BF16 shapes as FP8 codes.
   timeout 540 $B/bench/cuda/attn_bench --grid=anchor --dtypes=bf16 --impls=$impls \
