@@ -9,10 +9,13 @@
 // listener therefore runs a pool that grows on demand up to a large cap, gives
 // each connection short read, write and keep-alive timeouts, listens with a
 // real backlog, and binds without SO_REUSEPORT so a second server on the same
-// port fails instead of splitting the traffic.
+// port fails instead of splitting the traffic. What one connection may make
+// the server hold is bounded by the server classes (server/http_connection.h).
 #pragma once
 
 #include <httplib.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -72,6 +75,12 @@ class GrowingThreadPool final : public httplib::TaskQueue {
   static constexpr auto kIdleExit = std::chrono::seconds(30);
 
   void Work() {
+    // A write to a connection the client has closed fails with EPIPE instead
+    // of killing the process (OpenSSL writes without MSG_NOSIGNAL).
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       ++idle_;

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "server/http_connection.h"
 #include "server/security/file_watch.h"
 #include "spdlog/spdlog.h"
 
@@ -141,14 +142,14 @@ HttpServerWithTls::~HttpServerWithTls() {
 absl::StatusOr<HttpServerWithTls> MakeHttpServer(const TlsFiles& files) {
   HttpServerWithTls out;
   if (!files.enabled()) {
-    out.server = std::make_unique<httplib::Server>();
+    out.server = std::make_unique<HttpServer>();
     return out;
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const TlsMaterial> first, LoadMaterial(files));
   auto reloader = std::make_shared<TlsReloader>(files, std::move(first));
   const bool mutual = files.mutual();
   TlsReloader* raw = reloader.get();
-  auto server = std::make_unique<httplib::SSLServer>([raw, mutual](SSL_CTX& ctx) {
+  auto server = std::make_unique<HttpsServer>([raw, mutual](SSL_CTX& ctx) {
     SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
     SSL_CTX_set_cert_cb(&ctx, &TlsReloader::CertCallback, raw);
     if (mutual) {
