@@ -55,14 +55,17 @@ masks=$(mktemp -d)
 tb=$(date +%s)
 timeout "$(left 150)" $B/bench/cuda/mask_bench --grid=sparse --dims=64 --ns=8192,16384,32768 \
   --csv="$L/sparse.csv" --mask_dir="$masks" 2>"$L/mask_bench-sparse.log"
-note "mask_bench D 64 sparse" "rc=$? rows=$(($(wc -l <"$L/sparse.csv") - 1))"
+rc=$?
+note "mask_bench D 64 sparse" "rc=$rc rows=$(($(wc -l <"$L/sparse.csv") - 1))"
 timeout "$(left 90)" $B/bench/cuda/mask_bench --grid=bias --csv="$L/bias.csv" \
   2>"$L/mask_bench-bias.log"
-note "mask_bench bias" "rc=$? rows=$(($(wc -l <"$L/bias.csv") - 1))"
+rc=$?
+note "mask_bench bias" "rc=$rc rows=$(($(wc -l <"$L/bias.csv") - 1))"
 { cat "$L/sparse.csv"; tail -n +2 "$L/bias.csv"; } >"$OUT/ours.csv"
 timeout "$(left 300)" python3 bench/gpu/mask_peers.py --mask_dir "$masks" --csv "$OUT/peers.csv" \
   2>"$L/peers.log"
-note "mask_peers (flex, sdpa)" "rc=$? rows=$(($(wc -l <"$OUT/peers.csv") - 1)) ($(($(date +%s) - tb)) s bench)"
+rc=$?
+note "mask_peers (flex, sdpa)" "rc=$rc rows=$(($(wc -l <"$OUT/peers.csv") - 1)) ($(($(date +%s) - tb)) s bench)"
 rm -rf "$masks"
 {
   echo "# gpu: $gpu"
