@@ -417,7 +417,8 @@ class AttnServerImpl final : public AttnServer {
   void StartHandoff() {
     if (options_.handoff.peer.empty()) return;
     absl::StatusOr<std::unique_ptr<KvPeer>> peer =
-        KvPeer::Create(options_.handoff, options_.tls, options_.auth.tokens_file, &kv_pool_);
+        KvPeer::Create(options_.handoff, options_.tls, options_.auth.tokens_file, &kv_pool_,
+                       &ucx_buffered_, tenants_.get());
     if (!peer.ok()) {
       handoff_error_ = peer.status();
       return;
@@ -722,6 +723,9 @@ class AttnServerImpl final : public AttnServer {
   // KvTransfer (docs/kv-transfer.md): imports waiting for a resume, and the service.
   KvImportSessions kv_import_sessions_;
   KvTransferService kv_transfer_service_;
+  // Bytes held outside gRPC's and the streams' accounting: UCX steps' frames
+  // and --handoff_peer pushes' send windows (before both, which charge it).
+  ByteBudget ucx_buffered_{BufferedBytesOf(options_) / 2};
   // --handoff_peer: the peer, and the gate (destroyed first: it waits for
   // fetches and gives that use the peer).
   std::unique_ptr<KvPeer> handoff_peer_;
@@ -731,7 +735,6 @@ class AttnServerImpl final : public AttnServer {
   ShmService shm_service_{kserve_.shm_registry()};  // KServe's regions, for the native API
   // The UCX step transport: after the K/V runner its steps run on, so it stops first.
   ucx::KvSteps ucx_steps_{&kv_runner_, auth_.get()};
-  ByteBudget ucx_buffered_{BufferedBytesOf(options_) / 2};
   std::unique_ptr<ucx::Listener> ucx_listener_;
   std::atomic<int> ucx_port_{0};
 

@@ -583,11 +583,13 @@ absl::Status ExportCache(KvPool& pool, const std::string& tenant, const std::str
 // --- Import ---
 
 KvImportSession::KvImportSession(KvImportSessions* owner, std::string tenant,
-                                 KvTransferHeader header, std::shared_ptr<KvCache> cache)
+                                 KvTransferHeader header, std::shared_ptr<KvCache> cache,
+                                 bool created_cache)
     : owner_(owner),
       tenant_(std::move(tenant)),
       transfer_id_(header.transfer_id),
-      cache_(std::move(cache)) {
+      cache_(std::move(cache)),
+      created_cache_(created_cache) {
   absl::MutexLock lock(&mu_);
   header_ = std::move(header);
   token_ = header_.token_begin;
@@ -641,13 +643,17 @@ bool KvImportSession::Done() {
 
 void KvImportSession::Detach() {
   bool done = false;
+  bool undo = false;  // the cache this import created holds nothing of it
   {
     absl::MutexLock lock(&mu_);
     attached_ = false;
     last_active_ = absl::Now();
     done = next_seq_ >= header_.sequences.size();
+    // Nothing to resume from (no row kept): the resume creates it again.
+    undo = !done && created_cache_ && committed_.empty() && !started_;
   }
-  if (done) owner_->Forget(this);
+  if (done || undo) owner_->Forget(this);
+  if (undo) owner_->DropEmptyCreated(tenant_, cache_);
 }
 
 namespace {
@@ -981,6 +987,7 @@ absl::StatusOr<std::shared_ptr<KvImportSession>> KvImportSessions::Attach(
     return s;
   }
   absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->Find(tenant, cache_id);
+  bool created = false;
   if (absl::IsNotFound(cache.status()) && create.has_value()) {
     KvCreateCache c;
     c.geometry = header.geometry;
@@ -995,11 +1002,17 @@ absl::StatusOr<std::shared_ptr<KvImportSession>> KvImportSessions::Attach(
       return absl::Status(cache.status().code(),
                           absl::StrCat("create: ", cache.status().message()));
     }
+    created = true;
   }
   if (!cache.ok()) return cache.status();
-  RETURN_IF_ERROR(RefuseSpanning(**cache, "an import"));
-  RETURN_IF_ERROR(CheckHeader(header, **cache));
-  auto session = std::make_shared<KvImportSession>(this, tenant, header, *cache);
+  absl::Status usable = RefuseSpanning(**cache, "an import");
+  if (usable.ok()) usable = CheckHeader(header, **cache);
+  if (!usable.ok()) {
+    // A refused import leaves no cache of its own behind.
+    if (created) pool_->DropCache(tenant, cache_id).IgnoreError();
+    return usable;
+  }
+  auto session = std::make_shared<KvImportSession>(this, tenant, header, *cache, created);
   {
     absl::MutexLock session_lock(&session->mu_);
     session->attached_ = true;
@@ -1016,6 +1029,13 @@ void KvImportSessions::Forget(const KvImportSession* session) {
     gone = std::move(it->second);
     sessions_.erase(it);
   }
+}
+
+void KvImportSessions::DropEmptyCreated(const std::string& tenant,
+                                        const std::shared_ptr<KvCache>& cache) {
+  absl::StatusOr<std::shared_ptr<KvCache>> live = pool_->Find(tenant, cache->id());
+  if (!live.ok() || *live != cache || cache->Stats().sequences > 0) return;
+  pool_->DropCache(tenant, cache->id()).IgnoreError();
 }
 
 void KvImportSessions::ExpireIdle(absl::Time now) {
@@ -1039,7 +1059,19 @@ void KvImportSessions::ExpireIdle(absl::Time now) {
     }
   }
   expired_.fetch_add(static_cast<int64_t>(gone.size()), std::memory_order_relaxed);
-  // Staged pages go back as the sessions are destroyed, outside the lock.
+  // Staged pages go back as the sessions are destroyed, outside the lock; a
+  // cache an expired import created and made nothing live in goes too.
+  for (std::shared_ptr<KvImportSession>& s : gone) {
+    bool undo = false;
+    {
+      absl::MutexLock lock(&s->mu_);
+      undo = s->created_cache_ && s->committed_.empty();
+    }
+    std::shared_ptr<KvCache> cache = s->cache_;
+    const std::string tenant = s->tenant_;
+    s.reset();
+    if (undo) DropEmptyCreated(tenant, cache);
+  }
 }
 
 KvImportStats KvImportSessions::Stats() {
@@ -1059,6 +1091,12 @@ KvImportStats KvImportSessions::Stats() {
   st.bytes_imported = bytes_imported_.load(std::memory_order_relaxed);
   st.checksum_failures = checksum_failures_.load(std::memory_order_relaxed);
   return st;
+}
+
+int64_t KvMaxChunkBytes(const KvGeometry& g, int32_t page_size, int64_t max_chunk_bytes) {
+  const int64_t max_bytes = max_chunk_bytes == 0 ? kDefaultKvChunkBytes : max_chunk_bytes;
+  const int64_t page = std::max<int64_t>(1, PayloadBytes(g, page_size));
+  return std::max<int64_t>(1, max_bytes / page) * page;
 }
 
 }  // namespace attnserve

@@ -36,6 +36,11 @@ namespace attnserve {
 // Chunk payload bound when an export asks for 0 (ExportSequencesRequest.max_chunk_bytes).
 inline constexpr int64_t kDefaultKvChunkBytes = int64_t{4} << 20;
 
+// The largest chunk payload an export of a cache with geometry `g` and
+// `page_size` makes when asked for `max_chunk_bytes` (0: the default): whole
+// pages of one layer, at least one.
+int64_t KvMaxChunkBytes(const KvGeometry& g, int32_t page_size, int64_t max_chunk_bytes);
+
 struct KvTransferSequence {
   uint64_t sequence_id = 0;
   std::vector<int32_t> lengths;  // per layer, after the import
@@ -208,14 +213,18 @@ class KvImportSession {
   // True when every sequence of the header is live.
   bool Done();
   // The stream is over (cut, failed or done): a finished session ends now,
-  // another waits for a resume until the idle timeout.
+  // another waits for a resume until the idle timeout. A session that
+  // created its cache and kept no row ends now too, and the cache goes with
+  // it (a failed import leaves no cache behind; a resume creates it again
+  // from `create`); one that kept rows but made no sequence live takes the
+  // cache with it when it expires.
   void Detach();
 
   const std::string& transfer_id() const { return transfer_id_; }
   const std::shared_ptr<KvCache>& cache() const { return cache_; }
 
   KvImportSession(KvImportSessions* owner, std::string tenant, KvTransferHeader header,
-                  std::shared_ptr<KvCache> cache);
+                  std::shared_ptr<KvCache> cache, bool created_cache = false);
   ~KvImportSession();  // returns staged pages
 
  private:
@@ -238,6 +247,7 @@ class KvImportSession {
   const std::string tenant_;
   const std::string transfer_id_;
   const std::shared_ptr<KvCache> cache_;
+  const bool created_cache_;  // Attach created the cache from `create`
 
   absl::Mutex mu_;
   KvTransferHeader header_ ABSL_GUARDED_BY(mu_);
@@ -274,6 +284,9 @@ class KvImportSessions {
  private:
   friend class KvImportSession;
   void Forget(const KvImportSession* session);
+  // Drops `cache` if the pool still holds it for `tenant` and it has no live
+  // sequence (an import created it and failed before any went live).
+  void DropEmptyCreated(const std::string& tenant, const std::shared_ptr<KvCache>& cache);
 
   KvPool* const pool_;
   const KvImportOptions options_;

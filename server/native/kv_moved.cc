@@ -21,6 +21,7 @@
 #include "common/cache_id_header.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "server/auth/tenants.h"
 #include "server/metrics.h"
 #include "server/native/kv_messages.h"
 #include "server/native/kv_transfer_service.h"
@@ -29,6 +30,59 @@
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
+
+PushWindow::~PushWindow() {
+  if (budget != nullptr) budget->Release(held);
+}
+
+absl::StatusOr<std::unique_ptr<PushWindow>> ChargePushWindow(
+    const std::string& tenant, const std::string& cache_id, const KvGeometry& geometry,
+    int32_t page_size, int64_t pages_used, ByteBudget* budget, TenantDirectory* tenants,
+    absl::Time deadline) {
+  int64_t allowance = kPushWindowChunks * kDefaultKvChunkBytes;
+  if (budget != nullptr && budget->limit() > 0) allowance = std::min(allowance, budget->limit());
+  const int64_t quota = tenants != nullptr ? tenants->QuotasOf(tenant).bytes_in_flight : 0;
+  if (quota > 0) allowance = std::min(allowance, quota);
+  auto w = std::make_unique<PushWindow>();
+  w->chunk_target = std::max<int64_t>(1, allowance / kPushWindowChunks);
+  // No chunk is larger than the pages the cache uses.
+  const int64_t page = KvMaxChunkBytes(geometry, page_size, 1);
+  w->chunk_max = std::min(KvMaxChunkBytes(geometry, page_size, w->chunk_target),
+                          std::max<int64_t>(1, pages_used) * page);
+  w->held = kPushWindowChunks * w->chunk_max;
+  bool charged_tenant = false;
+  for (int64_t pause_ms = 1;; pause_ms = std::min<int64_t>(pause_ms * 2, 50)) {
+    absl::Status refused;
+    if (tenants != nullptr && !charged_tenant) {
+      absl::StatusOr<InFlightCharge> charge = tenants->ChargeInFlight(tenant, w->held);
+      if (charge.ok()) {
+        w->tenant = *std::move(charge);
+        charged_tenant = true;
+      } else {
+        refused = charge.status();
+      }
+    }
+    if (refused.ok() && budget != nullptr) {
+      if (budget->TryCharge(w->held)) {
+        w->budget = budget;
+        return w;
+      }
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat("max_buffered_bytes: a push's window of ", w->held, " bytes does not fit (",
+                       budget->used(), " of ", budget->limit(), " held)"));
+    }
+    if (refused.ok()) return w;
+    // A window larger than the limit itself never fits: refused at once.
+    const bool never = (quota > 0 && w->held > quota) ||
+                       (budget != nullptr && budget->limit() > 0 && w->held > budget->limit());
+    if (never || absl::Now() + absl::Milliseconds(pause_ms) > deadline) {
+      return absl::Status(refused.code(),
+                          absl::StrCat("cache ", cache_id, " not pushed: ", refused.message()));
+    }
+    absl::SleepFor(absl::Milliseconds(pause_ms));
+  }
+}
+
 namespace {
 
 // Caches moved at once by a drain: enough to overlap one cache's tail with
@@ -66,8 +120,9 @@ class ExporterReader final : public KvChunkReader {
 
 // The push over UCX: this server sends a local export's chunks to the
 // receiver the peer's import offers (server/ucx/kv_bulk.h), as
-// ExportSequences does for a move between two other servers.
-DataPlaneSender UcxSender(const std::shared_ptr<KvCache>& cache) {
+// ExportSequences does for a move between two other servers, in chunks of
+// `window`'s size.
+DataPlaneSender UcxSender(const std::shared_ptr<KvCache>& cache, const PushWindow& window) {
   DataPlaneSender sender;
   sender.header = [cache](const std::string& transfer_id) -> absl::StatusOr<v1::KvTransferHeader> {
     KvExportOptions options;
@@ -77,8 +132,10 @@ DataPlaneSender UcxSender(const std::shared_ptr<KvCache>& cache) {
     EncodeTransferHeader(exporter->header(), &header);
     return header;
   };
-  sender.run = [cache](const v1::ImportResumePoint* resume, const std::string& transfer_id,
-                       const v1::KvDataPlane& offer) -> absl::StatusOr<int64_t> {
+  const int64_t chunk_target = window.chunk_target, chunk_max = window.chunk_max;
+  sender.run = [cache, chunk_target, chunk_max](
+                   const v1::ImportResumePoint* resume, const std::string& transfer_id,
+                   const v1::KvDataPlane& offer) -> absl::StatusOr<int64_t> {
     if (!ucx::BulkBuilt()) {
       return absl::UnimplementedError("this attnserve was built without UCX");
     }
@@ -89,13 +146,15 @@ DataPlaneSender UcxSender(const std::shared_ptr<KvCache>& cache) {
     KvExportOptions export_options;
     if (resume != nullptr) export_options.resume = DecodeResumePoint(*resume);
     export_options.transfer_id = transfer_id;
+    export_options.max_chunk_bytes = chunk_target;
     ASSIGN_OR_RETURN(std::unique_ptr<KvExporter> exporter,
                      KvExporter::Start(cache, export_options));
     ucx::BulkOptions options;
-    // The window's slots are sized up front: a chunk is at most the default
-    // chunk, what a receiver takes and what is left to send.
+    options.window = kPushWindowChunks;
+    // The window's slots are sized up front (what the push charged): a chunk
+    // is at most the window's chunk, what a receiver takes and what is left.
     options.chunk_bytes = std::max<int64_t>(
-        1, std::min({kDefaultKvChunkBytes, options.max_chunk_bytes, exporter->remaining_bytes()}));
+        1, std::min({chunk_max, options.max_chunk_bytes, exporter->remaining_bytes()}));
     const std::atomic<bool> cancelled{false};
     ucx::BulkSendResult sent;
     RETURN_IF_ERROR(ucx::SendChunks(
@@ -174,7 +233,8 @@ std::string AuthorizationOf(const grpc::CallbackServerContext* context) {
 
 absl::StatusOr<std::unique_ptr<KvPeer>> KvPeer::Create(const HandoffOptions& options,
                                                        const TlsFiles& tls, std::string tokens_file,
-                                                       KvPool* pool) {
+                                                       KvPool* pool, ByteBudget* budget,
+                                                       TenantDirectory* tenants) {
   if (options.transport != "auto" && options.transport != "ucx" && options.transport != "grpc") {
     return absl::InvalidArgumentError(absl::StrCat(
         "handoff_transport: expected auto, ucx or grpc, got '", options.transport, "'"));
@@ -202,15 +262,17 @@ absl::StatusOr<std::unique_ptr<KvPeer>> KvPeer::Create(const HandoffOptions& opt
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel(options.peer, credentials, args);
   return std::unique_ptr<KvPeer>(
-      new KvPeer(options, std::move(channel), std::move(tokens_file), pool));
+      new KvPeer(options, std::move(channel), std::move(tokens_file), pool, budget, tenants));
 }
 
 KvPeer::KvPeer(const HandoffOptions& options, std::shared_ptr<grpc::Channel> channel,
-               std::string tokens_file, KvPool* pool)
+               std::string tokens_file, KvPool* pool, ByteBudget* budget, TenantDirectory* tenants)
     : options_(options),
       channel_(std::move(channel)),
       tokens_file_(std::move(tokens_file)),
-      pool_(pool) {}
+      pool_(pool),
+      budget_(budget),
+      tenants_(tenants) {}
 
 absl::Status KvPeer::Fetch(const KvHandoffGate::Call& call) {
   const std::string& id = call.cache_id;
@@ -262,12 +324,23 @@ absl::StatusOr<int64_t> KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl
     if (!made.ok() && !absl::IsAlreadyExists(made)) return made;
     return int64_t{0};
   }
+  // What the push holds while it runs (either transport), charged first.
+  const KvCacheStats stats = cache->Stats();
+  ASSIGN_OR_RETURN(const std::unique_ptr<PushWindow> window,
+                   ChargePushWindow(cache->tenant(), cache->id(), stats.geometry, stats.page_size,
+                                    stats.pages_used, budget_, tenants_, deadline));
+  // The queue's share of the window: the rest is the chunks being read,
+  // encoded and written.
+  options.max_buffered_bytes = (kPushWindowChunks - 4) * window->chunk_max;
+  const int64_t chunk_target = window->chunk_target;
   OpenChunks open =
-      [cache](const v1::ImportResumePoint* resume,
-              const std::string& transfer_id) -> absl::StatusOr<std::unique_ptr<KvChunkReader>> {
+      [cache, chunk_target](
+          const v1::ImportResumePoint* resume,
+          const std::string& transfer_id) -> absl::StatusOr<std::unique_ptr<KvChunkReader>> {
     KvExportOptions export_options;
     if (resume != nullptr) export_options.resume = DecodeResumePoint(*resume);
     export_options.transfer_id = transfer_id;
+    export_options.max_chunk_bytes = chunk_target;
     ASSIGN_OR_RETURN(std::unique_ptr<KvExporter> exporter,
                      KvExporter::Start(cache, export_options));
     return std::unique_ptr<KvChunkReader>(new ExporterReader(std::move(exporter)));
@@ -283,7 +356,7 @@ absl::StatusOr<int64_t> KvPeer::Push(const std::shared_ptr<KvCache>& cache, absl
       RETURN_IF_ERROR(PeerListensForUcx(channel_, options_.peer, as, deadline));
     options.data_plane = "ucx";
     options.data_plane_required = options_.transport == "ucx";
-    pushed = PushChunks(channel_, cache->id(), open, options, UcxSender(cache));
+    pushed = PushChunks(channel_, cache->id(), open, options, UcxSender(cache, *window));
   } else {
     pushed = PushChunks(channel_, cache->id(), open, options);
   }

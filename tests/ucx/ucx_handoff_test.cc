@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "server/ucx/kv_bulk.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/server/kv_handoff_fixture.h"
@@ -26,6 +27,7 @@ class UcxHandoffTest : public KvHandoffTest {
   void Configure(const std::string& transport0, bool ucx0, bool ucx1) {
     tune_ = [=](int i, ServerOptions* o) {
       if (i == 0) o->handoff.transport = transport0;
+      if (i == 0) o->max_buffered_bytes = budget0_;
       if (i == 0 ? ucx0 : ucx1) o->ucx_port = -1;
     };
     sink_ = std::make_shared<spdlog::sinks::ostream_sink_mt>(log_);
@@ -66,6 +68,7 @@ class UcxHandoffTest : public KvHandoffTest {
     CheckResponse(resp, parts, {c1, c2}, Mods());
   }
 
+  int64_t budget0_ = 0;  // server 0's --max_buffered_bytes (0: the default)
   std::ostringstream log_;
   std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
 };
@@ -125,6 +128,46 @@ TEST_F(UcxHandoffTest, UcxTransportWithoutPeerUcxMovesNothing) {
   EXPECT_NE(
       log.find("handoff_transport: ucx, but the peer " + Address(port_[1]) + " offers no UCX"),
       std::string::npos)
+      << log;
+  EXPECT_FALSE(Holds(1, "moving"));
+}
+
+// The peer names a UCX port but its import refuses UCX (here: its receiver's
+// thread does not start): with ucx the push fails, and the cache the import
+// created on the peer goes with it (R1-F5: it was left there, empty).
+TEST_F(UcxHandoffTest, APeerThatRefusesUcxKeepsNoCacheOfAFailedPush) {
+  Configure("ucx", /*ucx0=*/true, /*ucx1=*/true);
+  Context c1, c2;
+  Fill(&c1, &c2);
+  ucx::fail_thread_start_for_test = 1;  // the peer's receiver, the first data-plane thread
+  server_[0]->Shutdown(absl::Seconds(20));
+  ucx::fail_thread_start_for_test = 0;
+  const std::string log = Log();
+  EXPECT_NE(log.find("takes its chunks in the gRPC stream: the UCX data plane did not start"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("data_plane: \"ucx\" required, not offered"), std::string::npos) << log;
+  EXPECT_FALSE(Holds(1, "moving"));
+  v1::GetCacheStatsResponse stats;
+  EXPECT_EQ(Stats(1, "moving", &stats).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A push's send window (8 chunks of at least one page each) is charged to
+// the server's budget for bytes outside gRPC (half of --max_buffered_bytes):
+// one that can never fit is refused, and the cache stays.
+TEST_F(UcxHandoffTest, APushWhoseWindowCannotFitTheBudgetIsRefused) {
+  // 24 KiB for the window; 8 pages of this cache's layer are 32 KiB.
+  budget0_ = 48 << 10;
+  Configure("auto", /*ucx0=*/true, /*ucx1=*/true);
+  Context c1;
+  CreateCache(0, "moving", {1});
+  std::vector<Part> parts = {Step(1, &c1, 40, 1)};
+  v1::AppendAttendResponse resp;
+  ASSERT_TRUE(Call(0, MakeCall("moving", parts), &resp).ok());
+  server_[0]->Shutdown(absl::Seconds(20));
+  const std::string log = Log();
+  EXPECT_NE(log.find("max_buffered_bytes: a push's window of 32768 bytes does not fit"),
+            std::string::npos)
       << log;
   EXPECT_FALSE(Holds(1, "moving"));
 }
