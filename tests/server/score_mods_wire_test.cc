@@ -20,6 +20,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "backend/reference/reference_attention.h"
 #include "common/dtype.h"
@@ -926,7 +928,13 @@ TEST_F(ScoreModsWireTest, BatchingPacksEqualPerHeadModsAndRunsTensorModsAlone) {
       while (backend_->calls() == warm_calls) absl::SleepFor(absl::Milliseconds(1));
     }
   }
-  absl::SleepFor(absl::Milliseconds(100));  // the rest are queued
+  // The rest are queued behind the blocker: the server says so (not a fixed wait).
+  const int behind = static_cast<int>(requests.size()) - 1;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (server_->queued_requests() < behind && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(server_->queued_requests(), behind);
   backend_->Open();
   {
     absl::MutexLock lock(&mu);
