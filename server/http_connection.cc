@@ -19,7 +19,10 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -145,22 +148,43 @@ class ConnectionStream final : public httplib::Stream {
 
   void BeginRequest() {
     in_head_ = true;
+    chunked_ = false;
+    body_length_ = 0;
+    body_read_ = 0;
     head_bytes_ = 0;
     line_ended_ = false;
     body_line_bytes_ = 0;
     head_deadline_ = absl::Now() + settings_.limits.head_timeout;
   }
   // httplib has parsed the request line and headers.
-  void EndHead() { in_head_ = false; }
+  void EndHead(const httplib::Request& req) {
+    in_head_ = false;
+    body_read_ = 0;
+    chunked_ = absl::EqualsIgnoreCase(req.get_header_value("Transfer-Encoding"), "chunked");
+    body_length_ = req.get_header_value<uint64_t>("Content-Length");
+  }
+  // The request's body was not (or may not have been) read to its end, so
+  // what follows on the connection is not a request: a handler answered
+  // before reading it, or the read failed. Chunked bodies count as unread.
+  bool body_unread() const { return !in_head_ && (chunked_ || body_read_ < body_length_); }
 
   // `refused`: the response refused the request, whose body may be unread.
+  void ReleaseWhenAnswered(std::function<void()> release) {
+    releases_.push_back(std::move(release));
+  }
+  void RunReleases() {
+    std::vector<std::function<void()>> releases;
+    releases.swap(releases_);
+    for (const auto& release : releases) release();
+  }
+
   void CloseAfterResponse(bool refused) {
     close_after_response_ = true;
     linger_ = linger_ || refused;
   }
-  bool closing() const { return close_after_response_ || refused_; }
+  bool closing() const { return close_after_response_ || refused_ || body_unread(); }
   // The connection ends with what the client sent perhaps unread.
-  bool ends_mid_request() const { return linger_ || refused_; }
+  bool ends_mid_request() const { return linger_ || refused_ || body_unread(); }
 
   // The TLS handshake, within the head timeout from now.
   bool Handshake(TlsTransport* tls) {
@@ -224,8 +248,9 @@ class ConnectionStream final : public httplib::Stream {
     if (in_head_) {
       head_bytes_ += n;
       if (!line_ended_ && std::memchr(data, '\n', n) != nullptr) line_ended_ = true;
-    } else if (size == 1) {
-      body_line_bytes_ = *data == '\n' ? 0 : body_line_bytes_ + 1;
+    } else {
+      body_read_ += n;
+      if (size == 1) body_line_bytes_ = *data == '\n' ? 0 : body_line_bytes_ + 1;
     }
     return static_cast<ssize_t>(n);
   }
@@ -334,19 +359,28 @@ class ConnectionStream final : public httplib::Stream {
   size_t head_bytes_ = 0;
   bool line_ended_ = false;  // the head holds a whole request line
   size_t body_line_bytes_ = 0;
+  bool chunked_ = false;
+  uint64_t body_length_ = 0;  // Content-Length
+  uint64_t body_read_ = 0;
   absl::Time head_deadline_ = absl::InfiniteFuture();
   bool refused_ = false;
   bool close_after_response_ = false;
   bool linger_ = false;
+  std::vector<std::function<void()>> releases_;  // of the request being served
 };
 
 // The connection this thread serves, for the logger (httplib tells its
 // logger each response, not the stream it went to).
 thread_local ConnectionStream* current_connection = nullptr;
 
-// A response that says `Connection: close` ends its connection whatever the
+// Holds of a request are released when its response is ready (httplib calls
+// the post-routing handler for every response, just before writing it), and
+// a response that says `Connection: close` ends its connection whatever the
 // request asked (httplib would otherwise read on, a refused body included).
-void CloseOnConnectionClose(httplib::Server& server) {
+void InstallHooks(httplib::Server& server) {
+  server.set_post_routing_handler([](const httplib::Request&, httplib::Response&) {
+    if (current_connection != nullptr) current_connection->RunReleases();
+  });
   server.set_logger([](const httplib::Request&, const httplib::Response& res) {
     if (current_connection != nullptr && res.get_header_value("Connection") == "close") {
       current_connection->CloseAfterResponse(/*refused=*/res.status >= 400);
@@ -365,6 +399,10 @@ bool ServeRequests(ConnectionStream& stream, const Settings& settings,
   for (size_t left = settings.keep_alive_max_count; left > 0 && !stream.stopping(); --left) {
     if (!stream.WaitForRequest()) break;
     stream.BeginRequest();
+    struct Released {  // whatever way the request ends
+      ConnectionStream* stream;
+      ~Released() { stream->RunReleases(); }
+    } released{&stream};
     bool closed = false;
     ok = process(stream, left == 1, closed);
     if (!ok || closed || stream.closing()) break;
@@ -372,6 +410,19 @@ bool ServeRequests(ConnectionStream& stream, const Settings& settings,
   current_connection = nullptr;
   return ok;
 }
+
+}  // namespace
+
+bool ReleaseWhenAnswered(std::function<void()> release) {
+  if (current_connection == nullptr) {
+    release();
+    return false;
+  }
+  current_connection->ReleaseWhenAnswered(std::move(release));
+  return true;
+}
+
+namespace {
 
 void SetNonBlocking(int fd) {
   const int flags = ::fcntl(fd, F_GETFL, 0);
@@ -390,7 +441,7 @@ absl::Duration DurationOf(time_t sec, time_t usec) {
 }  // namespace
 
 HttpServer::HttpServer(const HttpConnectionLimits& limits) : limits_(limits) {
-  CloseOnConnectionClose(*this);
+  InstallHooks(*this);
 }
 
 bool HttpServer::process_and_close_socket(socket_t sock) {
@@ -405,7 +456,8 @@ bool HttpServer::process_and_close_socket(socket_t sock) {
   ConnectionStream stream(sock, &transport, settings);
   const bool ok =
       ServeRequests(stream, settings, [&](httplib::Stream& s, bool close, bool& closed) {
-        return process_request(s, close, closed, [&](httplib::Request&) { stream.EndHead(); });
+        return process_request(s, close, closed,
+                               [&](httplib::Request& req) { stream.EndHead(req); });
       });
   if (stream.ends_mid_request()) stream.Linger();
   CloseSocket(sock);
@@ -415,7 +467,7 @@ bool HttpServer::process_and_close_socket(socket_t sock) {
 HttpsServer::HttpsServer(const std::function<bool(SSL_CTX& ctx)>& setup_ssl_ctx,
                          const HttpConnectionLimits& limits)
     : httplib::SSLServer(setup_ssl_ctx), limits_(limits) {
-  CloseOnConnectionClose(*this);
+  InstallHooks(*this);
 }
 
 bool HttpsServer::process_and_close_socket(socket_t sock) {
@@ -435,7 +487,7 @@ bool HttpsServer::process_and_close_socket(socket_t sock) {
       ok = ServeRequests(stream, settings, [&](httplib::Stream& s, bool close, bool& closed) {
         return process_request(s, close, closed, [&](httplib::Request& req) {
           req.ssl = ssl;
-          stream.EndHead();
+          stream.EndHead(req);
         });
       });
     }

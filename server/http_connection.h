@@ -32,6 +32,12 @@ struct HttpConnectionLimits {
   absl::Duration head_timeout = absl::Seconds(10);
 };
 
+// For the handlers of these servers (a pre-routing handler reserving a body's
+// bytes before httplib reads it): `release` runs once the request this thread
+// is serving has its response ready to send, or has ended without one. False,
+// with `release` run at once, on a thread serving no connection of theirs.
+bool ReleaseWhenAnswered(std::function<void()> release);
+
 // Plain HTTP.
 class HttpServer final : public httplib::Server {
  public:

@@ -22,6 +22,7 @@
 #ifdef ATTNSERVE_HAVE_HTTPLIB
 #include <nlohmann/json.hpp>
 
+#include "server/http_connection.h"
 #include "server/http_listener.h"
 #include "server/security/http_tls.h"
 #endif
@@ -219,14 +220,19 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   // Runs before the body is read: a Content-Length over what the body may be
   // (binary: --max_request_bytes; JSON inference: a sixteenth of it) or over
   // what the server may still buffer is refused without reading it, and the
-  // connection closed since its body was left unread.
+  // connection closed since its body was left unread. A body let through is
+  // charged to the budget until its response is ready, so bodies read at
+  // once cannot each count on the same free bytes.
   bool RefuseLargeBody(const httplib::Request& req, httplib::Response& res) {
     if (!req.has_header("Content-Length")) return false;
     int64_t length = 0;
-    if (!absl::SimpleAtoi(req.get_header_value("Content-Length"), &length) || length < 0) {
-      return false;  // httplib answers a malformed length itself
-    }
     absl::Status refused;
+    if (!absl::SimpleAtoi(req.get_header_value("Content-Length"), &length) || length < 0) {
+      // httplib would read what strtoull makes of it.
+      Reply(res, Invalid("Content-Length: expected a non-negative integer"));
+      res.set_header("Connection", "close");
+      return true;
+    }
     const bool json = !req.has_header(kHeaderLength);
     if (length > max_body_bytes_) {
       refused = absl::ResourceExhaustedError(
@@ -234,13 +240,14 @@ class KserveHttpServerImpl final : public KserveHttpServer {
                        max_body_bytes_ - kBodySlackBytes, " are accepted"));
     } else if (json && absl::EndsWith(req.path, "/infer") && length > max_json_body_bytes_) {
       refused = JsonTooLarge(length);
-    } else if (const int64_t limit = context_->buffered.limit();
-               limit > 0 && length > limit - context_->buffered.used()) {
+    } else if (!context_->buffered.TryCharge(length)) {
       refused = absl::ResourceExhaustedError(
           absl::StrCat("request body: ", length,
                        " bytes; the server holds as many request bytes as it may "
                        "(--max_buffered_bytes=",
-                       limit, "); retry later"));
+                       context_->buffered.limit(), "); retry later"));
+    } else {
+      ReleaseWhenAnswered([budget = &context_->buffered, length] { budget->Release(length); });
     }
     if (refused.ok()) return false;
     Reply(res, refused);
@@ -351,11 +358,14 @@ class KserveHttpServerImpl final : public KserveHttpServer {
     if (!status.ok()) Reply(res, status);
   }
 
-  // What the request holds while it runs: its body, and for JSON tensors the
-  // parsed document and the packed tensors (kJsonExpansion times the body).
+  // What the request holds while it runs beyond its body, which
+  // RefuseLargeBody charged by its Content-Length (a body without one, sent
+  // chunked, is charged here): a copy, or for JSON tensors the parsed
+  // document and the packed tensors (kJsonExpansion times the body in all).
   int64_t BufferedBytesOf(const httplib::Request& req) const {
     const int64_t body = static_cast<int64_t>(req.body.size());
-    return req.has_header(kHeaderLength) ? 2 * body : kJsonExpansion * body;
+    const int64_t charged = req.has_header("Content-Length") ? body : 0;
+    return (req.has_header(kHeaderLength) ? 2 * body : kJsonExpansion * body) - charged;
   }
 
   absl::Status InferOrThrow(const httplib::Request& req, httplib::Response& res) {

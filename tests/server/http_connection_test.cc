@@ -235,6 +235,19 @@ TEST_P(HttpConnectionTest, BodyRefusedEarlyIsNotReadAsTheNextRequest) {
   EXPECT_TRUE(ResetOrClosed(c->error())) << "send failed with " << c->error();
 }
 
+// The same for a body a handler answers without reading (repository index
+// takes no body): the connection ends after the answer.
+TEST_P(HttpConnectionTest, BodyLeftUnreadByItsHandlerIsNotReadAsTheNextRequest) {
+  std::unique_ptr<Connection> c = Open();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->SendAll(absl::StrCat("POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n",
+                                      "Content-Length: ", 512 << 10, "\r\n\r\n")));
+  EXPECT_EQ(c->StatusLine(), "HTTP/1.1 200 OK");
+  const size_t pushed = c->PushUntilRefused('x', kPushBytes);
+  EXPECT_LT(pushed, kAbsorbedBytes) << "the server read the unread body on";
+  EXPECT_TRUE(ResetOrClosed(c->error())) << "send failed with " << c->error();
+}
+
 // Finding 12 (b): a 400 MiB request line with no newline was read whole (414
 // MB) before its 414. Now it is refused once it passes 64 KiB.
 TEST_P(HttpConnectionTest, LongRequestLineIsRefusedBeforeItIsHeld) {

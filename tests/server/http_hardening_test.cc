@@ -128,7 +128,7 @@ TEST_F(HttpHardeningTest, JsonBodyOverItsCapIsRefusedBeforeItIsRead) {
   // Refused on the headers alone: the body is never sent here, so an answer
   // proves the server did not wait to read it. JSON over its cap, then any
   // body over --max_request_bytes.
-  for (const std::string extra :
+  for (const std::string& extra :
        {std::string(), std::string("Inference-Header-Content-Length: 2\r\n")}) {
     const int fd = Connect(server_->http_port());
     ASSERT_GE(fd, 0);
@@ -270,6 +270,66 @@ TEST_F(HttpHardeningTest, BufferedBytesAreReleasedAndReported) {
   // Half of --max_buffered_bytes bounds the HTTP side.
   EXPECT_EQ(Gauge(scrape->body, "attnserve_http_buffered_bytes_limit"), double(int64_t{32} << 20))
       << scrape->body;
+}
+
+// The gauge's value on a fresh scrape once `pred` holds for it, or the last
+// value seen after 20 s.
+template <typename Pred>
+double GaugeOnceIt(int metrics_port, const std::string& name, Pred pred) {
+  httplib::Client metrics("127.0.0.1", metrics_port);
+  double value = -1;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20); absl::Now() < give_up;
+       absl::SleepFor(absl::Milliseconds(20))) {
+    httplib::Result scrape = metrics.Get("/metrics");
+    if (scrape) value = Gauge(scrape->body, name);
+    if (pred(value)) break;
+  }
+  return value;
+}
+
+// Finding 8: a body let through by its Content-Length is charged to the
+// budget from then on, so bodies read at once cannot each count on the same
+// free bytes (each was checked against the free bytes and none charged until
+// read whole: any number of 20 MiB bodies were read against 32 MiB).
+TEST_F(HttpHardeningTest, BodyIsChargedFromItsHeadersOn) {
+  ServerOptions options = HttpOptions();
+  options.max_buffered_bytes = int64_t{64} << 20;  // HTTP: 32 MiB
+  options.max_request_bytes = int64_t{64} << 20;
+  server_->Shutdown(absl::ZeroDuration());
+  server_ = StartServer(options);
+  ASSERT_NE(server_, nullptr);
+  const std::string head =
+      "POST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\n"
+      "Inference-Header-Content-Length: 2\r\nContent-Length: 20971520\r\n\r\n";
+  const int first = Connect(server_->http_port());
+  ASSERT_GE(first, 0);
+  ASSERT_EQ(send(first, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
+  const auto charged = [](double v) { return v == double(20 << 20); };
+  EXPECT_TRUE(
+      charged(GaugeOnceIt(server_->metrics_port(), "attnserve_http_buffered_bytes", charged)));
+
+  // A second body of the same size no longer fits: refused on its headers.
+  const int second = Connect(server_->http_port());
+  ASSERT_GE(second, 0);
+  ASSERT_EQ(send(second, head.data(), head.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(head.size()));
+  timeval timeout{20, 0};
+  setsockopt(second, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  // The whole answer: the server closes the connection after it.
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = recv(second, buffer, sizeof(buffer), 0)) > 0;) {
+    answer.append(buffer, static_cast<size_t>(n));
+  }
+  close(second);
+  EXPECT_EQ(answer.substr(0, 12), "HTTP/1.1 413") << answer;
+  EXPECT_NE(answer.find("--max_buffered_bytes"), std::string::npos) << answer;
+
+  // The first client gives up: its charge is given back.
+  close(first);
+  const auto released = [](double v) { return v == 0; };
+  EXPECT_TRUE(
+      released(GaugeOnceIt(server_->metrics_port(), "attnserve_http_buffered_bytes", released)));
 }
 
 }  // namespace
