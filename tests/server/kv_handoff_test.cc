@@ -182,5 +182,104 @@ TEST_F(KvHandoffTest, KvClientFollowsMovedTo) {
   Joined();
 }
 
+// The peer's side of a failed push: an import that created its cache and
+// kept no row leaves no cache behind; one that kept rows of a sequence that
+// never went live takes the cache with it when it expires (R1-F5).
+class KvHandoffImportTest : public KvHandoffTest {
+ protected:
+  void SetUp() override {
+    tune_ = [](int i, ServerOptions* o) {
+      if (i == 1) o->kv_import_idle_timeout = absl::Seconds(2);
+    };
+    KvHandoffTest::SetUp();
+    transfer_ = v1::KvTransfer::NewStub(
+        grpc::CreateChannel(Address(port_[1]), grpc::InsecureChannelCredentials()));
+  }
+
+  // Server 0's cache "src", one sequence of 40 tokens, exported a page per chunk.
+  std::vector<v1::KvChunk> SourceChunks() {
+    CreateCache(0, "src", {1});
+    Context c;
+    std::vector<Part> parts = {Step(1, &c, 40, 1)};
+    v1::AppendAttendResponse resp;
+    EXPECT_TRUE(Call(0, MakeCall("src", parts), &resp).ok());
+    auto transfer = v1::KvTransfer::NewStub(
+        grpc::CreateChannel(Address(port_[0]), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::ExportSequencesRequest r;
+    r.set_cache_id("src");
+    r.set_transfer_id("t-1");
+    r.set_max_chunk_bytes(1);
+    auto reader = transfer->ExportSequences(&ctx, r);
+    std::vector<v1::KvChunk> chunks;
+    v1::KvChunk chunk;
+    while (reader->Read(&chunk)) chunks.push_back(chunk);
+    EXPECT_TRUE(reader->Finish().ok());
+    return chunks;
+  }
+
+  // Opens an import into server 1's "dst" with `create`, sends `send` of
+  // `chunks`, then half-closes; the stream's status.
+  grpc::Status Import(const std::vector<v1::KvChunk>& chunks, size_t send,
+                      int64_t capacity_tokens = 4096) {
+    grpc::ClientContext ctx;
+    auto stream = transfer_->ImportSequences(&ctx);
+    v1::ImportSequencesRequest first;
+    first.set_cache_id("dst");
+    first.mutable_create()->set_capacity_tokens(capacity_tokens);
+    *first.mutable_header() = chunks[0].header();
+    stream->Write(first);
+    for (size_t i = 0; i < send; ++i) {
+      v1::ImportSequencesRequest next;
+      *next.mutable_chunk() = chunks[i];
+      stream->Write(next);
+    }
+    stream->WritesDone();
+    v1::ImportSequencesResponse answer;
+    while (stream->Read(&answer)) {
+    }
+    return stream->Finish();
+  }
+
+  bool DstExists() {
+    v1::GetCacheStatsResponse stats;
+    const grpc::Status status = Stats(1, "dst", &stats);
+    EXPECT_TRUE(status.ok() || status.error_code() == grpc::StatusCode::NOT_FOUND)
+        << status.error_message();
+    return status.ok();
+  }
+
+  std::unique_ptr<v1::KvTransfer::Stub> transfer_;
+};
+
+TEST_F(KvHandoffImportTest, AnImportThatKeptNoRowLeavesNoCache) {
+  const std::vector<v1::KvChunk> chunks = SourceChunks();
+  ASSERT_EQ(chunks.size(), 3u);
+  // Ended before any chunk (as a push that wanted UCX and was refused it).
+  EXPECT_EQ(Import(chunks, 0).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_FALSE(DstExists());
+  // The header refused after the create (40 tokens in a 16-token cache).
+  const grpc::Status refused = Import(chunks, 0, /*capacity_tokens=*/16);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("header.sequences[0].lengths"), std::string::npos)
+      << refused.error_message();
+  EXPECT_FALSE(DstExists());
+  // A whole import creates it and keeps it.
+  EXPECT_TRUE(Import(chunks, chunks.size()).ok());
+  EXPECT_TRUE(DstExists());
+}
+
+TEST_F(KvHandoffImportTest, ACutImportsCreatedCacheGoesWhenItExpires) {
+  const std::vector<v1::KvChunk> chunks = SourceChunks();
+  ASSERT_EQ(chunks.size(), 3u);
+  // One page of the sequence kept: the cache waits for a resume ...
+  EXPECT_EQ(Import(chunks, 1).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_TRUE(DstExists());
+  // ... and goes with the session at the idle timeout (2 s).
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (DstExists() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(DstExists());
+}
+
 }  // namespace
 }  // namespace attnserve
