@@ -284,9 +284,11 @@ class KvImportSessions {
  private:
   friend class KvImportSession;
   void Forget(const KvImportSession* session);
-  // Drops `cache` if the pool still holds it for `tenant` and it has no live
-  // sequence (an import created it and failed before any went live).
-  void DropEmptyCreated(const std::string& tenant, const std::shared_ptr<KvCache>& cache);
+  // Drops `cache` if the pool still holds it for `tenant`, it has no live
+  // sequence and no other import uses it (an import created it and failed
+  // before any sequence went live).
+  void DropEmptyCreated(const std::string& tenant, const std::shared_ptr<KvCache>& cache)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   KvPool* const pool_;
   const KvImportOptions options_;
