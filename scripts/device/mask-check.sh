@@ -130,12 +130,29 @@ for f in "$L"/job-*.log; do
       { echo "==== $n rc=$rc"; cat "$f"; } >>"$OUT/tests.log" ;;
   esac
 done
-for f in mask_bench-sparse.log mask_bench-bias.log peers.log mask_table.txt; do
+# 3. Why a bias costs what it does: ncu on the N 8k shared-bias case (B 2, H 16, D 128), the
+# plain kernel then the whole-row bias kernel, both timed in mask_bench's 7th bias case. Each
+# case launches AttnFwdSm90Kernel 37 times (validation 1, plain 18, bias 18): plain 223-240,
+# bias 241-258 (0-based); skips of 230 and 250 land inside them. Only when time is left.
+: >"$L/ncu.txt"
+if command -v ncu >/dev/null && [ "$(left 600)" -ge 90 ]; then
+  for skip in 230 250; do
+    echo "==== ncu launch $skip of AttnFwdSm90Kernel (mask_bench --grid=bias)" >>"$L/ncu.txt"
+    timeout "$(left 60)" ncu --clock-control none -k regex:AttnFwdSm90Kernel --launch-skip $skip \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section InstructionStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+      $B/bench/cuda/mask_bench --grid=bias --csv=/dev/null >>"$L/ncu.txt" 2>&1
+    rc=$?
+    note "ncu launch $skip" "rc=$rc $(grep -E '^ +(Duration|Executed Instructions|Issue Slots Busy|Warp Cycles Per Issued Instruction) ' "$L/ncu.txt" |
+      tail -4 | awk '{v = $NF; u = $(NF - 1); NF -= 2; $1 = $1; printf "%s %s %s; ", $0, v, u}')"
+  done
+fi
+for f in mask_bench-sparse.log mask_bench-bias.log peers.log mask_table.txt ncu.txt; do
   echo "==== $f"
   cat "$L/$f"
 done >"$OUT/bench.log"
 
-# 3. The table: checks, then one line per D 64 sparse pattern and N (bound per s;
+# 4. The table: checks, then one line per D 64 sparse pattern and N (bound per s;
 # x flex = flex ms / ours, > 1: we are faster) and one per bias case.
 {
   echo "==== mask-check on $gpu, $commit, $(($(date +%s) - t0)) s"
