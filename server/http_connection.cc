@@ -373,11 +373,13 @@ class ConnectionStream final : public httplib::Stream {
 // logger each response, not the stream it went to).
 thread_local ConnectionStream* current_connection = nullptr;
 
-// Holds of a request are released when its response is ready (httplib calls
+// No request body unless the owner says how large (see the header). Holds of
+// a request are released when its response is ready (httplib calls
 // the post-routing handler for every response, just before writing it), and
 // a response that says `Connection: close` ends its connection whatever the
 // request asked (httplib would otherwise read on, a refused body included).
 void InstallHooks(httplib::Server& server) {
+  server.set_payload_max_length(0);
   server.set_post_routing_handler([](const httplib::Request&, httplib::Response&) {
     if (current_connection != nullptr) current_connection->RunReleases();
   });

@@ -38,6 +38,9 @@ struct HttpConnectionLimits {
 // with `release` run at once, on a thread serving no connection of theirs.
 bool ReleaseWhenAnswered(std::function<void()> release);
 
+// Both servers take no request body (httplib answers 413) until the owner
+// sets a payload length: httplib's default is unbounded.
+
 // Plain HTTP.
 class HttpServer final : public httplib::Server {
  public:

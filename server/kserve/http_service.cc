@@ -224,6 +224,14 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   // charged to the budget until its response is ready, so bodies read at
   // once cannot each count on the same free bytes.
   bool RefuseLargeBody(const httplib::Request& req, httplib::Response& res) {
+    if (req.has_header("Transfer-Encoding")) {
+      // Its size is known only once read: it could not be charged first.
+      Reply(res, Invalid("Transfer-Encoding: request bodies are accepted with a Content-Length "
+                         "only"));
+      res.status = 411;
+      res.set_header("Connection", "close");
+      return true;
+    }
     if (!req.has_header("Content-Length")) return false;
     int64_t length = 0;
     absl::Status refused;
@@ -359,13 +367,12 @@ class KserveHttpServerImpl final : public KserveHttpServer {
   }
 
   // What the request holds while it runs beyond its body, which
-  // RefuseLargeBody charged by its Content-Length (a body without one, sent
-  // chunked, is charged here): a copy, or for JSON tensors the parsed
-  // document and the packed tensors (kJsonExpansion times the body in all).
+  // RefuseLargeBody charged by its Content-Length: a copy, or for JSON
+  // tensors the parsed document and the packed tensors (kJsonExpansion times
+  // the body in all).
   int64_t BufferedBytesOf(const httplib::Request& req) const {
     const int64_t body = static_cast<int64_t>(req.body.size());
-    const int64_t charged = req.has_header("Content-Length") ? body : 0;
-    return (req.has_header(kHeaderLength) ? 2 * body : kJsonExpansion * body) - charged;
+    return (req.has_header(kHeaderLength) ? 2 * body : kJsonExpansion * body) - body;
   }
 
   absl::Status InferOrThrow(const httplib::Request& req, httplib::Response& res) {

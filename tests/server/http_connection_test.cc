@@ -1,9 +1,10 @@
 // What one connection to the KServe v2 HTTP port can make the server hold or
 // wait for, over HTTP and HTTPS (issue 27, findings 8 and 12): a body refused
-// early is not read as the next request, a request line, header block or
-// chunk size line too long is refused before it is held, slow TLS handshakes
-// and slow heads do not stall a probe, and 200 simultaneous connections are
-// all served.
+// early or left unread is not read as the next request, a request line,
+// header block or chunk size line too long is refused before it is held,
+// bodies the server cannot charge first are refused, slow TLS handshakes and
+// slow heads do not stall a probe, and 200 simultaneous connections are all
+// served.
 #include <arpa/inet.h>
 #include <httplib.h>
 #include <netinet/in.h>
@@ -178,6 +179,9 @@ class HttpConnectionTest : public ::testing::TestWithParam<bool> {
     options.kserve.http_enabled = true;
     options.kserve.http_host = "127.0.0.1";
     options.kserve.http_port = 0;
+    options.metrics_enabled = true;
+    options.metrics_host = "127.0.0.1";
+    options.metrics_port = 0;
     options.max_request_bytes = 1 << 20;
     if (tls()) {
       certs_ = std::make_unique<CertFiles>();
@@ -198,6 +202,9 @@ class HttpConnectionTest : public ::testing::TestWithParam<bool> {
 
   bool tls() const { return GetParam(); }
   std::unique_ptr<Connection> Open() { return Connection::Open(server_->http_port(), client_ctx_); }
+  std::unique_ptr<Connection> OpenMetrics() {
+    return Connection::Open(server_->metrics_port(), client_ctx_);
+  }
 
   // GET /v2/health/ready on a fresh connection: the status, or -1.
   int Ready(absl::Duration* took) {
@@ -282,13 +289,34 @@ TEST_P(HttpConnectionTest, LongHeaderBlockIsRefused) {
   }
 }
 
-// A chunked body's size line is read whole by httplib too: bounded the same.
-TEST_P(HttpConnectionTest, LongChunkSizeLineIsRefusedBeforeItIsHeld) {
+// A chunked body cannot be charged before it is read: refused with 411 on
+// its headers (httplib read it, and read a chunk size line whole).
+TEST_P(HttpConnectionTest, ChunkedBodyIsRefusedBeforeItIsRead) {
   std::unique_ptr<Connection> c = Open();
   ASSERT_NE(c, nullptr);
   ASSERT_TRUE(
       c->SendAll("POST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\n"
                  "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n1"));
+  EXPECT_EQ(c->StatusLine(), "HTTP/1.1 411 Length Required");
+  const size_t pushed = c->PushUntilRefused('0', kPushBytes);
+  EXPECT_LT(pushed, kAbsorbedBytes) << "the server read the body";
+  EXPECT_TRUE(ResetOrClosed(c->error())) << "send failed with " << c->error();
+}
+
+// /metrics takes no body: one is refused (413), not read into memory (httplib
+// had no bound: a body was read whole, then answered 404), and a chunk size
+// line, which httplib reads before any bound applies, is cut at 64 KiB.
+TEST_P(HttpConnectionTest, MetricsPortTakesNoBody) {
+  std::unique_ptr<Connection> c = OpenMetrics();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->SendAll(absl::StrCat("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: ", kMiB,
+                                      "\r\n\r\n", std::string(kMiB, 'b'))));
+  EXPECT_EQ(c->StatusLine(), "HTTP/1.1 413 Payload Too Large");
+
+  c = OpenMetrics();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(
+      c->SendAll("POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1"));
   const size_t pushed = c->PushUntilRefused('0', kPushBytes);
   EXPECT_LT(pushed, kAbsorbedBytes) << "the server read the whole line";
   EXPECT_TRUE(ResetOrClosed(c->error())) << "send failed with " << c->error();
