@@ -1033,12 +1033,11 @@ void KvImportSessions::Forget(const KvImportSession* session) {
 
 void KvImportSessions::DropEmptyCreated(const std::string& tenant,
                                         const std::shared_ptr<KvCache>& cache) {
-  {
-    // Another import into it (a second transfer) keeps it.
-    absl::MutexLock lock(&mu_);
-    for (const auto& [key, s] : sessions_) {
-      if (s->cache_ == cache) return;
-    }
+  // Under the lock Attach creates and finds caches under: no import attaches
+  // to it meanwhile, and another import into it (a second transfer) keeps it.
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, s] : sessions_) {
+    if (s->cache_ == cache) return;
   }
   absl::StatusOr<std::shared_ptr<KvCache>> live = pool_->Find(tenant, cache->id());
   if (!live.ok() || *live != cache || cache->Stats().sequences > 0) return;
