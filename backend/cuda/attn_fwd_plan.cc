@@ -98,24 +98,11 @@ bool Sm90DecodeCovers(const AttnParams& p) {
          CompiledSm90DecodeHeadDim(p.head_dim) && p.seqlen_k > 0;
 }
 
-// FP8 P V at D 64 and 256 too (their V^T boxes are 64 bytes, D 128's 128):
-// the one-line switch, false until a GPU run of scripts/device/fp8-pv-bench.sh
-// passes there (tests/backend/plan_forward_test.cc's D 64 / 256 lines flip
-// with it). ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1 turns it on for that run.
-constexpr bool kFp8PvEveryHeadDim = false;
-
 }  // namespace
 
-bool Fp8PvEveryHeadDim() {
-  static const bool on = [] {
-    const char* env = std::getenv("ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM");
-    return kFp8PvEveryHeadDim || (env != nullptr && env[0] == '1' && env[1] == '\0');
-  }();
-  return on;
-}
-
 bool Fp8PvPlannedAt(int head_dim) {
-  return head_dim == 128 || (Fp8PvEveryHeadDim() && (head_dim == 64 || head_dim == 256));
+  // D 192 is left out: its 112-key tile is not a whole number of k32 steps.
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
 int InvariantMinTiles() {

@@ -142,10 +142,8 @@ constexpr int Sm90SmemBytes(const TileConfig& t, int qk_bytes = 2, int v_dim = 0
 // keys (Plan::fp8_pv): its k32 steps and V^T's TMA boxes (64 or 128 keys,
 // one 64- or 128-byte swizzled row) tile it, which D 192's 112 keys do not.
 constexpr bool Sm90Fp8PvFits(int block_n) { return block_n > 0 && block_n % 64 == 0; }
-// The FP8 call head dims PlanForward gives FP8 P V where the tile fits: 128,
-// and 64 and 256 once Fp8PvEveryHeadDim (attn_fwd_plan.cc's switch, or
-// ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1, read once per process).
-bool Fp8PvEveryHeadDim();
+// The FP8 call head dims PlanForward gives FP8 P V where the tile fits:
+// 64, 128 and 256.
 bool Fp8PvPlannedAt(int head_dim);
 constexpr TileConfig Sm90TileFor(int head_dim) { return TileRowFor(kSm90TileTable, head_dim); }
 

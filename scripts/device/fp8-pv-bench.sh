@@ -13,14 +13,11 @@
 # (fp8_qk), two variants of new (fp8_mufu, fp8_stage) and each path's pass
 # over V alone (fp8_pass, fp8_qk_pass) side by side, and BF16 (ours). D 64 and 256 need the full kernel set (KERNELS=all, the
 # default); with KERNELS=dev only D 128 runs on the Hopper kernel.
-# EVERY_DIM=1 (the default) runs it all with ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1:
-# FP8 P V planned at D 64 and 256 too (attn_fwd_plan.cc's switch, off until
-# such a run passes); EVERY_DIM=0: as planned (D 128 only). IMPLS replaces
-# the bench's list of implementations.
+# IMPLS replaces the bench's list of implementations.
 # Prints a summary and, last, one table (TFLOP/s new, old, ratio); CSV and
 # logs under $OUT.
 # Usage: [BUILD=dir] [KERNELS=all|dev] [NS=1024,...] [DS="64 128 256"] [BF16=1]
-#        [EVERY_DIM=1] [IMPLS=fp8,fp8_qk,...] [EXTRA_IMPLS=fp8_dequant,fp8_poly_stage]
+#        [IMPLS=fp8,fp8_qk,...] [EXTRA_IMPLS=fp8_dequant,fp8_poly_stage]
 #        scripts/device/fp8-pv-bench.sh [--no-sanitizer] [--no-tests] [--no-bench]
 # shellcheck disable=SC2086
 set -uo pipefail
@@ -34,8 +31,6 @@ for a in "$@"; do
 done
 KERNELS=${KERNELS:-all}; NS=${NS:-1024,2048,4096,8192,16384}; DS=${DS:-64 128 256}
 BF16=${BF16:-1}
-EVERY_DIM=${EVERY_DIM:-1}
-[ "$EVERY_DIM" = 1 ] && export ATTNSERVE_CUDA_FP8_PV_EVERY_HEAD_DIM=1
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-34s %s' "$1" "$2")"); }
 
@@ -56,7 +51,6 @@ else
     printf '%s\n' "${SUMMARY[@]}"; exit 1
   fi
 fi
-note "FP8 P V at every head dim" "EVERY_DIM=$EVERY_DIM"
 grep -E "spill" "$OUT/build.log" | grep -cE "ELi(64|128|256)ELb1EEEvNS0_13Sm90FwdLaunch" >"$OUT/fp8pv-spills.txt"
 note "fp8 P V kernel spill warnings" "$(cat "$OUT/fp8pv-spills.txt")"
 T=$B/tests/cuda/cuda_backend_test

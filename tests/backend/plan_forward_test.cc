@@ -223,14 +223,14 @@ TEST(PlanForwardTest, Fp8PlansTheKernelThatRunsIt) {
   step.dtype = DType::kFP8E4M3;
   EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_qk);
   EXPECT_FALSE(PlanForward(step, kH100Sms, true).fp8_pv);
-  // D 64 and 256 keep V dequantised: FP8 P V is planned at D 128 only.
+  // D 64 and 256 run P V on FP8 wgmma too.
   for (int d : {64, 256}) {
     if (!cuda::CompiledSm90HeadDim(d)) continue;
     AttnParams other = Dense(2, 1024, 1024, 8, 2, d, /*causal=*/true);
     other.dtype = DType::kFP8E4M3;
     const Plan q = PlanForward(other, kH100Sms, true);
     EXPECT_TRUE(q.fp8_qk) << d;
-    EXPECT_FALSE(q.fp8_pv) << d;
+    EXPECT_TRUE(q.fp8_pv) << d;
   }
   // FP8 P V needs whole k32 steps in 64- or 128-key V^T boxes: every Hopper
   // tile but D 192's 112 keys.
@@ -315,7 +315,7 @@ TEST(PlanForwardTest, Sm90LongKeyRangesTakeTheWideKeyTile) {
   p = PlanForward(fp8, kH100Sms, true);
   EXPECT_EQ(p.tile_kind, TileKind::kLongKeys);
   EXPECT_TRUE(p.fp8_qk);
-  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90LongKeyTileFor(64), 1));
+  EXPECT_EQ(cuda::PlanSmemBytes(p), cuda::Sm90SmemBytes(cuda::Sm90LongKeyTileFor(64), 1, 0, 1));
 }
 
 TEST(PlanForwardTest, Sm90FamilyLeavesWhatItDoesNotCoverPortable) {
