@@ -168,7 +168,6 @@ class ConnectionStream final : public httplib::Stream {
   // before reading it, or the read failed. Chunked bodies count as unread.
   bool body_unread() const { return !in_head_ && (chunked_ || body_read_ < body_length_); }
 
-  // `refused`: the response refused the request, whose body may be unread.
   void ReleaseWhenAnswered(std::function<void()> release) {
     releases_.push_back(std::move(release));
   }
@@ -178,13 +177,17 @@ class ConnectionStream final : public httplib::Stream {
     for (const auto& release : releases) release();
   }
 
+  // `refused`: the response refused the request, whose body may be unread.
   void CloseAfterResponse(bool refused) {
     close_after_response_ = true;
     linger_ = linger_ || refused;
   }
-  bool closing() const { return close_after_response_ || refused_ || body_unread(); }
+  // After a request: the connection is to end. A request answered while its
+  // head was still being read (httplib refused the head: 400, 414) leaves
+  // the stream at an unknown point too.
+  bool closing() const { return close_after_response_ || ends_mid_request(); }
   // The connection ends with what the client sent perhaps unread.
-  bool ends_mid_request() const { return linger_ || refused_ || body_unread(); }
+  bool ends_mid_request() const { return linger_ || refused_ || in_head_ || body_unread(); }
 
   // The TLS handshake, within the head timeout from now.
   bool Handshake(TlsTransport* tls) {
@@ -492,9 +495,9 @@ bool HttpsServer::process_and_close_socket(socket_t sock) {
           stream.EndHead(req);
         });
       });
+      transport.Shutdown();
+      if (stream.ends_mid_request()) stream.Linger();
     }
-    transport.Shutdown();
-    if (stream.ends_mid_request()) stream.Linger();
   }
   if (ssl != nullptr) SSL_free(ssl);
   ERR_clear_error();
