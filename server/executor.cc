@@ -2,6 +2,7 @@
 #include "server/executor.h"
 
 #include <algorithm>
+#include <exception>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -10,6 +11,7 @@
 #include "backend/paged_batch.h"
 #include "backend/ragged_batch.h"
 #include "common/status_macros.h"
+#include "server/in_flight.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -70,6 +72,19 @@ absl::Status MakeReady(AttentionBackend& backend, PagedJob& j, bool batch_invari
   j.params.attn.batch_invariant |= batch_invariant;
   ASSIGN_OR_RETURN(j.plan, backend.CanImplementPaged(j.params));
   return absl::OkStatus();
+}
+
+// MakeReady that never throws: on the launcher thread nothing above it
+// catches (the process would terminate), and a call run inline would leave
+// the launcher claimed and the executor wedged. A throw from the backend's
+// planning, the output binding or a K/V call's reservation fails that call.
+template <typename Job>
+absl::Status MakeReadyCaught(AttentionBackend& backend, Job& j, bool batch_invariant) {
+  try {
+    return MakeReady(backend, j, batch_invariant);
+  } catch (...) {
+    return StatusOfException(std::current_exception(), "planning the call");
+  }
 }
 
 // Whether two ready calls can share a launch (LSE is known only once outputs
@@ -213,7 +228,8 @@ void Executor::RunHere(Queued q) {
   absl::Status ready = CheckStillWanted(q.meta);
   if (ready.ok()) {
     ready = std::visit(
-        [this](auto& job) { return MakeReady(*backend_, job, options_.batch_invariant); }, q.job);
+        [this](auto& job) { return MakeReadyCaught(*backend_, job, options_.batch_invariant); },
+        q.job);
   }
   const bool finishes_here = max_in_flight_ == 1;
   if (!ready.ok()) {
@@ -393,7 +409,7 @@ void Executor::Dispatch(std::vector<Queued> picked) {
       absl::Status ready = CheckStillWanted(q.meta);
       if (ready.ok()) {
         ready = std::visit(
-            [this](auto& job) { return MakeReady(*backend_, job, options_.batch_invariant); },
+            [this](auto& job) { return MakeReadyCaught(*backend_, job, options_.batch_invariant); },
             q.job);
       }
       if (!ready.ok()) {
@@ -441,14 +457,21 @@ void Executor::StartLaunch(std::vector<Queued> group) {
   const bool internal = group.front().meta.internal;
   const absl::Time started = absl::Now();
   CallBegins(0);
-  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch = std::visit(
-      [&](const auto& first) {
-        using Job = std::decay_t<decltype(first)>;
-        std::vector<const Job*> jobs;
-        for (const Queued& q : group) jobs.push_back(&std::get<Job>(q.job));
-        return Start(*backend_, jobs);
-      },
-      group.front().job);
+  absl::StatusOr<std::unique_ptr<PendingLaunch>> launch;
+  // A throwing backend fails the launch like an error status (as in
+  // MakeReadyCaught: no thread of the executor may be left by a throw).
+  try {
+    launch = std::visit(
+        [&](const auto& first) {
+          using Job = std::decay_t<decltype(first)>;
+          std::vector<const Job*> jobs;
+          for (const Queued& q : group) jobs.push_back(&std::get<Job>(q.job));
+          return Start(*backend_, jobs);
+        },
+        group.front().job);
+  } catch (...) {
+    launch = StatusOfException(std::current_exception(), "launch");
+  }
   CallEnds(0);
   if (options_.metrics != nullptr && !internal) options_.metrics->RecordExecution();
   if (!launch.ok()) {
@@ -518,7 +541,12 @@ void Executor::FinishLaunch(InFlight done) {
   }
   BackendTimings bt;
   CallBegins(1, done.launch.get(), &done.members);
-  const absl::Status status = done.launch->Finish(&bt);
+  absl::Status status;
+  try {
+    status = done.launch->Finish(&bt);
+  } catch (...) {
+    status = StatusOfException(std::current_exception(), "launch");
+  }
   // Members the watchdog failed (an abandoned launch) are gone from `done`.
   CallEnds(1);
   done.launch.reset();

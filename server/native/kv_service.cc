@@ -2,6 +2,7 @@
 #include "server/native/kv_service.h"
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <set>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "common/grpc_status.h"
 #include "common/tensor_wire_slices.h"
 #include "server/call_deadline.h"
+#include "server/in_flight.h"
 #include "server/native/field_names.h"
 #include "server/native/forward_call.h"
 #include "server/native/kv_messages.h"
@@ -302,12 +304,20 @@ grpc::ServerUnaryReactor* KvService::AppendAttend(grpc::CallbackServerContext* c
   // and v land once, in memory the backend's copies read where it lies.
   KvPool* pool = pool_;
   auto* raw = const_cast<grpc::ByteBuffer*>(request_bytes);
-  const grpc::Status parsed =
-      pool->host_tensors()
-          ? ParseAppendAttendStaged(
-                raw, [pool](int64_t bytes) { return pool->AllocateHostTensor(bytes); },
-                &reactor->request, &reactor->staged)
-          : ParseAppendAttend(raw, &reactor->request);
+  grpc::Status parsed;
+  // The reactor is made and counted in flight: a throw (the backend's host
+  // memory) must finish it here, not escape to gRPC, which would answer
+  // UNIMPLEMENTED with no message and never run OnDone.
+  try {
+    parsed = pool->host_tensors()
+                 ? ParseAppendAttendStaged(
+                       raw, [pool](int64_t bytes) { return pool->AllocateHostTensor(bytes); },
+                       &reactor->request, &reactor->staged)
+                 : ParseAppendAttend(raw, &reactor->request);
+  } catch (...) {
+    reactor->staged = KvStagedInputs();
+    parsed = ToGrpcStatus(StatusOfException(std::current_exception(), "AppendAttend"));
+  }
   if (!parsed.ok()) {
     reactor->Finish(parsed);
     return reactor;
