@@ -457,14 +457,31 @@ v1::AppendAttendRequest DecodeStep(const std::string& cache, int32_t length) {
   return r;
 }
 
+// Withdraws B's token from the tokens file (A stays) and waits for the
+// evidence that the reload happened: a new call with B's token refused.
+void WithdrawTokenB(const Fixture& f, const std::shared_ptr<grpc::Channel>& channel_b) {
+  TokensFile(f, absl::StrCat(kTokenA, " team-a\n"));
+  const absl::Time give_up = absl::Now() + kPatience;
+  while (absl::Now() < give_up &&
+         CallForward(channel_b).error_code() != grpc::StatusCode::UNAUTHENTICATED) {
+    absl::SleepFor(absl::Milliseconds(50));  // poll interval
+  }
+  ASSERT_EQ(CallForward(channel_b).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// A server with tokens for A and B, reloaded every 100 ms.
+std::unique_ptr<AttnServer> StartWithTwoTokens(const Fixture& f) {
+  ServerOptions options = BaseOptions();
+  options.auth = {TokensFile(f, absl::StrCat(kTokenA, " team-a\n", kTokenB, " team-b\n")),
+                  absl::Milliseconds(100)};
+  return StartServer(options);
+}
+
 // A token withdrawn by a reload stops the requests of a stream opened with
 // it, not only new calls (before the fix, the stream went on serving).
 TEST(TokenTest, WithdrawnTokenStopsAnOpenStream) {
   Fixture f;
-  ServerOptions options = BaseOptions();
-  options.auth = {TokensFile(f, absl::StrCat(kTokenA, " team-a\n", kTokenB, " team-b\n")),
-                  absl::Milliseconds(100)};
-  std::unique_ptr<AttnServer> server = StartServer(options);
+  std::unique_ptr<AttnServer> server = StartWithTwoTokens(f);
   ASSERT_NE(server, nullptr);
   auto channel_b = Channel(server->port(), WithToken(kTokenB));
   auto stub = v1::KvCache::NewStub(channel_b);
@@ -495,19 +512,81 @@ TEST(TokenTest, WithdrawnTokenStopsAnOpenStream) {
   ASSERT_TRUE(stream->Read(&response));
   ASSERT_EQ(response.error_code(), 0) << response.error_message();
 
-  // B withdrawn; the evidence that the reload happened is a new call refused.
-  TokensFile(f, absl::StrCat(kTokenA, " team-a\n"));
-  const absl::Time give_up = absl::Now() + kPatience;
-  while (absl::Now() < give_up &&
-         CallForward(channel_b).error_code() != grpc::StatusCode::UNAUTHENTICATED) {
-    absl::SleepFor(absl::Milliseconds(50));  // poll interval
-  }
-  ASSERT_EQ(CallForward(channel_b).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  WithdrawTokenB(f, channel_b);
   ASSERT_TRUE(stream->Write(DecodeStep("b-cache", 1)));
   ASSERT_TRUE(stream->Read(&response));
   EXPECT_EQ(response.error_code(), int(grpc::StatusCode::UNAUTHENTICATED))
       << response.error_message();
   EXPECT_EQ(response.request_id(), "step-1");
+  stream->WritesDone();
+  stream->Finish();
+  server->Shutdown(absl::Seconds(5));
+}
+
+// The same on the native ForwardStream: served before, refused after.
+TEST(TokenTest, WithdrawnTokenStopsAnOpenForwardStream) {
+  Fixture f;
+  std::unique_ptr<AttnServer> server = StartWithTwoTokens(f);
+  ASSERT_NE(server, nullptr);
+  auto channel_b = Channel(server->port(), WithToken(kTokenB));
+  auto stub = v1::Attention::NewStub(channel_b);
+  grpc::ClientContext stream_context;
+  auto stream = stub->ForwardStream(&stream_context);
+  v1::ForwardRequest request = SmallRequest();
+  v1::ForwardResponse response;
+  request.set_request_id("before");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_EQ(response.error_code(), 0) << response.error_message();
+  ASSERT_TRUE(response.has_o());
+
+  WithdrawTokenB(f, channel_b);
+  request.set_request_id("after");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_code(), int(grpc::StatusCode::UNAUTHENTICATED))
+      << response.error_message();
+  EXPECT_EQ(response.request_id(), "after");
+  EXPECT_FALSE(response.has_o());
+  stream->WritesDone();
+  stream->Finish();
+  server->Shutdown(absl::Seconds(5));
+}
+
+// The same on KServe's ModelStreamInfer (the `attention` model): an error
+// message naming the refusal, no outputs.
+TEST(TokenTest, WithdrawnTokenStopsAnOpenModelStreamInfer) {
+  Fixture f;
+  std::unique_ptr<AttnServer> server = StartWithTwoTokens(f);
+  ASSERT_NE(server, nullptr);
+  auto channel_b = Channel(server->port(), WithToken(kTokenB));
+  auto stub = inference::GRPCInferenceService::NewStub(channel_b);
+  inference::ModelInferRequest request;
+  request.set_model_name("attention");
+  const v1::ForwardRequest native = SmallRequest();
+  for (const v1::Tensor* t : {&native.q(), &native.k(), &native.v()}) {
+    auto* input = request.add_inputs();
+    input->set_name(t == &native.q() ? "q" : t == &native.k() ? "k" : "v");
+    input->set_datatype("FP32");
+    for (int64_t d : t->shape()) input->add_shape(d);
+    request.add_raw_input_contents(t->data());
+  }
+  grpc::ClientContext stream_context;
+  auto stream = stub->ModelStreamInfer(&stream_context);
+  inference::ModelStreamInferResponse response;
+  request.set_id("before");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_EQ(response.error_message(), "");
+  ASSERT_GT(response.infer_response().outputs_size(), 0);
+
+  WithdrawTokenB(f, channel_b);
+  request.set_id("after");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_NE(response.error_message(), "");
+  EXPECT_TRUE(absl::StrContains(response.error_message(), "withdrawn")) << response.error_message();
+  EXPECT_EQ(response.infer_response().outputs_size(), 0);
   stream->WritesDone();
   stream->Finish();
   server->Shutdown(absl::Seconds(5));
