@@ -7,6 +7,8 @@
 #    the newest the validator knows;
 #  - Compose: validates deploy/docker-compose.yml, and its merges with the CPU
 #    and secure overrides, against the Compose Specification's JSON schema;
+#  - every port the server listens on by default is in the k8s Service, the
+#    containers' ports and the compose files;
 #  - Dockerfiles with hadolint, shell scripts with shellcheck (following
 #    the files they source);
 #  - the container entrypoint: every flag of server/main.cc (and of
@@ -108,6 +110,71 @@ check "compose schema docker-compose.yml + docker-compose.secure.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$tmp/compose-secure.json"
 check "compose schema deploy/docker-compose.kv-proxy.yml" \
   "$venv/bin/check-jsonschema" --builtin-schema vendor.compose-spec deploy/docker-compose.kv-proxy.yml
+
+# Every port the server listens on by default (an `ABSL_FLAG(int, *_port, N`
+# of server/main.cc with N > 0) is published: a port of the `attnserve`
+# Service wherever the rendered manifests have one, a containerPort of the
+# attnserve container, and a container port of the compose service (the base
+# file and its merges). The k8s Service once lacked KServe HTTP's 8000.
+published_ports() {
+  "$venv/bin/python" - "$tmp" <<'PY'
+import glob, json, re, sys
+import yaml
+
+tmp = sys.argv[1]
+with open("server/main.cc") as f:
+    flags = {m.group(1): int(m.group(2))
+             for m in re.finditer(r"ABSL_FLAG\(int, *([a-z_]*port), *(\d+),", f.read())}
+wanted = {name: port for name, port in flags.items() if port > 0}
+if len(wanted) < 3:
+    sys.exit(f"found only {sorted(wanted)} among the server's default ports")
+failed = False
+
+def need(where, have):
+    global failed
+    for name, port in sorted(wanted.items()):
+        if port not in have:
+            print(f"{where} does not publish --{name}'s default port {port}")
+            failed = True
+
+services = 0
+for rendered in sorted(glob.glob(f"{tmp}/deploy_k8s_*.yaml")):
+    label = rendered[len(tmp) + 1:-5].replace("_", "/")
+    with open(rendered) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    for d in docs:
+        kind, name = d.get("kind"), d.get("metadata", {}).get("name", "")
+        if kind == "Service" and name == "attnserve":
+            services += 1
+            need(f"{label}: Service {name}", {p.get("port") for p in d["spec"]["ports"]})
+        if kind in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                if c.get("name") == "attnserve":
+                    need(f"{label}: {kind} {name}, container attnserve",
+                         {p.get("containerPort") for p in c.get("ports", [])})
+if services == 0:
+    print("no rendered manifest has a Service named attnserve")
+    failed = True
+
+def container_port(entry):
+    if isinstance(entry, dict):
+        return int(entry["target"])
+    return int(str(entry).split("/")[0].split(":")[-1])
+
+with open("deploy/docker-compose.yml") as f:
+    composes = {"deploy/docker-compose.yml": yaml.safe_load(f)}
+for merged in ("compose-cpu", "compose-secure"):
+    with open(f"{tmp}/{merged}.json") as f:
+        composes[f"docker-compose.yml + {merged[8:]}"] = json.load(f)
+for label, compose in composes.items():
+    ports = compose["services"]["attnserve"].get("ports", [])
+    need(f"{label}: service attnserve", {container_port(p) for p in ports})
+print(f"default ports {sorted(wanted.values())} checked in {services} Service(s), "
+      f"{len(composes)} compose file(s)")
+sys.exit(1 if failed else 0)
+PY
+}
+check "every default server port in the k8s Service, containers and compose" published_ports
 
 check "hadolint deploy/Dockerfile deploy/Dockerfile.cpu deploy/proxy/Dockerfile" \
   "$venv/bin/hadolint" deploy/Dockerfile deploy/Dockerfile.cpu deploy/proxy/Dockerfile
