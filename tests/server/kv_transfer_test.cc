@@ -97,14 +97,14 @@ std::multimap<std::string, std::string> AuthMetadata(const std::string& token) {
   return {{"authorization", absl::StrCat("Bearer ", token)}};
 }
 
-// Values of `dtype` (FP32 or BF16) as bytes, from standard normals.
+// Values of `dtype` (FP32, FP16 or BF16) as bytes, from standard normals.
 std::string RandomRows(std::mt19937* rng, v1::DType dtype, int64_t n) {
   std::normal_distribution<float> normal;
   std::string out;
   for (int64_t i = 0; i < n; ++i) {
     const float x = normal(*rng);
-    if (dtype == v1::BF16) {
-      const uint16_t h = FloatToBf16(x);
+    if (dtype == v1::BF16 || dtype == v1::FP16) {
+      const uint16_t h = dtype == v1::BF16 ? FloatToBf16(x) : FloatToFp16(x);
       out.append(reinterpret_cast<const char*>(&h), 2);
     } else {
       out.append(reinterpret_cast<const char*>(&x), 4);
@@ -270,11 +270,11 @@ std::vector<std::string> DecodeStep(Server& s, const std::string& cache, v1::DTy
 
 std::vector<float> AsFloats(const std::string& bytes, v1::DType dtype) {
   std::vector<float> out;
-  if (dtype == v1::BF16) {
+  if (dtype == v1::BF16 || dtype == v1::FP16) {
     for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
       uint16_t h;
       std::memcpy(&h, bytes.data() + i, 2);
-      out.push_back(Bf16ToFloat(h));
+      out.push_back(dtype == v1::BF16 ? Bf16ToFloat(h) : Fp16ToFloat(h));
     }
   } else {
     out.resize(bytes.size() / 4);
@@ -352,7 +352,7 @@ TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
   for (int layer = 0; layer < kLayers; ++layer) {
     const auto a = DecodeStep(src, "kv0", c.dtype, kLengths, layer, 100 + layer, c.geo);
     const auto b = DecodeStep(dst, "kv0", c.dtype, kLengths, layer, 100 + layer, c.geo);
-    ASSERT_EQ(a[0].size(), kLengths.size() * kHq * c.geo.Dv() * (c.dtype == v1::BF16 ? 2 : 4));
+    ASSERT_EQ(a[0].size(), kLengths.size() * kHq * c.geo.Dv() * (c.dtype == v1::FP32 ? 4 : 2));
     if (c.source_page == c.dest_page) {
       EXPECT_EQ(a[0], b[0]) << "layer " << layer;
       EXPECT_EQ(a[1], b[1]) << "layer " << layer;
@@ -362,7 +362,9 @@ TEST_P(KvTransferMoveTest, ReceiverHoldsTheSameRowsAndAttendsLikeTheSource) {
     // agrees to the output dtype's rounding (2 units in the last place).
     const std::vector<float> oa = AsFloats(a[0], c.dtype), ob = AsFloats(b[0], c.dtype);
     ASSERT_EQ(oa.size(), ob.size());
-    const float ulp = c.dtype == v1::BF16 ? 1.0f / 128 : 1.0f / (1 << 22);
+    const float ulp = c.dtype == v1::BF16   ? 1.0f / 128
+                      : c.dtype == v1::FP16 ? 1.0f / 1024
+                                            : 1.0f / (1 << 22);
     for (size_t i = 0; i < oa.size(); ++i) {
       ASSERT_LE(std::fabs(oa[i] - ob[i]), 2 * ulp * std::max(1.0f, std::fabs(oa[i])))
           << "layer " << layer << " element " << i;
@@ -375,6 +377,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         MoveCase{"Fp32SamePages", v1::FP32, v1::DTYPE_UNSPECIFIED, 16, 16},
         MoveCase{"Bf16ToLargerPages", v1::BF16, v1::DTYPE_UNSPECIFIED, 16, 32},
+        MoveCase{"Fp16SamePages", v1::FP16, v1::DTYPE_UNSPECIFIED, 16, 16},
+        MoveCase{"Fp16ToSmallerPages", v1::FP16, v1::DTYPE_UNSPECIFIED, 32, 16},
+        MoveCase{"Fp8FromFp16ToLargerPages", v1::FP16, v1::FP8_E4M3, 16, 32},
         MoveCase{"Fp8ToSmallerPages", v1::BF16, v1::FP8_E4M3, 32, 16},
         MoveCase{"Fp8SamePages", v1::BF16, v1::FP8_E4M3, 16, 16},
         // MLA caches: V pages of their own width, and K-only pages.
