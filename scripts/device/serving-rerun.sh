@@ -52,6 +52,8 @@ serve_bin=${SERVE_BIN:-$bin/attnserve}
 ctl_bin=${CTL_BIN:-$bin/attnctl}
 use_carried_libs lib
 left() { echo $((budget - (SECONDS - started))); }
+# cap N: N seconds, or what is left of the budget less 20 s if that is less (at least 10).
+cap() { local c=$(($(left) - 20)); [ "$c" -lt "$1" ] || c=$1; [ "$c" -ge 10 ] || c=10; echo "$c"; }
 step() { echo "== $* ($((SECONDS - started)) s)"; }
 # log TITLE FILE: FILE appended to runs.log under a title.
 log() { { echo "----- $1"; cat "$2" 2>/dev/null; } >>"$OUT/runs.log"; }
@@ -115,7 +117,7 @@ part_a() {
   serve 50111 serverA --kv_cache_bytes=$((16 << 30)) || return 1
   local ctl=("$ctl_bin" --target=127.0.0.1:50111 --timeout=600s) shm cfg round label extra
   for shm in "${shms[@]}"; do
-    timeout 120 "${ctl[@]}" load-kv --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --sequences=4 \
+    timeout "$(cap 120)" "${ctl[@]}" load-kv --heads_q=32 --heads_kv=8 --head_dim=128 --dtype=bf16 --sequences=4 \
       --prompt=300 --tokens=3 --layers=2 --shm="$shm" --check >"$work/check.txt" 2>&1
     echo "load-kv --check --shm=$shm (4 x 300, 2 layers): rc=$? $(grep -iE 'check|mismatch' "$work/check.txt" | tail -1)" |
       tee -a "$OUT/tests.log"
@@ -129,7 +131,7 @@ part_a() {
         extra=(--concurrency=1)
         [ "$cfg" = streams4 ] && extra=(--concurrency=4 --stream --channels=4)
         echo "$label" >&2
-        timeout 150 "${ctl[@]}" load-kv "${kv_shape[@]}" --sequences="$seqs" --prompt="$prompt" \
+        timeout "$(cap 150)" "${ctl[@]}" load-kv "${kv_shape[@]}" --sequences="$seqs" --prompt="$prompt" \
           --tokens="$tokens" --warmup_tokens=4 --layers=1 --prefill_attend=false "${extra[@]}" \
           --shm="$shm" --csv="$work/decode.csv" --label="$label" >"$work/run.txt" 2>&1 ||
           echo "$label failed: $(tail -2 "$work/run.txt")"
@@ -138,7 +140,7 @@ part_a() {
     done
   done
   echo "echo64" >&2
-  timeout 60 "${ctl[@]}" load --rpc=echo --batch="$seqs" --seqlen_q=1 --seqlen_k=1 --heads_q=32 \
+  timeout "$(cap 60)" "${ctl[@]}" load --rpc=echo --batch="$seqs" --seqlen_q=1 --seqlen_k=1 --heads_q=32 \
     --heads_kv=8 --head_dim=128 --dtype=bf16 --concurrency=1 --warmup=2s --duration=6s \
     --csv="$work/echo.csv" --label=echo64 >"$work/run.txt" 2>&1 || echo "echo64 failed: $(tail -2 "$work/run.txt")"
   log "load --rpc=echo (one step's bytes)" "$work/run.txt"
@@ -149,7 +151,7 @@ part_a() {
 # torch_local SDPA LAYERS STEPS: one in-process row appended to $work/torch.csv
 torch_local() {
   [ "$backend" = cuda ] || return 0
-  timeout 150 python3 bench/gpu/kv_torch_local.py --sdpa="$1" --sequences="$seqs" --context="$prompt" \
+  timeout "$(cap 150)" python3 bench/gpu/kv_torch_local.py --sdpa="$1" --sequences="$seqs" --context="$prompt" \
     --layers="$2" --steps="$3" >>"$work/torch.csv" 2>"$work/torch.err" ||
     echo "torch_local $1 $2 layers failed: $(tail -2 "$work/torch.err")"
   log "torch_local $1 layers=$2" "$work/torch.err"
@@ -165,7 +167,7 @@ part_c() {
   [ "$backend" = cuda ] || shm=system
   for proto in v2 native; do
     # A smaller shape than the timed one: the float64 reference of the large one is too slow.
-    timeout 120 "${ctl[@]}" forward --protocol="$proto" --shm="$shm" --verify --seed=7 --batch=2 \
+    timeout "$(cap 120)" "${ctl[@]}" forward --protocol="$proto" --shm="$shm" --verify --seed=7 --batch=2 \
       --seqlen_q=1024 --heads_q=16 --heads_kv=16 --head_dim=128 --dtype=fp16 >"$work/verify.txt" 2>&1
     echo "forward --protocol=$proto --shm=$shm --verify (2 x 1024): rc=$? $(grep -E 'PASS|FAIL' "$work/verify.txt" | head -1)" |
       tee -a "$OUT/tests.log"
@@ -175,7 +177,7 @@ part_c() {
   [ "$shm" = cuda ] && labels+=(v2-shm-system)
   for label in "${labels[@]}"; do
     echo "$label" >&2
-    timeout 60 "${ctl[@]}" load --warmup=2s --duration=6s --concurrency=1 --csv="$work/shm-rows.csv" \
+    timeout "$(cap 60)" "${ctl[@]}" load --warmup=2s --duration=6s --concurrency=1 --csv="$work/shm-rows.csv" \
       --label="$label" --protocol=v2 --shm="${label#v2-shm-}" "${large[@]}" >"$work/run.txt" 2>&1 ||
       echo "$label failed: $(tail -2 "$work/run.txt")"
     log "load $label" "$work/run.txt"
@@ -185,7 +187,8 @@ part_c() {
   : >"$work/native.txt"
   echo "$shm" >"$work/native-shm"
   for i in $(seq 0 "${NATIVE_REPS:-8}"); do
-    timeout 60 "${ctl[@]}" forward --protocol=native --shm="$shm" --seed=$((i + 1)) "${large[@]}" \
+    [ "$(left)" -gt 60 ] || { echo "native forward: budget, stopped after $i calls"; break; }
+    timeout "$(cap 60)" "${ctl[@]}" forward --protocol=native --shm="$shm" --seed=$((i + 1)) "${large[@]}" \
       >"$work/run.txt" 2>&1 || { echo "native forward $i failed: $(tail -2 "$work/run.txt")"; continue; }
     [ "$i" -gt 0 ] && grep -E '^latency:' "$work/run.txt" >>"$work/native.txt"
   done
@@ -193,7 +196,7 @@ part_c() {
   if [ -d .device-carry/wheels ] && [ "$backend" = cuda ]; then
     (
       use_carried_python "$PWD/.device-carry" python3 >"$work/pytest.txt" 2>&1 || exit 2
-      ATTNSERVE_TARGET=127.0.0.1:50112 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs \
+      ATTNSERVE_TARGET=127.0.0.1:50112 timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -rs \
         python/tests/test_shm.py >>"$work/pytest.txt" 2>&1
     )
     echo "python/tests/test_shm.py (CUDA IPC from torch): rc=$? $(tail -1 "$work/pytest.txt")" | tee -a "$OUT/tests.log"
@@ -213,7 +216,7 @@ part_d() {
   local t
   for t in cuda_shm_test cuda_host_tensor_test; do
     if [ -x "$bin/$t" ]; then
-      ATTNSERVE_BINARY=$PWD/$serve_bin timeout 150 "$bin/$t" >"$work/$t.log" 2>&1
+      ATTNSERVE_BINARY=$PWD/$serve_bin timeout "$(cap 150)" "$bin/$t" >"$work/$t.log" 2>&1
       echo "$t: rc=$? $(gtest_counts "$work/$t.log")" | tee -a "$OUT/tests.log"
       grep -E '^\[  FAILED  \]|^\[       OK \]|^\[  SKIPPED \]' "$work/$t.log" >>"$OUT/tests.log"
     else
