@@ -16,6 +16,10 @@ packages=(
   libb64-0d python3-venv
   # scripts/check-format.sh: one formatter version, so CI and developers agree.
   clang-format-14
+  # The affinity proxy (deploy/proxy, the package its image installs): ctest's
+  # rolling_restart_demo_nginx runs it as this user with its own config; the
+  # package's own service (port 80) is not used.
+  nginx
 )
 
 missing=()

@@ -14,6 +14,8 @@
 # replica is gone, and back to the restarted replica after its fail timeout,
 # where the cache is fetched from the peer. Without nginx (or --proxy=none)
 # the loop talks to the replica directly and follows the moved-to address.
+# --proxy=nginx fails when nginx is missing (ctest runs it so: the proxy path
+# must not be skipped silently); --proxy=auto is for people.
 # Every wait waits for a log line or an exit, with a deadline.
 set -euo pipefail
 
@@ -56,6 +58,8 @@ if [ ! -x "$server" ] || [ ! -x "$ctl" ]; then
     -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCH=OFF >/dev/null
   cmake --build "$build_dir" -j "$(nproc)" --target attnserve attnctl
 fi
+# Debian installs nginx in /usr/sbin, which a non-root user's PATH leaves out.
+PATH=$PATH:/usr/sbin:/sbin
 case "$proxy" in
   auto) if command -v nginx >/dev/null; then proxy=nginx; else proxy=none; fi ;;
   nginx) command -v nginx >/dev/null || die "--proxy=nginx: nginx is not installed" ;;
