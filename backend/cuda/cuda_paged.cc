@@ -122,6 +122,10 @@ absl::Status CudaBackend::CopyToKvMemory(void* kv, const void* host, int64_t byt
   ATTN_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(kv, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
       "host to K/V pages");
+  // From pageable memory cudaMemcpy returns once the bytes are staged, their
+  // DMA maybe still queued on the legacy stream, which the slots' streams
+  // (non-blocking) do not wait for: the copy is waited for here (backend.h).
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy), "host to K/V pages");
   return absl::OkStatus();
 }
 

@@ -19,14 +19,20 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
 #include "backend/paged_batch.h"
@@ -69,7 +75,11 @@ struct PagedCase {
 };
 void PrintTo(const PagedCase& c, std::ostream* os) { *os << c.Name(); }
 
-// Device slabs of one cache, freed through the backend.
+// Device slabs of one cache, freed through the backend. Every byte starts
+// as 0xff (NaN in every dtype), written and waited for on the cache's own
+// stream: the backend's streams are non-blocking, so a poison left queued on
+// the legacy default stream (a plain cudaMemset) could land after a launch's
+// append (CachePoisonIsInPlaceBeforeTheAppend).
 class DeviceCache {
  public:
   DeviceCache(AttentionBackend* backend, int num_slabs, int slab_shift, int page_size,
@@ -82,39 +92,72 @@ class DeviceCache {
     pages_.page_shift = 0;
     while ((1 << pages_.page_shift) < page_size) ++pages_.page_shift;
     slab_bytes_ = (int64_t{1} << slab_shift) * page_size * row_bytes;
+    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      status_ = absl::InternalError("cuda: the cache's stream");
+      return;
+    }
     for (int s = 0; s < num_slabs; ++s) {
       for (void** slot : {&pages_.k_slabs[s], &pages_.v_slabs[s]}) {
         absl::StatusOr<void*> m = backend->AllocateKvMemory(slab_bytes_);
         status_.Update(m.status());
-        if (m.ok()) {
-          *slot = *m;
-          cudaMemset(*m, 0xff, static_cast<size_t>(slab_bytes_));  // NaN in every dtype
-        }
+        if (m.ok()) *slot = *m;
       }
     }
+    Poison();
   }
   ~DeviceCache() {
     for (int s = 0; s < kMaxKvSlabs; ++s) {
       backend_->FreeKvMemory(pages_.k_slabs[s]);
       backend_->FreeKvMemory(pages_.v_slabs[s]);
     }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
   const absl::Status& status() const { return status_; }
   const KvPages& pages() const { return pages_; }
   int64_t num_pages() const { return int64_t{pages_.num_slabs} << pages_.slab_shift; }
+  // Every slab back to 0xff; done when this returns. With
+  // ATTNSERVE_TEST_LEGACY_POISON=1, the old poison instead (a cudaMemset on
+  // the legacy stream, not waited for): scripts/device/paged-contention.sh
+  // runs the grid both ways under GPU contention.
+  void Poison() {
+    if (stream_ == nullptr) return;
+    const char* legacy = std::getenv("ATTNSERVE_TEST_LEGACY_POISON");
+    const bool old_poison = legacy != nullptr && std::strcmp(legacy, "1") == 0;
+    for (int s = 0; s < pages_.num_slabs; ++s) {
+      for (void* slab : {pages_.k_slabs[s], pages_.v_slabs[s]}) {
+        if (slab == nullptr) continue;
+        const size_t bytes = static_cast<size_t>(slab_bytes_);
+        Check(old_poison ? cudaMemset(slab, 0xff, bytes)
+                         : cudaMemsetAsync(slab, 0xff, bytes, stream_),
+              "poison");
+      }
+    }
+    if (!old_poison) Check(cudaStreamSynchronize(stream_), "poison");
+  }
   // Bytes of K page `page` (row_bytes per token).
-  std::vector<uint8_t> ReadKPage(int32_t page, int64_t row_bytes) const {
+  std::vector<uint8_t> ReadKPage(int32_t page, int64_t row_bytes) {
     std::vector<uint8_t> out(static_cast<size_t>(row_bytes * pages_.page_size));
     const int64_t off = (page & ((1 << pages_.slab_shift) - 1)) * pages_.page_size * row_bytes;
-    cudaMemcpy(out.data(), static_cast<char*>(pages_.k_slabs[PageSlab(pages_, page)]) + off,
-               out.size(), cudaMemcpyDeviceToHost);
+    Check(cudaMemcpyAsync(out.data(),
+                          static_cast<char*>(pages_.k_slabs[PageSlab(pages_, page)]) + off,
+                          out.size(), cudaMemcpyDeviceToHost, stream_),
+          "read a K page");
+    Check(cudaStreamSynchronize(stream_), "read a K page");
     return out;
   }
 
  private:
+  void Check(cudaError_t err, const char* what) {
+    if (err != cudaSuccess) {
+      status_.Update(
+          absl::InternalError(absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(err))));
+    }
+  }
+
   AttentionBackend* backend_;
   KvPages pages_;
   int64_t slab_bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
   absl::Status status_;
 };
 
@@ -531,6 +574,105 @@ PagedAttnParams OneSequence(const AttnParams& attn, const DeviceCache& cache,
   p.block_table_stride = int32_t(table.size());
   p.seqlens_k = len.data();
   return p;
+}
+
+// Holds the legacy default stream (where cudaMemset and cudaMemcpy queue)
+// at a host function until Open(), as a GPU time-sliced with other processes
+// can hold this process's work: what is queued there behind it lands when
+// the test says. It opens by itself after kLimit (timed_out()), so a call
+// that waits for the legacy stream fails the test instead of hanging it.
+class LegacyStreamGate {
+ public:
+  static constexpr std::chrono::seconds kLimit{20};
+  LegacyStreamGate() { ok_ = cudaLaunchHostFunc(cudaStreamLegacy, &Hold, &state_) == cudaSuccess; }
+  ~LegacyStreamGate() {
+    Open();
+    if (ok_) cudaStreamSynchronize(cudaStreamLegacy);  // the host function returned
+  }
+  bool ok() const { return ok_; }
+  bool timed_out() const { return state_.timed_out.load(); }
+  // Lets the held work run and waits until the legacy stream has done it.
+  bool OpenAndDrain() {
+    Open();
+    return cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess;
+  }
+
+ private:
+  struct State {
+    std::atomic<bool> open{false};
+    std::atomic<bool> timed_out{false};
+  };
+  void Open() { state_.open.store(true); }
+  static void CUDART_CB Hold(void* arg) {
+    State* s = static_cast<State*>(arg);
+    const auto deadline = std::chrono::steady_clock::now() + kLimit;
+    while (!s->open.load()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        s->timed_out.store(true);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+  State state_;
+  bool ok_ = false;
+};
+
+// The 18:05 failure of the grid under GPU contention (NaN or 0 outputs): the
+// backend's streams are non-blocking, so they never wait for the legacy
+// stream, and the cache's poison, then a cudaMemset there, could land after
+// a launch had appended its rows. With the legacy stream held, the old poison
+// (control) overwrites the appended rows; DeviceCache's poison, on its own
+// stream and waited for, is in place before the launch, which keeps its rows.
+TEST(CudaPaged, CachePoisonIsInPlaceBeforeTheAppend) {
+  std::string why;
+  AttentionBackend* backend = SharedBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no usable CUDA device: " << why;
+  HostBuffers buf(DecodeOverTwoPages());
+  const int64_t row_bytes = int64_t{128} * 2;
+  DeviceCache cache(backend, 1, 1, 16, row_bytes);  // 2 pages of 16
+  ASSERT_TRUE(cache.status().ok()) << cache.status();
+  const std::vector<int32_t> table = {0, 1}, len = {20};
+  // All 20 keys are new rows: the launch appends them, then attends.
+  const PagedAttnParams p = OneSequence(buf.params(), cache, table, len);
+  const auto* k = static_cast<const uint8_t*>(buf.k());
+  const std::vector<uint8_t> appended(k, k + 16 * row_bytes);  // page 0's rows
+  // Once ungated, so the slot's buffers exist: growing them frees memory,
+  // which waits for the whole device (the held legacy stream too).
+  ASSERT_TRUE(PlanAndPagedForward(*backend, p, nullptr).ok());
+
+  {  // Control: the poison the harness used before, queued behind the gate.
+    cache.Poison();
+    LegacyStreamGate gate;
+    ASSERT_TRUE(gate.ok());
+    for (void* slab : {cache.pages().k_slabs[0], cache.pages().v_slabs[0]}) {
+      ASSERT_EQ(cudaMemset(slab, 0xff, static_cast<size_t>(32 * row_bytes)), cudaSuccess);
+    }
+    ASSERT_FALSE(gate.timed_out()) << "cudaMemset waited for the legacy stream";
+    buf.Poison();
+    const absl::Status st = PlanAndPagedForward(*backend, p, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_FALSE(gate.timed_out()) << "the paged launch waited for the legacy stream";
+    EXPECT_TRUE(CheckOutput(buf)) << "before the held poison lands";
+    ASSERT_TRUE(gate.OpenAndDrain());
+    EXPECT_NE(cache.ReadKPage(0, row_bytes), appended)
+        << "a poison queued on the legacy stream landed before the append: the control no "
+           "longer shows the hazard this test guards against";
+  }
+  {  // DeviceCache's poison with the same gate: in place before the launch.
+    LegacyStreamGate gate;
+    ASSERT_TRUE(gate.ok());
+    cache.Poison();
+    ASSERT_TRUE(cache.status().ok()) << cache.status();
+    ASSERT_FALSE(gate.timed_out()) << "the cache's poison waited for the legacy stream";
+    buf.Poison();
+    const absl::Status st = PlanAndPagedForward(*backend, p, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_TRUE(CheckOutput(buf));
+    ASSERT_TRUE(gate.OpenAndDrain());
+    EXPECT_EQ(cache.ReadKPage(0, row_bytes), appended) << "the poison overwrote the appended rows";
+  }
+  ASSERT_TRUE(cache.status().ok()) << cache.status();
 }
 
 TEST(CudaPaged, PageIdOutsideTheCacheIsRejected) {
