@@ -34,10 +34,12 @@ ABSL_FLAG(int, cpu_devices, 1,
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest ForwardRequest accepted, in bytes (also the gRPC receive limit)");
 ABSL_FLAG(int64_t, max_buffered_bytes, 0,
-          "Every byte the server buffers for callers, over all of them: half for gRPC's own "
+          "Every byte the server buffers for callers, over all of them: a quarter for gRPC's own "
           "receive buffers (a gRPC ResourceQuota), half for what streams hold and HTTP bodies "
-          "with their parsed JSON tensors; over it streams stop being read and HTTP requests are "
-          "refused (429, or 413 by Content-Length). 0 = half the machine's memory");
+          "with their parsed JSON tensors, a quarter for UCX frames, UCX K/V imports and exports "
+          "and --handoff_peer pushes; over it streams stop being read, HTTP requests are refused "
+          "(429, or 413 by Content-Length) and UCX transfers RESOURCE_EXHAUSTED. 0 = half the "
+          "machine's memory");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 22,
           "Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted");
 ABSL_FLAG(bool, batching, true,

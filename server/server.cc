@@ -30,6 +30,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "server/auth/call_admission.h"
+#include "server/buffered_shares.h"
 #include "server/core/attention_runner.h"
 #include "server/core/kv_runner.h"
 #include "server/executor.h"
@@ -78,11 +79,13 @@ int64_t BufferedBytesOf(const ServerOptions& o) {
   return o.max_buffered_bytes > 0 ? o.max_buffered_bytes : DefaultMaxBufferedBytes();
 }
 
-// The stream limits with the server-wide total: what every stream together
-// may hold is the whole buffered budget less what gRPC's receive buffers may.
+// The budget's shares (server/buffered_shares.h).
+BufferedShares SharesOf(const ServerOptions& o) { return SplitBufferedBytes(BufferedBytesOf(o)); }
+
+// The stream limits with the server-wide total: the streams' share.
 StreamLimits StreamLimitsOf(const ServerOptions& o) {
   StreamLimits limits = o.stream;
-  limits.max_total_bytes = BufferedBytesOf(o) / 2;
+  limits.max_total_bytes = SharesOf(o).streams;
   return limits;
 }
 
@@ -147,8 +150,8 @@ bool IsLoopback(const std::string& host) {
 KserveOptions KserveOptionsOf(const ServerOptions& o) {
   KserveOptions k = o.kserve;
   k.tls = o.tls;
-  // HTTP bodies share the half of the budget that streams also draw on.
-  k.max_buffered_bytes = BufferedBytesOf(o) / 2;
+  // HTTP bodies share the streams' share of the budget.
+  k.max_buffered_bytes = SharesOf(o).streams;
   return k;
 }
 
@@ -296,6 +299,7 @@ class AttnServerImpl final : public AttnServer {
     kv_service_.set_auth(auth_.get());
     kv_transfer_service_.set_auth(auth_.get());
     kv_transfer_service_.set_tenants(tenants_.get());
+    kv_transfer_service_.set_buffered(&ucx_buffered_);
     kserve_.SetAuth(auth_.get(), tenants_.get());
     service_.set_shm(kserve_.shm_registry());
     kv_service_.set_shm(kserve_.shm_registry());
@@ -483,10 +487,9 @@ class AttnServerImpl final : public AttnServer {
     // would start and silently split the traffic; fail instead.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     // gRPC's own buffers (receive buffers, messages being read) draw on a
-    // quota: half the server's buffered budget, the other half being what
-    // streams and HTTP bodies hold once read.
+    // quota: gRPC's share of the server's buffered budget.
     grpc::ResourceQuota quota("attnserve");
-    quota.Resize(static_cast<size_t>(BufferedBytesOf(options_) / 2));
+    quota.Resize(static_cast<size_t>(SharesOf(options_).grpc));
     builder.SetResourceQuota(quota);
     // Streams are admitted per tenant from their metadata, before any of
     // their messages is read, and charge what they hold to the tenant.
@@ -551,6 +554,9 @@ class AttnServerImpl final : public AttnServer {
       std::string text = KvService::RenderMetrics(kv_pool_.Stats()) +
                          kv_transfer_service_.RenderMetrics() + executors_.RenderDeviceGauges() +
                          kserve_.RenderBufferedMetrics();
+      AppendFamily(&text, "attnserve_grpc_buffered_bytes_limit", "gauge",
+                   "gRPC's ResourceQuota: its share of --max_buffered_bytes",
+                   {{"", absl::StrCat(SharesOf(options_).grpc)}});
       if (tenants_ != nullptr) text += tenants_->RenderPrometheus();
       if (handoff_gate_ != nullptr) text += RenderHandoffMetrics(*handoff_gate_);
       return text;
@@ -679,7 +685,11 @@ class AttnServerImpl final : public AttnServer {
     if (metrics_port() != 0) {
       spdlog::info("metrics on {}://{}:{}/metrics", scheme, options_.metrics_host, metrics_port());
     }
-    spdlog::info("buffered bytes budget {} (--max_buffered_bytes)", BufferedBytesOf(options_));
+    const BufferedShares shares = SharesOf(options_);
+    spdlog::info(
+        "buffered bytes budget {} (--max_buffered_bytes): gRPC {}, streams and HTTP {}, UCX and "
+        "pushes {}",
+        BufferedBytesOf(options_), shares.grpc, shares.streams, shares.outside);
     LogSecurity();
   }
 
@@ -720,12 +730,13 @@ class AttnServerImpl final : public AttnServer {
   KvPool kv_pool_;  // after the executors its calls run on
   KvRunner kv_runner_;
   KvService kv_service_;
+  // Bytes held outside gRPC's and the streams' accounting: UCX steps' frames,
+  // UCX K/V imports and exports, --handoff_peer pushes' send windows (before
+  // all of them, which charge it).
+  ByteBudget ucx_buffered_{SharesOf(options_).outside};
   // KvTransfer (docs/kv-transfer.md): imports waiting for a resume, and the service.
   KvImportSessions kv_import_sessions_;
   KvTransferService kv_transfer_service_;
-  // Bytes held outside gRPC's and the streams' accounting: UCX steps' frames
-  // and --handoff_peer pushes' send windows (before both, which charge it).
-  ByteBudget ucx_buffered_{BufferedBytesOf(options_) / 2};
   // --handoff_peer: the peer, and the gate (destroyed first: it waits for
   // fetches and gives that use the peer).
   std::unique_ptr<KvPeer> handoff_peer_;

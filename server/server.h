@@ -28,7 +28,9 @@ struct ServerOptions {
   int64_t max_request_bytes = int64_t{1} << 30;
   // Every byte the server buffers for callers, server-wide: gRPC's receive
   // buffers (its ResourceQuota), what all streams hold together and HTTP
-  // bodies with their parsed tensors. 0: DefaultMaxBufferedBytes().
+  // bodies with their parsed tensors, and what UCX transfers and pushes hold,
+  // split by SplitBufferedBytes (server/buffered_shares.h).
+  // 0: DefaultMaxBufferedBytes().
   int64_t max_buffered_bytes = 0;
   // Largest B*Sq + B*Sk (dense) or Tq + Tk (varlen) accepted.
   int64_t max_tokens = int64_t{1} << 22;

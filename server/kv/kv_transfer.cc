@@ -439,6 +439,7 @@ absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Start(std::shared_ptr<Kv
   }
   const int64_t max_bytes = o.max_chunk_bytes == 0 ? kDefaultKvChunkBytes : o.max_chunk_bytes;
   e->rows_per_chunk_ = std::max<int64_t>(1, max_bytes / PayloadBytes(g, ps)) * ps;
+  e->max_chunk_payload_ = PayloadBytes(g, e->rows_per_chunk_);
   // What is left from the start position.
   for (size_t i = 0; i < e->pinned_.size(); ++i) {
     for (int32_t l = 0; l < g.num_layers; ++l) {

@@ -119,6 +119,9 @@ class KvExporter {
   // Payload bytes still to send from the start position (resume skipped),
   // as Start found them.
   int64_t remaining_bytes() const { return start_bytes_; }
+  // The most payload bytes one chunk carries (whole pages of one layer: above
+  // max_chunk_bytes where that is less than a page), so any one of its parts.
+  int64_t max_chunk_payload() const { return max_chunk_payload_; }
   // Fills *chunk (its buffers reused, or swapped with the read-ahead's) with
   // the next chunk; false when done.
   absl::StatusOr<bool> Next(KvTransferChunk* chunk);
@@ -147,6 +150,7 @@ class KvExporter {
   KvTransferHeader header_;
   std::vector<Pinned> pinned_;  // the sequences still to send, in order
   int64_t rows_per_chunk_ = 0;
+  int64_t max_chunk_payload_ = 0;
   int64_t remaining_bytes_ = 0;
   int64_t start_bytes_ = 0;
   size_t seq_ = 0;

@@ -28,6 +28,51 @@ int64_t UcxChunkBytes(int64_t requested) {
   return std::min(asked, ucx::BulkOptions{}.max_chunk_bytes);
 }
 
+// Bytes charged to the server's buffered budget (outside gRPC and the
+// streams) until destroyed or released.
+class BufferedCharge {
+ public:
+  BufferedCharge() = default;
+  BufferedCharge(BufferedCharge&& o) noexcept : budget_(o.budget_), bytes_(o.bytes_) {
+    o.budget_ = nullptr;
+  }
+  BufferedCharge& operator=(BufferedCharge&& o) noexcept {
+    if (this != &o) {
+      Release();
+      budget_ = o.budget_;
+      bytes_ = o.bytes_;
+      o.budget_ = nullptr;
+    }
+    return *this;
+  }
+  ~BufferedCharge() { Release(); }
+  void Release() {
+    if (budget_ != nullptr) budget_->Release(bytes_);
+    budget_ = nullptr;
+  }
+  // `bytes` of `what` charged to `budget` (null: nothing), or
+  // RESOURCE_EXHAUSTED naming --max_buffered_bytes when they do not fit now.
+  static absl::StatusOr<BufferedCharge> Take(ByteBudget* budget, int64_t bytes, const char* what) {
+    BufferedCharge c;
+    if (budget == nullptr || bytes <= 0) return c;
+    if (!budget->TryCharge(bytes)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("max_buffered_bytes: ", what, " of ", bytes,
+                       " bytes does not fit the server's budget for "
+                       "UCX and pushes (",
+                       budget->used(), " of ", budget->limit(),
+                       " bytes held; --max_buffered_bytes sets it); try again later or over gRPC"));
+    }
+    c.budget_ = budget;
+    c.bytes_ = bytes;
+    return c;
+  }
+
+ private:
+  ByteBudget* budget_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
 std::atomic<int> ucx_max_exports{kDefaultUcxMaxExports};
 std::atomic<int> ucx_max_exports_per_tenant{kDefaultUcxMaxExportsPerTenant};
 
@@ -198,10 +243,11 @@ namespace {
 // bytes charged to the tenant until the write completes.
 class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
  public:
-  ExportReactor(KvPool* pool, TenantDirectory* tenants, KvTransferCounters* counters,
-                InFlightCounter* in_flight, UcxExportSlots* slots, std::string tenant,
-                const v1::ExportSequencesRequest& request, bool ucx_enabled)
+  ExportReactor(KvPool* pool, TenantDirectory* tenants, ByteBudget* buffered,
+                KvTransferCounters* counters, InFlightCounter* in_flight, UcxExportSlots* slots,
+                std::string tenant, const v1::ExportSequencesRequest& request, bool ucx_enabled)
       : tenants_(tenants),
+        buffered_(buffered),
         counters_(counters),
         slots_(slots),
         hold_(in_flight),
@@ -289,11 +335,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       return;
     }
     ucx::BulkOptions options;
-    // The window's slots are reserved (and page-locked in CUDA builds) at the
-    // chunk size before anything is read, so the chunk is at most what a
-    // receiver takes and what is left to send, and the charge is all of them.
+    // The window's slots are reserved (and page-locked in CUDA builds) for
+    // the largest chunk before anything is read: at most a chunk of the
+    // export (whole pages) and what is left to send. The charge is all of
+    // them, to the tenant and to the server's budget.
     const int64_t chunk = std::max<int64_t>(
-        1, std::min(UcxChunkBytes(request.max_chunk_bytes()), exporter_->remaining_bytes()));
+        1, std::min(exporter_->max_chunk_payload(), exporter_->remaining_bytes()));
     const int64_t held = std::max(options.window, 1) * chunk;
     options.chunk_bytes = chunk;
     if (tenants_ != nullptr && held > 0) {
@@ -304,6 +351,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
       }
       charge_ = *std::move(charge);
     }
+    absl::StatusOr<BufferedCharge> buffered =
+        BufferedCharge::Take(buffered_, held, "a UCX export's window");
+    if (!buffered.ok()) {
+      charge_.Release();
+      Finish(ToGrpcStatus(buffered.status()));
+      return;
+    }
+    buffered_charge_ = *std::move(buffered);
     slot_ = *std::move(slot);
     const ucx::BulkOffer offer{plane.host(), plane.port(), plane.ticket()};
     spdlog::info("kv export transfer={} over UCX to {}:{}", exporter_->header().transfer_id,
@@ -325,6 +380,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
           },
           options, &cancelled_, &sent);
       charge_.Release();
+      buffered_charge_.Release();
       slot_ = UcxExportSlots::Slot();
       if (!status.ok()) {
         spdlog::info("kv export transfer={} over UCX stopped after {} bytes: {}",
@@ -341,6 +397,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
     if (!sender.ok()) {
       // Nothing sent: what was taken for it goes back.
       charge_.Release();
+      buffered_charge_.Release();
       slot_ = UcxExportSlots::Slot();
       Finish(ToGrpcStatus(sender.status()));
       return;
@@ -379,6 +436,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   }
 
   TenantDirectory* const tenants_;
+  ByteBudget* const buffered_;
   KvTransferCounters* const counters_;
   UcxExportSlots* const slots_;
   InFlightCounter::Hold hold_;
@@ -388,7 +446,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::KvChunk> {
   KvTransferChunk chunk_;
   v1::KvChunk message_;
   InFlightCharge charge_;
-  UcxExportSlots::Slot slot_;  // the export's place among the UCX exports
+  BufferedCharge buffered_charge_;  // a UCX export's window, server-wide
+  UcxExportSlots::Slot slot_;       // the export's place among the UCX exports
   bool first_ = true;
   bool final_ = false;  // the last message (header only, or after the data plane)
   std::atomic<bool> cancelled_{false};
@@ -401,12 +460,13 @@ class ImportReactor final
     : public grpc::ServerBidiReactor<v1::ImportSequencesRequest, v1::ImportSequencesResponse> {
  public:
   ImportReactor(KvRunner* runner, KvImportSessions* sessions, TenantDirectory* tenants,
-                InFlightCounter* in_flight, std::shared_ptr<const StreamTenant> who,
-                std::string data_plane_host)
+                ByteBudget* buffered, InFlightCounter* in_flight,
+                std::shared_ptr<const StreamTenant> who, std::string data_plane_host)
       : data_plane_host_(std::move(data_plane_host)),
         runner_(runner),
         sessions_(sessions),
         tenants_(tenants),
+        buffered_(buffered),
         hold_(in_flight),
         who_(std::move(who)) {
     StartRead(&request_);
@@ -512,13 +572,25 @@ class ImportReactor final
     } else {
       std::shared_ptr<KvImportSession> session = session_;
       TenantDirectory* tenants = tenants_;
+      ByteBudget* buffered = buffered_;
       std::shared_ptr<const StreamTenant> who = who_;
       ucx::BulkOptions options;
-      if (tenants != nullptr) {
-        // Each chunk from its frame's arrival until it is kept.
-        options.charge = [tenants, who](int64_t bytes) -> absl::StatusOr<std::shared_ptr<void>> {
-          ASSIGN_OR_RETURN(InFlightCharge charge, tenants->ChargeInFlight(who->tenant(), bytes));
-          return std::shared_ptr<void>(std::make_shared<InFlightCharge>(std::move(charge)));
+      if (tenants != nullptr || buffered != nullptr) {
+        // Each chunk from its frame's arrival while its slot holds it: to the
+        // tenant and to the server's budget.
+        struct Held {
+          InFlightCharge tenant;
+          BufferedCharge server;
+        };
+        options.charge = [tenants, buffered,
+                          who](int64_t bytes) -> absl::StatusOr<std::shared_ptr<void>> {
+          auto held = std::make_shared<Held>();
+          if (tenants != nullptr) {
+            ASSIGN_OR_RETURN(held->tenant, tenants->ChargeInFlight(who->tenant(), bytes));
+          }
+          ASSIGN_OR_RETURN(held->server,
+                           BufferedCharge::Take(buffered, bytes, "a UCX import's chunk"));
+          return std::shared_ptr<void>(std::move(held));
         };
       }
       absl::StatusOr<std::unique_ptr<ucx::BulkReceiver>> receiver = ucx::BulkReceiver::Start(
@@ -600,6 +672,7 @@ class ImportReactor final
   KvRunner* const runner_;
   KvImportSessions* const sessions_;
   TenantDirectory* const tenants_;
+  ByteBudget* const buffered_;
   InFlightCounter::Hold hold_;
   const std::shared_ptr<const StreamTenant> who_;
   std::shared_ptr<KvImportSession> session_;
@@ -624,7 +697,7 @@ grpc::ServerWriteReactor<v1::KvChunk>* KvTransferService::ExportSequences(
     absl::MutexLock lock(&data_plane_mu_);
     ucx_enabled = !data_plane_host_.empty();
   }
-  return new ExportReactor(pool_, tenants_, &counters_, &in_flight_, &ucx_exports_,
+  return new ExportReactor(pool_, tenants_, buffered_, &counters_, &in_flight_, &ucx_exports_,
                            TenantOf(auth_, context), *request, ucx_enabled);
 }
 
@@ -635,7 +708,7 @@ KvTransferService::ImportSequences(grpc::CallbackServerContext* context) {
     absl::MutexLock lock(&data_plane_mu_);
     host = data_plane_host_;
   }
-  return new ImportReactor(runner_, sessions_, tenants_, &in_flight_,
+  return new ImportReactor(runner_, sessions_, tenants_, buffered_, &in_flight_,
                            StreamTenantOf(auth_, context), std::move(host));
 }
 
@@ -661,6 +734,14 @@ std::string KvTransferService::RenderMetrics() {
   AppendFamily(&out, "attnserve_kv_import_expired_total", "counter",
                "Cut imports whose staged rows went after --kv_import_idle_timeout",
                {{"", absl::StrCat(s.expired_sessions)}});
+  if (buffered_ != nullptr) {
+    AppendFamily(&out, "attnserve_ucx_buffered_bytes", "gauge",
+                 "Bytes held outside gRPC and the streams: UCX step frames, UCX K/V imports' "
+                 "and exports' staging buffers, --handoff_peer pushes' send windows",
+                 {{"", absl::StrCat(buffered_->used())}});
+    AppendFamily(&out, "attnserve_ucx_buffered_bytes_limit", "gauge",
+                 "Their share of --max_buffered_bytes", {{"", absl::StrCat(buffered_->limit())}});
+  }
   return out;
 }
 

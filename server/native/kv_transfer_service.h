@@ -29,6 +29,7 @@
 #include "server/in_flight.h"
 #include "server/kv/kv_pool.h"
 #include "server/kv/kv_transfer.h"
+#include "server/stream_flow_control.h"
 
 namespace attnserve {
 
@@ -123,6 +124,11 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   void set_auth(const Authenticator* auth) { auth_ = auth; }
   // Charges the bytes a stream holds to its tenant (null: not charged).
   void set_tenants(TenantDirectory* tenants) { tenants_ = tenants; }
+  // The server's budget for bytes outside gRPC and the streams
+  // (--max_buffered_bytes' share, server/buffered_shares.h): a UCX export's
+  // window and each chunk a UCX import receives are charged to it, with or
+  // without tokens (null: not charged). Set before serving.
+  void set_buffered(ByteBudget* budget) { buffered_ = budget; }
   // Imports that ask for it take their chunks over UCX on this host (the
   // UCX listener's, --ucx_host); empty (the default): never offered.
   void set_data_plane_host(const std::string& host) {
@@ -146,6 +152,7 @@ class KvTransferService final : public v1::KvTransfer::CallbackService {
   KvImportSessions* const sessions_;
   const Authenticator* auth_ = nullptr;
   TenantDirectory* tenants_ = nullptr;
+  ByteBudget* buffered_ = nullptr;
   KvTransferCounters counters_;
   InFlightCounter in_flight_;
   UcxExportSlots ucx_exports_;

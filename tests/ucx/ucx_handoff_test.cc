@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "server/buffered_shares.h"
 #include "server/ucx/kv_bulk.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -153,11 +154,13 @@ TEST_F(UcxHandoffTest, APeerThatRefusesUcxKeepsNoCacheOfAFailedPush) {
 }
 
 // A push's send window (8 chunks of at least one page each) is charged to
-// the server's budget for bytes outside gRPC (half of --max_buffered_bytes):
-// one that can never fit is refused, and the cache stays.
+// the server's budget for bytes outside gRPC and the streams (a quarter of
+// --max_buffered_bytes, server/buffered_shares.h): one that can never fit is
+// refused, and the cache stays.
 TEST_F(UcxHandoffTest, APushWhoseWindowCannotFitTheBudgetIsRefused) {
   // 24 KiB for the window; 8 pages of this cache's layer are 32 KiB.
-  budget0_ = 48 << 10;
+  budget0_ = 96 << 10;
+  ASSERT_EQ(SplitBufferedBytes(budget0_).outside, 24 << 10);
   Configure("auto", /*ucx0=*/true, /*ucx1=*/true);
   Context c1;
   CreateCache(0, "moving", {1});

@@ -5,8 +5,11 @@
 // still ends with the same rows; a receiver without UCX takes the pages in the
 // gRPC streams and the result says why; a receiver too small refuses over UCX
 // as over gRPC; lanes split the sequences; UCX exports past their limits
-// (or without a thread) are refused naming why.
+// (or without a thread) are refused naming why; UCX exports' windows and
+// imports' chunks are charged to the server's --max_buffered_bytes share
+// without tokens too.
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +35,7 @@
 #include "client/kv_transfer.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
+#include "server/buffered_shares.h"
 #include "server/native/kv_transfer_service.h"
 #include "server/server.h"
 #include "server/ucx/kv_bulk.h"
@@ -48,12 +52,14 @@ struct Server {
   std::unique_ptr<v1::KvTransfer::Stub> transfer;
 };
 
-Server StartServer(bool ucx) {
+// `max_buffered_bytes` 0: the default budget.
+Server StartServer(bool ucx, int64_t max_buffered_bytes = 0) {
   ServerOptions o;
   o.host = "127.0.0.1";
   o.port = 0;
   o.kv_cache_bytes = int64_t{256} << 20;
   o.kv_page_size = 16;
+  o.max_buffered_bytes = max_buffered_bytes;
   if (ucx) o.ucx_port = -1;  // any free port
   Server s;
   auto server = AttnServer::Create(o, MakeCpuBackend(2));
@@ -473,6 +479,116 @@ TEST(UcxKvTransferLimitTest, ExportsOverTheLimitsAreRefusedNamingTheFlag) {
   EXPECT_TRUE(after.ok()) << after.error_message();
   EXPECT_GT((*other)->chunks(), 0);
   SetUcxExportLimits(kDefaultUcxMaxExports, kDefaultUcxMaxExportsPerTenant);
+}
+
+// Without tokens, a UCX export's window (8 chunks of the whole cache here)
+// is charged to the server's budget for bytes outside gRPC and the streams
+// (server/buffered_shares.h): with room for one and a half windows, a second
+// export while the first runs is refused RESOURCE_EXHAUSTED naming
+// max_buffered_bytes before it sends anything, and one after it runs.
+TEST(UcxKvTransferBudgetTest, ExportWindowsAreChargedToTheServersBudget) {
+  // 2 sequences x 40 tokens x 3 layers, K and V of 2 heads x 16 BF16 each.
+  const int64_t cache_bytes = 2 * 40 * kLayers * 2 * kHkv * kD * 2;
+  const int64_t window = ucx::BulkOptions{}.window * cache_bytes;
+  const int64_t budget = 6 * window;
+  ASSERT_EQ(SplitBufferedBytes(budget).outside, window * 3 / 2);
+  Server src = StartServer(true, budget);
+  ASSERT_NE(src.server, nullptr);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(src, "c", v1::BF16, 2, 40, 1));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::atomic<int> applied{0};
+  auto held = ucx::BulkReceiver::Start("127.0.0.1", [&](const KvTransferChunk&) {
+    ++applied;
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return release; });
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto other = ucx::BulkReceiver::Start("127.0.0.1",
+                                        [](const KvTransferChunk&) { return absl::OkStatus(); });
+  ASSERT_TRUE(other.ok()) << other.status();
+  grpc::Status first;
+  std::thread running([&] { first = RunExport(src, ExportOverUcx("c", (*held)->offer())); });
+  ASSERT_TRUE(WaitUntil([&] { return applied > 0; })) << "the first export did not start";
+  const grpc::Status second = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  EXPECT_TRUE(absl::StrContains(second.error_message(), "max_buffered_bytes"))
+      << second.error_message();
+  EXPECT_EQ((*other)->chunks(), 0);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  running.join();
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  // The first export's window was given back.
+  const grpc::Status after = RunExport(src, ExportOverUcx("c", (*other)->offer()));
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_GT((*other)->chunks(), 0);
+  src.server->Shutdown(absl::ZeroDuration());
+}
+
+// Without tokens, each chunk a UCX import receives is charged to the
+// receiving server's budget from its frame on: a chunk (one layer of a
+// 2,048-token sequence, 256 KiB) over that share (128 KiB) is refused
+// RESOURCE_EXHAUSTED naming max_buffered_bytes, and the move stops with it.
+TEST(UcxKvTransferBudgetTest, ImportChunksAreChargedToTheServersBudget) {
+  const int64_t budget = int64_t{512} << 10;
+  ASSERT_EQ(SplitBufferedBytes(budget).outside, int64_t{128} << 10);
+  Server a = StartServer(true), b = StartServer(true, budget);
+  ASSERT_NE(b.server, nullptr);
+  ASSERT_NO_FATAL_FAILURE(MakeCache(a, "kv0", v1::BF16, 1, 2048, 3));
+  absl::StatusOr<MoveResult> moved =
+      MoveCache(a.channel, b.channel, "kv0", UcxMove(kLayers * (2048 + 16)));
+  ASSERT_FALSE(moved.ok());
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kResourceExhausted) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(), "max_buffered_bytes")) << moved.status();
+  EXPECT_EQ(PagesUsed(b, "kv0"), -1) << "the refused import's cache stayed";
+  b.server->Shutdown(absl::ZeroDuration());
+  a.server->Shutdown(absl::ZeroDuration());
+}
+
+// The gauge `name` (no labels) in Prometheus text; -1 when absent.
+double Gauge(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + "{} ";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + key.size()));
+}
+
+// --max_buffered_bytes bounds everything together: gRPC's quota, the
+// streams' and HTTP's share and the share UCX transfers and pushes charge
+// add up to it (each was half of it: 1.5 x B together), and /metrics says
+// each with what UCX holds now (nothing, no transfer running).
+TEST(UcxKvTransferBudgetTest, TheSharesAddUpToTheBudget) {
+  const int64_t budget = int64_t{64} << 20;
+  ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.ucx_port = -1;
+  o.max_buffered_bytes = budget;
+  o.metrics_enabled = true;
+  o.metrics_host = "127.0.0.1";
+  o.metrics_port = 0;
+  auto server = AttnServer::Create(o, MakeCpuBackend(1));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  httplib::Client metrics("127.0.0.1", (*server)->metrics_port());
+  httplib::Result scrape = metrics.Get("/metrics");
+  ASSERT_TRUE(scrape);
+  const std::string& text = scrape->body;
+  const double grpc = Gauge(text, "attnserve_grpc_buffered_bytes_limit");
+  const double streams = Gauge(text, "attnserve_http_buffered_bytes_limit");
+  const double outside = Gauge(text, "attnserve_ucx_buffered_bytes_limit");
+  EXPECT_GT(grpc, 0) << text;
+  EXPECT_GT(streams, 0) << text;
+  EXPECT_GT(outside, 0) << text;
+  EXPECT_EQ(grpc + streams + outside, double(budget)) << text;
+  EXPECT_EQ(Gauge(text, "attnserve_ucx_buffered_bytes"), 0) << text;
+  (*server)->Shutdown(absl::ZeroDuration());
 }
 
 }  // namespace
