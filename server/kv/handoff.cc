@@ -133,10 +133,7 @@ void KvHandoffGate::Enter(Call call, Go go) {
       }
       return;
     }
-    if (refused.ok()) {
-      if (here || call.create) known_.insert(key);
-      pass = PassFor(key);
-    }
+    if (refused.ok()) pass = PassFor(key);
   }
   go(refused, std::move(pass));
 }
@@ -164,7 +161,6 @@ void KvHandoffGate::RunFetch(Call call) {
     if (fetched.ok()) {
       ++counters_.fetched;
       moved_.erase(key);
-      known_.insert(key);
       for (size_t i = 0; i < waiting.size(); ++i) passes.push_back(PassFor(key));
     } else if (MovedToOf(fetched).has_value()) {
       counters_.refused_moved += static_cast<int64_t>(waiting.size());
@@ -178,19 +174,15 @@ void KvHandoffGate::RunFetch(Call call) {
 }
 
 std::vector<std::shared_ptr<KvCache>> KvHandoffGate::BeginDrain() {
-  std::set<Key> known;
-  {
-    absl::MutexLock lock(&mu_);
-    draining_ = true;
-    known = known_;
-  }
-  std::vector<std::shared_ptr<KvCache>> caches;
+  // Every cache the pool holds, named by a call or not (made by an import,
+  // or at start-up): under mu_, so no call is admitted to one in between.
   absl::MutexLock lock(&mu_);
-  for (const Key& key : known) {
-    absl::StatusOr<std::shared_ptr<KvCache>> cache = pool_->Find(key.first, key.second);
-    if (!cache.ok()) continue;
-    caches.push_back(*std::move(cache));
-    moving_.insert(key);
+  draining_ = true;
+  std::vector<std::shared_ptr<KvCache>> caches;
+  for (std::shared_ptr<KvCache>& cache : pool_->Caches()) {
+    // One the peer asked for is moving already (Give).
+    if (!moving_.insert(Key(cache->tenant(), cache->id())).second) continue;
+    caches.push_back(std::move(cache));
   }
   return caches;
 }

@@ -119,8 +119,7 @@ class KvHandoffGate {
   void Enter(Call call, Go go);
 
   // The drain (server/native/kv_moved.h drives it): from now on calls wait
-  // or are sent to the peer (above). Returns the caches calls have named
-  // and the pool still holds.
+  // or are sent to the peer (above). Returns every cache the pool holds.
   std::vector<std::shared_ptr<KvCache>> BeginDrain();
   // True once no admitted call holds a pass on the cache; false at deadline.
   bool WaitIdle(const std::string& tenant, const std::string& cache_id, absl::Time deadline);
@@ -177,7 +176,6 @@ class KvHandoffGate {
   mutable absl::Mutex mu_;
   absl::CondVar idle_;
   std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  std::set<Key> known_ ABSL_GUARDED_BY(mu_);   // caches calls have found here
   std::set<Key> moving_ ABSL_GUARDED_BY(mu_);  // the drain's, until Moved or Release
   std::set<Key> moved_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

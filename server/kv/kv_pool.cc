@@ -389,6 +389,13 @@ absl::Status KvPool::DropCache(const std::string& tenant, const std::string& cac
   return absl::OkStatus();
 }
 
+std::vector<std::shared_ptr<KvCache>> KvPool::Caches() {
+  std::vector<std::shared_ptr<KvCache>> caches;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, cache] : caches_) caches.push_back(cache);
+  return caches;
+}
+
 absl::StatusOr<std::shared_ptr<KvCache>> KvPool::Find(const std::string& tenant,
                                                       const std::string& cache_id) {
   RETURN_IF_ERROR(CheckTenant(tenant));

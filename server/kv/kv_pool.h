@@ -184,6 +184,9 @@ class KvPool {
   // NOT_FOUND for an unknown cache, or another tenant's.
   absl::StatusOr<std::shared_ptr<KvCache>> Find(const std::string& tenant,
                                                 const std::string& cache_id);
+  // Every cache held now, of every tenant (a drain moves them all), in
+  // (tenant, id) order; their idle clocks are not touched.
+  std::vector<std::shared_ptr<KvCache>> Caches();
 
   using Done = std::function<void(const absl::Status& status, const WorkTimings& timings)>;
   // Admits `call` on `cache`: OK means `done` will be called exactly once

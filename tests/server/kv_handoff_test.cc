@@ -281,5 +281,26 @@ TEST_F(KvHandoffImportTest, ACutImportsCreatedCacheGoesWhenItExpires) {
   EXPECT_FALSE(DstExists());
 }
 
+// Issue 28: a drain moves every cache the pool holds, not only those a call
+// has named: server 1's "dst" was made by an import alone (no KvCache call
+// ever named it there), and after server 1's drain server 0 holds it, its
+// sequence whole (40 tokens).
+TEST_F(KvHandoffImportTest, ADrainMovesACacheOnlyAnImportMade) {
+  const std::vector<v1::KvChunk> chunks = SourceChunks();
+  ASSERT_EQ(chunks.size(), 3u);
+  ASSERT_TRUE(Import(chunks, chunks.size()).ok());
+  ASSERT_TRUE(Holds(1, "dst"));
+  ASSERT_FALSE(Holds(0, "dst"));
+  DrainInBackground(1);
+  WaitMoved(1, "dst");
+  EXPECT_TRUE(Holds(0, "dst")) << "the drain lost a cache no call had named";
+  v1::GetCacheStatsResponse stats;
+  const grpc::Status status = Stats(0, "dst", &stats);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(stats.stats().sequences(), 1);
+  EXPECT_EQ(stats.stats().tokens(), 40);
+  Joined();
+}
+
 }  // namespace
 }  // namespace attnserve
