@@ -131,6 +131,18 @@ class PinnedBuffer {
     ptr_ = s->data();
     bytes_ = s->capacity();
   }
+  // The sender's: its buffers are reserved for the largest part up front and
+  // never move, so only the bytes in use are page-locked, again only when a
+  // part is longer than any before it (the buffer is not freed meanwhile).
+  void TrackInUse(const std::string& s) {
+    if (pin_ == nullptr || !*pin_ || s.empty()) return;
+    if (s.data() == ptr_ && s.size() <= bytes_) return;
+    Release();
+    handle_ = (*pin_)(const_cast<char*>(s.data()), s.size());
+    if (handle_ == nullptr) return;
+    ptr_ = const_cast<char*>(s.data());
+    bytes_ = s.size();
+  }
 
  private:
   const PinHost* const pin_;
@@ -498,7 +510,7 @@ class BulkReceiver::Impl {
       absl::StatusOr<std::shared_ptr<void>> charged = options_.charge(int64_t(total));
       if (!charged.ok()) {
         Refuse(in_.index, charged.status());
-        return Break("a chunk over the tenant's budget");
+        return Break("a chunk over its budget (the tenant's or the server's)");
       }
       charge = *std::move(charged);
     } else if (options_.charge) {
@@ -944,9 +956,11 @@ class Sender {
     for (int i = 0; i < std::max(options_.window, 1); ++i) {
       auto slot = std::make_unique<Slot>(&options_.pin_host);
       if (options_.chunk_bytes > 0) {
-        // K and V take half a chunk each at most; sized now, they never move.
-        for (int p = 0; p < 2; ++p)
-          Part(&slot->chunk, p)->reserve(size_t(options_.chunk_bytes / 2));
+        // Either of K and V may take the whole chunk (an MLA cache's K, a
+        // head_dim above head_dim_v), and a slot's first chunk may be short:
+        // sized for a whole chunk each now, they never move while page-locked.
+        // Untouched, the reserve is address space, not memory.
+        for (int p = 0; p < 2; ++p) Part(&slot->chunk, p)->reserve(size_t(options_.chunk_bytes));
       }
       free_.push_back(std::move(slot));
     }
@@ -1035,8 +1049,19 @@ class Sender {
         free_.pop_front();
       }
       absl::StatusOr<bool> more = next(&slot->chunk);
-      // Page-locked after its first copy (and again if a larger chunk moved it).
-      for (int p = 0; p < 2; ++p) slot->pinned[p].Track(Part(&slot->chunk, p));
+      if (more.ok() && *more && options_.chunk_bytes > 0) {
+        for (int p = 0; p < 2; ++p) {
+          const std::string& part = *Part(&slot->chunk, p);
+          if (int64_t(part.size()) > options_.chunk_bytes) {
+            more = absl::InternalError(absl::StrCat(
+                "UCX data plane: a chunk's ", p == 0 ? "k" : "v", " of ", part.size(),
+                " bytes is over the sender's chunk_bytes (", options_.chunk_bytes, ")"));
+            break;
+          }
+          // Page-locked after its copy, in the buffer reserved for it.
+          slot->pinned[p].TrackInUse(part);
+        }
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (!more.ok() || !*more) {

@@ -87,13 +87,17 @@ struct BulkOptions {
   // A chunk's payload above this is refused before it is received.
   int64_t max_chunk_bytes = int64_t{64} << 20;
   // The receiver's budget: called with a chunk's payload bytes when its frame
-  // arrives, before they are received; the token it returns is held until
-  // the chunk has been applied (or dropped). An error is sent back as that
+  // arrives, before they are received; the token it returns is held while
+  // the slot keeps the chunk's buffers (until the slot takes another chunk, or
+  // the connection ends). An error is sent back as that
   // chunk's refusal and ends the transfer. Unset: not charged.
   using Charge = std::function<absl::StatusOr<std::shared_ptr<void>>(int64_t bytes)>;
   Charge charge;
-  // The sender's chunks' payload at most (its slots' buffers are sized and
-  // page-locked for it up front); 0: as they come.
+  // The sender's chunks' payload at most: its slots' k and v buffers are each
+  // reserved for a whole chunk up front (either may carry all of it) and
+  // never move, so their page-locking is never undone by a free; a part over
+  // it fails the send. 0: buffers grow as chunks come, and nothing is
+  // page-locked on the sending side.
   int64_t chunk_bytes = 0;
   // Connect, hello and one ack: a peer silent this long is gone.
   absl::Duration timeout = absl::Seconds(60);

@@ -191,6 +191,80 @@ TEST_F(KvBulkPinTest, TheSenderUnpinsItsBuffersBeforeFreeingThem) {
   receiver->reset();
 }
 
+// A slot whose first chunk is short and a later one's k (or v) is most of
+// the chunk: an MLA cache's K carries the whole chunk (v empty), a head_dim
+// above head_dim_v makes k three quarters of it. Each part's buffer is
+// reserved for a whole chunk, so the exporter's in-place fill never moves a
+// page-locked buffer (with half a chunk reserved and the capacity pinned
+// after the first fill, every growing chunk freed a pinned buffer); a part
+// is page-locked again only when it is longer than before, not per chunk.
+TEST_F(KvBulkPinTest, TheSenderNeverFreesAPinnedBufferWhenAPartGrows) {
+  constexpr size_t kChunk = 256 << 10;
+  // (k, v) per chunk: short first chunks for both slots, then the large ones.
+  const std::vector<std::pair<size_t, size_t>> sizes = {{4 << 10, 4 << 10},
+                                                        {4 << 10, 4 << 10},
+                                                        {kChunk, 0},
+                                                        {kChunk / 2, kChunk / 2},
+                                                        {kChunk * 3 / 4, kChunk / 4},
+                                                        {4 << 10, 4 << 10},
+                                                        {kChunk, 0},
+                                                        {0, kChunk},
+                                                        {kChunk * 3 / 4, kChunk / 4},
+                                                        {kChunk, 0},
+                                                        {kChunk / 2, kChunk / 2},
+                                                        {kChunk, 0}};
+  std::vector<KvTransferChunk> chunks;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    KvTransferChunk c = ChunkOf(int(i), 0);
+    c.k.assign(sizes[i].first, static_cast<char>('a' + i));
+    c.v.assign(sizes[i].second, static_cast<char>('A' + i));
+    chunks.push_back(std::move(c));
+  }
+  BulkOptions receiving;
+  receiving.pin_host = nullptr;
+  std::mutex mu;
+  size_t applied = 0;
+  absl::StatusOr<std::unique_ptr<BulkReceiver>> receiver = BulkReceiver::Start(
+      "127.0.0.1",
+      [&](const KvTransferChunk& c) {
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_EQ(c.k, chunks[applied].k) << applied;
+        EXPECT_EQ(c.v, chunks[applied].v) << applied;
+        ++applied;
+        return absl::OkStatus();
+      },
+      receiving);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  Recorder sender_pins;
+  BulkOptions sending;
+  sending.window = 2;
+  sending.chunk_bytes = kChunk;
+  sending.pin_host = sender_pins.Host();
+  std::atomic<size_t> at{0};
+  const absl::Status sent =
+      SendChunks((*receiver)->offer(),
+                 [&](KvTransferChunk* c) -> absl::StatusOr<bool> {
+                   const size_t i = at.fetch_add(1);
+                   if (i >= chunks.size()) return false;
+                   c->k.assign(chunks[i].k);  // in place, as the exporter's resize and copy
+                   c->v.assign(chunks[i].v);
+                   c->sequence_id = chunks[i].sequence_id;
+                   c->token_begin = chunks[i].token_begin;
+                   c->num_tokens = 1;
+                   return true;
+                 },
+                 sending, nullptr, nullptr);
+  ASSERT_TRUE(sent.ok()) << sent;
+  EXPECT_EQ(applied, chunks.size());
+  EXPECT_EQ(freed_while_pinned.load(), 0) << "a page-locked buffer was freed";
+  EXPECT_EQ(allocated_at_pinned.load(), 0) << "memory still page-locked was allocated again";
+  // Per slot and part at most: a short first chunk, half, three quarters and
+  // a whole chunk (4 lengths); per chunk it would be 2 x 12.
+  EXPECT_GT(sender_pins.pins.load(), 0);
+  EXPECT_LE(sender_pins.pins.load(), 2 * 2 * 4);
+  receiver->reset();
+}
+
 }  // namespace
 }  // namespace ucx
 }  // namespace attnserve
