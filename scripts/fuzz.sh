@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-30}
 build_dir=${2:-build-asan}
-targets=(forward_request_fuzzer npy_fuzzer kv_ops_fuzzer kserve_infer_fuzzer http_json_fuzzer)
+targets=(forward_request_fuzzer npy_fuzzer kv_ops_fuzzer kserve_infer_fuzzer http_json_fuzzer
+  kv_staged_parse_fuzzer)
 
 source scripts/lib-sanitized-build.sh
 configure_sanitized_build "$build_dir"

@@ -80,13 +80,6 @@ grpc::ByteBuffer EncodeAppendAttend(v1::AppendAttendResponse* response,
 
 }  // namespace
 
-grpc::Status ParseAppendAttend(grpc::ByteBuffer* bytes, v1::AppendAttendRequest* request) {
-  const grpc::Status status =
-      grpc::SerializationTraits<v1::AppendAttendRequest>::Deserialize(bytes, request);
-  bytes->Clear();  // already cleared by a successful parse; a failed one may not
-  return status;
-}
-
 KvService::KvService(KvRunner* runner, ServerMetrics* metrics, const StreamLimits& stream_limits)
     : runner_(runner), pool_(runner->pool()), stream_limits_(stream_limits), metrics_(metrics) {}
 
